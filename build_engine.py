@@ -1,0 +1,48 @@
+"""Build the C engine as the cffi extension `strata.engine_cffi._engine` (API mode, out of line).
+
+`pip install .` runs this through setup.py's `cffi_modules`; `python build_engine.py` rebuilds the extension in
+place during development. The cdef is `strata_engine.h` itself, so every declaration exists once.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import shutil
+import sys
+
+from cffi import FFI
+
+ROOT = pathlib.Path(__file__).resolve().parent
+ENGINE_DIR = ROOT / "src" / "strata" / "engine_cffi"
+HEADER = ENGINE_DIR / "strata_engine.h"
+MODULE = "strata.engine_cffi._engine"
+
+SOURCES = sorted(str(p.relative_to(ROOT)) for p in ENGINE_DIR.glob("*.c"))
+COMPILE_ARGS = ["-O3", "-march=native", "-std=gnu11", "-fopenmp", "-Wall", "-Wno-unused-function"]
+LINK_ARGS = ["-fopenmp", "-lm"]  # -fopenmp again at link time, else omp_* symbols are undefined at import
+
+ffibuilder = FFI()
+ffibuilder.cdef(HEADER.read_text())
+ffibuilder.set_source(
+    MODULE,
+    '#include <stddef.h>\n#include "strata_engine.h"\n',
+    sources=SOURCES,
+    include_dirs=[str(ENGINE_DIR.relative_to(ROOT))],
+    extra_compile_args=COMPILE_ARGS,
+    extra_link_args=LINK_ARGS,
+)
+
+
+def build_in_place() -> pathlib.Path:
+    """Compile into build/ and copy the extension next to the Python wrapper."""
+    built = pathlib.Path(ffibuilder.compile(tmpdir=str(ROOT / "build" / "cffi"), verbose=False))
+    target = ENGINE_DIR / built.name
+    shutil.copyfile(built, target)
+    return target
+
+
+if __name__ == "__main__":
+    import os
+
+    os.chdir(ROOT)  # sources are relative to the project root
+    print(build_in_place(), file=sys.stderr)
