@@ -6,6 +6,7 @@ place during development. The cdef is `strata_engine.h` itself, so every declara
 
 from __future__ import annotations
 
+import os
 import pathlib
 import shutil
 import sys
@@ -35,14 +36,13 @@ ffibuilder.set_source(
 
 def build_in_place() -> pathlib.Path:
     """Compile into build/ and copy the extension next to the Python wrapper."""
-    built = pathlib.Path(ffibuilder.compile(tmpdir=str(ROOT / "build" / "cffi"), verbose=False))
+    build_dir = os.environ.get("STRATA_BUILD_DIR", str(ROOT / "build" / "cffi"))
+    built = pathlib.Path(ffibuilder.compile(tmpdir=build_dir, verbose=False))
     target = ENGINE_DIR / built.name
     shutil.copyfile(built, target)
     return target
 
 
 if __name__ == "__main__":
-    import os
-
     os.chdir(ROOT)  # sources are relative to the project root
     print(build_in_place(), file=sys.stderr)
