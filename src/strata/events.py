@@ -1,0 +1,71 @@
+"""What a chat request is, and the events its generation produces. Dialects (OpenAI chat, Responses, Anthropic)
+translate their JSON into a `ChatRequest` and render these events back; nothing here knows HTTP."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Union
+
+from strata.sampling import SamplingParams
+
+FinishReason = Literal["stop", "length", "tool_calls", "cancel", "error"]
+
+
+@dataclass
+class ChatRequest:
+    """A dialect-neutral chat request.
+
+    `messages` and `tools` use the OpenAI chat shapes (roles system/user/assistant/tool; assistant `tool_calls`
+    with `function.arguments` as a dict; content as a string or a list of `{"type": "text", ...}` parts), since
+    that is what the chat template renders.
+    """
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    tool_choice: str | dict[str, Any] | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_tokens: int | None = None
+    stop: list[str] = field(default_factory=list)
+    enable_thinking: bool = True
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    route: str = "chat"
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    text: str
+
+
+@dataclass(frozen=True)
+class ReasoningDelta:
+    text: str
+
+
+@dataclass(frozen=True)
+class ToolCallStart:
+    """A tool call begins: its id and name come first, its arguments follow as `ToolCallArgumentsDelta`s."""
+
+    index: int
+    id: str
+    name: str
+
+
+@dataclass(frozen=True)
+class ToolCallArgumentsDelta:
+    index: int
+    text: str
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class Finish:
+    reason: FinishReason
+
+
+Event = Union[TextDelta, ReasoningDelta, ToolCallStart, ToolCallArgumentsDelta, Usage, Finish]
