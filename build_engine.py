@@ -18,31 +18,41 @@ ENGINE_DIR = ROOT / "src" / "strata" / "engine_cffi"
 HEADER = ENGINE_DIR / "strata_engine.h"
 MODULE = "strata.engine_cffi._engine"
 
-SOURCES = sorted(str(p.relative_to(ROOT)) for p in ENGINE_DIR.glob("*.c"))
 COMPILE_ARGS = ["-O3", "-march=native", "-std=gnu11", "-fopenmp", "-Wall", "-Wno-unused-function"]
 LINK_ARGS = ["-fopenmp", "-lm"]  # -fopenmp again at link time, else omp_* symbols are undefined at import
 
-ffibuilder = FFI()
-ffibuilder.cdef(HEADER.read_text())
-ffibuilder.set_source(
-    MODULE,
-    '#include <stddef.h>\n#include "strata_engine.h"\n',
-    sources=SOURCES,
-    include_dirs=[str(ENGINE_DIR.relative_to(ROOT))],
-    extra_compile_args=COMPILE_ARGS,
-    extra_link_args=LINK_ARGS,
-)
+
+def make_builder(base: pathlib.Path | None) -> FFI:
+    """The cffi builder with paths relative to `base`, or absolute for None: setuptools wants them relative to the
+    project root, while the in-place build compiles inside its build directory and so needs them absolute."""
+
+    def path(p: pathlib.Path) -> str:
+        return str(p if base is None else p.relative_to(base))
+
+    builder = FFI()
+    builder.cdef(HEADER.read_text())
+    builder.set_source(
+        MODULE,
+        '#include <stddef.h>\n#include "strata_engine.h"\n',
+        sources=sorted(path(p) for p in ENGINE_DIR.glob("*.c")),
+        include_dirs=[path(ENGINE_DIR)],
+        extra_compile_args=COMPILE_ARGS,
+        extra_link_args=LINK_ARGS,
+    )
+    return builder
+
+
+ffibuilder = make_builder(ROOT)
 
 
 def build_in_place() -> pathlib.Path:
     """Compile into build/ and copy the extension next to the Python wrapper."""
     build_dir = os.environ.get("STRATA_BUILD_DIR", str(ROOT / "build" / "cffi"))
-    built = pathlib.Path(ffibuilder.compile(tmpdir=build_dir, verbose=False))
+    built = pathlib.Path(make_builder(None).compile(tmpdir=build_dir, verbose=False))
     target = ENGINE_DIR / built.name
     shutil.copyfile(built, target)
     return target
 
 
 if __name__ == "__main__":
-    os.chdir(ROOT)  # sources are relative to the project root
     print(build_in_place(), file=sys.stderr)

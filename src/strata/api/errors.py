@@ -41,3 +41,40 @@ def openai_error_body(error: ApiError) -> dict[str, Any]:
 def anthropic_error_body(error: ApiError) -> dict[str, Any]:
     kind = _ANTHROPIC_TYPES.get(error.status, "api_error")
     return {"type": "error", "error": {"type": kind, "message": error.message}}
+
+
+# --- the one place that maps exceptions to HTTP errors
+
+
+def dialect_for_path(path: str) -> str:
+    """The error dialect of a route: Anthropic's under /v1/messages, OpenAI's everywhere else."""
+    return "anthropic" if path.startswith("/v1/messages") else "openai"
+
+
+def error_body(error: ApiError, dialect: str) -> dict[str, Any]:
+    return anthropic_error_body(error) if dialect == "anthropic" else openai_error_body(error)
+
+
+def as_api_error(exc: BaseException) -> ApiError:
+    """The HTTP error an exception means, whatever part of the server raised it."""
+    from werkzeug.exceptions import HTTPException
+
+    from strata.service import RequestError, ServiceUnavailable
+    from strata.turn import QueueFull
+
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, RequestError):
+        return ApiError(400, str(exc))
+    if isinstance(exc, ServiceUnavailable):
+        return ApiError(503, str(exc), kind="server_error")
+    if isinstance(exc, QueueFull):
+        return ApiError(503, f"the server is busy: {exc}", kind="server_error")
+    if isinstance(exc, HTTPException):
+        code = exc.code or 500
+        kinds = {401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error"}
+        message = exc.description or exc.name
+        if code == 413:
+            message = "the request body is too large"
+        return ApiError(code, message, kind=kinds.get(code, "invalid_request_error" if code < 500 else "server_error"))
+    return ApiError(500, f"internal error: {type(exc).__name__}: {exc}", kind="server_error")

@@ -39,3 +39,89 @@ strata_status strata_matmul(int type, const void *w, long long n_rows, long long
 /* The same product by the naive reference: dequantise, then sum in double. */
 strata_status strata_matmul_naive(int type, const void *w, long long n_rows, long long n_cols,
                                   const float *x, long long n_tok, float *y);
+
+/* --- engine: a model built from a tensor table, a context (one sequence), the forward pass
+ * The caller owns the tensor data (a memory-mapped GGUF file) and must keep it mapped until strata_model_free:
+ * the model keeps pointers into it and never copies weights. */
+
+typedef struct strata_model strata_model;
+typedef struct strata_context strata_context;
+
+/* The message of the last failed call on this thread ("" if none). */
+const char *strata_last_error(void);
+
+/* One GGUF tensor as the file stores it. */
+typedef struct {
+    const char *name;      /* GGUF tensor name, e.g. "blk.3.attn_q.weight" */
+    int type;              /* GGML type id */
+    int n_dims;            /* 1 to 4 */
+    long long ne[4];       /* GGML order: ne[0] is the row length; unused dims are 1 */
+    const void *data;      /* the tensor's bytes, rows strata_row_bytes(type, ne[0]) apart */
+    long long n_bytes;     /* bytes available at data (checked against the shape) */
+} strata_tensor_info;
+
+/* Hyper-parameters, named after the GGUF metadata keys they come from. */
+typedef struct {
+    const char *arch;          /* general.architecture: "qwen3moe" | "qwen3" | "llama" */
+    int n_vocab;               /* rows of token_embd */
+    int n_ctx_train;           /* {arch}.context_length */
+    int n_embd;                /* {arch}.embedding_length */
+    int n_layer;               /* {arch}.block_count */
+    int n_head;                /* {arch}.attention.head_count */
+    int n_head_kv;             /* {arch}.attention.head_count_kv */
+    int head_dim;              /* {arch}.attention.key_length (= value_length) */
+    int n_ff;                  /* {arch}.feed_forward_length (dense FFN) */
+    int n_expert;              /* {arch}.expert_count (0 for dense) */
+    int n_expert_used;         /* {arch}.expert_used_count */
+    int n_ff_exp;              /* {arch}.expert_feed_forward_length */
+    float rope_base;           /* {arch}.rope.freq_base */
+    float rms_eps;             /* {arch}.attention.layer_norm_rms_epsilon */
+    const strata_tensor_info *tensors;
+    int n_tensors;
+} strata_model_params;
+
+strata_status strata_model_create(const strata_model_params *params, strata_model **out);
+void strata_model_free(strata_model *model);
+
+enum {
+    STRATA_KV_F32 = 0,
+    STRATA_KV_F16 = 1,
+    STRATA_KV_INT8 = 2     /* int8 with one f32 scale per (position, kv head) row */
+};
+
+typedef struct {
+    int n_ctx;             /* positions in the KV cache; at most the model's n_ctx_train */
+    int n_batch;           /* prompt chunk size: tokens per forward */
+    int n_threads;
+    int kv_type;           /* STRATA_KV_* */
+} strata_context_params;
+
+/* The model must outlive its contexts. */
+strata_status strata_context_create(const strata_model *model, const strata_context_params *params,
+                                    strata_context **out);
+void strata_context_free(strata_context *ctx);
+
+/* Positions held in the KV cache. */
+int strata_n_past(const strata_context *ctx);
+/* Truncate the KV cache to its first n positions (n <= n_past). */
+strata_status strata_keep(strata_context *ctx, int n);
+/* Raise the abort flag (any thread). The call in flight, or the next call, stops at its next check and returns
+ * STRATA_ABORTED, which lowers the flag. */
+void strata_abort(strata_context *ctx);
+
+/* Append tokens[0..n_tokens) after the n_past positions, in chunks of n_batch.
+ * embd_rows (n_embd_rows, n_embd) replace the token embeddings at the call's indices embd_index[0..n_embd_rows)
+ * (the tokens there are placeholders). logits: (n_tokens, n_vocab) with all_logits, else (n_vocab,) for the last
+ * position. On STRATA_ABORTED the chunks that finished stay in the cache and the rest are dropped. */
+strata_status strata_eval(strata_context *ctx, const int *tokens, int n_tokens,
+                          const float *embd_rows, const int *embd_index, int n_embd_rows,
+                          int all_logits, float *logits);
+
+typedef struct {
+    int n_tokens;          /* tokens the last call processed */
+    int n_chunks;
+    double total_ms;       /* the whole call */
+    double output_ms;      /* final norm and output projection */
+} strata_timings;
+
+void strata_get_timings(const strata_context *ctx, strata_timings *out);

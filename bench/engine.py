@@ -1,0 +1,191 @@
+"""Engine speed: prompt processing and decode tokens/s, Strata beside llama.cpp, on the same GGUF files.
+
+    python bench/engine.py [--sizes small,medium] [--dtypes f16,q8_0,q4_k] [--threads 2]
+
+Each measurement runs in its own process, so its peak resident memory is its own. llama.cpp is measured through
+`llama-cpp-python` (the optional `bench` extra) when it is installed. The decode floor is the time needed to read
+the weights one token touches (attention, the router's chosen experts' share, embedding row, output) at the
+machine's measured read bandwidth: no engine can decode faster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+OUT = ROOT / "bench" / "out"
+PROMPT_TOKENS = 512
+DECODE_TOKENS = 64
+
+
+# --- measurements inside a worker process
+
+def _prompt_ids(n_vocab: int, n: int) -> list[int]:
+    rng = np.random.default_rng(1)
+    return [int(t) for t in rng.integers(10, min(n_vocab, 30000), size=n)]
+
+
+def _peak_rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def run_strata(model: str, threads: int) -> dict:
+    from strata.engine_cffi import Engine
+
+    engine = Engine.load(model, n_ctx=PROMPT_TOKENS + DECODE_TOKENS + 8, threads=threads, kv="f16", n_batch=512)
+    ids = _prompt_ids(engine.n_vocab, PROMPT_TOKENS)
+    engine.eval(ids[:16])  # warm-up: page in the weights once
+    engine.keep(0)
+    t0 = time.perf_counter()
+    logits = engine.eval(ids)
+    pp = PROMPT_TOKENS / (time.perf_counter() - t0)
+    token = int(np.argmax(logits))
+    t0 = time.perf_counter()
+    for _ in range(DECODE_TOKENS):
+        token = int(np.argmax(engine.eval([token])))
+    tg = DECODE_TOKENS / (time.perf_counter() - t0)
+    return {"pp": pp, "tg": tg, "rss_mib": _peak_rss_mib()}
+
+
+def run_llama_cpp(model: str, threads: int) -> dict:
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=model, n_ctx=PROMPT_TOKENS + DECODE_TOKENS + 8, n_threads=threads,
+                n_threads_batch=threads, n_batch=512, n_ubatch=512, verbose=False)
+    ids = _prompt_ids(llm.n_vocab(), PROMPT_TOKENS)
+    llm.eval(ids[:16])
+    llm.reset()
+    t0 = time.perf_counter()
+    llm.eval(ids)
+    pp = PROMPT_TOKENS / (time.perf_counter() - t0)
+    token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    t0 = time.perf_counter()
+    for _ in range(DECODE_TOKENS):
+        llm.eval([token])
+        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    tg = DECODE_TOKENS / (time.perf_counter() - t0)
+    return {"pp": pp, "tg": tg, "rss_mib": _peak_rss_mib()}
+
+
+# --- the driver
+
+def read_bandwidth_gbs(threads: int, n_bytes: int = 1 << 30) -> float:
+    """Read bandwidth with `threads` threads summing disjoint halves of a large array (numpy drops the GIL)."""
+    data = np.ones(n_bytes // 8, dtype=np.float64)
+    parts = np.array_split(data, threads)
+    best = 0.0
+    for _ in range(3):
+        workers = [threading.Thread(target=np.sum, args=(p,)) for p in parts]
+        t0 = time.perf_counter()
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        best = max(best, n_bytes / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
+def active_bytes_per_token(model: pathlib.Path) -> int:
+    """Bytes of weights one decoded token reads: every tensor but the embedding table and the unchosen experts."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(model)
+    arch = reader.fields["general.architecture"].contents()
+    used = reader.fields.get(f"{arch}.expert_used_count")
+    total = reader.fields.get(f"{arch}.expert_count")
+    share = used.contents() / total.contents() if used and total else 1.0
+    n_bytes = 0.0
+    for t in reader.tensors:
+        if t.name == "token_embd.weight":
+            n_bytes += t.n_bytes / int(t.shape[-1])  # one row
+        elif "_exps" in t.name:
+            n_bytes += t.n_bytes * share
+        else:
+            n_bytes += t.n_bytes
+    return int(n_bytes)
+
+
+def make_model(size: str, dtype: str) -> pathlib.Path:
+    from strata.modelgen import write_random_model
+
+    path = OUT / f"qwen3moe-{size}-{dtype}.gguf"
+    if not path.exists():
+        OUT.mkdir(parents=True, exist_ok=True)
+        write_random_model(path, arch="qwen3moe", size=size, dtype=dtype, vocab="qwen", seed=0)
+    return path
+
+
+def measure(engine: str, model: pathlib.Path, threads: int) -> dict | None:
+    cmd = [sys.executable, __file__, "--worker", engine, "--model", str(model), "--threads", str(threads)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        print(f"  {engine} failed on {model.name}: {proc.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
+        return None
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def llama_cpp_available() -> bool:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="small,medium")
+    parser.add_argument("--dtypes", default="f16,q8_0,q4_k")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--worker", choices=["strata", "llama.cpp"], help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.worker:
+        run = run_strata if args.worker == "strata" else run_llama_cpp
+        print(json.dumps(run(args.model, args.threads)))
+        return 0
+
+    bandwidth = read_bandwidth_gbs(args.threads)
+    peers = ["strata"] + (["llama.cpp"] if llama_cpp_available() else [])
+    print(f"threads {args.threads}, read bandwidth {bandwidth:.1f} GB/s, prompt {PROMPT_TOKENS} tokens, "
+          f"decode {DECODE_TOKENS} tokens; engines: {', '.join(peers)}")
+    if len(peers) == 1:
+        print("(llama.cpp not measured: install the `bench` extra, `pip install -e '.[bench]'`)")
+    header = (f"{'model':<22}{'file MiB':>9}{'engine':>11}{'pp tok/s':>10}{'tg tok/s':>10}"
+              f"{'tg bound':>10}{'% bound':>9}{'RSS MiB':>9}{'pp ratio':>10}{'tg ratio':>10}")
+    print(header)
+    print("-" * len(header))
+    for size in args.sizes.split(","):
+        for dtype in args.dtypes.split(","):
+            model = make_model(size, dtype)
+            floor = bandwidth * 1e9 / active_bytes_per_token(model)
+            file_mib = model.stat().st_size / 2**20
+            results = {peer: measure(peer, model, args.threads) for peer in peers}
+            base = results.get("llama.cpp")
+            for peer, r in results.items():
+                if r is None:
+                    continue
+                ratio_pp = f"{r['pp'] / base['pp']:.2f}" if base else "-"
+                ratio_tg = f"{r['tg'] / base['tg']:.2f}" if base else "-"
+                print(f"{model.stem:<22}{file_mib:>9.0f}{peer:>11}{r['pp']:>10.1f}{r['tg']:>10.1f}"
+                      f"{floor:>10.1f}{100 * r['tg'] / floor:>8.0f}%{r['rss_mib']:>9.0f}{ratio_pp:>10}{ratio_tg:>10}")
+    print("ratios are Strata / llama.cpp (above 1: Strata is faster)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""Kernel speed: y = x @ w^T per weight type, decode-shaped (1 token) and prompt-shaped (many tokens).
+
+    python bench/kernels.py [--rows 4096] [--cols 4096] [--tokens 1,64,256] [--threads 1,2] [--types q8_0,q4_k]
+
+GB/s counts the weight bytes one product reads; with one token the product is bound by memory, so the table
+shows it as a share of the machine's memory bandwidth, estimated by a numpy copy with as many threads. Calls
+rotate between copies of w totalling WORKING_SET bytes, so the weights come from memory, not the last-level cache. GFLOP/s counts 2 flops
+per multiply-add. "vs naive" is the fast path's speed over the naive reference (dequantise, sum in double) on
+the same shape, single-threaded, measured on a slice of the rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+from gguf import quants
+
+from strata.engine_cffi._engine import ffi, lib
+
+TYPES = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "q4_k": Q.Q4_K,
+         "q6_k": Q.Q6_K}
+NAIVE_ROWS = 64  # the reference is slow: time it on this many rows and scale
+WORKING_SET = 256 << 20
+
+
+def copy_bandwidth_gbs(threads: int, n_bytes: int = 1 << 29) -> float:
+    """Best of 3: `threads` threads copying disjoint parts of a large array (numpy drops the GIL), counting the
+    bytes read and written."""
+    src, dst = np.ones(n_bytes // 8), np.empty(n_bytes // 8)
+    pairs = list(zip(np.array_split(dst, threads), np.array_split(src, threads)))
+    best = 0.0
+    for _ in range(3):
+        workers = [threading.Thread(target=np.copyto, args=pair) for pair in pairs]
+        t0 = time.perf_counter()
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        best = max(best, 2 * n_bytes / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
+def make_weights(qtype: Q, n_rows: int, n_cols: int, rng: np.random.Generator) -> np.ndarray:
+    """(n_rows, row_bytes) uint8: gguf's quantiser where it has one, else random blocks with sane f16 scales."""
+    if qtype == Q.F32:
+        return rng.standard_normal((n_rows, n_cols), dtype=np.float32).view(np.uint8)
+    if qtype == Q.F16:
+        return rng.standard_normal((n_rows, n_cols), dtype=np.float32).astype(np.float16).view(np.uint8)
+    if qtype in (Q.BF16, Q.Q8_0, Q.Q4_0):
+        return quants.quantize(rng.standard_normal((n_rows, n_cols), dtype=np.float32), qtype)
+    block, size = GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, size=(n_rows * n_cols // block, size), dtype=np.uint8)
+    scale = np.full((blocks.shape[0], 1), 0.01, dtype=np.float16).view(np.uint8)
+    if qtype == Q.Q4_K:
+        blocks[:, 0:2] = blocks[:, 2:4] = scale
+    else:
+        blocks[:, -2:] = scale
+    return blocks.reshape(n_rows, -1)
+
+
+def time_call(fn, min_seconds: float = 0.3, max_calls: int = 50) -> float:
+    """Best seconds per call, calling until min_seconds have passed (after one warm-up call)."""
+    fn()
+    best, spent, calls = float("inf"), 0.0, 0
+    while spent < min_seconds and calls < max_calls:
+        t0 = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t0
+        best, spent, calls = min(best, dt), spent + dt, calls + 1
+    return best
+
+
+def matmul_call(qtype: Q, ws: list[np.ndarray], x: np.ndarray, y: np.ndarray, n_threads: int | None):
+    """A call of the fast (n_threads) or naive (None) product, on the next of the weight copies ws each time."""
+    rest = (x.shape[1], ffi.from_buffer("float[]", x), x.shape[0], ffi.from_buffer("float[]", y))
+    calls = [(int(qtype), ffi.from_buffer(w), w.shape[0], *rest) for w in ws]
+    turn = iter(range(1 << 62))
+
+    def call():
+        args = calls[next(turn) % len(calls)]
+        status = lib.strata_matmul(*args, n_threads) if n_threads else lib.strata_matmul_naive(*args)
+        assert status == lib.STRATA_OK
+
+    return call
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=4096)
+    parser.add_argument("--cols", type=int, default=4096)
+    parser.add_argument("--tokens", default="1,64,256")
+    parser.add_argument("--threads", default="1,2")
+    parser.add_argument("--types", default=",".join(TYPES))
+    args = parser.parse_args()
+    tokens = [int(t) for t in args.tokens.split(",")]
+    threads = [int(t) for t in args.threads.split(",")]
+    bandwidth = {n: copy_bandwidth_gbs(n) for n in threads}
+    print(f"weights {args.rows} x {args.cols}; memory bandwidth (numpy copy, read + write) "
+          + ", ".join(f"{bandwidth[n]:.1f} GB/s at {n} thread{'s' * (n > 1)}" for n in threads))
+    header = f"{'type':<6}{'tokens':>7}{'threads':>8}{'ms':>9}{'GB/s':>8}{'% bw':>7}{'GFLOP/s':>9}{'vs naive':>10}"
+    print(header)
+    print("-" * len(header))
+    rng = np.random.default_rng(0)
+    for name in args.types.split(","):
+        qtype = TYPES[name]
+        w = make_weights(qtype, args.rows, args.cols, rng)
+        ws = [w] + [w.copy() for _ in range(WORKING_SET // w.nbytes)]
+        for n_tok in tokens:
+            x = rng.standard_normal((n_tok, args.cols), dtype=np.float32)
+            y = np.empty((n_tok, args.rows), dtype=np.float32)
+            w_part, y_part = w[:NAIVE_ROWS], np.empty((n_tok, NAIVE_ROWS), dtype=np.float32)
+            naive_per_row = time_call(matmul_call(qtype, [w_part], x, y_part, None), 0.1, 3) / NAIVE_ROWS
+            fast_1_per_row = None
+            for n_threads in threads:
+                seconds = time_call(matmul_call(qtype, ws, x, y, n_threads))
+                if n_threads == 1:
+                    fast_1_per_row = seconds / args.rows
+                gbs = w.nbytes / seconds / 1e9
+                gflops = 2 * args.rows * args.cols * n_tok / seconds / 1e9
+                ratio = f"{naive_per_row / fast_1_per_row:9.1f}x" if fast_1_per_row and n_threads == 1 else ""
+                print(f"{name:<6}{n_tok:>7}{n_threads:>8}{seconds * 1e3:>9.2f}{gbs:>8.1f}"
+                      f"{100 * gbs / bandwidth[n_threads]:>6.0f}%{gflops:>9.1f}{ratio:>10}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,419 @@
+"""The Anthropic Messages dialect (`POST /v1/messages`, `/v1/messages/count_tokens`): request JSON to a
+`ChatRequest`, generation events to a message or to Anthropic's stream of events. Pure translation, no I/O.
+
+Tool calls keep the ids the generation gives them; thinking blocks carry an empty signature (nothing signs them).
+Follows Anthropic's semantics where the model family allows: without a `thinking` field the model does not think,
+and `usage.input_tokens` counts only the prompt tokens that were not read from the KV cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from strata.api.errors import ApiError
+from strata.api.translate import (
+    Block,
+    SseEvent,
+    arguments_object,
+    bad_request,
+    check_type,
+    check_unique_tool_names,
+    collect,
+    function_tool,
+    get,
+    get_choice,
+    get_int,
+    get_list,
+    get_number,
+    get_object,
+    images_not_supported,
+    sampling_params,
+    stop_sequence,
+)
+from strata.events import (
+    ChatRequest,
+    Event,
+    Finish,
+    ReasoningDelta,
+    TextDelta,
+    ToolCallArgumentsDelta,
+    ToolCallStart,
+    Usage,
+)
+
+_STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+_IMAGE_MEDIA_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")
+_ROUTE = "messages"
+_EMPTY_BLOCKS = {
+    "text": {"type": "text", "text": ""},
+    "thinking": {"type": "thinking", "thinking": "", "signature": ""},
+}
+
+
+# --- requests
+
+def parse_request(body: Any, *, sampling_defaults: Mapping[str, Any] | None = None) -> ChatRequest:
+    """Translate a `POST /v1/messages` body.
+
+    Args:
+        body: the decoded JSON body.
+        sampling_defaults: the server's `SamplingParams` field values for what the client leaves out.
+
+    Raises:
+        ApiError: 400 naming the field at fault (`param`); pictures are refused with a 400 once their block is
+            found well-formed.
+    """
+    body = check_type(body, dict, "body")
+    max_tokens = get_int(body, "max_tokens", "max_tokens", 1, required=True)
+    get(body, "stream", bool, "stream")
+    stops = get_list(body, "stop_sequences", "stop_sequences") or []
+    for i, stop in enumerate(stops):
+        check_type(stop, str, f"stop_sequences[{i}]")
+    request = _parse_prompt(body)
+    request.max_tokens = max_tokens
+    request.stop = list(stops)
+    request.sampling = sampling_params(
+        sampling_defaults,
+        temperature=get_number(body, "temperature", "temperature", 0.0, 1.0),
+        top_p=get_number(body, "top_p", "top_p", 0.0, 1.0),
+        top_k=get_int(body, "top_k", "top_k", 0),
+    )
+    return request
+
+
+def parse_count_tokens_request(body: Any) -> ChatRequest:
+    """Translate a `POST /v1/messages/count_tokens` body: a message request without `max_tokens`."""
+    return _parse_prompt(check_type(body, dict, "body"))
+
+
+def count_tokens(request: ChatRequest, count_prompt: Callable[[ChatRequest], int]) -> dict[str, Any]:
+    """The count_tokens answer, given the server's function that renders and tokenises a request's prompt."""
+    return {"input_tokens": count_prompt(request)}
+
+
+def _parse_prompt(body: dict[str, Any]) -> ChatRequest:
+    """What every message request shares: model, system, messages, tools, tool choice, thinking."""
+    get(body, "model", str, "model", required=True)
+    if get_list(body, "mcp_servers", "mcp_servers"):
+        raise bad_request("mcp_servers", "MCP servers are not supported")
+    messages = _system(body)
+    turns = get_list(body, "messages", "messages", required=True)
+    if not turns:
+        raise bad_request("messages", "must hold at least one message")
+    for i, turn in enumerate(turns):
+        messages.extend(_message(turn, f"messages[{i}]"))
+    tools = _tools(body)
+    return ChatRequest(
+        messages=messages,
+        tools=tools,
+        tool_choice=_tool_choice(body, check_unique_tool_names(tools, "tools")),
+        enable_thinking=_thinking(body),
+        route=_ROUTE,
+    )
+
+
+def _system(body: dict[str, Any]) -> list[dict[str, Any]]:
+    system = get(body, "system", (str, list), "system")
+    if isinstance(system, list):
+        system = "\n\n".join(_text_block(block, f"system[{i}]") for i, block in enumerate(system))
+    return [{"role": "system", "content": system}] if system else []
+
+
+def _message(turn: Any, param: str) -> list[dict[str, Any]]:
+    """One Anthropic message as chat messages: tool results become `tool` messages in their place."""
+    turn = check_type(turn, dict, param)
+    role = get_choice(turn, "role", ("user", "assistant"), f"{param}.role", required=True)
+    content = get(turn, "content", (str, list), f"{param}.content", required=True)
+    if isinstance(content, str):
+        return [{"role": role, "content": content}]
+    blocks = [check_type(block, dict, f"{param}.content[{i}]") for i, block in enumerate(content)]
+    if role == "assistant":
+        return [_assistant(blocks, f"{param}.content")]
+    return _user(blocks, f"{param}.content")
+
+
+def _user(blocks: list[dict[str, Any]], param: str) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = []
+    texts: list[str] = []
+    for i, block in enumerate(blocks):
+        where = f"{param}[{i}]"
+        kind = get_choice(block, "type", ("text", "image", "tool_result"), f"{where}.type", required=True)
+        if kind == "text":
+            texts.append(_text_block(block, where))
+        elif kind == "image":
+            _check_image(block, where)
+        else:
+            if texts:
+                messages.append({"role": "user", "content": "\n\n".join(texts)})
+                texts = []
+            messages.append(_tool_result(block, where))
+    if texts or not messages:
+        messages.append({"role": "user", "content": "\n\n".join(texts)})
+    return messages
+
+
+def _assistant(blocks: list[dict[str, Any]], param: str) -> dict[str, Any]:
+    texts: list[str] = []
+    thoughts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    kinds = ("text", "thinking", "redacted_thinking", "tool_use")
+    for i, block in enumerate(blocks):
+        where = f"{param}[{i}]"
+        kind = get_choice(block, "type", kinds, f"{where}.type", required=True)
+        if kind == "text":
+            texts.append(_text_block(block, where))
+        elif kind == "thinking":
+            # Clients hand earlier thinking back (with its signature) when tools are in use; the template decides
+            # whether the model sees it.
+            thoughts.append(get(block, "thinking", str, f"{where}.thinking", required=True))
+        elif kind == "tool_use":
+            calls.append(_tool_use(block, where))
+        # redacted_thinking: encrypted by another server, nothing here can read it.
+    message: dict[str, Any] = {"role": "assistant", "content": "\n\n".join(texts)}
+    if thoughts:
+        message["reasoning_content"] = "\n\n".join(thoughts)
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def _text_block(block: Any, param: str) -> str:
+    block = check_type(block, dict, param)
+    get_choice(block, "type", ("text",), f"{param}.type", required=True)
+    return get(block, "text", str, f"{param}.text", required=True)
+
+
+def _tool_use(block: dict[str, Any], param: str) -> dict[str, Any]:
+    return {
+        "id": get(block, "id", str, f"{param}.id", required=True),
+        "type": "function",
+        "function": {
+            "name": get(block, "name", str, f"{param}.name", required=True),
+            "arguments": get_object(block, "input", f"{param}.input", required=True),
+        },
+    }
+
+
+def _tool_result(block: dict[str, Any], param: str) -> dict[str, Any]:
+    call_id = get(block, "tool_use_id", str, f"{param}.tool_use_id", required=True)
+    get(block, "is_error", bool, f"{param}.is_error")
+    content = get(block, "content", (str, list), f"{param}.content")
+    if isinstance(content, list):
+        content = "\n\n".join(_result_part(part, f"{param}.content[{i}]") for i, part in enumerate(content))
+    return {"role": "tool", "tool_call_id": call_id, "content": content or ""}
+
+
+def _result_part(part: Any, param: str) -> str:
+    part = check_type(part, dict, param)
+    kind = get_choice(part, "type", ("text", "image"), f"{param}.type", required=True)
+    if kind == "image":
+        _check_image(part, param)
+    return _text_block(part, param)
+
+
+def _check_image(block: dict[str, Any], param: str) -> None:
+    """Validate an image block's shape, then refuse it: pictures need the image encoder."""
+    source = get_object(block, "source", f"{param}.source", required=True)
+    kind = get_choice(source, "type", ("base64", "url"), f"{param}.source.type", required=True)
+    if kind == "base64":
+        get_choice(source, "media_type", _IMAGE_MEDIA_TYPES, f"{param}.source.media_type", required=True)
+        get(source, "data", str, f"{param}.source.data", required=True)
+    else:
+        get(source, "url", str, f"{param}.source.url", required=True)
+    raise images_not_supported(param)
+
+
+def _tools(body: dict[str, Any]) -> list[dict[str, Any]]:
+    tools = []
+    for i, tool in enumerate(get_list(body, "tools", "tools") or []):
+        param = f"tools[{i}]"
+        tool = check_type(tool, dict, param)
+        kind = get(tool, "type", str, f"{param}.type")
+        if kind not in (None, "custom"):
+            raise bad_request(f"{param}.type", f"server tool {kind!r} is not supported; define a custom tool")
+        tools.append(function_tool(
+            get(tool, "name", str, f"{param}.name", required=True),
+            get(tool, "description", str, f"{param}.description"),
+            get_object(tool, "input_schema", f"{param}.input_schema", required=True),
+        ))
+    return tools
+
+
+def _tool_choice(body: dict[str, Any], names: set[str]) -> str | dict[str, Any] | None:
+    choice = get_object(body, "tool_choice", "tool_choice")
+    if choice is None:
+        return None
+    kind = get_choice(choice, "type", ("auto", "any", "tool", "none"), "tool_choice.type", required=True)
+    get(choice, "disable_parallel_tool_use", bool, "tool_choice.disable_parallel_tool_use")
+    if kind != "tool":
+        return {"auto": "auto", "any": "required", "none": "none"}[kind]
+    name = get(choice, "name", str, "tool_choice.name", required=True)
+    if name not in names:
+        raise bad_request("tool_choice.name", f"no tool named {name!r} in tools")
+    return {"type": "function", "function": {"name": name}}
+
+
+def _thinking(body: dict[str, Any]) -> bool:
+    thinking = get_object(body, "thinking", "thinking")
+    if thinking is None:
+        return False
+    kind = get_choice(thinking, "type", ("enabled", "adaptive", "disabled"), "thinking.type", required=True)
+    if kind == "enabled":
+        # The budget is validated for the client's sake; the model's template has no way to bound its thinking.
+        get_int(thinking, "budget_tokens", "thinking.budget_tokens", 1, required=True)
+    return kind != "disabled"
+
+
+# --- responses
+
+def render_response(events: Iterable[Event], *, model: str, request_id: str,
+                    usage: Usage | None = None) -> dict[str, Any]:
+    """The JSON of a finished, non-streamed message.
+
+    Args:
+        events: everything the generation yielded, ending with its `Finish`.
+        model: the model name to report.
+        request_id: the server's id of this request; the message id is `msg_` + it.
+        usage: the token counts; None takes the `Usage` event among `events`.
+
+    Raises:
+        ApiError: 500 when the generation failed, 503 when it was cancelled (the server is shutting down).
+    """
+    outcome = collect(events)
+    finish = outcome.finish or Finish("error")
+    _raise_unfinished(finish)
+    return {
+        "id": f"msg_{request_id}",
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": [_content_block(block) for block in outcome.blocks],
+        "stop_reason": _stop_reason(finish),
+        "stop_sequence": stop_sequence(finish),
+        "usage": _usage(usage or outcome.usage),
+    }
+
+
+def _content_block(block: Block) -> dict[str, Any]:
+    if block.kind == "reasoning":
+        return {"type": "thinking", "thinking": block.text, "signature": ""}
+    if block.kind == "text":
+        return {"type": "text", "text": block.text}
+    return {"type": "tool_use", "id": block.call_id, "name": block.name,
+            "input": arguments_object(block.text, "tool_use.input")}
+
+
+def _stop_reason(finish: Finish) -> str:
+    if finish.reason == "stop" and stop_sequence(finish) is not None:
+        return "stop_sequence"
+    return _STOP_REASONS[finish.reason]
+
+
+def _usage(usage: Usage | None) -> dict[str, int]:
+    usage = usage or Usage(0, 0, 0)
+    return {
+        "input_tokens": usage.prompt_tokens - usage.cached_tokens,
+        "output_tokens": usage.completion_tokens,
+        "cache_read_input_tokens": usage.cached_tokens,
+        "cache_creation_input_tokens": 0,
+    }
+
+
+def _raise_unfinished(finish: Finish) -> None:
+    if finish.reason == "error":
+        raise ApiError(500, "generation failed", kind="server_error")
+    if finish.reason == "cancel":
+        raise ApiError(503, "the request was cancelled", kind="server_error")
+
+
+class MessageStream:
+    """Anthropic's event stream for one message, built from generation events one at a time.
+
+    The sequence: `message_start`, `ping`, then per content block `content_block_start`, its
+    `content_block_delta`s and `content_block_stop`, and at the end `message_delta` (stop reason, usage) and
+    `message_stop`. A failed or cancelled generation ends with an `error` event instead.
+
+    Args:
+        model: the model name to report.
+        request_id: the server's id of this request; the message id is `msg_` + it.
+    """
+
+    def __init__(self, *, model: str, request_id: str):
+        self._model = model
+        self._id = f"msg_{request_id}"
+        self._started = False
+        self._blocks = 0  # content blocks started so far
+        self._open: str | None = None  # the kind of the block still open
+        self._tool_blocks: dict[int, int] = {}  # tool call index -> its block index
+        self._usage: Usage | None = None
+
+    def start(self) -> list[SseEvent]:
+        """The opening events (sent once; `feed` sends them first if nobody asked yet)."""
+        if self._started:
+            return []
+        self._started = True
+        message = {
+            "id": self._id, "type": "message", "role": "assistant", "model": self._model, "content": [],
+            "stop_reason": None, "stop_sequence": None, "usage": _usage(None),
+        }
+        return [("message_start", {"type": "message_start", "message": message}), ("ping", {"type": "ping"})]
+
+    def feed(self, event: Event) -> list[SseEvent]:
+        """The events that say what `event` adds to the message."""
+        out = self.start()
+        if isinstance(event, TextDelta) and event.text:
+            out += self._delta("text", {"type": "text_delta", "text": event.text})
+        elif isinstance(event, ReasoningDelta) and event.text:
+            out += self._delta("thinking", {"type": "thinking_delta", "thinking": event.text})
+        elif isinstance(event, ToolCallStart):
+            self._tool_blocks[event.index] = self._blocks
+            out += self._open_block("tool_use", {"type": "tool_use", "id": event.id, "name": event.name,
+                                                 "input": {}})
+        elif isinstance(event, ToolCallArgumentsDelta) and event.text:
+            delta = {"type": "input_json_delta", "partial_json": event.text}
+            out.append(_block_delta(self._tool_blocks[event.index], delta))
+        elif isinstance(event, Usage):
+            self._usage = event
+        elif isinstance(event, Finish):
+            out += self._finish(event)
+        return out
+
+    def error(self, error: ApiError) -> list[SseEvent]:
+        """The event that ends a stream the server cannot finish (the HTTP status was sent long ago)."""
+        kind = "overloaded_error" if error.status == 503 else "api_error"
+        return [("error", {"type": "error", "error": {"type": kind, "message": error.message}})]
+
+    def _delta(self, kind: str, delta: dict[str, Any]) -> list[SseEvent]:
+        out = [] if self._open == kind else self._open_block(kind, dict(_EMPTY_BLOCKS[kind]))
+        out.append(_block_delta(self._blocks - 1, delta))
+        return out
+
+    def _open_block(self, kind: str, block: dict[str, Any]) -> list[SseEvent]:
+        out = self._close_block()
+        out.append(("content_block_start", {"type": "content_block_start", "index": self._blocks,
+                                            "content_block": block}))
+        self._blocks += 1
+        self._open = kind
+        return out
+
+    def _close_block(self) -> list[SseEvent]:
+        if self._open is None:
+            return []
+        self._open = None
+        return [("content_block_stop", {"type": "content_block_stop", "index": self._blocks - 1})]
+
+    def _finish(self, finish: Finish) -> list[SseEvent]:
+        out = self._close_block()
+        try:
+            _raise_unfinished(finish)
+        except ApiError as error:
+            return out + self.error(error)
+        delta = {"stop_reason": _stop_reason(finish), "stop_sequence": stop_sequence(finish)}
+        out.append(("message_delta", {"type": "message_delta", "delta": delta, "usage": _usage(self._usage)}))
+        out.append(("message_stop", {"type": "message_stop"}))
+        return out
+
+
+def _block_delta(index: int, delta: dict[str, Any]) -> SseEvent:
+    return ("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta})

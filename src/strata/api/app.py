@@ -1,0 +1,310 @@
+"""The HTTP app: routes, API key, error mapping, and the request lifecycle around `Service.chat`.
+
+Invariant (one request = one nursery): every request runs in the nursery `_RequestConnection` opens. Its cancel
+scope covers the whole request — reading the body, waiting for the engine's turn, prompt processing, generation
+and streaming out — and two things cancel it: the watcher task that reads ASGI messages (`http.disconnect`), and
+a send that fails. Cancellation reaches `Service.chat`, which leaves the queue or aborts the engine cleanly.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, ASGISendEvent
+from quart import Quart, Response, request
+from quart_trio import QuartTrio
+from quart_trio.asgi import TrioASGIHTTPConnection
+from werkzeug.exceptions import HTTPException
+
+from strata.api import openai_chat, sse, status
+from strata.api.errors import ApiError, as_api_error, dialect_for_path, error_body
+from strata.config import Config, load_config
+from strata.events import ChatRequest, Event
+from strata.service import Service, open_service
+
+# Exceptions a failed ASGI send may raise, depending on the server.
+_SEND_ERRORS = (OSError, trio.BrokenResourceError, trio.ClosedResourceError)
+
+
+class _RequestConnection(TrioASGIHTTPConnection):
+    """quart-trio's per-request connection, with a send that cancels the request when it fails (see the module
+    docstring; hypercorn's sends never fail, it reports hang-ups as `http.disconnect`)."""
+
+    async def __call__(self, receive: ASGIReceiveCallable, send: ASGISendCallable) -> None:
+        request_ = self._create_request_from_scope(send)
+        async with trio.open_nursery() as nursery:
+            guarded_send = _cancelling_send(send, nursery.cancel_scope)
+            # The watcher: returns at `http.disconnect`, then cancels the nursery.
+            nursery.start_soon(self.handle_messages, nursery, request_, receive)
+            nursery.start_soon(self.handle_request, nursery, request_, guarded_send)
+
+
+def _cancelling_send(send: ASGISendCallable, scope: trio.CancelScope) -> ASGISendCallable:
+    async def guarded(message: ASGISendEvent) -> None:
+        try:
+            await send(message)
+        except _SEND_ERRORS:
+            scope.cancel()
+            await trio.lowlevel.checkpoint()  # raises Cancelled
+    return guarded
+
+
+@dataclass
+class _State:
+    config: Config
+    service: Service | None = None
+    registry: Any = None
+    closing: trio.Event | None = None
+
+    def ready_service(self) -> Service:
+        if self.service is None:
+            raise ApiError(503, "the server is starting", kind="server_error")
+        return self.service
+
+
+@dataclass(frozen=True)
+class _Dialect:
+    """How one API speaks: parse a body, render a finished answer, stream events."""
+
+    parse: Callable[[Any], ChatRequest]
+    render: Callable[..., dict[str, Any]]
+    new_stream: Callable[..., Any]  # (model=, request_id=, body=, request=) -> renderer with start/feed/error
+    done: bytes | None = None  # a marker after the last event
+
+
+def create_app(service: Service | None = None, config: Config | None = None) -> Quart:
+    """The quart-trio app serving Strata's HTTP API.
+
+    Args:
+        service: an open service to mount (its config is used). None: the app opens its own service during
+            its lifespan (startup fails if the model does not load).
+        config: the configuration when the app opens its own service; None reads `STRATA_CONFIG` and the
+            environment (`hypercorn 'strata.api:create_app()' --worker-class trio`).
+    """
+    if service is not None:
+        config = service.config
+    elif config is None:
+        config = load_config()
+    state = _State(config, service)
+    app = QuartTrio(__name__)
+    app.asgi_http_class = _RequestConnection
+    app.config.update(
+        RESPONSE_TIMEOUT=None,  # streams last as long as the generation
+        BODY_TIMEOUT=config.limits.body_timeout,
+        MAX_CONTENT_LENGTH=config.limits.max_body_bytes,
+    )
+    if service is None:
+        _own_service(app, state)
+    else:
+        state.registry = status.metrics_registry(service)
+    _add_auth(app, config)
+    _add_error_handler(app)
+    _add_info_routes(app, state)
+    _add_chat_routes(app, state)
+    return app
+
+
+def _own_service(app: QuartTrio, state: _State) -> None:
+    async def run_service(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        state.closing = trio.Event()
+        async with open_service(state.config) as service:
+            state.service = service
+            state.registry = status.metrics_registry(service)
+            task_status.started()
+            await state.closing.wait()
+
+    @app.before_serving
+    async def start_service() -> None:
+        await app.nursery.start(run_service)
+
+    @app.after_serving
+    async def stop_service() -> None:
+        if state.closing is not None:
+            state.closing.set()
+
+
+def _add_auth(app: Quart, config: Config) -> None:
+    if not config.api_key:
+        return
+    expected = config.api_key.encode()
+
+    @app.before_request
+    async def check_key() -> None:
+        if request.path == "/health":
+            return
+        given = request.headers.get("x-api-key", "")
+        authorization = request.headers.get("authorization", "")
+        if authorization[:7].lower() == "bearer ":
+            given = authorization[7:].strip()
+        if not hmac.compare_digest(given.encode(), expected):
+            raise ApiError(401, "invalid or missing API key", kind="authentication_error")
+
+
+def _add_error_handler(app: Quart) -> None:
+    async def handle(exc: Exception) -> Response:
+        error = as_api_error(exc)
+        if error.status >= 500 and not isinstance(exc, (ApiError, HTTPException)):
+            app.logger.exception("request failed", exc_info=exc)
+        return _json(error_body(error, dialect_for_path(request.path)), error.status)
+
+    app.register_error_handler(HTTPException, handle)
+    app.register_error_handler(Exception, handle)
+
+
+def _json(body: Any, status_code: int = 200) -> Response:
+    return Response(json.dumps(body, ensure_ascii=False), status=status_code, content_type="application/json")
+
+
+async def _json_body() -> Any:
+    data = await request.get_data()
+    try:
+        return json.loads(data)
+    except (ValueError, UnicodeDecodeError) as error:
+        raise ApiError(400, f"the request body is not valid JSON: {error}") from None
+
+
+# --- information routes
+
+
+def _add_info_routes(app: Quart, state: _State) -> None:
+    @app.get("/health")
+    async def health() -> Response:
+        service = state.service
+        if service is not None and service.ready:
+            return _json({"status": "ok"})
+        if service is not None and service.load_error is not None:
+            return _json({"status": "error", "error": str(service.load_error)}, 503)
+        return _json({"status": "loading"}, 503)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        service = state.ready_service()
+        model = {"id": service.model_name, "object": "model", "created": int(service.started),
+                 "owned_by": "strata"}
+        return _json({"object": "list", "data": [model]})
+
+    @app.get("/status")
+    async def engine_status() -> Response:
+        return _json(status.status(state.ready_service()))
+
+    @app.get("/v1/status")
+    async def server_status() -> Response:
+        return _json(status.server_status(state.ready_service()))
+
+    @app.get("/v1/history")
+    async def history() -> Response:
+        return _json(status.history(state.ready_service()))
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        state.ready_service()
+        return Response(status.metrics_text(state.registry), content_type="text/plain; version=0.0.4")
+
+
+# --- chat routes
+
+
+def _openai_chat_dialect(config: Config) -> _Dialect:
+    defaults = {key: value for key, value in vars(config.sampling).items() if value is not None}
+    return _Dialect(
+        parse=lambda body: openai_chat.parse_request(body, defaults),
+        render=lambda events, *, model, request_id, request: openai_chat.render_response(
+            events, model=model, request_id=request_id),
+        new_stream=lambda *, model, request_id, body, request: openai_chat.ChunkStream(
+            model=model, request_id=request_id, include_usage=openai_chat.include_usage(body)),
+        done=sse.DONE,
+    )
+
+
+def _anthropic_dialect() -> _Dialect | None:
+    try:
+        from strata.api import anthropic
+    except ImportError:
+        return None
+    return _Dialect(
+        parse=anthropic.parse_request,
+        render=lambda events, *, model, request_id, request: anthropic.render_response(
+            events, model=model, request_id=request_id),
+        new_stream=lambda *, model, request_id, body, request: anthropic.MessageStream(
+            model=model, request_id=request_id),
+    )
+
+
+def _responses_dialect() -> _Dialect | None:
+    try:
+        from strata.api import openai_responses
+    except ImportError:
+        return None
+    return _Dialect(
+        parse=openai_responses.parse_request,
+        render=lambda events, *, model, request_id, request: openai_responses.render_response(
+            events, model=model, request_id=request_id, request=request),
+        new_stream=lambda *, model, request_id, body, request: openai_responses.ResponseEventStream(
+            model=model, request_id=request_id, request=request),
+    )
+
+
+def _add_chat_routes(app: Quart, state: _State) -> None:
+    routes = {"/v1/chat/completions": _openai_chat_dialect(state.config),
+              "/v1/messages": _anthropic_dialect(),
+              "/v1/responses": _responses_dialect()}
+    for path, dialect in routes.items():
+        if dialect is not None:
+            app.add_url_rule(path, endpoint=path, view_func=_chat_view(state, dialect), methods=["POST"])
+    if routes["/v1/messages"] is not None:
+        from strata.api import anthropic
+
+        @app.post("/v1/messages/count_tokens")
+        async def count_tokens() -> Response:
+            chat_request = anthropic.parse_count_tokens_request(await _json_body())
+            return _json(anthropic.count_tokens(chat_request, state.ready_service().count_tokens))
+
+
+def _chat_view(state: _State, dialect: _Dialect) -> Callable[[], Awaitable[Response]]:
+    async def view() -> Response:
+        body = await _json_body()
+        chat_request = dialect.parse(body)
+        service = state.ready_service()
+        request_id = uuid.uuid4().hex[:24]
+        events = service.chat(chat_request, request_id=request_id)
+        names = {"model": service.model_name, "request_id": request_id, "request": chat_request}
+        if not (isinstance(body, dict) and body.get("stream") is True):
+            async with aclosing(events):
+                return _json(dialect.render([event async for event in events], **names))
+        # The first event is awaited here, before the status line goes out, so that a request the service
+        # refuses (too long, queue full, engine error) gets its HTTP status instead of a broken stream.
+        try:
+            first = await events.__anext__()
+        except BaseException:
+            await events.aclose()
+            raise
+        renderer = dialect.new_stream(body=body, **names)
+        return Response(_stream(events, first, renderer, dialect.done), content_type="text/event-stream",
+                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    return view
+
+
+async def _stream(events: AsyncIterator[Event], first: Event, renderer: Any, done: bytes | None
+                  ) -> AsyncIterator[bytes]:
+    """The SSE body. Runs in the request's task: a hang-up cancels it at its next checkpoint, and the response
+    machinery closes it, which closes `events` (the service's generator) and frees the engine's turn."""
+    async with aclosing(events):
+        for name, data in renderer.start() + renderer.feed(first):
+            yield sse.encode(data, name)
+        try:
+            async for event in events:
+                for name, data in renderer.feed(event):
+                    yield sse.encode(data, name)
+        except Exception as exc:  # noqa: BLE001 - the status went out already: the error becomes an event
+            for name, data in renderer.error(as_api_error(exc)):
+                yield sse.encode(data, name)
+    if done is not None:
+        yield done

@@ -1,0 +1,320 @@
+"""OpenAI chat completions (`POST /v1/chat/completions`): request JSON to a `ChatRequest`, events to JSON and
+SSE chunks. Pure translation, no I/O."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from strata.api.errors import ApiError
+from strata.api.translate import (
+    SseEvent,
+    arguments_object,
+    bad_request,
+    check_type,
+    check_unique_tool_names,
+    collect,
+    function_tool,
+    get,
+    get_choice,
+    get_int,
+    get_list,
+    get_number,
+    get_object,
+    images_not_supported,
+)
+from strata.events import (
+    ChatRequest,
+    Event,
+    Finish,
+    ReasoningDelta,
+    TextDelta,
+    ToolCallArgumentsDelta,
+    ToolCallStart,
+    Usage,
+)
+from strata.sampling import SamplingParams
+
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+_IMAGE_PARTS = ("image_url", "input_image", "image")
+_EFFORTS = ("none", "minimal", "low", "medium", "high")
+_NO_THINKING_EFFORTS = ("none", "minimal")
+# body key -> (SamplingParams field, lowest, highest)
+_SAMPLING_RANGES = {
+    "temperature": ("temperature", 0.0, 2.0),
+    "top_p": ("top_p", 0.0, 1.0),
+    "min_p": ("min_p", 0.0, 1.0),
+    "frequency_penalty": ("frequency_penalty", -2.0, 2.0),
+    "presence_penalty": ("presence_penalty", -2.0, 2.0),
+    "repetition_penalty": ("repetition_penalty", 0.0, 10.0),
+}
+
+
+# --- requests
+
+
+def parse_request(body: Any, defaults: dict[str, Any] | None = None) -> ChatRequest:
+    """Validate a chat completions body into a `ChatRequest`.
+
+    Args:
+        body: the parsed JSON body.
+        defaults: sampling defaults (SamplingParams fields) for the parameters the client leaves out.
+
+    Raises:
+        ApiError: 400 naming the field at fault.
+    """
+    body = check_type(body, dict, "body")
+    messages = get_list(body, "messages", "messages", required=True)
+    if not messages:
+        raise bad_request("messages", "must not be empty")
+    if get_int(body, "n", "n", 1) not in (None, 1):
+        raise bad_request("n", "only n=1 is supported")
+    tools = _tools(body)
+    tool_choice = _tool_choice(body, {tool["function"]["name"] for tool in tools})
+    effort = get_choice(body, "reasoning_effort", _EFFORTS, "reasoning_effort")
+    return ChatRequest(
+        messages=[_message(message, f"messages[{i}]") for i, message in enumerate(messages)],
+        tools=[] if tool_choice == "none" else tools,
+        tool_choice=tool_choice,
+        sampling=_sampling(body, defaults or {}),
+        max_tokens=_max_tokens(body),
+        stop=_stop(body),
+        enable_thinking=effort not in _NO_THINKING_EFFORTS,
+        template_kwargs=dict(get_object(body, "chat_template_kwargs", "chat_template_kwargs") or {}),
+        route="chat",
+    )
+
+
+def wants_stream(body: dict[str, Any]) -> bool:
+    return bool(get(body, "stream", bool, "stream"))
+
+
+def include_usage(body: dict[str, Any]) -> bool:
+    options = get_object(body, "stream_options", "stream_options") or {}
+    return bool(get(options, "include_usage", bool, "stream_options.include_usage"))
+
+
+def _message(message: Any, param: str) -> dict[str, Any]:
+    message = check_type(message, dict, param)
+    role = get(message, "role", str, f"{param}.role", required=True)
+    if role not in _ROLES:
+        raise bad_request(f"{param}.role", f"unknown role {role!r} (expected one of {', '.join(_ROLES)})")
+    out: dict[str, Any] = {"role": role, "content": _content(message.get("content"), f"{param}.content")}
+    if role == "assistant":
+        calls = get_list(message, "tool_calls", f"{param}.tool_calls") or []
+        if calls:
+            out["tool_calls"] = [_tool_call(call, f"{param}.tool_calls[{i}]") for i, call in enumerate(calls)]
+        reasoning = get(message, "reasoning_content", str, f"{param}.reasoning_content")
+        if reasoning:
+            out["reasoning_content"] = reasoning
+    elif role == "tool":
+        out["tool_call_id"] = get(message, "tool_call_id", str, f"{param}.tool_call_id") or ""
+    elif out["content"] is None:
+        raise bad_request(f"{param}.content", "is required")
+    return out
+
+
+def _content(content: Any, param: str) -> str | list[dict[str, Any]] | None:
+    if content is None or isinstance(content, str):
+        return content
+    parts = check_type(content, list, param)
+    texts = []
+    for i, part in enumerate(parts):
+        where = f"{param}[{i}]"
+        part = check_type(part, dict, where)
+        kind = get(part, "type", str, f"{where}.type", required=True)
+        if kind == "text":
+            texts.append({"type": "text", "text": get(part, "text", str, f"{where}.text", required=True)})
+        elif kind in _IMAGE_PARTS:
+            raise images_not_supported(where)
+        else:
+            raise bad_request(f"{where}.type", f"unknown content part type {kind!r}")
+    return texts
+
+
+def _tool_call(call: Any, param: str) -> dict[str, Any]:
+    call = check_type(call, dict, param)
+    function = get_object(call, "function", f"{param}.function", required=True)
+    name = get(function, "name", str, f"{param}.function.name", required=True)
+    arguments = function.get("arguments")
+    if not isinstance(arguments, dict):
+        text = get(function, "arguments", str, f"{param}.function.arguments") or ""
+        arguments = arguments_object(text, f"{param}.function.arguments")
+    return {"id": get(call, "id", str, f"{param}.id") or "", "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+def _tools(body: dict[str, Any]) -> list[dict[str, Any]]:
+    tools = []
+    for i, tool in enumerate(get_list(body, "tools", "tools") or []):
+        param = f"tools[{i}]"
+        tool = check_type(tool, dict, param)
+        if get(tool, "type", str, f"{param}.type") not in (None, "function"):
+            raise bad_request(f"{param}.type", "only function tools are supported")
+        function = get_object(tool, "function", f"{param}.function", required=True)
+        name = get(function, "name", str, f"{param}.function.name", required=True)
+        description = get(function, "description", str, f"{param}.function.description")
+        parameters = get_object(function, "parameters", f"{param}.function.parameters") or {
+            "type": "object", "properties": {}}
+        tools.append(function_tool(name, description, parameters))
+    check_unique_tool_names(tools, "tools")
+    return tools
+
+
+def _tool_choice(body: dict[str, Any], names: set[str]) -> str | dict[str, Any] | None:
+    choice = body.get("tool_choice")
+    if choice is None:
+        return None
+    if isinstance(choice, str):
+        return get_choice(body, "tool_choice", ("none", "auto", "required"), "tool_choice")
+    choice = check_type(choice, dict, "tool_choice")
+    function = get_object(choice, "function", "tool_choice.function", required=True)
+    name = get(function, "name", str, "tool_choice.function.name", required=True)
+    if name not in names:
+        raise bad_request("tool_choice.function.name", f"no tool named {name!r}")
+    return {"type": "function", "function": {"name": name}}
+
+
+def _sampling(body: dict[str, Any], defaults: dict[str, Any]) -> SamplingParams:
+    given = dict(defaults)
+    for key, (name, lo, hi) in _SAMPLING_RANGES.items():
+        value = get_number(body, key, key, lo, hi)
+        if value is not None:
+            given[name] = value
+    for key in ("top_k", "seed"):
+        value = get_int(body, key, key, 0 if key == "top_k" else -(2**63))
+        if value is not None:
+            given[key] = value
+    try:
+        return SamplingParams(**given)
+    except ValueError as error:
+        raise ApiError(400, str(error)) from None
+
+
+def _max_tokens(body: dict[str, Any]) -> int | None:
+    value = get_int(body, "max_completion_tokens", "max_completion_tokens", 1)
+    return value if value is not None else get_int(body, "max_tokens", "max_tokens", 1)
+
+
+def _stop(body: dict[str, Any]) -> list[str]:
+    stop = get(body, "stop", (str, list), "stop")
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    for i, item in enumerate(stops):
+        check_type(item, str, f"stop[{i}]")
+    return list(stops)
+
+
+# --- responses
+
+_FINISH_REASONS = {"stop": "stop", "length": "length", "tool_calls": "tool_calls"}
+
+
+def usage_json(usage: Usage | None) -> dict[str, Any]:
+    usage = usage or Usage(0, 0, 0)
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
+
+
+def _check_finished(finish: Finish) -> str:
+    if finish.reason == "error":
+        raise ApiError(500, "generation failed", kind="server_error")
+    if finish.reason == "cancel":
+        raise ApiError(503, "the request was cancelled", kind="server_error")
+    return _FINISH_REASONS[finish.reason]
+
+
+def render_response(events: Iterable[Event], *, model: str, request_id: str,
+                    usage: Usage | None = None) -> dict[str, Any]:
+    """The `chat.completion` object of a finished generation.
+
+    Raises:
+        ApiError: 500 when the generation failed.
+    """
+    outcome = collect(events)
+    finish_reason = _check_finished(outcome.finish or Finish("error"))
+    text = "".join(block.text for block in outcome.blocks if block.kind == "text")
+    reasoning = "".join(block.text for block in outcome.blocks if block.kind == "reasoning")
+    calls = [{"id": block.call_id, "type": "function", "function": {"name": block.name, "arguments": block.text}}
+             for block in outcome.blocks if block.kind == "tool_call"]
+    message: dict[str, Any] = {"role": "assistant", "content": text or (None if calls else "")}
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    if calls:
+        message["tool_calls"] = calls
+    return {
+        "id": f"chatcmpl-{request_id}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}],
+        "usage": usage_json(usage or outcome.usage),
+    }
+
+
+class ChunkStream:
+    """The `chat.completion.chunk` stream of one generation, built from events one at a time.
+
+    The sequence: a first chunk with the role, then one chunk per delta (`content`, `reasoning_content`, or
+    `tool_calls` entries — a call's id, type and name first, then pieces of its arguments), a last chunk with
+    `finish_reason`, with `include_usage` one more chunk with no choices and the usage, then `[DONE]` (sent by
+    the caller). Chunk events have no SSE event name.
+    """
+
+    def __init__(self, *, model: str, request_id: str, include_usage: bool = False):
+        self._head = {"id": f"chatcmpl-{request_id}", "object": "chat.completion.chunk",
+                      "created": int(time.time()), "model": model}
+        self._include_usage = include_usage
+        self._started = False
+        self._usage: Usage | None = None
+
+    def start(self) -> list[SseEvent]:
+        if self._started:
+            return []
+        self._started = True
+        return [self._chunk({"role": "assistant", "content": ""})]
+
+    def feed(self, event: Event) -> list[SseEvent]:
+        out = self.start()
+        if isinstance(event, TextDelta) and event.text:
+            out.append(self._chunk({"content": event.text}))
+        elif isinstance(event, ReasoningDelta) and event.text:
+            out.append(self._chunk({"reasoning_content": event.text}))
+        elif isinstance(event, ToolCallStart):
+            call = {"index": event.index, "id": event.id, "type": "function",
+                    "function": {"name": event.name, "arguments": ""}}
+            out.append(self._chunk({"tool_calls": [call]}))
+        elif isinstance(event, ToolCallArgumentsDelta) and event.text:
+            out.append(self._chunk({"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]}))
+        elif isinstance(event, Usage):
+            self._usage = event
+        elif isinstance(event, Finish):
+            out += self._finish(event)
+        return out
+
+    def error(self, error: ApiError) -> list[SseEvent]:
+        """The event that ends a stream the server cannot finish (the HTTP status was sent long ago)."""
+        return [("", {"error": {"message": error.message, "type": error.kind, "param": error.param, "code": None}})]
+
+    def _finish(self, finish: Finish) -> list[SseEvent]:
+        try:
+            reason = _check_finished(finish)
+        except ApiError as error:
+            return self.error(error)
+        out = [self._chunk({}, finish_reason=reason)]
+        if self._include_usage:
+            out.append(("", {**self._head, "choices": [], "usage": usage_json(self._usage)}))
+        return out
+
+    def _chunk(self, delta: dict[str, Any], finish_reason: str | None = None) -> SseEvent:
+        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+        chunk: dict[str, Any] = {**self._head, "choices": [choice]}
+        if self._include_usage:
+            chunk["usage"] = None
+        return ("", chunk)

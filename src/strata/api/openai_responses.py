@@ -1,0 +1,483 @@
+"""The OpenAI Responses dialect (`POST /v1/responses`): request JSON to a `ChatRequest`, generation events to a
+response object or to the Responses stream of events. Pure translation, no I/O.
+
+Strata keeps no responses: everything that needs a stored one (`previous_response_id`, `store: true`,
+`conversation`, `background`, item references) is refused with a 400, and so are the built-in tools; function
+tools work. Reasoning comes out as `reasoning` items whose `content` holds the model's own reasoning text
+(`reasoning_text` parts, streamed as `response.reasoning_text.delta`), as open-weight servers do.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from strata.api.errors import ApiError
+from strata.api.translate import (
+    Block,
+    SseEvent,
+    arguments_object,
+    bad_request,
+    check_type,
+    check_unique_tool_names,
+    collect,
+    function_tool,
+    get,
+    get_choice,
+    get_int,
+    get_list,
+    get_number,
+    get_object,
+    images_not_supported,
+    sampling_params,
+)
+from strata.events import (
+    ChatRequest,
+    Event,
+    Finish,
+    ReasoningDelta,
+    TextDelta,
+    ToolCallArgumentsDelta,
+    ToolCallStart,
+    Usage,
+)
+
+_ROUTE = "responses"
+# Assistant turns hold the server's own output parts; some clients send that text back as input_text.
+_ASSISTANT_PARTS = ("output_text", "input_text", "refusal")
+_INPUT_PARTS = ("input_text", "input_image", "input_file")
+_NO_THINKING_EFFORTS = ("none", "minimal")
+_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+# Fields that only make sense with responses stored on the server: (field, why it is refused).
+_STATEFUL = (
+    ("previous_response_id", "this server keeps no responses; send the whole conversation in input"),
+    ("conversation", "this server keeps no conversations; send the whole conversation in input"),
+    ("prompt", "stored prompts are not supported"),
+)
+# Finish reason -> (response status, closing stream event).
+_ENDINGS = {
+    "stop": ("completed", "response.completed"),
+    "tool_calls": ("completed", "response.completed"),
+    "length": ("incomplete", "response.incomplete"),
+    "error": ("failed", "response.failed"),
+    "cancel": ("cancelled", "response.failed"),
+}
+
+
+# --- requests
+
+def parse_request(body: Any, *, sampling_defaults: Mapping[str, Any] | None = None) -> ChatRequest:
+    """Translate a `POST /v1/responses` body.
+
+    Args:
+        body: the decoded JSON body.
+        sampling_defaults: the server's `SamplingParams` field values for what the client leaves out.
+
+    Raises:
+        ApiError: 400 naming the field at fault (`param`), also for the stateful features and built-in tools;
+            pictures are refused with a 400 once their part is found well-formed.
+    """
+    body = check_type(body, dict, "body")
+    get(body, "model", str, "model", required=True)
+    get(body, "stream", bool, "stream")
+    _refuse_stateful(body)
+    _check_text_format(body)
+    messages = []
+    instructions = get(body, "instructions", str, "instructions")
+    if instructions:
+        messages.append({"role": "system", "content": instructions})
+    messages += _input(get(body, "input", (str, list), "input", required=True))
+    tools = _tools(body)
+    return ChatRequest(
+        messages=messages,
+        tools=tools,
+        tool_choice=_tool_choice(body, check_unique_tool_names(tools, "tools")),
+        sampling=sampling_params(
+            sampling_defaults,
+            temperature=get_number(body, "temperature", "temperature", 0.0, 2.0),
+            top_p=get_number(body, "top_p", "top_p", 0.0, 1.0),
+        ),
+        max_tokens=get_int(body, "max_output_tokens", "max_output_tokens", 1),
+        enable_thinking=_thinking(body),
+        route=_ROUTE,
+    )
+
+
+def _refuse_stateful(body: dict[str, Any]) -> None:
+    for key, why in _STATEFUL:
+        if body.get(key) is not None:
+            raise bad_request(key, why)
+    if get(body, "store", bool, "store"):
+        raise bad_request("store", "this server keeps no responses; send store: false")
+    if get(body, "background", bool, "background"):
+        raise bad_request("background", "background responses are not supported")
+
+
+def _check_text_format(body: dict[str, Any]) -> None:
+    text = get_object(body, "text", "text")
+    text_format = get_object(text, "format", "text.format") if text else None
+    if text_format is not None:
+        get_choice(text_format, "type", ("text",), "text.format.type", required=True)
+
+
+def _input(items: str | list[Any]) -> list[dict[str, Any]]:
+    """Input items as chat messages: function calls join the assistant message before them, function outputs
+    become `tool` messages, reasoning goes with the assistant message that follows it."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    if not items:
+        raise bad_request("input", "must hold at least one item")
+    builder = _Conversation()
+    for i, item in enumerate(items):
+        param = f"input[{i}]"
+        item = check_type(item, dict, param)
+        kind = get(item, "type", str, f"{param}.type") or "message"
+        if kind == "message":
+            builder.message(item, param)
+        elif kind == "function_call":
+            builder.function_call(item, param)
+        elif kind == "function_call_output":
+            builder.function_call_output(item, param)
+        elif kind == "reasoning":
+            builder.reasoning(item, param)
+        elif kind == "item_reference":
+            raise bad_request(param, "this server keeps no items; send the item itself")
+        else:
+            raise bad_request(f"{param}.type", f"input item type {kind!r} is not supported")
+    return builder.messages
+
+
+@dataclass
+class _Conversation:
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    pending_reasoning: list[str] = field(default_factory=list)  # reasoning for the next assistant message
+
+    def message(self, item: dict[str, Any], param: str) -> None:
+        role = get_choice(item, "role", ("user", "assistant", "system", "developer"), f"{param}.role",
+                          required=True)
+        content = get(item, "content", (str, list), f"{param}.content", required=True)
+        if isinstance(content, list):
+            content = "".join(_content_part(part, role, f"{param}.content[{i}]") for i, part in enumerate(content))
+        if role == "assistant":
+            self._assistant()["content"] += content
+        else:
+            self.messages.append({"role": "system" if role == "developer" else role, "content": content})
+
+    def function_call(self, item: dict[str, Any], param: str) -> None:
+        call = {
+            "id": get(item, "call_id", str, f"{param}.call_id", required=True),
+            "type": "function",
+            "function": {
+                "name": get(item, "name", str, f"{param}.name", required=True),
+                "arguments": arguments_object(get(item, "arguments", str, f"{param}.arguments", required=True),
+                                              f"{param}.arguments"),
+            },
+        }
+        self._assistant().setdefault("tool_calls", []).append(call)
+
+    def function_call_output(self, item: dict[str, Any], param: str) -> None:
+        call_id = get(item, "call_id", str, f"{param}.call_id", required=True)
+        output = get(item, "output", (str, list), f"{param}.output", required=True)
+        if isinstance(output, list):
+            output = "".join(_content_part(part, "user", f"{param}.output[{i}]") for i, part in enumerate(output))
+        self.messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
+
+    def reasoning(self, item: dict[str, Any], param: str) -> None:
+        # Reasoning from other servers may come only encrypted (`encrypted_content`): nothing to read then.
+        for key in ("content", "summary"):
+            for i, part in enumerate(get_list(item, key, f"{param}.{key}") or []):
+                part = check_type(part, dict, f"{param}.{key}[{i}]")
+                self.pending_reasoning.append(get(part, "text", str, f"{param}.{key}[{i}].text", required=True))
+            if self.pending_reasoning:
+                break
+
+    def _assistant(self) -> dict[str, Any]:
+        """The assistant message being built: the last message, unless reasoning or another role came since."""
+        last = self.messages[-1] if self.messages else None
+        if last is None or last["role"] != "assistant" or self.pending_reasoning:
+            last = {"role": "assistant", "content": ""}
+            if self.pending_reasoning:
+                last["reasoning_content"] = "\n\n".join(self.pending_reasoning)
+                self.pending_reasoning = []
+            self.messages.append(last)
+        return last
+
+
+def _content_part(part: Any, role: str, param: str) -> str:
+    part = check_type(part, dict, param)
+    kinds = _ASSISTANT_PARTS if role == "assistant" else _INPUT_PARTS
+    kind = get_choice(part, "type", kinds, f"{param}.type", required=True)
+    if kind == "input_image":
+        get_choice(part, "detail", ("auto", "low", "high", "original"), f"{param}.detail")
+        if get(part, "image_url", str, f"{param}.image_url") is None:
+            get(part, "file_id", str, f"{param}.file_id", required=True)
+        raise images_not_supported(param)
+    if kind == "input_file":
+        raise bad_request(param, "file input is not supported")
+    key = "refusal" if kind == "refusal" else "text"
+    return get(part, key, str, f"{param}.{key}", required=True)
+
+
+def _tools(body: dict[str, Any]) -> list[dict[str, Any]]:
+    tools = []
+    for i, tool in enumerate(get_list(body, "tools", "tools") or []):
+        param = f"tools[{i}]"
+        tool = check_type(tool, dict, param)
+        kind = get(tool, "type", str, f"{param}.type", required=True)
+        if kind != "function":
+            raise bad_request(f"{param}.type", f"built-in tool {kind!r} is not supported; use function tools")
+        get(tool, "strict", bool, f"{param}.strict")
+        tools.append(function_tool(
+            get(tool, "name", str, f"{param}.name", required=True),
+            get(tool, "description", str, f"{param}.description"),
+            get_object(tool, "parameters", f"{param}.parameters") or {"type": "object", "properties": {}},
+        ))
+    return tools
+
+
+def _tool_choice(body: dict[str, Any], names: set[str]) -> str | dict[str, Any] | None:
+    choice = get(body, "tool_choice", (str, dict), "tool_choice")
+    if isinstance(choice, str):
+        return get_choice(body, "tool_choice", ("auto", "none", "required"), "tool_choice")
+    if choice is None:
+        return None
+    get_choice(choice, "type", ("function",), "tool_choice.type", required=True)
+    name = get(choice, "name", str, "tool_choice.name", required=True)
+    if name not in names:
+        raise bad_request("tool_choice.name", f"no function named {name!r} in tools")
+    return {"type": "function", "function": {"name": name}}
+
+
+def _thinking(body: dict[str, Any]) -> bool:
+    reasoning = get_object(body, "reasoning", "reasoning")
+    effort = get_choice(reasoning, "effort", _EFFORTS, "reasoning.effort") if reasoning else None
+    return effort not in _NO_THINKING_EFFORTS
+
+
+# --- responses
+
+@dataclass(frozen=True)
+class _Header:
+    """What every rendering of one response shares: ids, time, and the request settings a response echoes."""
+
+    request_id: str
+    model: str
+    created_at: int
+    request: ChatRequest | None
+
+    def response(self, status: str, output: list[dict[str, Any]], usage: Usage | None = None,
+                 finish: Finish | None = None) -> dict[str, Any]:
+        request = self.request or ChatRequest(messages=[])
+        return {
+            "id": f"resp_{self.request_id}",
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "model": self.model,
+            "output": output,
+            "usage": _usage(usage) if usage else None,
+            "error": _error(finish),
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": None,
+            "max_output_tokens": request.max_tokens,
+            "parallel_tool_calls": True,
+            "previous_response_id": None,
+            "reasoning": {"effort": None, "summary": None},
+            "store": False,
+            "temperature": request.sampling.temperature,
+            "top_p": request.sampling.top_p,
+            "text": {"format": {"type": "text"}},
+            "tool_choice": _echo_tool_choice(request.tool_choice),
+            "tools": [_echo_tool(tool) for tool in request.tools],
+            "truncation": "disabled",
+            "metadata": {},
+        }
+
+    def item_id(self, prefix: str, output_index: int) -> str:
+        return f"{prefix}_{self.request_id}_{output_index}"
+
+
+def render_response(events: Iterable[Event], *, model: str, request_id: str, usage: Usage | None = None,
+                    request: ChatRequest | None = None) -> dict[str, Any]:
+    """The JSON of a finished, non-streamed response.
+
+    Args:
+        events: everything the generation yielded, ending with its `Finish`.
+        model: the model name to report.
+        request_id: the server's id of this request; the response id is `resp_` + it.
+        usage: the token counts; None takes the `Usage` event among `events`.
+        request: the parsed request, whose settings (tools, temperature, ...) the response echoes.
+    """
+    outcome = collect(events)
+    finish = outcome.finish or Finish("error")
+    header = _Header(request_id, model, int(time.time()), request)
+    status, _ = _ENDINGS[finish.reason]
+    output = [_output_item(header, block, i, "completed") for i, block in enumerate(outcome.blocks)]
+    return header.response(status, output, usage or outcome.usage, finish)
+
+
+def _output_item(header: _Header, block: Block, output_index: int, status: str) -> dict[str, Any]:
+    if block.kind == "reasoning":
+        return {"id": header.item_id("rs", output_index), "type": "reasoning", "status": status, "summary": [],
+                "content": [_part("reasoning_text", block.text)]}
+    if block.kind == "text":
+        return {"id": header.item_id("msg", output_index), "type": "message", "status": status,
+                "role": "assistant", "content": [_part("output_text", block.text)]}
+    return {"id": header.item_id("fc", output_index), "type": "function_call", "status": status,
+            "call_id": block.call_id, "name": block.name, "arguments": block.text}
+
+
+def _part(kind: str, text: str) -> dict[str, Any]:
+    if kind == "output_text":
+        return {"type": kind, "text": text, "annotations": [], "logprobs": []}
+    return {"type": kind, "text": text}
+
+
+def _usage(usage: Usage) -> dict[str, Any]:
+    return {
+        "input_tokens": usage.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
+        "output_tokens": usage.completion_tokens,
+        # The events do not say how many generated tokens were reasoning.
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+    }
+
+
+def _error(finish: Finish | None) -> dict[str, Any] | None:
+    if finish is None or finish.reason not in ("error", "cancel"):
+        return None
+    message = "generation failed" if finish.reason == "error" else "the request was cancelled"
+    return {"code": "server_error", "message": message}
+
+
+def _echo_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    function = tool["function"]
+    return {"type": "function", "name": function["name"], "description": function.get("description"),
+            "parameters": function["parameters"], "strict": False}
+
+
+def _echo_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any]:
+    if isinstance(choice, dict):
+        return {"type": "function", "name": choice["function"]["name"]}
+    return choice or "auto"
+
+
+class ResponseEventStream:
+    """The Responses stream for one response, built from generation events one at a time.
+
+    The sequence: `response.created`, `response.in_progress`; per output item `response.output_item.added`, its
+    content (`response.content_part.added`, `response.output_text.delta`s or `response.reasoning_text.delta`s,
+    `.done`, `response.content_part.done`; or `response.function_call_arguments.delta`s and `.done`) and
+    `response.output_item.done`; at the end `response.completed` (`response.incomplete` when the token limit cut
+    the answer, `response.failed` when the generation failed). Every event carries its `sequence_number`.
+
+    Args:
+        model: the model name to report.
+        request_id: the server's id of this request; the response id is `resp_` + it.
+        request: the parsed request, whose settings the response echoes.
+    """
+
+    def __init__(self, *, model: str, request_id: str, request: ChatRequest | None = None):
+        self._header = _Header(request_id, model, int(time.time()), request)
+        self._sequence = 0
+        self._started = False
+        self._items: list[dict[str, Any]] = []  # output items so far; the last may still be open
+        self._open: Block | None = None  # what the open item holds so far
+        self._calls: dict[int, tuple[int, Block]] = {}  # tool call index -> (its output index, its block)
+        self._usage: Usage | None = None
+
+    def start(self) -> list[SseEvent]:
+        """The opening events (sent once; `feed` sends them first if nobody asked yet)."""
+        if self._started:
+            return []
+        self._started = True
+        response = self._header.response("in_progress", [])
+        return [self._event("response.created", response=response),
+                self._event("response.in_progress", response=response)]
+
+    def feed(self, event: Event) -> list[SseEvent]:
+        """The events that say what `event` adds to the response."""
+        out = self.start()
+        if isinstance(event, (TextDelta, ReasoningDelta)) and event.text:
+            out += self._text(event)
+        elif isinstance(event, ToolCallStart):
+            block = Block("tool_call", call_id=event.id, name=event.name)
+            self._calls[event.index] = (len(self._items), block)
+            out += self._open_item(block)
+        elif isinstance(event, ToolCallArgumentsDelta) and event.text:
+            out += self._arguments(event)
+        elif isinstance(event, Usage):
+            self._usage = event
+        elif isinstance(event, Finish):
+            out += self._finish(event)
+        return out
+
+    def error(self, error: ApiError) -> list[SseEvent]:
+        """The event that ends a stream the server cannot finish (the HTTP status was sent long ago)."""
+        return [self._event("error", code=error.kind, message=error.message, param=error.param)]
+
+    def _text(self, event: TextDelta | ReasoningDelta) -> list[SseEvent]:
+        kind = "text" if isinstance(event, TextDelta) else "reasoning"
+        out = [] if self._open is not None and self._open.kind == kind else self._open_item(Block(kind))
+        self._open.text += event.text
+        name = "response.output_text.delta" if kind == "text" else "response.reasoning_text.delta"
+        extra = {"logprobs": []} if kind == "text" else {}
+        out.append(self._event(name, **self._where(), content_index=0, delta=event.text, **extra))
+        return out
+
+    def _arguments(self, event: ToolCallArgumentsDelta) -> list[SseEvent]:
+        output_index, block = self._calls[event.index]
+        block.text += event.text
+        return [self._event("response.function_call_arguments.delta", item_id=self._items[output_index]["id"],
+                            output_index=output_index, delta=event.text)]
+
+    def _open_item(self, block: Block) -> list[SseEvent]:
+        out = self._close_item("completed")
+        self._open = block
+        item = _output_item(self._header, block, len(self._items), "in_progress")
+        if block.kind != "tool_call":
+            item["content"] = []
+        self._items.append(item)
+        out.append(self._event("response.output_item.added", output_index=len(self._items) - 1, item=item))
+        if block.kind != "tool_call":
+            part = _part("output_text" if block.kind == "text" else "reasoning_text", "")
+            out.append(self._event("response.content_part.added", **self._where(), content_index=0, part=part))
+        return out
+
+    def _close_item(self, status: str) -> list[SseEvent]:
+        block, self._open = self._open, None
+        if block is None:
+            return []
+        output_index = len(self._items) - 1
+        item = self._items[output_index] = _output_item(self._header, block, output_index, status)
+        where = {"item_id": item["id"], "output_index": output_index}
+        out = []
+        if block.kind == "tool_call":
+            out.append(self._event("response.function_call_arguments.done", **where, arguments=block.text))
+        else:
+            part = item["content"][0]
+            done = "response.output_text.done" if block.kind == "text" else "response.reasoning_text.done"
+            extra = {"logprobs": []} if block.kind == "text" else {}
+            out.append(self._event(done, **where, content_index=0, text=block.text, **extra))
+            out.append(self._event("response.content_part.done", **where, content_index=0, part=part))
+        out.append(self._event("response.output_item.done", output_index=output_index, item=item))
+        return out
+
+    def _finish(self, finish: Finish) -> list[SseEvent]:
+        status, name = _ENDINGS[finish.reason]
+        out = self._close_item("completed" if status == "completed" else "incomplete")
+        response = self._header.response(status, self._items, self._usage, finish)
+        out.append(self._event(name, response=response))
+        return out
+
+    def _where(self) -> dict[str, Any]:
+        """The open item's id and output index, as content events name them."""
+        return {"item_id": self._items[-1]["id"], "output_index": len(self._items) - 1}
+
+    def _event(self, name: str, **data: Any) -> SseEvent:
+        event = (name, {"type": name, "sequence_number": self._sequence, **data})
+        self._sequence += 1
+        return event

@@ -1,0 +1,95 @@
+"""What the status routes say: `/status` (the engine now), `/v1/status` (the server), `/v1/history`, and the
+Prometheus metrics (`/metrics`), all read from the service when asked."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import generate_latest
+
+import strata
+from strata.service import Service
+
+
+def status(service: Service) -> dict[str, Any]:
+    """The engine right now: whether a request holds it, how many wait, and the running request's progress."""
+    current = service.current
+    return {
+        "busy": service.turn.busy,
+        "queued": service.turn.queued,
+        "phase": service.phase,
+        "request": None if current is None else {
+            "id": current.id,
+            "route": current.route,
+            "prompt_tokens": current.prompt_tokens,
+            "reused_tokens": current.reused_tokens,
+            "generated_tokens": current.output_tokens,
+        },
+    }
+
+
+def server_status(service: Service) -> dict[str, Any]:
+    """The server: version, model, engine settings, vision state, totals and the last request."""
+    engine = service.engine
+    config = service.config
+    last = service.history.last
+    return {
+        "version": strata.__version__,
+        "model": service.model_name,
+        "loaded": service.ready,
+        "context": engine.n_ctx if engine is not None else config.context,
+        "engine": {
+            "backend": getattr(engine, "backend", None),
+            "threads": getattr(engine, "threads", config.threads),
+            "kv": config.kv,
+        },
+        "vision": {"state": "not available", "mmproj": config.vision.mmproj},
+        "totals": service.history.totals.as_dict(),
+        "last": None if last is None else last.as_dict(),
+        **status(service),
+    }
+
+
+def history(service: Service) -> dict[str, Any]:
+    return {"object": "list", "data": [row.as_dict() for row in reversed(service.history.rows)]}
+
+
+class _ServiceCollector:
+    """Prometheus metrics computed from the service at scrape time (nothing to update on the request path)."""
+
+    def __init__(self, service: Service):
+        self._service = service
+
+    def collect(self) -> Iterator[Metric]:
+        service = self._service
+        totals = service.history.totals
+        requests = CounterMetricFamily("strata_requests", "Finished requests by finish reason.", labels=["finish"])
+        for finish in ("stop", "length", "tool_calls", "cancel", "error"):
+            requests.add_metric([finish], totals.finishes.get(finish, 0))
+        yield requests
+        tokens = CounterMetricFamily("strata_tokens", "Tokens by kind.", labels=["kind"])
+        tokens.add_metric(["prompt"], totals.prompt_tokens)
+        tokens.add_metric(["reused"], totals.reused_tokens)
+        tokens.add_metric(["generated"], totals.output_tokens)
+        yield tokens
+        yield CounterMetricFamily("strata_prompt_seconds", "Time spent processing prompts.",
+                                  value=totals.prompt_seconds)
+        yield CounterMetricFamily("strata_decode_seconds", "Time spent generating tokens.",
+                                  value=totals.decode_seconds)
+        yield GaugeMetricFamily("strata_queue_length", "Requests waiting for the engine.",
+                                value=service.turn.queued)
+        yield GaugeMetricFamily("strata_busy", "1 while a request holds the engine.", value=int(service.turn.busy))
+
+
+def metrics_registry(service: Service) -> CollectorRegistry:
+    """A registry of its own per app, so that several apps in one process never share or clash."""
+    registry = CollectorRegistry(auto_describe=True)
+    registry.register(_ServiceCollector(service))
+    return registry
+
+
+def metrics_text(registry: CollectorRegistry) -> bytes:
+    return generate_latest(registry)

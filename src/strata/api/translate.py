@@ -1,0 +1,200 @@
+"""Pieces the dialect translators share: typed access to JSON fields that fails with a 400 naming the field, and
+the grouping of generation events into output blocks. Pure functions, no I/O."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from strata.api.errors import ApiError
+from strata.events import (
+    Event,
+    Finish,
+    ReasoningDelta,
+    TextDelta,
+    ToolCallArgumentsDelta,
+    ToolCallStart,
+    Usage,
+)
+from strata.sampling import SamplingParams
+
+SseEvent = tuple[str, dict[str, Any]]
+"""One server-sent event as a dialect renders it: (event name, JSON data)."""
+
+_TYPE_NAMES = {
+    str: "a string",
+    bool: "a boolean",
+    int: "an integer",
+    float: "a number",
+    list: "an array",
+    dict: "an object",
+}
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex[:24]
+
+
+def bad_request(param: str, message: str) -> ApiError:
+    return ApiError(400, f"{param}: {message}", param=param)
+
+
+def check_type(value: Any, kinds: type | tuple[type, ...], param: str) -> Any:
+    """Return `value` if it is one of `kinds` (JSON types: bool is not a number, an int is a float)."""
+    kinds = kinds if isinstance(kinds, tuple) else (kinds,)
+    if not any(_is_kind(value, kind) for kind in kinds):
+        expected = " or ".join(_TYPE_NAMES[kind] for kind in kinds)
+        raise bad_request(param, f"must be {expected}, got {_json_type(value)}")
+    return value
+
+
+def get(obj: dict[str, Any], key: str, kinds: type | tuple[type, ...], param: str, *, required: bool = False) -> Any:
+    """`obj[key]` checked against `kinds`; None when absent or null, unless `required`."""
+    value = obj.get(key)
+    if value is None:
+        if required:
+            raise bad_request(param, "is required")
+        return None
+    return check_type(value, kinds, param)
+
+
+def get_number(obj: dict[str, Any], key: str, param: str, lo: float, hi: float) -> float | None:
+    value = get(obj, key, float, param)
+    if value is not None and not lo <= value <= hi:
+        raise bad_request(param, f"must be between {lo:g} and {hi:g}, got {value!r}")
+    return value
+
+
+def get_int(obj: dict[str, Any], key: str, param: str, lo: int, *, required: bool = False) -> int | None:
+    value = get(obj, key, int, param, required=required)
+    if value is not None and value < lo:
+        raise bad_request(param, f"must be at least {lo}, got {value!r}")
+    return value
+
+
+def get_choice(obj: dict[str, Any], key: str, options: Iterable[str], param: str, *,
+               required: bool = False) -> str | None:
+    value = get(obj, key, str, param, required=required)
+    options = tuple(options)
+    if value is not None and value not in options:
+        raise bad_request(param, f"must be one of {', '.join(map(repr, options))}, got {value!r}")
+    return value
+
+
+def get_object(obj: dict[str, Any], key: str, param: str, *, required: bool = False) -> dict[str, Any] | None:
+    return get(obj, key, dict, param, required=required)
+
+
+def get_list(obj: dict[str, Any], key: str, param: str, *, required: bool = False) -> list[Any] | None:
+    return get(obj, key, list, param, required=required)
+
+
+def sampling_params(defaults: Mapping[str, Any] | None, **given: Any) -> SamplingParams:
+    """SamplingParams from the fields a client set (None: not set), over the server's `defaults`."""
+    chosen = {**(defaults or {}), **{name: value for name, value in given.items() if value is not None}}
+    try:
+        return SamplingParams(**chosen)
+    except ValueError as error:
+        raise ApiError(400, str(error)) from None
+
+
+def arguments_object(text: str, param: str) -> dict[str, Any]:
+    """A tool call's arguments JSON as the dict the chat template renders."""
+    if not text.strip():
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError as error:
+        raise bad_request(param, f"is not valid JSON ({error})") from None
+    return check_type(value, dict, param)
+
+
+def function_tool(name: str, description: str | None, parameters: dict[str, Any]) -> dict[str, Any]:
+    """A tool in the OpenAI chat shape that `ChatRequest.tools` holds."""
+    function: dict[str, Any] = {"name": name, "parameters": parameters}
+    if description is not None:
+        function["description"] = description
+    return {"type": "function", "function": function}
+
+
+def check_unique_tool_names(tools: list[dict[str, Any]], param: str) -> set[str]:
+    names = [tool["function"]["name"] for tool in tools]
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            raise bad_request(f"{param}[{i}].name", f"duplicate tool name {name!r}")
+    return set(names)
+
+
+def images_not_supported(param: str) -> ApiError:
+    return bad_request(param, "image input is not supported yet: this server has no image encoder")
+
+
+# --- output blocks: what a finished generation said, in order
+
+@dataclass
+class Block:
+    """One piece of the answer: a run of reasoning or of text, or one tool call (`text` = its arguments JSON)."""
+
+    kind: Literal["reasoning", "text", "tool_call"]
+    text: str = ""
+    call_id: str = ""
+    name: str = ""
+
+
+@dataclass
+class Outcome:
+    blocks: list[Block] = field(default_factory=list)
+    usage: Usage | None = None
+    finish: Finish | None = None
+
+
+def collect(events: Iterable[Event]) -> Outcome:
+    """Group a generation's events into blocks: consecutive deltas of one kind join, each tool call is one block."""
+    outcome = Outcome()
+    calls: dict[int, Block] = {}
+    for event in events:
+        if isinstance(event, (TextDelta, ReasoningDelta)):
+            kind = "text" if isinstance(event, TextDelta) else "reasoning"
+            if event.text:
+                _append_text(outcome.blocks, kind, event.text)
+        elif isinstance(event, ToolCallStart):
+            calls[event.index] = Block("tool_call", call_id=event.id, name=event.name)
+            outcome.blocks.append(calls[event.index])
+        elif isinstance(event, ToolCallArgumentsDelta):
+            calls[event.index].text += event.text
+        elif isinstance(event, Usage):
+            outcome.usage = event
+        elif isinstance(event, Finish):
+            outcome.finish = event
+    return outcome
+
+
+def stop_sequence(finish: Finish) -> str | None:
+    """The stop string that ended the generation, for dialects that report it; None when a `Finish` does not
+    carry one (no stop string matched, or the events module records none)."""
+    return getattr(finish, "stop_sequence", None)
+
+
+def _append_text(blocks: list[Block], kind: Literal["reasoning", "text"], text: str) -> None:
+    if blocks and blocks[-1].kind == kind:
+        blocks[-1].text += text
+    else:
+        blocks.append(Block(kind, text))
+
+
+def _is_kind(value: Any, kind: type) -> bool:
+    if kind in (int, float) and isinstance(value, bool):
+        return False
+    if kind is float:
+        return isinstance(value, (int, float))
+    return isinstance(value, kind)
+
+
+def _json_type(value: Any) -> str:
+    for kind in (bool, str, int, float, list, dict):
+        if isinstance(value, kind):
+            return _TYPE_NAMES[kind]
+    return "null" if value is None else type(value).__name__

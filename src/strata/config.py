@@ -1,0 +1,208 @@
+"""The server's configuration: one JSON file, flags and environment variables, validated into frozen dataclasses.
+
+Precedence, lowest first: defaults, the JSON file (`--config` or `STRATA_CONFIG`), `STRATA_API_KEY`, flags.
+Unknown keys and bad values raise `ConfigError` naming the key, e.g. `config: unknown key "vision.gpuu"`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, get_type_hints
+
+KV_TYPES = ("f32", "f16", "int8")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used; the message names the key."""
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """Server-side sampling defaults for requests that leave a parameter out (None: the sampler's default)."""
+
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """The image encoder (built by the vision work; validated here so configs written for it load today)."""
+
+    mmproj: str | None = None
+    gpu: bool = False
+    threads: int | None = None
+    max_tokens: int = 1024
+    exe: list[str] | None = None
+    remote: bool = False
+    lazy_load: bool = False
+
+
+@dataclass(frozen=True)
+class LimitsConfig:
+    max_body_bytes: int = 64 * 1024 * 1024  # base64 pictures are large
+    max_tokens: int | None = None  # cap on generated tokens per request; None: the context's room
+    queue_length: int = 64  # requests waiting for the engine beyond this get 503
+    history_size: int = 256  # rows of /v1/history kept in memory
+    body_timeout: float = 60.0  # seconds to receive a request body
+    graceful_timeout: float = 3.0  # seconds in-flight requests get at shutdown
+
+
+@dataclass(frozen=True)
+class Config:
+    model: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8080
+    api_key: str | None = None
+    context: int = 4096
+    threads: int | None = None
+    kv: str = "f16"
+    batch: int = 256
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    vision: VisionConfig = field(default_factory=VisionConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+
+    def __post_init__(self) -> None:
+        _check(self)
+
+
+# --- validation
+
+_SECTIONS = {"sampling": SamplingConfig, "vision": VisionConfig, "limits": LimitsConfig}
+
+
+def _fail(key: str, message: str) -> ConfigError:
+    return ConfigError(f'config: "{key}" {message}')
+
+
+def _check(config: Config) -> None:
+    if not 0 <= config.port <= 65535:
+        raise _fail("port", f"must be 0..65535, got {config.port}")
+    if config.kv not in KV_TYPES:
+        raise _fail("kv", f"must be one of {', '.join(KV_TYPES)}, got {config.kv!r}")
+    for key in ("context", "batch"):
+        if getattr(config, key) < 1:
+            raise _fail(key, "must be at least 1")
+    if config.threads is not None and config.threads < 1:
+        raise _fail("threads", "must be at least 1")
+    limits = config.limits
+    for key in ("max_body_bytes", "queue_length", "history_size"):
+        if getattr(limits, key) < 1:
+            raise _fail(f"limits.{key}", "must be at least 1")
+    if limits.max_tokens is not None and limits.max_tokens < 1:
+        raise _fail("limits.max_tokens", "must be at least 1")
+    for key in ("body_timeout", "graceful_timeout"):
+        if getattr(limits, key) <= 0:
+            raise _fail(f"limits.{key}", "must be positive")
+    if config.vision.max_tokens < 1:
+        raise _fail("vision.max_tokens", "must be at least 1")
+
+
+def _coerce(key: str, hint: Any, value: Any) -> Any:
+    """`value` as type `hint` (a scalar, an optional scalar or a list of strings) or a ConfigError naming `key`."""
+    allowed = [t for t in getattr(hint, "__args__", (hint,)) if t is not type(None)]
+    if value is None:
+        if len(allowed) < len(getattr(hint, "__args__", ())):
+            return None
+        raise _fail(key, "must not be null")
+    target = allowed[0]
+    if getattr(target, "__origin__", None) is list:
+        if isinstance(value, list) and all(isinstance(item, str) for item in value) and value:
+            return list(value)
+        raise _fail(key, "must be a non-empty list of strings")
+    if target is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, target) and not (target is int and isinstance(value, bool)):
+        return value
+    raise _fail(key, f"must be {target.__name__}, got {json.dumps(value)}")
+
+
+def _build(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
+    hints = get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    values: dict[str, Any] = {}
+    for key, value in data.items():
+        full = f"{prefix}{key}"
+        if key not in names:
+            raise ConfigError(f'config: unknown key "{full}"')
+        if key in _SECTIONS and not prefix:
+            if not isinstance(value, Mapping):
+                raise _fail(full, "must be an object")
+            values[key] = _build(_SECTIONS[key], value, f"{key}.")
+        else:
+            values[key] = _coerce(full, hints[key], value)
+    return cls(**values)
+
+
+# --- loading
+
+
+def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in extra.items():
+        if key in _SECTIONS and isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = {**merged[key], **value}
+        else:
+            merged[key] = value
+    return merged
+
+
+def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as error:
+        raise ConfigError(f"config: cannot read {path}: {error.strerror}") from None
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"config: {path} is not valid JSON: {error}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config: {path} must hold a JSON object")
+    return data
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Config:
+    """The configuration from a JSON file, the environment and overrides (flags).
+
+    Args:
+        path: the JSON file; None reads `STRATA_CONFIG` when set.
+        overrides: keys as in the file (sections as nested dicts); the highest precedence.
+        environ: the environment to read `STRATA_CONFIG` and `STRATA_API_KEY` from (default `os.environ`).
+
+    Raises:
+        ConfigError: an unreadable file, an unknown key or a bad value.
+    """
+    environ = os.environ if environ is None else environ
+    path = path or environ.get("STRATA_CONFIG") or None
+    data: dict[str, Any] = read_config_file(path) if path else {}
+    if environ.get("STRATA_API_KEY"):
+        data = _merge(data, {"api_key": environ["STRATA_API_KEY"]})
+    data = _merge(data, overrides or {})
+    return config_from_dict(data)
+
+
+def config_from_dict(data: Mapping[str, Any]) -> Config:
+    """Validate a configuration given as the JSON file's dict."""
+    return _build(Config, data)
+
+
+def flag_names() -> list[tuple[str, Any]]:
+    """Every config key as (dotted key, type hint), for building one flag per key."""
+    keys: list[tuple[str, Any]] = []
+    for name, hint in get_type_hints(Config).items():
+        if name in _SECTIONS:
+            keys.extend((f"{name}.{sub}", sub_hint) for sub, sub_hint in get_type_hints(_SECTIONS[name]).items())
+        else:
+            keys.append((name, hint))
+    return keys

@@ -1,0 +1,240 @@
+"""`Engine`: a GGUF model and one sequence's context in the C engine.
+
+The GGUF file is memory-mapped by `gguf.GGUFReader`; the C model keeps pointers into that mapping, so the reader
+lives as long as the engine. Every C call releases the GIL (cffi API mode), so `abort()` works from another thread
+while `eval` runs.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from gguf import GGUFReader
+
+from strata.engine_cffi._engine import ffi, lib
+
+__all__ = ["Engine", "EngineError", "EngineAborted"]
+
+_KV_TYPES = {"f32": lib.STRATA_KV_F32, "f16": lib.STRATA_KV_F16, "int8": lib.STRATA_KV_INT8}
+_INT32 = np.iinfo(np.int32)
+
+
+class EngineError(Exception):
+    """The engine refused a file or a call; the message is the C engine's (or names the file)."""
+
+
+class EngineAborted(EngineError):
+    """`Engine.abort()` stopped the call in flight; the positions it had not finished were dropped."""
+
+
+def _check(status: int) -> None:
+    """Raise the exception for a C status (no-op for STRATA_OK)."""
+    if status == lib.STRATA_OK:
+        return
+    message = ffi.string(lib.strata_last_error()).decode("utf-8", "replace")
+    if status == lib.STRATA_ABORTED:
+        raise EngineAborted(message)
+    raise EngineError(message or ffi.string(lib.strata_status_string(status)).decode())
+
+
+def _open_gguf(path: str | os.PathLike[str]) -> GGUFReader:
+    if not pathlib.Path(path).is_file():
+        raise EngineError(f"model file not found: {path}")
+    try:
+        return GGUFReader(path, "r")
+    except Exception as exc:  # the reader parses untrusted bytes and fails with many exception types
+        raise EngineError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
+
+
+def _field_value(reader: GGUFReader, key: str, default: Any = None) -> Any:
+    field = reader.get_field(key)
+    return default if field is None else field.contents()
+
+
+class _TensorTable:
+    """The C tensor table for a reader's tensors; holds the cffi objects the table points into."""
+
+    def __init__(self, reader: GGUFReader) -> None:
+        self._keep: list[Any] = []
+        self.count = len(reader.tensors)
+        self.array = ffi.new("strata_tensor_info[]", max(self.count, 1))
+        for info, tensor in zip(self.array, reader.tensors):
+            name = ffi.new("char[]", tensor.name.encode())
+            data = ffi.from_buffer(tensor.data)  # a view of the mapping: weights are never copied
+            self._keep += [name, data]
+            info.name, info.type, info.n_dims = name, int(tensor.tensor_type), len(tensor.shape)
+            for d in range(4):
+                info.ne[d] = int(tensor.shape[d]) if d < len(tensor.shape) else 1
+            info.data, info.n_bytes = data, tensor.data.nbytes
+
+    def shape_of(self, reader: GGUFReader, name: str) -> list[int]:
+        """Shape of the tensor `name` or `name`.weight (llama.cpp's converters add the suffix)."""
+        for tensor in reader.tensors:
+            if tensor.name in (name, f"{name}.weight"):
+                return [int(n) for n in tensor.shape]
+        raise EngineError(f"missing tensor {name}")
+
+
+def _model_params(reader: GGUFReader, table: _TensorTable, keep: list[Any]) -> Any:
+    """strata_model_params from the GGUF metadata (llama.cpp key names); the C side validates the values."""
+    arch = _field_value(reader, "general.architecture")
+    if not isinstance(arch, str):
+        raise EngineError("the file has no general.architecture")
+
+    def key(name: str, default: float = 0) -> Any:
+        return _field_value(reader, f"{arch}.{name}", default)
+
+    arch_c = ffi.new("char[]", arch.encode())
+    keep.append(arch_c)
+    p = ffi.new("strata_model_params *")
+    p.arch = arch_c
+    p.n_vocab = table.shape_of(reader, "token_embd")[1]
+    p.n_ctx_train, p.n_embd, p.n_layer = key("context_length"), key("embedding_length"), key("block_count")
+    p.n_head, p.n_head_kv = key("attention.head_count"), key("attention.head_count_kv", key("attention.head_count"))
+    p.head_dim = key("attention.key_length", (p.n_embd // p.n_head) if p.n_head else 0)
+    p.n_ff, p.n_expert, p.n_expert_used = key("feed_forward_length"), key("expert_count"), key("expert_used_count")
+    p.n_ff_exp = key("expert_feed_forward_length")
+    p.rope_base, p.rms_eps = key("rope.freq_base", 10000.0), key("attention.layer_norm_rms_epsilon", 1e-6)
+    p.tensors, p.n_tensors = table.array, table.count
+    return p
+
+
+class Engine:
+    """A model and the context of one sequence. Use `Engine.load`; close it (or use `with`) to free its memory."""
+
+    def __init__(self, reader: GGUFReader, params: Any, model: Any, ctx: Any, keep: list[Any], n_ctx: int,
+                 threads: int) -> None:
+        self._reader, self._model, self._ctx, self._keep = reader, model, ctx, keep
+        self._metadata: dict[str, Any] | None = None
+        self.arch: str = ffi.string(params.arch).decode()
+        self.n_vocab: int = params.n_vocab
+        self.n_embd: int = params.n_embd
+        self.n_ctx, self.threads, self.backend = n_ctx, threads, "cpu"
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str], n_ctx: int = 4096, threads: int | None = None, kv: str = "f16",
+             n_batch: int = 256) -> Engine:
+        """Map a GGUF model and create its context.
+
+        Raises:
+            EngineError: missing, truncated or non-GGUF file; unsupported architecture or tensor type; a context
+                larger than the model's training context; bad arguments.
+        """
+        if kv not in _KV_TYPES:
+            raise EngineError(f"kv must be one of {sorted(_KV_TYPES)}, not {kv!r}")
+        threads = threads or len(os.sched_getaffinity(0))
+        reader = _open_gguf(path)
+        table = _TensorTable(reader)
+        keep: list[Any] = [table]
+        params = _model_params(reader, table, keep)
+        keep.append(params)
+        model_out = ffi.new("strata_model **")
+        _check(lib.strata_model_create(params, model_out))
+        cparams = ffi.new("strata_context_params *", {"n_ctx": n_ctx, "n_batch": n_batch, "n_threads": threads,
+                                                      "kv_type": _KV_TYPES[kv]})
+        ctx_out = ffi.new("strata_context **")
+        status = lib.strata_context_create(model_out[0], cparams, ctx_out)
+        if status != lib.STRATA_OK:
+            lib.strata_model_free(model_out[0])
+            _check(status)
+        return cls(reader, params, model_out[0], ctx_out[0], keep, n_ctx, threads)
+
+    # --- state
+
+    def _live_ctx(self) -> Any:
+        if self._ctx is None:
+            raise EngineError("the engine is closed")
+        return self._ctx
+
+    @property
+    def n_past(self) -> int:
+        """Positions held in the KV cache."""
+        return lib.strata_n_past(self._live_ctx())
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        """GGUF key -> value (strings, numbers, lists), read on first use."""
+        if self._metadata is None:
+            self._metadata = {name: field.contents() for name, field in self._reader.fields.items()
+                              if not name.startswith("GGUF.")}
+        return self._metadata
+
+    @property
+    def timings(self) -> dict[str, float]:
+        """Timings of the last eval: a call of one token counts as decode, a longer one as prompt processing."""
+        t = ffi.new("strata_timings *")
+        lib.strata_get_timings(self._live_ctx(), t)
+        decode = t.n_tokens == 1
+        return {"n_tokens": t.n_tokens, "n_chunks": t.n_chunks, "ms": t.total_ms, "output_ms": t.output_ms,
+                "prompt_ms": 0.0 if decode else t.total_ms, "decode_ms": t.total_ms if decode else 0.0,
+                "tokens_per_s": t.n_tokens * 1e3 / t.total_ms if t.total_ms > 0 else 0.0}
+
+    # --- calls
+
+    def eval(self, tokens: Sequence[int], embeds: Sequence[tuple[int, np.ndarray]] | None = None,
+             all_logits: bool = False) -> np.ndarray:
+        """Append `tokens` after the n_past positions and return float32 logits: (n_vocab,) for the last position,
+        or (len(tokens), n_vocab) with all_logits.
+
+        Args:
+            embeds: (index_in_tokens, float32 (n_rows, n_embd)) pairs; the rows replace the token embeddings of
+                tokens[index : index + n_rows].
+        Raises:
+            EngineAborted: abort() stopped the call.
+            EngineError: empty or out-of-range tokens, bad embedding rows, context full.
+        """
+        ctx = self._live_ctx()
+        ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if ids.size and (ids.min() < _INT32.min or ids.max() > _INT32.max):
+            raise EngineError(f"token id out of range [0, {self.n_vocab})")
+        ids32 = np.ascontiguousarray(ids, dtype=np.int32)
+        rows, index = self._embedding_rows(embeds or [])
+        logits = np.empty((len(ids32), self.n_vocab) if all_logits else (self.n_vocab,), dtype=np.float32)
+        _check(lib.strata_eval(ctx, ffi.from_buffer("int[]", ids32), len(ids32),
+                               ffi.from_buffer("float[]", rows), ffi.from_buffer("int[]", index), len(index),
+                               int(all_logits), ffi.from_buffer("float[]", logits)))
+        return logits
+
+    def _embedding_rows(self, embeds: Sequence[tuple[int, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+        """The embedding rows as one (n_rows, n_embd) array and the token index of each row."""
+        rows, index = [], []
+        for start, array in embeds:
+            block = np.ascontiguousarray(array, dtype=np.float32)
+            if block.ndim != 2 or block.shape[1] != self.n_embd:
+                raise EngineError(f"embedding rows at {start} have shape {block.shape}, expected (n, {self.n_embd})")
+            rows.append(block)
+            index.append(int(start) + np.arange(len(block), dtype=np.int32))
+        if not rows:
+            return np.zeros((1, self.n_embd), np.float32), np.zeros(1, np.int32)[:0]
+        return np.concatenate(rows), np.concatenate(index).astype(np.int32)
+
+    def keep(self, n: int) -> None:
+        """Truncate the KV cache to its first n positions; keep(0) resets the sequence."""
+        _check(lib.strata_keep(self._live_ctx(), int(n)))
+
+    def abort(self) -> None:
+        """Stop the eval in flight (from any thread) within one decode step or one layer of a prompt chunk. If no
+        call is in flight, the next one stops at once."""
+        lib.strata_abort(self._live_ctx())
+
+    def close(self) -> None:
+        """Free the context and the model, then drop the file mapping. Idempotent."""
+        if getattr(self, "_ctx", None) is not None:
+            lib.strata_context_free(self._ctx)
+            lib.strata_model_free(self._model)
+            self._ctx = self._model = None
+            self._keep.clear()
+            self._reader = None
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()

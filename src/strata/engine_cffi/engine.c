@@ -1,0 +1,864 @@
+/* engine.c — a model built from a GGUF tensor table, a context holding one sequence, and the forward pass of
+ * qwen3moe, qwen3 and llama on the CPU.
+ * Threads: each chunk of tokens runs in one OpenMP parallel region; every step inside it is an `omp for` (or an
+ * `omp single`) whose implicit barrier orders it after the previous step, so a small decode pays no fork/join per
+ * product. Activations are f32 rows; before a product they are converted once to the weight type's partner
+ * type (kernels.h), shared by every weight that reads the same input. */
+#include <math.h>
+#include <omp.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "kernels.h"
+
+#define ROWS_PER_TASK 16   /* output rows per unit of work in a product: small enough to balance threads */
+#define MAX_EXPERT_USED 64
+
+// --- errors
+
+static _Thread_local char last_error[512];
+
+const char *strata_last_error(void) { return last_error; }
+
+/* Record a message for strata_last_error and return `status`. */
+static strata_status fail(strata_status status, const char *fmt, ...) {
+    va_list args;
+    va_start(args, fmt);
+    vsnprintf(last_error, sizeof last_error, fmt, args);
+    va_end(args);
+    return status;
+}
+
+// --- weights: a view of one GGUF tensor
+
+typedef struct {
+    const void *data;      /* NULL when the tensor is absent */
+    int type;              /* GGML type id */
+    int vec_dot_type;      /* the activation type its products read */
+    int64_t n_in;          /* ne[0]: elements per row */
+    int64_t n_out;         /* ne[1]: rows (per expert for 3-D tensors) */
+    size_t row_bytes;
+    size_t matrix_bytes;   /* n_out rows: the stride between the experts of a 3-D tensor */
+} matrix;
+
+/* The matrix of expert e in a 3-D expert tensor. */
+static const void *expert_data(const matrix *w, int e) {
+    return (const char *)w->data + (size_t)e * w->matrix_bytes;
+}
+
+typedef struct {
+    float *attn_norm;      // (n_embd,)
+    matrix wq;             // (n_head * head_dim, n_embd)
+    matrix wk;             // (n_head_kv * head_dim, n_embd)
+    matrix wv;             // (n_head_kv * head_dim, n_embd)
+    float *q_norm;         // (head_dim,) qwen3 and qwen3moe only
+    float *k_norm;         // (head_dim,) qwen3 and qwen3moe only
+    matrix wo;             // (n_embd, n_head * head_dim)
+    float *ffn_norm;       // (n_embd,)
+    matrix ffn_gate;       // (n_ff, n_embd) dense only
+    matrix ffn_up;         // (n_ff, n_embd) dense only
+    matrix ffn_down;       // (n_embd, n_ff) dense only
+    matrix router;         // (n_expert, n_embd) MoE only
+    matrix gate_exps;      // (n_expert, n_ff_exp, n_embd) MoE only
+    matrix up_exps;        // (n_expert, n_ff_exp, n_embd) MoE only
+    matrix down_exps;      // (n_expert, n_embd, n_ff_exp) MoE only
+} layer_weights;
+
+// --- model
+
+typedef enum { ROPE_NORMAL, ROPE_NEOX } rope_mode;  /* rotate adjacent pairs, or pairs half a head apart */
+
+struct strata_model {
+    strata_model_params hp;    /* tensors and arch are not kept: they belong to the caller */
+    char arch[16];
+    rope_mode rope;
+    int has_qk_norm;
+    int is_moe;
+    matrix tok_embd;           // (n_vocab, n_embd)
+    matrix output;             // (n_vocab, n_embd): token_embd when the model ties them
+    float *output_norm;        // (n_embd,)
+    float *inv_freq;           // (head_dim / 2,) rope_base^(-2i / head_dim)
+    layer_weights *layers;     // (n_layer,)
+};
+
+/* The tensor named `base` or `base`.weight (llama.cpp's converters add the suffix; the gguf package's names lack
+ * it). */
+static const strata_tensor_info *find_tensor(const strata_model_params *p, const char *base) {
+    size_t n = strlen(base);
+    for (int i = 0; i < p->n_tensors; i++) {
+        const char *name = p->tensors[i].name;
+        if (strncmp(name, base, n) == 0 && (name[n] == 0 || strcmp(name + n, ".weight") == 0))
+            return &p->tensors[i];
+    }
+    return NULL;
+}
+
+/* Check a tensor's type, shape and size; fill `w`. ne1/ne2 of 0 mean "absent dimension" (must be 1). */
+static strata_status view_tensor(const strata_tensor_info *t, int64_t ne0, int64_t ne1, int64_t ne2, matrix *w) {
+    const strata_type_traits *tr = strata_type_supported(t->type) ? strata_traits(t->type) : NULL;
+    if (!tr) return fail(STRATA_ERR_UNSUPPORTED, "tensor %s: unsupported type %d", t->name, t->type);
+    int64_t want[4] = {ne0, ne1 ? ne1 : 1, ne2 ? ne2 : 1, 1};
+    for (int d = 0; d < 4; d++)
+        if ((d < t->n_dims ? t->ne[d] : 1) != want[d])
+            return fail(STRATA_ERR_INVALID_ARG,
+                        "tensor %s: shape [%lld, %lld, %lld, %lld], expected [%lld, %lld, %lld, %lld]", t->name,
+                        t->ne[0], t->ne[1], t->ne[2], t->ne[3], (long long)want[0], (long long)want[1],
+                        (long long)want[2], (long long)want[3]);
+    if (ne0 % tr->block_size != 0)
+        return fail(STRATA_ERR_UNSUPPORTED, "tensor %s: row of %lld not a multiple of %s's block of %lld", t->name,
+                    (long long)ne0, tr->name, (long long)tr->block_size);
+    w->data = t->data;
+    w->type = t->type;
+    w->vec_dot_type = tr->vec_dot_type;
+    w->n_in = ne0;
+    w->n_out = want[1];
+    w->row_bytes = strata_row_bytes(t->type, ne0);
+    w->matrix_bytes = w->row_bytes * (size_t)want[1];
+    if ((unsigned long long)t->n_bytes < w->matrix_bytes * (size_t)want[2])
+        return fail(STRATA_ERR_INVALID_ARG, "tensor %s: %lld bytes, its shape needs %zu (truncated file?)",
+                    t->name, t->n_bytes, w->matrix_bytes * (size_t)want[2]);
+    return STRATA_OK;
+}
+
+/* The tensor `name` (printf-style, with the layer index) as a matrix; absent is an error unless optional. */
+static strata_status get_matrix(const strata_model_params *p, matrix *w, int optional, int64_t ne0, int64_t ne1,
+                                int64_t ne2, const char *fmt, int il) {
+    char name[96];
+    snprintf(name, sizeof name, fmt, il);
+    const strata_tensor_info *t = find_tensor(p, name);
+    memset(w, 0, sizeof *w);
+    if (!t) return optional ? STRATA_OK : fail(STRATA_ERR_INVALID_ARG, "missing tensor %s", name);
+    return view_tensor(t, ne0, ne1, ne2, w);
+}
+
+/* A norm weight (n,) of any supported type, dequantised into a new f32 array. */
+static strata_status get_vector(const strata_model_params *p, float **out, int64_t n, const char *fmt, int il) {
+    matrix w;
+    strata_status st = get_matrix(p, &w, 0, n, 0, 0, fmt, il);
+    if (st != STRATA_OK) return st;
+    *out = malloc(sizeof(float) * n);
+    if (!*out) return fail(STRATA_ERR_NOMEM, "out of memory");
+    strata_dequantize_row_any(w.type, w.data, *out, n);
+    return STRATA_OK;
+}
+
+static strata_status check_hparams(const strata_model_params *p) {
+    if (p->n_vocab <= 0 || p->n_embd <= 0 || p->n_layer <= 0 || p->n_head <= 0 || p->n_head_kv <= 0 ||
+        p->head_dim <= 0 || p->head_dim % 2 != 0 || p->n_ctx_train <= 0 || p->n_head % p->n_head_kv != 0)
+        return fail(STRATA_ERR_INVALID_ARG, "inconsistent hyper-parameters (n_vocab %d, n_embd %d, n_layer %d, "
+                    "n_head %d, n_head_kv %d, head_dim %d, n_ctx_train %d)", p->n_vocab, p->n_embd, p->n_layer,
+                    p->n_head, p->n_head_kv, p->head_dim, p->n_ctx_train);
+    if (!(p->rms_eps > 0) || !(p->rope_base > 0))
+        return fail(STRATA_ERR_INVALID_ARG, "rms_eps and rope_base must be positive");
+    return STRATA_OK;
+}
+
+static strata_status build_layer(const strata_model *m, const strata_model_params *p, int il, layer_weights *L) {
+    int64_t E = p->n_embd, q_dim = (int64_t)p->n_head * p->head_dim, kv_dim = (int64_t)p->n_head_kv * p->head_dim;
+    strata_status st;
+#define TRY(call) do { if ((st = (call)) != STRATA_OK) return st; } while (0)
+    TRY(get_vector(p, &L->attn_norm, E, "blk.%d.attn_norm", il));
+    TRY(get_matrix(p, &L->wq, 0, E, q_dim, 0, "blk.%d.attn_q", il));
+    TRY(get_matrix(p, &L->wk, 0, E, kv_dim, 0, "blk.%d.attn_k", il));
+    TRY(get_matrix(p, &L->wv, 0, E, kv_dim, 0, "blk.%d.attn_v", il));
+    TRY(get_matrix(p, &L->wo, 0, q_dim, E, 0, "blk.%d.attn_output", il));
+    if (m->has_qk_norm) {
+        TRY(get_vector(p, &L->q_norm, p->head_dim, "blk.%d.attn_q_norm", il));
+        TRY(get_vector(p, &L->k_norm, p->head_dim, "blk.%d.attn_k_norm", il));
+    }
+    TRY(get_vector(p, &L->ffn_norm, E, "blk.%d.ffn_norm", il));
+    if (m->is_moe) {
+        TRY(get_matrix(p, &L->router, 0, E, p->n_expert, 0, "blk.%d.ffn_gate_inp", il));
+        TRY(get_matrix(p, &L->gate_exps, 0, E, p->n_ff_exp, p->n_expert, "blk.%d.ffn_gate_exps", il));
+        TRY(get_matrix(p, &L->up_exps, 0, E, p->n_ff_exp, p->n_expert, "blk.%d.ffn_up_exps", il));
+        TRY(get_matrix(p, &L->down_exps, 0, p->n_ff_exp, E, p->n_expert, "blk.%d.ffn_down_exps", il));
+    } else {
+        TRY(get_matrix(p, &L->ffn_gate, 0, E, p->n_ff, 0, "blk.%d.ffn_gate", il));
+        TRY(get_matrix(p, &L->ffn_up, 0, E, p->n_ff, 0, "blk.%d.ffn_up", il));
+        TRY(get_matrix(p, &L->ffn_down, 0, p->n_ff, E, 0, "blk.%d.ffn_down", il));
+    }
+#undef TRY
+    return STRATA_OK;
+}
+
+/* Architecture traits; UNSUPPORTED for any other name. */
+static strata_status set_arch(strata_model *m, const char *arch) {
+    if (!arch) return fail(STRATA_ERR_INVALID_ARG, "no architecture given");
+    if (strcmp(arch, "qwen3moe") == 0) { m->rope = ROPE_NEOX; m->has_qk_norm = 1; m->is_moe = 1; }
+    else if (strcmp(arch, "qwen3") == 0) { m->rope = ROPE_NEOX; m->has_qk_norm = 1; m->is_moe = 0; }
+    else if (strcmp(arch, "llama") == 0) { m->rope = ROPE_NORMAL; m->has_qk_norm = 0; m->is_moe = 0; }
+    else return fail(STRATA_ERR_UNSUPPORTED, "unsupported architecture '%s' (qwen3moe, qwen3, llama)", arch);
+    snprintf(m->arch, sizeof m->arch, "%s", arch);
+    return STRATA_OK;
+}
+
+static strata_status check_moe_hparams(const strata_model *m) {
+    const strata_model_params *p = &m->hp;
+    if (m->is_moe && (p->n_expert <= 0 || p->n_expert_used <= 0 || p->n_expert_used > p->n_expert ||
+                      p->n_expert_used > MAX_EXPERT_USED || p->n_ff_exp <= 0))
+        return fail(STRATA_ERR_INVALID_ARG, "inconsistent expert counts (n_expert %d, n_expert_used %d, "
+                    "n_ff_exp %d)", p->n_expert, p->n_expert_used, p->n_ff_exp);
+    if (!m->is_moe && p->n_ff <= 0) return fail(STRATA_ERR_INVALID_ARG, "feed_forward_length must be positive");
+    return STRATA_OK;
+}
+
+static strata_status build_model(strata_model *m, const strata_model_params *p) {
+    strata_status st;
+    m->hp = *p;
+    if ((st = set_arch(m, p->arch)) != STRATA_OK || (st = check_hparams(p)) != STRATA_OK ||
+        (st = check_moe_hparams(m)) != STRATA_OK)
+        return st;
+    m->hp.arch = m->arch;
+    m->hp.tensors = NULL;
+    m->hp.n_tensors = 0;
+    if ((st = get_matrix(p, &m->tok_embd, 0, p->n_embd, p->n_vocab, 0, "token_embd", 0)) != STRATA_OK ||
+        (st = get_matrix(p, &m->output, 1, p->n_embd, p->n_vocab, 0, "output", 0)) != STRATA_OK ||
+        (st = get_vector(p, &m->output_norm, p->n_embd, "output_norm", 0)) != STRATA_OK)
+        return st;
+    if (!m->output.data) m->output = m->tok_embd;  // tied embeddings
+    m->inv_freq = malloc(sizeof(float) * (p->head_dim / 2));
+    m->layers = calloc(p->n_layer, sizeof(layer_weights));
+    if (!m->inv_freq || !m->layers) return fail(STRATA_ERR_NOMEM, "out of memory");
+    for (int i = 0; i < p->head_dim / 2; i++)
+        m->inv_freq[i] = (float)(1.0 / pow(p->rope_base, (2.0 * i) / p->head_dim));
+    for (int il = 0; il < p->n_layer; il++)
+        if ((st = build_layer(m, p, il, &m->layers[il])) != STRATA_OK) return st;
+    return STRATA_OK;
+}
+
+strata_status strata_model_create(const strata_model_params *params, strata_model **out) {
+    *out = NULL;
+    if (!params) return fail(STRATA_ERR_INVALID_ARG, "no model parameters");
+    strata_model *m = calloc(1, sizeof *m);
+    if (!m) return fail(STRATA_ERR_NOMEM, "out of memory");
+    strata_status st = build_model(m, params);
+    if (st != STRATA_OK) {
+        strata_model_free(m);
+        return st;
+    }
+    *out = m;
+    return STRATA_OK;
+}
+
+void strata_model_free(strata_model *m) {
+    if (!m) return;
+    if (m->layers)
+        for (int il = 0; il < m->hp.n_layer; il++) {
+            layer_weights *L = &m->layers[il];
+            free(L->attn_norm); free(L->q_norm); free(L->k_norm); free(L->ffn_norm);
+        }
+    free(m->layers);
+    free(m->output_norm);
+    free(m->inv_freq);
+    free(m);
+}
+
+// --- context: KV cache and scratch for one chunk
+
+struct strata_context {
+    const strata_model *model;
+    int n_ctx, n_batch, n_threads, kv_type;
+    int n_past;                    /* positions held in the cache */
+    atomic_int abort_flag;
+    int stop;                      /* the abort flag as the team read it at the last check */
+    strata_timings timings;
+    double output_t0;              /* when the current output projection began (ms) */
+    size_t kv_elem;                /* bytes per cached value */
+    void *k_cache;                 // (n_layer, n_ctx, n_head_kv, head_dim) of kv_type
+    void *v_cache;                 // (n_layer, n_ctx, n_head_kv, head_dim) of kv_type
+    float *k_scale;                // (n_layer, n_ctx, n_head_kv) int8 only
+    float *v_scale;                // (n_layer, n_ctx, n_head_kv) int8 only
+    float *x;                      // (n_batch, n_embd) residual stream
+    float *xb;                     // (n_batch, n_embd) normed input of a block, then its output
+    float *q;                      // (n_batch, n_head * head_dim)
+    float *k;                      // (n_batch, n_head_kv * head_dim)
+    float *v;                      // (n_batch, n_head_kv * head_dim)
+    float *att;                    // (n_batch, n_head * head_dim) attention output
+    float *scores;                 // (n_threads, n_ctx) attention weights
+    float *kv_row;                 // (n_threads, head_dim) a cached row converted to f32
+    float *hb;                     // (n_rows_ff, n_ff_max) gate, then the SwiGLU product
+    float *hb2;                    // (n_rows_ff, n_ff_max) up
+    float *moe_out;                // (n_batch * n_expert_used, n_embd) each expert's output per slot
+    float *router;                 // (n_batch, n_expert) router logits
+    void *xq;                      // (n_rows_ff, act_row_max) activations in a product's partner type
+    void *xq_slots;                // (n_batch * n_expert_used, act_row_max) token rows gathered per slot
+    size_t act_row_max;            /* bytes of the widest activation row */
+    /* MoE routing of the current chunk */
+    int *slot_of;                  // (n_batch, n_expert_used) slot of each (token, choice)
+    float *choice_weight;          // (n_batch, n_expert_used) renormalised router weight
+    int *slot_token;               // (n_batch * n_expert_used) token of each slot; slots are grouped by expert
+    int *expert_start;             // (n_expert,) first slot of each expert
+    int *expert_count;             // (n_expert,) slots of each expert
+    int *tasks;                    // (n_expert * (blocks of n_ff_exp + blocks of n_embd), 2) (expert, row block)
+    int n_tasks_up, n_tasks_down;  /* tasks for the gate/up products, then for the down product */
+};
+
+static size_t act_row_bytes(int vec_dot_type, int64_t n) {
+    const strata_type_traits *tr = strata_traits(vec_dot_type);
+    return tr->block_bytes * (size_t)(n / tr->block_size);
+}
+
+static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+static size_t kv_elem_bytes(int kv_type) {
+    return kv_type == STRATA_KV_F32 ? 4 : kv_type == STRATA_KV_F16 ? 2 : 1;
+}
+
+static strata_status alloc_context(strata_context *c) {
+    const strata_model_params *p = &c->model->hp;
+    int64_t kv_dim = (int64_t)p->n_head_kv * p->head_dim, q_dim = (int64_t)p->n_head * p->head_dim;
+    int64_t B = c->n_batch, k_used = c->model->is_moe ? p->n_expert_used : 1;
+    int64_t n_ff_max = c->model->is_moe ? p->n_ff_exp : p->n_ff;
+    int64_t widest = max64(max64(p->n_embd, q_dim), n_ff_max);
+    size_t cache_vals = (size_t)p->n_layer * c->n_ctx * kv_dim;
+    c->act_row_max = sizeof(float) * widest;  // f32 is the widest activation type
+    c->k_cache = malloc(cache_vals * c->kv_elem);
+    c->v_cache = malloc(cache_vals * c->kv_elem);
+    if (c->kv_type == STRATA_KV_INT8) {
+        c->k_scale = malloc(sizeof(float) * cache_vals / p->head_dim);
+        c->v_scale = malloc(sizeof(float) * cache_vals / p->head_dim);
+    }
+    c->x = malloc(sizeof(float) * B * p->n_embd);
+    c->xb = malloc(sizeof(float) * B * p->n_embd);
+    c->q = malloc(sizeof(float) * B * q_dim);
+    c->k = malloc(sizeof(float) * B * kv_dim);
+    c->v = malloc(sizeof(float) * B * kv_dim);
+    c->att = malloc(sizeof(float) * B * q_dim);
+    c->scores = malloc(sizeof(float) * c->n_threads * c->n_ctx);
+    c->kv_row = malloc(sizeof(float) * c->n_threads * p->head_dim);
+    c->hb = malloc(sizeof(float) * B * k_used * n_ff_max);
+    c->hb2 = malloc(sizeof(float) * B * k_used * n_ff_max);
+    c->xq = malloc(c->act_row_max * B * k_used);
+    int ok = c->k_cache && c->v_cache && c->x && c->xb && c->q && c->k && c->v && c->att && c->scores &&
+             c->kv_row && c->hb && c->hb2 && c->xq && (c->kv_type != STRATA_KV_INT8 || (c->k_scale && c->v_scale));
+    if (c->model->is_moe) {
+        int64_t blocks = (p->n_ff_exp + ROWS_PER_TASK - 1) / ROWS_PER_TASK + (p->n_embd + ROWS_PER_TASK - 1) /
+                         ROWS_PER_TASK;  // gate/up tasks, then down tasks, per expert
+        c->moe_out = malloc(sizeof(float) * B * k_used * p->n_embd);
+        c->router = malloc(sizeof(float) * B * p->n_expert);
+        c->xq_slots = malloc(c->act_row_max * B * k_used);
+        c->slot_of = malloc(sizeof(int) * B * k_used);
+        c->choice_weight = malloc(sizeof(float) * B * k_used);
+        c->slot_token = malloc(sizeof(int) * B * k_used);
+        c->expert_start = malloc(sizeof(int) * p->n_expert);
+        c->expert_count = malloc(sizeof(int) * p->n_expert);
+        c->tasks = malloc(sizeof(int) * 2 * p->n_expert * blocks);
+        ok = ok && c->moe_out && c->router && c->xq_slots && c->slot_of && c->choice_weight && c->slot_token &&
+             c->expert_start && c->expert_count && c->tasks;
+    }
+    return ok ? STRATA_OK : fail(STRATA_ERR_NOMEM, "out of memory for a context of %d positions", c->n_ctx);
+}
+
+static strata_status check_context_params(const strata_model *m, const strata_context_params *p) {
+    if (p->n_ctx <= 0 || p->n_batch <= 0 || p->n_threads <= 0)
+        return fail(STRATA_ERR_INVALID_ARG, "n_ctx, n_batch and n_threads must be positive");
+    if (p->n_ctx > m->hp.n_ctx_train)
+        return fail(STRATA_ERR_INVALID_ARG, "context of %d positions is larger than the model's %d", p->n_ctx,
+                    m->hp.n_ctx_train);
+    if (p->kv_type != STRATA_KV_F32 && p->kv_type != STRATA_KV_F16 && p->kv_type != STRATA_KV_INT8)
+        return fail(STRATA_ERR_INVALID_ARG, "unknown KV cache type %d", p->kv_type);
+    return STRATA_OK;
+}
+
+strata_status strata_context_create(const strata_model *model, const strata_context_params *params,
+                                    strata_context **out) {
+    *out = NULL;
+    if (!model || !params) return fail(STRATA_ERR_INVALID_ARG, "no model or context parameters");
+    strata_status st = check_context_params(model, params);
+    if (st != STRATA_OK) return st;
+    strata_context *c = calloc(1, sizeof *c);
+    if (!c) return fail(STRATA_ERR_NOMEM, "out of memory");
+    c->model = model;
+    c->n_ctx = params->n_ctx;
+    c->n_batch = params->n_batch < params->n_ctx ? params->n_batch : params->n_ctx;
+    c->n_threads = params->n_threads;
+    c->kv_type = params->kv_type;
+    c->kv_elem = kv_elem_bytes(params->kv_type);
+    atomic_init(&c->abort_flag, 0);
+    if ((st = alloc_context(c)) != STRATA_OK) {
+        strata_context_free(c);
+        return st;
+    }
+    *out = c;
+    return STRATA_OK;
+}
+
+void strata_context_free(strata_context *c) {
+    if (!c) return;
+    void *bufs[] = {c->k_cache, c->v_cache, c->k_scale, c->v_scale, c->x, c->xb, c->q, c->k, c->v, c->att,
+                    c->scores, c->kv_row, c->hb, c->hb2, c->moe_out, c->router, c->xq, c->xq_slots, c->slot_of,
+                    c->choice_weight, c->slot_token, c->expert_start, c->expert_count, c->tasks};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
+    free(c);
+}
+
+int strata_n_past(const strata_context *c) { return c->n_past; }
+
+strata_status strata_keep(strata_context *c, int n) {
+    if (n < 0 || n > c->n_past)
+        return fail(STRATA_ERR_INVALID_ARG, "keep(%d): the context holds %d positions", n, c->n_past);
+    c->n_past = n;  // the rows past n are overwritten by the next eval
+    return STRATA_OK;
+}
+
+void strata_abort(strata_context *c) { atomic_store(&c->abort_flag, 1); }
+
+void strata_get_timings(const strata_context *c, strata_timings *out) { *out = c->timings; }
+
+// --- KV cache rows: one (position, kv head) row of head_dim values
+
+/* Byte offset of row (il, pos, kvh) in the cache, and the index of its int8 scale. */
+static size_t kv_index(const strata_context *c, int il, int pos, int kvh) {
+    const strata_model_params *p = &c->model->hp;
+    return ((size_t)il * c->n_ctx + pos) * p->n_head_kv + kvh;
+}
+
+/* cache row `idx` = src (head_dim) in the cache's type. */
+static void kv_store(const strata_context *c, void *cache, float *scales, size_t idx, const float *src) {
+    int hd = c->model->hp.head_dim;
+    if (c->kv_type == STRATA_KV_F32) {
+        memcpy((float *)cache + idx * hd, src, sizeof(float) * hd);
+    } else if (c->kv_type == STRATA_KV_F16) {
+        uint16_t *dst = (uint16_t *)cache + idx * hd;
+        for (int i = 0; i < hd; i++) dst[i] = strata_f32_to_f16(src[i]);
+    } else {
+        // symmetric int8: scale = max|x| / 127, so the error per value is at most scale / 2
+        int8_t *dst = (int8_t *)cache + idx * hd;
+        float amax = 0.0f;
+        for (int i = 0; i < hd; i++) amax = fmaxf(amax, fabsf(src[i]));
+        float scale = amax / 127.0f, inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+        for (int i = 0; i < hd; i++) dst[i] = (int8_t)lrintf(src[i] * inv);
+        scales[idx] = scale;
+    }
+}
+
+/* dst (head_dim) = cache row `idx` as f32. */
+static void kv_load(const strata_context *c, const void *cache, const float *scales, size_t idx, float *dst) {
+    int hd = c->model->hp.head_dim;
+    if (c->kv_type == STRATA_KV_F32) {
+        memcpy(dst, (const float *)cache + idx * hd, sizeof(float) * hd);
+    } else if (c->kv_type == STRATA_KV_F16) {
+        const uint16_t *src = (const uint16_t *)cache + idx * hd;
+        for (int i = 0; i < hd; i++) dst[i] = strata_f16_to_f32(src[i]);
+    } else {
+        const int8_t *src = (const int8_t *)cache + idx * hd;
+        float scale = scales[idx];
+        for (int i = 0; i < hd; i++) dst[i] = scale * src[i];
+    }
+}
+
+// --- building blocks (each called by every thread of the team; `omp for` splits the work)
+
+/* out (n,) = x / sqrt(mean(x^2) + eps) * w */
+static void rmsnorm(float *out, const float *x, const float *w, int64_t n, float eps) {
+    float ss = 0.0f;
+    for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
+    float s = 1.0f / sqrtf(ss / n + eps);
+    for (int64_t i = 0; i < n; i++) out[i] = x[i] * s * w[i];
+}
+
+/* out rows (n_tok, n) = rmsnorm of x rows, in parallel over tokens. */
+static void rmsnorm_rows(float *out, const float *x, const float *w, int n_tok, int64_t n, float eps) {
+#pragma omp for schedule(static)
+    for (int t = 0; t < n_tok; t++) rmsnorm(out + t * n, x + t * n, w, n, eps);
+}
+
+/* dst rows (n_tok) = x rows (n_tok, n) converted to `vec_dot_type`, rows `stride` bytes apart. */
+static void quantize_rows(int vec_dot_type, const float *x, int n_tok, int64_t n, void *dst, size_t stride) {
+#pragma omp for schedule(static)
+    for (int t = 0; t < n_tok; t++) strata_quantize_row_any(vec_dot_type, x + t * n, (char *)dst + t * stride, n);
+}
+
+/* y (n_tok, w.n_out) = xq @ w^T, xq already in w's partner type; rows split between threads. */
+static void product(const matrix *w, const void *w_data, const void *xq, int n_tok, float *y, int64_t ldy) {
+    int64_t n_blocks = (w->n_out + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < n_blocks; b++) {
+        int64_t r0 = b * ROWS_PER_TASK, r1 = r0 + ROWS_PER_TASK < w->n_out ? r0 + ROWS_PER_TASK : w->n_out;
+        strata_gemm_rows(w->type, w->n_in, w_data, r0, r1, xq, n_tok, y, ldy);
+    }
+}
+
+/* ys[i] (n_tok, ws[i].n_out) = x (n_tok, n_in) @ ws[i]^T for weights reading the same input: x is converted to
+ * each partner type once. */
+static void linear(strata_context *c, const float *x, int n_tok, int n_w, const matrix *const *ws,
+                   float *const *ys) {
+    int held = -1;
+    for (int i = 0; i < n_w; i++) {
+        const matrix *w = ws[i];
+        size_t stride = act_row_bytes(w->vec_dot_type, w->n_in);
+        if (w->vec_dot_type != held) quantize_rows(w->vec_dot_type, x, n_tok, w->n_in, c->xq, stride);
+        held = w->vec_dot_type;
+        product(w, w->data, c->xq, n_tok, ys[i], w->n_out);
+    }
+}
+
+static void linear1(strata_context *c, const float *x, int n_tok, const matrix *w, float *y) {
+    linear(c, x, n_tok, 1, &w, &y);
+}
+
+/* Rotate pairs of x (head_dim) by pos * inv_freq[i]: pairs (2i, 2i+1) or, NEOX, (i, i + head_dim/2). */
+static void rope(float *x, int hd, int pos, const float *inv_freq, rope_mode mode) {
+    for (int i = 0; i < hd / 2; i++) {
+        float theta = pos * inv_freq[i], cs = cosf(theta), sn = sinf(theta);
+        int a = mode == ROPE_NEOX ? i : 2 * i, b = mode == ROPE_NEOX ? i + hd / 2 : 2 * i + 1;
+        float x0 = x[a], x1 = x[b];
+        x[a] = x0 * cs - x1 * sn;
+        x[b] = x0 * sn + x1 * cs;
+    }
+}
+
+/* q, k heads of each token: per-head RMSNorm (qwen3) then RoPE at the token's position. */
+static void qk_norm_rope(strata_context *c, const layer_weights *L, int n_tok, int pos0) {
+    const strata_model *m = c->model;
+    int hd = m->hp.head_dim, nh = m->hp.n_head, nkv = m->hp.n_head_kv;
+#pragma omp for schedule(static)
+    for (int t = 0; t < n_tok; t++) {
+        for (int h = 0; h < nh + nkv; h++) {
+            float *x = h < nh ? c->q + ((size_t)t * nh + h) * hd : c->k + ((size_t)t * nkv + h - nh) * hd;
+            if (m->has_qk_norm) rmsnorm(x, x, h < nh ? L->q_norm : L->k_norm, hd, m->hp.rms_eps);
+            rope(x, hd, pos0 + t, m->inv_freq, m->rope);
+        }
+    }
+}
+
+/* Write this chunk's k and v rows into the cache at their positions. */
+static void store_kv(strata_context *c, int il, int n_tok, int pos0) {
+    int hd = c->model->hp.head_dim, nkv = c->model->hp.n_head_kv;
+#pragma omp for schedule(static)
+    for (int t = 0; t < n_tok; t++)
+        for (int h = 0; h < nkv; h++) {
+            size_t idx = kv_index(c, il, pos0 + t, h), src = ((size_t)t * nkv + h) * hd;
+            kv_store(c, c->k_cache, c->k_scale, idx, c->k + src);
+            kv_store(c, c->v_cache, c->v_scale, idx, c->v + src);
+        }
+}
+
+/* out (head_dim) = softmax(q . K[0..n_pos) / sqrt(head_dim)) . V[0..n_pos), in f32, for one query head. */
+static void attend_head(strata_context *c, int il, int kvh, const float *q, int n_pos, float *scores,
+                        float *row, float *out) {
+    int hd = c->model->hp.head_dim;
+    float scale = 1.0f / sqrtf((float)hd), max = -INFINITY, sum = 0.0f;
+    for (int p = 0; p < n_pos; p++) {
+        kv_load(c, c->k_cache, c->k_scale, kv_index(c, il, p, kvh), row);
+        float s = 0.0f;
+        for (int i = 0; i < hd; i++) s += q[i] * row[i];
+        scores[p] = s * scale;
+        max = fmaxf(max, scores[p]);
+    }
+    for (int p = 0; p < n_pos; p++) {
+        scores[p] = expf(scores[p] - max);
+        sum += scores[p];
+    }
+    memset(out, 0, sizeof(float) * hd);
+    for (int p = 0; p < n_pos; p++) {
+        kv_load(c, c->v_cache, c->v_scale, kv_index(c, il, p, kvh), row);
+        float w = scores[p] / sum;
+        for (int i = 0; i < hd; i++) out[i] += w * row[i];
+    }
+}
+
+/* att = causal grouped-query attention of the chunk's queries over the cache, in parallel over (token, head). */
+static void attention(strata_context *c, int il, int n_tok, int pos0) {
+    const strata_model_params *p = &c->model->hp;
+    int hd = p->head_dim, nh = p->n_head, group = p->n_head / p->n_head_kv, tid = omp_get_thread_num();
+    float *scores = c->scores + (size_t)tid * c->n_ctx, *row = c->kv_row + (size_t)tid * hd;
+#pragma omp for schedule(dynamic, 1)
+    for (int th = 0; th < n_tok * nh; th++) {
+        int t = th / nh, h = th % nh;
+        size_t off = ((size_t)t * nh + h) * hd;
+        attend_head(c, il, h / group, c->q + off, pos0 + t + 1, scores, row, c->att + off);
+    }
+}
+
+/* x += y, row by row. */
+static void add_rows(float *x, const float *y, int n_tok, int64_t n) {
+#pragma omp for schedule(static)
+    for (int t = 0; t < n_tok; t++)
+        for (int64_t i = 0; i < n; i++) x[t * n + i] += y[t * n + i];
+}
+
+/* hb = silu(hb) * hb2 over n_rows rows of n. */
+static void swiglu_rows(float *hb, const float *hb2, int n_rows, int64_t n) {
+#pragma omp for schedule(static)
+    for (int r = 0; r < n_rows; r++)
+        for (int64_t i = 0; i < n; i++) {
+            float g = hb[(size_t)r * n + i];
+            hb[(size_t)r * n + i] = g / (1.0f + expf(-g)) * hb2[(size_t)r * n + i];
+        }
+}
+
+// --- transformer blocks
+
+static void attention_block(strata_context *c, int il, int n_tok, int pos0) {
+    const strata_model_params *p = &c->model->hp;
+    const layer_weights *L = &c->model->layers[il];
+    // xb = rmsnorm(x); q, k, v = xb @ Wq, Wk, Wv
+    rmsnorm_rows(c->xb, c->x, L->attn_norm, n_tok, p->n_embd, p->rms_eps);
+    const matrix *ws[3] = {&L->wq, &L->wk, &L->wv};
+    float *ys[3] = {c->q, c->k, c->v};
+    linear(c, c->xb, n_tok, 3, ws, ys);
+    // q, k = rope(qk_norm(q, k)); cache k, v at the chunk's positions
+    qk_norm_rope(c, L, n_tok, pos0);
+    store_kv(c, il, n_tok, pos0);
+    // att = softmax(q k^T / sqrt(head_dim)) v over positions <= each token's; x += att @ Wo
+    attention(c, il, n_tok, pos0);
+    linear1(c, c->att, n_tok, &L->wo, c->xb);
+    add_rows(c->x, c->xb, n_tok, p->n_embd);
+}
+
+static void dense_ffn_block(strata_context *c, int il, int n_tok) {
+    const strata_model_params *p = &c->model->hp;
+    const layer_weights *L = &c->model->layers[il];
+    // xb = rmsnorm(x); x += (silu(xb @ Wgate) * (xb @ Wup)) @ Wdown
+    rmsnorm_rows(c->xb, c->x, L->ffn_norm, n_tok, p->n_embd, p->rms_eps);
+    const matrix *ws[2] = {&L->ffn_gate, &L->ffn_up};
+    float *ys[2] = {c->hb, c->hb2};
+    linear(c, c->xb, n_tok, 2, ws, ys);
+    swiglu_rows(c->hb, c->hb2, n_tok, p->n_ff);
+    linear1(c, c->hb, n_tok, &L->ffn_down, c->xb);
+    add_rows(c->x, c->xb, n_tok, p->n_embd);
+}
+
+/* choice (k) = the k largest of probs (n), in descending order (the lower index wins a tie). */
+static void top_k(const float *probs, int n, int k, int *choice) {
+    for (int j = 0; j < k; j++) {
+        int best = -1;
+        for (int e = 0; e < n; e++) {
+            int taken = 0;
+            for (int i = 0; i < j; i++) taken |= choice[i] == e;
+            if (!taken && (best < 0 || probs[e] > probs[best])) best = e;
+        }
+        choice[j] = best;
+    }
+}
+
+/* Route each token: softmax over the router logits, top k, weights renormalised to sum to 1. Then group the
+ * (token, choice) slots by expert and list the (expert, row block) tasks of the products. Serial: it is tiny. */
+static void route(strata_context *c, int n_tok) {
+    const strata_model_params *p = &c->model->hp;
+    int n_exp = p->n_expert, k = p->n_expert_used, choice[MAX_EXPERT_USED];
+    memset(c->expert_count, 0, sizeof(int) * n_exp);
+    for (int t = 0; t < n_tok; t++) {
+        float *logit = c->router + (size_t)t * n_exp, max = -INFINITY, sum = 0.0f, kept = 0.0f;
+        for (int e = 0; e < n_exp; e++) max = fmaxf(max, logit[e]);
+        for (int e = 0; e < n_exp; e++) sum += logit[e] = expf(logit[e] - max);
+        top_k(logit, n_exp, k, choice);
+        for (int j = 0; j < k; j++) kept += logit[choice[j]] / sum;
+        for (int j = 0; j < k; j++) {
+            c->choice_weight[t * k + j] = logit[choice[j]] / sum / kept;
+            c->slot_of[t * k + j] = choice[j];  // the expert for now; its slot below
+            c->expert_count[choice[j]]++;
+        }
+    }
+    for (int e = 0, start = 0; e < n_exp; e++) {
+        c->expert_start[e] = start;
+        start += c->expert_count[e];
+    }
+    int *fill = c->slot_token;  // borrow: next free slot per expert is expert_start + filled so far
+    int filled[n_exp];
+    memset(filled, 0, sizeof filled);
+    for (int tj = 0; tj < n_tok * k; tj++) {
+        int e = c->slot_of[tj], s = c->expert_start[e] + filled[e]++;
+        fill[s] = tj / k;
+        c->slot_of[tj] = s;
+    }
+    int n_up = 0, n_down = 0;
+    int64_t blocks_up = (p->n_ff_exp + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+    int64_t blocks_down = (p->n_embd + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+    for (int e = 0; e < n_exp; e++)  // experts nobody picked get no task
+        for (int64_t b = 0; c->expert_count[e] && b < blocks_up; b++, n_up++)
+            c->tasks[2 * n_up] = e, c->tasks[2 * n_up + 1] = (int)b;
+    c->n_tasks_up = n_up;
+    for (int e = 0; e < n_exp; e++)
+        for (int64_t b = 0; c->expert_count[e] && b < blocks_down; b++, n_down++)
+            c->tasks[2 * (n_up + n_down)] = e, c->tasks[2 * (n_up + n_down) + 1] = (int)b;
+    c->n_tasks_down = n_down;
+}
+
+/* Each expert's rows of y = (its slots of xq) @ w_e^T over the tasks [first, first + n); slot rows are
+ * `stride` bytes apart in xq and w.n_out floats apart in y. */
+static void expert_products(const strata_context *c, const matrix *w, const void *xq, size_t stride, float *y,
+                            int first, int n) {
+#pragma omp for schedule(dynamic, 1)
+    for (int i = first; i < first + n; i++) {
+        int e = c->tasks[2 * i], s0 = c->expert_start[e];
+        int64_t r0 = (int64_t)c->tasks[2 * i + 1] * ROWS_PER_TASK;
+        int64_t r1 = r0 + ROWS_PER_TASK < w->n_out ? r0 + ROWS_PER_TASK : w->n_out;
+        strata_gemm_rows(w->type, w->n_in, expert_data(w, e), r0, r1, (const char *)xq + (size_t)s0 * stride,
+                         c->expert_count[e], y + (size_t)s0 * w->n_out, w->n_out);
+    }
+}
+
+/* xq_slots row s = xq row of slot s's token: each token's activations are converted once, then gathered. */
+static void gather_slots(strata_context *c, int n_slots, size_t stride) {
+#pragma omp for schedule(static)
+    for (int s = 0; s < n_slots; s++)
+        memcpy((char *)c->xq_slots + (size_t)s * stride, (const char *)c->xq + (size_t)c->slot_token[s] * stride,
+               stride);
+}
+
+/* gate/up products of every picked expert over its slots: hb = silu(xb Wg_e) * (xb Wu_e). */
+static void experts_gate_up(strata_context *c, const layer_weights *L, int n_tok) {
+    const strata_model_params *p = &c->model->hp;
+    int n_slots = n_tok * p->n_expert_used;
+    const matrix *ws[2] = {&L->gate_exps, &L->up_exps};
+    float *ys[2] = {c->hb, c->hb2};
+    for (int i = 0; i < 2; i++) {
+        size_t stride = act_row_bytes(ws[i]->vec_dot_type, p->n_embd);
+        if (i == 0 || ws[1]->vec_dot_type != ws[0]->vec_dot_type) {
+            quantize_rows(ws[i]->vec_dot_type, c->xb, n_tok, p->n_embd, c->xq, stride);
+            gather_slots(c, n_slots, stride);
+        }
+        expert_products(c, ws[i], c->xq_slots, stride, ys[i], 0, c->n_tasks_up);
+    }
+    swiglu_rows(c->hb, c->hb2, n_slots, p->n_ff_exp);
+}
+
+static void moe_block(strata_context *c, int il, int n_tok) {
+    const strata_model_params *p = &c->model->hp;
+    const layer_weights *L = &c->model->layers[il];
+    int k = p->n_expert_used, n_slots = n_tok * k;
+    // xb = rmsnorm(x); router logits = xb @ Wr; each token picks its top-k experts
+    rmsnorm_rows(c->xb, c->x, L->ffn_norm, n_tok, p->n_embd, p->rms_eps);
+    linear1(c, c->xb, n_tok, &L->router, c->router);
+#pragma omp single
+    route(c, n_tok);
+    // per slot: hb = silu(xb Wg_e) * (xb Wu_e); moe_out = hb @ Wd_e
+    experts_gate_up(c, L, n_tok);
+    size_t stride = act_row_bytes(L->down_exps.vec_dot_type, p->n_ff_exp);
+    quantize_rows(L->down_exps.vec_dot_type, c->hb, n_slots, p->n_ff_exp, c->xq_slots, stride);
+    expert_products(c, &L->down_exps, c->xq_slots, stride, c->moe_out, c->n_tasks_up, c->n_tasks_down);
+    // x += sum over the token's choices of weight * moe_out[slot]
+#pragma omp for schedule(static)
+    for (int t = 0; t < n_tok; t++)
+        for (int j = 0; j < k; j++) {
+            const float *y = c->moe_out + (size_t)c->slot_of[t * k + j] * p->n_embd;
+            float w = c->choice_weight[t * k + j];
+            for (int64_t i = 0; i < p->n_embd; i++) c->x[(size_t)t * p->n_embd + i] += w * y[i];
+        }
+}
+
+// --- forward pass of one chunk
+
+static double now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e3 + ts.tv_nsec * 1e-6;
+}
+
+/* x rows = token embeddings, or the caller's rows where embd_at[t] >= 0. */
+static void embed(strata_context *c, const int *tokens, const int *embd_at, const float *embd_rows, int n_tok) {
+    const strata_model *m = c->model;
+    int64_t E = m->hp.n_embd;
+#pragma omp for schedule(static)
+    for (int t = 0; t < n_tok; t++) {
+        if (embd_at && embd_at[t] >= 0)
+            memcpy(c->x + t * E, embd_rows + (size_t)embd_at[t] * E, sizeof(float) * E);
+        else
+            strata_dequantize_row_any(m->tok_embd.type,
+                                      (const char *)m->tok_embd.data + (size_t)tokens[t] * m->tok_embd.row_bytes,
+                                      c->x + t * E, E);
+    }
+}
+
+/* Read the abort flag once for the whole team; the barrier after `single` gives every thread the same answer. */
+static int team_should_stop(strata_context *c) {
+#pragma omp single
+    c->stop = atomic_load(&c->abort_flag);
+    return c->stop;
+}
+
+/* logits rows (n_out, n_vocab) = rmsnorm(x rows [first, first + n_out)) @ Woutput. */
+static void output_logits(strata_context *c, int first, int n_out, float *logits) {
+    const strata_model *m = c->model;
+    int64_t E = m->hp.n_embd;
+    rmsnorm_rows(c->xb, c->x + (size_t)first * E, m->output_norm, n_out, E, m->hp.rms_eps);
+    linear1(c, c->xb, n_out, &m->output, logits);
+}
+
+/* Run tokens [0, n_tok) at positions pos0.. through every layer; logits as asked (NULL: none).
+ * Returns 1 when the abort flag stopped it. */
+static int forward_chunk(strata_context *c, const int *tokens, const int *embd_at, const float *embd_rows,
+                         int n_tok, int pos0, int all_logits, float *logits) {
+    const strata_model *m = c->model;
+#pragma omp parallel num_threads(c->n_threads)
+    {
+        embed(c, tokens, embd_at, embd_rows, n_tok);
+        for (int il = 0; il < m->hp.n_layer && !team_should_stop(c); il++) {
+            attention_block(c, il, n_tok, pos0);
+            if (m->is_moe) moe_block(c, il, n_tok);
+            else dense_ffn_block(c, il, n_tok);
+        }
+        if (!c->stop && logits) {
+#pragma omp single
+            c->output_t0 = now_ms();
+            if (all_logits) output_logits(c, 0, n_tok, logits);
+            else output_logits(c, n_tok - 1, 1, logits);
+        }
+    }
+    if (!c->stop && logits) c->timings.output_ms += now_ms() - c->output_t0;
+    return c->stop;
+}
+
+// --- eval: validation, chunking, timings
+
+/* embd_at (n_tokens) = the caller's row replacing each token, or -1; then every other token must be in range. */
+static strata_status map_inputs(const strata_context *c, const int *tokens, int n_tokens, const int *embd_index,
+                                int n_embd_rows, int *embd_at) {
+    for (int t = 0; t < n_tokens; t++) embd_at[t] = -1;
+    for (int r = 0; r < n_embd_rows; r++) {
+        int t = embd_index[r];
+        if (t < 0 || t >= n_tokens) return fail(STRATA_ERR_INVALID_ARG, "embedding row %d at index %d, outside "
+                                                "the %d tokens", r, t, n_tokens);
+        if (embd_at[t] >= 0) return fail(STRATA_ERR_INVALID_ARG, "two embedding rows at index %d", t);
+        embd_at[t] = r;
+    }
+    for (int t = 0; t < n_tokens; t++)
+        if (embd_at[t] < 0 && (tokens[t] < 0 || tokens[t] >= c->model->hp.n_vocab))
+            return fail(STRATA_ERR_INVALID_ARG, "token id %d out of range [0, %d)", tokens[t],
+                        c->model->hp.n_vocab);
+    return STRATA_OK;
+}
+
+static strata_status check_eval(const strata_context *c, int n_tokens, const float *logits, int n_embd_rows,
+                                const float *embd_rows, const int *embd_index) {
+    if (n_tokens <= 0 || !logits) return fail(STRATA_ERR_INVALID_ARG, "eval needs at least one token and logits");
+    if (n_embd_rows < 0 || (n_embd_rows > 0 && (!embd_rows || !embd_index)))
+        return fail(STRATA_ERR_INVALID_ARG, "embedding rows without their indices");
+    if ((long long)c->n_past + n_tokens > c->n_ctx)
+        return fail(STRATA_ERR_CONTEXT_FULL, "%d positions held + %d new exceed the context of %d", c->n_past,
+                    n_tokens, c->n_ctx);
+    return STRATA_OK;
+}
+
+strata_status strata_eval(strata_context *c, const int *tokens, int n_tokens, const float *embd_rows,
+                          const int *embd_index, int n_embd_rows, int all_logits, float *logits) {
+    double t0 = now_ms();
+    memset(&c->timings, 0, sizeof c->timings);
+    strata_status st = check_eval(c, n_tokens, logits, n_embd_rows, embd_rows, embd_index);
+    if (st != STRATA_OK) return st;
+    int *embd_at = malloc(sizeof(int) * n_tokens);
+    if (!embd_at) return fail(STRATA_ERR_NOMEM, "out of memory");
+    st = map_inputs(c, tokens, n_tokens, embd_index, n_embd_rows, embd_at);
+    int64_t V = c->model->hp.n_vocab;
+    for (int i0 = 0; st == STRATA_OK && i0 < n_tokens; i0 += c->n_batch) {
+        int n = n_tokens - i0 < c->n_batch ? n_tokens - i0 : c->n_batch, last = i0 + n == n_tokens;
+        float *out = all_logits ? logits + (size_t)i0 * V : last ? logits : NULL;
+        if (forward_chunk(c, tokens + i0, embd_at + i0, embd_rows, n, c->n_past, all_logits, out)) {
+            atomic_store(&c->abort_flag, 0);
+            st = fail(STRATA_ABORTED, "aborted after %d of %d tokens", i0, n_tokens);
+            break;
+        }
+        c->n_past += n;  // only a finished chunk joins the cache
+        c->timings.n_tokens += n;
+        c->timings.n_chunks++;
+    }
+    free(embd_at);
+    c->timings.total_ms = now_ms() - t0;
+    return st;
+}

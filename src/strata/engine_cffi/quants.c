@@ -1,0 +1,807 @@
+/* quants.c — block formats, row (de)quantisation and dot products.
+ * Layouts are GGUF's (little-endian). Every fast product has a naive reference beside it: dequantise, sum in
+ * double. The fast ones use AVX-512/AVX2 where the compiler targets them, with a scalar #else. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+#if defined(__AVX2__) || defined(__F16C__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+#include "kernels.h"
+
+// --- blocks
+
+#define QK 32    // elements per Q8_0 / Q4_0 block
+#define QKK 256  // elements per K-quant super-block
+
+typedef struct {
+    uint16_t d;      // f16 scale
+    int8_t qs[QK];
+} block_q8_0;
+
+typedef struct {
+    uint16_t d;          // f16 scale
+    uint8_t qs[QK / 2];  // element i in the low nibble of qs[i], element i + 16 in the high one; value (q - 8) * d
+} block_q4_0;
+
+typedef struct {
+    uint16_t d, dmin;     // f16 super-scales of the 6-bit sub-block scales and mins
+    uint8_t scales[12];   // 8 scales and 8 mins of 6 bits, packed (see q4k_scale_min)
+    uint8_t qs[QKK / 2];  // 4 chunks of 32 bytes: low nibbles are sub-block 2c, high nibbles sub-block 2c + 1
+} block_q4_K;
+
+typedef struct {
+    uint8_t ql[QKK / 2];  // low 4 bits
+    uint8_t qh[QKK / 4];  // high 2 bits
+    int8_t scales[QKK / 16];
+    uint16_t d;           // f16 super-scale; value = d * scales[i / 16] * (q - 32)
+} block_q6_K;
+
+typedef struct {
+    float d;
+    int8_t qs[QKK];
+    int16_t bsums[QKK / 16];  // sum of each group of 16 qs: the K-quants' offsets need it
+} block_q8_K;
+
+_Static_assert(sizeof(block_q8_0) == 34, "Q8_0 block");
+_Static_assert(sizeof(block_q4_0) == 18, "Q4_0 block");
+_Static_assert(sizeof(block_q4_K) == 144, "Q4_K block");
+_Static_assert(sizeof(block_q6_K) == 210, "Q6_K block");
+_Static_assert(sizeof(block_q8_K) == 292, "Q8_K block");
+
+// --- f16 / bf16 scalars
+
+float strata_f16_to_f32(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
+    if (exp == 0) {  // zero or subnormal: mant * 2^-24, exact in f32
+        float v = (float)mant * 5.9604644775390625e-8f;
+        return sign ? -v : v;
+    }
+    bits = exp == 31 ? sign | 0x7f800000u | (mant << 13) : sign | ((exp + 112) << 23) | (mant << 13);
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+uint16_t strata_f32_to_f16(float f) {
+#if defined(__F16C__)
+    return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#else
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    uint16_t sign = (x >> 16) & 0x8000;
+    x &= 0x7fffffff;
+    if (x > 0x7f800000u) return sign | 0x7e00;   // NaN stays NaN
+    if (x >= 0x477ff000u) return sign | 0x7c00;  // 65520 and up round to infinity
+    if (x < 0x38800000u) {                        // below 2^-14: subnormal, units of 2^-24, round to even
+        float a;
+        memcpy(&a, &x, 4);
+        return sign | (uint16_t)rintf(a * 16777216.0f);
+    }
+    x += 0xfff + ((x >> 13) & 1);  // round to nearest even; a carry moves into the exponent as it should
+    return sign | (uint16_t)((x >> 13) - (112 << 10));
+#endif
+}
+
+float strata_bf16_to_f32(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+#define F16(h) strata_f16_to_f32(h)
+
+// --- traits
+
+static const strata_type_traits TRAITS[] = {
+    [STRATA_TYPE_F32] = {"f32", 1, 4, STRATA_TYPE_F32},
+    [STRATA_TYPE_F16] = {"f16", 1, 2, STRATA_TYPE_F32},
+    [STRATA_TYPE_Q4_0] = {"q4_0", QK, sizeof(block_q4_0), STRATA_TYPE_Q8_0},
+    [STRATA_TYPE_Q8_0] = {"q8_0", QK, sizeof(block_q8_0), STRATA_TYPE_Q8_0},
+    [STRATA_TYPE_Q4_K] = {"q4_K", QKK, sizeof(block_q4_K), STRATA_TYPE_Q8_K},
+    [STRATA_TYPE_Q6_K] = {"q6_K", QKK, sizeof(block_q6_K), STRATA_TYPE_Q8_K},
+    [STRATA_TYPE_Q8_K] = {"q8_K", QKK, sizeof(block_q8_K), STRATA_TYPE_Q8_K},
+    [STRATA_TYPE_BF16] = {"bf16", 1, 2, STRATA_TYPE_F32},
+};
+
+const strata_type_traits *strata_traits(int type) {
+    if (type < 0 || type >= (int)(sizeof(TRAITS) / sizeof(TRAITS[0])) || !TRAITS[type].name) return NULL;
+    return &TRAITS[type];
+}
+
+int strata_type_supported(int type) {
+    return strata_traits(type) != NULL && type != STRATA_TYPE_Q8_K;
+}
+
+static size_t row_bytes(int type, int64_t n) {
+    const strata_type_traits *t = strata_traits(type);
+    if (!t || n < 0 || n % t->block_size) return 0;
+    return (size_t)(n / t->block_size) * t->block_bytes;
+}
+
+size_t strata_row_bytes(int type, long long n) {
+    return strata_type_supported(type) ? row_bytes(type, n) : 0;
+}
+
+// --- dequantisation (bit for bit what the gguf package computes: same f32 operations, in the same order)
+
+// The 6-bit scale and min of each of the 8 sub-blocks: bytes 0-3 hold scales 0-3 (and the top bits of scales
+// 4-7), bytes 4-7 mins 0-3 (and the top bits of mins 4-7), bytes 8-11 the low 4 bits of scales / mins 4-7.
+static inline void q4k_scale_min(const uint8_t s[12], uint8_t sc[8], uint8_t m[8]) {
+    for (int j = 0; j < 4; j++) {
+        sc[j] = s[j] & 63;
+        m[j] = s[j + 4] & 63;
+        sc[j + 4] = (s[j + 8] & 0xf) | ((s[j] >> 6) << 4);
+        m[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
+    }
+}
+
+// Element e of a Q6_K super-block, unsigned (0..63): half h = e / 128 of 64 ql bytes and 32 qh bytes; within a
+// half, position p: ql byte p % 64, nibble p / 64; qh byte p % 32, 2-bit field p / 32.
+static inline int q6k_value(const block_q6_K *b, int e) {
+    int h = e / 128, p = e % 128;
+    int lo = (b->ql[h * 64 + p % 64] >> (4 * (p / 64))) & 0xf;
+    int hi = (b->qh[h * 32 + p % 32] >> (2 * (p / 32))) & 3;
+    return lo | (hi << 4);
+}
+
+static void dequant_q8_0(const block_q8_0 *b, float *y, int64_t n) {
+    for (int64_t i = 0; i < n / QK; i++)
+        for (int j = 0; j < QK; j++) y[i * QK + j] = (float)b[i].qs[j] * F16(b[i].d);
+}
+
+static void dequant_q4_0(const block_q4_0 *b, float *y, int64_t n) {
+    for (int64_t i = 0; i < n / QK; i++) {
+        float d = F16(b[i].d);
+        for (int j = 0; j < QK / 2; j++) {
+            y[i * QK + j] = d * (float)((b[i].qs[j] & 0xf) - 8);
+            y[i * QK + j + QK / 2] = d * (float)((b[i].qs[j] >> 4) - 8);
+        }
+    }
+}
+
+// No fused multiply-add here: the reference rounds d * q before subtracting the min.
+__attribute__((optimize("fp-contract=off")))
+static void dequant_q4_K(const block_q4_K *b, float *y, int64_t n) {
+    for (int64_t i = 0; i < n / QKK; i++, y += QKK) {
+        uint8_t sc[8], m[8];
+        q4k_scale_min(b[i].scales, sc, m);
+        float d = F16(b[i].d), dmin = F16(b[i].dmin);
+        for (int s = 0; s < 8; s++) {
+            float dl = d * (float)sc[s], ml = dmin * (float)m[s];
+            for (int j = 0; j < 32; j++) {
+                int q = (b[i].qs[(s / 2) * 32 + j] >> (4 * (s % 2))) & 0xf;
+                y[s * 32 + j] = dl * (float)q - ml;
+            }
+        }
+    }
+}
+
+static void dequant_q6_K(const block_q6_K *b, float *y, int64_t n) {
+    for (int64_t i = 0; i < n / QKK; i++, y += QKK) {
+        float d = F16(b[i].d);
+        for (int e = 0; e < QKK; e++) y[e] = (d * (float)b[i].scales[e / 16]) * (float)(q6k_value(&b[i], e) - 32);
+    }
+}
+
+static void dequant_q8_K(const block_q8_K *b, float *y, int64_t n) {
+    for (int64_t i = 0; i < n / QKK; i++)
+        for (int j = 0; j < QKK; j++) y[i * QKK + j] = (float)b[i].qs[j] * b[i].d;
+}
+
+void strata_dequantize_row_any(int type, const void *src, float *dst, int64_t n) {
+    switch (type) {
+    case STRATA_TYPE_F32: memcpy(dst, src, (size_t)n * sizeof(float)); break;
+    case STRATA_TYPE_F16:
+        for (int64_t i = 0; i < n; i++) dst[i] = F16(((const uint16_t *)src)[i]);
+        break;
+    case STRATA_TYPE_BF16:
+        for (int64_t i = 0; i < n; i++) dst[i] = strata_bf16_to_f32(((const uint16_t *)src)[i]);
+        break;
+    case STRATA_TYPE_Q8_0: dequant_q8_0(src, dst, n); break;
+    case STRATA_TYPE_Q4_0: dequant_q4_0(src, dst, n); break;
+    case STRATA_TYPE_Q4_K: dequant_q4_K(src, dst, n); break;
+    case STRATA_TYPE_Q6_K: dequant_q6_K(src, dst, n); break;
+    case STRATA_TYPE_Q8_K: dequant_q8_K(src, dst, n); break;
+    }
+}
+
+// --- activation quantisation
+
+// Both activation types as the gguf package quantises Q8_0: d = amax / 127, q = round-half-away(x * (1 / d)).
+
+// d of the n values at x (n a multiple of 16), and 1 / d in *id (0 for an all-zero block).
+static float q8_scale(const float *x, int n, float *id) {
+#if defined(__AVX512F__)
+    __m512 m = _mm512_setzero_ps();
+    for (int j = 0; j < n; j += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + j)));
+    float amax = _mm512_reduce_max_ps(m);
+#else
+    float amax = 0.0f;
+    for (int j = 0; j < n; j++) amax = fmaxf(amax, fabsf(x[j]));
+#endif
+    float d = amax / 127.0f;
+    *id = d != 0.0f ? 1.0f / d : 0.0f;
+    return d;
+}
+
+// q[0..16) = round-half-away(x * id), as roundf; returns their sum (Q8_K's bsums).
+static int q8_round16(const float *x, float id, int8_t *q) {
+#if defined(__AVX512F__)
+    // truncate |v|, then add 1 where the dropped fraction (exact: |v| - trunc|v|) is at least 1/2
+    __m512 v = _mm512_mul_ps(_mm512_loadu_ps(x), _mm512_set1_ps(id)), a = _mm512_abs_ps(v);
+    __m512 t = _mm512_roundscale_ps(a, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+    __mmask16 up = _mm512_cmp_ps_mask(_mm512_sub_ps(a, t), _mm512_set1_ps(0.5f), _CMP_GE_OQ);
+    __m512i qi = _mm512_cvttps_epi32(_mm512_mask_add_ps(t, up, t, _mm512_set1_ps(1.0f)));
+    qi = _mm512_mask_sub_epi32(qi, _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_LT_OQ), _mm512_setzero_si512(), qi);
+    _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(qi));
+    return _mm512_reduce_add_epi32(qi);
+#else
+    int s = 0;
+    for (int j = 0; j < 16; j++) s += q[j] = (int8_t)roundf(x[j] * id);
+    return s;
+#endif
+}
+
+static void quantize_q8_0(const float *x, block_q8_0 *b, int64_t n) {
+    for (int64_t i = 0; i < n / QK; i++, x += QK) {
+        float id, d = q8_scale(x, QK, &id);
+        b[i].d = strata_f32_to_f16(d);
+        q8_round16(x, id, b[i].qs);
+        q8_round16(x + 16, id, b[i].qs + 16);
+    }
+}
+
+// Q8_K keeps d in f32, and the sums of each 16 values for the K-quants' mins and offsets.
+static void quantize_q8_K(const float *x, block_q8_K *b, int64_t n) {
+    for (int64_t i = 0; i < n / QKK; i++, x += QKK) {
+        float id;
+        b[i].d = q8_scale(x, QKK, &id);
+        for (int g = 0; g < QKK / 16; g++) b[i].bsums[g] = (int16_t)q8_round16(x + 16 * g, id, b[i].qs + 16 * g);
+    }
+}
+
+void strata_quantize_row_any(int vec_dot_type, const float *src, void *dst, int64_t n) {
+    switch (vec_dot_type) {
+    case STRATA_TYPE_F32: memcpy(dst, src, (size_t)n * sizeof(float)); break;
+    case STRATA_TYPE_Q8_0: quantize_q8_0(src, dst, n); break;
+    case STRATA_TYPE_Q8_K: quantize_q8_K(src, dst, n); break;
+    }
+}
+
+// --- scalar dot products: one weight row with one activation row (the fast paths' tails and #else)
+
+static float dot_f32_scalar(const float *w, const float *x, int64_t n) {
+    float s = 0.0f;
+    for (int64_t i = 0; i < n; i++) s += w[i] * x[i];
+    return s;
+}
+
+static float dot_f16_scalar(const uint16_t *w, const float *x, int64_t n) {
+    float s = 0.0f;
+    for (int64_t i = 0; i < n; i++) s += F16(w[i]) * x[i];
+    return s;
+}
+
+static float dot_bf16_scalar(const uint16_t *w, const float *x, int64_t n) {
+    float s = 0.0f;
+    for (int64_t i = 0; i < n; i++) s += strata_bf16_to_f32(w[i]) * x[i];
+    return s;
+}
+
+static float dot_q8_0_scalar(const block_q8_0 *w, const block_q8_0 *x, int64_t nb) {
+    float s = 0.0f;
+    for (int64_t i = 0; i < nb; i++) {
+        int acc = 0;
+        for (int j = 0; j < QK; j++) acc += w[i].qs[j] * x[i].qs[j];
+        s += F16(w[i].d) * F16(x[i].d) * (float)acc;
+    }
+    return s;
+}
+
+static float dot_q4_0_scalar(const block_q4_0 *w, const block_q8_0 *x, int64_t nb) {
+    float s = 0.0f;
+    for (int64_t i = 0; i < nb; i++) {
+        int acc = 0;
+        for (int j = 0; j < QK / 2; j++)
+            acc += ((w[i].qs[j] & 0xf) - 8) * x[i].qs[j] + ((w[i].qs[j] >> 4) - 8) * x[i].qs[j + QK / 2];
+        s += F16(w[i].d) * F16(x[i].d) * (float)acc;
+    }
+    return s;
+}
+
+// sum_s d*sc_s * sum(q a) * da - dmin*m_s * sum(a) * da: the mins need only the activation sums (bsums).
+static float dot_q4_K_scalar(const block_q4_K *w, const block_q8_K *x, int64_t nb) {
+    float s = 0.0f;
+    for (int64_t i = 0; i < nb; i++) {
+        uint8_t sc[8], m[8];
+        q4k_scale_min(w[i].scales, sc, m);
+        int isum = 0, msum = 0;
+        for (int sb = 0; sb < 8; sb++) {
+            int acc = 0;
+            for (int j = 0; j < 32; j++)
+                acc += ((w[i].qs[(sb / 2) * 32 + j] >> (4 * (sb % 2))) & 0xf) * x[i].qs[sb * 32 + j];
+            isum += sc[sb] * acc;
+            msum += m[sb] * (x[i].bsums[2 * sb] + x[i].bsums[2 * sb + 1]);
+        }
+        s += x[i].d * (F16(w[i].d) * (float)isum - F16(w[i].dmin) * (float)msum);
+    }
+    return s;
+}
+
+static float dot_q6_K_scalar(const block_q6_K *w, const block_q8_K *x, int64_t nb) {
+    float s = 0.0f;
+    for (int64_t i = 0; i < nb; i++) {
+        int isum = 0;
+        for (int g = 0; g < QKK / 16; g++) {
+            int acc = 0;
+            for (int j = 0; j < 16; j++) acc += (q6k_value(&w[i], g * 16 + j) - 32) * x[i].qs[g * 16 + j];
+            isum += w[i].scales[g] * acc;
+        }
+        s += x[i].d * F16(w[i].d) * (float)isum;
+    }
+    return s;
+}
+
+// One weight row (n elements of `type`) with one activation row in its vec_dot_type.
+static float dot_row(int type, const void *w, const void *x, int64_t n) {
+    switch (type) {
+    case STRATA_TYPE_F32: return dot_f32_scalar(w, x, n);
+    case STRATA_TYPE_F16: return dot_f16_scalar(w, x, n);
+    case STRATA_TYPE_BF16: return dot_bf16_scalar(w, x, n);
+    case STRATA_TYPE_Q8_0: return dot_q8_0_scalar(w, x, n / QK);
+    case STRATA_TYPE_Q4_0: return dot_q4_0_scalar(w, x, n / QK);
+    case STRATA_TYPE_Q4_K: return dot_q4_K_scalar(w, x, n / QKK);
+    case STRATA_TYPE_Q6_K: return dot_q6_K_scalar(w, x, n / QKK);
+    }
+    return NAN;
+}
+
+// --- fast products: tiles of TR weight rows x TT tokens
+// A tile keeps TR * TT accumulators in registers, so each weight block is loaded (and unpacked) once per TT
+// tokens and each activation block once per TR rows. With one token (decode) the (TR, 1) tile streams TR rows
+// side by side. tile_*(..., NR, NT) are always inlined with constant NR <= TR, NT <= TT, which unrolls them.
+
+#define TR 4
+#define TT 4
+#define TOKEN_BLOCK 64  // tokens whose activations stay in cache while every row tile passes over them
+
+#define INLINE static inline __attribute__((always_inline))
+#define UNROLL _Pragma("GCC unroll 4")
+
+typedef struct {
+    int64_t n;          // elements per row
+    const char *w;      // weight rows, wb bytes apart
+    size_t wb;
+    const char *x;      // activation rows in the vec_dot_type, xb bytes apart
+    size_t xb;
+    float *y;           // y[t * ldy + r]
+    int64_t ldy;
+} gemm_args;
+
+#define W_ROW(a, r) ((const void *)((a)->w + (r) * (a)->wb))
+#define X_ROW(a, t) ((const void *)((a)->x + (t) * (a)->xb))
+
+#if defined(__AVX2__)
+static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// acc + sum of the 4 products of unsigned u and signed s bytes, per 32-bit lane
+static inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, u, s);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+// acc + sum of the 2 products of 16-bit a and b, per 32-bit lane
+static inline __m256i dot_s16(__m256i acc, __m256i a, __m256i b) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpwssd_epi32(acc, a, b);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+}
+
+// An f16 scale in every lane.
+static inline __m256 f16_bcast(const uint16_t *h) {
+    return _mm256_cvtph_ps(_mm_set1_epi16((short)*h));
+}
+
+INLINE void store_tile(const gemm_args *a, int64_t r, int64_t t, int NR, int NT, __m256 acc[TR][TT]) {
+    UNROLL for (int i = 0; i < NR; i++)
+        UNROLL for (int j = 0; j < NT; j++) a->y[(t + j) * a->ldy + r + i] = hsum256(acc[i][j]);
+}
+#endif
+
+#if defined(__AVX512F__)
+// 16 weights from element i of a row of `type`, as f32; lanes outside `m` read as 0.
+INLINE __m512 load_w16(int type, const void *row, int64_t i, __mmask16 m) {
+    if (type == STRATA_TYPE_F32) return _mm512_maskz_loadu_ps(m, (const float *)row + i);
+    __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t *)row + i);
+    if (type == STRATA_TYPE_F16) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));  // bf16: the top half of an f32
+}
+
+INLINE void float_step(int type, const void *w[TR], const float *x[TT], int64_t i, __mmask16 m, int NR, int NT,
+                       __m512 acc[TR][TT]) {
+    __m512 wv[TR];
+    UNROLL for (int r = 0; r < NR; r++) wv[r] = load_w16(type, w[r], i, m);
+    UNROLL for (int j = 0; j < NT; j++) {
+        __m512 xv = _mm512_maskz_loadu_ps(m, x[j] + i);
+        UNROLL for (int r = 0; r < NR; r++) acc[r][j] = _mm512_fmadd_ps(wv[r], xv, acc[r][j]);
+    }
+}
+
+// F32, F16 and BF16 weights with f32 activations.
+INLINE void tile_float(int type, const gemm_args *a, int64_t r, int64_t t, int NR, int NT) {
+    const void *w[TR];
+    const float *x[TT];
+    __m512 acc[TR][TT];
+    UNROLL for (int i = 0; i < NR; i++) w[i] = W_ROW(a, r + i);
+    UNROLL for (int j = 0; j < NT; j++) x[j] = X_ROW(a, t + j);
+    UNROLL for (int i = 0; i < NR; i++)
+        UNROLL for (int j = 0; j < NT; j++) acc[i][j] = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= a->n; i += 16) float_step(type, w, x, i, 0xffff, NR, NT, acc);
+    if (i < a->n) float_step(type, w, x, i, (__mmask16)((1u << (a->n - i)) - 1), NR, NT, acc);  // leftovers
+    UNROLL for (int i = 0; i < NR; i++)
+        UNROLL for (int j = 0; j < NT; j++) a->y[(t + j) * a->ldy + r + i] = _mm512_reduce_add_ps(acc[i][j]);
+}
+#define TILE_F32(a, r, t, NR, NT) tile_float(STRATA_TYPE_F32, a, r, t, NR, NT)
+#define TILE_F16(a, r, t, NR, NT) tile_float(STRATA_TYPE_F16, a, r, t, NR, NT)
+#define TILE_BF16(a, r, t, NR, NT) tile_float(STRATA_TYPE_BF16, a, r, t, NR, NT)
+#endif
+
+#if defined(__AVX2__)
+// Q8_0 x Q8_0. sign(x, w) moves w's sign onto x, so |w| can be the unsigned operand.
+INLINE void tile_q8_0(const gemm_args *a, int64_t r, int64_t t, int NR, int NT) {
+    const block_q8_0 *w[TR], *x[TT];
+    __m256 acc[TR][TT];
+    UNROLL for (int i = 0; i < NR; i++) w[i] = W_ROW(a, r + i);
+    UNROLL for (int j = 0; j < NT; j++) x[j] = X_ROW(a, t + j);
+    UNROLL for (int i = 0; i < NR; i++)
+        UNROLL for (int j = 0; j < NT; j++) acc[i][j] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < a->n / QK; b++) {
+        __m256i xq[TT];
+        __m256 dx[TT];
+        UNROLL for (int j = 0; j < NT; j++) {
+            xq[j] = _mm256_loadu_si256((const __m256i *)x[j][b].qs);
+            dx[j] = f16_bcast(&x[j][b].d);
+        }
+        UNROLL for (int i = 0; i < NR; i++) {
+            __m256i wq = _mm256_loadu_si256((const __m256i *)w[i][b].qs), wabs = _mm256_abs_epi8(wq);
+            __m256 dw = f16_bcast(&w[i][b].d);
+            UNROLL for (int j = 0; j < NT; j++) {
+                __m256i s = dot_u8s8(_mm256_setzero_si256(), wabs, _mm256_sign_epi8(xq[j], wq));
+                acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw, dx[j]), acc[i][j]);
+            }
+        }
+    }
+    store_tile(a, r, t, NR, NT, acc);
+}
+
+// Scales a and b, 4 lanes each.
+static inline __m256 f16_pair(const uint16_t *a, const uint16_t *b) {
+    return _mm256_cvtph_ps(_mm_unpacklo_epi64(_mm_set1_epi16((short)*a), _mm_set1_epi16((short)*b)));
+}
+
+// Q4_0 x Q8_0, two blocks A, B at a time: one register holds the low nibbles of A and B (elements 0-15 of
+// each), another the high ones, and the activations are loaded in the same order; the 32-bit lanes 0-3 then
+// sum A's products and lanes 4-7 B's. The nibbles are the unsigned operand; their offset of 8 becomes
+// -8 * sum(x), which seeds each token's integer accumulator.
+INLINE void tile_q4_0(const gemm_args *a, int64_t r, int64_t t, int NR, int NT) {
+    static const uint16_t zero_scale = 0;
+    const block_q4_0 *w[TR];
+    const block_q8_0 *x[TT];
+    __m256 acc[TR][TT];
+    const __m256i low4 = _mm256_set1_epi8(0xf), eight = _mm256_set1_epi8(8);
+    UNROLL for (int i = 0; i < NR; i++) w[i] = W_ROW(a, r + i);
+    UNROLL for (int j = 0; j < NT; j++) x[j] = X_ROW(a, t + j);
+    UNROLL for (int i = 0; i < NR; i++)
+        UNROLL for (int j = 0; j < NT; j++) acc[i][j] = _mm256_setzero_ps();
+    int64_t nb = a->n / QK;
+    for (int64_t b = 0; b < nb; b += 2) {
+        int64_t b1 = b + 1 < nb ? b + 1 : b;  // an odd last block pairs with itself, the twin's scale zeroed
+        __m256i xlo[TT], xhi[TT], seed[TT];
+        __m256 dx[TT];
+        UNROLL for (int j = 0; j < NT; j++) {
+            const block_q8_0 *A = &x[j][b], *B = &x[j][b1];
+            xlo[j] = _mm256_loadu2_m128i((const __m128i *)B->qs, (const __m128i *)A->qs);
+            xhi[j] = _mm256_loadu2_m128i((const __m128i *)(B->qs + 16), (const __m128i *)(A->qs + 16));
+            __m256i sum8 = dot_u8s8(dot_u8s8(_mm256_setzero_si256(), eight, xlo[j]), eight, xhi[j]);
+            seed[j] = _mm256_sub_epi32(_mm256_setzero_si256(), sum8);
+            dx[j] = f16_pair(&A->d, b1 > b ? &B->d : &zero_scale);
+        }
+        UNROLL for (int i = 0; i < NR; i++) {
+            const block_q4_0 *A = &w[i][b], *B = &w[i][b1];
+            __m256i raw = _mm256_loadu2_m128i((const __m128i *)B->qs, (const __m128i *)A->qs);
+            __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+            __m256 dw = f16_pair(&A->d, &B->d);
+            UNROLL for (int j = 0; j < NT; j++) {
+                __m256i s = dot_u8s8(dot_u8s8(seed[j], lo, xlo[j]), hi, xhi[j]);
+                acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw, dx[j]), acc[i][j]);
+            }
+        }
+    }
+    store_tile(a, r, t, NR, NT, acc);
+}
+
+// q4k_scale_min on 32-bit words: sc16 holds the 8 scales as int16 in both 128-bit lanes (for shuffles), m16
+// the 8 mins each twice, one per bsum.
+static inline void q4k_scale_min_vec(const uint8_t s[12], __m256i *sc16, __m256i *m16) {
+    uint32_t w[3];
+    memcpy(w, s, 12);
+    uint64_t sc = (w[0] & 0x3f3f3f3f) | (uint64_t)((w[2] & 0x0f0f0f0f) | ((w[0] >> 2) & 0x30303030)) << 32;
+    uint64_t m = (w[1] & 0x3f3f3f3f) | (uint64_t)(((w[2] >> 4) & 0x0f0f0f0f) | ((w[1] >> 2) & 0x30303030)) << 32;
+    *sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc)));
+    __m128i m8 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)m));
+    *m16 = _mm256_set_m128i(_mm_unpackhi_epi16(m8, m8), _mm_unpacklo_epi16(m8, m8));
+}
+
+// Q4_K x Q8_K: sum_s sc_s * (q . x)_s scaled by d, minus sum_s m_s * bsum_s scaled by dmin.
+INLINE void tile_q4_K(const gemm_args *a, int64_t r, int64_t t, int NR, int NT) {
+    const block_q4_K *w[TR];
+    const block_q8_K *x[TT];
+    __m256 acc[TR][TT];
+    const __m256i low4 = _mm256_set1_epi8(0xf);
+    UNROLL for (int i = 0; i < NR; i++) w[i] = W_ROW(a, r + i);
+    UNROLL for (int j = 0; j < NT; j++) x[j] = X_ROW(a, t + j);
+    UNROLL for (int i = 0; i < NR; i++)
+        UNROLL for (int j = 0; j < NT; j++) acc[i][j] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < a->n / QKK; b++) {
+        UNROLL for (int i = 0; i < NR; i++) {
+            const block_q4_K *B = &w[i][b];
+            __m256i sc16, m16;
+            q4k_scale_min_vec(B->scales, &sc16, &m16);
+            __m256i isum[TT];
+            UNROLL for (int j = 0; j < NT; j++) isum[j] = _mm256_setzero_si256();
+            UNROLL for (int c = 0; c < 4; c++) {  // 64 elements: sub-blocks 2c (low nibbles) and 2c + 1 (high)
+                __m256i q = _mm256_loadu_si256((const __m256i *)(B->qs + 32 * c));
+                __m256i lo = _mm256_and_si256(q, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
+                __m256i s0 = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16((short)(0x0100 + 0x0202 * (2 * c))));
+                __m256i s1 = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16((short)(0x0100 + 0x0202 * (2 * c + 1))));
+                UNROLL for (int j = 0; j < NT; j++) {
+                    const int8_t *xs = x[j][b].qs + 64 * c;
+                    __m256i p0 = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)xs));
+                    __m256i p1 = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xs + 32)));
+                    isum[j] = dot_s16(dot_s16(isum[j], p0, s0), p1, s1);
+                }
+            }
+            float d = F16(B->d), dmin = F16(B->dmin);
+            UNROLL for (int j = 0; j < NT; j++) {
+                __m256i bs = _mm256_loadu_si256((const __m256i *)x[j][b].bsums);
+                __m256 mins = _mm256_cvtepi32_ps(_mm256_madd_epi16(m16, bs));
+                acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[j]), _mm256_set1_ps(d * x[j][b].d), acc[i][j]);
+                acc[i][j] = _mm256_fnmadd_ps(mins, _mm256_set1_ps(dmin * x[j][b].d), acc[i][j]);
+            }
+        }
+    }
+    store_tile(a, r, t, NR, NT, acc);
+}
+
+// The 32 unsigned 6-bit values of chunk k (0..3) of a Q6_K half: the nibble from ql0 / ql1, 2 bits from qh.
+static inline __m256i q6k_chunk(__m256i ql0, __m256i ql1, __m256i qh, int k) {
+    const __m256i low4 = _mm256_set1_epi8(0xf), bits45 = _mm256_set1_epi8(0x30);
+    __m256i ql = k & 1 ? ql1 : ql0;
+    __m256i lo = _mm256_and_si256(k & 2 ? _mm256_srli_epi16(ql, 4) : ql, low4);
+    __m256i hi = k == 0 ? _mm256_slli_epi16(qh, 4) : k == 1 ? _mm256_slli_epi16(qh, 2)
+               : k == 2 ? qh : _mm256_srli_epi16(qh, 2);  // bits 2k, 2k + 1 moved to bits 4, 5
+    return _mm256_or_si256(lo, _mm256_and_si256(hi, bits45));
+}
+
+// Q6_K x Q8_K with q unsigned (0..63): the offset of 32 becomes -32 * sum_g sc_g * bsum_g, the seed.
+INLINE void tile_q6_K(const gemm_args *a, int64_t r, int64_t t, int NR, int NT) {
+    const block_q6_K *w[TR];
+    const block_q8_K *x[TT];
+    __m256 acc[TR][TT];
+    UNROLL for (int i = 0; i < NR; i++) w[i] = W_ROW(a, r + i);
+    UNROLL for (int j = 0; j < NT; j++) x[j] = X_ROW(a, t + j);
+    UNROLL for (int i = 0; i < NR; i++)
+        UNROLL for (int j = 0; j < NT; j++) acc[i][j] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < a->n / QKK; b++) {
+        UNROLL for (int i = 0; i < NR; i++) {
+            const block_q6_K *B = &w[i][b];
+            __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)B->scales));
+            __m256i isum[TT];
+            UNROLL for (int j = 0; j < NT; j++) {
+                __m256i bs = _mm256_loadu_si256((const __m256i *)x[j][b].bsums);
+                isum[j] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 5));
+            }
+            UNROLL for (int h = 0; h < 2; h++) {
+                __m256i sc_h = _mm256_permute2x128_si256(sc16, sc16, h ? 0x11 : 0x00);  // scales 8h..8h+7, twice
+                __m256i ql0 = _mm256_loadu_si256((const __m256i *)(B->ql + 64 * h));
+                __m256i ql1 = _mm256_loadu_si256((const __m256i *)(B->ql + 64 * h + 32));
+                __m256i qh = _mm256_loadu_si256((const __m256i *)(B->qh + 32 * h));
+                UNROLL for (int k = 0; k < 4; k++) {
+                    __m256i q = q6k_chunk(ql0, ql1, qh, k);
+                    // groups 8h + 2k (bytes 0-15) and 8h + 2k + 1 (bytes 16-31)
+                    __m256i s = _mm256_shuffle_epi8(sc_h, _mm256_set_m128i(_mm_set1_epi16((short)(0x0100 + 0x0202 * (2 * k + 1))),
+                                                                           _mm_set1_epi16((short)(0x0100 + 0x0202 * (2 * k)))));
+                    UNROLL for (int j = 0; j < NT; j++) {
+                        __m256i xv = _mm256_loadu_si256((const __m256i *)(x[j][b].qs + 128 * h + 32 * k));
+                        isum[j] = dot_s16(isum[j], _mm256_maddubs_epi16(q, xv), s);
+                    }
+                }
+            }
+            float d = F16(B->d);
+            UNROLL for (int j = 0; j < NT; j++)
+                acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[j]), _mm256_set1_ps(d * x[j][b].d), acc[i][j]);
+        }
+    }
+    store_tile(a, r, t, NR, NT, acc);
+}
+#endif
+
+// Without a vector path a tile is NR * NT scalar dot products.
+#define TILE_SCALAR(TYPE) \
+    static inline void tile_scalar_##TYPE(const gemm_args *a, int64_t r, int64_t t, int NR, int NT) { \
+        for (int i = 0; i < NR; i++) \
+            for (int j = 0; j < NT; j++) \
+                a->y[(t + j) * a->ldy + r + i] = dot_row(STRATA_TYPE_##TYPE, W_ROW(a, r + i), X_ROW(a, t + j), a->n); \
+    }
+#if !defined(__AVX512F__)
+TILE_SCALAR(F32)
+TILE_SCALAR(F16)
+TILE_SCALAR(BF16)
+#define TILE_F32 tile_scalar_F32
+#define TILE_F16 tile_scalar_F16
+#define TILE_BF16 tile_scalar_BF16
+#endif
+#if !defined(__AVX2__)
+TILE_SCALAR(Q8_0)
+TILE_SCALAR(Q4_0)
+TILE_SCALAR(Q4_K)
+TILE_SCALAR(Q6_K)
+#define tile_q8_0 tile_scalar_Q8_0
+#define tile_q4_0 tile_scalar_Q4_0
+#define tile_q4_K tile_scalar_Q4_K
+#define tile_q6_K tile_scalar_Q6_K
+#endif
+
+// Rows [r0, r1) x all tokens, by full tiles; leftover rows and tokens take 1-wide tiles.
+#define DEFINE_GEMM(NAME, TILE) \
+    static void NAME(const gemm_args *a, int64_t r0, int64_t r1, int64_t n_tok) { \
+        for (int64_t tb = 0; tb < n_tok; tb += TOKEN_BLOCK) { \
+            int64_t te = tb + TOKEN_BLOCK < n_tok ? tb + TOKEN_BLOCK : n_tok; \
+            for (int64_t r = r0; r < r1; r += TR) { \
+                int nr = r1 - r < TR ? (int)(r1 - r) : TR; \
+                for (int64_t t = tb; t < te; t += TT) { \
+                    int nt = te - t < TT ? (int)(te - t) : TT; \
+                    if (nr == TR && nt == TT) TILE(a, r, t, TR, TT); \
+                    else if (nr == TR) for (int j = 0; j < nt; j++) TILE(a, r, t + j, TR, 1); \
+                    else for (int i = 0; i < nr; i++) { \
+                        if (nt == TT) TILE(a, r + i, t, 1, TT); \
+                        else for (int j = 0; j < nt; j++) TILE(a, r + i, t + j, 1, 1); \
+                    } \
+                } \
+            } \
+        } \
+    }
+
+DEFINE_GEMM(gemm_f32, TILE_F32)
+DEFINE_GEMM(gemm_f16, TILE_F16)
+DEFINE_GEMM(gemm_bf16, TILE_BF16)
+DEFINE_GEMM(gemm_q8_0, tile_q8_0)
+DEFINE_GEMM(gemm_q4_0, tile_q4_0)
+DEFINE_GEMM(gemm_q4_K, tile_q4_K)
+DEFINE_GEMM(gemm_q6_K, tile_q6_K)
+
+void strata_gemm_rows(int type, int64_t n, const void *w, int64_t r0, int64_t r1,
+                      const void *x, int64_t n_tok, float *y, int64_t ldy) {
+    gemm_args a = {n, w, row_bytes(type, n), x, row_bytes(strata_traits(type)->vec_dot_type, n), y, ldy};
+    switch (type) {
+    case STRATA_TYPE_F32: gemm_f32(&a, r0, r1, n_tok); break;
+    case STRATA_TYPE_F16: gemm_f16(&a, r0, r1, n_tok); break;
+    case STRATA_TYPE_BF16: gemm_bf16(&a, r0, r1, n_tok); break;
+    case STRATA_TYPE_Q8_0: gemm_q8_0(&a, r0, r1, n_tok); break;
+    case STRATA_TYPE_Q4_0: gemm_q4_0(&a, r0, r1, n_tok); break;
+    case STRATA_TYPE_Q4_K: gemm_q4_K(&a, r0, r1, n_tok); break;
+    case STRATA_TYPE_Q6_K: gemm_q6_K(&a, r0, r1, n_tok); break;
+    }
+}
+
+// --- naive reference products
+
+static double dot_double(const float *a, const float *b, int64_t n) {
+    double s = 0.0;
+    for (int64_t i = 0; i < n; i++) s += (double)a[i] * (double)b[i];
+    return s;
+}
+
+// x_f: n_tok activation rows in f32, n apart. wrow: scratch of n floats.
+static void gemm_rows_naive_f32(int type, int64_t n, const void *w, int64_t r0, int64_t r1,
+                                const float *x_f, int64_t n_tok, float *y, int64_t ldy, float *wrow) {
+    size_t wb = row_bytes(type, n);
+    for (int64_t r = r0; r < r1; r++) {
+        strata_dequantize_row_any(type, (const char *)w + r * wb, wrow, n);
+        for (int64_t t = 0; t < n_tok; t++) y[t * ldy + r] = (float)dot_double(wrow, x_f + t * n, n);
+    }
+}
+
+void strata_gemm_rows_naive(int type, int64_t n, const void *w, int64_t r0, int64_t r1,
+                            const void *x, int64_t n_tok, float *y, int64_t ldy) {
+    int xt = strata_traits(type)->vec_dot_type;
+    size_t xb = row_bytes(xt, n);
+    float *buf = malloc(((size_t)n_tok + 1) * (size_t)n * sizeof(float));
+    if (!buf) {  // a reference has no status to return: make the failure impossible to miss
+        for (int64_t r = r0; r < r1; r++)
+            for (int64_t t = 0; t < n_tok; t++) y[t * ldy + r] = NAN;
+        return;
+    }
+    for (int64_t t = 0; t < n_tok; t++) strata_dequantize_row_any(xt, (const char *)x + t * xb, buf + t * n, n);
+    gemm_rows_naive_f32(type, n, w, r0, r1, buf, n_tok, y, ldy, buf + n_tok * n);
+    free(buf);
+}
+
+// --- public API
+
+const char *strata_status_string(strata_status status) {
+    switch (status) {
+    case STRATA_OK: return "ok";
+    case STRATA_ERR_INVALID_ARG: return "invalid argument";
+    case STRATA_ERR_UNSUPPORTED: return "unsupported";
+    case STRATA_ERR_NOMEM: return "out of memory";
+    case STRATA_ERR_CONTEXT_FULL: return "context full";
+    case STRATA_ABORTED: return "aborted";
+    }
+    return "unknown status";
+}
+
+strata_status strata_dequantize_row(int type, const void *src, float *dst, long long n) {
+    if (!strata_type_supported(type)) return STRATA_ERR_UNSUPPORTED;
+    if (!src || !dst || n < 0 || n % strata_traits(type)->block_size) return STRATA_ERR_INVALID_ARG;
+    strata_dequantize_row_any(type, src, dst, n);
+    return STRATA_OK;
+}
+
+static strata_status check_matmul(int type, const void *w, long long n_rows, long long n_cols,
+                                  const float *x, long long n_tok, const float *y) {
+    if (!strata_type_supported(type)) return STRATA_ERR_UNSUPPORTED;
+    if (!w || !x || !y || n_rows < 0 || n_tok < 0 || n_cols <= 0 || n_cols % strata_traits(type)->block_size)
+        return STRATA_ERR_INVALID_ARG;
+    return STRATA_OK;
+}
+
+strata_status strata_matmul(int type, const void *w, long long n_rows, long long n_cols,
+                            const float *x, long long n_tok, float *y, int n_threads) {
+    strata_status st = check_matmul(type, w, n_rows, n_cols, x, n_tok, y);
+    if (st != STRATA_OK) return st;
+    int xt = strata_traits(type)->vec_dot_type;
+    size_t xb = row_bytes(xt, n_cols);
+    char *xq = malloc(xb * (size_t)(n_tok ? n_tok : 1));
+    if (!xq) return STRATA_ERR_NOMEM;
+    for (long long t = 0; t < n_tok; t++) strata_quantize_row_any(xt, x + t * n_cols, xq + t * xb, n_cols);
+    if (n_threads < 1) n_threads = 1;
+    #pragma omp parallel num_threads(n_threads)
+    {
+        // contiguous row ranges in multiples of 16, so each thread streams its own part of w
+        int64_t nth = omp_get_num_threads(), ith = omp_get_thread_num();
+        int64_t per = ((n_rows + nth - 1) / nth + 15) / 16 * 16;
+        int64_t r0 = ith * per < n_rows ? ith * per : n_rows, r1 = r0 + per < n_rows ? r0 + per : n_rows;
+        if (r0 < r1) strata_gemm_rows(type, n_cols, w, r0, r1, xq, n_tok, y, n_rows);
+    }
+    free(xq);
+    return STRATA_OK;
+}
+
+strata_status strata_matmul_naive(int type, const void *w, long long n_rows, long long n_cols,
+                                  const float *x, long long n_tok, float *y) {
+    strata_status st = check_matmul(type, w, n_rows, n_cols, x, n_tok, y);
+    if (st != STRATA_OK) return st;
+    float *wrow = malloc((size_t)n_cols * sizeof(float));
+    if (!wrow) return STRATA_ERR_NOMEM;
+    gemm_rows_naive_f32(type, n_cols, w, 0, n_rows, x, n_tok, y, n_rows, wrow);
+    free(wrow);
+    return STRATA_OK;
+}

@@ -1,0 +1,276 @@
+"""`write_random_model`: a GGUF file laid out exactly as llama.cpp's converters write one, with random weights.
+
+Weights are drawn from `numpy.random.default_rng(seed)` in file order, so a (arch, size, dtype, vocab, seed,
+overrides) tuple always gives the same file. Matrices are normal with std 1/sqrt(fan_in), so every projection of a
+unit-RMS activation has unit RMS; norm weights are 1 + N(0, 0.1^2); embeddings are N(0, 1).
+
+Router (`ffn_gate_inp`) rows have std ROUTER_GAIN/sqrt(n_embd), so on the unit-RMS output of `ffn_norm` the
+router logits have std ~ROUTER_GAIN. A relative error e in the router's input flips a routing choice at a rate
+proportional to e whatever this scale (margins and errors scale together); the scale decides how far apart the
+routing probabilities of the k-th and (k+1)-th expert lie. Gain 2 maximises that gap: for top-2 of 8 experts its
+median is ~0.07 (0.045 at gain 1, 0.06 at gain 4, where the weights concentrate on the first expert).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.resources
+import math
+import pathlib
+
+import numpy as np
+from gguf import MODEL_ARCH, MODEL_ARCH_NAMES, MODEL_TENSORS, TENSOR_NAMES, GGMLQuantizationType, GGUFWriter, \
+    LlamaFileType, MODEL_TENSOR
+
+from strata.modelgen import quants
+from strata.modelgen.hparams import HParams, hparams_for
+from strata.modelgen.vocab import ENDOFTEXT, IM_END, Vocab, get_vocab
+
+ROUTER_GAIN = 2.0
+NORM_SPREAD = 0.1
+OUTPUT_GAIN = 2.0  # logits of std ~2: a clear argmax for greedy tests, still far from saturating softmax
+
+DTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_k")
+_ARCH = {"qwen3moe": MODEL_ARCH.QWEN3MOE, "qwen3": MODEL_ARCH.QWEN3, "llama": MODEL_ARCH.LLAMA}
+Q = GGMLQuantizationType
+_BASE_TYPE = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "q4_k": Q.Q4_K}
+_FILE_TYPE = {"f32": LlamaFileType.ALL_F32, "f16": LlamaFileType.MOSTLY_F16, "bf16": LlamaFileType.MOSTLY_BF16,
+              "q8_0": LlamaFileType.MOSTLY_Q8_0, "q4_0": LlamaFileType.MOSTLY_Q4_0,
+              "q4_k": LlamaFileType.MOSTLY_Q4_K_M}
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """One tensor: gguf name, numpy shape (rows along the last axis), its draw mean + std * N(0, 1), its block
+    type, and for llama's Q and K the head count whose rows get permuted (0: none)."""
+
+    name: str
+    shape: tuple[int, ...]
+    std: float
+    qtype: GGMLQuantizationType
+    mean: float = 0.0
+    permute_heads: int = 0
+
+
+# --- weight draws
+
+CHUNK_ELEMENTS = 1 << 22  # weights drawn and encoded at a time: bounds the float32 temporaries to ~16 MB each
+
+
+def draw_encoded(spec: TensorSpec, rng: np.random.Generator) -> np.ndarray:
+    """The tensor of `spec` drawn from `rng` and encoded, as rows of bytes.
+
+    Rows are drawn and encoded a chunk at a time; numpy's generator yields the same numbers in chunks as in one
+    call, so the result does not depend on CHUNK_ELEMENTS.
+    """
+    if spec.permute_heads:
+        return quants.encode(permute_llama_qk(_draw(rng, spec.shape, spec), spec.permute_heads), spec.qtype)
+    row = spec.shape[-1]
+    n_rows = math.prod(spec.shape[:-1])
+    out = np.empty((n_rows, quants.byte_shape((row,), spec.qtype)[0]), np.uint8)
+    step = max(1, CHUNK_ELEMENTS // row)
+    for start in range(0, n_rows, step):
+        n = min(step, n_rows - start)
+        out[start:start + n] = quants.encode(_draw(rng, (n, row), spec), spec.qtype)
+    return out
+
+
+def _draw(rng: np.random.Generator, shape: tuple[int, ...], spec: TensorSpec) -> np.ndarray:
+    out = rng.standard_normal(shape, dtype=np.float32)
+    out *= np.float32(spec.std)
+    out += np.float32(spec.mean)
+    return out
+
+
+def permute_llama_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """HF layout -> GGUF layout of a llama Q or K weight (rows = n_head * head_dim outputs).
+
+    HF rotates the two halves of each head (NEOX style); llama.cpp's llama rotates adjacent pairs, so its converter
+    interleaves each head's rows: GGUF row 2i is HF row i, GGUF row 2i + 1 is HF row i + head_dim / 2.
+    """
+    rows = w.shape[0]
+    return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def unpermute_llama_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """The inverse of `permute_llama_qk`: GGUF layout -> HF layout."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+# --- tensor table
+
+
+def _more_bits(layer: int, n_layer: int) -> bool:
+    """Layers that llama.cpp's Q4_K_M gives Q6_K for attn_v and ffn_down: the first and last eighth, and every
+    third one between."""
+    return layer < n_layer // 8 or layer >= 7 * n_layer // 8 or (layer - n_layer // 8) % 3 == 2
+
+
+def _qtype(tensor: MODEL_TENSOR, row: int, dtype: str, layer: int, n_layer: int) -> GGMLQuantizationType:
+    """Block type of a 2-D/3-D weight. Rows that don't fill a block fall back like llama.cpp does: K-quants to
+    Q8_0, Q8_0/Q4_0 to F16."""
+    qtype = _BASE_TYPE[dtype]
+    if dtype == "q4_k":
+        q6 = tensor == MODEL_TENSOR.OUTPUT or (
+            tensor in (MODEL_TENSOR.ATTN_V, MODEL_TENSOR.FFN_DOWN, MODEL_TENSOR.FFN_DOWN_EXP)
+            and _more_bits(layer, n_layer))
+        qtype = Q.Q6_K if q6 else Q.Q4_K
+        if row % quants.QK_K:
+            qtype = Q.Q8_0
+    if qtype in (Q.Q8_0, Q.Q4_0) and row % 32:
+        qtype = Q.F16
+    return qtype
+
+
+def tensor_specs(arch: str, hp: HParams, n_vocab: int, dtype: str) -> list[TensorSpec]:
+    """Every tensor of the model in file order: token_embd, the blocks, output_norm, output."""
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}: one of {DTYPES}")
+    q_dim, kv_dim = hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim
+
+    def name(tensor: MODEL_TENSOR, layer: int) -> str:
+        return TENSOR_NAMES[tensor].format(bid=layer)
+
+    def matrix(tensor: MODEL_TENSOR, shape: tuple[int, ...], layer: int = 0, gain: float = 1.0,
+               permute_heads: int = 0) -> TensorSpec:
+        qtype = _qtype(tensor, shape[-1], dtype, layer, hp.n_layer)
+        return TensorSpec(name(tensor, layer), shape, gain / math.sqrt(shape[-1]), qtype,
+                          permute_heads=permute_heads)
+
+    def norm(tensor: MODEL_TENSOR, size: int, layer: int = 0) -> TensorSpec:
+        return TensorSpec(name(tensor, layer), (size,), NORM_SPREAD, Q.F32, mean=1.0)
+
+    T = MODEL_TENSOR
+    llama = arch == "llama"
+    specs = [TensorSpec(name(T.TOKEN_EMBD, 0), (n_vocab, hp.n_embd), 1.0, _qtype(T.TOKEN_EMBD, hp.n_embd, dtype, 0, 1))]
+    for i in range(hp.n_layer):
+        specs += [
+            norm(T.ATTN_NORM, hp.n_embd, i),
+            matrix(T.ATTN_Q, (q_dim, hp.n_embd), i, permute_heads=hp.n_head if llama else 0),
+            matrix(T.ATTN_K, (kv_dim, hp.n_embd), i, permute_heads=hp.n_head_kv if llama else 0),
+            matrix(T.ATTN_V, (kv_dim, hp.n_embd), i),
+            matrix(T.ATTN_OUT, (hp.n_embd, q_dim), i),
+        ]
+        if not llama:
+            specs += [norm(T.ATTN_Q_NORM, hp.head_dim, i), norm(T.ATTN_K_NORM, hp.head_dim, i)]
+        specs.append(norm(T.FFN_NORM, hp.n_embd, i))
+        if arch == "qwen3moe":
+            specs += [
+                TensorSpec(name(T.FFN_GATE_INP, i), (hp.n_expert, hp.n_embd), ROUTER_GAIN / math.sqrt(hp.n_embd),
+                           Q.F32),
+                matrix(T.FFN_GATE_EXP, (hp.n_expert, hp.n_ff_exp, hp.n_embd), i),
+                matrix(T.FFN_UP_EXP, (hp.n_expert, hp.n_ff_exp, hp.n_embd), i),
+                matrix(T.FFN_DOWN_EXP, (hp.n_expert, hp.n_embd, hp.n_ff_exp), i),
+            ]
+        else:
+            specs += [
+                matrix(T.FFN_GATE, (hp.n_ff, hp.n_embd), i),
+                matrix(T.FFN_UP, (hp.n_ff, hp.n_embd), i),
+                matrix(T.FFN_DOWN, (hp.n_embd, hp.n_ff), i),
+            ]
+    specs += [norm(T.OUTPUT_NORM, hp.n_embd), matrix(T.OUTPUT, (n_vocab, hp.n_embd), gain=OUTPUT_GAIN)]
+    return specs
+
+
+def parameter_count(specs: list[TensorSpec]) -> int:
+    return sum(math.prod(spec.shape) for spec in specs)
+
+
+# --- metadata
+
+
+def chat_template() -> str:
+    """The Qwen3 chat template shipped with the package."""
+    return importlib.resources.files("strata.modelgen").joinpath("qwen3_chat_template.jinja").read_text("utf-8")
+
+
+def _add_hparams(writer: GGUFWriter, arch: str, hp: HParams, n_vocab: int) -> None:
+    writer.add_block_count(hp.n_layer)
+    writer.add_context_length(hp.n_ctx_train)
+    writer.add_embedding_length(hp.n_embd)
+    writer.add_feed_forward_length(hp.n_ff)
+    writer.add_head_count(hp.n_head)
+    writer.add_head_count_kv(hp.n_head_kv)
+    writer.add_key_length(hp.head_dim)
+    writer.add_value_length(hp.head_dim)
+    writer.add_rope_freq_base(hp.rope_base)
+    writer.add_layer_norm_rms_eps(hp.rms_eps)
+    writer.add_vocab_size(n_vocab)
+    if arch == "llama":
+        writer.add_rope_dimension_count(hp.head_dim)
+    if arch == "qwen3moe":
+        writer.add_expert_count(hp.n_expert)
+        writer.add_expert_used_count(hp.n_expert_used)
+        writer.add_expert_feed_forward_length(hp.n_ff_exp)
+
+
+def _add_vocab(writer: GGUFWriter, vocab: Vocab) -> None:
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(list(vocab.tokens))
+    writer.add_token_types(list(vocab.token_types))
+    writer.add_token_merges(list(vocab.merges))
+    # As Qwen3's own GGUFs: <|endoftext|> doubles as bos and pad but is not prepended; <|im_end|> ends a chat
+    # turn (eos and eot). Readers treat <|endoftext|> as end of generation too, as llama.cpp does by name.
+    endoftext, im_end = vocab.token_id(ENDOFTEXT), vocab.token_id(IM_END)
+    writer.add_bos_token_id(endoftext)
+    writer.add_pad_token_id(endoftext)
+    writer.add_eos_token_id(im_end)
+    writer.add_eot_token_id(im_end)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(chat_template())
+
+
+# --- writing
+
+
+def write_random_model(path: str | pathlib.Path, arch: str = "qwen3moe", size: str = "tiny", dtype: str = "f32",
+                       vocab: str = "bytes", seed: int = 0, **overrides: int | float) -> pathlib.Path:
+    """Write a GGUF model with random weights and return its path.
+
+    Args:
+        path: output file (overwritten).
+        arch: "qwen3moe", "qwen3" or "llama".
+        size: "tiny", "small" or "medium" (see `strata.modelgen.hparams`).
+        dtype: "f32", "f16", "bf16", "q8_0", "q4_0" or "q4_k" (Q4_K_M-like mixture of Q4_K and Q6_K). Norms and
+            the router stay F32 in every case.
+        vocab: "bytes" (282 tokens + a few merges) or "qwen" (Qwen's 151936-entry vocabulary).
+        seed: seed of `numpy.random.default_rng`.
+        overrides: hyper-parameters replacing the table's (`n_layer`, `n_embd`, `n_expert`, ...).
+
+    Raises:
+        ValueError: unknown arch, size, dtype, vocab or hyper-parameter.
+    """
+    if arch not in _ARCH:
+        raise ValueError(f"unknown arch {arch!r}: one of {tuple(_ARCH)}")
+    hp = hparams_for(arch, size, **overrides)
+    voc = get_vocab(vocab)
+    specs = tensor_specs(arch, hp, voc.n_vocab, dtype)
+    path = pathlib.Path(path)
+
+    writer = GGUFWriter(path, MODEL_ARCH_NAMES[_ARCH[arch]])
+    writer.add_name(f"strata-{arch}-{size}-random")
+    writer.add_file_type(_FILE_TYPE[dtype])
+    if dtype not in ("f32", "f16", "bf16"):
+        writer.add_quantization_version(2)
+    _add_hparams(writer, arch, hp, voc.n_vocab)
+    _add_vocab(writer, voc)
+    # Tensor infos first, data streamed after: only one tensor is ever in memory.
+    for spec in specs:
+        shape = quants.byte_shape(spec.shape, spec.qtype)
+        writer.add_tensor_info(spec.name, shape, np.dtype(np.uint8), math.prod(shape), raw_dtype=spec.qtype)
+    writer.write_header_to_file(path)
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    rng = np.random.default_rng(seed)
+    for spec in specs:
+        writer.write_tensor_data(draw_encoded(spec, rng))
+    writer.close()
+    return path
+
+
+def arch_tensor_names(arch: str) -> set[str]:
+    """Every tensor name (with `{bid}`) the `gguf` package allows for `arch`."""
+    return {TENSOR_NAMES[t] for t in MODEL_TENSORS[_ARCH[arch]]}
+

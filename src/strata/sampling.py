@@ -1,0 +1,220 @@
+"""Choosing the next token from the engine's logits.
+
+The pipeline, in order (the order Hugging Face and vLLM use, so that settings mean what clients expect):
+
+1. penalties over the last `penalty_last_n` previous tokens: the repetition penalty the llama.cpp way (a positive
+   logit is divided by it, a negative one multiplied), then OpenAI's
+   `logit -= count * frequency_penalty + (count > 0) * presence_penalty`;
+2. temperature 0 (or top_k 1) means greedy: the arg-max of the penalised logits, nothing else applies;
+3. otherwise logits are divided by the temperature and turned into probabilities;
+4. top-k keeps the k most likely tokens, top-p the smallest most-likely set whose probability reaches top_p, min-p
+   the tokens at least `min_p` times as likely as the most likely one;
+5. one token is drawn from what is left, renormalised.
+
+Defaults are OpenAI's (temperature 1, top_p 1, no penalties) plus the neutral values of the extensions
+(top_k 0 and min_p 0 switch those filters off, repetition_penalty 1 does nothing), so a request that sets nothing
+samples from the model's own distribution. The penalty window, 64 tokens, is llama.cpp's default.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+# top-p on the whole vocabulary first looks at this many of the most likely tokens, and grows the window only if
+# their mass falls short of top_p: a full sort of 151,936 logits costs ~10 ms, a partition ~1 ms.
+_TOP_P_FIRST_WINDOW = 1024
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens. Every field has the neutral or OpenAI default; `validate()` checks the ranges.
+
+    Attributes:
+        temperature: divides the logits; 0 means greedy (always the most likely token).
+        top_k: keep only the k most likely tokens; 0 means off.
+        top_p: nucleus sampling, in (0, 1]; 1 means off.
+        min_p: drop tokens less likely than `min_p` times the most likely one, in [0, 1]; 0 means off.
+        repetition_penalty: > 0; 1 means off. Divides positive logits of recent tokens, multiplies negative ones.
+        frequency_penalty: in [-2, 2]; subtracted once per occurrence of a token in the recent window.
+        presence_penalty: in [-2, 2]; subtracted once from every token present in the recent window.
+        penalty_last_n: how many previous tokens the penalties look at; -1 means all of them, 0 none.
+        seed: seeds the random generator; None draws a fresh seed from the OS.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    penalty_last_n: int = 64
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first field whose value is out of range."""
+        _check_number("temperature", self.temperature, lo=0.0)
+        _check_int("top_k", self.top_k, lo=0)
+        _check_number("top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True)
+        _check_number("min_p", self.min_p, lo=0.0, hi=1.0)
+        _check_number("repetition_penalty", self.repetition_penalty, lo=0.0, lo_open=True)
+        _check_number("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
+        _check_number("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
+        _check_int("penalty_last_n", self.penalty_last_n, lo=-1)
+        if self.seed is not None:
+            _check_int("seed", self.seed)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def penalised(self) -> bool:
+        return self.penalty_last_n != 0 and (
+            self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+        )
+
+
+def _check_number(name: str, value: object, lo: float | None = None, hi: float | None = None,
+                  lo_open: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if lo is not None and (value < lo or (lo_open and value == lo)):
+        bound = f"greater than {lo:g}" if lo_open else f"at least {lo:g}"
+        raise ValueError(f"{name} must be {bound}, got {value!r}")
+    if hi is not None and value > hi:
+        raise ValueError(f"{name} must be at most {hi:g}, got {value!r}")
+
+
+def _check_int(name: str, value: object, lo: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if lo is not None and value < lo:
+        raise ValueError(f"{name} must be at least {lo}, got {value!r}")
+
+
+class Sampler:
+    """Picks tokens with one `SamplingParams` and its own random generator (one sampler per generation).
+
+    Args:
+        params: the sampling settings (already validated by their constructor).
+        n_vocab: the length of every logits vector passed in.
+    """
+
+    def __init__(self, params: SamplingParams, n_vocab: int) -> None:
+        if n_vocab <= 0:
+            raise ValueError(f"n_vocab must be positive, got {n_vocab}")
+        self.params = params
+        self.n_vocab = n_vocab
+        seed = None if params.seed is None else params.seed % 2**64
+        self._rng = np.random.default_rng(seed)
+
+    def sample(self, logits: np.ndarray, previous_ids: Sequence[int] = ()) -> int:
+        """Return the next token id for `logits` (n_vocab,), given the tokens so far (prompt and output)."""
+        ids, weights = self._candidates(logits, previous_ids)
+        if len(ids) == 1:
+            return int(ids[0])
+        cumulative = np.cumsum(weights, dtype=np.float64)
+        pick = np.searchsorted(cumulative, self._rng.random() * cumulative[-1], side="right")
+        return int(ids[min(pick, len(ids) - 1)])
+
+    def penalise(self, logits: np.ndarray, previous_ids: Sequence[int]) -> np.ndarray:
+        """The logits after the penalties (a copy when any applies; `logits` itself is never changed)."""
+        logits = np.asarray(logits)
+        if logits.shape != (self.n_vocab,):
+            raise ValueError(f"logits must have shape ({self.n_vocab},), got {logits.shape}")
+        p = self.params
+        window = _recent(previous_ids, p.penalty_last_n)
+        if not p.penalised or len(window) == 0:
+            return logits
+        ids, counts = np.unique(np.asarray(window, dtype=np.int64), return_counts=True)
+        out = logits.astype(np.float32, copy=True)
+        values = out[ids]
+        if p.repetition_penalty != 1.0:
+            values = np.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+        values = values - counts * p.frequency_penalty - p.presence_penalty
+        out[ids] = values
+        return out
+
+    def distribution(self, logits: np.ndarray, previous_ids: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray]:
+        """The candidates `sample` draws from: token ids and their probabilities (summing to 1).
+
+        At temperature 0 (or top_k 1) that is the arg-max alone with probability 1. With top-k or top-p the ids
+        come most likely first; otherwise in vocabulary order.
+        """
+        ids, weights = self._candidates(logits, previous_ids)
+        return ids, weights / weights.sum(dtype=np.float64)
+
+    def _candidates(self, logits: np.ndarray, previous_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Like `distribution`, with weights relative to the most likely token instead of probabilities."""
+        p = self.params
+        scores = self.penalise(logits, previous_ids)
+        if p.greedy:
+            return np.array([int(np.argmax(scores))]), np.ones(1)
+        # float32 over the whole vocabulary (exp is the cost here); float64 once the candidates are few
+        scaled = np.asarray(scores, dtype=np.float32) / np.float32(p.temperature)  # (n_vocab,)
+        if 0 < p.top_k < len(scaled):
+            ids = _sorted_top(scaled, p.top_k)
+            weights = np.exp(scaled[ids].astype(np.float64) - scaled[ids[0]])  # relative to the most likely
+            total = weights.sum()
+        else:
+            relative = np.exp(scaled - scaled.max())  # (n_vocab,), 1 for the most likely token
+            total = relative.sum(dtype=np.float64)
+            if p.top_p < 1.0:
+                ids = _nucleus_window(scaled, relative, total, p.top_p)
+                weights = relative[ids].astype(np.float64)
+            else:
+                ids, weights = np.arange(len(scaled)), relative
+        if p.top_p < 1.0:
+            keep = _nucleus_size(weights, total, p.top_p)
+            ids, weights = ids[:keep], weights[:keep]
+        if p.min_p > 0.0:
+            # weights are relative to the most likely token, so the threshold is min_p itself
+            mask = weights >= p.min_p
+            ids, weights = ids[mask], weights[mask]
+        return ids, weights
+
+
+def _nucleus_window(scaled: np.ndarray, relative: np.ndarray, total: float, top_p: float) -> np.ndarray:
+    """Ids of the most likely tokens, highest first, at least enough of them to hold `top_p` of the mass.
+
+    Grows a partitioned window instead of sorting the whole vocabulary; only the window that suffices is sorted.
+    """
+    window = _TOP_P_FIRST_WINDOW
+    while window < len(scaled):
+        ids = np.argpartition(-scaled, window - 1)[:window]
+        if relative[ids].sum(dtype=np.float64) >= top_p * total:
+            return ids[np.argsort(-scaled[ids], kind="stable")]
+        window *= 8
+    return np.argsort(-scaled, kind="stable")
+
+
+def _recent(previous_ids: Sequence[int], last_n: int) -> Sequence[int]:
+    if last_n == 0:
+        return ()
+    if last_n < 0:
+        return previous_ids
+    return previous_ids[-last_n:]
+
+
+def _sorted_top(scores: np.ndarray, k: int) -> np.ndarray:
+    """Ids of the k highest scores, highest first."""
+    part = np.argpartition(-scores, k - 1)[:k]
+    return part[np.argsort(-scores[part], kind="stable")]
+
+
+def _nucleus_size(weights: np.ndarray, total: float, top_p: float) -> int:
+    """How many of the descending `weights` it takes to hold `top_p` of `total`; at least one.
+
+    This is the set Hugging Face's TopPLogitsWarper keeps: a token stays if the tokens more likely than it hold
+    less than `top_p` of the mass.
+    """
+    cumulative = np.cumsum(weights) / total
+    return int(min(np.searchsorted(cumulative, top_p, side="left") + 1, len(weights)))

@@ -1,0 +1,156 @@
+"""`strata serve`: load a model and serve the HTTP API with hypercorn's trio worker.
+
+Every config key has a flag (`--context`, `--limits.max-tokens`, `--vision.mmproj`, ...); flags override the JSON
+file given with `--config` (or `STRATA_CONFIG`), which overrides the defaults. Heavy imports happen in `run`, so
+that `import strata` stays light.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import trio
+
+    from strata.config import Config
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from strata.config import flag_names
+
+    parser.add_argument("--config", metavar="FILE", help="JSON config file (default: $STRATA_CONFIG)")
+    for key, hint in flag_names():
+        flag = "--" + key.replace("_", "-")
+        parser.add_argument(flag, dest=f"cfg:{key}", metavar=_metavar(hint), default=None,
+                            help=f'the "{key}" config key')
+
+
+def _metavar(hint: Any) -> str:
+    text = str(hint)
+    if "list" in text:
+        return "JSON_LIST"
+    if "bool" in text:
+        return "true|false"
+    return "N" if ("int" in text or "float" in text) else "VALUE"
+
+
+def _flag_value(key: str, hint: Any, text: str) -> Any:
+    """A flag's text as the JSON value the config expects (numbers, booleans and lists parse as JSON)."""
+    if "str" in str(hint) and "list" not in str(hint):
+        return text
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text  # validation names the key and the expected type
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    from strata.config import flag_names, load_config
+
+    overrides: dict[str, Any] = {}
+    for key, hint in flag_names():
+        text = getattr(args, f"cfg:{key}", None)
+        if text is None:
+            continue
+        section, _, name = key.rpartition(".")
+        target = overrides.setdefault(section, {}) if section else overrides
+        target[name] = _flag_value(key, hint, text)
+    return load_config(args.config, overrides)
+
+
+def run(args: argparse.Namespace) -> int:
+    import trio
+
+    from strata.config import ConfigError
+
+    try:
+        config = config_from_args(args)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    if not config.model:
+        print('error: no model: give --model or the "model" config key', file=sys.stderr)
+        return 2
+    return trio.run(partial(serve, config, handle_signals=True))
+
+
+async def serve(
+    config: Config,
+    *,
+    handle_signals: bool = False,
+    shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
+    log: Callable[[str], None] = print,
+    task_status: trio.TaskStatus[list[str]] | None = None,
+) -> int:
+    """Load `config.model` and serve the HTTP API until shutdown; return the exit status.
+
+    The server listens while the model loads (`/health` answers 503 until it is loaded). Shutdown — SIGINT or
+    SIGTERM with `handle_signals`, `shutdown_trigger` returning, or the model failing to load — stops accepting
+    connections and gives in-flight requests `limits.graceful_timeout` seconds before they are cancelled.
+
+    Args:
+        config: the configuration.
+        handle_signals: shut down on SIGINT and SIGTERM (only from the main thread).
+        shutdown_trigger: an async function whose return shuts the server down.
+        log: where startup lines go.
+        task_status: for `nursery.start`: started with the bound addresses once listening.
+    """
+    import hypercorn
+    import hypercorn.trio
+    import trio
+
+    from strata.api.app import create_app
+    from strata.service import open_service
+
+    stop = trio.Event()
+    failed = False
+
+    async def watch_loading(service: Any) -> None:
+        nonlocal failed
+        await service.loaded.wait()
+        if service.load_error is not None:
+            failed = True
+            stop.set()
+        else:
+            log(f"serving {service.model_name} on {', '.join(binds)}")
+
+    async with trio.open_nursery() as nursery:
+        if handle_signals:
+            nursery.start_soon(_stop_on_signal, stop)
+        if shutdown_trigger is not None:
+            nursery.start_soon(_stop_after, shutdown_trigger, stop)
+        async with open_service(config, wait=False, log=log) as service:
+            hyper = hypercorn.Config()
+            hyper.bind = [f"{config.host}:{config.port}"]
+            hyper.graceful_timeout = config.limits.graceful_timeout
+            hyper.accesslog = None
+            # Invariant: the service closes only after hypercorn has returned, i.e. after every request ended.
+            async with trio.open_nursery() as server_nursery:
+                binds = await server_nursery.start(partial(
+                    hypercorn.trio.serve, create_app(service=service), hyper, shutdown_trigger=stop.wait))
+                log(f"listening on {', '.join(binds)}")
+                server_nursery.start_soon(watch_loading, service)
+                if task_status is not None:
+                    task_status.started(binds)
+        nursery.cancel_scope.cancel()
+    return 1 if failed else 0
+
+
+async def _stop_on_signal(stop: trio.Event) -> None:
+    import trio
+
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for _ in signals:
+            stop.set()
+            return
+
+
+async def _stop_after(trigger: Callable[[], Awaitable[None]], stop: trio.Event) -> None:
+    await trigger()
+    stop.set()

@@ -1,0 +1,222 @@
+"""Byte-level BPE tokenizer from GGUF metadata (`tokenizer.ggml.model` = `gpt2`), through HF `tokenizers`.
+
+Encoding runs in HF `tokenizers` (BPE over the GGUF tokens and merges, the pre-tokenizer split of
+`tokenizer.ggml.pre`, byte-level mapping). Decoding maps ids to their bytes here, so `decode` and the streaming
+decoder agree byte for byte.
+"""
+
+from __future__ import annotations
+
+import codecs
+import dataclasses
+import mmap
+import os
+import struct
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import tokenizers
+from gguf import GGUFReader, GGUFValueType, TokenType
+from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
+
+from strata.modelgen.vocab import byte_to_unicode
+
+# Split regexes of llama.cpp's `tokenizer.ggml.pre` names. Qwen2's is GPT-4's with single digits.
+PRE_TOKENIZER_PATTERNS = {
+    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+             r"|\s+(?!\S)|\s+",
+}
+# Tokens that end generation whatever the eos key says (llama.cpp also recognises them by name).
+END_OF_GENERATION_TEXTS = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>")
+_ID_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+_SPECIAL_TYPES = (int(TokenType.CONTROL), int(TokenType.USER_DEFINED))
+
+
+# --- GGUF metadata
+
+
+def read_tokenizer_metadata(path_or_reader: str | os.PathLike[str] | GGUFReader) -> dict[str, Any]:
+    """The `tokenizer.*` keys of a GGUF file: strings, numbers, lists of str, or numpy arrays of numbers.
+
+    `GGUFReader` parses every field of a file up front, which takes seconds for a 151k-token vocabulary; given a
+    path we read the key-value section ourselves and stop before the tensor infos.
+    """
+    if isinstance(path_or_reader, GGUFReader):
+        return {name: _reader_value(field) for name, field in path_or_reader.fields.items()
+                if name.startswith("tokenizer.")}
+    with open(path_or_reader, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        return _MetadataParser(buf).tokenizer_keys()
+
+
+def _reader_value(field: Any) -> Any:
+    if field.types[0] == GGUFValueType.ARRAY and field.types[-1] != GGUFValueType.STRING:
+        return np.concatenate([field.parts[i] for i in field.data]) if field.data else np.zeros(0)
+    return field.contents()
+
+
+_SCALAR_FORMATS = {
+    GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H", GGUFValueType.INT16: "<h",
+    GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i", GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?",
+    GGUFValueType.UINT64: "<Q", GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d",
+}
+
+
+class _MetadataParser:
+    """Sequential reader of a little-endian GGUF (v2/v3) header and key-value section."""
+
+    def __init__(self, buf: mmap.mmap) -> None:
+        self.buf, self.pos = buf, 0
+
+    def _unpack(self, fmt: str) -> Any:
+        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def _string(self) -> str:
+        n = self._unpack("<Q")
+        self.pos += n
+        return self.buf[self.pos - n:self.pos].decode("utf-8")
+
+    def _value(self, vtype: int) -> Any:
+        if vtype == GGUFValueType.STRING:
+            return self._string()
+        if vtype == GGUFValueType.ARRAY:
+            return self._array()
+        return self._unpack(_SCALAR_FORMATS[GGUFValueType(vtype)])
+
+    def _array(self) -> Any:
+        vtype, count = self._unpack("<I"), self._unpack("<Q")
+        if vtype == GGUFValueType.STRING:
+            return [self._string() for _ in range(count)]
+        if vtype == GGUFValueType.ARRAY:
+            return [self._array() for _ in range(count)]
+        dtype = np.dtype(_SCALAR_FORMATS[GGUFValueType(vtype)])
+        values = np.frombuffer(self.buf, dtype, count, self.pos).copy()
+        self.pos += dtype.itemsize * count
+        return values
+
+    def tokenizer_keys(self) -> dict[str, Any]:
+        if self.buf[:4] != b"GGUF":
+            raise ValueError("not a GGUF file")
+        self.pos = 4
+        version = self._unpack("<I")
+        if version not in (2, 3):
+            raise ValueError(f"unsupported GGUF version {version}")
+        self._unpack("<Q")  # tensor count
+        n_kv = self._unpack("<Q")
+        out = {}
+        for _ in range(n_kv):
+            key = self._string()
+            value = self._value(self._unpack("<I"))
+            if key.startswith("tokenizer."):
+                out[key] = value
+        return out
+
+
+# --- tokenizer
+
+
+def _id_bytes(tokens: Sequence[str], token_types: Sequence[int]) -> list[bytes]:
+    """The bytes each id decodes to: special tokens their text, the others undone from the byte-to-unicode map
+    (a token with characters outside the map, such as `[PAD151700]` padding, decodes to its UTF-8 text)."""
+    to_byte = {ord(char): chr(byte) for byte, char in byte_to_unicode().items()}
+    out = []
+    for token, ttype in zip(tokens, token_types):
+        if ttype in _SPECIAL_TYPES:
+            out.append(token.encode("utf-8"))
+            continue
+        try:
+            out.append(token.translate(to_byte).encode("latin-1"))
+        except UnicodeEncodeError:
+            out.append(token.encode("utf-8"))
+    return out
+
+
+def _hf_tokenizer(model: models.BPE, pre: str) -> tokenizers.Tokenizer:
+    if pre not in PRE_TOKENIZER_PATTERNS:
+        raise ValueError(f"unsupported tokenizer.ggml.pre {pre!r}; supported: {sorted(PRE_TOKENIZER_PATTERNS)}")
+    tok = tokenizers.Tokenizer(model)
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(tokenizers.Regex(PRE_TOKENIZER_PATTERNS[pre]), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+class StreamDecoder:
+    """Incremental detokeniser: `push` returns only complete UTF-8 characters, each exactly once."""
+
+    def __init__(self, id_bytes: Sequence[bytes]) -> None:
+        self._id_bytes = id_bytes
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token_id: int) -> str:
+        """The text completed by `token_id` (empty while a multi-byte character is still open)."""
+        return self._utf8.decode(self._id_bytes[token_id])
+
+    def flush(self) -> str:
+        """The rest: a character left incomplete at the end becomes U+FFFD."""
+        return self._utf8.decode(b"", final=True)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Tokenizer:
+    """Byte-level BPE tokenizer of a GGUF model. Build it with `Tokenizer.from_gguf`."""
+
+    hf: tokenizers.Tokenizer = dataclasses.field(repr=False)  # the special tokens as added tokens
+    hf_plain: tokenizers.Tokenizer = dataclasses.field(repr=False)  # no added tokens: special text stays text
+    id_bytes: tuple[bytes, ...] = dataclasses.field(repr=False)  # (n_vocab,) what each id decodes to
+    bos_id: int | None
+    eos_id: int | None
+    eos_ids: frozenset[int]
+    chat_template: str | None = dataclasses.field(repr=False)
+
+    @classmethod
+    def from_gguf(cls, path_or_reader: str | os.PathLike[str] | GGUFReader) -> Tokenizer:
+        """The tokenizer stored in a GGUF file's `tokenizer.*` metadata.
+
+        Raises:
+            ValueError: not a `gpt2` (byte-level BPE) vocabulary, or an unsupported pre-tokenizer.
+        """
+        meta = read_tokenizer_metadata(path_or_reader)
+        if meta.get("tokenizer.ggml.model") != "gpt2":
+            raise ValueError(f"unsupported tokenizer.ggml.model {meta.get('tokenizer.ggml.model')!r}; need gpt2")
+        tokens: list[str] = meta["tokenizer.ggml.tokens"]
+        types = [int(t) for t in meta.get("tokenizer.ggml.token_type", [int(TokenType.NORMAL)] * len(tokens))]
+        vocab = {token: i for i, token in enumerate(tokens)}
+        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+        # ignore_merges: a pre-tokenised piece that is itself a token stays whole, as tiktoken does it.
+        model = models.BPE(vocab=vocab, merges=merges, ignore_merges=True)
+        pre = meta.get("tokenizer.ggml.pre", "qwen2")
+        hf, hf_plain = _hf_tokenizer(model, pre), _hf_tokenizer(model, pre)
+        hf.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
+                               for i, t in enumerate(types) if t in _SPECIAL_TYPES])
+        eos_ids = {int(meta[k]) for k in _ID_KEYS if k in meta}
+        eos_ids |= {vocab[text] for text in END_OF_GENERATION_TEXTS
+                    if text in vocab and types[vocab[text]] == TokenType.CONTROL}
+        bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
+        return cls(hf=hf, hf_plain=hf_plain, id_bytes=tuple(_id_bytes(tokens, types)),
+                   bos_id=None if bos is None else int(bos), eos_id=None if eos is None else int(eos),
+                   eos_ids=frozenset(eos_ids), chat_template=meta.get("tokenizer.chat_template"))
+
+    @property
+    def n_vocab(self) -> int:
+        return len(self.id_bytes)
+
+    def encode(self, text: str, special: bool = True) -> list[int]:
+        """Token ids of `text`. special=True: special-token text (`<|im_end|>`) becomes its id; False: plain text."""
+        return (self.hf if special else self.hf_plain).encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """The text of `ids`, special tokens included; invalid UTF-8 becomes U+FFFD."""
+        return b"".join(self.id_bytes[i] for i in ids).decode("utf-8", errors="replace")
+
+    def token_to_id(self, text: str) -> int | None:
+        """Id of a token given as stored (byte-to-unicode form, or a special token's text)."""
+        return self.hf.token_to_id(text)
+
+    def stream_decoder(self) -> StreamDecoder:
+        return StreamDecoder(self.id_bytes)

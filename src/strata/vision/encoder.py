@@ -1,0 +1,204 @@
+"""The image encoder's forward pass: ViT, 2x2 patch merge, MLP projector.
+
+Every weight product runs on the engine's C kernels (`strata_matmul`), reading the matrices in place in the
+mapped mmproj file. LayerNorm, GELU and the attention's softmax products are numpy; numpy's BLAS is held to the
+encoder's thread count with threadpoolctl for the duration of each encode.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+from threadpoolctl import ThreadpoolController
+
+from strata.engine_cffi._engine import ffi, lib
+from strata.vision.mmproj import Block, Linear, Mmproj, MmprojError, Norm
+
+_BLAS = ThreadpoolController()
+
+
+class EncodeCancelled(Exception):
+    """The cancellation check said stop; raised at a layer boundary."""
+
+
+class Encoder:
+    """Runs one mmproj file's encoder on the CPU.
+
+    Args:
+        mmproj: the loaded file; it must stay open as long as the encoder is used.
+        threads: threads for the C kernels and numpy's BLAS.
+
+    Raises:
+        MmprojError: a weight type the C kernels do not read.
+    """
+
+    def __init__(self, mmproj: Mmproj, threads: int):
+        if threads < 1:
+            raise ValueError("threads must be at least 1")
+        self.mmproj = mmproj
+        self.hp = mmproj.hparams
+        self.threads = threads
+        for linear in _linears(mmproj):
+            if not lib.strata_type_supported(linear.weight.type):
+                raise MmprojError(f"'{mmproj.path}': weight type {linear.weight.type} is not supported")
+
+    @property
+    def n_embd(self) -> int:
+        """The width of the embeddings this encoder produces (the text model's width)."""
+        return self.hp.n_proj
+
+    def encode(self, pixels: np.ndarray, cancelled: Callable[[], bool] = lambda: False) -> np.ndarray:
+        """Embeddings (n_tokens, n_embd) of normalised pixels (3, H, W), rows in row-major merged-grid order.
+
+        H and W must be multiples of patch_size * merge.
+
+        Raises:
+            EncodeCancelled: `cancelled()` returned true at a layer boundary.
+        """
+        with _BLAS.limit(limits=self.threads, user_api="blas"):
+            features = self.vit(pixels, cancelled)
+            if cancelled():
+                raise EncodeCancelled
+            return self.project(features)
+
+    def vit(self, pixels: np.ndarray, cancelled: Callable[[], bool] = lambda: False) -> np.ndarray:
+        """The ViT's output after its post-layernorm: float32 (gy, gx, n_embd) over the patch grid."""
+        hp = self.hp
+        _, height, width = pixels.shape
+        unit = hp.patch_size * hp.merge
+        if height % unit or width % unit:
+            raise ValueError(f"picture {width}x{height} is not a multiple of {unit} pixels per side")
+        gy, gx = height // hp.patch_size, width // hp.patch_size
+        # patch embedding (a convolution with stride = kernel, as a product) plus positions resized to the grid
+        x = self._linear(patchify(pixels, hp.patch_size), self.mmproj.patch)
+        x += position_embeddings(self.mmproj.pos, hp.pos_side, gy, gx)
+        for block in self.mmproj.blocks:
+            if cancelled():
+                raise EncodeCancelled
+            x = self._block(x, block)
+        return layer_norm(x, self.mmproj.post_ln, hp.eps).reshape(gy, gx, hp.n_embd)
+
+    def project(self, features: np.ndarray) -> np.ndarray:
+        """Merge each 2x2 patch square and project: (gy, gx, n_embd) -> (gy/2 * gx/2, n_proj)."""
+        x = pixel_unshuffle(features, self.hp.merge)
+        if self.mmproj.input_norm is not None:
+            x = layer_norm(x, self.mmproj.input_norm, self.hp.eps)
+        x = gelu(self._linear(x, self.mmproj.mm_up))
+        return self._linear(x, self.mmproj.mm_down)
+
+    def _block(self, x: np.ndarray, block: Block) -> np.ndarray:
+        eps = self.hp.eps
+        # attention branch: x += o(attention(q, k, v of ln1(x)))
+        h = layer_norm(x, block.ln1, eps)
+        q, k, v = (self._linear(h, lin) for lin in (block.q, block.k, block.v))
+        x += self._linear(attention(q, k, v, self.hp.n_head), block.o)
+        # MLP branch: x += down(gelu(up(ln2(x))))
+        h = layer_norm(x, block.ln2, eps)
+        x += self._linear(gelu(self._linear(h, block.up)), block.down)
+        return x
+
+    def _linear(self, x: np.ndarray, linear: Linear) -> np.ndarray:
+        """x (n, n_in) @ W^T + b on the C kernels."""
+        w = linear.weight
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if x.shape[1] != w.n_cols:
+            raise ValueError(f"input width {x.shape[1]} for a weight of {w.n_cols} columns")
+        y = np.empty((x.shape[0], w.n_rows), dtype=np.float32)
+        status = lib.strata_matmul(
+            w.type,
+            ffi.cast("const void *", w.data.ctypes.data),
+            w.n_rows,
+            w.n_cols,
+            ffi.cast("const float *", x.ctypes.data),
+            x.shape[0],
+            ffi.cast("float *", y.ctypes.data),
+            self.threads,
+        )
+        if status != lib.STRATA_OK:
+            raise RuntimeError(f"strata_matmul: {ffi.string(lib.strata_status_string(status)).decode()}")
+        y += linear.bias
+        return y
+
+
+def _linears(mmproj: Mmproj) -> list[Linear]:
+    blocks = [lin for b in mmproj.blocks for lin in (b.q, b.k, b.v, b.o, b.up, b.down)]
+    return [mmproj.patch, *blocks, mmproj.mm_up, mmproj.mm_down]
+
+
+# --- the steps, as plain functions of arrays
+
+
+def patchify(pixels: np.ndarray, p: int) -> np.ndarray:
+    """(3, H, W) -> (H/p * W/p, 3 * p * p): patches in row-major grid order, each in (channel, row, column) order."""
+    c, height, width = pixels.shape
+    gy, gx = height // p, width // p
+    patches = pixels.reshape(c, gy, p, gx, p).transpose(1, 3, 0, 2, 4)
+    return np.ascontiguousarray(patches).reshape(gy * gx, c * p * p)
+
+
+def bicubic_weights(n_in: int, n_out: int) -> np.ndarray:
+    """(n_out, n_in) matrix of 1-D bicubic resampling with half-pixel centres (align_corners=False), the cubic
+    convolution kernel with a = -0.75, and sample indices clamped at the edges.
+
+    These are the conventions of SigLIP's position-embedding interpolation (torch's bicubic resize).
+    """
+    a = -0.75
+    weights = np.zeros((n_out, n_in), dtype=np.float64)
+    for i in range(n_out):
+        src = (i + 0.5) * n_in / n_out - 0.5
+        base = int(np.floor(src))
+        t = src - base
+        # distances of the four taps base-1 .. base+2 from src
+        for tap, d in zip(range(base - 1, base + 3), (1 + t, t, 1 - t, 2 - t)):
+            if d <= 1:
+                w = ((a + 2) * d - (a + 3)) * d * d + 1
+            else:
+                w = ((a * d - 5 * a) * d + 8 * a) * d - 4 * a
+            weights[i, min(max(tap, 0), n_in - 1)] += w
+    return weights
+
+
+def position_embeddings(pos: np.ndarray, side: int, gy: int, gx: int) -> np.ndarray:
+    """The (side x side) grid of position embeddings resized to (gy x gx): float32 (gy * gx, n_embd)."""
+    n_embd = pos.shape[1]
+    if (gy, gx) == (side, side):
+        return pos
+    grid = pos.reshape(side, side, n_embd).astype(np.float64)
+    resized = np.einsum("ys,xt,stc->yxc", bicubic_weights(side, gy), bicubic_weights(side, gx), grid)
+    return resized.reshape(gy * gx, n_embd).astype(np.float32)
+
+
+def layer_norm(x: np.ndarray, norm: Norm, eps: float) -> np.ndarray:
+    mean = x.mean(axis=-1, keepdims=True)
+    centred = x - mean
+    var = np.mean(centred * centred, axis=-1, keepdims=True)
+    return centred / np.sqrt(var + eps) * norm.weight + norm.bias
+
+
+def gelu(x: np.ndarray) -> np.ndarray:
+    """GELU, tanh approximation (SigLIP's gelu_pytorch_tanh)."""
+    return 0.5 * x * (1.0 + np.tanh(np.float32(np.sqrt(2.0 / np.pi)) * (x + np.float32(0.044715) * x * x * x)))
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_head: int) -> np.ndarray:
+    """Bidirectional multi-head attention: (n, n_embd) each -> (n, n_embd), one head at a time to bound memory."""
+    n, n_embd = q.shape
+    head_dim = n_embd // n_head
+    scale = np.float32(head_dim**-0.5)
+    out = np.empty_like(q)
+    for h in range(n_head):
+        cols = slice(h * head_dim, (h + 1) * head_dim)
+        scores = (q[:, cols] * scale) @ k[:, cols].T  # (n, n)
+        scores -= scores.max(axis=1, keepdims=True)
+        np.exp(scores, out=scores)
+        scores /= scores.sum(axis=1, keepdims=True)
+        out[:, cols] = scores @ v[:, cols]
+    return out
+
+
+def pixel_unshuffle(features: np.ndarray, merge: int) -> np.ndarray:
+    """(gy, gx, n) -> (gy/m * gx/m, m * m * n): each m x m square of patches concatenated in row-major order."""
+    gy, gx, n = features.shape
+    squares = features.reshape(gy // merge, merge, gx // merge, merge, n).transpose(0, 2, 1, 3, 4)
+    return np.ascontiguousarray(squares).reshape((gy // merge) * (gx // merge), merge * merge * n)

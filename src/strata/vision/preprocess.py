@@ -1,0 +1,101 @@
+"""Pictures to normalised pixels: decode with Pillow, orient, flatten transparency, resize to a token budget."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import math
+import os
+import warnings
+
+import numpy as np
+from PIL import Image, ImageOps
+
+from strata.vision.mmproj import VisionHParams
+
+# A bound on decoded pixels, checked from the header before decoding: a small file that decodes to gigabytes (a
+# decompression bomb) is refused. 50 MP holds an 8K screenshot or a phone camera's photo.
+DEFAULT_MAX_PIXELS = 50_000_000
+
+
+class ImageError(ValueError):
+    """A picture that cannot be used: not an image, truncated, too large, unreadable."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Picture:
+    pixels: np.ndarray  # float32 (3, height, width), normalised; height, width multiples of patch_size * merge
+    nx: int  # merged-token grid width: width // (patch_size * merge)
+    ny: int
+
+    @property
+    def n_tokens(self) -> int:
+        return self.nx * self.ny
+
+
+def token_grid(width: int, height: int, unit: int, max_tokens: int) -> tuple[int, int]:
+    """The merged-token grid (nx, ny) for a width x height picture: the aspect ratio kept, nx * ny <= max_tokens.
+
+    `unit` is the pixels per merged token along a side (patch_size * merge). A picture that already fits is only
+    rounded to whole units; a larger one is scaled down; every side gets at least one unit.
+    """
+    if max_tokens < 1:
+        raise ValueError("max_tokens must be at least 1")
+    scale = min(1.0, math.sqrt(max_tokens * unit * unit / (width * height)))
+    nx, ny = max(1, round(width * scale / unit)), max(1, round(height * scale / unit))
+    if nx * ny > max_tokens:
+        # Invariant: floor(a) * floor(b) <= a * b = width * height * scale**2 / unit**2 <= max_tokens.
+        nx, ny = max(1, math.floor(width * scale / unit)), max(1, math.floor(height * scale / unit))
+    if nx * ny > max_tokens:  # a thin picture whose short side was raised to one unit
+        if nx >= ny:
+            nx = max_tokens // ny
+        else:
+            ny = max_tokens // nx
+    return nx, ny
+
+
+def load_image(source: bytes | str | os.PathLike[str], max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Image:
+    """Decode a picture (any format Pillow reads; the first frame of an animation) to upright RGB.
+
+    Raises:
+        ImageError: unreadable, not an image, truncated, or more than max_pixels pixels.
+    """
+    what = "image" if isinstance(source, bytes) else f"image '{os.fspath(source)}'"
+    try:
+        with warnings.catch_warnings():
+            # Pillow's own bomb check warns below its hard limit; either way it is a refusal here.
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) as image:
+                width, height = image.size
+                if width * height > max_pixels:
+                    raise ImageError(f"{what} is {width}x{height}, more than {max_pixels} pixels")
+                image.load()
+                return _to_rgb(ImageOps.exif_transpose(image))
+    except ImageError:
+        raise
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        raise ImageError(f"{what} is too large: {exc}") from None
+    except (OSError, ValueError, SyntaxError, EOFError) as exc:
+        raise ImageError(f"cannot read {what}: {exc}") from None
+
+
+def _to_rgb(image: Image.Image) -> Image.Image:
+    """RGB, with any transparency composited onto white (a transparent screenshot background reads as white)."""
+    if image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in image.info:
+        rgba = image.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        background.alpha_composite(rgba)
+        return background.convert("RGB")
+    return image.convert("RGB")
+
+
+def preprocess(image: Image.Image, hp: VisionHParams, max_tokens: int) -> Picture:
+    """Resize an RGB picture to its token grid and normalise it with the file's mean and std."""
+    unit = hp.patch_size * hp.merge
+    nx, ny = token_grid(image.width, image.height, unit, max_tokens)
+    size = (nx * unit, ny * unit)
+    if image.size != size:
+        image = image.resize(size, Image.Resampling.BICUBIC)
+    pixels = np.asarray(image, dtype=np.float32) / 255.0  # (height, width, 3)
+    pixels = (pixels - np.asarray(hp.image_mean, np.float32)) / np.asarray(hp.image_std, np.float32)
+    return Picture(np.ascontiguousarray(pixels.transpose(2, 0, 1)), nx, ny)

@@ -1,0 +1,474 @@
+"""The line protocol between the server and a `strata-vision` encoder: pure code, no I/O.
+
+Each message is one UTF-8 line ending in ``\\n``; two messages carry raw bytes after their line (an in-band job's
+image, an in-band result's SVE1 data) whose length the line states. Words are separated by spaces; a word that
+holds a space, a quote or a control character (a path, usually) is written as a JSON string literal.
+docs/VISION.md has the grammar.
+
+Client to encoder:  ``ENC <image> <out>``, ``JOB <id> <n_bytes>`` + bytes, ``CANCEL <id>``, ``QUIT``.
+Encoder to client:  ``READY <n_embd> <json>``, ``OK <n_tokens> <nx> <ny> <ms>``,
+                    ``RES <id> <n_tokens> <nx> <ny> <ms> <n_bytes>`` + bytes, ``CANCELLED <id>``,
+                    ``ERR [<id>] <kind>: <detail>``.
+
+Invariant: an ``ERR`` that answers an in-band job names the job's id; every other ``ERR`` starts with a word that
+ends in ``:`` (its kind). Ids cannot contain ``:``, so the two never read alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+import struct
+from typing import Union
+
+import numpy as np
+
+PROTOCOL_VERSION = 1
+MAX_LINE_BYTES = 8192  # a line longer than this (newline included) is refused
+MAX_IMAGE_BYTES = 64 * 1024 * 1024  # an in-band job's image
+MAX_SVE_BYTES = 1 << 30  # an in-band result (the client's bound when it reads one)
+MAX_MESSAGE_CHARS = 500
+MAX_DIMENSION = 1 << 20  # bound on token counts, grid sides and widths read from a line or a header
+
+SVE_MAGIC = 0x31455653  # b"SVE1" read as a little-endian int32
+_SVE_HEADER = struct.Struct("<5i")
+SVE_HEADER_BYTES = _SVE_HEADER.size
+
+_ID_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_UINT_RE = re.compile(r"[0-9]{1,12}")
+_BARE_WORD_RE = re.compile(r'[^\s"\x00-\x1f\x7f]+')
+_JSON = json.JSONDecoder()
+
+
+class ProtocolError(ValueError):
+    """A line, payload or file that does not follow the protocol.
+
+    Attributes:
+        job_id: the in-band job the bad line belonged to, when its id could be read, else None.
+    """
+
+    def __init__(self, message: str, job_id: str | None = None):
+        super().__init__(message)
+        self.job_id = job_id
+
+
+# --- client to encoder
+
+
+@dataclasses.dataclass(frozen=True)
+class EncodePath:
+    """``ENC <image> <out>``: encode the picture at `image`, write SVE1 to `out` (paths on the encoder's host)."""
+
+    image: str
+    out: str
+
+
+@dataclasses.dataclass(frozen=True)
+class EncodeBytes:
+    """``JOB <id> <n_bytes>``, followed by the picture's `n_bytes` bytes."""
+
+    job_id: str
+    n_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Cancel:
+    """``CANCEL <id>``: drop the job if queued, stop it at its next layer boundary if running."""
+
+    job_id: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Quit:
+    """``QUIT``: answer the jobs already received, then exit."""
+
+
+Request = Union[EncodePath, EncodeBytes, Cancel, Quit]
+
+
+# --- encoder to client
+
+
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+    """The JSON object on the READY line."""
+
+    cuda: bool  # whether this process holds a CUDA context (an encode then competes for the GPU)
+    threads: int
+    max_tokens: int
+    fingerprint: str  # equal fingerprints give equal embeddings for the same picture and max_tokens
+    projector: str
+    max_image_bytes: int = MAX_IMAGE_BYTES
+    protocol: int = PROTOCOL_VERSION
+
+
+@dataclasses.dataclass(frozen=True)
+class Ready:
+    """``READY <n_embd> <json>``: the encoder is loaded; its embeddings are `n_embd` wide."""
+
+    n_embd: int
+    capabilities: Capabilities
+
+
+@dataclasses.dataclass(frozen=True)
+class Encoded:
+    """``OK <n_tokens> <nx> <ny> <ms>``: a path-form job is done and its SVE1 file written."""
+
+    n_tokens: int
+    nx: int
+    ny: int
+    ms: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    """``RES <id> <n_tokens> <nx> <ny> <ms> <n_bytes>``, followed by `n_bytes` of SVE1 data."""
+
+    job_id: str
+    n_tokens: int
+    nx: int
+    ny: int
+    ms: float
+    n_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Cancelled:
+    """``CANCELLED <id>``: the job was dropped from the queue or stopped; it gets no other reply."""
+
+    job_id: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Failed:
+    """``ERR [<id>] <kind>: <detail>``: a job failed (`job_id` set for in-band jobs) or a line was refused."""
+
+    kind: str
+    detail: str
+    job_id: str | None = None
+
+    @property
+    def message(self) -> str:
+        return f"{self.kind}: {self.detail}"
+
+
+Reply = Union[Ready, Encoded, Result, Cancelled, Failed]
+
+
+# --- words
+
+
+def quote_word(text: str) -> str:
+    """`text` as one protocol word: bare when it can be, else a JSON string literal."""
+    if _BARE_WORD_RE.fullmatch(text):
+        return text
+    return json.dumps(text, ensure_ascii=False)
+
+
+def split_words(text: str) -> list[str]:
+    """Split a line's text into words; JSON string literals become the strings they denote.
+
+    Raises:
+        ProtocolError: a quoted word that is not a valid JSON string, or two words without a space between.
+    """
+    words: list[str] = []
+    pos = 0
+    while True:
+        while pos < len(text) and text[pos] in " \t":
+            pos += 1
+        if pos == len(text):
+            return words
+        if text[pos] == '"':
+            try:
+                word, end = _JSON.raw_decode(text, pos)
+            except json.JSONDecodeError as exc:
+                raise ProtocolError(f"bad quoted word at column {pos + 1}: {exc.msg}") from None
+        else:
+            match = _BARE_WORD_RE.match(text, pos)
+            if match is None:
+                raise ProtocolError(f"control character at column {pos + 1}")
+            word, end = match.group(), match.end()
+        if end < len(text) and text[end] not in " \t":
+            if text[end] < " " or text[end] == "\x7f":
+                raise ProtocolError(f"control character at column {end + 1}")
+            raise ProtocolError(f"no space after the word ending at column {end}")
+        words.append(word)
+        pos = end
+
+
+def _line_text(line: bytes) -> str:
+    if len(line) > MAX_LINE_BYTES:
+        raise ProtocolError(f"line longer than {MAX_LINE_BYTES} bytes")
+    if line.endswith(b"\n"):
+        line = line[:-1]
+    if line.endswith(b"\r"):
+        line = line[:-1]
+    if b"\n" in line:
+        raise ProtocolError("more than one line")
+    try:
+        return line.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ProtocolError("line is not valid UTF-8") from None
+
+
+def _line(*words: str) -> bytes:
+    data = (" ".join(words) + "\n").encode("utf-8")
+    if len(data) > MAX_LINE_BYTES:
+        raise ProtocolError(f"line longer than {MAX_LINE_BYTES} bytes")
+    return data
+
+
+def _job_id(word: str) -> str:
+    if not _ID_RE.fullmatch(word):
+        raise ProtocolError(f"bad job id {word[:80]!r} (1-64 of A-Z a-z 0-9 _ . -)")
+    return word
+
+
+def _uint(word: str, what: str, limit: int) -> int:
+    if not _UINT_RE.fullmatch(word) or int(word) > limit:
+        raise ProtocolError(f"bad {what} {word[:80]!r} (an integer from 0 to {limit})")
+    return int(word)
+
+
+def _ms(word: str) -> float:
+    try:
+        value = float(word)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise ProtocolError(f"bad milliseconds {word[:80]!r}")
+    return value
+
+
+def _arity(words: list[str], n: int, usage: str, job_id: str | None = None) -> None:
+    if len(words) != n:
+        raise ProtocolError(f"expected {usage!r}, got {len(words) - 1} argument(s)", job_id)
+
+
+# --- requests
+
+
+def encode_request(request: Request) -> bytes:
+    """The line for `request` (an EncodeBytes line is followed by the image bytes, sent by the caller)."""
+    match request:
+        case EncodePath(image, out):
+            return _line("ENC", quote_word(image), quote_word(out))
+        case EncodeBytes(job_id, n_bytes):
+            return _line("JOB", _job_id(job_id), str(n_bytes))
+        case Cancel(job_id):
+            return _line("CANCEL", _job_id(job_id))
+        case Quit():
+            return _line("QUIT")
+    raise TypeError(f"not a request: {request!r}")
+
+
+def parse_request(line: bytes, max_image_bytes: int = MAX_IMAGE_BYTES) -> Request:
+    """Parse one client line.
+
+    Raises:
+        ProtocolError: the line is malformed; its `job_id` is set when the line named a readable job id (a JOB
+            line whose byte count is out of range: the caller must still skip that many bytes to stay in step).
+    """
+    words = split_words(_line_text(line))
+    if not words:
+        raise ProtocolError("empty line")
+    verb = words[0]
+    if verb == "ENC":
+        _arity(words, 3, "ENC <image> <out>")
+        if not words[1] or not words[2]:
+            raise ProtocolError("empty path")
+        return EncodePath(words[1], words[2])
+    if verb == "JOB":
+        job_id = _job_id(words[1]) if len(words) > 1 else None
+        _arity(words, 3, "JOB <id> <n_bytes>", job_id)
+        return EncodeBytes(job_id, _uint_for_job(words[2], max_image_bytes, job_id))
+    if verb == "CANCEL":
+        _arity(words, 2, "CANCEL <id>")
+        return Cancel(_job_id(words[1]))
+    if verb == "QUIT":
+        _arity(words, 1, "QUIT")
+        return Quit()
+    raise ProtocolError(f"unknown verb {verb[:40]!r} (ENC, JOB, CANCEL, QUIT)")
+
+
+def _uint_for_job(word: str, limit: int, job_id: str) -> int:
+    try:
+        return _uint(word, "byte count", limit)
+    except ProtocolError as exc:
+        raise ProtocolError(str(exc), job_id) from None
+
+
+def job_bytes_to_skip(line: bytes) -> int:
+    """After a refused JOB line: how many payload bytes follow it (0 when its count cannot be read)."""
+    try:
+        words = split_words(_line_text(line))
+    except ProtocolError:
+        return 0
+    if len(words) == 3 and words[0] == "JOB" and _UINT_RE.fullmatch(words[2]):
+        return int(words[2])
+    return 0
+
+
+# --- replies
+
+
+def encode_reply(reply: Reply) -> bytes:
+    """The line for `reply` (a Result line is followed by the SVE1 bytes, sent by the caller)."""
+    match reply:
+        case Ready(n_embd, caps):
+            text = json.dumps(dataclasses.asdict(caps), separators=(",", ":"), sort_keys=True)
+            return _line("READY", str(n_embd), text)
+        case Encoded(n_tokens, nx, ny, ms):
+            return _line("OK", str(n_tokens), str(nx), str(ny), f"{ms:.1f}")
+        case Result(job_id, n_tokens, nx, ny, ms, n_bytes):
+            return _line("RES", _job_id(job_id), str(n_tokens), str(nx), str(ny), f"{ms:.1f}", str(n_bytes))
+        case Cancelled(job_id):
+            return _line("CANCELLED", _job_id(job_id))
+        case Failed(kind, detail, job_id):
+            head = ["ERR", _job_id(job_id)] if job_id is not None else ["ERR"]
+            return _line(*head, f"{_kind(kind)}:", _one_line(detail))
+    raise TypeError(f"not a reply: {reply!r}")
+
+
+def _kind(kind: str) -> str:
+    if not re.fullmatch(r"[a-z]{1,20}", kind):
+        raise ValueError(f"bad error kind {kind!r}")
+    return kind
+
+
+def _one_line(text: str) -> str:
+    """Collapse whitespace (newlines included) and bound the length, so a message is always one short line."""
+    text = " ".join(text.split()) or "(no detail)"
+    if len(text) > MAX_MESSAGE_CHARS:
+        text = text[: MAX_MESSAGE_CHARS - 3] + "..."
+    return text
+
+
+def parse_reply(line: bytes) -> Reply:
+    """Parse one encoder line.
+
+    Raises:
+        ProtocolError: the line is malformed.
+    """
+    text = _line_text(line)
+    verb, _, rest = text.partition(" ")
+    if verb == "ERR":
+        return _parse_failed(rest)
+    if verb == "READY":
+        return _parse_ready(rest)
+    words = split_words(rest)
+    if verb == "OK":
+        _arity(["OK", *words], 5, "OK <n_tokens> <nx> <ny> <ms>")
+        n_tokens, nx, ny = (_uint(w, "count", MAX_DIMENSION) for w in words[:3])
+        return Encoded(n_tokens, nx, ny, _ms(words[3]))
+    if verb == "RES":
+        _arity(["RES", *words], 7, "RES <id> <n_tokens> <nx> <ny> <ms> <n_bytes>")
+        n_tokens, nx, ny = (_uint(w, "count", MAX_DIMENSION) for w in words[1:4])
+        return Result(_job_id(words[0]), n_tokens, nx, ny, _ms(words[4]), _uint(words[5], "byte count", MAX_SVE_BYTES))
+    if verb == "CANCELLED":
+        _arity(["CANCELLED", *words], 2, "CANCELLED <id>")
+        return Cancelled(_job_id(words[0]))
+    raise ProtocolError(f"unknown reply {verb[:40]!r}")
+
+
+def _parse_failed(rest: str) -> Failed:
+    first, _, tail = rest.partition(" ")
+    job_id = None
+    if not first.endswith(":"):
+        job_id = _job_id(first)
+        first, _, tail = tail.partition(" ")
+    if not (first.endswith(":") and len(first) > 1):
+        raise ProtocolError("ERR without a '<kind>:' word")
+    return Failed(first[:-1], tail.strip(), job_id)
+
+
+def _parse_ready(rest: str) -> Ready:
+    n_embd_word, _, text = rest.partition(" ")
+    n_embd = _uint(n_embd_word, "width", MAX_DIMENSION)
+    try:
+        fields = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ProtocolError(f"READY capabilities are not JSON: {exc.msg}") from None
+    if not isinstance(fields, dict):
+        raise ProtocolError("READY capabilities are not a JSON object")
+    return Ready(n_embd, _capabilities(fields))
+
+
+_CAPABILITY_TYPES = {
+    "cuda": bool,
+    "threads": int,
+    "max_tokens": int,
+    "fingerprint": str,
+    "projector": str,
+    "max_image_bytes": int,
+    "protocol": int,
+}
+
+
+def _capabilities(fields: dict) -> Capabilities:
+    """Known fields are checked; unknown ones are ignored, so a newer encoder can add some."""
+    values = {}
+    for name, kind in _CAPABILITY_TYPES.items():
+        if name not in fields:
+            raise ProtocolError(f"READY capabilities lack {name!r}")
+        value = fields[name]
+        if type(value) is not kind:
+            raise ProtocolError(f"READY capability {name!r} is not a {kind.__name__}")
+        values[name] = value
+    return Capabilities(**values)
+
+
+# --- SVE1: the embeddings of one picture
+
+
+@dataclasses.dataclass(frozen=True)
+class SveHeader:
+    n_tokens: int
+    nx: int  # merged-token grid width; n_tokens = nx * ny, rows in row-major grid order
+    ny: int
+    n_embd: int
+
+
+def encode_sve(embeddings: np.ndarray, nx: int, ny: int) -> bytes:
+    """SVE1 bytes for `embeddings` (n_tokens, n_embd), n_tokens = nx * ny."""
+    n_tokens, n_embd = embeddings.shape
+    if n_tokens != nx * ny:
+        raise ValueError(f"{n_tokens} rows for a {nx}x{ny} grid")
+    header = _SVE_HEADER.pack(SVE_MAGIC, n_tokens, nx, ny, n_embd)
+    return header + np.ascontiguousarray(embeddings, dtype="<f4").tobytes()
+
+
+def parse_sve_header(data: bytes) -> SveHeader:
+    """The header of SVE1 `data` (at least its first SVE_HEADER_BYTES bytes).
+
+    Raises:
+        ProtocolError: wrong magic, or counts that are negative, too large or inconsistent.
+    """
+    if len(data) < SVE_HEADER_BYTES:
+        raise ProtocolError(f"SVE1 data shorter than its {SVE_HEADER_BYTES}-byte header")
+    magic, n_tokens, nx, ny, n_embd = _SVE_HEADER.unpack_from(data)
+    if magic != SVE_MAGIC:
+        raise ProtocolError(f"not SVE1 data (magic {magic & 0xFFFFFFFF:#010x})")
+    if not all(0 < v <= MAX_DIMENSION for v in (n_tokens, nx, ny, n_embd)):
+        raise ProtocolError(f"SVE1 header out of range: {n_tokens} tokens, {nx}x{ny} grid, width {n_embd}")
+    if n_tokens != nx * ny:
+        raise ProtocolError(f"SVE1 header says {n_tokens} tokens for a {nx}x{ny} grid")
+    return SveHeader(n_tokens, nx, ny, n_embd)
+
+
+def parse_sve(data: bytes) -> tuple[SveHeader, np.ndarray]:
+    """Header and float32 rows (n_tokens, n_embd) of SVE1 `data`, which must be exactly that long.
+
+    Raises:
+        ProtocolError: a bad header, a size that does not match it, or a value that is not finite.
+    """
+    header = parse_sve_header(data)
+    expected = SVE_HEADER_BYTES + 4 * header.n_tokens * header.n_embd
+    if len(data) != expected:
+        raise ProtocolError(f"SVE1 data is {len(data)} bytes, its header needs {expected}")
+    rows = np.frombuffer(data, dtype="<f4", offset=SVE_HEADER_BYTES).reshape(header.n_tokens, header.n_embd)
+    if not np.isfinite(rows).all():
+        raise ProtocolError("SVE1 data holds values that are not finite")
+    return header, rows

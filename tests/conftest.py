@@ -1,0 +1,242 @@
+"""Shared test helpers: generated tiny models, a scripted engine, and live servers on 127.0.0.1:0."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import outcome
+import pytest
+import trio
+
+from strata.config import Config, config_from_dict
+
+# --- models
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random qwen3moe model (f32, byte vocabulary) with the Qwen3 chat template."""
+    from strata.modelgen import write_random_model
+
+    return write_random_model(tmp_path_factory.mktemp("models") / "tiny.gguf", arch="qwen3moe", size="tiny",
+                              dtype="f32", vocab="bytes", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model: Path) -> Any:
+    from strata.tokenizer import Tokenizer
+
+    return Tokenizer.from_gguf(tiny_model)
+
+
+# --- a scripted engine
+
+
+class ScriptedEngine:
+    """The `Engine` API with a "model" that writes `script` (token ids) after each assistant prompt, then stops.
+
+    Timing and aborts behave like the C engine's: a prompt token costs `prompt_s` and a decode step `decode_s`
+    seconds of blocking work; the abort flag is checked between tokens, stops the call in flight (or the next
+    one) with `EngineAborted` — checked `LAYERS` times per token —, is lowered by doing so, and the positions not reached are dropped.
+
+    Args:
+        tokenizer: the tokenizer whose ids the script uses (for the vocabulary size and end-of-turn id).
+        script: the ids the model writes after `<|im_start|>assistant\\n`; the end-of-turn id follows.
+    """
+
+    LAYERS = 4  # abort checks per token
+
+    def __init__(self, tokenizer: Any, script: Sequence[int] = (), *, n_ctx: int = 4096, prompt_s: float = 0.0,
+                 decode_s: float = 0.0):
+        self.n_vocab = tokenizer.n_vocab
+        self.n_ctx = n_ctx
+        self.arch, self.backend, self.threads = "scripted", "scripted", 1
+        self.script = list(script)
+        self.prompt_s, self.decode_s = prompt_s, decode_s
+        self.kv: list[int] = []
+        self.calls: list[list[int]] = []  # the tokens of every eval call, in order
+        self.call_times: list[float] = []  # time.perf_counter() at the start of each call
+        self.aborts = 0  # calls stopped by the abort flag
+        self.running = threading.Event()  # set while an eval call runs
+        self._abort = threading.Event()
+        self._turn_open = tokenizer.encode("<|im_start|>assistant\n", special=True)
+        self._no_thinking = tokenizer.encode("<think>\n\n</think>\n\n", special=True)
+        self._end = tokenizer.token_to_id("<|im_end|>")
+
+    @property
+    def n_past(self) -> int:
+        return len(self.kv)
+
+    def eval(self, tokens: Sequence[int], embeds: Any = None, all_logits: bool = False) -> np.ndarray:
+        from strata.engine_cffi import EngineAborted, EngineError
+
+        self.call_times.append(time.perf_counter())
+        self.calls.append(list(tokens))
+        if len(self.kv) + len(tokens) > self.n_ctx:
+            raise EngineError("context full")
+        step = self.prompt_s if len(tokens) > 1 else self.decode_s
+        self.running.set()
+        try:
+            for token in tokens:
+                for _ in range(self.LAYERS):
+                    if self._abort.is_set():
+                        self._abort.clear()
+                        self.aborts += 1
+                        raise EngineAborted("aborted")
+                    if step:
+                        time.sleep(step / self.LAYERS)
+                self.kv.append(token)
+        finally:
+            self.running.clear()
+        # A margin no temperature below ~10 can overturn: the script is followed at any sampling setting.
+        logits = np.full(self.n_vocab, -100.0, dtype=np.float32)
+        logits[self._next_token()] = 100.0
+        return logits
+
+    def _next_token(self) -> int:
+        """The script's token after what follows the last assistant prompt (and its empty thinking block, when
+        the template disabled thinking) in the cache."""
+        n = len(self._turn_open)
+        for start in range(len(self.kv) - n, -1, -1):
+            if self.kv[start:start + n] == self._turn_open:
+                start += n
+                if self.kv[start:start + len(self._no_thinking)] == self._no_thinking:
+                    start += len(self._no_thinking)
+                written = len(self.kv) - start
+                return self.script[written] if 0 <= written < len(self.script) else self._end
+        return self._end
+
+    def keep(self, n: int) -> None:
+        del self.kv[n:]
+
+    def abort(self) -> None:
+        self._abort.set()
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def scripted(tokenizer: Any):
+    """A factory of scripted engines: `scripted("text the model writes", prompt_s=..., decode_s=...)`."""
+
+    def make(text: str = "Hello!", **options: Any) -> ScriptedEngine:
+        return ScriptedEngine(tokenizer, tokenizer.encode(text, special=True), **options)
+
+    return make
+
+
+# --- live servers
+
+
+def server_config(**keys: Any) -> Config:
+    """A config for tests: loopback, an ephemeral port, short shutdown."""
+    data = {"host": "127.0.0.1", "port": 0, "limits": {"graceful_timeout": 1.0}}
+    for key, value in keys.items():
+        if isinstance(value, dict):
+            data.setdefault(key, {}).update(value)
+        else:
+            data[key] = value
+    return config_from_dict(data)
+
+
+class LiveServer:
+    """A Strata server (hypercorn, trio worker) in a thread of its own, for sync and async clients alike.
+
+    Attributes:
+        url: the base URL, e.g. "http://127.0.0.1:41234".
+        service: the server's `Service` (read it from tests; it lives in the server thread).
+    """
+
+    def __init__(self, config: Config, engine: Any = None, tokenizer: Any = None):
+        self._config, self._engine, self._tokenizer = config, engine, tokenizer
+        self.url = ""
+        self.service: Any = None
+        self._ready = threading.Event()
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._stop: trio.Event | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="strata-test-server", daemon=True)
+
+    def __enter__(self) -> LiveServer:
+        self._thread.start()
+        if not self._ready.wait(60):
+            raise RuntimeError("the test server did not start")
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._token is not None and self._stop is not None:
+            self._token.run_sync_soon(self._stop.set)
+        self._thread.join(30)
+        assert not self._thread.is_alive(), "the test server did not stop"
+        if self._error is not None:
+            raise self._error
+
+    def call(self, fn: Any, *args: Any) -> Any:
+        """Run a sync function in the server's trio thread (to read its state consistently); works from any
+        thread, a trio test's included (it blocks that thread briefly)."""
+        done = threading.Event()
+        result: list[Any] = []
+
+        def run() -> None:
+            try:
+                result.append(outcome.capture(fn, *args))
+            finally:
+                done.set()
+
+        self._token.run_sync_soon(run)
+        if not done.wait(10):
+            raise RuntimeError("the test server did not answer")
+        return result[0].unwrap()
+
+    def _run(self) -> None:
+        try:
+            trio.run(self._main)
+        except BaseException as error:  # noqa: BLE001 - handed to the test thread
+            self._error = error
+            self._ready.set()
+
+    async def _main(self) -> None:
+        import hypercorn
+        import hypercorn.trio
+
+        from strata.api import create_app
+        from strata.service import open_service
+
+        self._token = trio.lowlevel.current_trio_token()
+        self._stop = trio.Event()
+        async with open_service(self._config, engine=self._engine, tokenizer=self._tokenizer,
+                                log=lambda line: None) as service:
+            self.service = service
+            hyper = hypercorn.Config()
+            hyper.bind = ["127.0.0.1:0"]
+            hyper.graceful_timeout = self._config.limits.graceful_timeout
+            hyper.accesslog = None
+            hyper.errorlog = None
+            async with trio.open_nursery() as nursery:
+                binds = await nursery.start(partial(hypercorn.trio.serve, create_app(service=service), hyper,
+                                                    shutdown_trigger=self._stop.wait))
+                self.url = binds[0]
+                self._ready.set()
+
+
+@contextmanager
+def live_server(config: Config | None = None, engine: Any = None, tokenizer: Any = None) -> Iterator[LiveServer]:
+    with LiveServer(config or server_config(), engine, tokenizer) as server:
+        yield server
+
+
+async def wait_until(predicate: Any, timeout: float = 5.0, interval: float = 0.002) -> None:
+    """Poll `predicate()` from a trio test until it is true."""
+    with trio.fail_after(timeout):
+        while not predicate():
+            await trio.sleep(interval)

@@ -1,0 +1,248 @@
+"""The engine's kernels against independent references.
+
+Dequantisation must match the gguf package bit for bit. The fast products are checked against the naive
+reference (dequantise, sum in double), and the naive reference against numpy in float64.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+from gguf import quants
+
+from strata.engine_cffi._engine import ffi, lib
+
+WEIGHT_TYPES = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q6_K]
+# Activation block of each weight type's products; None: activations stay f32.
+ACT_BLOCK = {Q.F32: None, Q.F16: None, Q.BF16: None, Q.Q8_0: 32, Q.Q4_0: 32, Q.Q4_K: 256, Q.Q6_K: 256}
+# Relative to sum |w x|: float32 accumulation in a different order than the double reference. The worst case
+# grows like n * 2^-24 (6e-5 at n = 1024); blocked sums stay orders of magnitude below that.
+ACCUMULATION_RTOL = 1e-5
+
+
+def f16_bytes(values: np.ndarray) -> np.ndarray:
+    return values.astype(np.float16).reshape(-1, 1).view(np.uint8)
+
+
+def random_blocks(qtype: Q, n_blocks: int, rng: np.random.Generator) -> np.ndarray:
+    """Random bytes for every field, with finite, sane f16 scales: (n_blocks, block_bytes) uint8."""
+    size = GGML_QUANT_SIZES[qtype][1]
+    blocks = rng.integers(0, 256, size=(n_blocks, size), dtype=np.uint8)
+    scales = lambda: f16_bytes(rng.uniform(1e-3, 2e-2, n_blocks) * rng.choice([-1, 1], n_blocks))
+    if qtype in (Q.Q8_0, Q.Q4_0):
+        blocks[:, 0:2] = scales()
+    elif qtype == Q.Q4_K:  # d, dmin at the start; mins are subtracted, so keep dmin positive as quantisers do
+        blocks[:, 0:2] = scales()
+        blocks[:, 2:4] = f16_bytes(rng.uniform(1e-3, 2e-2, n_blocks))
+    elif qtype == Q.Q6_K:  # d at the end
+        blocks[:, -2:] = scales()
+    return blocks
+
+
+def random_weights(qtype: Q, n_rows: int, n_cols: int, rng: np.random.Generator) -> np.ndarray:
+    """(n_rows, row_bytes) uint8 weights of `qtype`."""
+    if qtype == Q.F32:
+        return rng.standard_normal((n_rows, n_cols), dtype=np.float32).view(np.uint8)
+    if qtype == Q.F16:
+        return rng.standard_normal((n_rows, n_cols)).astype(np.float16).view(np.uint8)
+    if qtype in (Q.BF16, Q.Q8_0, Q.Q4_0):
+        return quants.quantize(rng.standard_normal((n_rows, n_cols), dtype=np.float32), qtype)
+    block, size = GGML_QUANT_SIZES[qtype]
+    return random_blocks(qtype, n_rows * n_cols // block, rng).reshape(n_rows, n_cols // block * size)
+
+
+def dequantize(qtype: Q, data: np.ndarray, n: int) -> np.ndarray:
+    out = np.empty(n, dtype=np.float32)
+    status = lib.strata_dequantize_row(int(qtype), ffi.from_buffer(data), ffi.from_buffer("float[]", out), n)
+    assert status == lib.STRATA_OK
+    return out
+
+
+def matmul(qtype: Q, w: np.ndarray, x: np.ndarray, n_threads: int | None = None) -> np.ndarray:
+    """y = x @ w^T by the fast path (n_threads given) or the naive reference (None)."""
+    n_rows, (n_tok, n_cols) = w.shape[0], x.shape
+    y = np.full((n_tok, n_rows), np.nan, dtype=np.float32)
+    args = (int(qtype), ffi.from_buffer(w), n_rows, n_cols, ffi.from_buffer("float[]", x), n_tok,
+            ffi.from_buffer("float[]", y))
+    status = lib.strata_matmul(*args, n_threads) if n_threads else lib.strata_matmul_naive(*args)
+    assert status == lib.STRATA_OK, ffi.string(lib.strata_status_string(status))
+    return y
+
+
+def weights_f32(qtype: Q, w: np.ndarray, n_cols: int) -> np.ndarray:
+    return quants.dequantize(w, qtype).reshape(w.shape[0], n_cols)
+
+
+# --- block formats
+
+
+@pytest.mark.parametrize("qtype", WEIGHT_TYPES)
+def test_row_bytes_match_gguf(qtype):
+    block, size = GGML_QUANT_SIZES[qtype]
+    assert lib.strata_type_supported(int(qtype)) == 1
+    assert lib.strata_row_bytes(int(qtype), 4 * 256) == 4 * 256 // block * size
+
+
+def test_unsupported_types_and_shapes():
+    assert lib.strata_type_supported(int(Q.Q8_K)) == 0  # activations only
+    assert lib.strata_type_supported(int(Q.Q5_K)) == 0
+    assert lib.strata_row_bytes(int(Q.Q5_K), 256) == 0
+    assert lib.strata_row_bytes(int(Q.Q4_K), 100) == 0
+    out = np.zeros(256, dtype=np.float32)
+    assert lib.strata_dequantize_row(int(Q.Q5_K), ffi.NULL, ffi.from_buffer("float[]", out), 256) == \
+        lib.STRATA_ERR_UNSUPPORTED
+    x = np.zeros((1, 100), dtype=np.float32)
+    args = (ffi.from_buffer(bytes(1000)), 1, 100, ffi.from_buffer("float[]", x), 1, ffi.from_buffer("float[]", out))
+    assert lib.strata_matmul(int(Q.Q8_0), *args, 1) == lib.STRATA_ERR_INVALID_ARG
+    assert lib.strata_matmul_naive(int(Q.Q8_K), *args) == lib.STRATA_ERR_UNSUPPORTED
+
+
+def test_status_strings_are_distinct():
+    codes = [lib.STRATA_OK, lib.STRATA_ERR_INVALID_ARG, lib.STRATA_ERR_UNSUPPORTED, lib.STRATA_ERR_NOMEM,
+             lib.STRATA_ERR_CONTEXT_FULL, lib.STRATA_ABORTED]
+    texts = {ffi.string(lib.strata_status_string(c)) for c in codes}
+    assert len(texts) == len(codes) and b"" not in texts
+
+
+# --- dequantisation: bit for bit what gguf computes
+
+
+def assert_same_bits(got: np.ndarray, want: np.ndarray):
+    np.testing.assert_array_equal(got.view(np.uint32), want.astype(np.float32).view(np.uint32))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q6_K])
+def test_dequantize_random_blocks_bit_exact(qtype):
+    rng = np.random.default_rng(int(qtype))
+    block = GGML_QUANT_SIZES[qtype][0]
+    blocks = random_blocks(qtype, 400, rng)
+    assert_same_bits(dequantize(qtype, blocks, 400 * block), quants.dequantize(blocks, qtype).ravel())
+
+
+@pytest.mark.parametrize("qtype", [Q.BF16, Q.Q8_0, Q.Q4_0])
+def test_dequantize_gguf_quantised_rows_bit_exact(qtype):
+    rng = np.random.default_rng(7)
+    x = (rng.standard_normal(64 * 32) * rng.uniform(0.01, 100)).astype(np.float32)
+    data = quants.quantize(x, qtype)
+    assert_same_bits(dequantize(qtype, data, x.size), quants.dequantize(data, qtype))
+
+
+@pytest.mark.parametrize("qtype,dtype", [(Q.F16, np.float16), (Q.BF16, None)])
+def test_dequantize_every_finite_16_bit_pattern(qtype, dtype):
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    exponent_all_ones = 0x7C00 if qtype == Q.F16 else 0x7F80
+    nan = ((bits & exponent_all_ones) == exponent_all_ones) & ((bits & ~np.uint16(0x8000 | exponent_all_ones)) != 0)
+    bits = bits[~nan]  # infinities stay, NaN payloads are not part of the contract
+    want = quants.dequantize(bits.view(np.uint8), qtype)
+    assert_same_bits(dequantize(qtype, bits.view(np.uint8), bits.size), want)
+
+
+def test_dequantize_f32_is_a_copy():
+    x = np.random.default_rng(3).standard_normal(1000).astype(np.float32)
+    assert_same_bits(dequantize(Q.F32, x.view(np.uint8), x.size), x)
+
+
+# --- products
+
+SHAPES = [  # (n_tok, n_rows, n_cols before rounding up to the type's block): one token (decode), a few, more
+    # than a tile; odd row counts; odd block counts (17, 33 blocks of 32) and f32 rows with a vector tail
+    (1, 37, 544), (3, 5, 100), (7, 67, 1000), (20, 33, 1056), (1, 1, 40),
+]
+
+
+def round_up(n_cols: int, qtype: Q) -> int:
+    block = GGML_QUANT_SIZES[qtype][0]
+    return -(-n_cols // block) * block
+
+
+def lossless_activations(qtype: Q, n_tok: int, n_cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Activations the type's activation quantiser represents exactly: per block, integers in [-127, 127]
+    with one of magnitude 127, times a power of two (so amax / 127 is exact, in f16 too)."""
+    block = ACT_BLOCK[qtype]
+    if block is None:  # activations stay f32
+        return rng.standard_normal((n_tok, n_cols), dtype=np.float32)
+    q = rng.integers(-127, 128, size=(n_tok * n_cols // block, block))
+    q[:, 0] = rng.choice([-127, 127], size=q.shape[0])
+    scale = 2.0 ** rng.integers(-8, 1, size=(q.shape[0], 1))
+    return (q * scale).astype(np.float32).reshape(n_tok, n_cols)
+
+
+def accumulation_slack(w32: np.ndarray, x: np.ndarray) -> np.ndarray:
+    return ACCUMULATION_RTOL * (np.abs(x.astype(np.float64)) @ np.abs(w32.astype(np.float64)).T) + 1e-30
+
+
+@pytest.mark.parametrize("qtype", WEIGHT_TYPES)
+@pytest.mark.parametrize("n_tok,n_rows,n_cols", SHAPES)
+def test_fast_equals_naive_on_lossless_activations(qtype, n_tok, n_rows, n_cols):
+    rng = np.random.default_rng(n_tok * 1000 + n_rows + int(qtype))
+    n_cols = round_up(n_cols, qtype)
+    w = random_weights(qtype, n_rows, n_cols, rng)
+    x = lossless_activations(qtype, n_tok, n_cols, rng)
+    naive = matmul(qtype, w, x)
+    slack = accumulation_slack(weights_f32(qtype, w, n_cols), x)
+    for n_threads in (1, 2):
+        err = np.abs(matmul(qtype, w, x, n_threads).astype(np.float64) - naive)
+        assert np.all(err <= slack), f"{n_threads} threads: worst {np.max(err / slack):.3g} x the tolerance"
+
+
+def quantisation_bound(qtype: Q, w32: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """Largest |y_fast - y_naive| that quantising the activations can explain.
+
+    Each activation moves by less than one step d = amax_block / 127 (half a step from rounding, plus at most
+    127 * |d - f16(d)| < 0.07 d from storing d in f16), so |dy| <= sum_i |w_i| d_block(i), plus float slack."""
+    block = ACT_BLOCK[qtype]
+    if block is None:
+        return accumulation_slack(w32, x)
+    amax = np.abs(x).reshape(x.shape[0], -1, block).max(axis=2)
+    step = np.repeat(amax / 127.0, block, axis=1)
+    return step.astype(np.float64) @ np.abs(w32.astype(np.float64)).T + accumulation_slack(w32, x)
+
+
+@pytest.mark.parametrize("qtype", WEIGHT_TYPES)
+@pytest.mark.parametrize("n_tok,n_rows,n_cols", SHAPES)
+def test_fast_within_quantisation_error_of_naive(qtype, n_tok, n_rows, n_cols):
+    rng = np.random.default_rng(n_tok * 7 + n_rows + int(qtype))
+    n_cols = round_up(n_cols, qtype)
+    w = random_weights(qtype, n_rows, n_cols, rng)
+    x = (rng.standard_normal((n_tok, n_cols)) * rng.uniform(0.1, 10)).astype(np.float32)
+    naive = matmul(qtype, w, x)
+    err = np.abs(matmul(qtype, w, x, 2).astype(np.float64) - naive)
+    bound = quantisation_bound(qtype, weights_f32(qtype, w, n_cols), x)
+    assert np.all(err <= bound), f"worst {np.max(err / bound):.3g} x the bound"
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q6_K])
+def test_activation_rounding_is_to_nearest(qtype):
+    """The bound above would also admit truncation. Rounding to nearest leaves errors uniform in +-d/2
+    (variance d^2 / 12) and independent, so sum_i w_i e_i has variance sum_i w_i^2 d_i^2 / 12; truncation
+    would give about 4 times that. Over 2,000 outputs the measured ratio lands within a few percent of 1
+    (f16 storage of Q8_0's d adds a little)."""
+    rng = np.random.default_rng(5)
+    n_tok, n_rows, n_cols = 20, 100, 1024
+    w = random_weights(qtype, n_rows, n_cols, rng)
+    x = rng.standard_normal((n_tok, n_cols)).astype(np.float32)
+    err = matmul(qtype, w, x, 2).astype(np.float64) - matmul(qtype, w, x)
+    block = ACT_BLOCK[qtype]
+    step = np.repeat(np.abs(x).reshape(n_tok, -1, block).max(axis=2) / 127.0, block, axis=1)
+    expected_var = (step.astype(np.float64) ** 2 / 12) @ (weights_f32(qtype, w, n_cols).astype(np.float64) ** 2).T
+    assert 0.8 < np.mean(err**2) / np.mean(expected_var) < 1.25
+
+
+@pytest.mark.parametrize("n_tok,n_rows,n_cols", [(1, 9, 100), (5, 31, 257), (16, 64, 1024)])
+def test_naive_f32_equals_numpy(n_tok, n_rows, n_cols):
+    rng = np.random.default_rng(n_cols)
+    w = rng.standard_normal((n_rows, n_cols), dtype=np.float32)
+    x = rng.standard_normal((n_tok, n_cols), dtype=np.float32)
+    want = x.astype(np.float64) @ w.astype(np.float64).T
+    got = matmul(Q.F32, w, x)
+    scale = np.abs(x.astype(np.float64)) @ np.abs(w.astype(np.float64)).T  # cancellation leaves |y| << this
+    assert np.all(np.abs(got - want) <= 1e-6 * np.maximum(np.abs(want), 1e-3 * scale))
+
+
+def test_more_threads_than_rows():
+    rng = np.random.default_rng(11)
+    w = random_weights(Q.Q8_0, 3, 64, rng)
+    x = lossless_activations(Q.Q8_0, 2, 64, rng)
+    got, naive = matmul(Q.Q8_0, w, x, 8), matmul(Q.Q8_0, w, x)
+    assert np.all(np.abs(got - naive) <= accumulation_slack(weights_f32(Q.Q8_0, w, 64), x))

@@ -1,0 +1,32 @@
+"""`strata make-model` through its command module."""
+
+import argparse
+import pathlib
+
+import pytest
+from gguf import GGUFReader
+
+from strata.modelgen import cli
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_make_model_writes_and_reports(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "model.gguf"
+    assert cli.run(parse(["--arch", "qwen3", "--dtype", "q8_0", "--seed", "5", "--out", str(out)])) == 0
+    reader = GGUFReader(out)
+    assert reader.fields["general.architecture"].contents() == "qwen3"
+    assert {t.tensor_type.name for t in reader.tensors} == {"F32", "Q8_0"}
+    n_params = sum(int(t.n_elements) for t in reader.tensors)
+    printed = capsys.readouterr().out
+    assert str(out) in printed and "qwen3 tiny q8_0" in printed
+    assert f"{n_params / 1e6:.1f} M parameters" in printed
+
+
+def test_make_model_rejects_unknown_choices() -> None:
+    with pytest.raises(SystemExit):
+        parse(["--arch", "mistral", "--out", "x.gguf"])

@@ -1,0 +1,65 @@
+"""Config loading: file, environment and overrides; every bad key or value is named."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from strata.config import Config, ConfigError, config_from_dict, load_config
+
+
+def test_file_environment_and_overrides_in_order(tmp_path):
+    path = tmp_path / "strata.json"
+    path.write_text(json.dumps({"model": "a.gguf", "port": 9000, "api_key": "from-file",
+                                "limits": {"max_tokens": 100, "queue_length": 3}, "vision": {"gpu": True}}))
+    config = load_config(path, {"port": 9001, "limits": {"max_tokens": 7}}, environ={"STRATA_API_KEY": "env"})
+    assert (config.model, config.port, config.api_key) == ("a.gguf", 9001, "env")
+    assert (config.limits.max_tokens, config.limits.queue_length) == (7, 3)
+    assert config.vision.gpu is True
+
+
+def test_strata_config_names_the_file(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"context": 1024}))
+    assert load_config(environ={"STRATA_CONFIG": str(path)}).context == 1024
+
+
+def test_defaults():
+    assert load_config(environ={}) == Config()
+
+
+@pytest.mark.parametrize(("data", "message"), [
+    ({"vision": {"gpuu": True}}, 'unknown key "vision.gpuu"'),
+    ({"modle": "x"}, 'unknown key "modle"'),
+    ({"port": "80"}, '"port" must be int'),
+    ({"port": 70000}, '"port" must be 0..65535'),
+    ({"kv": "q4"}, '"kv" must be one of'),
+    ({"threads": 0}, '"threads" must be at least 1'),
+    ({"threads": True}, '"threads" must be int'),
+    ({"context": None}, '"context" must not be null'),
+    ({"limits": []}, '"limits" must be an object'),
+    ({"limits": {"max_body_bytes": 0}}, '"limits.max_body_bytes" must be at least 1'),
+    ({"limits": {"graceful_timeout": -1}}, '"limits.graceful_timeout" must be positive'),
+    ({"vision": {"exe": "strata-vision"}}, '"vision.exe" must be a non-empty list of strings'),
+    ({"vision": {"max_tokens": 0}}, '"vision.max_tokens" must be at least 1'),
+    ({"sampling": {"temperature": "hot"}}, '"sampling.temperature" must be float'),
+])
+def test_bad_keys_and_values_are_named(data, message):
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
+        config_from_dict(data)
+
+
+def test_vision_keys_are_accepted():
+    vision = {"mmproj": "v.gguf", "gpu": False, "threads": 2, "max_tokens": 512, "exe": ["ssh", "box", "strata-vision"],
+              "remote": True, "lazy_load": True}
+    assert config_from_dict({"vision": vision}).vision.exe == ["ssh", "box", "strata-vision"]
+
+
+def test_unreadable_or_invalid_file(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.json", environ={})
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        load_config(bad, environ={})

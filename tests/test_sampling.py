@@ -1,0 +1,164 @@
+"""The sampler against Hugging Face's logits warpers (the reference for what each setting means) and numpy."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from strata.sampling import Sampler, SamplingParams
+
+N_VOCAB = 151_936
+
+
+def random_logits(scale: float, n: int = N_VOCAB, seed: int = 0) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal(n) * scale).astype(np.float32)
+
+
+def reference_distribution(logits: np.ndarray, params: SamplingParams) -> dict[int, float]:
+    """Token id -> probability after Hugging Face's warpers, applied in its generate() order."""
+    warpers = [TemperatureLogitsWarper(params.temperature)]
+    if params.top_k:
+        warpers.append(TopKLogitsWarper(params.top_k))
+    if params.top_p < 1.0:
+        warpers.append(TopPLogitsWarper(params.top_p))
+    if params.min_p > 0.0:
+        warpers.append(MinPLogitsWarper(params.min_p))
+    scores = torch.from_numpy(logits.astype(np.float64))[None, :]
+    ids = torch.zeros((1, 1), dtype=torch.long)
+    for warper in warpers:
+        scores = warper(ids, scores)
+    probs = torch.softmax(scores, dim=-1)[0].numpy()
+    kept = np.flatnonzero(probs > 0)
+    return {int(i): float(probs[i]) for i in kept}
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("temperature", -0.1, "temperature must be at least 0"),
+        ("temperature", float("nan"), "temperature must be a finite number"),
+        ("top_k", -1, "top_k must be at least 0"),
+        ("top_k", 2.5, "top_k must be an integer"),
+        ("top_p", 0.0, "top_p must be greater than 0"),
+        ("top_p", 1.5, "top_p must be at most 1"),
+        ("min_p", -0.5, "min_p must be at least 0"),
+        ("repetition_penalty", 0.0, "repetition_penalty must be greater than 0"),
+        ("frequency_penalty", 2.5, "frequency_penalty must be at most 2"),
+        ("presence_penalty", -3, "presence_penalty must be at least -2"),
+        ("penalty_last_n", -2, "penalty_last_n must be at least -1"),
+        ("seed", "7", "seed must be an integer"),
+        ("seed", True, "seed must be an integer"),
+    ],
+)
+def test_invalid_params_name_the_field(field: str, value: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**{field: value})
+
+
+def test_logits_of_the_wrong_length_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"logits must have shape \(10,\)"):
+        Sampler(SamplingParams(), 10).sample(np.zeros(11, np.float32))
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.0), SamplingParams(top_k=1, seed=3)])
+def test_greedy_is_argmax(params: SamplingParams) -> None:
+    sampler = Sampler(params, N_VOCAB)
+    for seed in range(5):
+        logits = random_logits(3.0, seed=seed)
+        assert sampler.sample(logits, [1, 2, 3]) == int(np.argmax(logits))
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.7),
+        SamplingParams(top_k=40),
+        SamplingParams(top_p=0.9),  # peaked logits: the nucleus fits the first partition window
+        SamplingParams(top_p=0.999, temperature=1.3),  # the window has to grow
+        SamplingParams(min_p=0.05),
+        SamplingParams(temperature=0.6, top_k=20, top_p=0.95, min_p=0.01),
+        SamplingParams(temperature=1.5, top_p=0.5, min_p=0.2),
+    ],
+)
+@pytest.mark.parametrize("scale", [1.0, 6.0])
+def test_distribution_matches_hugging_face(params: SamplingParams, scale: float) -> None:
+    logits = random_logits(scale)
+    ids, probs = Sampler(params, N_VOCAB).distribution(logits)
+    expected = reference_distribution(logits, params)
+    assert sorted(ids.tolist()) == sorted(expected)
+    # the sampler takes exp in float32 over the whole vocabulary: relative error ~|logit| * 6e-8
+    np.testing.assert_allclose(probs, [expected[int(i)] for i in ids], rtol=1e-5, atol=1e-12)
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
+    probs = np.array([0.05, 0.4, 0.1, 0.3, 0.15])  # sorted: 0.4, 0.3, 0.15 (0.85), 0.1, 0.05
+    logits = np.log(probs).astype(np.float32)
+    ids, kept = Sampler(SamplingParams(top_p=0.8), 5).distribution(logits)
+    assert sorted(ids.tolist()) == [1, 3, 4]
+    np.testing.assert_allclose(kept, probs[ids] / 0.85, rtol=1e-6)
+
+
+def test_min_p_keeps_tokens_at_least_that_fraction_of_the_top() -> None:
+    probs = np.array([0.5, 0.2, 0.26, 0.04])
+    ids, _ = Sampler(SamplingParams(min_p=0.5), 4).distribution(np.log(probs).astype(np.float32))
+    assert sorted(ids.tolist()) == [0, 2]  # 0.26 >= 0.25, 0.2 < 0.25
+
+
+def test_repetition_penalty_matches_hugging_face() -> None:
+    logits = random_logits(2.0, n=1000)
+    history = [3, 3, 17, 999, 500, 17, 42]
+    ours = Sampler(SamplingParams(repetition_penalty=1.3, penalty_last_n=-1), 1000).penalise(logits, history)
+    reference = RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor([history]), torch.from_numpy(logits)[None, :])
+    np.testing.assert_allclose(ours, reference[0].numpy(), rtol=1e-6)
+
+
+def test_frequency_and_presence_penalties_follow_openai() -> None:
+    logits = random_logits(2.0, n=100)
+    history = [5, 9, 5, 5, 70, 9, 1]
+    ours = Sampler(SamplingParams(frequency_penalty=0.5, presence_penalty=0.25), 100).penalise(logits, history)
+    expected = logits.astype(np.float64).copy()
+    for token in set(history):
+        expected[token] -= history.count(token) * 0.5 + 0.25
+    np.testing.assert_allclose(ours, expected, rtol=1e-6)
+
+
+def test_penalties_look_only_at_the_last_n_tokens() -> None:
+    logits = np.ones(10, np.float32)
+    penalised = Sampler(SamplingParams(presence_penalty=1.0, penalty_last_n=2), 10).penalise(logits, [1, 2, 3, 4])
+    assert penalised.tolist() == [1, 1, 1, 0, 0, 1, 1, 1, 1, 1]
+    assert logits.tolist() == [1.0] * 10  # the caller's array is left alone
+
+
+def test_same_seed_same_sequence() -> None:
+    logits = random_logits(4.0)
+    first = Sampler(SamplingParams(seed=1234, top_p=0.95), N_VOCAB)
+    second = Sampler(SamplingParams(seed=1234, top_p=0.95), N_VOCAB)
+    other = Sampler(SamplingParams(seed=4321, top_p=0.95), N_VOCAB)
+    a = [first.sample(logits) for _ in range(30)]
+    assert a == [second.sample(logits) for _ in range(30)]
+    assert a != [other.sample(logits) for _ in range(30)]
+
+
+def test_draws_follow_the_distribution() -> None:
+    logits = np.array([2.0, 1.0, 0.5, 0.0, -1.0, -3.0], np.float32)
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=99)
+    # Independent expectation: softmax at T=0.8, then the most likely tokens until 0.9 of the mass.
+    p = np.exp(logits / 0.8) / np.exp(logits / 0.8).sum()
+    order = np.argsort(-p)
+    n_keep = int(np.argmax(np.cumsum(p[order]) >= 0.9)) + 1
+    expected = np.zeros(6)
+    expected[order[:n_keep]] = p[order[:n_keep]] / p[order[:n_keep]].sum()
+    sampler = Sampler(params, 6)
+    n = 40_000
+    counts = np.bincount([sampler.sample(logits) for _ in range(n)], minlength=6)
+    assert np.all(counts[expected == 0] == 0)
+    # 5 standard deviations of a binomial proportion
+    np.testing.assert_array_less(np.abs(counts / n - expected), 5 * np.sqrt(expected * (1 - expected) / n) + 1e-9)
