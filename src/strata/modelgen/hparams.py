@@ -1,4 +1,4 @@
-"""Hyper-parameters of the generated models, one frozen set per (architecture, size)."""
+"""Hyper-parameters of the generated models, one frozen set per (architecture, size), and the other choices."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import dataclasses
 
 ARCHS = ("qwen3moe", "qwen3", "llama")
 SIZES = ("tiny", "small", "medium")
+DTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_k")
+VOCABS = ("bytes", "qwen")
 
 
 @dataclasses.dataclass(frozen=True)

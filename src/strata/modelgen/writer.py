@@ -19,18 +19,17 @@ import math
 import pathlib
 
 import numpy as np
-from gguf import MODEL_ARCH, MODEL_ARCH_NAMES, MODEL_TENSORS, TENSOR_NAMES, GGMLQuantizationType, GGUFWriter, \
-    LlamaFileType, MODEL_TENSOR
+from gguf import (MODEL_ARCH, MODEL_ARCH_NAMES, MODEL_TENSOR, TENSOR_NAMES, GGMLQuantizationType, GGUFWriter,
+                  LlamaFileType)
 
 from strata.modelgen import quants
-from strata.modelgen.hparams import HParams, hparams_for
+from strata.modelgen.hparams import DTYPES, HParams, hparams_for
 from strata.modelgen.vocab import ENDOFTEXT, IM_END, Vocab, get_vocab
 
 ROUTER_GAIN = 2.0
 NORM_SPREAD = 0.1
 OUTPUT_GAIN = 2.0  # logits of std ~2: a clear argmax for greedy tests, still far from saturating softmax
 
-DTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_k")
 _ARCH = {"qwen3moe": MODEL_ARCH.QWEN3MOE, "qwen3": MODEL_ARCH.QWEN3, "llama": MODEL_ARCH.LLAMA}
 Q = GGMLQuantizationType
 _BASE_TYPE = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "q4_k": Q.Q4_K}
@@ -143,7 +142,8 @@ def tensor_specs(arch: str, hp: HParams, n_vocab: int, dtype: str) -> list[Tenso
 
     T = MODEL_TENSOR
     llama = arch == "llama"
-    specs = [TensorSpec(name(T.TOKEN_EMBD, 0), (n_vocab, hp.n_embd), 1.0, _qtype(T.TOKEN_EMBD, hp.n_embd, dtype, 0, 1))]
+    embd_type = _qtype(T.TOKEN_EMBD, hp.n_embd, dtype, 0, hp.n_layer)
+    specs = [TensorSpec(name(T.TOKEN_EMBD, 0), (n_vocab, hp.n_embd), 1.0, embd_type)]  # N(0, 1) embeddings
     for i in range(hp.n_layer):
         specs += [
             norm(T.ATTN_NORM, hp.n_embd, i),
@@ -268,9 +268,4 @@ def write_random_model(path: str | pathlib.Path, arch: str = "qwen3moe", size: s
         writer.write_tensor_data(draw_encoded(spec, rng))
     writer.close()
     return path
-
-
-def arch_tensor_names(arch: str) -> set[str]:
-    """Every tensor name (with `{bid}`) the `gguf` package allows for `arch`."""
-    return {TENSOR_NAMES[t] for t in MODEL_TENSORS[_ARCH[arch]]}
 
