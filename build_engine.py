@@ -50,7 +50,11 @@ def build_in_place() -> pathlib.Path:
     build_dir = os.environ.get("STRATA_BUILD_DIR", str(ROOT / "build" / "cffi"))
     built = pathlib.Path(make_builder(None).compile(tmpdir=build_dir, verbose=False))
     target = ENGINE_DIR / built.name
-    shutil.copyfile(built, target)
+    # copy then rename: a process that has the old extension loaded keeps its file (overwriting it in place
+    # crashes that process)
+    staged = target.with_suffix(".tmp")
+    shutil.copyfile(built, staged)
+    os.replace(staged, target)
     return target
 
 

@@ -3,6 +3,7 @@
 import importlib.resources
 import pathlib
 import time
+import unicodedata
 
 import pytest
 import tiktoken
@@ -87,6 +88,13 @@ def test_decode_inverts_encode(qwen_tok: Tokenizer, bytes_tok: Tokenizer, text: 
     for tok in (qwen_tok, bytes_tok):
         assert tok.decode(tok.encode(text)) == text
         assert tok.decode(tok.encode(text, special=False)) == text
+
+
+def test_text_is_nfc_normalised_like_qwens_tokenizer(qwen_tok: Tokenizer, reference: tiktoken.Encoding) -> None:
+    decomposed = "cafe\u0301 A\u030angstro\u0308m"
+    composed = unicodedata.normalize("NFC", decomposed)
+    assert composed != decomposed
+    assert qwen_tok.encode(decomposed) == reference.encode(composed)
 
 
 def test_decode_agrees_with_hf_decoder(qwen_tok: Tokenizer) -> None:

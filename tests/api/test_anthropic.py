@@ -269,9 +269,11 @@ def test_stream_sequence():
                      + ["message_delta", "message_stop"])
 
 
-def test_stream_accumulates_to_the_rendered_message():
-    streamed = _accumulate(_stream(TOOL_TURN))
-    rendered = Message.model_validate(anthropic.render_response(TOOL_TURN, model="strata", request_id="abc"))
+@pytest.mark.parametrize("reason", ["stop", "length", "tool_calls"])
+def test_stream_accumulates_to_the_rendered_message(reason):
+    events = [*TOOL_TURN[:-1], Finish(reason)]
+    streamed = _accumulate(_stream(events))
+    rendered = Message.model_validate(anthropic.render_response(events, model="strata", request_id="abc"))
     assert streamed.model_dump(exclude_none=True) == rendered.model_dump(exclude_none=True)
 
 

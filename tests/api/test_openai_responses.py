@@ -216,6 +216,7 @@ def test_a_cut_answer_is_incomplete():
         [TextDelta("abc"), Finish("length")], model="m", request_id="r", usage=Usage(3, 0, 1)))
     assert (response.status, response.incomplete_details.reason) == ("incomplete", "max_output_tokens")
     assert response.usage.input_tokens == 3
+    assert response.output[0].status == "incomplete"
 
 
 def _stream(events, request=None):
@@ -264,6 +265,14 @@ def test_stream_completes_to_the_rendered_response():
     assert [item.model_dump(exclude_none=True) for item in streamed.output] == \
         [item.model_dump(exclude_none=True) for item in rendered.output]
     assert streamed.usage == rendered.usage
+
+
+@pytest.mark.parametrize("reason", ["stop", "length", "tool_calls"])
+def test_the_last_stream_event_holds_the_rendered_response(reason):
+    events = [*TOOL_TURN[:-1], Finish(reason)]
+    last = _stream(events)[-1][1]["response"]
+    rendered = openai_responses.render_response(events, model="strata", request_id="abc")
+    assert {**last, "created_at": 0} == {**rendered, "created_at": 0}
 
 
 def test_stream_of_randomly_split_deltas():

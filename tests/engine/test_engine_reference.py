@@ -86,12 +86,6 @@ def test_moe_every_expert_used_matches_transformers(tmp_path: pathlib.Path, dtyp
     check_against_reference(path, dtype, N_PROMPT + N_DECODE)
 
 
-def test_qwen_vocabulary_matches_transformers(tmp_path: pathlib.Path) -> None:
-    path = write_random_model(tmp_path / "m.gguf", arch="qwen3", size="tiny", dtype="q8_0", vocab="qwen",
-                              n_layer=1)
-    check_against_reference(path, "q8_0", N_PROMPT + N_DECODE)
-
-
 def test_relative_error_detects_a_perturbation() -> None:
     b = np.array([[1.0, -2.0, 4.0]])
     assert relative_error(b + np.array([[0.0, 0.4, 0.0]]), b)[0] == pytest.approx(0.1)

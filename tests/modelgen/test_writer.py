@@ -5,19 +5,19 @@ import pathlib
 
 import numpy as np
 import pytest
-from gguf import MODEL_ARCH, MODEL_TENSORS, TENSOR_NAMES, GGMLQuantizationType, GGUFReader, quants
+from gguf import MODEL_ARCH, MODEL_TENSORS, TENSOR_NAMES, GGUFReader, quants
 
 from strata.modelgen import hparams_for, permute_llama_qk, unpermute_llama_qk, write_random_model
 from strata.modelgen.hparams import HParams
 
 ARCH_ENUM = {"qwen3moe": MODEL_ARCH.QWEN3MOE, "qwen3": MODEL_ARCH.QWEN3, "llama": MODEL_ARCH.LLAMA}
-F32, F16 = GGMLQuantizationType.F32, GGMLQuantizationType.F16
 BYTES_VOCAB = 256 + 26 + 3  # byte tokens, Qwen3's added tokens, three whitespace merges
 F32_KINDS = ("_norm", "ffn_gate_inp")  # norms and the router stay F32 in every dtype
 
 
 def expected_shapes(arch: str, hp: HParams, n_vocab: int) -> dict[str, tuple[int, ...]]:
-    """GGUF shapes (fastest-varying dimension first) of every tensor, as llama.cpp loads them."""
+    """GGUF shapes (fastest-varying dimension first) of every tensor, as llama.cpp loads them (names without the
+    `.weight` suffix)."""
     e, q, kv, d = hp.n_embd, hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim, hp.head_dim
     out = {"token_embd": (e, n_vocab), "output_norm": (e,), "output": (e, n_vocab)}
     for i in range(hp.n_layer):
@@ -39,10 +39,19 @@ def field(reader: GGUFReader, key: str) -> object:
     return reader.fields[key].contents()
 
 
+def base_name(name: str) -> str:
+    assert name.endswith(".weight"), name
+    return name.removesuffix(".weight")
+
+
 def tensors(reader: GGUFReader) -> dict[str, np.ndarray]:
-    """Every tensor dequantised to float32 in numpy layout (rows last)."""
-    return {t.name: quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
+    """Every tensor (by name without `.weight`) dequantised to float32 in numpy layout (rows last)."""
+    return {base_name(t.name): quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
             for t in reader.tensors}
+
+
+def types(reader: GGUFReader) -> dict[str, str]:
+    return {base_name(t.name): t.tensor_type.name for t in reader.tensors}
 
 
 @pytest.fixture(scope="module")
@@ -56,14 +65,14 @@ def test_layout_matches_llama_cpp(arch: str, tmp_path: pathlib.Path) -> None:
     path = write_random_model(tmp_path / "m.gguf", arch=arch, dtype="f16")
     reader = GGUFReader(path)
     hp = hparams_for(arch, "tiny")
-    shapes = {t.name: tuple(int(n) for n in t.shape) for t in reader.tensors}
+    shapes = {base_name(t.name): tuple(int(n) for n in t.shape) for t in reader.tensors}
     assert shapes == expected_shapes(arch, hp, BYTES_VOCAB)
     allowed = {TENSOR_NAMES[t] for t in MODEL_TENSORS[ARCH_ENUM[arch]]}
     for name in shapes:
         generic = name if not name.startswith("blk.") else "blk.{bid}." + name.split(".", 2)[2]
         assert generic in allowed
-    for t in reader.tensors:
-        assert t.tensor_type == (F32 if t.name.endswith(F32_KINDS) else F16), t.name
+    for name, qtype in types(reader).items():
+        assert qtype == ("F32" if name.endswith(F32_KINDS) else "F16"), name
 
 
 @pytest.mark.parametrize("arch", list(ARCH_ENUM))
@@ -133,32 +142,30 @@ def test_dtypes_encode_the_f32_weights(arch: str, dtype: str, tolerance: float, 
     for name, x in tensors(reader).items():
         rel = np.sqrt(((x - reference[name]) ** 2).mean() / (reference[name] ** 2).mean())
         assert rel < tolerance, name
-    types = {t.name: t.tensor_type for t in reader.tensors}
-    assert {types[n] for n in types if n.endswith(F32_KINDS)} == {F32}
+    assert {qtype for name, qtype in types(reader).items() if name.endswith(F32_KINDS)} == {"F32"}
 
 
 def test_q4_k_mixture(tmp_path: pathlib.Path) -> None:
     """llama.cpp's Q4_K_M: output and attn_v/ffn_down of the first and last eighth of layers (and every third
     between) in Q6_K, other matrices Q4_K."""
     reader = GGUFReader(write_random_model(tmp_path / "m.gguf", arch="qwen3", dtype="q4_k", n_layer=8))
-    types = {t.name: t.tensor_type.name for t in reader.tensors}
-    assert types["output"] == "Q6_K"
-    assert types["token_embd"] == types["blk.3.attn_q"] == types["blk.3.ffn_up"] == "Q4_K"
-    six = [i for i in range(8) if types[f"blk.{i}.attn_v"] == "Q6_K"]
+    kinds = types(reader)
+    assert kinds["output"] == "Q6_K"
+    assert kinds["token_embd"] == kinds["blk.3.attn_q"] == kinds["blk.3.ffn_up"] == "Q4_K"
+    six = [i for i in range(8) if kinds[f"blk.{i}.attn_v"] == "Q6_K"]
     assert six == [0, 3, 6, 7]
-    assert all(types[f"blk.{i}.ffn_down"] == types[f"blk.{i}.attn_v"] for i in range(8))
+    assert all(kinds[f"blk.{i}.ffn_down"] == kinds[f"blk.{i}.attn_v"] for i in range(8))
 
 
 def test_partial_blocks_fall_back(tmp_path: pathlib.Path) -> None:
     # n_embd 320: rows of 320 don't fill a 256-block (-> Q8_0); attn_output rows (4 * 64 = 256) still do.
-    r = GGUFReader(write_random_model(tmp_path / "k.gguf", arch="qwen3", dtype="q4_k", n_embd=320))
-    types = {t.name: t.tensor_type.name for t in r.tensors}
-    assert types["blk.0.attn_q"] == types["blk.0.ffn_up"] == "Q8_0"
-    assert types["blk.0.attn_output"] == "Q4_K"
+    kinds = types(GGUFReader(write_random_model(tmp_path / "k.gguf", arch="qwen3", dtype="q4_k", n_embd=320)))
+    assert kinds["blk.0.attn_q"] == kinds["blk.0.ffn_up"] == "Q8_0"
+    assert kinds["blk.0.attn_output"] == "Q4_K"
     # n_embd 200: rows of 200 don't fill a 32-block (Q8_0 -> F16); attn_output rows (4 * 40 = 160) do.
-    r = GGUFReader(write_random_model(tmp_path / "q.gguf", arch="qwen3", dtype="q8_0", n_embd=200, head_dim=40))
-    types = {t.name: t.tensor_type.name for t in r.tensors}
-    assert types["blk.0.attn_q"] == "F16" and types["blk.0.attn_output"] == "Q8_0"
+    path = write_random_model(tmp_path / "q.gguf", arch="qwen3", dtype="q8_0", n_embd=200, head_dim=40)
+    kinds = types(GGUFReader(path))
+    assert kinds["blk.0.attn_q"] == "F16" and kinds["blk.0.attn_output"] == "Q8_0"
 
 
 def rope(x: np.ndarray, pos: int, base: float, interleaved: bool) -> np.ndarray:

@@ -69,7 +69,7 @@ async def test_hang_up_while_queued_leaves_the_queue_at_once(tokenizer):
         service = server.service
         async with trio.open_nursery() as nursery:
             nursery.start_soon(partial(raw_request, server.url, body("first", stream=True), hang_up_after=1.0))
-            await wait_until(lambda: service.turn.busy)
+            await wait_until(lambda: service.phase == "decode")  # past the turn's queue
             waiting = trio.CancelScope()
 
             async def queued() -> None:

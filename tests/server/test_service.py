@@ -103,7 +103,7 @@ async def test_prefix_reuse_evaluates_only_new_tokens(scripted, tokenizer):
 
 
 async def test_turn_is_fifo(scripted, tokenizer):
-    engine = scripted("ab", decode_s=0.01)
+    engine = scripted("abcdefgh", decode_s=0.01)
     order: list[int] = []
     async with open_service(server_config(), engine=engine, tokenizer=tokenizer) as service:
         async def client(i: int) -> None:
@@ -111,9 +111,11 @@ async def test_turn_is_fifo(scripted, tokenizer):
             order.append(i)
 
         async with trio.open_nursery() as nursery:
-            for i in range(5):
+            nursery.start_soon(client, 0)
+            await wait_until(lambda: service.phase == "decode")  # past the turn's queue
+            for i in range(1, 5):
                 nursery.start_soon(client, i)
-                await wait_until(lambda: service.turn.queued + service.turn.busy == i + 1)
+                await wait_until(lambda: service.turn.queued == i)
     assert order == [0, 1, 2, 3, 4]
 
 
@@ -122,7 +124,7 @@ async def test_cancel_while_queued_never_reaches_the_engine(scripted, tokenizer)
     async with open_service(server_config(), engine=engine, tokenizer=tokenizer) as service:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(collect, service, request("first"))
-            await wait_until(lambda: service.turn.busy)
+            await wait_until(lambda: service.phase == "decode")  # past the turn's queue
             queued = trio.CancelScope()
             nursery.start_soon(_run_in_scope, queued, service, request("second"))
             await wait_until(lambda: service.turn.queued == 1)
@@ -185,7 +187,7 @@ async def test_queue_full_is_refused(scripted, tokenizer):
     async with open_service(config, engine=engine, tokenizer=tokenizer) as service:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(collect, service, request("a"))
-            await wait_until(lambda: service.turn.busy)
+            await wait_until(lambda: service.phase == "decode")  # past the turn's queue
             nursery.start_soon(collect, service, request("b"))
             await wait_until(lambda: service.turn.queued == 1)
             with pytest.raises(QueueFull):

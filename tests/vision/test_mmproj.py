@@ -8,7 +8,7 @@ import gguf
 import numpy as np
 import pytest
 
-from strata.modelgen.mmproj import IMAGE_MEAN, IMAGE_STD, SIZES, VisionShape, write_random_mmproj
+from strata.modelgen.mmproj import IMAGE_MEAN, IMAGE_STD, SIZES, VisionShape, text_model_width, write_random_mmproj
 from strata.vision.mmproj import Mmproj, MmprojError
 
 from .conftest import N_EMBD_TEXT
@@ -115,11 +115,13 @@ def test_same_arguments_write_the_same_bytes_and_fingerprint(tmp_path: Path):
 def rewrite(src: Path, dst: Path, *, drop: str = "", keys: dict | None = None, reshape: str = "") -> Path:
     """Copy an mmproj file, leaving out tensor `drop`, flattening tensor `reshape`, and overriding string `keys`."""
     reader = gguf.GGUFReader(src)
-    writer = gguf.GGUFWriter(dst, field(reader, gguf.Keys.General.ARCHITECTURE))
+    keys = keys or {}
+    arch = keys.get(gguf.Keys.General.ARCHITECTURE, field(reader, gguf.Keys.General.ARCHITECTURE))
+    writer = gguf.GGUFWriter(dst, arch)
     for key, f in reader.fields.items():
         if key.startswith("GGUF.") or key == gguf.Keys.General.ARCHITECTURE:
             continue
-        if keys and key in keys:
+        if key in keys:
             writer.add_string(key, keys[key])
             continue
         sub_type = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
@@ -159,3 +161,16 @@ def test_reader_refuses_missing_and_non_gguf_files(tmp_path: Path):
     text.write_text("not a model at all, just some text\n" * 10)
     with pytest.raises(MmprojError, match=f"cannot load mmproj '{text}'"):
         Mmproj.load(text)
+
+
+def test_text_model_width_reads_the_embedding_length(tmp_path: Path):
+    writer = gguf.GGUFWriter(tmp_path / "t.gguf", "qwen3")
+    writer.add_embedding_length(1536)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 1536), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert text_model_width(tmp_path / "t.gguf") == 1536
+    with pytest.raises(ValueError, match="no embedding length"):
+        text_model_width(rewrite(tmp_path / "t.gguf", tmp_path / "u.gguf", keys={"general.architecture": "llama"}))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import struct
 
 import numpy as np
@@ -145,15 +146,9 @@ def test_error_messages_are_one_bounded_line():
     ],
 )
 def test_malformed_requests_are_refused(line, message, job_id):
-    with pytest.raises(ProtocolError, match=_literal(message)) as info:
+    with pytest.raises(ProtocolError, match=re.escape(message)) as info:
         parse_request(line, max_image_bytes=1000)
     assert info.value.job_id == job_id
-
-
-def _literal(text: str) -> str:
-    import re
-
-    return re.escape(text)
 
 
 def test_crlf_and_blank_separators_are_accepted():

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from strata.api.errors import ApiError
+from strata.api.errors import ApiError, anthropic_error_body
 from strata.api.translate import (
     Block,
     SseEvent,
@@ -381,8 +381,7 @@ class MessageStream:
 
     def error(self, error: ApiError) -> list[SseEvent]:
         """The event that ends a stream the server cannot finish (the HTTP status was sent long ago)."""
-        kind = "overloaded_error" if error.status == 503 else "api_error"
-        return [("error", {"type": "error", "error": {"type": kind, "message": error.message}})]
+        return [("error", anthropic_error_body(error))]
 
     def _delta(self, kind: str, delta: dict[str, Any]) -> list[SseEvent]:
         out = [] if self._open == kind else self._open_block(kind, dict(_EMPTY_BLOCKS[kind]))

@@ -314,7 +314,10 @@ def render_response(events: Iterable[Event], *, model: str, request_id: str, usa
     finish = outcome.finish or Finish("error")
     header = _Header(request_id, model, int(time.time()), request)
     status, _ = _ENDINGS[finish.reason]
-    output = [_output_item(header, block, i, "completed") for i, block in enumerate(outcome.blocks)]
+    # Only the last item can have been cut short; the stream marks it the same way.
+    last = len(outcome.blocks) - 1
+    output = [_output_item(header, block, i, "completed" if i < last or status == "completed" else "incomplete")
+              for i, block in enumerate(outcome.blocks)]
     return header.response(status, output, usage or outcome.usage, finish)
 
 

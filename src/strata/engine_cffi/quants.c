@@ -239,7 +239,8 @@ static int q8_round16(const float *x, float id, int8_t *q) {
     __m512 t = _mm512_roundscale_ps(a, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
     __mmask16 up = _mm512_cmp_ps_mask(_mm512_sub_ps(a, t), _mm512_set1_ps(0.5f), _CMP_GE_OQ);
     __m512i qi = _mm512_cvttps_epi32(_mm512_mask_add_ps(t, up, t, _mm512_set1_ps(1.0f)));
-    qi = _mm512_mask_sub_epi32(qi, _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_LT_OQ), _mm512_setzero_si512(), qi);
+    __mmask16 negative = _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_LT_OQ);
+    qi = _mm512_mask_sub_epi32(qi, negative, _mm512_setzero_si512(), qi);
     _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(qi));
     return _mm512_reduce_add_epi32(qi);
 #else
@@ -424,39 +425,74 @@ INLINE void store_tile(const gemm_args *a, int64_t r, int64_t t, int NR, int NT,
 }
 #endif
 
+// F32, F16 and BF16 weights with f32 activations: VLEN lanes of f32 per register.
 #if defined(__AVX512F__)
-// 16 weights from element i of a row of `type`, as f32; lanes outside `m` read as 0.
-INLINE __m512 load_w16(int type, const void *row, int64_t i, __mmask16 m) {
-    if (type == STRATA_TYPE_F32) return _mm512_maskz_loadu_ps(m, (const float *)row + i);
-    __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t *)row + i);
-    if (type == STRATA_TYPE_F16) return _mm512_cvtph_ps(h);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));  // bf16: the top half of an f32
+#define VLEN 16
+typedef __m512 vfloat;
+#define vf_zero _mm512_setzero_ps
+#define vf_fmadd _mm512_fmadd_ps
+#define vf_sum _mm512_reduce_add_ps
+#define vf_load _mm512_loadu_ps
+static inline vfloat vf_from_f16(const uint16_t *h) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h));
+}
+static inline vfloat vf_from_bf16(const uint16_t *h) {
+    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)h));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+#elif defined(__AVX2__) && defined(__F16C__)
+#define VLEN 8
+typedef __m256 vfloat;
+#define vf_zero _mm256_setzero_ps
+#define vf_fmadd _mm256_fmadd_ps
+#define vf_sum hsum256
+#define vf_load _mm256_loadu_ps
+static inline vfloat vf_from_f16(const uint16_t *h) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
+}
+static inline vfloat vf_from_bf16(const uint16_t *h) {
+    __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)h));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+#endif
+
+#if defined(VLEN)
+// VLEN weights from element i of a row of `type`, as f32 (bf16 is the top half of an f32).
+INLINE vfloat load_w(int type, const void *row, int64_t i) {
+    if (type == STRATA_TYPE_F32) return vf_load((const float *)row + i);
+    if (type == STRATA_TYPE_F16) return vf_from_f16((const uint16_t *)row + i);
+    return vf_from_bf16((const uint16_t *)row + i);
 }
 
-INLINE void float_step(int type, const void *w[TR], const float *x[TT], int64_t i, __mmask16 m, int NR, int NT,
-                       __m512 acc[TR][TT]) {
-    __m512 wv[TR];
-    UNROLL for (int r = 0; r < NR; r++) wv[r] = load_w16(type, w[r], i, m);
-    UNROLL for (int j = 0; j < NT; j++) {
-        __m512 xv = _mm512_maskz_loadu_ps(m, x[j] + i);
-        UNROLL for (int r = 0; r < NR; r++) acc[r][j] = _mm512_fmadd_ps(wv[r], xv, acc[r][j]);
-    }
+static inline float elem_f32(int type, const void *row, int64_t i) {
+    if (type == STRATA_TYPE_F32) return ((const float *)row)[i];
+    if (type == STRATA_TYPE_F16) return F16(((const uint16_t *)row)[i]);
+    return strata_bf16_to_f32(((const uint16_t *)row)[i]);
 }
 
-// F32, F16 and BF16 weights with f32 activations.
 INLINE void tile_float(int type, const gemm_args *a, int64_t r, int64_t t, int NR, int NT) {
     const void *w[TR];
     const float *x[TT];
-    __m512 acc[TR][TT];
+    vfloat acc[TR][TT];
+    float tail[TR][TT];
     UNROLL for (int i = 0; i < NR; i++) w[i] = W_ROW(a, r + i);
     UNROLL for (int j = 0; j < NT; j++) x[j] = X_ROW(a, t + j);
     UNROLL for (int i = 0; i < NR; i++)
-        UNROLL for (int j = 0; j < NT; j++) acc[i][j] = _mm512_setzero_ps();
-    int64_t i = 0;
-    for (; i + 16 <= a->n; i += 16) float_step(type, w, x, i, 0xffff, NR, NT, acc);
-    if (i < a->n) float_step(type, w, x, i, (__mmask16)((1u << (a->n - i)) - 1), NR, NT, acc);  // leftovers
+        UNROLL for (int j = 0; j < NT; j++) acc[i][j] = vf_zero(), tail[i][j] = 0.0f;
+    int64_t k = 0;
+    for (; k + VLEN <= a->n; k += VLEN) {
+        vfloat wv[TR];
+        UNROLL for (int i = 0; i < NR; i++) wv[i] = load_w(type, w[i], k);
+        UNROLL for (int j = 0; j < NT; j++) {
+            vfloat xv = vf_load(x[j] + k);
+            UNROLL for (int i = 0; i < NR; i++) acc[i][j] = vf_fmadd(wv[i], xv, acc[i][j]);
+        }
+    }
+    for (; k < a->n; k++)  // leftovers
+        UNROLL for (int i = 0; i < NR; i++)
+            UNROLL for (int j = 0; j < NT; j++) tail[i][j] += elem_f32(type, w[i], k) * x[j][k];
     UNROLL for (int i = 0; i < NR; i++)
-        UNROLL for (int j = 0; j < NT; j++) a->y[(t + j) * a->ldy + r + i] = _mm512_reduce_add_ps(acc[i][j]);
+        UNROLL for (int j = 0; j < NT; j++) a->y[(t + j) * a->ldy + r + i] = vf_sum(acc[i][j]) + tail[i][j];
 }
 #define TILE_F32(a, r, t, NR, NT) tile_float(STRATA_TYPE_F32, a, r, t, NR, NT)
 #define TILE_F16(a, r, t, NR, NT) tile_float(STRATA_TYPE_F16, a, r, t, NR, NT)
@@ -464,26 +500,37 @@ INLINE void tile_float(int type, const gemm_args *a, int64_t r, int64_t t, int N
 #endif
 
 #if defined(__AVX2__)
-// Q8_0 x Q8_0. sign(x, w) moves w's sign onto x, so |w| can be the unsigned operand.
+// Q8_0 x Q8_0. The product instruction wants one unsigned operand. With VNNI (no 16-bit saturation) that is
+// w + 128, and -128 * sum(x) seeds the accumulator; otherwise |w|, with sign(x, w) moving w's sign onto x.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define Q8_OFFSET 1
+#else
+#define Q8_OFFSET 0
+#endif
+
 INLINE void tile_q8_0(const gemm_args *a, int64_t r, int64_t t, int NR, int NT) {
     const block_q8_0 *w[TR], *x[TT];
     __m256 acc[TR][TT];
+    const __m256i bias = _mm256_set1_epi8((char)0x80);
     UNROLL for (int i = 0; i < NR; i++) w[i] = W_ROW(a, r + i);
     UNROLL for (int j = 0; j < NT; j++) x[j] = X_ROW(a, t + j);
     UNROLL for (int i = 0; i < NR; i++)
         UNROLL for (int j = 0; j < NT; j++) acc[i][j] = _mm256_setzero_ps();
     for (int64_t b = 0; b < a->n / QK; b++) {
-        __m256i xq[TT];
+        __m256i xq[TT], seed[TT];
         __m256 dx[TT];
         UNROLL for (int j = 0; j < NT; j++) {
             xq[j] = _mm256_loadu_si256((const __m256i *)x[j][b].qs);
+            __m256i zero = _mm256_setzero_si256();
+            seed[j] = Q8_OFFSET ? _mm256_sub_epi32(zero, dot_u8s8(zero, bias, xq[j])) : zero;
             dx[j] = f16_bcast(&x[j][b].d);
         }
         UNROLL for (int i = 0; i < NR; i++) {
-            __m256i wq = _mm256_loadu_si256((const __m256i *)w[i][b].qs), wabs = _mm256_abs_epi8(wq);
+            __m256i wq = _mm256_loadu_si256((const __m256i *)w[i][b].qs);
+            __m256i wu = Q8_OFFSET ? _mm256_xor_si256(wq, bias) : _mm256_abs_epi8(wq);
             __m256 dw = f16_bcast(&w[i][b].d);
             UNROLL for (int j = 0; j < NT; j++) {
-                __m256i s = dot_u8s8(_mm256_setzero_si256(), wabs, _mm256_sign_epi8(xq[j], wq));
+                __m256i s = dot_u8s8(seed[j], wu, Q8_OFFSET ? xq[j] : _mm256_sign_epi8(xq[j], wq));
                 acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw, dx[j]), acc[i][j]);
             }
         }
@@ -537,6 +584,11 @@ INLINE void tile_q4_0(const gemm_args *a, int64_t r, int64_t t, int NR, int NT) 
     store_tile(a, r, t, NR, NT, acc);
 }
 
+// The shuffle pattern that copies 16-bit element e of each 128-bit lane to all of that lane.
+static inline __m128i pick16(int e) {
+    return _mm_set1_epi16((short)(0x0100 + 0x0202 * e));
+}
+
 // q4k_scale_min on 32-bit words: sc16 holds the 8 scales as int16 in both 128-bit lanes (for shuffles), m16
 // the 8 mins each twice, one per bsum.
 static inline void q4k_scale_min_vec(const uint8_t s[12], __m256i *sc16, __m256i *m16) {
@@ -569,8 +621,8 @@ INLINE void tile_q4_K(const gemm_args *a, int64_t r, int64_t t, int NR, int NT) 
             UNROLL for (int c = 0; c < 4; c++) {  // 64 elements: sub-blocks 2c (low nibbles) and 2c + 1 (high)
                 __m256i q = _mm256_loadu_si256((const __m256i *)(B->qs + 32 * c));
                 __m256i lo = _mm256_and_si256(q, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
-                __m256i s0 = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16((short)(0x0100 + 0x0202 * (2 * c))));
-                __m256i s1 = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16((short)(0x0100 + 0x0202 * (2 * c + 1))));
+                __m256i s0 = _mm256_shuffle_epi8(sc16, _mm256_broadcastsi128_si256(pick16(2 * c)));
+                __m256i s1 = _mm256_shuffle_epi8(sc16, _mm256_broadcastsi128_si256(pick16(2 * c + 1)));
                 UNROLL for (int j = 0; j < NT; j++) {
                     const int8_t *xs = x[j][b].qs + 64 * c;
                     __m256i p0 = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)xs));
@@ -625,9 +677,8 @@ INLINE void tile_q6_K(const gemm_args *a, int64_t r, int64_t t, int NR, int NT) 
                 __m256i qh = _mm256_loadu_si256((const __m256i *)(B->qh + 32 * h));
                 UNROLL for (int k = 0; k < 4; k++) {
                     __m256i q = q6k_chunk(ql0, ql1, qh, k);
-                    // groups 8h + 2k (bytes 0-15) and 8h + 2k + 1 (bytes 16-31)
-                    __m256i s = _mm256_shuffle_epi8(sc_h, _mm256_set_m128i(_mm_set1_epi16((short)(0x0100 + 0x0202 * (2 * k + 1))),
-                                                                           _mm_set1_epi16((short)(0x0100 + 0x0202 * (2 * k)))));
+                    // scale of group 8h + 2k in bytes 0-15, of group 8h + 2k + 1 in bytes 16-31
+                    __m256i s = _mm256_shuffle_epi8(sc_h, _mm256_set_m128i(pick16(2 * k + 1), pick16(2 * k)));
                     UNROLL for (int j = 0; j < NT; j++) {
                         __m256i xv = _mm256_loadu_si256((const __m256i *)(x[j][b].qs + 128 * h + 32 * k));
                         isum[j] = dot_s16(isum[j], _mm256_maddubs_epi16(q, xv), s);
@@ -648,9 +699,10 @@ INLINE void tile_q6_K(const gemm_args *a, int64_t r, int64_t t, int NR, int NT) 
     static inline void tile_scalar_##TYPE(const gemm_args *a, int64_t r, int64_t t, int NR, int NT) { \
         for (int i = 0; i < NR; i++) \
             for (int j = 0; j < NT; j++) \
-                a->y[(t + j) * a->ldy + r + i] = dot_row(STRATA_TYPE_##TYPE, W_ROW(a, r + i), X_ROW(a, t + j), a->n); \
+                a->y[(t + j) * a->ldy + r + i] = \
+                    dot_row(STRATA_TYPE_##TYPE, W_ROW(a, r + i), X_ROW(a, t + j), a->n); \
     }
-#if !defined(__AVX512F__)
+#if !defined(VLEN)
 TILE_SCALAR(F32)
 TILE_SCALAR(F16)
 TILE_SCALAR(BF16)
@@ -781,10 +833,12 @@ strata_status strata_matmul(int type, const void *w, long long n_rows, long long
     size_t xb = row_bytes(xt, n_cols);
     char *xq = malloc(xb * (size_t)(n_tok ? n_tok : 1));
     if (!xq) return STRATA_ERR_NOMEM;
-    for (long long t = 0; t < n_tok; t++) strata_quantize_row_any(xt, x + t * n_cols, xq + t * xb, n_cols);
     if (n_threads < 1) n_threads = 1;
     #pragma omp parallel num_threads(n_threads)
     {
+        // x once, shared by every row; the loop's closing barrier publishes it
+        #pragma omp for schedule(static)
+        for (long long t = 0; t < n_tok; t++) strata_quantize_row_any(xt, x + t * n_cols, xq + t * xb, n_cols);
         // contiguous row ranges in multiples of 16, so each thread streams its own part of w
         int64_t nth = omp_get_num_threads(), ith = omp_get_thread_num();
         int64_t per = ((n_rows + nth - 1) / nth + 15) / 16 * 16;

@@ -40,6 +40,22 @@ SIZES = {
 }
 
 
+def text_model_width(path: str | os.PathLike[str]) -> int:
+    """The embedding width of a text model GGUF (`{arch}.embedding_length`): the projection an mmproj needs.
+
+    Raises:
+        ValueError: the file has no architecture or no embedding length.
+    """
+    reader = gguf.GGUFReader(os.fspath(path))
+    arch = reader.fields.get(gguf.Keys.General.ARCHITECTURE)
+    if arch is None:
+        raise ValueError(f"'{os.fspath(path)}' has no {gguf.Keys.General.ARCHITECTURE}")
+    width = reader.fields.get(gguf.Keys.LLM.EMBEDDING_LENGTH.format(arch=arch.contents()))
+    if width is None:
+        raise ValueError(f"'{os.fspath(path)}' has no embedding length for architecture {arch.contents()!r}")
+    return int(width.contents())
+
+
 def write_random_mmproj(
     path: str | os.PathLike[str],
     n_embd_text: int,

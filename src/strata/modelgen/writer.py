@@ -19,8 +19,8 @@ import math
 import pathlib
 
 import numpy as np
-from gguf import (MODEL_ARCH, MODEL_ARCH_NAMES, MODEL_TENSOR, TENSOR_NAMES, GGMLQuantizationType, GGUFWriter,
-                  LlamaFileType)
+from gguf import (GGML_QUANT_VERSION, MODEL_ARCH, MODEL_ARCH_NAMES, MODEL_TENSOR, TENSOR_NAMES,
+                  GGMLQuantizationType, GGUFWriter, LlamaFileType)
 
 from strata.modelgen import quants
 from strata.modelgen.hparams import DTYPES, HParams, hparams_for
@@ -129,7 +129,7 @@ def tensor_specs(arch: str, hp: HParams, n_vocab: int, dtype: str) -> list[Tenso
     q_dim, kv_dim = hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim
 
     def name(tensor: MODEL_TENSOR, layer: int) -> str:
-        return TENSOR_NAMES[tensor].format(bid=layer)
+        return TENSOR_NAMES[tensor].format(bid=layer) + ".weight"  # the suffix llama.cpp's converters add
 
     def matrix(tensor: MODEL_TENSOR, shape: tuple[int, ...], layer: int = 0, gain: float = 1.0,
                permute_heads: int = 0) -> TensorSpec:
@@ -235,7 +235,8 @@ def write_random_model(path: str | pathlib.Path, arch: str = "qwen3moe", size: s
         size: "tiny", "small" or "medium" (see `strata.modelgen.hparams`).
         dtype: "f32", "f16", "bf16", "q8_0", "q4_0" or "q4_k" (Q4_K_M-like mixture of Q4_K and Q6_K). Norms and
             the router stay F32 in every case.
-        vocab: "bytes" (282 tokens + a few merges) or "qwen" (Qwen's 151936-entry vocabulary).
+        vocab: "bytes" (256 byte tokens, Qwen3's 26 added tokens, 3 whitespace merges) or "qwen" (Qwen's
+            151936-entry vocabulary).
         seed: seed of `numpy.random.default_rng`.
         overrides: hyper-parameters replacing the table's (`n_layer`, `n_embd`, `n_expert`, ...).
 
@@ -253,19 +254,21 @@ def write_random_model(path: str | pathlib.Path, arch: str = "qwen3moe", size: s
     writer.add_name(f"strata-{arch}-{size}-random")
     writer.add_file_type(_FILE_TYPE[dtype])
     if dtype not in ("f32", "f16", "bf16"):
-        writer.add_quantization_version(2)
+        writer.add_quantization_version(GGML_QUANT_VERSION)
     _add_hparams(writer, arch, hp, voc.n_vocab)
     _add_vocab(writer, voc)
     # Tensor infos first, data streamed after: only one tensor is ever in memory.
     for spec in specs:
         shape = quants.byte_shape(spec.shape, spec.qtype)
         writer.add_tensor_info(spec.name, shape, np.dtype(np.uint8), math.prod(shape), raw_dtype=spec.qtype)
-    writer.write_header_to_file(path)
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    rng = np.random.default_rng(seed)
-    for spec in specs:
-        writer.write_tensor_data(draw_encoded(spec, rng))
-    writer.close()
+    try:
+        writer.write_header_to_file(path)
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        rng = np.random.default_rng(seed)
+        for spec in specs:
+            writer.write_tensor_data(draw_encoded(spec, rng))
+    finally:
+        writer.close()
     return path
 

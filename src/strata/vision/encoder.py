@@ -181,19 +181,27 @@ def gelu(x: np.ndarray) -> np.ndarray:
     return 0.5 * x * (1.0 + np.tanh(np.float32(np.sqrt(2.0 / np.pi)) * (x + np.float32(0.044715) * x * x * x)))
 
 
-def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_head: int) -> np.ndarray:
-    """Bidirectional multi-head attention: (n, n_embd) each -> (n, n_embd), one head at a time to bound memory."""
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_head: int, block: int = 256) -> np.ndarray:
+    """Bidirectional multi-head attention: (n, n_embd) each -> (n, n_embd).
+
+    One head and `block` query rows at a time: the (block, n) score tile stays in cache through the softmax's
+    passes, and memory stays bounded for any picture size.
+    """
     n, n_embd = q.shape
     head_dim = n_embd // n_head
-    scale = np.float32(head_dim**-0.5)
+    q = q * np.float32(head_dim**-0.5)
     out = np.empty_like(q)
     for h in range(n_head):
         cols = slice(h * head_dim, (h + 1) * head_dim)
-        scores = (q[:, cols] * scale) @ k[:, cols].T  # (n, n)
-        scores -= scores.max(axis=1, keepdims=True)
-        np.exp(scores, out=scores)
-        scores /= scores.sum(axis=1, keepdims=True)
-        out[:, cols] = scores @ v[:, cols]
+        qh = np.ascontiguousarray(q[:, cols])
+        kt = np.ascontiguousarray(k[:, cols].T)  # (head_dim, n)
+        vh = np.ascontiguousarray(v[:, cols])
+        for r in range(0, n, block):
+            scores = qh[r : r + block] @ kt  # (block, n)
+            scores -= scores.max(axis=1, keepdims=True)
+            np.exp(scores, out=scores)
+            # normalise after the product: fewer divisions than dividing the scores
+            out[r : r + block, cols] = (scores @ vh) / scores.sum(axis=1, keepdims=True)
     return out
 
 

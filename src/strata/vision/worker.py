@@ -99,7 +99,14 @@ class Server:
         self._send(self.ready())
         worker = threading.Thread(target=self._encode_loop, name="encode")
         worker.start()
-        graceful = self._read_loop()
+        graceful = False
+        try:
+            graceful = self._read_loop()
+        finally:  # also on an interrupt: stop the encode thread, or the process would never exit
+            self._close(graceful)
+            worker.join()
+
+    def _close(self, graceful: bool) -> None:
         with self._cond:
             self._closing = True
             if not graceful:
@@ -107,7 +114,6 @@ class Server:
                 if self._running is not None:
                     self._running.cancel.set()
             self._cond.notify()
-        worker.join()
 
     # --- input
 
