@@ -29,7 +29,10 @@ def random_blocks(qtype: Q, n_blocks: int, rng: np.random.Generator) -> np.ndarr
     """Random bytes for every field, with finite, sane f16 scales: (n_blocks, block_bytes) uint8."""
     size = GGML_QUANT_SIZES[qtype][1]
     blocks = rng.integers(0, 256, size=(n_blocks, size), dtype=np.uint8)
-    scales = lambda: f16_bytes(rng.uniform(1e-3, 2e-2, n_blocks) * rng.choice([-1, 1], n_blocks))
+
+    def scales() -> np.ndarray:
+        return f16_bytes(rng.uniform(1e-3, 2e-2, n_blocks) * rng.choice([-1, 1], n_blocks))
+
     if qtype in (Q.Q8_0, Q.Q4_0):
         blocks[:, 0:2] = scales()
     elif qtype == Q.Q4_K:  # d, dmin at the start; mins are subtracted, so keep dmin positive as quantisers do
