@@ -1,16 +1,21 @@
 """The engine's kernels against independent references.
 
 Dequantisation must match the gguf package bit for bit. The fast products are checked against the naive
-reference (dequantise, sum in double), and the naive reference against numpy in float64.
+reference (dequantise, sum in double), and the naive reference against numpy in float64. The engine's internal
+kernel interface (kernels.h, which cffi's module does not wrap) is reached through the same shared library.
 """
 
 from __future__ import annotations
 
+import pathlib
+
+import cffi
 import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 from gguf import quants
 
+import strata.engine_cffi._engine as engine_module
 from strata.engine_cffi._engine import ffi, lib
 
 WEIGHT_TYPES = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q6_K]
@@ -131,8 +136,8 @@ def test_dequantize_gguf_quantised_rows_bit_exact(qtype):
     assert_same_bits(dequantize(qtype, data, x.size), quants.dequantize(data, qtype))
 
 
-@pytest.mark.parametrize("qtype,dtype", [(Q.F16, np.float16), (Q.BF16, None)])
-def test_dequantize_every_finite_16_bit_pattern(qtype, dtype):
+@pytest.mark.parametrize("qtype", [Q.F16, Q.BF16])
+def test_dequantize_every_finite_16_bit_pattern(qtype):
     bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
     exponent_all_ones = 0x7C00 if qtype == Q.F16 else 0x7F80
     nan = ((bits & exponent_all_ones) == exponent_all_ones) & ((bits & ~np.uint16(0x8000 | exponent_all_ones)) != 0)
@@ -249,3 +254,88 @@ def test_more_threads_than_rows():
     x = lossless_activations(Q.Q8_0, 2, 64, rng)
     got, naive = matmul(Q.Q8_0, w, x, 8), matmul(Q.Q8_0, w, x)
     assert np.all(np.abs(got - naive) <= accumulation_slack(weights_f32(Q.Q8_0, w, 64), x))
+
+
+# --- the internal interface the forward pass uses (kernels.h)
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    """kernels.h's functions from the engine's shared library (the header minus its preprocessor lines)."""
+    header = pathlib.Path(engine_module.__file__).with_name("kernels.h").read_text()
+    kffi = cffi.FFI()
+    kffi.cdef("\n".join(line for line in header.splitlines() if not line.startswith("#")))
+    return kffi, kffi.dlopen(engine_module.__file__)
+
+
+def quantize_rows(kernels, vec_dot_type: Q, x: np.ndarray) -> np.ndarray:
+    kffi, klib = kernels
+    n_tok, n = x.shape
+    out = np.zeros((n_tok, GGML_QUANT_SIZES[vec_dot_type][1] * n // GGML_QUANT_SIZES[vec_dot_type][0]), np.uint8)
+    for t in range(n_tok):
+        klib.strata_quantize_row_any(int(vec_dot_type), kffi.from_buffer("float[]", x[t]), kffi.from_buffer(out[t]), n)
+    return out
+
+
+def test_f16_round_trip_matches_numpy(kernels):
+    _, klib = kernels
+    rng = np.random.default_rng(2)
+    x = (rng.standard_normal(20000) * 10.0 ** rng.uniform(-9, 5.5, 20000)).astype(np.float32)  # subnormal to inf
+    got = np.array([klib.strata_f32_to_f16(float(v)) for v in x], dtype=np.uint16)
+    with np.errstate(over="ignore"):  # overflow to infinity is part of what is compared
+        want = x.astype(np.float16)
+    np.testing.assert_array_equal(got, want.view(np.uint16))
+    back = np.array([klib.strata_f16_to_f32(int(h)) for h in got], dtype=np.float32)
+    assert_same_bits(back, got.view(np.float16).astype(np.float32))
+
+
+def test_quantize_q8_0_matches_gguf(kernels):
+    rng = np.random.default_rng(4)
+    x = (rng.standard_normal((8, 1024)) * 10.0 ** rng.uniform(-3, 3, (8, 1))).astype(np.float32)
+    x[0, :32] = 0.0  # an all-zero block
+    x[1, :32] = np.arange(-16, 16) * 0.5  # halves: round away from zero
+    np.testing.assert_array_equal(quantize_rows(kernels, Q.Q8_0, x), quants.quantize(x, Q.Q8_0))
+
+
+def test_quantize_q8_k_matches_numpy(kernels):
+    """Q8_K as the gguf package quantises Q8_0 (d = amax / 127 in f32, round half away from zero), with d kept
+    in f32 and the sum of each 16 values."""
+    rng = np.random.default_rng(6)
+    x = (rng.standard_normal((4, 512)) * 10.0 ** rng.uniform(-3, 3, (4, 1))).astype(np.float32)
+    blocks = x.reshape(-1, 256)
+    d = np.abs(blocks).max(axis=1, keepdims=True) / np.float32(127)
+    with np.errstate(divide="ignore"):
+        q = quants.np_roundf(blocks * np.where(d == 0, np.float32(0), np.float32(1) / d)).astype(np.int8)
+    want = np.zeros(len(blocks), dtype=[("d", "<f4"), ("qs", "i1", 256), ("bsums", "<i2", 16)])
+    want["d"], want["qs"], want["bsums"] = d[:, 0], q, q.reshape(-1, 16, 16).sum(axis=2, dtype=np.int16)
+    got = quantize_rows(kernels, Q.Q8_K, x)
+    np.testing.assert_array_equal(got.ravel(), want.view(np.uint8).ravel())
+
+
+@pytest.mark.parametrize("qtype", WEIGHT_TYPES)
+def test_gemm_rows_matches_its_naive_reference(kernels, qtype):
+    """A row range [r0, r1) written into a wider y (ldy > rows), as the forward pass splits rows between
+    threads; the reference sees the same quantised activations, so only the summation order differs."""
+    kffi, klib = kernels
+    rng = np.random.default_rng(int(qtype) + 100)
+    n_rows, n_tok, ldy, r0, r1 = 13, 6, 20, 3, 12
+    n_cols = round_up(544, qtype)
+    w = random_weights(qtype, n_rows, n_cols, rng)
+    x = rng.standard_normal((n_tok, n_cols)).astype(np.float32)
+    vec_dot_type = Q(kernels[1].strata_traits(int(qtype)).vec_dot_type)
+    xq = quantize_rows(kernels, vec_dot_type, x)
+    x_seen = np.zeros_like(x)
+    for t in range(n_tok):
+        klib.strata_dequantize_row_any(int(vec_dot_type), kffi.from_buffer(xq[t]),
+                                       kffi.from_buffer("float[]", x_seen[t]), n_cols)
+    ys = []
+    for fn in (klib.strata_gemm_rows, klib.strata_gemm_rows_naive):
+        y = np.full((n_tok, ldy), np.nan, dtype=np.float32)
+        fn(int(qtype), n_cols, kffi.from_buffer(w), r0, r1, kffi.from_buffer(xq), n_tok,
+           kffi.from_buffer("float[]", y), ldy)
+        assert np.isnan(y[:, :r0]).all() and np.isnan(y[:, r1:]).all()
+        ys.append(y[:, r0:r1].astype(np.float64))
+    slack = accumulation_slack(weights_f32(qtype, w, n_cols)[r0:r1], x_seen)
+    assert np.all(np.abs(ys[0] - ys[1]) <= slack)
+    want = x_seen.astype(np.float64) @ weights_f32(qtype, w, n_cols)[r0:r1].astype(np.float64).T
+    assert np.all(np.abs(ys[1] - want) <= 1e-6 * np.abs(want) + 1e-30)

@@ -30,3 +30,19 @@ def test_make_model_writes_and_reports(tmp_path: pathlib.Path, capsys: pytest.Ca
 def test_make_model_rejects_unknown_choices() -> None:
     with pytest.raises(SystemExit):
         parse(["--arch", "mistral", "--out", "x.gguf"])
+
+
+def test_make_model_mmproj_matches_the_text_models_width(tmp_path: pathlib.Path) -> None:
+    text = tmp_path / "text.gguf"
+    assert cli.run(parse(["--arch", "qwen3", "--out", str(text)])) == 0
+    vision = tmp_path / "vision.gguf"
+    assert cli.run(parse(["--mmproj", "--text-model", str(text), "--out", str(vision)])) == 0
+    width = GGUFReader(text).fields["qwen3.embedding_length"].contents()
+    fields = GGUFReader(vision).fields
+    assert fields["general.architecture"].contents() == "clip"
+    assert fields["clip.vision.projection_dim"].contents() == width
+
+
+def test_make_model_mmproj_needs_a_text_model(tmp_path: pathlib.Path) -> None:
+    with pytest.raises(SystemExit, match="--text-model"):
+        cli.run(parse(["--mmproj", "--out", str(tmp_path / "v.gguf")]))

@@ -44,7 +44,7 @@ async def raw_request(url: str, payload: dict[str, Any], *, hang_up_after: float
     host, port = url.removeprefix("http://").split(":")
     data = json.dumps(payload).encode()
     head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(data)}\r\n\r\n").encode()
+            f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n").encode()
     received = b""
     stream = await trio.open_tcp_stream(host, int(port))
     async with stream:

@@ -14,7 +14,9 @@ import gguf
 import numpy as np
 import pytest
 
+from strata.engine_cffi._engine import lib
 from strata.modelgen.mmproj import write_random_mmproj
+from strata.vision import encoder as encoder_module
 from strata.vision.encoder import EncodeCancelled, Encoder, position_embeddings
 from strata.vision.mmproj import Mmproj
 
@@ -103,7 +105,8 @@ def projector_reference(features: np.ndarray, t: dict[str, np.ndarray], eps: flo
     rows = []
     for y in range(0, gy, 2):
         for x in range(0, gx, 2):
-            rows.append(np.concatenate([features[y, x], features[y, x + 1], features[y + 1, x], features[y + 1, x + 1]]))
+            square = [features[y, x], features[y, x + 1], features[y + 1, x], features[y + 1, x + 1]]
+            rows.append(np.concatenate(square))
     h = np.array(rows, dtype=np.float64)
     if "mm.input_norm.weight" in t:
         mu, var = h.mean(axis=1, keepdims=True), h.var(axis=1, keepdims=True)
@@ -135,32 +138,58 @@ def test_encode_is_vit_then_projector(tiny_mmproj: Path):
     np.testing.assert_allclose(Encoder(Mmproj.load(tiny_mmproj), threads=2).encode(pixels), rows, rtol=1e-5, atol=1e-6)
 
 
-def test_cancellation_is_checked_at_every_layer_boundary(slow_mmproj: Path):
+class RecordingLib:
+    """The engine's `lib`, recording each weight product in a shared event list."""
+
+    def __init__(self, events: list[str]):
+        self._events = events
+
+    def strata_matmul(self, *args):
+        self._events.append("product")
+        return lib.strata_matmul(*args)
+
+    def __getattr__(self, name: str):
+        return getattr(lib, name)
+
+
+def test_cancellation_is_checked_before_every_product_and_layer(slow_mmproj: Path, monkeypatch):
+    events: list[str] = []
+    monkeypatch.setattr(encoder_module, "lib", RecordingLib(events))
     encoder = Encoder(Mmproj.load(slow_mmproj), threads=1)
-    n_layer = encoder.hp.n_layer
-    pixels = np.zeros((3, 32, 32), dtype=np.float32)
-    checks = []
+    pixels = np.zeros((3, 48, 32), dtype=np.float32)
 
     def never() -> bool:
-        checks.append(1)
+        events.append("check")
         return False
 
     encoder.encode(pixels, never)
-    assert len(checks) == n_layer + 1  # before each block, and before the projector
+    products = events.count("product")
+    assert products == 1 + 6 * encoder.hp.n_layer + 2  # patches, six per block, the projector's two
+    assert all(events[i - 1] == "check" for i, e in enumerate(events) if e == "product")
+    assert events.count("check") >= products + encoder.hp.n_layer
 
-    for stop_at in (1, 5, n_layer + 1):
-        calls = []
+    for stop_at in (1, 2, 30, events.count("check")):
+        events.clear()
 
-        def cancelled() -> bool:
-            calls.append(1)
-            return len(calls) == stop_at
+        def cancelled(stop_at: int = stop_at) -> bool:
+            events.append("check")
+            return events.count("check") >= stop_at
 
         with pytest.raises(EncodeCancelled):
             encoder.encode(pixels, cancelled)
-        assert len(calls) == stop_at
+        first_stop = [i for i, e in enumerate(events) if e == "check"][stop_at - 1]
+        assert "product" not in events[first_stop:]  # nothing heavy runs once a check has said stop
 
 
 def test_picture_must_fill_whole_merged_patches(tiny_mmproj: Path):
     encoder = Encoder(Mmproj.load(tiny_mmproj), threads=1)
     with pytest.raises(ValueError, match="multiple of 16"):
         encoder.encode(np.zeros((3, 24, 32), dtype=np.float32))
+
+
+def test_sliced_products_equal_whole_ones(tiny_mmproj: Path, monkeypatch):
+    encoder = Encoder(Mmproj.load(tiny_mmproj), threads=2)
+    pixels = np.random.default_rng(7).standard_normal((3, 64, 48)).astype(np.float32)  # 48 patch rows
+    whole = encoder.encode(pixels)
+    monkeypatch.setattr(encoder_module, "SLICE_ROWS", 5)  # 10 slices, the last one short
+    np.testing.assert_allclose(encoder.encode(pixels), whole, rtol=1e-6, atol=1e-6)

@@ -163,6 +163,15 @@ def test_reader_refuses_missing_and_non_gguf_files(tmp_path: Path):
         Mmproj.load(text)
 
 
+def test_reader_refuses_truncated_files(tiny_mmproj: Path, tmp_path: Path):
+    data = tiny_mmproj.read_bytes()
+    for size in (0, 10, 100, len(data) // 2, len(data) - 10):
+        cut = tmp_path / f"cut{size}.gguf"
+        cut.write_bytes(data[:size])
+        with pytest.raises(MmprojError, match=f"cannot load mmproj '{cut}'"):
+            Mmproj.load(cut)
+
+
 def test_text_model_width_reads_the_embedding_length(tmp_path: Path):
     writer = gguf.GGUFWriter(tmp_path / "t.gguf", "qwen3")
     writer.add_embedding_length(1536)

@@ -176,7 +176,8 @@ def test_encoding_refuses_what_cannot_be_parsed():
 
 @pytest.mark.parametrize(
     "line",
-    [b"OK 1 1 1\n", b"OK 1 1 1 -3\n", b"OK 1 1 1 nan\n", b"RES 7 1 1 1 2.0\n", b"CANCELLED\n", b"HELLO\n", b"OK a b c d\n"],
+    [b"OK 1 1 1\n", b"OK 1 1 1 -3\n", b"OK 1 1 1 nan\n", b"RES 7 1 1 1 2.0\n", b"CANCELLED\n", b"HELLO\n",
+     b"OK a b c d\n"],
 )
 def test_malformed_replies_are_refused(line):
     with pytest.raises(ProtocolError):

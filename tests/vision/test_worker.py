@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -186,8 +185,9 @@ def test_cancel_stops_a_running_encode_at_a_layer_boundary(start_worker, slow_mm
     reply, _ = worker.reply()
     stopped_after = time.perf_counter() - cancel_sent
     assert reply == Cancelled("victim")
-    # One layer of twelve is about a twelfth of the encode; allow for a loaded machine.
-    assert stopped_after < 0.3 * full, (stopped_after, full)
+    # Checks come every slice of a product and every attention tile (milliseconds here); the bounds leave room
+    # for a loaded machine and still fail if the encode only stopped at a layer boundary or ran to its end.
+    assert stopped_after < min(0.25, 0.3 * full), (stopped_after, full)
     # And the process is idle now, not finishing the encode in the background.
     before = worker.cpu_seconds()
     time.sleep(0.5)

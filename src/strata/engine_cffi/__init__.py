@@ -42,12 +42,16 @@ def _check(status: int) -> None:
 
 
 def _open_gguf(path: str | os.PathLike[str]) -> GGUFReader:
-    if not pathlib.Path(path).is_file():
+    file = pathlib.Path(path)
+    if not file.is_file():
         raise EngineError(f"model file not found: {path}")
+    with file.open("rb") as f:
+        if f.read(4) != b"GGUF":
+            raise EngineError(f"{path}: not a GGUF file (it does not start with the GGUF magic)")
     try:
         return GGUFReader(path, "r")
     except Exception as exc:  # the reader parses untrusted bytes and fails with many exception types
-        raise EngineError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
+        raise EngineError(f"{path}: truncated or corrupt GGUF file ({type(exc).__name__}: {exc})") from exc
 
 
 def _field_value(reader: GGUFReader, key: str, default: Any = None) -> Any:
@@ -92,15 +96,25 @@ def _model_params(reader: GGUFReader, table: _TensorTable, keep: list[Any]) -> A
     keep.append(arch_c)
     p = ffi.new("strata_model_params *")
     p.arch = arch_c
-    p.n_vocab = table.shape_of(reader, "token_embd")[1]
+    embd_shape = table.shape_of(reader, "token_embd")
+    if len(embd_shape) != 2:
+        raise EngineError(f"token_embd has shape {embd_shape}, expected [n_embd, n_vocab]")
+    p.n_vocab = embd_shape[1]
+    try:
+        _set_hparams(p, key)
+    except (TypeError, ValueError, OverflowError) as exc:  # a key of the wrong type or range
+        raise EngineError(f"bad hyper-parameter in the GGUF metadata: {exc}") from exc
+    p.tensors, p.n_tensors = table.array, table.count
+    return p
+
+
+def _set_hparams(p: Any, key: Any) -> None:
     p.n_ctx_train, p.n_embd, p.n_layer = key("context_length"), key("embedding_length"), key("block_count")
     p.n_head, p.n_head_kv = key("attention.head_count"), key("attention.head_count_kv", key("attention.head_count"))
     p.head_dim = key("attention.key_length", (p.n_embd // p.n_head) if p.n_head else 0)
     p.n_ff, p.n_expert, p.n_expert_used = key("feed_forward_length"), key("expert_count"), key("expert_used_count")
     p.n_ff_exp = key("expert_feed_forward_length")
     p.rope_base, p.rms_eps = key("rope.freq_base", 10000.0), key("attention.layer_norm_rms_epsilon", 1e-6)
-    p.tensors, p.n_tensors = table.array, table.count
-    return p
 
 
 class Engine:
@@ -218,8 +232,13 @@ class Engine:
 
     def abort(self) -> None:
         """Stop the eval in flight (from any thread) within one decode step or one layer of a prompt chunk. If no
-        call is in flight, the next one stops at once."""
+        call is in flight, the next one stops at once (so a decode loop ends even when the abort falls between two
+        steps); `clear_abort()` drops such a flag when it is no longer wanted."""
         lib.strata_abort(self._live_ctx())
+
+    def clear_abort(self) -> None:
+        """Lower an abort flag that no call has consumed, e.g. before starting a new request's work."""
+        lib.strata_clear_abort(self._live_ctx())
 
     def close(self) -> None:
         """Free the context and the model, then drop the file mapping. Idempotent."""

@@ -15,6 +15,10 @@
 
 #include "kernels.h"
 
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
 #define ROWS_PER_TASK 16   /* output rows per unit of work in a product: small enough to balance threads */
 #define MAX_EXPERT_USED 64
 
@@ -278,8 +282,8 @@ struct strata_context {
     float *k;                      // (n_batch, n_head_kv * head_dim)
     float *v;                      // (n_batch, n_head_kv * head_dim)
     float *att;                    // (n_batch, n_head * head_dim) attention output
-    float *scores;                 // (n_threads, n_ctx) attention weights
-    float *kv_row;                 // (n_threads, head_dim) a cached row converted to f32
+    float *scores;                 // (n_threads, n_head / n_head_kv, n_ctx) attention weights
+    float *kv_buf;                 // (n_threads, head_dim) a cached row as f32
     float *hb;                     // (n_rows_ff, n_ff_max) gate, then the SwiGLU product
     float *hb2;                    // (n_rows_ff, n_ff_max) up
     float *moe_out;                // (n_batch * n_expert_used, n_embd) each expert's output per slot
@@ -328,13 +332,13 @@ static strata_status alloc_context(strata_context *c) {
     c->k = malloc(sizeof(float) * B * kv_dim);
     c->v = malloc(sizeof(float) * B * kv_dim);
     c->att = malloc(sizeof(float) * B * q_dim);
-    c->scores = malloc(sizeof(float) * c->n_threads * c->n_ctx);
-    c->kv_row = malloc(sizeof(float) * c->n_threads * p->head_dim);
+    c->scores = malloc(sizeof(float) * c->n_threads * (p->n_head / p->n_head_kv) * c->n_ctx);
+    c->kv_buf = malloc(sizeof(float) * c->n_threads * p->head_dim);
     c->hb = malloc(sizeof(float) * B * k_used * n_ff_max);
     c->hb2 = malloc(sizeof(float) * B * k_used * n_ff_max);
     c->xq = malloc(c->act_row_max * B * k_used);
-    int ok = c->k_cache && c->v_cache && c->x && c->xb && c->q && c->k && c->v && c->att && c->scores &&
-             c->kv_row && c->hb && c->hb2 && c->xq && (c->kv_type != STRATA_KV_INT8 || (c->k_scale && c->v_scale));
+    int ok = c->k_cache && c->v_cache && c->x && c->xb && c->q && c->k && c->v && c->att && c->scores && c->kv_buf &&
+             c->hb && c->hb2 && c->xq && (c->kv_type != STRATA_KV_INT8 || (c->k_scale && c->v_scale));
     if (c->model->is_moe) {
         int64_t blocks = (p->n_ff_exp + ROWS_PER_TASK - 1) / ROWS_PER_TASK + (p->n_embd + ROWS_PER_TASK - 1) /
                          ROWS_PER_TASK;  // gate/up tasks, then down tasks, per expert
@@ -390,7 +394,7 @@ strata_status strata_context_create(const strata_model *model, const strata_cont
 void strata_context_free(strata_context *c) {
     if (!c) return;
     void *bufs[] = {c->k_cache, c->v_cache, c->k_scale, c->v_scale, c->x, c->xb, c->q, c->k, c->v, c->att,
-                    c->scores, c->kv_row, c->hb, c->hb2, c->moe_out, c->router, c->xq, c->xq_slots, c->slot_of,
+                    c->scores, c->kv_buf, c->hb, c->hb2, c->moe_out, c->router, c->xq, c->xq_slots, c->slot_of,
                     c->choice_weight, c->slot_token, c->expert_start, c->expert_count, c->tasks};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
     free(c);
@@ -406,6 +410,8 @@ strata_status strata_keep(strata_context *c, int n) {
 }
 
 void strata_abort(strata_context *c) { atomic_store(&c->abort_flag, 1); }
+
+void strata_clear_abort(strata_context *c) { atomic_store(&c->abort_flag, 0); }
 
 void strata_get_timings(const strata_context *c, strata_timings *out) { *out = c->timings; }
 
@@ -436,19 +442,63 @@ static void kv_store(const strata_context *c, void *cache, float *scales, size_t
     }
 }
 
-/* dst (head_dim) = cache row `idx` as f32. */
+/* Cache rows to f32, dot products and axpy: a vector path, a leftovers tail, a scalar path without AVX2. */
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+static float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* 8 cached values from element i of a row, as f32 (int8 rows still unscaled). */
+static __m256 load8(int kv_type, const void *row, int i) {
+    if (kv_type == STRATA_KV_F32) return _mm256_loadu_ps((const float *)row + i);
+    if (kv_type == STRATA_KV_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i)));
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)row + i))));
+}
+#endif
+
+/* Value i of a cache row, unscaled. */
+static float load1(int kv_type, const void *row, int i) {
+    if (kv_type == STRATA_KV_F32) return ((const float *)row)[i];
+    if (kv_type == STRATA_KV_F16) return strata_f16_to_f32(((const uint16_t *)row)[i]);
+    return ((const int8_t *)row)[i];
+}
+
+/* dst (head_dim) = cache row idx as f32. */
 static void kv_load(const strata_context *c, const void *cache, const float *scales, size_t idx, float *dst) {
-    int hd = c->model->hp.head_dim;
-    if (c->kv_type == STRATA_KV_F32) {
-        memcpy(dst, (const float *)cache + idx * hd, sizeof(float) * hd);
-    } else if (c->kv_type == STRATA_KV_F16) {
-        const uint16_t *src = (const uint16_t *)cache + idx * hd;
-        for (int i = 0; i < hd; i++) dst[i] = strata_f16_to_f32(src[i]);
-    } else {
-        const int8_t *src = (const int8_t *)cache + idx * hd;
-        float scale = scales[idx];
-        for (int i = 0; i < hd; i++) dst[i] = scale * src[i];
-    }
+    int hd = c->model->hp.head_dim, i = 0;
+    const void *row = (const char *)cache + idx * hd * c->kv_elem;
+    float scale = c->kv_type == STRATA_KV_INT8 ? scales[idx] : 1.0f;
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+    __m256 sv = _mm256_set1_ps(scale);
+    for (; i + 8 <= hd; i += 8) _mm256_storeu_ps(dst + i, _mm256_mul_ps(load8(c->kv_type, row, i), sv));
+#endif
+    for (; i < hd; i++) dst[i] = scale * load1(c->kv_type, row, i);
+}
+
+/* a . b over n. */
+static float dot(const float *a, const float *b, int n) {
+    int i = 0;
+    float s = 0.0f;
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    s = hsum8(acc);
+#endif
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* y (n) += w * x. */
+static void axpy(float w, const float *x, float *y, int n) {
+    int i = 0;
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+    __m256 wv = _mm256_set1_ps(w);
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+#endif
+    for (; i < n; i++) y[i] += w * x[i];
 }
 
 // --- building blocks (each called by every thread of the team; `omp for` splits the work)
@@ -473,27 +523,34 @@ static void quantize_rows(int vec_dot_type, const float *x, int n_tok, int64_t n
     for (int t = 0; t < n_tok; t++) strata_quantize_row_any(vec_dot_type, x + t * n, (char *)dst + t * stride, n);
 }
 
-/* y (n_tok, w.n_out) = xq @ w^T, xq already in w's partner type; rows split between threads. */
-static void product(const matrix *w, const void *w_data, const void *xq, int n_tok, float *y, int64_t ldy) {
-    int64_t n_blocks = (w->n_out + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+static int64_t row_blocks(const matrix *w) { return (w->n_out + ROWS_PER_TASK - 1) / ROWS_PER_TASK; }
+
+/* ys[i] (n_tok, ws[i].n_out) = xq @ ws[i]^T for n_w weights of one partner type, xq already converted to it.
+ * The row blocks of every weight form one parallel loop, so q, k and v (or gate and up) share one barrier. */
+static void products(int n_w, const matrix *const *ws, float *const *ys, const void *xq, int n_tok) {
+    int64_t total = 0;
+    for (int i = 0; i < n_w; i++) total += row_blocks(ws[i]);
 #pragma omp for schedule(static)
-    for (int64_t b = 0; b < n_blocks; b++) {
-        int64_t r0 = b * ROWS_PER_TASK, r1 = r0 + ROWS_PER_TASK < w->n_out ? r0 + ROWS_PER_TASK : w->n_out;
-        strata_gemm_rows(w->type, w->n_in, w_data, r0, r1, xq, n_tok, y, ldy);
+    for (int64_t b = 0; b < total; b++) {
+        int i = 0;
+        int64_t r0 = b;
+        while (r0 >= row_blocks(ws[i])) r0 -= row_blocks(ws[i++]);
+        const matrix *w = ws[i];
+        r0 *= ROWS_PER_TASK;
+        int64_t r1 = r0 + ROWS_PER_TASK < w->n_out ? r0 + ROWS_PER_TASK : w->n_out;
+        strata_gemm_rows(w->type, w->n_in, w->data, r0, r1, xq, n_tok, ys[i], w->n_out);
     }
 }
 
-/* ys[i] (n_tok, ws[i].n_out) = x (n_tok, n_in) @ ws[i]^T for weights reading the same input: x is converted to
- * each partner type once. */
+/* ys[i] (n_tok, ws[i].n_out) = x (n_tok, n_in) @ ws[i]^T for weights reading the same input: x is converted
+ * once per run of weights sharing a partner type. */
 static void linear(strata_context *c, const float *x, int n_tok, int n_w, const matrix *const *ws,
                    float *const *ys) {
-    int held = -1;
-    for (int i = 0; i < n_w; i++) {
-        const matrix *w = ws[i];
-        size_t stride = act_row_bytes(w->vec_dot_type, w->n_in);
-        if (w->vec_dot_type != held) quantize_rows(w->vec_dot_type, x, n_tok, w->n_in, c->xq, stride);
-        held = w->vec_dot_type;
-        product(w, w->data, c->xq, n_tok, ys[i], w->n_out);
+    for (int first = 0, last; first < n_w; first = last) {
+        int vdt = ws[first]->vec_dot_type;
+        for (last = first + 1; last < n_w && ws[last]->vec_dot_type == vdt;) last++;
+        quantize_rows(vdt, x, n_tok, ws[first]->n_in, c->xq, act_row_bytes(vdt, ws[first]->n_in));
+        products(last - first, ws + first, ys + first, c->xq, n_tok);
     }
 }
 
@@ -501,77 +558,80 @@ static void linear1(strata_context *c, const float *x, int n_tok, const matrix *
     linear(c, x, n_tok, 1, &w, &y);
 }
 
-/* Rotate pairs of x (head_dim) by pos * inv_freq[i]: pairs (2i, 2i+1) or, NEOX, (i, i + head_dim/2). */
-static void rope(float *x, int hd, int pos, const float *inv_freq, rope_mode mode) {
+/* Rotate pairs of x (head_dim) by the angles whose cos and sin are given (head_dim / 2 each): pairs (2i, 2i+1)
+ * or, NEOX, (i, i + head_dim/2). */
+static void rope(float *x, int hd, const float *cs, const float *sn, rope_mode mode) {
     for (int i = 0; i < hd / 2; i++) {
-        float theta = pos * inv_freq[i], cs = cosf(theta), sn = sinf(theta);
         int a = mode == ROPE_NEOX ? i : 2 * i, b = mode == ROPE_NEOX ? i + hd / 2 : 2 * i + 1;
         float x0 = x[a], x1 = x[b];
-        x[a] = x0 * cs - x1 * sn;
-        x[b] = x0 * sn + x1 * cs;
+        x[a] = x0 * cs[i] - x1 * sn[i];
+        x[b] = x0 * sn[i] + x1 * cs[i];
     }
 }
 
-/* q, k heads of each token: per-head RMSNorm (qwen3) then RoPE at the token's position. */
-static void qk_norm_rope(strata_context *c, const layer_weights *L, int n_tok, int pos0) {
+/* Per token: q, k heads = RoPE(per-head RMSNorm (qwen3) of q, k) at the token's position; then its k and v rows
+ * go into the cache at that position. */
+static void rope_and_cache(strata_context *c, const layer_weights *L, int il, int n_tok, int pos0) {
     const strata_model *m = c->model;
     int hd = m->hp.head_dim, nh = m->hp.n_head, nkv = m->hp.n_head_kv;
 #pragma omp for schedule(static)
     for (int t = 0; t < n_tok; t++) {
+        float cs[hd / 2], sn[hd / 2];  // angle (pos0 + t) * inv_freq[i], shared by every head
+        for (int i = 0; i < hd / 2; i++) {
+            float theta = (pos0 + t) * m->inv_freq[i];
+            cs[i] = cosf(theta);
+            sn[i] = sinf(theta);
+        }
         for (int h = 0; h < nh + nkv; h++) {
             float *x = h < nh ? c->q + ((size_t)t * nh + h) * hd : c->k + ((size_t)t * nkv + h - nh) * hd;
             if (m->has_qk_norm) rmsnorm(x, x, h < nh ? L->q_norm : L->k_norm, hd, m->hp.rms_eps);
-            rope(x, hd, pos0 + t, m->inv_freq, m->rope);
+            rope(x, hd, cs, sn, m->rope);
         }
-    }
-}
-
-/* Write this chunk's k and v rows into the cache at their positions. */
-static void store_kv(strata_context *c, int il, int n_tok, int pos0) {
-    int hd = c->model->hp.head_dim, nkv = c->model->hp.n_head_kv;
-#pragma omp for schedule(static)
-    for (int t = 0; t < n_tok; t++)
         for (int h = 0; h < nkv; h++) {
             size_t idx = kv_index(c, il, pos0 + t, h), src = ((size_t)t * nkv + h) * hd;
             kv_store(c, c->k_cache, c->k_scale, idx, c->k + src);
             kv_store(c, c->v_cache, c->v_scale, idx, c->v + src);
         }
+    }
 }
 
-/* out (head_dim) = softmax(q . K[0..n_pos) / sqrt(head_dim)) . V[0..n_pos), in f32, for one query head. */
-static void attend_head(strata_context *c, int il, int kvh, const float *q, int n_pos, float *scores,
-                        float *row, float *out) {
+/* out rows (n_q, head_dim) = softmax(q_j . K[0..n_pos) / sqrt(head_dim)) . V[0..n_pos), in f32, for n_q query
+ * heads sharing kv head kvh: each cached row is converted once for all of them.
+ * scores: (n_q, n_ctx) scratch; row: (head_dim) scratch. */
+static void attend_heads(strata_context *c, int il, int kvh, const float *q, int n_q, int n_pos, float *scores,
+                         float *row, float *out) {
     int hd = c->model->hp.head_dim;
-    float scale = 1.0f / sqrtf((float)hd), max = -INFINITY, sum = 0.0f;
+    float scale = 1.0f / sqrtf((float)hd);
     for (int p = 0; p < n_pos; p++) {
         kv_load(c, c->k_cache, c->k_scale, kv_index(c, il, p, kvh), row);
-        float s = 0.0f;
-        for (int i = 0; i < hd; i++) s += q[i] * row[i];
-        scores[p] = s * scale;
-        max = fmaxf(max, scores[p]);
+        for (int j = 0; j < n_q; j++) scores[(size_t)j * c->n_ctx + p] = dot(q + j * hd, row, hd) * scale;
     }
-    for (int p = 0; p < n_pos; p++) {
-        scores[p] = expf(scores[p] - max);
-        sum += scores[p];
+    for (int j = 0; j < n_q; j++) {
+        float *sc = scores + (size_t)j * c->n_ctx, max = -INFINITY, sum = 0.0f;
+        for (int p = 0; p < n_pos; p++) max = fmaxf(max, sc[p]);
+        for (int p = 0; p < n_pos; p++) sum += sc[p] = expf(sc[p] - max);
+        for (int p = 0; p < n_pos; p++) sc[p] /= sum;
     }
-    memset(out, 0, sizeof(float) * hd);
+    memset(out, 0, sizeof(float) * n_q * hd);
     for (int p = 0; p < n_pos; p++) {
         kv_load(c, c->v_cache, c->v_scale, kv_index(c, il, p, kvh), row);
-        float w = scores[p] / sum;
-        for (int i = 0; i < hd; i++) out[i] += w * row[i];
+        for (int j = 0; j < n_q; j++) axpy(scores[(size_t)j * c->n_ctx + p], row, out + j * hd, hd);
     }
 }
 
-/* att = causal grouped-query attention of the chunk's queries over the cache, in parallel over (token, head). */
+/* att = causal grouped-query attention of the chunk's queries over the cache. A task is a token and some query
+ * heads of one kv head: the whole group, unless that leaves threads idle (decode), then halves of it. */
 static void attention(strata_context *c, int il, int n_tok, int pos0) {
     const strata_model_params *p = &c->model->hp;
-    int hd = p->head_dim, nh = p->n_head, group = p->n_head / p->n_head_kv, tid = omp_get_thread_num();
-    float *scores = c->scores + (size_t)tid * c->n_ctx, *row = c->kv_row + (size_t)tid * hd;
+    int hd = p->head_dim, nh = p->n_head, group = p->n_head / p->n_head_kv, per = group;
+    while (per % 2 == 0 && n_tok * (nh / per) < 2 * omp_get_num_threads()) per /= 2;
+    int tid = omp_get_thread_num(), tasks_per_token = nh / per;
+    float *scores = c->scores + (size_t)tid * group * c->n_ctx, *row = c->kv_buf + (size_t)tid * hd;
 #pragma omp for schedule(dynamic, 1)
-    for (int th = 0; th < n_tok * nh; th++) {
-        int t = th / nh, h = th % nh;
-        size_t off = ((size_t)t * nh + h) * hd;
-        attend_head(c, il, h / group, c->q + off, pos0 + t + 1, scores, row, c->att + off);
+    for (int task = 0; task < n_tok * tasks_per_token; task++) {
+        int t = task / tasks_per_token, h0 = task % tasks_per_token * per;
+        size_t off = ((size_t)t * nh + h0) * hd;
+        attend_heads(c, il, h0 / group, c->q + off, per, pos0 + t + 1, scores, row, c->att + off);
     }
 }
 
@@ -603,8 +663,7 @@ static void attention_block(strata_context *c, int il, int n_tok, int pos0) {
     float *ys[3] = {c->q, c->k, c->v};
     linear(c, c->xb, n_tok, 3, ws, ys);
     // q, k = rope(qk_norm(q, k)); cache k, v at the chunk's positions
-    qk_norm_rope(c, L, n_tok, pos0);
-    store_kv(c, il, n_tok, pos0);
+    rope_and_cache(c, L, il, n_tok, pos0);
     // att = softmax(q k^T / sqrt(head_dim)) v over positions <= each token's; x += att @ Wo
     attention(c, il, n_tok, pos0);
     linear1(c, c->att, n_tok, &L->wo, c->xb);
@@ -637,60 +696,67 @@ static void top_k(const float *probs, int n, int k, int *choice) {
     }
 }
 
-/* Route each token: softmax over the router logits, top k, weights renormalised to sum to 1. Then group the
- * (token, choice) slots by expert and list the (expert, row block) tasks of the products. Serial: it is tiny. */
-static void route(strata_context *c, int n_tok) {
+/* Route each token: softmax over its router logits, top k, the k weights renormalised to sum to 1.
+ * slot_of holds each choice's expert for now; expert_count counts the choices per expert. */
+static void route_tokens(strata_context *c, int n_tok) {
     const strata_model_params *p = &c->model->hp;
     int n_exp = p->n_expert, k = p->n_expert_used, choice[MAX_EXPERT_USED];
     memset(c->expert_count, 0, sizeof(int) * n_exp);
     for (int t = 0; t < n_tok; t++) {
-        float *logit = c->router + (size_t)t * n_exp, max = -INFINITY, sum = 0.0f, kept = 0.0f;
-        for (int e = 0; e < n_exp; e++) max = fmaxf(max, logit[e]);
-        for (int e = 0; e < n_exp; e++) sum += logit[e] = expf(logit[e] - max);
-        top_k(logit, n_exp, k, choice);
-        for (int j = 0; j < k; j++) kept += logit[choice[j]] / sum;
+        float *prob = c->router + (size_t)t * n_exp, max = -INFINITY, sum = 0.0f, kept = 0.0f;
+        for (int e = 0; e < n_exp; e++) max = fmaxf(max, prob[e]);
+        for (int e = 0; e < n_exp; e++) sum += prob[e] = expf(prob[e] - max);
+        top_k(prob, n_exp, k, choice);
+        for (int j = 0; j < k; j++) kept += prob[choice[j]] / sum;
         for (int j = 0; j < k; j++) {
-            c->choice_weight[t * k + j] = logit[choice[j]] / sum / kept;
-            c->slot_of[t * k + j] = choice[j];  // the expert for now; its slot below
+            c->choice_weight[t * k + j] = prob[choice[j]] / sum / kept;
+            c->slot_of[t * k + j] = choice[j];
             c->expert_count[choice[j]]++;
         }
     }
-    for (int e = 0, start = 0; e < n_exp; e++) {
-        c->expert_start[e] = start;
-        start += c->expert_count[e];
-    }
-    int *fill = c->slot_token;  // borrow: next free slot per expert is expert_start + filled so far
-    int filled[n_exp];
-    memset(filled, 0, sizeof filled);
-    for (int tj = 0; tj < n_tok * k; tj++) {
-        int e = c->slot_of[tj], s = c->expert_start[e] + filled[e]++;
-        fill[s] = tj / k;
-        c->slot_of[tj] = s;
-    }
-    int n_up = 0, n_down = 0;
-    int64_t blocks_up = (p->n_ff_exp + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
-    int64_t blocks_down = (p->n_embd + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
-    for (int e = 0; e < n_exp; e++)  // experts nobody picked get no task
-        for (int64_t b = 0; c->expert_count[e] && b < blocks_up; b++, n_up++)
-            c->tasks[2 * n_up] = e, c->tasks[2 * n_up + 1] = (int)b;
-    c->n_tasks_up = n_up;
-    for (int e = 0; e < n_exp; e++)
-        for (int64_t b = 0; c->expert_count[e] && b < blocks_down; b++, n_down++)
-            c->tasks[2 * (n_up + n_down)] = e, c->tasks[2 * (n_up + n_down) + 1] = (int)b;
-    c->n_tasks_down = n_down;
 }
 
-/* Each expert's rows of y = (its slots of xq) @ w_e^T over the tasks [first, first + n); slot rows are
- * `stride` bytes apart in xq and w.n_out floats apart in y. */
-static void expert_products(const strata_context *c, const matrix *w, const void *xq, size_t stride, float *y,
-                            int first, int n) {
+/* Give each (token, choice) a slot, slots grouped by expert (expert e owns expert_count[e] slots from
+ * expert_start[e]); then list the (expert, row block) tasks: gate/up ones first, then down ones. Experts nobody
+ * picked get no task. */
+static void group_slots(strata_context *c, int n_tok) {
+    const strata_model_params *p = &c->model->hp;
+    int n_exp = p->n_expert, k = p->n_expert_used, next[n_exp];  // next free slot per expert
+    for (int e = 0, start = 0; e < n_exp; e++) {
+        next[e] = c->expert_start[e] = start;
+        start += c->expert_count[e];
+    }
+    for (int tj = 0; tj < n_tok * k; tj++) {
+        int s = next[c->slot_of[tj]]++;
+        c->slot_token[s] = tj / k;
+        c->slot_of[tj] = s;
+    }
+    int64_t blocks[2] = {(p->n_ff_exp + ROWS_PER_TASK - 1) / ROWS_PER_TASK,
+                         (p->n_embd + ROWS_PER_TASK - 1) / ROWS_PER_TASK};
+    int n[2] = {0, 0};
+    for (int pass = 0; pass < 2; pass++)
+        for (int e = 0; e < n_exp; e++)
+            for (int64_t b = 0; c->expert_count[e] && b < blocks[pass]; b++, n[pass]++) {
+                int at = n[0] + (pass ? n[1] : 0);
+                c->tasks[2 * at] = e;
+                c->tasks[2 * at + 1] = (int)b;
+            }
+    c->n_tasks_up = n[0];
+    c->n_tasks_down = n[1];
+}
+
+/* ys[i] rows of each expert = (its slots of xq) @ ws[i]_e^T over the tasks [first, first + n), for n_w weights
+ * of one partner type in one parallel loop; slot rows are `stride` bytes apart in xq, ws[i].n_out floats in ys[i]. */
+static void expert_products(const strata_context *c, int n_w, const matrix *const *ws, float *const *ys,
+                            const void *xq, size_t stride, int first, int n) {
 #pragma omp for schedule(dynamic, 1)
-    for (int i = first; i < first + n; i++) {
-        int e = c->tasks[2 * i], s0 = c->expert_start[e];
-        int64_t r0 = (int64_t)c->tasks[2 * i + 1] * ROWS_PER_TASK;
+    for (int k = 0; k < n_w * n; k++) {
+        const matrix *w = ws[k / n];
+        int task = first + k % n, e = c->tasks[2 * task], s0 = c->expert_start[e];
+        int64_t r0 = (int64_t)c->tasks[2 * task + 1] * ROWS_PER_TASK;
         int64_t r1 = r0 + ROWS_PER_TASK < w->n_out ? r0 + ROWS_PER_TASK : w->n_out;
         strata_gemm_rows(w->type, w->n_in, expert_data(w, e), r0, r1, (const char *)xq + (size_t)s0 * stride,
-                         c->expert_count[e], y + (size_t)s0 * w->n_out, w->n_out);
+                         c->expert_count[e], ys[k / n] + (size_t)s0 * w->n_out, w->n_out);
     }
 }
 
@@ -708,13 +774,13 @@ static void experts_gate_up(strata_context *c, const layer_weights *L, int n_tok
     int n_slots = n_tok * p->n_expert_used;
     const matrix *ws[2] = {&L->gate_exps, &L->up_exps};
     float *ys[2] = {c->hb, c->hb2};
-    for (int i = 0; i < 2; i++) {
-        size_t stride = act_row_bytes(ws[i]->vec_dot_type, p->n_embd);
-        if (i == 0 || ws[1]->vec_dot_type != ws[0]->vec_dot_type) {
-            quantize_rows(ws[i]->vec_dot_type, c->xb, n_tok, p->n_embd, c->xq, stride);
-            gather_slots(c, n_slots, stride);
-        }
-        expert_products(c, ws[i], c->xq_slots, stride, ys[i], 0, c->n_tasks_up);
+    for (int first = 0, last; first < 2; first = last) {  // runs of weights sharing a partner type
+        int vdt = ws[first]->vec_dot_type;
+        size_t stride = act_row_bytes(vdt, p->n_embd);
+        last = first == 0 && ws[1]->vec_dot_type == vdt ? 2 : first + 1;
+        quantize_rows(vdt, c->xb, n_tok, p->n_embd, c->xq, stride);
+        gather_slots(c, n_slots, stride);
+        expert_products(c, last - first, ws + first, ys + first, c->xq_slots, stride, 0, c->n_tasks_up);
     }
     swiglu_rows(c->hb, c->hb2, n_slots, p->n_ff_exp);
 }
@@ -727,12 +793,16 @@ static void moe_block(strata_context *c, int il, int n_tok) {
     rmsnorm_rows(c->xb, c->x, L->ffn_norm, n_tok, p->n_embd, p->rms_eps);
     linear1(c, c->xb, n_tok, &L->router, c->router);
 #pragma omp single
-    route(c, n_tok);
+    {
+        route_tokens(c, n_tok);
+        group_slots(c, n_tok);
+    }
     // per slot: hb = silu(xb Wg_e) * (xb Wu_e); moe_out = hb @ Wd_e
     experts_gate_up(c, L, n_tok);
     size_t stride = act_row_bytes(L->down_exps.vec_dot_type, p->n_ff_exp);
     quantize_rows(L->down_exps.vec_dot_type, c->hb, n_slots, p->n_ff_exp, c->xq_slots, stride);
-    expert_products(c, &L->down_exps, c->xq_slots, stride, c->moe_out, c->n_tasks_up, c->n_tasks_down);
+    const matrix *down = &L->down_exps;
+    expert_products(c, 1, &down, &c->moe_out, c->xq_slots, stride, c->n_tasks_up, c->n_tasks_down);
     // x += sum over the token's choices of weight * moe_out[slot]
 #pragma omp for schedule(static)
     for (int t = 0; t < n_tok; t++)

@@ -384,9 +384,11 @@ typedef struct {
     size_t xb;
     float *y;           // y[t * ldy + r]
     int64_t ldy;
+    int64_t rs;         // the rows of a tile at r are r, r + rs, r + 2 rs, ...
 } gemm_args;
 
 #define W_ROW(a, r) ((const void *)((a)->w + (r) * (a)->wb))
+#define TILE_ROW(a, r, i) ((r) + (i) * (a)->rs)
 #define X_ROW(a, t) ((const void *)((a)->x + (t) * (a)->xb))
 
 #if defined(__AVX2__)
@@ -421,7 +423,7 @@ static inline __m256 f16_bcast(const uint16_t *h) {
 
 INLINE void store_tile(const gemm_args *a, int64_t r, int64_t t, int NR, int NT, __m256 acc[TR][TT]) {
     UNROLL for (int i = 0; i < NR; i++)
-        UNROLL for (int j = 0; j < NT; j++) a->y[(t + j) * a->ldy + r + i] = hsum256(acc[i][j]);
+        UNROLL for (int j = 0; j < NT; j++) a->y[(t + j) * a->ldy + TILE_ROW(a, r, i)] = hsum256(acc[i][j]);
 }
 #endif
 
@@ -475,7 +477,7 @@ INLINE void tile_float(int type, const gemm_args *a, int64_t r, int64_t t, int N
     const float *x[TT];
     vfloat acc[TR][TT];
     float tail[TR][TT];
-    UNROLL for (int i = 0; i < NR; i++) w[i] = W_ROW(a, r + i);
+    UNROLL for (int i = 0; i < NR; i++) w[i] = W_ROW(a, TILE_ROW(a, r, i));
     UNROLL for (int j = 0; j < NT; j++) x[j] = X_ROW(a, t + j);
     UNROLL for (int i = 0; i < NR; i++)
         UNROLL for (int j = 0; j < NT; j++) acc[i][j] = vf_zero(), tail[i][j] = 0.0f;
@@ -492,7 +494,8 @@ INLINE void tile_float(int type, const gemm_args *a, int64_t r, int64_t t, int N
         UNROLL for (int i = 0; i < NR; i++)
             UNROLL for (int j = 0; j < NT; j++) tail[i][j] += elem_f32(type, w[i], k) * x[j][k];
     UNROLL for (int i = 0; i < NR; i++)
-        UNROLL for (int j = 0; j < NT; j++) a->y[(t + j) * a->ldy + r + i] = vf_sum(acc[i][j]) + tail[i][j];
+        UNROLL for (int j = 0; j < NT; j++)
+            a->y[(t + j) * a->ldy + TILE_ROW(a, r, i)] = vf_sum(acc[i][j]) + tail[i][j];
 }
 #define TILE_F32(a, r, t, NR, NT) tile_float(STRATA_TYPE_F32, a, r, t, NR, NT)
 #define TILE_F16(a, r, t, NR, NT) tile_float(STRATA_TYPE_F16, a, r, t, NR, NT)
@@ -512,7 +515,7 @@ INLINE void tile_q8_0(const gemm_args *a, int64_t r, int64_t t, int NR, int NT) 
     const block_q8_0 *w[TR], *x[TT];
     __m256 acc[TR][TT];
     const __m256i bias = _mm256_set1_epi8((char)0x80);
-    UNROLL for (int i = 0; i < NR; i++) w[i] = W_ROW(a, r + i);
+    UNROLL for (int i = 0; i < NR; i++) w[i] = W_ROW(a, TILE_ROW(a, r, i));
     UNROLL for (int j = 0; j < NT; j++) x[j] = X_ROW(a, t + j);
     UNROLL for (int i = 0; i < NR; i++)
         UNROLL for (int j = 0; j < NT; j++) acc[i][j] = _mm256_setzero_ps();
@@ -553,7 +556,7 @@ INLINE void tile_q4_0(const gemm_args *a, int64_t r, int64_t t, int NR, int NT) 
     const block_q8_0 *x[TT];
     __m256 acc[TR][TT];
     const __m256i low4 = _mm256_set1_epi8(0xf), eight = _mm256_set1_epi8(8);
-    UNROLL for (int i = 0; i < NR; i++) w[i] = W_ROW(a, r + i);
+    UNROLL for (int i = 0; i < NR; i++) w[i] = W_ROW(a, TILE_ROW(a, r, i));
     UNROLL for (int j = 0; j < NT; j++) x[j] = X_ROW(a, t + j);
     UNROLL for (int i = 0; i < NR; i++)
         UNROLL for (int j = 0; j < NT; j++) acc[i][j] = _mm256_setzero_ps();
@@ -607,7 +610,7 @@ INLINE void tile_q4_K(const gemm_args *a, int64_t r, int64_t t, int NR, int NT) 
     const block_q8_K *x[TT];
     __m256 acc[TR][TT];
     const __m256i low4 = _mm256_set1_epi8(0xf);
-    UNROLL for (int i = 0; i < NR; i++) w[i] = W_ROW(a, r + i);
+    UNROLL for (int i = 0; i < NR; i++) w[i] = W_ROW(a, TILE_ROW(a, r, i));
     UNROLL for (int j = 0; j < NT; j++) x[j] = X_ROW(a, t + j);
     UNROLL for (int i = 0; i < NR; i++)
         UNROLL for (int j = 0; j < NT; j++) acc[i][j] = _mm256_setzero_ps();
@@ -657,7 +660,7 @@ INLINE void tile_q6_K(const gemm_args *a, int64_t r, int64_t t, int NR, int NT) 
     const block_q6_K *w[TR];
     const block_q8_K *x[TT];
     __m256 acc[TR][TT];
-    UNROLL for (int i = 0; i < NR; i++) w[i] = W_ROW(a, r + i);
+    UNROLL for (int i = 0; i < NR; i++) w[i] = W_ROW(a, TILE_ROW(a, r, i));
     UNROLL for (int j = 0; j < NT; j++) x[j] = X_ROW(a, t + j);
     UNROLL for (int i = 0; i < NR; i++)
         UNROLL for (int j = 0; j < NT; j++) acc[i][j] = _mm256_setzero_ps();
@@ -699,8 +702,8 @@ INLINE void tile_q6_K(const gemm_args *a, int64_t r, int64_t t, int NR, int NT) 
     static inline void tile_scalar_##TYPE(const gemm_args *a, int64_t r, int64_t t, int NR, int NT) { \
         for (int i = 0; i < NR; i++) \
             for (int j = 0; j < NT; j++) \
-                a->y[(t + j) * a->ldy + r + i] = \
-                    dot_row(STRATA_TYPE_##TYPE, W_ROW(a, r + i), X_ROW(a, t + j), a->n); \
+                a->y[(t + j) * a->ldy + TILE_ROW(a, r, i)] = \
+                    dot_row(STRATA_TYPE_##TYPE, W_ROW(a, TILE_ROW(a, r, i)), X_ROW(a, t + j), a->n); \
     }
 #if !defined(VLEN)
 TILE_SCALAR(F32)
@@ -721,22 +724,23 @@ TILE_SCALAR(Q6_K)
 #define tile_q6_K tile_scalar_Q6_K
 #endif
 
-// Rows [r0, r1) x all tokens, by full tiles; leftover rows and tokens take 1-wide tiles.
+// Rows [r0, r1) x all tokens by tiles of TR rows a quarter of the range apart (rows r, r + rs, ...): adjacent
+// rows, read as TR streams a few KB apart, starve the hardware prefetchers (a Q8_0 decode product ran at a
+// third of the memory bandwidth). The last (r1 - r0) % TR rows, and tokens short of a full tile, take 1-wide tiles.
 #define DEFINE_GEMM(NAME, TILE) \
-    static void NAME(const gemm_args *a, int64_t r0, int64_t r1, int64_t n_tok) { \
+    static void NAME(gemm_args *a, int64_t r0, int64_t r1, int64_t n_tok) { \
+        a->rs = (r1 - r0) / TR; \
         for (int64_t tb = 0; tb < n_tok; tb += TOKEN_BLOCK) { \
             int64_t te = tb + TOKEN_BLOCK < n_tok ? tb + TOKEN_BLOCK : n_tok; \
-            for (int64_t r = r0; r < r1; r += TR) { \
-                int nr = r1 - r < TR ? (int)(r1 - r) : TR; \
-                for (int64_t t = tb; t < te; t += TT) { \
-                    int nt = te - t < TT ? (int)(te - t) : TT; \
-                    if (nr == TR && nt == TT) TILE(a, r, t, TR, TT); \
-                    else if (nr == TR) for (int j = 0; j < nt; j++) TILE(a, r, t + j, TR, 1); \
-                    else for (int i = 0; i < nr; i++) { \
-                        if (nt == TT) TILE(a, r + i, t, 1, TT); \
-                        else for (int j = 0; j < nt; j++) TILE(a, r + i, t + j, 1, 1); \
-                    } \
-                } \
+            for (int64_t r = r0; r < r0 + a->rs; r++) { \
+                int64_t t = tb; \
+                for (; t + TT <= te; t += TT) TILE(a, r, t, TR, TT); \
+                for (; t < te; t++) TILE(a, r, t, TR, 1); \
+            } \
+            for (int64_t r = r0 + TR * a->rs; r < r1; r++) { \
+                int64_t t = tb; \
+                for (; t + TT <= te; t += TT) TILE(a, r, t, 1, TT); \
+                for (; t < te; t++) TILE(a, r, t, 1, 1); \
             } \
         } \
     }
@@ -751,7 +755,7 @@ DEFINE_GEMM(gemm_q6_K, tile_q6_K)
 
 void strata_gemm_rows(int type, int64_t n, const void *w, int64_t r0, int64_t r1,
                       const void *x, int64_t n_tok, float *y, int64_t ldy) {
-    gemm_args a = {n, w, row_bytes(type, n), x, row_bytes(strata_traits(type)->vec_dot_type, n), y, ldy};
+    gemm_args a = {n, w, row_bytes(type, n), x, row_bytes(strata_traits(type)->vec_dot_type, n), y, ldy, 1};
     switch (type) {
     case STRATA_TYPE_F32: gemm_f32(&a, r0, r1, n_tok); break;
     case STRATA_TYPE_F16: gemm_f16(&a, r0, r1, n_tok); break;
@@ -825,6 +829,8 @@ static strata_status check_matmul(int type, const void *w, long long n_rows, lon
     return STRATA_OK;
 }
 
+#define MATMUL_CHUNKS_PER_THREAD 8
+
 strata_status strata_matmul(int type, const void *w, long long n_rows, long long n_cols,
                             const float *x, long long n_tok, float *y, int n_threads) {
     strata_status st = check_matmul(type, w, n_rows, n_cols, x, n_tok, y);
@@ -839,11 +845,13 @@ strata_status strata_matmul(int type, const void *w, long long n_rows, long long
         // x once, shared by every row; the loop's closing barrier publishes it
         #pragma omp for schedule(static)
         for (long long t = 0; t < n_tok; t++) strata_quantize_row_any(xt, x + t * n_cols, xq + t * xb, n_cols);
-        // contiguous row ranges in multiples of 16, so each thread streams its own part of w
-        int64_t nth = omp_get_num_threads(), ith = omp_get_thread_num();
-        int64_t per = ((n_rows + nth - 1) / nth + 15) / 16 * 16;
-        int64_t r0 = ith * per < n_rows ? ith * per : n_rows, r1 = r0 + per < n_rows ? r0 + per : n_rows;
-        if (r0 < r1) strata_gemm_rows(type, n_cols, w, r0, r1, xq, n_tok, y, n_rows);
+        // Chunks of rows handed out as threads free up: on a busy machine a thread that loses its core for a
+        // while no longer holds up the call by its whole share.
+        int64_t chunk = (n_rows / ((int64_t)omp_get_num_threads() * MATMUL_CHUNKS_PER_THREAD) + 15) / 16 * 16;
+        if (chunk < 16) chunk = 16;
+        #pragma omp for schedule(dynamic, 1)
+        for (long long r0 = 0; r0 < n_rows; r0 += chunk)
+            strata_gemm_rows(type, n_cols, w, r0, r0 + chunk < n_rows ? r0 + chunk : n_rows, xq, n_tok, y, n_rows);
     }
     free(xq);
     return STRATA_OK;

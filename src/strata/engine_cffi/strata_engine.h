@@ -108,6 +108,8 @@ strata_status strata_keep(strata_context *ctx, int n);
 /* Raise the abort flag (any thread). The call in flight, or the next call, stops at its next check and returns
  * STRATA_ABORTED, which lowers the flag. */
 void strata_abort(strata_context *ctx);
+/* Lower the abort flag, e.g. one raised after the call it meant to stop had already returned. */
+void strata_clear_abort(strata_context *ctx);
 
 /* Append tokens[0..n_tokens) after the n_past positions, in chunks of n_batch.
  * embd_rows (n_embd_rows, n_embd) replace the token embeddings at the call's indices embd_index[0..n_embd_rows)

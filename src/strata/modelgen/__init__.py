@@ -11,6 +11,7 @@ _EXPORTS = {
     "unpermute_llama_qk": "strata.modelgen.writer",
     "HParams": "strata.modelgen.hparams",
     "hparams_for": "strata.modelgen.hparams",
+    "write_random_mmproj": "strata.modelgen.mmproj",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -14,9 +14,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab", choices=VOCABS, default="bytes")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", required=True, metavar="FILE.gguf", help="output file (overwritten)")
+    parser.add_argument("--mmproj", action="store_true",
+                        help="write an image encoder (mmproj) for --text-model instead of a text model")
+    parser.add_argument("--text-model", metavar="T.gguf", help="with --mmproj: the text model whose width it feeds")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.mmproj:
+        return _run_mmproj(args)
     import time
 
     from strata.modelgen.hparams import hparams_for
@@ -31,5 +36,24 @@ def run(args: argparse.Namespace) -> int:
     n_params = parameter_count(tensor_specs(args.arch, hp, get_vocab(args.vocab).n_vocab, args.dtype))
     print(f"wrote {path}: {args.arch} {args.size} {args.dtype}, vocab {args.vocab}, seed {args.seed}")
     print(f"  {n_params / 1e6:.1f} M parameters, {path.stat().st_size / 2**20:.1f} MiB on disk, {seconds:.1f} s")
+    print(f"  {hp}")
+    return 0
+
+
+MMPROJ_SIZES = ("tiny", "small")
+MMPROJ_DTYPES = ("f16", "f32")
+
+
+def _run_mmproj(args: argparse.Namespace) -> int:
+    from strata.modelgen.mmproj import text_model_width, write_random_mmproj
+
+    if not args.text_model:
+        raise SystemExit("make-model: --mmproj needs --text-model T.gguf (the projection matches its width)")
+    if args.size not in MMPROJ_SIZES or args.dtype not in MMPROJ_DTYPES:
+        raise SystemExit(f"make-model: --mmproj takes --size {'|'.join(MMPROJ_SIZES)} "
+                         f"and --dtype {'|'.join(MMPROJ_DTYPES)}")
+    hp = write_random_mmproj(args.out, text_model_width(args.text_model), size=args.size, seed=args.seed,
+                             dtype=args.dtype)
+    print(f"wrote {args.out}: mmproj {args.size} {args.dtype}, seed {args.seed}, for {args.text_model}")
     print(f"  {hp}")
     return 0

@@ -129,7 +129,8 @@ def _add_metadata(writer: gguf.GGUFWriter, hp: VisionHParams, size_name: str) ->
     writer.add_vision_use_gelu(True)
 
 
-def _random_tensors(hp: VisionHParams, rng: np.random.Generator, wtype: type, input_norm: bool) -> dict[str, np.ndarray]:
+def _random_tensors(hp: VisionHParams, rng: np.random.Generator, wtype: type,
+                    input_norm: bool) -> dict[str, np.ndarray]:
     def normal(shape: tuple[int, ...], std: float, dtype: type = np.float32) -> np.ndarray:
         return (rng.standard_normal(shape) * std).astype(dtype)
 

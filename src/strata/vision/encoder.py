@@ -1,14 +1,17 @@
 """The image encoder's forward pass: ViT, 2x2 patch merge, MLP projector.
 
 Every weight product runs on the engine's C kernels (`strata_matmul`), reading the matrices in place in the
-mapped mmproj file. LayerNorm, GELU and the attention's softmax products are numpy; numpy's BLAS is held to the
-encoder's thread count with threadpoolctl for the duration of each encode.
+mapped mmproj file. LayerNorm, GELU and attention are numpy; attention is split into tiles that run on the
+encoder's own threads, with numpy's BLAS held to one thread (threadpoolctl) so the two do not multiply.
+A cancellation check runs before each layer, each slice of a weight product and each attention tile.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
+from concurrent.futures import Executor, ThreadPoolExecutor
 
+import gguf
 import numpy as np
 from threadpoolctl import ThreadpoolController
 
@@ -16,6 +19,13 @@ from strata.engine_cffi._engine import ffi, lib
 from strata.vision.mmproj import Block, Linear, Mmproj, MmprojError, Norm
 
 _BLAS = ThreadpoolController()
+# Rows of one slice of a weight product: the cancellation check runs between slices, so a CANCEL stops an encode
+# within one slice (tens of milliseconds), not only at the next layer boundary.
+SLICE_ROWS = 512
+
+
+def _never() -> bool:
+    return False
 
 
 class EncodeCancelled(Exception):
@@ -27,7 +37,7 @@ class Encoder:
 
     Args:
         mmproj: the loaded file; it must stay open as long as the encoder is used.
-        threads: threads for the C kernels and numpy's BLAS.
+        threads: threads for the C kernels' products and for the attention tiles.
 
     Raises:
         MmprojError: a weight type the C kernels do not read.
@@ -39,30 +49,29 @@ class Encoder:
         self.mmproj = mmproj
         self.hp = mmproj.hparams
         self.threads = threads
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="attention")
         for linear in _linears(mmproj):
             if not lib.strata_type_supported(linear.weight.type):
-                raise MmprojError(f"'{mmproj.path}': weight type {linear.weight.type} is not supported")
+                name = gguf.GGMLQuantizationType(linear.weight.type).name
+                raise MmprojError(f"'{mmproj.path}': weight type {name} is not supported by the kernels")
 
     @property
     def n_embd(self) -> int:
         """The width of the embeddings this encoder produces (the text model's width)."""
         return self.hp.n_proj
 
-    def encode(self, pixels: np.ndarray, cancelled: Callable[[], bool] = lambda: False) -> np.ndarray:
+    def encode(self, pixels: np.ndarray, cancelled: Callable[[], bool] = _never) -> np.ndarray:
         """Embeddings (n_tokens, n_embd) of normalised pixels (3, H, W), rows in row-major merged-grid order.
 
         H and W must be multiples of patch_size * merge.
 
         Raises:
-            EncodeCancelled: `cancelled()` returned true at a layer boundary.
+            EncodeCancelled: `cancelled()` returned true. It is called from this thread and the attention
+                threads before each layer, each slice of a weight product and each attention tile.
         """
-        with _BLAS.limit(limits=self.threads, user_api="blas"):
-            features = self.vit(pixels, cancelled)
-            if cancelled():
-                raise EncodeCancelled
-            return self.project(features)
+        return self.project(self.vit(pixels, cancelled), cancelled)
 
-    def vit(self, pixels: np.ndarray, cancelled: Callable[[], bool] = lambda: False) -> np.ndarray:
+    def vit(self, pixels: np.ndarray, cancelled: Callable[[], bool] = _never) -> np.ndarray:
         """The ViT's output after its post-layernorm: float32 (gy, gx, n_embd) over the patch grid."""
         hp = self.hp
         _, height, width = pixels.shape
@@ -71,52 +80,52 @@ class Encoder:
             raise ValueError(f"picture {width}x{height} is not a multiple of {unit} pixels per side")
         gy, gx = height // hp.patch_size, width // hp.patch_size
         # patch embedding (a convolution with stride = kernel, as a product) plus positions resized to the grid
-        x = self._linear(patchify(pixels, hp.patch_size), self.mmproj.patch)
+        x = self._linear(patchify(pixels, hp.patch_size), self.mmproj.patch, cancelled)
         x += position_embeddings(self.mmproj.pos, hp.pos_side, gy, gx)
-        for block in self.mmproj.blocks:
-            if cancelled():
-                raise EncodeCancelled
-            x = self._block(x, block)
+        with _BLAS.limit(limits=1, user_api="blas"):
+            for block in self.mmproj.blocks:
+                if cancelled():
+                    raise EncodeCancelled
+                x = self._block(x, block, cancelled)
         return layer_norm(x, self.mmproj.post_ln, hp.eps).reshape(gy, gx, hp.n_embd)
 
-    def project(self, features: np.ndarray) -> np.ndarray:
+    def project(self, features: np.ndarray, cancelled: Callable[[], bool] = _never) -> np.ndarray:
         """Merge each 2x2 patch square and project: (gy, gx, n_embd) -> (gy/2 * gx/2, n_proj)."""
         x = pixel_unshuffle(features, self.hp.merge)
         if self.mmproj.input_norm is not None:
             x = layer_norm(x, self.mmproj.input_norm, self.hp.eps)
-        x = gelu(self._linear(x, self.mmproj.mm_up))
-        return self._linear(x, self.mmproj.mm_down)
+        x = gelu(self._linear(x, self.mmproj.mm_up, cancelled))
+        return self._linear(x, self.mmproj.mm_down, cancelled)
 
-    def _block(self, x: np.ndarray, block: Block) -> np.ndarray:
+    def _block(self, x: np.ndarray, block: Block, cancelled: Callable[[], bool]) -> np.ndarray:
         eps = self.hp.eps
         # attention branch: x += o(attention(q, k, v of ln1(x)))
         h = layer_norm(x, block.ln1, eps)
-        q, k, v = (self._linear(h, lin) for lin in (block.q, block.k, block.v))
-        x += self._linear(attention(q, k, v, self.hp.n_head), block.o)
+        q, k, v = (self._linear(h, lin, cancelled) for lin in (block.q, block.k, block.v))
+        x += self._linear(attention(q, k, v, self.hp.n_head, self._pool, cancelled), block.o, cancelled)
         # MLP branch: x += down(gelu(up(ln2(x))))
         h = layer_norm(x, block.ln2, eps)
-        x += self._linear(gelu(self._linear(h, block.up)), block.down)
+        x += self._linear(gelu(self._linear(h, block.up, cancelled)), block.down, cancelled)
         return x
 
-    def _linear(self, x: np.ndarray, linear: Linear) -> np.ndarray:
-        """x (n, n_in) @ W^T + b on the C kernels."""
+    def _linear(self, x: np.ndarray, linear: Linear, cancelled: Callable[[], bool]) -> np.ndarray:
+        """x (n, n_in) @ W^T + b on the C kernels, SLICE_ROWS rows of x at a time."""
         w = linear.weight
         x = np.ascontiguousarray(x, dtype=np.float32)
         if x.shape[1] != w.n_cols:
             raise ValueError(f"input width {x.shape[1]} for a weight of {w.n_cols} columns")
         y = np.empty((x.shape[0], w.n_rows), dtype=np.float32)
-        status = lib.strata_matmul(
-            w.type,
-            ffi.cast("const void *", w.data.ctypes.data),
-            w.n_rows,
-            w.n_cols,
-            ffi.cast("const float *", x.ctypes.data),
-            x.shape[0],
-            ffi.cast("float *", y.ctypes.data),
-            self.threads,
-        )
-        if status != lib.STRATA_OK:
-            raise RuntimeError(f"strata_matmul: {ffi.string(lib.strata_status_string(status)).decode()}")
+        weight = ffi.cast("const void *", w.data.ctypes.data)
+        for r in range(0, x.shape[0], SLICE_ROWS):
+            if cancelled():
+                raise EncodeCancelled
+            rows = min(SLICE_ROWS, x.shape[0] - r)
+            status = lib.strata_matmul(
+                w.type, weight, w.n_rows, w.n_cols, ffi.cast("const float *", x[r:].ctypes.data), rows,
+                ffi.cast("float *", y[r:].ctypes.data), self.threads,
+            )
+            if status != lib.STRATA_OK:
+                raise RuntimeError(f"strata_matmul: {ffi.string(lib.strata_status_string(status)).decode()}")
         y += linear.bias
         return y
 
@@ -150,7 +159,7 @@ def bicubic_weights(n_in: int, n_out: int) -> np.ndarray:
         base = int(np.floor(src))
         t = src - base
         # distances of the four taps base-1 .. base+2 from src
-        for tap, d in zip(range(base - 1, base + 3), (1 + t, t, 1 - t, 2 - t)):
+        for tap, d in zip(range(base - 1, base + 3), (1 + t, t, 1 - t, 2 - t), strict=True):
             if d <= 1:
                 w = ((a + 2) * d - (a + 3)) * d * d + 1
             else:
@@ -164,8 +173,9 @@ def position_embeddings(pos: np.ndarray, side: int, gy: int, gx: int) -> np.ndar
     n_embd = pos.shape[1]
     if (gy, gx) == (side, side):
         return pos
-    grid = pos.reshape(side, side, n_embd).astype(np.float64)
-    resized = np.einsum("ys,xt,stc->yxc", bicubic_weights(side, gy), bicubic_weights(side, gx), grid)
+    grid = pos.reshape(side, side * n_embd).astype(np.float64)
+    rows = (bicubic_weights(side, gy) @ grid).reshape(gy, side, n_embd)  # resized along y
+    resized = bicubic_weights(side, gx) @ rows  # then along x: (gy, gx, n_embd)
     return resized.reshape(gy * gx, n_embd).astype(np.float32)
 
 
@@ -181,28 +191,39 @@ def gelu(x: np.ndarray) -> np.ndarray:
     return 0.5 * x * (1.0 + np.tanh(np.float32(np.sqrt(2.0 / np.pi)) * (x + np.float32(0.044715) * x * x * x)))
 
 
-def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_head: int, block: int = 256) -> np.ndarray:
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_head: int, pool: Executor,
+              cancelled: Callable[[], bool] = _never, block: int = 256) -> np.ndarray:
     """Bidirectional multi-head attention: (n, n_embd) each -> (n, n_embd).
 
-    One head and `block` query rows at a time: the (block, n) score tile stays in cache through the softmax's
-    passes, and memory stays bounded for any picture size.
+    Work is split into tiles of one head and `block` query rows, run on `pool`: a (block, n) score tile stays in
+    cache through the softmax's passes, memory stays bounded for any picture size, and the tiles spread over the
+    encoder's threads (numpy releases the GIL in them). Once `cancelled()` is true the remaining tiles are skipped.
+
+    Raises:
+        EncodeCancelled: `cancelled()` returned true.
     """
     n, n_embd = q.shape
     head_dim = n_embd // n_head
-    q = q * np.float32(head_dim**-0.5)
-    out = np.empty_like(q)
-    for h in range(n_head):
-        cols = slice(h * head_dim, (h + 1) * head_dim)
-        qh = np.ascontiguousarray(q[:, cols])
-        kt = np.ascontiguousarray(k[:, cols].T)  # (head_dim, n)
-        vh = np.ascontiguousarray(v[:, cols])
-        for r in range(0, n, block):
-            scores = qh[r : r + block] @ kt  # (block, n)
-            scores -= scores.max(axis=1, keepdims=True)
-            np.exp(scores, out=scores)
-            # normalise after the product: fewer divisions than dividing the scores
-            out[r : r + block, cols] = (scores @ vh) / scores.sum(axis=1, keepdims=True)
-    return out
+    qh = np.ascontiguousarray((q * np.float32(head_dim**-0.5)).reshape(n, n_head, head_dim).transpose(1, 0, 2))
+    kt = np.ascontiguousarray(k.reshape(n, n_head, head_dim).transpose(1, 2, 0))  # (n_head, head_dim, n)
+    vh = np.ascontiguousarray(v.reshape(n, n_head, head_dim).transpose(1, 0, 2))  # (n_head, n, head_dim)
+    out = np.empty((n, n_head, head_dim), dtype=np.float32)
+
+    def tile(h: int, r: int) -> bool:
+        if cancelled():
+            return False
+        scores = qh[h, r : r + block] @ kt[h]  # (block, n)
+        scores -= scores.max(axis=1, keepdims=True)
+        np.exp(scores, out=scores)
+        # normalise after the product: fewer divisions than dividing the scores
+        out[r : r + block, h] = (scores @ vh[h]) / scores.sum(axis=1, keepdims=True)
+        return True
+
+    futures = [pool.submit(tile, h, r) for h in range(n_head) for r in range(0, n, block)]
+    # Invariant: every tile has returned before this function does, cancelled or not (a list, not a generator).
+    if not all([future.result() for future in futures]):
+        raise EncodeCancelled
+    return out.reshape(n, n_embd)
 
 
 def pixel_unshuffle(features: np.ndarray, merge: int) -> np.ndarray:

@@ -183,7 +183,9 @@ class _Tensors:
         if tensor is None:
             raise MmprojError(f"tensor {name} is missing")
         numpy_shape = tuple(int(d) for d in reversed(tensor.shape))
-        if len(numpy_shape) != len(shape) or any(want is not None and got != want for got, want in zip(numpy_shape, shape)):
+        if len(numpy_shape) != len(shape) or any(
+            want is not None and got != want for got, want in zip(numpy_shape, shape, strict=True)
+        ):
             raise MmprojError(f"tensor {name} has shape {numpy_shape}, expected {shape}")
         return tensor
 

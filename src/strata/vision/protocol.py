@@ -21,7 +21,6 @@ import json
 import math
 import re
 import struct
-from typing import Union
 
 import numpy as np
 
@@ -75,7 +74,7 @@ class EncodeBytes:
 
 @dataclasses.dataclass(frozen=True)
 class Cancel:
-    """``CANCEL <id>``: drop the job if queued, stop it at its next layer boundary if running."""
+    """``CANCEL <id>``: drop the job if queued; if running, stop it at its next check (within one layer)."""
 
     job_id: str
 
@@ -85,7 +84,7 @@ class Quit:
     """``QUIT``: answer the jobs already received, then exit."""
 
 
-Request = Union[EncodePath, EncodeBytes, Cancel, Quit]
+Request = EncodePath | EncodeBytes | Cancel | Quit
 
 
 # --- encoder to client
@@ -154,7 +153,7 @@ class Failed:
         return f"{self.kind}: {self.detail}"
 
 
-Reply = Union[Ready, Encoded, Result, Cancelled, Failed]
+Reply = Ready | Encoded | Result | Cancelled | Failed
 
 
 # --- words
