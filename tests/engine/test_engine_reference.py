@@ -3,7 +3,8 @@
 Relative error per position: max|engine - reference| / max|reference| over the vocabulary. The reference runs on
 the weights dequantised by the `gguf` package, so for F32/F16/BF16 the only difference is arithmetic order (the
 engine keeps activations in f32); for Q8_0/Q4_0/Q4_K the engine also quantises each activation row (to Q8_0 or
-Q8_K) before a product, as llama.cpp does, which costs about 1-3% in these logits.
+Q8_K) before a product, as llama.cpp does, which costs about 1-3% in these logits. The engine uses an f32 KV cache
+here; test_engine_api bounds the f16 and int8 caches against it.
 
 MoE routing: a token whose k-th and (k+1)-th router probabilities nearly tie may pick another expert in the engine
 than in the reference, and from there on (attention spreads it) the two differ by more than the tolerance for
@@ -25,7 +26,7 @@ from hf_reference import load_hf_model, reference_logits
 
 N_PROMPT, N_BATCH, N_DECODE = 40, 16, 4  # three prompt chunks, then decode steps
 
-TOLERANCE = {"f32": 1e-4, "f16": 1e-4, "bf16": 1e-4, "q8_0": 3e-2, "q4_0": 4e-2, "q4_k": 5e-2}
+TOLERANCE = {"f32": 1e-4, "f16": 1e-4, "bf16": 1e-4, "q8_0": 3e-2, "q4_0": 3e-2, "q4_k": 4e-2}
 # A routing margin below this can flip in the engine: about 10x its error in router probabilities.
 NEAR_TIE = {"f32": 1e-5, "f16": 1e-5, "bf16": 1e-5, "q8_0": 2e-2, "q4_0": 2e-2, "q4_k": 2e-2}
 

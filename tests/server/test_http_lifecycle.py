@@ -50,12 +50,23 @@ async def raw_request(url: str, payload: dict[str, Any], *, hang_up_after: float
     async with stream:
         await stream.send_all(head + data)
         with trio.move_on_after(hang_up_after):
-            while hang_up_at_bytes is None or len(received) < hang_up_at_bytes:
+            while (hang_up_at_bytes is None or len(received) < hang_up_at_bytes) and not _complete(received):
                 chunk = await stream.receive_some()
                 if not chunk:
                     break
                 received += chunk
     return received
+
+
+def _complete(response: bytes) -> bool:
+    """Whether `response` holds a whole HTTP/1.1 response (sized by content-length, or chunked)."""
+    head, found, rest = response.partition(b"\r\n\r\n")
+    if not found:
+        return False
+    for line in head.lower().split(b"\r\n"):
+        if line.startswith(b"content-length:"):
+            return len(rest) >= int(line.split(b":")[1])
+    return rest.endswith(b"0\r\n\r\n")
 
 
 def prompt_seen(engine: ScriptedEngine, tokenizer: Any, text: str) -> bool:

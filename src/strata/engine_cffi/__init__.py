@@ -75,12 +75,13 @@ class _TensorTable:
                 info.ne[d] = int(tensor.shape[d]) if d < len(tensor.shape) else 1
             info.data, info.n_bytes = data, tensor.data.nbytes
 
-    def shape_of(self, reader: GGUFReader, name: str) -> list[int]:
-        """Shape of the tensor `name` or `name`.weight (llama.cpp's converters add the suffix)."""
-        for tensor in reader.tensors:
-            if tensor.name in (name, f"{name}.weight"):
-                return [int(n) for n in tensor.shape]
-        raise EngineError(f"missing tensor {name}")
+
+def _tensor_shape(reader: GGUFReader, name: str) -> list[int]:
+    """Shape (GGML order) of the tensor `name` or `name`.weight (llama.cpp's converters add the suffix)."""
+    for tensor in reader.tensors:
+        if tensor.name in (name, f"{name}.weight"):
+            return [int(n) for n in tensor.shape]
+    raise EngineError(f"missing tensor {name}")
 
 
 def _model_params(reader: GGUFReader, table: _TensorTable, keep: list[Any]) -> Any:
@@ -96,7 +97,7 @@ def _model_params(reader: GGUFReader, table: _TensorTable, keep: list[Any]) -> A
     keep.append(arch_c)
     p = ffi.new("strata_model_params *")
     p.arch = arch_c
-    embd_shape = table.shape_of(reader, "token_embd")
+    embd_shape = _tensor_shape(reader, "token_embd")
     if len(embd_shape) != 2:
         raise EngineError(f"token_embd has shape {embd_shape}, expected [n_embd, n_vocab]")
     p.n_vocab = embd_shape[1]
@@ -109,6 +110,7 @@ def _model_params(reader: GGUFReader, table: _TensorTable, keep: list[Any]) -> A
 
 
 def _set_hparams(p: Any, key: Any) -> None:
+    """Fill the hyper-parameters of `p`; key(name, default) reads `{arch}.name`."""
     p.n_ctx_train, p.n_embd, p.n_layer = key("context_length"), key("embedding_length"), key("block_count")
     p.n_head, p.n_head_kv = key("attention.head_count"), key("attention.head_count_kv", key("attention.head_count"))
     p.head_dim = key("attention.key_length", (p.n_embd // p.n_head) if p.n_head else 0)

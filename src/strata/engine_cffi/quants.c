@@ -371,6 +371,9 @@ static float dot_row(int type, const void *w, const void *x, int64_t n) {
 
 #define TR 4
 #define TT 4
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define VNNI512 1  // 512-bit integer products: two Q8_0 blocks, or 64 K-quant values, per instruction
+#endif
 #define TOKEN_BLOCK 64  // tokens whose activations stay in cache while every row tile passes over them
 
 #define INLINE static inline __attribute__((always_inline))
@@ -511,6 +514,55 @@ INLINE void tile_float(int type, const gemm_args *a, int64_t r, int64_t t, int N
 #define Q8_OFFSET 0
 #endif
 
+#if defined(VNNI512)
+INLINE void store_tile512(const gemm_args *a, int64_t r, int64_t t, int NR, int NT, __m512 acc[TR][TT]) {
+    UNROLL for (int i = 0; i < NR; i++)
+        UNROLL for (int j = 0; j < NT; j++)
+            a->y[(t + j) * a->ldy + TILE_ROW(a, r, i)] = _mm512_reduce_add_ps(acc[i][j]);
+}
+
+// Scales a and b, 8 lanes each.
+static inline __m512 f16_pair512(const uint16_t *a, const uint16_t *b) {
+    return _mm512_cvtph_ps(_mm256_set_m128i(_mm_set1_epi16((short)*b), _mm_set1_epi16((short)*a)));
+}
+
+static inline __m512i load_2x256(const void *lo, const void *hi) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(lo)), _mm256_loadu_si256(hi), 1);
+}
+
+// Two blocks A, B per 512-bit register: lanes 0-7 sum A's products, lanes 8-15 B's.
+INLINE void tile_q8_0(const gemm_args *a, int64_t r, int64_t t, int NR, int NT) {
+    static const uint16_t zero_scale = 0;
+    const block_q8_0 *w[TR], *x[TT];
+    __m512 acc[TR][TT];
+    const __m512i bias = _mm512_set1_epi8((char)0x80);
+    UNROLL for (int i = 0; i < NR; i++) w[i] = W_ROW(a, TILE_ROW(a, r, i));
+    UNROLL for (int j = 0; j < NT; j++) x[j] = X_ROW(a, t + j);
+    UNROLL for (int i = 0; i < NR; i++)
+        UNROLL for (int j = 0; j < NT; j++) acc[i][j] = _mm512_setzero_ps();
+    int64_t nb = a->n / QK;
+    for (int64_t b = 0; b < nb; b += 2) {
+        int64_t b1 = b + 1 < nb ? b + 1 : b;  // an odd last block pairs with itself, the twin's scale zeroed
+        __m512i xq[TT], seed[TT];
+        __m512 dx[TT];
+        UNROLL for (int j = 0; j < NT; j++) {
+            xq[j] = load_2x256(x[j][b].qs, x[j][b1].qs);
+            __m512i zero = _mm512_setzero_si512();
+            seed[j] = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, bias, xq[j]));
+            dx[j] = f16_pair512(&x[j][b].d, b1 > b ? &x[j][b1].d : &zero_scale);
+        }
+        UNROLL for (int i = 0; i < NR; i++) {
+            __m512i wu = _mm512_xor_si512(load_2x256(w[i][b].qs, w[i][b1].qs), bias);
+            __m512 dw = f16_pair512(&w[i][b].d, &w[i][b1].d);
+            UNROLL for (int j = 0; j < NT; j++) {
+                __m512i s = _mm512_dpbusd_epi32(seed[j], wu, xq[j]);
+                acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, dx[j]), acc[i][j]);
+            }
+        }
+    }
+    store_tile512(a, r, t, NR, NT, acc);
+}
+#else
 INLINE void tile_q8_0(const gemm_args *a, int64_t r, int64_t t, int NR, int NT) {
     const block_q8_0 *w[TR], *x[TT];
     __m256 acc[TR][TT];
@@ -540,16 +592,75 @@ INLINE void tile_q8_0(const gemm_args *a, int64_t r, int64_t t, int NR, int NT) 
     }
     store_tile(a, r, t, NR, NT, acc);
 }
+#endif
 
+// Q4_0 x Q8_0. The nibbles are the unsigned operand; their offset of 8 becomes -8 * sum(x), which seeds each
+// token's integer accumulator.
+#if defined(VNNI512)
+// Scales a, b, c, d, 4 lanes each.
+static inline __m512 f16_quad(const uint16_t *a, const uint16_t *b, const uint16_t *c, const uint16_t *d) {
+    __m128 f = _mm_cvtph_ps(_mm_setr_epi16((short)*a, (short)*b, (short)*c, (short)*d, 0, 0, 0, 0));
+    return _mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
+                                 _mm512_castps128_ps512(f));
+}
+
+// 16 bytes from each of p[0..3], in that order.
+static inline __m512i load_4x128(const void *p0, const void *p1, const void *p2, const void *p3) {
+    __m512i v = _mm512_castsi128_si512(_mm_loadu_si128(p0));
+    v = _mm512_inserti32x4(v, _mm_loadu_si128(p1), 1);
+    v = _mm512_inserti32x4(v, _mm_loadu_si128(p2), 2);
+    return _mm512_inserti32x4(v, _mm_loadu_si128(p3), 3);
+}
+
+// Four blocks at a time: one register holds the low nibbles (elements 0-15) of the four, in 128-bit lanes,
+// another the high ones, and the activations are loaded in the same order; lane l sums block b + l.
+INLINE void tile_q4_0(const gemm_args *a, int64_t r, int64_t t, int NR, int NT) {
+    static const uint16_t zero_scale = 0;
+    const block_q4_0 *w[TR];
+    const block_q8_0 *x[TT];
+    __m512 acc[TR][TT];
+    const __m512i low4 = _mm512_set1_epi8(0xf), eight = _mm512_set1_epi8(8);
+    UNROLL for (int i = 0; i < NR; i++) w[i] = W_ROW(a, TILE_ROW(a, r, i));
+    UNROLL for (int j = 0; j < NT; j++) x[j] = X_ROW(a, t + j);
+    UNROLL for (int i = 0; i < NR; i++)
+        UNROLL for (int j = 0; j < NT; j++) acc[i][j] = _mm512_setzero_ps();
+    int64_t nb = a->n / QK;
+    for (int64_t b = 0; b < nb; b += 4) {
+        int64_t bk[4];  // past the last block, repeat it with its activation scale zeroed
+        for (int k = 0; k < 4; k++) bk[k] = b + k < nb ? b + k : nb - 1;
+        __m512i xlo[TT], xhi[TT], seed[TT];
+        __m512 dx[TT];
+        UNROLL for (int j = 0; j < NT; j++) {
+            const block_q8_0 *X0 = &x[j][bk[0]], *X1 = &x[j][bk[1]], *X2 = &x[j][bk[2]], *X3 = &x[j][bk[3]];
+            xlo[j] = load_4x128(X0->qs, X1->qs, X2->qs, X3->qs);
+            xhi[j] = load_4x128(X0->qs + 16, X1->qs + 16, X2->qs + 16, X3->qs + 16);
+            __m512i zero = _mm512_setzero_si512();
+            __m512i sum8 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, eight, xlo[j]), eight, xhi[j]);
+            seed[j] = _mm512_sub_epi32(zero, sum8);
+            dx[j] = f16_quad(&X0->d, b + 1 < nb ? &X1->d : &zero_scale, b + 2 < nb ? &X2->d : &zero_scale,
+                             b + 3 < nb ? &X3->d : &zero_scale);
+        }
+        UNROLL for (int i = 0; i < NR; i++) {
+            const block_q4_0 *W0 = &w[i][bk[0]], *W1 = &w[i][bk[1]], *W2 = &w[i][bk[2]], *W3 = &w[i][bk[3]];
+            __m512i raw = load_4x128(W0->qs, W1->qs, W2->qs, W3->qs);
+            __m512i lo = _mm512_and_si512(raw, low4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+            __m512 dw = f16_quad(&W0->d, &W1->d, &W2->d, &W3->d);
+            UNROLL for (int j = 0; j < NT; j++) {
+                __m512i s = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(seed[j], lo, xlo[j]), hi, xhi[j]);
+                acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, dx[j]), acc[i][j]);
+            }
+        }
+    }
+    store_tile512(a, r, t, NR, NT, acc);
+}
+#else
 // Scales a and b, 4 lanes each.
 static inline __m256 f16_pair(const uint16_t *a, const uint16_t *b) {
     return _mm256_cvtph_ps(_mm_unpacklo_epi64(_mm_set1_epi16((short)*a), _mm_set1_epi16((short)*b)));
 }
 
-// Q4_0 x Q8_0, two blocks A, B at a time: one register holds the low nibbles of A and B (elements 0-15 of
-// each), another the high ones, and the activations are loaded in the same order; the 32-bit lanes 0-3 then
-// sum A's products and lanes 4-7 B's. The nibbles are the unsigned operand; their offset of 8 becomes
-// -8 * sum(x), which seeds each token's integer accumulator.
+// Two blocks A, B at a time: one register holds the low nibbles of A and B (elements 0-15 of each), another
+// the high ones, and the activations are loaded in the same order; 32-bit lanes 0-3 sum A's products, 4-7 B's.
 INLINE void tile_q4_0(const gemm_args *a, int64_t r, int64_t t, int NR, int NT) {
     static const uint16_t zero_scale = 0;
     const block_q4_0 *w[TR];
@@ -586,6 +697,7 @@ INLINE void tile_q4_0(const gemm_args *a, int64_t r, int64_t t, int NR, int NT) 
     }
     store_tile(a, r, t, NR, NT, acc);
 }
+#endif
 
 // The shuffle pattern that copies 16-bit element e of each 128-bit lane to all of that lane.
 static inline __m128i pick16(int e) {
@@ -605,6 +717,48 @@ static inline void q4k_scale_min_vec(const uint8_t s[12], __m256i *sc16, __m256i
 }
 
 // Q4_K x Q8_K: sum_s sc_s * (q . x)_s scaled by d, minus sum_s m_s * bsum_s scaled by dmin.
+#if defined(VNNI512)
+// 512-bit: a 32-byte chunk of qs unpacks to sub-block 2c (low nibbles) then 2c + 1 (high), the order of x.
+INLINE void tile_q4_K(const gemm_args *a, int64_t r, int64_t t, int NR, int NT) {
+    const block_q4_K *w[TR];
+    const block_q8_K *x[TT];
+    __m512 acc[TR][TT];
+    const __m512i low4 = _mm512_set1_epi8(0xf);
+    UNROLL for (int i = 0; i < NR; i++) w[i] = W_ROW(a, TILE_ROW(a, r, i));
+    UNROLL for (int j = 0; j < NT; j++) x[j] = X_ROW(a, t + j);
+    UNROLL for (int i = 0; i < NR; i++)
+        UNROLL for (int j = 0; j < NT; j++) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < a->n / QKK; b++) {
+        UNROLL for (int i = 0; i < NR; i++) {
+            const block_q4_K *B = &w[i][b];
+            __m256i sc16, m16;
+            q4k_scale_min_vec(B->scales, &sc16, &m16);
+            __m512i isum[TT];
+            UNROLL for (int j = 0; j < NT; j++) isum[j] = _mm512_setzero_si512();
+            UNROLL for (int c = 0; c < 4; c++) {
+                __m256i q = _mm256_loadu_si256((const __m256i *)(B->qs + 32 * c));
+                __m512i q2 = _mm512_and_si512(
+                    _mm512_inserti64x4(_mm512_castsi256_si512(q), _mm256_srli_epi16(q, 4), 1), low4);
+                __m512i pick = _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * c)),
+                                                  _mm256_set1_epi16((short)(2 * c + 1)), 1);
+                __m512i s = _mm512_permutexvar_epi16(pick, _mm512_castsi256_si512(sc16));
+                UNROLL for (int j = 0; j < NT; j++) {
+                    __m512i xv = _mm512_loadu_si512(x[j][b].qs + 64 * c);
+                    isum[j] = _mm512_dpwssd_epi32(isum[j], _mm512_maddubs_epi16(q2, xv), s);
+                }
+            }
+            float d = F16(B->d), dmin = F16(B->dmin);
+            UNROLL for (int j = 0; j < NT; j++) {
+                __m256i bs = _mm256_loadu_si256((const __m256i *)x[j][b].bsums);
+                __m512 mins = _mm512_zextps256_ps512(_mm256_cvtepi32_ps(_mm256_madd_epi16(m16, bs)));
+                acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[j]), _mm512_set1_ps(d * x[j][b].d), acc[i][j]);
+                acc[i][j] = _mm512_fnmadd_ps(mins, _mm512_set1_ps(dmin * x[j][b].d), acc[i][j]);
+            }
+        }
+    }
+    store_tile512(a, r, t, NR, NT, acc);
+}
+#else
 INLINE void tile_q4_K(const gemm_args *a, int64_t r, int64_t t, int NR, int NT) {
     const block_q4_K *w[TR];
     const block_q8_K *x[TT];
@@ -644,6 +798,7 @@ INLINE void tile_q4_K(const gemm_args *a, int64_t r, int64_t t, int NR, int NT) 
     }
     store_tile(a, r, t, NR, NT, acc);
 }
+#endif
 
 // The 32 unsigned 6-bit values of chunk k (0..3) of a Q6_K half: the nibble from ql0 / ql1, 2 bits from qh.
 static inline __m256i q6k_chunk(__m256i ql0, __m256i ql1, __m256i qh, int k) {
@@ -656,6 +811,60 @@ static inline __m256i q6k_chunk(__m256i ql0, __m256i ql1, __m256i qh, int k) {
 }
 
 // Q6_K x Q8_K with q unsigned (0..63): the offset of 32 becomes -32 * sum_g sc_g * bsum_g, the seed.
+#if defined(VNNI512)
+// Indices base + l in the 16-bit elements of 128-bit lane l: a per-lane pick for _mm512_permutexvar_epi16.
+static inline __m512i lane_index(int base) {
+    const long long one = 0x0001000100010001LL;
+    return _mm512_add_epi16(_mm512_set1_epi16((short)base), _mm512_set_epi64(3 * one, 3 * one, 2 * one, 2 * one,
+                                                                             one, one, 0, 0));
+}
+
+// 512-bit: 64 values at a time, chunks 0-1 and 2-3 of a half (the order of x), a group of 16 per 128-bit lane.
+INLINE void tile_q6_K(const gemm_args *a, int64_t r, int64_t t, int NR, int NT) {
+    const block_q6_K *w[TR];
+    const block_q8_K *x[TT];
+    __m512 acc[TR][TT];
+    const __m512i low4 = _mm512_set1_epi8(0xf), bits45 = _mm512_set1_epi8(0x30);
+    UNROLL for (int i = 0; i < NR; i++) w[i] = W_ROW(a, TILE_ROW(a, r, i));
+    UNROLL for (int j = 0; j < NT; j++) x[j] = X_ROW(a, t + j);
+    UNROLL for (int i = 0; i < NR; i++)
+        UNROLL for (int j = 0; j < NT; j++) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < a->n / QKK; b++) {
+        UNROLL for (int i = 0; i < NR; i++) {
+            const block_q6_K *B = &w[i][b];
+            __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)B->scales));
+            __m512i isum[TT];
+            UNROLL for (int j = 0; j < NT; j++) {
+                __m256i bs = _mm256_loadu_si256((const __m256i *)x[j][b].bsums);
+                __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 5);
+                isum[j] = _mm512_zextsi256_si512(_mm256_sub_epi32(_mm256_setzero_si256(), offset));
+            }
+            UNROLL for (int h = 0; h < 2; h++) {
+                __m512i ql = _mm512_loadu_si512(B->ql + 64 * h);  // chunk 0 | chunk 1 low nibbles
+                __m256i qh = _mm256_loadu_si256((const __m256i *)(B->qh + 32 * h));
+                __m512i qh2 = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
+                __m512i q01 = _mm512_or_si512(_mm512_and_si512(ql, low4),
+                                              _mm512_and_si512(_mm512_slli_epi16(qh2, 4), bits45));
+                __m512i q23 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low4),
+                                              _mm512_and_si512(qh2, bits45));
+                // 128-bit lane l of q01 is group 8h + l, of q23 group 8h + 4 + l
+                __m512i s01 = _mm512_permutexvar_epi16(lane_index(8 * h), _mm512_castsi256_si512(sc16));
+                __m512i s23 = _mm512_permutexvar_epi16(lane_index(8 * h + 4), _mm512_castsi256_si512(sc16));
+                UNROLL for (int j = 0; j < NT; j++) {
+                    const int8_t *xs = x[j][b].qs + 128 * h;
+                    __m512i p01 = _mm512_maddubs_epi16(q01, _mm512_loadu_si512(xs));
+                    __m512i p23 = _mm512_maddubs_epi16(q23, _mm512_loadu_si512(xs + 64));
+                    isum[j] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(isum[j], p01, s01), p23, s23);
+                }
+            }
+            float d = F16(B->d);
+            UNROLL for (int j = 0; j < NT; j++)
+                acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[j]), _mm512_set1_ps(d * x[j][b].d), acc[i][j]);
+        }
+    }
+    store_tile512(a, r, t, NR, NT, acc);
+}
+#else
 INLINE void tile_q6_K(const gemm_args *a, int64_t r, int64_t t, int NR, int NT) {
     const block_q6_K *w[TR];
     const block_q8_K *x[TT];
@@ -695,6 +904,7 @@ INLINE void tile_q6_K(const gemm_args *a, int64_t r, int64_t t, int NR, int NT) 
     }
     store_tile(a, r, t, NR, NT, acc);
 }
+#endif
 #endif
 
 // Without a vector path a tile is NR * NT scalar dot products.

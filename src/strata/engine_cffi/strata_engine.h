@@ -52,7 +52,7 @@ const char *strata_last_error(void);
 
 /* One GGUF tensor as the file stores it. */
 typedef struct {
-    const char *name;      /* GGUF tensor name, e.g. "blk.3.attn_q.weight" */
+    const char *name;      /* GGUF tensor name, with or without ".weight": "blk.3.attn_q.weight" */
     int type;              /* GGML type id */
     int n_dims;            /* 1 to 4 */
     long long ne[4];       /* GGML order: ne[0] is the row length; unused dims are 1 */

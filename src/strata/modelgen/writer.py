@@ -1,6 +1,7 @@
-"""`write_random_model`: a GGUF file laid out exactly as llama.cpp's converters write one, with random weights.
+"""GGUF files laid out exactly as llama.cpp's converters write them: `write_random_model` with random weights,
+`write_model` with given ones.
 
-Weights are drawn from `numpy.random.default_rng(seed)` in file order, so a (arch, size, dtype, vocab, seed,
+Random weights are drawn from `numpy.random.default_rng(seed)` in file order, so a (arch, size, dtype, vocab, seed,
 overrides) tuple always gives the same file. Matrices are normal with std 1/sqrt(fan_in), so every projection of a
 unit-RMS activation has unit RMS; norm weights are 1 + N(0, 0.1^2); embeddings are N(0, 1).
 
@@ -17,6 +18,7 @@ import dataclasses
 import importlib.resources
 import math
 import pathlib
+from collections.abc import Callable, Mapping
 
 import numpy as np
 from gguf import (GGML_QUANT_VERSION, MODEL_ARCH, MODEL_ARCH_NAMES, MODEL_TENSOR, TENSOR_NAMES,
@@ -205,7 +207,8 @@ def _add_hparams(writer: GGUFWriter, arch: str, hp: HParams, n_vocab: int) -> No
         writer.add_expert_feed_forward_length(hp.n_ff_exp)
 
 
-def _add_vocab(writer: GGUFWriter, vocab: Vocab) -> None:
+def add_vocab(writer: GGUFWriter, vocab: Vocab) -> None:
+    """The `tokenizer.*` keys of `vocab` and the chat template."""
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("qwen2")
     writer.add_token_list(list(vocab.tokens))
@@ -243,20 +246,66 @@ def write_random_model(path: str | pathlib.Path, arch: str = "qwen3moe", size: s
     Raises:
         ValueError: unknown arch, size, dtype, vocab or hyper-parameter.
     """
-    if arch not in _ARCH:
-        raise ValueError(f"unknown arch {arch!r}: one of {tuple(_ARCH)}")
+    _check_arch(arch)
     hp = hparams_for(arch, size, **overrides)
     voc = get_vocab(vocab)
-    specs = tensor_specs(arch, hp, voc.n_vocab, dtype)
-    path = pathlib.Path(path)
+    rng = np.random.default_rng(seed)
+    return _write(pathlib.Path(path), arch, hp, voc, dtype, f"strata-{arch}-{size}-random",
+                  lambda spec: draw_encoded(spec, rng))
 
+
+def write_model(path: str | pathlib.Path, arch: str, hp: HParams, vocab: Vocab, weights: Mapping[str, np.ndarray],
+                dtype: str = "f32", name: str = "strata") -> pathlib.Path:
+    """Write a GGUF model with the given weights and return its path.
+
+    Args:
+        path: output file (overwritten).
+        arch: "qwen3moe", "qwen3" or "llama".
+        hp: its hyper-parameters.
+        vocab: its vocabulary.
+        weights: every tensor of `tensor_specs` by its GGUF name (`blk.0.attn_q.weight`, ...), float32 in numpy
+            order and Hugging Face layout (llama's Q and K rows get permuted here).
+        dtype: as for `write_random_model`.
+        name: `general.name`.
+
+    Raises:
+        ValueError: unknown arch or dtype, or weights missing, extra or of the wrong shape.
+    """
+    _check_arch(arch)
+    specs = tensor_specs(arch, hp, vocab.n_vocab, dtype)
+    expected = {spec.name: spec.shape for spec in specs}
+    given = {key: tuple(np.shape(value)) for key, value in weights.items()}
+    if given != expected:
+        wrong = sorted(k for k in expected.keys() | given.keys() if given.get(k) != expected.get(k))
+        details = ", ".join(f"{k} (expected {expected.get(k)}, given {given.get(k)})" for k in wrong[:5])
+        raise ValueError(f"weights do not match the {arch} tensor table: {details}")
+    return _write(pathlib.Path(path), arch, hp, vocab, dtype, name,
+                  lambda spec: encode_given(np.asarray(weights[spec.name], np.float32), spec))
+
+
+def encode_given(w: np.ndarray, spec: TensorSpec) -> np.ndarray:
+    """A given float32 tensor encoded as `spec` says, as rows of bytes."""
+    if spec.permute_heads:
+        w = permute_llama_qk(w, spec.permute_heads)
+    return quants.encode(w, spec.qtype)
+
+
+def _check_arch(arch: str) -> None:
+    if arch not in _ARCH:
+        raise ValueError(f"unknown arch {arch!r}: one of {tuple(_ARCH)}")
+
+
+def _write(path: pathlib.Path, arch: str, hp: HParams, voc: Vocab, dtype: str, name: str,
+           encoded: Callable[[TensorSpec], np.ndarray]) -> pathlib.Path:
+    """Write the file, asking `encoded` for each tensor's bytes in file order."""
+    specs = tensor_specs(arch, hp, voc.n_vocab, dtype)
     writer = GGUFWriter(path, MODEL_ARCH_NAMES[_ARCH[arch]])
-    writer.add_name(f"strata-{arch}-{size}-random")
+    writer.add_name(name)
     writer.add_file_type(_FILE_TYPE[dtype])
     if dtype not in ("f32", "f16", "bf16"):
         writer.add_quantization_version(GGML_QUANT_VERSION)
     _add_hparams(writer, arch, hp, voc.n_vocab)
-    _add_vocab(writer, voc)
+    add_vocab(writer, voc)
     # Tensor infos first, data streamed after: only one tensor is ever in memory.
     for spec in specs:
         shape = quants.byte_shape(spec.shape, spec.qtype)
@@ -265,10 +314,8 @@ def write_random_model(path: str | pathlib.Path, arch: str = "qwen3moe", size: s
         writer.write_header_to_file(path)
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        rng = np.random.default_rng(seed)
         for spec in specs:
-            writer.write_tensor_data(draw_encoded(spec, rng))
+            writer.write_tensor_data(encoded(spec))
     finally:
         writer.close()
     return path
-
