@@ -60,6 +60,12 @@ def run_strata(model: str, threads: int) -> dict:
     return {"pp": pp, "tg": tg, "rss_mib": _peak_rss_mib()}
 
 
+def _llama_next(llm) -> int:
+    """Greedy next token from the last evaluated position (llama-cpp-python keeps no scores without logits_all)."""
+    logits = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))
+    return int(np.argmax(logits))
+
+
 def run_llama_cpp(model: str, threads: int) -> dict:
     from llama_cpp import Llama
 
@@ -71,11 +77,11 @@ def run_llama_cpp(model: str, threads: int) -> dict:
     t0 = time.perf_counter()
     llm.eval(ids)
     pp = PROMPT_TOKENS / (time.perf_counter() - t0)
-    token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    token = _llama_next(llm)
     t0 = time.perf_counter()
     for _ in range(DECODE_TOKENS):
         llm.eval([token])
-        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        token = _llama_next(llm)
     tg = DECODE_TOKENS / (time.perf_counter() - t0)
     return {"pp": pp, "tg": tg, "rss_mib": _peak_rss_mib()}
 

@@ -13,6 +13,8 @@ reference timed on a slice of the rows.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import pathlib
 import threading
 import time
 
@@ -95,6 +97,64 @@ def matmul_call(qtype: Q, ws: list[np.ndarray], x: np.ndarray, y: np.ndarray, n_
     return call
 
 
+class Ggml:
+    """ggml's own matrix product (llama.cpp's CPU kernels), from the libraries llama-cpp-python installs.
+
+    The weights are copied into a ggml tensor of the same type (GGUF's block layouts are ggml's); ggml quantises
+    the f32 activations to the type's vec_dot type as we do. ggml_graph_compute_with_ctx starts its threads on
+    every call, which a decode-sized product at 2 threads pays for; llama.cpp itself keeps a thread pool."""
+
+    class InitParams(ctypes.Structure):
+        _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", ctypes.c_void_p), ("no_alloc", ctypes.c_bool)]
+
+    def __init__(self):
+        import llama_cpp  # optional: only for this comparison
+
+        lib_dir = pathlib.Path(llama_cpp.__file__).parent / "lib"
+        self.base = ctypes.CDLL(str(lib_dir / "libggml-base.so"), mode=ctypes.RTLD_GLOBAL)
+        self.cpu = ctypes.CDLL(str(lib_dir / "libggml-cpu.so"), mode=ctypes.RTLD_GLOBAL)
+        vp = ctypes.c_void_p
+        for name, res, argtypes in [
+            ("ggml_init", vp, [self.InitParams]), ("ggml_free", None, [vp]),
+            ("ggml_new_tensor_2d", vp, [vp, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]),
+            ("ggml_mul_mat", vp, [vp, vp, vp]), ("ggml_new_graph", vp, [vp]),
+            ("ggml_build_forward_expand", None, [vp, vp]), ("ggml_get_data", vp, [vp]),
+            ("ggml_tensor_overhead", ctypes.c_size_t, []), ("ggml_graph_overhead", ctypes.c_size_t, []),
+        ]:
+            fn = getattr(self.base, name)
+            fn.restype, fn.argtypes = res, argtypes
+        self.cpu.ggml_graph_compute_with_ctx.restype = ctypes.c_int
+        self.cpu.ggml_graph_compute_with_ctx.argtypes = [vp, vp, ctypes.c_int]
+        self.cpu.ggml_cpu_init()
+
+    def matmul_call(self, qtype: Q, w: np.ndarray, x: np.ndarray, y: np.ndarray, n_threads: int):
+        """A call computing y = x @ w^T with ggml, and the context to free afterwards."""
+        b = self.base
+        (n_tok, n_cols), n_rows = x.shape, w.shape[0]
+        size = w.nbytes + 2 * x.nbytes + y.nbytes + 4 * b.ggml_tensor_overhead() + b.ggml_graph_overhead() + (16 << 20)
+        ctx = b.ggml_init(self.InitParams(size, None, False))
+        wt = b.ggml_new_tensor_2d(ctx, int(qtype), n_cols, n_rows)
+        xt = b.ggml_new_tensor_2d(ctx, int(Q.F32), n_cols, n_tok)
+        ctypes.memmove(b.ggml_get_data(wt), w.ctypes.data, w.nbytes)
+        ctypes.memmove(b.ggml_get_data(xt), x.ctypes.data, x.nbytes)
+        out = b.ggml_mul_mat(ctx, wt, xt)
+        graph = b.ggml_new_graph(ctx)
+        b.ggml_build_forward_expand(graph, out)
+
+        def call():
+            assert self.cpu.ggml_graph_compute_with_ctx(ctx, graph, n_threads) == 0
+            ctypes.memmove(y.ctypes.data, b.ggml_get_data(out), y.nbytes)
+
+        return call, ctx
+
+
+def load_ggml() -> Ggml | None:
+    try:
+        return Ggml()
+    except (ImportError, OSError, AttributeError):
+        return None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=4096)
@@ -114,7 +174,11 @@ def main() -> None:
           + ", ".join(f"{bandwidth[n]:.1f} GB/s at {n} thread{'s' * (n > 1)}" for n in threads)
           + "; copy (read + write): "
           + ", ".join(f"{bandwidth_gbs(n, 'copy'):.1f} GB/s at {n} thread{'s' * (n > 1)}" for n in threads))
-    header = f"{'type':<6}{'tokens':>7}{'threads':>8}{'ms':>9}{'GB/s':>8}{'% bw':>7}{'GFLOP/s':>9}{'vs naive':>10}"
+    ggml = load_ggml()
+    if ggml is None:
+        print("(ggml not measured: llama-cpp-python is not installed)")
+    header = (f"{'type':<6}{'tokens':>7}{'threads':>8}{'ms':>9}{'GB/s':>8}{'% bw':>7}{'GFLOP/s':>9}{'vs naive':>10}"
+              + (f"{'ggml ms':>9}{'vs ggml':>9}" if ggml else ""))
     print(header)
     print("-" * len(header))
     rng = np.random.default_rng(0)
@@ -137,8 +201,27 @@ def main() -> None:
                 if n_threads == 1:  # CPU time on both sides
                     fast_cpu = seconds if args.clock == "cpu" else time_call(fast, time.thread_time)
                     ratio = f"{naive_seconds / fast_cpu:9.1f}x"
-                print(f"{name:<6}{n_tok:>7}{n_threads:>8}{seconds * 1e3:>9.2f}{gbs:>8.1f}"
-                      f"{100 * gbs / bandwidth[n_threads]:>6.0f}%{gflops:>9.1f}{ratio:>10}")
+                line = (f"{name:<6}{n_tok:>7}{n_threads:>8}{seconds * 1e3:>9.2f}{gbs:>8.1f}"
+                        f"{100 * gbs / bandwidth[n_threads]:>6.0f}%{gflops:>9.1f}{ratio:>10}")
+                if ggml:
+                    line += ggml_column(ggml, qtype, w, x, y, n_threads, clock, seconds)
+                print(line)
+
+
+def ggml_column(ggml: Ggml, qtype: Q, w: np.ndarray, x: np.ndarray, y: np.ndarray, n_threads: int, clock,
+                seconds: float) -> str:
+    """ggml's time for the same product (from one weight copy: cached, so a flattering figure at one token), and
+    our speed over it; checks the two agree."""
+    y_ggml = np.empty_like(y)
+    call, ctx = ggml.matmul_call(qtype, w, x, y_ggml, n_threads)
+    try:
+        ggml_seconds = time_call(call, clock)
+    finally:
+        ggml.base.ggml_free(ctx)
+    matmul_call(qtype, [w], x, y, n_threads)()
+    scale = np.abs(y).max() + 1e-30
+    assert np.abs(y_ggml - y).max() <= 0.05 * scale, "ggml and strata disagree"
+    return f"{ggml_seconds * 1e3:>9.2f}{ggml_seconds / seconds:>8.2f}x"
 
 if __name__ == "__main__":
     main()

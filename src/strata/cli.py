@@ -9,6 +9,7 @@ import sys
 # sub-command -> (module, one-line help). Command modules keep heavy imports (the engine, torch) inside `run`, so
 # building the parser stays fast.
 COMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("strata.serve", "start the HTTP server"),
     "make-model": ("strata.modelgen.cli", "write a GGUF model with generated weights"),
     "generate": ("strata.generation_cli", "print a completion of a prompt, streaming"),
 }

@@ -15,7 +15,6 @@ import hashlib
 import io
 import re
 import warnings
-from contextlib import aclosing
 from typing import Any
 from urllib.parse import unquote_to_bytes
 
@@ -131,13 +130,17 @@ async def download(url: str, client: httpx.AsyncClient, max_bytes: int = MAX_IMA
                 if declared and declared.isdigit() and int(declared) > max_bytes:
                     raise ImageRejected(f"{shown} is {declared} bytes, more than the limit of {max_bytes}")
                 chunks, size = [], 0
-                # The raw stream, closed explicitly: leaving a body generator early must not leave it to the GC.
-                async with aclosing(response.stream) as body:
-                    async for chunk in body:
+                # Stopped by a cancel scope rather than `break`: the Cancelled raised inside httpx's nested body
+                # generators runs each of them to its end, where a break would leave them half-run for the GC.
+                with trio.CancelScope() as stop:
+                    async for chunk in response.aiter_bytes():
                         size += len(chunk)
                         if size > max_bytes:
-                            raise ImageRejected(f"{shown} is more than the limit of {max_bytes} bytes")
+                            stop.cancel()
+                            continue
                         chunks.append(chunk)
+                if size > max_bytes:
+                    raise ImageRejected(f"{shown} is more than the limit of {max_bytes} bytes")
     except trio.TooSlowError:
         raise ImageRejected(f"{shown} did not download within {timeout:g} s") from None
     except httpx.InvalidURL as error:
@@ -218,3 +221,59 @@ class EmbeddingCache:
     def clear(self) -> None:
         self._items.clear()
         self._bytes = 0
+
+
+# --- pictures in the prompt
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptImages:
+    """A prompt with its pictures in place.
+
+    Attributes:
+        ids: token ids; each picture's positions hold the pad token (the engine replaces their embeddings).
+        keys: one per position, what the KV cache holds there: the token id, or (picture digest, row) for a
+            picture's row, so prefix reuse tells two pictures apart although their ids are the same pads.
+        spans: (first position, rows) of each picture, in order.
+    """
+
+    ids: list[int]
+    keys: list[Any]
+    spans: list[tuple[int, Any]]
+
+
+def expand_image_pads(ids: list[int], pad_id: int, embeddings: list[Any]) -> PromptImages:
+    """Replace the i-th pad token of `ids` by `embeddings[i].n_tokens` pad positions.
+
+    Raises:
+        ImageRejected: the prompt holds a different number of pads than there are pictures (a chat template
+            without vision markers, or a pad token typed into the text).
+    """
+    n_pads = ids.count(pad_id)
+    if n_pads != len(embeddings):
+        raise ImageRejected(f"the prompt has {n_pads} image placeholders for {len(embeddings)} pictures (the chat "
+                            "template must render each picture as <|vision_start|><|image_pad|><|vision_end|>)")
+    out_ids: list[int] = []
+    keys: list[Any] = []
+    spans: list[tuple[int, Any]] = []
+    pictures = iter(embeddings)
+    for token in ids:
+        if token != pad_id:
+            out_ids.append(token)
+            keys.append(token)
+            continue
+        embedding = next(pictures)
+        spans.append((len(out_ids), embedding.rows))
+        out_ids.extend([pad_id] * embedding.n_tokens)
+        keys.extend((embedding.digest, row) for row in range(embedding.n_tokens))
+    return PromptImages(out_ids, keys, spans)
+
+
+def embeds_from(spans: list[tuple[int, Any]], start: int, end: int) -> list[tuple[int, Any]]:
+    """The `Engine.eval` embeds for positions [start, end): each span cut to that window, indexed from `start`."""
+    out = []
+    for first, rows in spans:
+        lo, hi = max(first, start), min(first + len(rows), end)
+        if lo < hi:
+            out.append((lo - start, rows[lo - first: hi - first]))
+    return out

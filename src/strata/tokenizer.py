@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import codecs
 import dataclasses
-import mmap
 import os
-import struct
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -20,6 +18,7 @@ import tokenizers
 from gguf import GGUFReader, GGUFValueType, TokenType
 from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
 
+from strata.gguf_file import read_metadata
 from strata.modelgen.vocab import byte_to_unicode
 
 # Split regexes of llama.cpp's `tokenizer.ggml.pre` names. Qwen2's is GPT-4's with single digits.
@@ -37,81 +36,17 @@ _SPECIAL_TYPES = (int(TokenType.CONTROL), int(TokenType.USER_DEFINED))
 
 
 def read_tokenizer_metadata(path_or_reader: str | os.PathLike[str] | GGUFReader) -> dict[str, Any]:
-    """The `tokenizer.*` keys of a GGUF file: strings, numbers, lists of str, or numpy arrays of numbers.
-
-    `GGUFReader` parses every field of a file up front, which takes seconds for a 151k-token vocabulary; given a
-    path we read the key-value section ourselves and stop before the tensor infos.
-    """
+    """The `tokenizer.*` keys of a GGUF file: strings, numbers, lists of str, or numpy arrays of numbers."""
     if isinstance(path_or_reader, GGUFReader):
         return {name: _reader_value(field) for name, field in path_or_reader.fields.items()
                 if name.startswith("tokenizer.")}
-    with open(path_or_reader, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        return _MetadataParser(buf).tokenizer_keys()
+    return {k: v for k, v in read_metadata(path_or_reader).items() if k.startswith("tokenizer.")}
 
 
 def _reader_value(field: Any) -> Any:
     if field.types[0] == GGUFValueType.ARRAY and field.types[-1] != GGUFValueType.STRING:
         return np.concatenate([field.parts[i] for i in field.data]) if field.data else np.zeros(0)
     return field.contents()
-
-
-_SCALAR_FORMATS = {
-    GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H", GGUFValueType.INT16: "<h",
-    GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i", GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?",
-    GGUFValueType.UINT64: "<Q", GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d",
-}
-
-
-class _MetadataParser:
-    """Sequential reader of a little-endian GGUF (v2/v3) header and key-value section."""
-
-    def __init__(self, buf: mmap.mmap) -> None:
-        self.buf, self.pos = buf, 0
-
-    def _unpack(self, fmt: str) -> Any:
-        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
-        self.pos += struct.calcsize(fmt)
-        return value
-
-    def _string(self) -> str:
-        n = self._unpack("<Q")
-        self.pos += n
-        return self.buf[self.pos - n:self.pos].decode("utf-8")
-
-    def _value(self, vtype: int) -> Any:
-        if vtype == GGUFValueType.STRING:
-            return self._string()
-        if vtype == GGUFValueType.ARRAY:
-            return self._array()
-        return self._unpack(_SCALAR_FORMATS[GGUFValueType(vtype)])
-
-    def _array(self) -> Any:
-        vtype, count = self._unpack("<I"), self._unpack("<Q")
-        if vtype == GGUFValueType.STRING:
-            return [self._string() for _ in range(count)]
-        if vtype == GGUFValueType.ARRAY:
-            return [self._array() for _ in range(count)]
-        dtype = np.dtype(_SCALAR_FORMATS[GGUFValueType(vtype)])
-        values = np.frombuffer(self.buf, dtype, count, self.pos).copy()
-        self.pos += dtype.itemsize * count
-        return values
-
-    def tokenizer_keys(self) -> dict[str, Any]:
-        if self.buf[:4] != b"GGUF":
-            raise ValueError("not a GGUF file")
-        self.pos = 4
-        version = self._unpack("<I")
-        if version not in (2, 3):
-            raise ValueError(f"unsupported GGUF version {version}")
-        self._unpack("<Q")  # tensor count
-        n_kv = self._unpack("<Q")
-        out = {}
-        for _ in range(n_kv):
-            key = self._string()
-            value = self._value(self._unpack("<I"))
-            if key.startswith("tokenizer."):
-                out[key] = value
-        return out
 
 
 # --- tokenizer

@@ -19,6 +19,8 @@ from strata.images import (
     ImageSource,
     check_image,
     download,
+    embeds_from,
+    expand_image_pads,
     load_source,
     parse_data_url,
 )
@@ -219,3 +221,44 @@ def test_cache_keeps_real_rows():
     rows = np.zeros((10, 8), np.float32)
     cache.put("x", rows)
     assert cache.get("x") is rows
+
+
+# --- pictures in the prompt
+
+
+class Picture:
+    def __init__(self, digest: str, n_tokens: int):
+        self.digest, self.n_tokens = digest, n_tokens
+        self.rows = np.arange(n_tokens * 2, dtype=np.float32).reshape(n_tokens, 2) + hash(digest) % 7
+
+
+def test_expand_image_pads_places_each_picture():
+    pad = 9
+    a, b = Picture("a", 3), Picture("b", 2)
+    prompt = expand_image_pads([1, 8, pad, 7, 2, 8, pad, 7, 3], pad, [a, b])
+    assert prompt.ids == [1, 8, pad, pad, pad, 7, 2, 8, pad, pad, 7, 3]
+    assert prompt.keys[2:5] == [("a", 0), ("a", 1), ("a", 2)] and prompt.keys[8:10] == [("b", 0), ("b", 1)]
+    assert [first for first, _ in prompt.spans] == [2, 8]
+    assert prompt.spans[0][1] is a.rows
+
+
+def test_two_pictures_with_the_same_pads_have_different_keys():
+    pad = 9
+    one = expand_image_pads([1, pad, 2], pad, [Picture("a", 2)])
+    other = expand_image_pads([1, pad, 2], pad, [Picture("b", 2)])
+    assert one.ids == other.ids and one.keys != other.keys
+
+
+def test_pad_count_must_match_the_pictures():
+    with pytest.raises(ImageRejected, match="1 image placeholders for 2 pictures"):
+        expand_image_pads([1, 9, 2], 9, [Picture("a", 1), Picture("b", 1)])
+
+
+def test_embeds_window():
+    rows = np.arange(10, dtype=np.float32).reshape(5, 2)
+    spans = [(3, rows)]
+    (index, part), = embeds_from(spans, 5, 20)  # the first two rows are already in the cache
+    assert index == 0 and np.array_equal(part, rows[2:])
+    (index, part), = embeds_from(spans, 0, 20)
+    assert index == 3 and part is not None and np.array_equal(part, rows)
+    assert embeds_from(spans, 8, 20) == []

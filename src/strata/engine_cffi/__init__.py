@@ -1,6 +1,6 @@
 """`Engine`: a GGUF model and one sequence's context in the C engine.
 
-The GGUF file is memory-mapped by `gguf.GGUFReader`; the C model keeps pointers into that mapping, so the reader
+The GGUF file is memory-mapped (`strata.gguf_file`); the C model keeps pointers into that mapping, so the mapping
 lives as long as the engine. Every C call releases the GIL (cffi API mode), so `abort()` works from another thread
 while `eval` runs.
 """
@@ -13,9 +13,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from gguf import GGUFReader
 
 from strata.engine_cffi._engine import ffi, lib
+from strata.gguf_file import GGUFError, GGUFFile
 
 __all__ = ["Engine", "EngineError", "EngineAborted"]
 
@@ -41,63 +41,49 @@ def _check(status: int) -> None:
     raise EngineError(message or ffi.string(lib.strata_status_string(status)).decode())
 
 
-def _open_gguf(path: str | os.PathLike[str]) -> GGUFReader:
-    file = pathlib.Path(path)
-    if not file.is_file():
+def _open_gguf(path: str | os.PathLike[str]) -> GGUFFile:
+    if not pathlib.Path(path).is_file():
         raise EngineError(f"model file not found: {path}")
-    with file.open("rb") as f:
-        if f.read(4) != b"GGUF":
-            raise EngineError(f"{path}: not a GGUF file (it does not start with the GGUF magic)")
     try:
-        return GGUFReader(path, "r")
-    except Exception as exc:  # the reader parses untrusted bytes and fails with many exception types
-        raise EngineError(f"{path}: truncated or corrupt GGUF file ({type(exc).__name__}: {exc})") from exc
-
-
-def _field_value(reader: GGUFReader, key: str, default: Any = None) -> Any:
-    field = reader.get_field(key)
-    return default if field is None else field.contents()
+        return GGUFFile(path)
+    except GGUFError as exc:
+        raise EngineError(str(exc)) from None
 
 
 class _TensorTable:
-    """The C tensor table for a reader's tensors; holds the cffi objects the table points into."""
+    """The C tensor table for a file's tensors; holds the cffi objects the table points into."""
 
-    def __init__(self, reader: GGUFReader) -> None:
+    def __init__(self, file: GGUFFile) -> None:
         self._keep: list[Any] = []
-        self.count = len(reader.tensors)
+        self.count = len(file.tensors)
         self.array = ffi.new("strata_tensor_info[]", max(self.count, 1))
-        for info, tensor in zip(self.array, reader.tensors):
+        for info, tensor in zip(self.array, file.tensors):
             name = ffi.new("char[]", tensor.name.encode())
-            data = ffi.from_buffer(tensor.data)  # a view of the mapping: weights are never copied
+            data = ffi.from_buffer(file.data(tensor))  # a view of the mapping: weights are never copied
             self._keep += [name, data]
-            info.name, info.type, info.n_dims = name, int(tensor.tensor_type), len(tensor.shape)
+            info.name, info.type, info.n_dims = name, tensor.type, len(tensor.shape)
             for d in range(4):
-                info.ne[d] = int(tensor.shape[d]) if d < len(tensor.shape) else 1
-            info.data, info.n_bytes = data, tensor.data.nbytes
+                info.ne[d] = tensor.shape[d] if d < len(tensor.shape) else 1
+            info.data, info.n_bytes = data, tensor.n_bytes
 
 
-def _tensor_shape(reader: GGUFReader, name: str) -> list[int]:
-    """Shape (GGML order) of the tensor `name` or `name`.weight (llama.cpp's converters add the suffix)."""
-    for tensor in reader.tensors:
-        if tensor.name in (name, f"{name}.weight"):
-            return [int(n) for n in tensor.shape]
-    raise EngineError(f"missing tensor {name}")
-
-
-def _model_params(reader: GGUFReader, table: _TensorTable, keep: list[Any]) -> Any:
+def _model_params(file: GGUFFile, table: _TensorTable, keep: list[Any]) -> Any:
     """strata_model_params from the GGUF metadata (llama.cpp key names); the C side validates the values."""
-    arch = _field_value(reader, "general.architecture")
+    arch = file.metadata.get("general.architecture")
     if not isinstance(arch, str):
         raise EngineError("the file has no general.architecture")
 
     def key(name: str, default: float = 0) -> Any:
-        return _field_value(reader, f"{arch}.{name}", default)
+        return file.metadata.get(f"{arch}.{name}", default)
 
     arch_c = ffi.new("char[]", arch.encode())
     keep.append(arch_c)
     p = ffi.new("strata_model_params *")
     p.arch = arch_c
-    embd_shape = _tensor_shape(reader, "token_embd")
+    embd = file.tensor("token_embd")
+    if embd is None:
+        raise EngineError("missing tensor token_embd")
+    embd_shape = list(embd.shape)
     if len(embd_shape) != 2:
         raise EngineError(f"token_embd has shape {embd_shape}, expected [n_embd, n_vocab]")
     p.n_vocab = embd_shape[1]
@@ -122,10 +108,9 @@ def _set_hparams(p: Any, key: Any) -> None:
 class Engine:
     """A model and the context of one sequence. Use `Engine.load`; close it (or use `with`) to free its memory."""
 
-    def __init__(self, reader: GGUFReader, params: Any, model: Any, ctx: Any, keep: list[Any], n_ctx: int,
+    def __init__(self, file: GGUFFile, params: Any, model: Any, ctx: Any, keep: list[Any], n_ctx: int,
                  threads: int) -> None:
-        self._reader, self._model, self._ctx, self._keep = reader, model, ctx, keep
-        self._metadata: dict[str, Any] | None = None
+        self._file, self._model, self._ctx, self._keep = file, model, ctx, keep
         self.arch: str = ffi.string(params.arch).decode()
         self.n_vocab: int = params.n_vocab
         self.n_embd: int = params.n_embd
@@ -143,21 +128,28 @@ class Engine:
         if kv not in _KV_TYPES:
             raise EngineError(f"kv must be one of {sorted(_KV_TYPES)}, not {kv!r}")
         threads = threads or len(os.sched_getaffinity(0))
-        reader = _open_gguf(path)
-        table = _TensorTable(reader)
-        keep: list[Any] = [table]
-        params = _model_params(reader, table, keep)
-        keep.append(params)
-        model_out = ffi.new("strata_model **")
-        _check(lib.strata_model_create(params, model_out))
+        file = _open_gguf(path)
+        try:
+            table = _TensorTable(file)
+            keep: list[Any] = [table]
+            params = _model_params(file, table, keep)
+            keep.append(params)
+            model_out = ffi.new("strata_model **")
+            _check(lib.strata_model_create(params, model_out))
+        except BaseException:
+            keep = []
+            file.close()
+            raise
         cparams = ffi.new("strata_context_params *", {"n_ctx": n_ctx, "n_batch": n_batch, "n_threads": threads,
                                                       "kv_type": _KV_TYPES[kv]})
         ctx_out = ffi.new("strata_context **")
         status = lib.strata_context_create(model_out[0], cparams, ctx_out)
         if status != lib.STRATA_OK:
             lib.strata_model_free(model_out[0])
+            keep = []
+            file.close()
             _check(status)
-        return cls(reader, params, model_out[0], ctx_out[0], keep, n_ctx, threads)
+        return cls(file, params, model_out[0], ctx_out[0], keep, n_ctx, threads)
 
     # --- state
 
@@ -173,11 +165,8 @@ class Engine:
 
     @property
     def metadata(self) -> dict[str, Any]:
-        """GGUF key -> value (strings, numbers, lists), read on first use."""
-        if self._metadata is None:
-            self._metadata = {name: field.contents() for name, field in self._reader.fields.items()
-                              if not name.startswith("GGUF.")}
-        return self._metadata
+        """GGUF key -> value (strings, numbers, lists of strings, numpy arrays of numbers)."""
+        return self._file.metadata
 
     @property
     def timings(self) -> dict[str, float]:
@@ -249,7 +238,7 @@ class Engine:
             lib.strata_model_free(self._model)
             self._ctx = self._model = None
             self._keep.clear()
-            self._reader = None
+            self._file.close()
 
     def __enter__(self) -> Engine:
         return self

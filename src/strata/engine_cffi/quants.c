@@ -1,6 +1,6 @@
 /* quants.c — block formats, row (de)quantisation and dot products.
  * Layouts are GGUF's (little-endian). Every fast product has a naive reference beside it: dequantise, sum in
- * double. The fast ones use AVX-512/AVX2 where the compiler targets them, with a scalar #else. */
+ * double. The fast ones use AVX-512 or AVX2 where the compiler targets them, with a scalar #else. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -366,8 +366,9 @@ static float dot_row(int type, const void *w, const void *x, int64_t n) {
 
 // --- fast products: tiles of TR weight rows x TT tokens
 // A tile keeps TR * TT accumulators in registers, so each weight block is loaded (and unpacked) once per TT
-// tokens and each activation block once per TR rows. With one token (decode) the (TR, 1) tile streams TR rows
-// side by side. tile_*(..., NR, NT) are always inlined with constant NR <= TR, NT <= TT, which unrolls them.
+// tokens and each activation block once per TR rows; with one token (decode) the (TR, 1) tile streams TR rows
+// at once. tile_*(..., NR, NT) are always inlined with constant NR <= TR, NT <= TT, which unrolls them. Each
+// has a 512-bit version (AVX-512 with VNNI), a 256-bit one (AVX2) and the scalar dot products as the #else.
 
 #define TR 4
 #define TT 4
@@ -424,10 +425,30 @@ static inline __m256 f16_bcast(const uint16_t *h) {
     return _mm256_cvtph_ps(_mm_set1_epi16((short)*h));
 }
 
+// The f16 scale of padding blocks, which repeat a row's last block so that a step can stay whole.
+static const uint16_t ZERO_F16 = 0;
+
 INLINE void store_tile(const gemm_args *a, int64_t r, int64_t t, int NR, int NT, __m256 acc[TR][TT]) {
     UNROLL for (int i = 0; i < NR; i++)
         UNROLL for (int j = 0; j < NT; j++) a->y[(t + j) * a->ldy + TILE_ROW(a, r, i)] = hsum256(acc[i][j]);
 }
+
+#if defined(VNNI512)
+INLINE void store_tile512(const gemm_args *a, int64_t r, int64_t t, int NR, int NT, __m512 acc[TR][TT]) {
+    UNROLL for (int i = 0; i < NR; i++)
+        UNROLL for (int j = 0; j < NT; j++)
+            a->y[(t + j) * a->ldy + TILE_ROW(a, r, i)] = _mm512_reduce_add_ps(acc[i][j]);
+}
+
+// Scales a and b, 8 lanes each.
+static inline __m512 f16_pair512(const uint16_t *a, const uint16_t *b) {
+    return _mm512_cvtph_ps(_mm256_set_m128i(_mm_set1_epi16((short)*b), _mm_set1_epi16((short)*a)));
+}
+
+static inline __m512i load_2x256(const void *lo, const void *hi) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(lo)), _mm256_loadu_si256(hi), 1);
+}
+#endif
 #endif
 
 // F32, F16 and BF16 weights with f32 activations: VLEN lanes of f32 per register.
@@ -486,11 +507,16 @@ INLINE void tile_float(int type, const gemm_args *a, int64_t r, int64_t t, int N
         UNROLL for (int j = 0; j < NT; j++) acc[i][j] = vf_zero(), tail[i][j] = 0.0f;
     int64_t k = 0;
     for (; k + VLEN <= a->n; k += VLEN) {
-        vfloat wv[TR];
-        UNROLL for (int i = 0; i < NR; i++) wv[i] = load_w(type, w[i], k);
+        vfloat xv[TT];
         UNROLL for (int j = 0; j < NT; j++) {
-            vfloat xv = vf_load(x[j] + k);
-            UNROLL for (int i = 0; i < NR; i++) acc[i][j] = vf_fmadd(wv[i], xv, acc[i][j]);
+            xv[j] = vf_load(x[j] + k);
+            // in a register: the compiler would rather fold the load into every FMA, one load per FMA
+            __asm__("" : "+v"(xv[j]));
+        }
+        UNROLL for (int i = 0; i < NR; i++) {
+            vfloat wv = load_w(type, w[i], k);
+            __asm__("" : "+v"(wv));
+            UNROLL for (int j = 0; j < NT; j++) acc[i][j] = vf_fmadd(wv, xv[j], acc[i][j]);
         }
     }
     for (; k < a->n; k++)  // leftovers
@@ -515,24 +541,8 @@ INLINE void tile_float(int type, const gemm_args *a, int64_t r, int64_t t, int N
 #endif
 
 #if defined(VNNI512)
-INLINE void store_tile512(const gemm_args *a, int64_t r, int64_t t, int NR, int NT, __m512 acc[TR][TT]) {
-    UNROLL for (int i = 0; i < NR; i++)
-        UNROLL for (int j = 0; j < NT; j++)
-            a->y[(t + j) * a->ldy + TILE_ROW(a, r, i)] = _mm512_reduce_add_ps(acc[i][j]);
-}
-
-// Scales a and b, 8 lanes each.
-static inline __m512 f16_pair512(const uint16_t *a, const uint16_t *b) {
-    return _mm512_cvtph_ps(_mm256_set_m128i(_mm_set1_epi16((short)*b), _mm_set1_epi16((short)*a)));
-}
-
-static inline __m512i load_2x256(const void *lo, const void *hi) {
-    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(lo)), _mm256_loadu_si256(hi), 1);
-}
-
 // Two blocks A, B per 512-bit register: lanes 0-7 sum A's products, lanes 8-15 B's.
 INLINE void tile_q8_0(const gemm_args *a, int64_t r, int64_t t, int NR, int NT) {
-    static const uint16_t zero_scale = 0;
     const block_q8_0 *w[TR], *x[TT];
     __m512 acc[TR][TT];
     const __m512i bias = _mm512_set1_epi8((char)0x80);
@@ -549,7 +559,7 @@ INLINE void tile_q8_0(const gemm_args *a, int64_t r, int64_t t, int NR, int NT) 
             xq[j] = load_2x256(x[j][b].qs, x[j][b1].qs);
             __m512i zero = _mm512_setzero_si512();
             seed[j] = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, bias, xq[j]));
-            dx[j] = f16_pair512(&x[j][b].d, b1 > b ? &x[j][b1].d : &zero_scale);
+            dx[j] = f16_pair512(&x[j][b].d, b1 > b ? &x[j][b1].d : &ZERO_F16);
         }
         UNROLL for (int i = 0; i < NR; i++) {
             __m512i wu = _mm512_xor_si512(load_2x256(w[i][b].qs, w[i][b1].qs), bias);
@@ -615,7 +625,6 @@ static inline __m512i load_4x128(const void *p0, const void *p1, const void *p2,
 // Four blocks at a time: one register holds the low nibbles (elements 0-15) of the four, in 128-bit lanes,
 // another the high ones, and the activations are loaded in the same order; lane l sums block b + l.
 INLINE void tile_q4_0(const gemm_args *a, int64_t r, int64_t t, int NR, int NT) {
-    static const uint16_t zero_scale = 0;
     const block_q4_0 *w[TR];
     const block_q8_0 *x[TT];
     __m512 acc[TR][TT];
@@ -637,8 +646,8 @@ INLINE void tile_q4_0(const gemm_args *a, int64_t r, int64_t t, int NR, int NT) 
             __m512i zero = _mm512_setzero_si512();
             __m512i sum8 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, eight, xlo[j]), eight, xhi[j]);
             seed[j] = _mm512_sub_epi32(zero, sum8);
-            dx[j] = f16_quad(&X0->d, b + 1 < nb ? &X1->d : &zero_scale, b + 2 < nb ? &X2->d : &zero_scale,
-                             b + 3 < nb ? &X3->d : &zero_scale);
+            dx[j] = f16_quad(&X0->d, b + 1 < nb ? &X1->d : &ZERO_F16, b + 2 < nb ? &X2->d : &ZERO_F16,
+                             b + 3 < nb ? &X3->d : &ZERO_F16);
         }
         UNROLL for (int i = 0; i < NR; i++) {
             const block_q4_0 *W0 = &w[i][bk[0]], *W1 = &w[i][bk[1]], *W2 = &w[i][bk[2]], *W3 = &w[i][bk[3]];
@@ -662,7 +671,6 @@ static inline __m256 f16_pair(const uint16_t *a, const uint16_t *b) {
 // Two blocks A, B at a time: one register holds the low nibbles of A and B (elements 0-15 of each), another
 // the high ones, and the activations are loaded in the same order; 32-bit lanes 0-3 sum A's products, 4-7 B's.
 INLINE void tile_q4_0(const gemm_args *a, int64_t r, int64_t t, int NR, int NT) {
-    static const uint16_t zero_scale = 0;
     const block_q4_0 *w[TR];
     const block_q8_0 *x[TT];
     __m256 acc[TR][TT];
@@ -682,7 +690,7 @@ INLINE void tile_q4_0(const gemm_args *a, int64_t r, int64_t t, int NR, int NT) 
             xhi[j] = _mm256_loadu2_m128i((const __m128i *)(B->qs + 16), (const __m128i *)(A->qs + 16));
             __m256i sum8 = dot_u8s8(dot_u8s8(_mm256_setzero_si256(), eight, xlo[j]), eight, xhi[j]);
             seed[j] = _mm256_sub_epi32(_mm256_setzero_si256(), sum8);
-            dx[j] = f16_pair(&A->d, b1 > b ? &B->d : &zero_scale);
+            dx[j] = f16_pair(&A->d, b1 > b ? &B->d : &ZERO_F16);
         }
         UNROLL for (int i = 0; i < NR; i++) {
             const block_q4_0 *A = &w[i][b], *B = &w[i][b1];

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from strata.images import ImageRejected, content_hash, decode_base64
+from strata.images import ImageRejected, content_hash
 from strata.vision.client import Embedding
 from strata.vision.protocol import SVE_HEADER_BYTES, ProtocolError, Ready, parse_sve, parse_sve_header
 
@@ -18,10 +18,7 @@ class PrecomputedEmbeds:
     param: str
     data: bytes
     fingerprint: str
-
-
-def from_base64(text: str, fingerprint: str, param: str) -> PrecomputedEmbeds:
-    return PrecomputedEmbeds(param, decode_base64(text, "image_embeds"), fingerprint)
+    in_tool_result: bool = False
 
 
 def check_embeds(embeds: PrecomputedEmbeds, ready: Ready, max_bytes: int) -> Embedding:

@@ -115,11 +115,12 @@ class TextModel(nn.Module):
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
 
     def forward(self, tokens: torch.Tensor, image_rows: torch.Tensor | None = None,
-                image_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                image_mask: torch.Tensor | None = None,
+                select: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits (B, T, n_vocab) of tokens (B, T) and the mean load-balancing loss.
 
         image_rows (n, n_embd) replace the embeddings of the n positions where image_mask (B, T) is true, in
-        row-major order.
+        row-major order. With `select` (B, T) bool, logits only of the selected positions: (n_selected, n_vocab).
         """
         x = self.token_embd[tokens]
         if image_rows is not None:
@@ -130,6 +131,8 @@ class TextModel(nn.Module):
         for block in self.blk:
             x, b = block(x, cos, sin)
             balance = balance + b
+        if select is not None:
+            x = x[select]
         logits = rms_norm(x, self.output_norm, self.hp.rms_eps) @ self.output.T
         return logits, balance / len(self.blk)
 

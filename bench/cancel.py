@@ -1,0 +1,209 @@
+"""How fast a hang-up frees the engine, in each phase of a request.
+
+A client hangs up while its request is queued, during prompt processing of a long prompt, or while decoding;
+the script measures (1) how long until the server has released the request (it left the queue, or the engine
+aborted and the turn was released: the request's history row is written) and (2) for the engine phases, how long
+until the next queued request's first token arrives, minus that request's own time to first token on an idle
+engine. Then the same with 8 concurrent clients hanging up at random moments. Goal: under 50 ms everywhere.
+
+    python bench/cancel.py [--model F.gguf] [--repeats 10] [--threads 2]
+
+Without --model a tiny random qwen3moe model is generated in a temporary directory. The server runs in this
+process (hypercorn, trio worker) and clients are plain sockets, so a hang-up is a closed TCP connection.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import tempfile
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import hypercorn
+import hypercorn.trio
+import trio
+
+from strata.api import create_app
+from strata.config import config_from_dict
+from strata.service import Service, open_service
+
+LONG_PROMPT = "x" * 3000  # about 3000 tokens with a byte-level vocabulary
+
+
+class Client:
+    """A raw HTTP client: one request per connection, so that closing it is a hang-up."""
+
+    def __init__(self, host: str, port: int):
+        self.host, self.port = host, port
+
+    async def open(self, payload: dict[str, Any]) -> trio.SocketStream:
+        data = json.dumps(payload).encode()
+        head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(data)}\r\n\r\n").encode()
+        stream = await trio.open_tcp_stream(self.host, self.port)
+        await stream.send_all(head + data)
+        return stream
+
+    async def first_token(self, payload: dict[str, Any]) -> float:
+        """Send a streamed request; return the time.perf_counter() at which its first content chunk arrived."""
+        stream = await self.open({**payload, "stream": True})
+        async with stream:
+            received = b""
+            while b'"content":"' not in received.replace(b'"content":""', b""):
+                chunk = await stream.receive_some()
+                if not chunk:
+                    raise RuntimeError(f"connection closed early: {received[-300:]!r}")
+                received += chunk
+            return time.perf_counter()
+
+
+def request(text: str, max_tokens: int) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, "temperature": 0}
+
+
+async def until(predicate: Any, timeout: float = 30) -> None:
+    with trio.fail_after(timeout):
+        while not predicate():
+            await trio.sleep(0.0005)
+
+
+async def released_after(service: Service, hung_up_wall: float, n_rows: int) -> float:
+    """Seconds from a hang-up (time.time()) until the request's history row was written."""
+    await until(lambda: len(service.history.totals.finishes) and service.history.totals.requests > n_rows)
+    row = service.history.last
+    return row.start + row.duration - hung_up_wall
+
+
+async def one_hang_up(service: Service, client: Client, phase: str, idle_ttft: float, rng: random.Random
+                      ) -> tuple[float, float | None]:
+    """One measurement: (release seconds, next request's extra wait in seconds or None)."""
+    first_text = LONG_PROMPT if phase == "prompt" else f"busy {rng.random()}"
+    first = await client.open({**request(first_text, 4000 if phase != "prompt" else 1), "stream": True})
+    await until(lambda: service.phase == ("prompt" if phase == "prompt" else "decode"))
+    result: dict[str, float] = {}
+    async with trio.open_nursery() as nursery:
+        if phase == "queued":
+            victim = await client.open({**request(f"victim {rng.random()}", 4), "stream": True})
+            await until(lambda: service.turn.queued == 1)
+            await trio.sleep(rng.uniform(0, 0.01))
+            n_rows = service.history.totals.requests
+            hung_up = time.time()
+            victim.socket.close()
+            release = await released_after(service, hung_up, n_rows)
+            await first.aclose()
+            return release, None
+
+        async def next_request() -> None:
+            result["next"] = await client.first_token(request(f"next {rng.random()}", 1))
+
+        nursery.start_soon(next_request)
+        await until(lambda: service.turn.queued == 1)
+        await trio.sleep(rng.uniform(0.005, 0.02))
+        n_rows = service.history.totals.requests
+        hung_up_wall, hung_up = time.time(), time.perf_counter()
+        first.socket.close()
+        release = await released_after(service, hung_up_wall, n_rows)
+    return release, result["next"] - hung_up - idle_ttft
+
+
+async def idle_first_token(service: Service, client: Client) -> float:
+    times = []
+    for i in range(5):
+        await until(lambda: not service.turn.busy)
+        start = time.perf_counter()
+        times.append(await client.first_token(request(f"next {random.random()}", 1)) - start)
+    return statistics.median(times)
+
+
+async def random_storm(service: Service, client: Client, rng: random.Random, n_clients: int = 8) -> list[float]:
+    """n_clients stream at once and hang up at random moments; the release time of each cancelled one."""
+    releases: list[float] = []
+
+    async def one(i: int) -> None:
+        stream = await client.open({**request(f"storm {i} {rng.random()}" + "y" * rng.randrange(0, 800), 300),
+                                    "stream": True})
+        await trio.sleep(rng.uniform(0.0, 1.0))
+        hung_up = time.time()
+        stream.socket.close()
+        record_count[i] = hung_up
+
+    record_count: dict[int, float] = {}
+    before = service.history.totals.requests
+    async with trio.open_nursery() as nursery:
+        for i in range(n_clients):
+            nursery.start_soon(one, i)
+    await until(lambda: service.history.totals.requests >= before + n_clients)
+    # Match rows to hang-ups by order of prompt: rows carry no client id, so pair each row with the latest
+    # hang-up before its end.
+    rows = list(service.history.rows)[-n_clients:]
+    hang_ups = sorted(record_count.values())
+    for row in rows:
+        if row.finish != "cancel":
+            continue
+        end = row.start + row.duration
+        earlier = [t for t in hang_ups if t <= end]
+        if earlier:
+            releases.append(end - earlier[-1])
+    return releases
+
+
+def summary(values: list[float]) -> str:
+    if not values:
+        return "      -         -"
+    ms = [v * 1e3 for v in values]
+    return f"{statistics.median(ms):7.1f} {max(ms):9.1f}"
+
+
+async def main(args: argparse.Namespace) -> None:
+    config = config_from_dict({"model": str(args.model), "context": 4096, "threads": args.threads,
+                               "host": "127.0.0.1", "port": 0})
+    rng = random.Random(args.seed)
+    async with open_service(config, log=lambda line: None) as service:
+        hyper = hypercorn.Config()
+        hyper.bind, hyper.accesslog, hyper.errorlog = ["127.0.0.1:0"], None, None
+        async with trio.open_nursery() as nursery:
+            binds = await nursery.start(partial(hypercorn.trio.serve, create_app(service=service), hyper))
+            host, port = binds[0].removeprefix("http://").split(":")
+            client = Client(host, int(port))
+            idle_ttft = await idle_first_token(service, client)
+            print(f"model {args.model.name}, threads {service.engine.threads}; idle time to first token "
+                  f"{idle_ttft * 1e3:.1f} ms; {args.repeats} repeats")
+            print(f"{'phase':<22} {'release ms (median, max)':>26} {'next request extra wait ms':>30}")
+            for phase in ("queued", "prompt", "decode"):
+                releases, waits = [], []
+                for _ in range(args.repeats):
+                    release, wait = await one_hang_up(service, client, phase, idle_ttft, rng)
+                    releases.append(release)
+                    if wait is not None:
+                        waits.append(wait)
+                print(f"{phase:<22} {summary(releases):>26} {summary(waits):>30}")
+            storm: list[float] = []
+            for _ in range(max(1, args.repeats // 3)):
+                storm += await random_storm(service, client, rng)
+            print(f"{'8 clients, random':<22} {summary(storm):>26} {'-':>30}")
+            nursery.cancel_scope.cancel()
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, help="GGUF model (default: a generated tiny qwen3moe)")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args()
+
+
+if __name__ == "__main__":
+    arguments = parse_args()
+    with tempfile.TemporaryDirectory() as directory:
+        if arguments.model is None:
+            from strata.modelgen import write_random_model
+
+            arguments.model = write_random_model(Path(directory) / "tiny.gguf", arch="qwen3moe", size="tiny",
+                                                 dtype="f32", vocab="bytes", seed=0)
+        trio.run(main, arguments)

@@ -1,0 +1,84 @@
+"""The trained demo model as two GGUF files: the qwen3moe text model (through `strata.modelgen.writer`) and the
+lfm2 mmproj encoder, both float32 so the engine and the encoder compute exactly what was trained."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pathlib
+
+import gguf
+import numpy as np
+import torch
+
+from strata.modelgen.demo.model import TextModel, VisionModel
+from strata.modelgen.vocab import Vocab
+from strata.modelgen.writer import write_model
+from strata.vision.mmproj import MM_DOWN_BID, MM_UP_BID, PROJECTOR_TYPE, tensor_name
+
+_T = gguf.MODEL_TENSOR
+TEXT_NAME = "strata-demo"
+VISION_NAME = "strata demo vision encoder"
+
+
+def _numpy(t: torch.Tensor) -> np.ndarray:
+    return t.detach().to(torch.float32).numpy().copy()
+
+
+def write_text(path: str | os.PathLike[str], model: TextModel, vocab: Vocab) -> pathlib.Path:
+    weights = {name: _numpy(t) for name, t in model.gguf_tensors().items()}
+    return write_model(path, "qwen3moe", model.hp, vocab, weights, dtype="f32", name=TEXT_NAME)
+
+
+def vision_tensors(model: VisionModel) -> dict[str, np.ndarray]:
+    """mmproj tensor name -> float32 array, in the order the file stores them."""
+    def linear(kind: gguf.MODEL_TENSOR, layer: torch.nn.Module, bid: int | None = None) -> dict[str, np.ndarray]:
+        return {tensor_name(kind, "weight", bid): _numpy(layer.weight), tensor_name(kind, "bias", bid): _numpy(layer.bias)}
+
+    out = linear(_T.V_ENC_EMBD_PATCH, model.patch_embd)
+    out[tensor_name(_T.V_ENC_EMBD_POS)] = _numpy(model.position_embd)
+    for bid, block in enumerate(model.blk):
+        out |= linear(_T.V_ENC_INPUT_NORM, block.ln1, bid)
+        out |= linear(_T.V_ENC_ATTN_Q, block.attn_q, bid) | linear(_T.V_ENC_ATTN_K, block.attn_k, bid)
+        out |= linear(_T.V_ENC_ATTN_V, block.attn_v, bid) | linear(_T.V_ENC_ATTN_O, block.attn_out, bid)
+        out |= linear(_T.V_ENC_POST_ATTN_NORM, block.ln2, bid)
+        out |= linear(_T.V_ENC_FFN_UP, block.ffn_up, bid) | linear(_T.V_ENC_FFN_DOWN, block.ffn_down, bid)
+    out |= linear(_T.V_POST_NORM, model.post_ln) | linear(_T.V_MM_INP_NORM, model.input_norm)
+    return out | linear(_T.V_MMPROJ, model.mm_up, MM_UP_BID) | linear(_T.V_MMPROJ, model.mm_down, MM_DOWN_BID)
+
+
+def write_vision(path: str | os.PathLike[str], model: VisionModel) -> pathlib.Path:
+    hp = model.hp
+    writer = gguf.GGUFWriter(os.fspath(path), "clip")
+    writer.add_type(gguf.GGUFType.MMPROJ)
+    writer.add_name(VISION_NAME)
+    writer.add_clip_has_vision_encoder(True)
+    writer.add_clip_projector_type(PROJECTOR_TYPE)
+    writer.add_vision_image_size(hp.image_size)
+    writer.add_vision_patch_size(hp.patch_size)
+    writer.add_vision_embedding_length(hp.n_embd)
+    writer.add_vision_feed_forward_length(hp.n_ff)
+    writer.add_vision_projection_dim(hp.n_proj)
+    writer.add_vision_block_count(hp.n_layer)
+    writer.add_vision_head_count(hp.n_head)
+    writer.add_vision_attention_layernorm_eps(hp.eps)
+    writer.add_vision_image_mean(list(hp.image_mean))
+    writer.add_vision_image_std(list(hp.image_std))
+    writer.add_vision_projector_scale_factor(hp.merge)
+    writer.add_vision_use_gelu(True)
+    for name, array in vision_tensors(model).items():
+        writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return pathlib.Path(path)
+
+
+def weights_digest(path: str | os.PathLike[str]) -> str:
+    """sha256 over every tensor's name, type, shape and bytes in file order: equal digests, equal weights."""
+    digest = hashlib.sha256()
+    for tensor in gguf.GGUFReader(os.fspath(path)).tensors:
+        digest.update(f"{tensor.name}:{tensor.tensor_type.name}:{list(map(int, tensor.shape))}\n".encode())
+        digest.update(np.ascontiguousarray(tensor.data).tobytes())
+    return "sha256:" + digest.hexdigest()

@@ -1,0 +1,248 @@
+"""Train the demo model from scratch and write `demo.gguf` and `demo-mmproj.gguf`.
+
+    python -m strata.modelgen.demo.train --out DIR [--threads N] [--small]
+
+Steps: generate the training text and train the BPE vocabulary on it; then train the text model and the vision
+encoder together on the answers of generated conversations (the loss covers only the tokens the assistant writes;
+pictures enter as the encoder's rows in place of the `<|image_pad|>` run); then export. Everything is seeded: the
+same configuration and thread count give the same files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import math
+import pathlib
+import random
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from strata.modelgen.demo import bpe, data, export
+from strata.modelgen.demo.model import TextModel, VisionModel
+from strata.modelgen.hparams import HParams
+from strata.modelgen.vocab import Vocab
+from strata.modelgen.writer import chat_template
+from strata.tokenizer import Tokenizer
+from strata.vision.mmproj import VisionHParams
+from strata.vision.preprocess import preprocess
+
+IMAGE_PAD = "<|image_pad|>"
+IGNORE = -100
+BALANCE_WEIGHT = 0.01  # load-balancing loss: keeps every expert in use without fighting the main loss
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    text: HParams
+    vision: VisionHParams
+    steps: int
+    batch: int
+    lr: float
+    warmup: int
+    seed: int = 0
+    vocab_examples: int = 20000  # conversations the BPE is trained on
+    n_merges: int = 768
+    image_tokens: int = 64  # most embedding rows per picture: the encoder's --max-tokens for this model
+    max_len: int = 512  # longer conversations are skipped
+
+
+def vision_hparams(n_proj: int, n_embd: int = 64, n_layer: int = 3) -> VisionHParams:
+    f32 = lambda v: float(np.float32(v))  # noqa: E731 - values as the file stores them
+    return VisionHParams(image_size=96, patch_size=8, n_embd=n_embd, n_ff=4 * n_embd, n_head=2, n_layer=n_layer,
+                         eps=f32(1e-6), n_proj=n_proj, merge=2, image_mean=(0.5, 0.5, 0.5),
+                         image_std=(0.5, 0.5, 0.5))
+
+
+_TEXT = HParams(n_layer=4, n_embd=128, n_head=4, n_head_kv=2, head_dim=32, n_ff=384, n_expert=8, n_expert_used=2,
+                n_ff_exp=128, n_ctx_train=4096, rope_base=10_000.0, rms_eps=1e-6)
+FULL = TrainConfig(text=_TEXT, vision=vision_hparams(_TEXT.n_embd), steps=6000, batch=32, lr=3e-3, warmup=200)
+# A variant small enough to train in seconds: the tests' check that training is reproducible and exports.
+_SMALL_TEXT = dataclasses.replace(_TEXT, n_layer=1, n_embd=64, n_head=2, n_head_kv=1, n_ff=192, n_expert=4,
+                                  n_ff_exp=64)
+SMALL = TrainConfig(text=_SMALL_TEXT, vision=vision_hparams(_SMALL_TEXT.n_embd, n_embd=32, n_layer=1), steps=4,
+                    batch=4, lr=3e-3, warmup=2, vocab_examples=500, n_merges=128)
+
+
+# --- data to tensors
+
+
+@dataclasses.dataclass
+class Encoded:
+    ids: list[int]  # prompt then answer, every picture's pad expanded to its rows
+    n_prompt: int
+    pictures: list[np.ndarray]  # normalised pixels (3, H, W), in prompt order
+
+
+def encode(example: data.Example, tok: Tokenizer, template: str, hp: VisionHParams,
+           max_tokens: int) -> Encoded:
+    """Token ids of the prompt and answer, each `<|image_pad|>` widened to its picture's rows."""
+    prompt, answer = data.render(example, template)
+    pad = tok.token_to_id(IMAGE_PAD)
+    ids, pictures = [], []
+    for i in tok.encode(prompt):
+        if i != pad:
+            ids.append(i)
+            continue
+        picture = preprocess(data.draw(example.scene), hp, max_tokens)
+        pictures.append(picture.pixels)
+        ids += [pad] * picture.n_tokens
+    return Encoded(ids + tok.encode(answer), len(ids), pictures)
+
+
+def _picture_budget(rng: random.Random, image_tokens: int) -> int:
+    """Mostly the full budget, as the server uses it; sometimes fewer rows, so smaller grids are seen too."""
+    return image_tokens if rng.random() < 0.75 else rng.randint(max(1, image_tokens // 4), image_tokens)
+
+
+def encoded_stream(config: TrainConfig, tok: Tokenizer, seed: int) -> Iterator[Encoded]:
+    template = chat_template()
+    rng = random.Random(seed + 1)
+    for example in data.examples(seed):
+        item = encode(example, tok, template, config.vision, _picture_budget(rng, config.image_tokens))
+        if len(item.ids) <= config.max_len:
+            yield item
+
+
+@dataclasses.dataclass
+class Batch:
+    tokens: torch.Tensor  # (B, T) ids, padded
+    targets: torch.Tensor  # (B, T) the next id where it is an answer token, else IGNORE
+    image_mask: torch.Tensor  # (B, T) true at picture rows
+    pictures: list[np.ndarray]  # in row-major order of image_mask
+    n_answer: int
+
+
+def collate(items: Sequence[Encoded], pad_id: int, image_pad: int) -> Batch:
+    length = max(len(item.ids) for item in items)
+    tokens = torch.full((len(items), length), pad_id, dtype=torch.long)
+    targets = torch.full((len(items), length), IGNORE, dtype=torch.long)
+    for row, item in enumerate(items):
+        ids = torch.tensor(item.ids)
+        tokens[row, :len(ids)] = ids
+        targets[row, item.n_prompt - 1:len(ids) - 1] = ids[item.n_prompt:]
+    return Batch(tokens, targets, tokens == image_pad, [p for item in items for p in item.pictures],
+                 int((targets != IGNORE).sum()))
+
+
+def picture_rows(vision: VisionModel, pictures: Sequence[np.ndarray]) -> torch.Tensor | None:
+    """The encoder's rows of every picture, concatenated in order; pictures of one size share a forward pass."""
+    if not pictures:
+        return None
+    rows: list[torch.Tensor | None] = [None] * len(pictures)
+    by_size: dict[tuple[int, ...], list[int]] = {}
+    for i, p in enumerate(pictures):
+        by_size.setdefault(p.shape, []).append(i)
+    for indices in by_size.values():
+        out = vision(torch.from_numpy(np.stack([pictures[i] for i in indices])))
+        for i, r in zip(indices, out, strict=True):
+            rows[i] = r
+    return torch.cat(rows)  # type: ignore[arg-type]
+
+
+# --- training
+
+
+def build_vocab(config: TrainConfig) -> Vocab:
+    template = chat_template()
+    texts = ("".join(data.render(ex, template)) for ex in itertools.islice(data.examples(config.seed + 7),
+                                                                           config.vocab_examples))
+    return bpe.train_vocab(texts, config.n_merges)
+
+
+def _lr(config: TrainConfig, step: int) -> float:
+    if step < config.warmup:
+        return config.lr * (step + 1) / config.warmup
+    progress = (step - config.warmup) / max(1, config.steps - config.warmup)
+    return config.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def train(config: TrainConfig, tok: Tokenizer, log: bool = True,
+          checkpoint: pathlib.Path | None = None) -> tuple[TextModel, VisionModel]:
+    """Train both models from their seeded initialisation for `config.steps` batches."""
+    torch.manual_seed(config.seed)
+    text = TextModel(config.text, tok.n_vocab, seed=config.seed)
+    vision = VisionModel(config.vision, seed=config.seed)
+    params = [*text.parameters(), *vision.parameters()]
+    # Norm weights and biases are not decayed.
+    decay = [p for p in params if p.dim() >= 2]
+    rest = [p for p in params if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": rest, "weight_decay": 0.0}],
+                            lr=config.lr, betas=(0.9, 0.98), eps=1e-8)
+    stream = encoded_stream(config, tok, config.seed)
+    pad, image_pad = tok.token_to_id("<|endoftext|>"), tok.token_to_id(IMAGE_PAD)
+    start, seen, total = time.monotonic(), 0, 0.0
+    for step in range(config.steps):
+        batch = collate([next(stream) for _ in range(config.batch)], pad, image_pad)
+        for group in opt.param_groups:
+            group["lr"] = _lr(config, step)
+        logits, balance = text(batch.tokens, picture_rows(vision, batch.pictures), batch.image_mask,
+                               select=batch.targets != IGNORE)
+        loss = F.cross_entropy(logits, batch.targets[batch.targets != IGNORE])
+        (loss + BALANCE_WEIGHT * balance).backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        seen += batch.tokens.numel()
+        total += loss.item()
+        if log and (step + 1) % 50 == 0:
+            print(f"step {step + 1}/{config.steps} loss {total / 50:.4f} balance {balance.item():.3f} "
+                  f"lr {_lr(config, step):.2e} {seen / (time.monotonic() - start):.0f} tok/s "
+                  f"{time.monotonic() - start:.0f}s", flush=True)
+            total = 0.0
+        if checkpoint and (step + 1) % 500 == 0:
+            torch.save({"step": step + 1, "text": text.state_dict(), "vision": vision.state_dict()}, checkpoint)
+    return text, vision
+
+
+def config_record(config: TrainConfig) -> dict:
+    return json.loads(json.dumps(dataclasses.asdict(config)))
+
+
+def run(config: TrainConfig, out: pathlib.Path, threads: int, log: bool = True) -> dict:
+    """Train with `config` on `threads` threads and write the two GGUF files and `demo.json` into `out`."""
+    torch.set_num_threads(threads)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    vocab = build_vocab(config)
+    with tempfile.TemporaryDirectory() as scratch:
+        tok = bpe.tokenizer_of(vocab, scratch)
+    text, vision = train(config, tok, log, checkpoint=out / "demo.ckpt" if log else None)
+    text_path = export.write_text(out / "demo.gguf", text, vocab)
+    vision_path = export.write_vision(out / "demo-mmproj.gguf", vision)
+    record = {
+        "config": config_record(config),
+        "threads": threads,
+        "train_seconds": round(time.monotonic() - started),
+        "weights": {text_path.name: export.weights_digest(text_path),
+                    vision_path.name: export.weights_digest(vision_path)},
+    }
+    (out / "demo.json").write_text(json.dumps(record, indent=1) + "\n")
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m strata.modelgen.demo.train", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True, type=pathlib.Path, help="directory for the model files")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (results depend on it)")
+    parser.add_argument("--steps", type=int, default=None, help="override the number of training steps")
+    parser.add_argument("--small", action="store_true", help="the seconds-long variant the tests train")
+    args = parser.parse_args(argv)
+    config = SMALL if args.small else FULL
+    if args.steps is not None:
+        config = dataclasses.replace(config, steps=args.steps)
+    record = run(config, args.out, args.threads)
+    print(json.dumps(record["weights"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""`strata serve` and `hypercorn 'strata.api:create_app()'` as real processes, and `strata.serve` in-process:
+startup lines, config errors that name the key, and shutdown (SIGTERM or a trigger) with requests in flight."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+from conftest import server_config
+
+import strata
+from strata.cli import main
+
+SRC = str(Path(strata.__file__).resolve().parents[1])
+
+
+def environment(**extra: str) -> dict[str, str]:
+    env = {key: value for key, value in os.environ.items() if not key.startswith("STRATA_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [SRC, env.get("PYTHONPATH")]))
+    return {**env, **extra}
+
+
+def wait_for_line(process: subprocess.Popen, pattern: str, timeout: float = 30) -> tuple[re.Match, list[str]]:
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        found = re.search(pattern, line)
+        if found:
+            return found, lines
+    raise AssertionError(f"no line matching {pattern!r} in {lines}")
+
+
+def test_config_errors_name_the_key(tmp_path, capsys):
+    path = tmp_path / "strata.json"
+    path.write_text(json.dumps({"model": "m.gguf", "vision": {"gpuu": True}}))
+    assert main(["serve", "--config", str(path)]) == 2
+    assert 'unknown key "vision.gpuu"' in capsys.readouterr().err
+    assert main(["serve", "--model", "m.gguf", "--limits.queue-length", "0"]) == 2
+    assert '"limits.queue_length" must be at least 1' in capsys.readouterr().err
+    assert main(["serve", "--model", "m.gguf", "--port", "eighty"]) == 2
+    assert '"port" must be int' in capsys.readouterr().err
+
+
+def test_strata_serve_prints_what_it_loaded_and_stops_on_sigterm_mid_request(tiny_model):
+    command = [sys.executable, "-m", "strata.cli", "serve", "--model", str(tiny_model), "--port", "0",
+               "--context", "4096", "--threads", "1", "--limits.graceful-timeout", "0.5"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env=environment())
+    try:
+        found, lines = wait_for_line(process, r"serving \S+ on (http://\S+)")
+        url = found.group(1)
+        startup = "".join(lines)
+        assert "context 4096" in startup and "threads 1" in startup and "backend cpu" in startup
+        # About 3 s of prompt processing on one thread: still running when the graceful deadline comes.
+        body = {"messages": [{"role": "user", "content": "x" * 4000}], "max_tokens": 1, "stream": True}
+        with ThreadPoolExecutor(1) as pool:
+            request = pool.submit(httpx.post, url + "/v1/chat/completions", json=body, timeout=30)
+            deadline = time.monotonic() + 10
+            while httpx.get(url + "/status").json()["phase"] != "prompt":
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            signalled = time.monotonic()
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(timeout=10) == 0
+            exited_after = time.monotonic() - signalled
+            # Invariant 6: the request got the graceful deadline, then was cancelled: the engine aborted its
+            # prompt (seconds of work left) and the process ended.
+            assert exited_after < 0.5 + 1.5
+            with pytest.raises(httpx.HTTPError):
+                request.result()
+    finally:
+        process.kill()
+        process.wait()
+        process.stdout.close()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_hypercorn_command_line_with_strata_config(tiny_model, tmp_path):
+    config = tmp_path / "strata.json"
+    config.write_text(json.dumps({"model": str(tiny_model), "context": 256, "api_key": "k"}))
+    port = free_port()
+    hypercorn = Path(sys.executable).with_name("hypercorn")
+    process = subprocess.Popen([str(hypercorn), "strata.api:create_app()", "--worker-class", "trio",
+                                "--bind", f"127.0.0.1:{port}"], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, env=environment(STRATA_CONFIG=str(config)))
+    try:
+        wait_for_line(process, r"Running on")
+        reply = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=30,
+                           headers={"authorization": "Bearer k"},
+                           json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] <= 2
+        status = httpx.get(f"http://127.0.0.1:{port}/v1/status", headers={"x-api-key": "k"}).json()
+        assert status["context"] == 256
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout=10)
+        finally:
+            process.kill()
+            process.wait()
+            process.stdout.close()
+
+
+async def test_serve_in_process_shuts_down_on_its_trigger(tiny_model):
+    config = server_config(model=str(tiny_model), context=512, limits={"graceful_timeout": 0.3})
+    stop = trio.Event()
+    lines: list[str] = []
+    async with trio.open_nursery() as nursery:
+        binds = await nursery.start(lambda task_status: strata.serve(
+            config, shutdown_trigger=stop.wait, log=lines.append, task_status=task_status))
+        async with httpx.AsyncClient(base_url=binds[0]) as client:
+            await _wait_healthy(client)
+            reply = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                                    "max_tokens": 1})
+            assert reply.status_code == 200
+        stopped = trio.current_time()
+        stop.set()
+    assert trio.current_time() - stopped < 2
+    assert any(line.startswith("serving tiny on http://127.0.0.1:") for line in lines)
+
+
+async def _wait_healthy(client: httpx.AsyncClient) -> None:
+    with trio.fail_after(30):
+        while (await client.get("/health")).status_code != 200:
+            await trio.sleep(0.05)
+
+
+async def test_serve_returns_1_when_the_model_fails_to_load(tmp_path):
+    config = server_config(model=str(tmp_path / "missing.gguf"))
+    lines: list[str] = []
+    with trio.fail_after(30):
+        assert await strata.serve(config, log=lines.append) == 1
+    assert any("failed to load" in line for line in lines)
