@@ -18,8 +18,9 @@ ENGINE_DIR = ROOT / "src" / "strata" / "engine_cffi"
 HEADER = ENGINE_DIR / "strata_engine.h"
 MODULE = "strata.engine_cffi._engine"
 
-COMPILE_ARGS = ["-O3", "-march=native", "-std=gnu11", "-fopenmp", "-Wall", "-Wno-unused-function"]
-LINK_ARGS = ["-fopenmp", "-lm"]  # -fopenmp again at link time, else omp_* symbols are undefined at import
+# the forward pass runs on our own pthread pool; OpenMP remains for strata_matmul
+COMPILE_ARGS = ["-O3", "-march=native", "-std=gnu11", "-pthread", "-fopenmp", "-Wall", "-Wno-unused-function"]
+LINK_ARGS = ["-pthread", "-fopenmp", "-lm"]  # -fopenmp again at link time, else omp_* symbols are undefined at import
 
 
 def make_builder(base: pathlib.Path | None) -> FFI:

@@ -72,16 +72,19 @@ async def until(predicate: Any, timeout: float = 30) -> None:
             await trio.sleep(0.0005)
 
 
-async def released_after(service: Service, hung_up_wall: float, n_rows: int) -> float:
-    """Seconds from a hang-up (time.time()) until the request's history row was written."""
-    await until(lambda: len(service.history.totals.finishes) and service.history.totals.requests > n_rows)
-    row = service.history.last
-    return row.start + row.duration - hung_up_wall
+async def released_after(service: Service, hung_up_wall: float, n_rows: int) -> float | None:
+    """Seconds from a hang-up (time.time()) until the request's history row was written; None when the first
+    row written since is not a cancellation (the model ended that answer before the hang-up)."""
+    await until(lambda: service.history.totals.requests > n_rows)
+    row = list(service.history.rows)[n_rows - service.history.totals.requests]
+    return row.start + row.duration - hung_up_wall if row.finish == "cancel" else None
 
 
 async def one_hang_up(service: Service, client: Client, phase: str, idle_ttft: float, rng: random.Random
-                      ) -> tuple[float, float | None]:
-    """One measurement: (release seconds, next request's extra wait in seconds or None)."""
+                      ) -> tuple[float | None, float | None]:
+    """One measurement: (release seconds, next request's extra wait in seconds); None for what was not
+    measured (no next request while queued; the model stopped on its own before the hang-up)."""
+    await until(lambda: not service.turn.busy and service.turn.queued == 0)
     first_text = LONG_PROMPT if phase == "prompt" else f"busy {rng.random()}"
     first = await client.open({**request(first_text, 4000 if phase != "prompt" else 1), "stream": True})
     await until(lambda: service.phase == ("prompt" if phase == "prompt" else "decode"))
@@ -93,7 +96,7 @@ async def one_hang_up(service: Service, client: Client, phase: str, idle_ttft: f
             await trio.sleep(rng.uniform(0, 0.01))
             n_rows = service.history.totals.requests
             hung_up = time.time()
-            victim.socket.close()
+            await victim.aclose()
             release = await released_after(service, hung_up, n_rows)
             await first.aclose()
             return release, None
@@ -106,8 +109,10 @@ async def one_hang_up(service: Service, client: Client, phase: str, idle_ttft: f
         await trio.sleep(rng.uniform(0.005, 0.02))
         n_rows = service.history.totals.requests
         hung_up_wall, hung_up = time.time(), time.perf_counter()
-        first.socket.close()
+        await first.aclose()
         release = await released_after(service, hung_up_wall, n_rows)
+    if release is None:
+        return None, None
     return release, result["next"] - hung_up - idle_ttft
 
 
@@ -129,7 +134,7 @@ async def random_storm(service: Service, client: Client, rng: random.Random, n_c
                                     "stream": True})
         await trio.sleep(rng.uniform(0.0, 1.0))
         hung_up = time.time()
-        stream.socket.close()
+        await stream.aclose()
         record_count[i] = hung_up
 
     record_count: dict[int, float] = {}
@@ -138,8 +143,8 @@ async def random_storm(service: Service, client: Client, rng: random.Random, n_c
         for i in range(n_clients):
             nursery.start_soon(one, i)
     await until(lambda: service.history.totals.requests >= before + n_clients)
-    # Match rows to hang-ups by order of prompt: rows carry no client id, so pair each row with the latest
-    # hang-up before its end.
+    # Rows carry no client identity: each cancelled row is paired with the latest hang-up before its end, which
+    # can only overstate the release time.
     rows = list(service.history.rows)[-n_clients:]
     hang_ups = sorted(record_count.values())
     for row in rows:
@@ -176,9 +181,10 @@ async def main(args: argparse.Namespace) -> None:
             print(f"{'phase':<22} {'release ms (median, max)':>26} {'next request extra wait ms':>30}")
             for phase in ("queued", "prompt", "decode"):
                 releases, waits = [], []
-                for _ in range(args.repeats):
+                while len(releases) < args.repeats:
                     release, wait = await one_hang_up(service, client, phase, idle_ttft, rng)
-                    releases.append(release)
+                    if release is not None:
+                        releases.append(release)
                     if wait is not None:
                         waits.append(wait)
                 print(f"{phase:<22} {summary(releases):>26} {summary(waits):>30}")

@@ -28,13 +28,13 @@ from PIL import Image
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
-from strata.config import config_from_dict  # noqa: E402
-from strata.events import ChatRequest  # noqa: E402
-from strata.modelgen import write_random_model  # noqa: E402
-from strata.modelgen.mmproj import write_random_mmproj  # noqa: E402
-from strata.sampling import SamplingParams  # noqa: E402
-from strata.service import open_service  # noqa: E402
-from strata.vision.client import VisionClient  # noqa: E402
+from strata.config import config_from_dict
+from strata.events import ChatRequest
+from strata.modelgen import write_random_model
+from strata.modelgen.mmproj import write_random_mmproj
+from strata.sampling import SamplingParams
+from strata.service import open_service
+from strata.vision.client import VisionClient
 
 OUT = ROOT / "bench" / "out"
 TEXT_TOKENS = 48

@@ -8,7 +8,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 import outcome
@@ -165,7 +165,7 @@ class LiveServer:
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="strata-test-server", daemon=True)
 
-    def __enter__(self) -> LiveServer:
+    def __enter__(self) -> Self:
         self._thread.start()
         if not self._ready.wait(60):
             raise RuntimeError("the test server did not start")

@@ -20,9 +20,9 @@ _EXPORTS = {
 
 # Imported eagerly (the module is light): importing the `strata.serve` command module would otherwise bind the
 # name `strata.serve` to the module instead of the function.
-from strata.serve import serve  # noqa: E402
+from strata.serve import serve
 
-__all__ = ["__version__", "serve", *_EXPORTS]
+__all__ = ["Config", "__version__", "create_app", "open_service", "serve"]
 
 
 def __getattr__(name: str) -> Any:

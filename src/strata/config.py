@@ -9,9 +9,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, get_type_hints
+from typing import Any, get_type_hints
 
 KV_TYPES = ("f32", "f16", "int8")
 

@@ -15,6 +15,7 @@ Cancelling the caller's cancel scope stops a request in any phase, exactly like 
 from __future__ import annotations
 
 import os
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -98,8 +99,7 @@ class Service:
         self.load_error: BaseException | None = None
         self.loaded = trio.Event()
         self.nursery: trio.Nursery | None = None  # the service's long-lived nursery (open_service)
-        # Engine calls get their own thread slot so that other threaded work never delays them.
-        self._limiter = trio.CapacityLimiter(1)
+        self._run: _EngineRun | None = None  # the generation on the engine's worker thread, if any
         # Invariant: token ids of the positions in the engine's KV cache, in order (updated after every call).
         self._kv_ids: list[int] = []
 
@@ -234,32 +234,32 @@ class Service:
             self.history.record(row)
 
     async def _generate(self, request: ChatRequest, prepared: _Prepared, row: HistoryRow) -> AsyncIterator[Event]:
-        sampler = Sampler(request.sampling, self.engine.n_vocab)
-        context = list(prepared.ids)  # prompt and generated tokens
         self.phase = "prompt"
-        t = time.perf_counter()
-        token, row.reused_tokens = await self._on_engine(self._advance, context, sampler)
-        row.prompt_seconds = time.perf_counter() - t
-        self.phase = "decode"
-        output = _Output(self.tokenizer, request, prepared.starts_in_reasoning)
-        stop_ids = self.tokenizer.eos_ids
-        finish: FinishReason = "length"
-        decode_started = time.perf_counter()
-        while True:
-            if token in stop_ids:
-                finish = "stop"
-                break
-            context.append(token)
-            row.output_tokens += 1
-            for event in output.push(token):
-                yield event
-            if output.stopped:
-                finish = "stop"
-                break
-            if row.output_tokens >= prepared.max_tokens:
-                break
-            token, _ = await self._on_engine(self._advance, context, sampler)
-            row.decode_seconds = time.perf_counter() - decode_started
+        run = _EngineRun(self, prepared.ids, Sampler(request.sampling, self.engine.n_vocab), prepared.max_tokens)
+        try:
+            output = _Output(self.tokenizer, request, prepared.starts_in_reasoning)
+            finish: FinishReason | None = None
+            while finish is None:
+                tokens = await run.next_tokens()
+                self.phase = "decode"
+                row.reused_tokens, row.prompt_seconds, row.decode_seconds = run.reused, *run.seconds()
+                if not tokens:  # the thread ended without a stop token: the token budget is spent
+                    finish = "length"
+                for token in tokens:
+                    if token in self.tokenizer.eos_ids:
+                        finish = "stop"
+                        break
+                    row.output_tokens += 1
+                    for event in output.push(token):
+                        yield event
+                    if output.stopped:
+                        finish = "stop"
+                        break
+                    if row.output_tokens >= prepared.max_tokens:
+                        finish = "length"
+                        break
+        finally:
+            await run.stop()
         for event in output.finish():
             yield event
         if finish == "stop" and output.n_tool_calls:
@@ -268,6 +268,11 @@ class Service:
         yield Usage(prompt_tokens=len(prepared.ids), cached_tokens=row.reused_tokens,
                     completion_tokens=row.output_tokens)
         yield Finish(finish)
+
+    @property
+    def engine_running(self) -> bool:
+        """Whether a worker thread is running engine calls right now."""
+        return self._run is not None
 
     # --- the engine, in its worker thread
 
@@ -287,45 +292,128 @@ class Service:
             self._kv_ids = ids[: engine.n_past]
         return sampler.sample(logits, ids), reused
 
-    async def _on_engine(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run `fn(*args)` in the engine's worker thread.
 
-        Invariant: the thread is never abandoned. On cancellation the engine's abort flag is raised, the thread is
-        awaited (it returns within one decode step or one layer), and only then does `Cancelled` propagate — so
-        the turn is released only once the engine is idle.
+class _Stopped(Exception):
+    """The request stopped its generation (in the worker thread: end quietly)."""
+
+
+class _EngineRun:
+    """One generation on the engine: a worker thread that processes the prompt, then decodes token after token
+    (sampling included) into a buffer that the request's task drains. The thread never waits for the request's
+    task, so sending a token to the client overlaps computing the next one.
+
+    Invariant: the thread is never abandoned. `stop()` — called on every exit of the request, cancellation
+    included — raises the stop and abort flags and waits, shielded, for the thread to return (within one decode
+    step or one layer of a prompt chunk); only then is the turn released.
+    """
+
+    def __init__(self, service: Service, ids: list[int], sampler: Sampler, max_tokens: int):
+        self._service = service
+        self._engine = service.engine
+        self._ids = list(ids)  # prompt and generated tokens (the thread's own copy)
+        self._sampler, self._max_tokens = sampler, max_tokens
+        self._stop_ids = service.tokenizer.eos_ids
+        self._trio_token = trio.lowlevel.current_trio_token()
+        self._lock = threading.Lock()
+        self._tokens: list[int] = []  # sampled, not yet taken (guarded by _lock)
+        self._stopping = threading.Event()
+        self._in_call = False  # the thread is inside an engine call (guarded by _lock)
+        self._waiter: trio.Event | None = None
+        self._ended = trio.Event()
+        self._outcome: outcome.Outcome | None = None
+        self.reused = 0
+        self._times = [time.perf_counter(), 0.0, 0.0]  # start, prompt done, last token
+        service._run = self
+        trio.lowlevel.start_thread_soon(self._work, self._deliver, name="strata engine")
+
+    def seconds(self) -> tuple[float, float]:
+        """(prompt seconds, decode seconds) so far."""
+        start, prompt_done, last = self._times
+        if not prompt_done:
+            return time.perf_counter() - start, 0.0
+        return prompt_done - start, max(last - prompt_done, 0.0)
+
+    async def next_tokens(self) -> list[int]:
+        """Wait for sampled tokens; [] once the thread has ended and every token was taken.
+
+        Raises: what the engine raised (EngineError, ...).
         """
+        while True:
+            self._waiter = waiter = trio.Event()
+            with self._lock:
+                tokens, self._tokens = self._tokens, []
+            if tokens:
+                return tokens
+            if self._ended.is_set():
+                return self._outcome.unwrap() or []
+            await waiter.wait()
+
+    async def stop(self) -> None:
+        """Stop the thread if it still runs and wait for it (shielded: this is cleanup that must finish)."""
+        with self._lock:
+            self._stopping.set()
+            # Only a call in flight is aborted: a flag raised between calls would stop the next run's first call.
+            if self._in_call:
+                self._engine.abort()
+        with trio.CancelScope(shield=True):
+            await self._ended.wait()
+
+    # in the worker thread
+
+    def _work(self) -> list[int]:
+        try:
+            token, self.reused = self._call(self._ids)
+            self._times[1] = self._times[2] = time.perf_counter()
+            self._push(token)
+            n = 1
+            while token not in self._stop_ids and n < self._max_tokens:
+                self._ids.append(token)
+                token, _ = self._call(self._ids)
+                self._times[2] = time.perf_counter()
+                self._push(token)
+                n += 1
+        except _Stopped:
+            pass
+        return []
+
+    def _call(self, ids: list[int]) -> tuple[int, int]:
         from strata.engine_cffi import EngineAborted
 
-        for _ in range(2):
-            state = _CallState()
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._abort_on_cancel, state)
-                try:
-                    result = await trio.to_thread.run_sync(outcome.capture, fn, *args, limiter=self._limiter)
-                finally:
-                    state.finished = True
-                    nursery.cancel_scope.cancel()
-            if state.aborted:
-                await trio.lowlevel.checkpoint()  # raises the Cancelled that made us abort
-            if not (isinstance(result, outcome.Error) and isinstance(result.error, EngineAborted)):
-                return result.unwrap()
-            # Aborted although nobody cancelled this call: a flag raised by a cancelled call that finished just
-            # before its abort landed. The engine lowered it by aborting; run again.
-        return result.unwrap()
-
-    async def _abort_on_cancel(self, state: _CallState) -> None:
+        with self._lock:
+            if self._stopping.is_set():
+                raise _Stopped
+            self._in_call = True
         try:
-            await trio.sleep_forever()
-        except trio.Cancelled:
-            if not state.finished:
-                state.aborted = True
-                self.engine.abort()
+            return self._service._advance(ids, self._sampler)
+        except EngineAborted:
+            if self._stopping.is_set():
+                raise _Stopped from None
+            # Aborted although this run was not stopped: the flag of an earlier run, raised as its last call
+            # was returning. Aborting lowered it; run again.
+            return self._service._advance(ids, self._sampler)
+        finally:
+            with self._lock:
+                self._in_call = False
 
+    def _push(self, token: int) -> None:
+        with self._lock:
+            self._tokens.append(token)
+        self._trio_token.run_sync_soon(self._wake)
 
-@dataclass
-class _CallState:
-    finished: bool = False
-    aborted: bool = False
+    def _deliver(self, result: outcome.Outcome) -> None:
+        self._trio_token.run_sync_soon(self._finish, result)
+
+    # back in trio
+
+    def _wake(self) -> None:
+        if self._waiter is not None:
+            self._waiter.set()
+
+    def _finish(self, result: outcome.Outcome) -> None:
+        self._outcome = result
+        self._service._run = None
+        self._ended.set()
+        self._wake()
 
 
 class _Output:
@@ -359,8 +447,7 @@ class _Output:
 def _model_name(path: str | None) -> str:
     if not path:
         return "strata"
-    name = os.path.basename(path)
-    return name[: -len(".gguf")] if name.endswith(".gguf") else name
+    return os.path.basename(path).removesuffix(".gguf")
 
 
 @asynccontextmanager

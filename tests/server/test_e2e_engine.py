@@ -116,7 +116,13 @@ def test_openai_responses_route(server, reference):
 
 
 def test_status_routes_report_the_engine(server):
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused") as client:
+        client.chat.completions.create(model="m", messages=FIRST, max_tokens=2, temperature=0)
     status = httpx.get(server.url + "/v1/status").json()
     assert status["engine"]["backend"] == "cpu" and status["context"] == 512
+    assert status["last"]["output_tokens"] <= 2 and status["last"]["prompt_tokens"] > 0
+    assert httpx.get(server.url + "/v1/history").json()["data"][0] == status["last"]
+    assert "strata_tokens_total{kind=\"prompt\"}" in httpx.get(server.url + "/metrics").text
+    assert httpx.get(server.url + "/status").json()["busy"] is False
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
     assert httpx.get(server.url + "/v1/models").json()["data"][0]["id"] == "tiny"

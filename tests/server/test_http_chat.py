@@ -94,11 +94,11 @@ def test_openai_client_sync_not_streamed(serve_script):
 
 
 def test_openai_client_sync_streamed_tool_call(serve_script):
-    with serve_script('<tool_call>\n{"name": "get", "arguments": {"a": 7}}\n</tool_call>') as server:
-        with openai.OpenAI(base_url=server.url + "/v1", api_key="unused") as client:
-            stream = client.chat.completions.create(model="m", messages=USER, tools=TOOLS, stream=True)
-            pieces = [chunk.choices[0].delta for chunk in stream if chunk.choices]
-            reply = client.chat.completions.create(model="m", messages=USER, tools=TOOLS)
+    script = '<tool_call>\n{"name": "get", "arguments": {"a": 7}}\n</tool_call>'
+    with serve_script(script) as server, openai.OpenAI(base_url=server.url + "/v1", api_key="unused") as client:
+        stream = client.chat.completions.create(model="m", messages=USER, tools=TOOLS, stream=True)
+        pieces = [chunk.choices[0].delta for chunk in stream if chunk.choices]
+        reply = client.chat.completions.create(model="m", messages=USER, tools=TOOLS)
     names = [call.function.name for delta in pieces for call in delta.tool_calls or [] if call.function.name]
     assert names == ["get"]
     arguments = "".join(call.function.arguments or "" for delta in pieces for call in delta.tool_calls or [])
@@ -134,13 +134,12 @@ def test_reasoning_effort_none_disables_thinking_in_the_template(serve_script, t
     variants = [({"reasoning_effort": "none"}, True),
                 ({"extra_body": {"chat_template_kwargs": {"enable_thinking": False}}}, True),
                 ({"reasoning_effort": "high"}, False)]
-    with serve_script("x") as server:
-        with openai.OpenAI(base_url=server.url + "/v1", api_key="unused") as client:
-            for options, disabled in variants:
-                client.chat.completions.create(model="m", messages=USER, **options)
-                # The cache now holds the prompt and the answer "x".
-                prompt = server.call(lambda: list(server.service.engine.kv[:-1]))
-                assert (prompt[-len(empty_thinking):] == empty_thinking) is disabled
+    with serve_script("x") as server, openai.OpenAI(base_url=server.url + "/v1", api_key="unused") as client:
+        for options, disabled in variants:
+            client.chat.completions.create(model="m", messages=USER, **options)
+            # The cache now holds the prompt and the answer "x".
+            prompt = server.call(lambda: list(server.service.engine.kv[:-1]))
+            assert (prompt[-len(empty_thinking):] == empty_thinking) is disabled
 
 
 def test_tool_results_and_history_render_into_the_prompt(serve_script, tokenizer):

@@ -128,3 +128,30 @@ def test_metrics_in_prometheus_text(server):
     assert samples[("strata_tokens_total", (("kind", "generated"),))] == len("fine") + 1
     assert samples[("strata_queue_length", ())] == 0
     assert samples[("strata_busy", ())] == 0
+
+
+async def test_health_and_chat_answer_503_while_the_model_loads():
+    from strata.api import create_app
+    from strata.service import Service
+
+    service = Service(server_config())  # never loaded: as during a slow startup
+    client = create_app(service=service).test_client()
+    health = await client.get("/health")
+    assert (health.status_code, await health.get_json()) == (503, {"status": "loading"})
+    reply = await client.post("/v1/chat/completions", json={"messages": USER})
+    assert reply.status_code == 503
+    assert "loading" in (await reply.get_json())["error"]["message"]
+
+
+async def test_a_failed_send_cancels_the_request():
+    import trio
+
+    from strata.api.app import _cancelling_send
+
+    async def broken_send(message: Any) -> None:
+        raise trio.BrokenResourceError("the client is gone")
+
+    with trio.CancelScope() as scope:
+        await _cancelling_send(broken_send, scope)({"type": "http.response.body", "body": b"x"})
+        raise AssertionError("the send should have cancelled the request")
+    assert scope.cancelled_caught

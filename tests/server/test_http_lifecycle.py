@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import threading
 import time
 from functools import partial
 from typing import Any
@@ -94,7 +95,7 @@ async def test_hang_up_while_queued_leaves_the_queue_at_once(tokenizer):
             await wait_until(lambda: service.turn.queued == 0, timeout=1)
             left_after = time.perf_counter() - hung_up
             assert service.turn.busy  # the first request still holds the engine
-        assert left_after < 0.05
+        assert left_after < 0.25  # generous for a loaded machine; the first request still has ~1.5 s to go
         assert not prompt_seen(engine, tokenizer, "second in line")
         await wait_until(lambda: len(service.history.rows) == 2)
         assert {row.finish for row in service.history.rows} == {"cancel"}
@@ -123,8 +124,9 @@ async def test_hang_up_on_the_engine_aborts_it_and_the_next_request_starts(token
             await wait_until(lambda: prompt_seen(engine, tokenizer, "next"), timeout=2)
         next_started = engine.call_times[n_calls] - hung_up
         assert engine.aborts == 1
-        # Invariant 3: within one step (10 ms here, a quarter of it per abort check) plus the HTTP hang-up.
-        assert next_started < 0.05
+        # Invariant 3: within one step (10 ms here, a quarter of it per abort check) plus the HTTP hang-up; the
+        # bound is generous for a loaded machine, and far below the seconds the prompt would still take.
+        assert next_started < 0.25
         rows = list(service.history.rows)
         assert [row.finish for row in rows] == ["cancel", "length"]
 
@@ -164,7 +166,8 @@ async def test_random_hang_ups_leave_nothing_behind(tokenizer):
         assert "cancel" in finishes and finishes <= {"cancel", "stop"}
         assert not service.turn.busy and service.turn.queued == 0
         assert service.phase == "idle" and service.current is None
-        assert server.call(lambda: service._limiter.borrowed_tokens) == 0
+        assert not server.call(lambda: service.engine_running)
+        assert not [thread for thread in threading.enumerate() if thread.name == "strata engine"]
         assert not engine.running.is_set()
         await wait_until(lambda: server.call(task_count) == tasks_before, timeout=5)
         await wait_until(lambda: open_fds() <= fds_before, timeout=5)

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import trio
-from conftest import ScriptedEngine, server_config, wait_until
+from conftest import server_config, wait_until
 
 from strata.events import (
     ChatRequest,
@@ -115,7 +115,7 @@ async def test_turn_is_fifo(scripted, tokenizer):
             await wait_until(lambda: service.phase == "decode")  # past the turn's queue
             for i in range(1, 5):
                 nursery.start_soon(client, i)
-                await wait_until(lambda: service.turn.queued == i)
+                await wait_until(lambda i=i: service.turn.queued == i)
     assert order == [0, 1, 2, 3, 4]
 
 
@@ -129,9 +129,12 @@ async def test_cancel_while_queued_never_reaches_the_engine(scripted, tokenizer)
             nursery.start_soon(_run_in_scope, queued, service, request("second"))
             await wait_until(lambda: service.turn.queued == 1)
             queued.cancel()
-            # Invariant 2: the queue length drops at once, while the first request still runs.
-            await wait_until(lambda: service.turn.queued == 0, timeout=0.005)
-            assert service.turn.busy and engine.running.is_set() or not engine.calls[-1] == []
+            # Invariant 2: the queue length drops at once (within a few scheduler ticks, not after some
+            # polling interval), while the first request still holds the turn.
+            for _ in range(5):
+                await trio.lowlevel.checkpoint()
+            assert service.turn.queued == 0
+            assert service.turn.busy
             nursery.cancel_scope.cancel()
         assert not any(call for call in engine.calls if _contains(call, tokenizer.encode("second")))
         assert [row.finish for row in service.history.rows] == ["cancel", "cancel"]
@@ -149,7 +152,7 @@ def _contains(haystack: list[int], needle: list[int]) -> bool:
 
 @pytest.mark.parametrize("phase", ["prompt", "decode"])
 async def test_cancel_on_the_engine_aborts_and_frees_the_turn(scripted, tokenizer, phase):
-    # 20 ms per prompt token: the prompt takes ~1 s unless aborted; decoding takes 20 ms a token.
+    # 20 ms per prompt token: the prompt takes ~0.5 s unless aborted; decoding takes 20 ms a token.
     engine = scripted("y" * 200, prompt_s=0.02, decode_s=0.02)
     async with open_service(server_config(), engine=engine, tokenizer=tokenizer) as service:
         with trio.move_on_after(10):
@@ -163,7 +166,7 @@ async def test_cancel_on_the_engine_aborts_and_frees_the_turn(scripted, tokenize
         assert engine.aborts == 1
         assert not engine.running.is_set()
         assert not service.turn.busy
-        assert freed_after < 0.02 + 0.03
+        assert freed_after < 0.02 + 0.1  # one step, and room for a loaded machine
         assert service.history.last.finish == "cancel"
         # The context stays usable: the next request runs to the end.
         engine.script = list(tokenizer.encode("ok"))
@@ -184,15 +187,14 @@ async def test_stale_abort_flag_does_not_break_the_next_request(scripted, tokeni
 async def test_queue_full_is_refused(scripted, tokenizer):
     engine = scripted("z" * 100, decode_s=0.01)
     config = server_config(limits={"queue_length": 1})
-    async with open_service(config, engine=engine, tokenizer=tokenizer) as service:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(collect, service, request("a"))
-            await wait_until(lambda: service.phase == "decode")  # past the turn's queue
-            nursery.start_soon(collect, service, request("b"))
-            await wait_until(lambda: service.turn.queued == 1)
-            with pytest.raises(QueueFull):
-                await collect(service, request("c"))
-            nursery.cancel_scope.cancel()
+    async with open_service(config, engine=engine, tokenizer=tokenizer) as service, trio.open_nursery() as nursery:
+        nursery.start_soon(collect, service, request("a"))
+        await wait_until(lambda: service.phase == "decode")  # past the turn's queue
+        nursery.start_soon(collect, service, request("b"))
+        await wait_until(lambda: service.turn.queued == 1)
+        with pytest.raises(QueueFull):
+            await collect(service, request("c"))
+        nursery.cancel_scope.cancel()
 
 
 async def test_history_rows_and_totals(scripted, tokenizer):

@@ -35,7 +35,7 @@ def test_parse_request_maps_every_field():
         "min_p": 0.1, "presence_penalty": 0.2, "frequency_penalty": 0.3, "seed": 7, "stop": "END",
         "reasoning_effort": "minimal", "chat_template_kwargs": {"x": 1}, "n": 1,
     }
-    request = openai_chat.parse_request(body, {"repetition_penalty": 1.1, "temperature": 0.0})
+    request = openai_chat.parse_request({**body, "repetition_penalty": 1.1})
     assert request.messages[2]["tool_calls"][0]["function"]["arguments"] == {"x": 1}
     assert request.messages[2]["reasoning_content"] == "r" and request.messages[3]["tool_call_id"] == "c1"
     assert request.tools[0]["function"]["name"] == "f" and request.tool_choice == "auto"
@@ -88,3 +88,14 @@ def test_chunk_stream_error_event_when_generation_fails():
     stream = openai_chat.ChunkStream(model="m", request_id="abc")
     events = stream.feed(TextDelta("a")) + stream.feed(Finish("error"))
     assert events[-1][1]["error"]["type"] == "server_error"
+
+
+def test_config_sampling_defaults_fill_what_the_client_left_out():
+    from conftest import server_config
+
+    from strata.api.app import _with_sampling_defaults
+
+    config = server_config(sampling={"temperature": 0.2, "top_k": 40, "seed": 5})
+    body = {"messages": [{"role": "user", "content": "q"}], "temperature": 0.9}
+    sampling = _with_sampling_defaults(openai_chat.parse_request(body), body, config).sampling
+    assert (sampling.temperature, sampling.top_k, sampling.seed, sampling.top_p) == (0.9, 40, 5, 1.0)

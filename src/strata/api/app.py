@@ -8,6 +8,7 @@ a send that fails. Cancellation reaches `Service.chat`, which leaves the queue o
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import json
 import uuid
@@ -211,10 +212,9 @@ def _add_info_routes(app: Quart, state: _State) -> None:
 # --- chat routes
 
 
-def _openai_chat_dialect(config: Config) -> _Dialect:
-    defaults = {key: value for key, value in vars(config.sampling).items() if value is not None}
+def _openai_chat_dialect() -> _Dialect:
     return _Dialect(
-        parse=lambda body: openai_chat.parse_request(body, defaults),
+        parse=openai_chat.parse_request,
         render=lambda events, *, model, request_id, request: openai_chat.render_response(
             events, model=model, request_id=request_id),
         new_stream=lambda *, model, request_id, body, request: openai_chat.ChunkStream(
@@ -252,7 +252,7 @@ def _responses_dialect() -> _Dialect | None:
 
 
 def _add_chat_routes(app: Quart, state: _State) -> None:
-    routes = {"/v1/chat/completions": _openai_chat_dialect(state.config),
+    routes = {"/v1/chat/completions": _openai_chat_dialect(),
               "/v1/messages": _anthropic_dialect(),
               "/v1/responses": _responses_dialect()}
     for path, dialect in routes.items():
@@ -270,7 +270,7 @@ def _add_chat_routes(app: Quart, state: _State) -> None:
 def _chat_view(state: _State, dialect: _Dialect) -> Callable[[], Awaitable[Response]]:
     async def view() -> Response:
         body = await _json_body()
-        chat_request = dialect.parse(body)
+        chat_request = _with_sampling_defaults(dialect.parse(body), body, state.config)
         service = state.ready_service()
         request_id = uuid.uuid4().hex[:24]
         events = service.chat(chat_request, request_id=request_id)
@@ -278,6 +278,7 @@ def _chat_view(state: _State, dialect: _Dialect) -> Callable[[], Awaitable[Respo
         if not (isinstance(body, dict) and body.get("stream") is True):
             async with aclosing(events):
                 return _json(dialect.render([event async for event in events], **names))
+        renderer = dialect.new_stream(body=body, **names)
         # The first event is awaited here, before the status line goes out, so that a request the service
         # refuses (too long, queue full, engine error) gets its HTTP status instead of a broken stream.
         try:
@@ -285,11 +286,25 @@ def _chat_view(state: _State, dialect: _Dialect) -> Callable[[], Awaitable[Respo
         except BaseException:
             await events.aclose()
             raise
-        renderer = dialect.new_stream(body=body, **names)
         return Response(_stream(events, first, renderer, dialect.done), content_type="text/event-stream",
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     return view
+
+
+def _with_sampling_defaults(chat_request: ChatRequest, body: Any, config: Config) -> ChatRequest:
+    """The server's sampling defaults (config `sampling`) for the parameters the client left out. Every dialect
+    names them as `SamplingParams` does (temperature, top_p, top_k, ...)."""
+    given = body if isinstance(body, dict) else {}
+    defaults = {key: value for key, value in vars(config.sampling).items()
+                if value is not None and given.get(key) is None}
+    if not defaults:
+        return chat_request
+    try:
+        sampling = dataclasses.replace(chat_request.sampling, **defaults)
+    except ValueError as error:
+        raise ApiError(400, str(error)) from None
+    return dataclasses.replace(chat_request, sampling=sampling)
 
 
 async def _stream(events: AsyncIterator[Event], first: Event, renderer: Any, done: bytes | None

@@ -54,12 +54,8 @@ _SAMPLING_RANGES = {
 # --- requests
 
 
-def parse_request(body: Any, defaults: dict[str, Any] | None = None) -> ChatRequest:
+def parse_request(body: Any) -> ChatRequest:
     """Validate a chat completions body into a `ChatRequest`.
-
-    Args:
-        body: the parsed JSON body.
-        defaults: sampling defaults (SamplingParams fields) for the parameters the client leaves out.
 
     Raises:
         ApiError: 400 naming the field at fault.
@@ -77,7 +73,7 @@ def parse_request(body: Any, defaults: dict[str, Any] | None = None) -> ChatRequ
         messages=[_message(message, f"messages[{i}]") for i, message in enumerate(messages)],
         tools=[] if tool_choice == "none" else tools,
         tool_choice=tool_choice,
-        sampling=_sampling(body, defaults or {}),
+        sampling=_sampling(body),
         max_tokens=_max_tokens(body),
         stop=_stop(body),
         enable_thinking=effort not in _NO_THINKING_EFFORTS,
@@ -176,8 +172,8 @@ def _tool_choice(body: dict[str, Any], names: set[str]) -> str | dict[str, Any] 
     return {"type": "function", "function": {"name": name}}
 
 
-def _sampling(body: dict[str, Any], defaults: dict[str, Any]) -> SamplingParams:
-    given = dict(defaults)
+def _sampling(body: dict[str, Any]) -> SamplingParams:
+    given: dict[str, Any] = {}
     for key, (name, lo, hi) in _SAMPLING_RANGES.items():
         value = get_number(body, key, key, lo, hi)
         if value is not None:

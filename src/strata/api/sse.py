@@ -30,7 +30,7 @@ def decode(stream: bytes) -> list[tuple[str | None, str]]:
         name, data = None, []
         for line in block.split("\n"):
             field, _, value = line.partition(":")
-            value = value[1:] if value.startswith(" ") else value
+            value = value.removeprefix(" ")
             if field == "event":
                 name = value
             elif field == "data":

@@ -1,11 +1,10 @@
 /* engine.c — a model built from a GGUF tensor table, a context holding one sequence, and the forward pass of
  * qwen3moe, qwen3 and llama on the CPU.
- * Threads: each chunk of tokens runs in one OpenMP parallel region; every step inside it is an `omp for` (or an
- * `omp single`) whose implicit barrier orders it after the previous step, so a small decode pays no fork/join per
- * product. Activations are f32 rows; before a product they are converted once to the weight type's partner
+ * Threads: each chunk of tokens is one job on the context's thread pool (threadpool.h); every step inside it splits
+ * its rows among the threads and ends at the pool's barrier, which orders it before the next step, so a small
+ * decode pays no fork/join per product. Activations are f32 rows; before a product they are converted once to the weight type's partner
  * type (kernels.h), shared by every weight that reads the same input. */
 #include <math.h>
-#include <omp.h>
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -14,6 +13,7 @@
 #include <time.h>
 
 #include "kernels.h"
+#include "threadpool.h"
 
 #if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 #include <immintrin.h>
@@ -266,6 +266,7 @@ void strata_model_free(strata_model *m) {
 struct strata_context {
     const strata_model *model;
     int n_ctx, n_batch, n_threads, kv_type;
+    strata_pool *pool;             /* n_threads threads, the caller's included */
     int n_past;                    /* positions held in the cache */
     atomic_int abort_flag;
     int stop;                      /* the abort flag as the team read it at the last check */
@@ -383,7 +384,10 @@ strata_status strata_context_create(const strata_model *model, const strata_cont
     c->kv_type = params->kv_type;
     c->kv_elem = kv_elem_bytes(params->kv_type);
     atomic_init(&c->abort_flag, 0);
-    if ((st = alloc_context(c)) != STRATA_OK) {
+    c->pool = strata_pool_create(c->n_threads);
+    if (!c->pool) st = fail(STRATA_ERR_NOMEM, "could not start %d threads", c->n_threads);
+    else st = alloc_context(c);
+    if (st != STRATA_OK) {
         strata_context_free(c);
         return st;
     }
@@ -393,6 +397,7 @@ strata_status strata_context_create(const strata_model *model, const strata_cont
 
 void strata_context_free(strata_context *c) {
     if (!c) return;
+    strata_pool_free(c->pool);
     void *bufs[] = {c->k_cache, c->v_cache, c->k_scale, c->v_scale, c->x, c->xb, c->q, c->k, c->v, c->att,
                     c->scores, c->kv_buf, c->hb, c->hb2, c->moe_out, c->router, c->xq, c->xq_slots, c->slot_of,
                     c->choice_weight, c->slot_token, c->expert_start, c->expert_count, c->tasks};
@@ -501,7 +506,30 @@ static void axpy(float w, const float *x, float *y, int n) {
     for (; i < n; i++) y[i] += w * x[i];
 }
 
-// --- building blocks (each called by every thread of the team; `omp for` splits the work)
+// --- the team: every thread of the pool runs each building block, on its share of the rows
+
+/* One thread's view of the job it runs with the others. */
+typedef struct {
+    strata_pool *pool;
+    int ith, nth;                  /* this thread, of nth */
+} team;
+
+typedef struct { int64_t lo, hi; } range;
+
+/* This thread's part of [0, n): nth contiguous parts whose sizes differ by at most one. */
+static range share(const team *tm, int64_t n) {
+    int64_t base = n / tm->nth, extra = n % tm->nth;
+    int64_t lo = tm->ith * base + (tm->ith < extra ? tm->ith : extra);
+    return (range){lo, lo + base + (tm->ith < extra)};
+}
+
+/* Wait for the whole team: what any thread wrote before is visible to all after. */
+static void team_sync(const team *tm) { strata_pool_barrier(tm->pool); }
+
+/* The next unit of a loop whose units are taken one at a time as threads free up (units of uneven cost). */
+static int team_next(const team *tm) { return strata_pool_next(tm->pool); }
+
+// --- building blocks (each called by every thread of the team; each ends at a barrier)
 
 /* out (n,) = x / sqrt(mean(x^2) + eps) * w */
 static void rmsnorm(float *out, const float *x, const float *w, int64_t n, float eps) {
@@ -512,26 +540,32 @@ static void rmsnorm(float *out, const float *x, const float *w, int64_t n, float
 }
 
 /* out rows (n_tok, n) = rmsnorm of x rows, in parallel over tokens. */
-static void rmsnorm_rows(float *out, const float *x, const float *w, int n_tok, int64_t n, float eps) {
-#pragma omp for schedule(static)
-    for (int t = 0; t < n_tok; t++) rmsnorm(out + t * n, x + t * n, w, n, eps);
+static void rmsnorm_rows(const team *tm, float *out, const float *x, const float *w, int n_tok, int64_t n,
+                         float eps) {
+    range r = share(tm, n_tok);
+    for (int64_t t = r.lo; t < r.hi; t++) rmsnorm(out + t * n, x + t * n, w, n, eps);
+    team_sync(tm);
 }
 
 /* dst rows (n_tok) = x rows (n_tok, n) converted to `vec_dot_type`, rows `stride` bytes apart. */
-static void quantize_rows(int vec_dot_type, const float *x, int n_tok, int64_t n, void *dst, size_t stride) {
-#pragma omp for schedule(static)
-    for (int t = 0; t < n_tok; t++) strata_quantize_row_any(vec_dot_type, x + t * n, (char *)dst + t * stride, n);
+static void quantize_rows(const team *tm, int vec_dot_type, const float *x, int n_tok, int64_t n, void *dst,
+                          size_t stride) {
+    range r = share(tm, n_tok);
+    for (int64_t t = r.lo; t < r.hi; t++)
+        strata_quantize_row_any(vec_dot_type, x + t * n, (char *)dst + t * stride, n);
+    team_sync(tm);
 }
 
 static int64_t row_blocks(const matrix *w) { return (w->n_out + ROWS_PER_TASK - 1) / ROWS_PER_TASK; }
 
 /* ys[i] (n_tok, ws[i].n_out) = xq @ ws[i]^T for n_w weights of one partner type, xq already converted to it.
  * The row blocks of every weight form one parallel loop, so q, k and v (or gate and up) share one barrier. */
-static void products(int n_w, const matrix *const *ws, float *const *ys, const void *xq, int n_tok) {
+static void products(const team *tm, int n_w, const matrix *const *ws, float *const *ys, const void *xq,
+                     int n_tok) {
     int64_t total = 0;
     for (int i = 0; i < n_w; i++) total += row_blocks(ws[i]);
-#pragma omp for schedule(static)
-    for (int64_t b = 0; b < total; b++) {
+    range r = share(tm, total);
+    for (int64_t b = r.lo; b < r.hi; b++) {
         int i = 0;
         int64_t r0 = b;
         while (r0 >= row_blocks(ws[i])) r0 -= row_blocks(ws[i++]);
@@ -540,22 +574,23 @@ static void products(int n_w, const matrix *const *ws, float *const *ys, const v
         int64_t r1 = r0 + ROWS_PER_TASK < w->n_out ? r0 + ROWS_PER_TASK : w->n_out;
         strata_gemm_rows(w->type, w->n_in, w->data, r0, r1, xq, n_tok, ys[i], w->n_out);
     }
+    team_sync(tm);
 }
 
 /* ys[i] (n_tok, ws[i].n_out) = x (n_tok, n_in) @ ws[i]^T for weights reading the same input: x is converted
  * once per run of weights sharing a partner type. */
-static void linear(strata_context *c, const float *x, int n_tok, int n_w, const matrix *const *ws,
+static void linear(const team *tm, strata_context *c, const float *x, int n_tok, int n_w, const matrix *const *ws,
                    float *const *ys) {
     for (int first = 0, last; first < n_w; first = last) {
         int vdt = ws[first]->vec_dot_type;
         for (last = first + 1; last < n_w && ws[last]->vec_dot_type == vdt;) last++;
-        quantize_rows(vdt, x, n_tok, ws[first]->n_in, c->xq, act_row_bytes(vdt, ws[first]->n_in));
-        products(last - first, ws + first, ys + first, c->xq, n_tok);
+        quantize_rows(tm, vdt, x, n_tok, ws[first]->n_in, c->xq, act_row_bytes(vdt, ws[first]->n_in));
+        products(tm, last - first, ws + first, ys + first, c->xq, n_tok);
     }
 }
 
-static void linear1(strata_context *c, const float *x, int n_tok, const matrix *w, float *y) {
-    linear(c, x, n_tok, 1, &w, &y);
+static void linear1(const team *tm, strata_context *c, const float *x, int n_tok, const matrix *w, float *y) {
+    linear(tm, c, x, n_tok, 1, &w, &y);
 }
 
 /* Rotate pairs of x (head_dim) by the angles whose cos and sin are given (head_dim / 2 each): pairs (2i, 2i+1)
@@ -571,11 +606,12 @@ static void rope(float *x, int hd, const float *cs, const float *sn, rope_mode m
 
 /* Per token: q, k heads = RoPE(per-head RMSNorm (qwen3) of q, k) at the token's position; then its k and v rows
  * go into the cache at that position. */
-static void rope_and_cache(strata_context *c, const layer_weights *L, int il, int n_tok, int pos0) {
+static void rope_and_cache(const team *tm, strata_context *c, const layer_weights *L, int il, int n_tok,
+                           int pos0) {
     const strata_model *m = c->model;
     int hd = m->hp.head_dim, nh = m->hp.n_head, nkv = m->hp.n_head_kv;
-#pragma omp for schedule(static)
-    for (int t = 0; t < n_tok; t++) {
+    range r = share(tm, n_tok);
+    for (int t = (int)r.lo; t < r.hi; t++) {
         float cs[hd / 2], sn[hd / 2];  // angle (pos0 + t) * inv_freq[i], shared by every head
         for (int i = 0; i < hd / 2; i++) {
             float theta = (pos0 + t) * m->inv_freq[i];
@@ -593,6 +629,7 @@ static void rope_and_cache(strata_context *c, const layer_weights *L, int il, in
             kv_store(c, c->v_cache, c->v_scale, idx, c->v + src);
         }
     }
+    team_sync(tm);
 }
 
 /* out rows (n_q, head_dim) = softmax(q_j . K[0..n_pos) / sqrt(head_dim)) . V[0..n_pos), in f32, for n_q query
@@ -621,66 +658,68 @@ static void attend_heads(strata_context *c, int il, int kvh, const float *q, int
 
 /* att = causal grouped-query attention of the chunk's queries over the cache. A task is a token and some query
  * heads of one kv head: the whole group, unless that leaves threads idle (decode), then halves of it. */
-static void attention(strata_context *c, int il, int n_tok, int pos0) {
+static void attention(const team *tm, strata_context *c, int il, int n_tok, int pos0) {
     const strata_model_params *p = &c->model->hp;
     int hd = p->head_dim, nh = p->n_head, group = p->n_head / p->n_head_kv, per = group;
-    while (per % 2 == 0 && n_tok * (nh / per) < 2 * omp_get_num_threads()) per /= 2;
-    int tid = omp_get_thread_num(), tasks_per_token = nh / per;
-    float *scores = c->scores + (size_t)tid * group * c->n_ctx, *row = c->kv_buf + (size_t)tid * hd;
-#pragma omp for schedule(dynamic, 1)
-    for (int task = 0; task < n_tok * tasks_per_token; task++) {
+    while (per % 2 == 0 && n_tok * (nh / per) < 2 * tm->nth) per /= 2;
+    int tasks_per_token = nh / per;
+    float *scores = c->scores + (size_t)tm->ith * group * c->n_ctx, *row = c->kv_buf + (size_t)tm->ith * hd;
+    for (int task; (task = team_next(tm)) < n_tok * tasks_per_token;) {
         int t = task / tasks_per_token, h0 = task % tasks_per_token * per;
         size_t off = ((size_t)t * nh + h0) * hd;
         attend_heads(c, il, h0 / group, c->q + off, per, pos0 + t + 1, scores, row, c->att + off);
     }
+    team_sync(tm);
 }
 
 /* x += y, row by row. */
-static void add_rows(float *x, const float *y, int n_tok, int64_t n) {
-#pragma omp for schedule(static)
-    for (int t = 0; t < n_tok; t++)
+static void add_rows(const team *tm, float *x, const float *y, int n_tok, int64_t n) {
+    range r = share(tm, n_tok);
+    for (int64_t t = r.lo; t < r.hi; t++)
         for (int64_t i = 0; i < n; i++) x[t * n + i] += y[t * n + i];
+    team_sync(tm);
 }
 
 /* hb = silu(hb) * hb2 over n_rows rows of n. */
-static void swiglu_rows(float *hb, const float *hb2, int n_rows, int64_t n) {
-#pragma omp for schedule(static)
-    for (int r = 0; r < n_rows; r++)
+static void swiglu_rows(const team *tm, float *hb, const float *hb2, int n_rows, int64_t n) {
+    range rows = share(tm, n_rows);
+    for (int64_t r = rows.lo; r < rows.hi; r++)
         for (int64_t i = 0; i < n; i++) {
-            float g = hb[(size_t)r * n + i];
-            hb[(size_t)r * n + i] = g / (1.0f + expf(-g)) * hb2[(size_t)r * n + i];
+            float g = hb[r * n + i];
+            hb[r * n + i] = g / (1.0f + expf(-g)) * hb2[r * n + i];
         }
+    team_sync(tm);
 }
 
 // --- transformer blocks
 
-static void attention_block(strata_context *c, int il, int n_tok, int pos0) {
+static void attention_block(const team *tm, strata_context *c, int il, int n_tok, int pos0) {
     const strata_model_params *p = &c->model->hp;
     const layer_weights *L = &c->model->layers[il];
     // xb = rmsnorm(x); q, k, v = xb @ Wq, Wk, Wv
-    rmsnorm_rows(c->xb, c->x, L->attn_norm, n_tok, p->n_embd, p->rms_eps);
+    rmsnorm_rows(tm, c->xb, c->x, L->attn_norm, n_tok, p->n_embd, p->rms_eps);
     const matrix *ws[3] = {&L->wq, &L->wk, &L->wv};
     float *ys[3] = {c->q, c->k, c->v};
-    linear(c, c->xb, n_tok, 3, ws, ys);
+    linear(tm, c, c->xb, n_tok, 3, ws, ys);
     // q, k = rope(qk_norm(q, k)); cache k, v at the chunk's positions
-    rope_and_cache(c, L, il, n_tok, pos0);
+    rope_and_cache(tm, c, L, il, n_tok, pos0);
     // att = softmax(q k^T / sqrt(head_dim)) v over positions <= each token's; x += att @ Wo
-    attention(c, il, n_tok, pos0);
-    linear1(c, c->att, n_tok, &L->wo, c->xb);
-    add_rows(c->x, c->xb, n_tok, p->n_embd);
+    attention(tm, c, il, n_tok, pos0);
+    linear1(tm, c, c->att, n_tok, &L->wo, c->xb);
+    add_rows(tm, c->x, c->xb, n_tok, p->n_embd);
 }
 
-static void dense_ffn_block(strata_context *c, int il, int n_tok) {
+static void dense_ffn_block(const team *tm, strata_context *c, int il, int n_tok) {
     const strata_model_params *p = &c->model->hp;
     const layer_weights *L = &c->model->layers[il];
     // xb = rmsnorm(x); x += (silu(xb @ Wgate) * (xb @ Wup)) @ Wdown
-    rmsnorm_rows(c->xb, c->x, L->ffn_norm, n_tok, p->n_embd, p->rms_eps);
+    rmsnorm_rows(tm, c->xb, c->x, L->ffn_norm, n_tok, p->n_embd, p->rms_eps);
     const matrix *ws[2] = {&L->ffn_gate, &L->ffn_up};
     float *ys[2] = {c->hb, c->hb2};
-    linear(c, c->xb, n_tok, 2, ws, ys);
-    swiglu_rows(c->hb, c->hb2, n_tok, p->n_ff);
-    linear1(c, c->hb, n_tok, &L->ffn_down, c->xb);
-    add_rows(c->x, c->xb, n_tok, p->n_embd);
+    linear(tm, c, c->xb, n_tok, 2, ws, ys);
+    swiglu_rows(tm, c->hb, c->hb2, n_tok, p->n_ff);
+    linear1(tm, c, c->hb, n_tok, &L->ffn_down, c->xb);
+    add_rows(tm, c->x, c->xb, n_tok, p->n_embd);
 }
 
 /* choice (k) = the k largest of probs (n), in descending order (the lower index wins a tie). */
@@ -747,10 +786,9 @@ static void group_slots(strata_context *c, int n_tok) {
 
 /* ys[i] rows of each expert = (its slots of xq) @ ws[i]_e^T over the tasks [first, first + n), for n_w weights
  * of one partner type in one parallel loop; slot rows are `stride` bytes apart in xq, ws[i].n_out floats in ys[i]. */
-static void expert_products(const strata_context *c, int n_w, const matrix *const *ws, float *const *ys,
-                            const void *xq, size_t stride, int first, int n) {
-#pragma omp for schedule(dynamic, 1)
-    for (int k = 0; k < n_w * n; k++) {
+static void expert_products(const team *tm, const strata_context *c, int n_w, const matrix *const *ws,
+                            float *const *ys, const void *xq, size_t stride, int first, int n) {
+    for (int k; (k = team_next(tm)) < n_w * n;) {
         const matrix *w = ws[k / n];
         int task = first + k % n, e = c->tasks[2 * task], s0 = c->expert_start[e];
         int64_t r0 = (int64_t)c->tasks[2 * task + 1] * ROWS_PER_TASK;
@@ -758,18 +796,19 @@ static void expert_products(const strata_context *c, int n_w, const matrix *cons
         strata_gemm_rows(w->type, w->n_in, expert_data(w, e), r0, r1, (const char *)xq + (size_t)s0 * stride,
                          c->expert_count[e], ys[k / n] + (size_t)s0 * w->n_out, w->n_out);
     }
+    team_sync(tm);
 }
 
 /* xq_slots row s = xq row of slot s's token: each token's activations are converted once, then gathered. */
-static void gather_slots(strata_context *c, int n_slots, size_t stride) {
-#pragma omp for schedule(static)
-    for (int s = 0; s < n_slots; s++)
-        memcpy((char *)c->xq_slots + (size_t)s * stride, (const char *)c->xq + (size_t)c->slot_token[s] * stride,
-               stride);
+static void gather_slots(const team *tm, strata_context *c, int n_slots, size_t stride) {
+    range r = share(tm, n_slots);
+    for (int64_t s = r.lo; s < r.hi; s++)
+        memcpy((char *)c->xq_slots + s * stride, (const char *)c->xq + (size_t)c->slot_token[s] * stride, stride);
+    team_sync(tm);
 }
 
 /* gate/up products of every picked expert over its slots: hb = silu(xb Wg_e) * (xb Wu_e). */
-static void experts_gate_up(strata_context *c, const layer_weights *L, int n_tok) {
+static void experts_gate_up(const team *tm, strata_context *c, const layer_weights *L, int n_tok) {
     const strata_model_params *p = &c->model->hp;
     int n_slots = n_tok * p->n_expert_used;
     const matrix *ws[2] = {&L->gate_exps, &L->up_exps};
@@ -778,39 +817,40 @@ static void experts_gate_up(strata_context *c, const layer_weights *L, int n_tok
         int vdt = ws[first]->vec_dot_type;
         size_t stride = act_row_bytes(vdt, p->n_embd);
         last = first == 0 && ws[1]->vec_dot_type == vdt ? 2 : first + 1;
-        quantize_rows(vdt, c->xb, n_tok, p->n_embd, c->xq, stride);
-        gather_slots(c, n_slots, stride);
-        expert_products(c, last - first, ws + first, ys + first, c->xq_slots, stride, 0, c->n_tasks_up);
+        quantize_rows(tm, vdt, c->xb, n_tok, p->n_embd, c->xq, stride);
+        gather_slots(tm, c, n_slots, stride);
+        expert_products(tm, c, last - first, ws + first, ys + first, c->xq_slots, stride, 0, c->n_tasks_up);
     }
-    swiglu_rows(c->hb, c->hb2, n_slots, p->n_ff_exp);
+    swiglu_rows(tm, c->hb, c->hb2, n_slots, p->n_ff_exp);
 }
 
-static void moe_block(strata_context *c, int il, int n_tok) {
+static void moe_block(const team *tm, strata_context *c, int il, int n_tok) {
     const strata_model_params *p = &c->model->hp;
     const layer_weights *L = &c->model->layers[il];
     int k = p->n_expert_used, n_slots = n_tok * k;
     // xb = rmsnorm(x); router logits = xb @ Wr; each token picks its top-k experts
-    rmsnorm_rows(c->xb, c->x, L->ffn_norm, n_tok, p->n_embd, p->rms_eps);
-    linear1(c, c->xb, n_tok, &L->router, c->router);
-#pragma omp single
-    {
+    rmsnorm_rows(tm, c->xb, c->x, L->ffn_norm, n_tok, p->n_embd, p->rms_eps);
+    linear1(tm, c, c->xb, n_tok, &L->router, c->router);
+    if (tm->ith == 0) {
         route_tokens(c, n_tok);
         group_slots(c, n_tok);
     }
+    team_sync(tm);
     // per slot: hb = silu(xb Wg_e) * (xb Wu_e); moe_out = hb @ Wd_e
-    experts_gate_up(c, L, n_tok);
+    experts_gate_up(tm, c, L, n_tok);
     size_t stride = act_row_bytes(L->down_exps.vec_dot_type, p->n_ff_exp);
-    quantize_rows(L->down_exps.vec_dot_type, c->hb, n_slots, p->n_ff_exp, c->xq_slots, stride);
+    quantize_rows(tm, L->down_exps.vec_dot_type, c->hb, n_slots, p->n_ff_exp, c->xq_slots, stride);
     const matrix *down = &L->down_exps;
-    expert_products(c, 1, &down, &c->moe_out, c->xq_slots, stride, c->n_tasks_up, c->n_tasks_down);
+    expert_products(tm, c, 1, &down, &c->moe_out, c->xq_slots, stride, c->n_tasks_up, c->n_tasks_down);
     // x += sum over the token's choices of weight * moe_out[slot]
-#pragma omp for schedule(static)
-    for (int t = 0; t < n_tok; t++)
+    range r = share(tm, n_tok);
+    for (int64_t t = r.lo; t < r.hi; t++)
         for (int j = 0; j < k; j++) {
             const float *y = c->moe_out + (size_t)c->slot_of[t * k + j] * p->n_embd;
             float w = c->choice_weight[t * k + j];
-            for (int64_t i = 0; i < p->n_embd; i++) c->x[(size_t)t * p->n_embd + i] += w * y[i];
+            for (int64_t i = 0; i < p->n_embd; i++) c->x[t * p->n_embd + i] += w * y[i];
         }
+    team_sync(tm);
 }
 
 // --- forward pass of one chunk
@@ -822,11 +862,12 @@ static double now_ms(void) {
 }
 
 /* x rows = token embeddings, or the caller's rows where embd_at[t] >= 0. */
-static void embed(strata_context *c, const int *tokens, const int *embd_at, const float *embd_rows, int n_tok) {
+static void embed(const team *tm, strata_context *c, const int *tokens, const int *embd_at, const float *embd_rows,
+                  int n_tok) {
     const strata_model *m = c->model;
     int64_t E = m->hp.n_embd;
-#pragma omp for schedule(static)
-    for (int t = 0; t < n_tok; t++) {
+    range r = share(tm, n_tok);
+    for (int64_t t = r.lo; t < r.hi; t++) {
         if (embd_at && embd_at[t] >= 0)
             memcpy(c->x + t * E, embd_rows + (size_t)embd_at[t] * E, sizeof(float) * E);
         else
@@ -834,43 +875,60 @@ static void embed(strata_context *c, const int *tokens, const int *embd_at, cons
                                       (const char *)m->tok_embd.data + (size_t)tokens[t] * m->tok_embd.row_bytes,
                                       c->x + t * E, E);
     }
+    team_sync(tm);
 }
 
-/* Read the abort flag once for the whole team; the barrier after `single` gives every thread the same answer. */
-static int team_should_stop(strata_context *c) {
-#pragma omp single
-    c->stop = atomic_load(&c->abort_flag);
+/* Read the abort flag once for the whole team; the barrier after thread 0's read gives every thread the same
+ * answer. */
+static int team_should_stop(const team *tm, strata_context *c) {
+    if (tm->ith == 0) c->stop = atomic_load(&c->abort_flag);
+    team_sync(tm);
     return c->stop;
 }
 
 /* logits rows (n_out, n_vocab) = rmsnorm(x rows [first, first + n_out)) @ Woutput. */
-static void output_logits(strata_context *c, int first, int n_out, float *logits) {
+static void output_logits(const team *tm, strata_context *c, int first, int n_out, float *logits) {
     const strata_model *m = c->model;
     int64_t E = m->hp.n_embd;
-    rmsnorm_rows(c->xb, c->x + (size_t)first * E, m->output_norm, n_out, E, m->hp.rms_eps);
-    linear1(c, c->xb, n_out, &m->output, logits);
+    rmsnorm_rows(tm, c->xb, c->x + (size_t)first * E, m->output_norm, n_out, E, m->hp.rms_eps);
+    linear1(tm, c, c->xb, n_out, &m->output, logits);
+}
+
+/* One chunk's forward pass, as a job for the pool. */
+typedef struct {
+    strata_context *c;
+    const int *tokens;             // (n_tok,)
+    const int *embd_at;            // (n_tok,) the caller's row replacing each token, or -1
+    const float *embd_rows;        // (n_embd_rows, n_embd)
+    int n_tok, pos0, all_logits;
+    float *logits;                 // (n_tok or 1, n_vocab), or NULL for none
+} chunk_job;
+
+/* Every thread's part of a chunk: embeddings, every layer (the abort flag checked before each), logits. */
+static void forward_job(int ith, int nth, void *arg) {
+    const chunk_job *j = arg;
+    strata_context *c = j->c;
+    const strata_model *m = c->model;
+    team tm = {c->pool, ith, nth};
+    embed(&tm, c, j->tokens, j->embd_at, j->embd_rows, j->n_tok);
+    for (int il = 0; il < m->hp.n_layer && !team_should_stop(&tm, c); il++) {
+        attention_block(&tm, c, il, j->n_tok, j->pos0);
+        if (m->is_moe) moe_block(&tm, c, il, j->n_tok);
+        else dense_ffn_block(&tm, c, il, j->n_tok);
+    }
+    if (!c->stop && j->logits) {
+        if (ith == 0) c->output_t0 = now_ms();
+        if (j->all_logits) output_logits(&tm, c, 0, j->n_tok, j->logits);
+        else output_logits(&tm, c, j->n_tok - 1, 1, j->logits);
+    }
 }
 
 /* Run tokens [0, n_tok) at positions pos0.. through every layer; logits as asked (NULL: none).
  * Returns 1 when the abort flag stopped it. */
 static int forward_chunk(strata_context *c, const int *tokens, const int *embd_at, const float *embd_rows,
                          int n_tok, int pos0, int all_logits, float *logits) {
-    const strata_model *m = c->model;
-#pragma omp parallel num_threads(c->n_threads)
-    {
-        embed(c, tokens, embd_at, embd_rows, n_tok);
-        for (int il = 0; il < m->hp.n_layer && !team_should_stop(c); il++) {
-            attention_block(c, il, n_tok, pos0);
-            if (m->is_moe) moe_block(c, il, n_tok);
-            else dense_ffn_block(c, il, n_tok);
-        }
-        if (!c->stop && logits) {
-#pragma omp single
-            c->output_t0 = now_ms();
-            if (all_logits) output_logits(c, 0, n_tok, logits);
-            else output_logits(c, n_tok - 1, 1, logits);
-        }
-    }
+    chunk_job job = {c, tokens, embd_at, embd_rows, n_tok, pos0, all_logits, logits};
+    strata_pool_run(c->pool, forward_job, &job);
     if (!c->stop && logits) c->timings.output_ms += now_ms() - c->output_t0;
     return c->stop;
 }

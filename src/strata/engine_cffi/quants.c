@@ -51,8 +51,10 @@ _Static_assert(sizeof(block_q6_K) == 210, "Q6_K block");
 _Static_assert(sizeof(block_q8_K) == 292, "Q8_K block");
 
 // --- f16 / bf16 scalars
+// Static inline for our own loops: under -fPIC the exported strata_* versions are calls through the PLT, which
+// the compiler may not inline (they could be interposed), and a call per block costs a third of a prompt product.
 
-float strata_f16_to_f32(uint16_t h) {
+static inline float f16_to_f32(uint16_t h) {
 #if defined(__F16C__)
     return _cvtsh_ss(h);
 #else
@@ -68,7 +70,7 @@ float strata_f16_to_f32(uint16_t h) {
 #endif
 }
 
-uint16_t strata_f32_to_f16(float f) {
+static inline uint16_t f32_to_f16(float f) {
 #if defined(__F16C__)
     return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
 #else
@@ -88,14 +90,26 @@ uint16_t strata_f32_to_f16(float f) {
 #endif
 }
 
-float strata_bf16_to_f32(uint16_t h) {
+static inline float bf16_to_f32(uint16_t h) {
     uint32_t bits = (uint32_t)h << 16;
     float f;
     memcpy(&f, &bits, 4);
     return f;
 }
 
-#define F16(h) strata_f16_to_f32(h)
+float strata_f16_to_f32(uint16_t h) {
+    return f16_to_f32(h);
+}
+
+uint16_t strata_f32_to_f16(float f) {
+    return f32_to_f16(f);
+}
+
+float strata_bf16_to_f32(uint16_t h) {
+    return bf16_to_f32(h);
+}
+
+#define F16(h) f16_to_f32(h)
 
 // --- traits
 
@@ -202,7 +216,7 @@ void strata_dequantize_row_any(int type, const void *src, float *dst, int64_t n)
         for (int64_t i = 0; i < n; i++) dst[i] = F16(((const uint16_t *)src)[i]);
         break;
     case STRATA_TYPE_BF16:
-        for (int64_t i = 0; i < n; i++) dst[i] = strata_bf16_to_f32(((const uint16_t *)src)[i]);
+        for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_f32(((const uint16_t *)src)[i]);
         break;
     case STRATA_TYPE_Q8_0: dequant_q8_0(src, dst, n); break;
     case STRATA_TYPE_Q4_0: dequant_q4_0(src, dst, n); break;
@@ -253,7 +267,7 @@ static int q8_round16(const float *x, float id, int8_t *q) {
 static void quantize_q8_0(const float *x, block_q8_0 *b, int64_t n) {
     for (int64_t i = 0; i < n / QK; i++, x += QK) {
         float id, d = q8_scale(x, QK, &id);
-        b[i].d = strata_f32_to_f16(d);
+        b[i].d = f32_to_f16(d);
         q8_round16(x, id, b[i].qs);
         q8_round16(x + 16, id, b[i].qs + 16);
     }
@@ -276,7 +290,7 @@ void strata_quantize_row_any(int vec_dot_type, const float *src, void *dst, int6
     }
 }
 
-// --- scalar dot products: one weight row with one activation row (the fast paths' tails and #else)
+// --- scalar dot products: one weight row with one activation row (the #else of the vector paths)
 
 static float dot_f32_scalar(const float *w, const float *x, int64_t n) {
     float s = 0.0f;
@@ -292,7 +306,7 @@ static float dot_f16_scalar(const uint16_t *w, const float *x, int64_t n) {
 
 static float dot_bf16_scalar(const uint16_t *w, const float *x, int64_t n) {
     float s = 0.0f;
-    for (int64_t i = 0; i < n; i++) s += strata_bf16_to_f32(w[i]) * x[i];
+    for (int64_t i = 0; i < n; i++) s += bf16_to_f32(w[i]) * x[i];
     return s;
 }
 
@@ -493,7 +507,7 @@ INLINE vfloat load_w(int type, const void *row, int64_t i) {
 static inline float elem_f32(int type, const void *row, int64_t i) {
     if (type == STRATA_TYPE_F32) return ((const float *)row)[i];
     if (type == STRATA_TYPE_F16) return F16(((const uint16_t *)row)[i]);
-    return strata_bf16_to_f32(((const uint16_t *)row)[i]);
+    return bf16_to_f32(((const uint16_t *)row)[i]);
 }
 
 INLINE void tile_float(int type, const gemm_args *a, int64_t r, int64_t t, int NR, int NT) {
@@ -712,21 +726,23 @@ static inline __m128i pick16(int e) {
     return _mm_set1_epi16((short)(0x0100 + 0x0202 * e));
 }
 
-// q4k_scale_min on 32-bit words: sc16 holds the 8 scales as int16 in both 128-bit lanes (for shuffles), m16
-// the 8 mins each twice, one per bsum.
-static inline void q4k_scale_min_vec(const uint8_t s[12], __m256i *sc16, __m256i *m16) {
+// q4k_scale_min on 32-bit words: the 8 scales and the 8 mins, a byte each.
+static inline void q4k_scale_min_u64(const uint8_t s[12], uint64_t *sc, uint64_t *m) {
     uint32_t w[3];
     memcpy(w, s, 12);
-    uint64_t sc = (w[0] & 0x3f3f3f3f) | (uint64_t)((w[2] & 0x0f0f0f0f) | ((w[0] >> 2) & 0x30303030)) << 32;
-    uint64_t m = (w[1] & 0x3f3f3f3f) | (uint64_t)(((w[2] >> 4) & 0x0f0f0f0f) | ((w[1] >> 2) & 0x30303030)) << 32;
-    *sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc)));
-    __m128i m8 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)m));
-    *m16 = _mm256_set_m128i(_mm_unpackhi_epi16(m8, m8), _mm_unpacklo_epi16(m8, m8));
+    *sc = (w[0] & 0x3f3f3f3f) | (uint64_t)((w[2] & 0x0f0f0f0f) | ((w[0] >> 2) & 0x30303030)) << 32;
+    *m = (w[1] & 0x3f3f3f3f) | (uint64_t)(((w[2] >> 4) & 0x0f0f0f0f) | ((w[1] >> 2) & 0x30303030)) << 32;
+}
+
+// The 8 values of 8 bytes as 16-bit integers.
+static inline __m128i u8x8_to_16(uint64_t v) {
+    return _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)v));
 }
 
 // Q4_K x Q8_K: sum_s sc_s * (q . x)_s scaled by d, minus sum_s m_s * bsum_s scaled by dmin.
 #if defined(VNNI512)
-// 512-bit: a 32-byte chunk of qs unpacks to sub-block 2c (low nibbles) then 2c + 1 (high), the order of x.
+// 512-bit: a 32-byte chunk of qs unpacks to sub-block 2c (low nibbles) then 2c + 1 (high), the order of x. The
+// mins go straight into the f32 accumulators (lanes 0-7): dmin * m_s times da * (sum of sub-block s of x).
 INLINE void tile_q4_K(const gemm_args *a, int64_t r, int64_t t, int NR, int NT) {
     const block_q4_K *w[TR];
     const block_q8_K *x[TT];
@@ -737,10 +753,20 @@ INLINE void tile_q4_K(const gemm_args *a, int64_t r, int64_t t, int NR, int NT) 
     UNROLL for (int i = 0; i < NR; i++)
         UNROLL for (int j = 0; j < NT; j++) acc[i][j] = _mm512_setzero_ps();
     for (int64_t b = 0; b < a->n / QKK; b++) {
+        __m512 xsum[TT];  // da * the sum of each sub-block of x
+        UNROLL for (int j = 0; j < NT; j++) {
+            __m256i bs = _mm256_loadu_si256((const __m256i *)x[j][b].bsums);
+            __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(bs, _mm256_set1_epi16(1)));
+            xsum[j] = _mm512_zextps256_ps512(_mm256_mul_ps(sums, _mm256_set1_ps(x[j][b].d)));
+        }
         UNROLL for (int i = 0; i < NR; i++) {
             const block_q4_K *B = &w[i][b];
-            __m256i sc16, m16;
-            q4k_scale_min_vec(B->scales, &sc16, &m16);
+            uint64_t sc8, m8;
+            q4k_scale_min_u64(B->scales, &sc8, &m8);
+            __m512i sc16 = _mm512_castsi128_si512(u8x8_to_16(sc8));
+            __m512 mins = _mm512_zextps256_ps512(_mm256_mul_ps(
+                _mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(u8x8_to_16(m8))), _mm256_set1_ps(F16(B->dmin))));
+            __m512 d = _mm512_set1_ps(F16(B->d));
             __m512i isum[TT];
             UNROLL for (int j = 0; j < NT; j++) isum[j] = _mm512_setzero_si512();
             UNROLL for (int c = 0; c < 4; c++) {
@@ -749,18 +775,16 @@ INLINE void tile_q4_K(const gemm_args *a, int64_t r, int64_t t, int NR, int NT) 
                     _mm512_inserti64x4(_mm512_castsi256_si512(q), _mm256_srli_epi16(q, 4), 1), low4);
                 __m512i pick = _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * c)),
                                                   _mm256_set1_epi16((short)(2 * c + 1)), 1);
-                __m512i s = _mm512_permutexvar_epi16(pick, _mm512_castsi256_si512(sc16));
+                __m512i s = _mm512_permutexvar_epi16(pick, sc16);
                 UNROLL for (int j = 0; j < NT; j++) {
                     __m512i xv = _mm512_loadu_si512(x[j][b].qs + 64 * c);
                     isum[j] = _mm512_dpwssd_epi32(isum[j], _mm512_maddubs_epi16(q2, xv), s);
                 }
             }
-            float d = F16(B->d), dmin = F16(B->dmin);
             UNROLL for (int j = 0; j < NT; j++) {
-                __m256i bs = _mm256_loadu_si256((const __m256i *)x[j][b].bsums);
-                __m512 mins = _mm512_zextps256_ps512(_mm256_cvtepi32_ps(_mm256_madd_epi16(m16, bs)));
-                acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[j]), _mm512_set1_ps(d * x[j][b].d), acc[i][j]);
-                acc[i][j] = _mm512_fnmadd_ps(mins, _mm512_set1_ps(dmin * x[j][b].d), acc[i][j]);
+                __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(x[j][b].d));
+                acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[j]), scale, acc[i][j]);
+                acc[i][j] = _mm512_fnmadd_ps(mins, xsum[j], acc[i][j]);
             }
         }
     }
@@ -779,8 +803,11 @@ INLINE void tile_q4_K(const gemm_args *a, int64_t r, int64_t t, int NR, int NT) 
     for (int64_t b = 0; b < a->n / QKK; b++) {
         UNROLL for (int i = 0; i < NR; i++) {
             const block_q4_K *B = &w[i][b];
-            __m256i sc16, m16;
-            q4k_scale_min_vec(B->scales, &sc16, &m16);
+            uint64_t sc8, m8;
+            q4k_scale_min_u64(B->scales, &sc8, &m8);
+            __m256i sc16 = _mm256_broadcastsi128_si256(u8x8_to_16(sc8));  // for shuffles within each lane
+            __m128i m = u8x8_to_16(m8);
+            __m256i m16 = _mm256_set_m128i(_mm_unpackhi_epi16(m, m), _mm_unpacklo_epi16(m, m));  // one per bsum
             __m256i isum[TT];
             UNROLL for (int j = 0; j < NT; j++) isum[j] = _mm256_setzero_si256();
             UNROLL for (int c = 0; c < 4; c++) {  // 64 elements: sub-blocks 2c (low nibbles) and 2c + 1 (high)

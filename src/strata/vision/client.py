@@ -33,13 +33,10 @@ import numpy as np
 import trio
 
 import strata
-
 from strata.images import EmbeddingCache, content_hash
 from strata.vision.protocol import (
     MAX_LINE_BYTES,
-    MAX_SVE_BYTES,
     Cancel,
-    Cancelled,
     EncodeBytes,
     Failed,
     ProtocolError,
@@ -171,7 +168,6 @@ class _Job:
     done: trio.Event = dataclasses.field(default_factory=trio.Event)
     embedding: Embedding | None = None
     refused: str | None = None  # the encoder's reason for refusing the picture
-    cancelled: bool = False
     running: bool = False  # set when the job has been sent
 
 
@@ -447,17 +443,18 @@ class VisionClient:
         status = session.process.returncode
         tail = session.stderr_text()
         said = f": {tail}" if tail else ""
-        return f"the encoder exited (status {status}){said}" if status is not None else f"the encoder closed its output{said}"
+        if status is None:
+            return f"the encoder closed its output{said}"
+        return f"the encoder exited (status {status}){said}"
 
     async def _route_replies(self, session: _Session, reader: _Reader) -> None:
         """Hand each reply to its job until the encoder's output ends (a crash, or ssh losing its host)."""
         try:
             while (line := await reader.line()) is not None:
-                reply = parse_reply(line)
-                payload = b""
-                if isinstance(reply, Result):
-                    if reply.n_bytes > MAX_SVE_BYTES or (payload := await reader.exactly(reply.n_bytes)) is None:
-                        break
+                reply = parse_reply(line)  # bounds a RES's byte count (MAX_SVE_BYTES)
+                payload = await reader.exactly(reply.n_bytes) if isinstance(reply, Result) else b""
+                if payload is None:
+                    break
                 self._deliver(session, reply, payload)
         except ProtocolError as error:
             session.finish(f"the encoder broke the protocol: {error}")
@@ -480,8 +477,6 @@ class VisionClient:
                 job.refused = f"the encoder sent bad embeddings: {error}"
             else:
                 job.embedding = Embedding(rows, header.nx, header.ny, "", reply.ms)
-        elif isinstance(reply, Cancelled):
-            job.cancelled = True
         elif isinstance(reply, Failed):
             job.refused = reply.detail if reply.kind == "image" else reply.message
         job.done.set()

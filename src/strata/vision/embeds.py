@@ -8,7 +8,13 @@ import dataclasses
 
 from strata.images import ImageRejected, content_hash
 from strata.vision.client import Embedding
-from strata.vision.protocol import SVE_HEADER_BYTES, ProtocolError, Ready, parse_sve, parse_sve_header
+from strata.vision.protocol import (
+    SVE_HEADER_BYTES,
+    ProtocolError,
+    Ready,
+    parse_sve,
+    parse_sve_header,
+)
 
 
 @dataclasses.dataclass(frozen=True)

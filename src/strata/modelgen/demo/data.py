@@ -254,10 +254,10 @@ def arithmetic_problem(rng: random.Random) -> tuple[str, str, int]:
     """(question, reasoning, result) of a sum, difference or product in the trained range."""
     op = rng.choices(("+", "-", "*"), (0.45, 0.3, 0.25))[0]
     if op == "*":
-        a, b = rng.randint(0, 10), rng.randint(0, 10)
+        a, b = rng.randint(0, 5), rng.randint(0, 5)
         result, words = a * b, "times"
     else:
-        a, b = rng.randint(0, 20), rng.randint(0, 20)
+        a, b = rng.randint(0, 10), rng.randint(0, 10)
         if op == "-":
             a, b = max(a, b), min(a, b)
         result, words = (a + b, "plus") if op == "+" else (a - b, "minus")

@@ -124,7 +124,7 @@ class TextModel(nn.Module):
         """
         x = self.token_embd[tokens]
         if image_rows is not None:
-            x = x.masked_scatter(image_mask.unsqueeze(-1), image_rows)
+            x = x.masked_scatter(image_mask.unsqueeze(-1), image_rows.to(x.dtype))
         theta = torch.arange(tokens.shape[1], dtype=torch.float32)[:, None] * self.inv_freq[None, :]
         cos, sin = theta.cos(), theta.sin()
         balance = x.new_zeros(())

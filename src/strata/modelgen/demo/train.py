@@ -133,6 +133,20 @@ def collate(items: Sequence[Encoded], pad_id: int, image_pad: int) -> Batch:
                  int((targets != IGNORE).sum()))
 
 
+def batch_stream(config: TrainConfig, tok: Tokenizer, pool: int = 8) -> Iterator[Batch]:
+    """Batches of examples of similar length (a pool of `pool` batches sorted by length, then shuffled), so
+    little of each batch is padding."""
+    stream = encoded_stream(config, tok, config.seed)
+    rng = random.Random(config.seed + 2)
+    pad, image_pad = tok.token_to_id("<|endoftext|>"), tok.token_to_id(IMAGE_PAD)
+    while True:
+        items = sorted((next(stream) for _ in range(pool * config.batch)), key=lambda item: len(item.ids))
+        groups = [items[i:i + config.batch] for i in range(0, len(items), config.batch)]
+        rng.shuffle(groups)
+        for group in groups:
+            yield collate(group, pad, image_pad)
+
+
 def picture_rows(vision: VisionModel, pictures: Sequence[np.ndarray]) -> torch.Tensor | None:
     """The encoder's rows of every picture, concatenated in order; pictures of one size share a forward pass."""
     if not pictures:
@@ -177,11 +191,10 @@ def train(config: TrainConfig, tok: Tokenizer, log: bool = True,
     rest = [p for p in params if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": rest, "weight_decay": 0.0}],
                             lr=config.lr, betas=(0.9, 0.98), eps=1e-8)
-    stream = encoded_stream(config, tok, config.seed)
-    pad, image_pad = tok.token_to_id("<|endoftext|>"), tok.token_to_id(IMAGE_PAD)
+    batches = batch_stream(config, tok)
     start, seen, total = time.monotonic(), 0, 0.0
     for step in range(config.steps):
-        batch = collate([next(stream) for _ in range(config.batch)], pad, image_pad)
+        batch = next(batches)
         for group in opt.param_groups:
             group["lr"] = _lr(config, step)
         logits, balance = text(batch.tokens, picture_rows(vision, batch.pictures), batch.image_mask,
