@@ -5,8 +5,8 @@
 
 A competitor is a process spinning in a loop, as another job (or the CPU image encoder beside generation) would
 be. Each `--engine LABEL=DIR` is a source tree whose `strata` package (with its built extension) is measured, so
-two builds of the engine can be compared in one table. Every measurement runs in its own process; the table shows
-medians over `--runs` of prompt and decode tokens/s.
+two builds of the engine can be compared in one table. Every measurement runs in its own process, and each round
+measures every case once; the table shows medians over `--runs` rounds of prompt and decode tokens/s.
 """
 
 from __future__ import annotations
@@ -77,15 +77,18 @@ def main() -> None:
         print(json.dumps(measure(args.worker[0], int(args.worker[1]))))
         return
     engines = [e.split("=", 1) for e in (args.engine or [f"new={ROOT / 'src'}"])]
+    cases = [(label, src, threads, busy) for label, src in engines for threads in map(int, args.threads.split(","))
+             for busy in map(int, args.competitors.split(","))]
+    results: dict[tuple, list[dict]] = {case: [] for case in cases}
+    for run in range(args.runs):  # every case once per round, so a change in the machine's load hits all alike
+        for case in cases:
+            results[case].append(run_once(case[1], args.model, case[2], case[3]))
+        print(f"round {run + 1} of {args.runs} done", file=sys.stderr, flush=True)
     print(f"{'engine':8} {'threads':>7} {'busy':>4} {'prompt tok/s':>12} {'decode tok/s':>12}")
-    for label, src in engines:
-        for threads in map(int, args.threads.split(",")):
-            for busy in map(int, args.competitors.split(",")):
-                runs = [run_once(src, args.model, threads, busy) for _ in range(args.runs)]
-                pp = statistics.median(r["pp"] for r in runs)
-                tg = statistics.median(r["tg"] for r in runs)
-                print(f"{label:8} {threads:7d} {busy:4d} {pp:12.1f} {tg:12.1f}", flush=True)
-
+    for (label, _, threads, busy), runs in results.items():
+        pp = statistics.median(r["pp"] for r in runs)
+        tg = statistics.median(r["tg"] for r in runs)
+        print(f"{label:8} {threads:7d} {busy:4d} {pp:12.1f} {tg:12.1f}")
 
 if __name__ == "__main__":
     main()

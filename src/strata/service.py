@@ -345,7 +345,8 @@ class _EngineRun:
             if tokens:
                 return tokens
             if self._ended.is_set():
-                return self._outcome.unwrap() or []
+                self._outcome.unwrap()
+                return []
             await waiter.wait()
 
     async def stop(self) -> None:
@@ -360,7 +361,7 @@ class _EngineRun:
 
     # in the worker thread
 
-    def _work(self) -> list[int]:
+    def _work(self) -> None:
         try:
             token, self.reused = self._call(self._ids)
             self._times[1] = self._times[2] = time.perf_counter()
@@ -374,7 +375,6 @@ class _EngineRun:
                 n += 1
         except _Stopped:
             pass
-        return []
 
     def _call(self, ids: list[int]) -> tuple[int, int]:
         from strata.engine_cffi import EngineAborted

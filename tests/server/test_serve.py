@@ -58,7 +58,7 @@ def test_config_errors_name_the_key(tmp_path, capsys):
 
 def test_strata_serve_prints_what_it_loaded_and_stops_on_sigterm_mid_request(tiny_model):
     command = [sys.executable, "-m", "strata.cli", "serve", "--model", str(tiny_model), "--port", "0",
-               "--context", "4096", "--threads", "1", "--limits.graceful-timeout", "0.5"]
+               "--context", "4096", "--threads", "1", "--limits.graceful-timeout", "0.2"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                env=environment())
     try:
@@ -66,7 +66,7 @@ def test_strata_serve_prints_what_it_loaded_and_stops_on_sigterm_mid_request(tin
         url = found.group(1)
         startup = "".join(lines)
         assert "context 4096" in startup and "threads 1" in startup and "backend cpu" in startup
-        # About 3 s of prompt processing on one thread: still running when the graceful deadline comes.
+        # Seconds of prompt processing on one thread: still running when the graceful deadline comes.
         body = {"messages": [{"role": "user", "content": "x" * 4000}], "max_tokens": 1, "stream": True}
         with ThreadPoolExecutor(1) as pool:
             request = pool.submit(httpx.post, url + "/v1/chat/completions", json=body, timeout=30)
@@ -80,7 +80,7 @@ def test_strata_serve_prints_what_it_loaded_and_stops_on_sigterm_mid_request(tin
             exited_after = time.monotonic() - signalled
             # Invariant 6: the request got the graceful deadline, then was cancelled: the engine aborted its
             # prompt (seconds of work left) and the process ended.
-            assert exited_after < 0.5 + 1.5
+            assert exited_after < 0.2 + 1.5
             with pytest.raises(httpx.HTTPError):
                 request.result()
     finally:

@@ -59,8 +59,11 @@ struct strata_pool {
 };
 
 /* One step of a wait: a pause for the first SPINS steps, then give the core to whoever else wants it. */
+#ifndef USE_YIELD
+#define USE_YIELD 1
+#endif
 static void backoff(int step) {
-    if (step < SPINS) cpu_relax();
+    if (step < SPINS || !USE_YIELD) cpu_relax();
     else sched_yield();
 }
 

@@ -10,11 +10,13 @@ import pathlib
 import gguf
 import numpy as np
 import torch
+from gguf.quants import dequantize
 
 from strata.modelgen.demo.model import TextModel, VisionModel
+from strata.modelgen.hparams import HParams
 from strata.modelgen.vocab import Vocab
 from strata.modelgen.writer import write_model
-from strata.vision.mmproj import MM_DOWN_BID, MM_UP_BID, PROJECTOR_TYPE, tensor_name
+from strata.vision.mmproj import MM_DOWN_BID, MM_UP_BID, PROJECTOR_TYPE, read_hparams, tensor_name
 
 _T = gguf.MODEL_TENSOR
 TEXT_NAME = "strata-demo"
@@ -30,13 +32,13 @@ def write_text(path: str | os.PathLike[str], model: TextModel, vocab: Vocab) -> 
     return write_model(path, "qwen3moe", model.hp, vocab, weights, dtype="f32", name=TEXT_NAME)
 
 
-def vision_tensors(model: VisionModel) -> dict[str, np.ndarray]:
-    """mmproj tensor name -> float32 array, in the order the file stores them."""
-    def linear(kind: gguf.MODEL_TENSOR, layer: torch.nn.Module, bid: int | None = None) -> dict[str, np.ndarray]:
-        return {tensor_name(kind, "weight", bid): _numpy(layer.weight), tensor_name(kind, "bias", bid): _numpy(layer.bias)}
+def vision_parameters(model: VisionModel) -> dict[str, torch.Tensor]:
+    """mmproj tensor name -> the model's parameter, in the order the file stores them."""
+    def linear(kind: gguf.MODEL_TENSOR, layer: torch.nn.Module, bid: int | None = None) -> dict[str, torch.Tensor]:
+        return {tensor_name(kind, "weight", bid): layer.weight, tensor_name(kind, "bias", bid): layer.bias}
 
     out = linear(_T.V_ENC_EMBD_PATCH, model.patch_embd)
-    out[tensor_name(_T.V_ENC_EMBD_POS)] = _numpy(model.position_embd)
+    out[tensor_name(_T.V_ENC_EMBD_POS)] = model.position_embd
     for bid, block in enumerate(model.blk):
         out |= linear(_T.V_ENC_INPUT_NORM, block.ln1, bid)
         out |= linear(_T.V_ENC_ATTN_Q, block.attn_q, bid) | linear(_T.V_ENC_ATTN_K, block.attn_k, bid)
@@ -66,13 +68,56 @@ def write_vision(path: str | os.PathLike[str], model: VisionModel) -> pathlib.Pa
     writer.add_vision_image_std(list(hp.image_std))
     writer.add_vision_projector_scale_factor(hp.merge)
     writer.add_vision_use_gelu(True)
-    for name, array in vision_tensors(model).items():
-        writer.add_tensor(name, array)
+    for name, param in vision_parameters(model).items():
+        writer.add_tensor(name, _numpy(param))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return pathlib.Path(path)
+
+
+# --- reading back: the torch models holding a file's weights
+
+
+def _file_tensors(reader: gguf.GGUFReader) -> dict[str, torch.Tensor]:
+    return {t.name: torch.from_numpy(np.asarray(dequantize(t.data, t.tensor_type), np.float32).reshape(
+        tuple(int(n) for n in reversed(t.shape))).copy()) for t in reader.tensors}
+
+
+def _text_hparams(reader: gguf.GGUFReader) -> HParams:
+    def get(key: str) -> int | float:
+        return reader.fields[key.format(arch="qwen3moe")].contents()
+
+    K = gguf.Keys.LLM
+    return HParams(n_layer=get(K.BLOCK_COUNT), n_embd=get(K.EMBEDDING_LENGTH), n_head=get(K.Attention.HEAD_COUNT),
+                   n_head_kv=get(K.Attention.HEAD_COUNT_KV), head_dim=get(K.Attention.KEY_LENGTH),
+                   n_ff=get(K.FEED_FORWARD_LENGTH), n_expert=get(K.EXPERT_COUNT),
+                   n_expert_used=get(K.EXPERT_USED_COUNT), n_ff_exp=get(K.EXPERT_FEED_FORWARD_LENGTH),
+                   n_ctx_train=get(K.CONTEXT_LENGTH), rope_base=get(gguf.Keys.Rope.FREQ_BASE),
+                   rms_eps=get(K.Attention.LAYERNORM_RMS_EPS))
+
+
+def read_text(path: str | os.PathLike[str]) -> TextModel:
+    """The torch text model holding the weights of a demo GGUF file."""
+    reader = gguf.GGUFReader(os.fspath(path))
+    tensors = _file_tensors(reader)
+    model = TextModel(_text_hparams(reader), tensors["token_embd.weight"].shape[0])
+    with torch.no_grad():
+        for name, param in model.gguf_tensors().items():
+            param.copy_(tensors[name])
+    return model
+
+
+def read_vision(path: str | os.PathLike[str]) -> VisionModel:
+    """The torch vision model holding the weights of a demo mmproj file."""
+    reader = gguf.GGUFReader(os.fspath(path))
+    tensors = _file_tensors(reader)
+    model = VisionModel(read_hparams(reader))
+    with torch.no_grad():
+        for name, param in vision_parameters(model).items():
+            param.copy_(tensors[name])
+    return model
 
 
 def weights_digest(path: str | os.PathLike[str]) -> str:

@@ -64,7 +64,7 @@ def vision_hparams(n_proj: int, n_embd: int = 64, n_layer: int = 3) -> VisionHPa
 
 _TEXT = HParams(n_layer=4, n_embd=128, n_head=4, n_head_kv=2, head_dim=32, n_ff=384, n_expert=8, n_expert_used=2,
                 n_ff_exp=128, n_ctx_train=4096, rope_base=10_000.0, rms_eps=1e-6)
-FULL = TrainConfig(text=_TEXT, vision=vision_hparams(_TEXT.n_embd), steps=6000, batch=32, lr=3e-3, warmup=200)
+FULL = TrainConfig(text=_TEXT, vision=vision_hparams(_TEXT.n_embd), steps=2500, batch=32, lr=3e-3, warmup=200)
 # A variant small enough to train in seconds: the tests' check that training is reproducible and exports.
 _SMALL_TEXT = dataclasses.replace(_TEXT, n_layer=1, n_embd=64, n_head=2, n_head_kv=1, n_ff=192, n_expert=4,
                                   n_ff_exp=64)
