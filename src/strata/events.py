@@ -65,7 +65,10 @@ class Usage:
 
 @dataclass(frozen=True)
 class Finish:
+    """The generation ended. `stop_sequence` is the request's stop string that ended it, if one did."""
+
     reason: FinishReason
+    stop_sequence: str | None = None
 
 
 Event = Union[TextDelta, ReasoningDelta, ToolCallStart, ToolCallArgumentsDelta, Usage, Finish]

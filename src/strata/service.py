@@ -267,7 +267,7 @@ class Service:
         row.finish = finish
         yield Usage(prompt_tokens=len(prepared.ids), cached_tokens=row.reused_tokens,
                     completion_tokens=row.output_tokens)
-        yield Finish(finish)
+        yield Finish(finish, output.stop_sequence)
 
     @property
     def engine_running(self) -> bool:
@@ -291,6 +291,13 @@ class Service:
         finally:
             self._kv_ids = ids[: engine.n_past]
         return sampler.sample(logits, ids), reused
+
+    def _step(self, ids: list[int], sampler: Sampler) -> int:
+        """Evaluate the last of `ids` (the cache holds the others); sample the next token. On an abort the engine
+        drops the position, so running it again is safe."""
+        logits = self.engine.eval(ids[-1:])
+        self._kv_ids.append(ids[-1])
+        return sampler.sample(logits, ids)
 
 
 class _Stopped(Exception):
@@ -363,20 +370,20 @@ class _EngineRun:
 
     def _work(self) -> None:
         try:
-            token, self.reused = self._call(self._ids)
+            token, self.reused = self._call(self._service._advance)
             self._times[1] = self._times[2] = time.perf_counter()
             self._push(token)
             n = 1
             while token not in self._stop_ids and n < self._max_tokens:
                 self._ids.append(token)
-                token, _ = self._call(self._ids)
+                token = self._call(self._service._step)
                 self._times[2] = time.perf_counter()
                 self._push(token)
                 n += 1
         except _Stopped:
             pass
 
-    def _call(self, ids: list[int]) -> tuple[int, int]:
+    def _call(self, step: Callable[[list[int], Sampler], Any]) -> Any:
         from strata.engine_cffi import EngineAborted
 
         with self._lock:
@@ -384,13 +391,13 @@ class _EngineRun:
                 raise _Stopped
             self._in_call = True
         try:
-            return self._service._advance(ids, self._sampler)
+            return step(self._ids, self._sampler)
         except EngineAborted:
             if self._stopping.is_set():
                 raise _Stopped from None
             # Aborted although this run was not stopped: the flag of an earlier run, raised as its last call
             # was returning. Aborting lowered it; run again.
-            return self._service._advance(ids, self._sampler)
+            return step(self._ids, self._sampler)
         finally:
             with self._lock:
                 self._in_call = False
@@ -422,6 +429,7 @@ class _Output:
     def __init__(self, tokenizer: Any, request: ChatRequest, starts_in_reasoning: bool):
         self._decoder = tokenizer.stream_decoder()
         self._stops = StopMatcher(request.stop)
+        self._text = ""  # everything the model wrote, to tell which stop string ended it
         self._parser = ToolCallParser(starts_in_reasoning=starts_in_reasoning, parse_tool_calls=bool(request.tools))
 
     @property
@@ -432,8 +440,19 @@ class _Output:
     def n_tool_calls(self) -> int:
         return self._parser.n_tool_calls
 
+    @property
+    def stop_sequence(self) -> str | None:
+        """The stop string that ended the generation: the one found earliest in the text."""
+        if not self._stops.stopped:
+            return None
+        found = [(self._text.find(stop), stop) for stop in self._stops.stops if stop in self._text]
+        return min(found)[1] if found else None
+
     def push(self, token: int) -> list[Event]:
-        return self._parser.feed(self._stops.feed(self._decoder.push(token)))
+        text = self._decoder.push(token)
+        if self._stops.stops:
+            self._text += text
+        return self._parser.feed(self._stops.feed(text))
 
     def finish(self) -> list[Event]:
         if not self._stops.stopped:

@@ -158,3 +158,14 @@ def test_tool_results_and_history_render_into_the_prompt(serve_script, tokenizer
     assert reply.choices[0].message.content == "42."
     assert "Be brief." in prompt and '"a": 1' in prompt and "<tool_response>\n42\n</tool_response>" in prompt
     assert '"name": "get"' in prompt  # the tool definition
+
+
+def test_stop_strings_over_openai_and_anthropic(serve_script):
+    with serve_script("one two three") as server:
+        with openai.OpenAI(base_url=server.url + "/v1", api_key="unused") as client:
+            reply = client.chat.completions.create(model="m", messages=USER, stop=["three", " two"])
+        message = httpx.post(server.url + "/v1/messages", timeout=30, json={
+            "model": "m", "max_tokens": 50, "messages": USER, "stop_sequences": ["thr"]}).json()
+    assert (reply.choices[0].message.content, reply.choices[0].finish_reason) == ("one", "stop")
+    assert message["content"] == [{"type": "text", "text": "one two "}]
+    assert (message["stop_reason"], message["stop_sequence"]) == ("stop_sequence", "thr")

@@ -72,7 +72,8 @@ async def test_max_tokens_and_stop_strings(scripted, tokenizer):
     assert joined(limited, TextDelta) == "one t"
     assert limited[-1] == Finish("length")
     assert joined(stopped, TextDelta) == "one"
-    assert stopped[-1] == Finish("stop")
+    assert stopped[-1] == Finish("stop", " tw")
+    assert limited[-1].stop_sequence is None
 
 
 async def test_prompt_longer_than_context_is_refused(scripted, tokenizer):

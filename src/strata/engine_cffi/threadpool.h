@@ -1,7 +1,8 @@
 /* threadpool.h — the engine's threads: a persistent pool that runs one job at a time on every thread.
  * Internal to the engine (cffi never sees it). A job is a function that every thread runs with its index; steps
- * inside a job are ordered by strata_pool_barrier. Waits spin briefly, then yield the core, so a thread that a
- * busy machine has descheduled gets it back at once; workers idle between jobs sleep. Linux only (futex). */
+ * inside a job are ordered by strata_pool_barrier. Waits spin some microseconds, then sleep on a futex, so on a
+ * busy machine a waiting thread gives its core up (to a descheduled partner, say) instead of burning it; workers
+ * idle between jobs sleep the same way. Linux only (futex). */
 #pragma once
 
 typedef struct strata_pool strata_pool;

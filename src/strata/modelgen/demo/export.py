@@ -89,13 +89,12 @@ def _text_hparams(reader: gguf.GGUFReader) -> HParams:
     def get(key: str) -> int | float:
         return reader.fields[key.format(arch="qwen3moe")].contents()
 
-    K = gguf.Keys.LLM
-    return HParams(n_layer=get(K.BLOCK_COUNT), n_embd=get(K.EMBEDDING_LENGTH), n_head=get(K.Attention.HEAD_COUNT),
-                   n_head_kv=get(K.Attention.HEAD_COUNT_KV), head_dim=get(K.Attention.KEY_LENGTH),
-                   n_ff=get(K.FEED_FORWARD_LENGTH), n_expert=get(K.EXPERT_COUNT),
-                   n_expert_used=get(K.EXPERT_USED_COUNT), n_ff_exp=get(K.EXPERT_FEED_FORWARD_LENGTH),
-                   n_ctx_train=get(K.CONTEXT_LENGTH), rope_base=get(gguf.Keys.Rope.FREQ_BASE),
-                   rms_eps=get(K.Attention.LAYERNORM_RMS_EPS))
+    K, A = gguf.Keys.LLM, gguf.Keys.Attention
+    return HParams(n_layer=get(K.BLOCK_COUNT), n_embd=get(K.EMBEDDING_LENGTH), n_head=get(A.HEAD_COUNT),
+                   n_head_kv=get(A.HEAD_COUNT_KV), head_dim=get(A.KEY_LENGTH), n_ff=get(K.FEED_FORWARD_LENGTH),
+                   n_expert=get(K.EXPERT_COUNT), n_expert_used=get(K.EXPERT_USED_COUNT),
+                   n_ff_exp=get(K.EXPERT_FEED_FORWARD_LENGTH), n_ctx_train=get(K.CONTEXT_LENGTH),
+                   rope_base=get(gguf.Keys.Rope.FREQ_BASE), rms_eps=get(A.LAYERNORM_RMS_EPS))
 
 
 def read_text(path: str | os.PathLike[str]) -> TextModel:

@@ -1,0 +1,59 @@
+"""Training is reproducible, and the shipped files are what the script's configuration produces."""
+
+import dataclasses
+import importlib.resources
+import json
+import pathlib
+
+import gguf
+import pytest
+
+from strata.modelgen.demo import export, train
+from strata.tokenizer import read_tokenizer_metadata
+from strata.vision.mmproj import read_hparams
+
+SHIPPED = pathlib.Path(str(importlib.resources.files("strata.models")))
+
+
+def test_training_twice_gives_the_same_files(tmp_path: pathlib.Path) -> None:
+    first = train.run(train.SMALL, tmp_path / "a", threads=1, log=False)
+    second = train.run(train.SMALL, tmp_path / "b", threads=1, log=False)
+    assert first["weights"] == second["weights"]
+    assert first["weights"] == {name: export.weights_digest(tmp_path / "a" / name) for name in first["weights"]}
+    longer = train.run(dataclasses.replace(train.SMALL, steps=train.SMALL.steps + 1), tmp_path / "c", threads=1,
+                       log=False)
+    assert longer["weights"]["demo.gguf"] != first["weights"]["demo.gguf"]
+
+
+@pytest.fixture(scope="module")
+def record() -> dict:
+    return json.loads((SHIPPED / "demo.json").read_text())
+
+
+def test_the_shipped_files_were_trained_with_the_script_configuration(record: dict) -> None:
+    assert record["config"] == train.config_record(train.FULL)
+    for name, digest in record["weights"].items():
+        assert export.weights_digest(SHIPPED / name) == digest
+
+
+def test_the_shipped_text_model_has_the_configured_shape() -> None:
+    reader = gguf.GGUFReader(SHIPPED / "demo.gguf")
+    assert export._text_hparams(reader) == train.FULL.text
+    assert reader.fields["general.architecture"].contents() == "qwen3moe"
+    assert read_hparams(gguf.GGUFReader(SHIPPED / "demo-mmproj.gguf")) == train.FULL.vision
+
+
+def test_the_shipped_vocabulary_is_the_one_trained_on_the_generated_text() -> None:
+    meta = read_tokenizer_metadata(SHIPPED / "demo.gguf")
+    vocab = train.build_vocab(train.FULL)
+    assert meta["tokenizer.ggml.tokens"] == list(vocab.tokens)
+    assert meta["tokenizer.ggml.merges"] == list(vocab.merges)
+    assert meta["tokenizer.ggml.pre"] == "qwen2"
+    for special in ("<|im_start|>", "<|im_end|>", "<|endoftext|>", "<think>", "</think>", "<tool_call>",
+                    "</tool_call>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"):
+        assert special in meta["tokenizer.ggml.tokens"]
+    assert "<tool_call>" in meta["tokenizer.chat_template"]
+
+
+def test_the_shipped_files_fit_in_the_repository() -> None:
+    assert sum((SHIPPED / name).stat().st_size for name in ("demo.gguf", "demo-mmproj.gguf")) <= 20 * 1024**2
