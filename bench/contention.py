@@ -6,7 +6,8 @@ For each encoder thread count: a text request's latency alone; the same request 
 on the CPU, once with the encode holding the engine's turn (forced, as servers that serialise encodes with
 generation do) and once without (Strata's behaviour for an encoder without a CUDA context); the picture's own
 latency; and the time from a client leaving to its running encode stopping (`CANCELLED` received) and to the
-encoder's CPU going idle. Medians over `--runs`; every picture is new (no cache hits).
+encoder's CPU going idle. Each number is the best of `--runs` (the least disturbed by other work on the machine);
+every picture is new (no cache hits).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import io
 import json
 import os
 import pathlib
-import statistics
 import sys
 import time
 from contextlib import aclosing
@@ -136,7 +136,7 @@ async def measure(model: pathlib.Path, mmproj: pathlib.Path, engine_threads: int
             rows["cancel_ms"].append(stopped)
             rows["idle_ms"].append(idle)
         service.nursery.cancel_scope.cancel()
-    return {key: statistics.median(values) for key, values in rows.items()}
+    return {key: min(values) for key, values in rows.items()}
 
 
 def files() -> tuple[pathlib.Path, pathlib.Path]:
@@ -153,14 +153,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--engine-threads", type=int, default=1)
     parser.add_argument("--encoder-threads", default="1,2")
-    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--runs", type=int, default=5)
     args = parser.parse_args()
     model, mmproj = files()
     results = {}
     for threads in (int(t) for t in args.encoder_threads.split(",")):
         results[threads] = trio.run(measure, model, mmproj, args.engine_threads, threads, args.runs)
     print(f"engine threads {args.engine_threads}, cores {len(os.sched_getaffinity(0))}, "
-          f"{TEXT_TOKENS}-token answers, 1280x800 pictures (1000 tokens), medians of {args.runs}")
+          f"{TEXT_TOKENS}-token answers, 1280x800 pictures (1000 tokens), best of {args.runs}")
     print("| encoder threads | text alone | text during encode | ratio | text during encode holding the turn "
           "| ratio | picture alone | cancel to CANCELLED | cancel to CPU idle |")
     print("|---|---|---|---|---|---|---|---|---|")

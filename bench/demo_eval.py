@@ -47,7 +47,7 @@ def main() -> None:
     table = evaluate.summary(results)
 
     print(f"{len(items)} items in {seconds:.0f} s ({args.threads} thread(s), kv {args.kv})\n")
-    print(f"| score | n | engine | torch | agreement | target |\n|---|---|---|---|---|---|")
+    print("| score | n | engine | torch | agreement | target |\n|---|---|---|---|---|---|")
     for score, line in table.items():
         cells = [f"{line[k]:.1%}" if k in line else "-" for k in ("engine", "torch", "agreement")]
         target = f">= {TARGETS[score]:.0%}" if score in TARGETS else ""

@@ -1,12 +1,14 @@
 """Engine speed with 1 and 2 threads on an idle machine and beside busy processes competing for the cores.
 
     python bench/threads.py [--model bench/out/qwen3moe-small-q8_0.gguf] [--threads 1,2] [--competitors 0,1,2]
-                            [--runs 3] [--engine new=src] [--engine old=/path/to/an/older/src]
+                            [--runs 3] [--engine src=src] [--engine old=/path/to/an/older/src]
 
 A competitor is a process spinning in a loop, as another job (or the CPU image encoder beside generation) would
 be. Each `--engine LABEL=DIR` is a source tree whose `strata` package (with its built extension) is measured, so
-two builds of the engine can be compared in one table. Every measurement runs in its own process, and each round
-measures every case once; the table shows medians over `--runs` rounds of prompt and decode tokens/s.
+two builds of the engine can be compared in one table (an older build: a `git worktree` of an earlier commit, after
+`python build_engine.py` there). Every measurement runs in its own process, and each round measures every case
+once; the table shows medians over `--runs` rounds of prompt and decode tokens/s. On a machine other jobs share,
+`chrt -f 1 python bench/threads.py --competitors 0` comes close to an idle machine (real-time threads run first).
 """
 
 from __future__ import annotations
@@ -70,13 +72,13 @@ def main() -> None:
     ap.add_argument("--competitors", default="0,1,2")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--engine", action="append", metavar="LABEL=DIR",
-                    help="a source tree to measure (repeatable); default new=src")
+                    help="a source tree to measure (repeatable); default src=src (this tree)")
     ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         print(json.dumps(measure(args.worker[0], int(args.worker[1]))))
         return
-    engines = [e.split("=", 1) for e in (args.engine or [f"new={ROOT / 'src'}"])]
+    engines = [e.split("=", 1) for e in (args.engine or [f"src={ROOT / 'src'}"])]
     cases = [(label, src, threads, busy) for label, src in engines for threads in map(int, args.threads.split(","))
              for busy in map(int, args.competitors.split(","))]
     results: dict[tuple, list[dict]] = {case: [] for case in cases}

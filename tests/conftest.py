@@ -62,6 +62,7 @@ class ScriptedEngine:
         self.prompt_s, self.decode_s = prompt_s, decode_s
         self.kv: list[int] = []
         self.calls: list[list[int]] = []  # the tokens of every eval call, in order
+        self.embeds: list[list[Any]] = []  # the embeds of every eval call: (index, rows) pairs
         self.call_times: list[float] = []  # time.perf_counter() at the start of each call
         self.aborts = 0  # calls stopped by the abort flag
         self.running = threading.Event()  # set while an eval call runs
@@ -79,6 +80,7 @@ class ScriptedEngine:
 
         self.call_times.append(time.perf_counter())
         self.calls.append(list(tokens))
+        self.embeds.append(list(embeds or []))
         if len(self.kv) + len(tokens) > self.n_ctx:
             raise EngineError("context full")
         step = self.prompt_s if len(tokens) > 1 else self.decode_s

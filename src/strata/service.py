@@ -14,32 +14,59 @@ Cancelling the caller's cancel scope stops a request in any phase, exactly like 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Hashable, Sequence
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol
 
+import httpx
 import outcome
 import trio
 
 from strata.config import Config
 from strata.events import ChatRequest, Event, Finish, FinishReason, Usage
 from strata.history import History, HistoryRow
+from strata.images import (
+    DOWNLOAD_TIMEOUT,
+    MAX_IMAGE_BYTES,
+    ImageRejected,
+    ImageSource,
+    PromptImages,
+    embeds_from,
+    expand_image_pads,
+    load_source,
+)
 from strata.prompt import PromptError, render_chat
 from strata.sampling import Sampler
 from strata.toolcalls import StopMatcher, ToolCallParser
 from strata.turn import Turn
+from strata.vision.client import (
+    Embedding,
+    PictureRefused,
+    VisionClient,
+    VisionStartError,
+    VisionUnavailable,
+)
+from strata.vision.embeds import PrecomputedEmbeds, check_embeds
 
 # Variables the chat template gets from the request itself; `chat_template_kwargs` may not override them.
 _RESERVED_TEMPLATE_VARS = frozenset({"messages", "tools", "add_generation_prompt"})
+IMAGE_PAD = "<|image_pad|>"  # the token a chat template renders once per picture, expanded to its rows
 
 
 class RequestError(ValueError):
-    """A request this model cannot serve (too long for the context, refused by the chat template, ...)."""
+    """A request this model cannot serve (too long for the context, refused by the chat template, a picture that
+    cannot be used, ...); `param` names the request field at fault, when there is one."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class ServiceUnavailable(Exception):
@@ -53,19 +80,23 @@ class EngineLike(Protocol):
     n_ctx: int
     n_past: int
 
-    def eval(self, tokens: Sequence[int]) -> Any: ...
+    def eval(self, tokens: Sequence[int], embeds: Any = None) -> Any: ...
     def keep(self, n: int) -> None: ...
     def abort(self) -> None: ...
 
 
 @dataclass
 class _Prepared:
-    ids: list[int]
+    prompt: PromptImages  # ids, what the KV cache holds at each position, and the pictures' rows
     max_tokens: int
     starts_in_reasoning: bool
 
+    @property
+    def ids(self) -> list[int]:
+        return self.prompt.ids
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+
+def _common_prefix(a: Sequence[Hashable], b: Sequence[Hashable]) -> int:
     n = min(len(a), len(b))
     if a[:n] == b[:n]:
         return n
@@ -99,9 +130,12 @@ class Service:
         self.load_error: BaseException | None = None
         self.loaded = trio.Event()
         self.nursery: trio.Nursery | None = None  # the service's long-lived nursery (open_service)
+        self.vision: VisionClient | None = None  # the image encoder, when the config has one
+        self.http: httpx.AsyncClient | None = None  # downloads of image URLs (open_service)
         self._run: _EngineRun | None = None  # the generation on the engine's worker thread, if any
-        # Invariant: token ids of the positions in the engine's KV cache, in order (updated after every call).
-        self._kv_ids: list[int] = []
+        # Invariant: what each position of the engine's KV cache holds, in order (updated after every call): a
+        # token id, or (picture digest, row) for a picture's row.
+        self._kv_keys: list[Hashable] = []
 
     @property
     def ready(self) -> bool:
@@ -121,6 +155,11 @@ class Service:
         """Load the configured model in a worker thread; a failure is kept in `load_error` and re-raised."""
         try:
             engine, tokenizer = await trio.to_thread.run_sync(self._load_blocking, log)
+            try:
+                await self.start_vision(engine, log)
+            except BaseException:
+                engine.close()
+                raise
             self.attach(engine, tokenizer)
             log(f"model: {self.config.model} ({engine.arch}), context {engine.n_ctx}, threads {engine.threads}, "
                 f"backend {engine.backend}")
@@ -147,6 +186,25 @@ class Service:
             raise
         log(f"loaded in {time.perf_counter() - started:.1f} s")
         return engine, tokenizer
+
+    async def start_vision(self, engine: Any, log: Callable[[str], None] = print) -> None:
+        """Start the configured image encoder in the service's nursery (after the model, whose width its rows
+        must have).
+
+        Raises:
+            VisionStartError: a local encoder that could not start, or whose rows do not fit the model.
+        """
+        vision = self.config.vision
+        if not (vision.mmproj or vision.exe):
+            return
+        assert self.nursery is not None
+        engine_threads = getattr(engine, "threads", None) or self.config.threads
+        self.vision = VisionClient(vision, engine_threads=engine_threads, log=log)
+        await self.nursery.start(self.vision.run)
+        ready, n_embd = self.vision.last_ready, getattr(engine, "n_embd", None)
+        if ready is not None and n_embd is not None and ready.n_embd != n_embd and not vision.remote:
+            raise VisionStartError(f"the image encoder's rows are {ready.n_embd} wide and the model's embeddings "
+                                   f"{n_embd}: {vision.mmproj} was made for another model")
 
     async def wait_ready(self) -> None:
         """Wait until the model is loaded; raise `ServiceUnavailable` if loading failed."""
@@ -184,10 +242,19 @@ class Service:
         if self.load_error is not None:
             raise ServiceUnavailable(f"the model failed to load: {self.load_error}")
 
-    def _prepare(self, request: ChatRequest) -> _Prepared:
+    def _prepare(self, request: ChatRequest, pictures: list[Embedding]) -> _Prepared:
         self._require_ready()
         text = self.render(request)
         ids = self.tokenizer.encode(text, special=True)
+        pad_id = self.tokenizer.token_to_id(IMAGE_PAD)
+        if pictures:
+            try:
+                prompt = expand_image_pads(ids, pad_id, pictures)
+            except ImageRejected as error:
+                raise RequestError(str(error)) from None
+        else:
+            prompt = PromptImages(ids, list(ids), [])
+        ids = prompt.ids
         n_ctx = self.engine.n_ctx
         if len(ids) >= n_ctx:
             raise RequestError(f"the prompt has {len(ids)} tokens; the context holds {n_ctx} (prompt and answer)")
@@ -196,7 +263,52 @@ class Service:
             if cap is not None:
                 max_tokens = min(max_tokens, cap)
         starts_in_reasoning = text.rstrip("\n").endswith("<think>")
-        return _Prepared(ids, max_tokens, starts_in_reasoning)
+        return _Prepared(prompt, max_tokens, starts_in_reasoning)
+
+    # --- pictures
+
+    async def _pictures(self, request: ChatRequest) -> tuple[ChatRequest, list[Embedding]]:
+        """Encode the request's pictures, in prompt order, in the calling task (the request's: cancellable).
+
+        A picture a tool returned that cannot be used becomes the text `[image omitted: <why>]`; the user's own
+        is a `RequestError` (400), and so is an encoder that is not available.
+        """
+        places = [(i, j) for i, message in enumerate(request.messages) if isinstance(message.get("content"), list)
+                  for j, part in enumerate(message["content"]) if part.get("type") == "image"]
+        if not places:
+            return request, []
+        if self.vision is None:
+            param = request.messages[places[0][0]]["content"][places[0][1]]["image"].param
+            raise RequestError(f"{param}: image input needs an image encoder, and this server has none (the "
+                               "vision.mmproj key)", param)
+        messages = [dict(message, content=list(message["content"])) if isinstance(message.get("content"), list)
+                    else message for message in request.messages]
+        pictures = []
+        for i, j in places:
+            image = messages[i]["content"][j]["image"]
+            try:
+                pictures.append(await self._picture(image))
+            except VisionUnavailable as error:
+                raise RequestError(str(error), image.param) from None
+            except (ImageRejected, PictureRefused) as error:
+                if not image.in_tool_result:
+                    raise RequestError(f"{image.param}: {error}", image.param) from None
+                messages[i]["content"][j] = {"type": "text", "text": f"[image omitted: {error}]"}
+        return dataclasses.replace(request, messages=messages), pictures
+
+    async def _picture(self, image: ImageSource | PrecomputedEmbeds) -> Embedding:
+        assert self.vision is not None
+        if isinstance(image, PrecomputedEmbeds):
+            ready = self.vision.last_ready or (await self.vision.session()).ready
+            embedding = check_embeds(image, ready, MAX_IMAGE_BYTES)
+        else:
+            data = await load_source(image, self.http, MAX_IMAGE_BYTES, DOWNLOAD_TIMEOUT)
+            embedding = await self.vision.encode(data, self.turn)
+        n_embd = getattr(self.engine, "n_embd", None)
+        if n_embd is not None and embedding.rows.shape[1] != n_embd:
+            raise VisionUnavailable(f"its rows are {embedding.rows.shape[1]} wide and the model's embeddings "
+                                    f"{n_embd} (an mmproj made for another model?)")
+        return embedding
 
     async def chat(self, request: ChatRequest, *, request_id: str | None = None) -> AsyncIterator[Event]:
         """Generate the answer to `request` as events, ending with `Usage` and `Finish`.
@@ -213,7 +325,8 @@ class Service:
         row = HistoryRow(id=request_id or uuid.uuid4().hex, route=request.route, start=time.time())
         started = time.perf_counter()
         try:
-            prepared = self._prepare(request)
+            request, pictures = await self._pictures(request)
+            prepared = self._prepare(request, pictures)
             row.prompt_tokens = len(prepared.ids)
             async with self.turn.hold():
                 self.current = row
@@ -235,7 +348,7 @@ class Service:
 
     async def _generate(self, request: ChatRequest, prepared: _Prepared, row: HistoryRow) -> AsyncIterator[Event]:
         self.phase = "prompt"
-        run = _EngineRun(self, prepared.ids, Sampler(request.sampling, self.engine.n_vocab), prepared.max_tokens)
+        run = _EngineRun(self, prepared.prompt, Sampler(request.sampling, self.engine.n_vocab), prepared.max_tokens)
         try:
             output = _Output(self.tokenizer, request, prepared.starts_in_reasoning)
             finish: FinishReason | None = None
@@ -276,27 +389,30 @@ class Service:
 
     # --- the engine, in its worker thread
 
-    def _advance(self, ids: list[int], sampler: Sampler) -> tuple[int, int]:
-        """Bring the KV cache to hold `ids` (keep the common prefix, evaluate the rest); sample the next token.
+    def _advance(self, ids: list[int], sampler: Sampler, keys: list[Hashable], spans: list[tuple[int, Any]]
+                 ) -> tuple[int, int]:
+        """Bring the KV cache to hold `keys` (keep the common prefix, evaluate the rest, pictures' rows at their
+        positions); sample the next token.
 
         Idempotent, so a call that a stale abort flag stopped can simply run again. Returns (token, reused).
         """
         engine = self.engine
         # At least the last token is evaluated: its logits choose the next one.
-        reused = min(_common_prefix(self._kv_ids, ids), len(ids) - 1)
+        reused = min(_common_prefix(self._kv_keys, keys), len(ids) - 1)
         if reused < engine.n_past:
             engine.keep(reused)
+        embeds = embeds_from(spans, reused, len(ids))
         try:
-            logits = engine.eval(ids[reused:])
+            logits = engine.eval(ids[reused:], embeds=embeds) if embeds else engine.eval(ids[reused:])
         finally:
-            self._kv_ids = ids[: engine.n_past]
+            self._kv_keys = keys[: engine.n_past]
         return sampler.sample(logits, ids), reused
 
     def _step(self, ids: list[int], sampler: Sampler) -> int:
         """Evaluate the last of `ids` (the cache holds the others); sample the next token. On an abort the engine
         drops the position, so running it again is safe."""
         logits = self.engine.eval(ids[-1:])
-        self._kv_ids.append(ids[-1])
+        self._kv_keys.append(ids[-1])
         return sampler.sample(logits, ids)
 
 
@@ -314,10 +430,11 @@ class _EngineRun:
     step or one layer of a prompt chunk); only then is the turn released.
     """
 
-    def __init__(self, service: Service, ids: list[int], sampler: Sampler, max_tokens: int):
+    def __init__(self, service: Service, prompt: PromptImages, sampler: Sampler, max_tokens: int):
         self._service = service
         self._engine = service.engine
-        self._ids = list(ids)  # prompt and generated tokens (the thread's own copy)
+        self._ids = list(prompt.ids)  # prompt and generated tokens (the thread's own copy)
+        self._prompt = prompt
         self._sampler, self._max_tokens = sampler, max_tokens
         self._stop_ids = service.tokenizer.eos_ids
         self._trio_token = trio.lowlevel.current_trio_token()
@@ -370,7 +487,8 @@ class _EngineRun:
 
     def _work(self) -> None:
         try:
-            token, self.reused = self._call(self._service._advance)
+            token, self.reused = self._call(partial(self._service._advance, keys=self._prompt.keys,
+                                                    spans=self._prompt.spans))
             self._times[1] = self._times[2] = time.perf_counter()
             self._push(token)
             n = 1
@@ -478,7 +596,9 @@ async def open_service(
     wait: bool = True,
     log: Callable[[str], None] = print,
 ) -> AsyncIterator[Service]:
-    """Open a `Service`: its long-lived nursery, the model loaded in a worker thread.
+    """Open a `Service`: its long-lived nursery, the model loaded in a worker thread, then the image encoder when
+    the config has one (a local encoder that cannot start raises `VisionStartError`; with `wait=False` it is kept
+    in `service.load_error` like a model that failed to load).
 
     Args:
         config: the configuration (`config.model` is loaded unless `engine` is given).
@@ -488,28 +608,39 @@ async def open_service(
         log: where startup lines go.
     """
     service = Service(config)
+    failure: VisionStartError | None = None
     try:
-        async with trio.open_nursery() as nursery:
-            service.nursery = nursery
-            if engine is not None:
-                service.attach(engine, tokenizer)
-            elif wait:
-                await service.load(log)
-            else:
-                nursery.start_soon(_load_quietly, service, log)
+        async with trio.open_nursery() as nursery, httpx.AsyncClient(timeout=DOWNLOAD_TIMEOUT) as http:
+            service.nursery, service.http = nursery, http
             try:
-                yield service
-            finally:
-                nursery.cancel_scope.cancel()
+                if engine is not None:
+                    await service.start_vision(engine, log)
+                    service.attach(engine, tokenizer)
+                elif wait:
+                    await service.load(log)
+                else:
+                    nursery.start_soon(_load_quietly, service, log)
+            except VisionStartError as error:
+                failure = error
+            if failure is None:
+                try:
+                    yield service
+                finally:
+                    nursery.cancel_scope.cancel()
+            nursery.cancel_scope.cancel()
     finally:
         if engine is None:
             service.close()
+    if failure is not None:
+        raise failure  # outside the nursery: the caller sees the reason itself, not an exception group
 
 
 async def _load_quietly(service: Service, log: Callable[[str], None]) -> None:
     """Background loading: the failure is kept in `service.load_error` for whoever waits."""
     try:
         await service.load(log)
+    except VisionStartError as error:
+        log(f"error: {error}")
     except Exception as error:  # noqa: BLE001 - reported through service.load_error
         log(f"error: the model failed to load: {error}")
 

@@ -3,6 +3,7 @@ stream checked against the official `anthropic` client's own types and stream ac
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
 import random
@@ -160,9 +161,8 @@ IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png"
     (body(messages=[{"role": "user", "content": [{"type": "text"}]}]), "messages[0].content[0].text"),
     (body(messages=[{"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f",
                                                        "input": "[]"}]}]), "messages[0].content[0].input"),
-    (body(messages=[{"role": "user", "content": [IMAGE]}]), "messages[0].content[0]"),
-    (body(messages=[{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
-                                                  "content": [IMAGE]}]}]), "messages[0].content[0].content[0]"),
+    (body(messages=[{"role": "user", "content": [{"type": "image", "source": {
+        "type": "base64", "media_type": "image/png", "data": "@@"}}]}]), "messages[0].content[0].source.data"),
     (body(messages=[{"role": "user", "content": [{"type": "image", "source": {
         "type": "base64", "media_type": "image/tiff", "data": "AA=="}}]}]),
      "messages[0].content[0].source.media_type"),
@@ -191,9 +191,18 @@ def test_bad_requests_name_the_field(request_body, param):
     ErrorResponse.model_validate(anthropic_error_body(caught.value))
 
 
-def test_pictures_are_refused_clearly():
-    with pytest.raises(ApiError, match="image input is not supported"):
-        anthropic.parse_request(body(messages=[{"role": "user", "content": [IMAGE]}]))
+def test_pictures_become_image_parts_in_place():
+    url_image = {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}
+    request = anthropic.parse_request(body(messages=[{"role": "user", "content": [
+        {"type": "text", "text": "Look:"}, IMAGE,
+        {"type": "tool_result", "tool_use_id": "t", "content": [url_image]}]}]))
+    user, tool = request.messages
+    assert [part["type"] for part in user["content"]] == ["text", "text", "image"]
+    picture = user["content"][2]["image"]
+    assert picture.data == base64.b64decode(IMAGE["source"]["data"]) and not picture.in_tool_result
+    assert picture.param == "messages[0].content[1].source.data"
+    shown = tool["content"][0]["image"]
+    assert (shown.url, shown.in_tool_result) == ("https://example.com/a.png", True)
 
 
 # --- responses

@@ -137,7 +137,6 @@ IMAGE = {"type": "input_image", "image_url": "https://example.com/cat.png", "det
     (body(input=[{"role": "user"}]), "input[0].content"),
     (body(input=[{"role": "user", "content": [{"type": "output_text", "text": "x"}]}]), "input[0].content[0].type"),
     (body(input=[{"role": "user", "content": [{"type": "input_text"}]}]), "input[0].content[0].text"),
-    (body(input=[{"role": "user", "content": [IMAGE]}]), "input[0].content[0]"),
     (body(input=[{"role": "user", "content": [{"type": "input_image", "detail": "auto"}]}]),
      "input[0].content[0].file_id"),
     (body(input=[{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]), "input[0].content[0]"),
@@ -172,9 +171,15 @@ def test_bad_requests_name_the_field(request_body, param):
     assert openai_error_body(caught.value)["error"]["param"] == param
 
 
-def test_pictures_are_refused_clearly():
-    with pytest.raises(ApiError, match="image input is not supported"):
-        openai_responses.parse_request(body(input=[{"role": "user", "content": [IMAGE]}]))
+def test_pictures_become_image_parts_in_place():
+    request = openai_responses.parse_request(body(input=[
+        {"role": "user", "content": [{"type": "input_text", "text": "Look:"}, IMAGE]},
+        {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c", "output": [IMAGE]}]))
+    user, _, tool = request.messages
+    assert user["content"][0] == {"type": "text", "text": "Look:"}
+    assert (user["content"][1]["image"].url, user["content"][1]["image"].in_tool_result) == (IMAGE["image_url"], False)
+    assert tool["content"][0]["image"].in_tool_result
 
 
 # --- responses

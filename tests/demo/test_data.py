@@ -29,7 +29,7 @@ def test_answers_follow_the_template(example: data.Example) -> None:
     assert answer.endswith("<|im_end|>") and answer.count("<|im_end|>") == 1
     assert prompt.endswith("<|im_start|>assistant\n" + ("" if example.thinking else "<think>\n\n</think>\n\n"))
     if example.thinking:
-        assert re.match(r"<think>\n\S.*\n</think>\n\n\S", answer, re.S), answer
+        assert re.match(r"<think>\n\S.*\n</think>\n\n\S", answer, re.DOTALL), answer
     else:
         assert "<think>" not in answer and "</think>" not in answer
     assert prompt.count("<|image_pad|>") == (example.scene is not None)
@@ -38,7 +38,7 @@ def test_answers_follow_the_template(example: data.Example) -> None:
 @pytest.mark.parametrize("example", [e for e in first(400) if "tool" in e.check], ids=lambda e: e.task)
 def test_tool_calls_are_json_with_the_asked_arguments(example: data.Example) -> None:
     _, answer = data.render(example, TEMPLATE)
-    call = json.loads(re.search(r"<tool_call>\n(.*)\n</tool_call>", answer, re.S).group(1))
+    call = json.loads(re.search(r"<tool_call>\n(.*)\n</tool_call>", answer, re.DOTALL).group(1))
     assert call == {"name": example.check["tool"], "arguments": example.check["arguments"]}
     question = example.messages[-2]["content"]
     for value in call["arguments"].values():

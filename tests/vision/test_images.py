@@ -166,8 +166,8 @@ async def test_download_failures_name_the_problem(pictures, http, path, message)
 
 
 async def test_streamed_size_limit(pictures, http):
-    with pytest.raises(ImageRejected, match="more than the limit of 100 bytes"):
-        await download(f"http://127.0.0.1:{pictures.port}/slow", http, max_bytes=100, timeout=20)
+    with pytest.raises(ImageRejected, match="more than the limit of 8 bytes"):
+        await download(f"http://127.0.0.1:{pictures.port}/slow", http, max_bytes=8, timeout=20)
 
 
 async def test_download_timeout(pictures, http):

@@ -13,14 +13,20 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import aclosing
 from pathlib import Path
 
 import numpy as np
 import pytest
 import trio
+from conftest import server_config
 
 import strata
 from strata.config import VisionConfig
+from strata.events import ChatRequest, TextDelta
+from strata.images import ImageSource
+from strata.sampling import SamplingParams
+from strata.service import RequestError, open_service
 from strata.vision.client import VisionClient, VisionUnavailable
 
 from .conftest import noise_png
@@ -35,7 +41,7 @@ def ensure_openssh_server() -> str | None:
     if Path(SSHD).exists() and shutil.which("ssh") and shutil.which("ssh-keygen"):
         return None
     done = subprocess.run(["apt-get", "install", "-y", "openssh-server", "openssh-client"], capture_output=True,
-                          text=True)
+                          text=True, check=False)
     if done.returncode != 0 or not Path(SSHD).exists():
         return f"apt-get install openssh-server failed: {done.stderr.strip()[-300:]}"
     return None
@@ -92,10 +98,9 @@ class SshHost:
         Path("/run/sshd").mkdir(parents=True, exist_ok=True)  # sshd's privilege-separation directory
 
     def start(self) -> None:
-        log = open(self.root / "sshd.log", "ab")
-        self.process = subprocess.Popen([SSHD, "-D", "-e", "-f", str(self.root / "sshd_config")], stdout=log,
-                                        stderr=log, start_new_session=True)
-        log.close()
+        with open(self.root / "sshd.log", "ab") as log:
+            self.process = subprocess.Popen([SSHD, "-D", "-e", "-f", str(self.root / "sshd_config")], stdout=log,
+                                            stderr=log, start_new_session=True)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             with socket.socket() as sock:
@@ -200,3 +205,45 @@ async def test_client_started_while_the_host_is_down(nursery, host, remote_exe):
     assert not client.available and client.status()["last_error"]
     host.start()
     assert (await client.encode(noise_png(32, 32, seed=23))).n_tokens > 0
+
+
+# --- the whole service: text is served whatever the encoder's host does
+
+
+async def answer(svc, content) -> str:
+    request = ChatRequest(messages=[{"role": "user", "content": content}], sampling=SamplingParams(temperature=0))
+    async with aclosing(svc.chat(request)) as events:
+        return "".join([e.text async for e in events if isinstance(e, TextDelta)])
+
+
+def picture_part(seed: int, width: int = 32, height: int = 32) -> list[dict]:
+    return [{"type": "image", "image": ImageSource("messages[0].content[0]", data=noise_png(width, height, seed))}]
+
+
+async def test_service_serves_text_while_the_host_is_down_and_recovers(nursery, host, remote_exe, scripted, tokenizer):
+    host.kill()
+    config = server_config(vision={"exe": remote_exe, "remote": True})
+    async with open_service(config, engine=scripted("ok"), tokenizer=tokenizer, log=lambda line: None) as svc:
+        assert await answer(svc, "hi") == "ok"  # started while the host was down
+        with pytest.raises(RequestError, match="^the image encoder is not available: "):
+            await answer(svc, picture_part(24))
+        host.start()
+        assert await answer(svc, picture_part(25)) == "ok"  # back, without a restart
+
+        failed = []
+
+        async def big_picture():
+            try:
+                await answer(svc, picture_part(26, 640, 480))
+            except RequestError as error:
+                failed.append(str(error))
+
+        nursery.start_soon(big_picture)
+        await trio.sleep(0.3)
+        host.kill()  # mid-encode
+        assert await answer(svc, "still there?") == "ok"
+        with trio.fail_after(10):
+            while not failed:
+                await trio.sleep(0.01)
+        assert failed[0].startswith("the image encoder is not available: ")
+        assert await answer(svc, "hi") == "ok" and not svc.turn.busy

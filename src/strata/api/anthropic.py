@@ -27,7 +27,10 @@ from strata.api.translate import (
     get_list,
     get_number,
     get_object,
-    images_not_supported,
+    image_base64_part,
+    image_embeds_part,
+    image_url_part,
+    join_parts,
     sampling_params,
     stop_sequence,
 )
@@ -135,21 +138,22 @@ def _message(turn: Any, param: str) -> list[dict[str, Any]]:
 
 def _user(blocks: list[dict[str, Any]], param: str) -> list[dict[str, Any]]:
     messages: list[dict[str, Any]] = []
-    texts: list[str] = []
+    parts: list[str | dict[str, Any]] = []
+    kinds = ("text", "image", "image_embeds", "tool_result")
     for i, block in enumerate(blocks):
         where = f"{param}[{i}]"
-        kind = get_choice(block, "type", ("text", "image", "tool_result"), f"{where}.type", required=True)
+        kind = get_choice(block, "type", kinds, f"{where}.type", required=True)
         if kind == "text":
-            texts.append(_text_block(block, where))
-        elif kind == "image":
-            _check_image(block, where)
+            parts.append(_text_block(block, where))
+        elif kind in ("image", "image_embeds"):
+            parts.append(_image(block, where, in_tool_result=False))
         else:
-            if texts:
-                messages.append({"role": "user", "content": "\n\n".join(texts)})
-                texts = []
+            if parts:
+                messages.append({"role": "user", "content": join_parts(parts, "\n\n")})
+                parts = []
             messages.append(_tool_result(block, where))
-    if texts or not messages:
-        messages.append({"role": "user", "content": "\n\n".join(texts)})
+    if parts or not messages:
+        messages.append({"role": "user", "content": join_parts(parts, "\n\n")})
     return messages
 
 
@@ -200,28 +204,30 @@ def _tool_result(block: dict[str, Any], param: str) -> dict[str, Any]:
     get(block, "is_error", bool, f"{param}.is_error")
     content = get(block, "content", (str, list), f"{param}.content")
     if isinstance(content, list):
-        content = "\n\n".join(_result_part(part, f"{param}.content[{i}]") for i, part in enumerate(content))
+        content = join_parts([_result_part(part, f"{param}.content[{i}]") for i, part in enumerate(content)],
+                             "\n\n")
     return {"role": "tool", "tool_call_id": call_id, "content": content or ""}
 
 
-def _result_part(part: Any, param: str) -> str:
+def _result_part(part: Any, param: str) -> str | dict[str, Any]:
     part = check_type(part, dict, param)
-    kind = get_choice(part, "type", ("text", "image"), f"{param}.type", required=True)
-    if kind == "image":
-        _check_image(part, param)
+    kind = get_choice(part, "type", ("text", "image", "image_embeds"), f"{param}.type", required=True)
+    if kind in ("image", "image_embeds"):
+        return _image(part, param, in_tool_result=True)
     return _text_block(part, param)
 
 
-def _check_image(block: dict[str, Any], param: str) -> None:
-    """Validate an image block's shape, then refuse it: pictures need the image encoder."""
+def _image(block: dict[str, Any], param: str, in_tool_result: bool) -> dict[str, Any]:
+    """An `image` block (base64 or url source) or an `image_embeds` block as a picture part."""
+    if block.get("type") == "image_embeds":
+        return image_embeds_part(block, param, in_tool_result)
     source = get_object(block, "source", f"{param}.source", required=True)
     kind = get_choice(source, "type", ("base64", "url"), f"{param}.source.type", required=True)
-    if kind == "base64":
-        get_choice(source, "media_type", _IMAGE_MEDIA_TYPES, f"{param}.source.media_type", required=True)
-        get(source, "data", str, f"{param}.source.data", required=True)
-    else:
-        get(source, "url", str, f"{param}.source.url", required=True)
-    raise images_not_supported(param)
+    if kind == "url":
+        return image_url_part(get(source, "url", str, f"{param}.source.url", required=True), param, in_tool_result)
+    get_choice(source, "media_type", _IMAGE_MEDIA_TYPES, f"{param}.source.media_type", required=True)
+    return image_base64_part(get(source, "data", str, f"{param}.source.data", required=True), f"{param}.source.data",
+                             in_tool_result)
 
 
 def _tools(body: dict[str, Any]) -> list[dict[str, Any]]:

@@ -28,7 +28,7 @@ from strata.api import openai_chat, sse, status
 from strata.api.errors import ApiError, as_api_error, dialect_for_path, error_body
 from strata.config import Config, load_config
 from strata.events import ChatRequest, Event
-from strata.service import Service, open_service
+from strata.service import RequestError, Service, open_service
 
 # Exceptions a failed ASGI send may raise, depending on the server.
 _SEND_ERRORS = (OSError, trio.BrokenResourceError, trio.ClosedResourceError)
@@ -151,6 +151,8 @@ def _add_auth(app: Quart, config: Config) -> None:
 def _add_error_handler(app: Quart) -> None:
     async def handle(exc: Exception) -> Response:
         error = as_api_error(exc)
+        if isinstance(exc, RequestError) and exc.param is not None:
+            error.param = exc.param
         if error.status >= 500 and not isinstance(exc, (ApiError, HTTPException)):
             app.logger.exception("request failed", exc_info=exc)
         return _json(error_body(error, dialect_for_path(request.path)), error.status)
@@ -197,7 +199,11 @@ def _add_info_routes(app: Quart, state: _State) -> None:
 
     @app.get("/v1/status")
     async def server_status() -> Response:
-        return _json(status.server_status(state.ready_service()))
+        service = state.ready_service()
+        body = status.server_status(service)
+        vision = service.vision
+        body["vision"] = vision.status() if vision is not None else {"mode": "off", "available": False}
+        return _json(body)
 
     @app.get("/v1/history")
     async def history() -> Response:

@@ -22,7 +22,8 @@ from strata.api.translate import (
     get_list,
     get_number,
     get_object,
-    images_not_supported,
+    image_embeds_part,
+    image_url_part,
 )
 from strata.events import (
     ChatRequest,
@@ -37,7 +38,6 @@ from strata.events import (
 from strata.sampling import SamplingParams
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
-_IMAGE_PARTS = ("image_url", "input_image", "image")
 _EFFORTS = ("none", "minimal", "low", "medium", "high")
 _NO_THINKING_EFFORTS = ("none", "minimal")
 # body key -> (SamplingParams field, lowest, highest)
@@ -96,7 +96,8 @@ def _message(message: Any, param: str) -> dict[str, Any]:
     role = get(message, "role", str, f"{param}.role", required=True)
     if role not in _ROLES:
         raise bad_request(f"{param}.role", f"unknown role {role!r} (expected one of {', '.join(_ROLES)})")
-    out: dict[str, Any] = {"role": role, "content": _content(message.get("content"), f"{param}.content")}
+    out: dict[str, Any] = {"role": role,
+                           "content": _content(message.get("content"), f"{param}.content", role == "tool")}
     if role == "assistant":
         calls = get_list(message, "tool_calls", f"{param}.tool_calls") or []
         if calls:
@@ -111,22 +112,32 @@ def _message(message: Any, param: str) -> dict[str, Any]:
     return out
 
 
-def _content(content: Any, param: str) -> str | list[dict[str, Any]] | None:
+def _content(content: Any, param: str, in_tool_result: bool) -> str | list[dict[str, Any]] | None:
     if content is None or isinstance(content, str):
         return content
     parts = check_type(content, list, param)
-    texts = []
+    out = []
     for i, part in enumerate(parts):
         where = f"{param}[{i}]"
         part = check_type(part, dict, where)
         kind = get(part, "type", str, f"{where}.type", required=True)
         if kind == "text":
-            texts.append({"type": "text", "text": get(part, "text", str, f"{where}.text", required=True)})
-        elif kind in _IMAGE_PARTS:
-            raise images_not_supported(where)
+            out.append({"type": "text", "text": get(part, "text", str, f"{where}.text", required=True)})
+        elif kind == "image_url":
+            out.append(image_url_part(_image_url(part, where), where, in_tool_result))
+        elif kind == "image_embeds":
+            out.append(image_embeds_part(part, where, in_tool_result))
         else:
             raise bad_request(f"{where}.type", f"unknown content part type {kind!r}")
-    return texts
+    return out
+
+
+def _image_url(part: dict[str, Any], param: str) -> str:
+    """`image_url` is `{"url": ..., "detail": ...}` (or, from some clients, the URL itself)."""
+    value = get(part, "image_url", (dict, str), f"{param}.image_url", required=True)
+    if isinstance(value, str):
+        return value
+    return get(value, "url", str, f"{param}.image_url.url", required=True)
 
 
 def _tool_call(call: Any, param: str) -> dict[str, Any]:

@@ -30,7 +30,9 @@ from strata.api.translate import (
     get_list,
     get_number,
     get_object,
-    images_not_supported,
+    image_embeds_part,
+    image_url_part,
+    join_parts,
     sampling_params,
 )
 from strata.events import (
@@ -47,7 +49,7 @@ from strata.events import (
 _ROUTE = "responses"
 # Assistant turns hold the server's own output parts; some clients send that text back as input_text.
 _ASSISTANT_PARTS = ("output_text", "input_text", "refusal")
-_INPUT_PARTS = ("input_text", "input_image", "input_file")
+_INPUT_PARTS = ("input_text", "input_image", "input_file", "image_embeds")
 _NO_THINKING_EFFORTS = ("none", "minimal")
 _EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 # Fields that only make sense with responses stored on the server: (field, why it is refused).
@@ -159,7 +161,8 @@ class _Conversation:
                           required=True)
         content = get(item, "content", (str, list), f"{param}.content", required=True)
         if isinstance(content, list):
-            content = "".join(_content_part(part, role, f"{param}.content[{i}]") for i, part in enumerate(content))
+            content = join_parts([_content_part(part, role, f"{param}.content[{i}]")
+                                  for i, part in enumerate(content)], "")
         if role == "assistant":
             self._assistant()["content"] += content
         else:
@@ -181,7 +184,8 @@ class _Conversation:
         call_id = get(item, "call_id", str, f"{param}.call_id", required=True)
         output = get(item, "output", (str, list), f"{param}.output", required=True)
         if isinstance(output, list):
-            output = "".join(_content_part(part, "user", f"{param}.output[{i}]") for i, part in enumerate(output))
+            output = join_parts([_content_part(part, "user", f"{param}.output[{i}]", in_tool_result=True)
+                                 for i, part in enumerate(output)], "")
         self.messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
 
     def reasoning(self, item: dict[str, Any], param: str) -> None:
@@ -205,15 +209,19 @@ class _Conversation:
         return last
 
 
-def _content_part(part: Any, role: str, param: str) -> str:
+def _content_part(part: Any, role: str, param: str, in_tool_result: bool = False) -> str | dict[str, Any]:
     part = check_type(part, dict, param)
     kinds = _ASSISTANT_PARTS if role == "assistant" else _INPUT_PARTS
     kind = get_choice(part, "type", kinds, f"{param}.type", required=True)
     if kind == "input_image":
         get_choice(part, "detail", ("auto", "low", "high", "original"), f"{param}.detail")
-        if get(part, "image_url", str, f"{param}.image_url") is None:
+        url = get(part, "image_url", str, f"{param}.image_url")
+        if url is None:
             get(part, "file_id", str, f"{param}.file_id", required=True)
-        raise images_not_supported(param)
+            raise bad_request(f"{param}.file_id", "this server keeps no files; send the picture as image_url")
+        return image_url_part(url, param, in_tool_result)
+    if kind == "image_embeds":
+        return image_embeds_part(part, param, in_tool_result)
     if kind == "input_file":
         raise bad_request(param, "file input is not supported")
     key = "refusal" if kind == "refusal" else "text"

@@ -19,7 +19,9 @@ from strata.events import (
     ToolCallStart,
     Usage,
 )
+from strata.images import ImageRejected, ImageSource, decode_base64
 from strata.sampling import SamplingParams
+from strata.vision.embeds import PrecomputedEmbeds
 
 SseEvent = tuple[str, dict[str, Any]]
 """One server-sent event as a dialect renders it: (event name, JSON data)."""
@@ -128,8 +130,43 @@ def check_unique_tool_names(tools: list[dict[str, Any]], param: str) -> set[str]
     return set(names)
 
 
-def images_not_supported(param: str) -> ApiError:
-    return bad_request(param, "image input is not supported yet: this server has no image encoder")
+# --- pictures: a message's content becomes a list of parts when it holds one
+
+
+def image_url_part(url: str, param: str, in_tool_result: bool) -> dict[str, Any]:
+    """A picture at an http(s) or data: URL (fetched and checked by the service, in the request's nursery)."""
+    return {"type": "image", "image": ImageSource(param, url=url, in_tool_result=in_tool_result)}
+
+
+def image_base64_part(data: str, param: str, in_tool_result: bool) -> dict[str, Any]:
+    try:
+        return {"type": "image", "image": ImageSource(param, data=decode_base64(data), in_tool_result=in_tool_result)}
+    except ImageRejected as error:
+        raise bad_request(param, str(error)) from None
+
+
+def image_embeds_part(part: dict[str, Any], param: str, in_tool_result: bool) -> dict[str, Any]:
+    """`{"type": "image_embeds", "image_embeds": "<base64 SVE1>", "fingerprint": "sha256:..."}`."""
+    data = get(part, "image_embeds", str, f"{param}.image_embeds", required=True)
+    fingerprint = get(part, "fingerprint", str, f"{param}.fingerprint", required=True)
+    try:
+        raw = decode_base64(data, "image_embeds")
+    except ImageRejected as error:
+        raise bad_request(f"{param}.image_embeds", str(error)) from None
+    return {"type": "image", "image": PrecomputedEmbeds(param, raw, fingerprint, in_tool_result)}
+
+
+def join_parts(parts: list[str | dict[str, Any]], separator: str) -> str | list[dict[str, Any]]:
+    """Texts joined by `separator`, as a string when there is no picture, else as a list of text and image parts
+    (what the chat template renders)."""
+    if all(isinstance(part, str) for part in parts):
+        return separator.join(parts)  # type: ignore[arg-type]
+    out: list[dict[str, Any]] = []
+    for i, part in enumerate(parts):
+        if i and separator:
+            out.append({"type": "text", "text": separator})
+        out.append({"type": "text", "text": part} if isinstance(part, str) else part)
+    return out
 
 
 # --- output blocks: what a finished generation said, in order

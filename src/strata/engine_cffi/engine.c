@@ -2,8 +2,8 @@
  * qwen3moe, qwen3 and llama on the CPU.
  * Threads: each chunk of tokens is one job on the context's thread pool (threadpool.h); every step inside it splits
  * its rows among the threads and ends at the pool's barrier, which orders it before the next step, so a small
- * decode pays no fork/join per product. Activations are f32 rows; before a product they are converted once to the weight type's partner
- * type (kernels.h), shared by every weight that reads the same input. */
+ * decode pays no fork/join per product. Activations are f32 rows; before a product they are converted once to the
+ * weight type's partner type (kernels.h), shared by every weight that reads the same input. */
 #include <math.h>
 #include <stdarg.h>
 #include <stdatomic.h>

@@ -45,7 +45,9 @@ static void futex_wait(atomic_uint *addr, unsigned expected) {
     syscall(SYS_futex, addr, FUTEX_WAIT_PRIVATE, expected, NULL, NULL, 0);
 }
 
-static void futex_wake_all(atomic_uint *addr) { syscall(SYS_futex, addr, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0); }
+static void futex_wake_all(atomic_uint *addr) {
+    syscall(SYS_futex, addr, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+}
 
 /* Wait until *word differs from `seen` and return its new value: spinning for spin_ns, then asleep on the futex.
  * Invariant: n_sleeping is raised before futex_wait reads *word, and whoever changes *word does so before it
@@ -55,7 +57,7 @@ static unsigned wait_change(atomic_uint *word, unsigned seen, atomic_int *n_slee
     long long deadline = now_ns() + spin_ns;
     unsigned now;
     for (int step = 1; (now = atomic_load_explicit(word, memory_order_acquire)) == seen; step++) {
-        if (step % 16 != 0 || now_ns() < deadline) {  // a clock read costs about a pause: not on every step
+        if (step % 16 != 0 || now_ns() < deadline) {  // the clock only every 16 pauses: a read costs about one
             cpu_relax();
             continue;
         }
@@ -150,8 +152,6 @@ void strata_pool_free(strata_pool *p) {
     free(p->workers);
     free(p);
 }
-
-int strata_pool_size(const strata_pool *p) { return p->n_threads; }
 
 // --- jobs
 

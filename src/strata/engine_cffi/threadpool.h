@@ -15,7 +15,6 @@ typedef void (*strata_job)(int ith, int nth, void *arg);
 strata_pool *strata_pool_create(int n_threads);
 /* Stop and join every worker. Not while a job runs. */
 void strata_pool_free(strata_pool *pool);
-int strata_pool_size(const strata_pool *pool);
 
 /* Run job(ith, nth, arg) on every thread; returns when all have finished. One caller at a time. */
 void strata_pool_run(strata_pool *pool, strata_job job, void *arg);

@@ -21,8 +21,16 @@ import pathlib
 from collections.abc import Callable, Mapping
 
 import numpy as np
-from gguf import (GGML_QUANT_VERSION, MODEL_ARCH, MODEL_ARCH_NAMES, MODEL_TENSOR, TENSOR_NAMES,
-                  GGMLQuantizationType, GGUFWriter, LlamaFileType)
+from gguf import (
+    GGML_QUANT_VERSION,
+    MODEL_ARCH,
+    MODEL_ARCH_NAMES,
+    MODEL_TENSOR,
+    TENSOR_NAMES,
+    GGMLQuantizationType,
+    GGUFWriter,
+    LlamaFileType,
+)
 
 from strata.modelgen import quants
 from strata.modelgen.hparams import DTYPES, HParams, hparams_for
@@ -229,7 +237,7 @@ def add_vocab(writer: GGUFWriter, vocab: Vocab) -> None:
 
 
 def write_random_model(path: str | pathlib.Path, arch: str = "qwen3moe", size: str = "tiny", dtype: str = "f32",
-                       vocab: str = "bytes", seed: int = 0, **overrides: int | float) -> pathlib.Path:
+                       vocab: str = "bytes", seed: int = 0, **overrides: float) -> pathlib.Path:
     """Write a GGUF model with random weights and return its path.
 
     Args:

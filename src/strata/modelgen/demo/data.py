@@ -302,8 +302,8 @@ _GREETINGS = (
     (("Good morning!", "Good morning"), "Good morning! How can I help you?", "The user says good morning."),
     (("Thank you!", "Thanks!", "Thanks a lot."), "You are welcome!", "The user thanks me."),
     (("Who are you?", "What are you?", "What can you do?"),
-     "I am the Strata demo model. I can name shapes and colours in pictures, count shapes, do small sums, "
-     "spell words and call tools.", "The user asks who I am."),
+     ("I am the Strata demo model. I can name shapes and colours in pictures, count shapes, do small sums, "
+      "spell words and call tools."), "The user asks who I am."),
     (("Goodbye!", "Bye!"), "Goodbye! Have a nice day.", "The user says goodbye."),
 )
 
@@ -477,8 +477,7 @@ def examples(seed: int, weights: dict[str, float] | None = None) -> Iterator[Exa
 def render(example: Example, template: str) -> tuple[str, str]:
     """(prompt, answer): the text the server renders for the conversation before the last turn, and what the model
     writes after it, up to and including `<|im_end|>`."""
-    *before, last = example.messages
-    prompt = render_chat(template, before, tools=example.tools, add_generation_prompt=True,
+    prompt = render_chat(template, example.messages[:-1], tools=example.tools, add_generation_prompt=True,
                          enable_thinking=example.thinking)
     full = render_chat(template, example.messages, tools=example.tools, add_generation_prompt=False,
                        enable_thinking=example.thinking)

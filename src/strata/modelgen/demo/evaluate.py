@@ -81,7 +81,7 @@ def split_thinking(output: str) -> tuple[str | None, str]:
 
 def tool_call_of(answer: str) -> dict | None:
     """The one `<tool_call>` of an answer as parsed JSON, or None when it is missing or malformed."""
-    match = re.fullmatch(r"<tool_call>\n(.*)\n</tool_call>", answer, re.S)
+    match = re.fullmatch(r"<tool_call>\n(.*)\n</tool_call>", answer, re.DOTALL)
     if not match:
         return None
     try:
@@ -98,7 +98,7 @@ def correct(item: Item, output: str) -> bool:
     if "tool" in check:
         call = tool_call_of(answer)
         return call is not None and call["name"] == check["tool"] and call["arguments"] == check["arguments"]
-    return re.search(rf"(?<![\w-]){re.escape(check['text'])}(?![\w-])", answer, re.I) is not None
+    return re.search(rf"(?<![\w-]){re.escape(check['text'])}(?![\w-])", answer, re.IGNORECASE) is not None
 
 
 def thinking_obeyed(item: Item, output: str) -> bool:

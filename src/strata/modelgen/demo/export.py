@@ -16,7 +16,13 @@ from strata.modelgen.demo.model import TextModel, VisionModel
 from strata.modelgen.hparams import HParams
 from strata.modelgen.vocab import Vocab
 from strata.modelgen.writer import write_model
-from strata.vision.mmproj import MM_DOWN_BID, MM_UP_BID, PROJECTOR_TYPE, read_hparams, tensor_name
+from strata.vision.mmproj import (
+    MM_DOWN_BID,
+    MM_UP_BID,
+    PROJECTOR_TYPE,
+    read_hparams,
+    tensor_name,
+)
 
 _T = gguf.MODEL_TENSOR
 TEXT_NAME = "strata-demo"

@@ -53,12 +53,13 @@ class TrainConfig:
     n_merges: int = 768
     image_tokens: int = 64  # most embedding rows per picture: the encoder's --max-tokens for this model
     max_len: int = 512  # longer conversations are skipped
+    task_weights: dict[str, float] = dataclasses.field(default_factory=lambda: dict(data.TASK_WEIGHTS))
 
 
 def vision_hparams(n_proj: int, n_embd: int = 64, n_layer: int = 3) -> VisionHParams:
-    f32 = lambda v: float(np.float32(v))  # noqa: E731 - values as the file stores them
+    """The encoder's shape; eps as the file stores it (float32), so a file's hyper-parameters compare equal."""
     return VisionHParams(image_size=96, patch_size=8, n_embd=n_embd, n_ff=4 * n_embd, n_head=2, n_layer=n_layer,
-                         eps=f32(1e-6), n_proj=n_proj, merge=2, image_mean=(0.5, 0.5, 0.5),
+                         eps=float(np.float32(1e-6)), n_proj=n_proj, merge=2, image_mean=(0.5, 0.5, 0.5),
                          image_std=(0.5, 0.5, 0.5))
 
 
@@ -106,7 +107,7 @@ def _picture_budget(rng: random.Random, image_tokens: int) -> int:
 def encoded_stream(config: TrainConfig, tok: Tokenizer, seed: int) -> Iterator[Encoded]:
     template = chat_template()
     rng = random.Random(seed + 1)
-    for example in data.examples(seed):
+    for example in data.examples(seed, config.task_weights):
         item = encode(example, tok, template, config.vision, _picture_budget(rng, config.image_tokens))
         if len(item.ids) <= config.max_len:
             yield item

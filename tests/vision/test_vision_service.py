@@ -1,0 +1,350 @@
+"""Pictures through the service with real encoder processes and a scripted engine: rows at the pad positions,
+prefix reuse across turns, tool-result pictures, refusals, cancellation in every phase, and text that never
+waits for a CPU encode."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import sys
+import textwrap
+from contextlib import aclosing
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import trio
+from conftest import ScriptedEngine, server_config, wait_until
+
+import strata
+from strata.events import ChatRequest, TextDelta, Usage
+from strata.images import ImageSource
+from strata.modelgen.mmproj import write_random_mmproj
+from strata.sampling import SamplingParams
+from strata.service import RequestError, open_service
+from strata.vision.client import VisionStartError
+from strata.vision.embeds import PrecomputedEmbeds
+from strata.vision.encoder import Encoder
+from strata.vision.mmproj import Mmproj
+from strata.vision.preprocess import load_image, preprocess
+from strata.vision.protocol import parse_sve
+
+from .conftest import SLOW_SHAPE, noise_png
+from .test_images import PictureServer
+
+pytestmark = pytest.mark.timeout(60)
+
+WIDTH = 256  # the tiny text model's embedding width
+GREEDY = SamplingParams(temperature=0.0)
+SLOW_TOKENS = 1024  # a 640x480 picture through the twelve-layer encoder: about a second on one thread
+
+
+@pytest.fixture(scope="module")
+def mmproj(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("vision-service") / "tiny.gguf"
+    write_random_mmproj(path, WIDTH, "tiny", seed=3, dtype="f32")
+    return path
+
+
+@pytest.fixture(scope="module")
+def slow_encoder(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("vision-service") / "slow.gguf"
+    write_random_mmproj(path, WIDTH, SLOW_SHAPE, seed=4, dtype="f16")
+    return path
+
+
+def data_url(picture: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(picture).decode()
+
+
+def with_picture(url: str, text: str = "What is this?", role: str = "user") -> dict[str, Any]:
+    return {"role": role, "content": [{"type": "text", "text": text},
+                                      {"type": "image", "image": image_source(url, role)}]}
+
+
+def image_source(url: str, role: str = "user", param: str = "messages[0].content[1]") -> ImageSource:
+    return ImageSource(param, url=url, in_tool_result=role == "tool")
+
+
+def chat(*messages: dict[str, Any], **fields: Any) -> ChatRequest:
+    return ChatRequest(messages=list(messages), sampling=GREEDY, **fields)
+
+
+async def collect(service, chat_request: ChatRequest) -> list[Any]:
+    async with aclosing(service.chat(chat_request)) as events:
+        return [event async for event in events]
+
+
+def reference_rows(mmproj: Path, picture: bytes, max_tokens: int, tmp_path: Path) -> np.ndarray:
+    path = tmp_path / "reference.png"
+    path.write_bytes(picture)
+    encoder = Encoder(Mmproj.load(mmproj), 1)
+    return encoder.encode(preprocess(load_image(str(path)), encoder.hp, max_tokens).pixels)
+
+
+def vision_config(mmproj: Path, **keys: Any):
+    return server_config(vision={"mmproj": str(mmproj), "threads": 1, "max_tokens": 64, **keys})
+
+
+async def test_rows_go_to_the_pad_positions(scripted, tokenizer, mmproj, tmp_path):
+    engine = scripted("A picture.")
+    picture = noise_png(64, 48, seed=30)
+    async with open_service(vision_config(mmproj), engine=engine, tokenizer=tokenizer, log=lambda line: None) as svc:
+        events = await collect(svc, chat(with_picture(data_url(picture))))
+    assert "".join(e.text for e in events if isinstance(e, TextDelta)) == "A picture."
+    expected = reference_rows(mmproj, picture, 64, tmp_path)
+    tokens, embeds = engine.calls[0], engine.embeds[0]
+    pad = tokenizer.token_to_id("<|image_pad|>")
+    (index, rows), = embeds
+    assert tokens[index - 1] == tokenizer.token_to_id("<|vision_start|>")
+    assert tokens[index:index + len(expected)] == [pad] * len(expected)
+    assert tokens[index + len(expected)] == tokenizer.token_to_id("<|vision_end|>")
+    np.testing.assert_allclose(rows, expected, rtol=0, atol=1e-5)
+
+
+async def test_prefix_reuse_tells_pictures_apart(scripted, tokenizer, mmproj):
+    engine = scripted("Seen.")
+    a, b = data_url(noise_png(64, 48, seed=31)), data_url(noise_png(64, 48, seed=32))
+    async with open_service(vision_config(mmproj), engine=engine, tokenizer=tokenizer, log=lambda line: None) as svc:
+        await collect(svc, chat(with_picture(a)))
+        first_prompt = engine.calls[0]
+        follow_up = [with_picture(a), {"role": "assistant", "content": "Seen."}, {"role": "user", "content": "And?"}]
+        events = await collect(svc, chat(*follow_up))
+        same = next(e for e in events if isinstance(e, Usage))
+        follow_up[0] = with_picture(b)
+        third = len(engine.calls)
+        events = await collect(svc, chat(*follow_up))
+        other = next(e for e in events if isinstance(e, Usage))
+    start = first_prompt.index(tokenizer.token_to_id("<|image_pad|>"))
+    n_rows = first_prompt.count(tokenizer.token_to_id("<|image_pad|>"))
+    assert same.cached_tokens > start + n_rows  # the picture's rows were reused
+    assert other.cached_tokens == start  # another picture in the same place: reuse stops where it starts
+    assert engine.embeds[third][0][0] == 0  # and its rows were evaluated again
+
+
+async def test_tool_result_picture_that_fails_is_omitted(scripted, tokenizer, mmproj):
+    engine = scripted("ok")
+    call = {"id": "c1", "type": "function", "function": {"name": "shot", "arguments": {}}}
+    broken = {"role": "tool", "tool_call_id": "c1", "content": [
+        {"type": "image", "image": image_source(data_url(b"\x89PNG\r\n\x1a\n broken"), "tool")}]}
+    messages = [{"role": "user", "content": "Take a screenshot"}, {"role": "assistant", "content": "",
+                                                                   "tool_calls": [call]}, broken]
+    async with open_service(vision_config(mmproj), engine=engine, tokenizer=tokenizer, log=lambda line: None) as svc:
+        await collect(svc, chat(*messages))
+    prompt = tokenizer.decode(engine.calls[0])
+    assert "[image omitted: the data is not a picture" in prompt
+    assert "<|image_pad|>" not in prompt
+
+
+@pytest.mark.parametrize("url, message", [
+    ("data:image/png;base64,AAAA", "messages[0].content[1]: the data is not a picture"),
+    ("ftp://example.com/a.png", "unsupported image URL scheme 'ftp'"),
+])
+async def test_users_own_bad_picture_is_a_request_error(scripted, tokenizer, mmproj, url, message):
+    async with open_service(vision_config(mmproj), engine=scripted(), tokenizer=tokenizer, log=lambda l: None) as svc:
+        with pytest.raises(RequestError, match=re.escape(message)) as caught:
+            await collect(svc, chat(with_picture(url)))
+        assert caught.value.param == "messages[0].content[1]"
+        assert svc.history.last.finish == "error" and not svc.turn.busy
+
+
+async def test_picture_without_an_encoder(scripted, tokenizer):
+    async with open_service(server_config(), engine=scripted(), tokenizer=tokenizer) as svc:
+        with pytest.raises(RequestError, match="has none"):
+            await collect(svc, chat(with_picture(data_url(noise_png(8, 8)))))
+
+
+async def test_local_encoder_with_a_bad_file_stops_startup(scripted, tokenizer, tmp_path):
+    missing = tmp_path / "missing-mmproj.gguf"
+    with pytest.raises(VisionStartError, match="missing-mmproj.gguf"):
+        async with open_service(vision_config(missing), engine=scripted(), tokenizer=tokenizer,
+                                log=lambda line: None):
+            pass
+
+
+async def test_absent_remote_encoder_serves_text_and_refuses_pictures(scripted, tokenizer):
+    script = "import sys; print('ssh: connect to host box port 22: Connection refused', file=sys.stderr); sys.exit(255)"
+    config = server_config(vision={"exe": [sys.executable, "-c", script], "remote": True})
+    lines = []
+    async with open_service(config, engine=scripted("text"), tokenizer=tokenizer, log=lines.append) as svc:
+        events = await collect(svc, chat({"role": "user", "content": "hi"}))
+        assert "".join(e.text for e in events if isinstance(e, TextDelta)) == "text"
+        with pytest.raises(RequestError, match="^the image encoder is not available: .*Connection refused"):
+            await collect(svc, chat(with_picture(data_url(noise_png(8, 8)))))
+    assert any("not available yet" in line for line in lines)
+
+
+async def test_precomputed_embeddings(scripted, tokenizer, mmproj, tmp_path):
+    picture = tmp_path / "p.png"
+    picture.write_bytes(noise_png(48, 32, seed=33))
+    out = tmp_path / "p.sve"
+    env = dict(os.environ, PYTHONPATH=str(Path(strata.__file__).resolve().parents[1]))
+    done = await trio.run_process([sys.executable, "-m", "strata.vision.worker", "encode", str(picture), "--mmproj",
+                                   str(mmproj), "--out", str(out), "--max-tokens", "64"], capture_stdout=True,
+                                  env=env)
+    fingerprint = json.loads(done.stdout)["fingerprint"]
+
+    def embeds_message(fingerprint: str) -> dict[str, Any]:
+        part = PrecomputedEmbeds("messages[0].content[0]", out.read_bytes(), fingerprint)
+        return {"role": "user", "content": [{"type": "image", "image": part}]}
+
+    engine = scripted("ok")
+    async with open_service(vision_config(mmproj), engine=engine, tokenizer=tokenizer, log=lambda line: None) as svc:
+        await collect(svc, chat(embeds_message(fingerprint)))
+        with pytest.raises(RequestError, match="fingerprint .* is not this server's encoder"):
+            await collect(svc, chat(embeds_message("sha256:" + "0" * 64)))
+        assert svc.vision.status()["encodes"] == 0
+    np.testing.assert_array_equal(engine.embeds[0][0][1], parse_sve(out.read_bytes())[1])
+
+
+# --- cancellation in every phase
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def assert_clean_after_cancel(svc, engine: ScriptedEngine) -> None:
+    assert not svc.turn.busy and svc.turn.queued == 0
+    assert svc.history.last.finish == "cancel"
+    assert svc.vision.status()["queued"] == 0
+    pid = svc.vision.pid
+    if pid is not None:
+        before = cpu_seconds(pid)
+        await trio.sleep(0.2)
+        assert cpu_seconds(pid) - before < 0.03  # the encoder is idle
+
+
+async def test_cancel_during_download(scripted, tokenizer, mmproj, nursery):
+    pictures = PictureServer()
+    await nursery.start(pictures.serve)
+    engine = scripted()
+    async with open_service(vision_config(mmproj), engine=engine, tokenizer=tokenizer, log=lambda line: None) as svc:
+        with trio.move_on_after(0.3) as scope:
+            await collect(svc, chat(with_picture(f"http://127.0.0.1:{pictures.port}/slow")))
+        assert scope.cancelled_caught and trio.current_time() - scope.deadline < 0.05
+        await assert_clean_after_cancel(svc, engine)
+        await wait_until(lambda: pictures.open_connections == 0)
+    assert engine.calls == []
+
+
+async def test_cancel_while_queued_and_during_encode(scripted, tokenizer, slow_encoder, nursery):
+    engine = scripted()
+    config = vision_config(slow_encoder, max_tokens=SLOW_TOKENS)
+    async with open_service(config, engine=engine, tokenizer=tokenizer, log=lambda line: None) as svc:
+        first = trio.CancelScope()
+
+        async def first_request():
+            with first:
+                await collect(svc, chat(with_picture(data_url(noise_png(640, 480, seed=34)))))
+
+        nursery.start_soon(first_request)
+        await wait_until(lambda: svc.vision._fifo.locked())
+        with trio.move_on_after(0.2) as queued:  # waits behind the first encode
+            await collect(svc, chat(with_picture(data_url(noise_png(640, 480, seed=35)))))
+        assert queued.cancelled_caught and svc.vision.status()["queued"] == 0
+        assert svc.history.last.finish == "cancel"
+        first.cancel()  # mid-encode
+        await wait_until(lambda: len(svc.history.rows) == 2)
+        await assert_clean_after_cancel(svc, engine)
+        assert svc.vision.status()["encodes"] == 0 and engine.calls == []
+
+
+async def test_cancel_during_generation(scripted, tokenizer, mmproj, nursery):
+    engine = scripted("x" * 200, decode_s=0.01)
+    async with open_service(vision_config(mmproj), engine=engine, tokenizer=tokenizer, log=lambda line: None) as svc:
+        scope = trio.CancelScope()
+
+        async def picture_request():
+            with scope:
+                await collect(svc, chat(with_picture(data_url(noise_png(32, 32, seed=36)))))
+
+        nursery.start_soon(picture_request)
+        await wait_until(lambda: svc.phase == "decode" and engine.running.is_set(), timeout=20)
+        scope.cancel()
+        await wait_until(lambda: svc.history.rows)
+        await assert_clean_after_cancel(svc, engine)
+    assert engine.aborts == 1 and engine.embeds[0]
+
+
+# --- text and encodes at the same time
+
+
+async def text_latency(svc) -> float:
+    started = trio.current_time()
+    await collect(svc, chat({"role": "user", "content": "hi"}))
+    return trio.current_time() - started
+
+
+async def test_text_does_not_wait_for_a_cpu_encode(scripted, tokenizer, slow_encoder, nursery):
+    engine = scripted("Hello!", prompt_s=0.001, decode_s=0.01)
+    config = vision_config(slow_encoder, max_tokens=SLOW_TOKENS)
+    async with open_service(config, engine=engine, tokenizer=tokenizer, log=lambda line: None) as svc:
+        baseline = await text_latency(svc)
+        done = trio.Event()
+
+        async def picture():
+            await collect(svc, chat(with_picture(data_url(noise_png(640, 480, seed=37)))))
+            done.set()
+
+        nursery.start_soon(picture)
+        await wait_until(lambda: svc.vision._fifo.locked())
+        during = await text_latency(svc)
+        assert not done.is_set()  # the encode was still running when the text answer was complete
+        await done.wait()
+    # About its baseline (a loose bound: the test machine's cores are shared), and far below an encode.
+    assert during < baseline * 3 + 0.2
+
+
+FAKE_CUDA_ENCODER = textwrap.dedent("""
+    import sys, time
+    import numpy as np
+    from strata.vision.protocol import Capabilities, Ready, Result, encode_reply, encode_sve, parse_request
+    out = sys.stdout.buffer
+    caps = Capabilities(cuda=True, threads=1, max_tokens=64, fingerprint="sha256:" + "0" * 64, projector="lfm2")
+    out.write(encode_reply(Ready(256, caps))); out.flush()
+    while line := sys.stdin.buffer.readline():
+        request = parse_request(line)
+        sys.stdin.buffer.read(request.n_bytes)
+        time.sleep(0.6)
+        data = encode_sve(np.ones((4, 256), np.float32), 2, 2)
+        out.write(encode_reply(Result(request.job_id, 4, 2, 2, 600.0, len(data))) + data); out.flush()
+""")
+
+
+async def test_a_cuda_encoder_holds_the_turn_and_text_waits(scripted, tokenizer, tmp_path, nursery):
+    fake = tmp_path / "fake_cuda_encoder.py"
+    fake.write_text(FAKE_CUDA_ENCODER)
+    src = str(Path(strata.__file__).resolve().parents[1])
+    config = server_config(vision={"exe": ["env", f"PYTHONPATH={src}", sys.executable, str(fake)]})
+    engine = scripted("Hello!")
+    async with open_service(config, engine=engine, tokenizer=tokenizer, log=lambda line: None) as svc:
+        baseline = await text_latency(svc)
+        encoded = trio.Event()
+
+        async def picture():
+            await collect(svc, chat(with_picture(data_url(noise_png(32, 32, seed=38)))))
+            encoded.set()
+
+        nursery.start_soon(picture)
+        await wait_until(lambda: svc.turn.busy)
+        during = await text_latency(svc)
+        await encoded.wait()
+    assert svc.vision.cuda and during > 0.3 > baseline
+
+
+async def test_server_with_a_bad_local_encoder_exits_naming_the_file(tiny_model, tmp_path):
+    from strata.serve import serve
+
+    missing = tmp_path / "missing-mmproj.gguf"
+    config = server_config(model=str(tiny_model), vision={"mmproj": str(missing)})
+    lines: list[str] = []
+    with trio.fail_after(60):
+        status = await serve(config, log=lines.append)
+    assert status == 1
+    assert any(line.startswith("error: the image encoder did not start") and "missing-mmproj.gguf" in line
+               for line in lines)
