@@ -3,6 +3,7 @@ right by an independent reading of the question, pictures that show what their l
 
 import itertools
 import json
+import random
 import re
 
 import pytest
@@ -57,8 +58,6 @@ def test_arithmetic_answers_are_right(example: data.Example) -> None:
 
 @pytest.mark.parametrize("seed", range(30))
 def test_a_single_shape_is_drawn_in_its_colour_and_place(seed: int) -> None:
-    import random
-
     scene = data.single_scene(random.Random(seed))
     image = data.draw(scene)
     shape = scene.shapes[0]

@@ -11,6 +11,7 @@ from strata.engine_cffi import Engine
 from strata.modelgen.demo import bpe, data, export, train
 from strata.modelgen.demo.model import TextModel, VisionModel
 from strata.modelgen.writer import chat_template
+from strata.tokenizer import read_tokenizer_metadata
 from strata.vision.encoder import Encoder
 from strata.vision.mmproj import Mmproj
 
@@ -79,8 +80,6 @@ def test_export_and_read_back_keep_every_weight(files: tuple[pathlib.Path, pathl
 
 
 def _vocab_of(path: pathlib.Path) -> tuple[list[str], list[int], list[str]]:
-    from strata.tokenizer import read_tokenizer_metadata
-
     meta = read_tokenizer_metadata(path)
     return (meta["tokenizer.ggml.tokens"], [int(t) for t in meta["tokenizer.ggml.token_type"]],
             meta["tokenizer.ggml.merges"])

@@ -42,7 +42,7 @@ WORDS = (
 )
 CONDITIONS = ("sunny", "cloudy", "rainy", "snowy", "windy", "foggy")
 
-# Scored by the evaluation: each example's `check` says what its answer must contain.
+# The generator's default mix of tasks, on which the vocabulary is trained.
 TASK_WEIGHTS = {
     "picture": 0.19, "count": 0.15, "arithmetic": 0.15, "capital": 0.06, "spelling": 0.06, "greeting": 0.05,
     "weather_call": 0.08, "weather_answer": 0.07, "add_call": 0.06, "add_answer": 0.05, "time_call": 0.02,

@@ -149,11 +149,10 @@ class VisionProcess:
         self.process.stdin.write(b"QUIT\n")
         self.process.stdin.close()
         self.process.wait(timeout=30)
+        self.process.stdout.close()
 
 
-def engine_runner(model: pathlib.Path, vision: VisionProcess, tok: Tokenizer, threads: int,
-                  kv: str) -> Callable[[list[int], Item], str]:
-    engine = Engine.load(os.fspath(model), n_ctx=1024, threads=threads, kv=kv)
+def engine_runner(engine: Engine, vision: VisionProcess, tok: Tokenizer) -> Callable[[list[int], Item], str]:
     pad = tok.token_to_id(IMAGE_PAD)
 
     def run(ids: list[int], item: Item) -> str:
@@ -206,8 +205,9 @@ def evaluate(model: pathlib.Path, mmproj: pathlib.Path, items: Iterable[Item], t
     """Greedy outputs of every item through the engine (and the torch model of the same files)."""
     tok = Tokenizer.from_gguf(model)
     vision = VisionProcess(mmproj, max_tokens, threads)
+    engine = Engine.load(os.fspath(model), n_ctx=1024, threads=threads, kv=kv)
     try:
-        by_engine = engine_runner(model, vision, tok, threads, kv)
+        by_engine = engine_runner(engine, vision, tok)
         by_torch = torch_runner(read_text(model), read_vision(mmproj), tok, max_tokens) if with_torch else None
         results = []
         for item in items:
@@ -215,6 +215,7 @@ def evaluate(model: pathlib.Path, mmproj: pathlib.Path, items: Iterable[Item], t
             results.append(Result(item, by_engine(ids, item), by_torch(ids, item) if by_torch else None))
         return results
     finally:
+        engine.close()
         vision.close()
 
 
