@@ -155,8 +155,8 @@ def test_dequantize_f32_is_a_copy():
 
 SHAPES = [  # (n_tok, n_rows, n_cols before rounding up to the type's block): one token (decode), a few, more
     # than a tile; odd row counts; 17, 4, 32, 33 and 7 blocks of 32 (every remainder of the kernels' 2- and
-    # 4-block steps), and f32 rows with a vector tail
-    (1, 37, 544), (3, 5, 100), (7, 67, 1000), (20, 33, 1056), (1, 1, 200),
+    # 4-block steps), and f32 rows with a vector tail; more tokens than one block of 64 (an odd number past it)
+    (1, 37, 544), (3, 5, 100), (7, 67, 1000), (20, 33, 1056), (1, 1, 200), (67, 9, 600),
 ]
 
 

@@ -40,8 +40,11 @@ def ensure_openssh_server() -> str | None:
     """Install openssh-server when missing; the reason it could not be, or None."""
     if Path(SSHD).exists() and shutil.which("ssh") and shutil.which("ssh-keygen"):
         return None
-    done = subprocess.run(["apt-get", "install", "-y", "openssh-server", "openssh-client"], capture_output=True,
-                          text=True, check=False)
+    install = ["apt-get", "install", "-y", "openssh-server", "openssh-client"]
+    done = subprocess.run(install, capture_output=True, text=True, check=False)
+    if done.returncode != 0:  # perhaps stale package lists: refresh them once
+        subprocess.run(["apt-get", "update"], capture_output=True, check=False)
+        done = subprocess.run(install, capture_output=True, text=True, check=False)
     if done.returncode != 0 or not Path(SSHD).exists():
         return f"apt-get install openssh-server failed: {done.stderr.strip()[-300:]}"
     return None

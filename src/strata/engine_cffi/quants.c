@@ -942,6 +942,177 @@ INLINE void tile_q6_K(const gemm_args *a, int64_t r, int64_t t, int NR, int NT) 
 #endif
 #endif
 
+// --- prompt-shaped K-quant products (AVX-512 VNNI)
+// With many tokens, each tile of rows is unpacked once per block of tokens (kq_prep): values to bytes, scales to
+// the lanes they multiply, so that work is not repeated for every tile of tokens. One vpdpbusd per 64 values sums
+// 4 products per lane (at most 4 * 63 * 127 for Q6_K: 16 bits hold it); two chunks pack to 16 bits and one
+// vpdpwssd applies their scales: 3 multiplies per 64 values where vpmaddubsw + vpdpwssd take 4.
+#if defined(VNNI512)
+#define KQ_PREPARED 1
+
+typedef struct {
+    uint8_t q[4][64];  // chunk c: elements 64c .. 64c + 63, unsigned (Q4_K: 0..15, Q6_K: 0..63)
+    int16_t s[2][32];  // per 16-bit lane of chunks 2h, 2h + 1 packed together, the scale of its sums
+    union {
+        float mins[8];    // Q4_K: dmin * m_s
+        int16_t sc[16];   // Q6_K: the scales
+    };
+    float d;
+} __attribute__((aligned(64))) kq_prep;
+
+// A Q8_K block copied to 64-byte alignment (a Q8_K row puts every 64-byte load across two cache lines), with
+// da * the sum of each sub-block of 32 (Q4_K's mins need them).
+typedef struct {
+    int8_t qs[QKK];
+    float xsum[8];
+    int16_t bsums[QKK / 16];
+    float d;
+} __attribute__((aligned(64))) q8k_prep;
+
+static void q8k_prepare(const block_q8_K *X, q8k_prep *P) {
+    memcpy(P->qs, X->qs, QKK);
+    memcpy(P->bsums, X->bsums, sizeof(P->bsums));
+    __m256i sums = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)X->bsums), _mm256_set1_epi16(1));
+    _mm256_store_ps(P->xsum, _mm256_mul_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(X->d)));
+    P->d = X->d;
+}
+
+// The scales of a packed pair of chunks 2h, 2h + 1: its 128-bit lane k holds 4 sums of chunk 2h (elements
+// 128h + 16k ..) then 4 of chunk 2h + 1 (64 further on); sc holds one scale per `group` elements.
+static inline __m512i kq_pair_scales(__m512i sc, int h, int group) {
+    const __m512i second = _mm512_set_epi16(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0,
+                                            1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
+    const __m512i lane_k = _mm512_set_epi16(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2,
+                                            1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    // element 128h + 64 * second + 16k, in units of `group`
+    __m512i e = _mm512_add_epi16(_mm512_slli_epi16(second, 6), _mm512_slli_epi16(lane_k, 4));
+    __m512i idx = _mm512_srli_epi16(_mm512_add_epi16(e, _mm512_set1_epi16((short)(128 * h))), group == 32 ? 5 : 4);
+    return _mm512_permutexvar_epi16(idx, sc);
+}
+
+static void q4k_prepare(const block_q4_K *B, kq_prep *P) {
+    uint64_t sc8, m8;
+    q4k_scale_min_u64(B->scales, &sc8, &m8);
+    __m512i sc16 = _mm512_castsi128_si512(u8x8_to_16(sc8));
+    for (int h = 0; h < 2; h++) _mm512_store_si512(P->s[h], kq_pair_scales(sc16, h, 32));
+    __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(u8x8_to_16(m8)));
+    _mm256_store_ps(P->mins, _mm256_mul_ps(m, _mm256_set1_ps(F16(B->dmin))));
+    P->d = F16(B->d);
+    const __m256i low4 = _mm256_set1_epi8(0xf);
+    for (int c = 0; c < 4; c++) {  // sub-block 2c in the low nibbles, 2c + 1 in the high ones
+        __m256i q = _mm256_loadu_si256((const __m256i *)(B->qs + 32 * c));
+        _mm256_store_si256((__m256i *)P->q[c], _mm256_and_si256(q, low4));
+        _mm256_store_si256((__m256i *)(P->q[c] + 32), _mm256_and_si256(_mm256_srli_epi16(q, 4), low4));
+    }
+}
+
+static void q6k_prepare(const block_q6_K *B, kq_prep *P) {
+    const __m512i low4 = _mm512_set1_epi8(0xf), bits45 = _mm512_set1_epi8(0x30);
+    __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)B->scales));
+    for (int h = 0; h < 2; h++) {
+        _mm512_store_si512(P->s[h], kq_pair_scales(_mm512_castsi256_si512(sc16), h, 16));
+        // as in tile_q6_K: elements 128h + 0..63, then 128h + 64..127
+        __m512i ql = _mm512_loadu_si512(B->ql + 64 * h);
+        __m256i qh = _mm256_loadu_si256((const __m256i *)(B->qh + 32 * h));
+        __m512i qh2 = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
+        _mm512_store_si512(P->q[2 * h], _mm512_or_si512(_mm512_and_si512(ql, low4),
+                                                        _mm512_and_si512(_mm512_slli_epi16(qh2, 4), bits45)));
+        _mm512_store_si512(P->q[2 * h + 1], _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low4),
+                                                            _mm512_and_si512(qh2, bits45)));
+    }
+    _mm256_store_si256((__m256i *)P->sc, sc16);
+    P->d = F16(B->d);
+}
+
+// Lanes 0-7 of a, then lanes 0-7 of b, each the sum of its register's two halves.
+static inline __m512i fold_pair(__m512i a, __m512i b) {
+    return _mm512_add_epi32(_mm512_shuffle_i64x2(a, b, 0x44), _mm512_shuffle_i64x2(a, b, 0xee));
+}
+
+// A tile of rows prepared in p (row i's blocks nb apart) and tokens t, t + 1, ... prepared in xp (nb apart), in
+// pairs. Each pair folds its two 16-lane sums into one register: a 4 x 4 tile holds 8 accumulators, not 16. The
+// offsets cost a pair one instruction or two: Q4_K's mins (dmin * m_s times da * the sum of sub-block s of x, in
+// lanes s and 8 + s) one FMA; Q6_K's 32 * sum_g sc_g * bsum_g a multiply-add of 16-bit pairs and a shift.
+INLINE void tile_kq_prepared(int type, const gemm_args *a, const kq_prep *p, const q8k_prep *xp, int64_t r,
+                             int64_t t, int NR, int NT) {
+    const q8k_prep *x[TT];
+    __m512 acc[TR][TT / 2];
+    int64_t nb = a->n / QKK;
+    UNROLL for (int j = 0; j < NT; j++) x[j] = &xp[j * nb];
+    UNROLL for (int i = 0; i < NR; i++)
+        UNROLL for (int k = 0; k < NT / 2; k++) acc[i][k] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m512 da[TT / 2], xsum[TT / 2];  // per pair: da of each token; Q4_K: xsum of each
+        __m512i bsums[TT / 2];            // Q6_K: the bsums of each
+        UNROLL for (int k = 0; k < NT / 2; k++) {
+            const q8k_prep *X0 = &x[2 * k][b], *X1 = &x[2 * k + 1][b];
+            da[k] = _mm512_insertf32x8(_mm512_set1_ps(X0->d), _mm256_set1_ps(X1->d), 1);
+            if (type == STRATA_TYPE_Q4_K)
+                xsum[k] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_load_ps(X0->xsum)),
+                                             _mm256_load_ps(X1->xsum), 1);
+            else
+                bsums[k] = load_2x256(X0->bsums, X1->bsums);
+        }
+        UNROLL for (int i = 0; i < NR; i++) {
+            const kq_prep *P = &p[i * nb + b];
+            __m512i isum[TT];
+            UNROLL for (int j = 0; j < NT; j++) isum[j] = _mm512_setzero_si512();
+            UNROLL for (int h = 0; h < 2; h++) {
+                __m512i q0 = _mm512_load_si512(P->q[2 * h]), q1 = _mm512_load_si512(P->q[2 * h + 1]);
+                __m512i s = _mm512_load_si512(P->s[h]);
+                UNROLL for (int j = 0; j < NT; j++) {
+                    const int8_t *xs = x[j][b].qs + 128 * h;
+                    // a fresh load for every row: kept across rows, x would take 16 registers
+                    __asm__("" : "+r"(xs));
+                    __m512i zero = _mm512_setzero_si512();
+                    __m512i p0 = _mm512_dpbusd_epi32(zero, q0, _mm512_load_si512(xs));
+                    __m512i p1 = _mm512_dpbusd_epi32(zero, q1, _mm512_load_si512(xs + 64));
+                    isum[j] = _mm512_dpwssd_epi32(isum[j], _mm512_packs_epi32(p0, p1), s);
+                }
+            }
+            __m512 d = _mm512_set1_ps(P->d);
+            UNROLL for (int k = 0; k < NT / 2; k++) {
+                __m512i sum = fold_pair(isum[2 * k], isum[2 * k + 1]);
+                if (type == STRATA_TYPE_Q6_K)  // the values are q + 32
+                    sum = _mm512_sub_epi32(sum, _mm512_slli_epi32(_mm512_madd_epi16(
+                        _mm512_broadcast_i32x8(_mm256_load_si256((const __m256i *)P->sc)), bsums[k]), 5));
+                acc[i][k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, da[k]), acc[i][k]);
+                if (type == STRATA_TYPE_Q4_K)
+                    acc[i][k] = _mm512_fnmadd_ps(_mm512_broadcast_f32x8(_mm256_load_ps(P->mins)), xsum[k],
+                                                 acc[i][k]);
+            }
+        }
+    }
+    UNROLL for (int i = 0; i < NR; i++)
+        UNROLL for (int k = 0; k < NT / 2; k++) {
+            int64_t row = TILE_ROW(a, r, i);
+            a->y[(t + 2 * k) * a->ldy + row] = hsum256(_mm512_castps512_ps256(acc[i][k]));
+            a->y[(t + 2 * k + 1) * a->ldy + row] = hsum256(_mm512_extractf32x8_ps(acc[i][k], 1));
+        }
+}
+
+// Rows r, r + rs, ... (NR of them) prepared into p, then every token of [tb, te) (prepared in xp from tb on)
+// against them: pairs of pairs, a last pair, and a last odd token straight from the blocks.
+INLINE void kq_row_tile(int type, const gemm_args *a, kq_prep *p, const q8k_prep *xp, int64_t r, int64_t tb,
+                        int64_t te, int NR) {
+    int64_t nb = a->n / QKK;
+    for (int i = 0; i < NR; i++) {
+        const void *row = W_ROW(a, TILE_ROW(a, r, i));
+        for (int64_t b = 0; b < nb; b++) {
+            if (type == STRATA_TYPE_Q4_K) q4k_prepare((const block_q4_K *)row + b, &p[i * nb + b]);
+            else q6k_prepare((const block_q6_K *)row + b, &p[i * nb + b]);
+        }
+    }
+    int64_t t = tb;
+    for (; t + TT <= te; t += TT) tile_kq_prepared(type, a, p, xp + (t - tb) * nb, r, t, NR, TT);
+    for (; t + 2 <= te; t += 2) tile_kq_prepared(type, a, p, xp + (t - tb) * nb, r, t, NR, 2);
+    if (t < te) {
+        if (type == STRATA_TYPE_Q4_K) tile_q4_K(a, r, t, NR, 1);
+        else tile_q6_K(a, r, t, NR, 1);
+    }
+}
+#endif
+
 // Without a vector path a tile is NR * NT scalar dot products.
 #define TILE_SCALAR(TYPE) \
     static inline void tile_scalar_##TYPE(const gemm_args *a, int64_t r, int64_t t, int NR, int NT) { \
@@ -995,8 +1166,39 @@ DEFINE_GEMM(gemm_f16, TILE_F16)
 DEFINE_GEMM(gemm_bf16, TILE_BF16)
 DEFINE_GEMM(gemm_q8_0, tile_q8_0)
 DEFINE_GEMM(gemm_q4_0, tile_q4_0)
-DEFINE_GEMM(gemm_q4_K, tile_q4_K)
-DEFINE_GEMM(gemm_q6_K, tile_q6_K)
+DEFINE_GEMM(gemm_q4_K_blocks, tile_q4_K)
+DEFINE_GEMM(gemm_q6_K_blocks, tile_q6_K)
+
+#if defined(KQ_PREPARED)
+// As DEFINE_GEMM, with each tile of rows prepared once per block of tokens (and the tokens once). One token
+// (decode) reads the blocks directly, as does a product whose scratch cannot be had.
+static void gemm_kq(int type, gemm_args *a, int64_t r0, int64_t r1, int64_t n_tok) {
+    int64_t nb = a->n / QKK;
+    kq_prep *p = n_tok > 1 ? aligned_alloc(64, (size_t)(TR * nb) * sizeof(kq_prep)) : NULL;
+    q8k_prep *xp = p ? aligned_alloc(64, (size_t)(TOKEN_BLOCK * nb) * sizeof(q8k_prep)) : NULL;
+    if (!xp) {
+        free(p);
+        if (type == STRATA_TYPE_Q4_K) gemm_q4_K_blocks(a, r0, r1, n_tok);
+        else gemm_q6_K_blocks(a, r0, r1, n_tok);
+        return;
+    }
+    a->rs = (r1 - r0) / TR;
+    for (int64_t tb = 0; tb < n_tok; tb += TOKEN_BLOCK) {
+        int64_t te = tb + TOKEN_BLOCK < n_tok ? tb + TOKEN_BLOCK : n_tok;
+        for (int64_t t = tb; t < te; t++)
+            for (int64_t b = 0; b < nb; b++) q8k_prepare((const block_q8_K *)X_ROW(a, t) + b, &xp[(t - tb) * nb + b]);
+        for (int64_t r = r0; r < r0 + a->rs; r++) kq_row_tile(type, a, p, xp, r, tb, te, TR);
+        for (int64_t r = r0 + TR * a->rs; r < r1; r++) kq_row_tile(type, a, p, xp, r, tb, te, 1);
+    }
+    free(xp);
+    free(p);
+}
+#define gemm_q4_K(a, r0, r1, n_tok) gemm_kq(STRATA_TYPE_Q4_K, a, r0, r1, n_tok)
+#define gemm_q6_K(a, r0, r1, n_tok) gemm_kq(STRATA_TYPE_Q6_K, a, r0, r1, n_tok)
+#else
+#define gemm_q4_K gemm_q4_K_blocks
+#define gemm_q6_K gemm_q6_K_blocks
+#endif
 
 void strata_gemm_rows(int type, int64_t n, const void *w, int64_t r0, int64_t r1,
                       const void *x, int64_t n_tok, float *y, int64_t ldy) {
