@@ -19,7 +19,15 @@ def tokens(n: int, seed: int = 0, n_vocab: int = 256) -> list[int]:
 
 
 def n_os_threads() -> int:
-    return len(os.listdir("/proc/self/task"))
+    """The engine's pool workers alive in this process (they are named; other tests' threads are not counted)."""
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                names.append(f.read().strip())
+        except FileNotFoundError:  # a thread that ended while we looked
+            pass
+    return names.count("strata-engine")
 
 
 @pytest.fixture(scope="module")

@@ -960,23 +960,6 @@ typedef struct {
     float d;
 } __attribute__((aligned(64))) kq_prep;
 
-// A Q8_K block copied to 64-byte alignment (a Q8_K row puts every 64-byte load across two cache lines), with
-// da * the sum of each sub-block of 32 (Q4_K's mins need them).
-typedef struct {
-    int8_t qs[QKK];
-    float xsum[8];
-    int16_t bsums[QKK / 16];
-    float d;
-} __attribute__((aligned(64))) q8k_prep;
-
-static void q8k_prepare(const block_q8_K *X, q8k_prep *P) {
-    memcpy(P->qs, X->qs, QKK);
-    memcpy(P->bsums, X->bsums, sizeof(P->bsums));
-    __m256i sums = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)X->bsums), _mm256_set1_epi16(1));
-    _mm256_store_ps(P->xsum, _mm256_mul_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(X->d)));
-    P->d = X->d;
-}
-
 // The scales of a packed pair of chunks 2h, 2h + 1: its 128-bit lane k holds 4 sums of chunk 2h (elements
 // 128h + 16k ..) then 4 of chunk 2h + 1 (64 further on); sc holds one scale per `group` elements.
 static inline __m512i kq_pair_scales(__m512i sc, int h, int group) {
@@ -1029,29 +1012,27 @@ static inline __m512i fold_pair(__m512i a, __m512i b) {
     return _mm512_add_epi32(_mm512_shuffle_i64x2(a, b, 0x44), _mm512_shuffle_i64x2(a, b, 0xee));
 }
 
-// A tile of rows prepared in p (row i's blocks nb apart) and tokens t, t + 1, ... prepared in xp (nb apart), in
-// pairs. Each pair folds its two 16-lane sums into one register: a 4 x 4 tile holds 8 accumulators, not 16. The
+// A tile of rows prepared in p (row i's blocks nb apart) and tokens in pairs. Each pair folds its two 16-lane sums into one register: a 4 x 4 tile holds 8 accumulators, not 16. The
 // offsets cost a pair one instruction or two: Q4_K's mins (dmin * m_s times da * the sum of sub-block s of x, in
 // lanes s and 8 + s) one FMA; Q6_K's 32 * sum_g sc_g * bsum_g a multiply-add of 16-bit pairs and a shift.
-INLINE void tile_kq_prepared(int type, const gemm_args *a, const kq_prep *p, const q8k_prep *xp, int64_t r,
-                             int64_t t, int NR, int NT) {
-    const q8k_prep *x[TT];
+INLINE void tile_kq_prepared(int type, const gemm_args *a, const kq_prep *p, int64_t r, int64_t t, int NR, int NT) {
+    const block_q8_K *x[TT];
     __m512 acc[TR][TT / 2];
     int64_t nb = a->n / QKK;
-    UNROLL for (int j = 0; j < NT; j++) x[j] = &xp[j * nb];
+    UNROLL for (int j = 0; j < NT; j++) x[j] = X_ROW(a, t + j);
     UNROLL for (int i = 0; i < NR; i++)
         UNROLL for (int k = 0; k < NT / 2; k++) acc[i][k] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        __m512 da[TT / 2], xsum[TT / 2];  // per pair: da of each token; Q4_K: xsum of each
-        __m512i bsums[TT / 2];            // Q6_K: the bsums of each
+        // per pair, in the halves of a register: da of each token, and its bsums (Q6_K) or, for Q4_K, da * the sum
+        // of each sub-block of 32
+        __m512 da[TT / 2], xsum[TT / 2];
+        __m512i bsums[TT / 2];
         UNROLL for (int k = 0; k < NT / 2; k++) {
-            const q8k_prep *X0 = &x[2 * k][b], *X1 = &x[2 * k + 1][b];
+            const block_q8_K *X0 = &x[2 * k][b], *X1 = &x[2 * k + 1][b];
             da[k] = _mm512_insertf32x8(_mm512_set1_ps(X0->d), _mm256_set1_ps(X1->d), 1);
+            bsums[k] = load_2x256(X0->bsums, X1->bsums);
             if (type == STRATA_TYPE_Q4_K)
-                xsum[k] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_load_ps(X0->xsum)),
-                                             _mm256_load_ps(X1->xsum), 1);
-            else
-                bsums[k] = load_2x256(X0->bsums, X1->bsums);
+                xsum[k] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(bsums[k], _mm512_set1_epi16(1))), da[k]);
         }
         UNROLL for (int i = 0; i < NR; i++) {
             const kq_prep *P = &p[i * nb + b];
@@ -1065,8 +1046,8 @@ INLINE void tile_kq_prepared(int type, const gemm_args *a, const kq_prep *p, con
                     // a fresh load for every row: kept across rows, x would take 16 registers
                     __asm__("" : "+r"(xs));
                     __m512i zero = _mm512_setzero_si512();
-                    __m512i p0 = _mm512_dpbusd_epi32(zero, q0, _mm512_load_si512(xs));
-                    __m512i p1 = _mm512_dpbusd_epi32(zero, q1, _mm512_load_si512(xs + 64));
+                    __m512i p0 = _mm512_dpbusd_epi32(zero, q0, _mm512_loadu_si512(xs));
+                    __m512i p1 = _mm512_dpbusd_epi32(zero, q1, _mm512_loadu_si512(xs + 64));
                     isum[j] = _mm512_dpwssd_epi32(isum[j], _mm512_packs_epi32(p0, p1), s);
                 }
             }
@@ -1091,10 +1072,9 @@ INLINE void tile_kq_prepared(int type, const gemm_args *a, const kq_prep *p, con
         }
 }
 
-// Rows r, r + rs, ... (NR of them) prepared into p, then every token of [tb, te) (prepared in xp from tb on)
-// against them: pairs of pairs, a last pair, and a last odd token straight from the blocks.
-INLINE void kq_row_tile(int type, const gemm_args *a, kq_prep *p, const q8k_prep *xp, int64_t r, int64_t tb,
-                        int64_t te, int NR) {
+// Rows r, r + rs, ... (NR of them) prepared into p, then every token of [tb, te) against them: pairs of pairs,
+// a last pair, and a last odd token straight from the blocks.
+INLINE void kq_row_tile(int type, const gemm_args *a, kq_prep *p, int64_t r, int64_t tb, int64_t te, int NR) {
     int64_t nb = a->n / QKK;
     for (int i = 0; i < NR; i++) {
         const void *row = W_ROW(a, TILE_ROW(a, r, i));
@@ -1104,8 +1084,8 @@ INLINE void kq_row_tile(int type, const gemm_args *a, kq_prep *p, const q8k_prep
         }
     }
     int64_t t = tb;
-    for (; t + TT <= te; t += TT) tile_kq_prepared(type, a, p, xp + (t - tb) * nb, r, t, NR, TT);
-    for (; t + 2 <= te; t += 2) tile_kq_prepared(type, a, p, xp + (t - tb) * nb, r, t, NR, 2);
+    for (; t + TT <= te; t += TT) tile_kq_prepared(type, a, p, r, t, NR, TT);
+    for (; t + 2 <= te; t += 2) tile_kq_prepared(type, a, p, r, t, NR, 2);
     if (t < te) {
         if (type == STRATA_TYPE_Q4_K) tile_q4_K(a, r, t, NR, 1);
         else tile_q6_K(a, r, t, NR, 1);
@@ -1170,14 +1150,11 @@ DEFINE_GEMM(gemm_q4_K_blocks, tile_q4_K)
 DEFINE_GEMM(gemm_q6_K_blocks, tile_q6_K)
 
 #if defined(KQ_PREPARED)
-// As DEFINE_GEMM, with each tile of rows prepared once per block of tokens (and the tokens once). One token
-// (decode) reads the blocks directly, as does a product whose scratch cannot be had.
+// As DEFINE_GEMM, with each tile of rows prepared once per block of tokens. One token (decode) reads the blocks
+// directly, as does a product whose scratch cannot be had.
 static void gemm_kq(int type, gemm_args *a, int64_t r0, int64_t r1, int64_t n_tok) {
-    int64_t nb = a->n / QKK;
-    kq_prep *p = n_tok > 1 ? aligned_alloc(64, (size_t)(TR * nb) * sizeof(kq_prep)) : NULL;
-    q8k_prep *xp = p ? aligned_alloc(64, (size_t)(TOKEN_BLOCK * nb) * sizeof(q8k_prep)) : NULL;
-    if (!xp) {
-        free(p);
+    kq_prep *p = n_tok > 1 ? aligned_alloc(64, (size_t)(TR * a->n / QKK) * sizeof(kq_prep)) : NULL;
+    if (!p) {
         if (type == STRATA_TYPE_Q4_K) gemm_q4_K_blocks(a, r0, r1, n_tok);
         else gemm_q6_K_blocks(a, r0, r1, n_tok);
         return;
@@ -1185,12 +1162,9 @@ static void gemm_kq(int type, gemm_args *a, int64_t r0, int64_t r1, int64_t n_to
     a->rs = (r1 - r0) / TR;
     for (int64_t tb = 0; tb < n_tok; tb += TOKEN_BLOCK) {
         int64_t te = tb + TOKEN_BLOCK < n_tok ? tb + TOKEN_BLOCK : n_tok;
-        for (int64_t t = tb; t < te; t++)
-            for (int64_t b = 0; b < nb; b++) q8k_prepare((const block_q8_K *)X_ROW(a, t) + b, &xp[(t - tb) * nb + b]);
-        for (int64_t r = r0; r < r0 + a->rs; r++) kq_row_tile(type, a, p, xp, r, tb, te, TR);
-        for (int64_t r = r0 + TR * a->rs; r < r1; r++) kq_row_tile(type, a, p, xp, r, tb, te, 1);
+        for (int64_t r = r0; r < r0 + a->rs; r++) kq_row_tile(type, a, p, r, tb, te, TR);
+        for (int64_t r = r0 + TR * a->rs; r < r1; r++) kq_row_tile(type, a, p, r, tb, te, 1);
     }
-    free(xp);
     free(p);
 }
 #define gemm_q4_K(a, r0, r1, n_tok) gemm_kq(STRATA_TYPE_Q4_K, a, r0, r1, n_tok)

@@ -124,6 +124,7 @@ static int start_workers(strata_pool *p) {
     for (; n < p->n_threads - 1; n++) {
         p->workers[n] = (worker){.pool = p, .ith = n + 1};
         if (pthread_create(&p->workers[n].thread, NULL, worker_main, &p->workers[n]) != 0) break;
+        pthread_setname_np(p->workers[n].thread, "strata-engine");  // tells them apart in ps, top and tests
     }
     pthread_sigmask(SIG_SETMASK, &old, NULL);
     return n;
