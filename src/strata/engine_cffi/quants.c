@@ -1012,9 +1012,10 @@ static inline __m512i fold_pair(__m512i a, __m512i b) {
     return _mm512_add_epi32(_mm512_shuffle_i64x2(a, b, 0x44), _mm512_shuffle_i64x2(a, b, 0xee));
 }
 
-// A tile of rows prepared in p (row i's blocks nb apart) and tokens in pairs. Each pair folds its two 16-lane sums into one register: a 4 x 4 tile holds 8 accumulators, not 16. The
-// offsets cost a pair one instruction or two: Q4_K's mins (dmin * m_s times da * the sum of sub-block s of x, in
-// lanes s and 8 + s) one FMA; Q6_K's 32 * sum_g sc_g * bsum_g a multiply-add of 16-bit pairs and a shift.
+// A tile of rows prepared in p (row i's blocks nb apart) and tokens in pairs. Each pair folds its two 16-lane
+// sums into one register: a 4 x 4 tile holds 8 accumulators, not 16. The offsets cost a pair one instruction or
+// two: Q4_K's mins (dmin * m_s times da * the sum of sub-block s of x, in lanes s and 8 + s) one FMA; Q6_K's
+// 32 * sum_g sc_g * bsum_g a multiply-add of 16-bit pairs and a shift.
 INLINE void tile_kq_prepared(int type, const gemm_args *a, const kq_prep *p, int64_t r, int64_t t, int NR, int NT) {
     const block_q8_K *x[TT];
     __m512 acc[TR][TT / 2];
