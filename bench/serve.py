@@ -2,19 +2,29 @@
 done by calling the engine directly.
 
 Both sides run greedy decoding of the same prompts (a fresh prompt each run, so no KV prefix is reused) for a
-fixed number of tokens. Direct: tokenizer, `engine.eval` and argmax in a loop. HTTP: a streamed
-`/v1/chat/completions` request to a server in this process (hypercorn, trio worker), read from a plain socket;
-the first token is the first content chunk, throughput counts the chunks after it. Goal: under 2 ms more to the
-first token and under 5% less throughput.
+fixed number of tokens. Direct: tokenizer, `engine.eval`, argmax and the streaming detokeniser in a loop. HTTP: a
+streamed `/v1/chat/completions` request to a server in this process (hypercorn, trio worker), read by a client in
+a process of its own over a plain socket, as a real client would be (one in this process would compete with the
+server for the GIL); the first token is the first content chunk, throughput counts the chunks after it. Direct
+and HTTP runs alternate, so that a busy machine slows both alike, and each figure is the median over the runs.
+CPU per token is this process's (the server's, without the client). Goal: under 2 ms more to the first token and
+under 5% less throughput.
 
-    python bench/serve.py [--model F.gguf] [--tokens 64] [--runs 5] [--threads 2]
+    python bench/serve.py [--model F.gguf ...] [--threads 1 2] [--tokens 64] [--runs 7]
+
+Without --model: `bench/out/qwen3moe-small-q8_0.gguf` when it exists (Qwen's vocabulary), and a generated tiny
+qwen3moe with the same vocabulary (its
+short decode steps show the per-token cost of the server most).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from functools import partial
@@ -31,63 +41,113 @@ from strata.config import config_from_dict
 from strata.prompt import render_chat
 from strata.service import open_service
 
+SMALL_MODEL = Path(__file__).parent / "out" / "qwen3moe-small-q8_0.gguf"
+
 
 def messages(run: int) -> list[dict[str, Any]]:
     return [{"role": "user", "content": f"Run {run}: write a long story about a lighthouse keeper."}]
 
 
-def direct(engine: Any, tokenizer: Any, run: int, n_tokens: int) -> tuple[float, float, float]:
-    """(seconds to the first token, decode tokens/s, process CPU seconds per token) calling the engine directly."""
+def direct(engine: Any, tokenizer: Any, cached: list[int], run: int, n_tokens: int) -> tuple[float, float, float]:
+    """(seconds to the first token, decode tokens/s, process CPU seconds per token) calling the engine directly.
+
+    `cached` is what the engine's KV cache holds; like the server, keep its common prefix with the new prompt.
+    """
     cpu = time.process_time()
     start = time.perf_counter()
     ids = tokenizer.encode(render_chat(tokenizer.chat_template, messages(run)), special=True)
-    engine.keep(0)
-    logits = engine.eval(ids)
+    reused = 0
+    while reused < min(len(ids) - 1, len(cached)) and ids[reused] == cached[reused]:
+        reused += 1
+    engine.keep(reused)
+    logits = engine.eval(ids[reused:])
     token = int(np.argmax(logits))
     first = time.perf_counter()
     decoder = tokenizer.stream_decoder()
     decoder.push(token)
+    cached[:] = ids
     for _ in range(n_tokens - 1):
         logits = engine.eval([token])
+        cached.append(token)
         token = int(np.argmax(logits))
         decoder.push(token)
     return first - start, (n_tokens - 1) / (time.perf_counter() - first), (time.process_time() - cpu) / n_tokens
 
 
-async def over_http(host: str, port: int, run: int, n_tokens: int) -> tuple[float, float, float, int]:
-    """(seconds to the first content chunk, chunks/s after it, process CPU seconds per chunk, chunks) for one
-    streamed request; the CPU time counts every thread of this process, the client's included."""
-    cpu = time.process_time()
+# --- the client process
+
+
+def stream_once(host: str, port: int, run: int, n_tokens: int) -> dict[str, float]:
+    """One streamed request over a plain socket: seconds to the first content chunk, chunks/s after it, chunks."""
     body = json.dumps({"messages": messages(run), "max_tokens": n_tokens, "temperature": 0, "stream": True}).encode()
     head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\n\r\n").encode()
     start = time.perf_counter()
-    stream = await trio.open_tcp_stream(host, port)
-    async with stream:
-        await stream.send_all(head + body)
-        first, chunks, buffer = None, 0, b""
-        while b"data: [DONE]" not in buffer:
-            data = await stream.receive_some()
+    first, chunks, buffer, done = 0.0, 0, b"", False
+    with socket.create_connection((host, port)) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.sendall(head + body)
+        while not done:
+            data = sock.recv(65536)
             if not data:
                 break
-            buffer += data
-            # Every token is one chunk: count content and reasoning deltas (the random model may write tags).
-            n = buffer.count(b'"delta":{"content":"') + buffer.count(b'"delta":{"reasoning_content":"')
-            n -= buffer.count(b'"delta":{"content":""')
-            if n and first is None:
-                first = time.perf_counter()
-            chunks = n
+            *events, buffer = (buffer + data).split(b"\n\n")
+            for event in events:
+                done = done or b"data: [DONE]" in event
+                # Every token is one chunk: count content and reasoning deltas (a random model may write tags).
+                if (b'"delta":{"content":"' in event and b'"delta":{"content":""' not in event
+                        or b'"delta":{"reasoning_content":"' in event):
+                    chunks += 1
+                    if chunks == 1:
+                        first = time.perf_counter()
     last = time.perf_counter()
-    return first - start, (chunks - 1) / (last - first), (time.process_time() - cpu) / chunks, chunks
+    return {"ttft": first - start, "rate": (chunks - 1) / (last - first), "chunks": chunks}
 
 
-async def main(args: argparse.Namespace) -> None:
+def client_main(host: str, port: int) -> None:
+    """Serve `stream_once` over stdin/stdout: one JSON line in (run, tokens), one JSON line out."""
+    for line in sys.stdin:
+        order = json.loads(line)
+        print(json.dumps(stream_once(host, port, order["run"], order["tokens"])), flush=True)
+
+
+class Client:
+    """The client process, driven from a worker thread (its reads block)."""
+
+    def __init__(self, host: str, port: int):
+        self._process = subprocess.Popen([sys.executable, __file__, "--client", f"{host}:{port}"],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def request(self, run: int, n_tokens: int) -> dict[str, float]:
+        assert self._process.stdin is not None and self._process.stdout is not None
+        self._process.stdin.write(json.dumps({"run": run, "tokens": n_tokens}) + "\n")
+        self._process.stdin.flush()
+        return json.loads(self._process.stdout.readline())
+
+    def close(self) -> None:
+        assert self._process.stdin is not None
+        self._process.stdin.close()
+        self._process.wait(timeout=10)
+
+
+async def over_http(client: Client, run: int, n_tokens: int) -> tuple[float, float, float, int]:
+    """(seconds to the first content chunk, chunks/s after it, server CPU seconds per chunk, chunks)."""
+    cpu = time.process_time()
+    result = await trio.to_thread.run_sync(client.request, run, n_tokens)
+    chunks = int(result["chunks"])
+    return result["ttft"], result["rate"], (time.process_time() - cpu) / max(chunks, 1), chunks
+
+
+# --- the comparison
+
+
+async def compare(model: Path, threads: int | None, n_tokens: int, runs: int) -> dict[str, float]:
     from strata.engine_cffi import Engine
     from strata.tokenizer import Tokenizer
 
-    engine = Engine.load(args.model, n_ctx=4096, threads=args.threads)
-    tokenizer = Tokenizer.from_gguf(args.model)
-    config = config_from_dict({"model": str(args.model), "context": 4096, "threads": args.threads,
+    engine = Engine.load(model, n_ctx=4096, threads=threads)
+    tokenizer = Tokenizer.from_gguf(model)
+    config = config_from_dict({"model": str(model), "context": 4096, "threads": threads,
                                "host": "127.0.0.1", "port": 0})
     direct_runs, http_runs = [], []
     async with open_service(config, log=lambda line: None) as service:
@@ -96,46 +156,71 @@ async def main(args: argparse.Namespace) -> None:
         async with trio.open_nursery() as nursery:
             binds = await nursery.start(partial(hypercorn.trio.serve, create_app(service=service), hyper))
             host, port = binds[0].removeprefix("http://").split(":")
-            direct(engine, tokenizer, -1, 4)  # warm up both
-            await over_http(host, int(port), -1, 4)
-            # Alternate the two, so that a busy machine slows both alike.
-            for run in range(args.runs):
-                direct_runs.append(direct(engine, tokenizer, run, args.tokens))
-                ttft, rate, cpu, chunks = await over_http(host, int(port), run, args.tokens)
-                http_runs.append((ttft, rate, cpu))
-                # A model that ends its answer early gives fewer chunks: it still times the same path.
-                if chunks < args.tokens // 2:
-                    print(f"note: run {run} streamed only {chunks} tokens")
+            client = Client(host, int(port))
+            try:
+                cached: list[int] = []
+                direct(engine, tokenizer, cached, -1, 8)  # warm up both
+                await over_http(client, -1, 8)
+                for run in range(runs):
+                    direct_runs.append(direct(engine, tokenizer, cached, run, n_tokens))
+                    ttft, rate, cpu, chunks = await over_http(client, run, n_tokens)
+                    http_runs.append((ttft, rate, cpu))
+                    # A model that ends its answer early gives fewer chunks: it still times the same path.
+                    if chunks < n_tokens // 2:
+                        print(f"note: run {run} streamed only {chunks} tokens")
+            finally:
+                client.close()
             nursery.cancel_scope.cancel()
     engine.close()
+    medians = {}
+    for side, rows in (("direct", direct_runs), ("http", http_runs)):
+        for i, name in enumerate(("ttft_ms", "tokens_per_s", "cpu_ms")):
+            scale = 1.0 if name == "tokens_per_s" else 1e3
+            medians[f"{side}_{name}"] = statistics.median(row[i] for row in rows) * scale
+    return medians
 
-    ttft_direct, rate_direct, cpu_direct = (statistics.median(run[i] for run in direct_runs) for i in range(3))
-    ttft_http, rate_http, cpu_http = (statistics.median(run[i] for run in http_runs) for i in range(3))
-    ttft_direct, ttft_http = ttft_direct * 1e3, ttft_http * 1e3
-    print(f"model {args.model.name}, threads {args.threads or 'all'}, {args.tokens} tokens, median of {args.runs}")
+
+def report(model: Path, threads: int | None, n_tokens: int, runs: int, m: dict[str, float]) -> None:
+    print(f"model {model.name}, threads {threads or 'all'}, {n_tokens} tokens, median of {runs}")
     print(f"{'':<22} {'direct':>10} {'HTTP':>10} {'HTTP cost':>12}")
-    print(f"{'first token (ms)':<22} {ttft_direct:10.2f} {ttft_http:10.2f} {ttft_http - ttft_direct:+10.2f} ms")
-    print(f"{'decode (tokens/s)':<22} {rate_direct:10.1f} {rate_http:10.1f} "
-          f"{(rate_http / rate_direct - 1) * 100:+10.1f} %")
-    print(f"{'CPU per token (ms)':<22} {cpu_direct * 1e3:10.2f} {cpu_http * 1e3:10.2f} "
-          f"{(cpu_http - cpu_direct) * 1e3:+10.2f} ms")
+    ttft = m["http_ttft_ms"] - m["direct_ttft_ms"]
+    print(f"{'first token (ms)':<22} {m['direct_ttft_ms']:10.2f} {m['http_ttft_ms']:10.2f} {ttft:+10.2f} ms")
+    rate = (m["http_tokens_per_s"] / m["direct_tokens_per_s"] - 1) * 100
+    print(f"{'decode (tokens/s)':<22} {m['direct_tokens_per_s']:10.1f} {m['http_tokens_per_s']:10.1f} "
+          f"{rate:+10.1f} %")
+    cpu = m["http_cpu_ms"] - m["direct_cpu_ms"]
+    print(f"{'CPU per token (ms)':<22} {m['direct_cpu_ms']:10.2f} {m['http_cpu_ms']:10.2f} {cpu:+10.2f} ms",
+          flush=True)
+
+
+async def main(args: argparse.Namespace) -> None:
+    for model in args.model:
+        for threads in args.threads:
+            medians = await compare(model, threads, args.tokens, args.runs)
+            report(model, threads, args.tokens, args.runs, medians)
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", type=Path, help="GGUF model (default: a generated small qwen3moe)")
+    parser.add_argument("--model", type=Path, action="append", help="GGUF model (repeatable)")
     parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--runs", type=int, default=7)
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--client", metavar="HOST:PORT", help=argparse.SUPPRESS)  # the client process
     return parser.parse_args()
 
 
 if __name__ == "__main__":
     arguments = parse_args()
+    if arguments.client:
+        client_host, _, client_port = arguments.client.rpartition(":")
+        client_main(client_host, int(client_port))
+        sys.exit(0)
     with tempfile.TemporaryDirectory() as directory:
         if arguments.model is None:
             from strata.modelgen import write_random_model
 
-            arguments.model = write_random_model(Path(directory) / "small.gguf", arch="qwen3moe", size="small",
-                                                 dtype="f16", vocab="bytes", seed=0)
+            arguments.model = [SMALL_MODEL] if SMALL_MODEL.exists() else []
+            arguments.model.append(write_random_model(Path(directory) / "tiny.gguf", arch="qwen3moe", size="tiny",
+                                                      dtype="f16", vocab="qwen", seed=0))
         trio.run(main, arguments)

@@ -118,6 +118,11 @@ class Sampler:
 
     def sample(self, logits: np.ndarray, previous_ids: Sequence[int] = ()) -> int:
         """Return the next token id for `logits` (n_vocab,), given the tokens so far (prompt and output)."""
+        p = self.params
+        if p.greedy and not p.penalised:  # the decode loop's common case: the arg-max, nothing to build
+            if np.shape(logits) != (self.n_vocab,):
+                raise ValueError(f"logits must have shape ({self.n_vocab},), got {np.shape(logits)}")
+            return int(np.argmax(logits))
         ids, weights = self._candidates(logits, previous_ids)
         if len(ids) == 1:
             return int(ids[0])

@@ -523,7 +523,11 @@ class _EngineRun:
     def _push(self, token: int) -> None:
         with self._lock:
             self._tokens.append(token)
-        self._trio_token.run_sync_soon(self._wake)
+            # A non-empty buffer already has a wake-up on its way (the request's task takes the whole buffer
+            # under the lock, after setting its waiter): one per batch, not one per token, when the engine is ahead.
+            first = len(self._tokens) == 1
+        if first:
+            self._trio_token.run_sync_soon(self._wake)
 
     def _deliver(self, result: outcome.Outcome) -> None:
         self._trio_token.run_sync_soon(self._finish, result)

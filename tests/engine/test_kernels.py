@@ -314,12 +314,13 @@ def test_quantize_q8_k_matches_numpy(kernels):
 
 
 @pytest.mark.parametrize("qtype", WEIGHT_TYPES)
-def test_gemm_rows_matches_its_naive_reference(kernels, qtype):
+@pytest.mark.parametrize("n_tok", [6, 19])  # a few tokens; enough for the K-quants' prepared rows, plus a pair and one
+def test_gemm_rows_matches_its_naive_reference(kernels, qtype, n_tok):
     """A row range [r0, r1) written into a wider y (ldy > rows), as the forward pass splits rows between
     threads; the reference sees the same quantised activations, so only the summation order differs."""
     kffi, klib = kernels
-    rng = np.random.default_rng(int(qtype) + 100)
-    n_rows, n_tok, ldy, r0, r1 = 13, 6, 20, 3, 12
+    rng = np.random.default_rng(int(qtype) + 100 + n_tok)
+    n_rows, ldy, r0, r1 = 13, 20, 3, 12
     n_cols = round_up(544, qtype)
     w = random_weights(qtype, n_rows, n_cols, rng)
     x = rng.standard_normal((n_tok, n_cols)).astype(np.float32)

@@ -8,6 +8,9 @@ from typing import Any
 DONE = b"data: [DONE]\n\n"
 """The end marker of an OpenAI chat stream."""
 
+# One encoder for every event: `json.dumps` with options builds a new one per call, once per streamed token.
+_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+
 
 def encode(data: Any, event: str | None = None) -> bytes:
     """One event: an optional `event:` line, then the JSON data on one `data:` line, then a blank line.
@@ -16,9 +19,9 @@ def encode(data: Any, event: str | None = None) -> bytes:
         data: JSON-serialisable; compact JSON never contains a newline, so one `data:` line always suffices.
         event: the event name (Anthropic and Responses streams name their events; OpenAI chat does not).
     """
-    payload = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
-    head = f"event: {event}\n" if event else ""
-    return f"{head}data: {payload}\n\n".encode()
+    if event:
+        return f"event: {event}\ndata: {_JSON.encode(data)}\n\n".encode()
+    return f"data: {_JSON.encode(data)}\n\n".encode()
 
 
 def decode(stream: bytes) -> list[tuple[str | None, str]]:

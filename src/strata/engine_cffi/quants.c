@@ -945,10 +945,11 @@ INLINE void tile_q6_K(const gemm_args *a, int64_t r, int64_t t, int NR, int NT) 
 // --- prompt-shaped K-quant products (AVX-512 VNNI)
 // With many tokens, each tile of rows is unpacked once per block of tokens (kq_prep): values to bytes, scales to
 // the lanes they multiply, so that work is not repeated for every tile of tokens. One vpdpbusd per 64 values sums
-// 4 products per lane (at most 4 * 63 * 127 for Q6_K: 16 bits hold it); two chunks pack to 16 bits and one
+// 4 products per lane (at most 4 * 63 * 128 for Q6_K: 16 bits hold it); two chunks pack to 16 bits and one
 // vpdpwssd applies their scales: 3 multiplies per 64 values where vpmaddubsw + vpdpwssd take 4.
 #if defined(VNNI512)
 #define KQ_PREPARED 1
+#define KQ_MIN_TOKENS 16  // below this, preparing the rows costs more than it saves (measured)
 
 typedef struct {
     uint8_t q[4][64];  // chunk c: elements 64c .. 64c + 63, unsigned (Q4_K: 0..15, Q6_K: 0..63)
@@ -1151,10 +1152,10 @@ DEFINE_GEMM(gemm_q4_K_blocks, tile_q4_K)
 DEFINE_GEMM(gemm_q6_K_blocks, tile_q6_K)
 
 #if defined(KQ_PREPARED)
-// As DEFINE_GEMM, with each tile of rows prepared once per block of tokens. One token (decode) reads the blocks
-// directly, as does a product whose scratch cannot be had.
+// As DEFINE_GEMM, with each tile of rows prepared once per block of tokens. Fewer than KQ_MIN_TOKENS tokens
+// (decode, a small expert's share) read the blocks directly, as does a product whose scratch cannot be had.
 static void gemm_kq(int type, gemm_args *a, int64_t r0, int64_t r1, int64_t n_tok) {
-    kq_prep *p = n_tok > 1 ? aligned_alloc(64, (size_t)(TR * a->n / QKK) * sizeof(kq_prep)) : NULL;
+    kq_prep *p = n_tok >= KQ_MIN_TOKENS ? aligned_alloc(64, (size_t)(TR * a->n / QKK) * sizeof(kq_prep)) : NULL;
     if (!p) {
         if (type == STRATA_TYPE_Q4_K) gemm_q4_K_blocks(a, r0, r1, n_tok);
         else gemm_q6_K_blocks(a, r0, r1, n_tok);
