@@ -1,6 +1,6 @@
 """Engine speed: prompt processing and decode tokens/s, Strata beside llama.cpp, on the same GGUF files.
 
-    python bench/engine.py [--sizes small,medium] [--dtypes f16,q8_0,q4_k] [--threads 2]
+    python bench/engine.py [--sizes small,medium] [--dtypes f16,q8_0,q4_k] [--threads 1,2]
 
 Each measurement runs in its own process, so its peak resident memory is its own. llama.cpp is measured through
 `llama-cpp-python` (the optional `bench` extra) when it is installed. The decode floor is the time needed to read
@@ -16,10 +16,10 @@ import os
 import pathlib
 import subprocess
 import sys
-import threading
 import time
 
 import numpy as np
+from kernels import bandwidth_gbs  # bench/kernels.py: read bandwidth by numpy streaming over a large array
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "out"
@@ -88,22 +88,6 @@ def run_llama_cpp(model: str, threads: int) -> dict:
 
 # --- the driver
 
-def read_bandwidth_gbs(threads: int, n_bytes: int = 1 << 30) -> float:
-    """Read bandwidth with `threads` threads summing disjoint halves of a large array (numpy drops the GIL)."""
-    data = np.ones(n_bytes // 8, dtype=np.float64)
-    parts = np.array_split(data, threads)
-    best = 0.0
-    for _ in range(3):
-        workers = [threading.Thread(target=np.sum, args=(p,)) for p in parts]
-        t0 = time.perf_counter()
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join()
-        best = max(best, n_bytes / (time.perf_counter() - t0) / 1e9)
-    return best
-
-
 def active_bytes_per_token(model: pathlib.Path) -> int:
     """Bytes of weights one decoded token reads: every tensor but the embedding table and the unchosen experts."""
     from gguf import GGUFReader
@@ -155,40 +139,43 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="small,medium")
     parser.add_argument("--dtypes", default="f16,q8_0,q4_k")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", default="1,2", help="comma-separated thread counts")
     parser.add_argument("--worker", choices=["strata", "llama.cpp"], help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     if args.worker:
         run = run_strata if args.worker == "strata" else run_llama_cpp
-        print(json.dumps(run(args.model, args.threads)))
+        print(json.dumps(run(args.model, int(args.threads))))
         return 0
 
-    bandwidth = read_bandwidth_gbs(args.threads)
+    thread_counts = [int(t) for t in args.threads.split(",")]
+    bandwidth = {n: bandwidth_gbs(n, "read") for n in thread_counts}
     peers = ["strata"] + (["llama.cpp"] if llama_cpp_available() else [])
-    print(f"threads {args.threads}, read bandwidth {bandwidth:.1f} GB/s, prompt {PROMPT_TOKENS} tokens, "
-          f"decode {DECODE_TOKENS} tokens; engines: {', '.join(peers)}")
+    print(f"read bandwidth {', '.join(f'{bandwidth[n]:.1f} GB/s at {n} threads' for n in thread_counts)}; "
+          f"prompt {PROMPT_TOKENS} tokens, decode {DECODE_TOKENS} tokens; engines: {', '.join(peers)}")
     if len(peers) == 1:
         print("(llama.cpp not measured: install the `bench` extra, `pip install -e '.[bench]'`)")
-    header = (f"{'model':<22}{'file MiB':>9}{'engine':>11}{'pp tok/s':>10}{'tg tok/s':>10}"
+    header = (f"{'model':<22}{'file MiB':>9}{'thr':>4}{'engine':>11}{'pp tok/s':>10}{'tg tok/s':>10}"
               f"{'tg bound':>10}{'% bound':>9}{'RSS MiB':>9}{'pp ratio':>10}{'tg ratio':>10}")
     print(header)
     print("-" * len(header))
     for size in args.sizes.split(","):
         for dtype in args.dtypes.split(","):
             model = make_model(size, dtype)
-            floor = bandwidth * 1e9 / active_bytes_per_token(model)
             file_mib = model.stat().st_size / 2**20
-            results = {peer: measure(peer, model, args.threads) for peer in peers}
-            base = results.get("llama.cpp")
-            for peer, r in results.items():
-                if r is None:
-                    continue
-                ratio_pp = f"{r['pp'] / base['pp']:.2f}" if base else "-"
-                ratio_tg = f"{r['tg'] / base['tg']:.2f}" if base else "-"
-                print(f"{model.stem:<22}{file_mib:>9.0f}{peer:>11}{r['pp']:>10.1f}{r['tg']:>10.1f}"
-                      f"{floor:>10.1f}{100 * r['tg'] / floor:>8.0f}%{r['rss_mib']:>9.0f}{ratio_pp:>10}{ratio_tg:>10}")
+            for threads in thread_counts:
+                bound = bandwidth[threads] * 1e9 / active_bytes_per_token(model)
+                results = {peer: measure(peer, model, threads) for peer in peers}
+                base = results.get("llama.cpp")
+                for peer, r in results.items():
+                    if r is None:
+                        continue
+                    ratio_pp = f"{r['pp'] / base['pp']:.2f}" if base else "-"
+                    ratio_tg = f"{r['tg'] / base['tg']:.2f}" if base else "-"
+                    print(f"{model.stem:<22}{file_mib:>9.0f}{threads:>4}{peer:>11}{r['pp']:>10.1f}{r['tg']:>10.1f}"
+                          f"{bound:>10.1f}{100 * r['tg'] / bound:>8.0f}%{r['rss_mib']:>9.0f}{ratio_pp:>10}"
+                          f"{ratio_tg:>10}")
     print("ratios are Strata / llama.cpp (above 1: Strata is faster)")
     return 0
 
