@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import queue
 import threading
 import time
 import uuid
@@ -428,6 +429,12 @@ class _EngineRun:
     Invariant: the thread is never abandoned. `stop()` — called on every exit of the request, cancellation
     included — raises the stop and abort flags and waits, shielded, for the thread to return (within one decode
     step or one layer of a prompt chunk); only then is the turn released.
+
+    A second thread, the waker, wakes the request's task on the engine thread's behalf. Waking trio writes to a
+    socket, which releases the GIL; the request's task, woken, took it and kept it while it rendered and sent the
+    token, so an engine thread that woke trio itself waited 0.1-0.25 ms per token before its next engine call
+    (measured, ~3% of an 8 ms step). Handing the wake-up to the waker costs the engine thread no GIL release: the
+    waker gets the GIL when the engine thread enters its next engine call.
     """
 
     def __init__(self, service: Service, prompt: PromptImages, sampler: Sampler, max_tokens: int):
@@ -445,10 +452,13 @@ class _EngineRun:
         self._waiter: trio.Event | None = None
         self._ended = trio.Event()
         self._outcome: outcome.Outcome | None = None
+        # To the waker: None when tokens are ready, then the engine thread's outcome as the last item.
+        self._wakes: queue.SimpleQueue[outcome.Outcome | None] = queue.SimpleQueue()
         self.reused = 0
         self._times = [time.perf_counter(), 0.0, 0.0]  # start, prompt done, last token
         service._run = self
-        trio.lowlevel.start_thread_soon(self._work, self._deliver, name="strata engine")
+        trio.lowlevel.start_thread_soon(self._relay, outcome.Outcome.unwrap, name="strata engine waker")
+        trio.lowlevel.start_thread_soon(self._work, self._wakes.put, name="strata engine")
 
     def seconds(self) -> tuple[float, float]:
         """(prompt seconds, decode seconds) so far."""
@@ -527,10 +537,15 @@ class _EngineRun:
             # under the lock, after setting its waiter): one per batch, not one per token, when the engine is ahead.
             first = len(self._tokens) == 1
         if first:
-            self._trio_token.run_sync_soon(self._wake)
+            self._wakes.put(None)
 
-    def _deliver(self, result: outcome.Outcome) -> None:
-        self._trio_token.run_sync_soon(self._finish, result)
+    # in the waker thread
+
+    def _relay(self) -> None:
+        """Wake the request's task for each batch of tokens, then deliver the engine thread's outcome and end."""
+        while (item := self._wakes.get()) is None:
+            self._trio_token.run_sync_soon(self._wake)
+        self._trio_token.run_sync_soon(self._finish, item)
 
     # back in trio
 

@@ -319,3 +319,25 @@ def test_properties_and_timings(models: dict[str, pathlib.Path]) -> None:
         assert (t["n_tokens"], t["n_chunks"], t["decode_ms"]) == (20, 3, 0.0) and t["prompt_ms"] > 0
         engine.eval([1])
         assert engine.timings["n_tokens"] == 1 and engine.timings["decode_ms"] > 0
+
+
+# --- attention shapes and thread splits off the common path
+
+
+@pytest.mark.parametrize("kv, tol", [("f32", 1e-4), ("f16", 1e-3), ("int8", 2e-2)])
+def test_odd_head_shapes_decode_match_transformers(tmp_path: pathlib.Path, kv: str, tol: float) -> None:
+    # head_dim 40 is no whole number of 16- or 64-value slices, and 3 query heads per kv head leave one head
+    # without a partner: every leftovers path of attention runs. Three threads split the q, k and v rows
+    # unevenly, so a thread's share starts inside one weight and ends inside another.
+    import torch
+
+    path = write_random_model(tmp_path / "odd.gguf", arch="qwen3", size="tiny", head_dim=40, n_head=6,
+                              n_head_kv=2)
+    prompt = tokens(40, seed=8)
+    with Engine.load(path, n_ctx=64, threads=3, kv=kv, n_batch=16) as engine:
+        got = [engine.eval(prompt[:30])] + [engine.eval([t]) for t in prompt[30:]]
+    reference = load_hf_model(path)
+    with torch.no_grad():
+        expected = reference(torch.tensor([prompt])).logits[0, 29:].numpy()
+    for row, want in zip(got, expected):
+        assert_same(row, want, tol=tol)

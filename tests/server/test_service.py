@@ -4,6 +4,7 @@ reuse and history rows."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 from contextlib import aclosing
 from typing import Any
@@ -173,6 +174,23 @@ async def test_cancel_on_the_engine_aborts_and_frees_the_turn(scripted, tokenize
         engine.script = list(tokenizer.encode("ok"))
         events = await collect(service, request("second"))
         assert joined(events, TextDelta) == "ok"
+
+
+async def test_engine_ahead_of_a_slow_reader_loses_no_token(scripted, tokenizer):
+    # The engine thread fills the buffer while the reader sleeps: wake-ups come once per batch, not per token.
+    text = "".join(chr(ord("a") + i % 26) for i in range(300))
+    async with open_service(server_config(), engine=scripted(text), tokenizer=tokenizer) as service:
+        events = []
+        async with aclosing(service.chat(request())) as stream:
+            async for event in stream:
+                events.append(event)
+                if len(events) % 50 == 1:
+                    await trio.sleep(0.01)
+        assert joined(events, TextDelta) == text
+        assert events[-1] == Finish("stop")
+        # The engine thread and its waker ended with the request.
+        assert not service.engine_running
+        assert not [thread for thread in threading.enumerate() if thread.name.startswith("strata engine")]
 
 
 async def test_stale_abort_flag_does_not_break_the_next_request(scripted, tokenizer):

@@ -26,6 +26,7 @@ from werkzeug.exceptions import HTTPException
 
 from strata.api import openai_chat, sse, status
 from strata.api.errors import ApiError, as_api_error, dialect_for_path, error_body
+from strata.api.translate import SseEvent
 from strata.config import Config, load_config
 from strata.events import ChatRequest, Event
 from strata.service import RequestError, Service, open_service
@@ -318,14 +319,19 @@ async def _stream(events: AsyncIterator[Event], first: Event, renderer: Any, don
     """The SSE body. Runs in the request's task: a hang-up cancels it at its next checkpoint, and the response
     machinery closes it, which closes `events` (the service's generator) and frees the engine's turn."""
     async with aclosing(events):
-        for name, data in renderer.start() + renderer.feed(first):
-            yield sse.encode(data, name)
+        yield _frames(renderer.start() + renderer.feed(first))
         try:
             async for event in events:
-                for name, data in renderer.feed(event):
-                    yield sse.encode(data, name)
+                frames = _frames(renderer.feed(event))
+                if frames:  # an empty body message would be a write of nothing
+                    yield frames
         except Exception as exc:  # noqa: BLE001 - the status went out already: the error becomes an event
-            for name, data in renderer.error(as_api_error(exc)):
-                yield sse.encode(data, name)
+            yield _frames(renderer.error(as_api_error(exc)))
     if done is not None:
         yield done
+
+
+def _frames(events: list[SseEvent]) -> bytes:
+    """The SSE frames of one event's renderings, as one write (the role chunk and the first token together, a
+    finish and its usage together): each write costs the server a pass through hypercorn and a send."""
+    return b"".join(sse.encode(data, name) for name, data in events)

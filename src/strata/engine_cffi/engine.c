@@ -21,6 +21,7 @@
 
 #define ROWS_PER_TASK 16   /* output rows per unit of work in a product: small enough to balance threads */
 #define MAX_EXPERT_USED 64
+#define FEW_TOKENS 4       /* chunks up to this many tokens are decode-shaped: products read rows as long streams */
 
 // --- errors
 
@@ -273,10 +274,10 @@ struct strata_context {
     strata_timings timings;
     double output_t0;              /* when the current output projection began (ms) */
     size_t kv_elem;                /* bytes per cached value */
-    void *k_cache;                 // (n_layer, n_ctx, n_head_kv, head_dim) of kv_type
-    void *v_cache;                 // (n_layer, n_ctx, n_head_kv, head_dim) of kv_type
-    float *k_scale;                // (n_layer, n_ctx, n_head_kv) int8 only
-    float *v_scale;                // (n_layer, n_ctx, n_head_kv) int8 only
+    void *k_cache;                 // (n_layer, n_head_kv, n_ctx, head_dim) of kv_type
+    void *v_cache;                 // (n_layer, n_head_kv, n_ctx, head_dim) of kv_type
+    float *k_scale;                // (n_layer, n_head_kv, n_ctx) int8 only
+    float *v_scale;                // (n_layer, n_head_kv, n_ctx) int8 only
     float *x;                      // (n_batch, n_embd) residual stream
     float *xb;                     // (n_batch, n_embd) normed input of a block, then its output
     float *q;                      // (n_batch, n_head * head_dim)
@@ -284,7 +285,6 @@ struct strata_context {
     float *v;                      // (n_batch, n_head_kv * head_dim)
     float *att;                    // (n_batch, n_head * head_dim) attention output
     float *scores;                 // (n_threads, n_head / n_head_kv, n_ctx) attention weights
-    float *kv_buf;                 // (n_threads, head_dim) a cached row as f32
     float *hb;                     // (n_rows_ff, n_ff_max) gate, then the SwiGLU product
     float *hb2;                    // (n_rows_ff, n_ff_max) up
     float *moe_out;                // (n_batch * n_expert_used, n_embd) each expert's output per slot
@@ -298,8 +298,10 @@ struct strata_context {
     int *slot_token;               // (n_batch * n_expert_used) token of each slot; slots are grouped by expert
     int *expert_start;             // (n_expert,) first slot of each expert
     int *expert_count;             // (n_expert,) slots of each expert
-    int *tasks;                    // (n_expert * (blocks of n_ff_exp + blocks of n_embd), 2) (expert, row block)
+    int *tasks;                    // (n_expert * (blocks of n_ff_exp + blocks of n_embd), 2) (expert, row block);
+                                   // a block is task_rows rows, ROWS_PER_TASK or more
     int n_tasks_up, n_tasks_down;  /* tasks for the gate/up products, then for the down product */
+    int64_t task_rows[2];          /* rows per gate/up task, per down task */
 };
 
 static size_t act_row_bytes(int vec_dot_type, int64_t n) {
@@ -308,6 +310,7 @@ static size_t act_row_bytes(int vec_dot_type, int64_t n) {
 }
 
 static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
 static size_t kv_elem_bytes(int kv_type) {
     return kv_type == STRATA_KV_F32 ? 4 : kv_type == STRATA_KV_F16 ? 2 : 1;
@@ -334,11 +337,10 @@ static strata_status alloc_context(strata_context *c) {
     c->v = malloc(sizeof(float) * B * kv_dim);
     c->att = malloc(sizeof(float) * B * q_dim);
     c->scores = malloc(sizeof(float) * c->n_threads * (p->n_head / p->n_head_kv) * c->n_ctx);
-    c->kv_buf = malloc(sizeof(float) * c->n_threads * p->head_dim);
     c->hb = malloc(sizeof(float) * B * k_used * n_ff_max);
     c->hb2 = malloc(sizeof(float) * B * k_used * n_ff_max);
     c->xq = malloc(c->act_row_max * B * k_used);
-    int ok = c->k_cache && c->v_cache && c->x && c->xb && c->q && c->k && c->v && c->att && c->scores && c->kv_buf &&
+    int ok = c->k_cache && c->v_cache && c->x && c->xb && c->q && c->k && c->v && c->att && c->scores &&
              c->hb && c->hb2 && c->xq && (c->kv_type != STRATA_KV_INT8 || (c->k_scale && c->v_scale));
     if (c->model->is_moe) {
         int64_t blocks = (p->n_ff_exp + ROWS_PER_TASK - 1) / ROWS_PER_TASK + (p->n_embd + ROWS_PER_TASK - 1) /
@@ -399,7 +401,7 @@ void strata_context_free(strata_context *c) {
     if (!c) return;
     strata_pool_free(c->pool);
     void *bufs[] = {c->k_cache, c->v_cache, c->k_scale, c->v_scale, c->x, c->xb, c->q, c->k, c->v, c->att,
-                    c->scores, c->kv_buf, c->hb, c->hb2, c->moe_out, c->router, c->xq, c->xq_slots, c->slot_of,
+                    c->scores, c->hb, c->hb2, c->moe_out, c->router, c->xq, c->xq_slots, c->slot_of,
                     c->choice_weight, c->slot_token, c->expert_start, c->expert_count, c->tasks};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
     free(c);
@@ -422,10 +424,11 @@ void strata_get_timings(const strata_context *c, strata_timings *out) { *out = c
 
 // --- KV cache rows: one (position, kv head) row of head_dim values
 
-/* Byte offset of row (il, pos, kvh) in the cache, and the index of its int8 scale. */
+/* Index of row (il, pos, kvh) in the cache, and of its int8 scale. A kv head's positions are adjacent, so
+ * attention reads each head's rows as one sequential stream. */
 static size_t kv_index(const strata_context *c, int il, int pos, int kvh) {
     const strata_model_params *p = &c->model->hp;
-    return ((size_t)il * c->n_ctx + pos) * p->n_head_kv + kvh;
+    return ((size_t)il * p->n_head_kv + kvh) * c->n_ctx + pos;
 }
 
 /* cache row `idx` = src (head_dim) in the cache's type. */
@@ -447,19 +450,83 @@ static void kv_store(const strata_context *c, void *cache, float *scales, size_t
     }
 }
 
-/* Cache rows to f32, dot products and axpy: a vector path, a leftovers tail, a scalar path without AVX2. */
-#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
-static float hsum8(__m256 v) {
+/* Cache rows read in place as f32 vectors of AV lanes, and e^x for the softmax: a vector path, a leftovers tail,
+ * a scalar path without AVX2. */
+#if defined(__AVX512F__)
+#define AV 16
+typedef __m512 avec;
+#define av_zero _mm512_setzero_ps
+#define av_set1 _mm512_set1_ps
+#define av_add _mm512_add_ps
+#define av_fmadd _mm512_fmadd_ps
+#define av_load _mm512_loadu_ps
+#define av_store _mm512_storeu_ps
+#define av_sum _mm512_reduce_add_ps
+#define av_sub _mm512_sub_ps
+#define av_mul _mm512_mul_ps
+#define av_max _mm512_max_ps
+static inline avec av_floor(avec v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+/* 2^n for whole n in [-126, 127], built as an f32's exponent bits */
+static inline avec av_pow2(avec n) {
+    __m512i e = _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(e, 23));
+}
+static inline avec av_from_f16(const uint16_t *h) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h)); }
+static inline avec av_from_i8(const int8_t *v) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)v)));
+}
+#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#define AV 8
+typedef __m256 avec;
+#define av_zero _mm256_setzero_ps
+#define av_set1 _mm256_set1_ps
+#define av_add _mm256_add_ps
+#define av_fmadd _mm256_fmadd_ps
+#define av_load _mm256_loadu_ps
+#define av_store _mm256_storeu_ps
+#define av_sub _mm256_sub_ps
+#define av_mul _mm256_mul_ps
+#define av_max _mm256_max_ps
+static inline avec av_floor(avec v) { return _mm256_floor_ps(v); }
+static inline avec av_pow2(avec n) {
+    __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(e, 23));
+}
+static inline float av_sum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
+static inline avec av_from_f16(const uint16_t *h) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h)); }
+static inline avec av_from_i8(const int8_t *v) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)v)));
+}
+#endif
 
-/* 8 cached values from element i of a row, as f32 (int8 rows still unscaled). */
-static __m256 load8(int kv_type, const void *row, int i) {
-    if (kv_type == STRATA_KV_F32) return _mm256_loadu_ps((const float *)row + i);
-    if (kv_type == STRATA_KV_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i)));
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)row + i))));
+#if defined(AV)
+#define AV_SLICE 4  /* vectors of a V row summed per pass: 2 heads x 4 accumulators stay in registers */
+
+/* e^x for x <= 0, within a few ulp of expf: e^x = 2^n e^r with |r| <= ln2 / 2, n = round(x / ln2), ln2 split in
+ * two parts so that r is exact, and e^r by Cephes' degree-7 polynomial for expf. Below -87 it gives about 1e-38
+ * rather than 0, which no softmax sum notices. */
+static inline avec av_exp_neg(avec x) {
+    static const float c[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f,
+                               1.6666665459e-1f, 5.0000001201e-1f};
+    x = av_max(x, av_set1(-87.0f));
+    avec n = av_floor(av_fmadd(x, av_set1(1.44269504089f), av_set1(0.5f)));
+    avec r = av_fmadd(n, av_set1(-0.693359375f), x);
+    r = av_fmadd(n, av_set1(2.12194440e-4f), r);
+    avec poly = av_set1(c[0]);
+    for (int k = 1; k < 6; k++) poly = av_fmadd(poly, r, av_set1(c[k]));
+    avec er = av_fmadd(poly, av_mul(r, r), av_add(r, av_set1(1.0f)));  // 1 + r + r^2 poly(r)
+    return av_mul(er, av_pow2(n));
+}
+
+/* AV cached values from element i of a row, as f32 (int8 rows still unscaled). */
+static inline avec kv_vec(int kv_type, const void *row, int i) {
+    if (kv_type == STRATA_KV_F32) return av_load((const float *)row + i);
+    if (kv_type == STRATA_KV_F16) return av_from_f16((const uint16_t *)row + i);
+    return av_from_i8((const int8_t *)row + i);
 }
 #endif
 
@@ -470,40 +537,72 @@ static float load1(int kv_type, const void *row, int i) {
     return ((const int8_t *)row)[i];
 }
 
-/* dst (head_dim) = cache row idx as f32. */
-static void kv_load(const strata_context *c, const void *cache, const float *scales, size_t idx, float *dst) {
-    int hd = c->model->hp.head_dim, i = 0;
-    const void *row = (const char *)cache + idx * hd * c->kv_elem;
-    float scale = c->kv_type == STRATA_KV_INT8 ? scales[idx] : 1.0f;
-#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
-    __m256 sv = _mm256_set1_ps(scale);
-    for (; i + 8 <= hd; i += 8) _mm256_storeu_ps(dst + i, _mm256_mul_ps(load8(c->kv_type, row, i), sv));
-#endif
-    for (; i < hd; i++) dst[i] = scale * load1(c->kv_type, row, i);
+/* Cache row idx in place, and the factor its values take (the int8 scale, else 1). */
+static const void *kv_row(const strata_context *c, const void *cache, const float *scales, size_t idx, float *f) {
+    *f = c->kv_type == STRATA_KV_INT8 ? scales[idx] : 1.0f;
+    return (const char *)cache + idx * c->model->hp.head_dim * c->kv_elem;
 }
 
-/* a . b over n. */
-static float dot(const float *a, const float *b, int n) {
+/* q (head_dim) . an unscaled cache row, read in place. */
+static float dot_row(int kv_type, const float *q, const void *row, int hd) {
     int i = 0;
     float s = 0.0f;
-#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
-    __m256 acc = _mm256_setzero_ps();
-    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-    s = hsum8(acc);
+#if defined(AV)
+    avec a0 = av_zero(), a1 = av_zero();  // two chains: the sum is not one long dependency
+    for (; i + 2 * AV <= hd; i += 2 * AV) {
+        a0 = av_fmadd(av_load(q + i), kv_vec(kv_type, row, i), a0);
+        a1 = av_fmadd(av_load(q + i + AV), kv_vec(kv_type, row, i + AV), a1);
+    }
+    for (; i + AV <= hd; i += AV) a0 = av_fmadd(av_load(q + i), kv_vec(kv_type, row, i), a0);
+    s = av_sum(av_add(a0, a1));
 #endif
-    for (; i < n; i++) s += a[i] * b[i];
+    for (; i < hd; i++) s += q[i] * load1(kv_type, row, i);
     return s;
 }
 
-/* y (n) += w * x. */
-static void axpy(float w, const float *x, float *y, int n) {
-    int i = 0;
-#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
-    __m256 wv = _mm256_set1_ps(w);
-    for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+#if defined(AV)
+/* Elements [i0, i0 + NV * AV) of out rows a, b (see weighted_rows); NV is a constant, so the 2 NV sums stay in
+ * registers. */
+static inline __attribute__((always_inline)) void weighted_slice(const strata_context *c, int il, int kvh,
+                                                                 const float *wa, const float *wb, int n_pos,
+                                                                 int i0, int NV, float *oa, float *ob) {
+    avec sa[AV_SLICE], sb[AV_SLICE];
+    float f;
+    for (int k = 0; k < NV; k++) sa[k] = sb[k] = av_zero();
+    for (int p = 0; p < n_pos; p++) {
+        const void *row = kv_row(c, c->v_cache, c->v_scale, kv_index(c, il, p, kvh), &f);
+        avec ba = av_set1(wa[p] * f), bb = av_set1(wb[p] * f);
+        for (int k = 0; k < NV; k++) {
+            avec v = kv_vec(c->kv_type, row, i0 + k * AV);
+            sa[k] = av_fmadd(ba, v, sa[k]);
+            sb[k] = av_fmadd(bb, v, sb[k]);
+        }
+    }
+    for (int k = 0; k < NV; k++) av_store(oa + i0 + k * AV, sa[k]), av_store(ob + i0 + k * AV, sb[k]);
+}
 #endif
-    for (; i < n; i++) y[i] += w * x[i];
+
+/* out rows a, b (head_dim) = sum over positions p < n_pos of wa[p], wb[p] times V row p. Each row is converted
+ * once for both heads, the sums held in registers a slice of the row at a time. */
+static void weighted_rows(const strata_context *c, int il, int kvh, const float *wa, const float *wb, int n_pos,
+                          float *oa, float *ob) {
+    int hd = c->model->hp.head_dim, i0 = 0;
+#if defined(AV)
+    for (; i0 + AV_SLICE * AV <= hd; i0 += AV_SLICE * AV)
+        weighted_slice(c, il, kvh, wa, wb, n_pos, i0, AV_SLICE, oa, ob);
+    for (; i0 + AV <= hd; i0 += AV) weighted_slice(c, il, kvh, wa, wb, n_pos, i0, 1, oa, ob);
+#endif
+    for (int i = i0; i < hd; i++) {
+        float sa = 0.0f, sb = 0.0f, f;
+        for (int p = 0; p < n_pos; p++) {
+            const void *row = kv_row(c, c->v_cache, c->v_scale, kv_index(c, il, p, kvh), &f);
+            float v = f * load1(c->kv_type, row, i);
+            sa += wa[p] * v;
+            sb += wb[p] * v;
+        }
+        oa[i] = sa;
+        ob[i] = sb;
+    }
 }
 
 // --- the team: every thread of the pool runs each building block, on its share of the rows
@@ -559,20 +658,23 @@ static void quantize_rows(const team *tm, int vec_dot_type, const float *x, int 
 static int64_t row_blocks(const matrix *w) { return (w->n_out + ROWS_PER_TASK - 1) / ROWS_PER_TASK; }
 
 /* ys[i] (n_tok, ws[i].n_out) = xq @ ws[i]^T for n_w weights of one partner type, xq already converted to it.
- * The row blocks of every weight form one parallel loop, so q, k and v (or gate and up) share one barrier. */
+ * The row blocks of every weight form one parallel loop, so q, k and v (or gate and up) share one barrier.
+ * With few tokens each thread's run of blocks of one weight is one call: the kernel then reads its rows as a few
+ * long streams (short rows taken 16 at a time left the output product at half the memory bandwidth). With many,
+ * a call per block keeps that block's rows in cache while every token passes over them. */
 static void products(const team *tm, int n_w, const matrix *const *ws, float *const *ys, const void *xq,
                      int n_tok) {
     int64_t total = 0;
     for (int i = 0; i < n_w; i++) total += row_blocks(ws[i]);
+    int64_t step = n_tok <= FEW_TOKENS ? total : 1;  // blocks per call
     range r = share(tm, total);
-    for (int64_t b = r.lo; b < r.hi; b++) {
-        int i = 0;
-        int64_t r0 = b;
-        while (r0 >= row_blocks(ws[i])) r0 -= row_blocks(ws[i++]);
+    for (int64_t i = 0, first = 0; i < n_w; first += row_blocks(ws[i++])) {  // first: weight i's first block
         const matrix *w = ws[i];
-        r0 *= ROWS_PER_TASK;
-        int64_t r1 = r0 + ROWS_PER_TASK < w->n_out ? r0 + ROWS_PER_TASK : w->n_out;
-        strata_gemm_rows(w->type, w->n_in, w->data, r0, r1, xq, n_tok, ys[i], w->n_out);
+        int64_t hi = min64(r.hi, first + row_blocks(w));
+        for (int64_t b = max64(r.lo, first); b < hi; b += step) {
+            int64_t r0 = (b - first) * ROWS_PER_TASK, r1 = (min64(b + step, hi) - first) * ROWS_PER_TASK;
+            strata_gemm_rows(w->type, w->n_in, w->data, r0, min64(r1, w->n_out), xq, n_tok, ys[i], w->n_out);
+        }
     }
     team_sync(tm);
 }
@@ -632,27 +734,42 @@ static void rope_and_cache(const team *tm, strata_context *c, const layer_weight
     team_sync(tm);
 }
 
+/* x (n) = softmax(x). */
+static void softmax(float *x, int n) {
+    float max = -INFINITY, sum = 0.0f;
+    int i = 0;
+    // not fmaxf: that is a call per value, for NaN rules scores do not need
+    for (int p = 0; p < n; p++) max = x[p] > max ? x[p] : max;
+#if defined(AV)
+    avec vmax = av_set1(max), vsum = av_zero();
+    for (; i + AV <= n; i += AV) {
+        avec e = av_exp_neg(av_sub(av_load(x + i), vmax));
+        av_store(x + i, e);
+        vsum = av_add(vsum, e);
+    }
+    sum = av_sum(vsum);
+#endif
+    for (; i < n; i++) sum += x[i] = expf(x[i] - max);
+    float inv = 1.0f / sum;
+    for (int p = 0; p < n; p++) x[p] *= inv;
+}
+
 /* out rows (n_q, head_dim) = softmax(q_j . K[0..n_pos) / sqrt(head_dim)) . V[0..n_pos), in f32, for n_q query
- * heads sharing kv head kvh: each cached row is converted once for all of them.
- * scores: (n_q, n_ctx) scratch; row: (head_dim) scratch. */
+ * heads sharing kv head kvh, reading the cache in place. scores: (n_q, n_ctx) scratch. */
 static void attend_heads(strata_context *c, int il, int kvh, const float *q, int n_q, int n_pos, float *scores,
-                         float *row, float *out) {
+                         float *out) {
     int hd = c->model->hp.head_dim;
-    float scale = 1.0f / sqrtf((float)hd);
+    float scale = 1.0f / sqrtf((float)hd), f;
     for (int p = 0; p < n_pos; p++) {
-        kv_load(c, c->k_cache, c->k_scale, kv_index(c, il, p, kvh), row);
-        for (int j = 0; j < n_q; j++) scores[(size_t)j * c->n_ctx + p] = dot(q + j * hd, row, hd) * scale;
+        const void *row = kv_row(c, c->k_cache, c->k_scale, kv_index(c, il, p, kvh), &f);
+        for (int j = 0; j < n_q; j++)
+            scores[(size_t)j * c->n_ctx + p] = dot_row(c->kv_type, q + j * hd, row, hd) * (f * scale);
     }
-    for (int j = 0; j < n_q; j++) {
-        float *sc = scores + (size_t)j * c->n_ctx, max = -INFINITY, sum = 0.0f;
-        for (int p = 0; p < n_pos; p++) max = fmaxf(max, sc[p]);
-        for (int p = 0; p < n_pos; p++) sum += sc[p] = expf(sc[p] - max);
-        for (int p = 0; p < n_pos; p++) sc[p] /= sum;
-    }
-    memset(out, 0, sizeof(float) * n_q * hd);
-    for (int p = 0; p < n_pos; p++) {
-        kv_load(c, c->v_cache, c->v_scale, kv_index(c, il, p, kvh), row);
-        for (int j = 0; j < n_q; j++) axpy(scores[(size_t)j * c->n_ctx + p], row, out + j * hd, hd);
+    for (int j = 0; j < n_q; j++) softmax(scores + (size_t)j * c->n_ctx, n_pos);
+    for (int j = 0; j < n_q; j += 2) {  // heads in pairs; an odd last one pairs with itself
+        int j1 = j + 1 < n_q ? j + 1 : j;
+        weighted_rows(c, il, kvh, scores + (size_t)j * c->n_ctx, scores + (size_t)j1 * c->n_ctx, n_pos,
+                      out + j * hd, out + j1 * hd);
     }
 }
 
@@ -663,11 +780,11 @@ static void attention(const team *tm, strata_context *c, int il, int n_tok, int 
     int hd = p->head_dim, nh = p->n_head, group = p->n_head / p->n_head_kv, per = group;
     while (per % 2 == 0 && n_tok * (nh / per) < 2 * tm->nth) per /= 2;
     int tasks_per_token = nh / per;
-    float *scores = c->scores + (size_t)tm->ith * group * c->n_ctx, *row = c->kv_buf + (size_t)tm->ith * hd;
+    float *scores = c->scores + (size_t)tm->ith * group * c->n_ctx;
     for (int task; (task = team_next(tm)) < n_tok * tasks_per_token;) {
         int t = task / tasks_per_token, h0 = task % tasks_per_token * per;
         size_t off = ((size_t)t * nh + h0) * hd;
-        attend_heads(c, il, h0 / group, c->q + off, per, pos0 + t + 1, scores, row, c->att + off);
+        attend_heads(c, il, h0 / group, c->q + off, per, pos0 + t + 1, scores, c->att + off);
     }
     team_sync(tm);
 }
@@ -755,6 +872,15 @@ static void route_tokens(strata_context *c, int n_tok) {
     }
 }
 
+/* Rows per expert task: ROWS_PER_TASK for a prompt; for a few tokens, the longest runs (see products) that
+ * still leave two tasks per thread among the n_mat expert matrices of the loop, in whole ROWS_PER_TASK blocks. */
+static int64_t expert_task_rows(const strata_context *c, int n_tok, int n_mat, int64_t n_out) {
+    if (n_tok > FEW_TOKENS || n_mat == 0) return ROWS_PER_TASK;
+    int64_t per_matrix = (2 * c->n_threads + n_mat - 1) / n_mat;  // tasks each matrix is cut into
+    int64_t rows = (n_out + per_matrix - 1) / per_matrix;
+    return (rows + ROWS_PER_TASK - 1) / ROWS_PER_TASK * ROWS_PER_TASK;
+}
+
 /* Give each (token, choice) a slot, slots grouped by expert (expert e owns expert_count[e] slots from
  * expert_start[e]); then list the (expert, row block) tasks: gate/up ones first, then down ones. Experts nobody
  * picked get no task. */
@@ -770,8 +896,12 @@ static void group_slots(strata_context *c, int n_tok) {
         c->slot_token[s] = tj / k;
         c->slot_of[tj] = s;
     }
-    int64_t blocks[2] = {(p->n_ff_exp + ROWS_PER_TASK - 1) / ROWS_PER_TASK,
-                         (p->n_embd + ROWS_PER_TASK - 1) / ROWS_PER_TASK};
+    int n_picked = 0;
+    for (int e = 0; e < n_exp; e++) n_picked += c->expert_count[e] > 0;
+    c->task_rows[0] = expert_task_rows(c, n_tok, 2 * n_picked, p->n_ff_exp);
+    c->task_rows[1] = expert_task_rows(c, n_tok, n_picked, p->n_embd);
+    int64_t blocks[2] = {(p->n_ff_exp + c->task_rows[0] - 1) / c->task_rows[0],
+                         (p->n_embd + c->task_rows[1] - 1) / c->task_rows[1]};
     int n[2] = {0, 0};
     for (int pass = 0; pass < 2; pass++)
         for (int e = 0; e < n_exp; e++)
@@ -785,14 +915,14 @@ static void group_slots(strata_context *c, int n_tok) {
 }
 
 /* ys[i] rows of each expert = (its slots of xq) @ ws[i]_e^T over the tasks [first, first + n), for n_w weights
- * of one partner type in one parallel loop; slot rows are `stride` bytes apart in xq, ws[i].n_out floats in ys[i]. */
+ * of one partner type in one parallel loop, `rows` rows per task; slot rows are `stride` bytes apart in xq,
+ * ws[i].n_out floats in ys[i]. */
 static void expert_products(const team *tm, const strata_context *c, int n_w, const matrix *const *ws,
-                            float *const *ys, const void *xq, size_t stride, int first, int n) {
+                            float *const *ys, const void *xq, size_t stride, int first, int n, int64_t rows) {
     for (int k; (k = team_next(tm)) < n_w * n;) {
         const matrix *w = ws[k / n];
         int task = first + k % n, e = c->tasks[2 * task], s0 = c->expert_start[e];
-        int64_t r0 = (int64_t)c->tasks[2 * task + 1] * ROWS_PER_TASK;
-        int64_t r1 = r0 + ROWS_PER_TASK < w->n_out ? r0 + ROWS_PER_TASK : w->n_out;
+        int64_t r0 = (int64_t)c->tasks[2 * task + 1] * rows, r1 = min64(r0 + rows, w->n_out);
         strata_gemm_rows(w->type, w->n_in, expert_data(w, e), r0, r1, (const char *)xq + (size_t)s0 * stride,
                          c->expert_count[e], ys[k / n] + (size_t)s0 * w->n_out, w->n_out);
     }
@@ -819,7 +949,8 @@ static void experts_gate_up(const team *tm, strata_context *c, const layer_weigh
         last = first == 0 && ws[1]->vec_dot_type == vdt ? 2 : first + 1;
         quantize_rows(tm, vdt, c->xb, n_tok, p->n_embd, c->xq, stride);
         gather_slots(tm, c, n_slots, stride);
-        expert_products(tm, c, last - first, ws + first, ys + first, c->xq_slots, stride, 0, c->n_tasks_up);
+        expert_products(tm, c, last - first, ws + first, ys + first, c->xq_slots, stride, 0, c->n_tasks_up,
+                        c->task_rows[0]);
     }
     swiglu_rows(tm, c->hb, c->hb2, n_slots, p->n_ff_exp);
 }
@@ -841,7 +972,8 @@ static void moe_block(const team *tm, strata_context *c, int il, int n_tok) {
     size_t stride = act_row_bytes(L->down_exps.vec_dot_type, p->n_ff_exp);
     quantize_rows(tm, L->down_exps.vec_dot_type, c->hb, n_slots, p->n_ff_exp, c->xq_slots, stride);
     const matrix *down = &L->down_exps;
-    expert_products(tm, c, 1, &down, &c->moe_out, c->xq_slots, stride, c->n_tasks_up, c->n_tasks_down);
+    expert_products(tm, c, 1, &down, &c->moe_out, c->xq_slots, stride, c->n_tasks_up, c->n_tasks_down,
+                    c->task_rows[1]);
     // x += sum over the token's choices of weight * moe_out[slot]
     range r = share(tm, n_tok);
     for (int64_t t = r.lo; t < r.hi; t++)

@@ -553,6 +553,10 @@ INLINE void tile_float(int type, const gemm_args *a, int64_t r, int64_t t, int N
 #else
 #define Q8_OFFSET 0
 #endif
+// Decode reads each weight row once, in TR streams: a prefetch this many bytes ahead in each stream has the
+// memory busy before the hardware prefetchers have learnt a stream (an expert's rows are a few hundred KB; decode
+// of the small MoE model went from 3.6 to 3.2 ms a token, with 1024 bytes it did not move).
+#define Q8_PREFETCH 2048
 
 #if defined(VNNI512)
 // Two blocks A, B per 512-bit register: lanes 0-7 sum A's products, lanes 8-15 B's.
@@ -576,6 +580,7 @@ INLINE void tile_q8_0(const gemm_args *a, int64_t r, int64_t t, int NR, int NT) 
             dx[j] = f16_pair512(&x[j][b].d, b1 > b ? &x[j][b1].d : &ZERO_F16);
         }
         UNROLL for (int i = 0; i < NR; i++) {
+            if (NT == 1) _mm_prefetch((const char *)&w[i][b] + Q8_PREFETCH, _MM_HINT_T0);
             __m512i wu = _mm512_xor_si512(load_2x256(w[i][b].qs, w[i][b1].qs), bias);
             __m512 dw = f16_pair512(&w[i][b].d, &w[i][b1].d);
             UNROLL for (int j = 0; j < NT; j++) {
@@ -605,6 +610,7 @@ INLINE void tile_q8_0(const gemm_args *a, int64_t r, int64_t t, int NR, int NT) 
             dx[j] = f16_bcast(&x[j][b].d);
         }
         UNROLL for (int i = 0; i < NR; i++) {
+            if (NT == 1) _mm_prefetch((const char *)&w[i][b] + Q8_PREFETCH, _MM_HINT_T0);
             __m256i wq = _mm256_loadu_si256((const __m256i *)w[i][b].qs);
             __m256i wu = Q8_OFFSET ? _mm256_xor_si256(wq, bias) : _mm256_abs_epi8(wq);
             __m256 dw = f16_bcast(&w[i][b].d);
