@@ -232,10 +232,16 @@ class Service:
         except PromptError as error:
             raise RequestError(str(error)) from None
 
-    def count_tokens(self, request: ChatRequest) -> int:
-        """How many prompt tokens a request has."""
+    async def count_tokens(self, request: ChatRequest) -> int:
+        """How many prompt tokens a request has, each picture counted as the rows its encoding takes: pictures
+        are encoded to know that (cancellable like a chat request's, and cached for the request that follows).
+
+        Raises: what preparing the same chat request would (`RequestError`, `ServiceUnavailable`).
+        """
         self._require_ready()
-        return len(self.tokenizer.encode(self.render(request), special=True))
+        request, pictures = await self._pictures(request)
+        n_pads = len(self.tokenizer.encode(self.render(request), special=True))
+        return n_pads + sum(len(picture.rows) - 1 for picture in pictures)  # each picture's pad becomes its rows
 
     def _require_ready(self) -> None:
         if not self.loaded.is_set():

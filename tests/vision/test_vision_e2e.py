@@ -174,6 +174,20 @@ def test_anthropic_image_blocks_and_tool_result(server, engine, tokenizer, mmpro
                                                            expected_rows(mmproj, TOOL_PICTURE, tmp_path)])
 
 
+def test_anthropic_count_tokens_counts_each_picture_as_its_rows(server, engine, mmproj, tmp_path):
+    text = [{"type": "text", "text": "What is in the picture?"}]
+    picture = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                           "data": base64.b64encode(PICTURE).decode()}}
+    messages = [{"role": "user", "content": [picture, *text]}]
+    with anthropic_client(server) as client:
+        bare = client.messages.count_tokens(model="m", messages=[{"role": "user", "content": text}])
+        counted = client.messages.count_tokens(model="m", messages=messages)
+        answer = client.messages.create(model="m", max_tokens=1, messages=messages)
+    prompt, _ = engine.calls[0]
+    assert counted.input_tokens == len(prompt) == answer.usage.input_tokens
+    assert counted.input_tokens > bare.input_tokens + len(expected_rows(mmproj, PICTURE, tmp_path))
+
+
 def test_status_shows_the_vision_state(server):
     state = httpx.get(server.url + "/v1/status", timeout=30).json()["vision"]
     assert (state["mode"], state["available"], state["cuda"], state["threads"]) == ("cpu", True, False, 1)

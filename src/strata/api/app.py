@@ -271,7 +271,7 @@ def _add_chat_routes(app: Quart, state: _State) -> None:
         @app.post("/v1/messages/count_tokens")
         async def count_tokens() -> Response:
             chat_request = anthropic.parse_count_tokens_request(await _json_body())
-            return _json(anthropic.count_tokens(chat_request, state.ready_service().count_tokens))
+            return _json(anthropic.render_count(await state.ready_service().count_tokens(chat_request)))
 
 
 def _chat_view(state: _State, dialect: _Dialect) -> Callable[[], Awaitable[Response]]:
