@@ -242,3 +242,14 @@ async def wait_until(predicate: Any, timeout: float = 5.0, interval: float = 0.0
     with trio.fail_after(timeout):
         while not predicate():
             await trio.sleep(interval)
+
+
+@pytest.fixture
+def serve_script(tokenizer):
+    """Start a live server whose model writes `text`; returns the server (a context manager)."""
+
+    def start(text: str, **options: Any):
+        engine = ScriptedEngine(tokenizer, tokenizer.encode(text, special=True), **options)
+        return live_server(server_config(), engine, tokenizer)
+
+    return start

@@ -10,7 +10,7 @@ from typing import Any
 import anthropic
 import httpx
 import pytest
-from conftest import ScriptedEngine, live_server, server_config
+from conftest import live_server, server_config
 
 from strata.api import sse
 
@@ -18,17 +18,6 @@ USER = [{"role": "user", "content": "hi"}]
 TOOLS = [{"name": "get", "description": "Fetch a thing.",
           "input_schema": {"type": "object", "properties": {"a": {"type": "integer"}}}}]
 THINKING = {"type": "enabled", "budget_tokens": 1024}
-
-
-@pytest.fixture
-def serve_script(tokenizer):
-    """Start a live server whose model writes `text`; returns the server (a context manager)."""
-
-    def start(text: str, **options: Any):
-        engine = ScriptedEngine(tokenizer, tokenizer.encode(text, special=True), **options)
-        return live_server(server_config(), engine, tokenizer)
-
-    return start
 
 
 def client(server) -> anthropic.Anthropic:

@@ -10,23 +10,12 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from conftest import ScriptedEngine, live_server, server_config
+from conftest import live_server, server_config
 
 from strata.api import sse
 
 TOOLS = [{"type": "function", "name": "get", "description": "Fetch a thing.",
           "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}]
-
-
-@pytest.fixture
-def serve_script(tokenizer):
-    """Start a live server whose model writes `text`; returns the server (a context manager)."""
-
-    def start(text: str, **options: Any):
-        engine = ScriptedEngine(tokenizer, tokenizer.encode(text, special=True), **options)
-        return live_server(server_config(), engine, tokenizer)
-
-    return start
 
 
 def client(server) -> openai.OpenAI:
