@@ -91,7 +91,8 @@ def _file_tensors(reader: gguf.GGUFReader) -> dict[str, torch.Tensor]:
         tuple(int(n) for n in reversed(t.shape))).copy()) for t in reader.tensors}
 
 
-def _text_hparams(reader: gguf.GGUFReader) -> HParams:
+def text_hparams(reader: gguf.GGUFReader) -> HParams:
+    """The hyper-parameters a demo GGUF file stores."""
     def get(key: str) -> int | float:
         return reader.fields[key.format(arch="qwen3moe")].contents()
 
@@ -107,7 +108,7 @@ def read_text(path: str | os.PathLike[str]) -> TextModel:
     """The torch text model holding the weights of a demo GGUF file."""
     reader = gguf.GGUFReader(os.fspath(path))
     tensors = _file_tensors(reader)
-    model = TextModel(_text_hparams(reader), tensors["token_embd.weight"].shape[0])
+    model = TextModel(text_hparams(reader), tensors["token_embd.weight"].shape[0])
     with torch.no_grad():
         for name, param in model.gguf_tensors().items():
             param.copy_(tensors[name])
