@@ -1,4 +1,5 @@
-"""`strata serve`: load a model and serve the HTTP API with hypercorn's trio worker.
+"""`strata serve`: load a model (the shipped demo model when none is given) and serve the HTTP API with
+hypercorn's trio worker.
 
 Every config key has a flag (`--context`, `--limits.max-tokens`, `--vision.mmproj`, ...); flags override the JSON
 file given with `--config` (or `STRATA_CONFIG`), which overrides the defaults. Heavy imports happen in `run`, so
@@ -8,6 +9,7 @@ that `import strata` stays light.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import signal
 import sys
@@ -75,9 +77,19 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     if not config.model:
-        print('error: no model: give --model or the "model" config key', file=sys.stderr)
-        return 2
+        config = with_demo_model(config)
+        print(f"no model given: serving the demo model {config.model} (docs/DEMO_MODEL.md)")
     return trio.run(partial(serve, config, handle_signals=True))
+
+
+def with_demo_model(config: Config) -> Config:
+    """`config` serving the shipped demo model, with its own CPU image encoder unless one is configured."""
+    from strata.models import DEMO_MMPROJ, DEMO_MODEL, DEMO_VISION_MAX_TOKENS
+
+    vision = config.vision
+    if not vision.mmproj and not vision.exe:
+        vision = dataclasses.replace(vision, mmproj=str(DEMO_MMPROJ), max_tokens=DEMO_VISION_MAX_TOKENS)
+    return dataclasses.replace(config, model=str(DEMO_MODEL), vision=vision)
 
 
 async def serve(

@@ -46,3 +46,12 @@ def test_make_model_mmproj_matches_the_text_models_width(tmp_path: pathlib.Path)
 def test_make_model_mmproj_needs_a_text_model(tmp_path: pathlib.Path) -> None:
     with pytest.raises(SystemExit, match="--text-model"):
         cli.run(parse(["--mmproj", "--out", str(tmp_path / "v.gguf")]))
+
+
+def test_make_model_demo_runs_the_training_script(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from strata.modelgen.demo import train
+
+    calls = []
+    monkeypatch.setattr(train, "main", lambda argv: calls.append(argv) or 0)
+    assert cli.run(parse(["--demo", "--out", str(tmp_path), "--threads", "2"])) == 0
+    assert calls == [["--out", str(tmp_path), "--threads", "2"]]

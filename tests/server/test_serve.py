@@ -151,3 +151,27 @@ async def test_serve_returns_1_when_the_model_fails_to_load(tmp_path):
     with trio.fail_after(30):
         assert await strata.serve(config, log=lines.append) == 1
     assert any("failed to load" in line for line in lines)
+
+
+def test_strata_serve_without_a_model_serves_the_demo_with_its_encoder():
+    command = [sys.executable, "-m", "strata.cli", "serve", "--port", "0", "--threads", "1"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env=environment())
+    try:
+        found, lines = wait_for_line(process, r"serving \S+ on (http://\S+)")
+        assert "demo.gguf" in "".join(lines)
+        url = found.group(1)
+        deadline = time.monotonic() + 60
+        while httpx.get(url + "/health").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        vision = httpx.get(url + "/v1/status").json()["vision"]
+        assert vision["mode"] == "cpu" and vision["available"]
+        answer = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 40,
+            "temperature": 0, "reasoning_effort": "none"}).json()
+        assert "Paris" in answer["choices"][0]["message"]["content"]
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=10)
+        process.stdout.close()

@@ -17,11 +17,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mmproj", action="store_true",
                         help="write an image encoder (mmproj) for --text-model instead of a text model")
     parser.add_argument("--text-model", metavar="T.gguf", help="with --mmproj: the text model whose width it feeds")
+    parser.add_argument("--demo", action="store_true",
+                        help="train the demo model and its encoder into the directory --out (needs torch; "
+                             "about 45 minutes on one core)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="with --demo: torch threads (the shipped files were trained on 1, reproducibly)")
 
 
 def run(args: argparse.Namespace) -> int:
     if args.mmproj:
         return _run_mmproj(args)
+    if args.demo:
+        from strata.modelgen.demo import train
+
+        return train.main(["--out", args.out, "--threads", str(args.threads)])
     import time
 
     from strata.modelgen.hparams import hparams_for
