@@ -95,7 +95,7 @@ def write_random_mmproj(
     )
     tensors = _random_tensors(hp, np.random.default_rng(seed), np.float16 if dtype == "f16" else np.float32, input_norm)
     writer = gguf.GGUFWriter(os.fspath(path), "clip")
-    _add_metadata(writer, hp, size if isinstance(size, str) else "custom")
+    add_vision_metadata(writer, hp, f"strata random vision encoder ({size if isinstance(size, str) else 'custom'})")
     for name, array in tensors.items():
         writer.add_tensor(name, array)
     writer.write_header_to_file()
@@ -110,9 +110,10 @@ def _f32(value: float) -> float:
     return float(np.float32(value))
 
 
-def _add_metadata(writer: gguf.GGUFWriter, hp: VisionHParams, size_name: str) -> None:
+def add_vision_metadata(writer: gguf.GGUFWriter, hp: VisionHParams, name: str) -> None:
+    """The `clip.*` keys of an mmproj with hyper-parameters `hp` (llama.cpp's names, our `lfm2` projector)."""
     writer.add_type(gguf.GGUFType.MMPROJ)
-    writer.add_name(f"strata random vision encoder ({size_name})")
+    writer.add_name(name)
     writer.add_clip_has_vision_encoder(True)
     writer.add_clip_projector_type(PROJECTOR_TYPE)
     writer.add_vision_image_size(hp.image_size)

@@ -14,12 +14,12 @@ from gguf.quants import dequantize
 
 from strata.modelgen.demo.model import TextModel, VisionModel
 from strata.modelgen.hparams import HParams
+from strata.modelgen.mmproj import add_vision_metadata
 from strata.modelgen.vocab import Vocab
 from strata.modelgen.writer import write_model
 from strata.vision.mmproj import (
     MM_DOWN_BID,
     MM_UP_BID,
-    PROJECTOR_TYPE,
     read_hparams,
     tensor_name,
 )
@@ -58,22 +58,7 @@ def vision_parameters(model: VisionModel) -> dict[str, torch.Tensor]:
 def write_vision(path: str | os.PathLike[str], model: VisionModel) -> pathlib.Path:
     hp = model.hp
     writer = gguf.GGUFWriter(os.fspath(path), "clip")
-    writer.add_type(gguf.GGUFType.MMPROJ)
-    writer.add_name(VISION_NAME)
-    writer.add_clip_has_vision_encoder(True)
-    writer.add_clip_projector_type(PROJECTOR_TYPE)
-    writer.add_vision_image_size(hp.image_size)
-    writer.add_vision_patch_size(hp.patch_size)
-    writer.add_vision_embedding_length(hp.n_embd)
-    writer.add_vision_feed_forward_length(hp.n_ff)
-    writer.add_vision_projection_dim(hp.n_proj)
-    writer.add_vision_block_count(hp.n_layer)
-    writer.add_vision_head_count(hp.n_head)
-    writer.add_vision_attention_layernorm_eps(hp.eps)
-    writer.add_vision_image_mean(list(hp.image_mean))
-    writer.add_vision_image_std(list(hp.image_std))
-    writer.add_vision_projector_scale_factor(hp.merge)
-    writer.add_vision_use_gelu(True)
+    add_vision_metadata(writer, hp, VISION_NAME)
     for name, param in vision_parameters(model).items():
         writer.add_tensor(name, _numpy(param))
     writer.write_header_to_file()
