@@ -31,7 +31,8 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=100, help="items per score")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--kv", default="f16", help="the engine's KV cache type (the server's default: f16)")
-    parser.add_argument("--max-tokens", type=int, default=64, help="picture rows (the encoder's --max-tokens)")
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help="most rows per picture (the encoder's --max-tokens; default: the file's budget)")
     parser.add_argument("--no-torch", action="store_true", help="engine only")
     parser.add_argument("--json", type=pathlib.Path, default=None, help="write the summary and outputs here")
     parser.add_argument("--show-errors", type=int, default=3, help="wrong engine answers printed per score")

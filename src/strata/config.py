@@ -42,7 +42,8 @@ class VisionConfig:
     mmproj: str | None = None
     gpu: bool = False
     threads: int | None = None
-    max_tokens: int = 1024
+    max_tokens: int | None = None  # most rows per picture; None: the mmproj file's budget, else 1024
+    min_tokens: int | None = None  # small pictures are scaled up to about this many rows; None: the file's
     exe: list[str] | None = None
     remote: bool = False
     lazy_load: bool = False
@@ -104,8 +105,10 @@ def _check(config: Config) -> None:
     for key in ("body_timeout", "graceful_timeout"):
         if getattr(limits, key) <= 0:
             raise _fail(f"limits.{key}", "must be positive")
-    if config.vision.max_tokens < 1:
-        raise _fail("vision.max_tokens", "must be at least 1")
+    for key in ("max_tokens", "min_tokens"):
+        value = getattr(config.vision, key)
+        if value is not None and value < 1:
+            raise _fail(f"vision.{key}", "must be at least 1")
 
 
 def _coerce(key: str, hint: Any, value: Any) -> Any:

@@ -84,11 +84,11 @@ def run(args: argparse.Namespace) -> int:
 
 def with_demo_model(config: Config) -> Config:
     """`config` serving the shipped demo model, with its own CPU image encoder unless one is configured."""
-    from strata.models import DEMO_MMPROJ, DEMO_MODEL, DEMO_VISION_MAX_TOKENS
+    from strata.models import DEMO_MMPROJ, DEMO_MODEL
 
     vision = config.vision
-    if not vision.mmproj and not vision.exe:
-        vision = dataclasses.replace(vision, mmproj=str(DEMO_MMPROJ), max_tokens=DEMO_VISION_MAX_TOKENS)
+    if not vision.mmproj and not vision.exe:  # the file carries its picture budget
+        vision = dataclasses.replace(vision, mmproj=str(DEMO_MMPROJ))
     return dataclasses.replace(config, model=str(DEMO_MODEL), vision=vision)
 
 

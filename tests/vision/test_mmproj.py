@@ -95,6 +95,16 @@ def test_reader_reads_what_the_writer_wrote(tmp_path: Path):
     assert mmproj.input_norm is not None
 
 
+def test_the_picture_budget_is_written_in_pixels_and_read_back(tmp_path: Path):
+    hp_written = write_random_mmproj(tmp_path / "v.gguf", N_EMBD_TEXT, "tiny", budget=(16, 64))
+    reader = gguf.GGUFReader(tmp_path / "v.gguf")
+    assert (field(reader, KV.IMAGE_MIN_PIXELS), field(reader, KV.IMAGE_MAX_PIXELS)) == (16 * 256, 64 * 256)
+    assert Mmproj.load(tmp_path / "v.gguf").hparams == hp_written
+    write_random_mmproj(tmp_path / "none.gguf", N_EMBD_TEXT, "tiny")
+    hp = Mmproj.load(tmp_path / "none.gguf").hparams
+    assert (hp.min_pixels, hp.max_pixels) == (None, None)
+
+
 def test_projector_layernorm_is_optional(tmp_path: Path):
     write_random_mmproj(tmp_path / "v.gguf", N_EMBD_TEXT, "tiny", input_norm=False)
     assert "mm.input_norm.weight" not in {t.name for t in gguf.GGUFReader(tmp_path / "v.gguf").tensors}

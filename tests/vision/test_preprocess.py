@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
 
@@ -10,7 +11,7 @@ import pytest
 from PIL import Image
 
 from strata.vision.mmproj import VisionHParams
-from strata.vision.preprocess import ImageError, load_image, preprocess, token_grid
+from strata.vision.preprocess import DEFAULT_MAX_TOKENS, ImageError, load_image, preprocess, token_budget, token_grid
 
 HP = VisionHParams(image_size=32, patch_size=8, n_embd=32, n_ff=64, n_head=2, n_layer=2, eps=1e-6, n_proj=48,
                    merge=2, image_mean=(0.4, 0.5, 0.6), image_std=(0.2, 0.25, 0.3))
@@ -150,3 +151,21 @@ def test_non_images_and_truncated_images_are_refused():
     png = encoded(Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)))
     with pytest.raises(ImageError, match="cannot read image"):
         load_image(png[: len(png) // 2])
+
+
+def test_small_pictures_are_scaled_up_to_the_minimum():
+    assert token_grid(48, 48, 16, max_tokens=64, min_tokens=64) == (8, 8)
+    assert token_grid(48, 48, 16, max_tokens=64) == (3, 3)  # no minimum: only rounded
+    nx, ny = token_grid(100, 50, 16, max_tokens=64, min_tokens=64)
+    assert 48 <= nx * ny <= 64 and abs(nx / ny - 2) < 0.3
+    assert token_grid(48, 48, 16, max_tokens=16, min_tokens=64) == (4, 4)  # the maximum wins
+    assert token_grid(320, 320, 16, max_tokens=1024, min_tokens=64) == (20, 20)  # above the minimum: unchanged
+
+
+def test_the_budget_comes_from_the_arguments_then_the_file_then_the_defaults():
+    assert token_budget(HP) == (1, DEFAULT_MAX_TOKENS)
+    trained = dataclasses.replace(HP, min_pixels=48 * 16 * 16 + 1, max_pixels=64 * 16 * 16 + 255)
+    assert token_budget(trained) == (49, 64)  # whole tokens: the minimum rounds up, the maximum down
+    assert token_budget(trained, max_tokens=100) == (49, 100)
+    assert token_budget(trained, min_tokens=10) == (10, 64)
+    assert token_budget(trained, max_tokens=32) == (32, 32)  # a minimum above the maximum is lowered to it

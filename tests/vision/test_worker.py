@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from strata.modelgen.mmproj import write_random_mmproj
 from strata.vision.encoder import Encoder
 from strata.vision.mmproj import Mmproj
 from strata.vision.preprocess import load_image, preprocess
@@ -55,6 +56,25 @@ def test_ready_reports_width_and_capabilities(start_worker, tiny_mmproj: Path):
     assert caps.fingerprint == Mmproj.load(tiny_mmproj).fingerprint
     worker.send(encode_request(Quit()))
     assert worker.proc.wait(10) == 0
+
+
+def test_the_files_budget_is_the_default_and_small_pictures_are_scaled_up(start_worker, tmp_path: Path):
+    mmproj = tmp_path / "budget.gguf"
+    write_random_mmproj(mmproj, N_EMBD_TEXT, "tiny", budget=(36, 48))
+    image = tmp_path / "small.png"
+    image.write_bytes(noise_png(20, 20))  # about 2 tokens as it is
+    worker = start_worker("--mmproj", mmproj, "--threads", "1")
+    assert worker.ready().capabilities.max_tokens == 48
+    worker.send(encode_request(EncodePath(str(image), str(tmp_path / "a.sve"))))
+    reply, _ = worker.reply()
+    assert isinstance(reply, Encoded) and (reply.nx, reply.ny) == (6, 6)
+    worker.send(encode_request(Quit()))
+    assert worker.proc.wait(10) == 0
+    flags = start_worker("--mmproj", mmproj, "--threads", "1", "--max-tokens", "100", "--min-tokens", "1")
+    assert flags.ready().capabilities.max_tokens == 100
+    flags.send(encode_request(EncodePath(str(image), str(tmp_path / "b.sve"))))
+    reply, _ = flags.reply()
+    assert isinstance(reply, Encoded) and (reply.nx, reply.ny) == (1, 1)
 
 
 def test_path_form_writes_sve1(start_worker, tiny_mmproj: Path, tmp_path: Path):

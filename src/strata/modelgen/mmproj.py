@@ -63,6 +63,7 @@ def write_random_mmproj(
     seed: int = 0,
     dtype: str = "f16",
     input_norm: bool = True,
+    budget: tuple[int, int] | None = None,
 ) -> VisionHParams:
     """Write an mmproj GGUF with random weights.
 
@@ -73,6 +74,7 @@ def write_random_mmproj(
         seed: the random generator's seed; the same arguments write the same bytes.
         dtype: "f16" or "f32", the type of the weight matrices (vectors and position embeddings are F32).
         input_norm: whether the projector starts with a LayerNorm (mm.input_norm).
+        budget: (min_tokens, max_tokens), written as the file's picture budget in pixels; None: no budget.
 
     Returns:
         The hyper-parameters written.
@@ -92,6 +94,8 @@ def write_random_mmproj(
         merge=2,
         image_mean=tuple(map(_f32, IMAGE_MEAN)),
         image_std=tuple(map(_f32, IMAGE_STD)),
+        min_pixels=budget[0] * (shape.patch_size * 2) ** 2 if budget else None,
+        max_pixels=budget[1] * (shape.patch_size * 2) ** 2 if budget else None,
     )
     tensors = _random_tensors(hp, np.random.default_rng(seed), np.float16 if dtype == "f16" else np.float32, input_norm)
     writer = gguf.GGUFWriter(os.fspath(path), "clip")
@@ -128,6 +132,10 @@ def add_vision_metadata(writer: gguf.GGUFWriter, hp: VisionHParams, name: str) -
     writer.add_vision_image_std(list(hp.image_std))
     writer.add_vision_projector_scale_factor(hp.merge)
     writer.add_vision_use_gelu(True)
+    if hp.min_pixels is not None:
+        writer.add_vision_min_pixels(hp.min_pixels)
+    if hp.max_pixels is not None:
+        writer.add_vision_max_pixels(hp.max_pixels)
 
 
 def _random_tensors(hp: VisionHParams, rng: np.random.Generator, wtype: type,

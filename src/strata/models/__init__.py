@@ -5,4 +5,3 @@ from pathlib import Path
 
 DEMO_MODEL = Path(__file__).with_name("demo.gguf")
 DEMO_MMPROJ = Path(__file__).with_name("demo-mmproj.gguf")
-DEMO_VISION_MAX_TOKENS = 64  # the picture budget the demo encoder was trained with

@@ -111,8 +111,11 @@ def encoder_command(config: Any, threads: int) -> list[str]:
     """The encoder's argument list: `config.exe` verbatim when set, else the local `strata-vision` command."""
     if config.exe:
         return list(config.exe)
-    argv = [sys.executable, "-m", "strata.vision.worker", "--mmproj", str(config.mmproj), "--threads", str(threads),
-            "--max-tokens", str(config.max_tokens)]
+    argv = [sys.executable, "-m", "strata.vision.worker", "--mmproj", str(config.mmproj), "--threads", str(threads)]
+    if config.max_tokens is not None:
+        argv += ["--max-tokens", str(config.max_tokens)]
+    if config.min_tokens is not None:
+        argv += ["--min-tokens", str(config.min_tokens)]
     return argv + (["--gpu"] if config.gpu else [])
 
 

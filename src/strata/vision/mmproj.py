@@ -53,6 +53,15 @@ class VisionHParams:
     image_mean: tuple[float, float, float]
     image_std: tuple[float, float, float]
     projector: str = PROJECTOR_TYPE
+    # The picture budget the model was trained with (`clip.vision.image_min_pixels` / `image_max_pixels`), if the
+    # file gives one: the encoder's default token budget.
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+
+    @property
+    def unit(self) -> int:
+        """Pixels per merged token along a side."""
+        return self.patch_size * self.merge
 
     @property
     def pos_side(self) -> int:
@@ -250,9 +259,16 @@ def read_hparams(reader: gguf.GGUFReader) -> VisionHParams:
         merge=int(_field(reader, _K.Projector.SCALE_FACTOR, 2)),
         image_mean=_triple(_field(reader, _K.IMAGE_MEAN), _K.IMAGE_MEAN),
         image_std=_triple(_field(reader, _K.IMAGE_STD), _K.IMAGE_STD),
+        min_pixels=_optional_int(reader, _K.IMAGE_MIN_PIXELS),
+        max_pixels=_optional_int(reader, _K.IMAGE_MAX_PIXELS),
     )
     _check(hp)
     return hp
+
+
+def _optional_int(reader: gguf.GGUFReader, key: str) -> int | None:
+    field = reader.fields.get(key)
+    return None if field is None else int(field.contents())
 
 
 def _triple(values: Any, key: str) -> tuple[float, float, float]:
@@ -269,6 +285,9 @@ def _check(hp: VisionHParams) -> None:
         raise MmprojError("image_size must be a multiple of patch_size and embedding_length of head_count")
     if min(hp.image_std) <= 0:
         raise MmprojError(f"image_std must be positive: {hp.image_std}")
+    for name in ("min_pixels", "max_pixels"):
+        if (getattr(hp, name) or 1) < 1:
+            raise MmprojError(f"image_{name} must be positive: {getattr(hp, name)}")
 
 
 def fingerprint(hp: VisionHParams, reader: gguf.GGUFReader) -> str:

@@ -16,6 +16,8 @@ from strata.vision.mmproj import VisionHParams
 # A bound on decoded pixels, checked from the header before decoding: a small file that decodes to gigabytes (a
 # decompression bomb) is refused. 50 MP holds an 8K screenshot or a phone camera's photo.
 DEFAULT_MAX_PIXELS = 50_000_000
+# Most rows per picture when neither the command line nor the mmproj file gives a budget.
+DEFAULT_MAX_TOKENS = 1024
 
 
 class ImageError(ValueError):
@@ -33,15 +35,20 @@ class Picture:
         return self.nx * self.ny
 
 
-def token_grid(width: int, height: int, unit: int, max_tokens: int) -> tuple[int, int]:
+def token_grid(width: int, height: int, unit: int, max_tokens: int, min_tokens: int = 1) -> tuple[int, int]:
     """The merged-token grid (nx, ny) for a width x height picture: the aspect ratio kept, nx * ny <= max_tokens.
 
     `unit` is the pixels per merged token along a side (patch_size * merge). A picture that already fits is only
-    rounded to whole units; a larger one is scaled down; every side gets at least one unit.
+    rounded to whole units; a larger one is scaled down; one smaller than `min_tokens` units is scaled up to about
+    that many (an encoder trained on pictures of some size sees small ones at that size); every side gets at least
+    one unit.
     """
     if max_tokens < 1:
         raise ValueError("max_tokens must be at least 1")
-    scale = min(1.0, math.sqrt(max_tokens * unit * unit / (width * height)))
+    area = width * height / (unit * unit)  # in tokens
+    scale = math.sqrt(max_tokens / area) if area > max_tokens else 1.0
+    if area < min(min_tokens, max_tokens):
+        scale = math.sqrt(min(min_tokens, max_tokens) / area)
     nx, ny = max(1, round(width * scale / unit)), max(1, round(height * scale / unit))
     if nx * ny > max_tokens:
         # Invariant: floor(a) * floor(b) <= a * b = width * height * scale**2 / unit**2 <= max_tokens.
@@ -52,6 +59,20 @@ def token_grid(width: int, height: int, unit: int, max_tokens: int) -> tuple[int
         else:
             ny = max_tokens // nx
     return nx, ny
+
+
+def token_budget(hp: VisionHParams, min_tokens: int | None = None,
+                 max_tokens: int | None = None) -> tuple[int, int]:
+    """(min_tokens, max_tokens) for an encoder: those given, else the file's trained budget, else (1, 1024).
+
+    A minimum above the maximum is lowered to it.
+    """
+    area = hp.unit * hp.unit
+    if max_tokens is None:
+        max_tokens = max(1, hp.max_pixels // area) if hp.max_pixels else DEFAULT_MAX_TOKENS
+    if min_tokens is None:
+        min_tokens = -(-hp.min_pixels // area) if hp.min_pixels else 1
+    return min(min_tokens, max_tokens), max_tokens
 
 
 def load_image(source: bytes | str | os.PathLike[str], max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Image:
@@ -89,10 +110,10 @@ def _to_rgb(image: Image.Image) -> Image.Image:
     return image.convert("RGB")
 
 
-def preprocess(image: Image.Image, hp: VisionHParams, max_tokens: int) -> Picture:
+def preprocess(image: Image.Image, hp: VisionHParams, max_tokens: int, min_tokens: int = 1) -> Picture:
     """Resize an RGB picture to its token grid and normalise it with the file's mean and std."""
     unit = hp.patch_size * hp.merge
-    nx, ny = token_grid(image.width, image.height, unit, max_tokens)
+    nx, ny = token_grid(image.width, image.height, unit, max_tokens, min_tokens)
     size = (nx * unit, ny * unit)
     if image.size != size:
         image = image.resize(size, Image.Resampling.BICUBIC)

@@ -24,7 +24,7 @@ from typing import BinaryIO
 
 from strata.vision.encoder import EncodeCancelled, Encoder
 from strata.vision.mmproj import Mmproj, MmprojError
-from strata.vision.preprocess import DEFAULT_MAX_PIXELS, ImageError, load_image, preprocess
+from strata.vision.preprocess import DEFAULT_MAX_PIXELS, ImageError, load_image, preprocess, token_budget
 from strata.vision.protocol import (
     MAX_IMAGE_BYTES,
     MAX_LINE_BYTES,
@@ -46,7 +46,6 @@ from strata.vision.protocol import (
     parse_request,
 )
 
-DEFAULT_MAX_TOKENS = 1024
 NO_CUDA = "this build of strata-vision has no CUDA backend; leave out --gpu to encode on the CPU"
 
 
@@ -69,9 +68,10 @@ class Server:
     """
 
     def __init__(self, encoder: Encoder, max_tokens: int, stdin: BinaryIO, stdout: BinaryIO,
-                 max_image_bytes: int = MAX_IMAGE_BYTES, max_pixels: int = DEFAULT_MAX_PIXELS):
+                 max_image_bytes: int = MAX_IMAGE_BYTES, max_pixels: int = DEFAULT_MAX_PIXELS, min_tokens: int = 1):
         self.encoder = encoder
         self.max_tokens = max_tokens
+        self.min_tokens = min_tokens
         self.max_image_bytes = max_image_bytes
         self.max_pixels = max_pixels
         self._stdin = stdin
@@ -211,7 +211,8 @@ class Server:
         start = time.perf_counter()
         source = job.image if job.image is not None else job.request.image
         try:
-            picture = preprocess(load_image(source, self.max_pixels), self.encoder.hp, self.max_tokens)
+            picture = preprocess(load_image(source, self.max_pixels), self.encoder.hp, self.max_tokens,
+                                 self.min_tokens)
             rows = self.encoder.encode(picture.pixels, job.cancel.is_set)
             data = encode_sve(rows, picture.nx, picture.ny)
             ms = (time.perf_counter() - start) * 1000
@@ -265,9 +266,12 @@ def _common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mmproj", required=True, help="the encoder's mmproj GGUF file")
     parser.add_argument("--threads", type=_positive, default=len(os.sched_getaffinity(0)),
                         help="threads for the encode (default: every core this process may use)")
-    parser.add_argument("--max-tokens", type=_positive, default=DEFAULT_MAX_TOKENS,
-                        help=f"most embedding rows per picture; larger pictures are scaled down "
-                             f"(default {DEFAULT_MAX_TOKENS})")
+    parser.add_argument("--max-tokens", type=_positive, default=None,
+                        help="most embedding rows per picture; larger pictures are scaled down (default: the "
+                             "mmproj file's budget, else 1024)")
+    parser.add_argument("--min-tokens", type=_positive, default=None,
+                        help="smaller pictures are scaled up to about this many rows (default: the mmproj file's "
+                             "budget, else 1)")
 
 
 def _positive(text: str) -> int:
@@ -302,7 +306,9 @@ def serve_main(argv: list[str]) -> int:
         sys.stdout.buffer.flush()
         print(f"strata-vision: {exc.detail}", file=sys.stderr)
         return 1
-    Server(encoder, args.max_tokens, sys.stdin.buffer, sys.stdout.buffer, args.max_image_bytes).serve()
+    min_tokens, max_tokens = token_budget(encoder.hp, args.min_tokens, args.max_tokens)
+    Server(encoder, max_tokens, sys.stdin.buffer, sys.stdout.buffer, args.max_image_bytes,
+           min_tokens=min_tokens).serve()
     return 0
 
 
@@ -323,7 +329,8 @@ def encode_main(argv: list[str]) -> int:
     start = time.perf_counter()
     try:
         encoder = _load(args)
-        picture = preprocess(load_image(args.image), encoder.hp, args.max_tokens)
+        picture = preprocess(load_image(args.image), encoder.hp, *reversed(token_budget(encoder.hp, args.min_tokens,
+                                                                                        args.max_tokens)))
         data = encode_sve(encoder.encode(picture.pixels), picture.nx, picture.ny)
         write_file(args.out, data)
     except (MmprojError, ImageError, OSError) as exc:

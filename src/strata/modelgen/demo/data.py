@@ -233,10 +233,20 @@ def _picture(rng: random.Random, thinking: bool) -> Example:
                    check, scene)
 
 
-def _count(rng: random.Random, thinking: bool) -> Example:
+def counting_scene(rng: random.Random) -> tuple[str, int, int, Scene]:
+    """A picture to count in: (the kind asked about, how many of it, how many others, the scene)."""
     kind = rng.choice(SHAPES)
     n, n_other = rng.randint(1, 4), rng.choice((0, 0, 1, 2))
-    scene = count_scene(rng, kind, n, n_other)
+    return kind, n, n_other, count_scene(rng, kind, n, n_other)
+
+
+def picture_scene(rng: random.Random) -> Scene:
+    """A scene of either picture task, half each: what the encoder is taught on its own."""
+    return single_scene(rng) if rng.random() < 0.5 else counting_scene(rng)[3]
+
+
+def _count(rng: random.Random, thinking: bool) -> Example:
+    kind, n, n_other, scene = counting_scene(rng)
     if rng.random() < 0.8:
         question = rng.choice((f"How many {plural(kind)} are there?", f"How many {plural(kind)}?",
                                f"Count the {plural(kind)}.", f"How many {plural(kind)} are in the picture?"))

@@ -33,7 +33,7 @@ from strata.modelgen.demo.model import TextModel, VisionModel
 from strata.modelgen.demo.train import IMAGE_PAD
 from strata.tokenizer import Tokenizer
 from strata.vision import protocol
-from strata.vision.preprocess import load_image, preprocess
+from strata.vision.preprocess import load_image, preprocess, token_budget
 
 HELD_OUT_SEED = 1_000_003  # training draws its examples from seeds 0..10
 SCORES = {
@@ -127,9 +127,9 @@ def expand(ids: list[int], pad: int, rows: np.ndarray | None) -> tuple[list[int]
 class VisionProcess:
     """The `strata-vision` worker as a subprocess, encoding files with `ENC` jobs."""
 
-    def __init__(self, mmproj: pathlib.Path, max_tokens: int, threads: int) -> None:
-        argv = [sys.executable, "-m", "strata.vision.worker", "--mmproj", os.fspath(mmproj),
-                "--max-tokens", str(max_tokens), "--threads", str(threads)]
+    def __init__(self, mmproj: pathlib.Path, max_tokens: int | None, threads: int) -> None:
+        argv = [sys.executable, "-m", "strata.vision.worker", "--mmproj", os.fspath(mmproj), "--threads", str(threads)]
+        argv += ["--max-tokens", str(max_tokens)] if max_tokens else []
         self.process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         ready = self.process.stdout.readline().decode()
         if not ready.startswith("READY "):
@@ -170,14 +170,15 @@ def engine_runner(engine: Engine, vision: VisionProcess, tok: Tokenizer) -> Call
 
 
 def torch_runner(text: TextModel, vision: VisionModel, tok: Tokenizer,
-                 max_tokens: int) -> Callable[[list[int], Item], str]:
+                 max_tokens: int | None) -> Callable[[list[int], Item], str]:
     pad = tok.token_to_id(IMAGE_PAD)
+    min_tokens, max_tokens = token_budget(vision.hp, max_tokens=max_tokens)
 
     @torch.no_grad()
     def run(ids: list[int], item: Item) -> str:
         rows = None
         if item.picture:
-            picture = preprocess(load_image(item.picture), vision.hp, max_tokens)
+            picture = preprocess(load_image(item.picture), vision.hp, max_tokens, min_tokens)
             rows = vision(torch.from_numpy(picture.pixels[None]))[0]
         ids, _ = expand(ids, pad, rows)
         out: list[int] = []
@@ -201,8 +202,9 @@ class Result:
 
 
 def evaluate(model: pathlib.Path, mmproj: pathlib.Path, items: Iterable[Item], threads: int = 1, kv: str = "f16",
-             max_tokens: int = 64, with_torch: bool = True) -> list[Result]:
-    """Greedy outputs of every item through the engine (and the torch model of the same files)."""
+             max_tokens: int | None = None, with_torch: bool = True) -> list[Result]:
+    """Greedy outputs of every item through the engine (and the torch model of the same files); pictures get the
+    encoder file's budget unless `max_tokens` lowers it."""
     tok = Tokenizer.from_gguf(model)
     vision = VisionProcess(mmproj, max_tokens, threads)
     engine = Engine.load(os.fspath(model), n_ctx=1024, threads=threads, kv=kv)

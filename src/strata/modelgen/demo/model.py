@@ -163,6 +163,22 @@ class VisionBlock(nn.Module):
         return x + self.ffn_down(F.gelu(self.ffn_up(self.ln2(x)), approximate="tanh"))
 
 
+def grid_positions(side: int, n: int) -> torch.Tensor:
+    """Sine-cosine embeddings (side * side, n) of a square grid, the row in the first half of each row, the column
+    in the second. The encoder starts from them rather than from small random ones: with positions it can read at
+    once, it learns where a shape is in a few hundred steps instead of thousands."""
+    quarter = n // 4
+    freq = math.pi / 2 / side ** (torch.arange(quarter, dtype=torch.float32) / quarter)
+    rows, cols = torch.meshgrid(torch.arange(side, dtype=torch.float32), torch.arange(side, dtype=torch.float32),
+                                indexing="ij")
+
+    def waves(v: torch.Tensor) -> torch.Tensor:
+        angle = v.reshape(-1, 1) * freq
+        return torch.cat([angle.sin(), angle.cos()], dim=1)
+
+    return torch.cat([waves(rows), waves(cols)], dim=1)
+
+
 class VisionModel(nn.Module):
     """The lfm2 encoder: pictures (B, 3, H, W) of one size -> embeddings (B, H/2p * W/2p, n_proj)."""
 
@@ -172,7 +188,7 @@ class VisionModel(nn.Module):
         n, p = hp.n_embd, hp.patch_size
         self.hp = hp
         self.patch_embd = nn.Conv2d(3, n, p, stride=p)
-        self.position_embd = nn.Parameter(torch.randn(hp.pos_side**2, n) * 0.02)
+        self.position_embd = nn.Parameter(grid_positions(hp.pos_side, n))
         self.blk = nn.ModuleList(VisionBlock(n, hp.n_ff, hp.n_head, hp.eps) for _ in range(hp.n_layer))
         self.post_ln = nn.LayerNorm(n, eps=hp.eps)
         self.input_norm = nn.LayerNorm(hp.merge**2 * n, eps=hp.eps)

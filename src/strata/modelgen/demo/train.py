@@ -2,10 +2,11 @@
 
     python -m strata.modelgen.demo.train --out DIR [--threads N] [--small]
 
-Steps: generate the training text and train the BPE vocabulary on it; then train the text model and the vision
-encoder together on the answers of generated conversations (the loss covers only the tokens the assistant writes;
-pictures enter as the encoder's rows in place of the `<|image_pad|>` run); then export. Everything is seeded: the
-same configuration and thread count give the same files.
+Steps: generate the training text and train the BPE vocabulary on it; teach the vision encoder on its own what
+its pictures hold (a probe reads the shape, colour, place and counts from its rows); then train the text model and
+the encoder together on the answers of generated conversations (the loss covers only the tokens the assistant
+writes; pictures enter as the encoder's rows in place of the `<|image_pad|>` run; the probe's loss keeps the rows
+legible); then export. Everything is seeded: the same configuration and thread count give the same files.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from strata.modelgen.demo import bpe, data, export
 from strata.modelgen.demo.model import TextModel, VisionModel
@@ -33,11 +35,12 @@ from strata.modelgen.vocab import Vocab
 from strata.modelgen.writer import chat_template
 from strata.tokenizer import Tokenizer
 from strata.vision.mmproj import VisionHParams
-from strata.vision.preprocess import preprocess
+from strata.vision.preprocess import preprocess, token_budget
 
 IMAGE_PAD = "<|image_pad|>"
 IGNORE = -100
 BALANCE_WEIGHT = 0.01  # load-balancing loss: keeps every expert in use without fighting the main loss
+PROBE_WEIGHT = 0.3  # the probe's share of the loss in joint training: keeps what the encoder learnt alone
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,16 +54,22 @@ class TrainConfig:
     seed: int = 0
     vocab_examples: int = 20000  # conversations the BPE is trained on
     n_merges: int = 768
-    image_tokens: int = 64  # most embedding rows per picture: the encoder's --max-tokens for this model
     max_len: int = 512  # longer conversations are skipped
+    vision_steps: int = 0  # batches of the encoder's own lessons, before joint training
+    vision_batch: int = 64  # pictures per such batch
+    vision_lr: float = 2e-3
     task_weights: dict[str, float] = dataclasses.field(default_factory=lambda: dict(data.TASK_WEIGHTS))
 
 
-def vision_hparams(n_proj: int, n_embd: int = 64, n_layer: int = 3) -> VisionHParams:
-    """The encoder's shape; eps as the file stores it (float32), so a file's hyper-parameters compare equal."""
+def vision_hparams(n_proj: int, n_embd: int = 64, n_layer: int = 3, tokens: int = 64) -> VisionHParams:
+    """The encoder's shape; eps as the file stores it (float32), so a file's hyper-parameters compare equal.
+
+    Every picture is resized to about `tokens` rows (the file's budget, minimum and maximum): small pictures are
+    scaled up, so a shape always spans several patches."""
+    pixels = tokens * (8 * 2) ** 2
     return VisionHParams(image_size=96, patch_size=8, n_embd=n_embd, n_ff=4 * n_embd, n_head=2, n_layer=n_layer,
                          eps=float(np.float32(1e-6)), n_proj=n_proj, merge=2, image_mean=(0.5, 0.5, 0.5),
-                         image_std=(0.5, 0.5, 0.5))
+                         image_std=(0.5, 0.5, 0.5), min_pixels=pixels, max_pixels=pixels)
 
 
 _TEXT = HParams(n_layer=4, n_embd=128, n_head=4, n_head_kv=2, head_dim=32, n_ff=384, n_expert=8, n_expert_used=2,
@@ -71,12 +80,12 @@ TRAIN_MIX = {"picture": 0.24, "count": 0.24, "arithmetic": 0.2, "capital": 0.04,
              "weather_call": 0.05, "weather_answer": 0.04, "add_call": 0.04, "add_answer": 0.03, "time_call": 0.02,
              "no_tool": 0.02}
 FULL = TrainConfig(text=_TEXT, vision=vision_hparams(_TEXT.n_embd), steps=4000, batch=32, lr=3e-3, warmup=200,
-                   task_weights=TRAIN_MIX)
+                   task_weights=TRAIN_MIX, vision_steps=2500)
 # A variant small enough to train in seconds: the tests' check that training is reproducible and exports.
 _SMALL_TEXT = dataclasses.replace(_TEXT, n_layer=1, n_embd=64, n_head=2, n_head_kv=1, n_ff=192, n_expert=4,
                                   n_ff_exp=64)
 SMALL = TrainConfig(text=_SMALL_TEXT, vision=vision_hparams(_SMALL_TEXT.n_embd, n_embd=32, n_layer=1), steps=4,
-                    batch=4, lr=3e-3, warmup=2, vocab_examples=500, n_merges=128)
+                    batch=4, lr=3e-3, warmup=2, vocab_examples=500, n_merges=128, vision_steps=2, vision_batch=4)
 
 
 # --- data to tensors
@@ -87,6 +96,13 @@ class Encoded:
     ids: list[int]  # prompt then answer, every picture's pad expanded to its rows
     n_prompt: int
     pictures: list[np.ndarray]  # normalised pixels (3, H, W), in prompt order
+    scenes: list[data.Scene]  # what each picture shows
+
+
+def picture_pixels(scene: data.Scene, hp: VisionHParams, max_tokens: int) -> np.ndarray:
+    """The scene drawn and preprocessed as the encoder does with a budget of at most `max_tokens` rows."""
+    min_tokens, max_tokens = token_budget(hp, max_tokens=max_tokens)
+    return preprocess(data.draw(scene), hp, max_tokens, min_tokens).pixels
 
 
 def encode(example: data.Example, tok: Tokenizer, template: str, hp: VisionHParams,
@@ -94,27 +110,30 @@ def encode(example: data.Example, tok: Tokenizer, template: str, hp: VisionHPara
     """Token ids of the prompt and answer, each `<|image_pad|>` widened to its picture's rows."""
     prompt, answer = data.render(example, template)
     pad = tok.token_to_id(IMAGE_PAD)
+    unit = hp.unit
     ids, pictures = [], []
     for i in tok.encode(prompt):
         if i != pad:
             ids.append(i)
             continue
-        picture = preprocess(data.draw(example.scene), hp, max_tokens)
-        pictures.append(picture.pixels)
-        ids += [pad] * picture.n_tokens
-    return Encoded(ids + tok.encode(answer), len(ids), pictures)
+        pixels = picture_pixels(example.scene, hp, max_tokens)
+        pictures.append(pixels)
+        ids += [pad] * ((pixels.shape[1] // unit) * (pixels.shape[2] // unit))
+    return Encoded(ids + tok.encode(answer), len(ids), pictures, [example.scene] * len(pictures))
 
 
-def _picture_budget(rng: random.Random, image_tokens: int) -> int:
-    """Mostly the full budget, as the server uses it; sometimes fewer rows, so smaller grids are seen too."""
-    return image_tokens if rng.random() < 0.75 else rng.randint(max(1, image_tokens // 4), image_tokens)
+def _picture_budget(rng: random.Random, hp: VisionHParams) -> int:
+    """Mostly the file's budget, as the server uses it; sometimes fewer rows (a server configured with a smaller
+    `max_tokens`), so smaller grids are seen too."""
+    full = token_budget(hp)[1]
+    return full if rng.random() < 0.75 else rng.randint(max(1, full // 4), full)
 
 
 def encoded_stream(config: TrainConfig, tok: Tokenizer, seed: int) -> Iterator[Encoded]:
     template = chat_template()
     rng = random.Random(seed + 1)
     for example in data.examples(seed, config.task_weights):
-        item = encode(example, tok, template, config.vision, _picture_budget(rng, config.image_tokens))
+        item = encode(example, tok, template, config.vision, _picture_budget(rng, config.vision))
         if len(item.ids) <= config.max_len:
             yield item
 
@@ -125,6 +144,7 @@ class Batch:
     targets: torch.Tensor  # (B, T) the next id where it is an answer token, else IGNORE
     image_mask: torch.Tensor  # (B, T) true at picture rows
     pictures: list[np.ndarray]  # in row-major order of image_mask
+    scenes: list[data.Scene]  # what each picture shows
     n_answer: int
 
 
@@ -137,7 +157,7 @@ def collate(items: Sequence[Encoded], pad_id: int, image_pad: int) -> Batch:
         tokens[row, :len(ids)] = ids
         targets[row, item.n_prompt - 1:len(ids) - 1] = ids[item.n_prompt:]
     return Batch(tokens, targets, tokens == image_pad, [p for item in items for p in item.pictures],
-                 int((targets != IGNORE).sum()))
+                 [s for item in items for s in item.scenes], int((targets != IGNORE).sum()))
 
 
 def batch_stream(config: TrainConfig, tok: Tokenizer, pool: int = 8) -> Iterator[Batch]:
@@ -154,10 +174,8 @@ def batch_stream(config: TrainConfig, tok: Tokenizer, pool: int = 8) -> Iterator
             yield collate(group, pad, image_pad)
 
 
-def picture_rows(vision: VisionModel, pictures: Sequence[np.ndarray]) -> torch.Tensor | None:
-    """The encoder's rows of every picture, concatenated in order; pictures of one size share a forward pass."""
-    if not pictures:
-        return None
+def picture_rows(vision: VisionModel, pictures: Sequence[np.ndarray]) -> list[torch.Tensor]:
+    """The encoder's rows of each picture, in order; pictures of one size share a forward pass."""
     rows: list[torch.Tensor | None] = [None] * len(pictures)
     by_size: dict[tuple[int, ...], list[int]] = {}
     for i, p in enumerate(pictures):
@@ -166,7 +184,93 @@ def picture_rows(vision: VisionModel, pictures: Sequence[np.ndarray]) -> torch.T
         out = vision(torch.from_numpy(np.stack([pictures[i] for i in indices])))
         for i, r in zip(indices, out, strict=True):
             rows[i] = r
-    return torch.cat(rows)  # type: ignore[arg-type]
+    return rows  # type: ignore[return-value]
+
+
+# --- the encoder's own lessons
+
+_KINDS = {kind: i for i, kind in enumerate(data.SHAPES)}
+_COLOURS = {colour: i for i, colour in enumerate(data.COLOURS)}
+_MOST = len(data.NUMBER_WORDS)  # counts 0..6
+
+
+class Probe(nn.Module):
+    """Reads a scene from a picture's rows, as the text model will: attention pooling (four learnt queries), then
+    linear heads for the shape, colour and place of a lone shape, each kind's count and the total. Used in training
+    only; its loss gives the encoder a direct signal, which it learns from far faster than through the text model.
+    """
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.score = nn.Linear(n, 4)
+        self.value = nn.Linear(n, n)  # each query pools a quarter of the width
+        self.kind, self.colour, self.place = nn.Linear(n, len(_KINDS)), nn.Linear(n, len(_COLOURS)), nn.Linear(n, 3)
+        self.counts, self.total = nn.Linear(n, len(_KINDS) * _MOST), nn.Linear(n, _MOST)
+
+    def forward(self, rows: list[torch.Tensor], scenes: Sequence[data.Scene]) -> tuple[torch.Tensor, dict[str, float]]:
+        """The mean cross-entropy of every head over the pictures, and each head's accuracy."""
+        pooled = torch.stack([(torch.softmax(self.score(r), 0).unsqueeze(-1) * self.value(r).view(len(r), 4, -1))
+                              .sum(0).reshape(-1) for r in rows])
+        counts = torch.tensor([[sum(s.kind == k for s in scene.shapes) for k in data.SHAPES] for scene in scenes])
+        total = torch.tensor([len(scene.shapes) for scene in scenes])
+        heads = [(self.counts(pooled).view(-1, _MOST), counts.reshape(-1), "counts"),
+                 (self.total(pooled), total, "total")]
+        lone = [i for i, scene in enumerate(scenes) if len(scene.shapes) == 1]
+        if lone:
+            shapes = [scenes[i].shapes[0] for i in lone]
+            alone = pooled[lone]
+            heads += [(self.kind(alone), torch.tensor([_KINDS[s.kind] for s in shapes]), "kind"),
+                      (self.colour(alone), torch.tensor([_COLOURS[s.colour] for s in shapes]), "colour"),
+                      (self.place(alone), torch.tensor([min(2, int(s.cx * 3)) for s in shapes]), "place")]
+        loss = sum(F.cross_entropy(logits, target) for logits, target, _ in heads) / len(heads)
+        accuracy = {name: (logits.argmax(-1) == target).float().mean().item() for logits, target, name in heads}
+        return loss, accuracy
+
+
+def picture_batches(config: TrainConfig) -> Iterator[tuple[list[np.ndarray], list[data.Scene]]]:
+    """Batches of `vision_batch` pictures of either picture task, with the budgets joint training uses."""
+    rng = random.Random(config.seed + 3)
+    while True:
+        scenes = [data.picture_scene(rng) for _ in range(config.vision_batch)]
+        yield [picture_pixels(s, config.vision, _picture_budget(rng, config.vision)) for s in scenes], scenes
+
+
+def _schedule(step: int, steps: int, lr: float, warmup: int) -> float:
+    """Linear warm-up, then a cosine decay to a tenth."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def _optimizer(params: list[nn.Parameter], lr: float) -> torch.optim.Optimizer:
+    # Norm weights and biases are not decayed.
+    return torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.01},
+                              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                             lr=lr, betas=(0.9, 0.98), eps=1e-8)
+
+
+def teach_vision(config: TrainConfig, vision: VisionModel, probe: Probe, log: bool = True) -> None:
+    """The encoder's own lessons: `vision_steps` batches of pictures, the probe's loss only."""
+    params = [*vision.parameters(), *probe.parameters()]
+    opt = _optimizer(params, config.vision_lr)
+    batches = picture_batches(config)
+    start, total = time.monotonic(), 0.0
+    for step in range(config.vision_steps):
+        pictures, scenes = next(batches)
+        for group in opt.param_groups:
+            group["lr"] = _schedule(step, config.vision_steps, config.vision_lr, config.vision_steps // 20 + 1)
+        loss, accuracy = probe(picture_rows(vision, pictures), scenes)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        total += loss.item()
+        if log and (step + 1) % 50 == 0:
+            print(f"vision step {step + 1}/{config.vision_steps} loss {total / 50:.4f} "
+                  + " ".join(f"{k} {v:.2f}" for k, v in accuracy.items())
+                  + f" {time.monotonic() - start:.0f}s", flush=True)
+            total = 0.0
 
 
 # --- training
@@ -179,43 +283,38 @@ def build_vocab(config: TrainConfig) -> Vocab:
     return bpe.train_vocab(texts, config.n_merges)
 
 
-def _lr(config: TrainConfig, step: int) -> float:
-    if step < config.warmup:
-        return config.lr * (step + 1) / config.warmup
-    progress = (step - config.warmup) / max(1, config.steps - config.warmup)
-    return config.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
 def train(config: TrainConfig, tok: Tokenizer, log: bool = True,
           checkpoint: pathlib.Path | None = None) -> tuple[TextModel, VisionModel]:
-    """Train both models from their seeded initialisation for `config.steps` batches."""
+    """Train both models from their seeded initialisation: the encoder's own lessons, then `config.steps` batches
+    of conversations."""
     torch.manual_seed(config.seed)
     text = TextModel(config.text, tok.n_vocab, seed=config.seed)
     vision = VisionModel(config.vision, seed=config.seed)
-    params = [*text.parameters(), *vision.parameters()]
-    # Norm weights and biases are not decayed.
-    decay = [p for p in params if p.dim() >= 2]
-    rest = [p for p in params if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": rest, "weight_decay": 0.0}],
-                            lr=config.lr, betas=(0.9, 0.98), eps=1e-8)
+    probe = Probe(config.text.n_embd)
+    teach_vision(config, vision, probe, log)
+    params = [*text.parameters(), *vision.parameters(), *probe.parameters()]
+    opt = _optimizer(params, config.lr)
     batches = batch_stream(config, tok)
     start, seen, total = time.monotonic(), 0, 0.0
     for step in range(config.steps):
         batch = next(batches)
+        lr = _schedule(step, config.steps, config.lr, config.warmup)
         for group in opt.param_groups:
-            group["lr"] = _lr(config, step)
-        logits, balance = text(batch.tokens, picture_rows(vision, batch.pictures), batch.image_mask,
+            group["lr"] = lr
+        rows = picture_rows(vision, batch.pictures)
+        logits, balance = text(batch.tokens, torch.cat(rows) if rows else None, batch.image_mask,
                                select=batch.targets != IGNORE)
         loss = F.cross_entropy(logits, batch.targets[batch.targets != IGNORE])
-        (loss + BALANCE_WEIGHT * balance).backward()
+        read = probe(rows, batch.scenes)[0] if rows else loss.new_zeros(())
+        (loss + BALANCE_WEIGHT * balance + PROBE_WEIGHT * read).backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         seen += batch.tokens.numel()
         total += loss.item()
         if log and (step + 1) % 50 == 0:
-            print(f"step {step + 1}/{config.steps} loss {total / 50:.4f} balance {balance.item():.3f} "
-                  f"lr {_lr(config, step):.2e} {seen / (time.monotonic() - start):.0f} tok/s "
+            print(f"step {step + 1}/{config.steps} loss {total / 50:.4f} probe {read.item():.3f} "
+                  f"balance {balance.item():.3f} lr {lr:.2e} {seen / (time.monotonic() - start):.0f} tok/s "
                   f"{time.monotonic() - start:.0f}s", flush=True)
             total = 0.0
         if checkpoint and (step + 1) % 500 == 0:
