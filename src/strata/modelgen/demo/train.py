@@ -76,7 +76,7 @@ _TEXT = HParams(n_layer=4, n_embd=128, n_head=4, n_head_kv=2, head_dim=32, n_ff=
                 n_ff_exp=128, n_ctx_train=4096, rope_base=10_000.0, rms_eps=1e-6)
 # Training leans on the tasks that take longest to learn (pictures, counts, sums); tool use and the other text
 # tasks are learnt from fewer, longer conversations. The vocabulary is trained on the generator's own mix.
-TRAIN_MIX = {"picture": 0.24, "count": 0.24, "arithmetic": 0.2, "capital": 0.04, "spelling": 0.05, "greeting": 0.03,
+TRAIN_MIX = {"picture": 0.20, "count": 0.28, "arithmetic": 0.2, "capital": 0.04, "spelling": 0.05, "greeting": 0.03,
              "weather_call": 0.05, "weather_answer": 0.04, "add_call": 0.04, "add_answer": 0.03, "time_call": 0.02,
              "no_tool": 0.02}
 FULL = TrainConfig(text=_TEXT, vision=vision_hparams(_TEXT.n_embd), steps=4000, batch=32, lr=3e-3, warmup=200,
@@ -194,20 +194,37 @@ _COLOURS = {colour: i for i, colour in enumerate(data.COLOURS)}
 _MOST = len(data.NUMBER_WORDS)  # counts 0..6
 
 
+def _centres(scene: data.Scene, nx: int, ny: int) -> torch.Tensor:
+    """Per row of an nx x ny grid: 1 + the kind of the shape centred in its cell, else 0. Shapes to count stand
+    further apart than a cell's diagonal, so no cell holds two centres."""
+    cells = torch.zeros(ny * nx, dtype=torch.long)
+    for shape in scene.shapes:
+        cells[min(ny - 1, int(shape.cy * ny)) * nx + min(nx - 1, int(shape.cx * nx))] = 1 + _KINDS[shape.kind]
+    return cells
+
+
+# Most cells hold no centre: their class counts for less, so marking centres is worth learning.
+_CELL_WEIGHTS = torch.tensor([0.25] + [1.0] * len(_KINDS))
+
+
 class Probe(nn.Module):
     """Reads a scene from a picture's rows, as the text model will: attention pooling (four learnt queries), then
-    linear heads for the shape, colour and place of a lone shape, each kind's count and the total. Used in training
-    only; its loss gives the encoder a direct signal, which it learns from far faster than through the text model.
+    linear heads for the shape, colour and place of a lone shape, each kind's count and the total; and, row by row,
+    which kind of shape is centred in the row's cell (what counting needs). Used in training only; its loss gives
+    the encoder a direct signal, which it learns from far faster than through the text model.
     """
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, unit: int) -> None:
         super().__init__()
+        self.unit = unit
+        self.cell = nn.Linear(n, 1 + len(_KINDS))
         self.score = nn.Linear(n, 4)
         self.value = nn.Linear(n, n)  # each query pools a quarter of the width
         self.kind, self.colour, self.place = nn.Linear(n, len(_KINDS)), nn.Linear(n, len(_COLOURS)), nn.Linear(n, 3)
         self.counts, self.total = nn.Linear(n, len(_KINDS) * _MOST), nn.Linear(n, _MOST)
 
-    def forward(self, rows: list[torch.Tensor], scenes: Sequence[data.Scene]) -> tuple[torch.Tensor, dict[str, float]]:
+    def forward(self, rows: list[torch.Tensor], pictures: Sequence[np.ndarray],
+                scenes: Sequence[data.Scene]) -> tuple[torch.Tensor, dict[str, float]]:
         """The mean cross-entropy of every head over the pictures, and each head's accuracy."""
         pooled = torch.stack([(torch.softmax(self.score(r), 0).unsqueeze(-1) * self.value(r).view(len(r), 4, -1))
                               .sum(0).reshape(-1) for r in rows])
@@ -222,8 +239,14 @@ class Probe(nn.Module):
             heads += [(self.kind(alone), torch.tensor([_KINDS[s.kind] for s in shapes]), "kind"),
                       (self.colour(alone), torch.tensor([_COLOURS[s.colour] for s in shapes]), "colour"),
                       (self.place(alone), torch.tensor([min(2, int(s.cx * 3)) for s in shapes]), "place")]
-        loss = sum(F.cross_entropy(logits, target) for logits, target, _ in heads) / len(heads)
+        cells = torch.cat([_centres(scene, p.shape[2] // self.unit, p.shape[1] // self.unit)
+                           for scene, p in zip(scenes, pictures, strict=True)])
+        cell_logits = self.cell(torch.cat(rows))
+        loss = (sum(F.cross_entropy(logits, target) for logits, target, _ in heads)
+                + F.cross_entropy(cell_logits, cells, weight=_CELL_WEIGHTS)) / (len(heads) + 1)
         accuracy = {name: (logits.argmax(-1) == target).float().mean().item() for logits, target, name in heads}
+        centred = cells > 0
+        accuracy["centres"] = (cell_logits.argmax(-1)[centred] == cells[centred]).float().mean().item()
         return loss, accuracy
 
 
@@ -260,7 +283,7 @@ def teach_vision(config: TrainConfig, vision: VisionModel, probe: Probe, log: bo
         pictures, scenes = next(batches)
         for group in opt.param_groups:
             group["lr"] = _schedule(step, config.vision_steps, config.vision_lr, config.vision_steps // 20 + 1)
-        loss, accuracy = probe(picture_rows(vision, pictures), scenes)
+        loss, accuracy = probe(picture_rows(vision, pictures), pictures, scenes)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
@@ -290,7 +313,7 @@ def train(config: TrainConfig, tok: Tokenizer, log: bool = True,
     torch.manual_seed(config.seed)
     text = TextModel(config.text, tok.n_vocab, seed=config.seed)
     vision = VisionModel(config.vision, seed=config.seed)
-    probe = Probe(config.text.n_embd)
+    probe = Probe(config.text.n_embd, config.vision.unit)
     teach_vision(config, vision, probe, log)
     params = [*text.parameters(), *vision.parameters(), *probe.parameters()]
     opt = _optimizer(params, config.lr)
@@ -305,7 +328,7 @@ def train(config: TrainConfig, tok: Tokenizer, log: bool = True,
         logits, balance = text(batch.tokens, torch.cat(rows) if rows else None, batch.image_mask,
                                select=batch.targets != IGNORE)
         loss = F.cross_entropy(logits, batch.targets[batch.targets != IGNORE])
-        read = probe(rows, batch.scenes)[0] if rows else loss.new_zeros(())
+        read = probe(rows, batch.pictures, batch.scenes)[0] if rows else loss.new_zeros(())
         (loss + BALANCE_WEIGHT * balance + PROBE_WEIGHT * read).backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
