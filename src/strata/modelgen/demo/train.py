@@ -374,8 +374,8 @@ def run(config: TrainConfig, out: pathlib.Path, threads: int, log: bool = True) 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m strata.modelgen.demo.train", description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, type=pathlib.Path, help="directory for the model files")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads: results depend on it; the shipped files were trained on 1")
+    parser.add_argument("--threads", type=int, default=2,
+                        help="torch threads: results depend on it; the shipped files were trained on 2")
     parser.add_argument("--steps", type=int, default=None, help="override the number of training steps")
     parser.add_argument("--small", action="store_true", help="the seconds-long variant the tests train")
     args = parser.parse_args(argv)
