@@ -43,6 +43,7 @@ def test_defaults():
     ({"limits": {"graceful_timeout": -1}}, '"limits.graceful_timeout" must be positive'),
     ({"vision": {"exe": "strata-vision"}}, '"vision.exe" must be a non-empty list of strings'),
     ({"vision": {"max_tokens": 0}}, '"vision.max_tokens" must be at least 1'),
+    ({"vision": {"min_tokens": 0}}, '"vision.min_tokens" must be at least 1'),
     ({"sampling": {"temperature": "hot"}}, '"sampling.temperature" must be float'),
 ])
 def test_bad_keys_and_values_are_named(data, message):

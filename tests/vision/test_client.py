@@ -20,6 +20,7 @@ from strata.vision.client import (
     VisionStartError,
     VisionUnavailable,
     default_threads,
+    encoder_command,
 )
 from strata.vision.encoder import Encoder
 from strata.vision.mmproj import Mmproj
@@ -48,6 +49,12 @@ async def start(nursery: trio.Nursery, timeout: float | None = None, **keys) -> 
     client = VisionClient(VisionConfig(**keys), log=lambda line: None, start_timeout=timeout)
     await nursery.start(client.run)
     return client
+
+
+def test_the_budget_flags_are_passed_only_when_configured():
+    assert not {"--max-tokens", "--min-tokens"} & set(encoder_command(VisionConfig(mmproj="v.gguf"), 1))
+    argv = encoder_command(VisionConfig(mmproj="v.gguf", max_tokens=256, min_tokens=16), 1)
+    assert argv[argv.index("--max-tokens") + 1] == "256" and argv[argv.index("--min-tokens") + 1] == "16"
 
 
 async def test_encode_matches_the_encoder_in_process(nursery, tiny_mmproj, tmp_path):
