@@ -7,6 +7,7 @@ import io
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 from typing import IO
 
@@ -22,6 +23,32 @@ N_EMBD_TEXT = 48
 # Twelve thin layers: an encode of a few hundred tokens lasts long enough to cancel mid-way, and its layer
 # boundaries come often.
 SLOW_SHAPE = VisionShape(image_size=32, patch_size=8, n_embd=64, n_ff=128, n_head=2, n_layer=12)
+
+
+_FAKE_CUDA_ENCODER = textwrap.dedent("""
+    import sys, time
+    import numpy as np
+    from strata.vision.protocol import Capabilities, Ready, Result, encode_reply, encode_sve, parse_request
+    seconds, width = float(sys.argv[1]), int(sys.argv[2])
+    out = sys.stdout.buffer
+    caps = Capabilities(cuda=True, threads=1, max_tokens=64, fingerprint="sha256:" + "0" * 64, projector="lfm2")
+    out.write(encode_reply(Ready(width, caps))); out.flush()
+    while line := sys.stdin.buffer.readline():
+        request = parse_request(line)
+        sys.stdin.buffer.read(request.n_bytes)
+        time.sleep(seconds)
+        data = encode_sve(np.ones((4, width), np.float32), 2, 2)
+        out.write(encode_reply(Result(request.job_id, 4, 2, 2, seconds * 1000, len(data))) + data); out.flush()
+""")
+
+
+def fake_cuda_encoder(directory: Path, seconds: float, width: int) -> list[str]:
+    """The command of an encoder that says it holds a CUDA context and answers every in-band job with four rows of
+    ones, `width` wide, after `seconds`."""
+    script = directory / "fake_cuda_encoder.py"
+    script.write_text(_FAKE_CUDA_ENCODER)
+    src = str(Path(strata.__file__).resolve().parents[1])
+    return ["env", f"PYTHONPATH={src}", sys.executable, str(script), str(seconds), str(width)]
 
 
 @pytest.fixture(scope="session")

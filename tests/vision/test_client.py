@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import sys
-import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +25,7 @@ from strata.vision.encoder import Encoder
 from strata.vision.mmproj import Mmproj
 from strata.vision.preprocess import load_image, preprocess
 
-from .conftest import N_EMBD_TEXT, noise_png
+from .conftest import N_EMBD_TEXT, fake_cuda_encoder, noise_png
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -178,31 +177,13 @@ async def test_lazy_load_starts_on_the_first_picture(nursery, tiny_mmproj):
     assert client.pid is not None
 
 
-FAKE_CUDA_ENCODER = textwrap.dedent("""
-    import sys, time
-    import numpy as np
-    from strata.vision.protocol import (Capabilities, Ready, Result, encode_reply, encode_sve, parse_request)
-    out = sys.stdout.buffer
-    caps = Capabilities(cuda=True, threads=1, max_tokens=64, fingerprint="sha256:" + "0" * 64, projector="lfm2")
-    out.write(encode_reply(Ready(8, caps))); out.flush()
-    while line := sys.stdin.buffer.readline():
-        request = parse_request(line)
-        sys.stdin.buffer.read(request.n_bytes)
-        time.sleep(float(sys.argv[1]))
-        data = encode_sve(np.ones((4, 8), np.float32), 2, 2)
-        out.write(encode_reply(Result(request.job_id, 4, 2, 2, 1.0, len(data))) + data); out.flush()
-""")
 
 
 @pytest.mark.parametrize("cuda", [True, False])
 async def test_turn_is_taken_only_by_a_cuda_encoder(nursery, tiny_mmproj, tmp_path, cuda):
     turn = Turn()
     if cuda:
-        fake = tmp_path / "fake_encoder.py"
-        fake.write_text(FAKE_CUDA_ENCODER)
-        env_path = str(Path(__file__).resolve().parents[2] / "src")
-        exe = ["env", f"PYTHONPATH={env_path}", sys.executable, str(fake), "0.5"]
-        client = await start(nursery, exe=exe)
+        client = await start(nursery, exe=fake_cuda_encoder(tmp_path, seconds=0.5, width=8))
     else:
         client = await start(nursery, mmproj=str(tiny_mmproj), threads=1, max_tokens=64)
     busy_seen = []

@@ -9,7 +9,6 @@ import json
 import os
 import re
 import sys
-import textwrap
 from contextlib import aclosing
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,7 @@ from strata.vision.mmproj import Mmproj
 from strata.vision.preprocess import load_image, preprocess
 from strata.vision.protocol import parse_sve
 
-from .conftest import SLOW_SHAPE, noise_png
+from .conftest import SLOW_SHAPE, fake_cuda_encoder, noise_png
 from .test_images import PictureServer
 
 pytestmark = pytest.mark.timeout(60)
@@ -300,27 +299,8 @@ async def test_text_does_not_wait_for_a_cpu_encode(scripted, tokenizer, slow_enc
     assert during < baseline * 3 + 0.2
 
 
-FAKE_CUDA_ENCODER = textwrap.dedent("""
-    import sys, time
-    import numpy as np
-    from strata.vision.protocol import Capabilities, Ready, Result, encode_reply, encode_sve, parse_request
-    out = sys.stdout.buffer
-    caps = Capabilities(cuda=True, threads=1, max_tokens=64, fingerprint="sha256:" + "0" * 64, projector="lfm2")
-    out.write(encode_reply(Ready(256, caps))); out.flush()
-    while line := sys.stdin.buffer.readline():
-        request = parse_request(line)
-        sys.stdin.buffer.read(request.n_bytes)
-        time.sleep(0.6)
-        data = encode_sve(np.ones((4, 256), np.float32), 2, 2)
-        out.write(encode_reply(Result(request.job_id, 4, 2, 2, 600.0, len(data))) + data); out.flush()
-""")
-
-
 async def test_a_cuda_encoder_holds_the_turn_and_text_waits(scripted, tokenizer, tmp_path, nursery):
-    fake = tmp_path / "fake_cuda_encoder.py"
-    fake.write_text(FAKE_CUDA_ENCODER)
-    src = str(Path(strata.__file__).resolve().parents[1])
-    config = server_config(vision={"exe": ["env", f"PYTHONPATH={src}", sys.executable, str(fake)]})
+    config = server_config(vision={"exe": fake_cuda_encoder(tmp_path, seconds=0.6, width=256)})
     engine = scripted("Hello!")
     async with open_service(config, engine=engine, tokenizer=tokenizer, log=lambda line: None) as svc:
         baseline = await text_latency(svc)
