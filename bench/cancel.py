@@ -20,17 +20,15 @@ import random
 import statistics
 import tempfile
 import time
-from functools import partial
 from pathlib import Path
 from typing import Any
 
-import hypercorn
-import hypercorn.trio
 import trio
 
-from strata.api import create_app
 from strata.config import config_from_dict
 from strata.service import Service, open_service
+
+from served import served
 
 LONG_PROMPT = "x" * 3000  # about 3000 tokens with a byte-level vocabulary
 
@@ -169,12 +167,8 @@ async def main(args: argparse.Namespace) -> None:
                                "host": "127.0.0.1", "port": 0})
     rng = random.Random(args.seed)
     async with open_service(config, log=lambda line: None) as service:
-        hyper = hypercorn.Config()
-        hyper.bind, hyper.accesslog, hyper.errorlog = ["127.0.0.1:0"], None, None
-        async with trio.open_nursery() as nursery:
-            binds = await nursery.start(partial(hypercorn.trio.serve, create_app(service=service), hyper))
-            host, port = binds[0].removeprefix("http://").split(":")
-            client = Client(host, int(port))
+        async with served(service) as (host, port):
+            client = Client(host, port)
             idle_ttft = await idle_first_token(service, client)
             print(f"model {args.model.name}, threads {service.engine.threads}; idle time to first token "
                   f"{idle_ttft * 1e3:.1f} ms; {args.repeats} repeats")
@@ -192,7 +186,6 @@ async def main(args: argparse.Namespace) -> None:
             for _ in range(max(1, args.repeats // 3)):
                 storm += await random_storm(service, client, rng)
             print(f"{'8 clients, random':<22} {summary(storm):>26} {'-':>30}")
-            nursery.cancel_scope.cancel()
 
 
 def parse_args() -> argparse.Namespace:

@@ -27,19 +27,17 @@ import subprocess
 import sys
 import tempfile
 import time
-from functools import partial
 from pathlib import Path
 from typing import Any
 
-import hypercorn
-import hypercorn.trio
 import numpy as np
 import trio
 
-from strata.api import create_app
 from strata.config import config_from_dict
 from strata.prompt import render_chat
 from strata.service import open_service
+
+from served import served
 
 SMALL_MODEL = Path(__file__).parent / "out" / "qwen3moe-small-q8_0.gguf"
 
@@ -151,12 +149,8 @@ async def compare(model: Path, threads: int | None, n_tokens: int, runs: int) ->
                                "host": "127.0.0.1", "port": 0})
     direct_runs, http_runs = [], []
     async with open_service(config, log=lambda line: None) as service:
-        hyper = hypercorn.Config()
-        hyper.bind, hyper.accesslog, hyper.errorlog = ["127.0.0.1:0"], None, None
-        async with trio.open_nursery() as nursery:
-            binds = await nursery.start(partial(hypercorn.trio.serve, create_app(service=service), hyper))
-            host, port = binds[0].removeprefix("http://").split(":")
-            client = Client(host, int(port))
+        async with served(service) as (host, port):
+            client = Client(host, port)
             try:
                 cached: list[int] = []
                 direct(engine, tokenizer, cached, -1, 8)  # warm up both
@@ -170,7 +164,6 @@ async def compare(model: Path, threads: int | None, n_tokens: int, runs: int) ->
                         print(f"note: run {run} streamed only {chunks} tokens")
             finally:
                 client.close()
-            nursery.cancel_scope.cancel()
     engine.close()
     medians = {}
     for side, rows in (("direct", direct_runs), ("http", http_runs)):
