@@ -9,6 +9,7 @@ import json
 import os
 import re
 import sys
+from collections.abc import Callable
 from contextlib import aclosing
 from pathlib import Path
 from typing import Any
@@ -279,41 +280,41 @@ async def text_latency(svc) -> float:
     return trio.current_time() - started
 
 
-async def test_text_does_not_wait_for_a_cpu_encode(scripted, tokenizer, slow_encoder, nursery):
+async def latencies_around_an_encode(svc, png: bytes, encoding: Callable[[], bool]) -> tuple[float, float, bool]:
+    """(a text request's latency before a picture, its latency once `encoding()` says the picture's encode is under
+    way, whether that encode was still unfinished when the text answer was complete)."""
+    baseline = await text_latency(svc)
+    done = trio.Event()
+
+    async def picture():
+        await collect(svc, chat(with_picture(data_url(png))))
+        done.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(picture)
+        await wait_until(encoding)
+        during = await text_latency(svc)
+        overlapped = not done.is_set()
+    return baseline, during, overlapped
+
+
+async def test_text_does_not_wait_for_a_cpu_encode(scripted, tokenizer, slow_encoder):
     engine = scripted("Hello!", prompt_s=0.001, decode_s=0.01)
     config = vision_config(slow_encoder, max_tokens=SLOW_TOKENS)
     async with open_service(config, engine=engine, tokenizer=tokenizer, log=lambda line: None) as svc:
-        baseline = await text_latency(svc)
-        done = trio.Event()
-
-        async def picture():
-            await collect(svc, chat(with_picture(data_url(noise_png(640, 480, seed=37)))))
-            done.set()
-
-        nursery.start_soon(picture)
-        await wait_until(lambda: svc.vision._fifo.locked())
-        during = await text_latency(svc)
-        assert not done.is_set()  # the encode was still running when the text answer was complete
-        await done.wait()
+        baseline, during, overlapped = await latencies_around_an_encode(
+            svc, noise_png(640, 480, seed=37), lambda: svc.vision._fifo.locked())
+    assert overlapped  # the encode was still running when the text answer was complete
     # About its baseline (a loose bound: the test machine's cores are shared), and far below an encode.
     assert during < baseline * 3 + 0.2
 
 
-async def test_a_cuda_encoder_holds_the_turn_and_text_waits(scripted, tokenizer, tmp_path, nursery):
+async def test_a_cuda_encoder_holds_the_turn_and_text_waits(scripted, tokenizer, tmp_path):
     config = server_config(vision={"exe": fake_cuda_encoder(tmp_path, seconds=0.6, width=256)})
     engine = scripted("Hello!")
     async with open_service(config, engine=engine, tokenizer=tokenizer, log=lambda line: None) as svc:
-        baseline = await text_latency(svc)
-        encoded = trio.Event()
-
-        async def picture():
-            await collect(svc, chat(with_picture(data_url(noise_png(32, 32, seed=38)))))
-            encoded.set()
-
-        nursery.start_soon(picture)
-        await wait_until(lambda: svc.turn.busy)
-        during = await text_latency(svc)
-        await encoded.wait()
+        baseline, during, _ = await latencies_around_an_encode(svc, noise_png(32, 32, seed=38),
+                                                               lambda: svc.turn.busy)
     assert svc.vision.cuda and during > 0.3 > baseline
 
 
