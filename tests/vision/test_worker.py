@@ -75,6 +75,9 @@ def test_the_files_budget_is_the_default_and_small_pictures_are_scaled_up(start_
     flags.send(encode_request(EncodePath(str(image), str(tmp_path / "b.sve"))))
     reply, _ = flags.reply()
     assert isinstance(reply, Encoded) and (reply.nx, reply.ny) == (1, 1)
+    encoded = run_worker("encode", image, "--mmproj", mmproj, "--out", tmp_path / "c.sve", "--threads", "1")
+    assert encoded.returncode == 0, encoded.stderr
+    assert (json.loads(encoded.stdout)["nx"], json.loads(encoded.stdout)["ny"]) == (6, 6)  # `encode` too
 
 
 def test_path_form_writes_sve1(start_worker, tiny_mmproj: Path, tmp_path: Path):

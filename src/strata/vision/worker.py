@@ -329,8 +329,8 @@ def encode_main(argv: list[str]) -> int:
     start = time.perf_counter()
     try:
         encoder = _load(args)
-        picture = preprocess(load_image(args.image), encoder.hp, *reversed(token_budget(encoder.hp, args.min_tokens,
-                                                                                        args.max_tokens)))
+        min_tokens, max_tokens = token_budget(encoder.hp, args.min_tokens, args.max_tokens)
+        picture = preprocess(load_image(args.image), encoder.hp, max_tokens, min_tokens)
         data = encode_sve(encoder.encode(picture.pixels), picture.nx, picture.ny)
         write_file(args.out, data)
     except (MmprojError, ImageError, OSError) as exc:
