@@ -241,9 +241,9 @@ def counting_scene(rng: random.Random) -> tuple[str, int, int, Scene]:
 
 
 def picture_scene(rng: random.Random) -> Scene:
-    """A scene of either picture task, a third of them one shape (learnt sooner), two thirds shapes to count: what
-    the encoder is taught on its own."""
-    return single_scene(rng) if rng.random() < 1 / 3 else counting_scene(rng)[3]
+    """A scene of either picture task, a quarter of them one shape (learnt sooner), three quarters shapes to count:
+    what the encoder is taught on its own."""
+    return single_scene(rng) if rng.random() < 1 / 4 else counting_scene(rng)[3]
 
 
 def _count(rng: random.Random, thinking: bool) -> Example:
