@@ -4,6 +4,7 @@ import dataclasses
 import importlib.resources
 import json
 import pathlib
+import random
 
 import gguf
 import pytest
@@ -60,3 +61,11 @@ def test_the_shipped_vocabulary_is_the_one_trained_on_the_generated_text() -> No
 
 def test_the_shipped_files_fit_in_the_repository() -> None:
     assert sum((SHIPPED / name).stat().st_size for name in ("demo.gguf", "demo-mmproj.gguf")) <= 20 * 1024**2
+
+
+def test_training_pictures_get_between_half_the_file_budget_and_all_of_it() -> None:
+    rng = random.Random(0)
+    budgets = [train._picture_budget(rng, train.FULL.vision) for _ in range(2000)]
+    full = train.token_budget(train.FULL.vision)[1]
+    assert min(budgets) == full // 2 and max(budgets) == full
+    assert 0.7 < budgets.count(full) / len(budgets) < 0.8  # mostly the budget the server uses
