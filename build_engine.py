@@ -20,7 +20,8 @@ MODULE = "strata.engine_cffi._engine"
 
 # the forward pass runs on our own pthread pool; OpenMP remains for strata_matmul
 # -fno-semantic-interposition: calls between our own exported functions stay direct (and inlinable) under -fPIC.
-COMPILE_ARGS = ["-O3", "-march=native", "-fno-semantic-interposition", "-std=gnu11", "-pthread", "-fopenmp",
+# STRATA_MARCH (e.g. haswell for the AVX2 paths, x86-64 for the scalar ones) builds for another CPU than this one.
+COMPILE_ARGS = ["-O3", f"-march={os.environ.get('STRATA_MARCH', 'native')}", "-fno-semantic-interposition", "-std=gnu11", "-pthread", "-fopenmp",
                 "-Wall", "-Wno-unused-function"]
 LINK_ARGS = ["-pthread", "-fopenmp", "-lm"]  # -fopenmp again at link time, else omp_* symbols are undefined at import
 

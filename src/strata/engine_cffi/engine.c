@@ -13,11 +13,8 @@
 #include <time.h>
 
 #include "kernels.h"
+#include "simd.h"
 #include "threadpool.h"
-
-#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
 
 #define ROWS_PER_TASK 16   /* output rows per unit of work in a product: small enough to balance threads */
 #define MAX_EXPERT_USED 64
@@ -450,59 +447,8 @@ static void kv_store(const strata_context *c, void *cache, float *scales, size_t
     }
 }
 
-/* Cache rows read in place as f32 vectors of AV lanes, and e^x for the softmax: a vector path, a leftovers tail,
- * a scalar path without AVX2. */
-#if defined(__AVX512F__)
-#define AV 16
-typedef __m512 avec;
-#define av_zero _mm512_setzero_ps
-#define av_set1 _mm512_set1_ps
-#define av_add _mm512_add_ps
-#define av_fmadd _mm512_fmadd_ps
-#define av_load _mm512_loadu_ps
-#define av_store _mm512_storeu_ps
-#define av_sum _mm512_reduce_add_ps
-#define av_sub _mm512_sub_ps
-#define av_mul _mm512_mul_ps
-#define av_max _mm512_max_ps
-static inline avec av_floor(avec v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
-/* 2^n for whole n in [-126, 127], built as an f32's exponent bits */
-static inline avec av_pow2(avec n) {
-    __m512i e = _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(e, 23));
-}
-static inline avec av_from_f16(const uint16_t *h) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h)); }
-static inline avec av_from_i8(const int8_t *v) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)v)));
-}
-#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
-#define AV 8
-typedef __m256 avec;
-#define av_zero _mm256_setzero_ps
-#define av_set1 _mm256_set1_ps
-#define av_add _mm256_add_ps
-#define av_fmadd _mm256_fmadd_ps
-#define av_load _mm256_loadu_ps
-#define av_store _mm256_storeu_ps
-#define av_sub _mm256_sub_ps
-#define av_mul _mm256_mul_ps
-#define av_max _mm256_max_ps
-static inline avec av_floor(avec v) { return _mm256_floor_ps(v); }
-static inline avec av_pow2(avec n) {
-    __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(e, 23));
-}
-static inline float av_sum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-static inline avec av_from_f16(const uint16_t *h) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h)); }
-static inline avec av_from_i8(const int8_t *v) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)v)));
-}
-#endif
-
+/* Cache rows are read in place as f32 vectors of AV lanes (simd.h), with e^x for the softmax: a vector path, a
+ * leftovers tail, a scalar path without AVX2. */
 #if defined(AV)
 #define AV_SLICE 4  /* vectors of a V row summed per pass: 2 heads x 4 accumulators stay in registers */
 

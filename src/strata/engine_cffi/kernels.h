@@ -1,17 +1,40 @@
 /* kernels.h — the engine's internal kernel interface (not seen by cffi).
  * Weights are rows of blocks in GGUF's layouts. A dot product pairs a weight row with an activation row that was
- * first converted to the weight type's vec_dot_type (F32 for F32/F16/BF16 weights, Q8_0 for Q8_0/Q4_0, Q8_K for
- * Q4_K/Q6_K), once per token, so the conversion cost is shared by every row. */
+ * first converted to the weight type's vec_dot_type (F32, Q8_0 or Q8_K), once per token, so the conversion cost is
+ * shared by every row. Each type's block geometry and kernels are one row of a traits table, as in ggml: callers
+ * look a type up once instead of switching on it per call. */
 #pragma once
 #include <stddef.h>
 #include <stdint.h>
 #include "strata_engine.h"
 
+/* A product's operands: weight rows [r0, r1) of n elements, wb bytes apart, against n_tok activation rows in the
+ * vec_dot_type, xb bytes apart; y[t * ldy + r]. rs is the kernels' own (the rows of a tile are r, r + rs, ...). */
+typedef struct {
+    int64_t n;
+    const char *w;
+    size_t wb;
+    const char *x;
+    size_t xb;
+    float *y;
+    int64_t ldy;
+    int64_t rs;
+} strata_gemm_args;
+
+typedef void (*strata_to_float_fn)(const void *src, float *dst, int64_t n);
+typedef void (*strata_from_float_fn)(const float *src, void *dst, int64_t n);
+typedef float (*strata_vec_dot_fn)(const void *w, const void *x, int64_t n);
+typedef void (*strata_gemm_fn)(strata_gemm_args *a, int64_t r0, int64_t r1, int64_t n_tok);
+
 typedef struct {
     const char *name;
-    int64_t block_size;   /* elements per block */
-    size_t block_bytes;   /* bytes per block */
-    int vec_dot_type;     /* activation type this weight type is dotted with */
+    int64_t block_size;             /* elements per block */
+    size_t block_bytes;             /* bytes per block */
+    int vec_dot_type;               /* activation type this weight type is dotted with */
+    strata_to_float_fn to_float;    /* dequantise n elements (n a multiple of block_size) */
+    strata_from_float_fn from_float; /* quantise n activations into this type (activation types only, else NULL) */
+    strata_vec_dot_fn vec_dot;      /* scalar dot of one row with one vec_dot_type row (weight types) */
+    strata_gemm_fn gemm;            /* the fast product, rows x tokens in tiles (weight types) */
 } strata_type_traits;
 
 /* Traits of `type`, or NULL when it is not a type this engine knows (weights or activations). */

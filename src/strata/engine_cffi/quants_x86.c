@@ -1,0 +1,837 @@
+/* quants_x86.c — the fast kernels: activation quantisers and tiled products, with AVX-512 (VNNI) and AVX2 paths
+ * chosen at compile time (-march=native) and tiles of quants_ref.c's scalar dots as the #else. */
+#include <stdlib.h>
+#include "quants.h"
+
+// --- activation quantisation
+
+void strata_from_float_f32(const float *src, void *dst, int64_t n) {
+    memcpy(dst, src, (size_t)n * sizeof(float));
+}
+
+// Both activation types as the gguf package quantises Q8_0: d = amax / 127, q = round-half-away(x * (1 / d)).
+
+// d of the n values at x (n a multiple of 16), and 1 / d in *id (0 for an all-zero block).
+static float q8_scale(const float *x, int n, float *id) {
+#if defined(__AVX512F__)
+    __m512 m = _mm512_setzero_ps();
+    for (int j = 0; j < n; j += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + j)));
+    float amax = _mm512_reduce_max_ps(m);
+#else
+    float amax = 0.0f;
+    for (int j = 0; j < n; j++) amax = fmaxf(amax, fabsf(x[j]));
+#endif
+    float d = amax / 127.0f;
+    *id = d != 0.0f ? 1.0f / d : 0.0f;
+    return d;
+}
+
+// q[0..16) = round-half-away(x * id), as roundf; returns their sum (Q8_K's bsums).
+static int q8_round16(const float *x, float id, int8_t *q) {
+#if defined(__AVX512F__)
+    // truncate |v|, then add 1 where the dropped fraction (exact: |v| - trunc|v|) is at least 1/2
+    __m512 v = _mm512_mul_ps(_mm512_loadu_ps(x), _mm512_set1_ps(id)), a = _mm512_abs_ps(v);
+    __m512 t = _mm512_roundscale_ps(a, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+    __mmask16 up = _mm512_cmp_ps_mask(_mm512_sub_ps(a, t), _mm512_set1_ps(0.5f), _CMP_GE_OQ);
+    __m512i qi = _mm512_cvttps_epi32(_mm512_mask_add_ps(t, up, t, _mm512_set1_ps(1.0f)));
+    __mmask16 negative = _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_LT_OQ);
+    qi = _mm512_mask_sub_epi32(qi, negative, _mm512_setzero_si512(), qi);
+    _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(qi));
+    return _mm512_reduce_add_epi32(qi);
+#else
+    int s = 0;
+    for (int j = 0; j < 16; j++) s += q[j] = (int8_t)roundf(x[j] * id);
+    return s;
+#endif
+}
+
+void strata_from_float_q8_0(const float *x, void *dst, int64_t n) {
+    block_q8_0 *b = dst;
+    for (int64_t i = 0; i < n / QK; i++, x += QK) {
+        float id, d = q8_scale(x, QK, &id);
+        b[i].d = f32_to_f16(d);
+        q8_round16(x, id, b[i].qs);
+        q8_round16(x + 16, id, b[i].qs + 16);
+    }
+}
+
+// Q8_K keeps d in f32, and the sums of each 16 values for the K-quants' mins and offsets.
+void strata_from_float_q8_K(const float *x, void *dst, int64_t n) {
+    block_q8_K *b = dst;
+    for (int64_t i = 0; i < n / QKK; i++, x += QKK) {
+        float id;
+        b[i].d = q8_scale(x, QKK, &id);
+        for (int g = 0; g < QKK / 16; g++) b[i].bsums[g] = (int16_t)q8_round16(x + 16 * g, id, b[i].qs + 16 * g);
+    }
+}
+
+
+// --- fast products: tiles of TR weight rows x TT tokens
+// A tile keeps TR * TT accumulators in registers, so each weight block is loaded (and unpacked) once per TT
+// tokens and each activation block once per TR rows; with one token (decode) the (TR, 1) tile streams TR rows
+// at once. tile_*(..., NR, NT) are always inlined with constant NR <= TR, NT <= TT, which unrolls them. Each
+// has a 512-bit version (AVX-512 with VNNI), a 256-bit one (AVX2) and the scalar dot products as the #else.
+
+#define TR 4
+#define TT 4
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define VNNI512 1  // 512-bit integer products: two Q8_0 blocks, or 64 K-quant values, per instruction
+#endif
+#define TOKEN_BLOCK 64  // tokens whose activations stay in cache while every row tile passes over them
+
+#define INLINE static inline __attribute__((always_inline))
+#define UNROLL _Pragma("GCC unroll 4")
+
+typedef strata_gemm_args gemm_args;
+
+#define W_ROW(a, r) ((const void *)((a)->w + (r) * (a)->wb))
+#define TILE_ROW(a, r, i) ((r) + (i) * (a)->rs)
+#define X_ROW(a, t) ((const void *)((a)->x + (t) * (a)->xb))
+
+#if defined(__AVX2__)
+// acc + sum of the 4 products of unsigned u and signed s bytes, per 32-bit lane
+static inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, u, s);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+// acc + sum of the 2 products of 16-bit a and b, per 32-bit lane
+static inline __m256i dot_s16(__m256i acc, __m256i a, __m256i b) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpwssd_epi32(acc, a, b);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+}
+
+// An f16 scale in every lane.
+static inline __m256 f16_bcast(const uint16_t *h) {
+    return _mm256_cvtph_ps(_mm_set1_epi16((short)*h));
+}
+
+// The f16 scale of padding blocks, which repeat a row's last block so that a step can stay whole.
+static const uint16_t ZERO_F16 = 0;
+
+INLINE void store_tile(const gemm_args *a, int64_t r, int64_t t, int NR, int NT, __m256 acc[TR][TT]) {
+    UNROLL for (int i = 0; i < NR; i++)
+        UNROLL for (int j = 0; j < NT; j++) a->y[(t + j) * a->ldy + TILE_ROW(a, r, i)] = hsum256(acc[i][j]);
+}
+
+#if defined(VNNI512)
+INLINE void store_tile512(const gemm_args *a, int64_t r, int64_t t, int NR, int NT, __m512 acc[TR][TT]) {
+    UNROLL for (int i = 0; i < NR; i++)
+        UNROLL for (int j = 0; j < NT; j++)
+            a->y[(t + j) * a->ldy + TILE_ROW(a, r, i)] = _mm512_reduce_add_ps(acc[i][j]);
+}
+
+// Scales a and b, 8 lanes each.
+static inline __m512 f16_pair512(const uint16_t *a, const uint16_t *b) {
+    return _mm512_cvtph_ps(_mm256_set_m128i(_mm_set1_epi16((short)*b), _mm_set1_epi16((short)*a)));
+}
+
+static inline __m512i load_2x256(const void *lo, const void *hi) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(lo)), _mm256_loadu_si256(hi), 1);
+}
+#endif
+#endif
+
+// F32, F16 and BF16 weights with f32 activations: AV lanes of f32 per register (simd.h).
+#if defined(AV)
+// AV weights from element i of a row of `type`, as f32 (bf16 is the top half of an f32).
+INLINE avec load_w(int type, const void *row, int64_t i) {
+    if (type == STRATA_TYPE_F32) return av_load((const float *)row + i);
+    if (type == STRATA_TYPE_F16) return av_from_f16((const uint16_t *)row + i);
+    return av_from_bf16((const uint16_t *)row + i);
+}
+
+static inline float elem_f32(int type, const void *row, int64_t i) {
+    if (type == STRATA_TYPE_F32) return ((const float *)row)[i];
+    if (type == STRATA_TYPE_F16) return F16(((const uint16_t *)row)[i]);
+    return bf16_to_f32(((const uint16_t *)row)[i]);
+}
+
+INLINE void tile_float(int type, const gemm_args *a, int64_t r, int64_t t, int NR, int NT) {
+    const void *w[TR];
+    const float *x[TT];
+    avec acc[TR][TT];
+    float tail[TR][TT];
+    UNROLL for (int i = 0; i < NR; i++) w[i] = W_ROW(a, TILE_ROW(a, r, i));
+    UNROLL for (int j = 0; j < NT; j++) x[j] = X_ROW(a, t + j);
+    UNROLL for (int i = 0; i < NR; i++)
+        UNROLL for (int j = 0; j < NT; j++) acc[i][j] = av_zero(), tail[i][j] = 0.0f;
+    int64_t k = 0;
+    for (; k + AV <= a->n; k += AV) {
+        avec xv[TT];
+        UNROLL for (int j = 0; j < NT; j++) {
+            xv[j] = av_load(x[j] + k);
+            // in a register: the compiler would rather fold the load into every FMA, one load per FMA
+            __asm__("" : "+v"(xv[j]));
+        }
+        UNROLL for (int i = 0; i < NR; i++) {
+            avec wv = load_w(type, w[i], k);
+            __asm__("" : "+v"(wv));
+            UNROLL for (int j = 0; j < NT; j++) acc[i][j] = av_fmadd(wv, xv[j], acc[i][j]);
+        }
+    }
+    for (; k < a->n; k++)  // leftovers
+        UNROLL for (int i = 0; i < NR; i++)
+            UNROLL for (int j = 0; j < NT; j++) tail[i][j] += elem_f32(type, w[i], k) * x[j][k];
+    UNROLL for (int i = 0; i < NR; i++)
+        UNROLL for (int j = 0; j < NT; j++)
+            a->y[(t + j) * a->ldy + TILE_ROW(a, r, i)] = av_sum(acc[i][j]) + tail[i][j];
+}
+#define TILE_F32(a, r, t, NR, NT) tile_float(STRATA_TYPE_F32, a, r, t, NR, NT)
+#define TILE_F16(a, r, t, NR, NT) tile_float(STRATA_TYPE_F16, a, r, t, NR, NT)
+#define TILE_BF16(a, r, t, NR, NT) tile_float(STRATA_TYPE_BF16, a, r, t, NR, NT)
+#endif
+
+#if defined(__AVX2__)
+// Q8_0 x Q8_0. The product instruction wants one unsigned operand. With VNNI (no 16-bit saturation) that is
+// w + 128, and -128 * sum(x) seeds the accumulator; otherwise |w|, with sign(x, w) moving w's sign onto x.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define Q8_OFFSET 1
+#else
+#define Q8_OFFSET 0
+#endif
+// Decode reads each weight row once, in TR streams: a prefetch this many bytes ahead in each stream has the
+// memory busy before the hardware prefetchers have learnt a stream (an expert's rows are a few hundred KB; decode
+// of the small MoE model went from 3.6 to 3.2 ms a token, with 1024 bytes it did not move).
+#define Q8_PREFETCH 2048
+
+#if defined(VNNI512)
+// Two blocks A, B per 512-bit register: lanes 0-7 sum A's products, lanes 8-15 B's.
+INLINE void tile_q8_0(const gemm_args *a, int64_t r, int64_t t, int NR, int NT) {
+    const block_q8_0 *w[TR], *x[TT];
+    __m512 acc[TR][TT];
+    const __m512i bias = _mm512_set1_epi8((char)0x80);
+    UNROLL for (int i = 0; i < NR; i++) w[i] = W_ROW(a, TILE_ROW(a, r, i));
+    UNROLL for (int j = 0; j < NT; j++) x[j] = X_ROW(a, t + j);
+    UNROLL for (int i = 0; i < NR; i++)
+        UNROLL for (int j = 0; j < NT; j++) acc[i][j] = _mm512_setzero_ps();
+    int64_t nb = a->n / QK;
+    for (int64_t b = 0; b < nb; b += 2) {
+        int64_t b1 = b + 1 < nb ? b + 1 : b;  // an odd last block pairs with itself, the twin's scale zeroed
+        __m512i xq[TT], seed[TT];
+        __m512 dx[TT];
+        UNROLL for (int j = 0; j < NT; j++) {
+            xq[j] = load_2x256(x[j][b].qs, x[j][b1].qs);
+            __m512i zero = _mm512_setzero_si512();
+            seed[j] = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, bias, xq[j]));
+            dx[j] = f16_pair512(&x[j][b].d, b1 > b ? &x[j][b1].d : &ZERO_F16);
+        }
+        UNROLL for (int i = 0; i < NR; i++) {
+            if (NT == 1) _mm_prefetch((const char *)&w[i][b] + Q8_PREFETCH, _MM_HINT_T0);
+            __m512i wu = _mm512_xor_si512(load_2x256(w[i][b].qs, w[i][b1].qs), bias);
+            __m512 dw = f16_pair512(&w[i][b].d, &w[i][b1].d);
+            UNROLL for (int j = 0; j < NT; j++) {
+                __m512i s = _mm512_dpbusd_epi32(seed[j], wu, xq[j]);
+                acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, dx[j]), acc[i][j]);
+            }
+        }
+    }
+    store_tile512(a, r, t, NR, NT, acc);
+}
+#else
+INLINE void tile_q8_0(const gemm_args *a, int64_t r, int64_t t, int NR, int NT) {
+    const block_q8_0 *w[TR], *x[TT];
+    __m256 acc[TR][TT];
+    const __m256i bias = _mm256_set1_epi8((char)0x80);
+    UNROLL for (int i = 0; i < NR; i++) w[i] = W_ROW(a, TILE_ROW(a, r, i));
+    UNROLL for (int j = 0; j < NT; j++) x[j] = X_ROW(a, t + j);
+    UNROLL for (int i = 0; i < NR; i++)
+        UNROLL for (int j = 0; j < NT; j++) acc[i][j] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < a->n / QK; b++) {
+        __m256i xq[TT], seed[TT];
+        __m256 dx[TT];
+        UNROLL for (int j = 0; j < NT; j++) {
+            xq[j] = _mm256_loadu_si256((const __m256i *)x[j][b].qs);
+            __m256i zero = _mm256_setzero_si256();
+            seed[j] = Q8_OFFSET ? _mm256_sub_epi32(zero, dot_u8s8(zero, bias, xq[j])) : zero;
+            dx[j] = f16_bcast(&x[j][b].d);
+        }
+        UNROLL for (int i = 0; i < NR; i++) {
+            if (NT == 1) _mm_prefetch((const char *)&w[i][b] + Q8_PREFETCH, _MM_HINT_T0);
+            __m256i wq = _mm256_loadu_si256((const __m256i *)w[i][b].qs);
+            __m256i wu = Q8_OFFSET ? _mm256_xor_si256(wq, bias) : _mm256_abs_epi8(wq);
+            __m256 dw = f16_bcast(&w[i][b].d);
+            UNROLL for (int j = 0; j < NT; j++) {
+                __m256i s = dot_u8s8(seed[j], wu, Q8_OFFSET ? xq[j] : _mm256_sign_epi8(xq[j], wq));
+                acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw, dx[j]), acc[i][j]);
+            }
+        }
+    }
+    store_tile(a, r, t, NR, NT, acc);
+}
+#endif
+
+// Q4_0 x Q8_0. The nibbles are the unsigned operand; their offset of 8 becomes -8 * sum(x), which seeds each
+// token's integer accumulator.
+#if defined(VNNI512)
+// Scales a, b, c, d, 4 lanes each.
+static inline __m512 f16_quad(const uint16_t *a, const uint16_t *b, const uint16_t *c, const uint16_t *d) {
+    __m128 f = _mm_cvtph_ps(_mm_setr_epi16((short)*a, (short)*b, (short)*c, (short)*d, 0, 0, 0, 0));
+    return _mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
+                                 _mm512_castps128_ps512(f));
+}
+
+// 16 bytes from each of p[0..3], in that order.
+static inline __m512i load_4x128(const void *p0, const void *p1, const void *p2, const void *p3) {
+    __m512i v = _mm512_castsi128_si512(_mm_loadu_si128(p0));
+    v = _mm512_inserti32x4(v, _mm_loadu_si128(p1), 1);
+    v = _mm512_inserti32x4(v, _mm_loadu_si128(p2), 2);
+    return _mm512_inserti32x4(v, _mm_loadu_si128(p3), 3);
+}
+
+// Four blocks at a time: one register holds the low nibbles (elements 0-15) of the four, in 128-bit lanes,
+// another the high ones, and the activations are loaded in the same order; lane l sums block b + l.
+INLINE void tile_q4_0(const gemm_args *a, int64_t r, int64_t t, int NR, int NT) {
+    const block_q4_0 *w[TR];
+    const block_q8_0 *x[TT];
+    __m512 acc[TR][TT];
+    const __m512i low4 = _mm512_set1_epi8(0xf), eight = _mm512_set1_epi8(8);
+    UNROLL for (int i = 0; i < NR; i++) w[i] = W_ROW(a, TILE_ROW(a, r, i));
+    UNROLL for (int j = 0; j < NT; j++) x[j] = X_ROW(a, t + j);
+    UNROLL for (int i = 0; i < NR; i++)
+        UNROLL for (int j = 0; j < NT; j++) acc[i][j] = _mm512_setzero_ps();
+    int64_t nb = a->n / QK;
+    for (int64_t b = 0; b < nb; b += 4) {
+        int64_t bk[4];  // past the last block, repeat it with its activation scale zeroed
+        for (int k = 0; k < 4; k++) bk[k] = b + k < nb ? b + k : nb - 1;
+        __m512i xlo[TT], xhi[TT], seed[TT];
+        __m512 dx[TT];
+        UNROLL for (int j = 0; j < NT; j++) {
+            const block_q8_0 *X0 = &x[j][bk[0]], *X1 = &x[j][bk[1]], *X2 = &x[j][bk[2]], *X3 = &x[j][bk[3]];
+            xlo[j] = load_4x128(X0->qs, X1->qs, X2->qs, X3->qs);
+            xhi[j] = load_4x128(X0->qs + 16, X1->qs + 16, X2->qs + 16, X3->qs + 16);
+            __m512i zero = _mm512_setzero_si512();
+            __m512i sum8 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, eight, xlo[j]), eight, xhi[j]);
+            seed[j] = _mm512_sub_epi32(zero, sum8);
+            dx[j] = f16_quad(&X0->d, b + 1 < nb ? &X1->d : &ZERO_F16, b + 2 < nb ? &X2->d : &ZERO_F16,
+                             b + 3 < nb ? &X3->d : &ZERO_F16);
+        }
+        UNROLL for (int i = 0; i < NR; i++) {
+            const block_q4_0 *W0 = &w[i][bk[0]], *W1 = &w[i][bk[1]], *W2 = &w[i][bk[2]], *W3 = &w[i][bk[3]];
+            __m512i raw = load_4x128(W0->qs, W1->qs, W2->qs, W3->qs);
+            __m512i lo = _mm512_and_si512(raw, low4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+            __m512 dw = f16_quad(&W0->d, &W1->d, &W2->d, &W3->d);
+            UNROLL for (int j = 0; j < NT; j++) {
+                __m512i s = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(seed[j], lo, xlo[j]), hi, xhi[j]);
+                acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, dx[j]), acc[i][j]);
+            }
+        }
+    }
+    store_tile512(a, r, t, NR, NT, acc);
+}
+#else
+// Scales a and b, 4 lanes each.
+static inline __m256 f16_pair(const uint16_t *a, const uint16_t *b) {
+    return _mm256_cvtph_ps(_mm_unpacklo_epi64(_mm_set1_epi16((short)*a), _mm_set1_epi16((short)*b)));
+}
+
+// Two blocks A, B at a time: one register holds the low nibbles of A and B (elements 0-15 of each), another
+// the high ones, and the activations are loaded in the same order; 32-bit lanes 0-3 sum A's products, 4-7 B's.
+INLINE void tile_q4_0(const gemm_args *a, int64_t r, int64_t t, int NR, int NT) {
+    const block_q4_0 *w[TR];
+    const block_q8_0 *x[TT];
+    __m256 acc[TR][TT];
+    const __m256i low4 = _mm256_set1_epi8(0xf), eight = _mm256_set1_epi8(8);
+    UNROLL for (int i = 0; i < NR; i++) w[i] = W_ROW(a, TILE_ROW(a, r, i));
+    UNROLL for (int j = 0; j < NT; j++) x[j] = X_ROW(a, t + j);
+    UNROLL for (int i = 0; i < NR; i++)
+        UNROLL for (int j = 0; j < NT; j++) acc[i][j] = _mm256_setzero_ps();
+    int64_t nb = a->n / QK;
+    for (int64_t b = 0; b < nb; b += 2) {
+        int64_t b1 = b + 1 < nb ? b + 1 : b;  // an odd last block pairs with itself, the twin's scale zeroed
+        __m256i xlo[TT], xhi[TT], seed[TT];
+        __m256 dx[TT];
+        UNROLL for (int j = 0; j < NT; j++) {
+            const block_q8_0 *A = &x[j][b], *B = &x[j][b1];
+            xlo[j] = _mm256_loadu2_m128i((const __m128i *)B->qs, (const __m128i *)A->qs);
+            xhi[j] = _mm256_loadu2_m128i((const __m128i *)(B->qs + 16), (const __m128i *)(A->qs + 16));
+            __m256i sum8 = dot_u8s8(dot_u8s8(_mm256_setzero_si256(), eight, xlo[j]), eight, xhi[j]);
+            seed[j] = _mm256_sub_epi32(_mm256_setzero_si256(), sum8);
+            dx[j] = f16_pair(&A->d, b1 > b ? &B->d : &ZERO_F16);
+        }
+        UNROLL for (int i = 0; i < NR; i++) {
+            const block_q4_0 *A = &w[i][b], *B = &w[i][b1];
+            __m256i raw = _mm256_loadu2_m128i((const __m128i *)B->qs, (const __m128i *)A->qs);
+            __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+            __m256 dw = f16_pair(&A->d, &B->d);
+            UNROLL for (int j = 0; j < NT; j++) {
+                __m256i s = dot_u8s8(dot_u8s8(seed[j], lo, xlo[j]), hi, xhi[j]);
+                acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw, dx[j]), acc[i][j]);
+            }
+        }
+    }
+    store_tile(a, r, t, NR, NT, acc);
+}
+#endif
+
+// The shuffle pattern that copies 16-bit element e of each 128-bit lane to all of that lane.
+static inline __m128i pick16(int e) {
+    return _mm_set1_epi16((short)(0x0100 + 0x0202 * e));
+}
+
+// q4k_scale_min on 32-bit words: the 8 scales and the 8 mins, a byte each.
+static inline void q4k_scale_min_u64(const uint8_t s[12], uint64_t *sc, uint64_t *m) {
+    uint32_t w[3];
+    memcpy(w, s, 12);
+    *sc = (w[0] & 0x3f3f3f3f) | (uint64_t)((w[2] & 0x0f0f0f0f) | ((w[0] >> 2) & 0x30303030)) << 32;
+    *m = (w[1] & 0x3f3f3f3f) | (uint64_t)(((w[2] >> 4) & 0x0f0f0f0f) | ((w[1] >> 2) & 0x30303030)) << 32;
+}
+
+// The 8 values of 8 bytes as 16-bit integers.
+static inline __m128i u8x8_to_16(uint64_t v) {
+    return _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)v));
+}
+
+// Q4_K x Q8_K: sum_s sc_s * (q . x)_s scaled by d, minus sum_s m_s * bsum_s scaled by dmin.
+#if defined(VNNI512)
+// 512-bit: a 32-byte chunk of qs unpacks to sub-block 2c (low nibbles) then 2c + 1 (high), the order of x. The
+// mins go straight into the f32 accumulators (lanes 0-7): dmin * m_s times da * (sum of sub-block s of x).
+INLINE void tile_q4_K(const gemm_args *a, int64_t r, int64_t t, int NR, int NT) {
+    const block_q4_K *w[TR];
+    const block_q8_K *x[TT];
+    __m512 acc[TR][TT];
+    const __m512i low4 = _mm512_set1_epi8(0xf);
+    UNROLL for (int i = 0; i < NR; i++) w[i] = W_ROW(a, TILE_ROW(a, r, i));
+    UNROLL for (int j = 0; j < NT; j++) x[j] = X_ROW(a, t + j);
+    UNROLL for (int i = 0; i < NR; i++)
+        UNROLL for (int j = 0; j < NT; j++) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < a->n / QKK; b++) {
+        __m512 xsum[TT];  // da * the sum of each sub-block of x
+        UNROLL for (int j = 0; j < NT; j++) {
+            __m256i bs = _mm256_loadu_si256((const __m256i *)x[j][b].bsums);
+            __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(bs, _mm256_set1_epi16(1)));
+            xsum[j] = _mm512_zextps256_ps512(_mm256_mul_ps(sums, _mm256_set1_ps(x[j][b].d)));
+        }
+        UNROLL for (int i = 0; i < NR; i++) {
+            const block_q4_K *B = &w[i][b];
+            uint64_t sc8, m8;
+            q4k_scale_min_u64(B->scales, &sc8, &m8);
+            __m512i sc16 = _mm512_castsi128_si512(u8x8_to_16(sc8));
+            __m512 mins = _mm512_zextps256_ps512(_mm256_mul_ps(
+                _mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(u8x8_to_16(m8))), _mm256_set1_ps(F16(B->dmin))));
+            __m512 d = _mm512_set1_ps(F16(B->d));
+            __m512i isum[TT];
+            UNROLL for (int j = 0; j < NT; j++) isum[j] = _mm512_setzero_si512();
+            UNROLL for (int c = 0; c < 4; c++) {
+                __m256i q = _mm256_loadu_si256((const __m256i *)(B->qs + 32 * c));
+                __m512i q2 = _mm512_and_si512(
+                    _mm512_inserti64x4(_mm512_castsi256_si512(q), _mm256_srli_epi16(q, 4), 1), low4);
+                __m512i pick = _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * c)),
+                                                  _mm256_set1_epi16((short)(2 * c + 1)), 1);
+                __m512i s = _mm512_permutexvar_epi16(pick, sc16);
+                UNROLL for (int j = 0; j < NT; j++) {
+                    __m512i xv = _mm512_loadu_si512(x[j][b].qs + 64 * c);
+                    isum[j] = _mm512_dpwssd_epi32(isum[j], _mm512_maddubs_epi16(q2, xv), s);
+                }
+            }
+            UNROLL for (int j = 0; j < NT; j++) {
+                __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(x[j][b].d));
+                acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[j]), scale, acc[i][j]);
+                acc[i][j] = _mm512_fnmadd_ps(mins, xsum[j], acc[i][j]);
+            }
+        }
+    }
+    store_tile512(a, r, t, NR, NT, acc);
+}
+#else
+INLINE void tile_q4_K(const gemm_args *a, int64_t r, int64_t t, int NR, int NT) {
+    const block_q4_K *w[TR];
+    const block_q8_K *x[TT];
+    __m256 acc[TR][TT];
+    const __m256i low4 = _mm256_set1_epi8(0xf);
+    UNROLL for (int i = 0; i < NR; i++) w[i] = W_ROW(a, TILE_ROW(a, r, i));
+    UNROLL for (int j = 0; j < NT; j++) x[j] = X_ROW(a, t + j);
+    UNROLL for (int i = 0; i < NR; i++)
+        UNROLL for (int j = 0; j < NT; j++) acc[i][j] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < a->n / QKK; b++) {
+        UNROLL for (int i = 0; i < NR; i++) {
+            const block_q4_K *B = &w[i][b];
+            uint64_t sc8, m8;
+            q4k_scale_min_u64(B->scales, &sc8, &m8);
+            __m256i sc16 = _mm256_broadcastsi128_si256(u8x8_to_16(sc8));  // for shuffles within each lane
+            __m128i m = u8x8_to_16(m8);
+            __m256i m16 = _mm256_set_m128i(_mm_unpackhi_epi16(m, m), _mm_unpacklo_epi16(m, m));  // one per bsum
+            __m256i isum[TT];
+            UNROLL for (int j = 0; j < NT; j++) isum[j] = _mm256_setzero_si256();
+            UNROLL for (int c = 0; c < 4; c++) {  // 64 elements: sub-blocks 2c (low nibbles) and 2c + 1 (high)
+                __m256i q = _mm256_loadu_si256((const __m256i *)(B->qs + 32 * c));
+                __m256i lo = _mm256_and_si256(q, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
+                __m256i s0 = _mm256_shuffle_epi8(sc16, _mm256_broadcastsi128_si256(pick16(2 * c)));
+                __m256i s1 = _mm256_shuffle_epi8(sc16, _mm256_broadcastsi128_si256(pick16(2 * c + 1)));
+                UNROLL for (int j = 0; j < NT; j++) {
+                    const int8_t *xs = x[j][b].qs + 64 * c;
+                    __m256i p0 = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)xs));
+                    __m256i p1 = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xs + 32)));
+                    isum[j] = dot_s16(dot_s16(isum[j], p0, s0), p1, s1);
+                }
+            }
+            float d = F16(B->d), dmin = F16(B->dmin);
+            UNROLL for (int j = 0; j < NT; j++) {
+                __m256i bs = _mm256_loadu_si256((const __m256i *)x[j][b].bsums);
+                __m256 mins = _mm256_cvtepi32_ps(_mm256_madd_epi16(m16, bs));
+                acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[j]), _mm256_set1_ps(d * x[j][b].d), acc[i][j]);
+                acc[i][j] = _mm256_fnmadd_ps(mins, _mm256_set1_ps(dmin * x[j][b].d), acc[i][j]);
+            }
+        }
+    }
+    store_tile(a, r, t, NR, NT, acc);
+}
+#endif
+
+// The 32 unsigned 6-bit values of chunk k (0..3) of a Q6_K half: the nibble from ql0 / ql1, 2 bits from qh.
+static inline __m256i q6k_chunk(__m256i ql0, __m256i ql1, __m256i qh, int k) {
+    const __m256i low4 = _mm256_set1_epi8(0xf), bits45 = _mm256_set1_epi8(0x30);
+    __m256i ql = k & 1 ? ql1 : ql0;
+    __m256i lo = _mm256_and_si256(k & 2 ? _mm256_srli_epi16(ql, 4) : ql, low4);
+    __m256i hi = k == 0 ? _mm256_slli_epi16(qh, 4) : k == 1 ? _mm256_slli_epi16(qh, 2)
+               : k == 2 ? qh : _mm256_srli_epi16(qh, 2);  // bits 2k, 2k + 1 moved to bits 4, 5
+    return _mm256_or_si256(lo, _mm256_and_si256(hi, bits45));
+}
+
+// Q6_K x Q8_K with q unsigned (0..63): the offset of 32 becomes -32 * sum_g sc_g * bsum_g, the seed.
+#if defined(VNNI512)
+// Indices base + l in the 16-bit elements of 128-bit lane l: a per-lane pick for _mm512_permutexvar_epi16.
+static inline __m512i lane_index(int base) {
+    const long long one = 0x0001000100010001LL;
+    return _mm512_add_epi16(_mm512_set1_epi16((short)base), _mm512_set_epi64(3 * one, 3 * one, 2 * one, 2 * one,
+                                                                             one, one, 0, 0));
+}
+
+// 512-bit: 64 values at a time, chunks 0-1 and 2-3 of a half (the order of x), a group of 16 per 128-bit lane.
+INLINE void tile_q6_K(const gemm_args *a, int64_t r, int64_t t, int NR, int NT) {
+    const block_q6_K *w[TR];
+    const block_q8_K *x[TT];
+    __m512 acc[TR][TT];
+    const __m512i low4 = _mm512_set1_epi8(0xf), bits45 = _mm512_set1_epi8(0x30);
+    UNROLL for (int i = 0; i < NR; i++) w[i] = W_ROW(a, TILE_ROW(a, r, i));
+    UNROLL for (int j = 0; j < NT; j++) x[j] = X_ROW(a, t + j);
+    UNROLL for (int i = 0; i < NR; i++)
+        UNROLL for (int j = 0; j < NT; j++) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < a->n / QKK; b++) {
+        UNROLL for (int i = 0; i < NR; i++) {
+            const block_q6_K *B = &w[i][b];
+            __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)B->scales));
+            __m512i isum[TT];
+            UNROLL for (int j = 0; j < NT; j++) {
+                __m256i bs = _mm256_loadu_si256((const __m256i *)x[j][b].bsums);
+                __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 5);
+                isum[j] = _mm512_zextsi256_si512(_mm256_sub_epi32(_mm256_setzero_si256(), offset));
+            }
+            UNROLL for (int h = 0; h < 2; h++) {
+                __m512i ql = _mm512_loadu_si512(B->ql + 64 * h);  // chunk 0 | chunk 1 low nibbles
+                __m256i qh = _mm256_loadu_si256((const __m256i *)(B->qh + 32 * h));
+                __m512i qh2 = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
+                __m512i q01 = _mm512_or_si512(_mm512_and_si512(ql, low4),
+                                              _mm512_and_si512(_mm512_slli_epi16(qh2, 4), bits45));
+                __m512i q23 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low4),
+                                              _mm512_and_si512(qh2, bits45));
+                // 128-bit lane l of q01 is group 8h + l, of q23 group 8h + 4 + l
+                __m512i s01 = _mm512_permutexvar_epi16(lane_index(8 * h), _mm512_castsi256_si512(sc16));
+                __m512i s23 = _mm512_permutexvar_epi16(lane_index(8 * h + 4), _mm512_castsi256_si512(sc16));
+                UNROLL for (int j = 0; j < NT; j++) {
+                    const int8_t *xs = x[j][b].qs + 128 * h;
+                    __m512i p01 = _mm512_maddubs_epi16(q01, _mm512_loadu_si512(xs));
+                    __m512i p23 = _mm512_maddubs_epi16(q23, _mm512_loadu_si512(xs + 64));
+                    isum[j] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(isum[j], p01, s01), p23, s23);
+                }
+            }
+            float d = F16(B->d);
+            UNROLL for (int j = 0; j < NT; j++)
+                acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[j]), _mm512_set1_ps(d * x[j][b].d), acc[i][j]);
+        }
+    }
+    store_tile512(a, r, t, NR, NT, acc);
+}
+#else
+INLINE void tile_q6_K(const gemm_args *a, int64_t r, int64_t t, int NR, int NT) {
+    const block_q6_K *w[TR];
+    const block_q8_K *x[TT];
+    __m256 acc[TR][TT];
+    UNROLL for (int i = 0; i < NR; i++) w[i] = W_ROW(a, TILE_ROW(a, r, i));
+    UNROLL for (int j = 0; j < NT; j++) x[j] = X_ROW(a, t + j);
+    UNROLL for (int i = 0; i < NR; i++)
+        UNROLL for (int j = 0; j < NT; j++) acc[i][j] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < a->n / QKK; b++) {
+        UNROLL for (int i = 0; i < NR; i++) {
+            const block_q6_K *B = &w[i][b];
+            __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)B->scales));
+            __m256i isum[TT];
+            UNROLL for (int j = 0; j < NT; j++) {
+                __m256i bs = _mm256_loadu_si256((const __m256i *)x[j][b].bsums);
+                isum[j] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 5));
+            }
+            UNROLL for (int h = 0; h < 2; h++) {
+                __m256i sc_h = _mm256_permute2x128_si256(sc16, sc16, h ? 0x11 : 0x00);  // scales 8h..8h+7, twice
+                __m256i ql0 = _mm256_loadu_si256((const __m256i *)(B->ql + 64 * h));
+                __m256i ql1 = _mm256_loadu_si256((const __m256i *)(B->ql + 64 * h + 32));
+                __m256i qh = _mm256_loadu_si256((const __m256i *)(B->qh + 32 * h));
+                UNROLL for (int k = 0; k < 4; k++) {
+                    __m256i q = q6k_chunk(ql0, ql1, qh, k);
+                    // scale of group 8h + 2k in bytes 0-15, of group 8h + 2k + 1 in bytes 16-31
+                    __m256i s = _mm256_shuffle_epi8(sc_h, _mm256_set_m128i(pick16(2 * k + 1), pick16(2 * k)));
+                    UNROLL for (int j = 0; j < NT; j++) {
+                        __m256i xv = _mm256_loadu_si256((const __m256i *)(x[j][b].qs + 128 * h + 32 * k));
+                        isum[j] = dot_s16(isum[j], _mm256_maddubs_epi16(q, xv), s);
+                    }
+                }
+            }
+            float d = F16(B->d);
+            UNROLL for (int j = 0; j < NT; j++)
+                acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[j]), _mm256_set1_ps(d * x[j][b].d), acc[i][j]);
+        }
+    }
+    store_tile(a, r, t, NR, NT, acc);
+}
+#endif
+#endif
+
+// --- prompt-shaped K-quant products (AVX-512 VNNI)
+// With many tokens, each tile of rows is unpacked once per block of tokens (kq_prep): values to bytes, scales to
+// the lanes they multiply, so that work is not repeated for every tile of tokens. One vpdpbusd per 64 values sums
+// 4 products per lane (at most 4 * 63 * 128 for Q6_K: 16 bits hold it); two chunks pack to 16 bits and one
+// vpdpwssd applies their scales: 3 multiplies per 64 values where vpmaddubsw + vpdpwssd take 4.
+#if defined(VNNI512)
+#define KQ_PREPARED 1
+#define KQ_MIN_TOKENS 16  // below this, preparing the rows costs more than it saves (measured)
+
+typedef struct {
+    uint8_t q[4][64];  // chunk c: elements 64c .. 64c + 63, unsigned (Q4_K: 0..15, Q6_K: 0..63)
+    int16_t s[2][32];  // per 16-bit lane of chunks 2h, 2h + 1 packed together, the scale of its sums
+    union {
+        float mins[8];    // Q4_K: dmin * m_s
+        int16_t sc[16];   // Q6_K: the scales
+    };
+    float d;
+} __attribute__((aligned(64))) kq_prep;
+
+// The scales of a packed pair of chunks 2h, 2h + 1: its 128-bit lane k holds 4 sums of chunk 2h (elements
+// 128h + 16k ..) then 4 of chunk 2h + 1 (64 further on); sc holds one scale per `group` elements.
+static inline __m512i kq_pair_scales(__m512i sc, int h, int group) {
+    const __m512i second = _mm512_set_epi16(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0,
+                                            1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
+    const __m512i lane_k = _mm512_set_epi16(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2,
+                                            1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    // element 128h + 64 * second + 16k, in units of `group`
+    __m512i e = _mm512_add_epi16(_mm512_slli_epi16(second, 6), _mm512_slli_epi16(lane_k, 4));
+    __m512i idx = _mm512_srli_epi16(_mm512_add_epi16(e, _mm512_set1_epi16((short)(128 * h))), group == 32 ? 5 : 4);
+    return _mm512_permutexvar_epi16(idx, sc);
+}
+
+static void q4k_prepare(const block_q4_K *B, kq_prep *P) {
+    uint64_t sc8, m8;
+    q4k_scale_min_u64(B->scales, &sc8, &m8);
+    __m512i sc16 = _mm512_castsi128_si512(u8x8_to_16(sc8));
+    for (int h = 0; h < 2; h++) _mm512_store_si512(P->s[h], kq_pair_scales(sc16, h, 32));
+    __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(u8x8_to_16(m8)));
+    _mm256_store_ps(P->mins, _mm256_mul_ps(m, _mm256_set1_ps(F16(B->dmin))));
+    P->d = F16(B->d);
+    const __m256i low4 = _mm256_set1_epi8(0xf);
+    for (int c = 0; c < 4; c++) {  // sub-block 2c in the low nibbles, 2c + 1 in the high ones
+        __m256i q = _mm256_loadu_si256((const __m256i *)(B->qs + 32 * c));
+        _mm256_store_si256((__m256i *)P->q[c], _mm256_and_si256(q, low4));
+        _mm256_store_si256((__m256i *)(P->q[c] + 32), _mm256_and_si256(_mm256_srli_epi16(q, 4), low4));
+    }
+}
+
+static void q6k_prepare(const block_q6_K *B, kq_prep *P) {
+    const __m512i low4 = _mm512_set1_epi8(0xf), bits45 = _mm512_set1_epi8(0x30);
+    __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)B->scales));
+    for (int h = 0; h < 2; h++) {
+        _mm512_store_si512(P->s[h], kq_pair_scales(_mm512_castsi256_si512(sc16), h, 16));
+        // as in tile_q6_K: elements 128h + 0..63, then 128h + 64..127
+        __m512i ql = _mm512_loadu_si512(B->ql + 64 * h);
+        __m256i qh = _mm256_loadu_si256((const __m256i *)(B->qh + 32 * h));
+        __m512i qh2 = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
+        _mm512_store_si512(P->q[2 * h], _mm512_or_si512(_mm512_and_si512(ql, low4),
+                                                        _mm512_and_si512(_mm512_slli_epi16(qh2, 4), bits45)));
+        _mm512_store_si512(P->q[2 * h + 1], _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low4),
+                                                            _mm512_and_si512(qh2, bits45)));
+    }
+    _mm256_store_si256((__m256i *)P->sc, sc16);
+    P->d = F16(B->d);
+}
+
+// Lanes 0-7 of a, then lanes 0-7 of b, each the sum of its register's two halves.
+static inline __m512i fold_pair(__m512i a, __m512i b) {
+    return _mm512_add_epi32(_mm512_shuffle_i64x2(a, b, 0x44), _mm512_shuffle_i64x2(a, b, 0xee));
+}
+
+// A tile of rows prepared in p (row i's blocks nb apart) and tokens in pairs. Each pair folds its two 16-lane
+// sums into one register: a 4 x 4 tile holds 8 accumulators, not 16. The offsets cost a pair one instruction or
+// two: Q4_K's mins (dmin * m_s times da * the sum of sub-block s of x, in lanes s and 8 + s) one FMA; Q6_K's
+// 32 * sum_g sc_g * bsum_g a multiply-add of 16-bit pairs and a shift.
+INLINE void tile_kq_prepared(int type, const gemm_args *a, const kq_prep *p, int64_t r, int64_t t, int NR, int NT) {
+    const block_q8_K *x[TT];
+    __m512 acc[TR][TT / 2];
+    int64_t nb = a->n / QKK;
+    UNROLL for (int j = 0; j < NT; j++) x[j] = X_ROW(a, t + j);
+    UNROLL for (int i = 0; i < NR; i++)
+        UNROLL for (int k = 0; k < NT / 2; k++) acc[i][k] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        // per pair, in the halves of a register: da of each token, and its bsums (Q6_K) or, for Q4_K, da * the sum
+        // of each sub-block of 32
+        __m512 da[TT / 2], xsum[TT / 2];
+        __m512i bsums[TT / 2];
+        UNROLL for (int k = 0; k < NT / 2; k++) {
+            const block_q8_K *X0 = &x[2 * k][b], *X1 = &x[2 * k + 1][b];
+            da[k] = _mm512_insertf32x8(_mm512_set1_ps(X0->d), _mm256_set1_ps(X1->d), 1);
+            bsums[k] = load_2x256(X0->bsums, X1->bsums);
+            if (type == STRATA_TYPE_Q4_K)
+                xsum[k] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(bsums[k], _mm512_set1_epi16(1))), da[k]);
+        }
+        UNROLL for (int i = 0; i < NR; i++) {
+            const kq_prep *P = &p[i * nb + b];
+            __m512i isum[TT];
+            UNROLL for (int j = 0; j < NT; j++) isum[j] = _mm512_setzero_si512();
+            UNROLL for (int h = 0; h < 2; h++) {
+                __m512i q0 = _mm512_load_si512(P->q[2 * h]), q1 = _mm512_load_si512(P->q[2 * h + 1]);
+                __m512i s = _mm512_load_si512(P->s[h]);
+                UNROLL for (int j = 0; j < NT; j++) {
+                    const int8_t *xs = x[j][b].qs + 128 * h;
+                    // a fresh load for every row: kept across rows, x would take 16 registers
+                    __asm__("" : "+r"(xs));
+                    __m512i zero = _mm512_setzero_si512();
+                    __m512i p0 = _mm512_dpbusd_epi32(zero, q0, _mm512_loadu_si512(xs));
+                    __m512i p1 = _mm512_dpbusd_epi32(zero, q1, _mm512_loadu_si512(xs + 64));
+                    isum[j] = _mm512_dpwssd_epi32(isum[j], _mm512_packs_epi32(p0, p1), s);
+                }
+            }
+            __m512 d = _mm512_set1_ps(P->d);
+            UNROLL for (int k = 0; k < NT / 2; k++) {
+                __m512i sum = fold_pair(isum[2 * k], isum[2 * k + 1]);
+                if (type == STRATA_TYPE_Q6_K)  // the values are q + 32
+                    sum = _mm512_sub_epi32(sum, _mm512_slli_epi32(_mm512_madd_epi16(
+                        _mm512_broadcast_i32x8(_mm256_load_si256((const __m256i *)P->sc)), bsums[k]), 5));
+                acc[i][k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, da[k]), acc[i][k]);
+                if (type == STRATA_TYPE_Q4_K)
+                    acc[i][k] = _mm512_fnmadd_ps(_mm512_broadcast_f32x8(_mm256_load_ps(P->mins)), xsum[k],
+                                                 acc[i][k]);
+            }
+        }
+    }
+    UNROLL for (int i = 0; i < NR; i++)
+        UNROLL for (int k = 0; k < NT / 2; k++) {
+            int64_t row = TILE_ROW(a, r, i);
+            a->y[(t + 2 * k) * a->ldy + row] = hsum256(_mm512_castps512_ps256(acc[i][k]));
+            a->y[(t + 2 * k + 1) * a->ldy + row] = hsum256(_mm512_extractf32x8_ps(acc[i][k], 1));
+        }
+}
+
+// Rows r, r + rs, ... (NR of them) prepared into p, then every token of [tb, te) against them: pairs of pairs,
+// a last pair, and a last odd token straight from the blocks.
+INLINE void kq_row_tile(int type, const gemm_args *a, kq_prep *p, int64_t r, int64_t tb, int64_t te, int NR) {
+    int64_t nb = a->n / QKK;
+    for (int i = 0; i < NR; i++) {
+        const void *row = W_ROW(a, TILE_ROW(a, r, i));
+        for (int64_t b = 0; b < nb; b++) {
+            if (type == STRATA_TYPE_Q4_K) q4k_prepare((const block_q4_K *)row + b, &p[i * nb + b]);
+            else q6k_prepare((const block_q6_K *)row + b, &p[i * nb + b]);
+        }
+    }
+    int64_t t = tb;
+    for (; t + TT <= te; t += TT) tile_kq_prepared(type, a, p, r, t, NR, TT);
+    for (; t + 2 <= te; t += 2) tile_kq_prepared(type, a, p, r, t, NR, 2);
+    if (t < te) {
+        if (type == STRATA_TYPE_Q4_K) tile_q4_K(a, r, t, NR, 1);
+        else tile_q6_K(a, r, t, NR, 1);
+    }
+}
+#endif
+
+// Without a vector path a tile is NR * NT scalar dot products.
+#define TILE_SCALAR(t) \
+    static inline void tile_scalar_##t(const gemm_args *a, int64_t r, int64_t tk, int NR, int NT) { \
+        for (int i = 0; i < NR; i++) \
+            for (int j = 0; j < NT; j++) \
+                a->y[(tk + j) * a->ldy + TILE_ROW(a, r, i)] = \
+                    strata_vec_dot_##t(W_ROW(a, TILE_ROW(a, r, i)), X_ROW(a, tk + j), a->n); \
+    }
+#if !defined(AV)
+TILE_SCALAR(f32)
+TILE_SCALAR(f16)
+TILE_SCALAR(bf16)
+#define TILE_F32 tile_scalar_f32
+#define TILE_F16 tile_scalar_f16
+#define TILE_BF16 tile_scalar_bf16
+#endif
+#if !defined(__AVX2__)
+TILE_SCALAR(q8_0)
+TILE_SCALAR(q4_0)
+TILE_SCALAR(q4_K)
+TILE_SCALAR(q6_K)
+#define tile_q8_0 tile_scalar_q8_0
+#define tile_q4_0 tile_scalar_q4_0
+#define tile_q4_K tile_scalar_q4_K
+#define tile_q6_K tile_scalar_q6_K
+#endif
+
+// Rows [r0, r1) x all tokens by tiles of TR rows a quarter of the range apart (rows r, r + rs, ...): adjacent
+// rows, read as TR streams a few KB apart, starve the hardware prefetchers (a Q8_0 decode product ran at a
+// third of the memory bandwidth). The last (r1 - r0) % TR rows, and tokens short of a full tile, take 1-wide tiles.
+#define DEFINE_GEMM(NAME, TILE) \
+    void NAME(gemm_args *a, int64_t r0, int64_t r1, int64_t n_tok) { \
+        a->rs = (r1 - r0) / TR; \
+        for (int64_t tb = 0; tb < n_tok; tb += TOKEN_BLOCK) { \
+            int64_t te = tb + TOKEN_BLOCK < n_tok ? tb + TOKEN_BLOCK : n_tok; \
+            for (int64_t r = r0; r < r0 + a->rs; r++) { \
+                int64_t t = tb; \
+                for (; t + TT <= te; t += TT) TILE(a, r, t, TR, TT); \
+                for (; t < te; t++) TILE(a, r, t, TR, 1); \
+            } \
+            for (int64_t r = r0 + TR * a->rs; r < r1; r++) { \
+                int64_t t = tb; \
+                for (; t + TT <= te; t += TT) TILE(a, r, t, 1, TT); \
+                for (; t < te; t++) TILE(a, r, t, 1, 1); \
+            } \
+        } \
+    }
+
+DEFINE_GEMM(strata_gemm_f32, TILE_F32)
+DEFINE_GEMM(strata_gemm_f16, TILE_F16)
+DEFINE_GEMM(strata_gemm_bf16, TILE_BF16)
+DEFINE_GEMM(strata_gemm_q8_0, tile_q8_0)
+DEFINE_GEMM(strata_gemm_q4_0, tile_q4_0)
+static DEFINE_GEMM(gemm_q4_K_blocks, tile_q4_K)
+static DEFINE_GEMM(gemm_q6_K_blocks, tile_q6_K)
+
+#if defined(KQ_PREPARED)
+// As DEFINE_GEMM, with each tile of rows prepared once per block of tokens. Fewer than KQ_MIN_TOKENS tokens
+// (decode, a small expert's share) read the blocks directly, as does a product whose scratch cannot be had.
+static void gemm_kq(int type, gemm_args *a, int64_t r0, int64_t r1, int64_t n_tok) {
+    kq_prep *p = n_tok >= KQ_MIN_TOKENS ? aligned_alloc(64, (size_t)(TR * a->n / QKK) * sizeof(kq_prep)) : NULL;
+    if (!p) {
+        if (type == STRATA_TYPE_Q4_K) gemm_q4_K_blocks(a, r0, r1, n_tok);
+        else gemm_q6_K_blocks(a, r0, r1, n_tok);
+        return;
+    }
+    a->rs = (r1 - r0) / TR;
+    for (int64_t tb = 0; tb < n_tok; tb += TOKEN_BLOCK) {
+        int64_t te = tb + TOKEN_BLOCK < n_tok ? tb + TOKEN_BLOCK : n_tok;
+        for (int64_t r = r0; r < r0 + a->rs; r++) kq_row_tile(type, a, p, r, tb, te, TR);
+        for (int64_t r = r0 + TR * a->rs; r < r1; r++) kq_row_tile(type, a, p, r, tb, te, 1);
+    }
+    free(p);
+}
+#endif
+
+void strata_gemm_q4_K(gemm_args *a, int64_t r0, int64_t r1, int64_t n_tok) {
+#if defined(KQ_PREPARED)
+    gemm_kq(STRATA_TYPE_Q4_K, a, r0, r1, n_tok);
+#else
+    gemm_q4_K_blocks(a, r0, r1, n_tok);
+#endif
+}
+
+void strata_gemm_q6_K(gemm_args *a, int64_t r0, int64_t r1, int64_t n_tok) {
+#if defined(KQ_PREPARED)
+    gemm_kq(STRATA_TYPE_Q6_K, a, r0, r1, n_tok);
+#else
+    gemm_q6_K_blocks(a, r0, r1, n_tok);
+#endif
+}
