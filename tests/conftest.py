@@ -44,7 +44,8 @@ class ScriptedEngine:
 
     Timing and aborts behave like the C engine's: a prompt token costs `prompt_s` and a decode step `decode_s`
     seconds of blocking work; the abort flag is checked between tokens, stops the call in flight (or the next
-    one) with `EngineAborted` — checked `LAYERS` times per token —, is lowered by doing so, and the positions not reached are dropped.
+    one) with `EngineAborted` — checked `LAYERS` times per token —, is lowered by doing so, and the positions not
+    reached are dropped.
 
     Args:
         tokenizer: the tokenizer whose ids the script uses (for the vocabulary size and end-of-turn id).
@@ -54,8 +55,9 @@ class ScriptedEngine:
     LAYERS = 4  # abort checks per token
 
     def __init__(self, tokenizer: Any, script: Sequence[int] = (), *, n_ctx: int = 4096, prompt_s: float = 0.0,
-                 decode_s: float = 0.0):
+                 decode_s: float = 0.0, n_embd: int = 48):
         self.n_vocab = tokenizer.n_vocab
+        self.n_embd = n_embd  # the vision tests' encoders write rows this wide
         self.n_ctx = n_ctx
         self.arch, self.backend, self.threads = "scripted", "scripted", 1
         self.script = list(script)

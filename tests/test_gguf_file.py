@@ -31,7 +31,7 @@ def test_metadata_and_tensors_equal_gguf_reader(q4k_model: Path) -> None:
             else:
                 assert got == want, key
         assert [t.name for t in file.tensors] == [t.name for t in reference.tensors]
-        for ours, theirs in zip(file.tensors, reference.tensors):
+        for ours, theirs in zip(file.tensors, reference.tensors, strict=True):
             assert ours.shape == tuple(int(n) for n in theirs.shape)
             assert ours.type == int(theirs.tensor_type)
             assert ours.n_bytes == theirs.n_bytes

@@ -4,7 +4,7 @@ translate their JSON into a `ChatRequest` and render these events back; nothing 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 from strata.sampling import SamplingParams
 
@@ -71,4 +71,4 @@ class Finish:
     stop_sequence: str | None = None
 
 
-Event = Union[TextDelta, ReasoningDelta, ToolCallStart, ToolCallArgumentsDelta, Usage, Finish]
+Event = TextDelta | ReasoningDelta | ToolCallStart | ToolCallArgumentsDelta | Usage | Finish

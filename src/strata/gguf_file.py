@@ -8,6 +8,7 @@ sequential parse. The `gguf` package still supplies the format's constants, and 
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import struct
@@ -79,10 +80,9 @@ class GGUFFile:
 
     def close(self) -> None:
         """Unmap the file; while a view returned by `data` is still referenced, the mapping lives on with it."""
-        try:
+        # The views keep the mmap object alive; it unmaps when the last one goes.
+        with contextlib.suppress(BufferError):
             self._map.close()
-        except BufferError:
-            pass  # the views keep the mmap object alive; it unmaps when the last one goes
 
     def __enter__(self) -> GGUFFile:
         return self

@@ -65,8 +65,8 @@ def normalise_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
     Arguments that are not a JSON object stay a string, for the template to print as they are.
     """
     out = []
-    for message in messages:
-        message = copy.deepcopy(dict(message))
+    for original in messages:
+        message = copy.deepcopy(dict(original))
         if message.get("content") is None:
             message["content"] = ""
         if message.get("role") == "developer":

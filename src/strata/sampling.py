@@ -141,7 +141,7 @@ class Sampler:
             return logits
         ids, counts = np.unique(np.asarray(window, dtype=np.int64), return_counts=True)
         out = logits.astype(np.float32, copy=True)
-        values = out[ids]
+        values: np.ndarray = out[ids]
         if p.repetition_penalty != 1.0:
             values = np.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
         values = values - counts * p.frequency_penalty - p.presence_penalty
@@ -222,4 +222,4 @@ def _nucleus_size(weights: np.ndarray, total: float, top_p: float) -> int:
     less than `top_p` of the mass.
     """
     cumulative = np.cumsum(weights) / total
-    return int(min(np.searchsorted(cumulative, top_p, side="left") + 1, len(weights)))
+    return min(int(np.searchsorted(cumulative, top_p, side="left")) + 1, len(weights))

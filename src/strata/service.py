@@ -20,7 +20,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Hashable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Hashable, Sequence
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -78,12 +78,17 @@ class EngineLike(Protocol):
     """What the service needs of `strata.engine_cffi.Engine` (tests substitute scripted engines)."""
 
     n_vocab: int
+    n_embd: int  # the width of a picture's rows
     n_ctx: int
     n_past: int
+    arch: str
+    backend: str
+    threads: int
 
     def eval(self, tokens: Sequence[int], embeds: Any = None) -> Any: ...
     def keep(self, n: int) -> None: ...
     def abort(self) -> None: ...
+    def close(self) -> None: ...
 
 
 @dataclass
@@ -125,7 +130,7 @@ class Service:
         self.current: HistoryRow | None = None
         self.model_name = _model_name(config.model)
         self.started = time.time()
-        self.engine: Any = None
+        self.engine: Any = None  # an EngineLike once loaded
         self.tokenizer: Any = None
         self.template: str | None = None
         self.load_error: BaseException | None = None
@@ -188,7 +193,7 @@ class Service:
         log(f"loaded in {time.perf_counter() - started:.1f} s")
         return engine, tokenizer
 
-    async def start_vision(self, engine: Any, log: Callable[[str], None] = print) -> None:
+    async def start_vision(self, engine: EngineLike, log: Callable[[str], None] = print) -> None:
         """Start the configured image encoder in the service's nursery (after the model, whose width its rows
         must have).
 
@@ -199,11 +204,10 @@ class Service:
         if not (vision.mmproj or vision.exe):
             return
         assert self.nursery is not None
-        engine_threads = getattr(engine, "threads", None) or self.config.threads
-        self.vision = VisionClient(vision, engine_threads=engine_threads, log=log)
+        self.vision = VisionClient(vision, engine_threads=engine.threads, log=log)
         await self.nursery.start(self.vision.run)
-        ready, n_embd = self.vision.last_ready, getattr(engine, "n_embd", None)
-        if ready is not None and n_embd is not None and ready.n_embd != n_embd and not vision.remote:
+        ready, n_embd = self.vision.last_ready, engine.n_embd
+        if ready is not None and ready.n_embd != n_embd and not vision.remote:
             raise VisionStartError(f"the image encoder's rows are {ready.n_embd} wide and the model's embeddings "
                                    f"{n_embd}: {vision.mmproj} was made for another model")
 
@@ -214,7 +218,7 @@ class Service:
             raise ServiceUnavailable(f"the model failed to load: {self.load_error}")
 
     def close(self) -> None:
-        if self.engine is not None and hasattr(self.engine, "close"):
+        if self.engine is not None:
             self.engine.close()
 
     # --- requests
@@ -226,6 +230,7 @@ class Service:
         if clash:
             raise RequestError(f"chat_template_kwargs may not set {', '.join(sorted(clash))}")
         enable_thinking = kwargs.pop("enable_thinking", request.enable_thinking)
+        assert self.template is not None, "render before the model is loaded"
         try:
             return render_chat(self.template, request.messages, tools=request.tools or None,
                                add_generation_prompt=True, enable_thinking=enable_thinking, **kwargs)
@@ -306,18 +311,18 @@ class Service:
     async def _picture(self, image: ImageSource | PrecomputedEmbeds) -> Embedding:
         assert self.vision is not None
         if isinstance(image, PrecomputedEmbeds):
-            ready = self.vision.last_ready or (await self.vision.session()).ready
+            ready = self.vision.last_ready or (await self.vision.session()).ready_reply()
             embedding = check_embeds(image, ready, MAX_IMAGE_BYTES)
         else:
             data = await load_source(image, self.http, MAX_IMAGE_BYTES, DOWNLOAD_TIMEOUT)
             embedding = await self.vision.encode(data, self.turn)
-        n_embd = getattr(self.engine, "n_embd", None)
-        if n_embd is not None and embedding.rows.shape[1] != n_embd:
+        n_embd = self.engine.n_embd
+        if embedding.rows.shape[1] != n_embd:
             raise VisionUnavailable(f"its rows are {embedding.rows.shape[1]} wide and the model's embeddings "
                                     f"{n_embd} (an mmproj made for another model?)")
         return embedding
 
-    async def chat(self, request: ChatRequest, *, request_id: str | None = None) -> AsyncIterator[Event]:
+    async def chat(self, request: ChatRequest, *, request_id: str | None = None) -> AsyncGenerator[Event, None]:
         """Generate the answer to `request` as events, ending with `Usage` and `Finish`.
 
         Close the iterator when done with it early (`contextlib.aclosing`): it holds the engine's turn between
@@ -353,7 +358,8 @@ class Service:
             row.duration = time.perf_counter() - started
             self.history.record(row)
 
-    async def _generate(self, request: ChatRequest, prepared: _Prepared, row: HistoryRow) -> AsyncIterator[Event]:
+    async def _generate(self, request: ChatRequest, prepared: _Prepared, row: HistoryRow
+                        ) -> AsyncGenerator[Event, None]:
         self.phase = "prompt"
         run = _EngineRun(self, prepared.prompt, Sampler(request.sampling, self.engine.n_vocab), prepared.max_tokens)
         try:
@@ -485,6 +491,7 @@ class _EngineRun:
             if tokens:
                 return tokens
             if self._ended.is_set():
+                assert self._outcome is not None  # set with _ended
                 self._outcome.unwrap()
                 return []
             await waiter.wait()

@@ -57,7 +57,7 @@ def _id_bytes(tokens: Sequence[str], token_types: Sequence[int]) -> list[bytes]:
     (a token with characters outside the map, such as `[PAD151700]` padding, decodes to its UTF-8 text)."""
     to_byte = {ord(char): chr(byte) for byte, char in byte_to_unicode().items()}
     out = []
-    for token, ttype in zip(tokens, token_types):
+    for token, ttype in zip(tokens, token_types, strict=True):
         if ttype in _SPECIAL_TYPES:
             out.append(token.encode("utf-8"))
             continue
@@ -152,6 +152,13 @@ class Tokenizer:
     def token_to_id(self, text: str) -> int | None:
         """Id of a token given as stored (byte-to-unicode form, or a special token's text)."""
         return self.hf.token_to_id(text)
+
+    def require_id(self, text: str) -> int:
+        """`token_to_id` of a token the vocabulary must have; KeyError names it when it has not."""
+        token_id = self.hf.token_to_id(text)
+        if token_id is None:
+            raise KeyError(f"the vocabulary has no token {text!r}")
+        return token_id
 
     def stream_decoder(self) -> StreamDecoder:
         return StreamDecoder(self.id_bytes)

@@ -295,7 +295,7 @@ def test_stream_of_randomly_split_deltas():
 
 def _split(kind, text, rng):
     cuts = sorted(rng.sample(range(1, len(text)), 5))
-    return [kind(text[a:b]) for a, b in zip([0, *cuts], [*cuts, len(text)])]
+    return [kind(text[a:b]) for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
 
 
 def test_stream_of_an_empty_answer():

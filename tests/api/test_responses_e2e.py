@@ -162,7 +162,7 @@ def test_real_engine_streamed_equals_not_streamed(tiny_model):
     with live_server(server_config(model=str(tiny_model))) as server, client(server) as api:
         response = api.responses.create(**options)
         stream = api.responses.create(**options, stream=True)
-        final = [event for event in stream][-1]
+        final = list(stream)[-1]
     assert response.status in ("completed", "incomplete")
     assert 1 <= response.usage.output_tokens <= 8
     # Greedy decoding: the same answer both ways (a random model may write anything, reasoning included).

@@ -9,8 +9,8 @@ from __future__ import annotations
 import base64
 import importlib.resources
 import io
+import itertools
 import json
-import os
 import pathlib
 from typing import Any
 
@@ -185,7 +185,7 @@ def test_a_follow_up_reuses_the_prefix_and_answers_as_a_cold_run(chat) -> None:
     # history, so the prompts part at the first answer).
     tok = Tokenizer.from_gguf(SHIPPED / "demo.gguf")
     prompts = [tok.encode(render_chat(tok.chat_template, m, enable_thinking=False)) for m in (first, follow_up)]
-    shared = len(os.path.commonprefix(prompts))
+    shared = sum(1 for _ in itertools.takewhile(lambda pair: pair[0] == pair[1], zip(*prompts, strict=False)))
     assert warm.usage.prompt_tokens_details.cached_tokens >= shared > 0
     assert "5" in warm.choices[0].message.content
     _, cold = evaluate.split_thinking(cold_answer(follow_up, thinking=False))

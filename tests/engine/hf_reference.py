@@ -10,8 +10,14 @@ import numpy as np
 import torch
 from gguf import GGUFReader
 from gguf.quants import dequantize
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, \
-    Qwen3MoeForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 _MODELS = {"qwen3moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM),
            "llama": (LlamaConfig, LlamaForCausalLM)}

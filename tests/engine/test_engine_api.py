@@ -9,14 +9,13 @@ import time
 
 import numpy as np
 import pytest
+from engine_helpers import abort_mid_prefill
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
+from hf_reference import load_hf_model
 
 from strata.engine_cffi import Engine, EngineAborted, EngineError
 from strata.modelgen import write_random_model
-
-from engine_helpers import abort_mid_prefill
-from hf_reference import load_hf_model
 
 # The engine computes each token's row independently of how tokens are chunked, but a kernel may take another
 # path for another number of rows; results that should be equal are compared at this relative tolerance.
@@ -323,5 +322,5 @@ def test_odd_head_shapes_decode_match_transformers(tmp_path: pathlib.Path, kv: s
     reference = load_hf_model(path)
     with torch.no_grad():
         expected = reference(torch.tensor([prompt])).logits[0, 29:].numpy()
-    for row, want in zip(got, expected):
+    for row, want in zip(got, expected, strict=True):
         assert_same(row, want, tol=tol)

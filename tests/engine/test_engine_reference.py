@@ -18,11 +18,10 @@ import pathlib
 
 import numpy as np
 import pytest
+from hf_reference import load_hf_model, reference_logits
 
 from strata.engine_cffi import Engine
 from strata.modelgen import write_random_model
-
-from hf_reference import load_hf_model, reference_logits
 
 N_PROMPT, N_BATCH, N_DECODE = 40, 16, 4  # three prompt chunks, then decode steps
 

@@ -12,10 +12,9 @@ import pathlib
 import cffi
 import numpy as np
 import pytest
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
-from gguf import quants
-
 import strata.engine_cffi._engine as engine_module
+from gguf import GGML_QUANT_SIZES, quants
+from gguf import GGMLQuantizationType as Q
 from strata.engine_cffi._engine import ffi, lib
 
 WEIGHT_TYPES = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q6_K]

@@ -8,11 +8,10 @@ import time
 
 import numpy as np
 import pytest
+from engine_helpers import abort_mid_prefill
 
 from strata.engine_cffi import Engine
 from strata.modelgen import write_random_model
-
-from engine_helpers import abort_mid_prefill
 
 
 def tokens(n: int, seed: int = 0, n_vocab: int = 256) -> list[int]:

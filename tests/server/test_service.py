@@ -54,7 +54,8 @@ async def test_text_answer_events(scripted, tokenizer):
 
 async def test_thinking_and_tool_call_events(scripted, tokenizer):
     arguments = {"city": "Paris", "days": 2}
-    text = f'<think>\nLook it up.\n</think>\n\n<tool_call>\n{{"name": "weather", "arguments": {json.dumps(arguments)}}}\n</tool_call>'
+    call = f'{{"name": "weather", "arguments": {json.dumps(arguments)}}}'
+    text = f"<think>\nLook it up.\n</think>\n\n<tool_call>\n{call}\n</tool_call>"
     tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
     async with open_service(server_config(), engine=scripted(text), tokenizer=tokenizer) as service:
         events = await collect(service, request(tools=tools))

@@ -40,7 +40,8 @@ def test_parse_request_maps_every_field():
     assert request.messages[2]["reasoning_content"] == "r" and request.messages[3]["tool_call_id"] == "c1"
     assert request.tools[0]["function"]["name"] == "f" and request.tool_choice == "auto"
     sampling = request.sampling
-    assert (sampling.temperature, sampling.top_p, sampling.top_k, sampling.min_p, sampling.seed) == (0.5, 0.9, 5, 0.1, 7)
+    s = request.sampling
+    assert (s.temperature, s.top_p, s.top_k, s.min_p, s.seed) == (0.5, 0.9, 5, 0.1, 7)
     assert (sampling.presence_penalty, sampling.frequency_penalty, sampling.repetition_penalty) == (0.2, 0.3, 1.1)
     assert (request.max_tokens, request.stop, request.enable_thinking) == (9, ["END"], False)
     assert request.template_kwargs == {"x": 1} and request.route == "chat"
@@ -59,7 +60,8 @@ def test_render_response_is_a_valid_chat_completion():
     assert message.content == "Hello" and message.model_extra["reasoning_content"] == "think"
     assert message.tool_calls[0].id == "call_1" and json.loads(message.tool_calls[0].function.arguments) == {"a": 1}
     assert completion.choices[0].finish_reason == "tool_calls"
-    assert (completion.usage.prompt_tokens, completion.usage.completion_tokens, completion.usage.total_tokens) == (10, 6, 16)
+    usage = completion.usage
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (10, 6, 16)
     assert completion.usage.prompt_tokens_details.cached_tokens == 4
 
 
@@ -75,7 +77,8 @@ def test_chunk_stream_is_valid_chunks_in_order():
     parsed = [ChatCompletionChunk.model_validate(chunk) for chunk in chunks]
     assert [chunk["choices"][0]["delta"] if chunk["choices"] else None for chunk in chunks] == [
         {"role": "assistant", "content": ""}, {"reasoning_content": "think"}, {"content": "Hel"}, {"content": "lo"},
-        {"tool_calls": [{"index": 0, "id": "call_1", "type": "function", "function": {"name": "get", "arguments": ""}}]},
+        {"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                         "function": {"name": "get", "arguments": ""}}]},
         {"tool_calls": [{"index": 0, "function": {"arguments": '{"a":'}}]},
         {"tool_calls": [{"index": 0, "function": {"arguments": " 1}"}}]},
         {}, None]

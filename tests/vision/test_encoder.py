@@ -13,8 +13,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-
 from strata.engine_cffi._engine import lib
+
 from strata.modelgen.mmproj import write_random_mmproj
 from strata.vision import encoder as encoder_module
 from strata.vision.encoder import EncodeCancelled, Encoder, position_embeddings
@@ -101,7 +101,7 @@ def test_position_interpolation_matches_torch_bicubic(side: int, gy: int, gx: in
 
 def projector_reference(features: np.ndarray, t: dict[str, np.ndarray], eps: float) -> np.ndarray:
     """Merge each 2x2 square (row-major within it), LayerNorm if present, mm.1, GELU (tanh), mm.2; float64."""
-    gy, gx, n = features.shape
+    gy, gx, _ = features.shape
     rows = []
     for y in range(0, gy, 2):
         for x in range(0, gx, 2):

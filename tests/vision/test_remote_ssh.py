@@ -5,6 +5,7 @@ works without a restart; a server started while the host is down starts."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import shutil
@@ -120,10 +121,8 @@ class SshHost:
             return
         # Each connection's sshd starts a session of its own, so the process group alone would miss them.
         for pid in [self.process.pid, *descendants(self.process.pid)]:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         self.process.wait()
         self.process = None
 

@@ -113,7 +113,7 @@ def assert_pictures_reached_the_engine(engine: RecordingEngine, tokenizer, rows:
     tokens, embeds = engine.calls[0]
     pad = tokenizer.token_to_id("<|image_pad|>")
     assert len(embeds) == len(rows)
-    for (index, got), want in zip(embeds, rows):
+    for (index, got), want in zip(embeds, rows, strict=True):
         assert tokens[index - 1] == tokenizer.token_to_id("<|vision_start|>")
         assert tokens[index:index + len(want)] == [pad] * len(want)
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)

@@ -42,6 +42,12 @@ GREEDY = SamplingParams(temperature=0.0)
 SLOW_TOKENS = 1024  # a 640x480 picture through the twelve-layer encoder: about a second on one thread
 
 
+@pytest.fixture
+def scripted(scripted: Callable[..., ScriptedEngine]) -> Callable[..., ScriptedEngine]:
+    """Scripted engines as wide as this module's encoders' rows."""
+    return lambda *args, **options: scripted(*args, **{"n_embd": WIDTH, **options})
+
+
 @pytest.fixture(scope="module")
 def mmproj(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("vision-service") / "tiny.gguf"
@@ -144,7 +150,8 @@ async def test_tool_result_picture_that_fails_is_omitted(scripted, tokenizer, mm
     ("ftp://example.com/a.png", "unsupported image URL scheme 'ftp'"),
 ])
 async def test_users_own_bad_picture_is_a_request_error(scripted, tokenizer, mmproj, url, message):
-    async with open_service(vision_config(mmproj), engine=scripted(), tokenizer=tokenizer, log=lambda l: None) as svc:
+    config = vision_config(mmproj)
+    async with open_service(config, engine=scripted(), tokenizer=tokenizer, log=lambda line: None) as svc:
         with pytest.raises(RequestError, match=re.escape(message)) as caught:
             await collect(svc, chat(with_picture(url)))
         assert caught.value.param == "messages[0].content[1]"
@@ -181,7 +188,7 @@ async def test_precomputed_embeddings(scripted, tokenizer, mmproj, tmp_path):
     picture = tmp_path / "p.png"
     picture.write_bytes(noise_png(48, 32, seed=33))
     out = tmp_path / "p.sve"
-    env = dict(os.environ, PYTHONPATH=str(Path(strata.__file__).resolve().parents[1]))
+    env = dict(os.environ, PYTHONPATH=str(Path(strata.__file__).parents[1]))  # already absolute
     done = await trio.run_process([sys.executable, "-m", "strata.vision.worker", "encode", str(picture), "--mmproj",
                                    str(mmproj), "--out", str(out), "--max-tokens", "64"], capture_stdout=True,
                                   env=env)

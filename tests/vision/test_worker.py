@@ -224,7 +224,7 @@ def test_an_id_in_use_is_refused_without_touching_its_job(start_worker, slow_mmp
     worker.send(job("same", noise_png(256, 256, 5)) + job("same", noise_png(32, 32)))
     refusal = worker.reply()[0]
     assert refusal == Failed("protocol", "job id same is already queued or running")
-    reply, payload = worker.reply()
+    reply, _ = worker.reply()
     assert reply.job_id == "same" and reply.n_tokens == 256
 
 

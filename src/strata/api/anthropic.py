@@ -359,7 +359,7 @@ class MessageStream:
         if self._started:
             return []
         self._started = True
-        message = {
+        message: dict[str, Any] = {
             "id": self._id, "type": "message", "role": "assistant", "model": self._model, "content": [],
             "stop_reason": None, "stop_sequence": None, "usage": _usage(None),
         }

@@ -12,7 +12,7 @@ import dataclasses
 import hmac
 import json
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
@@ -314,7 +314,7 @@ def _with_sampling_defaults(chat_request: ChatRequest, body: Any, config: Config
     return dataclasses.replace(chat_request, sampling=sampling)
 
 
-async def _stream(events: AsyncIterator[Event], first: Event, renderer: Any, done: bytes | None
+async def _stream(events: AsyncGenerator[Event, None], first: Event, renderer: Any, done: bytes | None
                   ) -> AsyncIterator[bytes]:
     """The SSE body. Runs in the request's task: a hang-up cancels it at its next checkpoint, and the response
     machinery closes it, which closes `events` (the service's generator) and frees the engine's turn."""

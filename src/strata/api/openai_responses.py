@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from strata.api.errors import ApiError
 from strata.api.translate import (
@@ -431,11 +431,15 @@ class ResponseEventStream:
         return [self._event("error", code=error.kind, message=error.message, param=error.param)]
 
     def _text(self, event: TextDelta | ReasoningDelta) -> list[SseEvent]:
-        kind = "text" if isinstance(event, TextDelta) else "reasoning"
-        out = [] if self._open is not None and self._open.kind == kind else self._open_item(Block(kind))
-        self._open.text += event.text
+        kind: Literal["text", "reasoning"] = "text" if isinstance(event, TextDelta) else "reasoning"
+        if self._open is not None and self._open.kind == kind:
+            out, block = [], self._open
+        else:
+            block = Block(kind)
+            out = self._open_item(block)
+        block.text += event.text
         name = "response.output_text.delta" if kind == "text" else "response.reasoning_text.delta"
-        extra = {"logprobs": []} if kind == "text" else {}
+        extra: dict[str, Any] = {"logprobs": []} if kind == "text" else {}
         out.append(self._event(name, **self._where(), content_index=0, delta=event.text, **extra))
         return out
 
@@ -471,7 +475,7 @@ class ResponseEventStream:
         else:
             part = item["content"][0]
             done = "response.output_text.done" if block.kind == "text" else "response.reasoning_text.done"
-            extra = {"logprobs": []} if block.kind == "text" else {}
+            extra: dict[str, Any] = {"logprobs": []} if block.kind == "text" else {}
             out.append(self._event(done, **where, content_index=0, text=block.text, **extra))
             out.append(self._event("response.content_part.done", **where, content_index=0, part=part))
         out.append(self._event("response.output_item.done", output_index=output_index, item=item))

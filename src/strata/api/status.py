@@ -42,8 +42,8 @@ def server_status(service: Service) -> dict[str, Any]:
         "loaded": service.ready,
         "context": engine.n_ctx if engine is not None else config.context,
         "engine": {
-            "backend": getattr(engine, "backend", None),
-            "threads": getattr(engine, "threads", config.threads),
+            "backend": engine.backend if engine is not None else None,
+            "threads": engine.threads if engine is not None else config.threads,
             "kv": config.kv,
         },
         "vision": {"state": "not available", "mmproj": config.vision.mmproj},

@@ -7,7 +7,7 @@ import json
 import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, overload
 
 from strata.api.errors import ApiError
 from strata.events import (
@@ -70,6 +70,10 @@ def get_number(obj: dict[str, Any], key: str, param: str, lo: float, hi: float) 
     return value
 
 
+@overload
+def get_int(obj: dict[str, Any], key: str, param: str, lo: int, *, required: Literal[True]) -> int: ...
+@overload
+def get_int(obj: dict[str, Any], key: str, param: str, lo: int, *, required: bool = False) -> int | None: ...
 def get_int(obj: dict[str, Any], key: str, param: str, lo: int, *, required: bool = False) -> int | None:
     value = get(obj, key, int, param, required=required)
     if value is not None and value < lo:
@@ -77,6 +81,12 @@ def get_int(obj: dict[str, Any], key: str, param: str, lo: int, *, required: boo
     return value
 
 
+@overload
+def get_choice(obj: dict[str, Any], key: str, options: Iterable[str], param: str, *,
+               required: Literal[True]) -> str: ...
+@overload
+def get_choice(obj: dict[str, Any], key: str, options: Iterable[str], param: str, *,
+               required: bool = False) -> str | None: ...
 def get_choice(obj: dict[str, Any], key: str, options: Iterable[str], param: str, *,
                required: bool = False) -> str | None:
     value = get(obj, key, str, param, required=required)
@@ -86,10 +96,19 @@ def get_choice(obj: dict[str, Any], key: str, options: Iterable[str], param: str
     return value
 
 
+# The `required=True` forms never return None: a missing field is a 400.
+@overload
+def get_object(obj: dict[str, Any], key: str, param: str, *, required: Literal[True]) -> dict[str, Any]: ...
+@overload
+def get_object(obj: dict[str, Any], key: str, param: str, *, required: bool = False) -> dict[str, Any] | None: ...
 def get_object(obj: dict[str, Any], key: str, param: str, *, required: bool = False) -> dict[str, Any] | None:
     return get(obj, key, dict, param, required=required)
 
 
+@overload
+def get_list(obj: dict[str, Any], key: str, param: str, *, required: Literal[True]) -> list[Any]: ...
+@overload
+def get_list(obj: dict[str, Any], key: str, param: str, *, required: bool = False) -> list[Any] | None: ...
 def get_list(obj: dict[str, Any], key: str, param: str, *, required: bool = False) -> list[Any] | None:
     return get(obj, key, list, param, required=required)
 
@@ -194,7 +213,7 @@ def collect(events: Iterable[Event]) -> Outcome:
     calls: dict[int, Block] = {}
     for event in events:
         if isinstance(event, (TextDelta, ReasoningDelta)):
-            kind = "text" if isinstance(event, TextDelta) else "reasoning"
+            kind: Literal["text", "reasoning"] = "text" if isinstance(event, TextDelta) else "reasoning"
             if event.text:
                 _append_text(outcome.blocks, kind, event.text)
         elif isinstance(event, ToolCallStart):

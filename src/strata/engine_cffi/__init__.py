@@ -17,7 +17,7 @@ import numpy as np
 from strata.engine_cffi._engine import ffi, lib
 from strata.gguf_file import GGUFError, GGUFFile
 
-__all__ = ["Engine", "EngineError", "EngineAborted"]
+__all__ = ["Engine", "EngineAborted", "EngineError"]
 
 _KV_TYPES = {"f32": lib.STRATA_KV_F32, "f16": lib.STRATA_KV_F16, "int8": lib.STRATA_KV_INT8}
 _INT32 = np.iinfo(np.int32)
@@ -57,7 +57,7 @@ class _TensorTable:
         self._keep: list[Any] = []
         self.count = len(file.tensors)
         self.array = ffi.new("strata_tensor_info[]", max(self.count, 1))
-        for info, tensor in zip(self.array, file.tensors):
+        for info, tensor in zip(self.array, file.tensors, strict=False):  # the array has at least one entry
             name = ffi.new("char[]", tensor.name.encode())
             data = ffi.from_buffer(file.data(tensor))  # a view of the mapping: weights are never copied
             self._keep += [name, data]

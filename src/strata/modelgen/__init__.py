@@ -13,7 +13,9 @@ _EXPORTS = {
     "hparams_for": "strata.modelgen.hparams",
     "write_random_mmproj": "strata.modelgen.mmproj",
 }
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "HParams", "hparams_for", "permute_llama_qk", "unpermute_llama_qk", "write_random_mmproj", "write_random_model",
+]
 
 
 def __getattr__(name: str) -> object:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 ARCHS = ("qwen3moe", "qwen3", "llama")
 SIZES = ("tiny", "small", "medium")
@@ -60,7 +61,7 @@ _TABLE: dict[tuple[str, str], HParams] = {
 }
 
 
-def hparams_for(arch: str, size: str, **overrides: int | float) -> HParams:
+def hparams_for(arch: str, size: str, **overrides: Any) -> HParams:
     """The table's hyper-parameters for (arch, size), with `overrides` (field name -> value) applied.
 
     Raises:

@@ -92,8 +92,8 @@ def write_random_mmproj(
         eps=_f32(shape.eps),
         n_proj=n_embd_text,
         merge=2,
-        image_mean=tuple(map(_f32, IMAGE_MEAN)),
-        image_std=tuple(map(_f32, IMAGE_STD)),
+        image_mean=_f32_triple(IMAGE_MEAN),
+        image_std=_f32_triple(IMAGE_STD),
         min_pixels=budget[0] * (shape.patch_size * 2) ** 2 if budget else None,
         max_pixels=budget[1] * (shape.patch_size * 2) ** 2 if budget else None,
     )
@@ -107,6 +107,10 @@ def write_random_mmproj(
     writer.write_tensors_to_file()
     writer.close()
     return hp
+
+
+def _f32_triple(values: tuple[float, float, float]) -> tuple[float, float, float]:
+    return _f32(values[0]), _f32(values[1]), _f32(values[2])
 
 
 def _f32(value: float) -> float:

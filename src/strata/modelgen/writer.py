@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.resources
 import math
+import os
 import pathlib
 from collections.abc import Callable, Mapping
 
@@ -262,7 +263,7 @@ def write_random_model(path: str | pathlib.Path, arch: str = "qwen3moe", size: s
                   lambda spec: draw_encoded(spec, rng))
 
 
-def write_model(path: str | pathlib.Path, arch: str, hp: HParams, vocab: Vocab, weights: Mapping[str, np.ndarray],
+def write_model(path: str | os.PathLike[str], arch: str, hp: HParams, vocab: Vocab, weights: Mapping[str, np.ndarray],
                 dtype: str = "f32", name: str = "strata") -> pathlib.Path:
     """Write a GGUF model with the given weights and return its path.
 

@@ -189,6 +189,11 @@ class _Session:
         self.stderr_done = trio.Event()
         self._send_lock = trio.Lock()
 
+    def ready_reply(self) -> Ready:
+        """The READY of a session that started (`alive` once)."""
+        assert self.ready is not None, "the encoder has not said READY"
+        return self.ready
+
     def stderr_text(self) -> str:
         lines = self.stderr_tail.decode("utf-8", "replace").strip().splitlines()
         return " ".join(" ".join(lines[-3:]).split())[-500:]
@@ -272,8 +277,9 @@ class VisionClient:
                 self._log(self.startup_line())
                 task_status.started()
                 await trio.sleep_forever()
-        # Raised outside the nursery, so the caller sees the error itself rather than an exception group.
-        raise failure
+        if failure is not None:
+            # Raised outside the nursery, so the caller sees the error itself rather than an exception group.
+            raise failure
 
     @property
     def available(self) -> bool:
@@ -347,7 +353,7 @@ class VisionClient:
         try:
             session = await self.session()
             holding: AbstractAsyncContextManager[Any] = (
-                turn.hold() if turn is not None and session.ready.capabilities.cuda else nullcontext())
+                turn.hold() if turn is not None and session.ready_reply().capabilities.cuda else nullcontext())
             async with holding:
                 embedding = await self._run_job(session, data, digest)
         finally:
@@ -401,6 +407,7 @@ class VisionClient:
                         session.finish(f"cannot run {session.argv[0]!r}: {error.strerror or error}")
                         return
                     nursery.start_soon(session.read_stderr)
+                    assert session.process.stdout is not None  # stdout=PIPE
                     reader = _Reader(session.process.stdout)
                     await self._handshake(session, reader)
                     task_status.started()
@@ -428,22 +435,24 @@ class VisionClient:
         except ProtocolError as error:
             session.finish(f"the encoder's first line is not READY: {error}")
             return
-        if isinstance(reply, Ready):
+        if line is None:
+            session.finish(await self._exit_reason(session))
+        elif isinstance(reply, Ready):
             session.ready = reply
             session.alive = True
         elif isinstance(reply, Failed):
             session.finish(reply.message)
-        elif reply is None:
-            session.finish(await self._exit_reason(session))
         else:
             session.finish(f"the encoder's first line is not READY: {line[:80]!r}")
 
     async def _exit_reason(self, session: _Session) -> str:
         """Why a process ended without a word: its stderr's last lines and its exit status."""
+        process = session.process
+        assert process is not None  # only a session whose process started has output to end
         with trio.move_on_after(1.0):
             await session.stderr_done.wait()
-            await session.process.wait()
-        status = session.process.returncode
+            await process.wait()
+        status = process.returncode
         tail = session.stderr_text()
         said = f": {tail}" if tail else ""
         if status is None:
@@ -501,7 +510,7 @@ class VisionClient:
         finally:
             del session.jobs[job_id]
         if job.embedding is not None:
-            n_embd = session.ready.n_embd
+            n_embd = session.ready_reply().n_embd
             if job.embedding.rows.shape[1] != n_embd:
                 raise VisionUnavailable(f"the encoder sent rows {job.embedding.rows.shape[1]} wide, not {n_embd}")
             return dataclasses.replace(job.embedding, digest=digest)

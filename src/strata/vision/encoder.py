@@ -221,7 +221,7 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_head: int, pool: Ex
 
     futures = [pool.submit(tile, h, r) for h in range(n_head) for r in range(0, n, block)]
     # Invariant: every tile has returned before this function does, cancelled or not (a list, not a generator).
-    if not all([future.result() for future in futures]):
+    if not all([future.result() for future in futures]):  # noqa: C419 - see the invariant above
         raise EncodeCancelled
     return out.reshape(n, n_embd)
 

@@ -187,7 +187,7 @@ class _Tensors:
         self._tensors = tensors
         self._hp = hp
 
-    def _get(self, name: str, shape: tuple[int, ...]) -> Any:
+    def _get(self, name: str, shape: tuple[int | None, ...]) -> Any:
         tensor = self._tensors.get(name)
         if tensor is None:
             raise MmprojError(f"tensor {name} is missing")
@@ -297,5 +297,5 @@ def fingerprint(hp: VisionHParams, reader: gguf.GGUFReader) -> str:
     for tensor in sorted(reader.tensors, key=lambda t: t.name):
         shape = ",".join(str(int(d)) for d in tensor.shape)
         digest.update(f"\0{tensor.name}\0{int(tensor.tensor_type)}\0{shape}\0".encode())
-        digest.update(np.ascontiguousarray(tensor.data).view(np.uint8).reshape(-1))
+        digest.update(np.ascontiguousarray(tensor.data).view(np.uint8).reshape(-1).data)
     return "sha256:" + digest.hexdigest()

@@ -117,6 +117,6 @@ def preprocess(image: Image.Image, hp: VisionHParams, max_tokens: int, min_token
     size = (nx * unit, ny * unit)
     if image.size != size:
         image = image.resize(size, Image.Resampling.BICUBIC)
-    pixels = np.asarray(image, dtype=np.float32) / 255.0  # (height, width, 3)
+    pixels: np.ndarray = np.asarray(image, dtype=np.float32) / 255.0  # (height, width, 3)
     pixels = (pixels - np.asarray(hp.image_mean, np.float32)) / np.asarray(hp.image_std, np.float32)
     return Picture(np.ascontiguousarray(pixels.transpose(2, 0, 1)), nx, ny)

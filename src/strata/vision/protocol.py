@@ -21,6 +21,7 @@ import json
 import math
 import re
 import struct
+from typing import Any
 
 import numpy as np
 
@@ -282,6 +283,7 @@ def parse_request(line: bytes, max_image_bytes: int = MAX_IMAGE_BYTES) -> Reques
     if verb == "JOB":
         job_id = _job_id(words[1]) if len(words) > 1 else None
         _arity(words, 3, "JOB <id> <n_bytes>", job_id)
+        assert job_id is not None  # three words: _arity passed
         return EncodeBytes(job_id, _uint_for_job(words[2], max_image_bytes, job_id))
     if verb == "CANCEL":
         _arity(words, 2, "CANCEL <id>")
@@ -408,7 +410,7 @@ _CAPABILITY_TYPES = {
 
 def _capabilities(fields: dict) -> Capabilities:
     """Known fields are checked; unknown ones are ignored, so a newer encoder can add some."""
-    values = {}
+    values: dict[str, Any] = {}
     for name, kind in _CAPABILITY_TYPES.items():
         if name not in fields:
             raise ProtocolError(f"READY capabilities lack {name!r}")

@@ -209,16 +209,18 @@ class Server:
 
     def _run(self, job: _Job) -> tuple[Reply, bytes]:
         start = time.perf_counter()
-        source = job.image if job.image is not None else job.request.image
+        request = job.request
+        source = request.image if isinstance(request, EncodePath) else job.image
+        assert source is not None  # an in-band job carries its bytes
         try:
             picture = preprocess(load_image(source, self.max_pixels), self.encoder.hp, self.max_tokens,
                                  self.min_tokens)
             rows = self.encoder.encode(picture.pixels, job.cancel.is_set)
             data = encode_sve(rows, picture.nx, picture.ny)
             ms = (time.perf_counter() - start) * 1000
-            if isinstance(job.request, EncodeBytes):
-                return Result(job.request.job_id, picture.n_tokens, picture.nx, picture.ny, ms, len(data)), data
-            write_file(job.request.out, data)
+            if isinstance(request, EncodeBytes):
+                return Result(request.job_id, picture.n_tokens, picture.nx, picture.ny, ms, len(data)), data
+            write_file(request.out, data)
             return Encoded(picture.n_tokens, picture.nx, picture.ny, ms), b""
         except ImageError as exc:
             return Failed("image", str(exc), job.job_id), b""
@@ -227,8 +229,9 @@ class Server:
                 return Failed("cancelled", "the encoder is shutting down"), b""
             return Cancelled(job.job_id), b""
         except OSError as exc:
-            return Failed("output", f"cannot write '{job.request.out}': {exc}"), b""
-        except Exception as exc:  # a bug: report it on this job and keep serving the others
+            out = request.out if isinstance(request, EncodePath) else "the reply"
+            return Failed("output", f"cannot write '{out}': {exc}"), b""
+        except Exception as exc:  # noqa: BLE001 - a bug: report it on this job and keep serving the others
             traceback.print_exc(file=sys.stderr)
             return Failed("internal", f"{type(exc).__name__}: {exc}", job.job_id), b""
 

@@ -469,6 +469,7 @@ def _ask_again(example: Example, rng: random.Random) -> None:
     question = example.messages[0]["content"]
     text = next(p["text"] for p in question if p["type"] == "text")
     first = _user("What is in the picture?" if example.task == "count" else "What do you see?", True, rng)
+    assert example.scene is not None  # only examples with a picture are moved
     answer = describe(example.scene.shapes[0]) if example.task == "picture" else "Some shapes."
     example.messages[:1] = [first, _reply(answer, "", False), _user(text)]
 

@@ -54,7 +54,7 @@ class Item:
 def held_out(n: int, workdir: pathlib.Path, seed: int = HELD_OUT_SEED) -> list[Item]:
     """n items per score, pictures written as PNG files into `workdir`."""
     rng = random.Random(seed)
-    items = []
+    items: list[Item] = []
     for score, tasks in SCORES.items():
         while sum(item.score == score for item in items) < n:
             example = data.make_example(rng.choice(tasks), rng)
@@ -131,29 +131,31 @@ class VisionProcess:
         argv = [sys.executable, "-m", "strata.vision.worker", "--mmproj", os.fspath(mmproj), "--threads", str(threads)]
         argv += ["--max-tokens", str(max_tokens)] if max_tokens else []
         self.process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        ready = self.process.stdout.readline().decode()
+        assert self.process.stdin is not None and self.process.stdout is not None  # PIPE both
+        self.stdin, self.stdout = self.process.stdin, self.process.stdout
+        ready = self.stdout.readline().decode()
         if not ready.startswith("READY "):
             raise RuntimeError(f"strata-vision did not start: {ready.strip()}")
 
     def encode(self, picture: pathlib.Path) -> np.ndarray:
         out = picture.with_suffix(".sve")
-        self.process.stdin.write(f"ENC {json.dumps(os.fspath(picture))} {json.dumps(os.fspath(out))}\n".encode())
-        self.process.stdin.flush()
-        reply = self.process.stdout.readline().decode()
+        self.stdin.write(f"ENC {json.dumps(os.fspath(picture))} {json.dumps(os.fspath(out))}\n".encode())
+        self.stdin.flush()
+        reply = self.stdout.readline().decode()
         if not reply.startswith("OK "):
             raise RuntimeError(f"strata-vision: {reply.strip()}")
         _, rows = protocol.parse_sve(out.read_bytes())
         return rows
 
     def close(self) -> None:
-        self.process.stdin.write(b"QUIT\n")
-        self.process.stdin.close()
+        self.stdin.write(b"QUIT\n")
+        self.stdin.close()
         self.process.wait(timeout=30)
-        self.process.stdout.close()
+        self.stdout.close()
 
 
 def engine_runner(engine: Engine, vision: VisionProcess, tok: Tokenizer) -> Callable[[list[int], Item], str]:
-    pad = tok.token_to_id(IMAGE_PAD)
+    pad = tok.require_id(IMAGE_PAD)
 
     def run(ids: list[int], item: Item) -> str:
         rows = vision.encode(item.picture) if item.picture else None
@@ -171,7 +173,7 @@ def engine_runner(engine: Engine, vision: VisionProcess, tok: Tokenizer) -> Call
 
 def torch_runner(text: TextModel, vision: VisionModel, tok: Tokenizer,
                  max_tokens: int | None) -> Callable[[list[int], Item], str]:
-    pad = tok.token_to_id(IMAGE_PAD)
+    pad = tok.require_id(IMAGE_PAD)
     min_tokens, max_tokens = token_budget(vision.hp, max_tokens=max_tokens)
 
     @torch.no_grad()
@@ -211,9 +213,12 @@ def evaluate(model: pathlib.Path, mmproj: pathlib.Path, items: Iterable[Item], t
     try:
         by_engine = engine_runner(engine, vision, tok)
         by_torch = torch_runner(read_text(model), read_vision(mmproj), tok, max_tokens) if with_torch else None
+        template = tok.chat_template
+        if template is None:
+            raise ValueError(f"{model} has no chat template")
         results = []
         for item in items:
-            ids = prompt_ids(item, tok, tok.chat_template)
+            ids = prompt_ids(item, tok, template)
             results.append(Result(item, by_engine(ids, item), by_torch(ids, item) if by_torch else None))
         return results
     finally:
@@ -229,7 +234,7 @@ def summary(results: list[Result]) -> dict[str, dict[str, float]]:
     def row(subset: list[Result], ok: Callable[[Item, str], bool]) -> dict[str, float]:
         line = {"n": len(subset), "engine": float(np.mean([ok(r.item, r.engine) for r in subset]))}
         if subset[0].torch is not None:
-            line["torch"] = float(np.mean([ok(r.item, r.torch) for r in subset]))
+            line["torch"] = float(np.mean([ok(r.item, r.torch) for r in subset if r.torch is not None]))
             line["agreement"] = float(np.mean([r.engine == r.torch for r in subset]))
         return line
 

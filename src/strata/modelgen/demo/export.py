@@ -6,13 +6,14 @@ from __future__ import annotations
 import hashlib
 import os
 import pathlib
+from typing import Any
 
 import gguf
 import numpy as np
 import torch
 from gguf.quants import dequantize
 
-from strata.modelgen.demo.model import TextModel, VisionModel
+from strata.modelgen.demo.model import TextModel, VisionBlock, VisionModel
 from strata.modelgen.hparams import HParams
 from strata.modelgen.mmproj import add_vision_metadata
 from strata.modelgen.vocab import Vocab
@@ -41,11 +42,14 @@ def write_text(path: str | os.PathLike[str], model: TextModel, vocab: Vocab) -> 
 def vision_parameters(model: VisionModel) -> dict[str, torch.Tensor]:
     """mmproj tensor name -> the model's parameter, in the order the file stores them."""
     def linear(kind: gguf.MODEL_TENSOR, layer: torch.nn.Module, bid: int | None = None) -> dict[str, torch.Tensor]:
-        return {tensor_name(kind, "weight", bid): layer.weight, tensor_name(kind, "bias", bid): layer.bias}
+        weight, bias = layer.weight, layer.bias
+        assert isinstance(weight, torch.Tensor) and isinstance(bias, torch.Tensor), f"{layer} has no weight and bias"
+        return {tensor_name(kind, "weight", bid): weight, tensor_name(kind, "bias", bid): bias}
 
     out = linear(_T.V_ENC_EMBD_PATCH, model.patch_embd)
     out[tensor_name(_T.V_ENC_EMBD_POS)] = model.position_embd
     for bid, block in enumerate(model.blk):
+        assert isinstance(block, VisionBlock)
         out |= linear(_T.V_ENC_INPUT_NORM, block.ln1, bid)
         out |= linear(_T.V_ENC_ATTN_Q, block.attn_q, bid) | linear(_T.V_ENC_ATTN_K, block.attn_k, bid)
         out |= linear(_T.V_ENC_ATTN_V, block.attn_v, bid) | linear(_T.V_ENC_ATTN_O, block.attn_out, bid)
@@ -78,15 +82,19 @@ def _file_tensors(reader: gguf.GGUFReader) -> dict[str, torch.Tensor]:
 
 def text_hparams(reader: gguf.GGUFReader) -> HParams:
     """The hyper-parameters a demo GGUF file stores."""
-    def get(key: str) -> int | float:
+    def get(key: str) -> Any:
         return reader.fields[key.format(arch="qwen3moe")].contents()
 
+    def count(key: str) -> int:
+        return int(get(key))
+
     K, A = gguf.Keys.LLM, gguf.Keys.Attention
-    return HParams(n_layer=get(K.BLOCK_COUNT), n_embd=get(K.EMBEDDING_LENGTH), n_head=get(A.HEAD_COUNT),
-                   n_head_kv=get(A.HEAD_COUNT_KV), head_dim=get(A.KEY_LENGTH), n_ff=get(K.FEED_FORWARD_LENGTH),
-                   n_expert=get(K.EXPERT_COUNT), n_expert_used=get(K.EXPERT_USED_COUNT),
-                   n_ff_exp=get(K.EXPERT_FEED_FORWARD_LENGTH), n_ctx_train=get(K.CONTEXT_LENGTH),
-                   rope_base=get(gguf.Keys.Rope.FREQ_BASE), rms_eps=get(A.LAYERNORM_RMS_EPS))
+    return HParams(n_layer=count(K.BLOCK_COUNT), n_embd=count(K.EMBEDDING_LENGTH), n_head=count(A.HEAD_COUNT),
+                   n_head_kv=count(A.HEAD_COUNT_KV), head_dim=count(A.KEY_LENGTH),
+                   n_ff=count(K.FEED_FORWARD_LENGTH), n_expert=count(K.EXPERT_COUNT),
+                   n_expert_used=count(K.EXPERT_USED_COUNT), n_ff_exp=count(K.EXPERT_FEED_FORWARD_LENGTH),
+                   n_ctx_train=count(K.CONTEXT_LENGTH), rope_base=float(get(gguf.Keys.Rope.FREQ_BASE)),
+                   rms_eps=float(get(A.LAYERNORM_RMS_EPS)))
 
 
 def read_text(path: str | os.PathLike[str]) -> TextModel:

@@ -103,6 +103,8 @@ class TextBlock(nn.Module):
 class TextModel(nn.Module):
     """The qwen3moe language model; `forward` gives logits for every position."""
 
+    inv_freq: torch.Tensor  # a buffer (register_buffer)
+
     def __init__(self, hp: HParams, n_vocab: int, seed: int = 0) -> None:
         super().__init__()
         generator = torch.Generator().manual_seed(seed)
@@ -124,6 +126,7 @@ class TextModel(nn.Module):
         """
         x = self.token_embd[tokens]
         if image_rows is not None:
+            assert image_mask is not None, "image_rows need their image_mask"
             x = x.masked_scatter(image_mask.unsqueeze(-1), image_rows.to(x.dtype))
         theta = torch.arange(tokens.shape[1], dtype=torch.float32)[:, None] * self.inv_freq[None, :]
         cos, sin = theta.cos(), theta.sin()
@@ -138,7 +141,7 @@ class TextModel(nn.Module):
 
     def gguf_tensors(self) -> dict[str, torch.Tensor]:
         """GGUF tensor name (with `.weight`) -> tensor, numpy order."""
-        out = {"token_embd.weight": self.token_embd}
+        out: dict[str, torch.Tensor] = {"token_embd.weight": self.token_embd}
         for i, block in enumerate(self.blk):
             out |= {f"blk.{i}.{name}.weight": p for name, p in block.named_parameters()}
         return out | {"output_norm.weight": self.output_norm, "output.weight": self.output}

@@ -109,17 +109,19 @@ def encode(example: data.Example, tok: Tokenizer, template: str, hp: VisionHPara
            max_tokens: int) -> Encoded:
     """Token ids of the prompt and answer, each `<|image_pad|>` widened to its picture's rows."""
     prompt, answer = data.render(example, template)
-    pad = tok.token_to_id(IMAGE_PAD)
+    pad = tok.require_id(IMAGE_PAD)
     unit = hp.unit
     ids, pictures = [], []
     for i in tok.encode(prompt):
         if i != pad:
             ids.append(i)
             continue
+        assert example.scene is not None  # a prompt with a picture has its scene
         pixels = picture_pixels(example.scene, hp, max_tokens)
         pictures.append(pixels)
         ids += [pad] * ((pixels.shape[1] // unit) * (pixels.shape[2] // unit))
-    return Encoded(ids + tok.encode(answer), len(ids), pictures, [example.scene] * len(pictures))
+    scenes = [example.scene] * len(pictures) if example.scene is not None else []
+    return Encoded(ids + tok.encode(answer), len(ids), pictures, scenes)
 
 
 def _picture_budget(rng: random.Random, hp: VisionHParams) -> int:
@@ -166,7 +168,7 @@ def batch_stream(config: TrainConfig, tok: Tokenizer, pool: int = 8) -> Iterator
     little of each batch is padding."""
     stream = encoded_stream(config, tok, config.seed)
     rng = random.Random(config.seed + 2)
-    pad, image_pad = tok.token_to_id("<|endoftext|>"), tok.token_to_id(IMAGE_PAD)
+    pad, image_pad = tok.require_id("<|endoftext|>"), tok.require_id(IMAGE_PAD)
     while True:
         items = sorted((next(stream) for _ in range(pool * config.batch)), key=lambda item: len(item.ids))
         groups = [items[i:i + config.batch] for i in range(0, len(items), config.batch)]
