@@ -1,4 +1,4 @@
-"""`Engine`: a GGUF model and one sequence's context in the C engine.
+"""`Engine`: a GGUF model and a context of several sequences in the C engine.
 
 The GGUF file is memory-mapped (`strata.gguf_file`); the C model keeps pointers into that mapping, so the mapping
 lives as long as the engine. Every C call releases the GIL (cffi API mode), so `abort()` works from another thread
@@ -17,7 +17,7 @@ import numpy as np
 from strata.engine_cffi._engine import ffi, lib
 from strata.gguf_file import GGUFError, GGUFFile
 
-__all__ = ["Engine", "EngineAborted", "EngineError"]
+__all__ = ["BatchItem", "Engine", "EngineAborted", "EngineError"]
 
 _KV_TYPES = {"f32": lib.STRATA_KV_F32, "f16": lib.STRATA_KV_F16, "int8": lib.STRATA_KV_INT8}
 _INT32 = np.iinfo(np.int32)
@@ -28,7 +28,36 @@ class EngineError(Exception):
 
 
 class EngineAborted(EngineError):
-    """`Engine.abort()` stopped the call in flight; the positions it had not finished were dropped."""
+    """`Engine.abort()` stopped the call in flight; the positions it had not finished were dropped.
+
+    Attributes:
+        dropped: the sequences the call dropped (for `eval_batch`: the others' work is complete).
+    """
+
+    def __init__(self, message: str, dropped: frozenset[int] = frozenset()):
+        super().__init__(message)
+        self.dropped = dropped
+
+
+Embeds = Sequence[tuple[int, np.ndarray]]
+
+
+class BatchItem:
+    """One sequence's part of an `Engine.eval_batch` call: tokens appended after what the sequence holds.
+
+    Args:
+        seq: the sequence.
+        tokens: its new tokens.
+        embeds: (index in `tokens`, float32 (n_rows, n_embd)) rows replacing token embeddings.
+        logits: "last" (the last token's logits), "all" or "none".
+    """
+
+    __slots__ = ("seq", "tokens", "embeds", "logits")
+
+    def __init__(self, seq: int, tokens: Sequence[int], embeds: Embeds | None = None, logits: str = "last"):
+        if logits not in ("last", "all", "none"):
+            raise ValueError(f"logits must be 'last', 'all' or 'none', not {logits!r}")
+        self.seq, self.tokens, self.embeds, self.logits = int(seq), tokens, embeds, logits
 
 
 def _check(status: int) -> None:
@@ -106,7 +135,11 @@ def _set_hparams(p: Any, key: Any) -> None:
 
 
 class Engine:
-    """A model and the context of one sequence. Use `Engine.load`; close it (or use `with`) to free its memory."""
+    """A model and a context of `n_seq` sequences. Use `Engine.load`; close it (or use `with`) to free its memory.
+
+    The single-sequence calls (`eval`, `keep`, `n_past`, `abort`, ...) take `seq=0` by default, so a context of
+    one sequence reads like one.
+    """
 
     def __init__(self, file: GGUFFile, params: Any, model: Any, ctx: Any, keep: list[Any], n_ctx: int,
                  threads: int) -> None:
@@ -115,11 +148,14 @@ class Engine:
         self.n_vocab: int = params.n_vocab
         self.n_embd: int = params.n_embd
         self.n_ctx, self.threads, self.backend = n_ctx, threads, "cpu"
+        self.n_seq: int = lib.strata_n_seq(ctx)
+        self.kv_bytes: int = lib.strata_kv_bytes(ctx)  # the KV cache of every sequence, allocated once
+        self._dropped = ffi.new("int[]", self.n_seq)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], n_ctx: int = 4096, threads: int | None = None, kv: str = "f16",
-             n_batch: int = 256) -> Engine:
-        """Map a GGUF model and create its context.
+             n_batch: int = 256, n_seq: int = 1) -> Engine:
+        """Map a GGUF model and create its context: `n_seq` sequences of `n_ctx` positions each.
 
         Raises:
             EngineError: missing, truncated or non-GGUF file; unsupported architecture or tensor type; a context
@@ -140,8 +176,8 @@ class Engine:
             keep = []
             file.close()
             raise
-        cparams = ffi.new("strata_context_params *", {"n_ctx": n_ctx, "n_batch": n_batch, "n_threads": threads,
-                                                      "kv_type": _KV_TYPES[kv]})
+        cparams = ffi.new("strata_context_params *", {"n_ctx": n_ctx, "n_seq": n_seq, "n_batch": n_batch,
+                                                      "n_threads": threads, "kv_type": _KV_TYPES[kv]})
         ctx_out = ffi.new("strata_context **")
         status = lib.strata_context_create(model_out[0], cparams, ctx_out)
         if status != lib.STRATA_OK:
@@ -160,8 +196,15 @@ class Engine:
 
     @property
     def n_past(self) -> int:
-        """Positions held in the KV cache."""
-        return lib.strata_n_past(self._live_ctx())
+        """Positions sequence 0 holds."""
+        return self.seq_n_past(0)
+
+    def seq_n_past(self, seq: int) -> int:
+        """Positions sequence `seq` holds."""
+        n = lib.strata_n_past(self._live_ctx(), int(seq))
+        if n < 0:
+            raise EngineError(f"sequence {seq} outside [0, {self.n_seq})")
+        return n
 
     @property
     def metadata(self) -> dict[str, Any]:
@@ -180,10 +223,10 @@ class Engine:
 
     # --- calls
 
-    def eval(self, tokens: Sequence[int], embeds: Sequence[tuple[int, np.ndarray]] | None = None,
-             all_logits: bool = False) -> np.ndarray:
-        """Append `tokens` after the n_past positions and return float32 logits: (n_vocab,) for the last position,
-        or (len(tokens), n_vocab) with all_logits.
+    def eval(self, tokens: Sequence[int], embeds: Embeds | None = None, all_logits: bool = False,
+             seq: int = 0) -> np.ndarray:
+        """Append `tokens` after the positions sequence `seq` holds and return float32 logits: (n_vocab,) for the
+        last position, or (len(tokens), n_vocab) with all_logits.
 
         Args:
             embeds: (index_in_tokens, float32 (n_rows, n_embd)) pairs; the rows replace the token embeddings of
@@ -192,19 +235,80 @@ class Engine:
             EngineAborted: abort() stopped the call.
             EngineError: empty or out-of-range tokens, bad embedding rows, context full.
         """
-        ctx = self._live_ctx()
-        ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        if ids.size and (ids.min() < _INT32.min or ids.max() > _INT32.max):
-            raise EngineError(f"token id out of range [0, {self.n_vocab})")
-        ids32 = np.ascontiguousarray(ids, dtype=np.int32)
-        rows, index = self._embedding_rows(embeds or [])
-        logits = np.empty((len(ids32), self.n_vocab) if all_logits else (self.n_vocab,), dtype=np.float32)
-        _check(lib.strata_eval(ctx, ffi.from_buffer("int[]", ids32), len(ids32),
-                               ffi.from_buffer("float[]", rows), ffi.from_buffer("int[]", index), len(index),
-                               int(all_logits), ffi.from_buffer("float[]", logits)))
-        return logits
+        item = BatchItem(seq, tokens, embeds, "all" if all_logits else "last")
+        (logits,) = self.eval_batch([item])
+        return logits if all_logits else logits[0]
 
-    def _embedding_rows(self, embeds: Sequence[tuple[int, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    def eval_batch(self, items: Sequence[BatchItem]) -> list[np.ndarray]:
+        """Evaluate the tokens of several sequences in one call: every weight is read once for all of them.
+
+        Returns, per item, its logits rows: (1, n_vocab) for "last", (len(tokens), n_vocab) for "all", (0, n_vocab)
+        for "none" (views into one array).
+        Raises:
+            EngineAborted: abort(seq) dropped some sequences (`dropped`); the others' work is complete, but the
+                logits are not returned: evaluate nothing more for the dropped ones and look at `seq_n_past`.
+            EngineError: a sequence twice or out of range, empty or out-of-range tokens, bad embedding rows, a
+                sequence's context full.
+        """
+        ctx = self._live_ctx()
+        if not items:
+            raise EngineError("eval needs at least one token")
+        seen: set[int] = set()
+        ids: list[int] = []
+        seqs: list[int] = []
+        pos: list[int] = []
+        outs: list[int] = []
+        row_blocks, row_index = [], []
+        for item in items:
+            if item.seq in seen or not 0 <= item.seq < self.n_seq:
+                raise EngineError(f"sequence {item.seq}: twice in one call or outside [0, {self.n_seq})")
+            seen.add(item.seq)
+            start, n = len(ids), len(item.tokens)
+            if n == 0:
+                raise EngineError(f"sequence {item.seq}: no tokens")
+            ids.extend(item.tokens)
+            past = lib.strata_n_past(ctx, item.seq)
+            seqs.extend([item.seq] * n)
+            pos.extend(range(past, past + n))
+            if item.logits == "all":
+                outs.extend(range(start, start + n))
+            elif item.logits == "last":
+                outs.append(start + n - 1)
+            if item.embeds:
+                rows, index = self._embedding_rows(item.embeds, n)
+                row_blocks.append(rows)
+                row_index.append(index + start)
+        ids64 = np.asarray(ids, dtype=np.int64)
+        if ids64.min() < _INT32.min or ids64.max() > _INT32.max:
+            raise EngineError(f"token id out of range [0, {self.n_vocab})")
+        ids32, seq32 = ids64.astype(np.int32), np.asarray(seqs, dtype=np.int32)
+        pos32, out32 = np.asarray(pos, dtype=np.int32), np.asarray(outs, dtype=np.int32)
+        if row_blocks:
+            rows, index = np.concatenate(row_blocks), np.concatenate(row_index).astype(np.int32)
+        else:
+            rows, index = np.zeros((1, self.n_embd), np.float32), np.zeros(0, np.int32)
+        logits = np.empty((len(out32), self.n_vocab), dtype=np.float32)
+        batch = ffi.new("strata_batch *")
+        keep = [ffi.from_buffer("int[]", ids32), ffi.from_buffer("int[]", seq32), ffi.from_buffer("int[]", pos32),
+                ffi.from_buffer("float[]", rows), ffi.from_buffer("int[]", index), ffi.from_buffer("int[]", out32),
+                ffi.from_buffer("float[]", logits)]
+        batch.n_tokens, batch.tokens, batch.seq, batch.pos = len(ids32), keep[0], keep[1], keep[2]
+        batch.embd_rows, batch.embd_index, batch.n_embd_rows = keep[3], keep[4], len(index)
+        batch.out_index, batch.n_out, batch.logits = keep[5], len(out32), keep[6]
+        batch.seq_dropped = self._dropped
+        status = lib.strata_eval_batch(ctx, batch)
+        if status == lib.STRATA_ABORTED:
+            dropped = frozenset(s for s in range(self.n_seq) if self._dropped[s])
+            raise EngineAborted(ffi.string(lib.strata_last_error()).decode("utf-8", "replace"), dropped)
+        _check(status)
+        result, at = [], 0
+        for item in items:
+            n = {"all": len(item.tokens), "last": 1, "none": 0}[item.logits]
+            result.append(logits[at : at + n])
+            at += n
+        return result
+
+    def _embedding_rows(self, embeds: Embeds, n_tokens: int) -> tuple[np.ndarray, np.ndarray]:
         """The embedding rows as one (n_rows, n_embd) array and the token index of each row."""
         rows, index = [], []
         for start, array in embeds:
@@ -212,24 +316,32 @@ class Engine:
             if block.ndim != 2 or block.shape[1] != self.n_embd:
                 raise EngineError(f"embedding rows at {start} have shape {block.shape}, expected (n, {self.n_embd})")
             rows.append(block)
-            index.append(int(start) + np.arange(len(block), dtype=np.int32))
+            index.append(int(start) + np.arange(len(block), dtype=np.int64))
         if not rows:
-            return np.zeros((1, self.n_embd), np.float32), np.zeros(1, np.int32)[:0]
-        return np.concatenate(rows), np.concatenate(index).astype(np.int32)
+            return np.zeros((0, self.n_embd), np.float32), np.zeros(0, np.int64)
+        at = np.concatenate(index)
+        if at.min() < 0 or at.max() >= n_tokens:  # the C check sees call indices, which would name another sequence
+            raise EngineError(f"embedding rows at indices outside the {n_tokens} tokens")
+        return np.concatenate(rows), at
 
-    def keep(self, n: int) -> None:
-        """Truncate the KV cache to its first n positions; keep(0) resets the sequence."""
-        _check(lib.strata_keep(self._live_ctx(), int(n)))
+    def keep(self, n: int, seq: int = 0) -> None:
+        """Truncate sequence `seq` to its first n positions; keep(0) clears it."""
+        _check(lib.strata_keep(self._live_ctx(), int(seq), int(n)))
 
-    def abort(self) -> None:
-        """Stop the eval in flight (from any thread) within one decode step or one layer of a prompt chunk. If no
-        call is in flight, the next one stops at once (so a decode loop ends even when the abort falls between two
-        steps); `clear_abort()` drops such a flag when it is no longer wanted."""
-        lib.strata_abort(self._live_ctx())
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Sequence `dst` = the first n positions of sequence `src` (copied KV rows: no forward pass)."""
+        _check(lib.strata_copy_prefix(self._live_ctx(), int(src), int(dst), int(n)))
 
-    def clear_abort(self) -> None:
+    def abort(self, seq: int = 0) -> None:
+        """Stop sequence `seq`'s work in the eval in flight (from any thread) within one layer of a chunk; the call's
+        other sequences go on. If no call is in flight, the next call with tokens of `seq` stops it at once (so a
+        decode loop ends even when the abort falls between two steps); `clear_abort()` drops such a flag when it
+        is no longer wanted."""
+        _check(lib.strata_abort(self._live_ctx(), int(seq)))
+
+    def clear_abort(self, seq: int = 0) -> None:
         """Lower an abort flag that no call has consumed, e.g. before starting a new request's work."""
-        lib.strata_clear_abort(self._live_ctx())
+        _check(lib.strata_clear_abort(self._live_ctx(), int(seq)))
 
     def close(self) -> None:
         """Free the context and the model, then drop the file mapping. Idempotent."""

@@ -1,4 +1,4 @@
-/* engine.c — a model built from a GGUF tensor table, a context holding one sequence, and the forward pass of
+/* engine.c — a model built from a GGUF tensor table, a context holding several sequences, and the forward pass of
  * qwen3moe, qwen3 and llama on the CPU.
  * Threads: each chunk of tokens is one job on the context's thread pool (threadpool.h); every step inside it splits
  * its rows among the threads and ends at the pool's barrier, which orders it before the next step, so a small
@@ -259,22 +259,29 @@ void strata_model_free(strata_model *m) {
     free(m);
 }
 
-// --- context: KV cache and scratch for one chunk
+// --- context: the sequences' KV cache and scratch for one chunk
 
 struct strata_context {
     const strata_model *model;
-    int n_ctx, n_batch, n_threads, kv_type;
+    int n_ctx, n_seq, n_batch, n_threads, kv_type;
     strata_pool *pool;             /* n_threads threads, the caller's included */
-    int n_past;                    /* positions held in the cache */
-    atomic_int abort_flag;
-    int stop;                      /* the abort flag as the team read it at the last check */
+    int *n_past;                   // (n_seq,) positions each sequence holds
+    atomic_int *abort_flag;        // (n_seq,) raised by strata_abort, lowered when a call drops the sequence
+    int *dropped;                  // (n_seq,) the call in flight dropped the sequence (its flag was seen)
+    int stop;                      /* every sequence of the chunk was dropped, as the team read it */
     strata_timings timings;
     double output_t0;              /* when the current output projection began (ms) */
     size_t kv_elem;                /* bytes per cached value */
-    void *k_cache;                 // (n_layer, n_head_kv, n_ctx, head_dim) of kv_type
-    void *v_cache;                 // (n_layer, n_head_kv, n_ctx, head_dim) of kv_type
-    float *k_scale;                // (n_layer, n_head_kv, n_ctx) int8 only
-    float *v_scale;                // (n_layer, n_head_kv, n_ctx) int8 only
+    void *k_cache;                 // (n_seq, n_layer, n_head_kv, n_ctx, head_dim) of kv_type
+    void *v_cache;                 // (n_seq, n_layer, n_head_kv, n_ctx, head_dim) of kv_type
+    float *k_scale;                // (n_seq, n_layer, n_head_kv, n_ctx) int8 only
+    float *v_scale;                // (n_seq, n_layer, n_head_kv, n_ctx) int8 only
+    /* the chunk in flight: its tokens gathered from the call, in call order */
+    int *chunk_token;              // (n_batch,) token ids
+    int *chunk_seq;                // (n_batch,) sequence of each token
+    int *chunk_pos;                // (n_batch,) position of each token in its sequence
+    int *chunk_embd;               // (n_batch,) the caller's embedding row replacing the token, or -1
+    int *chunk_out;                // (n_batch,) the caller's logits row of the token, or -1
     float *x;                      // (n_batch, n_embd) residual stream
     float *xb;                     // (n_batch, n_embd) normed input of a block, then its output
     float *q;                      // (n_batch, n_head * head_dim)
@@ -319,7 +326,7 @@ static strata_status alloc_context(strata_context *c) {
     int64_t B = c->n_batch, k_used = c->model->is_moe ? p->n_expert_used : 1;
     int64_t n_ff_max = c->model->is_moe ? p->n_ff_exp : p->n_ff;
     int64_t widest = max64(max64(p->n_embd, q_dim), n_ff_max);
-    size_t cache_vals = (size_t)p->n_layer * c->n_ctx * kv_dim;
+    size_t cache_vals = (size_t)c->n_seq * p->n_layer * c->n_ctx * kv_dim;
     c->act_row_max = sizeof(float) * widest;  // f32 is the widest activation type
     c->k_cache = malloc(cache_vals * c->kv_elem);
     c->v_cache = malloc(cache_vals * c->kv_elem);
@@ -337,8 +344,15 @@ static strata_status alloc_context(strata_context *c) {
     c->hb = malloc(sizeof(float) * B * k_used * n_ff_max);
     c->hb2 = malloc(sizeof(float) * B * k_used * n_ff_max);
     c->xq = malloc(c->act_row_max * B * k_used);
+    c->n_past = calloc(c->n_seq, sizeof(int));
+    c->abort_flag = calloc(c->n_seq, sizeof(atomic_int));
+    c->dropped = calloc(c->n_seq, sizeof(int));
+    int **chunk[] = {&c->chunk_token, &c->chunk_seq, &c->chunk_pos, &c->chunk_embd, &c->chunk_out};
     int ok = c->k_cache && c->v_cache && c->x && c->xb && c->q && c->k && c->v && c->att && c->scores &&
-             c->hb && c->hb2 && c->xq && (c->kv_type != STRATA_KV_INT8 || (c->k_scale && c->v_scale));
+             c->hb && c->hb2 && c->xq && (c->kv_type != STRATA_KV_INT8 || (c->k_scale && c->v_scale)) &&
+             c->n_past && c->abort_flag && c->dropped;
+    for (size_t i = 0; i < sizeof chunk / sizeof chunk[0]; i++) ok = ok && (*chunk[i] = malloc(sizeof(int) * B));
+    for (int s = 0; ok && s < c->n_seq; s++) atomic_init(&c->abort_flag[s], 0);
     if (c->model->is_moe) {
         int64_t blocks = (p->n_ff_exp + ROWS_PER_TASK - 1) / ROWS_PER_TASK + (p->n_embd + ROWS_PER_TASK - 1) /
                          ROWS_PER_TASK;  // gate/up tasks, then down tasks, per expert
@@ -354,12 +368,13 @@ static strata_status alloc_context(strata_context *c) {
         ok = ok && c->moe_out && c->router && c->xq_slots && c->slot_of && c->choice_weight && c->slot_token &&
              c->expert_start && c->expert_count && c->tasks;
     }
-    return ok ? STRATA_OK : fail(STRATA_ERR_NOMEM, "out of memory for a context of %d positions", c->n_ctx);
+    return ok ? STRATA_OK : fail(STRATA_ERR_NOMEM, "out of memory for a context of %d x %d positions", c->n_seq,
+                                 c->n_ctx);
 }
 
 static strata_status check_context_params(const strata_model *m, const strata_context_params *p) {
-    if (p->n_ctx <= 0 || p->n_batch <= 0 || p->n_threads <= 0)
-        return fail(STRATA_ERR_INVALID_ARG, "n_ctx, n_batch and n_threads must be positive");
+    if (p->n_ctx <= 0 || p->n_seq <= 0 || p->n_batch <= 0 || p->n_threads <= 0)
+        return fail(STRATA_ERR_INVALID_ARG, "n_ctx, n_seq, n_batch and n_threads must be positive");
     if (p->n_ctx > m->hp.n_ctx_train)
         return fail(STRATA_ERR_INVALID_ARG, "context of %d positions is larger than the model's %d", p->n_ctx,
                     m->hp.n_ctx_train);
@@ -378,11 +393,11 @@ strata_status strata_context_create(const strata_model *model, const strata_cont
     if (!c) return fail(STRATA_ERR_NOMEM, "out of memory");
     c->model = model;
     c->n_ctx = params->n_ctx;
+    c->n_seq = params->n_seq;
     c->n_batch = params->n_batch < params->n_ctx ? params->n_batch : params->n_ctx;
     c->n_threads = params->n_threads;
     c->kv_type = params->kv_type;
     c->kv_elem = kv_elem_bytes(params->kv_type);
-    atomic_init(&c->abort_flag, 0);
     c->pool = strata_pool_create(c->n_threads);
     if (!c->pool) st = fail(STRATA_ERR_NOMEM, "could not start %d threads", c->n_threads);
     else st = alloc_context(c);
@@ -399,33 +414,84 @@ void strata_context_free(strata_context *c) {
     strata_pool_free(c->pool);
     void *bufs[] = {c->k_cache, c->v_cache, c->k_scale, c->v_scale, c->x, c->xb, c->q, c->k, c->v, c->att,
                     c->scores, c->hb, c->hb2, c->moe_out, c->router, c->xq, c->xq_slots, c->slot_of,
-                    c->choice_weight, c->slot_token, c->expert_start, c->expert_count, c->tasks};
+                    c->choice_weight, c->slot_token, c->expert_start, c->expert_count, c->tasks, c->n_past,
+                    (void *)c->abort_flag, c->dropped, c->chunk_token, c->chunk_seq, c->chunk_pos, c->chunk_embd,
+                    c->chunk_out};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
     free(c);
 }
 
-int strata_n_past(const strata_context *c) { return c->n_past; }
+int strata_n_seq(const strata_context *c) { return c->n_seq; }
 
-strata_status strata_keep(strata_context *c, int n) {
-    if (n < 0 || n > c->n_past)
-        return fail(STRATA_ERR_INVALID_ARG, "keep(%d): the context holds %d positions", n, c->n_past);
-    c->n_past = n;  // the rows past n are overwritten by the next eval
+int strata_n_ctx(const strata_context *c) { return c->n_ctx; }
+
+size_t strata_kv_bytes(const strata_context *c) {
+    const strata_model_params *p = &c->model->hp;
+    size_t rows = (size_t)c->n_seq * p->n_layer * p->n_head_kv * c->n_ctx;  // of head_dim values, K and V each
+    return 2 * rows * (p->head_dim * c->kv_elem + (c->kv_type == STRATA_KV_INT8 ? sizeof(float) : 0));
+}
+
+static strata_status check_seq(const strata_context *c, int seq) {
+    if (seq < 0 || seq >= c->n_seq)
+        return fail(STRATA_ERR_INVALID_ARG, "sequence %d outside [0, %d)", seq, c->n_seq);
     return STRATA_OK;
 }
 
-void strata_abort(strata_context *c) { atomic_store(&c->abort_flag, 1); }
+int strata_n_past(const strata_context *c, int seq) { return check_seq(c, seq) == STRATA_OK ? c->n_past[seq] : -1; }
 
-void strata_clear_abort(strata_context *c) { atomic_store(&c->abort_flag, 0); }
+strata_status strata_keep(strata_context *c, int seq, int n) {
+    strata_status st = check_seq(c, seq);
+    if (st != STRATA_OK) return st;
+    if (n < 0 || n > c->n_past[seq])
+        return fail(STRATA_ERR_INVALID_ARG, "keep(%d): sequence %d holds %d positions", n, seq, c->n_past[seq]);
+    c->n_past[seq] = n;  // the rows past n are overwritten by the next eval
+    return STRATA_OK;
+}
+
+strata_status strata_abort(strata_context *c, int seq) {
+    strata_status st = check_seq(c, seq);
+    if (st == STRATA_OK) atomic_store(&c->abort_flag[seq], 1);
+    return st;
+}
+
+strata_status strata_clear_abort(strata_context *c, int seq) {
+    strata_status st = check_seq(c, seq);
+    if (st == STRATA_OK) atomic_store(&c->abort_flag[seq], 0);
+    return st;
+}
 
 void strata_get_timings(const strata_context *c, strata_timings *out) { *out = c->timings; }
 
 // --- KV cache rows: one (position, kv head) row of head_dim values
 
-/* Index of row (il, pos, kvh) in the cache, and of its int8 scale. A kv head's positions are adjacent, so
- * attention reads each head's rows as one sequential stream. */
-static size_t kv_index(const strata_context *c, int il, int pos, int kvh) {
+/* Index of row (seq, il, kvh, position 0) in the cache, and of its int8 scale; position p is row base + p. A kv
+ * head's positions are adjacent, so attention reads each head's rows as one sequential stream. */
+static size_t kv_base(const strata_context *c, int seq, int il, int kvh) {
     const strata_model_params *p = &c->model->hp;
-    return ((size_t)il * p->n_head_kv + kvh) * c->n_ctx + pos;
+    return (((size_t)seq * p->n_layer + il) * p->n_head_kv + kvh) * c->n_ctx;
+}
+
+strata_status strata_copy_prefix(strata_context *c, int src, int dst, int n) {
+    strata_status st = check_seq(c, src);
+    if (st == STRATA_OK) st = check_seq(c, dst);
+    if (st != STRATA_OK) return st;
+    if (n < 0 || n > c->n_past[src])
+        return fail(STRATA_ERR_INVALID_ARG, "copy of %d positions: sequence %d holds %d", n, src, c->n_past[src]);
+    if (src == dst) return strata_keep(c, dst, n);
+    const strata_model_params *p = &c->model->hp;
+    size_t row = p->head_dim * c->kv_elem;
+    for (int il = 0; il < p->n_layer; il++)
+        for (int h = 0; h < p->n_head_kv; h++) {
+            size_t from = kv_base(c, src, il, h), to = kv_base(c, dst, il, h);
+            memcpy((char *)c->k_cache + to * row, (const char *)c->k_cache + from * row, n * row);
+            memcpy((char *)c->v_cache + to * row, (const char *)c->v_cache + from * row, n * row);
+            if (c->kv_type == STRATA_KV_INT8) {
+                memcpy(c->k_scale + to, c->k_scale + from, sizeof(float) * n);
+                memcpy(c->v_scale + to, c->v_scale + from, sizeof(float) * n);
+            }
+        }
+    c->n_past[dst] = n;
+    return STRATA_OK;
 }
 
 /* cache row `idx` = src (head_dim) in the cache's type. */
@@ -509,14 +575,14 @@ static float dot_row(int kv_type, const float *q, const void *row, int hd) {
 #if defined(AV)
 /* Elements [i0, i0 + NV * AV) of out rows a, b (see weighted_rows); NV is a constant, so the 2 NV sums stay in
  * registers. */
-static inline __attribute__((always_inline)) void weighted_slice(const strata_context *c, int il, int kvh,
+static inline __attribute__((always_inline)) void weighted_slice(const strata_context *c, size_t base,
                                                                  const float *wa, const float *wb, int n_pos,
                                                                  int i0, int NV, float *oa, float *ob) {
     avec sa[AV_SLICE], sb[AV_SLICE];
     float f;
     for (int k = 0; k < NV; k++) sa[k] = sb[k] = av_zero();
     for (int p = 0; p < n_pos; p++) {
-        const void *row = kv_row(c, c->v_cache, c->v_scale, kv_index(c, il, p, kvh), &f);
+        const void *row = kv_row(c, c->v_cache, c->v_scale, base + p, &f);
         avec ba = av_set1(wa[p] * f), bb = av_set1(wb[p] * f);
         for (int k = 0; k < NV; k++) {
             avec v = kv_vec(c->kv_type, row, i0 + k * AV);
@@ -528,20 +594,20 @@ static inline __attribute__((always_inline)) void weighted_slice(const strata_co
 }
 #endif
 
-/* out rows a, b (head_dim) = sum over positions p < n_pos of wa[p], wb[p] times V row p. Each row is converted
- * once for both heads, the sums held in registers a slice of the row at a time. */
-static void weighted_rows(const strata_context *c, int il, int kvh, const float *wa, const float *wb, int n_pos,
+/* out rows a, b (head_dim) = sum over positions p < n_pos of wa[p], wb[p] times V row base + p. Each row is
+ * converted once for both heads, the sums held in registers a slice of the row at a time. */
+static void weighted_rows(const strata_context *c, size_t base, const float *wa, const float *wb, int n_pos,
                           float *oa, float *ob) {
     int hd = c->model->hp.head_dim, i0 = 0;
 #if defined(AV)
     for (; i0 + AV_SLICE * AV <= hd; i0 += AV_SLICE * AV)
-        weighted_slice(c, il, kvh, wa, wb, n_pos, i0, AV_SLICE, oa, ob);
-    for (; i0 + AV <= hd; i0 += AV) weighted_slice(c, il, kvh, wa, wb, n_pos, i0, 1, oa, ob);
+        weighted_slice(c, base, wa, wb, n_pos, i0, AV_SLICE, oa, ob);
+    for (; i0 + AV <= hd; i0 += AV) weighted_slice(c, base, wa, wb, n_pos, i0, 1, oa, ob);
 #endif
     for (int i = i0; i < hd; i++) {
         float sa = 0.0f, sb = 0.0f, f;
         for (int p = 0; p < n_pos; p++) {
-            const void *row = kv_row(c, c->v_cache, c->v_scale, kv_index(c, il, p, kvh), &f);
+            const void *row = kv_row(c, c->v_cache, c->v_scale, base + p, &f);
             float v = f * load1(c->kv_type, row, i);
             sa += wa[p] * v;
             sb += wb[p] * v;
@@ -653,16 +719,16 @@ static void rope(float *x, int hd, const float *cs, const float *sn, rope_mode m
 }
 
 /* Per token: q, k heads = RoPE(per-head RMSNorm (qwen3) of q, k) at the token's position; then its k and v rows
- * go into the cache at that position. */
-static void rope_and_cache(const team *tm, strata_context *c, const layer_weights *L, int il, int n_tok,
-                           int pos0) {
+ * go into its sequence's cache at that position. */
+static void rope_and_cache(const team *tm, strata_context *c, const layer_weights *L, int il, int n_tok) {
     const strata_model *m = c->model;
     int hd = m->hp.head_dim, nh = m->hp.n_head, nkv = m->hp.n_head_kv;
     range r = share(tm, n_tok);
     for (int t = (int)r.lo; t < r.hi; t++) {
-        float cs[hd / 2], sn[hd / 2];  // angle (pos0 + t) * inv_freq[i], shared by every head
+        int pos = c->chunk_pos[t];
+        float cs[hd / 2], sn[hd / 2];  // angle pos * inv_freq[i], shared by every head
         for (int i = 0; i < hd / 2; i++) {
-            float theta = (pos0 + t) * m->inv_freq[i];
+            float theta = pos * m->inv_freq[i];
             cs[i] = cosf(theta);
             sn[i] = sinf(theta);
         }
@@ -672,7 +738,7 @@ static void rope_and_cache(const team *tm, strata_context *c, const layer_weight
             rope(x, hd, cs, sn, m->rope);
         }
         for (int h = 0; h < nkv; h++) {
-            size_t idx = kv_index(c, il, pos0 + t, h), src = ((size_t)t * nkv + h) * hd;
+            size_t idx = kv_base(c, c->chunk_seq[t], il, h) + pos, src = ((size_t)t * nkv + h) * hd;
             kv_store(c, c->k_cache, c->k_scale, idx, c->k + src);
             kv_store(c, c->v_cache, c->v_scale, idx, c->v + src);
         }
@@ -701,27 +767,29 @@ static void softmax(float *x, int n) {
 }
 
 /* out rows (n_q, head_dim) = softmax(q_j . K[0..n_pos) / sqrt(head_dim)) . V[0..n_pos), in f32, for n_q query
- * heads sharing kv head kvh, reading the cache in place. scores: (n_q, n_ctx) scratch. */
-static void attend_heads(strata_context *c, int il, int kvh, const float *q, int n_q, int n_pos, float *scores,
+ * heads sharing one kv head, whose rows start at `base`, reading the cache in place. scores: (n_q, n_ctx)
+ * scratch. */
+static void attend_heads(strata_context *c, size_t base, const float *q, int n_q, int n_pos, float *scores,
                          float *out) {
     int hd = c->model->hp.head_dim;
     float scale = 1.0f / sqrtf((float)hd), f;
     for (int p = 0; p < n_pos; p++) {
-        const void *row = kv_row(c, c->k_cache, c->k_scale, kv_index(c, il, p, kvh), &f);
+        const void *row = kv_row(c, c->k_cache, c->k_scale, base + p, &f);
         for (int j = 0; j < n_q; j++)
             scores[(size_t)j * c->n_ctx + p] = dot_row(c->kv_type, q + j * hd, row, hd) * (f * scale);
     }
     for (int j = 0; j < n_q; j++) softmax(scores + (size_t)j * c->n_ctx, n_pos);
     for (int j = 0; j < n_q; j += 2) {  // heads in pairs; an odd last one pairs with itself
         int j1 = j + 1 < n_q ? j + 1 : j;
-        weighted_rows(c, il, kvh, scores + (size_t)j * c->n_ctx, scores + (size_t)j1 * c->n_ctx, n_pos,
+        weighted_rows(c, base, scores + (size_t)j * c->n_ctx, scores + (size_t)j1 * c->n_ctx, n_pos,
                       out + j * hd, out + j1 * hd);
     }
 }
 
-/* att = causal grouped-query attention of the chunk's queries over the cache. A task is a token and some query
- * heads of one kv head: the whole group, unless that leaves threads idle (decode), then halves of it. */
-static void attention(const team *tm, strata_context *c, int il, int n_tok, int pos0) {
+/* att = causal grouped-query attention of the chunk's queries over their sequences' caches. A task is a token
+ * and some query heads of one kv head: the whole group, unless that leaves threads idle (decode), then halves of
+ * it. */
+static void attention(const team *tm, strata_context *c, int il, int n_tok) {
     const strata_model_params *p = &c->model->hp;
     int hd = p->head_dim, nh = p->n_head, group = p->n_head / p->n_head_kv, per = group;
     while (per % 2 == 0 && n_tok * (nh / per) < 2 * tm->nth) per /= 2;
@@ -730,7 +798,8 @@ static void attention(const team *tm, strata_context *c, int il, int n_tok, int 
     for (int task; (task = team_next(tm)) < n_tok * tasks_per_token;) {
         int t = task / tasks_per_token, h0 = task % tasks_per_token * per;
         size_t off = ((size_t)t * nh + h0) * hd;
-        attend_heads(c, il, h0 / group, c->q + off, per, pos0 + t + 1, scores, c->att + off);
+        attend_heads(c, kv_base(c, c->chunk_seq[t], il, h0 / group), c->q + off, per, c->chunk_pos[t] + 1, scores,
+                     c->att + off);
     }
     team_sync(tm);
 }
@@ -756,7 +825,7 @@ static void swiglu_rows(const team *tm, float *hb, const float *hb2, int n_rows,
 
 // --- transformer blocks
 
-static void attention_block(const team *tm, strata_context *c, int il, int n_tok, int pos0) {
+static void attention_block(const team *tm, strata_context *c, int il, int n_tok) {
     const strata_model_params *p = &c->model->hp;
     const layer_weights *L = &c->model->layers[il];
     // xb = rmsnorm(x); q, k, v = xb @ Wq, Wk, Wv
@@ -765,9 +834,9 @@ static void attention_block(const team *tm, strata_context *c, int il, int n_tok
     float *ys[3] = {c->q, c->k, c->v};
     linear(tm, c, c->xb, n_tok, 3, ws, ys);
     // q, k = rope(qk_norm(q, k)); cache k, v at the chunk's positions
-    rope_and_cache(tm, c, L, il, n_tok, pos0);
+    rope_and_cache(tm, c, L, il, n_tok);
     // att = softmax(q k^T / sqrt(head_dim)) v over positions <= each token's; x += att @ Wo
-    attention(tm, c, il, n_tok, pos0);
+    attention(tm, c, il, n_tok);
     linear1(tm, c, c->att, n_tok, &L->wo, c->xb);
     add_rows(tm, c->x, c->xb, n_tok, p->n_embd);
 }
@@ -939,132 +1008,165 @@ static double now_ms(void) {
     return ts.tv_sec * 1e3 + ts.tv_nsec * 1e-6;
 }
 
-/* x rows = token embeddings, or the caller's rows where embd_at[t] >= 0. */
-static void embed(const team *tm, strata_context *c, const int *tokens, const int *embd_at, const float *embd_rows,
-                  int n_tok) {
+/* x rows = token embeddings, or the caller's rows where the chunk says so. */
+static void embed(const team *tm, strata_context *c, const float *embd_rows, int n_tok) {
     const strata_model *m = c->model;
     int64_t E = m->hp.n_embd;
     range r = share(tm, n_tok);
     for (int64_t t = r.lo; t < r.hi; t++) {
-        if (embd_at && embd_at[t] >= 0)
-            memcpy(c->x + t * E, embd_rows + (size_t)embd_at[t] * E, sizeof(float) * E);
+        if (c->chunk_embd[t] >= 0)
+            memcpy(c->x + t * E, embd_rows + (size_t)c->chunk_embd[t] * E, sizeof(float) * E);
         else
-            strata_dequantize_row_any(m->tok_embd.type,
-                                      (const char *)m->tok_embd.data + (size_t)tokens[t] * m->tok_embd.row_bytes,
-                                      c->x + t * E, E);
+            strata_dequantize_row_any(m->tok_embd.type, (const char *)m->tok_embd.data +
+                                      (size_t)c->chunk_token[t] * m->tok_embd.row_bytes, c->x + t * E, E);
     }
     team_sync(tm);
 }
 
-/* Read the abort flag once for the whole team; the barrier after thread 0's read gives every thread the same
- * answer. */
-static int team_should_stop(const team *tm, strata_context *c) {
-    if (tm->ith == 0) c->stop = atomic_load(&c->abort_flag);
+/* Thread 0 reads the abort flags of the chunk's sequences: a raised flag drops its sequence from the rest of the
+ * call (and is lowered). The chunk stops when all its sequences are dropped; the others' tokens go on, so one
+ * sequence's abort never costs another its work. The barrier gives every thread the same answer. */
+static int team_should_stop(const team *tm, strata_context *c, int n_tok) {
+    if (tm->ith == 0) {
+        int live = 0;
+        for (int t = 0; t < n_tok; t++) {
+            int s = c->chunk_seq[t];
+            if (!c->dropped[s] && atomic_exchange(&c->abort_flag[s], 0)) c->dropped[s] = 1;
+            live |= !c->dropped[s];
+        }
+        c->stop = !live;
+    }
     team_sync(tm);
     return c->stop;
 }
 
-/* logits rows (n_out, n_vocab) = rmsnorm(x rows [first, first + n_out)) @ Woutput. */
-static void output_logits(const team *tm, strata_context *c, int first, int n_out, float *logits) {
+/* rmsnorm(x rows) @ Woutput into the caller's logits rows, for the chunk's tokens that want logits. Rows of
+ * consecutive logits rows go through one product (normally the whole chunk: one read of the output weight). */
+static void output_logits(const team *tm, strata_context *c, int n_tok, float *logits) {
     const strata_model *m = c->model;
-    int64_t E = m->hp.n_embd;
-    rmsnorm_rows(tm, c->xb, c->x + (size_t)first * E, m->output_norm, n_out, E, m->hp.rms_eps);
-    linear1(tm, c, c->xb, n_out, &m->output, logits);
+    int64_t E = m->hp.n_embd, V = m->hp.n_vocab;
+    for (int t = 0; t < n_tok;) {
+        if (c->chunk_out[t] < 0) {
+            t++;
+            continue;
+        }
+        int n = 1;  // a run of tokens t.. whose logits rows follow each other
+        while (t + n < n_tok && c->chunk_out[t + n] == c->chunk_out[t] + n) n++;
+        rmsnorm_rows(tm, c->xb, c->x + (size_t)t * E, m->output_norm, n, E, m->hp.rms_eps);
+        linear1(tm, c, c->xb, n, &m->output, logits + (size_t)c->chunk_out[t] * V);
+        t += n;
+    }
 }
 
 /* One chunk's forward pass, as a job for the pool. */
 typedef struct {
     strata_context *c;
-    const int *tokens;             // (n_tok,)
-    const int *embd_at;            // (n_tok,) the caller's row replacing each token, or -1
     const float *embd_rows;        // (n_embd_rows, n_embd)
-    int n_tok, pos0, all_logits;
-    float *logits;                 // (n_tok or 1, n_vocab), or NULL for none
+    int n_tok;
+    float *logits;                 // the caller's (n_out, n_vocab)
 } chunk_job;
 
-/* Every thread's part of a chunk: embeddings, every layer (the abort flag checked before each), logits. */
+/* Every thread's part of a chunk: embeddings, every layer (the abort flags checked before each), logits. */
 static void forward_job(int ith, int nth, void *arg) {
     const chunk_job *j = arg;
     strata_context *c = j->c;
     const strata_model *m = c->model;
     team tm = {c->pool, ith, nth};
-    embed(&tm, c, j->tokens, j->embd_at, j->embd_rows, j->n_tok);
-    for (int il = 0; il < m->hp.n_layer && !team_should_stop(&tm, c); il++) {
-        attention_block(&tm, c, il, j->n_tok, j->pos0);
+    embed(&tm, c, j->embd_rows, j->n_tok);
+    for (int il = 0; il < m->hp.n_layer && !team_should_stop(&tm, c, j->n_tok); il++) {
+        attention_block(&tm, c, il, j->n_tok);
         if (m->is_moe) moe_block(&tm, c, il, j->n_tok);
         else dense_ffn_block(&tm, c, il, j->n_tok);
     }
-    if (!c->stop && j->logits) {
+    if (!c->stop) {
         if (ith == 0) c->output_t0 = now_ms();
-        if (j->all_logits) output_logits(&tm, c, 0, j->n_tok, j->logits);
-        else output_logits(&tm, c, j->n_tok - 1, 1, j->logits);
+        output_logits(&tm, c, j->n_tok, j->logits);
     }
-}
-
-/* Run tokens [0, n_tok) at positions pos0.. through every layer; logits as asked (NULL: none).
- * Returns 1 when the abort flag stopped it. */
-static int forward_chunk(strata_context *c, const int *tokens, const int *embd_at, const float *embd_rows,
-                         int n_tok, int pos0, int all_logits, float *logits) {
-    chunk_job job = {c, tokens, embd_at, embd_rows, n_tok, pos0, all_logits, logits};
-    strata_pool_run(c->pool, forward_job, &job);
-    if (!c->stop && logits) c->timings.output_ms += now_ms() - c->output_t0;
-    return c->stop;
 }
 
 // --- eval: validation, chunking, timings
 
-/* embd_at (n_tokens) = the caller's row replacing each token, or -1; then every other token must be in range. */
-static strata_status map_inputs(const strata_context *c, const int *tokens, int n_tokens, const int *embd_index,
-                                int n_embd_rows, int *embd_at) {
-    for (int t = 0; t < n_tokens; t++) embd_at[t] = -1;
-    for (int r = 0; r < n_embd_rows; r++) {
-        int t = embd_index[r];
-        if (t < 0 || t >= n_tokens) return fail(STRATA_ERR_INVALID_ARG, "embedding row %d at index %d, outside "
-                                                "the %d tokens", r, t, n_tokens);
+/* Check the call's tokens: sequences in range, each sequence's positions following on from what it holds, token
+ * ids in range where no embedding row replaces them, embedding rows at distinct indices. embd_at (n_tokens) = the
+ * row replacing each token, or -1. */
+static strata_status check_batch(const strata_context *c, const strata_batch *b, int *embd_at) {
+    if (b->n_tokens <= 0 || !b->tokens || !b->seq || !b->pos)
+        return fail(STRATA_ERR_INVALID_ARG, "eval needs at least one token, with its sequence and position");
+    if (b->n_embd_rows < 0 || (b->n_embd_rows > 0 && (!b->embd_rows || !b->embd_index)))
+        return fail(STRATA_ERR_INVALID_ARG, "embedding rows without their indices");
+    if (b->n_out > 0 && (!b->out_index || !b->logits))
+        return fail(STRATA_ERR_INVALID_ARG, "logits rows without their indices or buffer");
+    for (int t = 0; t < b->n_tokens; t++) embd_at[t] = -1;
+    for (int r = 0; r < b->n_embd_rows; r++) {
+        int t = b->embd_index[r];
+        if (t < 0 || t >= b->n_tokens) return fail(STRATA_ERR_INVALID_ARG, "embedding row %d at index %d, outside "
+                                                   "the %d tokens", r, t, b->n_tokens);
         if (embd_at[t] >= 0) return fail(STRATA_ERR_INVALID_ARG, "two embedding rows at index %d", t);
         embd_at[t] = r;
     }
-    for (int t = 0; t < n_tokens; t++)
-        if (embd_at[t] < 0 && (tokens[t] < 0 || tokens[t] >= c->model->hp.n_vocab))
-            return fail(STRATA_ERR_INVALID_ARG, "token id %d out of range [0, %d)", tokens[t],
-                        c->model->hp.n_vocab);
-    return STRATA_OK;
+    for (int r = 0; r < b->n_out; r++)
+        if (b->out_index[r] < 0 || b->out_index[r] >= b->n_tokens || (r > 0 && b->out_index[r] <= b->out_index[r - 1]))
+            return fail(STRATA_ERR_INVALID_ARG, "logits indices must be increasing token indices; %d at row %d",
+                        b->out_index[r], r);
+    int *next = c->dropped;  // scratch here: the position each sequence's next token must have
+    for (int s = 0; s < c->n_seq; s++) next[s] = c->n_past[s];
+    strata_status st = STRATA_OK;
+    for (int t = 0; t < b->n_tokens && st == STRATA_OK; t++) {
+        int s = b->seq[t];
+        if (s < 0 || s >= c->n_seq)
+            st = fail(STRATA_ERR_INVALID_ARG, "token %d: sequence %d outside [0, %d)", t, s, c->n_seq);
+        else if (b->pos[t] != next[s])
+            st = fail(STRATA_ERR_INVALID_ARG, "token %d: position %d, but sequence %d continues at %d", t, b->pos[t],
+                      s, next[s]);
+        else if (next[s]++ >= c->n_ctx)
+            st = fail(STRATA_ERR_CONTEXT_FULL, "sequence %d: %d positions held + the call's exceed the context of %d",
+                      s, c->n_past[s], c->n_ctx);
+        else if (embd_at[t] < 0 && (b->tokens[t] < 0 || b->tokens[t] >= c->model->hp.n_vocab))
+            st = fail(STRATA_ERR_INVALID_ARG, "token id %d out of range [0, %d)", b->tokens[t], c->model->hp.n_vocab);
+    }
+    memset(c->dropped, 0, sizeof(int) * c->n_seq);
+    return st;
 }
 
-static strata_status check_eval(const strata_context *c, int n_tokens, const float *logits, int n_embd_rows,
-                                const float *embd_rows, const int *embd_index) {
-    if (n_tokens <= 0 || !logits) return fail(STRATA_ERR_INVALID_ARG, "eval needs at least one token and logits");
-    if (n_embd_rows < 0 || (n_embd_rows > 0 && (!embd_rows || !embd_index)))
-        return fail(STRATA_ERR_INVALID_ARG, "embedding rows without their indices");
-    if ((long long)c->n_past + n_tokens > c->n_ctx)
-        return fail(STRATA_ERR_CONTEXT_FULL, "%d positions held + %d new exceed the context of %d", c->n_past,
-                    n_tokens, c->n_ctx);
-    return STRATA_OK;
-}
-
-strata_status strata_eval(strata_context *c, const int *tokens, int n_tokens, const float *embd_rows,
-                          const int *embd_index, int n_embd_rows, int all_logits, float *logits) {
+strata_status strata_eval_batch(strata_context *c, const strata_batch *b) {
     double t0 = now_ms();
     memset(&c->timings, 0, sizeof c->timings);
-    strata_status st = check_eval(c, n_tokens, logits, n_embd_rows, embd_rows, embd_index);
-    if (st != STRATA_OK) return st;
-    int *embd_at = malloc(sizeof(int) * n_tokens);
+    if (!b) return fail(STRATA_ERR_INVALID_ARG, "no batch");
+    int *embd_at = malloc(sizeof(int) * (b->n_tokens > 0 ? b->n_tokens : 1));
     if (!embd_at) return fail(STRATA_ERR_NOMEM, "out of memory");
-    st = map_inputs(c, tokens, n_tokens, embd_index, n_embd_rows, embd_at);
-    int64_t V = c->model->hp.n_vocab;
-    for (int i0 = 0; st == STRATA_OK && i0 < n_tokens; i0 += c->n_batch) {
-        int n = n_tokens - i0 < c->n_batch ? n_tokens - i0 : c->n_batch, last = i0 + n == n_tokens;
-        float *out = all_logits ? logits + (size_t)i0 * V : last ? logits : NULL;
-        if (forward_chunk(c, tokens + i0, embd_at + i0, embd_rows, n, c->n_past, all_logits, out)) {
-            atomic_store(&c->abort_flag, 0);
-            st = fail(STRATA_ABORTED, "aborted after %d of %d tokens", i0, n_tokens);
-            break;
+    strata_status st = check_batch(c, b, embd_at);
+    if (b->seq_dropped && st == STRATA_OK) memset(b->seq_dropped, 0, sizeof(int) * c->n_seq);
+    // Chunks of up to n_batch tokens, taken in call order, skipping the tokens of dropped sequences.
+    for (int t = 0, out = 0; st == STRATA_OK && t < b->n_tokens;) {
+        int n = 0;
+        for (; t < b->n_tokens && n < c->n_batch; t++) {
+            int want = out < b->n_out && b->out_index[out] == t;
+            out += want;
+            if (c->dropped[b->seq[t]]) continue;
+            c->chunk_token[n] = b->tokens[t];
+            c->chunk_seq[n] = b->seq[t];
+            c->chunk_pos[n] = b->pos[t];
+            c->chunk_embd[n] = embd_at[t];
+            c->chunk_out[n++] = want ? out - 1 : -1;
         }
-        c->n_past += n;  // only a finished chunk joins the cache
+        if (n == 0) break;
+        chunk_job job = {c, b->embd_rows, n, b->logits};
+        strata_pool_run(c->pool, forward_job, &job);
+        if (!c->stop) c->timings.output_ms += now_ms() - c->output_t0;
+        for (int i = 0; i < n; i++)  // a finished chunk joins the cache of each sequence not dropped
+            if (!c->dropped[c->chunk_seq[i]]) c->n_past[c->chunk_seq[i]] = c->chunk_pos[i] + 1;
         c->timings.n_tokens += n;
         c->timings.n_chunks++;
     }
+    int n_dropped = 0;
+    for (int s = 0; s < c->n_seq; s++) {
+        n_dropped += c->dropped[s];
+        if (b->seq_dropped) b->seq_dropped[s] = c->dropped[s];
+    }
+    memset(c->dropped, 0, sizeof(int) * c->n_seq);
     free(embd_at);
     c->timings.total_ms = now_ms() - t0;
+    if (st == STRATA_OK && n_dropped)
+        st = fail(STRATA_ABORTED, "aborted: %d of the call's sequences dropped", n_dropped);
     return st;
 }

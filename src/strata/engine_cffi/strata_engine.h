@@ -40,7 +40,7 @@ strata_status strata_matmul(int type, const void *w, long long n_rows, long long
 strata_status strata_matmul_naive(int type, const void *w, long long n_rows, long long n_cols,
                                   const float *x, long long n_tok, float *y);
 
-/* --- engine: a model built from a tensor table, a context (one sequence), the forward pass
+/* --- engine: a model built from a tensor table, a context (several sequences), the forward pass
  * The caller owns the tensor data (a memory-mapped GGUF file) and must keep it mapped until strata_model_free:
  * the model keeps pointers into it and never copies weights. */
 
@@ -90,8 +90,9 @@ enum {
 };
 
 typedef struct {
-    int n_ctx;             /* positions in the KV cache; at most the model's n_ctx_train */
-    int n_batch;           /* prompt chunk size: tokens per forward */
+    int n_ctx;             /* positions each sequence holds; at most the model's n_ctx_train */
+    int n_seq;             /* sequences (slots) the context holds: its KV cache is n_seq x n_ctx positions */
+    int n_batch;           /* tokens per forward: a call's tokens run in chunks of n_batch */
     int n_threads;
     int kv_type;           /* STRATA_KV_* */
 } strata_context_params;
@@ -101,23 +102,45 @@ strata_status strata_context_create(const strata_model *model, const strata_cont
                                     strata_context **out);
 void strata_context_free(strata_context *ctx);
 
-/* Positions held in the KV cache. */
-int strata_n_past(const strata_context *ctx);
-/* Truncate the KV cache to its first n positions (n <= n_past). */
-strata_status strata_keep(strata_context *ctx, int n);
-/* Raise the abort flag (any thread). The call in flight, or the next call, stops at its next check and returns
- * STRATA_ABORTED, which lowers the flag. */
-void strata_abort(strata_context *ctx);
-/* Lower the abort flag, e.g. one raised after the call it meant to stop had already returned. */
-void strata_clear_abort(strata_context *ctx);
+int strata_n_seq(const strata_context *ctx);
+int strata_n_ctx(const strata_context *ctx);
+/* Bytes of the KV cache of all sequences (allocated once, at strata_context_create). */
+size_t strata_kv_bytes(const strata_context *ctx);
+/* Positions sequence `seq` holds (-1 for a sequence out of range). */
+int strata_n_past(const strata_context *ctx, int seq);
+/* Truncate sequence `seq` to its first n positions (n <= its n_past); n = 0 clears it. */
+strata_status strata_keep(strata_context *ctx, int seq, int n);
+/* Sequence dst = the first n positions of sequence src (a prompt prefix computed once, used by both). */
+strata_status strata_copy_prefix(strata_context *ctx, int src, int dst, int n);
+/* Raise sequence `seq`'s abort flag (any thread). The call in flight, or the next call that has tokens of `seq`,
+ * drops the sequence at its next check (before each layer of a chunk) and lowers the flag; the call's other
+ * sequences go on. */
+strata_status strata_abort(strata_context *ctx, int seq);
+/* Lower the flag, e.g. one raised after the call it meant to stop had already returned. */
+strata_status strata_clear_abort(strata_context *ctx, int seq);
 
-/* Append tokens[0..n_tokens) after the n_past positions, in chunks of n_batch.
- * embd_rows (n_embd_rows, n_embd) replace the token embeddings at the call's indices embd_index[0..n_embd_rows)
- * (the tokens there are placeholders). logits: (n_tokens, n_vocab) with all_logits, else (n_vocab,) for the last
- * position. On STRATA_ABORTED the chunks that finished stay in the cache and the rest are dropped. */
-strata_status strata_eval(strata_context *ctx, const int *tokens, int n_tokens,
-                          const float *embd_rows, const int *embd_index, int n_embd_rows,
-                          int all_logits, float *logits);
+/* The tokens of one eval call, of any of the context's sequences, in any order. Each sequence's tokens continue
+ * its positions: the first of them is at its n_past, the next at n_past + 1, ... The call's tokens run in chunks
+ * of n_batch, each chunk through every layer at once: every weight is read once per chunk for all its sequences,
+ * and a MoE layer groups the chunk's tokens by expert whatever their sequence. */
+typedef struct {
+    int n_tokens;
+    const int *tokens;        /* (n_tokens,) token ids (placeholders where an embedding row replaces them) */
+    const int *seq;           /* (n_tokens,) sequence of each token */
+    const int *pos;           /* (n_tokens,) position of each token in its sequence */
+    const float *embd_rows;   /* (n_embd_rows, n_embd) rows replacing the token embeddings at embd_index */
+    const int *embd_index;    /* (n_embd_rows,) call indices */
+    int n_embd_rows;
+    const int *out_index;     /* (n_out,) increasing call indices of the tokens whose logits are wanted */
+    int n_out;
+    float *logits;            /* (n_out, n_vocab) */
+    int *seq_dropped;         /* (n_seq,) or NULL: set to 1 for each sequence an abort dropped */
+} strata_batch;
+
+/* Evaluate a batch. A sequence whose abort flag is seen is dropped from the rest of the call: its chunks that
+ * finished stay in its cache, the rest is not; its logits rows are undefined. Returns STRATA_ABORTED when any
+ * sequence was dropped (seq_dropped says which; the others' positions and logits are complete). */
+strata_status strata_eval_batch(strata_context *ctx, const strata_batch *batch);
 
 typedef struct {
     int n_tokens;          /* tokens the last call processed */

@@ -1,0 +1,212 @@
+"""Several sequences in one context: a batch computes each sequence as it is computed alone."""
+
+from __future__ import annotations
+
+import pathlib
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from strata.engine_cffi import BatchItem, Engine, EngineAborted, EngineError
+from strata.modelgen import write_random_model
+
+DTYPES = ["f32", "f16", "q8_0", "q4_k"]
+K_QUANT_TOL = 5e-2  # relative to the largest logit (measured: 1.9e-2 in a dense Q4_K model of 2 layers)
+
+
+def tokens(n: int, seed: int, n_vocab: int = 256) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(0, n_vocab, n)]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, pathlib.Path]:
+    root = tmp_path_factory.mktemp("batch")
+    found = {dtype: write_random_model(root / f"moe_{dtype}.gguf", arch="qwen3moe", size="tiny", dtype=dtype)
+             for dtype in DTYPES}
+    found["llama"] = write_random_model(root / "llama.gguf", arch="llama", size="tiny", dtype="q8_0")
+    found["dense_q4_k"] = write_random_model(root / "dense_q4_k.gguf", arch="qwen3", size="tiny", dtype="q4_k")
+    return found
+
+
+def alone(path: pathlib.Path, prompt: list[int], steps: list[int], **load: int) -> list[np.ndarray]:
+    """The prompt's logits (all rows), then one row per decode step, from a context of one sequence."""
+    with Engine.load(path, n_ctx=128, threads=2, **load) as engine:
+        rows = [engine.eval(prompt, all_logits=True)]
+        rows += [engine.eval([t])[None] for t in steps]
+    return rows
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16", "q8_0", "llama", "dense_q4_k"])
+def test_a_sequence_in_a_batch_equals_the_sequence_alone(models: dict[str, pathlib.Path], dtype: str) -> None:
+    # Three prompts of different lengths in one call (chunks mixing their tokens), then decode steps of one token
+    # per sequence in one call each. Every product computes each token's row on its own, in the same order
+    # whatever else is in the chunk, so the logits are bit-identical. The K-quant kernels are the exception: a
+    # product of 16 tokens or more takes another path (weights unpacked once per tile) whose sums differ from the
+    # direct path's by ~2e-7, and rounding the activations to Q8_K turns that into whole quantisation steps
+    # here and there: a token's logits then depend on how many tokens share its chunk, alone as in a batch.
+    path = models[dtype]
+    prompts = [tokens(n, seed) for n, seed in [(21, 1), (9, 2), (14, 3)]]
+    steps = [tokens(4, 10 + s) for s in range(3)]
+    with Engine.load(path, n_ctx=128, threads=2, n_batch=16, n_seq=4) as engine:
+        # sequence 2 is left out (not every slot takes part); the third prompt goes to slot 3
+        got = [[rows] for rows in engine.eval_batch(
+            [BatchItem(0, prompts[0], logits="all"), BatchItem(1, prompts[1], logits="all"),
+             BatchItem(3, prompts[2], logits="all")])]
+        for i in range(4):
+            step = engine.eval_batch([BatchItem(s, [steps[k][i]]) for k, s in enumerate([0, 1, 3])])
+            for k in range(3):
+                got[k].append(step[k])
+        assert [engine.seq_n_past(s) for s in range(4)] == [25, 13, 0, 18]
+    for k in range(3):
+        want = alone(path, prompts[k], steps[k], n_batch=16)
+        for a, b in zip(got[k], want):
+            if dtype == "dense_q4_k":
+                assert float(np.abs(a - b).max() / np.abs(b).max()) <= K_QUANT_TOL
+            else:
+                np.testing.assert_array_equal(a, b)
+
+
+def test_k_quant_decode_steps_in_a_batch_equal_the_steps_alone(models: dict[str, pathlib.Path]) -> None:
+    # Decode-shaped products (fewer than 16 tokens) take the direct K-quant path alone and in a batch.
+    path = models["q4_k"]
+    prompts = [tokens(n, seed) for n, seed in [(21, 1), (9, 2), (14, 3)]]
+    steps = [tokens(6, 10 + s) for s in range(3)]
+    with Engine.load(path, n_ctx=128, threads=2, n_batch=16, n_seq=3) as engine:
+        for s in range(3):
+            engine.eval(prompts[s], seq=s)
+        got = [engine.eval_batch([BatchItem(s, [steps[s][i]]) for s in range(3)]) for i in range(6)]
+    for s in range(3):
+        want = alone(path, prompts[s], steps[s], n_batch=16)[1:]
+        for i in range(6):
+            np.testing.assert_array_equal(got[i][s], want[i])
+
+
+def test_greedy_answers_in_a_batch_equal_the_answers_alone(models: dict[str, pathlib.Path]) -> None:
+    path = models["q8_0"]
+    prompts = [tokens(n, seed) for n, seed in [(12, 4), (30, 5), (7, 6)]]
+
+    def greedy_alone(prompt: list[int]) -> list[int]:
+        with Engine.load(path, n_ctx=128, threads=2) as engine:
+            out, logits = [], engine.eval(prompt)
+            for _ in range(12):
+                out.append(int(np.argmax(logits)))
+                logits = engine.eval(out[-1:])
+        return out
+
+    with Engine.load(path, n_ctx=128, threads=2, n_seq=3) as engine:
+        rows = engine.eval_batch([BatchItem(s, p) for s, p in enumerate(prompts)])
+        outs: list[list[int]] = [[] for _ in prompts]
+        for _ in range(12):
+            for s in range(3):
+                outs[s].append(int(np.argmax(rows[s][0])))
+            rows = engine.eval_batch([BatchItem(s, outs[s][-1:]) for s in range(3)])
+    assert outs == [greedy_alone(p) for p in prompts]
+
+
+def test_pictures_in_two_sequences_at_once(models: dict[str, pathlib.Path]) -> None:
+    path = models["f16"]
+    rng = np.random.default_rng(7)
+    with Engine.load(path, n_ctx=64, threads=2, n_seq=2) as engine:
+        n_embd = engine.n_embd
+        pics = [rng.standard_normal((5, n_embd)).astype(np.float32) for _ in range(2)]
+        prompts = [tokens(12, 8), tokens(10, 9)]
+        got = engine.eval_batch([BatchItem(0, prompts[0], [(3, pics[0])], "all"),
+                                 BatchItem(1, prompts[1], [(0, pics[1])], "all")])
+    for s, at in [(0, 3), (1, 0)]:
+        with Engine.load(path, n_ctx=64, threads=2) as one:
+            np.testing.assert_array_equal(got[s], one.eval(prompts[s], [(at, pics[s])], all_logits=True))
+    with Engine.load(path, n_ctx=64, threads=2) as one:  # the rows did replace the embeddings
+        assert not np.array_equal(got[0], one.eval(prompts[0], all_logits=True))
+
+
+def test_abort_drops_only_its_own_sequence(models: dict[str, pathlib.Path]) -> None:
+    # A long prompt in sequence 0 beside a short one in sequence 1, in chunks of 16: sequence 0 is aborted once
+    # its first chunk is in; sequence 1 (whose tokens come last in the call) is still computed, exactly.
+    path = models["f32"]
+    long, short = tokens(480, 11), tokens(40, 12)
+    with Engine.load(path, n_ctx=512, threads=2, n_batch=16, n_seq=2) as engine:
+        result: dict[str, object] = {}
+
+        def run() -> None:
+            try:
+                engine.eval_batch([BatchItem(0, long, logits="none"), BatchItem(1, short, logits="all")])
+            except EngineAborted as exc:
+                result["error"] = exc
+
+        worker = threading.Thread(target=run)
+        worker.start()
+        while engine.seq_n_past(0) == 0 and worker.is_alive():
+            time.sleep(0.0005)
+        engine.abort(0)
+        worker.join(timeout=30)
+        error = result.get("error")
+        assert isinstance(error, EngineAborted) and error.dropped == {0}
+        kept = engine.seq_n_past(0)
+        assert kept % 16 == 0 and 0 < kept < len(long)
+        assert engine.seq_n_past(1) == len(short)
+        nxt = engine.eval([5], seq=1)
+        rest = engine.eval(long[kept:], all_logits=True, seq=0)  # its finished chunks are intact
+    with Engine.load(path, n_ctx=512, threads=2, n_batch=16) as one:
+        one.eval(short)
+        np.testing.assert_array_equal(nxt, one.eval([5]))
+    with Engine.load(path, n_ctx=512, threads=2, n_batch=16) as one:
+        np.testing.assert_array_equal(rest, one.eval(long, all_logits=True)[kept:])
+
+
+def test_abort_while_idle_stops_that_sequence_in_the_next_call(models: dict[str, pathlib.Path]) -> None:
+    with Engine.load(models["f32"], n_ctx=64, threads=1, n_seq=2) as engine:
+        engine.abort(1)
+        with pytest.raises(EngineAborted) as caught:
+            engine.eval_batch([BatchItem(0, tokens(3, 1)), BatchItem(1, tokens(3, 2))])
+        assert caught.value.dropped == {1}
+        assert (engine.seq_n_past(0), engine.seq_n_past(1)) == (3, 0)
+        engine.eval(tokens(3, 2), seq=1)  # the flag was consumed
+        assert engine.seq_n_past(1) == 3
+
+
+def test_keep_clear_and_copy_prefix_per_sequence(models: dict[str, pathlib.Path]) -> None:
+    path = models["q8_0"]
+    system, a, b = tokens(20, 13), tokens(6, 14), tokens(9, 15)
+    for kv in ["f16", "int8"]:
+        with Engine.load(path, n_ctx=64, threads=2, n_seq=3, kv=kv) as engine:
+            engine.eval(system + a, seq=0)
+            engine.copy_prefix(0, 2, len(system))  # the shared system prompt, computed once
+            assert engine.seq_n_past(2) == 20
+            copied = engine.eval(b, all_logits=True, seq=2)
+            engine.keep(len(system), seq=0)  # truncating one sequence leaves the others as they were
+            again = engine.eval(b, all_logits=True, seq=0)
+            engine.keep(0, seq=2)
+            assert [engine.seq_n_past(s) for s in range(3)] == [29, 0, 0]
+        with Engine.load(path, n_ctx=64, threads=2, kv=kv) as one:
+            want = one.eval(system + b, all_logits=True)[len(system):]
+        np.testing.assert_array_equal(copied, want)
+        np.testing.assert_array_equal(again, want)
+
+
+def test_batch_errors(models: dict[str, pathlib.Path]) -> None:
+    with Engine.load(models["f32"], n_ctx=16, threads=1, n_seq=2) as engine:
+        with pytest.raises(EngineError, match="twice"):
+            engine.eval_batch([BatchItem(0, [1]), BatchItem(0, [2])])
+        with pytest.raises(EngineError, match="outside"):
+            engine.eval([1], seq=2)
+        with pytest.raises(EngineError, match="outside"):
+            engine.keep(0, seq=-1)
+        engine.eval(tokens(10, 1), seq=1)
+        with pytest.raises(EngineError, match="sequence 1"):  # each sequence has its own n_ctx positions
+            engine.eval_batch([BatchItem(0, tokens(10, 2)), BatchItem(1, tokens(10, 3))])
+        assert (engine.seq_n_past(0), engine.seq_n_past(1)) == (0, 10)  # a refused call changes nothing
+        with pytest.raises(EngineError, match="holds 10"):
+            engine.copy_prefix(1, 0, 11)
+        with pytest.raises(EngineError, match="outside the 1 tokens"):
+            engine.eval_batch([BatchItem(0, [1, 2]), BatchItem(1, [3], [(1, np.zeros((1, engine.n_embd)))])])
+
+
+def test_the_pool_is_n_seq_times_one_sequence(models: dict[str, pathlib.Path]) -> None:
+    with Engine.load(models["f32"], n_ctx=64, threads=1) as one, \
+            Engine.load(models["f32"], n_ctx=64, threads=1, n_seq=5) as five:
+        assert one.n_seq == 1 and five.n_seq == 5
+        assert five.kv_bytes == 5 * one.kv_bytes > 0
+    with pytest.raises(EngineError, match="n_seq"):
+        Engine.load(models["f32"], n_ctx=64, threads=1, n_seq=0)
