@@ -61,7 +61,7 @@ def test_a_sequence_in_a_batch_equals_the_sequence_alone(models: dict[str, pathl
         assert [engine.seq_n_past(s) for s in range(4)] == [25, 13, 0, 18]
     for k in range(3):
         want = alone(path, prompts[k], steps[k], n_batch=16)
-        for a, b in zip(got[k], want):
+        for a, b in zip(got[k], want, strict=True):
             if dtype == "dense_q4_k":
                 assert float(np.abs(a - b).max() / np.abs(b).max()) <= K_QUANT_TOL
             else:

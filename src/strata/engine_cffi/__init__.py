@@ -52,7 +52,7 @@ class BatchItem:
         logits: "last" (the last token's logits), "all" or "none".
     """
 
-    __slots__ = ("seq", "tokens", "embeds", "logits")
+    __slots__ = ("embeds", "logits", "seq", "tokens")
 
     def __init__(self, seq: int, tokens: Sequence[int], embeds: Embeds | None = None, logits: str = "last"):
         if logits not in ("last", "all", "none"):
