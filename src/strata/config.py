@@ -69,6 +69,7 @@ class Config:
     threads: int | None = None
     kv: str = "f16"
     batch: int = 256
+    web: bool = True  # the chat page (/) and the monitor (/monitor)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     vision: VisionConfig = field(default_factory=VisionConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)

@@ -30,6 +30,7 @@ import httpx
 import outcome
 import trio
 
+from strata.activity import Activity, RequestProgress
 from strata.config import Config
 from strata.events import ChatRequest, Event, Finish, FinishReason, Usage
 from strata.history import History, HistoryRow
@@ -43,6 +44,7 @@ from strata.images import (
     expand_image_pads,
     load_source,
 )
+from strata.progress import Stage, with_progress
 from strata.prompt import PromptError, render_chat
 from strata.sampling import Sampler
 from strata.toolcalls import StopMatcher, ToolCallParser
@@ -120,6 +122,7 @@ class Service:
         history: recent requests and totals.
         phase: "idle", "prompt" (processing a prompt) or "decode".
         current: the row of the request holding the turn, or None.
+        activity: every request in flight, with its phase and prompt progress.
     """
 
     def __init__(self, config: Config):
@@ -128,6 +131,7 @@ class Service:
         self.history = History(config.limits.history_size)
         self.phase = "idle"
         self.current: HistoryRow | None = None
+        self.activity = Activity()
         self.model_name = _model_name(config.model)
         self.started = time.time()
         self.engine: Any = None  # an EngineLike once loaded
@@ -160,7 +164,9 @@ class Service:
     async def load(self, log: Callable[[str], None] = print) -> None:
         """Load the configured model in a worker thread; a failure is kept in `load_error` and re-raised."""
         try:
-            engine, tokenizer = await trio.to_thread.run_sync(self._load_blocking, log)
+            engine, tokenizer = await with_progress(
+                log, f"loading {self.config.model}",
+                lambda stage: trio.to_thread.run_sync(self._load_blocking, log, stage))
             try:
                 await self.start_vision(engine, log)
             except BaseException:
@@ -174,18 +180,21 @@ class Service:
             self.loaded.set()
             raise
 
-    def _load_blocking(self, log: Callable[[str], None]) -> tuple[Any, Any]:
+    def _load_blocking(self, log: Callable[[str], None], stage: Stage) -> tuple[Any, Any]:
         from strata.engine_cffi import Engine
         from strata.tokenizer import Tokenizer
 
         config = self.config
         if not config.model:
             raise ServiceUnavailable('no model configured (the "model" key or --model)')
-        log(f"loading {config.model} ...")
+        size = os.path.getsize(config.model) if os.path.isfile(config.model) else 0
+        log(f"loading {config.model} ({size / 2**20:,.0f} MiB) ...")
         started = time.perf_counter()
+        stage.now = "tensors and context"
         engine = Engine.load(config.model, n_ctx=config.context, threads=config.threads, kv=config.kv,
                              n_batch=config.batch)
         try:
+            stage.now = "tokenizer"
             tokenizer = Tokenizer.from_gguf(config.model)
         except BaseException:
             engine.close()
@@ -205,7 +214,10 @@ class Service:
             return
         assert self.nursery is not None
         self.vision = VisionClient(vision, engine_threads=engine.threads, log=log)
-        await self.nursery.start(self.vision.run)
+        what = f"vision: starting the {self.vision.mode()} encoder"
+        log(f"{what} ...")
+        nursery = self.nursery
+        await with_progress(log, what, lambda stage: nursery.start(self.vision.run))
         ready, n_embd = self.vision.last_ready, engine.n_embd
         if ready is not None and ready.n_embd != n_embd and not vision.remote:
             raise VisionStartError(f"the image encoder's rows are {ready.n_embd} wide and the model's embeddings "
@@ -279,7 +291,8 @@ class Service:
 
     # --- pictures
 
-    async def _pictures(self, request: ChatRequest) -> tuple[ChatRequest, list[Embedding]]:
+    async def _pictures(self, request: ChatRequest, live: RequestProgress | None = None
+                        ) -> tuple[ChatRequest, list[Embedding]]:
         """Encode the request's pictures, in prompt order, in the calling task (the request's: cancellable).
 
         A picture a tool returned that cannot be used becomes the text `[image omitted: <why>]`; the user's own
@@ -299,7 +312,7 @@ class Service:
         for i, j in places:
             image = messages[i]["content"][j]["image"]
             try:
-                pictures.append(await self._picture(image))
+                pictures.append(await self._picture(image, live))
             except VisionUnavailable as error:
                 raise RequestError(str(error), image.param) from None
             except (ImageRejected, PictureRefused) as error:
@@ -308,13 +321,17 @@ class Service:
                 messages[i]["content"][j] = {"type": "text", "text": f"[image omitted: {error}]"}
         return dataclasses.replace(request, messages=messages), pictures
 
-    async def _picture(self, image: ImageSource | PrecomputedEmbeds) -> Embedding:
+    async def _picture(self, image: ImageSource | PrecomputedEmbeds, live: RequestProgress | None) -> Embedding:
         assert self.vision is not None
         if isinstance(image, PrecomputedEmbeds):
             ready = self.vision.last_ready or (await self.vision.session()).ready_reply()
             embedding = check_embeds(image, ready, MAX_IMAGE_BYTES)
         else:
+            if live is not None:
+                live.phase = "download"
             data = await load_source(image, self.http, MAX_IMAGE_BYTES, DOWNLOAD_TIMEOUT)
+            if live is not None:
+                live.phase = "encoding"
             embedding = await self.vision.encode(data, self.turn)
         n_embd = self.engine.n_embd
         if embedding.rows.shape[1] != n_embd:
@@ -336,38 +353,42 @@ class Service:
         """
         row = HistoryRow(id=request_id or uuid.uuid4().hex, route=request.route, start=time.time())
         started = time.perf_counter()
-        try:
-            request, pictures = await self._pictures(request)
-            prepared = self._prepare(request, pictures)
-            row.prompt_tokens = len(prepared.ids)
-            async with self.turn.hold():
-                self.current = row
-                try:
-                    async with aclosing(self._generate(request, prepared, row)) as events:
-                        async for event in events:
-                            yield event
-                finally:
-                    self.current, self.phase = None, "idle"
-        except (trio.Cancelled, GeneratorExit):
-            row.finish = "cancel"
-            raise
-        except BaseException:
-            row.finish = "error"
-            raise
-        finally:
-            row.duration = time.perf_counter() - started
-            self.history.record(row)
+        with self.activity.track(row) as live:
+            try:
+                request, pictures = await self._pictures(request, live)
+                prepared = self._prepare(request, pictures)
+                row.prompt_tokens = len(prepared.ids)
+                live.phase = "queued"
+                async with self.turn.hold():
+                    self.current, live.slot = row, 0
+                    try:
+                        async with aclosing(self._generate(request, prepared, live)) as events:
+                            async for event in events:
+                                yield event
+                    finally:
+                        self.current, self.phase, live.slot = None, "idle", None
+            except (trio.Cancelled, GeneratorExit):
+                row.finish = "cancel"
+                raise
+            except BaseException:
+                row.finish = "error"
+                raise
+            finally:
+                row.duration = time.perf_counter() - started
+                self.history.record(row)
 
-    async def _generate(self, request: ChatRequest, prepared: _Prepared, row: HistoryRow
+    async def _generate(self, request: ChatRequest, prepared: _Prepared, live: RequestProgress
                         ) -> AsyncGenerator[Event, None]:
-        self.phase = "prompt"
-        run = _EngineRun(self, prepared.prompt, Sampler(request.sampling, self.engine.n_vocab), prepared.max_tokens)
+        row = live.row
+        self.phase = live.phase = "prompt"
+        run = _EngineRun(self, prepared.prompt, Sampler(request.sampling, self.engine.n_vocab), prepared.max_tokens,
+                         live)
         try:
             output = _Output(self.tokenizer, request, prepared.starts_in_reasoning)
             finish: FinishReason | None = None
             while finish is None:
                 tokens = await run.next_tokens()
-                self.phase = "decode"
+                self.phase = live.phase = "decode"
                 row.reused_tokens, row.prompt_seconds, row.decode_seconds = run.reused, *run.seconds()
                 if not tokens:  # the thread ended without a stop token: the token budget is spent
                     finish = "length"
@@ -402,10 +423,10 @@ class Service:
 
     # --- the engine, in its worker thread
 
-    def _advance(self, ids: list[int], sampler: Sampler, keys: list[Hashable], spans: list[tuple[int, Any]]
-                 ) -> tuple[int, int]:
+    def _advance(self, ids: list[int], sampler: Sampler, keys: list[Hashable], spans: list[tuple[int, Any]],
+                 progress: RequestProgress | None = None) -> tuple[int, int]:
         """Bring the KV cache to hold `keys` (keep the common prefix, evaluate the rest, pictures' rows at their
-        positions); sample the next token.
+        positions); sample the next token. `progress` hears how far the prompt is after each chunk.
 
         Idempotent, so a call that a stale abort flag stopped can simply run again. Returns (token, reused).
         """
@@ -414,9 +435,18 @@ class Service:
         reused = min(_common_prefix(self._kv_keys, keys), len(ids) - 1)
         if reused < engine.n_past:
             engine.keep(reused)
-        embeds = embeds_from(spans, reused, len(ids))
+        if progress is not None:
+            progress.prompt_progress(reused, cached=reused)
+        # One call per engine batch: the engine's own chunking, plus the last position's logits per chunk (one
+        # output row per `batch` prompt tokens), and a progress report between chunks.
+        chunk = self.config.batch
         try:
-            logits = engine.eval(ids[reused:], embeds=embeds) if embeds else engine.eval(ids[reused:])
+            for start in range(reused, len(ids), chunk):
+                end = min(start + chunk, len(ids))
+                embeds = embeds_from(spans, start, end)
+                logits = engine.eval(ids[start:end], embeds=embeds) if embeds else engine.eval(ids[start:end])
+                if progress is not None:
+                    progress.prompt_progress(engine.n_past)
         finally:
             self._kv_keys = keys[: engine.n_past]
         return sampler.sample(logits, ids), reused
@@ -449,8 +479,10 @@ class _EngineRun:
     waker gets the GIL when the engine thread enters its next engine call.
     """
 
-    def __init__(self, service: Service, prompt: PromptImages, sampler: Sampler, max_tokens: int):
+    def __init__(self, service: Service, prompt: PromptImages, sampler: Sampler, max_tokens: int,
+                 progress: RequestProgress | None = None):
         self._service = service
+        self._progress = progress
         self._engine = service.engine
         self._ids = list(prompt.ids)  # prompt and generated tokens (the thread's own copy)
         self._prompt = prompt
@@ -511,7 +543,7 @@ class _EngineRun:
     def _work(self) -> None:
         try:
             token, self.reused = self._call(partial(self._service._advance, keys=self._prompt.keys,
-                                                    spans=self._prompt.spans))
+                                                    spans=self._prompt.spans, progress=self._progress))
             self._times[1] = self._times[2] = time.perf_counter()
             self._push(token)
             n = 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hmac
 import json
+import math
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
@@ -24,7 +25,7 @@ from quart_trio import QuartTrio
 from quart_trio.asgi import TrioASGIHTTPConnection
 from werkzeug.exceptions import HTTPException
 
-from strata.api import openai_chat, sse, status
+from strata.api import openai_chat, sse, status, web
 from strata.api.errors import ApiError, as_api_error, dialect_for_path, error_body
 from strata.api.translate import SseEvent
 from strata.config import Config, load_config
@@ -110,6 +111,8 @@ def create_app(service: Service | None = None, config: Config | None = None) -> 
     _add_error_handler(app)
     _add_info_routes(app, state)
     _add_chat_routes(app, state)
+    if config.web:
+        web.add_routes(app)
     return app
 
 
@@ -139,7 +142,8 @@ def _add_auth(app: Quart, config: Config) -> None:
 
     @app.before_request
     async def check_key() -> None:
-        if request.path == "/health":
+        # The web page loads without the key; every API call it makes needs it.
+        if request.path == "/health" or (config.web and web.is_page(request.path)):
             return
         given = request.headers.get("x-api-key", "")
         authorization = request.headers.get("authorization", "")
@@ -202,9 +206,20 @@ def _add_info_routes(app: Quart, state: _State) -> None:
     async def server_status() -> Response:
         service = state.ready_service()
         body = status.server_status(service)
-        vision = service.vision
-        body["vision"] = vision.status() if vision is not None else {"mode": "off", "available": False}
+        body["vision"] = status.vision_status(service)
         return _json(body)
+
+    @app.get("/v1/status/stream")
+    async def status_stream() -> Response:
+        service = state.ready_service()
+        try:
+            interval = float(request.args.get("interval", 1.0))
+        except ValueError:
+            interval = math.nan
+        if not 0.1 <= interval <= 10.0:
+            raise ApiError(400, "interval must be 0.1 to 10 seconds", param="interval")
+        return Response(status.live_stream(service, interval), content_type="text/event-stream",
+                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     @app.get("/v1/history")
     async def history() -> Response:

@@ -1,16 +1,19 @@
-"""What the status routes say: `/status` (the engine now), `/v1/status` (the server), `/v1/history`, and the
-Prometheus metrics (`/metrics`), all read from the service when asked."""
+"""What the status routes say: `/status` (the engine now), `/v1/status` (the server), `/v1/history`, the live
+stream (`/v1/status/stream`) and the Prometheus metrics (`/metrics`), all read from the service when asked."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+import trio
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import generate_latest
 
 import strata
+from strata.api import sse
 from strata.service import Service
 
 
@@ -51,6 +54,47 @@ def server_status(service: Service) -> dict[str, Any]:
         "last": None if last is None else last.as_dict(),
         **status(service),
     }
+
+
+def vision_status(service: Service) -> dict[str, Any]:
+    vision = service.vision
+    return vision.status() if vision is not None else {"mode": "off", "state": "off", "available": False}
+
+
+def live_status(service: Service, recent: int = 20) -> dict[str, Any]:
+    """Everything the monitor shows, in one snapshot: the engine's slots and queue, every request in flight with
+    its phase and prompt progress, the encoder, the totals and the most recent finished requests."""
+    return {
+        "time": time.time(),
+        "model": service.model_name,
+        "slots": 1,
+        "busy": service.turn.busy,
+        "queued": service.turn.queued,
+        "requests": [progress.as_dict() for progress in service.activity],
+        "vision": vision_status(service),
+        "totals": service.history.totals.as_dict(),
+        "recent": [row.as_dict() for row in list(reversed(service.history.rows))[:recent]],
+    }
+
+
+def _generated(service: Service) -> int:
+    """Tokens generated since startup, those of requests still running included."""
+    return service.history.totals.output_tokens + sum(progress.row.output_tokens for progress in service.activity)
+
+
+async def live_stream(service: Service, interval: float) -> AsyncIterator[bytes]:
+    """`live_status` as a server-sent event every `interval` seconds, with the decode rate over the interval
+    (`decode_tokens_per_second`). Ends only when the client hangs up (the request's nursery is cancelled)."""
+    before, generated = time.monotonic(), _generated(service)
+    rate = 0.0
+    while True:
+        body = live_status(service)
+        body["decode_tokens_per_second"] = rate
+        yield sse.encode(body, "status")
+        await trio.sleep(interval)
+        now, total = time.monotonic(), _generated(service)
+        rate = (total - generated) / (now - before)
+        before, generated = now, total
 
 
 def history(service: Service) -> dict[str, Any]:

@@ -23,6 +23,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager, nullcontext
 from functools import partial
@@ -245,6 +246,7 @@ class VisionClient:
         self.queued = 0
         self.last_error: str | None = None
         self.last_ready: Ready | None = None  # the most recent READY (kept while the encoder is down)
+        self.job: dict[str, Any] | None = None  # the picture being encoded now: its size and start time
         self._log = log
         self._nursery: trio.Nursery | None = None
         self._session: _Session | None = None
@@ -300,6 +302,15 @@ class VisionClient:
             return "remote"
         return "gpu" if self.config.gpu else "cpu"
 
+    def state(self) -> str:
+        """"ready", "starting" (a first start or a restart in progress), "lazy" (starts on the first picture) or
+        "absent" (down; `last_error` says why)."""
+        if self.available:
+            return "ready"
+        if self._start_lock.locked():
+            return "starting"
+        return "lazy" if self.config.lazy_load and self.last_ready is None else "absent"
+
     def startup_line(self) -> str:
         state = "ready" if self.available else ("starts on the first picture" if self.config.lazy_load
                                                  else "not available")
@@ -313,6 +324,8 @@ class VisionClient:
         caps = self.last_ready.capabilities if self.last_ready else None
         return {
             "mode": self.mode(),
+            "state": self.state(),
+            "job": self.job,
             "available": self.available,
             "cuda": self.cuda,
             "threads": caps.threads if caps else (None if self.remote else self.threads),
@@ -355,7 +368,11 @@ class VisionClient:
             holding: AbstractAsyncContextManager[Any] = (
                 turn.hold() if turn is not None and session.ready_reply().capabilities.cuda else nullcontext())
             async with holding:
-                embedding = await self._run_job(session, data, digest)
+                self.job = {"bytes": len(data), "started": time.time()}
+                try:
+                    embedding = await self._run_job(session, data, digest)
+                finally:
+                    self.job = None
         finally:
             self._fifo.release()
         self.encodes += 1

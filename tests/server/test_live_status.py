@@ -1,0 +1,95 @@
+"""The live status stream (`/v1/status/stream`): every request's phase, its prompt's progress chunk by chunk, the
+queue, and finished rows, through a live server with a scripted engine."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from conftest import ScriptedEngine, live_server, server_config
+
+from strata.api import sse
+
+LONG_PROMPT = [{"role": "user", "content": "count " * 60}]
+
+
+def snapshots(url: str, interval: float = 0.1) -> Iterator[dict[str, Any]]:
+    with httpx.stream("GET", url + f"/v1/status/stream?interval={interval}", timeout=30) as reply:
+        assert reply.status_code == 200 and reply.headers["content-type"].startswith("text/event-stream")
+        buffer = b""
+        for data in reply.iter_bytes():
+            buffer += data
+            while b"\n\n" in buffer:
+                block, buffer = buffer.split(b"\n\n", 1)
+                ((name, body),) = sse.decode(block + b"\n\n")
+                assert name == "status"
+                yield json.loads(body)
+
+
+def post_in_thread(url: str, body: dict[str, Any]) -> threading.Thread:
+    thread = threading.Thread(target=httpx.post, args=(url + "/v1/chat/completions",), kwargs={
+        "json": body, "timeout": 30}, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_phases_prompt_progress_and_queue(tokenizer):
+    # Prompts of ~300 byte tokens in chunks of 16 at 2 ms a token: the prompt phase reports every chunk.
+    engine = ScriptedEngine(tokenizer, tokenizer.encode("a" * 40), prompt_s=0.002, decode_s=0.01)
+    with live_server(server_config(batch=16), engine, tokenizer) as server:
+        first = post_in_thread(server.url, {"messages": LONG_PROMPT})
+        second = post_in_thread(server.url, {"messages": LONG_PROMPT + [{"role": "user", "content": "more"}]})
+        seen: dict[str, list[tuple[str, int, int]]] = {}
+        queued_at_most = 0
+        for snapshot in snapshots(server.url, 0.1):
+            queued_at_most = max(queued_at_most, snapshot["queued"])
+            for request in snapshot["requests"]:
+                seen.setdefault(request["id"], []).append(
+                    (request["phase"], request["prompt_done"], request["prompt_tokens"]))
+            if snapshot["totals"]["requests"] == 2:
+                rows = snapshot["recent"]
+                break
+        first.join(5)
+        second.join(5)
+    assert queued_at_most >= 1
+    assert [row["finish"] for row in rows] == ["stop", "stop"] and len(seen) == 2
+    phases = {phase for trail in seen.values() for phase, _, _ in trail}
+    assert {"queued", "prompt", "decode"} <= phases
+    # Mid-prompt progress: some snapshot shows a prompt partly done, and progress never goes back.
+    partial = [done for trail in seen.values() for phase, done, total in trail if phase == "prompt" and
+               0 < done < total]
+    assert partial, seen
+    for trail in seen.values():
+        dones = [done for _, done, _ in trail]
+        assert dones == sorted(dones)
+
+
+def test_a_cancelled_request_shows_in_the_stream(tokenizer):
+    engine = ScriptedEngine(tokenizer, tokenizer.encode("b" * 400), decode_s=0.01)
+    with live_server(server_config(), engine, tokenizer) as server:
+        stream = snapshots(server.url, 0.1)
+        with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=30,
+                          json={"messages": [{"role": "user", "content": "hi"}], "stream": True}) as reply:
+            for snapshot in stream:
+                if any(request["phase"] == "decode" and request["output_tokens"] > 5
+                       for request in snapshot["requests"]):
+                    assert snapshot["decode_tokens_per_second"] >= 0
+                    break
+            reply.close()  # hang up mid-answer
+        for snapshot in stream:
+            if snapshot["recent"]:
+                break
+        stream.close()
+    assert snapshot["recent"][0]["finish"] == "cancel" and snapshot["requests"] == []
+    assert snapshot["busy"] is False and snapshot["totals"]["finishes"] == {"cancel": 1}
+
+
+@pytest.mark.parametrize("interval", ["0", "fast", "11", "nan"])
+def test_the_interval_is_checked(tokenizer, interval):
+    with live_server(server_config(), ScriptedEngine(tokenizer), tokenizer) as server:
+        reply = httpx.get(server.url + f"/v1/status/stream?interval={interval}")
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "interval"

@@ -1,0 +1,324 @@
+"""The chat and monitor pages in headless Chromium (Debian's `chromium`, driven by Playwright), against live
+`strata serve` processes: the shipped demo model for answers and pictures, and a random-weight model with the
+Qwen vocabulary for long answers (the demo model's answers end within ~20 tokens; a random model's run to the
+token budget), served with the demo model's CPU image encoder.
+
+Screenshots of both pages go to `$STRATA_SCREENSHOTS` when set (`STRATA_SCREENSHOTS=docs` refreshes the README's),
+else to a temporary folder.
+"""
+
+from __future__ import annotations
+
+import base64
+import importlib.resources
+import json
+import os
+import pathlib
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import pytest
+
+from strata.modelgen import write_random_model
+
+SHIPPED = pathlib.Path(str(importlib.resources.files("strata.models")))
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+# Headless Chromium without the parts that reach out to the network or need a desktop.
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+TIMEOUT_MS = 20_000
+
+pytestmark = pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=(
+    "Debian's chromium is not installed (apt-get install chromium; ./scripts/test.sh installs it when run as root)"))
+
+
+def red_circle_png() -> bytes:
+    from io import BytesIO
+
+    from PIL import Image, ImageDraw
+
+    image = Image.new("RGB", (200, 200), "white")
+    ImageDraw.Draw(image).ellipse((60, 60, 140, 140), fill="red")
+    out = BytesIO()
+    image.save(out, "PNG")
+    return out.getvalue()
+
+
+PICTURE = base64.b64encode(red_circle_png()).decode()
+
+
+# --- servers and the browser
+
+
+@dataclass
+class Served:
+    url: str
+    lines: list[str] = field(default_factory=list)
+
+
+@contextmanager
+def strata_serve(*args: str) -> Iterator[Served]:
+    """`strata serve` in a process of its own on an ephemeral port; stopped with SIGINT (as Ctrl-C would)."""
+    command = [str(pathlib.Path(sys.executable).parent / "strata"), "serve", "--host", "127.0.0.1", "--port", "0",
+               "--limits.graceful-timeout", "1", *args]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+    served = Served("")
+
+    def read() -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            served.lines.append(line.rstrip("\n"))
+            lines.put(line)
+        lines.put(None)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 90
+        while not served.url:
+            line = lines.get(timeout=max(deadline - time.monotonic(), 0.1))
+            assert line is not None, "strata serve ended:\n" + "\n".join(served.lines)
+            if line.startswith("serving "):
+                served.url = line.split(" on ")[-1].strip()
+        yield served
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        reader.join(5)
+        assert process.stdout is not None
+        process.stdout.close()
+
+
+@pytest.fixture(scope="module")
+def demo() -> Iterator[Served]:
+    with strata_serve("--vision.threads", "1") as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def long_answers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    # 128 wide, like the demo model, so the demo model's encoder feeds it.
+    model = write_random_model(tmp_path_factory.mktemp("web") / "random.gguf", arch="qwen3moe", size="tiny",
+                               dtype="f16", vocab="qwen", seed=0, n_embd=128)
+    with strata_serve("--model", str(model), "--vision.mmproj", str(SHIPPED / "demo-mmproj.gguf"),
+                      "--vision.threads", "1") as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        launched = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        yield launched
+        launched.close()
+
+
+@pytest.fixture
+def page(browser: Any) -> Iterator[Any]:
+    context = browser.new_context(viewport={"width": 1280, "height": 800})  # a fresh profile: no chats, no key
+    context.set_default_timeout(TIMEOUT_MS)
+    opened = context.new_page()
+    errors: list[str] = []
+    opened.on("pageerror", lambda error: errors.append(str(error)))
+    yield opened
+    context.close()
+    assert not errors, errors
+
+
+@pytest.fixture(scope="module")
+def screenshots(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    folder = os.environ.get("STRATA_SCREENSHOTS")
+    return pathlib.Path(folder) if folder else tmp_path_factory.mktemp("screenshots")
+
+
+# --- page helpers
+
+
+def settings(page: Any, **values: str) -> None:
+    page.get_by_role("button", name="Settings").click()
+    labels = {"temperature": "Temperature", "max_tokens": "Max tokens"}
+    for key, value in values.items():
+        if key == "reasoning":
+            page.get_by_label("Reasoning effort").select_option(value)
+        else:
+            page.get_by_label(labels[key]).fill(value)
+    page.get_by_role("button", name="Settings").click()
+
+
+def ask(page: Any, text: str) -> Any:
+    page.get_by_test_id("prompt").fill(text)
+    page.get_by_test_id("send").click()
+    return page.locator(".message.assistant").last
+
+
+def finished(answer: Any) -> None:
+    answer.and_(answer.page.locator("[data-status=done]")).wait_for()
+
+
+def paste_picture(page: Any, png_base64: str) -> None:
+    """A paste of a PNG file into the prompt box, as the clipboard delivers a copied picture."""
+    page.get_by_test_id("prompt").evaluate("""(box, data) => {
+        const bytes = Uint8Array.from(atob(data), (c) => c.charCodeAt(0));
+        const transfer = new DataTransfer();
+        transfer.items.add(new File([bytes], "circle.png", { type: "image/png" }));
+        box.dispatchEvent(new ClipboardEvent("paste", { clipboardData: transfer, bubbles: true }));
+    }""", png_base64)
+
+
+def watch_text(answer_locator: Any) -> None:
+    """Record every length the page's last assistant message takes (to see it grow while streaming)."""
+    answer_locator.page.evaluate("""() => {
+        window.lengths = [];
+        new MutationObserver(() => {
+            const answers = document.querySelectorAll(".message.assistant .markdown");
+            if (answers.length) window.lengths.push(answers[answers.length - 1].textContent.length);
+        }).observe(document.body, { subtree: true, childList: true, characterData: true });
+    }""")
+
+
+def status(served: Served) -> dict[str, Any]:
+    return httpx.get(served.url + "/status", timeout=10).json()
+
+
+# --- the chat page
+
+
+def test_a_question_streams_an_answer_with_its_thinking_folded(demo: Served, page: Any) -> None:
+    page.goto(demo.url + "/")
+    page.get_by_text("demo", exact=True).wait_for()  # the model's name, from /v1/models
+    settings(page, temperature="0")
+    with page.expect_response("**/v1/chat/completions") as response:
+        answer = ask(page, "What is the capital of France?")
+    assert response.value.headers["content-type"].startswith("text/event-stream")
+    assert response.value.request.post_data_json["stream"] is True
+    assert response.value.request.headers["content-type"] == "application/json"
+    finished(answer)
+    assert "The capital of France is Paris." in answer.locator(".markdown").inner_text()
+    thinking = answer.locator("details.thinking")
+    assert thinking.get_attribute("open") is None and "France" in thinking.text_content()  # folded, kept
+    assert "prompt tokens" in answer.locator(".usage").inner_text()
+    # Kept in the browser: a reload shows the conversation again.
+    page.reload()
+    page.locator(".message.assistant [data-status=done], .message.assistant[data-status=done]").first.wait_for()
+    assert "Paris" in page.locator(".message.assistant").last.inner_text()
+
+
+def test_a_pasted_picture_is_described(demo: Served, page: Any, screenshots: pathlib.Path) -> None:
+    page.goto(demo.url + "/")
+    settings(page, temperature="0", reasoning="none")
+    paste_picture(page, PICTURE)
+    page.locator(".pending img").wait_for()
+    with page.expect_request("**/v1/chat/completions") as sent:
+        answer = ask(page, "What is in the picture?")
+    content = sent.value.post_data_json["messages"][-1]["content"]
+    assert content[0]["type"] == "image_url" and content[0]["image_url"]["url"] == "data:image/png;base64," + PICTURE
+    finished(answer)
+    assert "a red circle" in answer.inner_text().lower()
+    page.locator(".message.user img").wait_for()
+    page.screenshot(path=str(screenshots / "web-chat.png"))
+
+
+def test_stop_hangs_up_and_frees_the_slot(long_answers: Served, page: Any) -> None:
+    page.goto(long_answers.url + "/")
+    settings(page, max_tokens="3000")
+    watch_text(page.locator("body"))
+    answer = ask(page, "Tell me a long story.")
+    page.wait_for_function("() => (window.lengths || []).some((n) => n > 200)")
+    assert status(long_answers)["busy"] is True
+    page.get_by_test_id("stop").click()
+    deadline = time.monotonic() + 5
+    while status(long_answers)["busy"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert status(long_answers) == {"busy": False, "queued": 0, "phase": "idle", "request": None}
+    answer.and_(page.locator("[data-status=stopped]")).wait_for()
+    assert answer.get_by_test_id("stopped").is_visible()
+    partial = answer.locator(".markdown").inner_text()
+    assert len(partial) > 200
+    lengths = page.evaluate("window.lengths")
+    assert len(set(lengths)) > 5  # the answer grew on the page while it streamed
+    (row, *_) = httpx.get(long_answers.url + "/v1/history").json()["data"]
+    assert row["finish"] == "cancel" and 0 < row["output_tokens"] < 3000
+    page.get_by_test_id("send").wait_for()  # ready for the next question
+
+
+# --- the monitor page
+
+
+def test_the_monitor_shows_phases_and_a_cancelled_request(long_answers: Served, page: Any,
+                                                         screenshots: pathlib.Path) -> None:
+    page.goto(long_answers.url + "/monitor")
+    page.get_by_test_id("engine").wait_for()
+    chat = long_answers.url + "/v1/chat/completions"
+    story = {"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 3000, "stream": True}
+    picture = {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + PICTURE}},
+        {"type": "text", "text": "What is in the picture?"}]}], "max_tokens": 100}
+    results: list[httpx.Response] = []
+    with httpx.Client(timeout=60) as client, client.stream("POST", chat, json=story) as long_reply:
+        chunks = long_reply.iter_bytes()  # kept: a dropped iterator closes the response
+        first_chunk = json.loads(next(chunks).decode().split("data: ", 1)[1].split("\n", 1)[0])
+        long_id = first_chunk["id"].removeprefix("chatcmpl-")  # the history row's id
+        second = threading.Thread(target=lambda: results.append(httpx.post(chat, json=picture, timeout=60)))
+        second.start()
+        waiting = page.locator("[data-testid=requests] tr[data-phase=queued]")
+        waiting.wait_for()
+        page.locator("[data-testid=requests] tr[data-phase=decode]").wait_for()
+        page.locator("[data-testid=requests] .progress").first.wait_for()
+        page.get_by_test_id("queued").filter(has_text="1 waiting").wait_for()
+        page.screenshot(path=str(screenshots / "web-monitor.png"))
+        queued_id = waiting.get_attribute("data-request")
+    # The long answer hung up: its row says cancel, and the picture's request got the engine.
+    second.join(60)
+    assert results and results[0].status_code == 200
+    page.locator(f"[data-testid=recent] tr[data-request='{long_id}'][data-finish=cancel]").wait_for()
+    done = page.locator(f"[data-testid=recent] tr[data-request='{queued_id}']")
+    done.wait_for()
+    trail = done.locator(".trail").inner_text().split(" → ")
+    assert trail.index("queued") < trail.index("decode"), trail
+    assert page.locator("[data-testid=plot-rate] polyline").get_attribute("points")
+    assert "ready" in page.get_by_test_id("encoder").inner_text()
+
+
+# --- the API key
+
+
+def test_a_server_with_a_key_asks_for_it_once(page: Any) -> None:
+    with strata_serve("--api-key", "s3cret", "--vision.threads", "1") as served:
+        assert httpx.get(served.url + "/v1/models").status_code == 401
+        page.goto(served.url + "/")
+        dialog = page.get_by_test_id("key-dialog")
+        dialog.wait_for()
+        page.get_by_test_id("api-key").fill("s3cret")
+        page.get_by_role("button", name="Use this key").click()
+        dialog.wait_for(state="detached")
+        page.get_by_text("demo", exact=True).wait_for()
+        settings(page, temperature="0")
+        answer = ask(page, "What is the capital of France?")
+        finished(answer)
+        assert "Paris" in answer.inner_text()
+        page.goto(served.url + "/monitor")  # the key is remembered: no second question
+        page.get_by_test_id("engine").wait_for()
+        assert page.get_by_test_id("key-dialog").count() == 0
+
+
+def test_the_terminal_shows_startup_progress(demo: Served) -> None:
+    assert any(line.startswith("loading ") and "MiB" in line for line in demo.lines)
+    assert "vision: starting the cpu encoder ..." in demo.lines
