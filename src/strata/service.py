@@ -213,12 +213,12 @@ class Service:
         if not (vision.mmproj or vision.exe):
             return
         assert self.nursery is not None
-        self.vision = VisionClient(vision, engine_threads=engine.threads, log=log)
-        what = f"vision: starting the {self.vision.mode()} encoder"
+        client = self.vision = VisionClient(vision, engine_threads=engine.threads, log=log)
+        what = f"vision: starting the {client.mode()} encoder"
         log(f"{what} ...")
         nursery = self.nursery
-        await with_progress(log, what, lambda stage: nursery.start(self.vision.run))
-        ready, n_embd = self.vision.last_ready, engine.n_embd
+        await with_progress(log, what, lambda stage: nursery.start(client.run))
+        ready, n_embd = client.last_ready, engine.n_embd
         if ready is not None and ready.n_embd != n_embd and not vision.remote:
             raise VisionStartError(f"the image encoder's rows are {ready.n_embd} wide and the model's embeddings "
                                    f"{n_embd}: {vision.mmproj} was made for another model")
