@@ -55,6 +55,10 @@ def red_circle_png() -> bytes:
 
 
 PICTURE = base64.b64encode(red_circle_png()).decode()
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "The city name."}},
+                   "required": ["city"]}}}
 
 
 # --- servers and the browser
@@ -154,7 +158,7 @@ def screenshots(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
 
 def settings(page: Any, **values: str) -> None:
     page.get_by_role("button", name="Settings").click()
-    labels = {"temperature": "Temperature", "max_tokens": "Max tokens"}
+    labels = {"temperature": "Temperature", "max_tokens": "Max tokens", "tools": "Tools", "system": "System prompt"}
     for key, value in values.items():
         if key == "reasoning":
             page.get_by_label("Reasoning effort").select_option(value)
@@ -234,6 +238,61 @@ def test_a_pasted_picture_is_described(demo: Served, page: Any, screenshots: pat
     assert "a red circle" in answer.inner_text().lower()
     page.locator(".message.user img").wait_for()
     page.screenshot(path=str(screenshots / "web-chat.png"))
+
+
+def test_a_picture_from_the_picker(demo: Served, page: Any, tmp_path: pathlib.Path) -> None:
+    picture = tmp_path / "circle.png"
+    picture.write_bytes(red_circle_png())
+    page.goto(demo.url + "/")
+    settings(page, temperature="0", reasoning="none")
+    page.locator("input[type=file]").set_input_files(str(picture))
+    page.locator(".pending img").wait_for()
+    answer = ask(page, "What is in the picture?")
+    finished(answer)
+    assert "red circle" in answer.inner_text().lower()
+
+
+def test_tool_calls_are_shown_and_answered(demo: Served, page: Any) -> None:
+    page.goto(demo.url + "/")
+    settings(page, temperature="0", tools=json.dumps([WEATHER]))
+    answer = ask(page, "What is the weather in Paris?")
+    finished(answer)
+    call = answer.get_by_test_id("tool-call")
+    assert "get_weather" in call.inner_text() and json.loads(call.locator("code").inner_text()) == {"city": "Paris"}
+    with page.expect_request("**/v1/chat/completions") as sent:
+        call.get_by_test_id("tool-result").fill('{"temperature": 18, "condition": "sunny"}')
+        call.get_by_role("button", name="Send result").click()
+    messages = sent.value.post_data_json["messages"]
+    assert messages[-2]["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert messages[-1]["role"] == "tool" and messages[-1]["tool_call_id"] == messages[-2]["tool_calls"][0]["id"]
+    final = page.locator(".message.assistant").nth(1)
+    finished(final)
+    text = final.inner_text()
+    assert "sunny" in text and "18" in text and "Paris" in text
+
+
+def test_edit_regenerate_and_export(demo: Served, page: Any) -> None:
+    page.goto(demo.url + "/")
+    settings(page, temperature="0", reasoning="none")
+    finished(ask(page, "What is the capital of France?"))
+    # Edit the question: the answer after it is replaced.
+    page.locator(".message.user").get_by_role("button", name="Edit").click()
+    page.locator(".message.editing textarea").fill("What is the capital of Italy?")
+    page.get_by_role("button", name="Save and send").click()
+    answer = page.locator(".message.assistant")
+    finished(answer)
+    assert page.locator(".message").count() == 2 and "Rome" in answer.inner_text()
+    # Regenerate: the same question again, a new request.
+    with page.expect_request("**/v1/chat/completions") as sent:
+        page.get_by_test_id("regenerate").click()
+    assert sent.value.post_data_json["messages"][-1] == {"role": "user", "content": "What is the capital of Italy?"}
+    finished(page.locator(".message.assistant"))
+    assert page.locator(".message").count() == 2
+    with page.expect_download() as download:
+        page.get_by_role("button", name="Export this chat").click()
+    exported = json.loads(pathlib.Path(download.value.path()).read_text())
+    assert [m["role"] for m in exported["messages"]] == ["user", "assistant"]
+    assert "Rome" in exported["messages"][1]["content"] and exported["settings"]["temperature"] == "0"
 
 
 def test_stop_hangs_up_and_frees_the_slot(long_answers: Served, page: Any) -> None:

@@ -24,7 +24,31 @@ function apiMessage(message) {
       ],
     };
   }
+  if (message.role === "assistant" && message.toolCalls?.length) {
+    return {
+      role: "assistant",
+      content: message.content || null,
+      tool_calls: message.toolCalls.map((call) => ({
+        id: call.id,
+        type: "function",
+        function: { name: call.name, arguments: call.arguments },
+      })),
+    };
+  }
+  if (message.role === "tool") return { role: "tool", tool_call_id: message.toolCallId, content: message.content };
   return { role: message.role, content: message.content || "" };
+}
+
+// The conversation's tool definitions (a JSON list in the settings), or an Error saying what is wrong.
+function parseTools(text) {
+  if (!text?.trim()) return [];
+  try {
+    const tools = JSON.parse(text);
+    if (Array.isArray(tools)) return tools;
+  } catch {
+    // reported below
+  }
+  return new Error("Tools must be a JSON list of tool definitions");
 }
 
 function requestBody(conversation, model) {
@@ -35,6 +59,9 @@ function requestBody(conversation, model) {
   if (settings.temperature !== "" && settings.temperature !== null) body.temperature = Number(settings.temperature);
   if (settings.maxTokens) body.max_tokens = Number(settings.maxTokens);
   if (settings.reasoning) body.reasoning_effort = settings.reasoning;
+  const tools = parseTools(settings.tools);
+  if (tools instanceof Error) throw tools;
+  if (tools.length) body.tools = tools;
   return body;
 }
 
@@ -59,9 +86,17 @@ function Markdown({ text }) {
   return html`<div class="markdown" dangerouslySetInnerHTML=${{ __html: rendered }}></div>`;
 }
 
-function ToolCall({ call }) {
+// A call the model made; while it has no result, a box to answer it with one.
+function ToolCall({ call, answered, busy, onResult }) {
+  const [result, setResult] = useState("");
   return html`<div class="tool-call" data-testid="tool-call">
     <span class="tool-name">${call.name}</span><code>${call.arguments}</code>
+    ${!answered && !busy &&
+    html`<form class="tool-result" onSubmit=${(e) => (e.preventDefault(), onResult(call, result))}>
+      <input data-testid="tool-result" placeholder="the tool's result" value=${result}
+        onInput=${(e) => setResult(e.target.value)} />
+      <button type="submit">Send result</button>
+    </form>`}
   </div>`;
 }
 
@@ -71,7 +106,7 @@ function usageLine({ usage, finish }) {
   return `${usage.prompt_tokens} prompt tokens (${cached} cached), ${usage.completion_tokens} generated${end}`;
 }
 
-function Message({ message, last, busy, onEdit, onRegenerate }) {
+function Message({ message, last, busy, answered, onEdit, onRegenerate, onResult }) {
   const [editing, setEditing] = useState(null);
   if (editing !== null) {
     return html`<div class="message user editing">
@@ -83,6 +118,11 @@ function Message({ message, last, busy, onEdit, onRegenerate }) {
     </div>`;
   }
   const status = message.status || "done";
+  if (message.role === "tool") {
+    return html`<div class="message tool" data-role="tool">
+      <span class="tool-name">${message.name} →</span><code>${message.content}</code>
+    </div>`;
+  }
   return html`<div class="message ${message.role}" data-role=${message.role} data-status=${status}>
     ${message.images?.length > 0 &&
     html`<div class="pictures">${message.images.map((url) => html`<img src=${url} alt="picture" />`)}</div>`}
@@ -94,7 +134,10 @@ function Message({ message, last, busy, onEdit, onRegenerate }) {
     ${message.role === "assistant"
       ? html`<${Markdown} text=${message.content} />`
       : html`<div class="text">${message.content}</div>`}
-    ${(message.toolCalls || []).map((call) => html`<${ToolCall} call=${call} />`)}
+    ${(message.toolCalls || []).map(
+      (call) => html`<${ToolCall} call=${call} answered=${answered.has(call.id)} busy=${busy || !last}
+        onResult=${onResult} />`,
+    )}
     ${status === "stopped" && html`<div class="note stopped" data-testid="stopped">Stopped</div>`}
     ${status === "error" && html`<div class="note error">${message.error}</div>`}
     ${message.usage &&
@@ -119,6 +162,8 @@ function Settings({ settings, onChange }) {
     </select></label>
     <label>Max tokens<input type="number" min="1" step="1" value=${settings.maxTokens}
       onInput=${set("maxTokens")} /></label>
+    <label class="wide">Tools (a JSON list of OpenAI tool definitions)<textarea value=${settings.tools || ""}
+      onInput=${set("tools")}></textarea></label>
   </div>`;
 }
 
@@ -160,7 +205,13 @@ export function Chat() {
 
   async function answer(conversation) {
     const reply = { role: "assistant", content: "", reasoning: "", toolCalls: [], status: "streaming" };
-    const body = requestBody(conversation, model);
+    let body;
+    try {
+      body = requestBody(conversation, model);
+    } catch (error) {
+      setProblem(error.message);
+      return;
+    }
     conversation.messages.push(reply);
     const controller = new AbortController();
     running.current = controller;
@@ -222,9 +273,14 @@ export function Chat() {
     running.current?.abort();
   }
 
+  async function sendResult(call, content) {
+    current.messages.push({ role: "tool", toolCallId: call.id, name: call.name, content });
+    await answer(current);
+  }
+
   async function regenerate() {
     const messages = current.messages;
-    while (messages.length && messages[messages.length - 1].role === "assistant") messages.pop();
+    while (messages.length && messages[messages.length - 1].role !== "user") messages.pop();
     await answer(current);
   }
 
@@ -263,6 +319,7 @@ export function Chat() {
   if (!current) return html`<main class="chat"></main>`;
   const busy = running.current !== null;
   const messages = current.messages;
+  const answered = new Set(messages.filter((m) => m.role === "tool").map((m) => m.toolCallId));
   return html`<main class="chat" onDragOver=${(e) => e.preventDefault()} onDrop=${onDrop}>
     <aside class="sidebar">
       <button onClick=${() => !busy && setCurrent(newConversation())} disabled=${busy}>New chat</button>
@@ -293,7 +350,8 @@ export function Chat() {
       <div class="messages">
         ${messages.map(
           (message, i) => html`<${Message} message=${message} last=${i === messages.length - 1} busy=${busy}
-            onEdit=${(content) => edit(i, content)} onRegenerate=${regenerate} />`,
+            answered=${answered} onEdit=${(content) => edit(i, content)} onRegenerate=${regenerate}
+            onResult=${sendResult} />`,
         )}
         <div ref=${bottom}></div>
       </div>

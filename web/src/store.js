@@ -7,7 +7,7 @@ const db = openDB("strata", 1, {
   },
 });
 
-export const DEFAULT_SETTINGS = { system: "", temperature: 0.7, reasoning: "medium", maxTokens: 1024 };
+export const DEFAULT_SETTINGS = { system: "", temperature: 0.7, reasoning: "medium", maxTokens: 1024, tools: "" };
 
 export function newConversation() {
   const now = Date.now();
