@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from strata.constraints import AnswerFormat
 from strata.sampling import SamplingParams
 
 FinishReason = Literal["stop", "length", "tool_calls", "cancel", "error"]
@@ -17,12 +18,16 @@ class ChatRequest:
 
     `messages` and `tools` use the OpenAI chat shapes (roles system/user/assistant/tool; assistant `tool_calls`
     with `function.arguments` as a dict; content as a string or a list of `{"type": "text", ...}` parts), since
-    that is what the chat template renders.
+    that is what the chat template renders. `answer_format` constrains the answer's text (JSON schema, JSON
+    object, grammar); `tool_choice` "required" or a named function forces tool calls; `parallel_tool_calls` False
+    allows one call at most.
     """
 
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] = field(default_factory=list)
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    answer_format: AnswerFormat | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
     max_tokens: int | None = None
     stop: list[str] = field(default_factory=list)

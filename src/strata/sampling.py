@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -100,24 +101,45 @@ def _check_int(name: str, value: object, lo: int | None = None) -> None:
         raise ValueError(f"{name} must be at least {lo}, got {value!r}")
 
 
+class TokenMask(Protocol):
+    """What constrains the next token (`strata.constraints.Guide`): it masks the logits before the pipeline and
+    follows the token drawn."""
+
+    def apply(self, logits: np.ndarray) -> None: ...
+    def advance(self, token: int) -> None: ...
+
+
 class Sampler:
     """Picks tokens with one `SamplingParams` and its own random generator (one sampler per generation).
 
     Args:
         params: the sampling settings (already validated by their constructor).
         n_vocab: the length of every logits vector passed in.
+        mask: applied to the logits (in place) before each draw and told the token drawn, or None.
     """
 
-    def __init__(self, params: SamplingParams, n_vocab: int) -> None:
+    def __init__(self, params: SamplingParams, n_vocab: int, mask: TokenMask | None = None) -> None:
         if n_vocab <= 0:
             raise ValueError(f"n_vocab must be positive, got {n_vocab}")
         self.params = params
         self.n_vocab = n_vocab
+        self.mask = mask
         seed = None if params.seed is None else params.seed % 2**64
         self._rng = np.random.default_rng(seed)
 
     def sample(self, logits: np.ndarray, previous_ids: Sequence[int] = ()) -> int:
-        """Return the next token id for `logits` (n_vocab,), given the tokens so far (prompt and output)."""
+        """Return the next token id for `logits` (n_vocab,), given the tokens so far (prompt and output).
+        With a mask, `logits` is changed in place."""
+        if self.mask is None:
+            return self._draw(logits, previous_ids)
+        if np.shape(logits) != (self.n_vocab,):
+            raise ValueError(f"logits must have shape ({self.n_vocab},), got {np.shape(logits)}")
+        self.mask.apply(logits)
+        token = self._draw(logits, previous_ids)
+        self.mask.advance(token)
+        return token
+
+    def _draw(self, logits: np.ndarray, previous_ids: Sequence[int]) -> int:
         p = self.params
         if p.greedy and not p.penalised:  # the decode loop's common case: the arg-max, nothing to build
             if np.shape(logits) != (self.n_vocab,):

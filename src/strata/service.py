@@ -32,6 +32,7 @@ import trio
 
 from strata.activity import Activity, RequestProgress
 from strata.config import Config
+from strata.constraints import GrammarError, Grammars, Guide, plan_constraint
 from strata.events import ChatRequest, Event, Finish, FinishReason, Usage
 from strata.history import History, HistoryRow
 from strata.images import (
@@ -98,6 +99,7 @@ class _Prepared:
     prompt: PromptImages  # ids, what the KV cache holds at each position, and the pictures' rows
     max_tokens: int
     starts_in_reasoning: bool
+    may_think: bool  # the prompt leaves the model free to open a reasoning block
 
     @property
     def ids(self) -> list[int]:
@@ -136,6 +138,7 @@ class Service:
         self.started = time.time()
         self.engine: Any = None  # an EngineLike once loaded
         self.tokenizer: Any = None
+        self.grammars: Grammars | None = None  # the model's compiled answer grammars (constrained decoding)
         self.template: str | None = None
         self.load_error: BaseException | None = None
         self.loaded = trio.Event()
@@ -159,6 +162,7 @@ class Service:
         if not template:
             raise ServiceUnavailable("the model has no chat template (tokenizer.chat_template)")
         self.engine, self.tokenizer, self.template = engine, tokenizer, template
+        self.grammars = Grammars(tokenizer, engine.n_vocab)
         self.loaded.set()
 
     async def load(self, log: Callable[[str], None] = print) -> None:
@@ -287,7 +291,28 @@ class Service:
             if cap is not None:
                 max_tokens = min(max_tokens, cap)
         starts_in_reasoning = text.rstrip("\n").endswith("<think>")
-        return _Prepared(prompt, max_tokens, starts_in_reasoning)
+        may_think = not text.rstrip().endswith("</think>")  # an empty block closed by the template: no thinking
+        return _Prepared(prompt, max_tokens, starts_in_reasoning, may_think)
+
+    async def _guide(self, request: ChatRequest, prepared: _Prepared) -> Guide | None:
+        """The constraint of a request's answer (format, tool choice), compiled in a worker thread; None when the
+        answer is free.
+
+        Raises:
+            RequestError: a schema or grammar that cannot be enforced (naming its field).
+        """
+        assert self.grammars is not None
+        try:
+            plan = plan_constraint(answer_format=request.answer_format, tools=request.tools,
+                                   tool_choice=request.tool_choice, parallel_tool_calls=request.parallel_tool_calls,
+                                   thinking=prepared.may_think, in_reasoning=prepared.starts_in_reasoning,
+                                   tokens=self.grammars.tokens)
+            if plan is None:
+                return None
+            # Abandoning is safe: a compiled grammar only lands in the cache.
+            return await trio.to_thread.run_sync(self.grammars.guide, plan, abandon_on_cancel=True)
+        except GrammarError as error:
+            raise RequestError(str(error), error.param) from None
 
     # --- pictures
 
@@ -357,12 +382,13 @@ class Service:
             try:
                 request, pictures = await self._pictures(request, live)
                 prepared = self._prepare(request, pictures)
+                guide = await self._guide(request, prepared)
                 row.prompt_tokens = len(prepared.ids)
                 live.phase = "queued"
                 async with self.turn.hold():
                     self.current, live.slot = row, 0
                     try:
-                        async with aclosing(self._generate(request, prepared, live)) as events:
+                        async with aclosing(self._generate(request, prepared, live, guide)) as events:
                             async for event in events:
                                 yield event
                     finally:
@@ -377,12 +403,12 @@ class Service:
                 row.duration = time.perf_counter() - started
                 self.history.record(row)
 
-    async def _generate(self, request: ChatRequest, prepared: _Prepared, live: RequestProgress
-                        ) -> AsyncGenerator[Event, None]:
+    async def _generate(self, request: ChatRequest, prepared: _Prepared, live: RequestProgress,
+                        guide: Guide | None) -> AsyncGenerator[Event, None]:
         row = live.row
         self.phase = live.phase = "prompt"
-        run = _EngineRun(self, prepared.prompt, Sampler(request.sampling, self.engine.n_vocab), prepared.max_tokens,
-                         live)
+        sampler = Sampler(request.sampling, self.engine.n_vocab, mask=guide)
+        run = _EngineRun(self, prepared.prompt, sampler, prepared.max_tokens, live)
         try:
             output = _Output(self.tokenizer, request, prepared.starts_in_reasoning)
             finish: FinishReason | None = None
@@ -612,7 +638,9 @@ class _Output:
         self._decoder = tokenizer.stream_decoder()
         self._stops = StopMatcher(request.stop)
         self._text = ""  # everything the model wrote, to tell which stop string ended it
-        self._parser = ToolCallParser(starts_in_reasoning=starts_in_reasoning, parse_tool_calls=bool(request.tools))
+        tools = request.tools if request.tool_choice != "none" else []
+        self._parser = ToolCallParser(starts_in_reasoning=starts_in_reasoning, parse_tool_calls=bool(tools),
+                                      tool_names={tool["function"]["name"] for tool in tools})
 
     @property
     def stopped(self) -> bool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 
 from strata.events import Event, ReasoningDelta, TextDelta, ToolCallArgumentsDelta, ToolCallStart
 
@@ -40,14 +40,17 @@ class ToolCallParser:
     A call whose body does not start as `{"name": "…", "arguments": {` (keys in another order, arguments as a
     JSON string) is buffered to its closing tag and parsed whole. Malformed tool-call JSON — a body that neither
     starts that way nor parses as a whole call by `</tool_call>` or the end of the text — is emitted unchanged,
-    tags included, as text.
+    tags included, as text. So is a call naming a tool that was not declared: it is never reported as a call.
 
     Args:
         starts_in_reasoning: the prompt already opened `<think>`, so generation begins inside reasoning.
         parse_tool_calls: False treats `<tool_call>` as ordinary text (a request without tools).
+        tool_names: the declared tools' names; None accepts any name.
     """
 
-    def __init__(self, starts_in_reasoning: bool = False, parse_tool_calls: bool = True) -> None:
+    def __init__(self, starts_in_reasoning: bool = False, parse_tool_calls: bool = True,
+                 tool_names: Collection[str] | None = None) -> None:
+        self._tool_names = tool_names
         self._state = _THINK if starts_in_reasoning else _TEXT
         self._pending = ""  # text received but not yet emitted or consumed
         self._skip_newlines = starts_in_reasoning  # drop newlines that follow a tag
@@ -122,7 +125,7 @@ class ToolCallParser:
         outcome, name, args_at = _match_header(self._pending if close < 0 else self._pending[:close])
         if outcome == "more" and close < 0:
             return False
-        if outcome != "ok":
+        if outcome != "ok" or not self._declared(name):
             self._state = _CALL_BUFFERED
             return True
         events.append(ToolCallStart(self._n_calls, new_call_id(), name))
@@ -164,11 +167,14 @@ class ToolCallParser:
     def _whole_call(self, body: str, closed: bool) -> list[Event]:
         """Events for a complete call body, or its raw text when the body is not a valid call."""
         call = _parse_call(body)
-        if call is None:
+        if call is None or not self._declared(call[0]):
             return [TextDelta(CALL_OPEN + body + (CALL_CLOSE if closed else ""))]
         name, arguments = call
         index, self._n_calls = self._n_calls, self._n_calls + 1
         return [ToolCallStart(index, new_call_id(), name), ToolCallArgumentsDelta(index, arguments)]
+
+    def _declared(self, name: str) -> bool:
+        return self._tool_names is None or name in self._tool_names
 
 
 def _emit(events: list[Event], kind: Callable[[str], Event], text: str) -> None:

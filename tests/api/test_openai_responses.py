@@ -160,7 +160,8 @@ IMAGE = {"type": "input_image", "image_url": "https://example.com/cat.png", "det
     (body(max_output_tokens=0), "max_output_tokens"),
     (body(temperature=2.5), "temperature"),
     (body(top_p=False), "top_p"),
-    (body(text={"format": {"type": "json_schema"}}), "text.format.type"),
+    (body(text={"format": {"type": "json_schema"}}), "text.format.schema"),
+    (body(text={"format": {"type": "sound"}}), "text.format.type"),
     (body(stream=1), "stream"),
 ])
 def test_bad_requests_name_the_field(request_body, param):

@@ -32,8 +32,10 @@ from strata.api.translate import (
     image_url_part,
     join_parts,
     sampling_params,
+    schema_format,
     stop_sequence,
 )
+from strata.constraints import AnswerFormat
 from strata.events import (
     ChatRequest,
     Event,
@@ -107,13 +109,28 @@ def _parse_prompt(body: dict[str, Any]) -> ChatRequest:
     for i, turn in enumerate(turns):
         messages.extend(_message(turn, f"messages[{i}]"))
     tools = _tools(body)
+    choice = get_object(body, "tool_choice", "tool_choice") or {}
     return ChatRequest(
         messages=messages,
         tools=tools,
         tool_choice=_tool_choice(body, check_unique_tool_names(tools, "tools")),
+        parallel_tool_calls=not get(choice, "disable_parallel_tool_use", bool,
+                                    "tool_choice.disable_parallel_tool_use"),
+        answer_format=_output_format(body),
         enable_thinking=_thinking(body),
         route=_ROUTE,
     )
+
+
+def _output_format(body: dict[str, Any]) -> AnswerFormat | None:
+    """`output_config.format`: `{"type": "json_schema", "schema": {...}}` (structured outputs)."""
+    config = get_object(body, "output_config", "output_config")
+    spec = get_object(config, "format", "output_config.format") if config else None
+    if spec is None:
+        return None
+    get_choice(spec, "type", ("json_schema",), "output_config.format.type", required=True)
+    return schema_format(get_object(spec, "schema", "output_config.format.schema", required=True),
+                         "output_config.format.schema")
 
 
 def _system(body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -242,6 +259,7 @@ def _tools(body: dict[str, Any]) -> list[dict[str, Any]]:
             get(tool, "name", str, f"{param}.name", required=True),
             get(tool, "description", str, f"{param}.description"),
             get_object(tool, "input_schema", f"{param}.input_schema", required=True),
+            strict=bool(get(tool, "strict", bool, f"{param}.strict")),
         ))
     return tools
 

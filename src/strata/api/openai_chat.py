@@ -24,7 +24,10 @@ from strata.api.translate import (
     get_object,
     image_embeds_part,
     image_url_part,
+    llama_cpp_format,
+    openai_format,
 )
+from strata.constraints import AnswerFormat
 from strata.events import (
     ChatRequest,
     Event,
@@ -73,6 +76,8 @@ def parse_request(body: Any) -> ChatRequest:
         messages=[_message(message, f"messages[{i}]") for i, message in enumerate(messages)],
         tools=[] if tool_choice == "none" else tools,
         tool_choice=tool_choice,
+        parallel_tool_calls=get(body, "parallel_tool_calls", bool, "parallel_tool_calls") is not False,
+        answer_format=_answer_format(body),
         sampling=_sampling(body),
         max_tokens=_max_tokens(body),
         stop=_stop(body),
@@ -80,6 +85,15 @@ def parse_request(body: Any) -> ChatRequest:
         template_kwargs=dict(get_object(body, "chat_template_kwargs", "chat_template_kwargs") or {}),
         route="chat",
     )
+
+
+def _answer_format(body: dict[str, Any]) -> AnswerFormat | None:
+    response_format = get_object(body, "response_format", "response_format")
+    chosen = openai_format(response_format, "response_format", nested=True) if response_format else None
+    extension = llama_cpp_format(body)
+    if chosen is not None and extension is not None:
+        raise bad_request(extension.param, "send response_format or this field, not both")
+    return chosen or extension
 
 
 def wants_stream(body: dict[str, Any]) -> bool:
@@ -164,7 +178,8 @@ def _tools(body: dict[str, Any]) -> list[dict[str, Any]]:
         description = get(function, "description", str, f"{param}.function.description")
         parameters = get_object(function, "parameters", f"{param}.function.parameters") or {
             "type": "object", "properties": {}}
-        tools.append(function_tool(name, description, parameters))
+        strict = get(function, "strict", bool, f"{param}.function.strict")
+        tools.append(function_tool(name, description, parameters, bool(strict)))
     check_unique_tool_names(tools, "tools")
     return tools
 

@@ -33,8 +33,10 @@ from strata.api.translate import (
     image_embeds_part,
     image_url_part,
     join_parts,
+    openai_format,
     sampling_params,
 )
+from strata.constraints import AnswerFormat
 from strata.events import (
     ChatRequest,
     Event,
@@ -85,7 +87,7 @@ def parse_request(body: Any, *, sampling_defaults: Mapping[str, Any] | None = No
     get(body, "model", str, "model", required=True)
     get(body, "stream", bool, "stream")
     _refuse_stateful(body)
-    _check_text_format(body)
+    answer_format = _text_format(body)
     messages = []
     instructions = get(body, "instructions", str, "instructions")
     if instructions:
@@ -96,6 +98,8 @@ def parse_request(body: Any, *, sampling_defaults: Mapping[str, Any] | None = No
         messages=messages,
         tools=tools,
         tool_choice=_tool_choice(body, check_unique_tool_names(tools, "tools")),
+        parallel_tool_calls=get(body, "parallel_tool_calls", bool, "parallel_tool_calls") is not False,
+        answer_format=answer_format,
         sampling=sampling_params(
             sampling_defaults,
             temperature=get_number(body, "temperature", "temperature", 0.0, 2.0),
@@ -117,11 +121,10 @@ def _refuse_stateful(body: dict[str, Any]) -> None:
         raise bad_request("background", "background responses are not supported")
 
 
-def _check_text_format(body: dict[str, Any]) -> None:
+def _text_format(body: dict[str, Any]) -> AnswerFormat | None:
     text = get_object(body, "text", "text")
     text_format = get_object(text, "format", "text.format") if text else None
-    if text_format is not None:
-        get_choice(text_format, "type", ("text",), "text.format.type", required=True)
+    return openai_format(text_format, "text.format", nested=False) if text_format is not None else None
 
 
 def _input(items: str | list[Any]) -> list[dict[str, Any]]:
@@ -236,11 +239,12 @@ def _tools(body: dict[str, Any]) -> list[dict[str, Any]]:
         kind = get(tool, "type", str, f"{param}.type", required=True)
         if kind != "function":
             raise bad_request(f"{param}.type", f"built-in tool {kind!r} is not supported; use function tools")
-        get(tool, "strict", bool, f"{param}.strict")
+        strict = get(tool, "strict", bool, f"{param}.strict")
         tools.append(function_tool(
             get(tool, "name", str, f"{param}.name", required=True),
             get(tool, "description", str, f"{param}.description"),
             get_object(tool, "parameters", f"{param}.parameters") or {"type": "object", "properties": {}},
+            strict=bool(strict),
         ))
     return tools
 
@@ -367,7 +371,7 @@ def _error(finish: Finish | None) -> dict[str, Any] | None:
 def _echo_tool(tool: dict[str, Any]) -> dict[str, Any]:
     function = tool["function"]
     return {"type": "function", "name": function["name"], "description": function.get("description"),
-            "parameters": function["parameters"], "strict": False}
+            "parameters": function["parameters"], "strict": bool(function.get("strict"))}
 
 
 def _echo_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any]:

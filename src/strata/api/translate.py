@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, overload
 
 from strata.api.errors import ApiError
+from strata.constraints import AnswerFormat
 from strata.events import (
     Event,
     Finish,
@@ -133,12 +134,57 @@ def arguments_object(text: str, param: str) -> dict[str, Any]:
     return check_type(value, dict, param)
 
 
-def function_tool(name: str, description: str | None, parameters: dict[str, Any]) -> dict[str, Any]:
-    """A tool in the OpenAI chat shape that `ChatRequest.tools` holds."""
+def function_tool(name: str, description: str | None, parameters: dict[str, Any], strict: bool = False
+                  ) -> dict[str, Any]:
+    """A tool in the OpenAI chat shape that `ChatRequest.tools` holds (`strict`: its calls must follow
+    `parameters` exactly)."""
     function: dict[str, Any] = {"name": name, "parameters": parameters}
     if description is not None:
         function["description"] = description
+    if strict:
+        function["strict"] = True
     return {"type": "function", "function": function}
+
+
+# --- answer formats
+
+_FORMAT_TYPES = ("text", "json_object", "json_schema")
+
+
+def openai_format(spec: dict[str, Any], param: str, *, nested: bool) -> AnswerFormat | None:
+    """OpenAI's answer format: chat's `response_format` (`nested`: the schema under `json_schema`) or the
+    Responses API's flat `text.format`. None for plain text."""
+    kind = get_choice(spec, "type", _FORMAT_TYPES, f"{param}.type", required=True)
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return AnswerFormat("json_object", param=param)
+    where = f"{param}.json_schema" if nested else param
+    body = get_object(spec, "json_schema", where, required=True) if nested else spec
+    get(body, "name", str, f"{where}.name")
+    get(body, "strict", bool, f"{where}.strict")
+    # Chat's schema is optional (then any JSON object will do); the Responses API requires it.
+    schema = get_object(body, "schema", f"{where}.schema", required=not nested)
+    if schema is None:
+        return AnswerFormat("json_object", param=where)
+    return schema_format(schema, f"{where}.schema")
+
+
+def schema_format(schema: Any, param: str) -> AnswerFormat:
+    """A JSON schema the answer must validate against."""
+    check_type(schema, dict, param)
+    return AnswerFormat("json_schema", json.dumps(schema), param)
+
+
+def llama_cpp_format(body: dict[str, Any]) -> AnswerFormat | None:
+    """llama.cpp's request fields `json_schema` (an object) and `grammar` (GBNF text), which its clients send."""
+    schema = get_object(body, "json_schema", "json_schema")
+    grammar = get(body, "grammar", str, "grammar")
+    if schema is not None and grammar:
+        raise bad_request("grammar", "send json_schema or grammar, not both")
+    if schema is not None:
+        return schema_format(schema, "json_schema")
+    return AnswerFormat("grammar", grammar, "grammar") if grammar else None
 
 
 def check_unique_tool_names(tools: list[dict[str, Any]], param: str) -> set[str]:

@@ -1,0 +1,417 @@
+"""Constrained decoding: what a request's answer must look like, as a token mask applied beside the sampler.
+
+A request can ask for a JSON answer (a JSON schema, or any JSON object), for an answer in a grammar (GBNF or
+llguidance's Lark), or for tool calls that must happen (`tool_choice` required or named) or follow their
+declared schemas. `plan_constraint` turns those fields into a `Plan` (grammar text, no library calls);
+`Grammars.compile` compiles a plan with llguidance into matchers, cached by grammar text; a `Guide` then runs in
+the engine thread, one per generation: before each token is sampled it masks the logits to the tokens the grammar
+allows, and after it follows the sampled token.
+
+Reasoning stays free: when thinking is on, the first token may open `<think>`, and the constraint starts after
+`</think>`. In `auto` mode the text is free; when a declared tool is strict, each call's body, from the model's
+`<tool_call>` to `</tool_call>`, is constrained to a declared tool and its schema. `parallel_tool_calls` false
+bans `<tool_call>` once one call has started; `tool_choice` "none" bans it always.
+
+llguidance (not a compiler of our own): its masks take ~40 µs per token on the 151,936-token Qwen vocabulary, it
+covers most of JSON schema and says which keyword it lacks, and it reads GBNF as llama.cpp clients send it.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+FormatKind = Literal["json_schema", "json_object", "grammar"]
+
+# The JSON answers' layout: compact with single spaces (`{"a": 1, "b": [2, 3]}`), no free whitespace, so that a
+# model cannot fill its budget with blanks and every answer reads the same.
+_JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_CACHE_SIZE = 64
+
+
+class GrammarError(ValueError):
+    """A schema or grammar the engine cannot enforce; `param` names the request field."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class AnswerFormat:
+    """What the answer's text must be.
+
+    Attributes:
+        kind: "json_schema" (`source` is the schema as JSON text), "json_object" (any JSON object) or
+            "grammar" (`source` is GBNF or llguidance Lark text).
+        source: the schema or grammar text ("" for json_object).
+        param: the request field it came from, named in errors (e.g. "response_format.json_schema.schema").
+    """
+
+    kind: FormatKind
+    source: str = ""
+    param: str = "response_format"
+
+
+@dataclass(frozen=True)
+class SpecialTokens:
+    """The ids of the format's tags in a vocabulary (None: the tag is not one token there)."""
+
+    think_open: int | None
+    think_close: int | None
+    call_open: int | None
+    call_close: int | None
+
+    @classmethod
+    def of(cls, tokenizer: Any) -> SpecialTokens:
+        def one(text: str) -> int | None:
+            ids = tokenizer.encode(text, special=True)
+            return ids[0] if len(ids) == 1 else None
+
+        return cls(one("<think>"), one("</think>"), one("<tool_call>"), one("</tool_call>"))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a generation's guide enforces, as grammar texts (compiled by `Grammars.compile`).
+
+    Attributes:
+        answer: the grammar of the whole answer (after any reasoning), or None (llguidance's grammar text).
+        call: in `auto` mode, the grammar of one tool call's body after `<tool_call>`, or None.
+        may_think: the model may open `<think>` before the constrained answer.
+        in_reasoning: the prompt already opened `<think>`.
+        banned: token ids that may never be sampled.
+        max_calls: in `auto` mode, how many tool calls may start (None: any number).
+        parts: (grammar, param) of each schema or grammar the request sent, checked one by one so that an error
+            names its field.
+    """
+
+    answer: str | None = None
+    call: str | None = None
+    may_think: bool = False
+    in_reasoning: bool = False
+    banned: tuple[int, ...] = ()
+    max_calls: int | None = None
+    parts: tuple[tuple[str, str], ...] = ()
+
+
+def plan_constraint(*, answer_format: AnswerFormat | None, tools: Sequence[dict[str, Any]],
+                    tool_choice: str | dict[str, Any] | None, parallel_tool_calls: bool, thinking: bool,
+                    in_reasoning: bool, tokens: SpecialTokens) -> Plan | None:
+    """The plan for a request's answer format and tool choice; None when nothing is constrained.
+
+    Args:
+        answer_format: the answer's format, if the request set one.
+        tools: the declared tools (OpenAI chat shape: `{"type": "function", "function": {name, parameters,
+            strict}}`); empty when the request has none or chose "none".
+        tool_choice: "none", "auto", "required", `{"type": "function", "function": {"name": ...}}` or None
+            (auto).
+        parallel_tool_calls: False allows at most one tool call.
+        thinking: the template lets the model think (it may open `<think>` first).
+        in_reasoning: the prompt ends inside an open `<think>`.
+        tokens: the tag ids of the vocabulary.
+
+    Raises:
+        GrammarError: a format that cannot be combined with the tools.
+    """
+    choice = tool_choice if tool_choice is not None else "auto"
+    forced = choice == "required" or isinstance(choice, dict)
+    if choice == "none" or not tools:
+        tools = []
+    parts: list[tuple[str, str]] = []
+    answer_rule = None
+    if answer_format is not None:
+        answer_rule, part = _format_rule(answer_format)
+        parts.append(part)
+    banned: tuple[int, ...] = ()
+    if not tools and tokens.call_open is not None and (choice == "none" or answer_format is not None):
+        banned = (tokens.call_open,)
+    think = dict(may_think=thinking and not in_reasoning and tokens.think_open is not None
+                 and tokens.think_close is not None,
+                 in_reasoning=in_reasoning and tokens.think_close is not None)
+    if tools and (forced or answer_format is not None):
+        if answer_rule is None and answer_format is not None:
+            raise GrammarError(f"{answer_format.param}: a grammar cannot be combined with tools; send "
+                               'tool_choice "none" or leave the tools out', answer_format.param)
+        if isinstance(choice, dict):
+            tools = [tool for tool in tools if tool["function"]["name"] == choice["function"]["name"]]
+        calls_rule, call_parts = _calls_rules(tools, tokens, parallel_tool_calls, body_only=False)
+        parts += call_parts
+        rules = ["start: calls" if forced else "start: answer | calls", *calls_rule]
+        if answer_rule is not None and not forced:
+            rules.append(f"answer: {answer_rule}")
+        return Plan(answer=_lark(rules), parts=tuple(parts), **think)
+    if answer_format is not None:
+        answer = _lark([f"start: {answer_rule}"]) if answer_rule is not None else parts[0][0]
+        return Plan(answer=answer, banned=banned, parts=tuple(parts), **think)
+    if not tools or tokens.call_open is None:
+        return Plan(banned=banned) if banned else None
+    # `auto`: the text is free; calls are constrained when a tool is strict, and counted.
+    call, call_parts = None, []
+    if any(tool["function"].get("strict") for tool in tools) and tokens.call_close is not None:
+        calls_rule, call_parts = _calls_rules(tools, tokens, parallel_tool_calls, body_only=True)
+        call = _lark(["start: body", *calls_rule])
+    elif parallel_tool_calls:
+        return None
+    return Plan(call=call, max_calls=None if parallel_tool_calls else 1, parts=tuple(call_parts))
+
+
+def _lark(rules: list[str]) -> str:
+    """A Lark grammar as llguidance reads it."""
+    import llguidance
+
+    return llguidance.LLMatcher.grammar_from_lark("\n".join(rules) + "\n")
+
+
+def _format_rule(answer_format: AnswerFormat) -> tuple[str | None, tuple[str, str]]:
+    """The Lark right-hand side for a JSON answer format (None for a grammar, which has rules of its own and is
+    used alone), and the format's own grammar with its field, for checking."""
+    if answer_format.kind == "grammar":
+        import llguidance
+
+        try:
+            grammar = llguidance.grammar_from("gbnf", answer_format.source)
+        except ValueError as error:
+            raise GrammarError(f"{answer_format.param}: {error}", answer_format.param) from None
+        return None, (grammar, answer_format.param)
+    schema = json.loads(answer_format.source) if answer_format.kind == "json_schema" else {"type": "object"}
+    text = _json_text(schema, lenient=False)
+    return f"%json {text}", (_json_grammar(text), answer_format.param)
+
+
+def _calls_rules(tools: Sequence[dict[str, Any]], tokens: SpecialTokens, parallel: bool, *, body_only: bool
+                 ) -> tuple[list[str], list[tuple[str, str]]]:
+    """Lark rules for tool calls in the chat template's syntax: `<tool_call>\\n{"name": ..., "arguments":
+    {...}}\\n</tool_call>`, one rule per declared tool. Strict tools get their parameters' schema exactly;
+    the others theirs leniently (keywords llguidance lacks are ignored), since their schema binds nobody."""
+    open_tag = _tag(tokens.call_open, "<tool_call>")
+    close_tag = _tag(tokens.call_close, "</tool_call>")
+    rules = [f'body: "\\n" ({" | ".join(f"tool{i}" for i in range(len(tools)))}) "\\n" {close_tag}']
+    if not body_only:
+        rules.insert(0, 'calls: call ("\\n" call)*' if parallel else "calls: call")
+        rules.insert(1, f"call: {open_tag} body")
+    parts = []
+    for i, tool in enumerate(tools):
+        function = tool["function"]
+        strict = bool(function.get("strict"))
+        schema = {"type": "object", "properties": {"name": {"const": function["name"]},
+                                                   "arguments": function.get("parameters") or {"type": "object"}},
+                  "required": ["name", "arguments"], "additionalProperties": False}
+        text = _json_text(schema, lenient=not strict)
+        rules.append(f"tool{i}: %json {text}")
+        if strict:
+            parts.append((_json_grammar(text), f"tools[{i}].function.parameters"))
+    return rules, parts
+
+
+def _tag(token: int | None, text: str) -> str:
+    return f"<[{token}]>" if token is not None else json.dumps(text)
+
+
+def _json_text(schema: Any, *, lenient: bool) -> str:
+    if isinstance(schema, dict):
+        options = {**schema.get("x-guidance", {}), **_JSON_LAYOUT, "lenient": lenient}
+        schema = {**schema, "x-guidance": options}
+    return json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
+
+
+def _json_grammar(schema_text: str) -> str:
+    import llguidance
+
+    return llguidance.LLMatcher.grammar_from_json_schema(schema_text)
+
+
+# --- compiling
+
+
+@dataclass
+class _Compiled:
+    answer: Any = None  # LLMatcher templates (each generation takes a deep copy)
+    call: Any = None
+
+
+class Grammars:
+    """A model's llguidance tokenizer and its compiled grammars, cached by grammar text (thread-safe; call
+    `compile` from a worker thread: the first call builds the tokenizer, ~2 s for 151k tokens).
+
+    Args:
+        tokenizer: the model's `strata.tokenizer.Tokenizer`.
+        n_vocab: the engine's logits length (may exceed the tokenizer's).
+    """
+
+    def __init__(self, tokenizer: Any, n_vocab: int):
+        self._tokenizer = tokenizer
+        self.n_vocab = n_vocab
+        self.tokens = SpecialTokens.of(tokenizer)
+        self.eos_ids = tuple(sorted(tokenizer.eos_ids))
+        self._lock = threading.Lock()
+        self._ll_tokenizer: Any = None
+        self._cache: OrderedDict[str, Any] = OrderedDict()
+        self._checked: OrderedDict[tuple[str, str], str] = OrderedDict()
+
+    def ll_tokenizer(self) -> Any:
+        with self._lock:
+            if self._ll_tokenizer is None:
+                import llguidance
+
+                self._ll_tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Vocabulary(self._tokenizer)),
+                                                            n_vocab=self.n_vocab, eos_token=list(self.eos_ids))
+            return self._ll_tokenizer
+
+    def guide(self, plan: Plan) -> Guide:
+        """A fresh guide for one generation (compiles what is not cached yet).
+
+        Raises:
+            GrammarError: a schema or grammar llguidance refuses, naming the request field.
+        """
+        for grammar, param in plan.parts:
+            self._check(grammar, param)
+        compiled = _Compiled(self._matcher(plan.answer, "response_format") if plan.answer else None,
+                             self._matcher(plan.call, "tools") if plan.call else None)
+        return Guide(plan, compiled, self.n_vocab, self.tokens, self.eos_ids)
+
+    def _check(self, grammar: str, param: str) -> None:
+        import llguidance
+
+        key = (grammar, param)
+        with self._lock:
+            error = self._checked.get(key)
+        if error is None:
+            error = llguidance.LLMatcher.validate_grammar(grammar, self.ll_tokenizer())
+            with self._lock:
+                self._checked[key] = error
+                while len(self._checked) > _CACHE_SIZE:
+                    self._checked.popitem(last=False)
+        if error:
+            raise GrammarError(f"{param}: {error.strip()}", param)
+
+    def _matcher(self, grammar: str, param: str) -> Any:
+        import llguidance
+
+        with self._lock:
+            template = self._cache.get(grammar)
+            if template is not None:
+                self._cache.move_to_end(grammar)
+                return template.deep_copy()
+        template = llguidance.LLMatcher(self.ll_tokenizer(), grammar, log_level=0)
+        if template.is_error():
+            raise GrammarError(f"{param}: {template.get_error()}", param)
+        with self._lock:
+            self._cache[grammar] = template
+            while len(self._cache) > _CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return template.deep_copy()
+
+
+class _Vocabulary:
+    """Our tokenizer in the shape `llguidance.TokenizerWrapper` reads: every id's bytes, the special ids."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokens = list(tokenizer.id_bytes)
+        self.eos_token_id = tokenizer.eos_id
+        self.bos_token_id = tokenizer.bos_id
+        self.special_token_ids = sorted(tokenizer.hf.get_added_tokens_decoder())
+        self._encode = tokenizer.encode
+
+    def __call__(self, text: str) -> list[int]:
+        return self._encode(text, special=False)
+
+
+# --- the guide, in the engine thread
+
+_FREE, _ANSWER, _REASONING, _CALL, _START = range(5)
+
+
+@dataclass
+class Guide:
+    """Masks one generation's logits to what its plan allows and follows the sampled tokens (engine thread).
+
+    `apply(logits)` is called before a token is sampled, `advance(token)` after; the sampler keeps the rest of
+    its pipeline. Once the answer's grammar is complete only an end-of-turn token remains allowed.
+    """
+
+    plan: Plan
+    compiled: _Compiled
+    n_vocab: int
+    tokens: SpecialTokens
+    eos_ids: tuple[int, ...]
+    calls: int = 0
+    _state: int = field(init=False)
+    _matcher: Any = field(init=False, default=None)
+    _bits: np.ndarray = field(init=False)
+
+    def __post_init__(self) -> None:
+        import llguidance.numpy
+
+        self._bits = llguidance.numpy.allocate_token_bitmask(1, self.n_vocab)
+        if self.plan.in_reasoning:
+            self._state = _REASONING
+        elif self.compiled.answer is not None:
+            self._state = _START if self.plan.may_think else _ANSWER
+            self._matcher = self.compiled.answer
+        else:
+            self._state = _FREE
+
+    def apply(self, logits: np.ndarray) -> None:
+        """Set the logits of the tokens that may not come next to -inf (in place)."""
+        if self._state in (_ANSWER, _START, _CALL):
+            allowed = self._allowed()
+            if self._state == _START:
+                allowed[self.tokens.think_open] = True
+            logits[~allowed] = -np.inf
+            return
+        banned = list(self.plan.banned)
+        if self.plan.max_calls is not None and self.calls >= self.plan.max_calls:
+            banned.append(self.tokens.call_open)
+        if self._state == _REASONING and self.compiled.answer is not None:
+            banned += self.eos_ids  # the constrained answer must follow the reasoning
+        if banned:
+            logits[banned] = -np.inf
+
+    def advance(self, token: int) -> None:
+        """Follow the token that was sampled."""
+        state = self._state
+        if state == _START and token == self.tokens.think_open:
+            self._state = _REASONING
+        elif state == _REASONING:
+            if token == self.tokens.think_close:
+                if self.compiled.answer is not None:
+                    self._state, self._matcher = _ANSWER, self.compiled.answer
+                else:
+                    self._state = _FREE
+        elif state in (_ANSWER, _START):
+            self._state = _ANSWER
+            self._matcher.consume_token(token)
+        elif state == _CALL:
+            self._matcher.consume_token(token)
+            if self._matcher.is_accepting():
+                self._state, self._matcher = _FREE, None
+        elif token == self.tokens.call_open and self.compiled.call is not None:
+            self.calls += 1
+            self._state = _CALL
+            self._matcher = self.compiled.call if self.calls == 1 else self._fresh_call()
+        elif token == self.tokens.call_open:
+            self.calls += 1
+
+    def _fresh_call(self) -> Any:
+        self.compiled.call.reset()
+        return self.compiled.call
+
+    def _allowed(self) -> np.ndarray:
+        """(n_vocab,) bool: the tokens the matcher allows next; an end-of-turn token only, once it is done (or
+        in error, which a masked sampler cannot reach)."""
+        import llguidance.numpy
+
+        matcher = self._matcher
+        if matcher.is_error() or matcher.is_stopped():
+            allowed = np.zeros(self.n_vocab, dtype=bool)
+            allowed[list(self.eos_ids)] = True
+            return allowed
+        llguidance.numpy.fill_next_token_bitmask(matcher, self._bits, 0)
+        return np.unpackbits(self._bits.view(np.uint8), bitorder="little", count=self.n_vocab).astype(bool)

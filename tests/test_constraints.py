@@ -1,0 +1,177 @@
+"""Constrained decoding without an engine: plans from request fields, and guides that mask random logits, so every
+sampled answer must come out valid by construction (checked with `jsonschema` and the tool-call parser)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jsonschema
+import numpy as np
+import pytest
+
+from strata.constraints import AnswerFormat, GrammarError, Grammars, plan_constraint
+from strata.events import TextDelta, ToolCallArgumentsDelta, ToolCallStart
+from strata.sampling import Sampler, SamplingParams
+from strata.toolcalls import ToolCallParser
+
+SCHEMA = {"type": "object", "properties": {
+    "colour": {"enum": ["red", "green", "blue"]},
+    "count": {"type": "integer", "minimum": 0, "maximum": 99},
+    "ok": {"type": "boolean"},
+    "tags": {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 3},
+}, "required": ["colour", "count", "ok"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"],
+    "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"],
+        "additionalProperties": False}}}]
+
+
+@pytest.fixture(scope="module")
+def grammars(tokenizer) -> Grammars:
+    return Grammars(tokenizer, tokenizer.n_vocab)
+
+
+def plan(grammars: Grammars, **fields: Any):
+    options: dict[str, Any] = dict(answer_format=None, tools=[], tool_choice=None, parallel_tool_calls=True,
+                                   thinking=False, in_reasoning=False)
+    options.update(fields)
+    return plan_constraint(tokens=grammars.tokens, **options)
+
+
+def run(grammars: Grammars, the_plan, seed: int, *, max_tokens: int = 400, bias: dict[int, float] | None = None,
+        first: int | None = None) -> list[int]:
+    """Sample from random logits (temperature 1, plus `bias`; `first` strongly favoured first) through the plan's
+    guide until an end-of-turn token."""
+    rng = np.random.default_rng(seed)
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=seed), grammars.n_vocab, mask=grammars.guide(the_plan))
+    out: list[int] = []
+    for _ in range(max_tokens):
+        logits = rng.normal(0, 3, grammars.n_vocab).astype(np.float32)
+        for token, value in (bias or {}).items():
+            logits[token] += value
+        if first is not None and not out:
+            logits[first] += 40.0
+        token = sampler.sample(logits, out)
+        if token in grammars.eos_ids:
+            return out
+        out.append(token)
+    raise AssertionError(f"no end of turn in {max_tokens} tokens")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_schema_answers_validate_at_temperature_one(grammars, tokenizer, seed):
+    the_plan = plan(grammars, answer_format=AnswerFormat("json_schema", json.dumps(SCHEMA)))
+    text = tokenizer.decode(run(grammars, the_plan, seed))
+    jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_reasoning_stays_free_and_the_answer_follows_it(grammars, tokenizer):
+    the_plan = plan(grammars, answer_format=AnswerFormat("json_schema", json.dumps(SCHEMA)), thinking=True)
+    think_open, think_close = grammars.tokens.think_open, grammars.tokens.think_close
+    # Push the model towards thinking, then towards ending: without the guide it would stop inside the thought.
+    ids = run(grammars, the_plan, 7, bias={grammars.eos_ids[0]: 8.0, think_close: 6.0}, first=think_open)
+    assert ids[0] == think_open and think_close in ids
+    answer = tokenizer.decode(ids[ids.index(think_close) + 1:])
+    jsonschema.validate(json.loads(answer), SCHEMA)
+
+
+def test_a_grammar_in_gbnf(grammars, tokenizer):
+    gbnf = 'root ::= "yes" | "no" | "maybe " [0-9]'
+    the_plan = plan(grammars, answer_format=AnswerFormat("grammar", gbnf, "grammar"))
+    answers = {tokenizer.decode(run(grammars, the_plan, seed)) for seed in range(8)}
+    assert answers <= {"yes", "no"} | {f"maybe {d}" for d in range(10)} and len(answers) > 1
+
+
+@pytest.mark.parametrize(("schema", "keyword"), [
+    ({"type": "object", "dependentSchemas": {"a": {}}}, "dependentSchemas"),
+    ({"type": "string", "format": "no-such-format"}, "format"),
+])
+def test_unsupported_schema_features_name_the_field(grammars, schema, keyword):
+    answer_format = AnswerFormat("json_schema", json.dumps(schema), "response_format.json_schema.schema")
+    with pytest.raises(GrammarError) as caught:
+        grammars.guide(plan(grammars, answer_format=answer_format))
+    assert caught.value.param == "response_format.json_schema.schema"
+    assert keyword in str(caught.value)
+
+
+def test_a_bad_grammar_names_the_field(grammars):
+    with pytest.raises(GrammarError) as caught:
+        grammars.guide(plan(grammars, answer_format=AnswerFormat("grammar", "root ::= undefined-rule", "grammar")))
+    assert caught.value.param == "grammar" and "undefined" in str(caught.value)
+
+
+def test_compiled_grammars_are_cached(grammars):
+    answer_format = AnswerFormat("json_schema", json.dumps(SCHEMA))
+    first = plan(grammars, answer_format=answer_format)
+    grammars.guide(first)
+    cached = dict(grammars._cache)
+    grammars.guide(plan(grammars, answer_format=answer_format))
+    assert first.answer in cached and grammars._cache.keys() == cached.keys()
+
+
+def calls_of(tokenizer, ids: list[int], names=None) -> tuple[str, list[tuple[str, dict[str, Any]]]]:
+    parser = ToolCallParser(tool_names=names)
+    events = parser.feed(tokenizer.decode(ids)) + parser.finish()
+    text = "".join(e.text for e in events if isinstance(e, TextDelta))
+    calls: list[tuple[str, dict[str, Any]]] = []
+    for event in events:
+        if isinstance(event, ToolCallStart):
+            calls.append((event.name, {}))
+        elif isinstance(event, ToolCallArgumentsDelta):
+            name, _ = calls[event.index]
+            calls[event.index] = (name, json.loads(event.text))
+    return text, calls
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_required_calls_a_declared_tool_with_its_schema(grammars, tokenizer, seed):
+    ids = run(grammars, plan(grammars, tools=TOOLS, tool_choice="required"), seed)
+    text, calls = calls_of(tokenizer, ids)
+    assert text == "" and calls
+    for name, arguments in calls:
+        tool = next(tool["function"] for tool in TOOLS if tool["function"]["name"] == name)
+        jsonschema.validate(arguments, tool["parameters"])
+
+
+def test_a_named_tool_is_the_one_called_once_without_parallel_calls(grammars, tokenizer):
+    choice = {"type": "function", "function": {"name": "get_time"}}
+    for seed in range(3):
+        the_plan = plan(grammars, tools=TOOLS, tool_choice=choice, parallel_tool_calls=False)
+        _, calls = calls_of(tokenizer, run(grammars, the_plan, seed))
+        assert [name for name, _ in calls] == ["get_time"]
+        assert calls[0][1]["zone"] in ("utc", "cet")
+
+
+def test_auto_with_a_strict_tool_constrains_calls_the_model_starts(grammars, tokenizer):
+    call_open = grammars.tokens.call_open
+    the_plan = plan(grammars, tools=TOOLS, tool_choice="auto", parallel_tool_calls=False)
+    ids = run(grammars, the_plan, 3, bias={call_open: 12.0, grammars.eos_ids[0]: 3.0})
+    assert ids.count(call_open) == 1  # parallel_tool_calls false: the second call can never start
+    _, calls = calls_of(tokenizer, ids)
+    assert len(calls) == 1 and calls[0][0] in ("get_weather", "get_time")
+
+
+def test_none_bans_the_call_tag(grammars, tokenizer):
+    the_plan = plan(grammars, tools=TOOLS, tool_choice="none")
+    ids = run(grammars, the_plan, 1, bias={grammars.tokens.call_open: 50.0, grammars.eos_ids[0]: 4.0})
+    assert grammars.tokens.call_open not in ids
+
+
+def test_nothing_to_constrain_is_no_plan(grammars):
+    assert plan(grammars) is None
+    assert plan(grammars, tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]) is None
+
+
+def test_a_grammar_and_tools_together_are_refused(grammars):
+    with pytest.raises(GrammarError) as caught:
+        plan(grammars, tools=TOOLS, answer_format=AnswerFormat("grammar", 'root ::= "x"', "grammar"))
+    assert caught.value.param == "grammar"
+
+
+def test_calls_to_undeclared_tools_are_text(tokenizer):
+    ids = tokenizer.encode('<tool_call>\n{"name": "rm", "arguments": {"path": "/"}}\n</tool_call>', special=True)
+    text, calls = calls_of(tokenizer, ids, names={"get_weather"})
+    assert calls == [] and '"rm"' in text
