@@ -361,18 +361,18 @@ class Guide:
     def apply(self, logits: np.ndarray) -> None:
         """Set the logits of the tokens that may not come next to -inf (in place)."""
         if self._state in (_ANSWER, _START, _CALL):
-            allowed = self._allowed()
+            banned = self._banned()
             if self._state == _START:
-                allowed[self.tokens.think_open] = True
-            logits[~allowed] = -np.inf
+                banned[self.tokens.think_open] = False
+            np.copyto(logits, -np.inf, where=banned)
             return
-        banned = list(self.plan.banned)
+        banned_ids = list(self.plan.banned)
         if self.plan.max_calls is not None and self.calls >= self.plan.max_calls:
-            banned.append(self.tokens.call_open)
+            banned_ids.append(self.tokens.call_open)
         if self._state == _REASONING and self.compiled.answer is not None:
-            banned += self.eos_ids  # the constrained answer must follow the reasoning
-        if banned:
-            logits[banned] = -np.inf
+            banned_ids += self.eos_ids  # the constrained answer must follow the reasoning
+        if banned_ids:
+            logits[banned_ids] = -np.inf
 
     def advance(self, token: int) -> None:
         """Follow the token that was sampled."""
@@ -403,15 +403,16 @@ class Guide:
         self.compiled.call.reset()
         return self.compiled.call
 
-    def _allowed(self) -> np.ndarray:
-        """(n_vocab,) bool: the tokens the matcher allows next; an end-of-turn token only, once it is done (or
-        in error, which a masked sampler cannot reach)."""
+    def _banned(self) -> np.ndarray:
+        """(n_vocab,) bool: the tokens the matcher does not allow next. Once it is done (or in error, which a
+        masked sampler cannot reach) only end-of-turn tokens are allowed."""
         import llguidance.numpy
 
         matcher = self._matcher
         if matcher.is_error() or matcher.is_stopped():
-            allowed = np.zeros(self.n_vocab, dtype=bool)
-            allowed[list(self.eos_ids)] = True
-            return allowed
+            banned = np.ones(self.n_vocab, dtype=bool)
+            banned[list(self.eos_ids)] = False
+            return banned
         llguidance.numpy.fill_next_token_bitmask(matcher, self._bits, 0)
-        return np.unpackbits(self._bits.view(np.uint8), bitorder="little", count=self.n_vocab).astype(bool)
+        # Unpacking the inverted bits gives 0/1 bytes, viewed as bools without a copy.
+        return np.unpackbits(~self._bits.view(np.uint8), bitorder="little", count=self.n_vocab).view(bool)
