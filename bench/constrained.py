@@ -113,7 +113,7 @@ def run(model: str, args: argparse.Namespace) -> None:
         rate, _ = decode(engine, prompt, args.tokens, None)
         free.append(rate)
         timed = _Timed(grammars.guide(plan(SCHEMA)))
-        rate, n = decode(engine, prompt, args.tokens, timed)
+        rate, _ = decode(engine, prompt, args.tokens, timed)
         constrained.append(rate)
         guide_ms.append(1000 * timed.seconds / timed.steps)
         step_ms.append(1000 / rate)

@@ -132,9 +132,8 @@ def plan_constraint(*, answer_format: AnswerFormat | None, tools: Sequence[dict[
     banned: tuple[int, ...] = ()
     if not tools and tokens.call_open is not None and (choice == "none" or answer_format is not None):
         banned = (tokens.call_open,)
-    think = dict(may_think=thinking and not in_reasoning and tokens.think_open is not None
-                 and tokens.think_close is not None,
-                 in_reasoning=in_reasoning and tokens.think_close is not None)
+    may_think = thinking and not in_reasoning and tokens.think_open is not None and tokens.think_close is not None
+    in_reasoning = in_reasoning and tokens.think_close is not None
     if tools and (forced or answer_format is not None):
         if answer_rule is None and answer_format is not None:
             raise GrammarError(f"{answer_format.param}: a grammar cannot be combined with tools; send "
@@ -146,10 +145,11 @@ def plan_constraint(*, answer_format: AnswerFormat | None, tools: Sequence[dict[
         rules = ["start: calls" if forced else "start: answer | calls", *calls_rule]
         if answer_rule is not None and not forced:
             rules.append(f"answer: {answer_rule}")
-        return Plan(answer=_lark(rules), parts=tuple(parts), **think)
+        return Plan(answer=_lark(rules), parts=tuple(parts), may_think=may_think, in_reasoning=in_reasoning)
     if answer_format is not None:
         answer = _lark([f"start: {answer_rule}"]) if answer_rule is not None else parts[0][0]
-        return Plan(answer=answer, banned=banned, parts=tuple(parts), **think)
+        return Plan(answer=answer, banned=banned, parts=tuple(parts), may_think=may_think,
+                    in_reasoning=in_reasoning)
     if not tools or tokens.call_open is None:
         return Plan(banned=banned) if banned else None
     # `auto`: the text is free; calls are constrained when a tool is strict, and counted.
@@ -367,7 +367,7 @@ class Guide:
             np.copyto(logits, -np.inf, where=banned)
             return
         banned_ids = list(self.plan.banned)
-        if self.plan.max_calls is not None and self.calls >= self.plan.max_calls:
+        if self.plan.max_calls is not None and self.calls >= self.plan.max_calls and self.tokens.call_open is not None:
             banned_ids.append(self.tokens.call_open)
         if self._state == _REASONING and self.compiled.answer is not None:
             banned_ids += self.eos_ids  # the constrained answer must follow the reasoning
