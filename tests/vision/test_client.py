@@ -206,3 +206,35 @@ def test_default_threads_leave_the_engine_its_cores():
     assert default_threads(engine_threads=8, cores=8) == 1
     assert default_threads(engine_threads=6, cores=8) == 2
     assert default_threads(engine_threads=4, cores=16) == 4
+
+
+async def test_state_and_job_as_the_monitor_shows_them(nursery, slow_mmproj):
+    client = await start(nursery, mmproj=str(slow_mmproj), threads=1, max_tokens=SLOW_TOKENS)
+    assert client.state() == "ready" and client.status()["job"] is None
+    picture = noise_png(640, 480, seed=10)
+    async with trio.open_nursery() as encoding:
+        encoding.start_soon(client.encode, picture)
+        await wait_for(lambda: client.job is not None)
+        assert client.status()["job"]["bytes"] == len(picture)
+        encoding.cancel_scope.cancel()
+    assert client.job is None
+    os.kill(client.pid, 9)
+    await wait_for(lambda: not client.available)
+    assert client.state() == "absent"
+
+
+async def test_state_while_a_remote_encoder_starts(nursery):
+    client = await start(nursery, exe=[sys.executable, "-c", "import time; time.sleep(60)"], remote=True,
+                         timeout=1.0)
+    assert client.state() == "absent"
+    failures = []
+
+    async def picture() -> None:
+        with pytest.raises(VisionUnavailable) as error:
+            await client.encode(noise_png(32, 32))
+        failures.append(error.value)
+
+    nursery.start_soon(picture)
+    await wait_for(lambda: client.state() == "starting")
+    await wait_for(lambda: failures, 5)
+    assert client.state() == "absent"

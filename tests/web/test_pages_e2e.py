@@ -240,11 +240,20 @@ def test_a_pasted_picture_is_described(demo: Served, page: Any, screenshots: pat
     page.screenshot(path=str(screenshots / "web-chat.png"))
 
 
-def test_a_picture_from_the_picker(demo: Served, page: Any, tmp_path: pathlib.Path) -> None:
+def test_a_picture_dropped_or_from_the_picker(demo: Served, page: Any, tmp_path: pathlib.Path) -> None:
     picture = tmp_path / "circle.png"
     picture.write_bytes(red_circle_png())
     page.goto(demo.url + "/")
     settings(page, temperature="0", reasoning="none")
+    page.locator("main.chat").evaluate("""(area, data) => {
+        const bytes = Uint8Array.from(atob(data), (c) => c.charCodeAt(0));
+        const transfer = new DataTransfer();
+        transfer.items.add(new File([bytes], "dropped.png", { type: "image/png" }));
+        area.dispatchEvent(new DragEvent("drop", { dataTransfer: transfer, bubbles: true, cancelable: true }));
+    }""", PICTURE)
+    page.locator(".pending img").wait_for()
+    page.locator(".pending .thumb button").click()  # taken back
+    assert page.locator(".pending img").count() == 0
     page.locator("input[type=file]").set_input_files(str(picture))
     page.locator(".pending img").wait_for()
     answer = ask(page, "What is in the picture?")
