@@ -62,10 +62,22 @@ class ToolCallArgumentsDelta:
 
 
 @dataclass(frozen=True)
+class PromptProcessed:
+    """The prompt is in the KV cache (it comes before the first generated token): its size is known."""
+
+    prompt_tokens: int
+    cached_tokens: int
+
+
+@dataclass(frozen=True)
 class Usage:
+    """Token counts of a finished generation; `reasoning_tokens` are the completion tokens inside `<think>`
+    (tags included)."""
+
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
+    reasoning_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -76,4 +88,4 @@ class Finish:
     stop_sequence: str | None = None
 
 
-Event = TextDelta | ReasoningDelta | ToolCallStart | ToolCallArgumentsDelta | Usage | Finish
+Event = TextDelta | ReasoningDelta | ToolCallStart | ToolCallArgumentsDelta | PromptProcessed | Usage | Finish

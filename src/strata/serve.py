@@ -139,19 +139,49 @@ async def serve(
             nursery.start_soon(_stop_after, shutdown_trigger, stop)
         async with open_service(config, wait=False, log=log) as service:
             hyper = hypercorn.Config()
-            hyper.bind = [f"{config.host}:{config.port}"]
+            hyper.bind = listen_addresses(config.host, config.port)
             hyper.graceful_timeout = config.limits.graceful_timeout
             hyper.accesslog = None
             # Invariant: the service closes only after hypercorn has returned, i.e. after every request ended.
             async with trio.open_nursery() as server_nursery:
-                binds = await server_nursery.start(partial(
-                    hypercorn.trio.serve, create_app(service=service), hyper, shutdown_trigger=stop.wait))
-                log(f"listening on {', '.join(binds)}")
-                server_nursery.start_soon(watch_loading, service)
-                if task_status is not None:
-                    task_status.started(binds)
+                try:
+                    binds = await server_nursery.start(partial(
+                        hypercorn.trio.serve, create_app(service=service), hyper, shutdown_trigger=stop.wait))
+                except (OSError, ExceptionGroup) as error:
+                    cause = _os_error(error)
+                    if cause is None:
+                        raise
+                    log(f"error: cannot listen on {', '.join(hyper.bind)}: {cause}")
+                    failed = True
+                else:
+                    log(f"listening on {', '.join(binds)}")
+                    server_nursery.start_soon(watch_loading, service)
+                    if task_status is not None:
+                        task_status.started(binds)
         nursery.cancel_scope.cancel()
     return 1 if failed else 0
+
+
+def listen_addresses(host: str, port: int) -> list[str]:
+    """hypercorn's binds for the `host` key: one address or several separated by commas (IPv6 ones bracketed)."""
+    binds = []
+    for name in (part.strip() for part in host.split(",")):
+        if ":" in name and not name.startswith("["):
+            name = f"[{name}]"
+        binds.append(f"{name}:{port}")
+    return binds
+
+
+def _os_error(error: BaseException) -> OSError | None:
+    """The socket error behind a failed listen (hypercorn's task raises it inside exception groups)."""
+    if isinstance(error, OSError):
+        return error
+    if isinstance(error, BaseExceptionGroup):
+        for inner in error.exceptions:
+            found = _os_error(inner)
+            if found is not None:
+                return found
+    return None
 
 
 async def _stop_on_signal(stop: trio.Event) -> None:

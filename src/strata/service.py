@@ -33,7 +33,7 @@ import trio
 from strata.activity import Activity, RequestProgress
 from strata.config import Config
 from strata.constraints import GrammarError, Grammars, Guide, plan_constraint
-from strata.events import ChatRequest, Event, Finish, FinishReason, Usage
+from strata.events import ChatRequest, Event, Finish, FinishReason, PromptProcessed, Usage
 from strata.history import History, HistoryRow
 from strata.images import (
     DOWNLOAD_TIMEOUT,
@@ -66,11 +66,12 @@ IMAGE_PAD = "<|image_pad|>"  # the token a chat template renders once per pictur
 
 class RequestError(ValueError):
     """A request this model cannot serve (too long for the context, refused by the chat template, a picture that
-    cannot be used, ...); `param` names the request field at fault, when there is one."""
+    cannot be used, ...); `param` names the request field at fault, when there is one, `code` the error's code."""
 
-    def __init__(self, message: str, param: str | None = None):
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.param = param
+        self.code = code  # OpenAI's error code, e.g. "context_length_exceeded"
 
 
 class ServiceUnavailable(Exception):
@@ -285,7 +286,8 @@ class Service:
         ids = prompt.ids
         n_ctx = self.engine.n_ctx
         if len(ids) >= n_ctx:
-            raise RequestError(f"the prompt has {len(ids)} tokens; the context holds {n_ctx} (prompt and answer)")
+            raise RequestError(f"the prompt has {len(ids)} tokens; the context holds {n_ctx} (prompt and answer)",
+                               code="context_length_exceeded")
         max_tokens = n_ctx - len(ids)
         for cap in (request.max_tokens, self.config.limits.max_tokens):
             if cap is not None:
@@ -412,8 +414,11 @@ class Service:
         try:
             output = _Output(self.tokenizer, request, prepared.starts_in_reasoning)
             finish: FinishReason | None = None
+            reasoning_tokens = 0
             while finish is None:
                 tokens = await run.next_tokens()
+                if live.phase == "prompt":
+                    yield PromptProcessed(len(prepared.ids), run.reused)
                 self.phase = live.phase = "decode"
                 row.reused_tokens, row.prompt_seconds, row.decode_seconds = run.reused, *run.seconds()
                 if not tokens:  # the thread ended without a stop token: the token budget is spent
@@ -423,8 +428,10 @@ class Service:
                         finish = "stop"
                         break
                     row.output_tokens += 1
+                    was_reasoning = output.in_reasoning
                     for event in output.push(token):
                         yield event
+                    reasoning_tokens += was_reasoning or output.in_reasoning  # the tags count as reasoning
                     if output.stopped:
                         finish = "stop"
                         break
@@ -439,7 +446,7 @@ class Service:
             finish = "tool_calls"
         row.finish = finish
         yield Usage(prompt_tokens=len(prepared.ids), cached_tokens=row.reused_tokens,
-                    completion_tokens=row.output_tokens)
+                    completion_tokens=row.output_tokens, reasoning_tokens=reasoning_tokens)
         yield Finish(finish, output.stop_sequence)
 
     @property
@@ -649,6 +656,10 @@ class _Output:
     @property
     def n_tool_calls(self) -> int:
         return self._parser.n_tool_calls
+
+    @property
+    def in_reasoning(self) -> bool:
+        return self._parser.in_reasoning
 
     @property
     def stop_sequence(self) -> str | None:

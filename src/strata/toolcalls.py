@@ -63,6 +63,11 @@ class ToolCallParser:
         """How many tool calls have been announced so far."""
         return self._n_calls
 
+    @property
+    def in_reasoning(self) -> bool:
+        """Whether the text so far ends inside `<think>`."""
+        return self._state == _THINK
+
     def feed(self, text: str) -> list[Event]:
         """Consume the next piece of model text; return the events it completes."""
         self._pending += text

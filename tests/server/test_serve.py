@@ -175,3 +175,36 @@ def test_strata_serve_without_a_model_serves_the_demo_with_its_encoder():
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=10)
         process.stdout.close()
+
+
+def test_a_port_in_use_or_an_unknown_host_is_one_line(tiny_model):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for host, cause in (("127.0.0.1", "Address already in use"), ("no-such-host.invalid", "not known")):
+            command = [sys.executable, "-m", "strata.cli", "serve", "--model", str(tiny_model), "--host", host,
+                       "--port", str(port)]
+            done = subprocess.run(command, capture_output=True, text=True, env=environment(), timeout=60)
+            output = done.stdout + done.stderr
+            assert done.returncode == 1, output
+            assert f"error: cannot listen on {host}:{port}: " in output and cause in output
+            assert "Traceback" not in output
+
+
+async def test_several_listen_addresses(tiny_model):
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 on this machine")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    config = server_config(model=str(tiny_model), context=512, host="127.0.0.1,::1", port=port)
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        binds = await nursery.start(lambda task_status: strata.serve(
+            config, shutdown_trigger=stop.wait, log=lambda line: None, task_status=task_status))
+        assert binds == [f"http://127.0.0.1:{port}", f"http://[::1]:{port}"]
+        for bind in binds:
+            async with httpx.AsyncClient(base_url=bind) as client:
+                await _wait_healthy(client)
+        stop.set()

@@ -40,6 +40,7 @@ from strata.events import (
     ChatRequest,
     Event,
     Finish,
+    PromptProcessed,
     ReasoningDelta,
     TextDelta,
     ToolCallArgumentsDelta,
@@ -372,20 +373,22 @@ class MessageStream:
         self._tool_blocks: dict[int, int] = {}  # tool call index -> its block index
         self._usage: Usage | None = None
 
-    def start(self) -> list[SseEvent]:
-        """The opening events (sent once; `feed` sends them first if nobody asked yet)."""
+    def start(self, prompt: PromptProcessed | None = None) -> list[SseEvent]:
+        """The opening events (sent once; `feed` sends them first if nobody asked yet), with the prompt's token
+        counts when they are known."""
         if self._started:
             return []
         self._started = True
+        usage = _usage(Usage(prompt.prompt_tokens, prompt.cached_tokens, 0) if prompt else None)
         message: dict[str, Any] = {
             "id": self._id, "type": "message", "role": "assistant", "model": self._model, "content": [],
-            "stop_reason": None, "stop_sequence": None, "usage": _usage(None),
+            "stop_reason": None, "stop_sequence": None, "usage": usage,
         }
         return [("message_start", {"type": "message_start", "message": message}), ("ping", {"type": "ping"})]
 
     def feed(self, event: Event) -> list[SseEvent]:
         """The events that say what `event` adds to the message."""
-        out = self.start()
+        out = self.start(event if isinstance(event, PromptProcessed) else None)
         if isinstance(event, TextDelta) and event.text:
             out += self._delta("text", {"type": "text_delta", "text": event.text})
         elif isinstance(event, ReasoningDelta) and event.text:

@@ -334,7 +334,7 @@ async def _stream(events: AsyncGenerator[Event, None], first: Event, renderer: A
     """The SSE body. Runs in the request's task: a hang-up cancels it at its next checkpoint, and the response
     machinery closes it, which closes `events` (the service's generator) and frees the engine's turn."""
     async with aclosing(events):
-        yield _frames(renderer.start() + renderer.feed(first))
+        yield _frames(renderer.feed(first))  # feed opens the stream: the first event may say how
         try:
             async for event in events:
                 frames = _frames(renderer.feed(event))

@@ -24,18 +24,21 @@ class ApiError(Exception):
         message: what is wrong, for a person to read.
         kind: OpenAI's error `type` (Anthropic's is derived from `status`).
         param: the request field at fault, when there is one.
+        code: OpenAI's machine-readable `code` (e.g. "context_length_exceeded"), when there is one.
     """
 
-    def __init__(self, status: int, message: str, *, kind: str = "invalid_request_error", param: str | None = None):
+    def __init__(self, status: int, message: str, *, kind: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.kind = kind
         self.param = param
+        self.code = code
 
 
 def openai_error_body(error: ApiError) -> dict[str, Any]:
-    return {"error": {"message": error.message, "type": error.kind, "param": error.param, "code": None}}
+    return {"error": {"message": error.message, "type": error.kind, "param": error.param, "code": error.code}}
 
 
 def anthropic_error_body(error: ApiError) -> dict[str, Any]:
@@ -65,7 +68,7 @@ def as_api_error(exc: BaseException) -> ApiError:
     if isinstance(exc, ApiError):
         return exc
     if isinstance(exc, RequestError):
-        return ApiError(400, str(exc))
+        return ApiError(400, str(exc), param=exc.param, code=exc.code)
     if isinstance(exc, ServiceUnavailable):
         return ApiError(503, str(exc), kind="server_error")
     if isinstance(exc, QueueFull):

@@ -241,6 +241,7 @@ def usage_json(usage: Usage | None) -> dict[str, Any]:
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+        "completion_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
     }
 
 
@@ -322,7 +323,8 @@ class ChunkStream:
 
     def error(self, error: ApiError) -> list[SseEvent]:
         """The event that ends a stream the server cannot finish (the HTTP status was sent long ago)."""
-        return [("", {"error": {"message": error.message, "type": error.kind, "param": error.param, "code": None}})]
+        return [("", {"error": {"message": error.message, "type": error.kind, "param": error.param,
+                                "code": error.code}})]
 
     def _finish(self, finish: Finish) -> list[SseEvent]:
         try:
