@@ -65,6 +65,9 @@ class Config:
     host: str = "127.0.0.1"
     port: int = 8080
     api_key: str | None = None
+    # Host header names accepted (a guard against DNS rebinding); None: when listening on loopback, the loopback
+    # names and addresses only, else any.
+    allowed_hosts: list[str] | None = None
     context: int = 4096
     threads: int | None = None
     kv: str = "f16"

@@ -47,6 +47,7 @@ from strata.images import (
 )
 from strata.progress import Stage, with_progress
 from strata.prompt import PromptError, render_chat
+from strata.prompt_tokens import PromptTokens, strings_of
 from strata.sampling import Sampler
 from strata.toolcalls import StopMatcher, ToolCallParser
 from strata.turn import Turn
@@ -141,6 +142,7 @@ class Service:
         self.tokenizer: Any = None
         self.grammars: Grammars | None = None  # the model's compiled answer grammars (constrained decoding)
         self.template: str | None = None
+        self.prompt_tokens: PromptTokens | None = None
         self.load_error: BaseException | None = None
         self.loaded = trio.Event()
         self.nursery: trio.Nursery | None = None  # the service's long-lived nursery (open_service)
@@ -164,6 +166,7 @@ class Service:
             raise ServiceUnavailable("the model has no chat template (tokenizer.chat_template)")
         self.engine, self.tokenizer, self.template = engine, tokenizer, template
         self.grammars = Grammars(tokenizer, engine.n_vocab)
+        self.prompt_tokens = PromptTokens(tokenizer)
         self.loaded.set()
 
     async def load(self, log: Callable[[str], None] = print) -> None:
@@ -262,8 +265,8 @@ class Service:
         """
         self._require_ready()
         request, pictures = await self._pictures(request)
-        n_pads = len(self.tokenizer.encode(self.render(request), special=True))
-        return n_pads + sum(len(picture.rows) - 1 for picture in pictures)  # each picture's pad becomes its rows
+        _, ids = await trio.to_thread.run_sync(self._prompt, request)
+        return len(ids) + sum(len(picture.rows) - 1 for picture in pictures)  # each picture's pad becomes its rows
 
     def _require_ready(self) -> None:
         if not self.loaded.is_set():
@@ -271,10 +274,25 @@ class Service:
         if self.load_error is not None:
             raise ServiceUnavailable(f"the model failed to load: {self.load_error}")
 
+    def _prompt(self, request: ChatRequest) -> tuple[str, list[int]]:
+        """The prompt text and token ids of a request, control tokens typed in its text tokenised as text (see
+        `strata.prompt_tokens`). Blocking work (in a worker thread): a request whose text cannot fit the context
+        is refused before any of it is done."""
+        guard = self.prompt_tokens
+        assert guard is not None, "prompt before the model is loaded"
+        try:
+            guard.check_length(list(strings_of([request.messages, request.tools, request.template_kwargs])),
+                               self.engine.n_ctx)
+        except ValueError as error:
+            raise RequestError(str(error)) from None
+        text = self.render(dataclasses.replace(request, messages=guard.protect(request.messages),
+                                               tools=guard.protect(request.tools),
+                                               template_kwargs=guard.protect(request.template_kwargs)))
+        return text, guard.encode(text)
+
     def _prepare(self, request: ChatRequest, pictures: list[Embedding]) -> _Prepared:
         self._require_ready()
-        text = self.render(request)
-        ids = self.tokenizer.encode(text, special=True)
+        text, ids = self._prompt(request)
         pad_id = self.tokenizer.token_to_id(IMAGE_PAD)
         if pictures:
             try:
@@ -383,7 +401,7 @@ class Service:
         with self.activity.track(row) as live:
             try:
                 request, pictures = await self._pictures(request, live)
-                prepared = self._prepare(request, pictures)
+                prepared = await trio.to_thread.run_sync(self._prepare, request, pictures)
                 guide = await self._guide(request, prepared)
                 row.prompt_tokens = len(prepared.ids)
                 live.phase = "queued"

@@ -108,6 +108,7 @@ class Tokenizer:
     eos_id: int | None
     eos_ids: frozenset[int]
     chat_template: str | None = dataclasses.field(repr=False)
+    control_texts: tuple[str, ...] = dataclasses.field(default=(), repr=False)  # CONTROL tokens (<|im_end|>, ...)
 
     @classmethod
     def from_gguf(cls, path_or_reader: str | os.PathLike[str] | GGUFReader) -> Tokenizer:
@@ -135,7 +136,8 @@ class Tokenizer:
         bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
         return cls(hf=hf, hf_plain=hf_plain, id_bytes=tuple(_id_bytes(tokens, types)),
                    bos_id=None if bos is None else int(bos), eos_id=None if eos is None else int(eos),
-                   eos_ids=frozenset(eos_ids), chat_template=meta.get("tokenizer.chat_template"))
+                   eos_ids=frozenset(eos_ids), chat_template=meta.get("tokenizer.chat_template"),
+                   control_texts=tuple(tokens[i] for i, t in enumerate(types) if t == TokenType.CONTROL))
 
     @property
     def n_vocab(self) -> int:

@@ -17,6 +17,7 @@ from strata.api.translate import (
     SseEvent,
     arguments_object,
     bad_request,
+    check_stops,
     check_type,
     check_unique_tool_names,
     collect,
@@ -73,9 +74,7 @@ def parse_request(body: Any, *, sampling_defaults: Mapping[str, Any] | None = No
     body = check_type(body, dict, "body")
     max_tokens = get_int(body, "max_tokens", "max_tokens", 1, required=True)
     get(body, "stream", bool, "stream")
-    stops = get_list(body, "stop_sequences", "stop_sequences") or []
-    for i, stop in enumerate(stops):
-        check_type(stop, str, f"stop_sequences[{i}]")
+    stops = check_stops(get_list(body, "stop_sequences", "stop_sequences") or [], "stop_sequences")
     request = _parse_prompt(body)
     request.max_tokens = max_tokens
     request.stop = list(stops)

@@ -26,7 +26,9 @@ from quart_trio.asgi import TrioASGIHTTPConnection
 from werkzeug.exceptions import HTTPException
 
 from strata.api import openai_chat, sse, status, web
+from strata.api.body import INLINE_BYTES, parse_body
 from strata.api.errors import ApiError, as_api_error, dialect_for_path, error_body
+from strata.api.hosts import add_host_check
 from strata.api.translate import SseEvent
 from strata.config import Config, load_config
 from strata.events import ChatRequest, Event
@@ -108,6 +110,7 @@ def create_app(service: Service | None = None, config: Config | None = None) -> 
     else:
         state.registry = status.metrics_registry(service)
     _add_auth(app, config)
+    add_host_check(app, config)
     _add_error_handler(app)
     _add_info_routes(app, state)
     _add_chat_routes(app, state)
@@ -171,11 +174,19 @@ def _json(body: Any, status_code: int = 200) -> Response:
 
 
 async def _json_body() -> Any:
+    # A page on another origin can POST text/plain without a preflight; application/json needs one.
+    if request.mimetype != "application/json":
+        raise ApiError(415, f"the request body must be application/json, not {request.mimetype or 'untyped'}")
     data = await request.get_data()
-    try:
-        return json.loads(data)
-    except (ValueError, UnicodeDecodeError) as error:
-        raise ApiError(400, f"the request body is not valid JSON: {error}") from None
+    assert isinstance(data, bytes)
+    return await parse_body(data)
+
+
+async def _parse(parse: Callable[[Any], ChatRequest], data: Any, large: bool) -> ChatRequest:
+    """A dialect's parse, in a worker thread when the body is large (its work grows with the body)."""
+    if not large:
+        return parse(data)
+    return await trio.to_thread.run_sync(parse, data)
 
 
 # --- information routes
@@ -291,16 +302,17 @@ def _add_chat_routes(app: Quart, state: _State) -> None:
 
 def _chat_view(state: _State, dialect: _Dialect) -> Callable[[], Awaitable[Response]]:
     async def view() -> Response:
-        body = await _json_body()
-        chat_request = _with_sampling_defaults(dialect.parse(body), body, state.config)
+        data = await _json_body()
+        large = (request.content_length or 0) > INLINE_BYTES
+        chat_request = _with_sampling_defaults(await _parse(dialect.parse, data, large), data, state.config)
         service = state.ready_service()
         request_id = uuid.uuid4().hex[:24]
         events = service.chat(chat_request, request_id=request_id)
         names = {"model": service.model_name, "request_id": request_id, "request": chat_request}
-        if not (isinstance(body, dict) and body.get("stream") is True):
+        if not (isinstance(data, dict) and data.get("stream") is True):
             async with aclosing(events):
                 return _json(dialect.render([event async for event in events], **names))
-        renderer = dialect.new_stream(body=body, **names)
+        renderer = dialect.new_stream(body=data, **names)
         # The first event is awaited here, before the status line goes out, so that a request the service
         # refuses (too long, queue full, engine error) gets its HTTP status instead of a broken stream.
         try:

@@ -80,4 +80,5 @@ def as_api_error(exc: BaseException) -> ApiError:
         if code == 413:
             message = "the request body is too large"
         return ApiError(code, message, kind=kinds.get(code, "invalid_request_error" if code < 500 else "server_error"))
-    return ApiError(500, f"internal error: {type(exc).__name__}: {exc}", kind="server_error")
+    # The log has the traceback; the client learns nothing of the server's insides.
+    return ApiError(500, "internal server error", kind="server_error")

@@ -12,6 +12,7 @@ from strata.api.translate import (
     SseEvent,
     arguments_object,
     bad_request,
+    check_stops,
     check_type,
     check_unique_tool_names,
     collect,
@@ -223,10 +224,9 @@ def _stop(body: dict[str, Any]) -> list[str]:
     stop = get(body, "stop", (str, list), "stop")
     if stop is None:
         return []
-    stops = [stop] if isinstance(stop, str) else stop
-    for i, item in enumerate(stops):
-        check_type(item, str, f"stop[{i}]")
-    return list(stops)
+    if isinstance(stop, str):
+        return check_stops([stop], "stop")
+    return check_stops(stop, "stop")
 
 
 # --- responses

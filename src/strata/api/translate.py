@@ -114,6 +114,21 @@ def get_list(obj: dict[str, Any], key: str, param: str, *, required: bool = Fals
     return get(obj, key, list, param, required=required)
 
 
+MAX_STOPS = 16  # stop strings per request: each is matched against every generated token
+MAX_STOP_CHARS = 256
+
+
+def check_stops(stops: list[Any], param: str) -> list[str]:
+    """A request's stop strings: strings, at most `MAX_STOPS` of at most `MAX_STOP_CHARS` characters."""
+    if len(stops) > MAX_STOPS:
+        raise bad_request(param, f"has {len(stops)} stop strings; at most {MAX_STOPS} are allowed")
+    for i, stop in enumerate(stops):
+        check_type(stop, str, f"{param}[{i}]")
+        if len(stop) > MAX_STOP_CHARS:
+            raise bad_request(f"{param}[{i}]", f"is {len(stop)} characters long; at most {MAX_STOP_CHARS}")
+    return list(stops)
+
+
 def sampling_params(defaults: Mapping[str, Any] | None, **given: Any) -> SamplingParams:
     """SamplingParams from the fields a client set (None: not set), over the server's `defaults`."""
     chosen = {**(defaults or {}), **{name: value for name, value in given.items() if value is not None}}

@@ -1,0 +1,159 @@
+"""Red-team cases as regression tests: bodies and headers that used to get a 500, leak the server's insides, or
+reach the API from a web page (through a live server with a scripted engine)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+from conftest import ScriptedEngine, live_server, server_config
+
+from strata.api import body
+from strata.api.hosts import host_name
+from strata.api.translate import MAX_STOPS
+
+USER = [{"role": "user", "content": "hi"}]
+ROUTES = ["/v1/chat/completions", "/v1/messages", "/v1/responses"]
+
+
+@pytest.fixture(scope="module")
+def server(tokenizer):
+    engine = ScriptedEngine(tokenizer, tokenizer.encode("fine"), n_ctx=512)
+    with live_server(server_config(), engine, tokenizer) as live:
+        yield live
+
+
+def post(server: Any, path: str, data: bytes, content_type: str = "application/json", **headers: str
+         ) -> httpx.Response:
+    return httpx.post(server.url + path, content=data, headers={"content-type": content_type, **headers},
+                      timeout=30)
+
+
+def request_for(path: str, content: Any) -> dict[str, Any]:
+    if path == "/v1/responses":
+        return {"model": "m", "input": [{"role": "user", "content": content}]}
+    return {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": content}]}
+
+
+def error_message(reply: httpx.Response) -> str:
+    return reply.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("path", ROUTES)
+def test_a_lone_surrogate_is_a_400_naming_the_field(server, path):
+    raw = json.dumps(request_for(path, "a\ud800b")).encode()
+    assert b"\\ud800" in raw
+    reply = post(server, path, raw)
+    assert reply.status_code == 400, reply.text
+    assert "lone surrogate" in error_message(reply) and "content" in error_message(reply)
+    pair = post(server, path, json.dumps(request_for(path, "a\U0001f600b")).encode())  # \ud83d\ude00: fine
+    assert pair.status_code == 200, pair.text
+
+
+@pytest.mark.parametrize("path", ROUTES)
+def test_a_lone_surrogate_in_a_tool_name_or_instructions(server, path):
+    if path == "/v1/chat/completions":
+        extra = {"tools": [{"type": "function", "function": {"name": "f\udfff", "parameters": {}}}]}
+    elif path == "/v1/messages":
+        extra = {"system": "be \ud800 brief"}
+    else:
+        extra = {"instructions": "be \ud800 brief"}
+    reply = post(server, path, json.dumps({**request_for(path, "hi"), **extra}).encode())
+    assert reply.status_code == 400, reply.text
+    assert "lone surrogate" in error_message(reply)
+
+
+@pytest.mark.parametrize("depth", [100, 5_000, 100_000])
+def test_deeply_nested_json_is_a_400(server, depth):
+    nested = b'{"model": "m", "messages": ' + b"[" * depth + b"]" * depth + b"}"
+    reply = post(server, "/v1/chat/completions", nested)
+    assert reply.status_code == 400, reply.text
+    assert f"more than {body.MAX_DEPTH} levels" in error_message(reply)
+    assert "RecursionError" not in reply.text
+
+
+def test_too_many_values_is_a_400(server):
+    many = json.dumps({"model": "m", "messages": USER, "stop": ["x"] * (body.MAX_VALUES + 1)}).encode()
+    reply = post(server, "/v1/chat/completions", many)
+    assert reply.status_code == 400 and "JSON values" in error_message(reply)
+
+
+def test_large_bodies_are_checked_the_same_way(server):
+    """Above INLINE_BYTES the body is parsed in a child process, with the same checks and answers."""
+    filler = "x" * (body.INLINE_BYTES + 10)
+    bad = json.dumps({"model": "m", "messages": [{"role": "user", "content": "\udc00"}], "user": filler}).encode()
+    reply = post(server, "/v1/chat/completions", bad)
+    assert reply.status_code == 400 and "messages[0].content: holds a lone surrogate" in error_message(reply)
+    deep = b'{"user": "' + filler.encode() + b'", "messages": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    assert "levels deep" in error_message(post(server, "/v1/chat/completions", deep))
+    assert "not valid JSON" in error_message(post(server, "/v1/chat/completions", b"[" + filler.encode()))
+    long = post(server, "/v1/chat/completions", json.dumps(request_for("/v1/chat/completions", "hi") | {
+        "user": filler}).encode())
+    assert long.status_code == 200, long.text
+
+
+@pytest.mark.parametrize("path", [*ROUTES, "/v1/messages/count_tokens"])
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", ""])
+def test_api_routes_require_application_json(server, path, content_type):
+    """A page on another origin can send these types without a CORS preflight; the API refuses them."""
+    reply = post(server, path, json.dumps(request_for(path, "hi")).encode(), content_type)
+    assert reply.status_code == 415, reply.text
+    assert "application/json" in reply.text
+    ok = post(server, path, json.dumps(request_for(path, "hi")).encode(), "application/json; charset=utf-8")
+    assert ok.status_code == 200, ok.text
+
+
+@pytest.mark.parametrize("host", ["evil.example", "evil.example:8080", "127.0.0.1.evil.example", "10.0.0.1"])
+def test_a_loopback_server_refuses_foreign_host_names(server, host):
+    """DNS rebinding: a page's own name pointed at 127.0.0.1 arrives with that name in Host."""
+    for path in ("/v1/models", "/v1/history", "/metrics"):
+        reply = httpx.get(server.url + path, headers={"host": host}, timeout=30)
+        assert reply.status_code == 403, (path, reply.text)
+        assert "allowed_hosts" in reply.text
+    reply = post(server, "/v1/chat/completions", json.dumps(request_for("/v1/chat/completions", "hi")).encode(),
+                 host=host)
+    assert reply.status_code == 403
+    assert httpx.get(server.url + "/health", headers={"host": host}, timeout=30).status_code == 200
+
+
+@pytest.mark.parametrize("host", ["localhost", "localhost:1234", "127.0.0.1:9", "[::1]:8080"])
+def test_a_loopback_server_answers_loopback_names(server, host):
+    assert httpx.get(server.url + "/v1/models", headers={"host": host}, timeout=30).status_code == 200
+
+
+def test_allowed_hosts_from_the_config(tokenizer):
+    config = server_config(allowed_hosts=["strata.lan"])
+    with live_server(config, ScriptedEngine(tokenizer, tokenizer.encode("ok")), tokenizer) as live:
+        assert httpx.get(live.url + "/v1/models", headers={"host": "strata.lan:80"}, timeout=30).status_code == 200
+        assert httpx.get(live.url + "/v1/models", headers={"host": "localhost"}, timeout=30).status_code == 403
+
+
+@pytest.mark.parametrize(("header", "name"), [("127.0.0.1:8080", "127.0.0.1"), ("[::1]:80", "::1"), ("::1", "::1"),
+                                              ("LocalHost", "localhost"), ("", "")])
+def test_host_name(header, name):
+    assert host_name(header) == name
+
+
+def test_a_server_error_names_no_exception_class(tokenizer):
+    class Broken(ScriptedEngine):
+        def eval(self, tokens, embeds=None, all_logits=False):
+            raise KeyError("secret internals")
+
+    with live_server(server_config(), Broken(tokenizer), tokenizer) as live:
+        reply = post(live, "/v1/chat/completions", json.dumps(request_for("/v1/chat/completions", "hi")).encode())
+        assert reply.status_code == 500
+        assert "KeyError" not in reply.text and "secret" not in reply.text
+        assert error_message(reply) == "internal server error"
+
+
+@pytest.mark.parametrize(("path", "field"), [("/v1/chat/completions", "stop"), ("/v1/messages", "stop_sequences")])
+def test_stop_strings_are_bounded(server, path, field):
+    """20,000 stop strings used to be matched against every token on the event loop."""
+    many = post(server, path, json.dumps({**request_for(path, "hi"), field: ["zz"] * 20_000}).encode())
+    assert many.status_code == 400 and f"at most {MAX_STOPS}" in many.text, many.text
+    long = post(server, path, json.dumps({**request_for(path, "hi"), field: ["z" * 10_000]}).encode())
+    assert long.status_code == 400 and f"{field}[0]" in long.text
+    fine = post(server, path, json.dumps({**request_for(path, "hi"), field: ["zz"] * MAX_STOPS}).encode())
+    assert fine.status_code == 200, fine.text
