@@ -157,3 +157,11 @@ def test_stop_strings_are_bounded(server, path, field):
     assert long.status_code == 400 and f"{field}[0]" in long.text
     fine = post(server, path, json.dumps({**request_for(path, "hi"), field: ["zz"] * MAX_STOPS}).encode())
     assert fine.status_code == 200, fine.text
+
+
+@pytest.mark.parametrize(("host", "checked"), [("127.0.0.1", True), ("127.0.0.1,::1", True), ("localhost", True),
+                                               ("0.0.0.0", False), ("127.0.0.1,192.168.1.5", False)])
+def test_the_check_applies_when_every_bind_is_loopback(host, checked):
+    from strata.api.hosts import allowed_hosts
+
+    assert (allowed_hosts(server_config(host=host)) is not None) is checked

@@ -21,8 +21,9 @@ def allowed_hosts(config: Config) -> frozenset[str] | None:
     """The host names to accept (lower case, no port), or None for any."""
     if config.allowed_hosts is not None:
         return frozenset(name.lower().strip("[]") for name in config.allowed_hosts)
-    if _is_loopback(config.host):
-        return frozenset((*LOOPBACK_NAMES, config.host.lower()))
+    binds = [part.strip().strip("[]").lower() for part in config.host.split(",")]  # "127.0.0.1,::1" binds both
+    if all(_is_loopback(bind) for bind in binds):
+        return frozenset((*LOOPBACK_NAMES, *binds))
     return None
 
 
