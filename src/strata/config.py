@@ -50,6 +50,15 @@ class VisionConfig:
 
 
 @dataclass(frozen=True)
+class ImagesConfig:
+    """Image URL downloads (see `strata.downloads`)."""
+
+    downloads: bool = True  # false: only inline pictures (data: URLs, base64)
+    allow_private: bool = False  # true: URLs may reach loopback, private and link-local addresses too
+    allow_hosts: list[str] | None = None  # host names, addresses or networks reachable although not public
+
+
+@dataclass(frozen=True)
 class LimitsConfig:
     max_body_bytes: int = 64 * 1024 * 1024  # base64 pictures are large
     max_tokens: int | None = None  # cap on generated tokens per request; None: the context's room
@@ -75,6 +84,7 @@ class Config:
     web: bool = True  # the chat page (/) and the monitor (/monitor)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     vision: VisionConfig = field(default_factory=VisionConfig)
+    images: ImagesConfig = field(default_factory=ImagesConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
 
     def __post_init__(self) -> None:
@@ -83,7 +93,7 @@ class Config:
 
 # --- validation
 
-_SECTIONS = {"sampling": SamplingConfig, "vision": VisionConfig, "limits": LimitsConfig}
+_SECTIONS = {"sampling": SamplingConfig, "vision": VisionConfig, "limits": LimitsConfig, "images": ImagesConfig}
 
 
 def _fail(key: str, message: str) -> ConfigError:

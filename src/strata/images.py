@@ -22,6 +22,8 @@ import httpx
 import trio
 from PIL import Image
 
+from strata.downloads import DownloadRefused
+
 MAX_IMAGE_BYTES = 20 * 1024 * 1024  # one picture, downloaded or inline
 MAX_PIXELS = 50_000_000  # the encoder's own bound: a larger header is a decompression bomb
 DOWNLOAD_TIMEOUT = 30.0  # seconds for one URL, connecting and reading together
@@ -141,6 +143,8 @@ async def download(url: str, client: httpx.AsyncClient, max_bytes: int = MAX_IMA
                         chunks.append(chunk)
                 if size > max_bytes:
                     raise ImageRejected(f"{shown} is more than the limit of {max_bytes} bytes")
+    except DownloadRefused as error:
+        raise ImageRejected(f"{shown}: {error}") from None
     except trio.TooSlowError:
         raise ImageRejected(f"{shown} did not download within {timeout:g} s") from None
     except httpx.InvalidURL as error:
@@ -167,7 +171,8 @@ async def load_source(source: ImageSource, client: httpx.AsyncClient | None, max
         data = parse_data_url(source.url, max_bytes)
     elif source.url is not None and re.match(r"https?://", source.url, re.IGNORECASE):
         if client is None:
-            raise ImageRejected("image URLs cannot be downloaded here")
+            raise ImageRejected("this server does not download image URLs (the images.downloads config key): send "
+                                "the picture inline, as a data: URL or base64")
         data = await download(source.url, client, max_bytes, timeout)
     else:
         scheme = (source.url or "").split(":", 1)[0][:20]

@@ -33,6 +33,7 @@ import trio
 from strata.activity import Activity, RequestProgress
 from strata.config import Config
 from strata.constraints import GrammarError, Grammars, Guide, plan_constraint
+from strata.downloads import DownloadPolicy, download_client
 from strata.events import ChatRequest, Event, Finish, FinishReason, PromptProcessed, Usage
 from strata.history import History, HistoryRow
 from strata.images import (
@@ -731,8 +732,10 @@ async def open_service(
     service = Service(config)
     failure: VisionStartError | None = None
     try:
-        async with trio.open_nursery() as nursery, httpx.AsyncClient(timeout=DOWNLOAD_TIMEOUT) as http:
-            service.nursery, service.http = nursery, http
+        images = config.images
+        policy = DownloadPolicy.from_config(images.allow_private, images.allow_hosts)
+        async with trio.open_nursery() as nursery, download_client(policy, DOWNLOAD_TIMEOUT) as http:
+            service.nursery, service.http = nursery, (http if images.downloads else None)
             try:
                 if engine is not None:
                     await service.start_vision(engine, log)

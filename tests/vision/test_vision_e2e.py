@@ -74,7 +74,9 @@ def engine(tiny_model):
 
 @pytest.fixture
 def server(engine, tokenizer, mmproj):
-    config = server_config(vision={"mmproj": str(mmproj), "threads": 1, "max_tokens": MAX_TOKENS})
+    # The picture server is on 127.0.0.1: let downloads reach it, as a user would their own.
+    config = server_config(vision={"mmproj": str(mmproj), "threads": 1, "max_tokens": MAX_TOKENS},
+                           images={"allow_hosts": ["127.0.0.1"]})
     with live_server(config, engine, tokenizer) as live:
         yield live
 

@@ -230,7 +230,9 @@ async def test_cancel_during_download(scripted, tokenizer, mmproj, nursery):
     pictures = PictureServer()
     await nursery.start(pictures.serve)
     engine = scripted()
-    async with open_service(vision_config(mmproj), engine=engine, tokenizer=tokenizer, log=lambda line: None) as svc:
+    config = server_config(vision={"mmproj": str(mmproj), "threads": 1, "max_tokens": 64},
+                           images={"allow_private": True})  # the picture server is on 127.0.0.1
+    async with open_service(config, engine=engine, tokenizer=tokenizer, log=lambda line: None) as svc:
         with trio.move_on_after(0.3) as scope:
             await collect(svc, chat(with_picture(f"http://127.0.0.1:{pictures.port}/slow")))
         assert scope.cancelled_caught and trio.current_time() - scope.deadline < 0.05
