@@ -251,10 +251,10 @@ def test_unsupported_tensor_type(tmp_path: pathlib.Path, models: dict[str, pathl
     # tensor info: name length, name, n_dims, dims, type (uint32), offset
     type_at = field.offset + sum(part.nbytes for part in field.parts[:4])
     data = bytearray(source.read_bytes())
-    data[type_at:type_at + 4] = struct.pack("<I", GGMLQuantizationType.Q5_0)  # smaller than F32: still in file
-    path = tmp_path / "q5_0.gguf"
+    data[type_at:type_at + 4] = struct.pack("<I", GGMLQuantizationType.TQ1_0)  # smaller than F32: still in file
+    path = tmp_path / "tq1_0.gguf"
     path.write_bytes(bytes(data))
-    with pytest.raises(EngineError, match="token_embd.*unsupported type 6"):
+    with pytest.raises(EngineError, match="token_embd.*unsupported type 34"):
         Engine.load(path, n_ctx=64)
 
 

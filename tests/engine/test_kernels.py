@@ -17,9 +17,20 @@ from gguf import GGML_QUANT_SIZES, quants
 from gguf import GGMLQuantizationType as Q
 from strata.engine_cffi._engine import ffi, lib
 
-WEIGHT_TYPES = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q6_K]
+# Every weight type current quantisation presets produce.
+QUANT_32 = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.MXFP4]  # blocks of 32, dotted with Q8_0
+QUANT_256 = [Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.IQ3_S, Q.IQ3_XXS, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S,
+             Q.IQ1_S, Q.IQ1_M]  # super-blocks of 256, dotted with Q8_K
+QUANT_TYPES = QUANT_32 + QUANT_256
+WEIGHT_TYPES = [Q.F32, Q.F16, Q.BF16] + QUANT_TYPES
 # Activation block of each weight type's products; None: activations stay f32.
-ACT_BLOCK = {Q.F32: None, Q.F16: None, Q.BF16: None, Q.Q8_0: 32, Q.Q4_0: 32, Q.Q4_K: 256, Q.Q6_K: 256}
+ACT_BLOCK = {Q.F32: None, Q.F16: None, Q.BF16: None} | {t: 32 for t in QUANT_32} | {t: 256 for t in QUANT_256}
+# Byte offsets of each block's f16 scales (signed, then ones kept positive: mins are subtracted, as quantisers do).
+F16_SCALES = {Q.Q8_0: ([0], []), Q.Q4_0: ([0], []), Q.Q4_1: ([0, 2], []), Q.Q5_0: ([0], []), Q.Q5_1: ([0, 2], []),
+              Q.IQ4_NL: ([0], []), Q.Q2_K: ([], [80, 82]), Q.Q3_K: ([108], []), Q.Q4_K: ([0], [2]),
+              Q.Q5_K: ([0], [2]), Q.Q6_K: ([208], []), Q.IQ4_XS: ([0], []), Q.IQ3_S: ([0], []),
+              Q.IQ3_XXS: ([0], []), Q.IQ2_XXS: ([0], []), Q.IQ2_XS: ([0], []), Q.IQ2_S: ([0], []),
+              Q.IQ1_S: ([0], []), Q.IQ1_M: ([], [])}
 # Relative to sum |w x|: float32 accumulation in a different order than the double reference. The worst case
 # grows like n * 2^-24 (6e-5 at n = 1024); blocked sums stay orders of magnitude below that.
 ACCUMULATION_RTOL = 1e-5
@@ -37,13 +48,19 @@ def random_blocks(qtype: Q, n_blocks: int, rng: np.random.Generator) -> np.ndarr
     def scales() -> np.ndarray:
         return f16_bytes(rng.uniform(1e-3, 2e-2, n_blocks) * rng.choice([-1, 1], n_blocks))
 
-    if qtype in (Q.Q8_0, Q.Q4_0):
-        blocks[:, 0:2] = scales()
-    elif qtype == Q.Q4_K:  # d, dmin at the start; mins are subtracted, so keep dmin positive as quantisers do
-        blocks[:, 0:2] = scales()
-        blocks[:, 2:4] = f16_bytes(rng.uniform(1e-3, 2e-2, n_blocks))
-    elif qtype == Q.Q6_K:  # d at the end
-        blocks[:, -2:] = scales()
+    signed, positive = F16_SCALES.get(qtype, ([], []))
+    for at in signed:
+        blocks[:, at:at + 2] = scales()
+    for at in positive:
+        blocks[:, at:at + 2] = f16_bytes(rng.uniform(1e-3, 2e-2, n_blocks))
+    if qtype == Q.IQ1_M:  # the f16 scale lives in the top nibbles of the four 16-bit words at the end
+        d = scales().view(np.uint16).ravel()
+        words = blocks[:, -8:].copy().view(np.uint16) & np.uint16(0x0FFF)
+        for k in range(4):
+            words[:, k] |= ((d >> np.uint16(4 * k)) & np.uint16(0xF)) << np.uint16(12)
+        blocks[:, -8:] = words.view(np.uint8)
+    if qtype == Q.MXFP4:  # the shared exponent: 2^(e - 127) within a sane range
+        blocks[:, 0] = rng.integers(110, 130, n_blocks)
     return blocks
 
 
@@ -93,11 +110,11 @@ def test_row_bytes_match_gguf(qtype):
 
 def test_unsupported_types_and_shapes():
     assert lib.strata_type_supported(int(Q.Q8_K)) == 0  # activations only
-    assert lib.strata_type_supported(int(Q.Q5_K)) == 0
-    assert lib.strata_row_bytes(int(Q.Q5_K), 256) == 0
+    assert lib.strata_type_supported(int(Q.TQ1_0)) == 0
+    assert lib.strata_row_bytes(int(Q.TQ1_0), 256) == 0
     assert lib.strata_row_bytes(int(Q.Q4_K), 100) == 0
     out = np.zeros(256, dtype=np.float32)
-    assert lib.strata_dequantize_row(int(Q.Q5_K), ffi.NULL, ffi.from_buffer("float[]", out), 256) == \
+    assert lib.strata_dequantize_row(int(Q.TQ1_0), ffi.NULL, ffi.from_buffer("float[]", out), 256) == \
         lib.STRATA_ERR_UNSUPPORTED
     x = np.zeros((1, 100), dtype=np.float32)
     args = (ffi.from_buffer(bytes(1000)), 1, 100, ffi.from_buffer("float[]", x), 1, ffi.from_buffer("float[]", out))
@@ -119,7 +136,7 @@ def assert_same_bits(got: np.ndarray, want: np.ndarray):
     np.testing.assert_array_equal(got.view(np.uint32), want.astype(np.float32).view(np.uint32))
 
 
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q6_K])
+@pytest.mark.parametrize("qtype", QUANT_TYPES)
 def test_dequantize_random_blocks_bit_exact(qtype):
     rng = np.random.default_rng(int(qtype))
     block = GGML_QUANT_SIZES[qtype][0]
@@ -220,7 +237,7 @@ def test_fast_within_quantisation_error_of_naive(qtype, n_tok, n_rows, n_cols):
     assert np.all(err <= bound), f"worst {np.max(err / bound):.3g} x the bound"
 
 
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q6_K])
+@pytest.mark.parametrize("qtype", QUANT_TYPES)
 def test_activation_rounding_is_to_nearest(qtype):
     """The bound above would also admit truncation. Rounding to nearest leaves errors uniform in +-d/2
     (variance d^2 / 12) and independent, so sum_i w_i e_i has variance sum_i w_i^2 d_i^2 / 12; truncation

@@ -49,6 +49,40 @@ _Static_assert(sizeof(block_q4_K) == 144, "Q4_K block");
 _Static_assert(sizeof(block_q6_K) == 210, "Q6_K block");
 _Static_assert(sizeof(block_q8_K) == 292, "Q8_K block");
 
+// The other weight types, as GGUF stores them (field order is the file's).
+typedef struct { uint16_t d, m; uint8_t qs[QK / 2]; } block_q4_1;                       // d * q + m
+typedef struct { uint16_t d; uint8_t qh[4]; uint8_t qs[QK / 2]; } block_q5_0;         // d * (q - 16)
+typedef struct { uint16_t d, m; uint8_t qh[4]; uint8_t qs[QK / 2]; } block_q5_1;      // d * q + m
+typedef struct { uint8_t scales[QKK / 16]; uint8_t qs[QKK / 4]; uint16_t d, dmin; } block_q2_K;
+typedef struct { uint8_t hmask[QKK / 8]; uint8_t qs[QKK / 4]; uint8_t scales[12]; uint16_t d; } block_q3_K;
+typedef struct { uint16_t d, dmin; uint8_t scales[12]; uint8_t qh[QKK / 8]; uint8_t qs[QKK / 2]; } block_q5_K;
+typedef struct { uint16_t d; uint8_t qs[QK / 2]; } block_iq4_nl;
+typedef struct { uint16_t d, scales_h; uint8_t scales_l[QKK / 64]; uint8_t qs[QKK / 2]; } block_iq4_xs;
+typedef struct { uint16_t d; uint8_t qs[QKK / 4]; uint8_t qh[QKK / 32]; uint8_t signs[QKK / 8];
+                 uint8_t scales[QKK / 64]; } block_iq3_s;
+typedef struct { uint16_t d; uint8_t qs[QKK / 4]; uint8_t aux[QKK / 8]; } block_iq3_xxs;  // aux: 8 x u32 scale|signs
+typedef struct { uint16_t d; uint16_t qs[QKK / 8]; } block_iq2_xxs;                       // pairs of u32 per 32
+typedef struct { uint16_t d; uint16_t qs[QKK / 8]; uint8_t scales[QKK / 32]; } block_iq2_xs;
+typedef struct { uint16_t d; uint8_t qs[QKK / 8]; uint8_t signs[QKK / 8]; uint8_t qh[QKK / 32];
+                 uint8_t scales[QKK / 32]; } block_iq2_s;
+typedef struct { uint16_t d; uint8_t qs[QKK / 8]; uint16_t qh[QKK / 32]; } block_iq1_s;
+typedef struct { uint8_t qs[QKK / 8]; uint8_t qh[QKK / 16]; uint8_t scales[QKK / 32]; } block_iq1_m;
+typedef struct { uint8_t e; uint8_t qs[QK / 2]; } block_mxfp4;                            // 2^(e-127) * e2m1 value
+
+_Static_assert(sizeof(block_q4_1) == 20 && sizeof(block_q5_0) == 22 && sizeof(block_q5_1) == 24, "32-blocks");
+_Static_assert(sizeof(block_q2_K) == 84 && sizeof(block_q3_K) == 110 && sizeof(block_q5_K) == 176, "K blocks");
+_Static_assert(sizeof(block_iq4_nl) == 18 && sizeof(block_iq4_xs) == 136 && sizeof(block_mxfp4) == 17, "4-bit");
+_Static_assert(sizeof(block_iq3_s) == 110 && sizeof(block_iq3_xxs) == 98, "IQ3 blocks");
+_Static_assert(sizeof(block_iq2_xxs) == 66 && sizeof(block_iq2_xs) == 74 && sizeof(block_iq2_s) == 82, "IQ2");
+_Static_assert(sizeof(block_iq1_s) == 50 && sizeof(block_iq1_m) == 56, "IQ1 blocks");
+
+// Tables of the IQ types (iq_tables.c, generated from the gguf package's) and of the non-linear 4-bit types.
+extern const uint64_t strata_iq2xxs_grid[256], strata_iq2xs_grid[512], strata_iq2s_grid[1024], strata_iq1s_grid[2048];
+extern const uint32_t strata_iq3xxs_grid[256], strata_iq3s_grid[512];
+extern const uint8_t strata_ksigns_iq2xs[128];
+static const int8_t KVALUES_IQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+static const int8_t KVALUES_MXFP4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};  // e2m1, doubled
+
 // --- f16 / bf16 scalars
 // Static inline for our own loops: under -fPIC the exported strata_* versions are calls through the PLT, which
 // the compiler may not inline (they could be interposed), and a call per block costs a third of a prompt product.
@@ -132,7 +166,27 @@ STRATA_TYPE_KERNELS(q8_0)
 STRATA_TYPE_KERNELS(q4_0)
 STRATA_TYPE_KERNELS(q4_K)
 STRATA_TYPE_KERNELS(q6_K)
+STRATA_TYPE_KERNELS(q4_1)
+STRATA_TYPE_KERNELS(q5_0)
+STRATA_TYPE_KERNELS(q5_1)
+STRATA_TYPE_KERNELS(q2_K)
+STRATA_TYPE_KERNELS(q3_K)
+STRATA_TYPE_KERNELS(q5_K)
+STRATA_TYPE_KERNELS(iq4_nl)
+STRATA_TYPE_KERNELS(iq4_xs)
+STRATA_TYPE_KERNELS(iq3_s)
+STRATA_TYPE_KERNELS(iq3_xxs)
+STRATA_TYPE_KERNELS(iq2_xxs)
+STRATA_TYPE_KERNELS(iq2_xs)
+STRATA_TYPE_KERNELS(iq2_s)
+STRATA_TYPE_KERNELS(iq1_s)
+STRATA_TYPE_KERNELS(iq1_m)
+STRATA_TYPE_KERNELS(mxfp4)
 void strata_to_float_q8_K(const void *src, float *dst, int64_t n);
+void strata_q3k_scales(const uint8_t s[12], int8_t out[16]);
+int strata_iq4xs_scale(const block_iq4_xs *b, int s);
+float strata_e8m0_half(uint8_t e);
+uint16_t strata_iq1m_d(const block_iq1_m *b);
 void strata_from_float_f32(const float *src, void *dst, int64_t n);
 void strata_from_float_q8_0(const float *src, void *dst, int64_t n);
 void strata_from_float_q8_K(const float *src, void *dst, int64_t n);
