@@ -1,7 +1,7 @@
 /* quants_x86.c — the fast kernels: activation quantisers and tiled products, with AVX-512 (VNNI) and AVX2 paths
  * chosen at compile time (-march=native) and tiles of quants_ref.c's scalar dots as the #else. */
 #include <stdlib.h>
-#include "quants.h"
+#include "quants_x86.h"
 
 // --- activation quantisation
 
@@ -69,56 +69,12 @@ void strata_from_float_q8_K(const float *x, void *dst, int64_t n) {
 // --- fast products: tiles of TR weight rows x TT tokens
 // A tile keeps TR * TT accumulators in registers, so each weight block is loaded (and unpacked) once per TT
 // tokens and each activation block once per TR rows; with one token (decode) the (TR, 1) tile streams TR rows
-// at once. tile_*(..., NR, NT) are always inlined with constant NR <= TR, NT <= TT, which unrolls them. Each
-// has a 512-bit version (AVX-512 with VNNI), a 256-bit one (AVX2) and the scalar dot products as the #else.
-
-#define TR 4
-#define TT 4
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#define VNNI512 1  // 512-bit integer products: two Q8_0 blocks, or 64 K-quant values, per instruction
-#endif
-#define TOKEN_BLOCK 64  // tokens whose activations stay in cache while every row tile passes over them
-
-#define INLINE static inline __attribute__((always_inline))
-#define UNROLL _Pragma("GCC unroll 4")
-
-typedef strata_gemm_args gemm_args;
-
-#define W_ROW(a, r) ((const void *)((a)->w + (r) * (a)->wb))
-#define TILE_ROW(a, r, i) ((r) + (i) * (a)->rs)
-#define X_ROW(a, t) ((const void *)((a)->x + (t) * (a)->xb))
+// at once (quants_x86.h). Each has a 512-bit version (AVX-512 with VNNI), a 256-bit one (AVX2) and the scalar
+// dot products as the #else.
 
 #if defined(__AVX2__)
-// acc + sum of the 4 products of unsigned u and signed s bytes, per 32-bit lane
-static inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(acc, u, s);
-#else
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
-#endif
-}
-
-// acc + sum of the 2 products of 16-bit a and b, per 32-bit lane
-static inline __m256i dot_s16(__m256i acc, __m256i a, __m256i b) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpwssd_epi32(acc, a, b);
-#else
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
-#endif
-}
-
-// An f16 scale in every lane.
-static inline __m256 f16_bcast(const uint16_t *h) {
-    return _mm256_cvtph_ps(_mm_set1_epi16((short)*h));
-}
-
 // The f16 scale of padding blocks, which repeat a row's last block so that a step can stay whole.
 static const uint16_t ZERO_F16 = 0;
-
-INLINE void store_tile(const gemm_args *a, int64_t r, int64_t t, int NR, int NT, __m256 acc[TR][TT]) {
-    UNROLL for (int i = 0; i < NR; i++)
-        UNROLL for (int j = 0; j < NT; j++) a->y[(t + j) * a->ldy + TILE_ROW(a, r, i)] = hsum256(acc[i][j]);
-}
 
 #if defined(VNNI512)
 INLINE void store_tile512(const gemm_args *a, int64_t r, int64_t t, int NR, int NT, __m512 acc[TR][TT]) {
@@ -369,11 +325,6 @@ INLINE void tile_q4_0(const gemm_args *a, int64_t r, int64_t t, int NR, int NT) 
     store_tile(a, r, t, NR, NT, acc);
 }
 #endif
-
-// The shuffle pattern that copies 16-bit element e of each 128-bit lane to all of that lane.
-static inline __m128i pick16(int e) {
-    return _mm_set1_epi16((short)(0x0100 + 0x0202 * e));
-}
 
 // q4k_scale_min on 32-bit words: the 8 scales and the 8 mins, a byte each.
 static inline void q4k_scale_min_u64(const uint8_t s[12], uint64_t *sc, uint64_t *m) {
@@ -744,14 +695,6 @@ INLINE void kq_row_tile(int type, const gemm_args *a, kq_prep *p, int64_t r, int
 }
 #endif
 
-// Without a vector path a tile is NR * NT scalar dot products.
-#define TILE_SCALAR(t) \
-    static inline void tile_scalar_##t(const gemm_args *a, int64_t r, int64_t tk, int NR, int NT) { \
-        for (int i = 0; i < NR; i++) \
-            for (int j = 0; j < NT; j++) \
-                a->y[(tk + j) * a->ldy + TILE_ROW(a, r, i)] = \
-                    strata_vec_dot_##t(W_ROW(a, TILE_ROW(a, r, i)), X_ROW(a, tk + j), a->n); \
-    }
 #if !defined(AV)
 TILE_SCALAR(f32)
 TILE_SCALAR(f16)
@@ -770,27 +713,6 @@ TILE_SCALAR(q6_K)
 #define tile_q4_K tile_scalar_q4_K
 #define tile_q6_K tile_scalar_q6_K
 #endif
-
-// Rows [r0, r1) x all tokens by tiles of TR rows a quarter of the range apart (rows r, r + rs, ...): adjacent
-// rows, read as TR streams a few KB apart, starve the hardware prefetchers (a Q8_0 decode product ran at a
-// third of the memory bandwidth). The last (r1 - r0) % TR rows, and tokens short of a full tile, take 1-wide tiles.
-#define DEFINE_GEMM(NAME, TILE) \
-    void NAME(gemm_args *a, int64_t r0, int64_t r1, int64_t n_tok) { \
-        a->rs = (r1 - r0) / TR; \
-        for (int64_t tb = 0; tb < n_tok; tb += TOKEN_BLOCK) { \
-            int64_t te = tb + TOKEN_BLOCK < n_tok ? tb + TOKEN_BLOCK : n_tok; \
-            for (int64_t r = r0; r < r0 + a->rs; r++) { \
-                int64_t t = tb; \
-                for (; t + TT <= te; t += TT) TILE(a, r, t, TR, TT); \
-                for (; t < te; t++) TILE(a, r, t, TR, 1); \
-            } \
-            for (int64_t r = r0 + TR * a->rs; r < r1; r++) { \
-                int64_t t = tb; \
-                for (; t + TT <= te; t += TT) TILE(a, r, t, 1, TT); \
-                for (; t < te; t++) TILE(a, r, t, 1, 1); \
-            } \
-        } \
-    }
 
 DEFINE_GEMM(strata_gemm_f32, TILE_F32)
 DEFINE_GEMM(strata_gemm_f16, TILE_F16)
@@ -842,30 +764,8 @@ TILE_SCALAR(q5_0)
 TILE_SCALAR(q5_1)
 TILE_SCALAR(iq4_nl)
 TILE_SCALAR(mxfp4)
-TILE_SCALAR(q2_K)
-TILE_SCALAR(q3_K)
-TILE_SCALAR(q5_K)
-TILE_SCALAR(iq4_xs)
-TILE_SCALAR(iq3_s)
-TILE_SCALAR(iq3_xxs)
-TILE_SCALAR(iq2_xxs)
-TILE_SCALAR(iq2_xs)
-TILE_SCALAR(iq2_s)
-TILE_SCALAR(iq1_s)
-TILE_SCALAR(iq1_m)
 DEFINE_GEMM(strata_gemm_q4_1, tile_scalar_q4_1)
 DEFINE_GEMM(strata_gemm_q5_0, tile_scalar_q5_0)
 DEFINE_GEMM(strata_gemm_q5_1, tile_scalar_q5_1)
 DEFINE_GEMM(strata_gemm_iq4_nl, tile_scalar_iq4_nl)
 DEFINE_GEMM(strata_gemm_mxfp4, tile_scalar_mxfp4)
-DEFINE_GEMM(strata_gemm_q2_K, tile_scalar_q2_K)
-DEFINE_GEMM(strata_gemm_q3_K, tile_scalar_q3_K)
-DEFINE_GEMM(strata_gemm_q5_K, tile_scalar_q5_K)
-DEFINE_GEMM(strata_gemm_iq4_xs, tile_scalar_iq4_xs)
-DEFINE_GEMM(strata_gemm_iq3_s, tile_scalar_iq3_s)
-DEFINE_GEMM(strata_gemm_iq3_xxs, tile_scalar_iq3_xxs)
-DEFINE_GEMM(strata_gemm_iq2_xxs, tile_scalar_iq2_xxs)
-DEFINE_GEMM(strata_gemm_iq2_xs, tile_scalar_iq2_xs)
-DEFINE_GEMM(strata_gemm_iq2_s, tile_scalar_iq2_s)
-DEFINE_GEMM(strata_gemm_iq1_s, tile_scalar_iq1_s)
-DEFINE_GEMM(strata_gemm_iq1_m, tile_scalar_iq1_m)

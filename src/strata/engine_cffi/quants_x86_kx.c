@@ -1,0 +1,310 @@
+/* quants_x86_kx.c — products of the 256-element types that unpack to signed bytes (Q2_K, Q3_K, Q5_K, IQ4_XS,
+ * IQ3_S, IQ3_XXS, IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S, IQ1_M) with Q8_K activations, one tile for all of them.
+ *
+ * Every one of these super-blocks reads as w = d * sc_g * q - dmin * m_g: 8 chunks of 32 byte values q, a 16-bit
+ * scale sc_g per group g of 16 values (types with 32-value scales repeat each), and for Q2_K / Q5_K a 16-bit min
+ * m_g. The IQ types' odd factors (1/4, 1/8; IQ1's delta of 1/8 becomes values 8q +- 1) go into d. A chunk's dot is
+ * vpmaddubsw of |q| with x carrying q's sign (pairs stay within 16 bits: 2 * 127 * 127), then vpmaddwd (or VNNI's
+ * vpdpwssd) with the scales; the mins need only the activations' sums of 16 (bsums). 256-bit registers: on the
+ * AVX-512 machines we measured (Zen 4), 512-bit integer ops run as two halves, so 256 bits lose little and the
+ * same code serves AVX2. Scales and values of each type come from kx_meta / kx_chunk, inlined with a constant
+ * type so that each type's tile is its own straight-line code. */
+#include "quants_x86.h"
+
+#if defined(__AVX2__)
+
+typedef struct {
+    __m256i sc, m;    // 16 x int16: scale and min of each group of 16 values
+    float d, dmin;
+} kx_meta;
+
+enum { KX_Q2_K, KX_Q3_K, KX_Q5_K, KX_IQ4_XS, KX_IQ3_S, KX_IQ3_XXS, KX_IQ2_XXS, KX_IQ2_XS, KX_IQ2_S, KX_IQ1_S,
+       KX_IQ1_M };
+
+static const size_t KX_BLOCK_BYTES[] = {
+    sizeof(block_q2_K), sizeof(block_q3_K), sizeof(block_q5_K), sizeof(block_iq4_xs), sizeof(block_iq3_s),
+    sizeof(block_iq3_xxs), sizeof(block_iq2_xxs), sizeof(block_iq2_xs), sizeof(block_iq2_s), sizeof(block_iq1_s),
+    sizeof(block_iq1_m)};
+
+#define KX_MINS(k) ((k) == KX_Q2_K || (k) == KX_Q5_K)
+#define KX_UNSIGNED(k) ((k) == KX_Q2_K || (k) == KX_Q5_K)
+
+// 8 bytes -> 16 x int16, each repeated: the scales of 32-value sub-blocks as scales of 16-value groups.
+static inline __m256i twice16(__m128i bytes8) {
+    return _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(bytes8, bytes8));
+}
+
+static inline __m256i twice16_signed(__m128i bytes8) {
+    return _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(bytes8, bytes8));
+}
+
+// 32 bytes, each -v where bit k of `bits` is set (byte k).
+static inline __m256i negate_where(__m256i v, uint32_t bits) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    return _mm256_mask_sub_epi8(v, (__mmask32)bits, _mm256_setzero_si256(), v);
+#else
+    const __m256i spread = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    __m256i m = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), spread);
+    m = _mm256_cmpeq_epi8(_mm256_and_si256(m, bit), bit);  // 0xff where negative
+    return _mm256_sub_epi8(_mm256_xor_si256(v, m), m);
+#endif
+}
+
+// The sign bits of 4 groups of 8 from IQ2/IQ3's 7-bit sign codes at bits 0, 7, 14, 21 (the 8th bit is their parity).
+static inline uint32_t ksigns4(uint32_t codes) {
+    return strata_ksigns_iq2xs[codes & 127] | (uint32_t)strata_ksigns_iq2xs[(codes >> 7) & 127] << 8 |
+           (uint32_t)strata_ksigns_iq2xs[(codes >> 14) & 127] << 16 | (uint32_t)strata_ksigns_iq2xs[(codes >> 21) & 127] << 24;
+}
+
+static inline uint32_t load_u32(const void *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+INLINE void kx_meta_of(int k, const void *blk, kx_meta *M) {
+    M->m = _mm256_setzero_si256();
+    M->dmin = 0.0f;
+    if (k == KX_Q2_K) {
+        const block_q2_K *B = blk;
+        __m128i s = _mm_loadu_si128((const __m128i *)B->scales), low4 = _mm_set1_epi8(0xf);
+        M->sc = _mm256_cvtepu8_epi16(_mm_and_si128(s, low4));
+        M->m = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(s, 4), low4));
+        M->d = F16(B->d), M->dmin = F16(B->dmin);
+    } else if (k == KX_Q3_K) {
+        const block_q3_K *B = blk;
+        int8_t sc[16];
+        strata_q3k_scales(B->scales, sc);
+        M->sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
+        M->d = F16(B->d);
+    } else if (k == KX_Q5_K) {
+        const block_q5_K *B = blk;
+        uint32_t w[3];
+        memcpy(w, B->scales, 12);
+        uint64_t sc = (w[0] & 0x3f3f3f3f) | (uint64_t)((w[2] & 0x0f0f0f0f) | ((w[0] >> 2) & 0x30303030)) << 32;
+        uint64_t m = (w[1] & 0x3f3f3f3f) | (uint64_t)(((w[2] >> 4) & 0x0f0f0f0f) | ((w[1] >> 2) & 0x30303030)) << 32;
+        M->sc = twice16(_mm_cvtsi64_si128((long long)sc));
+        M->m = twice16(_mm_cvtsi64_si128((long long)m));
+        M->d = F16(B->d), M->dmin = F16(B->dmin);
+    } else if (k == KX_IQ4_XS) {
+        const block_iq4_xs *B = blk;
+        uint32_t lo = load_u32(B->scales_l), hi = B->scales_h;
+        // nibble s of lo (as bytes: even sub-blocks low nibbles), 2-bit field s of hi
+        uint64_t l8 = 0, h8 = 0;
+        for (int s = 0; s < 8; s++) {
+            l8 |= (uint64_t)((lo >> (4 * s)) & 0xf) << (8 * s);
+            h8 |= (uint64_t)((hi >> (2 * s)) & 3) << (8 * s + 4);
+        }
+        __m128i sc = _mm_sub_epi8(_mm_cvtsi64_si128((long long)(l8 | h8)), _mm_set1_epi8(32));
+        M->sc = twice16_signed(sc);
+        M->d = F16(B->d);
+    } else if (k == KX_IQ3_S) {
+        const block_iq3_s *B = blk;
+        uint32_t s4 = load_u32(B->scales);
+        uint64_t s8 = 0;
+        for (int s = 0; s < 8; s++) s8 |= (uint64_t)(1 + 2 * ((s4 >> (4 * s)) & 0xf)) << (8 * s);
+        M->sc = twice16(_mm_cvtsi64_si128((long long)s8));
+        M->d = F16(B->d);
+    } else if (k == KX_IQ3_XXS || k == KX_IQ2_XXS) {  // 4-bit scale in the top of each sub-block's 32-bit word
+        uint64_t s8 = 0;
+        for (int s = 0; s < 8; s++) {
+            uint32_t word = k == KX_IQ3_XXS ? load_u32(((const block_iq3_xxs *)blk)->aux + 4 * s)
+                                            : load_u32(((const block_iq2_xxs *)blk)->qs + 4 * s + 2);
+            s8 |= (uint64_t)(1 + 2 * (word >> 28)) << (8 * s);
+        }
+        M->sc = twice16(_mm_cvtsi64_si128((long long)s8));
+        // IQ3_XXS: d (0.5 + s) / 2 = d (2s + 1) / 4; IQ2_XXS: d (0.5 + s) / 4 = d (2s + 1) / 8
+        M->d = F16(*(const uint16_t *)blk) * (k == KX_IQ3_XXS ? 0.25f : 0.125f);
+    } else if (k == KX_IQ2_XS || k == KX_IQ2_S) {  // 4-bit scales per 16 values, in 8 bytes
+        const uint8_t *s = k == KX_IQ2_XS ? ((const block_iq2_xs *)blk)->scales : ((const block_iq2_s *)blk)->scales;
+        __m128i b = _mm_loadl_epi64((const __m128i *)s), low4 = _mm_set1_epi8(0xf);
+        __m128i g = _mm_unpacklo_epi8(_mm_and_si128(b, low4), _mm_and_si128(_mm_srli_epi16(b, 4), low4));
+        M->sc = _mm256_add_epi16(_mm256_slli_epi16(_mm256_cvtepu8_epi16(g), 1), _mm256_set1_epi16(1));
+        M->d = F16(*(const uint16_t *)blk) * 0.125f;
+    } else if (k == KX_IQ1_S) {  // values 8 g + delta * 8: d (2s + 1) / 8
+        const block_iq1_s *B = blk;
+        uint64_t s8 = 0;
+        for (int s = 0; s < 8; s++) s8 |= (uint64_t)(2 * ((B->qh[s] >> 12) & 7) + 1) << (8 * s);
+        M->sc = twice16(_mm_cvtsi64_si128((long long)s8));
+        M->d = F16(B->d) * 0.125f;
+    } else {  // KX_IQ1_M: 3-bit scales per 16 values
+        const block_iq1_m *B = blk;
+        uint64_t w;
+        memcpy(&w, B->scales, 8);
+        int16_t sc[16];
+        for (int g = 0; g < 16; g++) sc[g] = (int16_t)(2 * ((w >> (16 * (g / 4) + 3 * (g % 4))) & 7) + 1);
+        M->sc = _mm256_loadu_si256((const __m256i *)sc);
+        M->d = F16(strata_iq1m_d(B)) * 0.125f;
+    }
+}
+
+// IQ1's values: grid entries (-1, 0, 1) times 8 plus the group's delta sign (+-1).
+static inline __m256i iq1_values(uint64_t g0, uint64_t g1, uint64_t g2, uint64_t g3, __m256i delta) {
+    __m256i g = _mm256_set_epi64x((long long)g3, (long long)g2, (long long)g1, (long long)g0);
+    // times 8 per byte: a 16-bit shift, dropping the bits that crossed into the next byte
+    return _mm256_add_epi8(_mm256_and_si256(_mm256_slli_epi16(g, 3), _mm256_set1_epi8((char)0xf8)), delta);
+}
+
+// Values 32c .. 32c + 31 of a super-block, as signed bytes (Q2_K, Q5_K: unsigned, below 32).
+INLINE __m256i kx_chunk(int k, const void *blk, int c) {
+    const __m256i three = _mm256_set1_epi8(3);
+    if (k == KX_Q2_K || k == KX_Q3_K) {
+        const uint8_t *qs = k == KX_Q2_K ? ((const block_q2_K *)blk)->qs : ((const block_q3_K *)blk)->qs;
+        __m256i q = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(qs + 32 * (c / 4))),
+                                                       2 * (c % 4)), three);
+        if (k == KX_Q2_K) return q;
+        __m256i hm = _mm256_loadu_si256((const __m256i *)((const block_q3_K *)blk)->hmask);
+        __m256i h = _mm256_and_si256(_mm256_srli_epi16(hm, c), _mm256_set1_epi8(1));
+        return _mm256_sub_epi8(_mm256_or_si256(q, _mm256_slli_epi16(h, 2)), _mm256_set1_epi8(4));
+    }
+    if (k == KX_Q5_K) {
+        const block_q5_K *B = blk;
+        __m256i q = _mm256_loadu_si256((const __m256i *)(B->qs + 32 * (c / 2)));
+        q = _mm256_and_si256(c % 2 ? _mm256_srli_epi16(q, 4) : q, _mm256_set1_epi8(0xf));
+        __m256i h = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)B->qh), c),
+                                     _mm256_set1_epi8(1));
+        return _mm256_or_si256(q, _mm256_slli_epi16(h, 4));
+    }
+    if (k == KX_IQ4_XS) {
+        const block_iq4_xs *B = blk;
+        __m128i v = _mm_loadu_si128((const __m128i *)(B->qs + 16 * c)), low4 = _mm_set1_epi8(0xf);
+        __m256i idx = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low4), _mm_and_si128(v, low4));
+        return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)KVALUES_IQ4NL)), idx);
+    }
+    if (k == KX_IQ3_S) {
+        const block_iq3_s *B = blk;
+        const uint8_t *qs = B->qs + 8 * c;
+        unsigned qh = B->qh[c];
+        __m256i q = _mm256_set_epi32(
+            (int)strata_iq3s_grid[qs[7] | ((qh << 1) & 256)], (int)strata_iq3s_grid[qs[6] | ((qh << 2) & 256)],
+            (int)strata_iq3s_grid[qs[5] | ((qh << 3) & 256)], (int)strata_iq3s_grid[qs[4] | ((qh << 4) & 256)],
+            (int)strata_iq3s_grid[qs[3] | ((qh << 5) & 256)], (int)strata_iq3s_grid[qs[2] | ((qh << 6) & 256)],
+            (int)strata_iq3s_grid[qs[1] | ((qh << 7) & 256)], (int)strata_iq3s_grid[qs[0] | ((qh << 8) & 256)]);
+        return negate_where(q, load_u32(B->signs + 4 * c));
+    }
+    if (k == KX_IQ3_XXS) {
+        const block_iq3_xxs *B = blk;
+        const uint8_t *qs = B->qs + 8 * c;
+        __m256i q = _mm256_set_epi32((int)strata_iq3xxs_grid[qs[7]], (int)strata_iq3xxs_grid[qs[6]],
+                                     (int)strata_iq3xxs_grid[qs[5]], (int)strata_iq3xxs_grid[qs[4]],
+                                     (int)strata_iq3xxs_grid[qs[3]], (int)strata_iq3xxs_grid[qs[2]],
+                                     (int)strata_iq3xxs_grid[qs[1]], (int)strata_iq3xxs_grid[qs[0]]);
+        return negate_where(q, ksigns4(load_u32(B->aux + 4 * c)));
+    }
+    if (k == KX_IQ2_XXS) {
+        const block_iq2_xxs *B = blk;
+        uint32_t idx = load_u32(B->qs + 4 * c), codes = load_u32(B->qs + 4 * c + 2);
+        __m256i q = _mm256_set_epi64x((long long)strata_iq2xxs_grid[idx >> 24],
+                                      (long long)strata_iq2xxs_grid[(idx >> 16) & 0xff],
+                                      (long long)strata_iq2xxs_grid[(idx >> 8) & 0xff],
+                                      (long long)strata_iq2xxs_grid[idx & 0xff]);
+        return negate_where(q, ksigns4(codes));
+    }
+    if (k == KX_IQ2_XS) {
+        const uint16_t *qs = ((const block_iq2_xs *)blk)->qs + 4 * c;
+        __m256i q = _mm256_set_epi64x((long long)strata_iq2xs_grid[qs[3] & 511], (long long)strata_iq2xs_grid[qs[2] & 511],
+                                      (long long)strata_iq2xs_grid[qs[1] & 511], (long long)strata_iq2xs_grid[qs[0] & 511]);
+        uint32_t signs = strata_ksigns_iq2xs[qs[0] >> 9] | (uint32_t)strata_ksigns_iq2xs[qs[1] >> 9] << 8 |
+                         (uint32_t)strata_ksigns_iq2xs[qs[2] >> 9] << 16 | (uint32_t)strata_ksigns_iq2xs[qs[3] >> 9] << 24;
+        return negate_where(q, signs);
+    }
+    if (k == KX_IQ2_S) {
+        const block_iq2_s *B = blk;
+        const uint8_t *qs = B->qs + 4 * c;
+        unsigned qh = B->qh[c];
+        __m256i q = _mm256_set_epi64x((long long)strata_iq2s_grid[qs[3] | ((qh << 2) & 0x300)],
+                                      (long long)strata_iq2s_grid[qs[2] | ((qh << 4) & 0x300)],
+                                      (long long)strata_iq2s_grid[qs[1] | ((qh << 6) & 0x300)],
+                                      (long long)strata_iq2s_grid[qs[0] | ((qh << 8) & 0x300)]);
+        return negate_where(q, load_u32(B->signs + 4 * c));
+    }
+    if (k == KX_IQ1_S) {
+        const block_iq1_s *B = blk;
+        const uint8_t *qs = B->qs + 4 * c;
+        unsigned qh = B->qh[c];
+        __m256i delta = _mm256_set1_epi8(qh & 0x8000 ? -1 : 1);
+        return iq1_values(strata_iq1s_grid[qs[0] | (qh & 7) << 8], strata_iq1s_grid[qs[1] | ((qh >> 3) & 7) << 8],
+                          strata_iq1s_grid[qs[2] | ((qh >> 6) & 7) << 8],
+                          strata_iq1s_grid[qs[3] | ((qh >> 9) & 7) << 8], delta);
+    }
+    // KX_IQ1_M: a 4-bit field per group of 8: 3 index bits, the delta's sign
+    const block_iq1_m *B = blk;
+    const uint8_t *qs = B->qs + 4 * c;
+    unsigned h0 = B->qh[2 * c], h1 = B->qh[2 * c + 1];
+    const long long plus = 0x0101010101010101LL, minus = -1LL;  // bytes of +1, of -1
+    __m256i delta = _mm256_set_epi64x(h1 & 0x80 ? minus : plus, h1 & 0x08 ? minus : plus, h0 & 0x80 ? minus : plus,
+                                      h0 & 0x08 ? minus : plus);
+    return iq1_values(strata_iq1s_grid[qs[0] | (h0 & 7) << 8], strata_iq1s_grid[qs[1] | ((h0 >> 4) & 7) << 8],
+                      strata_iq1s_grid[qs[2] | (h1 & 7) << 8], strata_iq1s_grid[qs[3] | ((h1 >> 4) & 7) << 8], delta);
+}
+
+// The scales of chunk c in the 16-bit lanes of its pair products: groups 2c (lanes 0-7) and 2c + 1 (8-15).
+static inline __m256i chunk_scales(__m256i sc, int c) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    return _mm256_permutexvar_epi16(_mm256_set_m128i(_mm_set1_epi16((short)(2 * c + 1)), _mm_set1_epi16((short)(2 * c))),
+                                    sc);
+#else
+    __m256i half = _mm256_permute2x128_si256(sc, sc, c < 4 ? 0x00 : 0x11);
+    return _mm256_shuffle_epi8(half, _mm256_set_m128i(pick16((2 * c + 1) % 8), pick16((2 * c) % 8)));
+#endif
+}
+
+INLINE void tile_kx(int k, const gemm_args *a, int64_t r, int64_t t, int NR, int NT) {
+    const char *w[TR] = {0};
+    const block_q8_K *x[TT] = {0};  // all set for the NR, NT in use; initialised for the compiler's sake
+    __m256 acc[TR][TT];
+    UNROLL for (int i = 0; i < NR; i++) w[i] = W_ROW(a, TILE_ROW(a, r, i));
+    UNROLL for (int j = 0; j < NT; j++) x[j] = X_ROW(a, t + j);
+    UNROLL for (int i = 0; i < NR; i++)
+        UNROLL for (int j = 0; j < NT; j++) acc[i][j] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < a->n / QKK; b++) {
+        UNROLL for (int i = 0; i < NR; i++) {
+            const void *B = w[i] + b * KX_BLOCK_BYTES[k];
+            kx_meta M;
+            kx_meta_of(k, B, &M);
+            __m256i isum[TT];
+            UNROLL for (int j = 0; j < NT; j++) isum[j] = _mm256_setzero_si256();
+            _Pragma("GCC unroll 8") for (int c = 0; c < 8; c++) {
+                __m256i q = kx_chunk(k, B, c);
+                __m256i u = KX_UNSIGNED(k) ? q : _mm256_abs_epi8(q);
+                __m256i s = chunk_scales(M.sc, c);
+                UNROLL for (int j = 0; j < NT; j++) {
+                    __m256i xv = _mm256_loadu_si256((const __m256i *)(x[j][b].qs + 32 * c));
+                    if (!KX_UNSIGNED(k)) xv = _mm256_sign_epi8(xv, q);
+                    isum[j] = dot_s16(isum[j], _mm256_maddubs_epi16(u, xv), s);
+                }
+            }
+            UNROLL for (int j = 0; j < NT; j++) {
+                acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[j]), _mm256_set1_ps(M.d * x[j][b].d), acc[i][j]);
+                if (KX_MINS(k)) {
+                    __m256i bs = _mm256_loadu_si256((const __m256i *)x[j][b].bsums);
+                    acc[i][j] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(M.m, bs)),
+                                                 _mm256_set1_ps(M.dmin * x[j][b].d), acc[i][j]);
+                }
+            }
+        }
+    }
+    store_tile(a, r, t, NR, NT, acc);
+}
+
+#define KX_GEMM(t, K) \
+    static inline void tile_##t(const gemm_args *a, int64_t r, int64_t tk, int NR, int NT) { \
+        tile_kx(K, a, r, tk, NR, NT); \
+    } \
+    DEFINE_GEMM(strata_gemm_##t, tile_##t)
+#else
+#define KX_GEMM(t, K) TILE_SCALAR(t) DEFINE_GEMM(strata_gemm_##t, tile_scalar_##t)
+#endif
+
+KX_GEMM(q2_K, KX_Q2_K)
+KX_GEMM(q3_K, KX_Q3_K)
+KX_GEMM(q5_K, KX_Q5_K)
+KX_GEMM(iq4_xs, KX_IQ4_XS)
+KX_GEMM(iq3_s, KX_IQ3_S)
+KX_GEMM(iq3_xxs, KX_IQ3_XXS)
+KX_GEMM(iq2_xxs, KX_IQ2_XXS)
+KX_GEMM(iq2_xs, KX_IQ2_XS)
+KX_GEMM(iq2_s, KX_IQ2_S)
+KX_GEMM(iq1_s, KX_IQ1_S)
+KX_GEMM(iq1_m, KX_IQ1_M)
