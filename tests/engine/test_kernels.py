@@ -17,6 +17,8 @@ from gguf import GGML_QUANT_SIZES, quants
 from gguf import GGMLQuantizationType as Q
 from strata.engine_cffi._engine import ffi, lib
 
+from strata.modelgen.quants import random_blocks
+
 # Every weight type current quantisation presets produce.
 QUANT_32 = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.MXFP4]  # blocks of 32, dotted with Q8_0
 QUANT_256 = [Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.IQ3_S, Q.IQ3_XXS, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S,
@@ -24,44 +26,10 @@ QUANT_256 = [Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.IQ3_S, Q.IQ3_XX
 QUANT_TYPES = QUANT_32 + QUANT_256
 WEIGHT_TYPES = [Q.F32, Q.F16, Q.BF16] + QUANT_TYPES
 # Activation block of each weight type's products; None: activations stay f32.
-ACT_BLOCK = {Q.F32: None, Q.F16: None, Q.BF16: None} | {t: 32 for t in QUANT_32} | {t: 256 for t in QUANT_256}
-# Byte offsets of each block's f16 scales (signed, then ones kept positive: mins are subtracted, as quantisers do).
-F16_SCALES = {Q.Q8_0: ([0], []), Q.Q4_0: ([0], []), Q.Q4_1: ([0, 2], []), Q.Q5_0: ([0], []), Q.Q5_1: ([0, 2], []),
-              Q.IQ4_NL: ([0], []), Q.Q2_K: ([], [80, 82]), Q.Q3_K: ([108], []), Q.Q4_K: ([0], [2]),
-              Q.Q5_K: ([0], [2]), Q.Q6_K: ([208], []), Q.IQ4_XS: ([0], []), Q.IQ3_S: ([0], []),
-              Q.IQ3_XXS: ([0], []), Q.IQ2_XXS: ([0], []), Q.IQ2_XS: ([0], []), Q.IQ2_S: ([0], []),
-              Q.IQ1_S: ([0], []), Q.IQ1_M: ([], [])}
+ACT_BLOCK = {Q.F32: None, Q.F16: None, Q.BF16: None} | dict.fromkeys(QUANT_32, 32) | dict.fromkeys(QUANT_256, 256)
 # Relative to sum |w x|: float32 accumulation in a different order than the double reference. The worst case
 # grows like n * 2^-24 (6e-5 at n = 1024); blocked sums stay orders of magnitude below that.
 ACCUMULATION_RTOL = 1e-5
-
-
-def f16_bytes(values: np.ndarray) -> np.ndarray:
-    return values.astype(np.float16).reshape(-1, 1).view(np.uint8)
-
-
-def random_blocks(qtype: Q, n_blocks: int, rng: np.random.Generator) -> np.ndarray:
-    """Random bytes for every field, with finite, sane f16 scales: (n_blocks, block_bytes) uint8."""
-    size = GGML_QUANT_SIZES[qtype][1]
-    blocks = rng.integers(0, 256, size=(n_blocks, size), dtype=np.uint8)
-
-    def scales() -> np.ndarray:
-        return f16_bytes(rng.uniform(1e-3, 2e-2, n_blocks) * rng.choice([-1, 1], n_blocks))
-
-    signed, positive = F16_SCALES.get(qtype, ([], []))
-    for at in signed:
-        blocks[:, at:at + 2] = scales()
-    for at in positive:
-        blocks[:, at:at + 2] = f16_bytes(rng.uniform(1e-3, 2e-2, n_blocks))
-    if qtype == Q.IQ1_M:  # the f16 scale lives in the top nibbles of the four 16-bit words at the end
-        d = scales().view(np.uint16).ravel()
-        words = blocks[:, -8:].copy().view(np.uint16) & np.uint16(0x0FFF)
-        for k in range(4):
-            words[:, k] |= ((d >> np.uint16(4 * k)) & np.uint16(0xF)) << np.uint16(12)
-        blocks[:, -8:] = words.view(np.uint8)
-    if qtype == Q.MXFP4:  # the shared exponent: 2^(e - 127) within a sane range
-        blocks[:, 0] = rng.integers(110, 130, n_blocks)
-    return blocks
 
 
 def random_weights(qtype: Q, n_rows: int, n_cols: int, rng: np.random.Generator) -> np.ndarray:

@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, GGUFWriter, quants
 from gguf import GGMLQuantizationType as Q
-from test_kernels import QUANT_TYPES, random_blocks
+from test_kernels import QUANT_TYPES
 
 from strata.engine_cffi import Engine
 from strata.modelgen.hparams import hparams_for
+from strata.modelgen.quants import random_blocks
 from strata.modelgen.vocab import get_vocab
 from strata.modelgen.writer import _add_hparams, add_vocab, tensor_specs
 

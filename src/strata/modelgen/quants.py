@@ -120,3 +120,43 @@ def quantize_q6_k(x: np.ndarray) -> np.ndarray:
     out[:, 192:208] = sc.view(np.uint8)
     out[:, 208:210] = d.astype(np.float16).view(np.uint8).reshape(-1, 2)
     return out
+
+
+# --- random valid blocks (kernel tests and benchmarks)
+
+# Byte offsets of each block's f16 scales (signed, then ones kept positive: mins are subtracted, as quantisers do).
+_T = GGMLQuantizationType
+_F16_SCALES = {
+    _T.Q8_0: ([0], []), _T.Q4_0: ([0], []), _T.Q4_1: ([0, 2], []), _T.Q5_0: ([0], []), _T.Q5_1: ([0, 2], []),
+    _T.IQ4_NL: ([0], []), _T.Q2_K: ([], [80, 82]), _T.Q3_K: ([108], []), _T.Q4_K: ([0], [2]), _T.Q5_K: ([0], [2]),
+    _T.Q6_K: ([208], []), _T.IQ4_XS: ([0], []), _T.IQ3_S: ([0], []), _T.IQ3_XXS: ([0], []), _T.IQ2_XXS: ([0], []),
+    _T.IQ2_XS: ([0], []), _T.IQ2_S: ([0], []), _T.IQ1_S: ([0], []), _T.IQ1_M: ([], []),
+}
+
+
+def _f16_bytes(values: np.ndarray) -> np.ndarray:
+    return values.astype(np.float16).reshape(-1, 1).view(np.uint8)
+
+
+def random_blocks(qtype: GGMLQuantizationType, n_blocks: int, rng: np.random.Generator) -> np.ndarray:
+    """Random bytes for every field, with finite, sane f16 scales: (n_blocks, block_bytes) uint8."""
+    size = GGML_QUANT_SIZES[qtype][1]
+    blocks = rng.integers(0, 256, size=(n_blocks, size), dtype=np.uint8)
+
+    def scales() -> np.ndarray:
+        return _f16_bytes(rng.uniform(1e-3, 2e-2, n_blocks) * rng.choice([-1, 1], n_blocks))
+
+    signed, positive = _F16_SCALES.get(qtype, ([], []))
+    for at in signed:
+        blocks[:, at:at + 2] = scales()
+    for at in positive:
+        blocks[:, at:at + 2] = _f16_bytes(rng.uniform(1e-3, 2e-2, n_blocks))
+    if qtype == _T.IQ1_M:  # the f16 scale lives in the top nibbles of the four 16-bit words at the end
+        d = scales().view(np.uint16).ravel()
+        words = blocks[:, -8:].copy().view(np.uint16) & np.uint16(0x0FFF)
+        for k in range(4):
+            words[:, k] |= ((d >> np.uint16(4 * k)) & np.uint16(0xF)) << np.uint16(12)
+        blocks[:, -8:] = words.view(np.uint8)
+    if qtype == _T.MXFP4:  # the shared exponent: 2^(e - 127) within a sane range
+        blocks[:, 0] = rng.integers(110, 130, n_blocks)
+    return blocks
