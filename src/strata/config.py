@@ -82,6 +82,8 @@ class Config:
     kv: str = "f16"
     batch: int = 256
     web: bool = True  # the chat page (/) and the monitor (/monitor)
+    model_alias: str | None = None  # the served model name(s), comma-separated; the first is reported
+    cors_origins: list[str] | None = None  # browser origins allowed to call the API ("*": any); None: no CORS
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     vision: VisionConfig = field(default_factory=VisionConfig)
     images: ImagesConfig = field(default_factory=ImagesConfig)

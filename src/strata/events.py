@@ -28,6 +28,7 @@ class ChatRequest:
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
     answer_format: AnswerFormat | None = None
+    prefill: bool = False  # the last message is the assistant's: the model continues it instead of a new turn
     sampling: SamplingParams = field(default_factory=SamplingParams)
     max_tokens: int | None = None
     stop: list[str] = field(default_factory=list)

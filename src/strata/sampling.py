@@ -44,6 +44,8 @@ class SamplingParams:
         presence_penalty: in [-2, 2]; subtracted once from every token present in the recent window.
         penalty_last_n: how many previous tokens the penalties look at; -1 means all of them, 0 none.
         seed: seeds the random generator; None draws a fresh seed from the OS.
+        logit_bias: (token id, bias in [-100, 100]) pairs added to those tokens' logits before everything else
+            (OpenAI's `logit_bias`; -100 bans a token in practice, 100 all but forces it).
     """
 
     temperature: float = 1.0
@@ -55,6 +57,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     penalty_last_n: int = 64
     seed: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         self.validate()
@@ -71,6 +74,9 @@ class SamplingParams:
         _check_int("penalty_last_n", self.penalty_last_n, lo=-1)
         if self.seed is not None:
             _check_int("seed", self.seed)
+        for token, bias in self.logit_bias:
+            _check_int("logit_bias token", token, lo=0)
+            _check_number(f"logit_bias[{token}]", bias, lo=-100.0, hi=100.0)
 
     @property
     def greedy(self) -> bool:
@@ -124,16 +130,24 @@ class Sampler:
         self.params = params
         self.n_vocab = n_vocab
         self.mask = mask
+        if any(token >= n_vocab for token, _ in params.logit_bias):
+            raise ValueError(f"logit_bias names a token id beyond the vocabulary ({n_vocab} tokens)")
+        self._bias_ids = np.array([token for token, _ in params.logit_bias], dtype=np.int64)
+        self._bias_values = np.array([bias for _, bias in params.logit_bias], dtype=np.float32)
         seed = None if params.seed is None else params.seed % 2**64
         self._rng = np.random.default_rng(seed)
 
     def sample(self, logits: np.ndarray, previous_ids: Sequence[int] = ()) -> int:
         """Return the next token id for `logits` (n_vocab,), given the tokens so far (prompt and output).
-        With a mask, `logits` is changed in place."""
-        if self.mask is None:
+        With a logit bias or a mask, `logits` is changed in place."""
+        if self.mask is None and not self._bias_ids.size:
             return self._draw(logits, previous_ids)
         if np.shape(logits) != (self.n_vocab,):
             raise ValueError(f"logits must have shape ({self.n_vocab},), got {np.shape(logits)}")
+        if self._bias_ids.size:
+            logits[self._bias_ids] += self._bias_values
+        if self.mask is None:
+            return self._draw(logits, previous_ids)
         self.mask.apply(logits)
         token = self._draw(logits, previous_ids)
         self.mask.advance(token)

@@ -137,7 +137,8 @@ class Service:
         self.phase = "idle"
         self.current: HistoryRow | None = None
         self.activity = Activity()
-        self.model_name = _model_name(config.model)
+        self.model_names = model_names(config)  # the served name first, then the other aliases
+        self.model_name = self.model_names[0]
         self.started = time.time()
         self.engine: Any = None  # an EngineLike once loaded
         self.tokenizer: Any = None
@@ -253,10 +254,11 @@ class Service:
         enable_thinking = kwargs.pop("enable_thinking", request.enable_thinking)
         assert self.template is not None, "render before the model is loaded"
         try:
-            return render_chat(self.template, request.messages, tools=request.tools or None,
-                               add_generation_prompt=True, enable_thinking=enable_thinking, **kwargs)
+            text = render_chat(self.template, request.messages, tools=request.tools or None,
+                               add_generation_prompt=not request.prefill, enable_thinking=enable_thinking, **kwargs)
         except PromptError as error:
             raise RequestError(str(error)) from None
+        return _open_last_turn(text, request.messages[-1]) if request.prefill else text
 
     async def count_tokens(self, request: ChatRequest) -> int:
         """How many prompt tokens a request has, each picture counted as the rows its encoding takes: pictures
@@ -307,12 +309,15 @@ class Service:
         if len(ids) >= n_ctx:
             raise RequestError(f"the prompt has {len(ids)} tokens; the context holds {n_ctx} (prompt and answer)",
                                code="context_length_exceeded")
+        if any(token >= self.engine.n_vocab for token, _ in request.sampling.logit_bias):
+            raise RequestError(f"logit_bias: token ids go up to {self.engine.n_vocab - 1}", "logit_bias")
         max_tokens = n_ctx - len(ids)
         for cap in (request.max_tokens, self.config.limits.max_tokens):
             if cap is not None:
                 max_tokens = min(max_tokens, cap)
         starts_in_reasoning = text.rstrip("\n").endswith("<think>")
-        may_think = not text.rstrip().endswith("</think>")  # an empty block closed by the template: no thinking
+        # An empty block closed by the template means no thinking; a continued answer is past its thinking.
+        may_think = not text.rstrip().endswith("</think>") and not request.prefill
         return _Prepared(prompt, max_tokens, starts_in_reasoning, may_think)
 
     async def _guide(self, request: ChatRequest, prepared: _Prepared) -> Guide | None:
@@ -703,10 +708,32 @@ class _Output:
         return events + self._parser.finish()
 
 
-def _model_name(path: str | None) -> str:
-    if not path:
-        return "strata"
-    return os.path.basename(path).removesuffix(".gguf")
+def _open_last_turn(text: str, message: dict[str, Any]) -> str:
+    """The prompt of a conversation whose last (assistant) message the model continues: the rendering cut right
+    after that message's text, before the template closes its turn.
+
+    Raises:
+        RequestError: the last message is not the assistant's, or the template's rendering does not hold its text.
+    """
+    if message.get("role") != "assistant":
+        raise RequestError("continuing the final message needs an assistant message last", "messages")
+    content = message.get("content") or ""
+    if not isinstance(content, str):
+        content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    content = content.strip()
+    at = text.rfind(content) if content else -1
+    if at < 0:
+        raise RequestError("the chat template does not render the final assistant message's text, so it cannot be "
+                           "continued", "messages")
+    return text[: at + len(content)]
+
+
+def model_names(config: Config) -> list[str]:
+    """The names the model is served as: the `model_alias` names, else the file's name."""
+    aliases = [name.strip() for name in (config.model_alias or "").split(",") if name.strip()]
+    if aliases:
+        return aliases
+    return [os.path.basename(config.model).removesuffix(".gguf") if config.model else "strata"]
 
 
 @asynccontextmanager

@@ -269,3 +269,18 @@ def test_a_forced_strict_call_on_the_qwen_vocabulary(qwen, stream):
     name, arguments = calls[0]
     tool = next(t["function"] for t in TOOLS if t["function"]["name"] == name)
     jsonschema.validate(json.loads(arguments), tool["parameters"])
+
+
+def test_the_readme_examples_print_what_they_say(demo, capsys):
+    """The README's JSON-schema and forced-tool examples, run verbatim (after its client set-up, pointed at this
+    server): each prints what its comment says."""
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    blocks = [block.split("```", 1)[0] for block in readme.split("```python\n")[1:]]
+    examples = [block for block in blocks if "response_format=" in block or "tool_choice=" in block]
+    assert len(examples) == 2
+    client = chat_client(demo)
+    for example in examples:
+        exec(example, {"client": client})
+        printed = capsys.readouterr().out.strip()
+        expected = example.rsplit("# ", 1)[1].strip()
+        assert printed == expected

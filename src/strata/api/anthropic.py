@@ -117,6 +117,8 @@ def _parse_prompt(body: dict[str, Any]) -> ChatRequest:
         parallel_tool_calls=not get(choice, "disable_parallel_tool_use", bool,
                                     "tool_choice.disable_parallel_tool_use"),
         answer_format=_output_format(body),
+        # A last assistant message is a prefill: the answer continues it (Anthropic's documented behaviour).
+        prefill=turns[-1].get("role") == "assistant",
         enable_thinking=_thinking(body),
         route=_ROUTE,
     )

@@ -25,8 +25,9 @@ from quart_trio import QuartTrio
 from quart_trio.asgi import TrioASGIHTTPConnection
 from werkzeug.exceptions import HTTPException
 
-from strata.api import openai_chat, sse, status, web
+from strata.api import openai_chat, sse, status, tokens, web
 from strata.api.body import INLINE_BYTES, parse_body
+from strata.api.cors import add_cors
 from strata.api.errors import ApiError, as_api_error, dialect_for_path, error_body
 from strata.api.hosts import add_host_check
 from strata.api.translate import SseEvent
@@ -109,11 +110,14 @@ def create_app(service: Service | None = None, config: Config | None = None) -> 
         _own_service(app, state)
     else:
         state.registry = status.metrics_registry(service)
+    if config.cors_origins:
+        add_cors(app, config.cors_origins)  # first: a preflight is answered before the API key check
     _add_auth(app, config)
     add_host_check(app, config)
     _add_error_handler(app)
     _add_info_routes(app, state)
     _add_chat_routes(app, state)
+    _add_token_routes(app, state)
     if config.web:
         web.add_routes(app)
     return app
@@ -205,9 +209,10 @@ def _add_info_routes(app: Quart, state: _State) -> None:
     @app.get("/v1/models")
     async def models() -> Response:
         service = state.ready_service()
-        model = {"id": service.model_name, "object": "model", "created": int(service.started),
-                 "owned_by": "strata"}
-        return _json({"object": "list", "data": [model]})
+        context = service.engine.n_ctx if service.ready else service.config.context
+        models = [{"id": name, "object": "model", "created": int(service.started), "owned_by": "strata",
+                   "context_length": context, "max_model_len": context} for name in service.model_names]
+        return _json({"object": "list", "data": models})
 
     @app.get("/status")
     async def engine_status() -> Response:
@@ -298,6 +303,22 @@ def _add_chat_routes(app: Quart, state: _State) -> None:
         async def count_tokens() -> Response:
             chat_request = anthropic.parse_count_tokens_request(await _json_body())
             return _json(anthropic.render_count(await state.ready_service().count_tokens(chat_request)))
+
+
+def _add_token_routes(app: Quart, state: _State) -> None:
+    def tokenizer() -> Any:
+        service = state.ready_service()
+        if not service.ready:
+            raise ApiError(503, "the model is not loaded", kind="server_error")
+        return service.tokenizer
+
+    @app.post("/tokenize")
+    async def tokenize() -> Response:
+        return _json(tokens.tokenize(tokenizer(), await _json_body()))
+
+    @app.post("/detokenize")
+    async def detokenize() -> Response:
+        return _json(tokens.detokenize(tokenizer(), await _json_body()))
 
 
 def _chat_view(state: _State, dialect: _Dialect) -> Callable[[], Awaitable[Response]]:

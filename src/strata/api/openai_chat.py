@@ -26,6 +26,7 @@ from strata.api.translate import (
     image_embeds_part,
     image_url_part,
     llama_cpp_format,
+    logit_bias,
     openai_format,
 )
 from strata.constraints import AnswerFormat
@@ -79,6 +80,7 @@ def parse_request(body: Any) -> ChatRequest:
         tool_choice=tool_choice,
         parallel_tool_calls=get(body, "parallel_tool_calls", bool, "parallel_tool_calls") is not False,
         answer_format=_answer_format(body),
+        prefill=_continue_final_message(body, messages),
         sampling=_sampling(body),
         max_tokens=_max_tokens(body),
         stop=_stop(body),
@@ -86,6 +88,15 @@ def parse_request(body: Any) -> ChatRequest:
         template_kwargs=dict(get_object(body, "chat_template_kwargs", "chat_template_kwargs") or {}),
         route="chat",
     )
+
+
+def _continue_final_message(body: dict[str, Any], messages: list[Any]) -> bool:
+    """vLLM's `continue_final_message`: the answer continues the last (assistant) message."""
+    if not get(body, "continue_final_message", bool, "continue_final_message"):
+        return False
+    if not isinstance(messages[-1], dict) or messages[-1].get("role") != "assistant":
+        raise bad_request("continue_final_message", "needs an assistant message last")
+    return True
 
 
 def _answer_format(body: dict[str, Any]) -> AnswerFormat | None:
@@ -205,6 +216,9 @@ def _sampling(body: dict[str, Any]) -> SamplingParams:
         value = get_number(body, key, key, lo, hi)
         if value is not None:
             given[name] = value
+    bias = logit_bias(body)
+    if bias:
+        given["logit_bias"] = bias
     for key in ("top_k", "seed"):
         value = get_int(body, key, key, 0 if key == "top_k" else -(2**63))
         if value is not None:

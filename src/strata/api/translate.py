@@ -138,6 +138,20 @@ def sampling_params(defaults: Mapping[str, Any] | None, **given: Any) -> Samplin
         raise ApiError(400, str(error)) from None
 
 
+def logit_bias(body: dict[str, Any]) -> tuple[tuple[int, float], ...]:
+    """OpenAI's `logit_bias`: `{"token id": bias}` with biases in [-100, 100]."""
+    given = get_object(body, "logit_bias", "logit_bias") or {}
+    out = []
+    for key, value in given.items():
+        if not key.isdigit():
+            raise bad_request("logit_bias", f"keys must be token ids, got {key!r}")
+        check_type(value, float, f"logit_bias.{key}")
+        if not -100 <= value <= 100:
+            raise bad_request(f"logit_bias.{key}", f"must be between -100 and 100, got {value!r}")
+        out.append((int(key), float(value)))
+    return tuple(out)
+
+
 def arguments_object(text: str, param: str) -> dict[str, Any]:
     """A tool call's arguments JSON as the dict the chat template renders."""
     if not text.strip():
