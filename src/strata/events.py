@@ -12,6 +12,23 @@ from strata.sampling import SamplingParams
 FinishReason = Literal["stop", "length", "tool_calls", "cancel", "error"]
 
 
+@dataclass(frozen=True)
+class CompletionPrompt:
+    """A raw text completion's prompt (`POST /v1/completions`): no chat template.
+
+    Attributes:
+        text: the prompt as text (tokenised as plain text: control-token text stays text), or None.
+        ids: the prompt as token ids, or None (exactly one of `text` and `ids` is set).
+        suffix: text after the insertion point: the prompt becomes the model's fill-in-the-middle form.
+        echo: the answer repeats the prompt before the completion.
+    """
+
+    text: str | None = None
+    ids: tuple[int, ...] | None = None
+    suffix: str | None = None
+    echo: bool = False
+
+
 @dataclass
 class ChatRequest:
     """A dialect-neutral chat request.
@@ -29,6 +46,7 @@ class ChatRequest:
     parallel_tool_calls: bool = True
     answer_format: AnswerFormat | None = None
     prefill: bool = False  # the last message is the assistant's: the model continues it instead of a new turn
+    completion: CompletionPrompt | None = None  # a raw completion: this prompt instead of the messages
     sampling: SamplingParams = field(default_factory=SamplingParams)
     max_tokens: int | None = None
     stop: list[str] = field(default_factory=list)

@@ -34,7 +34,7 @@ from strata.activity import Activity, RequestProgress
 from strata.config import Config
 from strata.constraints import GrammarError, Grammars, Guide, plan_constraint
 from strata.downloads import DownloadPolicy, download_client
-from strata.events import ChatRequest, Event, Finish, FinishReason, PromptProcessed, Usage
+from strata.events import ChatRequest, CompletionPrompt, Event, Finish, FinishReason, PromptProcessed, TextDelta, Usage
 from strata.history import History, HistoryRow
 from strata.images import (
     DOWNLOAD_TIMEOUT,
@@ -64,6 +64,7 @@ from strata.vision.embeds import PrecomputedEmbeds, check_embeds
 # Variables the chat template gets from the request itself; `chat_template_kwargs` may not override them.
 _RESERVED_TEMPLATE_VARS = frozenset({"messages", "tools", "add_generation_prompt"})
 IMAGE_PAD = "<|image_pad|>"  # the token a chat template renders once per picture, expanded to its rows
+FIM_TOKENS = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")  # Qwen's fill-in-the-middle tags
 
 
 class RequestError(ValueError):
@@ -293,9 +294,34 @@ class Service:
                                                template_kwargs=guard.protect(request.template_kwargs)))
         return text, guard.encode(text)
 
+    def _completion_prompt(self, completion: CompletionPrompt) -> tuple[str, list[int]]:
+        """A raw completion's prompt text and ids: the text tokenised as plain text, or the ids checked; with a
+        suffix, the fill-in-the-middle form `<|fim_prefix|>prompt<|fim_suffix|>suffix<|fim_middle|>`."""
+        tokenizer = self.tokenizer
+        if completion.ids is not None:
+            bad = [token for token in completion.ids if not 0 <= token < self.engine.n_vocab]
+            if bad:
+                raise RequestError(f"prompt: token ids go up to {self.engine.n_vocab - 1}, got {bad[0]}", "prompt")
+            ids = list(completion.ids)
+        else:
+            ids = tokenizer.encode(completion.text or "", special=False)
+        if completion.suffix is not None:
+            fim = [tokenizer.token_to_id(name) for name in FIM_TOKENS]
+            if None in fim:
+                raise RequestError("suffix: this model's vocabulary has no fill-in-the-middle tokens "
+                                   f"({', '.join(FIM_TOKENS)})", "suffix")
+            prefix, suffix, middle = fim
+            ids = [prefix, *ids, suffix, *tokenizer.encode(completion.suffix, special=False), middle]
+        if not ids:
+            raise RequestError("prompt: must not be empty", "prompt")
+        return tokenizer.decode(ids), ids
+
     def _prepare(self, request: ChatRequest, pictures: list[Embedding]) -> _Prepared:
         self._require_ready()
-        text, ids = self._prompt(request)
+        if request.completion is not None:
+            text, ids = self._completion_prompt(request.completion)
+        else:
+            text, ids = self._prompt(request)
         pad_id = self.tokenizer.token_to_id(IMAGE_PAD)
         if pictures:
             try:
@@ -315,6 +341,8 @@ class Service:
         for cap in (request.max_tokens, self.config.limits.max_tokens):
             if cap is not None:
                 max_tokens = min(max_tokens, cap)
+        if request.completion is not None:
+            return _Prepared(prompt, max_tokens, False, False)
         starts_in_reasoning = text.rstrip("\n").endswith("<think>")
         # An empty block closed by the template means no thinking; a continued answer is past its thinking.
         may_think = not text.rstrip().endswith("</think>") and not request.prefill
@@ -443,6 +471,8 @@ class Service:
                 tokens = await run.next_tokens()
                 if live.phase == "prompt":
                     yield PromptProcessed(len(prepared.ids), run.reused)
+                    if request.completion is not None and request.completion.echo:
+                        yield TextDelta(self.tokenizer.decode(prepared.ids))
                 self.phase = live.phase = "decode"
                 row.reused_tokens, row.prompt_seconds, row.decode_seconds = run.reused, *run.seconds()
                 if not tokens:  # the thread ended without a stop token: the token budget is spent
@@ -662,6 +692,19 @@ class _EngineRun:
         self._wake()
 
 
+class _PlainText:
+    """The parser of a raw completion: all of the text is text."""
+
+    n_tool_calls = 0
+    in_reasoning = False
+
+    def feed(self, text: str) -> list[Event]:
+        return [TextDelta(text)] if text else []
+
+    def finish(self) -> list[Event]:
+        return []
+
+
 class _Output:
     """Generated token ids to events: detokenise, cut at stop strings, split reasoning and tool calls."""
 
@@ -670,8 +713,11 @@ class _Output:
         self._stops = StopMatcher(request.stop)
         self._text = ""  # everything the model wrote, to tell which stop string ended it
         tools = request.tools if request.tool_choice != "none" else []
-        self._parser = ToolCallParser(starts_in_reasoning=starts_in_reasoning, parse_tool_calls=bool(tools),
-                                      tool_names={tool["function"]["name"] for tool in tools})
+        self._parser: ToolCallParser | _PlainText = ToolCallParser(
+            starts_in_reasoning=starts_in_reasoning, parse_tool_calls=bool(tools),
+            tool_names={tool["function"]["name"] for tool in tools})
+        if request.completion is not None:
+            self._parser = _PlainText()  # a raw completion: tags are text
 
     @property
     def stopped(self) -> bool:

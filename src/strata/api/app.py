@@ -25,7 +25,7 @@ from quart_trio import QuartTrio
 from quart_trio.asgi import TrioASGIHTTPConnection
 from werkzeug.exceptions import HTTPException
 
-from strata.api import openai_chat, sse, status, tokens, web
+from strata.api import openai_chat, openai_completions, sse, status, tokens, web
 from strata.api.body import INLINE_BYTES, parse_body
 from strata.api.cors import add_cors
 from strata.api.errors import ApiError, as_api_error, dialect_for_path, error_body
@@ -261,6 +261,17 @@ def _openai_chat_dialect() -> _Dialect:
     )
 
 
+def _completions_dialect() -> _Dialect:
+    return _Dialect(
+        parse=openai_completions.parse_request,
+        render=lambda events, *, model, request_id, request: openai_completions.render_response(
+            events, model=model, request_id=request_id),
+        new_stream=lambda *, model, request_id, body, request: openai_completions.CompletionStream(
+            model=model, request_id=request_id, body=body),
+        done=sse.DONE,
+    )
+
+
 def _anthropic_dialect() -> _Dialect | None:
     try:
         from strata.api import anthropic
@@ -291,6 +302,7 @@ def _responses_dialect() -> _Dialect | None:
 
 def _add_chat_routes(app: Quart, state: _State) -> None:
     routes = {"/v1/chat/completions": _openai_chat_dialect(),
+              "/v1/completions": _completions_dialect(),
               "/v1/messages": _anthropic_dialect(),
               "/v1/responses": _responses_dialect()}
     for path, dialect in routes.items():

@@ -81,9 +81,9 @@ def parse_request(body: Any) -> ChatRequest:
         parallel_tool_calls=get(body, "parallel_tool_calls", bool, "parallel_tool_calls") is not False,
         answer_format=_answer_format(body),
         prefill=_continue_final_message(body, messages),
-        sampling=_sampling(body),
+        sampling=sampling_from(body),
         max_tokens=_max_tokens(body),
-        stop=_stop(body),
+        stop=stops_from(body),
         enable_thinking=effort not in _NO_THINKING_EFFORTS,
         template_kwargs=dict(get_object(body, "chat_template_kwargs", "chat_template_kwargs") or {}),
         route="chat",
@@ -210,7 +210,7 @@ def _tool_choice(body: dict[str, Any], names: set[str]) -> str | dict[str, Any] 
     return {"type": "function", "function": {"name": name}}
 
 
-def _sampling(body: dict[str, Any]) -> SamplingParams:
+def sampling_from(body: dict[str, Any]) -> SamplingParams:
     given: dict[str, Any] = {}
     for key, (name, lo, hi) in _SAMPLING_RANGES.items():
         value = get_number(body, key, key, lo, hi)
@@ -234,7 +234,7 @@ def _max_tokens(body: dict[str, Any]) -> int | None:
     return value if value is not None else get_int(body, "max_tokens", "max_tokens", 1)
 
 
-def _stop(body: dict[str, Any]) -> list[str]:
+def stops_from(body: dict[str, Any]) -> list[str]:
     stop = get(body, "stop", (str, list), "stop")
     if stop is None:
         return []
