@@ -138,6 +138,7 @@ async def serve(
         if shutdown_trigger is not None:
             nursery.start_soon(_stop_after, shutdown_trigger, stop)
         async with open_service(config, wait=False, log=log) as service:
+            nursery.start_soon(_end_streams_on, stop, service)
             hyper = hypercorn.Config()
             hyper.bind = listen_addresses(config.host, config.port)
             hyper.graceful_timeout = config.limits.graceful_timeout
@@ -182,6 +183,12 @@ def _os_error(error: BaseException) -> OSError | None:
             if found is not None:
                 return found
     return None
+
+
+async def _end_streams_on(stop: trio.Event, service: Any) -> None:
+    """Let the status streams end when shutdown begins, rather than keep hypercorn's graceful wait going."""
+    await stop.wait()
+    service.stopping.set()
 
 
 async def _stop_on_signal(stop: trio.Event) -> None:

@@ -138,6 +138,7 @@ class Service:
         self.phase = "idle"
         self.current: HistoryRow | None = None
         self.activity = Activity()
+        self.stopping = trio.Event()  # set when the server starts shutting down: endless streams end
         self.model_names = model_names(config)  # the served name first, then the other aliases
         self.model_name = self.model_names[0]
         self.started = time.time()

@@ -208,3 +208,21 @@ async def test_several_listen_addresses(tiny_model):
             async with httpx.AsyncClient(base_url=bind) as client:
                 await _wait_healthy(client)
         stop.set()
+
+
+async def test_status_streams_end_when_shutdown_begins(tiny_model):
+    # A long graceful timeout: were the stream left open, shutdown would wait all of it.
+    config = server_config(model=str(tiny_model), context=512, limits={"graceful_timeout": 60.0})
+    stop = trio.Event()
+    events: list[bytes] = []
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            binds = await nursery.start(lambda task_status: strata.serve(
+                config, shutdown_trigger=stop.wait, log=lambda line: None, task_status=task_status))
+            async with httpx.AsyncClient(base_url=binds[0]) as client:
+                await _wait_healthy(client)
+                async with client.stream("GET", "/v1/status/stream?interval=0.1") as reply:
+                    async for chunk in reply.aiter_bytes():
+                        events.append(chunk)
+                        stop.set()
+    assert events and events[0].startswith(b"event: status\n")

@@ -84,14 +84,18 @@ def _generated(service: Service) -> int:
 
 async def live_stream(service: Service, interval: float) -> AsyncIterator[bytes]:
     """`live_status` as a server-sent event every `interval` seconds, with the decode rate over the interval
-    (`decode_tokens_per_second`). Ends only when the client hangs up (the request's nursery is cancelled)."""
+    (`decode_tokens_per_second`). Ends when the client hangs up (the request's nursery is cancelled) or the server
+    starts shutting down (`service.stopping`)."""
     before, generated = time.monotonic(), _generated(service)
     rate = 0.0
     while True:
         body = live_status(service)
         body["decode_tokens_per_second"] = rate
         yield sse.encode(body, "status")
-        await trio.sleep(interval)
+        with trio.move_on_after(interval):
+            await service.stopping.wait()
+        if service.stopping.is_set():
+            return
         now, total = time.monotonic(), _generated(service)
         rate = (total - generated) / (now - before)
         before, generated = now, total
