@@ -351,7 +351,7 @@ def test_edit_regenerate_and_export(demo: Served, page: Any) -> None:
 
 def test_stop_hangs_up_and_frees_the_slot(long_answers: Served, page: Any) -> None:
     page.goto(long_answers.url + "/")
-    settings(page, max_tokens="3000")
+    settings(page, temperature="0", max_tokens="3000")  # greedy: this model's answer runs all 3,000 tokens
     watch_text(page.locator("body"))
     answer = ask(page, "Tell me a long story.")
     page.wait_for_function("() => (window.lengths || []).some((n) => n > 200)")
@@ -380,7 +380,8 @@ def test_the_monitor_shows_phases_and_a_cancelled_request(long_answers: Served, 
     page.goto(long_answers.url + "/monitor")
     page.get_by_test_id("engine").wait_for()
     chat = long_answers.url + "/v1/chat/completions"
-    story = {"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 3000, "stream": True}
+    story = {"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 3000, "stream": True,
+             "temperature": 0}
     picture = {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:image/png;base64," + PICTURE}},
         {"type": "text", "text": "What is in the picture?"}]}], "max_tokens": 100}
