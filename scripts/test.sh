@@ -15,4 +15,5 @@ python -m pip install --quiet --upgrade pip
 python -m pip install --quiet -e '.[test]'
 ruff check src tests
 mypy
+./scripts/fetch-llama-cpp.sh
 python -m pytest "$@"

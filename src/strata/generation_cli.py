@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
             if tokenizer.chat_template is None:
                 raise PromptError("the model has no chat template (tokenizer.chat_template)")
             text = render_chat(tokenizer.chat_template, [{"role": "user", "content": args.prompt}])
-        prompt_ids = tokenizer.encode(text, special=True)
+        prompt_ids = tokenizer.encode_prompt(text)
         engine = Engine.load(args.model, n_ctx=args.context, threads=args.threads)
     except (ValueError, OSError, EngineError) as exc:
         print(f"strata generate: {exc}", file=sys.stderr)

@@ -293,7 +293,7 @@ class Service:
         text = self.render(dataclasses.replace(request, messages=guard.protect(request.messages),
                                                tools=guard.protect(request.tools),
                                                template_kwargs=guard.protect(request.template_kwargs)))
-        return text, guard.encode(text)
+        return text, self.tokenizer.with_bos(guard.encode(text))
 
     def _completion_prompt(self, completion: CompletionPrompt) -> tuple[str, list[int]]:
         """A raw completion's prompt text and ids: the text tokenised as plain text, or the ids checked; with a

@@ -21,11 +21,24 @@ from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
 from strata.gguf_file import read_metadata
 from strata.modelgen.vocab import byte_to_unicode
 
-# Split regexes of llama.cpp's `tokenizer.ggml.pre` names. Qwen2's is GPT-4's with single digits.
-PRE_TOKENIZER_PATTERNS = {
-    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
-             r"|\s+(?!\S)|\s+",
-}
+
+@dataclasses.dataclass(frozen=True)
+class PreTokenizer:
+    """How llama.cpp's `tokenizer.ggml.pre` name splits text before BPE, as the model's own tokenizer.json does."""
+
+    pattern: str  # the split regex
+    nfc: bool  # NFC-normalise first (Qwen2's tokenizer does; Llama 3's does not)
+    add_bos: bool  # llama.cpp's default for `tokenizer.ggml.add_bos_token` when the file lacks the key
+
+
+# Qwen2's regex is GPT-4's with single digits; Llama 3's groups up to three digits.
+_QWEN2 = PreTokenizer(r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                      r"|\s*[\r\n]+|\s+(?!\S)|\s+", nfc=True, add_bos=False)
+_LLAMA3 = PreTokenizer(r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                       r"|\s*[\r\n]+|\s+(?!\S)|\s+", nfc=False, add_bos=True)
+# The names llama.cpp gives the pre-tokenizers of the architectures the engine runs (Qwen3 and Qwen3-MoE: qwen2;
+# Llama 3.x: llama-bpe, with its older spellings).
+PRE_TOKENIZERS = {"qwen2": _QWEN2, "llama-bpe": _LLAMA3, "llama3": _LLAMA3, "llama-v3": _LLAMA3}
 # Tokens that end generation whatever the eos key says (llama.cpp also recognises them by name).
 END_OF_GENERATION_TEXTS = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>")
 _ID_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
@@ -68,13 +81,12 @@ def _id_bytes(tokens: Sequence[str], token_types: Sequence[int]) -> list[bytes]:
     return out
 
 
-def _hf_tokenizer(model: models.BPE, pre: str) -> tokenizers.Tokenizer:
-    if pre not in PRE_TOKENIZER_PATTERNS:
-        raise ValueError(f"unsupported tokenizer.ggml.pre {pre!r}; supported: {sorted(PRE_TOKENIZER_PATTERNS)}")
+def _hf_tokenizer(model: models.BPE, pre: PreTokenizer) -> tokenizers.Tokenizer:
     tok = tokenizers.Tokenizer(model)
-    tok.normalizer = normalizers.NFC()
+    if pre.nfc:
+        tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(tokenizers.Regex(PRE_TOKENIZER_PATTERNS[pre]), behavior="isolated"),
+        pre_tokenizers.Split(tokenizers.Regex(pre.pattern), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     tok.decoder = decoders.ByteLevel()
@@ -105,6 +117,7 @@ class Tokenizer:
     hf_plain: tokenizers.Tokenizer = dataclasses.field(repr=False)  # no added tokens: special text stays text
     id_bytes: tuple[bytes, ...] = dataclasses.field(repr=False)  # (n_vocab,) what each id decodes to
     bos_id: int | None
+    add_bos: bool  # prompts start with bos_id (`tokenizer.ggml.add_bos_token`, else the pre-tokenizer's default)
     eos_id: int | None
     eos_ids: frozenset[int]
     chat_template: str | None = dataclasses.field(repr=False)
@@ -126,7 +139,10 @@ class Tokenizer:
         merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
         # ignore_merges: a pre-tokenised piece that is itself a token stays whole, as tiktoken does it.
         model = models.BPE(vocab=vocab, merges=merges, ignore_merges=True)
-        pre = meta.get("tokenizer.ggml.pre", "qwen2")
+        pre_name = meta.get("tokenizer.ggml.pre", "qwen2")
+        if pre_name not in PRE_TOKENIZERS:
+            raise ValueError(f"unsupported tokenizer.ggml.pre {pre_name!r}; supported: {sorted(PRE_TOKENIZERS)}")
+        pre = PRE_TOKENIZERS[pre_name]
         hf, hf_plain = _hf_tokenizer(model, pre), _hf_tokenizer(model, pre)
         hf.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
                                for i, t in enumerate(types) if t in _SPECIAL_TYPES])
@@ -134,8 +150,10 @@ class Tokenizer:
         eos_ids |= {vocab[text] for text in END_OF_GENERATION_TEXTS
                     if text in vocab and types[vocab[text]] == TokenType.CONTROL}
         bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
+        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", pre.add_bos)) and bos is not None
         return cls(hf=hf, hf_plain=hf_plain, id_bytes=tuple(_id_bytes(tokens, types)),
-                   bos_id=None if bos is None else int(bos), eos_id=None if eos is None else int(eos),
+                   bos_id=None if bos is None else int(bos), add_bos=add_bos,
+                   eos_id=None if eos is None else int(eos),
                    eos_ids=frozenset(eos_ids), chat_template=meta.get("tokenizer.chat_template"),
                    control_texts=tuple(tokens[i] for i, t in enumerate(types) if t == TokenType.CONTROL))
 
@@ -146,6 +164,17 @@ class Tokenizer:
     def encode(self, text: str, special: bool = True) -> list[int]:
         """Token ids of `text`. special=True: special-token text (`<|im_end|>`) becomes its id; False: plain text."""
         return (self.hf if special else self.hf_plain).encode(text, add_special_tokens=False).ids
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a rendered prompt (special-token text becomes ids), starting with BOS when the model wants
+        one: added unless the text already begins with it (templates that write `bos_token` themselves)."""
+        return self.with_bos(self.encode(text, special=True))
+
+    def with_bos(self, ids: list[int]) -> list[int]:
+        """`ids` of a prompt, starting with BOS when the model wants one and they do not already."""
+        if self.add_bos and self.bos_id is not None and ids[:1] != [self.bos_id]:
+            return [self.bos_id, *ids]
+        return ids
 
     def decode(self, ids: Iterable[int]) -> str:
         """The text of `ids`, special tokens included; invalid UTF-8 becomes U+FFFD."""

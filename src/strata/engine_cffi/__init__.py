@@ -19,6 +19,8 @@ from strata.gguf_file import GGUFError, GGUFFile
 
 __all__ = ["BatchItem", "Engine", "EngineAborted", "EngineError"]
 
+# The architectures the C forward pass runs (its own table, ARCHS in engine.c, has their traits).
+SUPPORTED_ARCHITECTURES = ("qwen3moe", "qwen3", "llama")
 _KV_TYPES = {"f32": lib.STRATA_KV_F32, "f16": lib.STRATA_KV_F16, "int8": lib.STRATA_KV_INT8}
 _INT32 = np.iinfo(np.int32)
 
@@ -101,6 +103,10 @@ def _model_params(file: GGUFFile, table: _TensorTable, keep: list[Any]) -> Any:
     arch = file.metadata.get("general.architecture")
     if not isinstance(arch, str):
         raise EngineError("the file has no general.architecture")
+    # Before any hyper-parameter is read: other architectures' keys may not even have our types (LFM2 stores
+    # head_count_kv per layer, as an array).
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise EngineError(f"unsupported architecture '{arch}' (this engine runs {', '.join(SUPPORTED_ARCHITECTURES)})")
 
     def key(name: str, default: float = 0) -> Any:
         return file.metadata.get(f"{arch}.{name}", default)
@@ -132,6 +138,14 @@ def _set_hparams(p: Any, key: Any) -> None:
     p.n_ff, p.n_expert, p.n_expert_used = key("feed_forward_length"), key("expert_count"), key("expert_used_count")
     p.n_ff_exp = key("expert_feed_forward_length")
     p.rope_base, p.rms_eps = key("rope.freq_base", 10000.0), key("attention.layer_norm_rms_epsilon", 1e-6)
+    rope_dim = key("rope.dimension_count", p.head_dim)
+    if rope_dim != p.head_dim:
+        raise EngineError(f"rope.dimension_count {rope_dim} differs from the head size {p.head_dim} (partial RoPE is "
+                          "not supported)")
+    scaling = key("rope.scaling.type", "none")
+    if scaling != "none":  # Llama 3's "llama3" scaling writes no type: its factors are the rope_freqs tensor
+        raise EngineError(f"unsupported rope.scaling.type {scaling!r} (the engine runs unscaled RoPE and Llama 3's "
+                          "rope_freqs)")
 
 
 class Engine:

@@ -83,7 +83,7 @@ struct strata_model {
     matrix tok_embd;           // (n_vocab, n_embd)
     matrix output;             // (n_vocab, n_embd): token_embd when the model ties them
     float *output_norm;        // (n_embd,)
-    float *inv_freq;           // (head_dim / 2,) rope_base^(-2i / head_dim)
+    float *inv_freq;           // (head_dim / 2,) rope frequencies, scaled (build_rope)
     layer_weights *layers;     // (n_layer,)
 };
 
@@ -187,14 +187,50 @@ static strata_status build_layer(const strata_model *m, const strata_model_param
     return STRATA_OK;
 }
 
+/* The architectures the forward pass runs, and their traits. */
+static const struct { const char *name; rope_mode rope; int has_qk_norm, is_moe; } ARCHS[] = {
+    {"qwen3moe", ROPE_NEOX, 1, 1},
+    {"qwen3", ROPE_NEOX, 1, 0},
+    {"llama", ROPE_NORMAL, 0, 0},
+};
+#define N_ARCHS ((int)(sizeof ARCHS / sizeof ARCHS[0]))
+
+static int arch_index(const char *arch) {
+    for (int i = 0; i < N_ARCHS; i++)
+        if (strcmp(arch, ARCHS[i].name) == 0) return i;
+    return -1;
+}
+
 /* Architecture traits; UNSUPPORTED for any other name. */
 static strata_status set_arch(strata_model *m, const char *arch) {
     if (!arch) return fail(STRATA_ERR_INVALID_ARG, "no architecture given");
-    if (strcmp(arch, "qwen3moe") == 0) { m->rope = ROPE_NEOX; m->has_qk_norm = 1; m->is_moe = 1; }
-    else if (strcmp(arch, "qwen3") == 0) { m->rope = ROPE_NEOX; m->has_qk_norm = 1; m->is_moe = 0; }
-    else if (strcmp(arch, "llama") == 0) { m->rope = ROPE_NORMAL; m->has_qk_norm = 0; m->is_moe = 0; }
-    else return fail(STRATA_ERR_UNSUPPORTED, "unsupported architecture '%s' (qwen3moe, qwen3, llama)", arch);
+    int i = arch_index(arch);
+    if (i < 0) return fail(STRATA_ERR_UNSUPPORTED, "unsupported architecture '%s' (qwen3moe, qwen3, llama)", arch);
+    m->rope = ARCHS[i].rope;
+    m->has_qk_norm = ARCHS[i].has_qk_norm;
+    m->is_moe = ARCHS[i].is_moe;
     snprintf(m->arch, sizeof m->arch, "%s", arch);
+    return STRATA_OK;
+}
+
+/* inv_freq[i] = rope_base^(-2i / head_dim) / rope_freqs[i]: the optional `rope_freqs` tensor (head_dim / 2
+ * factors, which llama.cpp's converter writes for Llama 3.1's "llama3" scaling) divides each pair's frequency. */
+static strata_status build_rope(strata_model *m, const strata_model_params *p) {
+    int n = p->head_dim / 2;
+    m->inv_freq = malloc(sizeof(float) * n);
+    if (!m->inv_freq) return fail(STRATA_ERR_NOMEM, "out of memory");
+    for (int i = 0; i < n; i++) m->inv_freq[i] = (float)(1.0 / pow(p->rope_base, (2.0 * i) / p->head_dim));
+    const strata_tensor_info *t = find_tensor(p, "rope_freqs");
+    if (!t) return STRATA_OK;
+    if (t->type != STRATA_TYPE_F32 || t->n_dims != 1 || t->ne[0] != n ||
+        t->n_bytes < (long long)(sizeof(float) * n))
+        return fail(STRATA_ERR_INVALID_ARG, "tensor %s: expected %d F32 values (head_dim / 2)", t->name, n);
+    const float *factors = t->data;
+    for (int i = 0; i < n; i++) {
+        if (!(factors[i] > 0))
+            return fail(STRATA_ERR_INVALID_ARG, "tensor %s: factor %d is not positive", t->name, i);
+        m->inv_freq[i] /= factors[i];
+    }
     return STRATA_OK;
 }
 
@@ -222,11 +258,9 @@ static strata_status build_model(strata_model *m, const strata_model_params *p) 
         (st = get_vector(p, &m->output_norm, p->n_embd, "output_norm", 0)) != STRATA_OK)
         return st;
     if (!m->output.data) m->output = m->tok_embd;  // tied embeddings
-    m->inv_freq = malloc(sizeof(float) * (p->head_dim / 2));
+    if ((st = build_rope(m, p)) != STRATA_OK) return st;
     m->layers = calloc(p->n_layer, sizeof(layer_weights));
-    if (!m->inv_freq || !m->layers) return fail(STRATA_ERR_NOMEM, "out of memory");
-    for (int i = 0; i < p->head_dim / 2; i++)
-        m->inv_freq[i] = (float)(1.0 / pow(p->rope_base, (2.0 * i) / p->head_dim));
+    if (!m->layers) return fail(STRATA_ERR_NOMEM, "out of memory");
     for (int il = 0; il < p->n_layer; il++)
         if ((st = build_layer(m, p, il, &m->layers[il])) != STRATA_OK) return st;
     return STRATA_OK;

@@ -1,0 +1,60 @@
+"""Hugging Face checkpoints turned into GGUF by llama.cpp's own `convert_hf_to_gguf.py`.
+
+The converter comes from llama-cpp-python's source archive (`scripts/fetch-llama-cpp.sh`, which `scripts/test.sh`
+runs, puts it in `.cache/`); tests that need it are skipped, naming the script, when it is absent. It runs in a
+subprocess with its own gguf-py, exactly as a user runs it.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+CONVERTER = ROOT / ".cache" / "llama.cpp-0.3.36" / "convert_hf_to_gguf.py"
+
+
+def require_converter() -> pathlib.Path:
+    if not CONVERTER.is_file():
+        pytest.skip("llama.cpp's converter is not in .cache/ (run scripts/fetch-llama-cpp.sh)")
+    return CONVERTER
+
+
+def convert(hf_dir: pathlib.Path, out: pathlib.Path, outtype: str = "f32", *extra: str) -> pathlib.Path:
+    """Run the converter on a saved checkpoint; its log is in the failure message."""
+    converter = require_converter()
+    done = subprocess.run([sys.executable, str(converter), str(hf_dir), "--outfile", str(out), "--outtype", outtype,
+                           *extra], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"convert_hf_to_gguf.py failed:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+    return out
+
+
+def llama3_tokenizer(directory: pathlib.Path, eos: str = "<|eot_id|>") -> None:
+    """Save Llama 3's real tokenizer (the `tokenizer.model` of the `llama-models` package, converted by
+    transformers' TikTokenConverter) as a Hugging Face tokenizer in `directory`: byte-level BPE with Llama 3's
+    split pattern, its 256 special tokens, and a BOS prepended by the post-processor as in the published files."""
+    from llama_models.llama3 import tokenizer as meta_tokenizer
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    model_file = pathlib.Path(meta_tokenizer.__file__).with_name("tokenizer.model")
+    specials = meta_tokenizer.Tokenizer(model_file).special_tokens
+    converter = TikTokenConverter(vocab_file=str(model_file), pattern=meta_tokenizer.Tokenizer.pat_str,
+                                  extra_special_tokens=list(specials))
+    tok = converter.converted()
+    bos = "<|begin_of_text|>"
+    tok.post_processor = processors.Sequence([
+        processors.ByteLevel(trim_offsets=False),
+        processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                      special_tokens=[(bos, specials[bos])]),
+    ])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos, clean_up_tokenization_spaces=True)
+    fast.save_pretrained(directory)
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    config["add_bos_token"] = True
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
