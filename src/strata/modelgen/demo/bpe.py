@@ -13,7 +13,7 @@ from tokenizers import models, normalizers, pre_tokenizers, trainers
 
 from strata.modelgen.vocab import QWEN_SPECIAL_TOKENS, Vocab
 from strata.modelgen.writer import add_vocab
-from strata.tokenizer import PRE_TOKENIZER_PATTERNS, Tokenizer
+from strata.tokenizer import PRE_TOKENIZERS, Tokenizer
 
 _SPECIAL_TYPE = {t: TokenType.CONTROL if t.startswith("<|") else TokenType.USER_DEFINED for t in QWEN_SPECIAL_TOKENS}
 
@@ -34,7 +34,7 @@ def train_vocab(texts: Iterable[str], n_merges: int) -> Vocab:
     tok = tokenizers.Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(tokenizers.Regex(PRE_TOKENIZER_PATTERNS["qwen2"]), behavior="isolated"),
+        pre_tokenizers.Split(tokenizers.Regex(PRE_TOKENIZERS["qwen2"].pattern), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     alphabet = pre_tokenizers.ByteLevel.alphabet()
