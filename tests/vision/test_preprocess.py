@@ -14,7 +14,7 @@ from strata.vision.mmproj import VisionHParams
 from strata.vision.preprocess import DEFAULT_MAX_TOKENS, ImageError, load_image, preprocess, token_budget, token_grid
 
 HP = VisionHParams(image_size=32, patch_size=8, n_embd=32, n_ff=64, n_head=2, n_layer=2, eps=1e-6, n_proj=48,
-                   merge=2, image_mean=(0.4, 0.5, 0.6), image_std=(0.2, 0.25, 0.3))
+                   merge=2, image_mean=(0.4, 0.5, 0.6), image_std=(0.2, 0.25, 0.3), variant="strata")
 
 
 def encoded(image: Image.Image, fmt: str = "PNG", **options) -> bytes:

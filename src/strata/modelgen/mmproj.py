@@ -12,7 +12,7 @@ import os
 import gguf
 import numpy as np
 
-from strata.vision.mmproj import MM_DOWN_BID, MM_UP_BID, PROJECTOR_TYPE, VisionHParams, tensor_name
+from strata.vision.mmproj import MM_DOWN_BID, MM_UP_BID, PROJECTOR_TYPE, VARIANT_KEY, VisionHParams, tensor_name
 
 _T = gguf.MODEL_TENSOR
 
@@ -64,6 +64,7 @@ def write_random_mmproj(
     dtype: str = "f16",
     input_norm: bool = True,
     budget: tuple[int, int] | None = None,
+    variant: str = "strata",
 ) -> VisionHParams:
     """Write an mmproj GGUF with random weights.
 
@@ -75,6 +76,8 @@ def write_random_mmproj(
         dtype: "f16" or "f32", the type of the weight matrices (vectors and position embeddings are F32).
         input_norm: whether the projector starts with a LayerNorm (mm.input_norm).
         budget: (min_tokens, max_tokens), written as the file's picture budget in pixels; None: no budget.
+        variant: "strata" (this project's encoder, marked in the file) or "lfm2-vl" (run as LFM2-VL is; see
+            `strata.vision.mmproj.VARIANTS`).
 
     Returns:
         The hyper-parameters written.
@@ -96,6 +99,7 @@ def write_random_mmproj(
         image_std=_f32_triple(IMAGE_STD),
         min_pixels=budget[0] * (shape.patch_size * 2) ** 2 if budget else None,
         max_pixels=budget[1] * (shape.patch_size * 2) ** 2 if budget else None,
+        variant=variant,
     )
     tensors = _random_tensors(hp, np.random.default_rng(seed), np.float16 if dtype == "f16" else np.float32, input_norm)
     writer = gguf.GGUFWriter(os.fspath(path), "clip")
@@ -140,6 +144,8 @@ def add_vision_metadata(writer: gguf.GGUFWriter, hp: VisionHParams, name: str) -
         writer.add_vision_min_pixels(hp.min_pixels)
     if hp.max_pixels is not None:
         writer.add_vision_max_pixels(hp.max_pixels)
+    if hp.variant != "lfm2-vl":  # a file without the key is run as LFM2-VL
+        writer.add_string(VARIANT_KEY, hp.variant)
 
 
 def _random_tensors(hp: VisionHParams, rng: np.random.Generator, wtype: type,

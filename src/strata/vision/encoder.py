@@ -81,7 +81,7 @@ class Encoder:
         gy, gx = height // hp.patch_size, width // hp.patch_size
         # patch embedding (a convolution with stride = kernel, as a product) plus positions resized to the grid
         x = self._linear(patchify(pixels, hp.patch_size), self.mmproj.patch, cancelled)
-        x += position_embeddings(self.mmproj.pos, hp.pos_side, gy, gx)
+        x += position_embeddings(self.mmproj.pos, hp.pos_side, gy, gx, antialiased=hp.variant == "lfm2-vl")
         with _BLAS.limit(limits=1, user_api="blas"):
             for block in self.mmproj.blocks:
                 if cancelled():
@@ -92,9 +92,11 @@ class Encoder:
     def project(self, features: np.ndarray, cancelled: Callable[[], bool] = _never) -> np.ndarray:
         """Merge each 2x2 patch square and project: (gy, gx, n_embd) -> (gy/2 * gx/2, n_proj)."""
         x = pixel_unshuffle(features, self.hp.merge)
-        if self.mmproj.input_norm is not None:
-            x = layer_norm(x, self.mmproj.input_norm, self.hp.eps)
-        x = gelu(self._linear(x, self.mmproj.mm_up, cancelled))
+        lfm2_vl = self.hp.variant == "lfm2-vl"
+        if self.mmproj.input_norm is not None:  # LFM2-VL's is a default nn.LayerNorm: eps 1e-5
+            x = layer_norm(x, self.mmproj.input_norm, 1e-5 if lfm2_vl else self.hp.eps)
+        x = self._linear(x, self.mmproj.mm_up, cancelled)
+        x = gelu_erf(x) if lfm2_vl else gelu(x)
         return self._linear(x, self.mmproj.mm_down, cancelled)
 
     def _block(self, x: np.ndarray, block: Block, cancelled: Callable[[], bool]) -> np.ndarray:
@@ -168,14 +170,34 @@ def bicubic_weights(n_in: int, n_out: int) -> np.ndarray:
     return weights
 
 
-def position_embeddings(pos: np.ndarray, side: int, gy: int, gx: int) -> np.ndarray:
-    """The (side x side) grid of position embeddings resized to (gy x gx): float32 (gy * gx, n_embd)."""
+def bilinear_antialiased_weights(n_in: int, n_out: int) -> np.ndarray:
+    """(n_out, n_in) matrix of 1-D bilinear resampling with antialiasing, half-pixel centres: the triangle filter
+    widened by the reduction factor when shrinking, taps outside the input dropped and the rest renormalised.
+
+    These are the conventions of torch's `interpolate(mode="bilinear", align_corners=False, antialias=True)`, which
+    SigLIP2 (LFM2-VL's vision tower) resizes its position embeddings with.
+    """
+    scale = n_in / n_out
+    support = max(scale, 1.0)  # the filter's half-width in input samples
+    weights = np.zeros((n_out, n_in), dtype=np.float64)
+    for i in range(n_out):
+        centre = scale * (i + 0.5)
+        lo, hi = max(int(centre - support + 0.5), 0), min(int(centre + support + 0.5), n_in)
+        taps = np.maximum(0.0, 1.0 - np.abs((np.arange(lo, hi) - centre + 0.5) / support))
+        weights[i, lo:hi] = taps / taps.sum()
+    return weights
+
+
+def position_embeddings(pos: np.ndarray, side: int, gy: int, gx: int, antialiased: bool = False) -> np.ndarray:
+    """The (side x side) grid of position embeddings resized to (gy x gx): float32 (gy * gx, n_embd); bicubic, or
+    with `antialiased` bilinear with antialiasing (both are the identity on the native grid)."""
     n_embd = pos.shape[1]
     if (gy, gx) == (side, side):
         return pos
+    resample = bilinear_antialiased_weights if antialiased else bicubic_weights
     grid = pos.reshape(side, side * n_embd).astype(np.float64)
-    rows = (bicubic_weights(side, gy) @ grid).reshape(gy, side, n_embd)  # resized along y
-    resized = bicubic_weights(side, gx) @ rows  # then along x: (gy, gx, n_embd)
+    rows = (resample(side, gy) @ grid).reshape(gy, side, n_embd)  # resized along y
+    resized = resample(side, gx) @ rows  # then along x: (gy, gx, n_embd)
     return resized.reshape(gy * gx, n_embd).astype(np.float32)
 
 
@@ -189,6 +211,19 @@ def layer_norm(x: np.ndarray, norm: Norm, eps: float) -> np.ndarray:
 def gelu(x: np.ndarray) -> np.ndarray:
     """GELU, tanh approximation (SigLIP's gelu_pytorch_tanh)."""
     return 0.5 * x * (1.0 + np.tanh(np.float32(np.sqrt(2.0 / np.pi)) * (x + np.float32(0.044715) * x * x * x)))
+
+
+def gelu_erf(x: np.ndarray) -> np.ndarray:
+    """GELU, exact (erf): LFM2-VL's projector activation ("gelu")."""
+    return (0.5 * x * (1.0 + _erf(x * np.float32(0.5**0.5)))).astype(np.float32, copy=False)
+
+
+def _erf(x: np.ndarray) -> np.ndarray:
+    """erf to within 1.5e-7 (Abramowitz and Stegun 7.1.26), below float32's resolution of GELU's output."""
+    a = np.abs(x).astype(np.float64)
+    t = 1.0 / (1.0 + 0.3275911 * a)
+    poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
+    return (np.sign(x) * (1.0 - poly * np.exp(-a * a))).astype(np.float32)
 
 
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_head: int, pool: Executor,

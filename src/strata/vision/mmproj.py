@@ -18,6 +18,12 @@ import gguf
 import numpy as np
 
 PROJECTOR_TYPE = "lfm2"
+# How an `lfm2` file is run. "lfm2-vl" (a file without the key, as llama.cpp's converter writes LFM2-VL): as the
+# checkpoint does, positions resized bilinearly with antialiasing, LFM2-VL's picture budget and grid rounding, erf
+# GELU in the projector. "strata": this project's own encoder (the demo model was trained so), positions resized
+# bicubically, tanh GELU throughout; our writers mark such files with the key.
+VARIANT_KEY = "strata.vision.variant"
+VARIANTS = ("lfm2-vl", "strata")
 _T = gguf.MODEL_TENSOR
 _K = gguf.Keys.ClipVision
 _FLOAT_TYPES = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
@@ -57,6 +63,7 @@ class VisionHParams:
     # file gives one: the encoder's default token budget.
     min_pixels: int | None = None
     max_pixels: int | None = None
+    variant: str = "lfm2-vl"  # see VARIANTS
 
     @property
     def unit(self) -> int:
@@ -261,6 +268,7 @@ def read_hparams(reader: gguf.GGUFReader) -> VisionHParams:
         image_std=_triple(_field(reader, _K.IMAGE_STD), _K.IMAGE_STD),
         min_pixels=_optional_int(reader, _K.IMAGE_MIN_PIXELS),
         max_pixels=_optional_int(reader, _K.IMAGE_MAX_PIXELS),
+        variant=str(_field(reader, VARIANT_KEY, "lfm2-vl")),
     )
     _check(hp)
     return hp
@@ -283,6 +291,8 @@ def _check(hp: VisionHParams) -> None:
         raise MmprojError(f"hyper-parameters must be positive: {hp}")
     if hp.image_size % hp.patch_size or hp.n_embd % hp.n_head:
         raise MmprojError("image_size must be a multiple of patch_size and embedding_length of head_count")
+    if hp.variant not in VARIANTS:
+        raise MmprojError(f"{VARIANT_KEY} {hp.variant!r} is not one of {VARIANTS}")
     if min(hp.image_std) <= 0:
         raise MmprojError(f"image_std must be positive: {hp.image_std}")
     for name in ("min_pixels", "max_pixels"):

@@ -18,6 +18,8 @@ from strata.vision.mmproj import VisionHParams
 DEFAULT_MAX_PIXELS = 50_000_000
 # Most rows per picture when neither the command line nor the mmproj file gives a budget.
 DEFAULT_MAX_TOKENS = 1024
+# LFM2-VL's own budget (its processor's min_image_tokens / max_image_tokens), for a converted file without one.
+LFM2_VL_TOKENS = (64, 256)
 
 
 class ImageError(ValueError):
@@ -61,17 +63,39 @@ def token_grid(width: int, height: int, unit: int, max_tokens: int, min_tokens: 
     return nx, ny
 
 
+def smart_grid(width: int, height: int, unit: int, max_tokens: int, min_tokens: int = 1) -> tuple[int, int]:
+    """The merged-token grid (nx, ny) LFM2-VL's processor (and llama.cpp for `lfm2`) resizes a picture to: each side
+    rounded to whole units; if that holds more than `max_tokens`, the picture scaled to that area and each side
+    floored; if fewer than `min_tokens`, scaled to that area and each side rounded up (a 128x96 picture with 32-pixel
+    units and a minimum of 64 becomes 10x7). A result above `max_tokens` (a minimum near the maximum) falls back to
+    `token_grid`, so the bound always holds."""
+    if max_tokens < 1:
+        raise ValueError("max_tokens must be at least 1")
+    nx, ny = max(1, round(width / unit)), max(1, round(height / unit))
+    if nx * ny > max_tokens:
+        beta = math.sqrt(width * height / (max_tokens * unit * unit))
+        nx, ny = max(1, math.floor(width / beta / unit)), max(1, math.floor(height / beta / unit))
+    elif nx * ny < min_tokens:
+        beta = math.sqrt(min_tokens * unit * unit / (width * height))
+        nx, ny = math.ceil(width * beta / unit), math.ceil(height * beta / unit)
+    if nx * ny > max_tokens:
+        return token_grid(width, height, unit, max_tokens, min_tokens)
+    return nx, ny
+
+
 def token_budget(hp: VisionHParams, min_tokens: int | None = None,
                  max_tokens: int | None = None) -> tuple[int, int]:
-    """(min_tokens, max_tokens) for an encoder: those given, else the file's trained budget, else (1, 1024).
+    """(min_tokens, max_tokens) for an encoder: those given, else the file's trained budget, else LFM2-VL's (64,
+    256) for an `lfm2-vl` file and (1, 1024) for our own.
 
     A minimum above the maximum is lowered to it.
     """
     area = hp.unit * hp.unit
+    default_min, default_max = LFM2_VL_TOKENS if hp.variant == "lfm2-vl" else (1, DEFAULT_MAX_TOKENS)
     if max_tokens is None:
-        max_tokens = max(1, hp.max_pixels // area) if hp.max_pixels else DEFAULT_MAX_TOKENS
+        max_tokens = max(1, hp.max_pixels // area) if hp.max_pixels else default_max
     if min_tokens is None:
-        min_tokens = -(-hp.min_pixels // area) if hp.min_pixels else 1
+        min_tokens = -(-hp.min_pixels // area) if hp.min_pixels else default_min
     return min(min_tokens, max_tokens), max_tokens
 
 
@@ -111,12 +135,14 @@ def _to_rgb(image: Image.Image) -> Image.Image:
 
 
 def preprocess(image: Image.Image, hp: VisionHParams, max_tokens: int, min_tokens: int = 1) -> Picture:
-    """Resize an RGB picture to its token grid and normalise it with the file's mean and std."""
+    """Resize an RGB picture to its token grid and normalise it with the file's mean and std: LFM2-VL's grid and
+    bilinear resampling for an `lfm2-vl` file, ours (`token_grid`, bicubic) for our own."""
     unit = hp.patch_size * hp.merge
-    nx, ny = token_grid(image.width, image.height, unit, max_tokens, min_tokens)
+    lfm2_vl = hp.variant == "lfm2-vl"
+    nx, ny = (smart_grid if lfm2_vl else token_grid)(image.width, image.height, unit, max_tokens, min_tokens)
     size = (nx * unit, ny * unit)
     if image.size != size:
-        image = image.resize(size, Image.Resampling.BICUBIC)
+        image = image.resize(size, Image.Resampling.BILINEAR if lfm2_vl else Image.Resampling.BICUBIC)
     pixels: np.ndarray = np.asarray(image, dtype=np.float32) / 255.0  # (height, width, 3)
     pixels = (pixels - np.asarray(hp.image_mean, np.float32)) / np.asarray(hp.image_std, np.float32)
     return Picture(np.ascontiguousarray(pixels.transpose(2, 0, 1)), nx, ny)

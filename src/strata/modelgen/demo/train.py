@@ -69,7 +69,7 @@ def vision_hparams(n_proj: int, n_embd: int = 64, n_layer: int = 3, tokens: int 
     pixels = tokens * (8 * 2) ** 2
     return VisionHParams(image_size=96, patch_size=8, n_embd=n_embd, n_ff=4 * n_embd, n_head=2, n_layer=n_layer,
                          eps=float(np.float32(1e-6)), n_proj=n_proj, merge=2, image_mean=(0.5, 0.5, 0.5),
-                         image_std=(0.5, 0.5, 0.5), min_pixels=pixels, max_pixels=pixels)
+                         image_std=(0.5, 0.5, 0.5), min_pixels=pixels, max_pixels=pixels, variant="strata")
 
 
 _TEXT = HParams(n_layer=4, n_embd=128, n_head=4, n_head_kv=2, head_dim=32, n_ff=384, n_expert=8, n_expert_used=2,
