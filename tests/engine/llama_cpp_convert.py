@@ -53,7 +53,8 @@ def llama3_tokenizer(directory: pathlib.Path, eos: str = "<|eot_id|>") -> None:
         processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
                                       special_tokens=[(bos, specials[bos])]),
     ])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos, clean_up_tokenization_spaces=True)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos,
+                                   clean_up_tokenization_spaces=True)
     fast.save_pretrained(directory)
     config = json.loads((directory / "tokenizer_config.json").read_text())
     config["add_bos_token"] = True

@@ -41,7 +41,8 @@ def test_an_lfm2_text_file_names_its_architecture(tmp_path: pathlib.Path) -> Non
     # LFM2 stores head_count_kv per layer (0 for its convolution layers): reading it as ours would fail obscurely
     path = _write(tmp_path / "lfm2.gguf", "lfm2", block_count=4, embedding_length=64,
                   attention__head_count_kv=[0, 0, 2, 0])
-    with pytest.raises(EngineError, match=r"^unsupported architecture 'lfm2' \(this engine runs qwen3moe, qwen3, llama\)$"):
+    expected = r"^unsupported architecture 'lfm2' \(this engine runs qwen3moe, qwen3, llama\)$"
+    with pytest.raises(EngineError, match=expected):
         Engine.load(path)
 
 

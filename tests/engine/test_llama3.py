@@ -15,12 +15,11 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGUFReader
+from llama_cpp_convert import convert, llama3_tokenizer, require_converter
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from strata.engine_cffi import Engine
 from strata.tokenizer import Tokenizer
-
-from llama_cpp_convert import convert, llama3_tokenizer, require_converter
 
 N_PROMPT, N_DECODE = 312, 8
 TOLERANCE = 1e-5  # measured 7e-7; the same weights without the scaling are 1e-2 off
@@ -30,7 +29,8 @@ TEXTS = [
     "Hello world! It's 2026: 1234567 apples, 3.14159 pies.",
     "  leading spaces,\ttabs\nnew lines\r\n\n\nand trailing   ",
     "Ünïcödé façade — naïve café; 東京は晴れ 🌤️ ok?",
-    "<|start_header_id|>user<|end_header_id|>\n\nWhat's 7*6?<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n",
+    "<|start_header_id|>user<|end_header_id|>\n\nWhat's 7*6?<|eot_id|>"
+    "<|start_header_id|>assistant<|end_header_id|>\n\n",
     "def f(x):\n    return x**2  # I'VE, we'll, they'd\n",
 ]
 

@@ -46,7 +46,7 @@ def _checkpoint() -> Lfm2VlModel:
     model = Lfm2VlModel(config)
     with torch.no_grad():  # weights of order one, so that every part of the tower shows in the result
         for name, param in model.named_parameters():
-            if name.endswith("norm.weight") or "layer_norm" in name and name.endswith("weight"):
+            if name.endswith("norm.weight") or ("layer_norm" in name and name.endswith("weight")):
                 param.copy_(1 + 0.1 * torch.randn_like(param))
             elif param.ndim == 1:
                 param.normal_(0, 0.1)
@@ -75,7 +75,8 @@ def _mmproj_tensors(model: Lfm2VlModel) -> dict[str, np.ndarray]:
             _, _, bid, layer = kind.split(".", 3)
             out[tensor_name(_BLOCK[layer], suffix, int(bid))] = value
     projector = model.multi_modal_projector
-    for layer, kind, bid in ((projector.layer_norm, _T.V_MM_INP_NORM, None), (projector.linear_1, _T.V_MMPROJ, MM_UP_BID),
+    for layer, kind, bid in ((projector.layer_norm, _T.V_MM_INP_NORM, None),
+                             (projector.linear_1, _T.V_MMPROJ, MM_UP_BID),
                              (projector.linear_2, _T.V_MMPROJ, MM_DOWN_BID)):
         for suffix in ("weight", "bias"):
             out[tensor_name(kind, suffix, bid)] = getattr(layer, suffix).detach().numpy().astype(np.float32)
