@@ -156,9 +156,11 @@ def test_from_reader_equals_from_path(bytes_model: pathlib.Path, bytes_tok: Toke
 
 
 def test_from_gguf_is_fast(qwen_model: pathlib.Path) -> None:
+    # gguf.GGUFReader takes ~12 s on this vocabulary, our reader ~1.5 s on an idle machine: the bound leaves room
+    # for a loaded one (2 s failed at a load average of 9 on 2 cores) and still catches a return to the slow path.
     start = time.perf_counter()
     Tokenizer.from_gguf(qwen_model)
-    assert time.perf_counter() - start < 2.0
+    assert time.perf_counter() - start < 6.0
 
 
 def test_rejects_other_tokenizer_models(tmp_path: pathlib.Path) -> None:
