@@ -315,6 +315,8 @@ class Service:
             ids = [prefix, *ids, suffix, *tokenizer.encode(completion.suffix, special=False), middle]
         if not ids:
             raise RequestError("prompt: must not be empty", "prompt")
+        if completion.ids is None:  # a text prompt starts with BOS when the model wants one, as a chat prompt does
+            ids = tokenizer.with_bos(ids)
         return tokenizer.decode(ids), ids
 
     def _prepare(self, request: ChatRequest, pictures: list[Embedding]) -> _Prepared:
