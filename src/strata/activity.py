@@ -19,7 +19,7 @@ from strata.history import HistoryRow
 
 # In order: tokenising and checking the request, fetching a picture, encoding it, waiting for the engine,
 # processing the prompt, generating.
-Phase = Literal["prepare", "download", "encoding", "queued", "prompt", "decode"]
+Phase = Literal["prepare", "download", "encoding", "queued", "prompt", "decode", "tool"]  # tool: an MCP call runs
 
 
 @dataclass

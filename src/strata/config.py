@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,6 +70,29 @@ class LimitsConfig:
 
 
 @dataclass(frozen=True)
+class McpServerConfig:
+    """One MCP server the service connects to: a command it starts (stdio) or a streamable-HTTP `url`."""
+
+    command: str | None = None
+    args: list[str] | None = None
+    env: dict[str, str] | None = None  # over a minimal inherited environment (PATH, HOME, ...)
+    cwd: str | None = None
+    url: str | None = None
+    headers: dict[str, str] | None = None
+    timeout: float | None = None  # seconds per tool call; None: mcp.call_timeout
+
+
+@dataclass(frozen=True)
+class McpConfig:
+    """How the server runs MCP tool rounds (the servers themselves are the top-level `mcp_servers`)."""
+
+    max_rounds: int = 8  # tool rounds one response may run before the model must answer
+    call_timeout: float = 60.0  # seconds one tool call may take
+    connect_timeout: float = 30.0  # seconds to start a server and list its tools
+    request_urls: bool = False  # may a request name an MCP server by URL? (then under the images.* address rules)
+
+
+@dataclass(frozen=True)
 class Config:
     model: str | None = None
     host: str = "127.0.0.1"
@@ -88,6 +112,8 @@ class Config:
     vision: VisionConfig = field(default_factory=VisionConfig)
     images: ImagesConfig = field(default_factory=ImagesConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
+    mcp: McpConfig = field(default_factory=McpConfig)
+    mcp_servers: dict[str, McpServerConfig] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _check(self)
@@ -95,7 +121,9 @@ class Config:
 
 # --- validation
 
-_SECTIONS = {"sampling": SamplingConfig, "vision": VisionConfig, "limits": LimitsConfig, "images": ImagesConfig}
+_SECTIONS = {"sampling": SamplingConfig, "vision": VisionConfig, "limits": LimitsConfig, "images": ImagesConfig,
+             "mcp": McpConfig}
+_MCP_SERVER_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 def _fail(key: str, message: str) -> ConfigError:
@@ -125,6 +153,30 @@ def _check(config: Config) -> None:
         value = getattr(config.vision, key)
         if value is not None and value < 1:
             raise _fail(f"vision.{key}", "must be at least 1")
+    _check_mcp(config)
+
+
+def _check_mcp(config: Config) -> None:
+    if config.mcp.max_rounds < 0:
+        raise _fail("mcp.max_rounds", "must be at least 0")
+    for key in ("call_timeout", "connect_timeout"):
+        if getattr(config.mcp, key) <= 0:
+            raise _fail(f"mcp.{key}", "must be positive")
+    for name, server in config.mcp_servers.items():
+        key = f"mcp_servers.{name}"
+        if not _MCP_SERVER_NAME.fullmatch(name):
+            raise _fail(key, "must be named with 1 to 64 letters, digits, '_' or '-'")
+        if (server.command is None) == (server.url is None):
+            raise _fail(key, 'needs exactly one of "command" (a stdio server) and "url" (streamable HTTP)')
+        stdio_only = [k for k in ("args", "env", "cwd") if getattr(server, k) is not None]
+        if server.url is not None and stdio_only:
+            raise _fail(f"{key}.{stdio_only[0]}", 'is for stdio servers ("command"), not "url" ones')
+        if server.command is not None and server.headers is not None:
+            raise _fail(f"{key}.headers", 'is for "url" servers, not stdio ones')
+        if server.url is not None and not re.match(r"https?://", server.url, re.IGNORECASE):
+            raise _fail(f"{key}.url", "must be an http:// or https:// URL")
+        if server.timeout is not None and server.timeout <= 0:
+            raise _fail(f"{key}.timeout", "must be positive")
 
 
 def _coerce(key: str, hint: Any, value: Any) -> Any:
@@ -135,10 +187,15 @@ def _coerce(key: str, hint: Any, value: Any) -> Any:
             return None
         raise _fail(key, "must not be null")
     target = allowed[0]
+    if getattr(target, "__origin__", None) is dict:
+        if isinstance(value, Mapping) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+            return dict(value)
+        raise _fail(key, "must be an object of strings")
     if getattr(target, "__origin__", None) is list:
-        if isinstance(value, list) and all(isinstance(item, str) for item in value) and value:
+        may_be_empty = key.startswith("mcp_servers.")  # a command's arguments
+        if isinstance(value, list) and all(isinstance(item, str) for item in value) and (value or may_be_empty):
             return list(value)
-        raise _fail(key, "must be a non-empty list of strings")
+        raise _fail(key, "must be a list of strings" if may_be_empty else "must be a non-empty list of strings")
     if target is float and isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
     if isinstance(value, target) and not (target is int and isinstance(value, bool)):
@@ -158,6 +215,15 @@ def _build(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
             if not isinstance(value, Mapping):
                 raise _fail(full, "must be an object")
             values[key] = _build(_SECTIONS[key], value, f"{key}.")
+        elif key == "mcp_servers" and not prefix:
+            if not isinstance(value, Mapping):
+                raise _fail(full, "must be an object (server name -> server)")
+            servers = {}
+            for name, server in value.items():
+                if not isinstance(server, Mapping):
+                    raise _fail(f"{full}.{name}", "must be an object")
+                servers[name] = _build(McpServerConfig, server, f"{full}.{name}.")
+            values[key] = servers
         else:
             values[key] = _coerce(full, hints[key], value)
     return cls(**values)

@@ -29,6 +29,32 @@ class CompletionPrompt:
     echo: bool = False
 
 
+@dataclass(frozen=True)
+class McpUse:
+    """An MCP server a request offers the model: a configured one by name, or one at a URL the request gives.
+
+    Attributes:
+        label: the server's name (Responses `server_label`, Anthropic `name`); the configured server's name.
+        url: the server's URL when the request gives one.
+        headers: HTTP headers for a server at a URL (authorization).
+        allowed_tools: offer only these tools (None: all of them but `denied_tools`).
+        denied_tools: tools not to offer.
+        listed: the client already holds this server's tool listing (from an earlier response): not shown again.
+        param: the request field that named the server, for errors.
+    """
+
+    label: str
+    url: str | None = None
+    headers: tuple[tuple[str, str], ...] = ()
+    allowed_tools: tuple[str, ...] | None = None
+    denied_tools: tuple[str, ...] = ()
+    listed: bool = False
+    param: str = "tools"
+
+    def allows(self, name: str) -> bool:
+        return (self.allowed_tools is None or name in self.allowed_tools) and name not in self.denied_tools
+
+
 @dataclass
 class ChatRequest:
     """A dialect-neutral chat request.
@@ -53,6 +79,7 @@ class ChatRequest:
     enable_thinking: bool = True
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     route: str = "chat"
+    mcp: list[McpUse] = field(default_factory=list)  # MCP servers whose tools the server itself calls
 
 
 @dataclass(frozen=True)
@@ -67,11 +94,16 @@ class ReasoningDelta:
 
 @dataclass(frozen=True)
 class ToolCallStart:
-    """A tool call begins: its id and name come first, its arguments follow as `ToolCallArgumentsDelta`s."""
+    """A tool call begins: its id and name come first, its arguments follow as `ToolCallArgumentsDelta`s.
+
+    `server` is the label of the MCP server the service calls the tool on (a `ToolResult` follows); None for the
+    client's own tools, which end the response. Indexes count the calls of the whole response.
+    """
 
     index: int
     id: str
     name: str
+    server: str | None = None
 
 
 @dataclass(frozen=True)
@@ -86,6 +118,26 @@ class PromptProcessed:
 
     prompt_tokens: int
     cached_tokens: int
+
+
+@dataclass(frozen=True)
+class McpToolList:
+    """The tools an MCP server offers this request (shown before the answer); `error` when it is down."""
+
+    server: str
+    tools: tuple[dict[str, Any], ...]
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    """The service called an MCP tool (the call `index` announced by `ToolCallStart`): its result as text, and
+    whether it is an error (the tool failed, timed out, or its server was not available)."""
+
+    index: int
+    call_id: str
+    text: str
+    is_error: bool = False
 
 
 @dataclass(frozen=True)
@@ -107,4 +159,5 @@ class Finish:
     stop_sequence: str | None = None
 
 
-Event = TextDelta | ReasoningDelta | ToolCallStart | ToolCallArgumentsDelta | PromptProcessed | Usage | Finish
+Event = (TextDelta | ReasoningDelta | ToolCallStart | ToolCallArgumentsDelta | PromptProcessed | McpToolList
+         | ToolResult | Usage | Finish)

@@ -35,6 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _metavar(hint: Any) -> str:
     text = str(hint)
+    if "dict" in text:
+        return "JSON_OBJECT"
     if "list" in text:
         return "JSON_LIST"
     if "bool" in text:
@@ -43,8 +45,9 @@ def _metavar(hint: Any) -> str:
 
 
 def _flag_value(key: str, hint: Any, text: str) -> Any:
-    """A flag's text as the JSON value the config expects (numbers, booleans and lists parse as JSON)."""
-    if "str" in str(hint) and "list" not in str(hint):
+    """A flag's text as the JSON value the config expects (numbers, booleans, lists and objects parse as
+    JSON)."""
+    if "str" in str(hint) and "list" not in str(hint) and "dict" not in str(hint):
         return text
     try:
         return json.loads(text)

@@ -34,7 +34,20 @@ from strata.activity import Activity, RequestProgress
 from strata.config import Config
 from strata.constraints import GrammarError, Grammars, Guide, plan_constraint
 from strata.downloads import DownloadPolicy, download_client
-from strata.events import ChatRequest, CompletionPrompt, Event, Finish, FinishReason, PromptProcessed, TextDelta, Usage
+from strata.events import (
+    ChatRequest,
+    CompletionPrompt,
+    Event,
+    Finish,
+    FinishReason,
+    PromptProcessed,
+    ReasoningDelta,
+    TextDelta,
+    ToolCallArgumentsDelta,
+    ToolCallStart,
+    ToolResult,
+    Usage,
+)
 from strata.history import History, HistoryRow
 from strata.images import (
     DOWNLOAD_TIMEOUT,
@@ -46,6 +59,7 @@ from strata.images import (
     expand_image_pads,
     load_source,
 )
+from strata.mcp_tools import McpRequestError, McpServers, Toolset, open_toolset
 from strata.progress import Stage, with_progress
 from strata.prompt import PromptError, render_chat
 from strata.prompt_tokens import PromptTokens, strings_of
@@ -152,6 +166,7 @@ class Service:
         self.nursery: trio.Nursery | None = None  # the service's long-lived nursery (open_service)
         self.vision: VisionClient | None = None  # the image encoder, when the config has one
         self.http: httpx.AsyncClient | None = None  # downloads of image URLs (open_service)
+        self.mcp = McpServers(config.mcp_servers, config.mcp)  # the configured MCP servers (open_service starts them)
         self._run: _EngineRun | None = None  # the generation on the engine's worker thread, if any
         # Invariant: what each position of the engine's KV cache holds, in order (updated after every call): a
         # token id, or (picture digest, row) for a picture's row.
@@ -269,6 +284,10 @@ class Service:
         Raises: what preparing the same chat request would (`RequestError`, `ServiceUnavailable`).
         """
         self._require_ready()
+        if request.mcp:
+            toolset = await self._toolset(request)
+            await toolset.aclose()
+            request = dataclasses.replace(request, tools=request.tools + toolset.functions())
         request, pictures = await self._pictures(request)
         _, ids = await trio.to_thread.run_sync(self._prompt, request)
         return len(ids) + sum(len(picture.rows) - 1 for picture in pictures)  # each picture's pad becomes its rows
@@ -436,20 +455,14 @@ class Service:
         row = HistoryRow(id=request_id or uuid.uuid4().hex, route=request.route, start=time.time())
         started = time.perf_counter()
         with self.activity.track(row) as live:
+            toolset: Toolset | None = None
             try:
-                request, pictures = await self._pictures(request, live)
-                prepared = await trio.to_thread.run_sync(self._prepare, request, pictures)
-                guide = await self._guide(request, prepared)
-                row.prompt_tokens = len(prepared.ids)
-                live.phase = "queued"
-                async with self.turn.hold():
-                    self.current, live.slot = row, 0
-                    try:
-                        async with aclosing(self._generate(request, prepared, live, guide)) as events:
-                            async for event in events:
-                                yield event
-                    finally:
-                        self.current, self.phase, live.slot = None, "idle", None
+                if request.mcp:
+                    toolset = await self._toolset(request)
+                    request = dataclasses.replace(request, tools=request.tools + toolset.functions())
+                async with aclosing(self._rounds(request, toolset, live)) as events:
+                    async for event in events:
+                        yield event
             except (trio.Cancelled, GeneratorExit):
                 row.finish = "cancel"
                 raise
@@ -457,13 +470,116 @@ class Service:
                 row.finish = "error"
                 raise
             finally:
+                if toolset is not None:
+                    await toolset.aclose()
                 row.duration = time.perf_counter() - started
                 self.history.record(row)
+
+    async def _toolset(self, request: ChatRequest) -> Toolset:
+        assert self.nursery is not None
+        client_tools = {tool["function"]["name"] for tool in request.tools}
+        try:
+            return await open_toolset(request.mcp, self.mcp, client_tools, self.nursery)
+        except McpRequestError as error:
+            raise RequestError(str(error), error.param) from None
+
+    async def _rounds(self, request: ChatRequest, toolset: Toolset | None, live: RequestProgress
+                      ) -> AsyncGenerator[Event, None]:
+        """Generate; when the model called MCP tools, call them (in this task: the request's), append their
+        results and generate on, up to `mcp.max_rounds` times. The engine's turn is held only while generating,
+        so a slow tool stalls no one else; the next round's prompt shares the previous one's KV prefix.
+
+        The events of every round go out as they happen, tool calls numbered across the response, then one
+        `Usage` (the sum of the rounds) and one `Finish`. A call of the client's own tools ends the response.
+        """
+        row = live.row
+        totals = [0, 0, 0, 0]  # prompt, cached, completion, reasoning tokens over the rounds
+        n_calls, rounds = 0, 0
+        listings = toolset.listings if toolset is not None else []
+        while True:
+            live.phase = "prepare"
+            round_request, pictures = await self._pictures(request, live)
+            prepared = await trio.to_thread.run_sync(self._prepare, round_request, pictures)
+            guide = await self._guide(round_request, prepared)
+            row.prompt_tokens = totals[0] + len(prepared.ids)
+            for listing in listings:  # after the first prompt is known to fit: a refusal keeps its status
+                yield listing
+            listings = []
+            calls: list[_Call] = []
+            text, reasoning = [], []
+            finish, usage = Finish("error"), Usage(0, 0, 0)
+            live.phase = "queued"
+            async with self.turn.hold():
+                self.current, live.slot = row, 0
+                try:
+                    async with aclosing(self._generate(round_request, prepared, live, guide)) as events:
+                        async for event in events:
+                            if isinstance(event, Usage):
+                                usage = event
+                                continue
+                            if isinstance(event, Finish):
+                                finish = event
+                                continue
+                            if isinstance(event, PromptProcessed) and totals[0]:
+                                continue  # the prompt a response starts with is the first round's
+                            if isinstance(event, ToolCallStart):
+                                server = toolset.server_of(event.name) if toolset is not None else None
+                                calls.append(_Call(n_calls, event.id, event.name, server))
+                                event = ToolCallStart(n_calls, event.id, event.name, server)
+                                n_calls += 1
+                            elif isinstance(event, ToolCallArgumentsDelta):
+                                call = calls[event.index]
+                                call.arguments += event.text
+                                event = ToolCallArgumentsDelta(call.index, event.text)
+                            elif isinstance(event, TextDelta):
+                                text.append(event.text)
+                            elif isinstance(event, ReasoningDelta):
+                                reasoning.append(event.text)
+                            yield event
+                finally:
+                    self.current, self.phase, live.slot = None, "idle", None
+            for i, value in enumerate((usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens,
+                                       usage.reasoning_tokens)):
+                totals[i] += value
+            served = [call for call in calls if call.server is not None]
+            if finish.reason != "tool_calls" or not served:
+                break
+            assert toolset is not None
+            if rounds >= self.config.mcp.max_rounds:
+                for call in served:
+                    yield ToolResult(call.index, call.id, f"not run: this response reached its limit of "
+                                     f"{self.config.mcp.max_rounds} tool rounds (mcp.max_rounds)", is_error=True)
+                finish = Finish("tool_calls" if len(served) < len(calls) else "stop")
+                break
+            rounds += 1
+            live.phase = "tool"
+            messages = [_assistant_message(text, reasoning, calls)]
+            for call in served:
+                output = await toolset.call(call.name, call.arguments, pictures=self.vision is not None)
+                yield ToolResult(call.index, call.id, output.text, output.is_error)
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": output.content})
+            if len(served) < len(calls):
+                break  # the client's own tools were called too: the response ends, as any tool call does
+            max_tokens = request.max_tokens
+            if max_tokens is not None:
+                max_tokens -= totals[2]
+                if max_tokens < 1:
+                    finish = Finish("length")
+                    break
+            # A required or named tool choice was met by this round's calls: the next rounds choose freely.
+            choice = request.tool_choice if request.tool_choice in (None, "auto", "none") else "auto"
+            request = dataclasses.replace(request, messages=request.messages + messages, max_tokens=max_tokens,
+                                          tool_choice=choice)
+        row.prompt_tokens, row.reused_tokens = totals[0], totals[1]
+        row.finish = finish.reason
+        yield Usage(*totals)
+        yield Finish(finish.reason, finish.stop_sequence)
 
     async def _generate(self, request: ChatRequest, prepared: _Prepared, live: RequestProgress,
                         guide: Guide | None) -> AsyncGenerator[Event, None]:
         row = live.row
         self.phase = live.phase = "prompt"
+        before = row.output_tokens  # tokens of earlier rounds of this response
         sampler = Sampler(request.sampling, self.engine.n_vocab, mask=guide)
         run = _EngineRun(self, prepared.prompt, sampler, prepared.max_tokens, live)
         try:
@@ -492,7 +608,7 @@ class Service:
                     if output.stopped:
                         finish = "stop"
                         break
-                    if row.output_tokens >= prepared.max_tokens:
+                    if row.output_tokens - before >= prepared.max_tokens:
                         finish = "length"
                         break
         finally:
@@ -503,7 +619,7 @@ class Service:
             finish = "tool_calls"
         row.finish = finish
         yield Usage(prompt_tokens=len(prepared.ids), cached_tokens=row.reused_tokens,
-                    completion_tokens=row.output_tokens, reasoning_tokens=reasoning_tokens)
+                    completion_tokens=row.output_tokens - before, reasoning_tokens=reasoning_tokens)
         yield Finish(finish, output.stop_sequence)
 
     @property
@@ -547,6 +663,28 @@ class Service:
         logits = self.engine.eval(ids[-1:])
         self._kv_keys.append(ids[-1])
         return sampler.sample(logits, ids)
+
+
+@dataclass
+class _Call:
+    """A tool call of the model, numbered across the response; `server` is the MCP server's label, or None for
+    the client's own tools."""
+
+    index: int
+    id: str
+    name: str
+    server: str | None
+    arguments: str = ""
+
+
+def _assistant_message(text: list[str], reasoning: list[str], calls: list[_Call]) -> dict[str, Any]:
+    """What the model wrote in a round, as the assistant message the next round's prompt renders."""
+    message: dict[str, Any] = {"role": "assistant", "content": "".join(text)}
+    if reasoning:
+        message["reasoning_content"] = "".join(reasoning)
+    message["tool_calls"] = [{"id": call.id, "type": "function",
+                              "function": {"name": call.name, "arguments": call.arguments}} for call in calls]
+    return message
 
 
 class _Stopped(Exception):
@@ -812,6 +950,8 @@ async def open_service(
         policy = DownloadPolicy.from_config(images.allow_private, images.allow_hosts)
         async with trio.open_nursery() as nursery, download_client(policy, DOWNLOAD_TIMEOUT) as http:
             service.nursery, service.http = nursery, (http if images.downloads else None)
+            service.mcp = McpServers(config.mcp_servers, config.mcp, log, policy)
+            await service.mcp.start(nursery)
             try:
                 if engine is not None:
                     await service.start_vision(engine, log)

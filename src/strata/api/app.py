@@ -223,7 +223,13 @@ def _add_info_routes(app: Quart, state: _State) -> None:
         service = state.ready_service()
         body = status.server_status(service)
         body["vision"] = status.vision_status(service)
+        body["mcp"] = [{**server, "tools": [tool["name"] for tool in server["tools"]]}
+                       for server in service.mcp.status()]
         return _json(body)
+
+    @app.get("/v1/mcp")
+    async def mcp_servers() -> Response:
+        return _json({"object": "list", "data": state.ready_service().mcp.status()})
 
     @app.get("/v1/status/stream")
     async def status_stream() -> Response:

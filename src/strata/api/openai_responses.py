@@ -2,9 +2,11 @@
 response object or to the Responses stream of events. Pure translation, no I/O.
 
 Strata keeps no responses: everything that needs a stored one (`previous_response_id`, `store: true`,
-`conversation`, `background`, item references) is refused with a 400, and so are the built-in tools; function
-tools work. Reasoning comes out as `reasoning` items whose `content` holds the model's own reasoning text
-(`reasoning_text` parts, streamed as `response.reasoning_text.delta`), as open-weight servers do.
+`conversation`, `background`, item references) is refused with a 400, and so are the built-in tools but `mcp`;
+function tools work. `mcp` tools name MCP servers the server calls itself (`mcp_list_tools` and `mcp_call` items);
+approvals are not supported, so `require_approval` must be "never" when given. Reasoning comes out as `reasoning`
+items whose `content` holds the model's own reasoning text (`reasoning_text` parts, streamed as
+`response.reasoning_text.delta`), as open-weight servers do.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from strata.api.translate import (
     SseEvent,
     arguments_object,
     bad_request,
+    call_block,
     check_type,
     check_unique_tool_names,
     collect,
@@ -33,6 +36,7 @@ from strata.api.translate import (
     image_embeds_part,
     image_url_part,
     join_parts,
+    listing_block,
     openai_format,
     sampling_params,
 )
@@ -41,10 +45,13 @@ from strata.events import (
     ChatRequest,
     Event,
     Finish,
+    McpToolList,
+    McpUse,
     ReasoningDelta,
     TextDelta,
     ToolCallArgumentsDelta,
     ToolCallStart,
+    ToolResult,
     Usage,
 )
 
@@ -92,11 +99,13 @@ def parse_request(body: Any, *, sampling_defaults: Mapping[str, Any] | None = No
     instructions = get(body, "instructions", str, "instructions")
     if instructions:
         messages.append({"role": "system", "content": instructions})
-    messages += _input(get(body, "input", (str, list), "input", required=True))
-    tools = _tools(body)
+    listed: set[str] = set()
+    messages += _input(get(body, "input", (str, list), "input", required=True), listed)
+    tools, servers = _tools(body, listed)
     return ChatRequest(
         messages=messages,
         tools=tools,
+        mcp=servers,
         tool_choice=_tool_choice(body, check_unique_tool_names(tools, "tools")),
         parallel_tool_calls=get(body, "parallel_tool_calls", bool, "parallel_tool_calls") is not False,
         answer_format=answer_format,
@@ -127,9 +136,10 @@ def _text_format(body: dict[str, Any]) -> AnswerFormat | None:
     return openai_format(text_format, "text.format", nested=False) if text_format is not None else None
 
 
-def _input(items: str | list[Any]) -> list[dict[str, Any]]:
+def _input(items: str | list[Any], listed: set[str]) -> list[dict[str, Any]]:
     """Input items as chat messages: function calls join the assistant message before them, function outputs
-    become `tool` messages, reasoning goes with the assistant message that follows it."""
+    become `tool` messages, reasoning goes with the assistant message that follows it; an `mcp_call` is a call
+    and its output; the labels of `mcp_list_tools` items go to `listed`."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     if not items:
@@ -147,6 +157,13 @@ def _input(items: str | list[Any]) -> list[dict[str, Any]]:
             builder.function_call_output(item, param)
         elif kind == "reasoning":
             builder.reasoning(item, param)
+        elif kind == "mcp_call":
+            builder.mcp_call(item, param)
+        elif kind == "mcp_list_tools":
+            listed.add(get(item, "server_label", str, f"{param}.server_label", required=True))
+        elif kind in ("mcp_approval_request", "mcp_approval_response"):
+            raise bad_request(f"{param}.type", "MCP approvals are not supported (this server runs MCP tools with "
+                                               'require_approval "never")')
         elif kind == "item_reference":
             raise bad_request(param, "this server keeps no items; send the item itself")
         else:
@@ -191,6 +208,16 @@ class _Conversation:
                                  for i, part in enumerate(output)], "")
         self.messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
 
+    def mcp_call(self, item: dict[str, Any], param: str) -> None:
+        call_id = get(item, "id", str, f"{param}.id", required=True)
+        self.function_call({"call_id": call_id, "name": item.get("name"), "arguments": item.get("arguments")}, param)
+        get(item, "server_label", str, f"{param}.server_label", required=True)
+        output = get(item, "output", str, f"{param}.output")
+        error = get(item, "error", (str, dict), f"{param}.error")
+        if output is None and error is not None:
+            output = "error: " + (error if isinstance(error, str) else _error_text(error))
+        self.messages.append({"role": "tool", "tool_call_id": call_id, "content": output or ""})
+
     def reasoning(self, item: dict[str, Any], param: str) -> None:
         # Reasoning from other servers may come only encrypted (`encrypted_content`): nothing to read then.
         for key in ("content", "summary"):
@@ -231,14 +258,32 @@ def _content_part(part: Any, role: str, param: str, in_tool_result: bool = False
     return get(part, key, str, f"{param}.{key}", required=True)
 
 
-def _tools(body: dict[str, Any]) -> list[dict[str, Any]]:
+def _error_text(error: dict[str, Any]) -> str:
+    """An `mcp_call` error object as text (`message`, or the texts of `content`)."""
+    if isinstance(error.get("message"), str):
+        return error["message"]
+    content = error.get("content")
+    if isinstance(content, list):
+        return "\n".join(part["text"] for part in content
+                         if isinstance(part, dict) and isinstance(part.get("text"), str))
+    return str(content)
+
+
+def _tools(body: dict[str, Any], listed: set[str]) -> tuple[list[dict[str, Any]], list[McpUse]]:
     tools = []
+    servers: list[McpUse] = []
     for i, tool in enumerate(get_list(body, "tools", "tools") or []):
         param = f"tools[{i}]"
         tool = check_type(tool, dict, param)
         kind = get(tool, "type", str, f"{param}.type", required=True)
+        if kind == "mcp":
+            use = _mcp_use(tool, param, listed)
+            if any(other.label == use.label for other in servers):
+                raise bad_request(f"{param}.server_label", f"duplicate server_label {use.label!r}")
+            servers.append(use)
+            continue
         if kind != "function":
-            raise bad_request(f"{param}.type", f"built-in tool {kind!r} is not supported; use function tools")
+            raise bad_request(f"{param}.type", f"built-in tool {kind!r} is not supported; use function or mcp tools")
         strict = get(tool, "strict", bool, f"{param}.strict")
         tools.append(function_tool(
             get(tool, "name", str, f"{param}.name", required=True),
@@ -246,7 +291,38 @@ def _tools(body: dict[str, Any]) -> list[dict[str, Any]]:
             get_object(tool, "parameters", f"{param}.parameters") or {"type": "object", "properties": {}},
             strict=bool(strict),
         ))
-    return tools
+    return tools, servers
+
+
+def _mcp_use(tool: dict[str, Any], param: str, listed: set[str]) -> McpUse:
+    """An `mcp` tool: a configured server by `server_label`, or one at `server_url`."""
+    label = get(tool, "server_label", str, f"{param}.server_label", required=True)
+    for key in ("connector_id", "tunnel_id"):
+        if tool.get(key) is not None:
+            raise bad_request(f"{param}.{key}", "connectors and tunnels are not supported; name a configured MCP "
+                                                "server by server_label, or give server_url")
+    approval = get(tool, "require_approval", (str, dict), f"{param}.require_approval")
+    if approval is not None and approval != "never":
+        raise bad_request(f"{param}.require_approval", 'only "never" is supported: this server calls MCP tools '
+                                                       "without asking (approvals are not supported yet)")
+    allowed = get(tool, "allowed_tools", (list, dict), f"{param}.allowed_tools")
+    names: list[Any] | None = None
+    if isinstance(allowed, dict):
+        if get(allowed, "read_only", bool, f"{param}.allowed_tools.read_only"):
+            raise bad_request(f"{param}.allowed_tools.read_only", "is not supported; list the tools by name")
+        names = get_list(allowed, "tool_names", f"{param}.allowed_tools.tool_names")
+    elif allowed is not None:
+        names = allowed
+    for j, name in enumerate(names or []):
+        check_type(name, str, f"{param}.allowed_tools[{j}]")
+    headers = dict(get_object(tool, "headers", f"{param}.headers") or {})
+    for key, value in headers.items():
+        check_type(value, str, f"{param}.headers.{key}")
+    token = get(tool, "authorization", str, f"{param}.authorization")
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    return McpUse(label, url=get(tool, "server_url", str, f"{param}.server_url"), headers=tuple(headers.items()),
+                  allowed_tools=None if names is None else tuple(names), listed=label in listed, param=param)
 
 
 def _tool_choice(body: dict[str, Any], names: set[str]) -> str | dict[str, Any] | None:
@@ -302,7 +378,7 @@ class _Header:
             "top_p": request.sampling.top_p,
             "text": {"format": {"type": "text"}},
             "tool_choice": _echo_tool_choice(request.tool_choice),
-            "tools": [_echo_tool(tool) for tool in request.tools],
+            "tools": [_echo_tool(tool) for tool in request.tools] + [_echo_mcp(use) for use in request.mcp],
             "truncation": "disabled",
             "metadata": {},
         }
@@ -340,6 +416,16 @@ def _output_item(header: _Header, block: Block, output_index: int, status: str) 
     if block.kind == "text":
         return {"id": header.item_id("msg", output_index), "type": "message", "status": status,
                 "role": "assistant", "content": [_part("output_text", block.text)]}
+    if block.kind == "mcp_list":
+        return {"id": header.item_id("mcpl", output_index), "type": "mcp_list_tools", "server_label": block.server,
+                "tools": list(block.tools), "error": block.error}
+    if block.kind == "mcp_call":
+        if block.output is not None:
+            status = "failed" if block.is_error else "completed"
+        error = {"type": "mcp_tool_execution_error", "content": [_part("text", block.output or "")]}
+        return {"id": block.call_id, "type": "mcp_call", "status": status, "server_label": block.server,
+                "name": block.name, "arguments": block.text,
+                "output": None if block.is_error else block.output, "error": error if block.is_error else None}
     return {"id": header.item_id("fc", output_index), "type": "function_call", "status": status,
             "call_id": block.call_id, "name": block.name, "arguments": block.text}
 
@@ -371,6 +457,12 @@ def _echo_tool(tool: dict[str, Any]) -> dict[str, Any]:
     function = tool["function"]
     return {"type": "function", "name": function["name"], "description": function.get("description"),
             "parameters": function["parameters"], "strict": bool(function.get("strict"))}
+
+
+def _echo_mcp(use: McpUse) -> dict[str, Any]:
+    allowed = None if use.allowed_tools is None else list(use.allowed_tools)
+    return {"type": "mcp", "server_label": use.label, "server_url": use.url, "allowed_tools": allowed,
+            "require_approval": "never"}
 
 
 def _echo_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any]:
@@ -418,11 +510,17 @@ class ResponseEventStream:
         if isinstance(event, (TextDelta, ReasoningDelta)) and event.text:
             out += self._text(event)
         elif isinstance(event, ToolCallStart):
-            block = Block("tool_call", call_id=event.id, name=event.name)
+            block = call_block(event)
             self._calls[event.index] = (len(self._items), block)
             out += self._open_item(block)
+            if block.kind == "mcp_call":
+                out.append(self._event("response.mcp_call.in_progress", **self._where()))
         elif isinstance(event, ToolCallArgumentsDelta) and event.text:
             out += self._arguments(event)
+        elif isinstance(event, ToolResult):
+            out += self._result(event)
+        elif isinstance(event, McpToolList):
+            out += self._listing(event)
         elif isinstance(event, Usage):
             self._usage = event
         elif isinstance(event, Finish):
@@ -449,18 +547,46 @@ class ResponseEventStream:
     def _arguments(self, event: ToolCallArgumentsDelta) -> list[SseEvent]:
         output_index, block = self._calls[event.index]
         block.text += event.text
-        return [self._event("response.function_call_arguments.delta", item_id=self._items[output_index]["id"],
-                            output_index=output_index, delta=event.text)]
+        name = "response.mcp_call_arguments.delta" if block.kind == "mcp_call" else \
+            "response.function_call_arguments.delta"
+        return [self._event(name, item_id=self._items[output_index]["id"], output_index=output_index,
+                            delta=event.text)]
+
+    def _result(self, event: ToolResult) -> list[SseEvent]:
+        """An MCP call's result: the call's item is done (its arguments were done when the next item began)."""
+        output_index, block = self._calls[event.index]
+        out = self._close_item("completed") if self._open is block else []
+        block.output, block.is_error = event.text, event.is_error
+        item = self._items[output_index] = _output_item(self._header, block, output_index, "completed")
+        where = {"item_id": item["id"], "output_index": output_index}
+        out.append(self._event("response.mcp_call.failed" if event.is_error else "response.mcp_call.completed",
+                               **where))
+        out.append(self._event("response.output_item.done", output_index=output_index, item=item))
+        return out
+
+    def _listing(self, event: McpToolList) -> list[SseEvent]:
+        out = self._close_item("completed")
+        output_index = len(self._items)
+        item = _output_item(self._header, listing_block(event), output_index, "completed")
+        self._items.append(item)
+        where = {"item_id": item["id"], "output_index": output_index}
+        out.append(self._event("response.output_item.added", output_index=output_index, item={**item, "tools": []}))
+        out.append(self._event("response.mcp_list_tools.in_progress", **where))
+        out.append(self._event("response.mcp_list_tools.failed" if event.error else
+                               "response.mcp_list_tools.completed", **where))
+        out.append(self._event("response.output_item.done", output_index=output_index, item=item))
+        return out
 
     def _open_item(self, block: Block) -> list[SseEvent]:
         out = self._close_item("completed")
         self._open = block
         item = _output_item(self._header, block, len(self._items), "in_progress")
-        if block.kind != "tool_call":
+        calls = ("tool_call", "mcp_call")
+        if block.kind not in calls:
             item["content"] = []
         self._items.append(item)
         out.append(self._event("response.output_item.added", output_index=len(self._items) - 1, item=item))
-        if block.kind != "tool_call":
+        if block.kind not in calls:
             part = _part("output_text" if block.kind == "text" else "reasoning_text", "")
             out.append(self._event("response.content_part.added", **self._where(), content_index=0, part=part))
         return out
@@ -473,6 +599,9 @@ class ResponseEventStream:
         item = self._items[output_index] = _output_item(self._header, block, output_index, status)
         where = {"item_id": item["id"], "output_index": output_index}
         out = []
+        if block.kind == "mcp_call":
+            # The item is done when its result comes (`_result`).
+            return [self._event("response.mcp_call_arguments.done", **where, arguments=block.text)]
         if block.kind == "tool_call":
             out.append(self._event("response.function_call_arguments.done", **where, arguments=block.text))
         else:

@@ -14,10 +14,12 @@ from strata.constraints import AnswerFormat
 from strata.events import (
     Event,
     Finish,
+    McpToolList,
     ReasoningDelta,
     TextDelta,
     ToolCallArgumentsDelta,
     ToolCallStart,
+    ToolResult,
     Usage,
 )
 from strata.images import ImageRejected, ImageSource, decode_base64
@@ -267,12 +269,19 @@ def join_parts(parts: list[str | dict[str, Any]], separator: str) -> str | list[
 
 @dataclass
 class Block:
-    """One piece of the answer: a run of reasoning or of text, or one tool call (`text` = its arguments JSON)."""
+    """One piece of the answer: a run of reasoning or of text, one tool call (`text` = its arguments JSON), one
+    call the server made on an MCP server (`mcp_call`: `server`, then its `output` once run) or one MCP server's
+    tool listing (`mcp_list`: `server`, `tools`, `error`)."""
 
-    kind: Literal["reasoning", "text", "tool_call"]
+    kind: Literal["reasoning", "text", "tool_call", "mcp_call", "mcp_list"]
     text: str = ""
     call_id: str = ""
     name: str = ""
+    server: str = ""
+    output: str | None = None
+    is_error: bool = False
+    tools: tuple[dict[str, Any], ...] = ()
+    error: str | None = None
 
 
 @dataclass
@@ -292,15 +301,29 @@ def collect(events: Iterable[Event]) -> Outcome:
             if event.text:
                 _append_text(outcome.blocks, kind, event.text)
         elif isinstance(event, ToolCallStart):
-            calls[event.index] = Block("tool_call", call_id=event.id, name=event.name)
+            calls[event.index] = call_block(event)
             outcome.blocks.append(calls[event.index])
         elif isinstance(event, ToolCallArgumentsDelta):
             calls[event.index].text += event.text
+        elif isinstance(event, ToolResult):
+            calls[event.index].output, calls[event.index].is_error = event.text, event.is_error
+        elif isinstance(event, McpToolList):
+            outcome.blocks.append(listing_block(event))
         elif isinstance(event, Usage):
             outcome.usage = event
         elif isinstance(event, Finish):
             outcome.finish = event
     return outcome
+
+
+def call_block(event: ToolCallStart) -> Block:
+    if event.server is not None:
+        return Block("mcp_call", call_id=event.id, name=event.name, server=event.server)
+    return Block("tool_call", call_id=event.id, name=event.name)
+
+
+def listing_block(event: McpToolList) -> Block:
+    return Block("mcp_list", server=event.server, tools=event.tools, error=event.error)
 
 
 def stop_sequence(finish: Finish) -> str | None:
