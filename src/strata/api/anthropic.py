@@ -2,6 +2,9 @@
 `ChatRequest`, generation events to a message or to Anthropic's stream of events. Pure translation, no I/O.
 
 Tool calls keep the ids the generation gives them; thinking blocks carry an empty signature (nothing signs them).
+The MCP connector works with the servers this server is configured with (`mcp_servers` entries name them; others
+by URL only where the config allows): the server calls their tools itself, shown as `mcp_tool_use` and
+`mcp_tool_result` blocks after an `mcp_tool_listing` block per server.
 Follows Anthropic's semantics where the model family allows: without a `thinking` field the model does not think,
 and `usage.input_tokens` counts only the prompt tokens that were not read from the KV cache.
 """
@@ -41,11 +44,14 @@ from strata.events import (
     ChatRequest,
     Event,
     Finish,
+    McpToolList,
+    McpUse,
     PromptProcessed,
     ReasoningDelta,
     TextDelta,
     ToolCallArgumentsDelta,
     ToolCallStart,
+    ToolResult,
     Usage,
 )
 
@@ -100,19 +106,19 @@ def render_count(n_tokens: int) -> dict[str, Any]:
 def _parse_prompt(body: dict[str, Any]) -> ChatRequest:
     """What every message request shares: model, system, messages, tools, tool choice, thinking."""
     get(body, "model", str, "model", required=True)
-    if get_list(body, "mcp_servers", "mcp_servers"):
-        raise bad_request("mcp_servers", "MCP servers are not supported")
     messages = _system(body)
     turns = get_list(body, "messages", "messages", required=True)
     if not turns:
         raise bad_request("messages", "must hold at least one message")
+    listed: set[str] = set()
     for i, turn in enumerate(turns):
-        messages.extend(_message(turn, f"messages[{i}]"))
-    tools = _tools(body)
+        messages.extend(_message(turn, f"messages[{i}]", listed))
+    tools, toolsets = _tools(body)
     choice = get_object(body, "tool_choice", "tool_choice") or {}
     return ChatRequest(
         messages=messages,
         tools=tools,
+        mcp=_mcp_servers(body, toolsets, listed),
         tool_choice=_tool_choice(body, check_unique_tool_names(tools, "tools")),
         parallel_tool_calls=not get(choice, "disable_parallel_tool_use", bool,
                                     "tool_choice.disable_parallel_tool_use"),
@@ -142,8 +148,9 @@ def _system(body: dict[str, Any]) -> list[dict[str, Any]]:
     return [{"role": "system", "content": system}] if system else []
 
 
-def _message(turn: Any, param: str) -> list[dict[str, Any]]:
-    """One Anthropic message as chat messages: tool results become `tool` messages in their place."""
+def _message(turn: Any, param: str, listed: set[str]) -> list[dict[str, Any]]:
+    """One Anthropic message as chat messages: tool results become `tool` messages in their place; the MCP
+    servers whose `mcp_tool_listing` an assistant message holds go to `listed`."""
     turn = check_type(turn, dict, param)
     role = get_choice(turn, "role", ("user", "assistant"), f"{param}.role", required=True)
     content = get(turn, "content", (str, list), f"{param}.content", required=True)
@@ -151,7 +158,7 @@ def _message(turn: Any, param: str) -> list[dict[str, Any]]:
         return [{"role": role, "content": content}]
     blocks = [check_type(block, dict, f"{param}.content[{i}]") for i, block in enumerate(content)]
     if role == "assistant":
-        return [_assistant(blocks, f"{param}.content")]
+        return _assistant(blocks, f"{param}.content", listed)
     return _user(blocks, f"{param}.content")
 
 
@@ -176,11 +183,26 @@ def _user(blocks: list[dict[str, Any]], param: str) -> list[dict[str, Any]]:
     return messages
 
 
-def _assistant(blocks: list[dict[str, Any]], param: str) -> dict[str, Any]:
+def _assistant(blocks: list[dict[str, Any]], param: str, listed: set[str]) -> list[dict[str, Any]]:
+    """An assistant message; the results of MCP calls the server made in it split it where they stand."""
+    messages: list[dict[str, Any]] = []
     texts: list[str] = []
     thoughts: list[str] = []
     calls: list[dict[str, Any]] = []
-    kinds = ("text", "thinking", "redacted_thinking", "tool_use")
+
+    def flush() -> None:
+        message: dict[str, Any] = {"role": "assistant", "content": "\n\n".join(texts)}
+        if thoughts:
+            message["reasoning_content"] = "\n\n".join(thoughts)
+        if calls:
+            message["tool_calls"] = list(calls)
+        messages.append(message)
+        texts.clear()
+        thoughts.clear()
+        calls.clear()
+
+    kinds = ("text", "thinking", "redacted_thinking", "tool_use", "mcp_tool_use", "mcp_tool_result",
+             "mcp_tool_listing")
     for i, block in enumerate(blocks):
         where = f"{param}[{i}]"
         kind = get_choice(block, "type", kinds, f"{where}.type", required=True)
@@ -190,15 +212,18 @@ def _assistant(blocks: list[dict[str, Any]], param: str) -> dict[str, Any]:
             # Clients hand earlier thinking back (with its signature) when tools are in use; the template decides
             # whether the model sees it.
             thoughts.append(get(block, "thinking", str, f"{where}.thinking", required=True))
-        elif kind == "tool_use":
+        elif kind in ("tool_use", "mcp_tool_use"):
             calls.append(_tool_use(block, where))
+        elif kind == "mcp_tool_result":
+            if texts or thoughts or calls:
+                flush()
+            messages.append(_tool_result(block, where))
+        elif kind == "mcp_tool_listing":
+            listed.add(get(block, "mcp_server_name", str, f"{where}.mcp_server_name", required=True))
         # redacted_thinking: encrypted by another server, nothing here can read it.
-    message: dict[str, Any] = {"role": "assistant", "content": "\n\n".join(texts)}
-    if thoughts:
-        message["reasoning_content"] = "\n\n".join(thoughts)
-    if calls:
-        message["tool_calls"] = calls
-    return message
+    if texts or thoughts or calls or not messages:
+        flush()
+    return messages
 
 
 def _text_block(block: Any, param: str) -> str:
@@ -249,21 +274,92 @@ def _image(block: dict[str, Any], param: str, in_tool_result: bool) -> dict[str,
                              in_tool_result)
 
 
-def _tools(body: dict[str, Any]) -> list[dict[str, Any]]:
+def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, tuple[str, dict[str, Any]]]]:
+    """The custom tools, and the `mcp_toolset` entries by server name (with their field names)."""
     tools = []
+    toolsets: dict[str, tuple[str, dict[str, Any]]] = {}
     for i, tool in enumerate(get_list(body, "tools", "tools") or []):
         param = f"tools[{i}]"
         tool = check_type(tool, dict, param)
         kind = get(tool, "type", str, f"{param}.type")
+        if kind == "mcp_toolset":
+            name = get(tool, "mcp_server_name", str, f"{param}.mcp_server_name", required=True)
+            if name in toolsets:
+                raise bad_request(f"{param}.mcp_server_name", f"a second toolset for the MCP server {name!r}")
+            toolsets[name] = (param, tool)
+            continue
         if kind not in (None, "custom"):
-            raise bad_request(f"{param}.type", f"server tool {kind!r} is not supported; define a custom tool")
+            raise bad_request(f"{param}.type", f"server tool {kind!r} is not supported; define a custom tool or "
+                                               "an mcp_toolset")
         tools.append(function_tool(
             get(tool, "name", str, f"{param}.name", required=True),
             get(tool, "description", str, f"{param}.description"),
             get_object(tool, "input_schema", f"{param}.input_schema", required=True),
             strict=bool(get(tool, "strict", bool, f"{param}.strict")),
         ))
-    return tools
+    return tools, toolsets
+
+
+def _mcp_servers(body: dict[str, Any], toolsets: dict[str, tuple[str, dict[str, Any]]],
+                 listed: set[str]) -> list[McpUse]:
+    """`mcp_servers` entries with their toolsets (`mcp_toolset` tools, or the older `tool_configuration`)."""
+    servers: list[McpUse] = []
+    names: set[str] = set()
+    for i, entry in enumerate(get_list(body, "mcp_servers", "mcp_servers") or []):
+        param = f"mcp_servers[{i}]"
+        entry = check_type(entry, dict, param)
+        get_choice(entry, "type", ("url",), f"{param}.type", required=True)
+        name = get(entry, "name", str, f"{param}.name", required=True)
+        if name in names:
+            raise bad_request(f"{param}.name", f"duplicate MCP server name {name!r}")
+        names.add(name)
+        token = get(entry, "authorization_token", str, f"{param}.authorization_token")
+        allowed, denied = _tool_configuration(entry, param)
+        if name in toolsets:
+            allowed, denied = _toolset(*toolsets[name])
+        if allowed == ():
+            continue  # every tool disabled
+        servers.append(McpUse(name, url=get(entry, "url", str, f"{param}.url"),
+                              headers=(("Authorization", f"Bearer {token}"),) if token else (),
+                              allowed_tools=allowed, denied_tools=denied, listed=name in listed, param=param))
+    for name, (param, _) in toolsets.items():
+        if name not in names:
+            raise bad_request(f"{param}.mcp_server_name", f"no entry of mcp_servers is named {name!r}")
+    return servers
+
+
+def _tool_configuration(entry: dict[str, Any], param: str) -> tuple[tuple[str, ...] | None, tuple[str, ...]]:
+    config = get_object(entry, "tool_configuration", f"{param}.tool_configuration")
+    if config is None:
+        return None, ()
+    if get(config, "enabled", bool, f"{param}.tool_configuration.enabled") is False:
+        return (), ()
+    names = get_list(config, "allowed_tools", f"{param}.tool_configuration.allowed_tools")
+    for j, name in enumerate(names or []):
+        check_type(name, str, f"{param}.tool_configuration.allowed_tools[{j}]")
+    return (None if names is None else tuple(names)), ()
+
+
+def _toolset(param: str, toolset: dict[str, Any]) -> tuple[tuple[str, ...] | None, tuple[str, ...]]:
+    """(allowed, denied) tool names of an `mcp_toolset`: `default_config.enabled` with per-tool `configs`, cut to
+    the pinned `tools` listing when there is one."""
+    default = get_object(toolset, "default_config", f"{param}.default_config") or {}
+    enabled = get(default, "enabled", bool, f"{param}.default_config.enabled") is not False
+    configs = get_object(toolset, "configs", f"{param}.configs") or {}
+    switched: dict[str, bool] = {}
+    for name, config in configs.items():
+        config = check_type(config, dict, f"{param}.configs.{name}")
+        value = get(config, "enabled", bool, f"{param}.configs.{name}.enabled")
+        if value is not None:
+            switched[name] = value
+    allowed = None if enabled else tuple(name for name, on in switched.items() if on)
+    denied = tuple(name for name, on in switched.items() if not on)
+    pinned = get_list(toolset, "tools", f"{param}.tools")
+    if pinned is not None:
+        names = tuple(get(check_type(tool, dict, f"{param}.tools[{j}]"), "name", str, f"{param}.tools[{j}].name",
+                          required=True) for j, tool in enumerate(pinned))
+        allowed = names if allowed is None else tuple(name for name in allowed if name in names)
+    return allowed, denied
 
 
 def _tool_choice(body: dict[str, Any], names: set[str]) -> str | dict[str, Any] | None:
@@ -309,6 +405,7 @@ def render_response(events: Iterable[Event], *, model: str, request_id: str,
     outcome = collect(events)
     finish = outcome.finish or Finish("error")
     _raise_unfinished(finish)
+    outcome.blocks = [block for block in outcome.blocks if block.kind != "mcp_list" or block.error is None]
     return {
         "id": f"msg_{request_id}",
         "type": "message",
@@ -326,8 +423,25 @@ def _content_block(block: Block) -> dict[str, Any]:
         return {"type": "thinking", "thinking": block.text, "signature": ""}
     if block.kind == "text":
         return {"type": "text", "text": block.text}
+    if block.kind == "mcp_list":
+        return {"type": "mcp_tool_listing", "mcp_server_name": block.server, "tools": list(block.tools)}
+    if block.kind == "mcp_result":
+        return {"type": "mcp_tool_result", "tool_use_id": block.call_id, "is_error": block.is_error,
+                "content": [{"type": "text", "text": block.output or ""}]}
+    if block.kind == "mcp_call":
+        return {"type": "mcp_tool_use", "id": block.call_id, "name": block.name, "server_name": block.server,
+                "input": _input_object(block.text)}
     return {"type": "tool_use", "id": block.call_id, "name": block.name,
             "input": arguments_object(block.text, "tool_use.input")}
+
+
+def _input_object(text: str) -> dict[str, Any]:
+    """A call's arguments as the `input` object; arguments that are not an object (the model's mistake, which
+    its tool result reported) are shown as an empty one."""
+    try:
+        return arguments_object(text, "mcp_tool_use.input")
+    except ApiError:
+        return {}
 
 
 def _stop_reason(finish: Finish) -> str:
@@ -396,8 +510,19 @@ class MessageStream:
             out += self._delta("thinking", {"type": "thinking_delta", "thinking": event.text})
         elif isinstance(event, ToolCallStart):
             self._tool_blocks[event.index] = self._blocks
-            out += self._open_block("tool_use", {"type": "tool_use", "id": event.id, "name": event.name,
-                                                 "input": {}})
+            if event.server is not None:
+                out += self._open_block("mcp_tool_use", {"type": "mcp_tool_use", "id": event.id, "name": event.name,
+                                                         "server_name": event.server, "input": {}})
+            else:
+                out += self._open_block("tool_use", {"type": "tool_use", "id": event.id, "name": event.name,
+                                                     "input": {}})
+        elif isinstance(event, ToolResult):
+            block = {"type": "mcp_tool_result", "tool_use_id": event.call_id, "is_error": event.is_error,
+                     "content": [{"type": "text", "text": event.text}]}
+            out += self._open_block("mcp_tool_result", block) + self._close_block()
+        elif isinstance(event, McpToolList) and event.error is None:
+            block = {"type": "mcp_tool_listing", "mcp_server_name": event.server, "tools": list(event.tools)}
+            out += self._open_block("mcp_tool_listing", block) + self._close_block()
         elif isinstance(event, ToolCallArgumentsDelta) and event.text:
             delta = {"type": "input_json_delta", "partial_json": event.text}
             out.append(_block_delta(self._tool_blocks[event.index], delta))

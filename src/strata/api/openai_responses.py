@@ -399,6 +399,7 @@ def render_response(events: Iterable[Event], *, model: str, request_id: str, usa
         request: the parsed request, whose settings (tools, temperature, ...) the response echoes.
     """
     outcome = collect(events)
+    outcome.blocks = [block for block in outcome.blocks if block.kind != "mcp_result"]  # results are in the calls
     finish = outcome.finish or Finish("error")
     header = _Header(request_id, model, int(time.time()), request)
     status, _ = _ENDINGS[finish.reason]

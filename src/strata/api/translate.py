@@ -270,10 +270,11 @@ def join_parts(parts: list[str | dict[str, Any]], separator: str) -> str | list[
 @dataclass
 class Block:
     """One piece of the answer: a run of reasoning or of text, one tool call (`text` = its arguments JSON), one
-    call the server made on an MCP server (`mcp_call`: `server`, then its `output` once run) or one MCP server's
-    tool listing (`mcp_list`: `server`, `tools`, `error`)."""
+    call the server made on an MCP server (`mcp_call`: `server`, then its `output` once run; the result also
+    comes as an `mcp_result` block where it happened) or one MCP server's tool listing (`mcp_list`: `server`,
+    `tools`, `error`)."""
 
-    kind: Literal["reasoning", "text", "tool_call", "mcp_call", "mcp_list"]
+    kind: Literal["reasoning", "text", "tool_call", "mcp_call", "mcp_result", "mcp_list"]
     text: str = ""
     call_id: str = ""
     name: str = ""
@@ -307,6 +308,8 @@ def collect(events: Iterable[Event]) -> Outcome:
             calls[event.index].text += event.text
         elif isinstance(event, ToolResult):
             calls[event.index].output, calls[event.index].is_error = event.text, event.is_error
+            outcome.blocks.append(Block("mcp_result", call_id=event.call_id, output=event.text,
+                                        is_error=event.is_error))
         elif isinstance(event, McpToolList):
             outcome.blocks.append(listing_block(event))
         elif isinstance(event, Usage):
