@@ -49,10 +49,27 @@ def echo(text: str) -> str:
     return f"echo: {text}"
 
 
-@server.tool()
-def get_weather(city: str) -> str:
-    """Get the current weather in a city."""
-    return json.dumps({"temperature": 18, "condition": "sunny"})
+def red_circle_png() -> bytes:
+    image = Image.new("RGB", (64, 64), "white")
+    ImageDraw.Draw(image).ellipse((16, 16, 48, 48), fill=(230, 25, 25))
+    out = io.BytesIO()
+    image.save(out, "PNG")
+    return out.getvalue()
+
+
+if os.environ.get("STRATA_TEST_WEATHER_PICTURE"):  # the weather as a picture (a tool-result picture)
+
+    @server.tool(name="get_weather")
+    def weather_picture(city: str) -> McpImage:
+        """Get the current weather in a city."""
+        return McpImage(data=red_circle_png(), format="png")
+
+else:
+
+    @server.tool()
+    def get_weather(city: str) -> str:
+        """Get the current weather in a city."""
+        return json.dumps({"temperature": 18, "condition": "sunny"})
 
 
 @server.tool()
@@ -78,11 +95,7 @@ def crash() -> str:
 @server.tool()
 def picture() -> McpImage:
     """A red circle on white."""
-    image = Image.new("RGB", (64, 64), "white")
-    ImageDraw.Draw(image).ellipse((16, 16, 48, 48), fill=(230, 25, 25))
-    out = io.BytesIO()
-    image.save(out, "PNG")
-    return McpImage(data=out.getvalue(), format="png")
+    return McpImage(data=red_circle_png(), format="png")
 
 
 @server.tool()
