@@ -73,6 +73,7 @@ class ChatRequest:
     answer_format: AnswerFormat | None = None
     prefill: bool = False  # the last message is the assistant's: the model continues it instead of a new turn
     completion: CompletionPrompt | None = None  # a raw completion: this prompt instead of the messages
+    logprobs: int | None = None  # report each answer token's log-probability and this many alternatives
     sampling: SamplingParams = field(default_factory=SamplingParams)
     max_tokens: int | None = None
     stop: list[str] = field(default_factory=list)
@@ -110,6 +111,17 @@ class ToolCallStart:
 class ToolCallArgumentsDelta:
     index: int
     text: str
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated answer token's log-probability and the most likely alternatives (requests with `logprobs`);
+    it comes before the text events of its token. Tokens are (text, UTF-8 bytes) as OpenAI reports them."""
+
+    token: str
+    bytes: tuple[int, ...]
+    logprob: float
+    top: tuple[tuple[str, tuple[int, ...], float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -159,5 +171,5 @@ class Finish:
     stop_sequence: str | None = None
 
 
-Event = (TextDelta | ReasoningDelta | ToolCallStart | ToolCallArgumentsDelta | PromptProcessed | McpToolList
-         | ToolResult | Usage | Finish)
+Event = (TextDelta | ReasoningDelta | ToolCallStart | ToolCallArgumentsDelta | TokenLogprob | PromptProcessed
+         | McpToolList | ToolResult | Usage | Finish)

@@ -124,12 +124,17 @@ class Sampler:
         mask: applied to the logits (in place) before each draw and told the token drawn, or None.
     """
 
-    def __init__(self, params: SamplingParams, n_vocab: int, mask: TokenMask | None = None) -> None:
+    def __init__(self, params: SamplingParams, n_vocab: int, mask: TokenMask | None = None,
+                 logprobs: int | None = None) -> None:
         if n_vocab <= 0:
             raise ValueError(f"n_vocab must be positive, got {n_vocab}")
         self.params = params
         self.n_vocab = n_vocab
         self.mask = mask
+        self.logprobs = logprobs
+        # With `logprobs`: per drawn token, (its log-probability, the `logprobs` most likely (id, log-probability)),
+        # appended before `sample` returns (the engine thread appends, the request's task reads).
+        self.records: list[tuple[float, list[tuple[int, float]]]] = []
         if any(token >= n_vocab for token, _ in params.logit_bias):
             raise ValueError(f"logit_bias names a token id beyond the vocabulary ({n_vocab} tokens)")
         self._bias_ids = np.array([token for token, _ in params.logit_bias], dtype=np.int64)
@@ -140,17 +145,19 @@ class Sampler:
     def sample(self, logits: np.ndarray, previous_ids: Sequence[int] = ()) -> int:
         """Return the next token id for `logits` (n_vocab,), given the tokens so far (prompt and output).
         With a logit bias or a mask, `logits` is changed in place."""
-        if self.mask is None and not self._bias_ids.size:
+        if self.mask is None and not self._bias_ids.size and self.logprobs is None:
             return self._draw(logits, previous_ids)
         if np.shape(logits) != (self.n_vocab,):
             raise ValueError(f"logits must have shape ({self.n_vocab},), got {np.shape(logits)}")
         if self._bias_ids.size:
             logits[self._bias_ids] += self._bias_values
-        if self.mask is None:
-            return self._draw(logits, previous_ids)
-        self.mask.apply(logits)
+        if self.mask is not None:
+            self.mask.apply(logits)
         token = self._draw(logits, previous_ids)
-        self.mask.advance(token)
+        if self.mask is not None:
+            self.mask.advance(token)
+        if self.logprobs is not None:
+            self.records.append(_log_probabilities(logits, token, self.logprobs))
         return token
 
     def _draw(self, logits: np.ndarray, previous_ids: Sequence[int]) -> int:
@@ -221,6 +228,19 @@ class Sampler:
             mask = weights >= p.min_p
             ids, weights = ids[mask], weights[mask]
         return ids, weights
+
+
+def _log_probabilities(logits: np.ndarray, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
+    """The log-probability of `token` and the `top` most likely tokens under softmax(logits): the model's own
+    distribution after the logit bias and the answer's mask, before penalties and temperature (what OpenAI
+    reports)."""
+    peak = float(np.max(logits))
+    log_total = peak + float(np.log(np.sum(np.exp(logits - peak), dtype=np.float64)))
+    best: list[tuple[int, float]] = []
+    if top > 0:
+        ids = _sorted_top(logits, min(top, len(logits)))
+        best = [(int(i), float(logits[i]) - log_total) for i in ids if np.isfinite(logits[i])]
+    return float(logits[token]) - log_total, best
 
 
 def _nucleus_window(scaled: np.ndarray, relative: np.ndarray, total: float, top_p: float) -> np.ndarray:

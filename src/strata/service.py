@@ -43,6 +43,7 @@ from strata.events import (
     PromptProcessed,
     ReasoningDelta,
     TextDelta,
+    TokenLogprob,
     ToolCallArgumentsDelta,
     ToolCallStart,
     ToolResult,
@@ -580,7 +581,7 @@ class Service:
         row = live.row
         self.phase = live.phase = "prompt"
         before = row.output_tokens  # tokens of earlier rounds of this response
-        sampler = Sampler(request.sampling, self.engine.n_vocab, mask=guide)
+        sampler = Sampler(request.sampling, self.engine.n_vocab, mask=guide, logprobs=request.logprobs)
         run = _EngineRun(self, prepared.prompt, sampler, prepared.max_tokens, live)
         try:
             output = _Output(self.tokenizer, request, prepared.starts_in_reasoning)
@@ -602,7 +603,10 @@ class Service:
                         break
                     row.output_tokens += 1
                     was_reasoning = output.in_reasoning
-                    for event in output.push(token):
+                    events = output.push(token)
+                    if request.logprobs is not None and not (was_reasoning or output.in_reasoning):
+                        yield self._logprob(token, sampler.records[row.output_tokens - before - 1])
+                    for event in events:
                         yield event
                     reasoning_tokens += was_reasoning or output.in_reasoning  # the tags count as reasoning
                     if output.stopped:
@@ -621,6 +625,16 @@ class Service:
         yield Usage(prompt_tokens=len(prepared.ids), cached_tokens=row.reused_tokens,
                     completion_tokens=row.output_tokens - before, reasoning_tokens=reasoning_tokens)
         yield Finish(finish, output.stop_sequence)
+
+    def _logprob(self, token: int, record: tuple[float, list[tuple[int, float]]]) -> TokenLogprob:
+        id_bytes = self.tokenizer.id_bytes
+
+        def named(i: int) -> tuple[str, tuple[int, ...]]:
+            data = id_bytes[i] if i < len(id_bytes) else b""
+            return data.decode("utf-8", errors="replace"), tuple(data)
+
+        logprob, top = record
+        return TokenLogprob(*named(token), logprob, tuple((*named(i), value) for i, value in top))
 
     @property
     def engine_running(self) -> bool:

@@ -28,6 +28,8 @@ from strata.api.translate import (
     llama_cpp_format,
     logit_bias,
     openai_format,
+    openai_logprob,
+    top_logprobs,
 )
 from strata.constraints import AnswerFormat
 from strata.events import (
@@ -36,6 +38,7 @@ from strata.events import (
     Finish,
     ReasoningDelta,
     TextDelta,
+    TokenLogprob,
     ToolCallArgumentsDelta,
     ToolCallStart,
     Usage,
@@ -81,6 +84,7 @@ def parse_request(body: Any) -> ChatRequest:
         parallel_tool_calls=get(body, "parallel_tool_calls", bool, "parallel_tool_calls") is not False,
         answer_format=_answer_format(body),
         prefill=_continue_final_message(body, messages),
+        logprobs=top_logprobs(body, bool(get(body, "logprobs", bool, "logprobs"))),
         sampling=sampling_from(body),
         max_tokens=_max_tokens(body),
         stop=stops_from(body),
@@ -274,6 +278,7 @@ def render_response(events: Iterable[Event], *, model: str, request_id: str,
     Raises:
         ApiError: 500 when the generation failed.
     """
+    events = list(events)
     outcome = collect(events)
     finish_reason = _check_finished(outcome.finish or Finish("error"))
     text = "".join(block.text for block in outcome.blocks if block.kind == "text")
@@ -290,9 +295,16 @@ def render_response(events: Iterable[Event], *, model: str, request_id: str,
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}],
+        "choices": [{"index": 0, "message": message, "finish_reason": finish_reason,
+                     "logprobs": _logprobs_json([e for e in events if isinstance(e, TokenLogprob)])}],
         "usage": usage_json(usage or outcome.usage),
     }
+
+
+def _logprobs_json(entries: list[TokenLogprob]) -> dict[str, Any] | None:
+    if not entries:
+        return None
+    return {"content": [openai_logprob(entry) for entry in entries], "refusal": None}
 
 
 class ChunkStream:
@@ -310,6 +322,7 @@ class ChunkStream:
         self._include_usage = include_usage
         self._started = False
         self._usage: Usage | None = None
+        self._logprobs: list[TokenLogprob] = []  # waiting for the chunk of their text
 
     def start(self) -> list[SseEvent]:
         if self._started:
@@ -319,7 +332,9 @@ class ChunkStream:
 
     def feed(self, event: Event) -> list[SseEvent]:
         out = self.start()
-        if isinstance(event, TextDelta) and event.text:
+        if isinstance(event, TokenLogprob):
+            self._logprobs.append(event)
+        elif isinstance(event, TextDelta) and event.text:
             out.append(self._chunk({"content": event.text}))
         elif isinstance(event, ReasoningDelta) and event.text:
             out.append(self._chunk({"reasoning_content": event.text}))
@@ -351,7 +366,9 @@ class ChunkStream:
         return out
 
     def _chunk(self, delta: dict[str, Any], finish_reason: str | None = None) -> SseEvent:
-        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason,
+                  "logprobs": _logprobs_json(self._logprobs)}
+        self._logprobs = []
         chunk: dict[str, Any] = {**self._head, "choices": [choice]}
         if self._include_usage:
             chunk["usage"] = None

@@ -10,7 +10,7 @@ from typing import Any
 from strata.api.errors import ApiError
 from strata.api.openai_chat import include_usage, sampling_from, stops_from, usage_json
 from strata.api.translate import SseEvent, bad_request, check_type, collect, get, get_int, llama_cpp_format
-from strata.events import ChatRequest, CompletionPrompt, Event, Finish, TextDelta, Usage
+from strata.events import ChatRequest, CompletionPrompt, Event, Finish, TextDelta, TokenLogprob, Usage
 
 _FINISH_REASONS = {"stop": "stop", "length": "length", "tool_calls": "stop"}
 
@@ -25,9 +25,11 @@ def parse_request(body: Any) -> ChatRequest:
     for key in ("n", "best_of"):
         if get_int(body, key, key, 1) not in (None, 1):
             raise bad_request(key, f"only {key}=1 is supported")
-    if get(body, "logprobs", int, "logprobs") is not None:
-        raise bad_request("logprobs", "log probabilities are not supported on this route yet")
+    logprobs = get_int(body, "logprobs", "logprobs", 0)
+    if logprobs is not None and logprobs > 20:
+        raise bad_request("logprobs", f"must be at most 20, got {logprobs}")
     return ChatRequest(
+        logprobs=logprobs,
         messages=[],
         completion=CompletionPrompt(**_prompt(body), suffix=get(body, "suffix", str, "suffix"),
                                     echo=bool(get(body, "echo", bool, "echo"))),
@@ -61,19 +63,47 @@ def _finish_reason(finish: Finish) -> str:
     return _FINISH_REASONS[finish.reason]
 
 
+def _logprobs_json(entries: list[TokenLogprob], offset: int) -> tuple[dict[str, Any] | None, int]:
+    """The legacy completions `logprobs` object for `entries` whose text starts at `offset`; and the offset
+    after them."""
+    if not entries:
+        return None, offset
+    offsets = []
+    for entry in entries:
+        offsets.append(offset)
+        offset += len(entry.token)
+    return {"tokens": [entry.token for entry in entries],
+            "token_logprobs": [entry.logprob for entry in entries],
+            "top_logprobs": [{token: logprob for token, _, logprob in entry.top} for entry in entries],
+            "text_offset": offsets}, offset
+
+
 def render_response(events: Iterable[Event], *, model: str, request_id: str) -> dict[str, Any]:
     """The `text_completion` object of a finished generation."""
+    events = list(events)
     outcome = collect(events)
     finish_reason = _finish_reason(outcome.finish or Finish("error"))
+    echoed = next((len(e.text) for e in events if isinstance(e, TextDelta)), 0) if _echoes(events) else 0
+    logprobs, _ = _logprobs_json([e for e in events if isinstance(e, TokenLogprob)], echoed)
     return {
         "id": f"cmpl-{request_id}",
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,
         "choices": [{"index": 0, "text": "".join(block.text for block in outcome.blocks if block.kind == "text"),
-                     "logprobs": None, "finish_reason": finish_reason}],
+                     "logprobs": logprobs, "finish_reason": finish_reason}],
         "usage": usage_json(outcome.usage),
     }
+
+
+def _echoes(events: list[Event]) -> bool:
+    """Whether the first text came before any token (the echoed prompt)."""
+    for event in events:
+        if isinstance(event, TokenLogprob):
+            return False
+        if isinstance(event, TextDelta):
+            return True
+    return False
 
 
 class CompletionStream:
@@ -85,9 +115,13 @@ class CompletionStream:
                       "model": model}
         self._include_usage = include_usage(body) if isinstance(body, dict) else False
         self._usage: Usage | None = None
+        self._logprobs: list[TokenLogprob] = []  # waiting for the chunk of their text
+        self._offset = 0  # where the next chunk's text starts
 
     def feed(self, event: Event) -> list[SseEvent]:
-        if isinstance(event, TextDelta) and event.text:
+        if isinstance(event, TokenLogprob):
+            self._logprobs.append(event)
+        elif isinstance(event, TextDelta) and event.text:
             return [self._chunk(event.text)]
         if isinstance(event, Usage):
             self._usage = event
@@ -107,5 +141,8 @@ class CompletionStream:
                                 "code": error.code}})]
 
     def _chunk(self, text: str, finish_reason: str | None = None) -> SseEvent:
-        return ("", {**self._head, "choices": [{"index": 0, "text": text, "logprobs": None,
+        logprobs, _ = _logprobs_json(self._logprobs, self._offset)
+        self._logprobs = []
+        self._offset += len(text)
+        return ("", {**self._head, "choices": [{"index": 0, "text": text, "logprobs": logprobs,
                                                 "finish_reason": finish_reason}]})

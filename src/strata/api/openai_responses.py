@@ -38,7 +38,9 @@ from strata.api.translate import (
     join_parts,
     listing_block,
     openai_format,
+    openai_logprob,
     sampling_params,
+    top_logprobs,
 )
 from strata.constraints import AnswerFormat
 from strata.events import (
@@ -49,6 +51,7 @@ from strata.events import (
     McpUse,
     ReasoningDelta,
     TextDelta,
+    TokenLogprob,
     ToolCallArgumentsDelta,
     ToolCallStart,
     ToolResult,
@@ -109,6 +112,7 @@ def parse_request(body: Any, *, sampling_defaults: Mapping[str, Any] | None = No
         tool_choice=_tool_choice(body, check_unique_tool_names(tools, "tools")),
         parallel_tool_calls=get(body, "parallel_tool_calls", bool, "parallel_tool_calls") is not False,
         answer_format=answer_format,
+        logprobs=top_logprobs(body, _LOGPROBS in _include(body)),
         sampling=sampling_params(
             sampling_defaults,
             temperature=get_number(body, "temperature", "temperature", 0.0, 2.0),
@@ -128,6 +132,18 @@ def _refuse_stateful(body: dict[str, Any]) -> None:
         raise bad_request("store", "this server keeps no responses; send store: false")
     if get(body, "background", bool, "background"):
         raise bad_request("background", "background responses are not supported")
+
+
+_LOGPROBS = "message.output_text.logprobs"
+_INCLUDABLE = (_LOGPROBS, "reasoning.encrypted_content")  # nothing is encrypted here: that one adds nothing
+
+
+def _include(body: dict[str, Any]) -> list[str]:
+    items = get_list(body, "include", "include") or []
+    for i, item in enumerate(items):
+        if check_type(item, str, f"include[{i}]") not in _INCLUDABLE:
+            raise bad_request(f"include[{i}]", f"{item!r} is not supported (supported: {', '.join(_INCLUDABLE)})")
+    return items
 
 
 def _text_format(body: dict[str, Any]) -> AnswerFormat | None:
@@ -415,8 +431,9 @@ def _output_item(header: _Header, block: Block, output_index: int, status: str) 
         return {"id": header.item_id("rs", output_index), "type": "reasoning", "status": status, "summary": [],
                 "content": [_part("reasoning_text", block.text)]}
     if block.kind == "text":
+        part = {**_part("output_text", block.text), "logprobs": list(block.logprobs)}
         return {"id": header.item_id("msg", output_index), "type": "message", "status": status,
-                "role": "assistant", "content": [_part("output_text", block.text)]}
+                "role": "assistant", "content": [part]}
     if block.kind == "mcp_list":
         return {"id": header.item_id("mcpl", output_index), "type": "mcp_list_tools", "server_label": block.server,
                 "tools": list(block.tools), "error": block.error}
@@ -495,6 +512,7 @@ class ResponseEventStream:
         self._open: Block | None = None  # what the open item holds so far
         self._calls: dict[int, tuple[int, Block]] = {}  # tool call index -> (its output index, its block)
         self._usage: Usage | None = None
+        self._logprobs: list[dict[str, Any]] = []  # waiting for the delta of their text
 
     def start(self) -> list[SseEvent]:
         """The opening events (sent once; `feed` sends them first if nobody asked yet)."""
@@ -508,7 +526,9 @@ class ResponseEventStream:
     def feed(self, event: Event) -> list[SseEvent]:
         """The events that say what `event` adds to the response."""
         out = self.start()
-        if isinstance(event, (TextDelta, ReasoningDelta)) and event.text:
+        if isinstance(event, TokenLogprob):
+            self._logprobs.append(openai_logprob(event))
+        elif isinstance(event, (TextDelta, ReasoningDelta)) and event.text:
             out += self._text(event)
         elif isinstance(event, ToolCallStart):
             block = call_block(event)
@@ -541,7 +561,10 @@ class ResponseEventStream:
             out = self._open_item(block)
         block.text += event.text
         name = "response.output_text.delta" if kind == "text" else "response.reasoning_text.delta"
-        extra: dict[str, Any] = {"logprobs": []} if kind == "text" else {}
+        extra: dict[str, Any] = {}
+        if kind == "text":
+            extra["logprobs"], self._logprobs = self._logprobs, []
+            block.logprobs += extra["logprobs"]
         out.append(self._event(name, **self._where(), content_index=0, delta=event.text, **extra))
         return out
 
@@ -608,7 +631,7 @@ class ResponseEventStream:
         else:
             part = item["content"][0]
             done = "response.output_text.done" if block.kind == "text" else "response.reasoning_text.done"
-            extra: dict[str, Any] = {"logprobs": []} if block.kind == "text" else {}
+            extra: dict[str, Any] = {"logprobs": list(block.logprobs)} if block.kind == "text" else {}
             out.append(self._event(done, **where, content_index=0, text=block.text, **extra))
             out.append(self._event("response.content_part.done", **where, content_index=0, part=part))
         out.append(self._event("response.output_item.done", output_index=output_index, item=item))

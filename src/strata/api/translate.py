@@ -17,6 +17,7 @@ from strata.events import (
     McpToolList,
     ReasoningDelta,
     TextDelta,
+    TokenLogprob,
     ToolCallArgumentsDelta,
     ToolCallStart,
     ToolResult,
@@ -177,6 +178,28 @@ def function_tool(name: str, description: str | None, parameters: dict[str, Any]
     return {"type": "function", "function": function}
 
 
+# --- log probabilities
+
+
+def openai_logprob(event: TokenLogprob) -> dict[str, Any]:
+    """One token's entry in OpenAI's `logprobs.content` (chat) and Responses' `logprobs`."""
+    return {"token": event.token, "logprob": event.logprob, "bytes": list(event.bytes),
+            "top_logprobs": [{"token": token, "logprob": logprob, "bytes": list(data)}
+                             for token, data, logprob in event.top]}
+
+
+def top_logprobs(body: dict[str, Any], enabled: bool, param: str = "top_logprobs") -> int | None:
+    """How many alternatives to report per token (0-20), or None when log-probabilities are off."""
+    top = get_int(body, "top_logprobs", param, 0)
+    if top is not None and top > 20:
+        raise bad_request(param, f"must be at most 20, got {top}")
+    if not enabled:
+        if top:
+            raise bad_request(param, "needs logprobs: true")
+        return None
+    return top or 0
+
+
 # --- answer formats
 
 _FORMAT_TYPES = ("text", "json_object", "json_schema")
@@ -283,6 +306,7 @@ class Block:
     is_error: bool = False
     tools: tuple[dict[str, Any], ...] = ()
     error: str | None = None
+    logprobs: list[dict[str, Any]] = field(default_factory=list)  # text blocks: their tokens' (OpenAI entries)
 
 
 @dataclass
@@ -296,11 +320,17 @@ def collect(events: Iterable[Event]) -> Outcome:
     """Group a generation's events into blocks: consecutive deltas of one kind join, each tool call is one block."""
     outcome = Outcome()
     calls: dict[int, Block] = {}
+    pending: list[dict[str, Any]] = []  # log-probabilities come before the text of their tokens
     for event in events:
-        if isinstance(event, (TextDelta, ReasoningDelta)):
+        if isinstance(event, TokenLogprob):
+            pending.append(openai_logprob(event))
+        elif isinstance(event, (TextDelta, ReasoningDelta)):
             kind: Literal["text", "reasoning"] = "text" if isinstance(event, TextDelta) else "reasoning"
             if event.text:
                 _append_text(outcome.blocks, kind, event.text)
+                if kind == "text":
+                    outcome.blocks[-1].logprobs += pending
+                    pending = []
         elif isinstance(event, ToolCallStart):
             calls[event.index] = call_block(event)
             outcome.blocks.append(calls[event.index])
