@@ -48,6 +48,10 @@ class VisionConfig:
     exe: list[str] | None = None
     remote: bool = False
     lazy_load: bool = False
+    # An encode taking longer than encode_timeout + rows * encode_timeout_per_row seconds (rows: the most a
+    # picture can take, READY's max_tokens) means a hung encoder: it is restarted and the request gets a 503.
+    encode_timeout: float = 10.0
+    encode_timeout_per_row: float = 0.05
 
 
 @dataclass(frozen=True)
@@ -149,6 +153,9 @@ def _check(config: Config) -> None:
     for key in ("body_timeout", "graceful_timeout"):
         if getattr(limits, key) <= 0:
             raise _fail(f"limits.{key}", "must be positive")
+    for key in ("encode_timeout", "encode_timeout_per_row"):
+        if getattr(config.vision, key) <= 0:
+            raise _fail(f"vision.{key}", "must be positive")
     for key in ("max_tokens", "min_tokens"):
         value = getattr(config.vision, key)
         if value is not None and value < 1:

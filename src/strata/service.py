@@ -66,7 +66,7 @@ from strata.prompt import PromptError, render_chat
 from strata.prompt_tokens import PromptTokens, strings_of
 from strata.sampling import Sampler
 from strata.toolcalls import StopMatcher, ToolCallParser
-from strata.turn import Turn
+from strata.turn import QueueFull, Turn
 from strata.vision.client import (
     Embedding,
     PictureRefused,
@@ -93,7 +93,15 @@ class RequestError(ValueError):
 
 
 class ServiceUnavailable(Exception):
-    """The model is not loaded (still loading, or loading failed)."""
+    """Something the request needs is not there now: the model (still loading, or loading failed), or the image
+    encoder (absent, crashed or hung). `retry_after`: seconds after which trying again may work."""
+
+    def __init__(self, message: str, retry_after: int | None = None):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+ENCODER_RETRY_AFTER = 5  # seconds: an encoder that crashed or hung is started again for the next picture
 
 
 class EngineLike(Protocol):
@@ -416,7 +424,7 @@ class Service:
             try:
                 pictures.append(await self._picture(image, live))
             except VisionUnavailable as error:
-                raise RequestError(str(error), image.param) from None
+                raise ServiceUnavailable(str(error), retry_after=ENCODER_RETRY_AFTER) from None
             except (ImageRejected, PictureRefused) as error:
                 if not image.in_tool_result:
                     raise RequestError(f"{image.param}: {error}", image.param) from None
@@ -466,6 +474,12 @@ class Service:
                         yield event
             except (trio.Cancelled, GeneratorExit):
                 row.finish = "cancel"
+                raise
+            except RequestError:
+                row.finish = "refused"  # a 400: the request's fault, not a failure of the server
+                raise
+            except (ServiceUnavailable, QueueFull):
+                row.finish = "unavailable"  # a 503
                 raise
             except BaseException:
                 row.finish = "error"

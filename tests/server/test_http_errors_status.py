@@ -78,7 +78,7 @@ def test_prompt_too_long_for_the_context(server):
     assert "context" in assert_openai_error(reply, 400)
     streamed = chat(server, {"messages": [{"role": "user", "content": "y" * 400}], "stream": True})
     assert_openai_error(streamed, 400)
-    assert [row.finish for row in server.service.history.rows] == ["error", "error"]
+    assert [row.finish for row in server.service.history.rows] == ["refused", "refused"]  # not failures
 
 
 def test_unknown_route_and_method(server):

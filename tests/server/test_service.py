@@ -84,7 +84,7 @@ async def test_prompt_longer_than_context_is_refused(scripted, tokenizer):
         with pytest.raises(RequestError, match="context"):
             await collect(service, request("x" * 100))
         assert engine.calls == []
-        assert service.history.last.finish == "error"
+        assert service.history.last.finish == "refused"  # a 400, not a server failure
 
 
 async def test_prefix_reuse_evaluates_only_new_tokens(scripted, tokenizer):

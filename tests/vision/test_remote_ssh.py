@@ -27,7 +27,7 @@ from strata.config import VisionConfig
 from strata.events import ChatRequest, TextDelta
 from strata.images import ImageSource
 from strata.sampling import SamplingParams
-from strata.service import RequestError, open_service
+from strata.service import ServiceUnavailable, open_service
 from strata.vision.client import VisionClient, VisionUnavailable
 
 from .conftest import noise_png
@@ -227,7 +227,7 @@ async def test_service_serves_text_while_the_host_is_down_and_recovers(nursery, 
     config = server_config(vision={"exe": remote_exe, "remote": True})
     async with open_service(config, engine=scripted("ok"), tokenizer=tokenizer, log=lambda line: None) as svc:
         assert await answer(svc, "hi") == "ok"  # started while the host was down
-        with pytest.raises(RequestError, match="^the image encoder is not available: "):
+        with pytest.raises(ServiceUnavailable, match="^the image encoder is not available: "):
             await answer(svc, picture_part(24))
         host.start()
         assert await answer(svc, picture_part(25)) == "ok"  # back, without a restart
@@ -237,7 +237,7 @@ async def test_service_serves_text_while_the_host_is_down_and_recovers(nursery, 
         async def big_picture():
             try:
                 await answer(svc, picture_part(26, 640, 480))
-            except RequestError as error:
+            except ServiceUnavailable as error:
                 failed.append(str(error))
 
         nursery.start_soon(big_picture)

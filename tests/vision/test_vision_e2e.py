@@ -1,6 +1,7 @@
 """Pictures end to end: hypercorn, the official `openai` and `anthropic` clients, a real encoder process and the
 real engine. Each dialect's picture (and a picture a tool returned) reaches the engine as rows at its pad
-positions, equal to the encoder's output; an encoder that is not available is a 400 in the route's format."""
+positions, equal to the encoder's output; an encoder that is not available is a 503 (with Retry-After) in the
+route's format."""
 
 from __future__ import annotations
 
@@ -196,22 +197,23 @@ def test_status_shows_the_vision_state(server):
     assert state["fingerprint"].startswith("sha256:")
 
 
-def test_unavailable_encoder_is_a_400_in_each_format(engine, tokenizer):
+def test_unavailable_encoder_is_a_503_in_each_format(engine, tokenizer):
     script = "import sys; print('ssh: connect to host box port 22: Connection refused', file=sys.stderr); sys.exit(255)"
     config = server_config(vision={"exe": [sys.executable, "-c", script], "remote": True})
     with live_server(config, engine, tokenizer) as server:
         with openai_client(server) as client:
             text = client.chat.completions.create(model="m", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
-            with pytest.raises(openai.BadRequestError, match="the image encoder is not available: .*refused"):
+            with pytest.raises(openai.InternalServerError, match="the image encoder is not available: .*refused") as e:
                 client.chat.completions.create(model="m", max_tokens=2, messages=[{"role": "user", "content": [
                     {"type": "image_url", "image_url": {"url": DATA_URL}}]}])
-        with anthropic_client(server) as client, pytest.raises(anthropic.BadRequestError) as caught:
+            assert e.value.status_code == 503 and e.value.response.headers["retry-after"] == "5"
+        with anthropic_client(server) as client, pytest.raises(anthropic.InternalServerError) as caught:
             client.messages.create(model="m", max_tokens=2, messages=[{"role": "user", "content": [
                 {"type": "image", "source": {"type": "base64", "media_type": "image/png",
                                              "data": base64.b64encode(PICTURE).decode()}}]}])
         state = httpx.get(server.url + "/v1/status", timeout=30).json()["vision"]
     assert text.choices[0].message is not None
-    assert caught.value.body["error"]["type"] == "invalid_request_error"
+    assert caught.value.body["error"]["type"] == "overloaded_error"
     assert caught.value.body["error"]["message"].startswith("the image encoder is not available: ")
     assert (state["mode"], state["available"]) == ("remote", False) and "refused" in state["last_error"]
 

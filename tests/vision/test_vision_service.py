@@ -5,9 +5,11 @@ waits for a CPU encode."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import re
+import signal
 import sys
 from collections.abc import Callable
 from contextlib import aclosing
@@ -24,7 +26,7 @@ from strata.events import ChatRequest, TextDelta, Usage
 from strata.images import ImageSource
 from strata.modelgen.mmproj import write_random_mmproj
 from strata.sampling import SamplingParams
-from strata.service import RequestError, open_service
+from strata.service import RequestError, ServiceUnavailable, open_service
 from strata.vision.client import VisionStartError
 from strata.vision.embeds import PrecomputedEmbeds
 from strata.vision.encoder import Encoder
@@ -155,7 +157,7 @@ async def test_users_own_bad_picture_is_a_request_error(scripted, tokenizer, mmp
         with pytest.raises(RequestError, match=re.escape(message)) as caught:
             await collect(svc, chat(with_picture(url)))
         assert caught.value.param == "messages[0].content[1]"
-        assert svc.history.last.finish == "error" and not svc.turn.busy
+        assert svc.history.last.finish == "refused" and not svc.turn.busy
 
 
 async def test_picture_without_an_encoder(scripted, tokenizer):
@@ -179,7 +181,7 @@ async def test_absent_remote_encoder_serves_text_and_refuses_pictures(scripted, 
     async with open_service(config, engine=scripted("text"), tokenizer=tokenizer, log=lines.append) as svc:
         events = await collect(svc, chat({"role": "user", "content": "hi"}))
         assert "".join(e.text for e in events if isinstance(e, TextDelta)) == "text"
-        with pytest.raises(RequestError, match="^the image encoder is not available: .*Connection refused"):
+        with pytest.raises(ServiceUnavailable, match="^the image encoder is not available: .*Connection refused"):
             await collect(svc, chat(with_picture(data_url(noise_png(8, 8)))))
     assert any("not available yet" in line for line in lines)
 
@@ -338,3 +340,36 @@ async def test_server_with_a_bad_local_encoder_exits_naming_the_file(tiny_model,
     assert status == 1
     assert any(line.startswith("error: the image encoder did not start") and "missing-mmproj.gguf" in line
                for line in lines)
+
+
+async def test_a_hung_encoder_is_restarted_and_the_picture_gets_a_503(scripted, tokenizer, mmproj):
+    """SIGSTOP on the encoder: the picture's encode times out (rows x the configured seconds per row), the
+    encoder is stopped and reported, and the next picture starts it again."""
+    config = vision_config(mmproj, encode_timeout=0.5, encode_timeout_per_row=0.01)  # 64 rows: 1.14 s
+    async with open_service(config, engine=scripted("ok"), tokenizer=tokenizer, log=lambda line: None) as svc:
+        assert svc.vision.encode_timeout(svc.vision.last_ready) == pytest.approx(1.14)
+        pid = svc.vision.pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            with trio.fail_after(10), pytest.raises(ServiceUnavailable, match="did not finish a picture") as caught:
+                await collect(svc, chat(with_picture(data_url(noise_png(64, 48, seed=50)))))
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        assert caught.value.retry_after is not None
+        state = svc.vision.status()
+        assert (state["available"], state["timeouts"]) == (False, 1)
+        assert "did not finish a picture" in state["last_error"]
+        events = await collect(svc, chat(with_picture(data_url(noise_png(64, 48, seed=51)))))
+        assert "".join(e.text for e in events if isinstance(e, TextDelta)) == "ok"
+        state = svc.vision.status()
+        assert state["available"] and state["restarts"] == 1 and svc.vision.pid != pid
+        assert svc.history.totals.finishes["unavailable"] == 1
+
+
+async def test_refused_requests_are_not_counted_as_errors(scripted, tokenizer):
+    engine = scripted("ok", n_ctx=64)
+    async with open_service(server_config(), engine=engine, tokenizer=tokenizer, log=lambda line: None) as svc:
+        with pytest.raises(RequestError):
+            await collect(svc, chat({"role": "user", "content": "x" * 500}))
+        assert svc.history.totals.finishes == {"refused": 1}

@@ -167,7 +167,10 @@ def _add_error_handler(app: Quart) -> None:
             error.param = exc.param
         if error.status >= 500 and not isinstance(exc, (ApiError, HTTPException)):
             app.logger.exception("request failed", exc_info=exc)
-        return _json(error_body(error, dialect_for_path(request.path)), error.status)
+        response = _json(error_body(error, dialect_for_path(request.path)), error.status)
+        if error.retry_after is not None:
+            response.headers["Retry-After"] = str(error.retry_after)
+        return response
 
     app.register_error_handler(HTTPException, handle)
     app.register_error_handler(Exception, handle)

@@ -25,11 +25,13 @@ class ApiError(Exception):
         kind: OpenAI's error `type` (Anthropic's is derived from `status`).
         param: the request field at fault, when there is one.
         code: OpenAI's machine-readable `code` (e.g. "context_length_exceeded"), when there is one.
+        retry_after: seconds for a `Retry-After` header (SDKs retry a 503 that has one).
     """
 
     def __init__(self, status: int, message: str, *, kind: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, retry_after: int | None = None):
         super().__init__(message)
+        self.retry_after = retry_after
         self.status = status
         self.message = message
         self.kind = kind
@@ -70,7 +72,7 @@ def as_api_error(exc: BaseException) -> ApiError:
     if isinstance(exc, RequestError):
         return ApiError(400, str(exc), param=exc.param, code=exc.code)
     if isinstance(exc, ServiceUnavailable):
-        return ApiError(503, str(exc), kind="server_error")
+        return ApiError(503, str(exc), kind="server_error", retry_after=exc.retry_after)
     if isinstance(exc, QueueFull):
         return ApiError(503, f"the server is busy: {exc}", kind="server_error")
     if isinstance(exc, HTTPException):

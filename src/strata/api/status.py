@@ -115,7 +115,7 @@ class _ServiceCollector:
         service = self._service
         totals = service.history.totals
         requests = CounterMetricFamily("strata_requests", "Finished requests by finish reason.", labels=["finish"])
-        for finish in ("stop", "length", "tool_calls", "cancel", "error"):
+        for finish in ("stop", "length", "tool_calls", "cancel", "error", "refused", "unavailable"):
             requests.add_metric([finish], totals.finishes.get(finish, 0))
         yield requests
         tokens = CounterMetricFamily("strata_tokens", "Tokens by kind.", labels=["kind"])

@@ -63,6 +63,11 @@ class VisionUnavailable(Exception):
         self.reason = reason
 
 
+class EncodeTimeout(VisionUnavailable):
+    """The encoder did not finish a picture in its time: it is deemed hung, and stopped (the next picture starts
+    it again)."""
+
+
 class VisionStartError(RuntimeError):
     """A local encoder could not start: a broken install, so startup stops with this message."""
 
@@ -244,6 +249,8 @@ class VisionClient:
         self.cache = cache if cache is not None else EmbeddingCache()
         self.encodes = 0
         self.queued = 0
+        self.timeouts = 0  # encodes that took too long (the encoder was restarted)
+        self.restarts = 0  # starts after the first
         self.last_error: str | None = None
         self.last_ready: Ready | None = None  # the most recent READY (kept while the encoder is down)
         self.job: dict[str, Any] | None = None  # the picture being encoded now: its size and start time
@@ -336,6 +343,8 @@ class VisionClient:
             "last_error": self.last_error,
             "encodes": self.encodes,
             "queued": self.queued,
+            "timeouts": self.timeouts,
+            "restarts": self.restarts,
             "cache_hits": self.cache.hits,
             "cached": len(self.cache),
         }
@@ -393,6 +402,8 @@ class VisionClient:
 
     async def _start(self) -> None:
         assert self._nursery is not None, "VisionClient.run is not running"
+        if self._session is not None:
+            self.restarts += 1
         session = _Session(self.argv)
         self._session = session
         await self._nursery.start(self._own_session, session)
@@ -510,22 +521,37 @@ class VisionClient:
             job.refused = reply.detail if reply.kind == "image" else reply.message
         job.done.set()
 
+    def encode_timeout(self, ready: Ready) -> float:
+        """Seconds an encode may take before the encoder is deemed hung (see the `vision.encode_timeout` key)."""
+        return self.config.encode_timeout + ready.capabilities.max_tokens * self.config.encode_timeout_per_row
+
     async def _run_job(self, session: _Session, data: bytes, digest: str) -> Embedding:
         job_id = f"j{next(self._ids)}"
         job = _Job()
         session.jobs[job_id] = job
+        limit = self.encode_timeout(session.ready_reply())
         try:
-            try:
-                await session.send(encode_request(EncodeBytes(job_id, len(data))) + data)
-                job.running = True
-                await job.done.wait()
-            except trio.Cancelled:
-                await self._cancel_job(session, job_id, job)
-                raise
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                session.finish(await self._exit_reason(session))
+            # Sending is timed too: a stopped encoder stops reading, and a picture is larger than a pipe holds.
+            with trio.move_on_after(limit) as timer:
+                try:
+                    await session.send(encode_request(EncodeBytes(job_id, len(data))) + data)
+                    job.running = True
+                    await job.done.wait()
+                except trio.Cancelled:
+                    if not timer.cancel_called:  # the request was cancelled: stop this job only
+                        await self._cancel_job(session, job_id, job)
+                    raise
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    session.finish(await self._exit_reason(session))
         finally:
             del session.jobs[job_id]
+        if timer.cancelled_caught:
+            self.timeouts += 1
+            reason = f"the encoder did not finish a picture within {limit:g} s; it was stopped and starts again"
+            session.finish(reason)
+            session.scope.cancel()
+            self.last_error = reason
+            raise EncodeTimeout(reason)
         if job.embedding is not None:
             n_embd = session.ready_reply().n_embd
             if job.embedding.rows.shape[1] != n_embd:
