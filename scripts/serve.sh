@@ -6,6 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
 . .venv/bin/activate
+echo "serve.sh: installing into .venv and compiling the C engine (about a minute the first time) ..."
 python -m pip install --quiet --upgrade pip
-python -m pip install --quiet -e .
+python -m pip install --quiet -e '.[clients]'
+echo "serve.sh: starting strata serve $*"
 exec strata serve "$@"

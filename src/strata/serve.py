@@ -24,13 +24,18 @@ if TYPE_CHECKING:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from strata.config import flag_names
+    from strata.config import Config, flag_names
+    from strata.flag_help import HELP
 
+    defaults = Config()
     parser.add_argument("--config", metavar="FILE", help="JSON config file (default: $STRATA_CONFIG)")
     for key, hint in flag_names():
         flag = "--" + key.replace("_", "-")
+        section, _, name = key.rpartition(".")
+        default = getattr(getattr(defaults, section) if section else defaults, name)
+        shown = "" if default is None or "(default" in HELP.get(key, "") else f" (default: {json.dumps(default)})"
         parser.add_argument(flag, dest=f"cfg:{key}", metavar=_metavar(hint), default=None,
-                            help=f'the "{key}" config key')
+                            help=f'{HELP.get(key, "see the docs")}{shown}; the "{key}" config key')
 
 
 def _metavar(hint: Any) -> str:
@@ -198,7 +203,9 @@ async def _stop_on_signal(stop: trio.Event) -> None:
     import trio
 
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async for _ in signals:
+        async for received in signals:
+            print(f"{signal.Signals(received).name}: shutting down (requests in flight get the graceful_timeout)",
+                  flush=True)
             stop.set()
             return
 

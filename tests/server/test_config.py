@@ -64,3 +64,19 @@ def test_unreadable_or_invalid_file(tmp_path):
     bad.write_text("{")
     with pytest.raises(ConfigError, match="not valid JSON"):
         load_config(bad, environ={})
+
+
+def test_every_flag_says_what_it_is_and_its_default():
+    import argparse
+
+    from strata.config import flag_names
+    from strata.flag_help import HELP
+    from strata.serve import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    helps = {action.dest.removeprefix("cfg:"): action.help for action in parser._actions}
+    assert set(HELP) <= {key for key, _ in flag_names()}  # no help for a key that is gone
+    assert "(default: 4096)" in helps["context"] and "tokens" in helps["context"]
+    assert "(default: 60.0)" in helps["limits.body_timeout"] and "seconds" in helps["limits.body_timeout"]
+    assert all("config key" in text for key, text in helps.items() if key not in ("help", "config"))

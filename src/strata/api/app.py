@@ -98,6 +98,10 @@ def create_app(service: Service | None = None, config: Config | None = None) -> 
         config = service.config
     elif config is None:
         config = load_config()
+    if service is None and not config.model:
+        from strata.serve import with_demo_model
+
+        config = with_demo_model(config)  # as `strata serve` does: `{}` is a working config
     state = _State(config, service)
     app = QuartTrio(__name__)
     app.asgi_http_class = _RequestConnection

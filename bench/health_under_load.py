@@ -1,0 +1,123 @@
+"""`/health` latency while one client sends the largest bodies the limits allow (issue 13's target: p99 <= 100 ms).
+
+`strata serve` runs the shipped demo model in its own process; a second process polls `/health` every 20 ms on
+one keep-alive connection (its own GIL: the sender's work cannot delay it) while this one sends one attack
+request, and the latency percentiles are reported with the attack's own answer and the server's memory.
+Run: `python bench/health_under_load.py` (about a minute).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+import httpx
+
+MiB = 1 << 20
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def attacks() -> dict[str, tuple[str, bytes]]:
+    chat = "/v1/chat/completions"
+    user = [{"role": "user", "content": "hi"}]
+    words = "word " * ((63 * MiB) // 5)  # under the 64 MiB body limit with the JSON around it
+    return {
+        "none (baseline)": ("", b""),
+        "63 MB message": (chat, json.dumps({"model": "m", "messages": [{"role": "user", "content": words}]}).encode()),
+        "20,000 stop strings": (chat, json.dumps({"model": "m", "messages": user, "stop": ["zz"] * 20_000}).encode()),
+        "5 MB tool description": (chat, json.dumps({"model": "m", "messages": user, "tools": [
+            {"type": "function", "function": {"name": "f", "description": "d " * (5 * MiB // 2),
+                                              "parameters": {}}}]}).encode()),
+        "30,000 messages": (chat, json.dumps({"model": "m", "messages": user * 30_000}).encode()),
+        "nested 100,000 deep": (chat, b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"),
+    }
+
+
+POLLER = """
+import json, sys, time, httpx
+latencies = []
+with httpx.Client(timeout=120) as client:
+    while not sys.stdin.closed:
+        started = time.perf_counter()
+        client.get(sys.argv[1] + "/health").raise_for_status()
+        latencies.append((time.perf_counter() - started) * 1000)
+        time.sleep(0.02)
+        import select
+        if select.select([sys.stdin], [], [], 0)[0]:
+            break
+print(json.dumps(latencies))
+"""
+
+
+def run_attack(url: str, path: str, body: bytes) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    poller = subprocess.Popen([sys.executable, "-c", POLLER, url], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    time.sleep(1.0)  # a baseline before the attack
+    started = time.perf_counter()
+    if path:
+        reply = httpx.post(url + path, content=body, headers={"content-type": "application/json"}, timeout=600)
+        result["status"] = reply.status_code
+    else:
+        time.sleep(5.0)
+        result["status"] = "-"
+    result["seconds"] = time.perf_counter() - started
+    time.sleep(0.3)
+    latencies = sorted(json.loads(poller.communicate("stop\n", timeout=60)[0]))
+    result["n"] = len(latencies)
+    result["p50"] = statistics.median(latencies)
+    result["p99"] = latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))]
+    result["max"] = latencies[-1]
+    return result
+
+
+def rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def main() -> int:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen([sys.executable, "-m", "strata.cli", "serve", "--port", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.2)
+        print("| attack | answer | request s | /health p50 ms | p99 ms | max ms | samples | server RSS MB after |")
+        print("|---|---|---|---|---|---|---|---|")
+        for name, (path, body) in attacks().items():
+            r = run_attack(url, path, body)
+            print(f"| {name} ({len(body) / MiB:.1f} MiB) | {r['status']} | {r['seconds']:.2f} | {r['p50']:.1f} | "
+                  f"{r['p99']:.1f} | {r['max']:.1f} | {r['n']} | {rss_mb(server.pid):.0f} |", flush=True)
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(30)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
