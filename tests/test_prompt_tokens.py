@@ -141,3 +141,27 @@ def test_qwen_vocabulary_bound(qwen_tok):
     with pytest.raises(ValueError, match="the context holds 4096"):
         guard.check_length(["y" * (4096 * guard.max_token_chars)], 4096)
     assert guard.check_length(["y" * 100], 4096) >= 1
+
+
+async def test_a_raw_completion_too_long_is_refused_before_tokenising(tokenizer):
+    from strata.events import CompletionPrompt
+
+    calls: list[int] = []
+
+    class Spy:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(tokenizer, name)
+
+        def encode(self, text: str, special: bool = True) -> list[int]:
+            calls.append(len(text))
+            return tokenizer.encode(text, special)
+
+    engine = ScriptedEngine(tokenizer, tokenizer.encode("ok"), n_ctx=4096)
+    async with open_service(server_config(), engine=engine, tokenizer=Spy(), log=lambda line: None) as service:
+        calls.clear()
+        huge = ChatRequest(messages=[], completion=CompletionPrompt(text="x" * 5_000_000))
+        with pytest.raises(RequestError, match="the context holds 4096"):
+            async with aclosing(service.chat(huge)) as events:
+                async for _ in events:
+                    pass
+    assert not calls or max(calls) < 100

@@ -88,10 +88,14 @@ class PromptTokens:
         ids += self._encode_special(prompt[at:])
         return ids
 
-    def _encode_special(self, text: str) -> list[int]:
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of `text` as plain text (control-token text included), in slices like `encode`."""
+        return self._encode_special(text, special=False)
+
+    def _encode_special(self, text: str, special: bool = True) -> list[int]:
         ids: list[int] = []
         for piece in slices(text, SLICE_CHARS):
-            ids += self._tokenizer.encode(piece, special=True)
+            ids += self._tokenizer.encode(piece, special=special)
         return ids
 
 

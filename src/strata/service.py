@@ -326,21 +326,26 @@ class Service:
     def _completion_prompt(self, completion: CompletionPrompt) -> tuple[str, list[int]]:
         """A raw completion's prompt text and ids: the text tokenised as plain text, or the ids checked; with a
         suffix, the fill-in-the-middle form `<|fim_prefix|>prompt<|fim_suffix|>suffix<|fim_middle|>`."""
-        tokenizer = self.tokenizer
+        tokenizer, guard = self.tokenizer, self.prompt_tokens
+        assert guard is not None, "prompt before the model is loaded"
+        try:
+            guard.check_length([completion.text or "", completion.suffix or ""], self.engine.n_ctx)
+        except ValueError as error:
+            raise RequestError(str(error), "prompt") from None
         if completion.ids is not None:
             bad = [token for token in completion.ids if not 0 <= token < self.engine.n_vocab]
             if bad:
                 raise RequestError(f"prompt: token ids go up to {self.engine.n_vocab - 1}, got {bad[0]}", "prompt")
             ids = list(completion.ids)
         else:
-            ids = tokenizer.encode(completion.text or "", special=False)
+            ids = guard.encode_text(completion.text or "")
         if completion.suffix is not None:
             fim = [tokenizer.token_to_id(name) for name in FIM_TOKENS]
             if None in fim:
                 raise RequestError("suffix: this model's vocabulary has no fill-in-the-middle tokens "
                                    f"({', '.join(FIM_TOKENS)})", "suffix")
             prefix, suffix, middle = fim
-            ids = [prefix, *ids, suffix, *tokenizer.encode(completion.suffix, special=False), middle]
+            ids = [prefix, *ids, suffix, *guard.encode_text(completion.suffix), middle]
         if not ids:
             raise RequestError("prompt: must not be empty", "prompt")
         if completion.ids is None:  # a text prompt starts with BOS when the model wants one, as a chat prompt does
