@@ -68,6 +68,7 @@ class LimitsConfig:
     max_body_bytes: int = 64 * 1024 * 1024  # base64 pictures are large
     max_tokens: int | None = None  # cap on generated tokens per request; None: the context's room
     queue_length: int = 64  # requests waiting for the engine beyond this get 503
+    max_pictures: int = 16  # pictures per request (each is downloaded and encoded: checked before any is)
     history_size: int = 256  # rows of /v1/history kept in memory
     body_timeout: float = 60.0  # seconds to receive a request body
     graceful_timeout: float = 3.0  # seconds in-flight requests get at shutdown
@@ -145,7 +146,7 @@ def _check(config: Config) -> None:
     if config.threads is not None and config.threads < 1:
         raise _fail("threads", "must be at least 1")
     limits = config.limits
-    for key in ("max_body_bytes", "queue_length", "history_size"):
+    for key in ("max_body_bytes", "queue_length", "history_size", "max_pictures"):
         if getattr(limits, key) < 1:
             raise _fail(f"limits.{key}", "must be at least 1")
     if limits.max_tokens is not None and limits.max_tokens < 1:

@@ -37,6 +37,7 @@ HELP = {
     "images.allow_hosts": "host names, addresses or networks image URLs may reach although not public (JSON list)",
     "limits.max_body_bytes": "largest request body, in bytes",
     "limits.max_tokens": "cap on generated tokens per request (default: the context's room)",
+    "limits.max_pictures": "pictures per request (more are refused before any is downloaded or encoded)",
     "limits.queue_length": "requests waiting for the engine beyond this get 503",
     "limits.history_size": "rows of /v1/history kept",
     "limits.body_timeout": "seconds to receive a request body",

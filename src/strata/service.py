@@ -417,6 +417,12 @@ class Service:
                   for j, part in enumerate(message["content"]) if part.get("type") == "image"]
         if not places:
             return request, []
+        limit = self.config.limits.max_pictures
+        if len(places) > limit:  # before any picture is downloaded or encoded
+            i, j = places[limit]
+            param = request.messages[i]["content"][j]["image"].param
+            raise RequestError(f"{param}: the request has {len(places)} pictures; at most {limit} are allowed (the "
+                               "limits.max_pictures config key)", param)
         if self.vision is None:
             param = request.messages[places[0][0]]["content"][places[0][1]]["image"].param
             raise RequestError(f"{param}: image input needs an image encoder, and this server has none (the "

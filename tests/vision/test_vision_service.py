@@ -373,3 +373,19 @@ async def test_refused_requests_are_not_counted_as_errors(scripted, tokenizer):
         with pytest.raises(RequestError):
             await collect(svc, chat({"role": "user", "content": "x" * 500}))
         assert svc.history.totals.finishes == {"refused": 1}
+
+
+async def test_too_many_pictures_are_refused_before_any_encode(scripted, tokenizer, mmproj):
+    """100 large pictures used to be encoded (35-40 s) before the request was found too long."""
+    config = server_config(vision={"mmproj": str(mmproj), "threads": 1, "max_tokens": 64},
+                           limits={"max_pictures": 3})
+    picture = {"type": "image", "image": ImageSource("p", data=noise_png(64, 48, seed=60))}
+    async with open_service(config, engine=scripted("ok"), tokenizer=tokenizer, log=lambda line: None) as svc:
+        parts = [dict(picture, image=ImageSource(f"messages[0].content[{k}]", data=noise_png(64, 48, seed=k)))
+                 for k in range(100)]
+        with pytest.raises(RequestError, match=r"messages\[0\].content\[3\]: the request has 100 pictures") as e:
+            await collect(svc, chat({"role": "user", "content": parts}))
+        assert e.value.param == "messages[0].content[3]"
+        assert svc.vision.status()["encodes"] == 0
+        events = await collect(svc, chat({"role": "user", "content": parts[:3]}))
+        assert svc.vision.status()["encodes"] == 3 and any(isinstance(e, TextDelta) for e in events)

@@ -55,7 +55,15 @@ class _RequestConnection(TrioASGIHTTPConnection):
 def _cancelling_send(send: ASGISendCallable, scope: trio.CancelScope) -> ASGISendCallable:
     async def guarded(message: ASGISendEvent) -> None:
         try:
-            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                # The last send is shielded: inside it, hypercorn delivers http.disconnect (on which quart-trio
+                # cancels this request's nursery, this task included) and then closes a `Connection: close`
+                # socket; unshielded, that close is cancelled at its first checkpoint and the socket leaks.
+                # (hypercorn already shields its socket writes, so this adds no new wait.)
+                with trio.CancelScope(shield=True):
+                    await send(message)
+            else:
+                await send(message)
         except _SEND_ERRORS:
             scope.cancel()
             await trio.lowlevel.checkpoint()  # raises Cancelled
