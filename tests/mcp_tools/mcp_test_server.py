@@ -2,8 +2,10 @@
 (streamable HTTP on 127.0.0.1, an ephemeral port printed as the first line of stdout).
 
 Tools: echo, get_weather (what the demo model knows), slow (records its start and its cancellation in the file
-named by STRATA_TEST_MARK), crash (the process dies mid-call), picture (a PNG), fail (the tool raises), and
-`broken`, whose input schema is not valid JSON Schema. STRATA_TEST_TOOLS (comma-separated) keeps only those."""
+named by STRATA_TEST_MARK), crash (the process dies mid-call), picture (a PNG), fail (the tool raises), grow
+(adds a tool and notifies the change), and `broken`, whose input schema is not valid JSON Schema.
+STRATA_TEST_TOOLS (comma-separated) keeps only those; STRATA_TEST_WEATHER_PICTURE makes get_weather answer with a
+picture."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import sys
 import time
 
 import anyio
-from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.utilities.types import Image as McpImage
 from PIL import Image, ImageDraw
 
@@ -102,6 +104,19 @@ def picture() -> McpImage:
 def fail(reason: str) -> str:
     """Always fails."""
     raise ValueError(f"failed on purpose: {reason}")
+
+
+@server.tool()
+async def grow(ctx: Context) -> str:
+    """Adds the tool `extra` and says the tools changed."""
+
+    def extra() -> str:
+        """Added later."""
+        return "extra"
+
+    server.add_tool(extra)
+    await ctx.notify_tools_changed()
+    return "grown"
 
 
 @server.tool()

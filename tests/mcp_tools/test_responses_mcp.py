@@ -32,7 +32,8 @@ def server(tokenizer, http_mcp, mark):
     url, _ = http_mcp
     engine = RoundsEngine(tokenizer)
     config = server_config(mcp={"max_rounds": MAX_ROUNDS, "request_urls": True}, images={"allow_hosts": ["127.0.0.1"]},
-                           mcp_servers={"tools": stdio_server(mark), "web": {"url": url, "timeout": 1.0}})
+                           mcp_servers={"tools": stdio_server(mark), "web": {"url": url, "timeout": 1.0},
+                                        "absent": {"command": "/nonexistent/mcp-server"}})
     with live_server(config, engine, tokenizer) as live:
         live.engine = engine
         yield live
@@ -63,7 +64,7 @@ def test_a_tool_round_runs_on_the_server(server, api, tokenizer):
     assert [item.type for item in response.output] == ["mcp_list_tools", "mcp_call", "message"]
     listing, mcp_call, _ = response.output
     assert listing.server_label == "tools"
-    assert {tool.name for tool in listing.tools} == {"echo", "get_weather", "slow", "crash", "picture", "fail"}
+    assert {tool.name for tool in listing.tools} == {"echo", "get_weather", "slow", "crash", "picture", "fail", "grow"}
     assert (mcp_call.server_label, mcp_call.name, json.loads(mcp_call.arguments)) == ("tools", "echo", {"text": "hi"})
     assert (mcp_call.output, mcp_call.error, mcp_call.status) == ("echo: hi", None, "completed")
     assert response.output_text == "Done." and response.status == "completed"
@@ -163,7 +164,27 @@ def test_bad_schemas_are_skipped_and_shown(server):
     assert "not valid JSON Schema" in status["skipped"][0]["reason"]
     assert "broken" not in [tool["name"] for tool in status["tools"]]
     overview = httpx.get(server.url + "/v1/status", timeout=10).json()["mcp"]
-    assert {entry["name"]: entry["transport"] for entry in overview} == {"tools": "stdio", "web": "http"}
+    assert {entry["name"]: entry["transport"] for entry in overview} == {"tools": "stdio", "web": "http",
+                                                                         "absent": "stdio"}
+
+
+def test_a_server_that_cannot_start_offers_nothing_and_the_request_goes_on(server, api):
+    _wait_for(lambda: _status(server, "absent")["state"] == "failed")
+    assert "FileNotFoundError" in _status(server, "absent")["error"]
+    starts = _status(server, "absent")["starts"]
+    response = ask(api, "Hi.", server=server, tools=[mcp("absent"), mcp()])
+    listing = response.output[0]
+    assert listing.type == "mcp_list_tools" and listing.server_label == "absent" and listing.tools == []
+    assert "not available" in listing.error
+    assert response.output[1].server_label == "tools" and response.output_text == "Hi."
+    assert _status(server, "absent")["starts"] == starts + 1  # the request asked for it again
+
+
+def test_a_pictures_result_without_an_encoder_is_named_to_the_model(server, api, tokenizer):
+    response = ask(api, call("picture"), "A picture.", server=server)
+    assert response.output[1].output == "[image: image/png]"
+    prompt = tokenizer.decode(server.call(lambda: list(server.engine.kv)))
+    assert "[image omitted: this server has no image encoder]" in prompt
 
 
 def test_the_round_limit_ends_the_response(server, api):
@@ -216,7 +237,7 @@ def test_a_server_at_a_request_url(server, api, http_mcp):
     url, _ = http_mcp
     response = ask(api, call("echo", text="url"), "Ok.", server=server, tools=[mcp("mine", server_url=url)])
     assert response.output[1].server_label == "mine" and response.output[1].output == "echo: url"
-    assert [entry["name"] for entry in server.service.mcp.status()] == ["tools", "web"]  # not kept
+    assert [entry["name"] for entry in server.service.mcp.status()] == ["tools", "web", "absent"]  # not kept
 
 
 def test_hanging_up_during_a_tool_call_cancels_it(server, mark):
@@ -225,7 +246,8 @@ def test_hanging_up_during_a_tool_call_cancels_it(server, mark):
     server.engine.say(call("slow", seconds=30), "Never.")
     body = json.dumps({"model": "m", "input": "hi", "stream": True, "tools": [mcp()]}).encode()
     host, port = server.url.removeprefix("http://").split(":")
-    _wait_for(lambda: all(entry["state"] == "ready" for entry in server.service.mcp.status()))
+    _wait_for(lambda: all(entry["state"] == "ready" for entry in server.service.mcp.status()
+                          if entry["name"] != "absent"))
     tasks_before = server.call(_count_tasks)
     started, cancelled = _read(mark).count("started"), _read(mark).count("cancelled")
     sock = socket.create_connection((host, int(port)))
@@ -268,3 +290,11 @@ def _wait_for(predicate: Any, timeout: float = 15.0, message: Any = lambda: "") 
     while not predicate():
         assert time.monotonic() < deadline, f"timed out {message()}"
         time.sleep(0.01)
+
+
+def test_a_changed_tool_list_is_listed_again(server, api):
+    response = ask(api, call("grow"), "Grown.", server=server)
+    assert response.output[1].output == "grown"
+    _wait_for(lambda: "extra" in [tool["name"] for tool in _status(server, "tools")["tools"]])
+    response = ask(api, call("extra"), "Ok.", server=server, tools=[mcp(allowed_tools=["extra"])])
+    assert response.output[1].output == "extra"
