@@ -8,6 +8,7 @@ HELP = {
     "host": "address(es) to listen on, comma-separated",
     "port": "TCP port",
     "api_key": "key clients must send (Authorization: Bearer or x-api-key); also $STRATA_API_KEY",
+    "status_key": "key /v1/history and /metrics need even when api_key is unset (api_key works too)",
     "allowed_hosts": "Host header names served, as a JSON list (default on loopback: loopback names only)",
     "context": "context length in tokens (prompt and answer)",
     "threads": "engine threads (default: all cores)",

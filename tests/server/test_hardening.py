@@ -188,3 +188,20 @@ def test_connection_close_closes_the_socket(server, path):
                 reply += chunk
             assert reply.startswith(b"HTTP/1.1 200")
     assert len(os.listdir("/proc/self/fd")) <= fds_before + 2
+
+
+def test_status_key_guards_history_and_metrics(tokenizer):
+    """/v1/history and /metrics show every client's request ids and timings: status_key keeps them private while
+    the API stays open."""
+    config = server_config(status_key="s3cret")
+    with live_server(config, ScriptedEngine(tokenizer, tokenizer.encode("ok")), tokenizer) as live:
+        assert post(live, "/v1/chat/completions", json.dumps(request_for("/v1/chat/completions", "hi")).encode()
+                    ).status_code == 200
+        for path in ("/v1/history", "/metrics"):
+            assert httpx.get(live.url + path, timeout=30).status_code == 401
+            assert httpx.get(live.url + path, headers={"authorization": "Bearer s3cret"}, timeout=30).status_code == 200
+        assert httpx.get(live.url + "/v1/models", timeout=30).status_code == 200
+    both = server_config(status_key="s3cret", api_key="k")
+    with live_server(both, ScriptedEngine(tokenizer, tokenizer.encode("ok")), tokenizer) as live:
+        assert httpx.get(live.url + "/v1/history", headers={"x-api-key": "k"}, timeout=30).status_code == 200
+        assert httpx.get(live.url + "/v1/models", headers={"x-api-key": "s3cret"}, timeout=30).status_code == 401

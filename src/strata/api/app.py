@@ -154,21 +154,33 @@ def _own_service(app: QuartTrio, state: _State) -> None:
             state.closing.set()
 
 
+_STATUS_ROUTES = ("/v1/history", "/metrics")  # what `status_key` guards: other clients' requests
+
+
+def _given_key() -> str:
+    given = request.headers.get("x-api-key", "")
+    authorization = request.headers.get("authorization", "")
+    if authorization[:7].lower() == "bearer ":
+        given = authorization[7:].strip()
+    return given
+
+
 def _add_auth(app: Quart, config: Config) -> None:
-    if not config.api_key:
+    if not (config.api_key or config.status_key):
         return
-    expected = config.api_key.encode()
+    api_keys = [config.api_key.encode()] if config.api_key else []
+    status_keys = [key.encode() for key in (config.api_key, config.status_key) if key]
 
     @app.before_request
     async def check_key() -> None:
         # The web page loads without the key; every API call it makes needs it.
         if request.path == "/health" or (config.web and web.is_page(request.path)):
             return
-        given = request.headers.get("x-api-key", "")
-        authorization = request.headers.get("authorization", "")
-        if authorization[:7].lower() == "bearer ":
-            given = authorization[7:].strip()
-        if not hmac.compare_digest(given.encode(), expected):
+        keys = status_keys if request.path in _STATUS_ROUTES else api_keys
+        if not keys:
+            return  # only status_key is set: the API is open
+        given = _given_key().encode()
+        if not any(hmac.compare_digest(given, key) for key in keys):
             raise ApiError(401, "invalid or missing API key", kind="authentication_error")
 
 
