@@ -119,3 +119,22 @@ def test_model_aliases_and_context_length(tiny_model: Path):
     assert [model.id for model in models] == ["qwen-local", "gpt-4o-mini"]
     assert {model.model_extra["context_length"] for model in models} == {256}
     assert reply.model == "qwen-local"
+
+
+def test_responses_input_token_count(serve_script, tokenizer):
+    with serve_script("x") as server, openai.OpenAI(base_url=server.url + "/v1", api_key="unused") as client:
+        count = client.responses.input_tokens.count(model="m", input="Hello there", instructions="Be brief.")
+        client.responses.create(model="m", input="Hello there", instructions="Be brief.", max_output_tokens=5)
+        n_prompt = len(server.service.engine.calls[0])
+    assert (count.object, count.input_tokens) == ("response.input_tokens", n_prompt)
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"n": 2}, "n"), ({"modalities": ["text", "audio"]}, "modalities[1]"), ({"audio": {"voice": "x"}}, "audio"),
+    ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
+    ({"response_format": {"type": "sound"}}, "response_format.type"),
+])
+def test_unsupported_chat_fields_are_400s(serve_script, extra, param):
+    with serve_script("x") as server, httpx.Client(base_url=server.url) as client:
+        reply = client.post("/v1/chat/completions", json={"messages": USER, **extra})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == param

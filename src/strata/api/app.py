@@ -348,6 +348,14 @@ def _add_chat_routes(app: Quart, state: _State) -> None:
         async def count_tokens() -> Response:
             chat_request = anthropic.parse_count_tokens_request(await _json_body())
             return _json(anthropic.render_count(await state.ready_service().count_tokens(chat_request)))
+    if routes["/v1/responses"] is not None:
+        from strata.api import openai_responses
+
+        @app.post("/v1/responses/input_tokens")
+        async def input_tokens() -> Response:
+            chat_request = openai_responses.parse_count_request(await _json_body())
+            count = await state.ready_service().count_tokens(chat_request)
+            return _json({"object": "response.input_tokens", "input_tokens": count})
 
 
 def _add_token_routes(app: Quart, state: _State) -> None:

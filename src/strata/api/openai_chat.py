@@ -74,6 +74,7 @@ def parse_request(body: Any) -> ChatRequest:
         raise bad_request("messages", "must not be empty")
     if get_int(body, "n", "n", 1) not in (None, 1):
         raise bad_request("n", "only n=1 is supported")
+    _refuse_unsupported(body)
     tools = _tools(body)
     tool_choice = _tool_choice(body, {tool["function"]["name"] for tool in tools})
     effort = get_choice(body, "reasoning_effort", _EFFORTS, "reasoning_effort")
@@ -92,6 +93,24 @@ def parse_request(body: Any) -> ChatRequest:
         template_kwargs=dict(get_object(body, "chat_template_kwargs", "chat_template_kwargs") or {}),
         route="chat",
     )
+
+
+# Fields that would change the answer in ways this server cannot: refused, never silently ignored.
+_UNSUPPORTED = (
+    ("audio", "audio output is not supported"),
+    ("prediction", "predicted outputs are not supported"),
+    ("web_search_options", "web search is not supported"),
+)
+
+
+def _refuse_unsupported(body: dict[str, Any]) -> None:
+    for key, why in _UNSUPPORTED:
+        if body.get(key) is not None:
+            raise bad_request(key, why)
+    modalities = get_list(body, "modalities", "modalities") or []
+    for i, modality in enumerate(modalities):
+        if modality != "text":
+            raise bad_request(f"modalities[{i}]", f"only text output is supported, got {modality!r}")
 
 
 def _continue_final_message(body: dict[str, Any], messages: list[Any]) -> bool:

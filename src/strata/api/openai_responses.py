@@ -124,6 +124,12 @@ def parse_request(body: Any, *, sampling_defaults: Mapping[str, Any] | None = No
     )
 
 
+def parse_count_request(body: Any) -> ChatRequest:
+    """Translate a `POST /v1/responses/input_tokens` body: a response request whose model may be left out."""
+    body = check_type(body, dict, "body")
+    return parse_request({"model": "", **body} if body.get("model") is None else body)
+
+
 def _refuse_stateful(body: dict[str, Any]) -> None:
     for key, why in _STATEFUL:
         if body.get(key) is not None:
