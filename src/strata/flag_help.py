@@ -43,4 +43,9 @@ HELP = {
     "limits.history_size": "rows of /v1/history kept",
     "limits.body_timeout": "seconds to receive a request body",
     "limits.graceful_timeout": "seconds in-flight requests get at shutdown",
+    "mcp.max_rounds": "MCP tool rounds one response may run (docs/MCP.md)",
+    "mcp.call_timeout": "seconds one MCP tool call may take",
+    "mcp.connect_timeout": "seconds an MCP server gets to start and list its tools",
+    "mcp.request_urls": "let requests name MCP servers by URL (under the images.* address rules)",
+    "mcp_servers": 'MCP servers as a JSON object: name -> {"command", "args", "env", "cwd"} or {"url", "headers"}',
 }

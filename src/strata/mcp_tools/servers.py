@@ -89,12 +89,11 @@ class McpServer:
             self._ended.set()
 
     async def aclose(self) -> None:
-        """Stop the supervisor and wait for it (the SDK stops a stdio server within a few seconds)."""
+        """Stop the supervisor and wait for it (callers shield this; the SDK's own shutdown is bounded)."""
         self._closing = True
         if self._scope is not None:
             self._scope.cancel()
-            with trio.CancelScope(shield=True):
-                await self._ended.wait()
+            await self._ended.wait()
 
     async def _serve_once(self) -> None:
         await _import_sdk()

@@ -17,6 +17,8 @@ from strata.events import McpToolList, McpUse
 from strata.mcp_tools.servers import McpServer, McpServers, McpUnavailable
 from strata.mcp_tools.tools import McpTool, ToolOutput
 
+_CLOSE_TIMEOUT = 5.0  # seconds to close the MCP servers a request opened
+
 
 class McpRequestError(ValueError):
     """A request's MCP servers cannot be used as asked (a 400); `param` names the field."""
@@ -62,8 +64,9 @@ class Toolset:
         return await offered.server.call(offered.tool.name, arguments, timeout=timeout, pictures=pictures)
 
     async def aclose(self) -> None:
-        """Close the servers this request opened (cleanup that must finish: shielded)."""
-        with trio.CancelScope(shield=True):
+        """Close the servers this request opened (cleanup that must finish: shielded, and bounded, so that a
+        remote that does not answer the session's closing request holds no one for long)."""
+        with trio.CancelScope(shield=True), trio.move_on_after(_CLOSE_TIMEOUT):
             for server in self._own:
                 await server.aclose()
 
