@@ -41,12 +41,12 @@ def test_an_lfm2_text_file_names_its_architecture(tmp_path: pathlib.Path) -> Non
     # LFM2 stores head_count_kv per layer (0 for its convolution layers): reading it as ours would fail obscurely
     path = _write(tmp_path / "lfm2.gguf", "lfm2", block_count=4, embedding_length=64,
                   attention__head_count_kv=[0, 0, 2, 0])
-    expected = r"^unsupported architecture 'lfm2' \(this engine runs qwen3moe, qwen3, llama\)$"
+    expected = r"^unsupported architecture 'lfm2' \(this engine runs qwen3moe, qwen3, llama, qwen3vl, qwen3vlmoe\)$"
     with pytest.raises(EngineError, match=expected):
         Engine.load(path)
 
 
-@pytest.mark.parametrize("arch", ["qwen3vl", "qwen3vlmoe", "qwen2vl", "gemma3"])
+@pytest.mark.parametrize("arch", ["qwen2vl", "qwen25vl", "gemma3", "lfm2moe"])
 def test_other_architectures_are_named(tmp_path: pathlib.Path, arch: str) -> None:
     with pytest.raises(EngineError, match=f"^unsupported architecture '{arch}'"):
         Engine.load(_write(tmp_path / "m.gguf", arch, **_LLAMA))

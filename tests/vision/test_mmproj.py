@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from strata.modelgen.mmproj import IMAGE_MEAN, IMAGE_STD, SIZES, VisionShape, text_model_width, write_random_mmproj
+from strata.vision.load import open_encoder
 from strata.vision.mmproj import Mmproj, MmprojError
 
 from .conftest import N_EMBD_TEXT
@@ -161,6 +162,17 @@ def test_reader_refuses_other_models_and_names_the_file(tiny_mmproj: Path, tmp_p
     with pytest.raises(MmprojError, match=message) as info:
         Mmproj.load(bad)
     assert f"'{bad}'" in str(info.value)
+
+
+@pytest.mark.parametrize("projector", ["qwen2.5vl_merger", "qwen2vl_merger", "gemma3", "idefics3", "mlp"])
+def test_projectors_it_does_not_run_are_named_in_one_line(tiny_mmproj: Path, tmp_path: Path, projector: str):
+    # every other key is wrong for such a file too: the projector is checked before any of them is read
+    bad = rewrite(tiny_mmproj, tmp_path / "bad.gguf", keys={gguf.Keys.Clip.PROJECTOR_TYPE: projector},
+                  drop="v.patch_embd.weight")
+    with pytest.raises(MmprojError) as info:
+        open_encoder(bad, threads=1)
+    assert str(info.value) == (f"cannot load mmproj '{bad}': projector type '{projector}' is not supported (this "
+                               "encoder runs 'lfm2', 'qwen3vl_merger')")
 
 
 def test_reader_refuses_missing_and_non_gguf_files(tmp_path: Path):

@@ -192,6 +192,9 @@ static const struct { const char *name; rope_mode rope; int has_qk_norm, is_moe;
     {"qwen3moe", ROPE_NEOX, 1, 1},
     {"qwen3", ROPE_NEOX, 1, 0},
     {"llama", ROPE_NORMAL, 0, 0},
+    /* Qwen3-VL's text side; on text its multi-axis RoPE is Qwen3's (pictures: not yet) */
+    {"qwen3vl", ROPE_NEOX, 1, 0},
+    {"qwen3vlmoe", ROPE_NEOX, 1, 1},
 };
 #define N_ARCHS ((int)(sizeof ARCHS / sizeof ARCHS[0]))
 
@@ -205,7 +208,9 @@ static int arch_index(const char *arch) {
 static strata_status set_arch(strata_model *m, const char *arch) {
     if (!arch) return fail(STRATA_ERR_INVALID_ARG, "no architecture given");
     int i = arch_index(arch);
-    if (i < 0) return fail(STRATA_ERR_UNSUPPORTED, "unsupported architecture '%s' (qwen3moe, qwen3, llama)", arch);
+    if (i < 0)
+        return fail(STRATA_ERR_UNSUPPORTED, "unsupported architecture '%s' (qwen3moe, qwen3, llama, qwen3vl, "
+                    "qwen3vlmoe)", arch);
     m->rope = ARCHS[i].rope;
     m->has_qk_norm = ARCHS[i].has_qk_norm;
     m->is_moe = ARCHS[i].is_moe;

@@ -50,7 +50,7 @@ class Encoder:
         self.hp = mmproj.hparams
         self.threads = threads
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="attention")
-        for linear in _linears(mmproj):
+        for linear in self._linears():
             if not lib.strata_type_supported(linear.weight.type):
                 name = gguf.GGMLQuantizationType(linear.weight.type).name
                 raise MmprojError(f"'{mmproj.path}': weight type {name} is not supported by the kernels")
@@ -110,6 +110,12 @@ class Encoder:
         x += self._linear(gelu(self._linear(h, block.up, cancelled)), block.down, cancelled)
         return x
 
+    def _linears(self) -> list[Linear]:
+        """Every weight product's matrix (their types are checked at construction)."""
+        m = self.mmproj
+        blocks = [lin for b in m.blocks for lin in (b.q, b.k, b.v, b.o, b.up, b.down)]
+        return [m.patch, *blocks, m.mm_up, m.mm_down]
+
     def _linear(self, x: np.ndarray, linear: Linear, cancelled: Callable[[], bool]) -> np.ndarray:
         """x (n, n_in) @ W^T + b on the C kernels, SLICE_ROWS rows of x at a time."""
         w = linear.weight
@@ -130,11 +136,6 @@ class Encoder:
                 raise RuntimeError(f"strata_matmul: {ffi.string(lib.strata_status_string(status)).decode()}")
         y += linear.bias
         return y
-
-
-def _linears(mmproj: Mmproj) -> list[Linear]:
-    blocks = [lin for b in mmproj.blocks for lin in (b.q, b.k, b.v, b.o, b.up, b.down)]
-    return [mmproj.patch, *blocks, mmproj.mm_up, mmproj.mm_down]
 
 
 # --- the steps, as plain functions of arrays

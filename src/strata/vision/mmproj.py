@@ -12,7 +12,8 @@ import dataclasses
 import hashlib
 import json
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import gguf
 import numpy as np
@@ -23,9 +24,12 @@ PROJECTOR_TYPE = "lfm2"
 # GELU in the projector. "strata": this project's own encoder (the demo model was trained so), positions resized
 # bicubically, tanh GELU throughout; our writers mark such files with the key.
 VARIANT_KEY = "strata.vision.variant"
-VARIANTS = ("lfm2-vl", "strata")
+# The projectors strata-vision runs, and the variant a file of each type without the key is.
+PROJECTORS = {PROJECTOR_TYPE: "lfm2-vl", "qwen3vl_merger": "qwen3-vl"}
+VARIANTS = ("lfm2-vl", "strata", "qwen3-vl")
 _T = gguf.MODEL_TENSOR
 _K = gguf.Keys.ClipVision
+_M = TypeVar("_M")
 _FLOAT_TYPES = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
 
 
@@ -64,6 +68,7 @@ class VisionHParams:
     min_pixels: int | None = None
     max_pixels: int | None = None
     variant: str = "lfm2-vl"  # see VARIANTS
+    deepstack: tuple[int, ...] = ()  # qwen3vl_merger: the layers whose outputs have their own merger
 
     @property
     def unit(self) -> int:
@@ -137,19 +142,26 @@ class Mmproj:
             MmprojError: the file is missing, not GGUF, not a vision projector of type lfm2, or a tensor is
                 missing or misshapen; the message names the file.
         """
-        path = os.fspath(path)
-        try:
-            reader = gguf.GGUFReader(path)
-        except (OSError, ValueError, KeyError, IndexError) as exc:
-            raise MmprojError(f"cannot load mmproj '{path}': {exc}") from None
-        try:
-            return _build(path, reader)
-        except MmprojError as exc:
-            raise MmprojError(f"cannot load mmproj '{path}': {exc}") from None
+        return open_mmproj(path, build_lfm2)
 
 
-def _build(path: str, reader: gguf.GGUFReader) -> Mmproj:
+def open_mmproj(path: str | os.PathLike[str], build: Callable[[str, gguf.GGUFReader], _M]) -> _M:
+    """`build(path, reader)` on the mapped file; every error is an MmprojError naming the file."""
+    path = os.fspath(path)
+    try:
+        reader = gguf.GGUFReader(path)
+    except (OSError, ValueError, KeyError, IndexError) as exc:
+        raise MmprojError(f"cannot load mmproj '{path}': {exc}") from None
+    try:
+        return build(path, reader)
+    except MmprojError as exc:
+        raise MmprojError(f"cannot load mmproj '{path}': {exc}") from None
+
+
+def build_lfm2(path: str, reader: gguf.GGUFReader) -> Mmproj:
     hp = read_hparams(reader)
+    if hp.projector != PROJECTOR_TYPE:
+        raise MmprojError(f"projector type {hp.projector!r} is not an {PROJECTOR_TYPE!r} file")
     tensors = {t.name: t for t in reader.tensors}
     get = _Tensors(tensors, hp)
     merged = hp.merge**2 * hp.n_embd
@@ -250,8 +262,9 @@ def read_hparams(reader: gguf.GGUFReader) -> VisionHParams:
     projector = _field(reader, gguf.Keys.ClipVision.PROJECTOR_TYPE, "") or _field(
         reader, gguf.Keys.Clip.PROJECTOR_TYPE, "(none)"
     )
-    if projector != PROJECTOR_TYPE:
-        raise MmprojError(f"projector type {projector!r} is not supported (this encoder runs {PROJECTOR_TYPE!r})")
+    if projector not in PROJECTORS:
+        raise MmprojError(f"projector type {projector!r} is not supported (this encoder runs "
+                          f"{', '.join(map(repr, PROJECTORS))})")
     if not _field(reader, gguf.Keys.Clip.HAS_VISION_ENCODER, False):
         raise MmprojError("the file has no vision encoder (clip.has_vision_encoder)")
     hp = VisionHParams(
@@ -263,12 +276,15 @@ def read_hparams(reader: gguf.GGUFReader) -> VisionHParams:
         n_layer=int(_field(reader, _K.BLOCK_COUNT)),
         eps=float(_field(reader, _K.Attention.LAYERNORM_EPS, 1e-6)),
         n_proj=int(_field(reader, _K.PROJECTION_DIM)),
-        merge=int(_field(reader, _K.Projector.SCALE_FACTOR, 2)),
+        merge=int(_field(reader, _K.Projector.SCALE_FACTOR if projector == PROJECTOR_TYPE else _K.SPATIAL_MERGE_SIZE,
+                         2)),
         image_mean=_triple(_field(reader, _K.IMAGE_MEAN), _K.IMAGE_MEAN),
         image_std=_triple(_field(reader, _K.IMAGE_STD), _K.IMAGE_STD),
         min_pixels=_optional_int(reader, _K.IMAGE_MIN_PIXELS),
         max_pixels=_optional_int(reader, _K.IMAGE_MAX_PIXELS),
-        variant=str(_field(reader, VARIANT_KEY, "lfm2-vl")),
+        projector=projector,
+        variant=str(_field(reader, VARIANT_KEY, PROJECTORS[projector])),
+        deepstack=tuple(i for i, on in enumerate(_field(reader, _K.IS_DEEPSTACK_LAYERS, [])) if on),
     )
     _check(hp)
     return hp
@@ -291,8 +307,8 @@ def _check(hp: VisionHParams) -> None:
         raise MmprojError(f"hyper-parameters must be positive: {hp}")
     if hp.image_size % hp.patch_size or hp.n_embd % hp.n_head:
         raise MmprojError("image_size must be a multiple of patch_size and embedding_length of head_count")
-    if hp.variant not in VARIANTS:
-        raise MmprojError(f"{VARIANT_KEY} {hp.variant!r} is not one of {VARIANTS}")
+    if hp.variant not in VARIANTS or (hp.variant == "qwen3-vl") != (hp.projector != PROJECTOR_TYPE):
+        raise MmprojError(f"{VARIANT_KEY} {hp.variant!r} is not a variant of projector type {hp.projector!r}")
     if min(hp.image_std) <= 0:
         raise MmprojError(f"image_std must be positive: {hp.image_std}")
     for name in ("min_pixels", "max_pixels"):

@@ -18,8 +18,9 @@ from strata.vision.mmproj import VisionHParams
 DEFAULT_MAX_PIXELS = 50_000_000
 # Most rows per picture when neither the command line nor the mmproj file gives a budget.
 DEFAULT_MAX_TOKENS = 1024
-# LFM2-VL's own budget (its processor's min_image_tokens / max_image_tokens), for a converted file without one.
-LFM2_VL_TOKENS = (64, 256)
+# The budget when neither the command line nor the file gives one: LFM2-VL's processor's (min_image_tokens,
+# max_image_tokens); llama.cpp's for Qwen-VL; ours.
+DEFAULT_TOKENS = {"lfm2-vl": (64, 256), "qwen3-vl": (8, 4096), "strata": (1, DEFAULT_MAX_TOKENS)}
 
 
 class ImageError(ValueError):
@@ -85,13 +86,13 @@ def smart_grid(width: int, height: int, unit: int, max_tokens: int, min_tokens: 
 
 def token_budget(hp: VisionHParams, min_tokens: int | None = None,
                  max_tokens: int | None = None) -> tuple[int, int]:
-    """(min_tokens, max_tokens) for an encoder: those given, else the file's trained budget, else LFM2-VL's (64,
-    256) for an `lfm2-vl` file and (1, 1024) for our own.
+    """(min_tokens, max_tokens) for an encoder: those given, else the file's trained budget, else DEFAULT_TOKENS
+    of its variant: LFM2-VL's (64, 256), Qwen3-VL's (8, 4096), ours (1, 1024).
 
     A minimum above the maximum is lowered to it.
     """
     area = hp.unit * hp.unit
-    default_min, default_max = LFM2_VL_TOKENS if hp.variant == "lfm2-vl" else (1, DEFAULT_MAX_TOKENS)
+    default_min, default_max = DEFAULT_TOKENS[hp.variant]
     if max_tokens is None:
         max_tokens = max(1, hp.max_pixels // area) if hp.max_pixels else default_max
     if min_tokens is None:
@@ -135,13 +136,15 @@ def _to_rgb(image: Image.Image) -> Image.Image:
 
 
 def preprocess(image: Image.Image, hp: VisionHParams, max_tokens: int, min_tokens: int = 1) -> Picture:
-    """Resize an RGB picture to its token grid and normalise it with the file's mean and std: LFM2-VL's grid and
-    bilinear resampling for an `lfm2-vl` file, ours (`token_grid`, bicubic) for our own."""
+    """Resize an RGB picture to its token grid and normalise it with the file's mean and std: the checkpoint's grid
+    (`smart_grid`) for LFM2-VL and Qwen3-VL files, with bilinear and bicubic resampling as their processors do;
+    ours (`token_grid`, bicubic) for our own files."""
     unit = hp.patch_size * hp.merge
-    lfm2_vl = hp.variant == "lfm2-vl"
-    nx, ny = (smart_grid if lfm2_vl else token_grid)(image.width, image.height, unit, max_tokens, min_tokens)
+    grid = token_grid if hp.variant == "strata" else smart_grid
+    nx, ny = grid(image.width, image.height, unit, max_tokens, min_tokens)
     size = (nx * unit, ny * unit)
     if image.size != size:
+        lfm2_vl = hp.variant == "lfm2-vl"
         image = image.resize(size, Image.Resampling.BILINEAR if lfm2_vl else Image.Resampling.BICUBIC)
     pixels: np.ndarray = np.asarray(image, dtype=np.float32) / 255.0  # (height, width, 3)
     pixels = (pixels - np.asarray(hp.image_mean, np.float32)) / np.asarray(hp.image_std, np.float32)

