@@ -284,3 +284,36 @@ def test_the_readme_examples_print_what_they_say(demo, capsys):
         printed = capsys.readouterr().out.strip()
         expected = example.rsplit("# ", 1)[1].strip()
         assert printed == expected
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_the_qwen_vocabulary_in_the_other_dialects(qwen, stream):
+    """Responses' text.format and Anthropic's output_config.format and `any` tool choice, sampled."""
+    text_format = {"format": {"type": "json_schema", "name": "verdict", "schema": SCHEMA}}
+    responses = dict(model="m", input="Judge.", text=text_format, temperature=1.0, max_output_tokens=300,
+                     reasoning={"effort": "none"})
+    anthropic_json = dict(model="m", max_tokens=300, messages=QUESTION, extra_body={
+        "temperature": 1.0, "output_config": {"format": {"type": "json_schema", "schema": SCHEMA}}})
+    anthropic_tool = dict(model="m", max_tokens=300, messages=QUESTION,
+                          tool_choice={"type": "any", "disable_parallel_tool_use": True},
+                          tools=[{**ANTHROPIC_TOOLS[0], "strict": True}], extra_body={"temperature": 1.0})
+    with chat_client(qwen) as client:
+        if stream:
+            with client.responses.stream(**responses) as events:
+                response = events.get_final_response()
+        else:
+            response = client.responses.create(**responses)
+    with messages_client(qwen) as client:
+        if stream:
+            with client.messages.stream(**anthropic_json) as events:
+                message = events.get_final_message()
+            with client.messages.stream(**anthropic_tool) as events:
+                called = events.get_final_message()
+        else:
+            message = client.messages.create(**anthropic_json)
+            called = client.messages.create(**anthropic_tool)
+    jsonschema.validate(json.loads(response.output_text), SCHEMA)
+    jsonschema.validate(json.loads("".join(b.text for b in message.content if b.type == "text")), SCHEMA)
+    uses = [block for block in called.content if block.type == "tool_use"]
+    assert called.stop_reason == "tool_use" and [use.name for use in uses] == ["get_weather"]
+    jsonschema.validate(uses[0].input, WEATHER["function"]["parameters"])
