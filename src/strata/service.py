@@ -161,6 +161,7 @@ class Service:
         self.phase = "idle"
         self.current: HistoryRow | None = None
         self.activity = Activity()
+        self._downloads: set[trio.CancelScope] = set()  # image downloads in flight (stopped at shutdown)
         self.stopping = trio.Event()  # set when the server starts shutting down: endless streams end
         self.model_names = model_names(config)  # the served name first, then the other aliases
         self.model_name = self.model_names[0]
@@ -442,6 +443,25 @@ class Service:
                 messages[i]["content"][j] = {"type": "text", "text": f"[image omitted: {error}]"}
         return dataclasses.replace(request, messages=messages), pictures
 
+    async def _download(self, image: ImageSource) -> bytes:
+        """The picture's checked bytes; a shutdown that begins meanwhile stops the download with a 503 (the
+        request has not answered yet: it gets a status rather than a dropped connection)."""
+        with trio.CancelScope() as scope:
+            self._downloads.add(scope)
+            try:
+                if self.stopping.is_set():
+                    scope.cancel()
+                return await load_source(image, self.http, MAX_IMAGE_BYTES, DOWNLOAD_TIMEOUT)
+            finally:
+                self._downloads.discard(scope)
+        raise ServiceUnavailable("the server is shutting down", retry_after=ENCODER_RETRY_AFTER)
+
+    async def _stop_downloads(self) -> None:
+        """In the service's nursery: when shutdown begins, stop the downloads in flight (see `_download`)."""
+        await self.stopping.wait()
+        for scope in list(self._downloads):
+            scope.cancel()
+
     async def _picture(self, image: ImageSource | PrecomputedEmbeds, live: RequestProgress | None) -> Embedding:
         assert self.vision is not None
         if isinstance(image, PrecomputedEmbeds):
@@ -450,7 +470,7 @@ class Service:
         else:
             if live is not None:
                 live.phase = "download"
-            data = await load_source(image, self.http, MAX_IMAGE_BYTES, DOWNLOAD_TIMEOUT)
+            data = await self._download(image)
             if live is not None:
                 live.phase = "encoding"
             embedding = await self.vision.encode(data, self.turn)
@@ -989,6 +1009,7 @@ async def open_service(
         policy = DownloadPolicy.from_config(images.allow_private, images.allow_hosts)
         async with trio.open_nursery() as nursery, download_client(policy, DOWNLOAD_TIMEOUT) as http:
             service.nursery, service.http = nursery, (http if images.downloads else None)
+            nursery.start_soon(service._stop_downloads)
             service.mcp = McpServers(config.mcp_servers, config.mcp, log, policy)
             await service.mcp.start(nursery)
             try:

@@ -389,3 +389,20 @@ async def test_too_many_pictures_are_refused_before_any_encode(scripted, tokeniz
         assert svc.vision.status()["encodes"] == 0
         events = await collect(svc, chat({"role": "user", "content": parts[:3]}))
         assert svc.vision.status()["encodes"] == 3 and any(isinstance(e, TextDelta) for e in events)
+
+
+async def test_shutdown_during_a_download_is_a_503(scripted, tokenizer, mmproj, nursery):
+    pictures = PictureServer()
+    await nursery.start(pictures.serve)
+    config = server_config(vision={"mmproj": str(mmproj), "threads": 1, "max_tokens": 64},
+                           images={"allow_private": True})  # the picture server is on 127.0.0.1
+    async with open_service(config, engine=scripted(), tokenizer=tokenizer, log=lambda line: None) as svc:
+        async def shut_down_soon() -> None:
+            await trio.sleep(0.3)
+            svc.stopping.set()
+
+        nursery.start_soon(shut_down_soon)
+        with trio.fail_after(5), pytest.raises(ServiceUnavailable, match="shutting down"):
+            await collect(svc, chat(with_picture(f"http://127.0.0.1:{pictures.port}/slow")))
+        await wait_until(lambda: pictures.open_connections == 0)
+        assert svc.history.last.finish == "unavailable"
