@@ -8,7 +8,8 @@ import re
 import numpy as np
 import pytest
 
-from strata.generation import decode_one, generate, prefill
+from strata.engine_cffi import BatchItem, EngineAborted
+from strata.generation import Batcher, Job, generate
 from strata.prompt import render_chat
 from strata.sampling import Sampler, SamplingParams
 
@@ -17,36 +18,64 @@ GREEDY = SamplingParams(temperature=0.0)
 
 
 class SuccessorEngine:
-    """An engine whose most likely next token is always (last token + 1) mod N_VOCAB, the runner-up (last + 2);
-    it records every call."""
+    """An engine of `n_seq` sequences whose most likely next token is always (last token + 1) mod N_VOCAB, the
+    runner-up (last + 2); it records every call as a list of (seq, tokens, embeds)."""
 
-    def __init__(self, n_ctx: int = 64) -> None:
-        self.n_vocab, self.n_ctx = N_VOCAB, n_ctx
-        self.cache: list[int] = []
-        self.calls: list[tuple[list[int], list | None]] = []
+    def __init__(self, n_ctx: int = 64, n_seq: int = 1, n_batch: int = 256) -> None:
+        self.n_vocab, self.n_ctx, self.n_seq, self.n_batch = N_VOCAB, n_ctx, n_seq, n_batch
+        self.caches: list[list[int]] = [[] for _ in range(n_seq)]
+        self.calls: list[list[tuple[int, list[int], list | None]]] = []
+        self.copies: list[tuple[int, int, int]] = []
+        self.flags: set[int] = set()
 
-    @property
-    def n_past(self) -> int:
-        return len(self.cache)
+    def seq_n_past(self, seq: int) -> int:
+        return len(self.caches[seq])
 
-    def eval(self, tokens: list[int], embeds: list | None = None, all_logits: bool = False) -> np.ndarray:
-        assert tokens and len(self.cache) + len(tokens) <= self.n_ctx
-        self.calls.append((list(tokens), embeds))
-        self.cache += tokens
-        logits = np.zeros(N_VOCAB, np.float32)
-        logits[(tokens[-1] + 1) % N_VOCAB] = 5.0
-        logits[(tokens[-1] + 2) % N_VOCAB] = 4.0
-        return logits
+    def eval_batch(self, items: list[BatchItem]) -> list[np.ndarray | None]:
+        self.calls.append([(item.seq, list(item.tokens), item.embeds) for item in items])
+        results: list[np.ndarray | None] = []
+        dropped = frozenset(item.seq for item in items if item.seq in self.flags)
+        for item in items:
+            assert item.tokens and self.seq_n_past(item.seq) + len(item.tokens) <= self.n_ctx
+            if item.seq in dropped:
+                results.append(None)
+                continue
+            self.caches[item.seq] += item.tokens
+            logits = np.zeros((len(item.tokens), N_VOCAB), np.float32)
+            for i, token in enumerate(item.tokens):
+                logits[i, (token + 1) % N_VOCAB] = 5.0
+                logits[i, (token + 2) % N_VOCAB] = 4.0
+            results.append({"all": logits, "last": logits[-1:], "none": logits[:0]}[item.logits])
+        self.flags -= dropped
+        if dropped:
+            raise EngineAborted("aborted", dropped, results)
+        return results
 
-    def keep(self, n: int) -> None:
-        del self.cache[n:]
+    def keep(self, n: int, seq: int = 0) -> None:
+        del self.caches[seq][n:]
+
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        self.copies.append((src, dst, n))
+        self.caches[dst] = self.caches[src][:n]
+
+    def abort(self, seq: int = 0) -> None:
+        self.flags.add(seq)
+
+    def clear_abort(self, seq: int = 0) -> None:
+        self.flags.discard(seq)
 
 
-def test_prefill_and_decode_one_append_to_the_cache() -> None:
-    engine = SuccessorEngine()
-    assert int(np.argmax(prefill(engine, [1, 2, 3]))) == 4
-    assert int(np.argmax(decode_one(engine, 9))) == 10
-    assert engine.cache == [1, 2, 3, 9]
+def job(ids: list[int], max_tokens: int = 1, stop_ids: set[int] | None = None, **kw) -> Job:
+    return Job(ids, Sampler(GREEDY, N_VOCAB), max_tokens, stop_ids or set(), **kw)
+
+
+def run(batcher: Batcher, *jobs: Job) -> None:
+    """Add the jobs that have no slot yet, then step until every one of them has finished."""
+    for j in jobs:
+        if j.seq < 0:
+            batcher.add(j)
+    while any(j.finish is None for j in jobs):
+        batcher.step()
 
 
 def test_greedy_generation_stops_at_max_tokens() -> None:
@@ -54,15 +83,15 @@ def test_greedy_generation_stops_at_max_tokens() -> None:
     out = list(generate(engine, [1, 2], Sampler(GREEDY, N_VOCAB), max_tokens=4, stop_ids=set()))
     assert out == [3, 4, 5, 6]
     # one prefill, one decode per token but the last (its logits are never needed)
-    assert [tokens for tokens, _ in engine.calls] == [[1, 2], [3], [4], [5]]
-    assert engine.cache == [1, 2, 3, 4, 5]
+    assert engine.calls == [[(0, [1, 2], None)], [(0, [3], None)], [(0, [4], None)], [(0, [5], None)]]
+    assert engine.caches[0] == [1, 2, 3, 4, 5]
 
 
 def test_a_stop_id_ends_generation_unyielded() -> None:
     engine = SuccessorEngine()
     out = list(generate(engine, [1], Sampler(GREEDY, N_VOCAB), max_tokens=10, stop_ids={5, 12}))
     assert out == [2, 3, 4]
-    assert engine.cache == [1, 2, 3, 4]
+    assert engine.caches[0] == [1, 2, 3, 4]
 
 
 def test_generation_ends_with_the_context() -> None:
@@ -73,29 +102,39 @@ def test_generation_ends_with_the_context() -> None:
 
 def test_a_cached_prompt_prefix_is_not_evaluated_again() -> None:
     engine = SuccessorEngine()
-    engine.cache = [7, 8, 9]
-    list(generate(engine, [7, 8, 9, 10, 11], Sampler(GREEDY, N_VOCAB), max_tokens=1, stop_ids=set()))
-    assert engine.calls[0][0] == [10, 11]
+    batcher = Batcher(engine)
+    run(batcher, job([7, 8, 9]))
+    engine.calls.clear()
+    run(batcher, second := job([7, 8, 9, 10, 11]))
+    assert engine.calls[0] == [(0, [10, 11], None)] and second.reused == 3
 
 
 def test_a_fully_cached_prompt_evaluates_its_last_token() -> None:
     engine = SuccessorEngine()
-    engine.cache = [7, 8, 9, 1, 1]  # the prompt, then tokens of an earlier answer
-    out = list(generate(engine, [7, 8, 9], Sampler(GREEDY, N_VOCAB), max_tokens=1, stop_ids=set()))
-    assert engine.calls[0][0] == [9]
-    assert out == [10]
+    batcher = Batcher(engine)
+    run(batcher, job([7, 8, 9, 1], max_tokens=3))  # the prompt, then tokens of an earlier answer
+    engine.calls.clear()
+    run(batcher, again := job([7, 8, 9]))
+    assert engine.calls[0] == [(0, [9], None)]
+    assert again.tokens == [10] and again.reused == 2
 
 
-def test_image_rows_shift_with_the_cached_prefix() -> None:
+def test_picture_rows_are_matched_by_digest_and_cut_at_the_cached_prefix() -> None:
     engine = SuccessorEngine()
-    engine.cache = [1, 2, 3, 4]
-    first, second = np.zeros((2, 3), np.float32), np.ones((3, 3), np.float32)
-    # the first picture (positions 0-1) is cached; the second (3-5) straddles the cache's end: evaluated whole
-    prompt = [1, 2, 3, 0, 0, 0, 6]
-    list(generate(engine, prompt, Sampler(GREEDY, N_VOCAB), 1, set(), embeds=[(0, first), (3, second)]))
-    tokens, embeds = engine.calls[0]
-    assert tokens == [0, 0, 0, 6]
-    assert len(embeds) == 1 and embeds[0][0] == 0 and embeds[0][1] is second
+    batcher = Batcher(engine)
+    rows = np.ones((3, 2), np.float32)
+    keys = [1, 2, ("pic", 0), ("pic", 1), ("pic", 2), 6]
+    run(batcher, job([1, 2, 0, 0, 0, 6], keys=keys, spans=[(2, rows)]))
+    engine.calls.clear()
+    # the same picture, then another text: every row of the picture is reused
+    run(batcher, j := job([1, 2, 0, 0, 0, 7], keys=keys[:5] + [7], spans=[(2, rows)]))
+    assert engine.calls[0] == [(0, [7], None)] and j.reused == 5
+    engine.calls.clear()
+    # the picture's first row matches a cached one, the others do not: the rest of it is evaluated, its rows cut
+    other = [1, 2, ("pic", 0), ("new", 1), ("new", 2), 7]
+    run(batcher, job([1, 2, 0, 0, 0, 7], keys=other, spans=[(2, rows)]))
+    ((_, tokens, embeds),) = engine.calls[0]
+    assert tokens == [0, 0, 7] and embeds[0][0] == 0 and embeds[0][1].shape == (2, 2)
 
 
 def test_penalties_see_the_prompt() -> None:
@@ -109,6 +148,89 @@ def test_penalties_see_the_prompt() -> None:
 def test_an_empty_prompt_is_refused() -> None:
     with pytest.raises(ValueError, match="the prompt is empty"):
         list(generate(SuccessorEngine(), [], Sampler(GREEDY, N_VOCAB), 1, set()))
+
+
+# --- several jobs
+
+
+def test_jobs_share_each_step_and_a_joining_prompt_comes_in_chunks() -> None:
+    engine = SuccessorEngine(n_seq=3, n_ctx=256)
+    batcher = Batcher(engine, step_tokens=8)
+    a = job([1, 2], max_tokens=20)
+    batcher.add(a)
+    batcher.step()  # a's prompt; a is decoding from now on
+    b = job(list(range(20)), max_tokens=2)
+    batcher.add(b)
+    for _ in range(3):
+        batcher.step()
+    # each step: a's decode token first, then 7 of b's prompt (the budget of 8 tokens a step)
+    assert [[(seq, len(tokens)) for seq, tokens, _ in call] for call in engine.calls[1:]] == \
+        [[(0, 1), (1, 7)], [(0, 1), (1, 7)], [(0, 1), (1, 6)]]
+    assert len(a.tokens) == 4 and b.tokens == [4]  # b's first token came with its last chunk (19 + 1 mod 16)
+    run(batcher, a, b)
+    assert a.tokens == [(3 + i) % N_VOCAB for i in range(20)] and b.tokens == [4, 5]
+
+
+def test_with_nobody_decoding_a_prompt_takes_whole_engine_chunks() -> None:
+    engine = SuccessorEngine(n_ctx=256, n_batch=32)
+    batcher = Batcher(engine, step_tokens=8)
+    run(batcher, job(list(range(16)) * 5))
+    assert [len(call[0][1]) for call in engine.calls] == [32, 32, 16]
+
+
+def test_a_new_job_takes_the_idle_slot_with_the_longest_prefix_else_the_least_recently_used() -> None:
+    engine = SuccessorEngine(n_seq=3)
+    batcher = Batcher(engine)
+    run(batcher, job([1, 1, 1, 1]))  # slot 0
+    batcher.add(busy := job([5, 5], max_tokens=50))  # slot 1, empty: before any used one
+    run(batcher, job([3, 3, 3]))  # slot 2
+    assert busy.seq == 1 and engine.caches[2][:3] == [3, 3, 3]
+    run(batcher, c := job([1, 1, 1, 2]))
+    assert c.seq == 0 and c.reused == 3
+    run(batcher, d := job([9, 9]))  # no prefix anywhere: the least recently used idle slot (2) is evicted
+    assert d.seq == 2 and d.reused == 0 and engine.caches[2][:2] == [9, 9]
+    batcher.cancel(busy)
+    batcher.step()
+    assert busy.finish == "cancel" and batcher.free_slots == 3
+
+
+def test_a_prefix_held_by_a_busy_slot_is_copied() -> None:
+    engine = SuccessorEngine(n_seq=2)
+    batcher = Batcher(engine)
+    batcher.add(main := job([4, 4, 4, 4, 4, 1], max_tokens=30))
+    batcher.step()
+    run(batcher, side := job([4, 4, 4, 4, 4, 2]))
+    assert engine.copies == [(main.seq, side.seq, 5)] and side.reused == 5
+    assert main.finish is None
+
+
+def test_cancel_frees_the_slot_at_the_next_step_and_the_others_go_on() -> None:
+    engine = SuccessorEngine(n_seq=2, n_ctx=256)
+    batcher = Batcher(engine, step_tokens=4)
+    batcher.add(a := job([1], max_tokens=10))
+    batcher.add(b := job(list(range(40)), max_tokens=3))
+    batcher.step()
+    batcher.step()
+    batcher.cancel(b)  # between steps: it never reaches the engine again
+    n_calls = len(engine.calls)
+    assert b in batcher.step() and b.finish == "cancel" and batcher.free_slots == 1
+    assert all(seq == a.seq for call in engine.calls[n_calls:] for seq, _, _ in call)
+    run(batcher, a)
+    assert a.tokens == [(2 + i) % N_VOCAB for i in range(10)]
+
+
+def test_an_abort_in_flight_drops_only_that_job() -> None:
+    engine = SuccessorEngine(n_seq=2)
+    batcher = Batcher(engine)
+    batcher.add(a := job([1], max_tokens=5))
+    batcher.add(b := job([7], max_tokens=5))
+    batcher._in_call = {b.seq}  # as if the call were in flight: cancel raises the engine's flag for b
+    batcher.cancel(b)
+    assert engine.flags == {b.seq}
+    batcher.step()
+    assert a.tokens == [2] and b.finish == "cancel" and not engine.flags
+    run(batcher, a)
+    assert a.tokens == [2, 3, 4, 5, 6]
 
 
 def test_greedy_generation_through_the_engine_matches_recomputation(tmp_path) -> None:

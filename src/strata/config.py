@@ -116,6 +116,8 @@ class Config:
     web: bool = True  # the chat page (/) and the monitor (/monitor)
     model_alias: str | None = None  # the served model name(s), comma-separated; the first is reported
     cors_origins: list[str] | None = None  # browser origins allowed to call the API ("*": any); None: no CORS
+    slots: int = 4  # requests generating at once; the KV cache holds slots x context positions
+    step_tokens: int = 64  # most tokens per engine step while streams decode: a joining prompt comes in chunks
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     vision: VisionConfig = field(default_factory=VisionConfig)
     images: ImagesConfig = field(default_factory=ImagesConfig)
@@ -143,7 +145,7 @@ def _check(config: Config) -> None:
         raise _fail("port", f"must be 0..65535, got {config.port}")
     if config.kv not in KV_TYPES:
         raise _fail("kv", f"must be one of {', '.join(KV_TYPES)}, got {config.kv!r}")
-    for key in ("context", "batch"):
+    for key in ("context", "batch", "slots", "step_tokens"):
         if getattr(config, key) < 1:
             raise _fail(key, "must be at least 1")
     if config.threads is not None and config.threads < 1:

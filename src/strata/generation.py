@@ -1,83 +1,284 @@
-"""The generation loop: prompt in, token ids out. No I/O and no detokenising: callers render the ids.
+"""The generation loop: jobs generating on the sequences (slots) of one engine context, advanced together.
 
-The engine is anything with the `strata.engine_cffi.Engine` calls used here (`eval`, `keep`, `n_past`, `n_ctx`).
+`Batcher.step()` is one engine call: one token of every decoding job, plus prompt chunks of joining jobs within a
+per-step token budget, so a long prompt never holds up the streams already running. The server's engine thread
+and `strata generate` (through `generate`) both loop over it. No I/O and no detokenising: callers render the ids.
+
+Each slot keeps what its cache holds after its job ends (the prefix cache): a new job goes to the idle slot whose
+cache shares the longest prefix with its prompt (token ids, and (picture digest, row) for picture rows), the
+least recently used one when none does; a longer prefix held by a busy slot is copied over (`copy_prefix`).
+
+The engine is anything with the `strata.engine_cffi.Engine` calls used here (`eval_batch`, `keep`, `copy_prefix`,
+`seq_n_past`, `abort`, `clear_abort`, `n_seq`, `n_ctx`, `n_batch`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator, Sequence
+import itertools
+import threading
+import time
+from collections.abc import Collection, Hashable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
+from strata.engine_cffi import BatchItem, EngineAborted
+from strata.images import embeds_from
 from strata.sampling import Sampler
 
 # (index in the prompt, float32 rows (n_rows, n_embd)): rows that replace the embeddings of prompt placeholders.
 Embeds = Sequence[tuple[int, np.ndarray]]
 
 
-def prefill(engine, ids: Sequence[int], embeds: Embeds | None = None) -> np.ndarray:
-    """Append `ids` to the KV cache; return the logits (n_vocab,) after the last of them.
-
-    `embeds` indices count from the start of `ids`.
-    """
-    return engine.eval(list(ids), embeds=list(embeds) if embeds else None)
-
-
-def decode_one(engine, token: int) -> np.ndarray:
-    """Append one token to the KV cache; return the logits (n_vocab,) for the next one."""
-    return engine.eval([token])
+def common_prefix(a: Sequence[Hashable], b: Sequence[Hashable]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    i = 0
+    while a[i] == b[i]:
+        i += 1
+    return i
 
 
-def generate(engine, prompt_ids: Sequence[int], sampler: Sampler, max_tokens: int, stop_ids: Collection[int],
-             embeds: Embeds | None = None) -> Iterator[int]:
-    """Yield up to `max_tokens` generated token ids; a token in `stop_ids` ends the generation and is not yielded.
+class Job:
+    """One generation: a prompt, then up to `max_tokens` sampled tokens.
 
-    The KV cache may already hold a prefix of `prompt_ids` (the first `engine.n_past`, kept from an earlier
-    request with `engine.keep`); only the rest is evaluated. Generation also ends where the context does, so every
-    yielded token has a place in the cache. The last yielded token is not evaluated (nothing needs its logits):
-    afterwards the cache holds the prompt and all yielded tokens but the last.
-
-    Penalties see the prompt and the output (the sampler looks at its own window of the most recent ones).
+    Written by the batcher's thread only, except `tokens`/`finish`, which others read (list appends and attribute
+    writes are atomic), and `Batcher.cancel`.
 
     Args:
-        engine: the engine, its cache holding nothing or a prefix of `prompt_ids`.
-        prompt_ids: the whole prompt, at least one token.
-        sampler: picks each token from the logits.
-        max_tokens: the most tokens to yield.
-        stop_ids: ids that end the generation (end-of-turn and end-of-text tokens).
-        embeds: rows for image placeholders, indices counted in `prompt_ids`.
+        ids: the prompt, at least one token.
+        keys: what each prompt position holds, for prefix reuse (default: the ids; (digest, row) for pictures).
+        spans: pictures: (first position, float32 rows) replacing the embeddings of the placeholders there.
+        tag: the caller's name for the job (the request id), shown in the slots' status.
+        progress: told the job's slot (`slot`) and its prompt's positions in the cache as they grow
+            (`prompt_progress(done, cached=None)`: `strata.activity.RequestProgress`), or None.
+    """
+
+    def __init__(self, ids: Sequence[int], sampler: Sampler, max_tokens: int, stop_ids: Collection[int], *,
+                 keys: Sequence[Hashable] | None = None, spans: Sequence[tuple[int, Any]] = (), tag: str = "",
+                 progress: Any = None):
+        if not ids:
+            raise ValueError("the prompt is empty")
+        self.history = list(ids)  # the prompt, then every sampled token
+        self.n_prompt = len(ids)
+        self.keys: list[Hashable] = list(keys) if keys is not None else list(ids)
+        if keys is None:  # picture rows without digests: keys that only these very rows match
+            for first, rows in spans:
+                self.keys[first:first + len(rows)] = [(id(rows), r) for r in range(len(rows))]
+        self.spans = list(spans)
+        self.sampler, self.max_tokens, self.stop_ids, self.tag = sampler, max_tokens, stop_ids, tag
+        self.progress = progress
+        self.tokens: list[int] = []  # sampled and yielded, in order (a stop id is not)
+        self.finish: str | None = None  # "stop", "length", "cancel" or "error" once the job has left its slot
+        self.error: BaseException | None = None
+        self.seq = -1  # its slot while it has one
+        self.reused = 0  # prompt positions found in the slot's cache
+        self.started = time.perf_counter()
+        self.prompt_done = 0.0  # perf_counter() when the prompt was through, and at the last token
+        self.last_token = 0.0
+        self.stopping = False  # Batcher.cancel was called
+
+    @property
+    def decoding(self) -> bool:
+        return self.prompt_done > 0
+
+
+class _Slot:
+    def __init__(self, seq: int):
+        self.seq = seq
+        self.keys: list[Hashable] = []  # what each position of the sequence's cache holds
+        self.job: Job | None = None
+        self.used = 0  # LRU clock value of the last use
+
+
+class Batcher:
+    """The jobs of one engine context and the step that advances all of them.
+
+    Args:
+        engine: a context of `engine.n_seq` sequences.
+        step_tokens: the most tokens one step takes while some job is decoding (decode tokens included): the
+            bound on how long a joining prompt makes the running streams wait.
+        n_batch: the most tokens of a step with nobody decoding (default: the engine's `n_batch`).
+    """
+
+    def __init__(self, engine: Any, step_tokens: int = 64, n_batch: int | None = None):
+        self.engine = engine
+        self.n_batch: int = n_batch if n_batch is not None else getattr(engine, "n_batch", 256)
+        self.slots = [_Slot(seq) for seq in range(engine.n_seq)]
+        self.jobs: list[Job] = []  # in arrival order: earlier prompts get the step budget first
+        self.step_tokens = max(1, step_tokens)
+        self.last_batch = 0  # tokens in the last step
+        self._clock = itertools.count(1)
+        self._lock = threading.Lock()  # cancel() against the step's bookkeeping
+        self._in_call: set[int] = set()  # sequences of the engine call in flight
+
+    @property
+    def free_slots(self) -> int:
+        return sum(slot.job is None for slot in self.slots)
+
+    def add(self, job: Job) -> None:
+        """Give `job` a slot and the longest cached prefix of its prompt.
+
+        The slot is the idle one that continues its cache best, if that keeps at least half of what it holds (a
+        conversation's next turn); otherwise the least recently used idle one (empty ones first), so that a side
+        request never evicts a conversation to reuse a few tokens of chat template. A longer prefix held by any
+        other slot, busy or idle, is then copied over (a shared system prompt is computed once).
+
+        Raises:
+            RuntimeError: every slot is taken (callers admit at most `n_seq` jobs).
+        """
+        idle = [slot for slot in self.slots if slot.job is None]
+        if not idle:
+            raise RuntimeError("every slot is taken")
+        n_keep = job.n_prompt - 1  # at least the last prompt token is evaluated: its logits start the answer
+
+        def shared(slot: _Slot) -> int:
+            return min(common_prefix(slot.keys, job.keys), n_keep)
+
+        continuing = [slot for slot in idle if 2 * shared(slot) >= len(slot.keys) > 0]
+        if continuing:
+            slot = max(continuing, key=lambda s: (shared(s), -s.used))
+        else:
+            slot = min(idle, key=lambda s: (len(s.keys) > 0, s.used))
+        reused = shared(slot)
+        donor = max(self.slots, key=shared)
+        if shared(donor) > reused:
+            reused = shared(donor)
+            self.engine.copy_prefix(donor.seq, slot.seq, reused)
+        elif reused < self.engine.seq_n_past(slot.seq):
+            self.engine.keep(reused, seq=slot.seq)
+        slot.keys = job.keys[:reused]
+        slot.job, slot.used = job, next(self._clock)
+        job.seq, job.reused = slot.seq, reused
+        self.jobs.append(job)
+        if job.progress is not None:
+            job.progress.slot = slot.seq
+            job.progress.prompt_progress(reused, cached=reused)
+
+    def cancel(self, job: Job) -> None:
+        """Stop `job` (any thread): an engine call in flight drops its sequence within one layer; the job leaves
+        its slot at the next step (finish "cancel"), and the other jobs go on."""
+        with self._lock:
+            job.stopping = True
+            if job.seq in self._in_call and job.finish is None:
+                self.engine.abort(job.seq)
+
+    def step(self) -> list[Job]:
+        """One engine call for every job that has work; returns the jobs that got tokens or finished."""
+        changed = [job for job in self.jobs if job.stopping]
+        for job in changed:
+            self._leave(job, "cancel")
+        items, work = self._plan()
+        if not items:
+            return changed
+        with self._lock:
+            self._in_call = {job.seq for job in work}
+        try:
+            rows = self.engine.eval_batch(items)
+        except EngineAborted as error:  # some sequences were dropped: the others' work is complete
+            rows = error.results
+        except Exception as error:  # noqa: BLE001 - the call's jobs end with it; the slots serve on
+            for job in work:
+                job.error = error
+                self._leave(job, "error")
+            return changed + work
+        finally:
+            with self._lock:
+                self._in_call = set()
+        now = time.perf_counter()
+        for job, logits in zip(work, rows, strict=True):
+            slot = self.slots[job.seq]
+            n_past = self.engine.seq_n_past(job.seq)
+            slot.keys = (job.keys + job.history[job.n_prompt:])[:n_past]
+            if job.progress is not None and not job.decoding:
+                job.progress.prompt_progress(min(n_past, job.n_prompt))
+            if job.stopping:
+                self._leave(job, "cancel")
+            elif logits is not None and len(logits) and n_past == len(job.history):
+                job.prompt_done = job.prompt_done or now
+                try:
+                    self._sample(job, logits[-1], now)
+                except Exception as error:  # noqa: BLE001 - a sampler or token mask that failed ends its job only
+                    job.error = error
+                    self._leave(job, "error")
+            else:
+                continue
+            changed.append(job)
+        return changed
+
+    def _plan(self) -> tuple[list[BatchItem], list[Job]]:
+        """This step's items: each decoding job's last token, then prompt chunks in arrival order within the
+        budget (whole n_batch chunks while nobody decodes)."""
+        items, work = [], []
+        decoding = [job for job in self.jobs if job.decoding]
+        for job in decoding:
+            items.append(BatchItem(job.seq, job.history[-1:]))
+            work.append(job)
+        budget = self.step_tokens - len(decoding) if decoding else self.n_batch
+        for job in self.jobs:
+            if job.decoding or budget <= 0:
+                continue
+            start = self.engine.seq_n_past(job.seq)
+            end = min(job.n_prompt, start + budget)
+            embeds = embeds_from(job.spans, start, end)
+            items.append(BatchItem(job.seq, job.history[start:end], embeds or None,
+                                   "last" if end == job.n_prompt else "none"))
+            work.append(job)
+            budget -= end - start
+        self.last_batch = sum(len(item.tokens) for item in items)
+        return items, work
+
+    def _sample(self, job: Job, logits: np.ndarray, now: float) -> None:
+        budget = min(job.max_tokens, self.engine.n_ctx - job.n_prompt)  # every token has a place in the cache
+        if budget <= 0:
+            self._leave(job, "length")
+            return
+        token = job.sampler.sample(logits, job.history)
+        if token in job.stop_ids:
+            self._leave(job, "stop")
+            return
+        job.history.append(token)
+        job.tokens.append(token)
+        job.last_token = now
+        if len(job.tokens) >= budget:
+            self._leave(job, "length")
+
+    def _leave(self, job: Job, finish: str) -> None:
+        """Free the job's slot; the slot keeps what its cache holds."""
+        slot = self.slots[job.seq]
+        slot.job, slot.used = None, next(self._clock)
+        self.jobs.remove(job)
+        with self._lock:
+            # A flag raised as the job's last call was returning would stop the slot's next job.
+            self.engine.clear_abort(job.seq)
+            job.finish = finish
+
+
+def generate(engine: Any, prompt_ids: Sequence[int], sampler: Sampler, max_tokens: int, stop_ids: Collection[int],
+             embeds: Embeds | None = None, batcher: Batcher | None = None) -> Iterator[int]:
+    """Yield up to `max_tokens` generated token ids; a token in `stop_ids` ends the generation and is not yielded.
+
+    Generation also ends where the context does, so every yielded token has a place in the cache. Penalties see
+    the prompt and the output. Pass the same `batcher` to later calls to reuse the prefix they share.
 
     Raises:
         ValueError: the prompt is empty.
-        EngineError, EngineAborted: from the engine.
+        EngineError: from the engine.
     """
-    if not prompt_ids:
-        raise ValueError("the prompt is empty")
-    start = _reusable_prefix(engine, len(prompt_ids), embeds or ())
-    logits = prefill(engine, prompt_ids[start:], [(at - start, rows) for at, rows in embeds or () if at >= start])
-    history = list(prompt_ids)
-    budget = min(max_tokens, engine.n_ctx - len(prompt_ids))
-    for produced in range(1, budget + 1):
-        token = sampler.sample(logits, history)
-        if token in stop_ids:
-            return
-        yield token
-        if produced == budget:
-            return
-        history.append(token)
-        logits = decode_one(engine, token)
-
-
-def _reusable_prefix(engine, n_prompt: int, embeds: Embeds) -> int:
-    """Trim the cache to the prompt positions it can keep, and return how many that is.
-
-    At least the last prompt token is evaluated again (its logits start the generation), and an image whose rows
-    begin before the kept prefix is evaluated whole.
-    """
-    start = min(engine.n_past, n_prompt - 1)
-    for at, rows in embeds:
-        if at < start < at + len(rows):
-            start = at
-    if start < engine.n_past:
-        engine.keep(start)
-    return start
+    job = Job(prompt_ids, sampler, max_tokens, stop_ids, spans=list(embeds or ()))
+    batcher = batcher or Batcher(engine)
+    batcher.add(job)
+    given = 0
+    try:
+        while job.finish is None:
+            batcher.step()
+            while given < len(job.tokens):
+                given += 1
+                yield job.tokens[given - 1]
+        if job.error is not None:
+            raise job.error
+    finally:
+        if job.finish is None:
+            batcher.cancel(job)
+            batcher.step()

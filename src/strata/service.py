@@ -20,7 +20,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Hashable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -49,6 +49,7 @@ from strata.events import (
     ToolResult,
     Usage,
 )
+from strata.generation import Batcher, Job
 from strata.history import History, HistoryRow
 from strata.images import (
     DOWNLOAD_TIMEOUT,
@@ -56,7 +57,6 @@ from strata.images import (
     ImageRejected,
     ImageSource,
     PromptImages,
-    embeds_from,
     expand_image_pads,
     load_source,
 )
@@ -105,19 +105,23 @@ ENCODER_RETRY_AFTER = 5  # seconds: an encoder that crashed or hung is started a
 
 
 class EngineLike(Protocol):
-    """What the service needs of `strata.engine_cffi.Engine` (tests substitute scripted engines)."""
+    """What the service needs of `strata.engine_cffi.Engine` (tests substitute scripted engines): the calls
+    `strata.generation.Batcher` makes, and a few properties."""
 
     n_vocab: int
     n_embd: int  # the width of a picture's rows
     n_ctx: int
-    n_past: int
+    n_seq: int
     arch: str
     backend: str
     threads: int
 
-    def eval(self, tokens: Sequence[int], embeds: Any = None) -> Any: ...
-    def keep(self, n: int) -> None: ...
-    def abort(self) -> None: ...
+    def eval_batch(self, items: Sequence[Any]) -> Any: ...
+    def seq_n_past(self, seq: int) -> int: ...
+    def keep(self, n: int, seq: int = 0) -> None: ...
+    def copy_prefix(self, src: int, dst: int, n: int) -> None: ...
+    def abort(self, seq: int = 0) -> None: ...
+    def clear_abort(self, seq: int = 0) -> None: ...
     def close(self) -> None: ...
 
 
@@ -133,33 +137,20 @@ class _Prepared:
         return self.prompt.ids
 
 
-def _common_prefix(a: Sequence[Hashable], b: Sequence[Hashable]) -> int:
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    i = 0
-    while a[i] == b[i]:
-        i += 1
-    return i
-
-
 class Service:
-    """A loaded model serving chat requests one generation at a time (see `open_service`).
+    """A loaded model serving chat requests, up to `config.slots` generating at once (see `open_service`).
 
     Attributes:
-        turn: the engine's FIFO turn (`turn.busy`, `turn.queued`).
+        turn: the FIFO of requests waiting for one of the engine's slots (`turn.busy`, `turn.queued`).
         history: recent requests and totals.
-        phase: "idle", "prompt" (processing a prompt) or "decode".
-        current: the row of the request holding the turn, or None.
         activity: every request in flight, with its phase and prompt progress.
     """
 
     def __init__(self, config: Config):
         self.config = config
-        self.turn = Turn(max_queued=config.limits.queue_length)
+        self.turn = Turn(max_queued=config.limits.queue_length, slots=config.slots)
         self.history = History(config.limits.history_size)
-        self.phase = "idle"
-        self.current: HistoryRow | None = None
+        self._generating: list[tuple[HistoryRow, _Stream]] = []  # requests on a slot, in arrival order
         self.activity = Activity()
         self._downloads: set[trio.CancelScope] = set()  # image downloads in flight (stopped at shutdown)
         self.stopping = trio.Event()  # set when the server starts shutting down: endless streams end
@@ -177,10 +168,7 @@ class Service:
         self.vision: VisionClient | None = None  # the image encoder, when the config has one
         self.http: httpx.AsyncClient | None = None  # downloads of image URLs (open_service)
         self.mcp = McpServers(config.mcp_servers, config.mcp)  # the configured MCP servers (open_service starts them)
-        self._run: _EngineRun | None = None  # the generation on the engine's worker thread, if any
-        # Invariant: what each position of the engine's KV cache holds, in order (updated after every call): a
-        # token id, or (picture digest, row) for a picture's row.
-        self._kv_keys: list[Hashable] = []
+        self.loop: _EngineLoop | None = None  # the engine's batcher and its thread (attach)
 
     @property
     def ready(self) -> bool:
@@ -196,6 +184,9 @@ class Service:
         self.engine, self.tokenizer, self.template = engine, tokenizer, template
         self.grammars = Grammars(tokenizer, engine.n_vocab)
         self.prompt_tokens = PromptTokens(tokenizer)
+        # as many slots as the engine has sequences (an engine passed in may have fewer than config.slots)
+        self.turn = Turn(max_queued=self.config.limits.queue_length, slots=getattr(engine, "n_seq", 1))
+        self.loop = _EngineLoop(Batcher(engine, self.config.step_tokens, self.config.batch))
         self.loaded.set()
 
     async def load(self, log: Callable[[str], None] = print) -> None:
@@ -212,6 +203,8 @@ class Service:
             self.attach(engine, tokenizer)
             log(f"model: {self.config.model} ({engine.arch}), context {engine.n_ctx}, threads {engine.threads}, "
                 f"backend {engine.backend}")
+            log(f"KV cache: {engine.n_seq} slots x {engine.n_ctx} positions ({self.config.kv}), "
+                f"{engine.kv_bytes / 2**20:.0f} MiB")
         except BaseException as error:
             self.load_error = error
             self.loaded.set()
@@ -229,7 +222,7 @@ class Service:
         started = time.perf_counter()
         stage.now = "tensors and context"
         engine = Engine.load(config.model, n_ctx=config.context, threads=config.threads, kv=config.kv,
-                             n_batch=config.batch)
+                             n_batch=config.batch, n_seq=config.slots)
         try:
             stage.now = "tokenizer"
             tokenizer = Tokenizer.from_gguf(config.model)
@@ -473,7 +466,7 @@ class Service:
             data = await self._download(image)
             if live is not None:
                 live.phase = "encoding"
-            embedding = await self.vision.encode(data, self.turn)
+            embedding = await self.vision.encode(data, _Exclusive(self))
         n_embd = self.engine.n_embd
         if embedding.rows.shape[1] != n_embd:
             raise VisionUnavailable(f"its rows are {embedding.rows.shape[1]} wide and the model's embeddings "
@@ -556,7 +549,6 @@ class Service:
             finish, usage = Finish("error"), Usage(0, 0, 0)
             live.phase = "queued"
             async with self.turn.hold():
-                self.current, live.slot = row, 0
                 try:
                     async with aclosing(self._generate(round_request, prepared, live, guide)) as events:
                         async for event in events:
@@ -583,7 +575,7 @@ class Service:
                                 reasoning.append(event.text)
                             yield event
                 finally:
-                    self.current, self.phase, live.slot = None, "idle", None
+                    live.slot = None
             for i, value in enumerate((usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens,
                                        usage.reasoning_tokens)):
                 totals[i] += value
@@ -623,29 +615,30 @@ class Service:
 
     async def _generate(self, request: ChatRequest, prepared: _Prepared, live: RequestProgress,
                         guide: Guide | None) -> AsyncGenerator[Event, None]:
+        assert self.loop is not None
         row = live.row
-        self.phase = live.phase = "prompt"
+        live.phase = "prompt"
         before = row.output_tokens  # tokens of earlier rounds of this response
         sampler = Sampler(request.sampling, self.engine.n_vocab, mask=guide, logprobs=request.logprobs)
-        run = _EngineRun(self, prepared.prompt, sampler, prepared.max_tokens, live)
+        job = Job(prepared.ids, sampler, prepared.max_tokens, self.tokenizer.eos_ids, keys=prepared.prompt.keys,
+                  spans=prepared.prompt.spans, tag=row.id, progress=live)
+        stream = _Stream(self.loop, job)
+        self._generating.append((row, stream))
         try:
             output = _Output(self.tokenizer, request, prepared.starts_in_reasoning)
             finish: FinishReason | None = None
             reasoning_tokens = 0
             while finish is None:
-                tokens = await run.next_tokens()
+                tokens = await stream.next_tokens()
                 if live.phase == "prompt":
-                    yield PromptProcessed(len(prepared.ids), run.reused)
+                    yield PromptProcessed(len(prepared.ids), job.reused)
                     if request.completion is not None and request.completion.echo:
                         yield TextDelta(self.tokenizer.decode(prepared.ids))
-                self.phase = live.phase = "decode"
-                row.reused_tokens, row.prompt_seconds, row.decode_seconds = run.reused, *run.seconds()
-                if not tokens:  # the thread ended without a stop token: the token budget is spent
-                    finish = "length"
+                live.phase = "decode"
+                row.reused_tokens, row.prompt_seconds, row.decode_seconds = job.reused, *stream.seconds()
+                if not tokens:  # the job left its slot: a stop token, or the token budget is spent
+                    finish = "stop" if job.finish == "stop" else "length"
                 for token in tokens:
-                    if token in self.tokenizer.eos_ids:
-                        finish = "stop"
-                        break
                     row.output_tokens += 1
                     was_reasoning = output.in_reasoning
                     events = output.push(token)
@@ -661,7 +654,10 @@ class Service:
                         finish = "length"
                         break
         finally:
-            await run.stop()
+            try:
+                await stream.stop()
+            finally:
+                self._generating.remove((row, stream))
         for event in output.finish():
             yield event
         if finish == "stop" and output.n_tool_calls:
@@ -682,46 +678,29 @@ class Service:
         return TokenLogprob(*named(token), logprob, tuple((*named(i), value) for i, value in top))
 
     @property
+    def phase(self) -> str:
+        """"decode" while some request is generating tokens, "prompt" while requests only process their prompts,
+        else "idle"."""
+        phases = {"decode" if stream.job.decoding else "prompt" for _, stream in self._generating}
+        return "decode" if "decode" in phases else phases.pop() if phases else "idle"
+
+    @property
+    def current(self) -> HistoryRow | None:
+        """The row of the earliest request on a slot, or None."""
+        return self._generating[0][0] if self._generating else None
+
+    def slots(self) -> list[dict[str, Any]]:
+        """Each slot: its state ("idle", "prompt", "decode"), the request on it, and the positions it holds."""
+        if self.loop is None:
+            return []
+        return [{"slot": slot.seq, "request": None if slot.job is None else slot.job.tag,
+                 "state": "idle" if slot.job is None else "decode" if slot.job.decoding else "prompt",
+                 "cached_tokens": len(slot.keys)} for slot in self.loop.batcher.slots]
+
+    @property
     def engine_running(self) -> bool:
-        """Whether a worker thread is running engine calls right now."""
-        return self._run is not None
-
-    # --- the engine, in its worker thread
-
-    def _advance(self, ids: list[int], sampler: Sampler, keys: list[Hashable], spans: list[tuple[int, Any]],
-                 progress: RequestProgress | None = None) -> tuple[int, int]:
-        """Bring the KV cache to hold `keys` (keep the common prefix, evaluate the rest, pictures' rows at their
-        positions); sample the next token. `progress` hears how far the prompt is after each chunk.
-
-        Idempotent, so a call that a stale abort flag stopped can simply run again. Returns (token, reused).
-        """
-        engine = self.engine
-        # At least the last token is evaluated: its logits choose the next one.
-        reused = min(_common_prefix(self._kv_keys, keys), len(ids) - 1)
-        if reused < engine.n_past:
-            engine.keep(reused)
-        if progress is not None:
-            progress.prompt_progress(reused, cached=reused)
-        # One call per engine batch: the engine's own chunking, plus the last position's logits per chunk (one
-        # output row per `batch` prompt tokens), and a progress report between chunks.
-        chunk = self.config.batch
-        try:
-            for start in range(reused, len(ids), chunk):
-                end = min(start + chunk, len(ids))
-                embeds = embeds_from(spans, start, end)
-                logits = engine.eval(ids[start:end], embeds=embeds) if embeds else engine.eval(ids[start:end])
-                if progress is not None:
-                    progress.prompt_progress(engine.n_past)
-        finally:
-            self._kv_keys = keys[: engine.n_past]
-        return sampler.sample(logits, ids), reused
-
-    def _step(self, ids: list[int], sampler: Sampler) -> int:
-        """Evaluate the last of `ids` (the cache holds the others); sample the next token. On an abort the engine
-        drops the position, so running it again is safe."""
-        logits = self.engine.eval(ids[-1:])
-        self._kv_keys.append(ids[-1])
-        return sampler.sample(logits, ids)
+        """Whether an engine thread is running (until trio has seen its end)."""
+        return self.loop is not None and self.loop.periods > 0
 
 
 @dataclass
@@ -746,150 +725,188 @@ def _assistant_message(text: list[str], reasoning: list[str], calls: list[_Call]
     return message
 
 
-class _Stopped(Exception):
-    """The request stopped its generation (in the worker thread: end quietly)."""
+class _Exclusive:
+    """The engine taken whole, for an image encoder that shares its GPU: `hold()` waits until the engine thread
+    is between two steps and keeps it there (the whole batch waits) for the block."""
+
+    def __init__(self, service: Service):
+        self._service = service
+
+    @asynccontextmanager
+    async def hold(self) -> AsyncIterator[None]:
+        assert self._service.loop is not None
+        async with self._service.loop.paused():
+            self._service.turn.exclusive += 1
+            try:
+                yield
+            finally:
+                self._service.turn.exclusive -= 1
 
 
-class _EngineRun:
-    """One generation on the engine: a worker thread that processes the prompt, then decodes token after token
-    (sampling included) into a buffer that the request's task drains. The thread never waits for the request's
-    task, so sending a token to the client overlaps computing the next one.
+class _EngineLoop:
+    """The engine thread: while any job has work it runs `Batcher.step()` after step, adding the jobs that arrived
+    between steps; with nothing left to do it ends (the next job starts it again), so an idle server holds no
+    thread.
 
-    Invariant: the thread is never abandoned. `stop()` — called on every exit of the request, cancellation
-    included — raises the stop and abort flags and waits, shielded, for the thread to return (within one decode
-    step or one layer of a prompt chunk); only then is the turn released.
+    Invariant: a job reaches the engine only through the batcher, in this thread; a cancelled job leaves at the
+    next step boundary (an engine call in flight drops its sequence within one layer), and the others go on.
 
-    A second thread, the waker, wakes the request's task on the engine thread's behalf. Waking trio writes to a
-    socket, which releases the GIL; the request's task, woken, took it and kept it while it rendered and sent the
-    token, so an engine thread that woke trio itself waited 0.1-0.25 ms per token before its next engine call
-    (measured, ~3% of an 8 ms step). Handing the wake-up to the waker costs the engine thread no GIL release: the
-    waker gets the GIL when the engine thread enters its next engine call.
+    A second thread, the waker, wakes the requests' tasks on the engine thread's behalf: waking trio writes to a
+    socket, which releases the GIL, and the request's task, woken, took it while it rendered and sent its token
+    (0.1-0.25 ms per token measured for an engine thread that woke trio itself).
     """
 
-    def __init__(self, service: Service, prompt: PromptImages, sampler: Sampler, max_tokens: int,
-                 progress: RequestProgress | None = None):
-        self._service = service
-        self._progress = progress
-        self._engine = service.engine
-        self._ids = list(prompt.ids)  # prompt and generated tokens (the thread's own copy)
-        self._prompt = prompt
-        self._sampler, self._max_tokens = sampler, max_tokens
-        self._stop_ids = service.tokenizer.eos_ids
-        self._trio_token = trio.lowlevel.current_trio_token()
-        self._lock = threading.Lock()
-        self._tokens: list[int] = []  # sampled, not yet taken (guarded by _lock)
-        self._stopping = threading.Event()
-        self._in_call = False  # the thread is inside an engine call (guarded by _lock)
+    def __init__(self, batcher: Batcher):
+        self.batcher = batcher
+        self._cond = threading.Condition()
+        self._inbox: list[_Stream] = []  # submitted, not yet added to the batcher (guarded by _cond)
+        self._streams: dict[Job, _Stream] = {}  # the batcher's jobs (guarded by _cond)
+        self.running = False  # the engine thread runs (guarded by _cond)
+        self.periods = 0  # engine threads started whose end trio has not seen yet (trio only)
+        self._pauses = 0  # paused() holders (guarded by _cond)
+        self._pause_ack: trio.Event | None = None
+        self._trio_token: trio.lowlevel.TrioToken | None = None
+
+    def submit(self, stream: _Stream) -> None:
+        with self._cond:
+            self._inbox.append(stream)
+            if not self.running:
+                self.running = True
+                self.periods += 1
+                self._trio_token = trio.lowlevel.current_trio_token()
+                wakes: queue.SimpleQueue[Any] = queue.SimpleQueue()  # this engine thread's, to its own waker
+                trio.lowlevel.start_thread_soon(partial(self._relay, wakes), outcome.Outcome.unwrap,
+                                                name="strata engine waker")
+                trio.lowlevel.start_thread_soon(partial(self._work, wakes), wakes.put, name="strata engine")
+            self._cond.notify()
+
+    def cancel(self, stream: _Stream) -> None:
+        """Take a stream's job out: from the inbox at once, else at the batcher's next step."""
+        with self._cond:
+            if stream in self._inbox:
+                self._inbox.remove(stream)
+                stream.job.finish = "cancel"
+                stream.wake()
+            elif stream.job.finish is None:
+                self.batcher.cancel(stream.job)
+
+    @asynccontextmanager
+    async def paused(self) -> AsyncIterator[None]:
+        """Keep the engine thread between two steps for the block."""
+        with self._cond:
+            self._pauses += 1
+            ack = None
+            if self.running:
+                self._pause_ack = ack = trio.Event()
+            self._cond.notify()
+        try:
+            if ack is not None:
+                await ack.wait()
+            yield
+        finally:
+            with self._cond:
+                self._pauses -= 1
+                self._cond.notify()
+
+    # in the engine thread
+
+    def _work(self, wakes: queue.SimpleQueue[Any]) -> None:
+        while True:
+            with self._cond:
+                if self._pauses:
+                    wakes.put(self._acknowledge_pause)
+                    while self._pauses:
+                        self._cond.wait()
+                arrived, self._inbox = self._inbox, []
+                if not arrived and not self.batcher.jobs:
+                    self.running = False
+                    return
+                for stream in arrived:  # under the lock: cancel() finds a job either in the inbox or here
+                    self.batcher.add(stream.job)
+                    self._streams[stream.job] = stream
+            for job in self.batcher.step():
+                with self._cond:
+                    stream = self._streams[job] if job.finish is None else self._streams.pop(job)
+                wakes.put(stream.wake)
+
+    # in the waker thread
+
+    def _relay(self, wakes: queue.SimpleQueue[Any]) -> None:
+        """Deliver each wake-up to trio, then the engine thread's outcome, and end."""
+        assert self._trio_token is not None
+        while callable(item := wakes.get()):
+            self._trio_token.run_sync_soon(item)
+        self._trio_token.run_sync_soon(self._finish, item)
+
+    # back in trio
+
+    def _acknowledge_pause(self) -> None:
+        if self._pause_ack is not None:
+            self._pause_ack.set()
+
+    def _finish(self, result: outcome.Outcome) -> None:
+        """The engine thread ended. An exception there (a bug: engine errors end jobs, not the thread) fails every
+        job it had."""
+        self.periods -= 1
+        self._acknowledge_pause()
+        if isinstance(result, outcome.Error):
+            with self._cond:
+                self.running = False
+                streams = list(self._streams.values()) + self._inbox
+                self._streams.clear()
+                self._inbox = []
+            for stream in streams:
+                stream.job.error, stream.job.finish = result.error, "error"
+                stream.wake()
+
+
+class _Stream:
+    """A request's view of its job: the tokens as they come, and `stop()`, awaited on every exit of the request
+    (cancellation included), which takes the job out and waits, shielded, until it has left its slot."""
+
+    def __init__(self, loop: _EngineLoop, job: Job):
+        self.job, self._loop = job, loop
+        self._taken = 0
         self._waiter: trio.Event | None = None
         self._ended = trio.Event()
-        self._outcome: outcome.Outcome | None = None
-        # To the waker: None when tokens are ready, then the engine thread's outcome as the last item.
-        self._wakes: queue.SimpleQueue[outcome.Outcome | None] = queue.SimpleQueue()
-        self.reused = 0
-        self._times = [time.perf_counter(), 0.0, 0.0]  # start, prompt done, last token
-        service._run = self
-        trio.lowlevel.start_thread_soon(self._relay, outcome.Outcome.unwrap, name="strata engine waker")
-        trio.lowlevel.start_thread_soon(self._work, self._wakes.put, name="strata engine")
+        loop.submit(self)
 
     def seconds(self) -> tuple[float, float]:
         """(prompt seconds, decode seconds) so far."""
-        start, prompt_done, last = self._times
-        if not prompt_done:
-            return time.perf_counter() - start, 0.0
-        return prompt_done - start, max(last - prompt_done, 0.0)
+        job = self.job
+        if not job.prompt_done:
+            return time.perf_counter() - job.started, 0.0
+        return job.prompt_done - job.started, max(job.last_token - job.prompt_done, 0.0)
 
     async def next_tokens(self) -> list[int]:
-        """Wait for sampled tokens; [] once the thread has ended and every token was taken.
+        """Wait for sampled tokens; [] once the job has left its slot and every token was taken.
 
         Raises: what the engine raised (EngineError, ...).
         """
         while True:
             self._waiter = waiter = trio.Event()
-            with self._lock:
-                tokens, self._tokens = self._tokens, []
+            ended = self.job.finish is not None  # read first: every token is appended before finish is set
+            tokens = self.job.tokens[self._taken:]
             if tokens:
+                self._taken += len(tokens)
                 return tokens
-            if self._ended.is_set():
-                assert self._outcome is not None  # set with _ended
-                self._outcome.unwrap()
+            if ended:
+                if self.job.error is not None:
+                    raise self.job.error
                 return []
             await waiter.wait()
 
-    async def stop(self) -> None:
-        """Stop the thread if it still runs and wait for it (shielded: this is cleanup that must finish)."""
-        with self._lock:
-            self._stopping.set()
-            # Only a call in flight is aborted: a flag raised between calls would stop the next run's first call.
-            if self._in_call:
-                self._engine.abort()
-        with trio.CancelScope(shield=True):
-            await self._ended.wait()
-
-    # in the worker thread
-
-    def _work(self) -> None:
-        try:
-            token, self.reused = self._call(partial(self._service._advance, keys=self._prompt.keys,
-                                                    spans=self._prompt.spans, progress=self._progress))
-            self._times[1] = self._times[2] = time.perf_counter()
-            self._push(token)
-            n = 1
-            while token not in self._stop_ids and n < self._max_tokens:
-                self._ids.append(token)
-                token = self._call(self._service._step)
-                self._times[2] = time.perf_counter()
-                self._push(token)
-                n += 1
-        except _Stopped:
-            pass
-
-    def _call(self, step: Callable[[list[int], Sampler], Any]) -> Any:
-        from strata.engine_cffi import EngineAborted
-
-        with self._lock:
-            if self._stopping.is_set():
-                raise _Stopped
-            self._in_call = True
-        try:
-            return step(self._ids, self._sampler)
-        except EngineAborted:
-            if self._stopping.is_set():
-                raise _Stopped from None
-            # Aborted although this run was not stopped: the flag of an earlier run, raised as its last call
-            # was returning. Aborting lowered it; run again.
-            return step(self._ids, self._sampler)
-        finally:
-            with self._lock:
-                self._in_call = False
-
-    def _push(self, token: int) -> None:
-        with self._lock:
-            self._tokens.append(token)
-            # A non-empty buffer already has a wake-up on its way (the request's task takes the whole buffer
-            # under the lock, after setting its waiter): one per batch, not one per token, when the engine is ahead.
-            first = len(self._tokens) == 1
-        if first:
-            self._wakes.put(None)
-
-    # in the waker thread
-
-    def _relay(self) -> None:
-        """Wake the request's task for each batch of tokens, then deliver the engine thread's outcome and end."""
-        while (item := self._wakes.get()) is None:
-            self._trio_token.run_sync_soon(self._wake)
-        self._trio_token.run_sync_soon(self._finish, item)
-
-    # back in trio
-
-    def _wake(self) -> None:
+    def wake(self) -> None:
         if self._waiter is not None:
             self._waiter.set()
+        if self.job.finish is not None:
+            self._ended.set()
 
-    def _finish(self, result: outcome.Outcome) -> None:
-        self._outcome = result
-        self._service._run = None
-        self._ended.set()
-        self._wake()
+    async def stop(self) -> None:
+        if not self._ended.is_set():
+            self._loop.cancel(self)
+            with trio.CancelScope(shield=True):
+                await self._ended.wait()
 
 
 class _PlainText:

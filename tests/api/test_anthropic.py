@@ -71,6 +71,17 @@ def test_a_tool_conversation_becomes_openai_chat_messages():
     assert request.route == "messages"
 
 
+@pytest.mark.parametrize("system", [
+    [{"type": "text", "text": "x-anthropic-billing-header: cc_version=1.0.70.a1b; cc_entrypoint=cli; cch=8f3e2;"},
+     {"type": "text", "text": "You are an agent.", "cache_control": {"type": "ephemeral"}}],
+    "x-anthropic-billing-header: cc_version=1.0.70; cch=00aa1;\nYou are an agent.",
+])
+def test_the_billing_header_line_is_left_out_and_cache_control_is_accepted(system):
+    request = anthropic.parse_request(body(system=system, messages=[
+        {"role": "user", "content": [{"type": "text", "text": "Hi", "cache_control": {"type": "ephemeral"}}]}]))
+    assert request.messages[0] == {"role": "system", "content": "You are an agent."}
+
+
 def test_text_before_a_tool_result_keeps_its_place():
     request = anthropic.parse_request(body(messages=[{"role": "user", "content": [
         {"type": "text", "text": "first"},

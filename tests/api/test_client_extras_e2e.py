@@ -27,8 +27,9 @@ def test_logit_bias_bans_and_forces_tokens(real, tokenizer):
             return client.chat.completions.create(model="m", messages=USER, max_tokens=6, temperature=0,
                                                   reasoning_effort="none", **extra).choices[0].message.content
 
-        def first_token(n_prompt: int) -> int:  # what the engine's cache holds after the prompt
-            return real.call(lambda: real.service._kv_keys[n_prompt])
+        def first_token(n_prompt: int) -> int:  # what the last used slot's cache holds after the prompt
+            slots = real.service.loop.batcher.slots
+            return real.call(lambda: max(slots, key=lambda slot: slot.used).keys[n_prompt])
 
         n_prompt = client.chat.completions.create(model="m", messages=USER, max_tokens=6, temperature=0,
                                                   reasoning_effort="none").usage.prompt_tokens

@@ -51,13 +51,13 @@ class RoundsEngine(ScriptedEngine):
         """The scripts of the rounds to come, in order."""
         self.scripts = [self._encode(text) for text in texts]
 
-    def _next_token(self) -> int:
+    def _next_token(self, kv: list[int]) -> int:
         n, k = len(self._response), 0
-        for i in range(len(self.kv) - n + 1):
-            if self.kv[i:i + n] == self._response:
+        for i in range(len(kv) - n + 1):
+            if kv[i:i + n] == self._response:
                 k += 1
         self.script = self.scripts[min(k, len(self.scripts) - 1)]
-        return super()._next_token()
+        return super()._next_token(kv)
 
 
 def call(name: str, **arguments: Any) -> str:

@@ -138,7 +138,7 @@ def test_host_name(header, name):
 
 def test_a_server_error_names_no_exception_class(tokenizer):
     class Broken(ScriptedEngine):
-        def eval(self, tokens, embeds=None, all_logits=False):
+        def eval_batch(self, items):
             raise KeyError("secret internals")
 
     with live_server(server_config(), Broken(tokenizer), tokenizer) as live:

@@ -105,7 +105,8 @@ def test_information_routes(server):
     models = httpx.get(server.url + "/v1/models").json()
     assert [model["id"] for model in models["data"]] == [server.service.model_name]
     idle = httpx.get(server.url + "/status").json()
-    assert idle == {"busy": False, "queued": 0, "phase": "idle", "request": None}
+    assert idle == {"busy": False, "queued": 0, "phase": "idle", "request": None,
+                    "slots": [{"slot": 0, "request": None, "state": "idle", "cached_tokens": 0}]}
     chat(server, {"messages": USER, "max_tokens": 3})
     chat(server, {"messages": USER})
     status = httpx.get(server.url + "/v1/status").json()

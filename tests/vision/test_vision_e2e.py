@@ -40,7 +40,7 @@ DATA_URL = "data:image/png;base64," + base64.b64encode(PICTURE).decode()
 
 
 class RecordingEngine:
-    """The real engine, with the embeds of each eval call kept."""
+    """The real engine, with the tokens and embeds of each item of each eval call kept."""
 
     def __init__(self, engine: Any):
         self._engine = engine
@@ -49,9 +49,9 @@ class RecordingEngine:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
 
-    def eval(self, tokens, embeds=None, all_logits=False):
-        self.calls.append((list(tokens), list(embeds or [])))
-        return self._engine.eval(tokens, embeds=embeds, all_logits=all_logits)
+    def eval_batch(self, items):
+        self.calls += [(list(item.tokens), list(item.embeds or [])) for item in items]
+        return self._engine.eval_batch(items)
 
 
 @pytest.fixture(scope="module")

@@ -120,8 +120,9 @@ def long_answers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     # 128 wide, like the demo model, so the demo model's encoder feeds it.
     model = write_random_model(tmp_path_factory.mktemp("web") / "random.gguf", arch="qwen3moe", size="tiny",
                                dtype="f16", vocab="qwen", seed=0, n_embd=128)
+    # One slot: a second request waits, and the monitor shows it queued.
     with strata_serve("--model", str(model), "--vision.mmproj", str(SHIPPED / "demo-mmproj.gguf"),
-                      "--vision.threads", "1") as served:
+                      "--vision.threads", "1", "--slots", "1") as served:
         yield served
 
 
@@ -360,7 +361,10 @@ def test_stop_hangs_up_and_frees_the_slot(long_answers: Served, page: Any) -> No
     deadline = time.monotonic() + 5
     while status(long_answers)["busy"] and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert status(long_answers) == {"busy": False, "queued": 0, "phase": "idle", "request": None}
+    now = status(long_answers)
+    assert {key: now[key] for key in ("busy", "queued", "phase", "request")} == {
+        "busy": False, "queued": 0, "phase": "idle", "request": None}
+    assert all(slot["state"] == "idle" for slot in now["slots"])
     answer.and_(page.locator("[data-status=stopped]")).wait_for()
     assert answer.get_by_test_id("stopped").is_visible()
     partial = answer.locator(".markdown").inner_text()

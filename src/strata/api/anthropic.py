@@ -11,6 +11,7 @@ and `usage.input_tokens` counts only the prompt tokens that were not read from t
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -141,10 +142,18 @@ def _output_format(body: dict[str, Any]) -> AnswerFormat | None:
                          "output_config.format.schema")
 
 
+# A line some agent clients put at the start of the system prompt, different on every request: left out of the
+# prompt, where it would defeat prefix reuse from the first token on.
+_BILLING_HEADER = re.compile(r"^x-anthropic-billing-header:[^\n]*(\n|$)", re.MULTILINE)
+
+
 def _system(body: dict[str, Any]) -> list[dict[str, Any]]:
     system = get(body, "system", (str, list), "system")
     if isinstance(system, list):
-        system = "\n\n".join(_text_block(block, f"system[{i}]") for i, block in enumerate(system))
+        texts = (_BILLING_HEADER.sub("", _text_block(block, f"system[{i}]")) for i, block in enumerate(system))
+        system = "\n\n".join(text for text in texts if text)
+    else:
+        system = _BILLING_HEADER.sub("", system) if system else system
     return [{"role": "system", "content": system}] if system else []
 
 

@@ -37,6 +37,7 @@ class ApiError(Exception):
         self.kind = kind
         self.param = param
         self.code = code
+        self.retry_after = retry_after
 
 
 def openai_error_body(error: ApiError) -> dict[str, Any]:
@@ -74,7 +75,7 @@ def as_api_error(exc: BaseException) -> ApiError:
     if isinstance(exc, ServiceUnavailable):
         return ApiError(503, str(exc), kind="server_error", retry_after=exc.retry_after)
     if isinstance(exc, QueueFull):
-        return ApiError(503, f"the server is busy: {exc}", kind="server_error")
+        return ApiError(503, f"the server is busy: {exc}", kind="server_error", retry_after=1)
     if isinstance(exc, HTTPException):
         code = exc.code or 500
         kinds = {401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error"}

@@ -18,12 +18,14 @@ from strata.service import Service
 
 
 def status(service: Service) -> dict[str, Any]:
-    """The engine right now: whether a request holds it, how many wait, and the running request's progress."""
+    """The engine right now: whether a request holds a slot, how many wait, each slot, and the progress of the
+    earliest request on a slot."""
     current = service.current
     return {
         "busy": service.turn.busy,
         "queued": service.turn.queued,
         "phase": service.phase,
+        "slots": service.slots(),
         "request": None if current is None else {
             "id": current.id,
             "route": current.route,
@@ -129,7 +131,14 @@ class _ServiceCollector:
                                   value=totals.decode_seconds)
         yield GaugeMetricFamily("strata_queue_length", "Requests waiting for the engine.",
                                 value=service.turn.queued)
-        yield GaugeMetricFamily("strata_busy", "1 while a request holds the engine.", value=int(service.turn.busy))
+        yield GaugeMetricFamily("strata_busy", "1 while a request holds a slot (or the engine is held whole).",
+                                value=int(service.turn.busy))
+        slots = service.slots()
+        yield GaugeMetricFamily("strata_slots", "Sequences the engine holds at once.", value=len(slots))
+        yield GaugeMetricFamily("strata_slots_busy", "Slots with a request generating on them.",
+                                value=sum(slot["state"] != "idle" for slot in slots))
+        yield GaugeMetricFamily("strata_batch_tokens", "Tokens in the last engine step (all its sequences).",
+                                value=service.loop.batcher.last_batch if service.loop is not None else 0)
 
 
 def metrics_registry(service: Service) -> CollectorRegistry:

@@ -34,11 +34,13 @@ class EngineAborted(EngineError):
 
     Attributes:
         dropped: the sequences the call dropped (for `eval_batch`: the others' work is complete).
+        results: for `eval_batch`, what it would have returned, None for each item of a dropped sequence.
     """
 
-    def __init__(self, message: str, dropped: frozenset[int] = frozenset()):
+    def __init__(self, message: str, dropped: frozenset[int] = frozenset(),
+                 results: list[np.ndarray | None] | None = None):
         super().__init__(message)
-        self.dropped = dropped
+        self.dropped, self.results = dropped, results or []
 
 
 Embeds = Sequence[tuple[int, np.ndarray]]
@@ -156,13 +158,14 @@ class Engine:
     """
 
     def __init__(self, file: GGUFFile, params: Any, model: Any, ctx: Any, keep: list[Any], n_ctx: int,
-                 threads: int) -> None:
+                 threads: int, n_batch: int) -> None:
         self._file, self._model, self._ctx, self._keep = file, model, ctx, keep
         self.arch: str = ffi.string(params.arch).decode()
         self.n_vocab: int = params.n_vocab
         self.n_embd: int = params.n_embd
         self.n_ctx, self.threads, self.backend = n_ctx, threads, "cpu"
         self.n_seq: int = lib.strata_n_seq(ctx)
+        self.n_batch: int = n_batch
         self.kv_bytes: int = lib.strata_kv_bytes(ctx)  # the KV cache of every sequence, allocated once
         self._dropped = ffi.new("int[]", self.n_seq)
 
@@ -199,7 +202,7 @@ class Engine:
             keep = []
             file.close()
             _check(status)
-        return cls(file, params, model_out[0], ctx_out[0], keep, n_ctx, threads)
+        return cls(file, params, model_out[0], ctx_out[0], keep, n_ctx, threads, min(n_batch, n_ctx))
 
     # --- state
 
@@ -311,16 +314,19 @@ class Engine:
         batch.out_index, batch.n_out, batch.logits = keep[5], len(out32), keep[6]
         batch.seq_dropped = self._dropped
         status = lib.strata_eval_batch(ctx, batch)
-        if status == lib.STRATA_ABORTED:
-            dropped = frozenset(s for s in range(self.n_seq) if self._dropped[s])
-            raise EngineAborted(ffi.string(lib.strata_last_error()).decode("utf-8", "replace"), dropped)
-        _check(status)
-        result, at = [], 0
+        dropped = frozenset(s for s in range(self.n_seq) if self._dropped[s]) if status == lib.STRATA_ABORTED \
+            else frozenset()
+        if status != lib.STRATA_ABORTED:
+            _check(status)
+        results: list[np.ndarray | None] = []
+        at = 0
         for item in items:
             n = {"all": len(item.tokens), "last": 1, "none": 0}[item.logits]
-            result.append(logits[at : at + n])
+            results.append(None if item.seq in dropped else logits[at : at + n])
             at += n
-        return result
+        if dropped:
+            raise EngineAborted(ffi.string(lib.strata_last_error()).decode("utf-8", "replace"), dropped, results)
+        return results  # type: ignore[return-value]  # no None without a dropped sequence
 
     def _embedding_rows(self, embeds: Embeds, n_tokens: int) -> tuple[np.ndarray, np.ndarray]:
         """The embedding rows as one (n_rows, n_embd) array and the token index of each row."""
