@@ -21,13 +21,17 @@ import threading
 import time
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
-from gguf import quants
-
+from gguf import GGML_QUANT_SIZES, quants
+from gguf import GGMLQuantizationType as Q
 from strata.engine_cffi._engine import ffi, lib
 
+from strata.modelgen.quants import random_blocks
+
 TYPES = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "q4_k": Q.Q4_K,
-         "q6_k": Q.Q6_K}
+         "q6_k": Q.Q6_K, "q5_k": Q.Q5_K, "q3_k": Q.Q3_K, "q2_k": Q.Q2_K, "iq4_xs": Q.IQ4_XS, "iq4_nl": Q.IQ4_NL,
+         "iq3_s": Q.IQ3_S, "mxfp4": Q.MXFP4, "q4_1": Q.Q4_1, "q5_0": Q.Q5_0, "q5_1": Q.Q5_1, "iq3_xxs": Q.IQ3_XXS,
+         "iq2_xxs": Q.IQ2_XXS, "iq2_xs": Q.IQ2_XS, "iq2_s": Q.IQ2_S, "iq1_s": Q.IQ1_S, "iq1_m": Q.IQ1_M}
+DEFAULT_TYPES = "f32,f16,bf16,q8_0,q4_0,q4_k,q6_k,q5_k,q3_k,q2_k,iq4_xs,iq4_nl,iq3_s,mxfp4"
 NAIVE_ROWS = 64  # the reference is slow: time it on this many rows and scale
 WORKING_SET = 256 << 20
 
@@ -64,21 +68,15 @@ def bandwidth_gbs(threads: int, kind: str, clock=time.perf_counter, n_bytes: int
 
 
 def make_weights(qtype: Q, n_rows: int, n_cols: int, rng: np.random.Generator) -> np.ndarray:
-    """(n_rows, row_bytes) uint8: gguf's quantiser where it has one, else random blocks with sane f16 scales."""
+    """(n_rows, row_bytes) uint8: gguf's quantiser where it has one, else random valid blocks."""
     if qtype == Q.F32:
         return rng.standard_normal((n_rows, n_cols), dtype=np.float32).view(np.uint8)
     if qtype == Q.F16:
         return rng.standard_normal((n_rows, n_cols), dtype=np.float32).astype(np.float16).view(np.uint8)
     if qtype in (Q.BF16, Q.Q8_0, Q.Q4_0):
         return quants.quantize(rng.standard_normal((n_rows, n_cols), dtype=np.float32), qtype)
-    block, size = GGML_QUANT_SIZES[qtype]
-    blocks = rng.integers(0, 256, size=(n_rows * n_cols // block, size), dtype=np.uint8)
-    scale = np.full((blocks.shape[0], 1), 0.01, dtype=np.float16).view(np.uint8)
-    if qtype == Q.Q4_K:
-        blocks[:, 0:2] = blocks[:, 2:4] = scale
-    else:
-        blocks[:, -2:] = scale
-    return blocks.reshape(n_rows, -1)
+    block = GGML_QUANT_SIZES[qtype][0]
+    return random_blocks(qtype, n_rows * n_cols // block, rng).reshape(n_rows, -1)
 
 
 def time_call(fn, clock=time.perf_counter, min_seconds: float = 0.3, max_calls: int = 50) -> float:
@@ -180,7 +178,7 @@ def main() -> None:
     parser.add_argument("--cols", type=int, default=4096)
     parser.add_argument("--tokens", default="1,64,256")
     parser.add_argument("--threads", default="1,2")
-    parser.add_argument("--types", default=",".join(TYPES))
+    parser.add_argument("--types", default=DEFAULT_TYPES, help=f"of {','.join(TYPES)}")
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                         help="cpu: the calling thread's CPU time, which other processes on a busy machine do not "
                              "inflate; meaningful at 1 thread only (the naive column always uses it)")

@@ -153,6 +153,37 @@ static inline int q6k_value(const block_q6_K *b, int e) {
 }
 
 
+// Scales of the other types (inline: the vector tiles call them per block).
+
+// The 16 signed 6-bit scales of a Q3_K block: low 4 bits from bytes 0-7 (nibble g / 8), high 2 bits from bytes
+// 8-11 (field g / 4 of byte 8 + g % 4).
+static inline void strata_q3k_scales(const uint8_t s[12], int8_t out[16]) {
+    for (int g = 0; g < 16; g++) {
+        int lo = (s[g % 8] >> (4 * (g / 8))) & 0xf, hi = (s[8 + g % 4] >> (2 * (g / 4))) & 3;
+        out[g] = (int8_t)((lo | hi << 4) - 32);
+    }
+}
+
+// The signed 6-bit scale of sub-block s (32 values) of an IQ4_XS block.
+static inline int strata_iq4xs_scale(const block_iq4_xs *b, int s) {
+    return (((b->scales_l[s / 2] >> (4 * (s % 2))) & 0xf) | ((b->scales_h >> (2 * s)) & 3) << 4) - 32;
+}
+
+// 2^(e - 127) / 2, the scale of MXFP4's doubled e2m1 values, as the gguf package builds it from bits.
+static inline float strata_e8m0_half(uint8_t e) {
+    uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+// IQ1_M's f16 super-scale, kept in the top nibbles of its four 16-bit scale words.
+static inline uint16_t strata_iq1m_d(const block_iq1_m *b) {
+    uint16_t sc[4];
+    memcpy(sc, b->scales, 8);
+    return (uint16_t)((sc[0] >> 12) | ((sc[1] >> 8) & 0xf0) | ((sc[2] >> 4) & 0xf00) | (sc[3] & 0xf000));
+}
+
 // --- the kernels of each type (quants_ref.c: to_float, from_float, vec_dot; quants_x86.c: gemm)
 
 #define STRATA_TYPE_KERNELS(t) \
@@ -183,10 +214,6 @@ STRATA_TYPE_KERNELS(iq1_s)
 STRATA_TYPE_KERNELS(iq1_m)
 STRATA_TYPE_KERNELS(mxfp4)
 void strata_to_float_q8_K(const void *src, float *dst, int64_t n);
-void strata_q3k_scales(const uint8_t s[12], int8_t out[16]);
-int strata_iq4xs_scale(const block_iq4_xs *b, int s);
-float strata_e8m0_half(uint8_t e);
-uint16_t strata_iq1m_d(const block_iq1_m *b);
 void strata_from_float_f32(const float *src, void *dst, int64_t n);
 void strata_from_float_q8_0(const float *src, void *dst, int64_t n);
 void strata_from_float_q8_K(const float *src, void *dst, int64_t n);

@@ -228,14 +228,6 @@ EXACT void strata_to_float_q2_K(const void *src, float *y, int64_t n) {
     }
 }
 
-// The 16 signed 6-bit scales of a Q3_K block: low 4 bits from bytes 0-7 (nibble g / 8), high 2 bits from bytes
-// 8-11 (field g / 4 of byte 8 + g % 4).
-void strata_q3k_scales(const uint8_t s[12], int8_t out[16]) {
-    for (int g = 0; g < 16; g++) {
-        int lo = (s[g % 8] >> (4 * (g / 8))) & 0xf, hi = (s[8 + g % 4] >> (2 * (g / 4))) & 3;
-        out[g] = (int8_t)((lo | hi << 4) - 32);
-    }
-}
 
 // Q3_K value e: 2 low bits as Q2_K's, minus 4 unless bit e / 32 of hmask byte e % 32 is set.
 static inline int q3k_value(const block_q3_K *b, int e) {
@@ -281,10 +273,6 @@ EXACT void strata_to_float_iq4_nl(const void *src, float *y, int64_t n) {
     }
 }
 
-// The signed 6-bit scale of sub-block s (32 values) of an IQ4_XS block.
-int strata_iq4xs_scale(const block_iq4_xs *b, int s) {
-    return (((b->scales_l[s / 2] >> (4 * (s % 2))) & 0xf) | ((b->scales_h >> (2 * s)) & 3) << 4) - 32;
-}
 
 EXACT void strata_to_float_iq4_xs(const void *src, float *y, int64_t n) {
     const block_iq4_xs *b = src;
@@ -297,13 +285,6 @@ EXACT void strata_to_float_iq4_xs(const void *src, float *y, int64_t n) {
     }
 }
 
-// 2^(e - 127) / 2, the scale of MXFP4's doubled e2m1 values, as the gguf package builds it from bits.
-float strata_e8m0_half(uint8_t e) {
-    uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
 
 EXACT void strata_to_float_mxfp4(const void *src, float *y, int64_t n) {
     const block_mxfp4 *b = src;
@@ -418,12 +399,6 @@ EXACT void strata_to_float_iq1_s(const void *src, float *y, int64_t n) {
     }
 }
 
-// IQ1_M's f16 super-scale, kept in the top nibbles of its four 16-bit scale words.
-uint16_t strata_iq1m_d(const block_iq1_m *b) {
-    uint16_t sc[4];
-    memcpy(sc, b->scales, 8);
-    return (uint16_t)((sc[0] >> 12) | ((sc[1] >> 8) & 0xf0) | ((sc[2] >> 4) & 0xf00) | (sc[3] & 0xf000));
-}
 
 EXACT void strata_to_float_iq1_m(const void *src, float *y, int64_t n) {
     const block_iq1_m *b = src;

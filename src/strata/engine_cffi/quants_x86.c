@@ -757,15 +757,3 @@ void strata_gemm_q6_K(gemm_args *a, int64_t r0, int64_t r1, int64_t n_tok) {
     gemm_q6_K_blocks(a, r0, r1, n_tok);
 #endif
 }
-
-// --- the other weight types: tiles of their scalar dots until they have vector tiles
-TILE_SCALAR(q4_1)
-TILE_SCALAR(q5_0)
-TILE_SCALAR(q5_1)
-TILE_SCALAR(iq4_nl)
-TILE_SCALAR(mxfp4)
-DEFINE_GEMM(strata_gemm_q4_1, tile_scalar_q4_1)
-DEFINE_GEMM(strata_gemm_q5_0, tile_scalar_q5_0)
-DEFINE_GEMM(strata_gemm_q5_1, tile_scalar_q5_1)
-DEFINE_GEMM(strata_gemm_iq4_nl, tile_scalar_iq4_nl)
-DEFINE_GEMM(strata_gemm_mxfp4, tile_scalar_mxfp4)

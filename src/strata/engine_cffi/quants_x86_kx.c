@@ -73,10 +73,14 @@ INLINE void kx_meta_of(int k, const void *blk, kx_meta *M) {
         M->m = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(s, 4), low4));
         M->d = F16(B->d), M->dmin = F16(B->dmin);
     } else if (k == KX_Q3_K) {
+        // strata_q3k_scales in registers: nibbles of bytes 0-7 (low ones first), 2-bit fields of bytes 8-11
         const block_q3_K *B = blk;
-        int8_t sc[16];
-        strata_q3k_scales(B->scales, sc);
-        M->sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
+        const __m128i low4 = _mm_set1_epi8(0xf);
+        __m128i v = _mm_loadl_epi64((const __m128i *)B->scales);
+        __m128i lo = _mm_unpacklo_epi64(_mm_and_si128(v, low4), _mm_and_si128(_mm_srli_epi16(v, 4), low4));
+        __m128i hi = _mm_srlv_epi32(_mm_set1_epi32((int)load_u32(B->scales + 8)), _mm_set_epi32(6, 4, 2, 0));
+        hi = _mm_slli_epi16(_mm_and_si128(hi, _mm_set1_epi8(3)), 4);
+        M->sc = _mm256_cvtepi8_epi16(_mm_sub_epi8(_mm_or_si128(lo, hi), _mm_set1_epi8(32)));
         M->d = F16(B->d);
     } else if (k == KX_Q5_K) {
         const block_q5_K *B = blk;
@@ -288,6 +292,89 @@ INLINE void tile_kx(int k, const gemm_args *a, int64_t r, int64_t t, int NR, int
     store_tile(a, r, t, NR, NT, acc);
 }
 
+// --- blocks of 32 with Q8_0 activations: IQ4_NL, MXFP4 (a 16-entry table), Q5_0 (signed 5 bits), Q4_1 and Q5_1
+// (unsigned, plus a min times the block's activation sum). One block per 256-bit register; vpmaddubsw of |q| with
+// x carrying q's sign, summed to 32 bits and scaled in f32 per block.
+enum { B32_IQ4_NL, B32_MXFP4, B32_Q5_0, B32_Q4_1, B32_Q5_1 };
+
+static const size_t B32_BLOCK_BYTES[] = {sizeof(block_iq4_nl), sizeof(block_mxfp4), sizeof(block_q5_0),
+                                         sizeof(block_q4_1), sizeof(block_q5_1)};
+
+#define B32_MIN(k) ((k) == B32_Q4_1 || (k) == B32_Q5_1)
+
+// The 32 values of a block as bytes (signed, or unsigned for Q4_1 / Q5_1), its scale and (Q4_1 / Q5_1) min.
+INLINE __m256i b32_values(int k, const void *blk, float *d, float *m) {
+    const uint8_t *qs = k == B32_IQ4_NL ? ((const block_iq4_nl *)blk)->qs : k == B32_MXFP4 ? ((const block_mxfp4 *)blk)->qs
+                      : k == B32_Q5_0 ? ((const block_q5_0 *)blk)->qs : k == B32_Q4_1 ? ((const block_q4_1 *)blk)->qs
+                      : ((const block_q5_1 *)blk)->qs;
+    __m128i v = _mm_loadu_si128((const __m128i *)qs), low4 = _mm_set1_epi8(0xf);
+    __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low4), _mm_and_si128(v, low4));
+    *m = 0.0f;
+    if (k == B32_IQ4_NL || k == B32_MXFP4) {
+        const int8_t *table = k == B32_IQ4_NL ? KVALUES_IQ4NL : KVALUES_MXFP4;
+        *d = k == B32_IQ4_NL ? F16(((const block_iq4_nl *)blk)->d) : strata_e8m0_half(((const block_mxfp4 *)blk)->e);
+        return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)table)), q);
+    }
+    if (k == B32_Q4_1) {
+        const block_q4_1 *B = blk;
+        *d = F16(B->d), *m = F16(B->m);
+        return q;
+    }
+    // Q5_0, Q5_1: bit j of qh is element j's fifth bit
+    const uint8_t *qh = k == B32_Q5_0 ? ((const block_q5_0 *)blk)->qh : ((const block_q5_1 *)blk)->qh;
+    const __m256i spread = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    __m256i h = _mm256_shuffle_epi8(_mm256_set1_epi32((int)load_u32(qh)), spread);
+    h = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, bit), bit), _mm256_set1_epi8(16));
+    q = _mm256_or_si256(q, h);
+    if (k == B32_Q5_0) {
+        *d = F16(((const block_q5_0 *)blk)->d);
+        return _mm256_sub_epi8(q, _mm256_set1_epi8(16));
+    }
+    const block_q5_1 *B = blk;
+    *d = F16(B->d), *m = F16(B->m);
+    return q;
+}
+
+INLINE void tile_b32(int k, const gemm_args *a, int64_t r, int64_t t, int NR, int NT) {
+    const char *w[TR] = {0};
+    const block_q8_0 *x[TT] = {0};
+    __m256 acc[TR][TT];
+    const __m256i ones = _mm256_set1_epi8(1);
+    UNROLL for (int i = 0; i < NR; i++) w[i] = W_ROW(a, TILE_ROW(a, r, i));
+    UNROLL for (int j = 0; j < NT; j++) x[j] = X_ROW(a, t + j);
+    UNROLL for (int i = 0; i < NR; i++)
+        UNROLL for (int j = 0; j < NT; j++) acc[i][j] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < a->n / QK; b++) {
+        __m256i xv[TT];
+        __m256 dx[TT], xsum[TT];
+        UNROLL for (int j = 0; j < NT; j++) {
+            xv[j] = _mm256_loadu_si256((const __m256i *)x[j][b].qs);
+            dx[j] = f16_bcast(&x[j][b].d);
+            if (B32_MIN(k))  // da * the block's activation sum, for the min
+                xsum[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(dot_u8s8(_mm256_setzero_si256(), ones, xv[j])), dx[j]);
+        }
+        UNROLL for (int i = 0; i < NR; i++) {
+            float d, m;
+            __m256i q = b32_values(k, w[i] + b * B32_BLOCK_BYTES[k], &d, &m);
+            __m256i u = B32_MIN(k) ? q : _mm256_abs_epi8(q);
+            __m256 dw = _mm256_set1_ps(d);
+            UNROLL for (int j = 0; j < NT; j++) {
+                __m256i s = dot_u8s8(_mm256_setzero_si256(), u, B32_MIN(k) ? xv[j] : _mm256_sign_epi8(xv[j], q));
+                acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw, dx[j]), acc[i][j]);
+                if (B32_MIN(k)) acc[i][j] = _mm256_fmadd_ps(_mm256_set1_ps(m), xsum[j], acc[i][j]);  // lanes sum to m * da * sum(x)
+            }
+        }
+    }
+    store_tile(a, r, t, NR, NT, acc);
+}
+
+#define B32_GEMM(t, K) \
+    static inline void tile_##t(const gemm_args *a, int64_t r, int64_t tk, int NR, int NT) { \
+        tile_b32(K, a, r, tk, NR, NT); \
+    } \
+    DEFINE_GEMM(strata_gemm_##t, tile_##t)
+
 #define KX_GEMM(t, K) \
     static inline void tile_##t(const gemm_args *a, int64_t r, int64_t tk, int NR, int NT) { \
         tile_kx(K, a, r, tk, NR, NT); \
@@ -295,6 +382,7 @@ INLINE void tile_kx(int k, const gemm_args *a, int64_t r, int64_t t, int NR, int
     DEFINE_GEMM(strata_gemm_##t, tile_##t)
 #else
 #define KX_GEMM(t, K) TILE_SCALAR(t) DEFINE_GEMM(strata_gemm_##t, tile_scalar_##t)
+#define B32_GEMM KX_GEMM
 #endif
 
 KX_GEMM(q2_K, KX_Q2_K)
@@ -308,3 +396,8 @@ KX_GEMM(iq2_xs, KX_IQ2_XS)
 KX_GEMM(iq2_s, KX_IQ2_S)
 KX_GEMM(iq1_s, KX_IQ1_S)
 KX_GEMM(iq1_m, KX_IQ1_M)
+B32_GEMM(iq4_nl, B32_IQ4_NL)
+B32_GEMM(mxfp4, B32_MXFP4)
+B32_GEMM(q5_0, B32_Q5_0)
+B32_GEMM(q4_1, B32_Q4_1)
+B32_GEMM(q5_1, B32_Q5_1)
