@@ -1,6 +1,10 @@
 """Engine speed: prompt processing and decode tokens/s, Strata beside llama.cpp, on the same GGUF files.
 
     python bench/engine.py [--sizes small,medium] [--dtypes f16,q8_0,q4_k] [--threads 1,2]
+                           [--presets Q5_K_M,Q3_K_M,Q2_K,IQ4_XS,IQ4_NL,IQ3_S,MXFP4_MOE]
+
+--presets (with llama-cpp-python) also runs files that llama.cpp's quantizer made from the F32 model, one per
+preset: the weight types users download.
 
 Each measurement runs in its own process, so its peak resident memory is its own. llama.cpp is measured through
 `llama-cpp-python` (the optional `bench` extra) when it is installed. The decode floor is the time needed to read
@@ -118,6 +122,19 @@ def make_model(size: str, dtype: str) -> pathlib.Path:
     return path
 
 
+def quantize_preset(size: str, preset: str) -> pathlib.Path:
+    """The F32 model of `size` quantised by llama.cpp's `llama_model_quantize` to `preset` (e.g. Q5_K_M)."""
+    import llama_cpp
+
+    path = OUT / f"qwen3moe-{size}-{preset.lower()}.gguf"
+    if not path.exists():
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{preset}")
+        if llama_cpp.llama_model_quantize(str(make_model(size, "f32")).encode(), str(path).encode(), params) != 0:
+            raise RuntimeError(f"llama_model_quantize failed for {preset}")
+    return path
+
+
 def measure(engine: str, model: pathlib.Path, threads: int) -> dict | None:
     cmd = [sys.executable, __file__, "--worker", engine, "--model", str(model), "--threads", str(threads)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -140,6 +157,7 @@ def main() -> int:
     parser.add_argument("--sizes", default="small,medium")
     parser.add_argument("--dtypes", default="f16,q8_0,q4_k")
     parser.add_argument("--threads", default="1,2", help="comma-separated thread counts")
+    parser.add_argument("--presets", default="", help="llama.cpp quantisation presets, e.g. Q5_K_M,IQ4_XS")
     parser.add_argument("--worker", choices=["strata", "llama.cpp"], help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -156,13 +174,14 @@ def main() -> int:
           f"prompt {PROMPT_TOKENS} tokens, decode {DECODE_TOKENS} tokens; engines: {', '.join(peers)}")
     if len(peers) == 1:
         print("(llama.cpp not measured: install the `bench` extra, `pip install -e '.[bench]'`)")
-    header = (f"{'model':<22}{'file MiB':>9}{'thr':>4}{'engine':>11}{'pp tok/s':>10}{'tg tok/s':>10}"
+    header = (f"{'model':<26}{'file MiB':>9}{'thr':>4}{'engine':>11}{'pp tok/s':>10}{'tg tok/s':>10}"
               f"{'tg bound':>10}{'% bound':>9}{'RSS MiB':>9}{'pp ratio':>10}{'tg ratio':>10}")
     print(header)
     print("-" * len(header))
     for size in args.sizes.split(","):
-        for dtype in args.dtypes.split(","):
-            model = make_model(size, dtype)
+        models = [make_model(size, dtype) for dtype in args.dtypes.split(",") if dtype]
+        models += [quantize_preset(size, preset) for preset in args.presets.split(",") if preset]
+        for model in models:
             file_mib = model.stat().st_size / 2**20
             for threads in thread_counts:
                 bound = bandwidth[threads] * 1e9 / active_bytes_per_token(model)
@@ -173,7 +192,7 @@ def main() -> int:
                         continue
                     ratio_pp = f"{r['pp'] / base['pp']:.2f}" if base else "-"
                     ratio_tg = f"{r['tg'] / base['tg']:.2f}" if base else "-"
-                    print(f"{model.stem:<22}{file_mib:>9.0f}{threads:>4}{peer:>11}{r['pp']:>10.1f}{r['tg']:>10.1f}"
+                    print(f"{model.stem:<26}{file_mib:>9.0f}{threads:>4}{peer:>11}{r['pp']:>10.1f}{r['tg']:>10.1f}"
                           f"{bound:>10.1f}{100 * r['tg'] / bound:>8.0f}%{r['rss_mib']:>9.0f}{ratio_pp:>10}"
                           f"{ratio_tg:>10}")
     print("ratios are Strata / llama.cpp (above 1: Strata is faster)")

@@ -9,6 +9,7 @@
  * AVX-512 machines we measured (Zen 4), 512-bit integer ops run as two halves, so 256 bits lose little and the
  * same code serves AVX2. Scales and values of each type come from kx_meta / kx_chunk, inlined with a constant
  * type so that each type's tile is its own straight-line code. */
+#include <stdlib.h>
 #include "quants_x86.h"
 
 #if defined(__AVX2__)
@@ -254,42 +255,103 @@ static inline __m256i chunk_scales(__m256i sc, int c) {
 #endif
 }
 
-INLINE void tile_kx(int k, const gemm_args *a, int64_t r, int64_t t, int NR, int NT) {
+// Signed values become unsigned by an offset where |q| is small enough for vpmaddubsw's 16-bit pairs
+// (2 * (2o) * 127 < 2^15), so x needs no sign moved onto it; the offset comes back as o * sum_g sc_g * bsum_g.
+// IQ4_XS's values reach -127: it keeps |q| and the sign on x.
+static inline int kx_offset(int k) {
+    return k == KX_Q3_K ? 4 : k == KX_IQ3_S ? 15 : k == KX_IQ3_XXS ? 62 : k == KX_IQ1_S || k == KX_IQ1_M ? 9
+         : k == KX_IQ2_XXS || k == KX_IQ2_XS || k == KX_IQ2_S ? 43 : 0;
+}
+
+// A row's super-block unpacked once for many tokens (prompts): kx_chunk's values and kx_meta.
+typedef struct {
+    int8_t q[QKK];
+    __m256i sc, m;
+    float d, dmin;
+} __attribute__((aligned(32))) kx_prep;
+
+#define KX_MIN_TOKENS 16  // with fewer tokens, each tile unpacks its blocks itself
+
+static void kx_prepare(int k, const void *blk, kx_prep *P) {
+    kx_meta M;
+    kx_meta_of(k, blk, &M);
+    P->sc = M.sc, P->m = M.m, P->d = M.d, P->dmin = M.dmin;
+    for (int c = 0; c < 8; c++) _mm256_store_si256((__m256i *)(P->q + 32 * c), kx_chunk(k, blk, c));
+}
+
+// Rows from their blocks, or (P not NULL) from kx_prep rows nb blocks apart.
+INLINE void tile_kx(int k, const gemm_args *a, const kx_prep *P, int64_t r, int64_t t, int NR, int NT) {
     const char *w[TR] = {0};
     const block_q8_K *x[TT] = {0};  // all set for the NR, NT in use; initialised for the compiler's sake
     __m256 acc[TR][TT];
+    const int o = kx_offset(k);
+    const int64_t nb = a->n / QKK;
     UNROLL for (int i = 0; i < NR; i++) w[i] = W_ROW(a, TILE_ROW(a, r, i));
     UNROLL for (int j = 0; j < NT; j++) x[j] = X_ROW(a, t + j);
     UNROLL for (int i = 0; i < NR; i++)
         UNROLL for (int j = 0; j < NT; j++) acc[i][j] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < a->n / QKK; b++) {
+    for (int64_t b = 0; b < nb; b++) {
         UNROLL for (int i = 0; i < NR; i++) {
             const void *B = w[i] + b * KX_BLOCK_BYTES[k];
+            const kx_prep *p = P ? &P[i * nb + b] : NULL;
             kx_meta M;
-            kx_meta_of(k, B, &M);
+            if (p) M.sc = p->sc, M.m = p->m, M.d = p->d, M.dmin = p->dmin;
+            else kx_meta_of(k, B, &M);
             __m256i isum[TT];
             UNROLL for (int j = 0; j < NT; j++) isum[j] = _mm256_setzero_si256();
             _Pragma("GCC unroll 8") for (int c = 0; c < 8; c++) {
-                __m256i q = kx_chunk(k, B, c);
-                __m256i u = KX_UNSIGNED(k) ? q : _mm256_abs_epi8(q);
+                __m256i q = p ? _mm256_load_si256((const __m256i *)(p->q + 32 * c)) : kx_chunk(k, B, c);
+                __m256i u = KX_UNSIGNED(k) ? q : o ? _mm256_add_epi8(q, _mm256_set1_epi8((char)o)) : _mm256_abs_epi8(q);
                 __m256i s = chunk_scales(M.sc, c);
                 UNROLL for (int j = 0; j < NT; j++) {
                     __m256i xv = _mm256_loadu_si256((const __m256i *)(x[j][b].qs + 32 * c));
-                    if (!KX_UNSIGNED(k)) xv = _mm256_sign_epi8(xv, q);
+                    if (!KX_UNSIGNED(k) && !o) xv = _mm256_sign_epi8(xv, q);
                     isum[j] = dot_s16(isum[j], _mm256_maddubs_epi16(u, xv), s);
                 }
             }
             UNROLL for (int j = 0; j < NT; j++) {
-                acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[j]), _mm256_set1_ps(M.d * x[j][b].d), acc[i][j]);
-                if (KX_MINS(k)) {
+                if (KX_MINS(k) || o) {
                     __m256i bs = _mm256_loadu_si256((const __m256i *)x[j][b].bsums);
-                    acc[i][j] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(M.m, bs)),
-                                                 _mm256_set1_ps(M.dmin * x[j][b].d), acc[i][j]);
+                    if (o)
+                        isum[j] = _mm256_sub_epi32(isum[j], _mm256_mullo_epi32(_mm256_madd_epi16(M.sc, bs),
+                                                                               _mm256_set1_epi32(o)));
+                    if (KX_MINS(k))
+                        acc[i][j] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(M.m, bs)),
+                                                     _mm256_set1_ps(M.dmin * x[j][b].d), acc[i][j]);
                 }
+                acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[j]), _mm256_set1_ps(M.d * x[j][b].d), acc[i][j]);
             }
         }
     }
     store_tile(a, r, t, NR, NT, acc);
+}
+
+// As DEFINE_GEMM; with KX_MIN_TOKENS or more, each tile of rows is unpacked once per block of tokens.
+INLINE void gemm_kx(int k, gemm_args *a, int64_t r0, int64_t r1, int64_t n_tok) {
+    int64_t nb = a->n / QKK;
+    kx_prep *P = n_tok >= KX_MIN_TOKENS ? aligned_alloc(32, (size_t)(TR * nb) * sizeof(kx_prep)) : NULL;
+    a->rs = (r1 - r0) / TR;
+    for (int64_t tb = 0; tb < n_tok; tb += TOKEN_BLOCK) {
+        int64_t te = tb + TOKEN_BLOCK < n_tok ? tb + TOKEN_BLOCK : n_tok;
+        for (int64_t r = r0; r < r1;) {
+            int full = r < r0 + a->rs;  // a tile of TR rows rs apart, else one of the last rows
+            int nr = full ? TR : 1;
+            if (P)
+                for (int i = 0; i < nr; i++)
+                    for (int64_t b = 0; b < nb; b++)
+                        kx_prepare(k, (const char *)W_ROW(a, TILE_ROW(a, r, i)) + b * KX_BLOCK_BYTES[k], &P[i * nb + b]);
+            int64_t t = tb;
+            if (full) {
+                for (; t + TT <= te; t += TT) tile_kx(k, a, P, r, t, TR, TT);
+                for (; t < te; t++) tile_kx(k, a, P, r, t, TR, 1);
+            } else {
+                for (; t + TT <= te; t += TT) tile_kx(k, a, P, r, t, 1, TT);
+                for (; t < te; t++) tile_kx(k, a, P, r, t, 1, 1);
+            }
+            r = full && r + 1 == r0 + a->rs ? r0 + TR * a->rs : r + 1;
+        }
+    }
+    free(P);
 }
 
 // --- blocks of 32 with Q8_0 activations: IQ4_NL, MXFP4 (a 16-entry table), Q5_0 (signed 5 bits), Q4_1 and Q5_1
@@ -376,10 +438,9 @@ INLINE void tile_b32(int k, const gemm_args *a, int64_t r, int64_t t, int NR, in
     DEFINE_GEMM(strata_gemm_##t, tile_##t)
 
 #define KX_GEMM(t, K) \
-    static inline void tile_##t(const gemm_args *a, int64_t r, int64_t tk, int NR, int NT) { \
-        tile_kx(K, a, r, tk, NR, NT); \
-    } \
-    DEFINE_GEMM(strata_gemm_##t, tile_##t)
+    void strata_gemm_##t(gemm_args *a, int64_t r0, int64_t r1, int64_t n_tok) { \
+        gemm_kx(K, a, r0, r1, n_tok); \
+    }
 #else
 #define KX_GEMM(t, K) TILE_SCALAR(t) DEFINE_GEMM(strata_gemm_##t, tile_scalar_##t)
 #define B32_GEMM KX_GEMM
