@@ -326,6 +326,60 @@ INLINE void tile_kx(int k, const gemm_args *a, const kx_prep *P, int64_t r, int6
     store_tile(a, r, t, NR, NT, acc);
 }
 
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define KX_PREP512 1
+// The prepared rows with 512-bit registers: two chunks (64 values) per instruction. Half the instructions of
+// tile_kx, which is what a prompt's inner loop is bound by (Zen 4 splits the 512-bit ops, but not the decoding).
+INLINE void tile_kx_prep512(int k, const gemm_args *a, const kx_prep *P, int64_t r, int64_t t, int NR, int NT) {
+    const block_q8_K *x[TT] = {0};
+    __m512 acc[TR][TT];
+    const int o = kx_offset(k);
+    const int64_t nb = a->n / QKK;
+    UNROLL for (int j = 0; j < NT; j++) x[j] = X_ROW(a, t + j);
+    UNROLL for (int i = 0; i < NR; i++)
+        UNROLL for (int j = 0; j < NT; j++) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        UNROLL for (int i = 0; i < NR; i++) {
+            const kx_prep *p = &P[i * nb + b];
+            __m512i sc = _mm512_castsi256_si512(p->sc), isum[TT];
+            UNROLL for (int j = 0; j < NT; j++) isum[j] = _mm512_setzero_si512();
+            UNROLL for (int h = 0; h < 4; h++) {
+                __m512i q = _mm512_loadu_si512(p->q + 64 * h);
+                __m512i u = KX_UNSIGNED(k) ? q : o ? _mm512_add_epi8(q, _mm512_set1_epi8((char)o)) : _mm512_abs_epi8(q);
+                __mmask64 neg = _mm512_movepi8_mask(q);
+                // 16-bit lanes 8g' .. 8g' + 7 of the pair products belong to group 4h + g'
+                __m512i s = _mm512_permutexvar_epi16(_mm512_add_epi16(_mm512_set1_epi16((short)(4 * h)),
+                    _mm512_srli_epi16(_mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16,
+                                                       15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 3)), sc);
+                UNROLL for (int j = 0; j < NT; j++) {
+                    __m512i xv = _mm512_loadu_si512(x[j][b].qs + 64 * h);
+                    if (!KX_UNSIGNED(k) && !o) xv = _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv);
+                    isum[j] = _mm512_dpwssd_epi32(isum[j], _mm512_maddubs_epi16(u, xv), s);
+                }
+            }
+            UNROLL for (int j = 0; j < NT; j++) {
+                __m256i sum = _mm256_add_epi32(_mm512_castsi512_si256(isum[j]), _mm512_extracti64x4_epi64(isum[j], 1));
+                __m256 v = _mm256_setzero_ps();
+                if (KX_MINS(k) || o) {
+                    __m256i bs = _mm256_loadu_si256((const __m256i *)x[j][b].bsums);
+                    if (o) sum = _mm256_sub_epi32(sum, _mm256_mullo_epi32(_mm256_madd_epi16(p->sc, bs), _mm256_set1_epi32(o)));
+                    if (KX_MINS(k))
+                        v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p->m, bs)), _mm256_set1_ps(-p->dmin * x[j][b].d));
+                }
+                v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(p->d * x[j][b].d), v);
+                acc[i][j] = _mm512_add_ps(acc[i][j], _mm512_castps256_ps512(v));
+            }
+        }
+    }
+    UNROLL for (int i = 0; i < NR; i++)
+        UNROLL for (int j = 0; j < NT; j++)
+            a->y[(t + j) * a->ldy + TILE_ROW(a, r, i)] = hsum256(_mm512_castps512_ps256(acc[i][j]));
+}
+#define KX_PREPARED_TILE(k, a, P, r, t, NR, NT) tile_kx_prep512(k, a, P, r, t, NR, NT)
+#else
+#define KX_PREPARED_TILE(k, a, P, r, t, NR, NT) tile_kx(k, a, P, r, t, NR, NT)
+#endif
+
 // As DEFINE_GEMM; with KX_MIN_TOKENS or more, each tile of rows is unpacked once per block of tokens.
 INLINE void gemm_kx(int k, gemm_args *a, int64_t r0, int64_t r1, int64_t n_tok) {
     int64_t nb = a->n / QKK;
@@ -341,12 +395,18 @@ INLINE void gemm_kx(int k, gemm_args *a, int64_t r0, int64_t r1, int64_t n_tok) 
                     for (int64_t b = 0; b < nb; b++)
                         kx_prepare(k, (const char *)W_ROW(a, TILE_ROW(a, r, i)) + b * KX_BLOCK_BYTES[k], &P[i * nb + b]);
             int64_t t = tb;
-            if (full) {
-                for (; t + TT <= te; t += TT) tile_kx(k, a, P, r, t, TR, TT);
-                for (; t < te; t++) tile_kx(k, a, P, r, t, TR, 1);
+            if (P && full) {
+                for (; t + TT <= te; t += TT) KX_PREPARED_TILE(k, a, P, r, t, TR, TT);
+                for (; t < te; t++) KX_PREPARED_TILE(k, a, P, r, t, TR, 1);
+            } else if (P) {
+                for (; t + TT <= te; t += TT) KX_PREPARED_TILE(k, a, P, r, t, 1, TT);
+                for (; t < te; t++) KX_PREPARED_TILE(k, a, P, r, t, 1, 1);
+            } else if (full) {
+                for (; t + TT <= te; t += TT) tile_kx(k, a, NULL, r, t, TR, TT);
+                for (; t < te; t++) tile_kx(k, a, NULL, r, t, TR, 1);
             } else {
-                for (; t + TT <= te; t += TT) tile_kx(k, a, P, r, t, 1, TT);
-                for (; t < te; t++) tile_kx(k, a, P, r, t, 1, 1);
+                for (; t + TT <= te; t += TT) tile_kx(k, a, NULL, r, t, 1, TT);
+                for (; t < te; t++) tile_kx(k, a, NULL, r, t, 1, 1);
             }
             r = full && r + 1 == r0 + a->rs ? r0 + TR * a->rs : r + 1;
         }
