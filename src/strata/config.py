@@ -48,8 +48,9 @@ class VisionConfig:
     exe: list[str] | None = None
     remote: bool = False
     lazy_load: bool = False
-    # An encode taking longer than encode_timeout + rows * encode_timeout_per_row seconds (rows: the most a
-    # picture can take, READY's max_tokens) means a hung encoder: it is restarted and the request gets a 503.
+    # An encode taking longer than encode_timeout + rows * encode_timeout_per_row seconds (rows: the picture's
+    # own, from its header and READY's sizing rule; READY's max_tokens for an encoder without one) means a hung
+    # encoder: it is restarted and the request gets a 503.
     encode_timeout: float = 10.0
     encode_timeout_per_row: float = 0.05
 

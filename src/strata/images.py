@@ -29,6 +29,8 @@ MAX_PIXELS = 50_000_000  # the encoder's own bound: a larger header is a decompr
 DOWNLOAD_TIMEOUT = 30.0  # seconds for one URL, connecting and reading together
 CACHE_BYTES = 256 * 1024 * 1024  # encoded rows kept by the cache
 
+_ORIENTATION = 0x0112  # the EXIF tag; values 5-8 turn the picture a quarter, swapping its sides
+_QUARTER_TURNS = (5, 6, 7, 8)
 _DATA_URL_RE = re.compile(r"data:([\w.+-]+/[\w.+-]+)?((?:;[\w.+-]+=[\w.+-]+)*)(;base64)?,", re.ASCII)
 
 
@@ -59,7 +61,7 @@ class ImageSource:
 @dataclasses.dataclass(frozen=True)
 class ImageInfo:
     format: str
-    width: int
+    width: int  # upright: the sides as the encoder sees them, after its EXIF orientation
     height: int
 
 
@@ -103,7 +105,11 @@ def check_image(data: bytes, max_bytes: int = MAX_IMAGE_BYTES, max_pixels: int =
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             with Image.open(io.BytesIO(data)) as image:
-                info = ImageInfo(image.format or "unknown", image.width, image.height)
+                width, height = image.size
+                # Only EXIF read with the header: a PNG's late eXIf chunk would need a decode to find.
+                if "exif" in image.info and image.getexif().get(_ORIENTATION) in _QUARTER_TURNS:
+                    width, height = height, width
+                info = ImageInfo(image.format or "unknown", width, height)
     except Image.DecompressionBombError:
         raise ImageRejected("the picture has too many pixels (a decompression bomb?)") from None
     except Exception:  # noqa: BLE001 - Pillow raises many kinds for data it cannot identify
@@ -163,8 +169,8 @@ def _check_content_type(content_type: str, shown: str) -> None:
 
 
 async def load_source(source: ImageSource, client: httpx.AsyncClient | None, max_bytes: int = MAX_IMAGE_BYTES,
-                      timeout: float = DOWNLOAD_TIMEOUT) -> bytes:
-    """The checked bytes of a picture, downloading it when it is an http(s) URL."""
+                      timeout: float = DOWNLOAD_TIMEOUT) -> tuple[bytes, ImageInfo]:
+    """The checked bytes of a picture and what its header says, downloading it when it is an http(s) URL."""
     if source.data is not None:
         data = source.data
     elif source.url is not None and source.url.startswith("data:"):
@@ -177,8 +183,7 @@ async def load_source(source: ImageSource, client: httpx.AsyncClient | None, max
     else:
         scheme = (source.url or "").split(":", 1)[0][:20]
         raise ImageRejected(f"unsupported image URL scheme {scheme!r} (http, https or data)")
-    check_image(data, max_bytes)
-    return data
+    return data, check_image(data, max_bytes)
 
 
 def content_hash(data: bytes) -> str:

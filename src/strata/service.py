@@ -54,6 +54,7 @@ from strata.history import History, HistoryRow
 from strata.images import (
     DOWNLOAD_TIMEOUT,
     MAX_IMAGE_BYTES,
+    ImageInfo,
     ImageRejected,
     ImageSource,
     PromptImages,
@@ -75,6 +76,7 @@ from strata.vision.client import (
     VisionUnavailable,
 )
 from strata.vision.embeds import PrecomputedEmbeds, check_embeds
+from strata.vision.protocol import Ready
 
 # Variables the chat template gets from the request itself; `chat_template_kwargs` may not override them.
 _RESERVED_TEMPLATE_VARS = frozenset({"messages", "tools", "add_generation_prompt"})
@@ -123,6 +125,27 @@ class EngineLike(Protocol):
     def abort(self, seq: int = 0) -> None: ...
     def clear_abort(self, seq: int = 0) -> None: ...
     def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class _Staged:
+    """A request's picture checked and sized, not encoded yet: its bytes and the rows they will take (predicted
+    from the header), or its pre-computed rows."""
+
+    rows: int
+    data: bytes = b""
+    embedding: Embedding | None = None
+
+
+def _omit_or_refuse(content: list[dict[str, Any]], j: int, error: Exception) -> None:
+    """A picture that cannot be used: one a tool returned becomes the text `[image omitted: <why>]`; the user's
+    own refuses the request (400), and an encoder that is not available makes it a 503."""
+    image = content[j]["image"]
+    if isinstance(error, VisionUnavailable):
+        raise ServiceUnavailable(str(error), retry_after=ENCODER_RETRY_AFTER) from None
+    if not image.in_tool_result:
+        raise RequestError(f"{image.param}: {error}", image.param) from None
+    content[j] = {"type": "text", "text": f"[image omitted: {error}]"}
 
 
 @dataclass
@@ -421,22 +444,30 @@ class Service:
             param = request.messages[places[0][0]]["content"][places[0][1]]["image"].param
             raise RequestError(f"{param}: image input needs an image encoder, and this server has none (the "
                                "vision.mmproj key)", param)
+        self._require_ready()
         messages = [dict(message, content=list(message["content"])) if isinstance(message.get("content"), list)
                     else message for message in request.messages]
-        pictures = []
+        # Every picture is checked and sized (from its header, or its pre-computed rows) before any is encoded: a
+        # request whose pictures cannot fit the context costs no encoder time.
+        staged: list[tuple[int, int, _Staged]] = []
         for i, j in places:
-            image = messages[i]["content"][j]["image"]
             try:
-                pictures.append(await self._picture(image, live))
-            except VisionUnavailable as error:
-                raise ServiceUnavailable(str(error), retry_after=ENCODER_RETRY_AFTER) from None
-            except (ImageRejected, PictureRefused) as error:
-                if not image.in_tool_result:
-                    raise RequestError(f"{image.param}: {error}", image.param) from None
-                messages[i]["content"][j] = {"type": "text", "text": f"[image omitted: {error}]"}
+                staged.append((i, j, await self._stage(messages[i]["content"][j]["image"], live)))
+            except (ImageRejected, PictureRefused, VisionUnavailable) as error:
+                _omit_or_refuse(messages[i]["content"], j, error)
+        n_rows, n_ctx = sum(picture.rows for _, _, picture in staged), self.engine.n_ctx
+        if n_rows >= n_ctx:
+            raise RequestError(f"the request's pictures take {n_rows} prompt tokens; the context holds {n_ctx} "
+                               "(prompt and answer)", code="context_length_exceeded")
+        pictures = []
+        for i, j, picture in staged:
+            try:
+                pictures.append(await self._encode(picture, live))
+            except (ImageRejected, PictureRefused, VisionUnavailable) as error:
+                _omit_or_refuse(messages[i]["content"], j, error)
         return dataclasses.replace(request, messages=messages), pictures
 
-    async def _download(self, image: ImageSource) -> bytes:
+    async def _download(self, image: ImageSource) -> tuple[bytes, ImageInfo]:
         """The picture's checked bytes; a shutdown that begins meanwhile stops the download with a 503 (the
         request has not answered yet: it gets a status rather than a dropped connection)."""
         with trio.CancelScope() as scope:
@@ -455,18 +486,30 @@ class Service:
         for scope in list(self._downloads):
             scope.cancel()
 
-    async def _picture(self, image: ImageSource | PrecomputedEmbeds, live: RequestProgress | None) -> Embedding:
+    async def _stage(self, image: ImageSource | PrecomputedEmbeds, live: RequestProgress | None) -> _Staged:
+        """A picture's checked bytes and the rows the encoder will make of them, or its pre-computed rows."""
         assert self.vision is not None
         if isinstance(image, PrecomputedEmbeds):
-            ready = self.vision.last_ready or (await self.vision.session()).ready_reply()
-            embedding = check_embeds(image, ready, MAX_IMAGE_BYTES)
-        else:
-            if live is not None:
-                live.phase = "download"
-            data = await self._download(image)
+            embedding = check_embeds(image, await self._ready(), MAX_IMAGE_BYTES)
+            return _Staged(embedding.n_tokens, embedding=embedding)
+        if live is not None:
+            live.phase = "download"
+        data, info = await self._download(image)  # first: a bad picture is refused whatever the encoder's state
+        return _Staged(self.vision.rows(await self._ready(), info), data=data)
+
+    async def _ready(self) -> Ready:
+        """The encoder's READY (its last one, else it is started for it)."""
+        assert self.vision is not None
+        return self.vision.last_ready or (await self.vision.session()).ready_reply()
+
+    async def _encode(self, picture: _Staged, live: RequestProgress | None) -> Embedding:
+        assert self.vision is not None
+        embedding = picture.embedding
+        if embedding is None:
             if live is not None:
                 live.phase = "encoding"
-            embedding = await self.vision.encode(data, _Exclusive(self))
+            # The deadline is this picture's own: its predicted rows times vision.encode_timeout_per_row.
+            embedding = await self.vision.encode(picture.data, _Exclusive(self), picture.rows)
         n_embd = self.engine.n_embd
         if embedding.rows.shape[1] != n_embd:
             raise VisionUnavailable(f"its rows are {embedding.rows.shape[1]} wide and the model's embeddings "

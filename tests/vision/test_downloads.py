@@ -35,7 +35,8 @@ async def pictures(nursery):
 
 async def fetch(url: str, policy: DownloadPolicy) -> bytes:
     async with download_client(policy, timeout=10) as client:
-        return await load_source(ImageSource("p", url=url), client)
+        data, _ = await load_source(ImageSource("p", url=url), client)
+        return data
 
 
 def closed_port() -> int:

@@ -150,7 +150,7 @@ async def http():
 
 async def test_download_and_check(pictures, http):
     url = f"http://127.0.0.1:{pictures.port}/picture"
-    assert await load_source(ImageSource("p", url=url), http) == PICTURE
+    assert (await load_source(ImageSource("p", url=url), http))[0] == PICTURE
 
 
 @pytest.mark.parametrize("path, message", [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import struct
@@ -24,6 +25,7 @@ from strata.vision.protocol import (
     Quit,
     Ready,
     Result,
+    Sizing,
     encode_reply,
     encode_request,
     encode_sve,
@@ -81,6 +83,24 @@ def test_ready_line_is_json_with_every_capability():
         "max_image_bytes": 64 * 1024 * 1024, "protocol": PROTOCOL_VERSION,
     }
     assert parse_reply(line) == Ready(2048, CAPS)
+
+
+def test_ready_carries_the_sizing_rule_and_an_older_encoder_may_leave_it_out():
+    caps = dataclasses.replace(CAPS, sizing=Sizing("smart", 16, 2, 64, 256))
+    line = encode_reply(Ready(8, caps))
+    fields = json.loads(line.split(b" ", 2)[2])
+    assert fields["sizing"] == {"grid": "smart", "patch_size": 16, "merge": 2, "min_tokens": 64, "max_tokens": 256}
+    assert parse_reply(line) == Ready(8, caps)
+    assert "sizing" not in json.loads(encode_reply(Ready(8, CAPS)).split(b" ", 2)[2])
+    assert parse_reply(encode_reply(Ready(8, CAPS))).capabilities.sizing is None
+    for bad, message in [
+        ([1], "'sizing' is not a JSON object"),
+        (fields["sizing"] | {"grid": "other"}, "'grid' is not one of token, smart"),
+        (fields["sizing"] | {"merge": 0}, "'merge' is not an integer"),
+        ({k: v for k, v in fields["sizing"].items() if k != "patch_size"}, "'patch_size' is not an integer"),
+    ]:
+        with pytest.raises(ProtocolError, match=message):
+            parse_reply(b"READY 8 " + json.dumps(fields | {"sizing": bad}).encode())
 
 
 def test_ready_ignores_unknown_capabilities_and_checks_known_ones():

@@ -23,7 +23,7 @@ from conftest import ScriptedEngine, server_config, wait_until
 
 import strata
 from strata.events import ChatRequest, TextDelta, Usage
-from strata.images import ImageSource
+from strata.images import ImageSource, check_image
 from strata.modelgen.mmproj import write_random_mmproj
 from strata.sampling import SamplingParams
 from strata.service import RequestError, ServiceUnavailable, open_service
@@ -343,15 +343,17 @@ async def test_server_with_a_bad_local_encoder_exits_naming_the_file(tiny_model,
 
 
 async def test_a_hung_encoder_is_restarted_and_the_picture_gets_a_503(scripted, tokenizer, mmproj):
-    """SIGSTOP on the encoder: the picture's encode times out (rows x the configured seconds per row), the
-    encoder is stopped and reported, and the next picture starts it again."""
-    config = vision_config(mmproj, encode_timeout=0.5, encode_timeout_per_row=0.01)  # 64 rows: 1.14 s
+    """SIGSTOP on the encoder: the picture's encode times out (its own rows x the configured seconds per row),
+    the encoder is stopped and reported, and the next picture starts it again."""
+    config = vision_config(mmproj, encode_timeout=0.5, encode_timeout_per_row=0.01)
     async with open_service(config, engine=scripted("ok"), tokenizer=tokenizer, log=lambda line: None) as svc:
-        assert svc.vision.encode_timeout(svc.vision.last_ready) == pytest.approx(1.14)
+        assert svc.vision.encode_timeout(svc.vision.last_ready) == pytest.approx(1.14)  # at most 64 rows
+        assert svc.vision.encode_timeout(svc.vision.last_ready, 12) == pytest.approx(0.62)
         pid = svc.vision.pid
         os.kill(pid, signal.SIGSTOP)
         try:
-            with trio.fail_after(10), pytest.raises(ServiceUnavailable, match="did not finish a picture") as caught:
+            # 64x48 in 16-pixel tokens: 4x3 = 12 rows, so 0.62 s, not the 1.14 s of the largest picture
+            with trio.fail_after(10), pytest.raises(ServiceUnavailable, match="within 0.62 s") as caught:
                 await collect(svc, chat(with_picture(data_url(noise_png(64, 48, seed=50)))))
         finally:
             with contextlib.suppress(ProcessLookupError):
@@ -389,6 +391,37 @@ async def test_too_many_pictures_are_refused_before_any_encode(scripted, tokeniz
         assert svc.vision.status()["encodes"] == 0
         events = await collect(svc, chat({"role": "user", "content": parts[:3]}))
         assert svc.vision.status()["encodes"] == 3 and any(isinstance(e, TextDelta) for e in events)
+
+
+async def test_pictures_that_cannot_fit_the_context_are_refused_before_any_encode(scripted, tokenizer, mmproj):
+    """Each 640x480 picture takes 9x7 = 63 rows (known from its header): five cannot fit a 256-position context, so the
+    request is refused as too long with no picture encoded; three fit and are encoded."""
+    config = vision_config(mmproj)
+    parts = [{"type": "image", "image": ImageSource(f"messages[0].content[{k}]", data=noise_png(640, 480, seed=70 + k))}
+             for k in range(5)]
+    async with open_service(config, engine=scripted("ok", n_ctx=256), tokenizer=tokenizer,
+                            log=lambda line: None) as svc:
+        with pytest.raises(RequestError, match="pictures take 315 prompt tokens; the context holds 256") as caught:
+            await collect(svc, chat({"role": "user", "content": parts}))
+        assert caught.value.code == "context_length_exceeded"
+        assert svc.vision.status()["encodes"] == 0
+        with pytest.raises(RequestError, match="pictures take 315 prompt tokens"):
+            await svc.count_tokens(chat({"role": "user", "content": parts}))
+        assert svc.vision.status()["encodes"] == 0
+        events = await collect(svc, chat({"role": "user", "content": parts[:3]}))
+        assert svc.vision.status()["encodes"] == 3 and any(isinstance(e, TextDelta) for e in events)
+
+
+async def test_rows_predicted_from_the_header_equal_the_encoders(scripted, tokenizer, mmproj):
+    """The server's prediction (READY's sizing rule on the header's size) against the encoder process's answer."""
+    async with open_service(vision_config(mmproj, min_tokens=4), engine=scripted(), tokenizer=tokenizer,
+                            log=lambda line: None) as svc:
+        ready = svc.vision.last_ready
+        assert ready.capabilities.sizing is not None
+        for seed, (width, height) in enumerate([(1, 1), (20, 300), (64, 48), (100, 37), (640, 480), (3000, 40)]):
+            data = noise_png(width, height, seed=80 + seed)
+            embedding = await svc.vision.encode(data)
+            assert svc.vision.rows(ready, check_image(data)) == embedding.n_tokens, (width, height)
 
 
 async def test_shutdown_during_a_download_is_a_503(scripted, tokenizer, mmproj, nursery):

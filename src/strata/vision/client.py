@@ -34,7 +34,8 @@ import numpy as np
 import trio
 
 import strata
-from strata.images import EmbeddingCache, content_hash
+from strata.images import EmbeddingCache, ImageInfo, content_hash
+from strata.vision.preprocess import picture_grid
 from strata.vision.protocol import (
     MAX_LINE_BYTES,
     Cancel,
@@ -351,13 +352,24 @@ class VisionClient:
 
     # --- encoding
 
-    async def encode(self, data: bytes, turn: Any = None) -> Embedding:
+    @staticmethod
+    def rows(ready: Ready, info: ImageInfo) -> int:
+        """The rows the encoder of `ready` turns a picture with this header into: its own sizing rule applied to
+        the picture's upright size, or its `max_tokens` (the most a picture can take) when READY has no rule."""
+        rule = ready.capabilities.sizing
+        if rule is None:
+            return ready.capabilities.max_tokens
+        nx, ny = picture_grid(info.width, info.height, rule)
+        return nx * ny
+
+    async def encode(self, data: bytes, turn: Any = None, rows: int | None = None) -> Embedding:
         """The embedding rows of the picture `data` (checked bytes), from the cache or the encoder.
 
         Runs in the caller's task: cancelling it drops a queued job or stops a running encode.
 
         Args:
             turn: the engine's `Turn`, held around the encode when the encoder holds a CUDA context.
+            rows: the rows the picture takes (`rows`), which size its deadline; None: the encoder's max_tokens.
 
         Raises:
             VisionUnavailable: the encoder cannot be reached (or stopped during the encode).
@@ -379,7 +391,7 @@ class VisionClient:
             async with holding:
                 self.job = {"bytes": len(data), "started": time.time()}
                 try:
-                    embedding = await self._run_job(session, data, digest)
+                    embedding = await self._run_job(session, data, digest, rows)
                 finally:
                     self.job = None
         finally:
@@ -521,15 +533,17 @@ class VisionClient:
             job.refused = reply.detail if reply.kind == "image" else reply.message
         job.done.set()
 
-    def encode_timeout(self, ready: Ready) -> float:
-        """Seconds an encode may take before the encoder is deemed hung (see the `vision.encode_timeout` key)."""
-        return self.config.encode_timeout + ready.capabilities.max_tokens * self.config.encode_timeout_per_row
+    def encode_timeout(self, ready: Ready, rows: int | None = None) -> float:
+        """Seconds an encode of a picture of `rows` rows (None: the most, READY's max_tokens) may take before the
+        encoder is deemed hung (see the `vision.encode_timeout` key)."""
+        rows = ready.capabilities.max_tokens if rows is None else rows
+        return self.config.encode_timeout + rows * self.config.encode_timeout_per_row
 
-    async def _run_job(self, session: _Session, data: bytes, digest: str) -> Embedding:
+    async def _run_job(self, session: _Session, data: bytes, digest: str, rows: int | None) -> Embedding:
         job_id = f"j{next(self._ids)}"
         job = _Job()
         session.jobs[job_id] = job
-        limit = self.encode_timeout(session.ready_reply())
+        limit = self.encode_timeout(session.ready_reply(), rows)
         try:
             # Sending is timed too: a stopped encoder stops reading, and a picture is larger than a pipe holds.
             with trio.move_on_after(limit) as timer:

@@ -12,6 +12,7 @@ import numpy as np
 from PIL import Image, ImageOps
 
 from strata.vision.mmproj import VisionHParams
+from strata.vision.protocol import Sizing
 
 # A bound on decoded pixels, checked from the header before decoding: a small file that decodes to gigabytes (a
 # decompression bomb) is refused. 50 MP holds an 8K screenshot or a phone camera's photo.
@@ -84,6 +85,19 @@ def smart_grid(width: int, height: int, unit: int, max_tokens: int, min_tokens: 
     return nx, ny
 
 
+def sizing(hp: VisionHParams, max_tokens: int, min_tokens: int = 1) -> Sizing:
+    """How an encoder of `hp` sizes pictures: the checkpoint's grid (`smart_grid`) for LFM2-VL and Qwen3-VL files,
+    ours (`token_grid`) for our own."""
+    return Sizing("token" if hp.variant == "strata" else "smart", hp.patch_size, hp.merge, min_tokens, max_tokens)
+
+
+def picture_grid(width: int, height: int, rule: Sizing) -> tuple[int, int]:
+    """The merged-token grid (nx, ny) an upright width x height picture is resized to under `rule`: the one
+    function the encoder sizes pictures with and the server predicts their rows with (from the header alone)."""
+    grid = token_grid if rule.grid == "token" else smart_grid
+    return grid(width, height, rule.patch_size * rule.merge, rule.max_tokens, rule.min_tokens)
+
+
 def token_budget(hp: VisionHParams, min_tokens: int | None = None,
                  max_tokens: int | None = None) -> tuple[int, int]:
     """(min_tokens, max_tokens) for an encoder: those given, else the file's trained budget, else DEFAULT_TOKENS
@@ -136,12 +150,10 @@ def _to_rgb(image: Image.Image) -> Image.Image:
 
 
 def preprocess(image: Image.Image, hp: VisionHParams, max_tokens: int, min_tokens: int = 1) -> Picture:
-    """Resize an RGB picture to its token grid and normalise it with the file's mean and std: the checkpoint's grid
-    (`smart_grid`) for LFM2-VL and Qwen3-VL files, with bilinear and bicubic resampling as their processors do;
-    ours (`token_grid`, bicubic) for our own files."""
+    """Resize an RGB picture to its token grid (`picture_grid` under `sizing`) and normalise it with the file's mean
+    and std; LFM2-VL files resample bilinear and the others bicubic, as their processors do."""
     unit = hp.patch_size * hp.merge
-    grid = token_grid if hp.variant == "strata" else smart_grid
-    nx, ny = grid(image.width, image.height, unit, max_tokens, min_tokens)
+    nx, ny = picture_grid(image.width, image.height, sizing(hp, max_tokens, min_tokens))
     size = (nx * unit, ny * unit)
     if image.size != size:
         lfm2_vl = hp.variant == "lfm2-vl"

@@ -92,6 +92,22 @@ Request = EncodePath | EncodeBytes | Cancel | Quit
 
 
 @dataclasses.dataclass(frozen=True)
+class Sizing:
+    """How the encoder sizes a picture to rows (READY's optional `sizing`): `grid` names the rule ("token" or
+    "smart", see `strata.vision.preprocess.picture_grid`), applied with merged tokens of `patch_size * merge`
+    pixels a side and a budget of `min_tokens` to `max_tokens` rows."""
+
+    grid: str
+    patch_size: int
+    merge: int
+    min_tokens: int
+    max_tokens: int
+
+
+SIZING_GRIDS = ("token", "smart")
+
+
+@dataclasses.dataclass(frozen=True)
 class Capabilities:
     """The JSON object on the READY line."""
 
@@ -102,6 +118,7 @@ class Capabilities:
     projector: str
     max_image_bytes: int = MAX_IMAGE_BYTES
     protocol: int = PROTOCOL_VERSION
+    sizing: Sizing | None = None  # absent: the server counts every picture as max_tokens rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -319,7 +336,10 @@ def encode_reply(reply: Reply) -> bytes:
     """The line for `reply` (a Result line is followed by the SVE1 bytes, sent by the caller)."""
     match reply:
         case Ready(n_embd, caps):
-            text = json.dumps(dataclasses.asdict(caps), separators=(",", ":"), sort_keys=True)
+            fields = dataclasses.asdict(caps)
+            if caps.sizing is None:
+                del fields["sizing"]
+            text = json.dumps(fields, separators=(",", ":"), sort_keys=True)
             return _line("READY", str(n_embd), text)
         case Encoded(n_tokens, nx, ny, ms):
             return _line("OK", str(n_tokens), str(nx), str(ny), f"{ms:.1f}")
@@ -418,7 +438,25 @@ def _capabilities(fields: dict) -> Capabilities:
         if type(value) is not kind:
             raise ProtocolError(f"READY capability {name!r} is not a {kind.__name__}")
         values[name] = value
-    return Capabilities(**values)
+    return Capabilities(**values, sizing=_sizing(fields.get("sizing")))
+
+
+def _sizing(fields: Any) -> Sizing | None:
+    """READY's optional `sizing`: absent from an older encoder (None then); malformed is a protocol error."""
+    if fields is None:
+        return None
+    if not isinstance(fields, dict):
+        raise ProtocolError("READY capability 'sizing' is not a JSON object")
+    values: dict[str, Any] = {}
+    for field in dataclasses.fields(Sizing):
+        value = fields.get(field.name)
+        if field.name == "grid":
+            if value not in SIZING_GRIDS:
+                raise ProtocolError(f"READY sizing 'grid' is not one of {', '.join(SIZING_GRIDS)}")
+        elif type(value) is not int or not 1 <= value <= MAX_DIMENSION:
+            raise ProtocolError(f"READY sizing {field.name!r} is not an integer from 1 to {MAX_DIMENSION}")
+        values[field.name] = value
+    return Sizing(**values)
 
 
 # --- SVE1: the embeddings of one picture

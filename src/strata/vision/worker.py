@@ -25,7 +25,14 @@ from typing import BinaryIO
 from strata.vision.encoder import EncodeCancelled, Encoder
 from strata.vision.load import open_encoder
 from strata.vision.mmproj import MmprojError
-from strata.vision.preprocess import DEFAULT_MAX_PIXELS, ImageError, load_image, preprocess, token_budget
+from strata.vision.preprocess import (
+    DEFAULT_MAX_PIXELS,
+    ImageError,
+    load_image,
+    preprocess,
+    sizing,
+    token_budget,
+)
 from strata.vision.protocol import (
     MAX_IMAGE_BYTES,
     MAX_LINE_BYTES,
@@ -92,6 +99,7 @@ class Server:
             fingerprint=self.encoder.mmproj.fingerprint,
             projector=self.encoder.hp.projector,
             max_image_bytes=self.max_image_bytes,
+            sizing=sizing(self.encoder.hp, self.max_tokens, self.min_tokens),
         )
         return Ready(self.encoder.n_embd, caps)
 
