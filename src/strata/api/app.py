@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import trio
+from hypercorn.events import Closed
+from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, ASGISendEvent
 from quart import Quart, Response, request
 from quart_trio import QuartTrio
@@ -37,6 +39,27 @@ from strata.service import RequestError, Service, open_service
 
 # Exceptions a failed ASGI send may raise, depending on the server.
 _SEND_ERRORS = (OSError, trio.BrokenResourceError, trio.ClosedResourceError)
+
+
+def _tolerate_writes_while_closing() -> None:
+    """Work around a race in hypercorn's trio worker (0.18): `TCPServer._close` shuts the socket's write side
+    with `send_eof`, which holds trio's one-sender guard across a checkpoint, without taking the send lock that
+    every write takes. A write at that moment from the connection's other task raises `BusyResourceError`: when
+    a body timeout's 408 and the client's hang-up meet, the reader's error response hits it, and the exception
+    escapes the connection's task and stops the whole server. The connection is being closed, so the write is
+    moot: it is treated as a write to a closed socket, as hypercorn already treats `ClosedResourceError`."""
+    send = TCPServer.protocol_send
+    if getattr(send, "tolerates_close", False):
+        return
+
+    async def protocol_send(self: TCPServer, event: Any) -> None:
+        try:
+            await send(self, event)
+        except trio.BusyResourceError:
+            await self.protocol.handle(Closed())
+
+    protocol_send.tolerates_close = True  # type: ignore[attr-defined]
+    TCPServer.protocol_send = protocol_send  # type: ignore[method-assign]
 
 
 class _RequestConnection(TrioASGIHTTPConnection):
@@ -110,6 +133,7 @@ def create_app(service: Service | None = None, config: Config | None = None) -> 
         from strata.serve import with_demo_model
 
         config = with_demo_model(config)  # as `strata serve` does: `{}` is a working config
+    _tolerate_writes_while_closing()
     state = _State(config, service)
     app = QuartTrio(__name__)
     app.asgi_http_class = _RequestConnection
