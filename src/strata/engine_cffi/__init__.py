@@ -16,8 +16,9 @@ import numpy as np
 
 from strata.engine_cffi._engine import ffi, lib
 from strata.gguf_file import GGUFError, GGUFFile
+from strata.picture_rows import PictureRows
 
-__all__ = ["BatchItem", "Engine", "EngineAborted", "EngineError"]
+__all__ = ["BatchItem", "Engine", "EngineAborted", "EngineError", "PictureRows"]
 
 # The architectures the C forward pass runs (its own table, ARCHS in engine.c, has their traits).
 SUPPORTED_ARCHITECTURES = ("qwen3moe", "qwen3", "llama", "qwen3vl", "qwen3vlmoe")
@@ -43,7 +44,8 @@ class EngineAborted(EngineError):
         self.dropped, self.results = dropped, results or []
 
 
-Embeds = Sequence[tuple[int, np.ndarray]]
+# (index in the tokens, rows): rows replacing the embeddings of tokens[index : index + len(rows)]
+Embeds = Sequence[tuple[int, "np.ndarray | PictureRows"]]
 
 
 class BatchItem:
@@ -52,7 +54,8 @@ class BatchItem:
     Args:
         seq: the sequence.
         tokens: its new tokens.
-        embeds: (index in `tokens`, float32 (n_rows, n_embd)) rows replacing token embeddings.
+        embeds: (index in `tokens`, float32 (n_rows, picture_width) or `PictureRows`) rows replacing token
+            embeddings.
         logits: "last" (the last token's logits), "all" or "none".
     """
 
@@ -140,6 +143,11 @@ def _set_hparams(p: Any, key: Any) -> None:
     p.n_ff, p.n_expert, p.n_expert_used = key("feed_forward_length"), key("expert_count"), key("expert_used_count")
     p.n_ff_exp = key("expert_feed_forward_length")
     p.rope_base, p.rms_eps = key("rope.freq_base", 10000.0), key("attention.layer_norm_rms_epsilon", 1e-6)
+    sections = [int(n) for n in key("rope.dimension_sections", [])]
+    if len(sections) > 4:
+        raise EngineError(f"rope.dimension_sections has {len(sections)} values, expected at most 4")
+    p.rope_sections = sections + [0] * (4 - len(sections))
+    p.n_deepstack = key("n_deepstack_layers")
     rope_dim = key("rope.dimension_count", p.head_dim)
     if rope_dim != p.head_dim:
         raise EngineError(f"rope.dimension_count {rope_dim} differs from the head size {p.head_dim} (partial RoPE is "
@@ -163,6 +171,8 @@ class Engine:
         self.arch: str = ffi.string(params.arch).decode()
         self.n_vocab: int = params.n_vocab
         self.n_embd: int = params.n_embd
+        # the width of a picture's rows: the embedding, then Qwen3-VL's deepstack slices
+        self.picture_width: int = params.n_embd * (1 + params.n_deepstack)
         self.n_ctx, self.threads, self.backend = n_ctx, threads, "cpu"
         self.n_seq: int = lib.strata_n_seq(ctx)
         self.n_batch: int = n_batch
@@ -246,8 +256,8 @@ class Engine:
         last position, or (len(tokens), n_vocab) with all_logits.
 
         Args:
-            embeds: (index_in_tokens, float32 (n_rows, n_embd)) pairs; the rows replace the token embeddings of
-                tokens[index : index + n_rows].
+            embeds: (index_in_tokens, float32 (n_rows, picture_width) or `PictureRows`) pairs; the rows replace the
+                token embeddings of tokens[index : index + n_rows].
         Raises:
             EngineAborted: abort() stopped the call.
             EngineError: empty or out-of-range tokens, bad embedding rows, context full.
@@ -275,7 +285,7 @@ class Engine:
         seqs: list[int] = []
         pos: list[int] = []
         outs: list[int] = []
-        row_blocks, row_index = [], []
+        row_blocks, row_index, grid_blocks = [], [], []
         for item in items:
             if item.seq in seen or not 0 <= item.seq < self.n_seq:
                 raise EngineError(f"sequence {item.seq}: twice in one call or outside [0, {self.n_seq})")
@@ -292,9 +302,10 @@ class Engine:
             elif item.logits == "last":
                 outs.append(start + n - 1)
             if item.embeds:
-                rows, index = self._embedding_rows(item.embeds, n)
+                rows, index, grid = self._embedding_rows(item.embeds, n)
                 row_blocks.append(rows)
                 row_index.append(index + start)
+                grid_blocks.append(grid)
         ids64 = np.asarray(ids, dtype=np.int64)
         if ids64.min() < _INT32.min or ids64.max() > _INT32.max:
             raise EngineError(f"token id out of range [0, {self.n_vocab})")
@@ -302,15 +313,18 @@ class Engine:
         pos32, out32 = np.asarray(pos, dtype=np.int32), np.asarray(outs, dtype=np.int32)
         if row_blocks:
             rows, index = np.concatenate(row_blocks), np.concatenate(row_index).astype(np.int32)
+            grid = np.concatenate(grid_blocks)
         else:
-            rows, index = np.zeros((1, self.n_embd), np.float32), np.zeros(0, np.int32)
+            rows, index = np.zeros((1, self.picture_width), np.float32), np.zeros(0, np.int32)
+            grid = np.full((1, 2), -1, np.int32)  # not read: an empty buffer has no address to give
         logits = np.empty((len(out32), self.n_vocab), dtype=np.float32)
         batch = ffi.new("strata_batch *")
         keep = [ffi.from_buffer("int[]", ids32), ffi.from_buffer("int[]", seq32), ffi.from_buffer("int[]", pos32),
                 ffi.from_buffer("float[]", rows), ffi.from_buffer("int[]", index), ffi.from_buffer("int[]", out32),
-                ffi.from_buffer("float[]", logits)]
+                ffi.from_buffer("float[]", logits), ffi.from_buffer("int[]", np.ascontiguousarray(grid))]
         batch.n_tokens, batch.tokens, batch.seq, batch.pos = len(ids32), keep[0], keep[1], keep[2]
         batch.embd_rows, batch.embd_index, batch.n_embd_rows = keep[3], keep[4], len(index)
+        batch.embd_grid = keep[7] if (grid >= 0).any() else ffi.NULL
         batch.out_index, batch.n_out, batch.logits = keep[5], len(out32), keep[6]
         batch.seq_dropped = self._dropped
         status = lib.strata_eval_batch(ctx, batch)
@@ -328,21 +342,24 @@ class Engine:
             raise EngineAborted(ffi.string(lib.strata_last_error()).decode("utf-8", "replace"), dropped, results)
         return results  # type: ignore[return-value]  # no None without a dropped sequence
 
-    def _embedding_rows(self, embeds: Embeds, n_tokens: int) -> tuple[np.ndarray, np.ndarray]:
-        """The embedding rows as one (n_rows, n_embd) array and the token index of each row."""
-        rows, index = [], []
+    def _embedding_rows(self, embeds: Embeds, n_tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The embedding rows as one (n_rows, picture_width) array, the token index of each row, and each row's
+        (row, column) in its picture's grid ((-1, -1): plain rows, placed as text)."""
+        rows, index, grid = [], [], []
         for start, array in embeds:
             block = np.ascontiguousarray(array, dtype=np.float32)
-            if block.ndim != 2 or block.shape[1] != self.n_embd:
-                raise EngineError(f"embedding rows at {start} have shape {block.shape}, expected (n, {self.n_embd})")
+            if block.ndim != 2 or block.shape[1] != self.picture_width:
+                raise EngineError(f"embedding rows at {start} have shape {block.shape}, expected "
+                                  f"(n, {self.picture_width})")
             rows.append(block)
             index.append(int(start) + np.arange(len(block), dtype=np.int64))
+            grid.append(array.grid() if isinstance(array, PictureRows) else np.full((len(block), 2), -1, np.int32))
         if not rows:
-            return np.zeros((0, self.n_embd), np.float32), np.zeros(0, np.int64)
+            return np.zeros((0, self.picture_width), np.float32), np.zeros(0, np.int64), np.zeros((0, 2), np.int32)
         at = np.concatenate(index)
         if at.min() < 0 or at.max() >= n_tokens:  # the C check sees call indices, which would name another sequence
             raise EngineError(f"embedding rows at indices outside the {n_tokens} tokens")
-        return np.concatenate(rows), at
+        return np.concatenate(rows), at, np.concatenate(grid)
 
     def keep(self, n: int, seq: int = 0) -> None:
         """Truncate sequence `seq` to its first n positions; keep(0) clears it."""

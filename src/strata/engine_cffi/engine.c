@@ -1,5 +1,6 @@
 /* engine.c — a model built from a GGUF tensor table, a context holding several sequences, and the forward pass of
- * qwen3moe, qwen3 and llama on the CPU.
+ * qwen3moe, qwen3, llama and Qwen3-VL's text side (qwen3vl, qwen3vlmoe: multi-axis RoPE, deepstack rows) on the
+ * CPU.
  * Threads: each chunk of tokens is one job on the context's thread pool (threadpool.h); every step inside it splits
  * its rows among the threads and ends at the pool's barrier, which orders it before the next step, so a small
  * decode pays no fork/join per product. Activations are f32 rows; before a product they are converted once to the
@@ -80,6 +81,8 @@ struct strata_model {
     rope_mode rope;
     int has_qk_norm;
     int is_moe;
+    int mrope;                 /* positions have (t, h, w) components (multi-axis RoPE) */
+    unsigned char *rope_axis;  // (head_dim / 2,) the component each frequency pair turns by (0 without mrope)
     matrix tok_embd;           // (n_vocab, n_embd)
     matrix output;             // (n_vocab, n_embd): token_embd when the model ties them
     float *output_norm;        // (n_embd,)
@@ -188,13 +191,13 @@ static strata_status build_layer(const strata_model *m, const strata_model_param
 }
 
 /* The architectures the forward pass runs, and their traits. */
-static const struct { const char *name; rope_mode rope; int has_qk_norm, is_moe; } ARCHS[] = {
-    {"qwen3moe", ROPE_NEOX, 1, 1},
-    {"qwen3", ROPE_NEOX, 1, 0},
-    {"llama", ROPE_NORMAL, 0, 0},
-    /* Qwen3-VL's text side; on text its multi-axis RoPE is Qwen3's (pictures: not yet) */
-    {"qwen3vl", ROPE_NEOX, 1, 0},
-    {"qwen3vlmoe", ROPE_NEOX, 1, 1},
+static const struct { const char *name; rope_mode rope; int has_qk_norm, is_moe, mrope; } ARCHS[] = {
+    {"qwen3moe", ROPE_NEOX, 1, 1, 0},
+    {"qwen3", ROPE_NEOX, 1, 0, 0},
+    {"llama", ROPE_NORMAL, 0, 0, 0},
+    /* Qwen3-VL's text side: Qwen3 with multi-axis RoPE over pictures and deepstack rows */
+    {"qwen3vl", ROPE_NEOX, 1, 0, 1},
+    {"qwen3vlmoe", ROPE_NEOX, 1, 1, 1},
 };
 #define N_ARCHS ((int)(sizeof ARCHS / sizeof ARCHS[0]))
 
@@ -214,6 +217,7 @@ static strata_status set_arch(strata_model *m, const char *arch) {
     m->rope = ARCHS[i].rope;
     m->has_qk_norm = ARCHS[i].has_qk_norm;
     m->is_moe = ARCHS[i].is_moe;
+    m->mrope = ARCHS[i].mrope;
     snprintf(m->arch, sizeof m->arch, "%s", arch);
     return STRATA_OK;
 }
@@ -236,6 +240,27 @@ static strata_status build_rope(strata_model *m, const strata_model_params *p) {
             return fail(STRATA_ERR_INVALID_ARG, "tensor %s: factor %d is not positive", t->name, i);
         m->inv_freq[i] /= factors[i];
     }
+    return STRATA_OK;
+}
+
+/* rope_axis[i]: the position component pair i turns by, Qwen3-VL's interleaving (Hugging Face's
+ * apply_interleaved_mrope: h on pairs 1, 4, 7, ... below 3 sections[1], w on 2, 5, 8, ... below 3 sections[2],
+ * t on the rest); and the deepstack count, which only those models have. */
+static strata_status build_mrope(strata_model *m, const strata_model_params *p) {
+    const int *sec = p->rope_sections;
+    int n = p->head_dim / 2, any = sec[0] || sec[1] || sec[2] || sec[3];
+    if (sec[0] < 0 || sec[1] < 0 || sec[2] < 0 || sec[3] != 0 || sec[0] + sec[1] + sec[2] > n)
+        return fail(STRATA_ERR_UNSUPPORTED, "rope.dimension_sections [%d, %d, %d, %d]: expected three sections of "
+                    "at most head_dim / 2 = %d pairs in all, the fourth 0", sec[0], sec[1], sec[2], sec[3], n);
+    if (!m->mrope && any)
+        return fail(STRATA_ERR_UNSUPPORTED, "rope.dimension_sections on %s, whose RoPE has one axis", m->arch);
+    if (p->n_deepstack < 0 || p->n_deepstack > p->n_layer || (!m->mrope && p->n_deepstack))
+        return fail(STRATA_ERR_INVALID_ARG, "n_deepstack_layers %d on %s with %d layers", p->n_deepstack, m->arch,
+                    p->n_layer);
+    m->rope_axis = calloc(n, 1);
+    if (!m->rope_axis) return fail(STRATA_ERR_NOMEM, "out of memory");
+    for (int i = 0; m->mrope && i < n; i++)
+        m->rope_axis[i] = i % 3 == 1 && i < 3 * sec[1] ? 1 : i % 3 == 2 && i < 3 * sec[2] ? 2 : 0;
     return STRATA_OK;
 }
 
@@ -263,7 +288,7 @@ static strata_status build_model(strata_model *m, const strata_model_params *p) 
         (st = get_vector(p, &m->output_norm, p->n_embd, "output_norm", 0)) != STRATA_OK)
         return st;
     if (!m->output.data) m->output = m->tok_embd;  // tied embeddings
-    if ((st = build_rope(m, p)) != STRATA_OK) return st;
+    if ((st = build_rope(m, p)) != STRATA_OK || (st = build_mrope(m, p)) != STRATA_OK) return st;
     m->layers = calloc(p->n_layer, sizeof(layer_weights));
     if (!m->layers) return fail(STRATA_ERR_NOMEM, "out of memory");
     for (int il = 0; il < p->n_layer; il++)
@@ -295,6 +320,7 @@ void strata_model_free(strata_model *m) {
     free(m->layers);
     free(m->output_norm);
     free(m->inv_freq);
+    free(m->rope_axis);
     free(m);
 }
 
@@ -315,10 +341,14 @@ struct strata_context {
     void *v_cache;                 // (n_seq, n_layer, n_head_kv, n_ctx, head_dim) of kv_type
     float *k_scale;                // (n_seq, n_layer, n_head_kv, n_ctx) int8 only
     float *v_scale;                // (n_seq, n_layer, n_head_kv, n_ctx) int8 only
+    /* multi-axis RoPE only: each cached position's t component, and 1 + its largest (where text goes on) */
+    int *rope_t;                   // (n_seq, n_ctx)
+    int *rope_next;                // (n_seq, n_ctx)
     /* the chunk in flight: its tokens gathered from the call, in call order */
     int *chunk_token;              // (n_batch,) token ids
     int *chunk_seq;                // (n_batch,) sequence of each token
     int *chunk_pos;                // (n_batch,) position of each token in its sequence
+    int *chunk_rope;               // (n_batch, 3) its RoPE position's (t, h, w) components (all = pos: one axis)
     int *chunk_embd;               // (n_batch,) the caller's embedding row replacing the token, or -1
     int *chunk_out;                // (n_batch,) the caller's logits row of the token, or -1
     float *x;                      // (n_batch, n_embd) residual stream
@@ -386,10 +416,16 @@ static strata_status alloc_context(strata_context *c) {
     c->n_past = calloc(c->n_seq, sizeof(int));
     c->abort_flag = calloc(c->n_seq, sizeof(atomic_int));
     c->dropped = calloc(c->n_seq, sizeof(int));
+    c->chunk_rope = malloc(sizeof(int) * 3 * B);
+    if (c->model->mrope) {
+        c->rope_t = malloc(sizeof(int) * c->n_seq * c->n_ctx);
+        c->rope_next = malloc(sizeof(int) * c->n_seq * c->n_ctx);
+    }
     int **chunk[] = {&c->chunk_token, &c->chunk_seq, &c->chunk_pos, &c->chunk_embd, &c->chunk_out};
     int ok = c->k_cache && c->v_cache && c->x && c->xb && c->q && c->k && c->v && c->att && c->scores &&
              c->hb && c->hb2 && c->xq && (c->kv_type != STRATA_KV_INT8 || (c->k_scale && c->v_scale)) &&
-             c->n_past && c->abort_flag && c->dropped;
+             c->n_past && c->abort_flag && c->dropped && c->chunk_rope &&
+             (!c->model->mrope || (c->rope_t && c->rope_next));
     for (size_t i = 0; i < sizeof chunk / sizeof chunk[0]; i++) ok = ok && (*chunk[i] = malloc(sizeof(int) * B));
     for (int s = 0; ok && s < c->n_seq; s++) atomic_init(&c->abort_flag[s], 0);
     if (c->model->is_moe) {
@@ -455,7 +491,7 @@ void strata_context_free(strata_context *c) {
                     c->scores, c->hb, c->hb2, c->moe_out, c->router, c->xq, c->xq_slots, c->slot_of,
                     c->choice_weight, c->slot_token, c->expert_start, c->expert_count, c->tasks, c->n_past,
                     (void *)c->abort_flag, c->dropped, c->chunk_token, c->chunk_seq, c->chunk_pos, c->chunk_embd,
-                    c->chunk_out};
+                    c->chunk_out, c->chunk_rope, c->rope_t, c->rope_next};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
     free(c);
 }
@@ -529,6 +565,10 @@ strata_status strata_copy_prefix(strata_context *c, int src, int dst, int n) {
                 memcpy(c->v_scale + to, c->v_scale + from, sizeof(float) * n);
             }
         }
+    if (c->model->mrope) {
+        memcpy(c->rope_t + (size_t)dst * c->n_ctx, c->rope_t + (size_t)src * c->n_ctx, sizeof(int) * n);
+        memcpy(c->rope_next + (size_t)dst * c->n_ctx, c->rope_next + (size_t)src * c->n_ctx, sizeof(int) * n);
+    }
     c->n_past[dst] = n;
     return STRATA_OK;
 }
@@ -757,17 +797,18 @@ static void rope(float *x, int hd, const float *cs, const float *sn, rope_mode m
     }
 }
 
-/* Per token: q, k heads = RoPE(per-head RMSNorm (qwen3) of q, k) at the token's position; then its k and v rows
- * go into its sequence's cache at that position. */
+/* Per token: q, k heads = RoPE(per-head RMSNorm (qwen3) of q, k) at the token's RoPE position; then its k and v
+ * rows go into its sequence's cache at its position. */
 static void rope_and_cache(const team *tm, strata_context *c, const layer_weights *L, int il, int n_tok) {
     const strata_model *m = c->model;
     int hd = m->hp.head_dim, nh = m->hp.n_head, nkv = m->hp.n_head_kv;
     range r = share(tm, n_tok);
     for (int t = (int)r.lo; t < r.hi; t++) {
         int pos = c->chunk_pos[t];
-        float cs[hd / 2], sn[hd / 2];  // angle pos * inv_freq[i], shared by every head
+        const int *rope_pos = c->chunk_rope + 3 * t;  // (t, h, w): all pos with one axis
+        float cs[hd / 2], sn[hd / 2];  // angle (pair i's component) * inv_freq[i], shared by every head
         for (int i = 0; i < hd / 2; i++) {
-            float theta = pos * m->inv_freq[i];
+            float theta = rope_pos[m->rope_axis[i]] * m->inv_freq[i];
             cs[i] = cosf(theta);
             sn[i] = sinf(theta);
         }
@@ -1047,17 +1088,33 @@ static double now_ms(void) {
     return ts.tv_sec * 1e3 + ts.tv_nsec * 1e-6;
 }
 
+/* Floats per caller's embedding row: the embedding, then the deepstack slices. */
+static int64_t embd_row_width(const strata_model *m) { return (int64_t)m->hp.n_embd * (1 + m->hp.n_deepstack); }
+
 /* x rows = token embeddings, or the caller's rows where the chunk says so. */
 static void embed(const team *tm, strata_context *c, const float *embd_rows, int n_tok) {
     const strata_model *m = c->model;
-    int64_t E = m->hp.n_embd;
+    int64_t E = m->hp.n_embd, W = embd_row_width(m);
     range r = share(tm, n_tok);
     for (int64_t t = r.lo; t < r.hi; t++) {
         if (c->chunk_embd[t] >= 0)
-            memcpy(c->x + t * E, embd_rows + (size_t)c->chunk_embd[t] * E, sizeof(float) * E);
+            memcpy(c->x + t * E, embd_rows + (size_t)c->chunk_embd[t] * W, sizeof(float) * E);
         else
             strata_dequantize_row_any(m->tok_embd.type, (const char *)m->tok_embd.data +
                                       (size_t)c->chunk_token[t] * m->tok_embd.row_bytes, c->x + t * E, E);
+    }
+    team_sync(tm);
+}
+
+/* After layer k < n_deepstack: x rows of the caller's rows += their slice k + 1 (Qwen3-VL's deepstack: the
+ * vision tower's features of earlier layers, added to the picture positions' hidden states of the first layers). */
+static void add_deepstack(const team *tm, strata_context *c, const float *embd_rows, int k, int n_tok) {
+    int64_t E = c->model->hp.n_embd, W = embd_row_width(c->model);
+    range r = share(tm, n_tok);
+    for (int64_t t = r.lo; t < r.hi; t++) {
+        if (c->chunk_embd[t] < 0) continue;
+        const float *slice = embd_rows + (size_t)c->chunk_embd[t] * W + (size_t)(k + 1) * E;
+        for (int64_t i = 0; i < E; i++) c->x[t * E + i] += slice[i];
     }
     team_sync(tm);
 }
@@ -1116,6 +1173,7 @@ static void forward_job(int ith, int nth, void *arg) {
         attention_block(&tm, c, il, j->n_tok);
         if (m->is_moe) moe_block(&tm, c, il, j->n_tok);
         else dense_ffn_block(&tm, c, il, j->n_tok);
+        if (il < m->hp.n_deepstack) add_deepstack(&tm, c, j->embd_rows, il, j->n_tok);
     }
     if (!c->stop) {
         if (ith == 0) c->output_t0 = now_ms();
@@ -1141,6 +1199,10 @@ static strata_status check_batch(const strata_context *c, const strata_batch *b,
         if (t < 0 || t >= b->n_tokens) return fail(STRATA_ERR_INVALID_ARG, "embedding row %d at index %d, outside "
                                                    "the %d tokens", r, t, b->n_tokens);
         if (embd_at[t] >= 0) return fail(STRATA_ERR_INVALID_ARG, "two embedding rows at index %d", t);
+        const int *at = b->embd_grid ? b->embd_grid + 2 * r : NULL;
+        if (at && !(at[0] == -1 && at[1] == -1) && (at[0] < 0 || at[0] >= c->n_ctx || at[1] < 0 || at[1] >= c->n_ctx))
+            return fail(STRATA_ERR_INVALID_ARG, "embedding row %d at (%d, %d) of its picture's grid, outside "
+                        "[0, %d)", r, at[0], at[1], c->n_ctx);
         embd_at[t] = r;
     }
     for (int r = 0; r < b->n_out; r++)
@@ -1167,13 +1229,44 @@ static strata_status check_batch(const strata_context *c, const strata_batch *b,
     return st;
 }
 
+/* rope (n_tokens, 3) = each token's RoPE position (t, h, w), by the rules of strata_batch; with multi-axis RoPE
+ * each one is also kept with its position in the sequence's arrays (positions past n_past are only scratch until
+ * a finished chunk takes them in). The batch is checked: each sequence's positions follow on. */
+static void rope_positions(const strata_context *c, const strata_batch *b, const int *embd_at, int *rope) {
+    for (int t = 0; t < b->n_tokens; t++) {
+        int p = b->pos[t], *out = rope + 3 * t;
+        if (!c->model->mrope) {
+            out[0] = out[1] = out[2] = p;
+            continue;
+        }
+        int *pos_t = c->rope_t + (size_t)b->seq[t] * c->n_ctx, *next = c->rope_next + (size_t)b->seq[t] * c->n_ctx;
+        int text = p > 0 ? next[p - 1] : 0, r = embd_at[t];
+        if (r >= 0 && b->embd_grid && b->embd_grid[2 * r] >= 0) {
+            int row = b->embd_grid[2 * r], col = b->embd_grid[2 * r + 1];
+            int start = (row == 0 && col == 0) || p == 0 ? text : pos_t[p - 1];
+            out[0] = start, out[1] = start + row, out[2] = start + col;
+        } else {
+            out[0] = out[1] = out[2] = text;
+        }
+        pos_t[p] = out[0];
+        int top = out[0] > out[1] ? out[0] : out[1];
+        next[p] = 1 + (top > out[2] ? top : out[2]);
+    }
+}
+
 strata_status strata_eval_batch(strata_context *c, const strata_batch *b) {
     double t0 = now_ms();
     memset(&c->timings, 0, sizeof c->timings);
     if (!b) return fail(STRATA_ERR_INVALID_ARG, "no batch");
-    int *embd_at = malloc(sizeof(int) * (b->n_tokens > 0 ? b->n_tokens : 1));
-    if (!embd_at) return fail(STRATA_ERR_NOMEM, "out of memory");
+    int n_alloc = b->n_tokens > 0 ? b->n_tokens : 1;
+    int *embd_at = malloc(sizeof(int) * n_alloc), *rope = malloc(sizeof(int) * 3 * n_alloc);
+    if (!embd_at || !rope) {
+        free(embd_at);
+        free(rope);
+        return fail(STRATA_ERR_NOMEM, "out of memory");
+    }
     strata_status st = check_batch(c, b, embd_at);
+    if (st == STRATA_OK) rope_positions(c, b, embd_at, rope);
     if (b->seq_dropped && st == STRATA_OK) memset(b->seq_dropped, 0, sizeof(int) * c->n_seq);
     // Chunks of up to n_batch tokens, taken in call order, skipping the tokens of dropped sequences.
     for (int t = 0, out = 0; st == STRATA_OK && t < b->n_tokens;) {
@@ -1185,6 +1278,7 @@ strata_status strata_eval_batch(strata_context *c, const strata_batch *b) {
             c->chunk_token[n] = b->tokens[t];
             c->chunk_seq[n] = b->seq[t];
             c->chunk_pos[n] = b->pos[t];
+            memcpy(c->chunk_rope + 3 * n, rope + 3 * t, sizeof(int) * 3);
             c->chunk_embd[n] = embd_at[t];
             c->chunk_out[n++] = want ? out - 1 : -1;
         }
@@ -1204,6 +1298,7 @@ strata_status strata_eval_batch(strata_context *c, const strata_batch *b) {
     }
     memset(c->dropped, 0, sizeof(int) * c->n_seq);
     free(embd_at);
+    free(rope);
     c->timings.total_ms = now_ms() - t0;
     if (st == STRATA_OK && n_dropped)
         st = fail(STRATA_ABORTED, "aborted: %d of the call's sequences dropped", n_dropped);

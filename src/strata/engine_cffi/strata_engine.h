@@ -92,6 +92,12 @@ typedef struct {
     int n_ff_exp;              /* {arch}.expert_feed_forward_length */
     float rope_base;           /* {arch}.rope.freq_base */
     float rms_eps;             /* {arch}.attention.layer_norm_rms_epsilon */
+    int rope_sections[4];      /* {arch}.rope.dimension_sections (qwen3vl, qwen3vlmoe): the frequency pairs of the
+                                * t, h, w axes of the interleaved multi-axis RoPE, Qwen3-VL's rule (pair i takes h
+                                * if i % 3 == 1 and i < 3 h, w if i % 3 == 2 and i < 3 w, else t); the fourth is
+                                * unused and must be 0. All 0 (and for every other architecture): one axis. */
+    int n_deepstack;           /* {arch}.n_deepstack_layers (qwen3vl, qwen3vlmoe): picture rows carry this many
+                                * extra n_embd slices, slice k added to the row's hidden state after layer k */
     const strata_tensor_info *tensors;
     int n_tensors;
 } strata_model_params;
@@ -138,14 +144,27 @@ strata_status strata_clear_abort(strata_context *ctx, int seq);
 /* The tokens of one eval call, of any of the context's sequences, in any order. Each sequence's tokens continue
  * its positions: the first of them is at its n_past, the next at n_past + 1, ... The call's tokens run in chunks
  * of n_batch, each chunk through every layer at once: every weight is read once per chunk for all its sequences,
- * and a MoE layer groups the chunk's tokens by expert whatever their sequence. */
+ * and a MoE layer groups the chunk's tokens by expert whatever their sequence.
+ *
+ * A position is the token's index in its sequence's cache (its KV row, and what causal attention counts). Its
+ * RoPE position is the same number, except with multi-axis RoPE (rope_sections) after a picture: a picture row at
+ * (row, column) of its picture's grid takes (t, h, w) = (S, S + row, S + column), S being where the picture
+ * starts (the row at (0, 0) starts one: S = what the next text token would take; any other row continues the
+ * picture of the position before it), and every other token takes (p, p, p), p = 1 + the largest component of
+ * the position before it (0 first). So text after a picture of h x w rows continues at S + max(h, w), as
+ * Hugging Face's Qwen3-VL and llama.cpp count. The engine keeps each position's RoPE components with the cache
+ * (strata_keep, strata_copy_prefix keep them too). A sequence that never had a row with embd_grid, and every
+ * sequence of any other model, has RoPE position = position. */
 typedef struct {
     int n_tokens;
     const int *tokens;        /* (n_tokens,) token ids (placeholders where an embedding row replaces them) */
     const int *seq;           /* (n_tokens,) sequence of each token */
     const int *pos;           /* (n_tokens,) position of each token in its sequence */
-    const float *embd_rows;   /* (n_embd_rows, n_embd) rows replacing the token embeddings at embd_index */
+    const float *embd_rows;   /* (n_embd_rows, n_embd * (1 + n_deepstack)) rows replacing the token embeddings at
+                               * embd_index: the embedding, then the model's deepstack slices */
     const int *embd_index;    /* (n_embd_rows,) call indices */
+    const int *embd_grid;     /* (n_embd_rows, 2) or NULL: (row, column) of each row in its picture's grid, for
+                               * multi-axis RoPE (see above); (-1, -1) or NULL: placed as a text token */
     int n_embd_rows;
     const int *out_index;     /* (n_out,) increasing call indices of the tokens whose logits are wanted */
     int n_out;
