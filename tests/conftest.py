@@ -57,7 +57,7 @@ class ScriptedEngine:
 
     def __init__(self, tokenizer: Any, script: Sequence[int] = (), *, n_ctx: int = 4096, prompt_s: float = 0.0,
                  decode_s: float = 0.0, n_embd: int = 48, n_seq: int = 1):
-        self.n_embd = n_embd  # the vision tests' encoders write rows this wide
+        self.n_embd = self.picture_width = n_embd  # the vision tests' encoders write rows this wide
         self.n_vocab = tokenizer.n_vocab
         self.n_ctx, self.n_seq = n_ctx, n_seq
         self.arch, self.backend, self.threads = "scripted", "scripted", 1

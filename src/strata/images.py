@@ -23,6 +23,7 @@ import trio
 from PIL import Image
 
 from strata.downloads import DownloadRefused
+from strata.picture_rows import PictureRows
 
 MAX_IMAGE_BYTES = 20 * 1024 * 1024  # one picture, downloaded or inline
 MAX_PIXELS = 50_000_000  # the encoder's own bound: a larger header is a decompression bomb
@@ -244,7 +245,7 @@ class PromptImages:
         ids: token ids; each picture's positions hold the pad token (the engine replaces their embeddings).
         keys: one per position, what the KV cache holds there: the token id, or (picture digest, row) for a
             picture's row, so prefix reuse tells two pictures apart although their ids are the same pads.
-        spans: (first position, rows) of each picture, in order.
+        spans: (first position, rows) of each picture, in order: `PictureRows`, which know their grid.
     """
 
     ids: list[int]
@@ -273,7 +274,7 @@ def expand_image_pads(ids: list[int], pad_id: int, embeddings: list[Any]) -> Pro
             keys.append(token)
             continue
         embedding = next(pictures)
-        spans.append((len(out_ids), embedding.rows))
+        spans.append((len(out_ids), PictureRows(embedding.rows, embedding.nx)))
         out_ids.extend([pad_id] * embedding.n_tokens)
         keys.extend((embedding.digest, row) for row in range(embedding.n_tokens))
     return PromptImages(out_ids, keys, spans)

@@ -111,7 +111,8 @@ class EngineLike(Protocol):
     `strata.generation.Batcher` makes, and a few properties."""
 
     n_vocab: int
-    n_embd: int  # the width of a picture's rows
+    n_embd: int
+    picture_width: int  # the width of a picture's rows: n_embd, wider with Qwen3-VL's deepstack slices
     n_ctx: int
     n_seq: int
     arch: str
@@ -271,7 +272,7 @@ class Service:
         log(f"{what} ...")
         nursery = self.nursery
         await with_progress(log, what, lambda stage: nursery.start(client.run))
-        ready, n_embd = client.last_ready, engine.n_embd
+        ready, n_embd = client.last_ready, engine.picture_width
         if ready is not None and ready.n_embd != n_embd and not vision.remote:
             raise VisionStartError(f"the image encoder's rows are {ready.n_embd} wide and the model's embeddings "
                                    f"{n_embd}: {vision.mmproj} was made for another model")
@@ -510,7 +511,7 @@ class Service:
                 live.phase = "encoding"
             # The deadline is this picture's own: its predicted rows times vision.encode_timeout_per_row.
             embedding = await self.vision.encode(picture.data, _Exclusive(self), picture.rows)
-        n_embd = self.engine.n_embd
+        n_embd = self.engine.picture_width
         if embedding.rows.shape[1] != n_embd:
             raise VisionUnavailable(f"its rows are {embedding.rows.shape[1]} wide and the model's embeddings "
                                     f"{n_embd} (an mmproj made for another model?)")

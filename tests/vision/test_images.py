@@ -24,6 +24,7 @@ from strata.images import (
     load_source,
     parse_data_url,
 )
+from strata.picture_rows import PictureRows
 
 from .conftest import noise_png
 
@@ -228,7 +229,7 @@ def test_cache_keeps_real_rows():
 
 class Picture:
     def __init__(self, digest: str, n_tokens: int):
-        self.digest, self.n_tokens = digest, n_tokens
+        self.digest, self.n_tokens, self.nx = digest, n_tokens, 2
         self.rows = np.arange(n_tokens * 2, dtype=np.float32).reshape(n_tokens, 2) + hash(digest) % 7
 
 
@@ -239,7 +240,7 @@ def test_expand_image_pads_places_each_picture():
     assert prompt.ids == [1, 8, pad, pad, pad, 7, 2, 8, pad, pad, 7, 3]
     assert prompt.keys[2:5] == [("a", 0), ("a", 1), ("a", 2)] and prompt.keys[8:10] == [("b", 0), ("b", 1)]
     assert [first for first, _ in prompt.spans] == [2, 8]
-    assert prompt.spans[0][1] is a.rows
+    assert prompt.spans[0][1].rows is a.rows and prompt.spans[0][1].nx == a.nx  # the grid goes with the rows
 
 
 def test_two_pictures_with_the_same_pads_have_different_keys():
@@ -262,3 +263,10 @@ def test_embeds_window():
     (index, part), = embeds_from(spans, 0, 20)
     assert index == 3 and part is not None and np.array_equal(part, rows)
     assert embeds_from(spans, 8, 20) == []
+
+
+def test_a_picture_cut_between_calls_keeps_its_grid():
+    rows = PictureRows(np.arange(12, dtype=np.float32).reshape(6, 2), nx=3)  # a 3 x 2 grid
+    (index, part), = embeds_from([(3, rows)], 5, 20)  # the first two rows are already in the cache
+    assert index == 0 and np.array_equal(part, rows.rows[2:])
+    assert part.grid().tolist() == [[0, 2], [1, 0], [1, 1], [1, 2]]

@@ -1,0 +1,167 @@
+"""A picture question to a Qwen3-VL model end to end: one random `Qwen3VLForConditionalGeneration` with Qwen's real
+tokenizer and the Qwen3 chat template, turned into a text file and an mmproj file by llama.cpp's own converter,
+served by hypercorn with the real engine and a real `strata-vision` process, asked through the official client.
+
+The answer (greedy) must be the checkpoint's own greedy answer to the same prompt ids and picture pixels, computed
+by transformers over the whole model: its vision tower, M-RoPE positions and deepstack features included. Random
+weights can leave two tokens nearly tied, where 1e-6 of float rounding may pick either: tokens are compared up to
+the first step whose top two logits are closer than `TIE` of the largest, and at least `MIN_COMPARED` must be.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import pathlib
+import shutil
+
+import numpy as np
+import openai
+import pytest
+import torch
+from conftest import live_server, server_config
+from llama_cpp_convert import convert, qwen_tokenizer, require_converter
+from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+from strata.engine_cffi import Engine, PictureRows
+from strata.modelgen.writer import chat_template
+from strata.tokenizer import Tokenizer
+from strata.vision.load import open_encoder
+from strata.vision.preprocess import load_image, preprocess, token_budget
+
+from .conftest import noise_png
+
+pytestmark = pytest.mark.timeout(600)
+
+PATCH, MERGE, N_TEXT = 16, 2, 64
+MAX_TOKENS = 8  # answer tokens
+TIE, MIN_COMPARED = 2e-5, 4  # TIE: 30x the engine's logits error against transformers (~6e-7)
+PICTURE = noise_png(160, 96, seed=7)  # 10 x 6 patches, 5 x 3 merged tokens: no resize, not square
+
+
+class RecordingEngine:
+    """The real engine, with the tokens and embeds of each item of each eval call kept."""
+
+    def __init__(self, engine: Engine):
+        self._engine = engine
+        self.calls: list[tuple[list[int], list]] = []
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
+
+    def eval_batch(self, items):
+        self.calls += [(list(item.tokens), list(item.embeds or [])) for item in items]
+        return self._engine.eval_batch(items)
+
+
+def _checkpoint() -> Qwen3VLForConditionalGeneration:
+    config = Qwen3VLConfig(
+        vision_config={"depth": 3, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": PATCH,
+                       "spatial_merge_size": MERGE, "temporal_patch_size": 2, "out_hidden_size": N_TEXT,
+                       "num_position_embeddings": 64, "deepstack_visual_indexes": [0, 1]},
+        text_config={"hidden_size": N_TEXT, "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 2,
+                     "num_key_value_heads": 1, "head_dim": 32, "vocab_size": 151936, "rms_norm_eps": 1e-6,
+                     "max_position_embeddings": 4096,
+                     "rope_parameters": {"rope_type": "default", "rope_theta": 5e6, "mrope_section": [8, 4, 4],
+                                         "mrope_interleaved": True}})
+    config.vision_config._attn_implementation = config.text_config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = Qwen3VLForConditionalGeneration(config)
+    with torch.no_grad():  # weights of order one: the picture and the positions change the answer
+        for name, param in model.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                param.copy_(1 + 0.1 * torch.randn_like(param))
+            elif param.ndim == 1:
+                param.normal_(0, 0.1)
+            elif "embed_tokens" in name or "pos_embed" in name:
+                param.normal_(0, 1)
+            else:
+                param.normal_(0, param[0].numel() ** -0.5)
+    return model.float().eval()
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory: pytest.TempPathFactory) -> tuple:
+    require_converter()
+    hf_dir = tmp_path_factory.mktemp("qwen3vl-serve-hf")
+    model = _checkpoint()
+    model.save_pretrained(hf_dir)
+    qwen_tokenizer(hf_dir)
+    tokenizer_config = json.loads((hf_dir / "tokenizer_config.json").read_text())
+    tokenizer_config["chat_template"] = chat_template()  # renders a picture as <|vision_start|><|image_pad|>...
+    (hf_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    (hf_dir / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Qwen2VLImageProcessor", "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+        "patch_size": PATCH, "merge_size": MERGE, "temporal_patch_size": 2}))
+    text = convert(hf_dir, hf_dir.parent / "qwen3vl.gguf", "f32")
+    mmproj = convert(hf_dir, hf_dir.parent / "qwen3vl-mmproj.gguf", "f32", "--mmproj")
+    shutil.rmtree(hf_dir)
+    return model, text, mmproj
+
+
+def _pixels(mmproj: pathlib.Path) -> np.ndarray:
+    """The picture as the encoder process sees it: normalised (3, H, W) at its token grid."""
+    hp = open_encoder(mmproj, threads=1).hp
+    min_tokens, max_tokens = token_budget(hp)
+    return preprocess(load_image(PICTURE), hp, max_tokens, min_tokens).pixels
+
+
+def _greedy_reference(model: Qwen3VLForConditionalGeneration, ids: list[int], pixels: np.ndarray
+                      ) -> tuple[list[int], list[float]]:
+    """The checkpoint's greedy tokens after `ids` (the picture's pads expanded) and each step's gap between its top
+    two logits relative to the largest, from full forward passes with the pixels patched as Qwen's processor does
+    (both frames of a temporal patch, patches grouped by 2x2 merge window)."""
+    _, height, width = pixels.shape
+    gy, gx = height // PATCH, width // PATCH
+    frames = np.stack([pixels, pixels])
+    patches = frames.reshape(2, 3, gy // MERGE, MERGE, PATCH, gx // MERGE, MERGE, PATCH)
+    patches = torch.from_numpy(np.ascontiguousarray(patches.transpose(2, 5, 3, 6, 1, 0, 4, 7).reshape(gy * gx, -1)))
+    tokens, gaps = list(ids), []
+    for _ in range(MAX_TOKENS):
+        input_ids = torch.tensor([tokens])
+        with torch.no_grad():
+            logits = model(input_ids=input_ids, pixel_values=patches, image_grid_thw=torch.tensor([[1, gy, gx]]),
+                           mm_token_type_ids=(input_ids == model.config.image_token_id).int()).logits[0, -1]
+        top = torch.topk(logits, 2).values
+        gaps.append(float((top[0] - top[1]) / logits.abs().max()))
+        tokens.append(int(logits.argmax()))
+    return tokens[len(ids):], gaps
+
+
+def test_a_picture_question_gets_the_checkpoints_answer(converted: tuple) -> None:
+    model, text, mmproj = converted
+    tokenizer = Tokenizer.from_gguf(text)
+    config = server_config(model=str(text), context=512, sampling={"temperature": 0.0},
+                           vision={"mmproj": str(mmproj), "threads": 1})
+    url = "data:image/png;base64," + base64.b64encode(PICTURE).decode()
+    with Engine.load(text, n_ctx=512, threads=2) as real:
+        engine = RecordingEngine(real)
+        with live_server(config, engine, tokenizer) as server, \
+                openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120) as client:
+            reply = client.chat.completions.create(
+                model="m", max_tokens=MAX_TOKENS, temperature=0, reasoning_effort="none", messages=[
+                    {"role": "user", "content": [{"type": "text", "text": "What is in the picture?"},
+                                                 {"type": "image_url", "image_url": {"url": url}}]}])
+    prompt, embeds = engine.calls[0]
+    ((index, rows),) = embeds
+    assert isinstance(rows, PictureRows) and (rows.nx, len(rows)) == (5, 15)  # the grid reached the engine
+    assert rows.shape[1] == real.picture_width == 3 * N_TEXT  # main rows and two deepstack slices
+    assert prompt[index - 1] == tokenizer.token_to_id("<|vision_start|>")
+    expected, gaps = _greedy_reference(model, prompt, _pixels(mmproj))
+    n = next((i + 1 for i, gap in enumerate(gaps) if gap < TIE), len(gaps))  # up to the first near-tie
+    assert n >= MIN_COMPARED, f"the reference's top logits are nearly tied at step {n - 1}: {gaps}"
+    got = reply.choices[0].message.content or ""
+    assert got.startswith(tokenizer.decode(expected[:n])), (got, tokenizer.decode(expected), gaps)
+    assert reply.usage.prompt_tokens == len(prompt)
+
+
+def test_the_answer_needs_the_picture(converted: tuple) -> None:
+    """The same prompt with other pixels gets another answer: the comparison above sees the picture."""
+    model, _, mmproj = converted
+    pixels = _pixels(mmproj)
+    image_id = model.config.image_token_id
+    ids = [151644, 872, 198, 151652, *[image_id] * 15, 151653, 151645, 198, 151644, 77091, 198]
+    first, _ = _greedy_reference(model, ids, pixels)
+    other, _ = _greedy_reference(model, ids, np.ascontiguousarray(pixels[:, ::-1, :]))
+    assert first != other
+
