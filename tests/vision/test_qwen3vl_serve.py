@@ -1,6 +1,7 @@
 """A picture question to a Qwen3-VL model end to end: one random `Qwen3VLForConditionalGeneration` with Qwen's real
 tokenizer and the Qwen3 chat template, turned into a text file and an mmproj file by llama.cpp's own converter,
-served by hypercorn with the real engine and a real `strata-vision` process, asked through the official client.
+served by hypercorn with the real engine and a real `strata-vision` process (in-process, where the engine's calls
+are recorded, and as the `strata serve` command), asked through the official client.
 
 The answer (greedy) must be the checkpoint's own greedy answer to the same prompt ids and picture pixels, computed
 by transformers over the whole model: its vision tower, M-RoPE positions and deepstack features included. Random
@@ -12,8 +13,13 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import pathlib
+import re
 import shutil
+import signal
+import subprocess
+import sys
 
 import numpy as np
 import openai
@@ -23,6 +29,7 @@ from conftest import live_server, server_config
 from llama_cpp_convert import convert, qwen_tokenizer, require_converter
 from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
+import strata
 from strata.engine_cffi import Engine, PictureRows
 from strata.modelgen.writer import chat_template
 from strata.tokenizer import Tokenizer
@@ -128,31 +135,71 @@ def _greedy_reference(model: Qwen3VLForConditionalGeneration, ids: list[int], pi
     return tokens[len(ids):], gaps
 
 
-def test_a_picture_question_gets_the_checkpoints_answer(converted: tuple) -> None:
+QUESTION = [{"role": "user", "content": [
+    {"type": "text", "text": "What is in the picture?"},
+    {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(PICTURE).decode()}}]}]
+
+
+def _ask(url: str) -> tuple[str, int]:
+    """The greedy answer and the prompt's token count, through the openai client."""
+    with openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120) as client:
+        reply = client.chat.completions.create(model="m", max_tokens=MAX_TOKENS, temperature=0,
+                                               reasoning_effort="none", messages=QUESTION)
+    return reply.choices[0].message.content or "", reply.usage.prompt_tokens
+
+
+@pytest.fixture(scope="module")
+def served(converted: tuple) -> tuple:
+    """The question through an in-process server whose engine records its calls: the answer, the prompt ids and
+    picture rows the engine got, and the checkpoint's greedy answer to those ids with the picture's pixels."""
     model, text, mmproj = converted
     tokenizer = Tokenizer.from_gguf(text)
-    config = server_config(model=str(text), context=512, sampling={"temperature": 0.0},
-                           vision={"mmproj": str(mmproj), "threads": 1})
-    url = "data:image/png;base64," + base64.b64encode(PICTURE).decode()
+    config = server_config(model=str(text), context=512, vision={"mmproj": str(mmproj), "threads": 1})
     with Engine.load(text, n_ctx=512, threads=2) as real:
         engine = RecordingEngine(real)
-        with live_server(config, engine, tokenizer) as server, \
-                openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120) as client:
-            reply = client.chat.completions.create(
-                model="m", max_tokens=MAX_TOKENS, temperature=0, reasoning_effort="none", messages=[
-                    {"role": "user", "content": [{"type": "text", "text": "What is in the picture?"},
-                                                 {"type": "image_url", "image_url": {"url": url}}]}])
+        with live_server(config, engine, tokenizer) as server:
+            answer, n_prompt = _ask(server.url)
+        width = real.picture_width
     prompt, embeds = engine.calls[0]
-    ((index, rows),) = embeds
-    assert isinstance(rows, PictureRows) and (rows.nx, len(rows)) == (5, 15)  # the grid reached the engine
-    assert rows.shape[1] == real.picture_width == 3 * N_TEXT  # main rows and two deepstack slices
-    assert prompt[index - 1] == tokenizer.token_to_id("<|vision_start|>")
     expected, gaps = _greedy_reference(model, prompt, _pixels(mmproj))
     n = next((i + 1 for i, gap in enumerate(gaps) if gap < TIE), len(gaps))  # up to the first near-tie
     assert n >= MIN_COMPARED, f"the reference's top logits are nearly tied at step {n - 1}: {gaps}"
-    got = reply.choices[0].message.content or ""
-    assert got.startswith(tokenizer.decode(expected[:n])), (got, tokenizer.decode(expected), gaps)
-    assert reply.usage.prompt_tokens == len(prompt)
+    return tokenizer, answer, n_prompt, prompt, embeds, width, tokenizer.decode(expected[:n])
+
+
+def test_a_picture_question_gets_the_checkpoints_answer(served: tuple) -> None:
+    tokenizer, answer, n_prompt, prompt, embeds, width, expected = served
+    ((index, rows),) = embeds
+    assert isinstance(rows, PictureRows) and (rows.nx, len(rows)) == (5, 15)  # the grid reached the engine
+    assert rows.shape[1] == width == 3 * N_TEXT  # main rows and two deepstack slices
+    assert prompt[index - 1] == tokenizer.token_to_id("<|vision_start|>")
+    assert answer.startswith(expected), (answer, expected)
+    assert n_prompt == len(prompt)
+
+
+def test_strata_serve_answers_it_too(converted: tuple, served: tuple) -> None:
+    """The `strata serve` command with the two files: the same answer (its own engine and encoder process)."""
+    _, text, mmproj = converted
+    *_, prompt, _, _, expected = served
+    command = [sys.executable, "-m", "strata.cli", "serve", "--model", str(text), "--vision.mmproj", str(mmproj),
+               "--vision.threads", "1", "--threads", "2", "--context", "512", "--port", "0"]
+    env = {key: value for key, value in os.environ.items() if not key.startswith("STRATA_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(pathlib.Path(strata.__file__).parents[1]),
+                                                      env.get("PYTHONPATH")]))
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        lines: list[str] = []
+        while not (found := re.search(r"serving \S+ on (http://\S+)", lines[-1] if lines else "")):
+            line = process.stdout.readline()
+            assert line, f"strata serve ended: {lines}"
+            lines.append(line)
+        answer, n_prompt = _ask(found.group(1))
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=30)
+        process.stdout.close()
+    assert answer.startswith(expected), (answer, expected)
+    assert n_prompt == len(prompt)
 
 
 def test_the_answer_needs_the_picture(converted: tuple) -> None:
