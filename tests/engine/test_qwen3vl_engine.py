@@ -30,6 +30,8 @@ from transformers import (
 from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
 
 from strata.engine_cffi import BatchItem, Engine, PictureRows
+from strata.generation import Batcher, Job
+from strata.sampling import Sampler, SamplingParams
 from strata.tokenizer import Tokenizer
 
 N_PROMPT, N_DECODE = 60, 4
@@ -207,3 +209,46 @@ def test_pictures_in_a_batch_and_a_copied_prefix(converted: tuple) -> None:
         engine.keep(cut + 2, seq=0)  # truncated inside the picture, then continued
         again = engine.eval(ids[cut + 2:], embeds=[(0, picture[cut + 2 - first:])], all_logits=True, seq=0)
         assert np.array_equal(again, alone[cut + 2:])
+
+
+def _answer(batcher: Batcher, *jobs: Job) -> None:
+    while any(job.finish is None for job in jobs):
+        batcher.step()
+
+
+def test_the_batcher_cuts_a_picture_into_steps_and_reuses_it(converted: tuple) -> None:
+    """Through `generation.Batcher`: a picture prompt that joins a decoding job comes in steps of 8 tokens, cut
+    inside the picture; the next turn (that prompt, then more text) reuses the cached picture from its slot. Both
+    answers are the ones the same prompts get alone, in one chunk on a fresh context."""
+    _, model, path = converted
+    ids, first, rows = _picture_prompt(model, seed=7)
+    keys = [*ids[:first], *[("picture", r) for r in range(len(rows))], *ids[first + len(rows):]]
+    spans = [(first, PictureRows(rows, PICTURE_NX))]
+    more = [int(t) for t in np.random.default_rng(8).integers(0, 151000, 6)]
+    greedy = SamplingParams(temperature=0.0)
+
+    def turns() -> tuple[Job, Job]:
+        return (Job(ids, Sampler(greedy, 151936), 5, set(), keys=keys, spans=spans),
+                Job(ids + more, Sampler(greedy, 151936), 5, set(), keys=keys + more, spans=spans))
+
+    alone = []
+    for turn in turns():
+        with Engine.load(path, n_ctx=128, threads=2, kv="f32", n_batch=128) as engine:
+            batcher = Batcher(engine)
+            batcher.add(turn)
+            _answer(batcher, turn)
+            alone.append(turn.tokens)
+    with Engine.load(path, n_ctx=128, threads=2, kv="f32", n_batch=128, n_seq=2) as engine:
+        batcher = Batcher(engine, step_tokens=8)
+        talker = Job([1, 2, 3], Sampler(greedy, 151936), 60, set())
+        batcher.add(talker)
+        batcher.step()  # decoding from now on: the picture prompt joins in steps of 7 tokens
+        first_turn, second_turn = turns()
+        batcher.add(first_turn)
+        _answer(batcher, first_turn)
+        batcher.add(second_turn)
+        assert second_turn.reused == len(ids)  # the whole first prompt, picture included, from the cache
+        _answer(batcher, second_turn)
+        batcher.cancel(talker)
+        batcher.step()
+    assert [first_turn.tokens, second_turn.tokens] == alone
