@@ -50,6 +50,9 @@ static inline __m256 f16_bcast(const uint16_t *h) {
 #endif
 
 #if defined(__AVX2__)
+// The f16 scale of padding blocks, which repeat a row's last block so that a step can stay whole.
+static const uint16_t ZERO_F16 = 0;
+
 INLINE void store_tile(const gemm_args *a, int64_t r, int64_t t, int NR, int NT, __m256 acc[TR][TT]) {
     UNROLL for (int i = 0; i < NR; i++)
         UNROLL for (int j = 0; j < NT; j++) a->y[(t + j) * a->ldy + TILE_ROW(a, r, i)] = hsum256(acc[i][j]);
@@ -60,6 +63,38 @@ static inline __m128i pick16(int e) {
     return _mm_set1_epi16((short)(0x0100 + 0x0202 * e));
 }
 
+#endif
+
+#if defined(VNNI512)
+INLINE void store_tile512(const gemm_args *a, int64_t r, int64_t t, int NR, int NT, __m512 acc[TR][TT]) {
+    UNROLL for (int i = 0; i < NR; i++)
+        UNROLL for (int j = 0; j < NT; j++)
+            a->y[(t + j) * a->ldy + TILE_ROW(a, r, i)] = _mm512_reduce_add_ps(acc[i][j]);
+}
+
+// Scales a and b, 8 lanes each.
+static inline __m512 f16_pair512(const uint16_t *a, const uint16_t *b) {
+    return _mm512_cvtph_ps(_mm256_set_m128i(_mm_set1_epi16((short)*b), _mm_set1_epi16((short)*a)));
+}
+
+static inline __m512i load_2x256(const void *lo, const void *hi) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(lo)), _mm256_loadu_si256(hi), 1);
+}
+
+// Scales a, b, c, d, 4 lanes each.
+static inline __m512 f16_quad(const uint16_t *a, const uint16_t *b, const uint16_t *c, const uint16_t *d) {
+    __m128 f = _mm_cvtph_ps(_mm_setr_epi16((short)*a, (short)*b, (short)*c, (short)*d, 0, 0, 0, 0));
+    return _mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
+                                 _mm512_castps128_ps512(f));
+}
+
+// 16 bytes from each of p[0..3], in that order.
+static inline __m512i load_4x128(const void *p0, const void *p1, const void *p2, const void *p3) {
+    __m512i v = _mm512_castsi128_si512(_mm_loadu_si128(p0));
+    v = _mm512_inserti32x4(v, _mm_loadu_si128(p1), 1);
+    v = _mm512_inserti32x4(v, _mm_loadu_si128(p2), 2);
+    return _mm512_inserti32x4(v, _mm_loadu_si128(p3), 3);
+}
 #endif
 
 // Without a vector path a tile is NR * NT scalar dot products.

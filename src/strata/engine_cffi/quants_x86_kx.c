@@ -9,6 +9,7 @@
  * AVX-512 machines we measured (Zen 4), 512-bit integer ops run as two halves, so 256 bits lose little and the
  * same code serves AVX2. Scales and values of each type come from kx_meta / kx_chunk, inlined with a constant
  * type so that each type's tile is its own straight-line code. */
+#include <stddef.h>
 #include <stdlib.h>
 #include "quants_x86.h"
 
@@ -444,6 +445,110 @@ INLINE __m256i b32_values(int k, const void *blk, float *d, float *m) {
     return q;
 }
 
+#if defined(VNNI512)
+// 512-bit, as tile_q4_0: four blocks per register, elements 0-15 of each in one (128-bit lane l: block b + l),
+// 16-31 in another, the activations loaded in the same order. The values become unsigned bytes u = q + o
+// (o = 128 for the tables, 16 for Q5_0, none for Q4_1 / Q5_1) so that vpdpbusd takes them, and -o * sum(x)
+// seeds each token's integer accumulator; Q4_1 / Q5_1 add m * da * sum(x) per block instead.
+#define B32_OFFSET(k) ((k) == B32_IQ4_NL || (k) == B32_MXFP4 ? 128 : (k) == B32_Q5_0 ? 16 : 0)
+#define B32_PREFETCH 2048  // as Q8_PREFETCH: decode streams TR rows, ahead of the hardware prefetchers
+
+// The four blocks' scales (f16 at byte `at` of each block, or MXFP4's exponents), 4 lanes each; blocks from n on
+// (padding) get 0.
+INLINE __m512 b32_scales4(int k, const char *const blk[4], int n, size_t at) {
+    const __m512i quad = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    if (k == B32_MXFP4) {  // strata_e8m0_half in lanes: (e - 1) << 23, or for e < 2 the subnormal 2^21 << e
+        __m128i e = _mm_setr_epi32(((const block_mxfp4 *)blk[0])->e, ((const block_mxfp4 *)blk[1])->e,
+                                   ((const block_mxfp4 *)blk[2])->e, ((const block_mxfp4 *)blk[3])->e);
+        __m128i normal = _mm_slli_epi32(_mm_sub_epi32(e, _mm_set1_epi32(1)), 23);
+        __m128i small = _mm_sllv_epi32(_mm_set1_epi32(0x00200000), e);
+        __m128i bits = _mm_blendv_epi8(normal, small, _mm_cmplt_epi32(e, _mm_set1_epi32(2)));
+        bits = _mm_and_si128(bits, _mm_cmplt_epi32(_mm_setr_epi32(0, 1, 2, 3), _mm_set1_epi32(n)));  // padding: 0
+        return _mm512_permutexvar_ps(quad, _mm512_castps128_ps512(_mm_castsi128_ps(bits)));
+    }
+    const uint16_t *h[4];
+    for (int l = 0; l < 4; l++) h[l] = l < n ? (const uint16_t *)(blk[l] + at) : &ZERO_F16;
+    return f16_quad(h[0], h[1], h[2], h[3]);
+}
+
+// Elements 0-15 (lo) and 16-31 (hi) of the four blocks as the unsigned bytes u.
+INLINE void b32_values4(int k, const char *const blk[4], __m512i *lo, __m512i *hi) {
+    const size_t qs = k == B32_IQ4_NL ? offsetof(block_iq4_nl, qs) : k == B32_MXFP4 ? offsetof(block_mxfp4, qs)
+                    : k == B32_Q5_0 ? offsetof(block_q5_0, qs) : k == B32_Q4_1 ? offsetof(block_q4_1, qs)
+                    : offsetof(block_q5_1, qs);
+    const __m512i low4 = _mm512_set1_epi8(0xf);
+    __m512i raw = load_4x128(blk[0] + qs, blk[1] + qs, blk[2] + qs, blk[3] + qs);
+    *lo = _mm512_and_si512(raw, low4);
+    *hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+    if (k == B32_IQ4_NL || k == B32_MXFP4) {
+        const int8_t *v = k == B32_IQ4_NL ? KVALUES_IQ4NL : KVALUES_MXFP4;
+        __m128i t = _mm_xor_si128(_mm_loadu_si128((const __m128i *)v), _mm_set1_epi8((char)0x80));  // q + 128
+        __m512i table = _mm512_broadcast_i32x4(t);
+        *lo = _mm512_shuffle_epi8(table, *lo);
+        *hi = _mm512_shuffle_epi8(table, *hi);
+    } else if (k == B32_Q5_0 || k == B32_Q5_1) {  // bit j of qh is element j's fifth bit
+        const size_t qh = k == B32_Q5_0 ? offsetof(block_q5_0, qh) : offsetof(block_q5_1, qh);
+        uint64_t mlo = 0, mhi = 0;
+        for (int l = 0; l < 4; l++) {
+            uint32_t h = load_u32(blk[l] + qh);
+            mlo |= (uint64_t)(h & 0xffff) << (16 * l);
+            mhi |= (uint64_t)(h >> 16) << (16 * l);
+        }
+        const __m512i sixteen = _mm512_set1_epi8(16);
+        *lo = _mm512_mask_add_epi8(*lo, (__mmask64)mlo, *lo, sixteen);
+        *hi = _mm512_mask_add_epi8(*hi, (__mmask64)mhi, *hi, sixteen);
+    }
+}
+
+INLINE void tile_b32(int k, const gemm_args *a, int64_t r, int64_t t, int NR, int NT) {
+    const char *w[TR] = {0};
+    const block_q8_0 *x[TT] = {0};
+    __m512 acc[TR][TT];
+    const __m512i offset = _mm512_set1_epi8((char)B32_OFFSET(k)), ones = _mm512_set1_epi8(1);
+    const size_t bb = B32_BLOCK_BYTES[k];
+    UNROLL for (int i = 0; i < NR; i++) w[i] = W_ROW(a, TILE_ROW(a, r, i));
+    UNROLL for (int j = 0; j < NT; j++) x[j] = X_ROW(a, t + j);
+    UNROLL for (int i = 0; i < NR; i++)
+        UNROLL for (int j = 0; j < NT; j++) acc[i][j] = _mm512_setzero_ps();
+    const int64_t nb = a->n / QK;
+    for (int64_t b = 0; b < nb; b += 4) {
+        int64_t bk[4];  // past the last block, repeat it with its activation scale zeroed
+        for (int l = 0; l < 4; l++) bk[l] = b + l < nb ? b + l : nb - 1;
+        const int n = nb - b < 4 ? (int)(nb - b) : 4;
+        __m512i xlo[TT], xhi[TT], seed[TT];
+        __m512 dx[TT], xsum[TT];
+        UNROLL for (int j = 0; j < NT; j++) {
+            const block_q8_0 *X0 = &x[j][bk[0]], *X1 = &x[j][bk[1]], *X2 = &x[j][bk[2]], *X3 = &x[j][bk[3]];
+            xlo[j] = load_4x128(X0->qs, X1->qs, X2->qs, X3->qs);
+            xhi[j] = load_4x128(X0->qs + 16, X1->qs + 16, X2->qs + 16, X3->qs + 16);
+            dx[j] = f16_quad(&X0->d, n > 1 ? &X1->d : &ZERO_F16, n > 2 ? &X2->d : &ZERO_F16,
+                             n > 3 ? &X3->d : &ZERO_F16);
+            __m512i zero = _mm512_setzero_si512();
+            if (B32_OFFSET(k))
+                seed[j] = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, offset, xlo[j]),
+                                                                     offset, xhi[j]));
+            else
+                seed[j] = zero;
+            if (B32_MIN(k))  // da * each lane's share of the block's activation sum
+                xsum[j] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, ones, xlo[j]),
+                                                                               ones, xhi[j])), dx[j]);
+        }
+        UNROLL for (int i = 0; i < NR; i++) {
+            const char *W[4] = {w[i] + bk[0] * bb, w[i] + bk[1] * bb, w[i] + bk[2] * bb, w[i] + bk[3] * bb};
+            if (NT == 1) _mm_prefetch(W[0] + B32_PREFETCH, _MM_HINT_T0);
+            __m512i lo, hi;
+            b32_values4(k, W, &lo, &hi);
+            __m512 dw = b32_scales4(k, W, 4, 0), m = B32_MIN(k) ? b32_scales4(k, W, 4, 2) : dw;  // m after d
+            UNROLL for (int j = 0; j < NT; j++) {
+                __m512i s = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(seed[j], lo, xlo[j]), hi, xhi[j]);
+                acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, dx[j]), acc[i][j]);
+                if (B32_MIN(k)) acc[i][j] = _mm512_fmadd_ps(m, xsum[j], acc[i][j]);
+            }
+        }
+    }
+    store_tile512(a, r, t, NR, NT, acc);
+}
+#else
 INLINE void tile_b32(int k, const gemm_args *a, int64_t r, int64_t t, int NR, int NT) {
     const char *w[TR] = {0};
     const block_q8_0 *x[TT] = {0};
@@ -476,6 +581,8 @@ INLINE void tile_b32(int k, const gemm_args *a, int64_t r, int64_t t, int NR, in
     }
     store_tile(a, r, t, NR, NT, acc);
 }
+
+#endif
 
 #define B32_GEMM(t, K) \
     static inline void tile_##t(const gemm_args *a, int64_t r, int64_t tk, int NR, int NT) { \
