@@ -155,7 +155,7 @@ def test_an_empty_prompt_is_refused() -> None:
 
 def test_jobs_share_each_step_and_a_joining_prompt_comes_in_chunks() -> None:
     engine = SuccessorEngine(n_seq=3, n_ctx=256)
-    batcher = Batcher(engine, step_tokens=8)
+    batcher = Batcher(engine, step_tokens=8, slowdown=None)  # a budget of tokens only
     a = job([1, 2], max_tokens=20)
     batcher.add(a)
     batcher.step()  # a's prompt; a is decoding from now on
@@ -169,6 +169,63 @@ def test_jobs_share_each_step_and_a_joining_prompt_comes_in_chunks() -> None:
     assert len(a.tokens) == 4 and b.tokens == [4]  # b's first token came with its last chunk (19 + 1 mod 16)
     run(batcher, a, b)
     assert a.tokens == [(3 + i) % N_VOCAB for i in range(20)] and b.tokens == [4, 5]
+
+
+class TimedEngine(SuccessorEngine):
+    """A SuccessorEngine on a clock of its own: a call takes `decode` seconds plus `per_token(position)` for each
+    token of the sequences in `prompting`."""
+
+    def __init__(self, decode: float, per_token, prompting: set[int], **kw) -> None:
+        super().__init__(**kw)
+        self.now, self.decode, self.per_token, self.prompting = 0.0, decode, per_token, prompting
+
+    def clock(self) -> float:
+        return self.now
+
+    def eval_batch(self, items: list[BatchItem]) -> list[np.ndarray | None]:
+        self.now += self.decode + sum(self.per_token(self.seq_n_past(item.seq) + i)
+                                      for item in items if item.seq in self.prompting
+                                      for i in range(len(item.tokens)))
+        self.times = [*getattr(self, "times", []), self.now]
+        return super().eval_batch(items)
+
+
+def test_a_joining_prompt_is_cut_so_that_a_step_takes_at_most_slowdown_times_the_decode_step() -> None:
+    # a prompt token costs a twentieth of the decode step at first, twice that at position 500 (attention)
+    engine = TimedEngine(0.02, lambda pos: 0.001 * (1 + pos / 500), prompting={3}, n_seq=4, n_ctx=1024)
+    batcher = Batcher(engine, step_tokens=64, slowdown=2.0, clock=engine.clock)
+    streams = [job([1 + i], max_tokens=400) for i in range(3)]
+    run_steps = lambda n: [batcher.step() for _ in range(n)]  # noqa: E731
+    for stream in streams:
+        batcher.add(stream)
+    run_steps(5)  # their one-token prompts, then decode-only steps: the decode step is measured
+    assert batcher.budget.decode_seconds(3) == pytest.approx(0.02)
+    batcher.add(long := job(list(range(16)) * 40, max_tokens=1))
+    first = len(engine.calls)
+    while long.finish is None:
+        batcher.step()
+    chunks = [sum(len(t) for seq, t, _ in call if seq == long.seq) for call in engine.calls[first:]]
+    steps = np.diff(engine.times[first - 1:])
+    assert all(len(call) >= 3 for call in engine.calls[first:])  # the streams had a token in every step
+    # small first, at most doubling, then what fits: 0.02 s over the average cost so far (1.03 ms)
+    assert chunks[:4] == [4, 8, 16, 19]
+    assert max(steps) <= 2.0 * 0.02 * 1.1  # the chunk follows the growing cost (10%: the average lags it)
+    assert sum(steps > 2 * 0.02 * 0.85) > 0.8 * len(steps)  # and uses the time it has
+    assert sum(chunks) == 640 and all(chunk >= 1 for chunk in chunks)
+
+
+def test_a_new_number_of_decoding_jobs_gets_a_decode_only_step_first() -> None:
+    engine = TimedEngine(0.01, lambda pos: 0.001, prompting={2}, n_seq=3, n_ctx=256)
+    batcher = Batcher(engine, step_tokens=64, slowdown=3.0, clock=engine.clock)
+    batcher.add(a := job([1], max_tokens=50))
+    batcher.add(b := job(list(range(16)) * 4, max_tokens=50))
+    batcher.step()  # nobody decodes: whole prompts
+    assert [len(t) for _, t, _ in engine.calls[0]] == [1, 64]
+    batcher.add(c := job(list(range(16)) * 8))
+    batcher.step()  # a and b decode now, never measured as two: c waits a step
+    assert [seq for seq, _, _ in engine.calls[1]] == [a.seq, b.seq]
+    batcher.step()
+    assert [(seq, len(t)) for seq, t, _ in engine.calls[2]] == [(a.seq, 1), (b.seq, 1), (c.seq, 4)]
 
 
 def test_with_nobody_decoding_a_prompt_takes_whole_engine_chunks() -> None:
@@ -206,7 +263,7 @@ def test_a_prefix_held_by_a_busy_slot_is_copied() -> None:
 
 def test_cancel_frees_the_slot_at_the_next_step_and_the_others_go_on() -> None:
     engine = SuccessorEngine(n_seq=2, n_ctx=256)
-    batcher = Batcher(engine, step_tokens=4)
+    batcher = Batcher(engine, step_tokens=4, slowdown=None)
     batcher.add(a := job([1], max_tokens=10))
     batcher.add(b := job(list(range(40)), max_tokens=3))
     batcher.step()

@@ -118,7 +118,12 @@ class Config:
     model_alias: str | None = None  # the served model name(s), comma-separated; the first is reported
     cors_origins: list[str] | None = None  # browser origins allowed to call the API ("*": any); None: no CORS
     slots: int = 4  # requests generating at once; the KV cache holds slots x context positions
+    # MiB the KV cache of all slots may take: startup refuses a slots x context that needs more (None: no bound)
+    kv_budget: float | None = None
     step_tokens: int = 64  # most tokens per engine step while streams decode: a joining prompt comes in chunks
+    # While streams decode, a step carrying a joining prompt's chunk takes at most this many times their own step
+    # (measured as the server runs); the chunk is sized to fit, within step_tokens.
+    step_slowdown: float = 2.0
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     vision: VisionConfig = field(default_factory=VisionConfig)
     images: ImagesConfig = field(default_factory=ImagesConfig)
@@ -151,6 +156,10 @@ def _check(config: Config) -> None:
             raise _fail(key, "must be at least 1")
     if config.threads is not None and config.threads < 1:
         raise _fail("threads", "must be at least 1")
+    if config.kv_budget is not None and not config.kv_budget > 0:
+        raise _fail("kv_budget", f"must be positive (MiB), got {config.kv_budget}")
+    if not config.step_slowdown >= 1:
+        raise _fail("step_slowdown", f"must be at least 1 (a multiple of the decode step), got {config.step_slowdown}")
     limits = config.limits
     for key in ("max_body_bytes", "queue_length", "history_size", "max_pictures"):
         if getattr(limits, key) < 1:

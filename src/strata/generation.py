@@ -1,8 +1,10 @@
 """The generation loop: jobs generating on the sequences (slots) of one engine context, advanced together.
 
 `Batcher.step()` is one engine call: one token of every decoding job, plus prompt chunks of joining jobs within a
-per-step token budget, so a long prompt never holds up the streams already running. The server's engine thread
-and `strata generate` (through `generate`) both loop over it. No I/O and no detokenising: callers render the ids.
+per-step budget, so a long prompt never holds up the streams already running. The budget is one of time
+(`StepBudget`: a step with prompt chunks takes at most `slowdown` times the decoding jobs' own step, from costs
+measured as it runs) under a cap of tokens. The server's engine thread and `strata generate` (through `generate`)
+both loop over it. No I/O and no detokenising: callers render the ids.
 
 Each slot keeps what its cache holds after its job ends (the prefix cache): a new job goes to the idle slot whose
 cache shares the longest prefix with its prompt (token ids, and (picture digest, row) for picture rows), the
@@ -15,9 +17,11 @@ The engine is anything with the `strata.engine_cffi.Engine` calls used here (`ev
 from __future__ import annotations
 
 import itertools
+import statistics
 import threading
 import time
-from collections.abc import Collection, Hashable, Iterator, Sequence
+from collections import deque
+from collections.abc import Callable, Collection, Hashable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -92,22 +96,89 @@ class _Slot:
         self.used = 0  # LRU clock value of the last use
 
 
+class StepBudget:
+    """How many prompt tokens a step may carry beside one token of each of `n` decoding jobs, so that it takes
+    at most `slowdown` times their decode-only step: a joining prompt slows the running streams by that factor
+    at most, and gets the rest of the time.
+
+    Two costs are measured as steps run: the seconds of a decode-only step, per number of decoding jobs, and the
+    seconds a prompt token adds to a step with decoding jobs (the step's time less their decode-only step's, per
+    prompt token). Each is the median of its last `WINDOW` measurements: a step that lost its core to another
+    process is an outlier, not a new cost, while a prompt's cost growing with its position (attention) and a
+    lasting change of load are followed within a few steps. The prompt cost is learnt from such mixed steps
+    only, since a token in a small chunk costs more than one in a whole engine chunk (an MoE reads its experts
+    either way). The first step with a new number of decoding jobs carries no prompt (it measures their step);
+    the first chunk after that is small, and a chunk at most doubles from one step to the next, so that a wrong
+    estimate costs one short step, not one long one. Every other step carries at least one prompt token: a
+    prompt always progresses.
+    """
+
+    FIRST_CHUNK = 4
+    WINDOW = 9
+
+    def __init__(self, slowdown: float):
+        if slowdown < 1:
+            raise ValueError(f"slowdown must be at least 1, not {slowdown}")
+        self.slowdown = slowdown
+        self._decode: dict[int, deque[float]] = {}  # decoding jobs -> seconds of their last decode-only steps
+        self._per_token: deque[float] = deque(maxlen=self.WINDOW)  # seconds a prompt token added to mixed steps
+        self._last_chunk = 0
+
+    def decode_seconds(self, n: int) -> float | None:
+        """A decode-only step of `n` jobs, as measured (None before the first)."""
+        times = self._decode.get(n)
+        return statistics.median(times) if times else None
+
+    def per_token_seconds(self) -> float | None:
+        return statistics.median(self._per_token) if self._per_token else None
+
+    def prompt_tokens(self, n: int, cap: int) -> int:
+        """The prompt tokens a step with `n` (> 0) decoding jobs may carry, at most `cap`."""
+        step = self.decode_seconds(n)
+        if step is None or cap <= 0:
+            return 0
+        per_token = self.per_token_seconds()
+        if per_token is None:
+            chunk = self.FIRST_CHUNK
+        else:
+            chunk = int((self.slowdown - 1) * step / max(per_token, 1e-9))
+            chunk = min(chunk, 2 * max(self._last_chunk, self.FIRST_CHUNK // 2))
+        return max(1, min(chunk, cap))
+
+    def record(self, n: int, prompt: int, seconds: float) -> None:
+        """A step with `n` decoding jobs and `prompt` prompt tokens took `seconds`."""
+        if n <= 0:
+            return
+        if not prompt:
+            self._decode.setdefault(n, deque(maxlen=self.WINDOW)).append(seconds)
+            return
+        self._last_chunk = prompt
+        step = self.decode_seconds(n)
+        if step is not None:
+            self._per_token.append(max(seconds - step, 0.0) / prompt)
+
+
 class Batcher:
     """The jobs of one engine context and the step that advances all of them.
 
     Args:
         engine: a context of `engine.n_seq` sequences.
-        step_tokens: the most tokens one step takes while some job is decoding (decode tokens included): the
-            bound on how long a joining prompt makes the running streams wait.
+        step_tokens: the most tokens one step takes while some job is decoding (decode tokens included).
         n_batch: the most tokens of a step with nobody decoding (default: the engine's `n_batch`).
+        slowdown: while jobs decode, a step with prompt chunks takes at most this many times their decode-only
+            step (`StepBudget`); None: `step_tokens` is the only bound.
+        clock: seconds, for measuring steps.
     """
 
-    def __init__(self, engine: Any, step_tokens: int = 64, n_batch: int | None = None):
+    def __init__(self, engine: Any, step_tokens: int = 64, n_batch: int | None = None,
+                 slowdown: float | None = 2.0, clock: Callable[[], float] = time.perf_counter):
         self.engine = engine
         self.n_batch: int = n_batch if n_batch is not None else getattr(engine, "n_batch", 256)
         self.slots = [_Slot(seq) for seq in range(engine.n_seq)]
         self.jobs: list[Job] = []  # in arrival order: earlier prompts get the step budget first
         self.step_tokens = max(1, step_tokens)
+        self.budget = StepBudget(slowdown) if slowdown is not None else None
+        self.clock = clock
         self.last_batch = 0  # tokens in the last step
         self._clock = itertools.count(1)
         self._lock = threading.Lock()  # cancel() against the step's bookkeeping
@@ -169,15 +240,17 @@ class Batcher:
         changed = [job for job in self.jobs if job.stopping]
         for job in changed:
             self._leave(job, "cancel")
-        items, work = self._plan()
+        started = self.clock()
+        items, work, n_decoding = self._plan()
         if not items:
             return changed
         with self._lock:
             self._in_call = {job.seq for job in work}
+        complete = True
         try:
             rows = self.engine.eval_batch(items)
         except EngineAborted as error:  # some sequences were dropped: the others' work is complete
-            rows = error.results
+            rows, complete = error.results, False
         except Exception as error:  # noqa: BLE001 - the call's jobs end with it; the slots serve on
             for job in work:
                 job.error = error
@@ -205,17 +278,21 @@ class Batcher:
             else:
                 continue
             changed.append(job)
+        if self.budget is not None and complete:  # a step cut short by an abort measures nothing
+            self.budget.record(n_decoding, self.last_batch - n_decoding, self.clock() - started)
         return changed
 
-    def _plan(self) -> tuple[list[BatchItem], list[Job]]:
+    def _plan(self) -> tuple[list[BatchItem], list[Job], int]:
         """This step's items: each decoding job's last token, then prompt chunks in arrival order within the
-        budget (whole n_batch chunks while nobody decodes)."""
+        budget (whole n_batch chunks while nobody decodes); and the number of decoding jobs."""
         items, work = [], []
         decoding = [job for job in self.jobs if job.decoding]
         for job in decoding:
             items.append(BatchItem(job.seq, job.history[-1:]))
             work.append(job)
         budget = self.step_tokens - len(decoding) if decoding else self.n_batch
+        if decoding and self.budget is not None and len(decoding) < len(self.jobs):
+            budget = self.budget.prompt_tokens(len(decoding), budget)
         for job in self.jobs:
             if job.decoding or budget <= 0:
                 continue
@@ -227,7 +304,7 @@ class Batcher:
             work.append(job)
             budget -= end - start
         self.last_batch = sum(len(item.tokens) for item in items)
-        return items, work
+        return items, work, len(decoding)
 
     def _sample(self, job: Job, logits: np.ndarray, now: float) -> None:
         budget = min(job.max_tokens, self.engine.n_ctx - job.n_prompt)  # every token has a place in the cache

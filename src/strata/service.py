@@ -210,7 +210,7 @@ class Service:
         self.prompt_tokens = PromptTokens(tokenizer)
         # as many slots as the engine has sequences (an engine passed in may have fewer than config.slots)
         self.turn = Turn(max_queued=self.config.limits.queue_length, slots=getattr(engine, "n_seq", 1))
-        self.loop = _EngineLoop(Batcher(engine, self.config.step_tokens, self.config.batch))
+        self.loop = _EngineLoop(Batcher(engine, self.config.step_tokens, self.config.batch, self.config.step_slowdown))
         self.loaded.set()
 
     async def load(self, log: Callable[[str], None] = print) -> None:
@@ -227,8 +227,9 @@ class Service:
             self.attach(engine, tokenizer)
             log(f"model: {self.config.model} ({engine.arch}), context {engine.n_ctx}, threads {engine.threads}, "
                 f"backend {engine.backend}")
+            budget = "" if self.config.kv_budget is None else f" of a {self.config.kv_budget:g} MiB budget"
             log(f"KV cache: {engine.n_seq} slots x {engine.n_ctx} positions ({self.config.kv}), "
-                f"{engine.kv_bytes / 2**20:.0f} MiB")
+                f"{engine.kv_bytes / 2**20:.0f} MiB{budget}")
         except BaseException as error:
             self.load_error = error
             self.loaded.set()
@@ -245,8 +246,9 @@ class Service:
         log(f"loading {config.model} ({size / 2**20:,.0f} MiB) ...")
         started = time.perf_counter()
         stage.now = "tensors and context"
+        budget = None if config.kv_budget is None else int(config.kv_budget * 2**20)
         engine = Engine.load(config.model, n_ctx=config.context, threads=config.threads, kv=config.kv,
-                             n_batch=config.batch, n_seq=config.slots)
+                             n_batch=config.batch, n_seq=config.slots, kv_budget=budget)
         try:
             stage.now = "tokenizer"
             tokenizer = Tokenizer.from_gguf(config.model)

@@ -210,3 +210,14 @@ def test_the_pool_is_n_seq_times_one_sequence(models: dict[str, pathlib.Path]) -
         assert five.kv_bytes == 5 * one.kv_bytes > 0
     with pytest.raises(EngineError, match="n_seq"):
         Engine.load(models["f32"], n_ctx=64, threads=1, n_seq=0)
+
+
+@pytest.mark.parametrize("kv", ["f32", "f16", "int8"])
+def test_a_kv_budget_bounds_slots_times_context_before_anything_is_allocated(models, kv) -> None:
+    with Engine.load(models["f32"], n_ctx=64, threads=1, n_seq=3, kv=kv) as three:
+        need = three.kv_bytes
+    with Engine.load(models["f32"], n_ctx=64, threads=1, n_seq=3, kv=kv, kv_budget=need) as fits:
+        assert fits.kv_bytes == need  # the budget's arithmetic is the engine's
+    with pytest.raises(EngineError, match=rf"3 slots x 64 positions \({kv}\) needs .* MiB, over the KV budget of "
+                       r".* MiB: 2 slots of 64 positions fit, or 3 slots of 63 positions"):
+        Engine.load(models["f32"], n_ctx=64, threads=1, n_seq=3, kv=kv, kv_budget=need - 1)

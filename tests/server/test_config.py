@@ -37,6 +37,8 @@ def test_defaults():
     ({"kv": "q4"}, '"kv" must be one of'),
     ({"threads": 0}, '"threads" must be at least 1'),
     ({"threads": True}, '"threads" must be int'),
+    ({"step_slowdown": 0.5}, '"step_slowdown" must be at least 1'),
+    ({"step_slowdown": float("nan")}, '"step_slowdown" must be at least 1'),
     ({"context": None}, '"context" must not be null'),
     ({"limits": []}, '"limits" must be an object'),
     ({"limits": {"max_body_bytes": 0}}, '"limits.max_body_bytes" must be at least 1'),

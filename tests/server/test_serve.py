@@ -58,7 +58,7 @@ def test_config_errors_name_the_key(tmp_path, capsys):
 
 def test_strata_serve_prints_what_it_loaded_and_stops_on_sigterm_mid_request(tiny_model):
     command = [sys.executable, "-m", "strata.cli", "serve", "--model", str(tiny_model), "--port", "0",
-               "--context", "4096", "--threads", "1", "--limits.graceful-timeout", "0.2"]
+               "--context", "4096", "--threads", "1", "--limits.graceful-timeout", "0.2", "--kv-budget", "512"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                env=environment())
     try:
@@ -66,6 +66,7 @@ def test_strata_serve_prints_what_it_loaded_and_stops_on_sigterm_mid_request(tin
         url = found.group(1)
         startup = "".join(lines)
         assert "context 4096" in startup and "threads 1" in startup and "backend cpu" in startup
+        assert re.search(r"KV cache: 4 slots x 4096 positions \(f16\), \d+ MiB of a 512 MiB budget", startup)
         # Seconds of prompt processing on one thread: still running when the graceful deadline comes.
         body = {"messages": [{"role": "user", "content": "x" * 4000}], "max_tokens": 1, "stream": True}
         with ThreadPoolExecutor(1) as pool:

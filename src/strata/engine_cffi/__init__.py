@@ -158,6 +158,27 @@ def _set_hparams(p: Any, key: Any) -> None:
                           "rope_freqs)")
 
 
+def kv_cache_bytes(n_layer: int, n_head_kv: int, head_dim: int, n_ctx: int, n_seq: int, kv: str) -> int:
+    """The bytes of the KV cache the engine allocates (`strata_kv_bytes`): K and V rows of `head_dim` values per
+    layer, KV head, position and sequence; an int8 row carries a float32 scale."""
+    rows = n_seq * n_layer * n_head_kv * n_ctx
+    return 2 * rows * (head_dim * {"f32": 4, "f16": 2, "int8": 1}[kv] + (4 if kv == "int8" else 0))
+
+
+def _check_kv_budget(params: Any, n_ctx: int, n_seq: int, kv: str, budget: int) -> None:
+    """Refuse, before allocating anything, a KV cache larger than `budget` bytes, naming what would fit."""
+    shape = (params.n_layer, params.n_head_kv, params.head_dim)
+    need = kv_cache_bytes(*shape, n_ctx, n_seq, kv)
+    if need <= budget:
+        return
+    per_slot = kv_cache_bytes(*shape, n_ctx, 1, kv)
+    slots = budget // per_slot
+    positions = budget // kv_cache_bytes(*shape, 1, n_seq, kv)
+    raise EngineError(f"the KV cache of {n_seq} slots x {n_ctx} positions ({kv}) needs {need / 2**20:,.1f} MiB, "
+                      f"over the KV budget of {budget / 2**20:,.1f} MiB: {slots} slots of {n_ctx} positions fit, or "
+                      f"{n_seq} slots of {positions} positions")
+
+
 class Engine:
     """A model and a context of `n_seq` sequences. Use `Engine.load`; close it (or use `with`) to free its memory.
 
@@ -181,12 +202,15 @@ class Engine:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], n_ctx: int = 4096, threads: int | None = None, kv: str = "f16",
-             n_batch: int = 256, n_seq: int = 1) -> Engine:
+             n_batch: int = 256, n_seq: int = 1, kv_budget: int | None = None) -> Engine:
         """Map a GGUF model and create its context: `n_seq` sequences of `n_ctx` positions each.
+
+        Args:
+            kv_budget: the most bytes the KV cache of all sequences may take; None: what they need.
 
         Raises:
             EngineError: missing, truncated or non-GGUF file; unsupported architecture or tensor type; a context
-                larger than the model's training context; bad arguments.
+                larger than the model's training context; a KV cache over `kv_budget`; bad arguments.
         """
         if kv not in _KV_TYPES:
             raise EngineError(f"kv must be one of {sorted(_KV_TYPES)}, not {kv!r}")
@@ -197,6 +221,8 @@ class Engine:
             keep: list[Any] = [table]
             params = _model_params(file, table, keep)
             keep.append(params)
+            if kv_budget is not None:
+                _check_kv_budget(params, n_ctx, n_seq, kv, kv_budget)
             model_out = ffi.new("strata_model **")
             _check(lib.strata_model_create(params, model_out))
         except BaseException:
