@@ -46,6 +46,16 @@ def test_plain_conversation() -> None:
     )
 
 
+@pytest.mark.parametrize("role", ["system", "developer"])
+def test_billing_header_lines_never_reach_the_prompt_in_any_dialect(role) -> None:
+    header = "x-anthropic-billing-header: cc_version=1.0.70; cch=00aa1;"
+    clean = render_chat(QWEN3, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    for content in (f"{header}\nBe brief.", [{"type": "text", "text": header}, {"type": "text", "text": "Be brief."}]):
+        assert render_chat(QWEN3, [{"role": role, "content": content}, {"role": "user", "content": "Hi"}]) == clean
+    # only the system prompt's: a user may quote the line
+    assert header in render_chat(QWEN3, [{"role": "user", "content": header}])
+
+
 def test_generation_prompt_is_optional() -> None:
     text = render_chat(QWEN3, [{"role": "user", "content": "Hi"}], add_generation_prompt=False)
     assert text == "<|im_start|>user\nHi<|im_end|>\n"

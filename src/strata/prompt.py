@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import re
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
@@ -57,12 +58,24 @@ def render_chat(template: str, messages: Sequence[Mapping[str, Any]], tools: Seq
         raise PromptError(f"chat template error: {exc}") from exc
 
 
+# A line some agent clients put at the start of the system prompt, different on every request: left out of the
+# prompt, where it would defeat prefix reuse from the first token on. Anthropic clients send it; a proxy that
+# turns their requests into another dialect's carries it along.
+_BILLING_HEADER = re.compile(r"^x-anthropic-billing-header:[^\n]*(\n|$)", re.MULTILINE)
+
+
+def strip_billing_header(text: str) -> str:
+    """`text` without its `x-anthropic-billing-header: ...` lines."""
+    return _BILLING_HEADER.sub("", text) if "x-anthropic-billing-header:" in text else text
+
+
 def normalise_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Copies of `messages` in the shape templates expect.
 
-    A missing or None content becomes "", the `developer` role (OpenAI's newer name) becomes `system`, and tool
-    call arguments given as a JSON string become a dict (templates apply `tojson` to them; missing ones become {}).
-    Arguments that are not a JSON object stay a string, for the template to print as they are.
+    A missing or None content becomes "", the `developer` role (OpenAI's newer name) becomes `system`, a system
+    message loses its billing-header lines (`strip_billing_header`), and tool call arguments given as a JSON
+    string become a dict (templates apply `tojson` to them; missing ones become {}). Arguments that are not a
+    JSON object stay a string, for the template to print as they are.
     """
     out = []
     for original in messages:
@@ -71,6 +84,8 @@ def normalise_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
             message["content"] = ""
         if message.get("role") == "developer":
             message["role"] = "system"
+        if message.get("role") == "system":
+            message["content"] = _without_billing_header(message["content"])
         for call in message.get("tool_calls") or ():
             function = call.get("function", call)
             function.setdefault("arguments", {})
@@ -78,6 +93,16 @@ def normalise_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
                 function["arguments"] = _parse_arguments(function["arguments"])
         out.append(message)
     return out
+
+
+def _without_billing_header(content: Any) -> Any:
+    if isinstance(content, str):
+        return strip_billing_header(content)
+    if isinstance(content, list):
+        parts = [dict(part, text=strip_billing_header(part["text"]))
+                 if isinstance(part, dict) and isinstance(part.get("text"), str) else part for part in content]
+        return [part for part in parts if not (isinstance(part, dict) and part.get("text") == "")]
+    return content
 
 
 def _parse_arguments(text: str) -> Any:

@@ -11,7 +11,6 @@ and `usage.input_tokens` counts only the prompt tokens that were not read from t
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -55,6 +54,7 @@ from strata.events import (
     ToolResult,
     Usage,
 )
+from strata.prompt import strip_billing_header
 
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 _IMAGE_MEDIA_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")
@@ -142,18 +142,14 @@ def _output_format(body: dict[str, Any]) -> AnswerFormat | None:
                          "output_config.format.schema")
 
 
-# A line some agent clients put at the start of the system prompt, different on every request: left out of the
-# prompt, where it would defeat prefix reuse from the first token on.
-_BILLING_HEADER = re.compile(r"^x-anthropic-billing-header:[^\n]*(\n|$)", re.MULTILINE)
-
-
 def _system(body: dict[str, Any]) -> list[dict[str, Any]]:
     system = get(body, "system", (str, list), "system")
     if isinstance(system, list):
-        texts = (_BILLING_HEADER.sub("", _text_block(block, f"system[{i}]")) for i, block in enumerate(system))
+        # a block that is only the billing header leaves no empty paragraph
+        texts = (strip_billing_header(_text_block(block, f"system[{i}]")) for i, block in enumerate(system))
         system = "\n\n".join(text for text in texts if text)
     else:
-        system = _BILLING_HEADER.sub("", system) if system else system
+        system = strip_billing_header(system) if system else system
     return [{"role": "system", "content": system}] if system else []
 
 
