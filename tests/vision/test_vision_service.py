@@ -11,6 +11,7 @@ import os
 import re
 import signal
 import sys
+import time
 from collections.abc import Callable
 from contextlib import aclosing
 from pathlib import Path
@@ -327,6 +328,63 @@ async def test_a_cuda_encoder_holds_the_turn_and_text_waits(scripted, tokenizer,
         baseline, during, _ = await latencies_around_an_encode(svc, noise_png(32, 32, seed=38),
                                                                lambda: svc.turn.busy)
     assert svc.vision.cuda and during > 0.3 > baseline
+
+
+async def test_a_cuda_encoder_pauses_the_whole_batch_between_steps(scripted, tokenizer, tmp_path):
+    """Three streams decoding on three slots: a picture's encode on an encoder that holds a CUDA context waits
+    for the step in flight, no engine call runs while it encodes, and then every stream goes on, each with the
+    answer it gives alone."""
+    config = server_config(slots=4, vision={"exe": fake_cuda_encoder(tmp_path, seconds=0.4, width=WIDTH)})
+    engine = scripted("y" * 80, decode_s=0.005, n_seq=4)
+    calls: list[tuple[float, float]] = []
+    evaluate = engine.eval_batch
+
+    def timed(items):
+        started = time.perf_counter()
+        try:
+            return evaluate(items)
+        finally:
+            calls.append((started, time.perf_counter()))
+
+    engine.eval_batch = timed
+    async with open_service(config, engine=engine, tokenizer=tokenizer, log=lambda line: None) as svc:
+        held: list[tuple[float, float]] = []
+        pause = svc.loop.paused
+
+        @contextlib.asynccontextmanager
+        async def recorded():
+            async with pause():
+                started = time.perf_counter()
+                try:
+                    yield
+                finally:
+                    held.append((started, time.perf_counter()))
+
+        svc.loop.paused = recorded
+        alone = "".join(e.text for e in await collect(svc, chat({"role": "user", "content": "s"}))
+                        if isinstance(e, TextDelta))
+        answers: dict[int, list[tuple[float, str]]] = {i: [] for i in range(3)}
+
+        async def stream(i: int) -> None:
+            async with aclosing(svc.chat(chat({"role": "user", "content": f"stream {i}"}))) as events:
+                async for event in events:
+                    if isinstance(event, TextDelta):
+                        answers[i].append((time.perf_counter(), event.text))
+
+        async with trio.open_nursery() as nursery:
+            for i in range(3):
+                nursery.start_soon(stream, i)
+            await wait_until(lambda: all(len(a) >= 5 for a in answers.values()))
+            assert svc.loop.batcher.free_slots == 1  # three slots busy
+            picture = await collect(svc, chat(with_picture(data_url(noise_png(32, 32, seed=39)))))
+    assert svc.vision.cuda and len(held) == 1
+    start, end = held[0]
+    assert end - start >= 0.4  # the encode ran inside the hold
+    assert all(e <= start or s >= end for s, e in calls)  # and no engine call overlapped it
+    for answer in answers.values():
+        assert "".join(text for _, text in answer) == alone
+        assert any(t < start for t, _ in answer) and any(t > end for t, _ in answer)  # paused, then went on
+    assert "".join(e.text for e in picture if isinstance(e, TextDelta)) == alone
 
 
 async def test_server_with_a_bad_local_encoder_exits_naming_the_file(tiny_model, tmp_path):
