@@ -3,26 +3,28 @@
 - **Parallel streams.** N clients (1, 2, 4, 8) stream greedy answers of `--tokens` tokens at once, each its own
   prompt; the figure is the aggregate generated tokens/s (all streams' chunks over the wall time from the first
   request to the last chunk) and its ratio to one stream. Beside it, when llama-cpp-python is installed,
-  llama.cpp's own batched decode of the same file: one `llama_decode` per step with a `llama_batch` holding one
-  token of each of N sequences (prompts first, one per sequence), the same token counts, its tokens/s over the
-  decode steps, and the ratio Strata / llama.cpp for each N.
+  llama.cpp's own batched decode of the same file, in a process of its own: one `llama_decode` per step with a
+  `llama_batch` holding one token of each of N sequences (prompts first, one per sequence), the same token
+  counts and threads, its tokens/s over the decode steps (a better case than ours, which counts prompts, HTTP
+  and sampling), run twice: with libgomp's default wait (threads spin at each of ggml's barriers: on a machine
+  whose cores other work also uses, a spinning thread burns the time slice its partner needs) and with
+  `OMP_WAIT_POLICY=PASSIVE`. The ratio is Strata / the better of the two.
 - **A long prompt joins.** Three streams run, then a request with a ~3,000-token prompt arrives: the streams'
-  inter-token gaps while it is processed (p99) against their steady step (median gap before it came).
-- **Agent trace.** A ~3,000-token system prompt, 8 main turns (each the whole conversation so far plus a new
-  user message), and after each a side request with another system prompt (a title). Reuse is the main turns'
-  `cached_tokens` over their prompt tokens (turns 2-8); the trace time is compared with the same main turns
-  without side requests, and with one slot (every side request evicts the conversation).
-
+  inter-token gaps while it is processed (p99, at the client) against their steady step (median gap before it
+  came), and the engine's own step times (p99 / median, from the server), with the step budget in time (the
+  default) and in tokens only (`step_tokens` 64, the old budget); and the long prompt's time to its first token,
+  against the same prompt with nobody else on the engine.
 The server runs in this process (hypercorn, trio worker, `slots` = 8); the client runs in a process of its own
 (a client here would compete with the server for the GIL), with one thread per stream.
 
-    python bench/agents.py [--model bench/out/qwen3moe-small-q8_0.gguf] [--threads 2] [--tokens 64]
+    python bench/agents.py [--model bench/out/qwen3moe-small-q8_0.gguf] [--threads 2] [--tokens 64] [--only join]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -34,12 +36,14 @@ import httpx
 import trio
 
 from strata.config import config_from_dict
+from strata.generation import StepBudget
 from strata.service import open_service
 
 from served import served
 
 SMALL_MODEL = Path(__file__).parent / "out" / "qwen3moe-small-q8_0.gguf"
 STREAMS = (1, 2, 4, 8)
+DECODE_RUNS = 3  # of each engine's batched decode per number of sequences: the median is reported
 WORDS = ("agent", "tool", "file", "patch", "test", "build", "review", "commit", "branch", "error", "trace", "plan")
 
 
@@ -50,12 +54,14 @@ def filler(n_words: int, seed: int) -> str:
 # --- the client process
 
 
-def stream_one(url: str, body: dict[str, Any], out: dict[str, Any]) -> None:
-    """One streamed chat request: the time of each content chunk."""
+def stream_one(url: str, body: dict[str, Any], out: dict[str, Any], stop: threading.Event | None = None) -> None:
+    """One streamed chat request: the time of each content chunk. Hangs up once `stop` is set."""
     times: list[float] = []
     start = time.perf_counter()
     with httpx.Client(timeout=600) as client, client.stream("POST", url + "/v1/chat/completions", json=body) as r:
         for line in r.iter_lines():
+            if stop is not None and stop.is_set():
+                break
             if line.startswith("data: {") and '"content"' in line and json.loads(line[6:])["choices"][0][
                     "delta"].get("content"):
                 times.append(time.perf_counter())
@@ -82,31 +88,40 @@ def parallel(url: str, n: int, tokens: int, run: int) -> dict[str, Any]:
             "ttft_ms": [1e3 * (r["first"] - r["start"]) for r in results]}
 
 
-def join(url: str, tokens: int) -> dict[str, Any]:
-    """Three streams run; a request with a ~3,000-token prompt joins once they stream. Their inter-token gaps
-    while it is processed (p99) against their gaps before it joined (median)."""
-    results: list[dict[str, Any]] = [{} for _ in range(3)]
-    threads = [threading.Thread(target=stream_one, args=(url, stream_body(f"join stream {i}: " + filler(20, i),
-                                                                           tokens), result))
+def join(url: str, tokens: int, streams: int, run: int) -> dict[str, Any]:
+    """`streams` streams of up to `tokens` tokens run; a request with a ~3,000-token prompt joins once they stream.
+    Their inter-token gaps while it is processed (p99) against their gaps before it joined (median). Every prompt
+    is new (`run`): no prefix is reused."""
+    results: list[dict[str, Any]] = [{} for _ in range(streams)]
+    answered = threading.Event()  # the streams hang up once the long prompt is answered
+    threads = [threading.Thread(target=stream_one, args=(url, stream_body(f"join {run} stream {i}: " + filler(20, i),
+                                                                           tokens), result, answered))
                for i, result in enumerate(results)]
     for thread in threads:
         thread.start()
-    time.sleep(1.0)  # their short prompts are through: they are streaming
+    time.sleep(1.0 if streams else 0.0)  # their short prompts are through: they are streaming
     joined = time.perf_counter()
-    long = {}
-    stream_one(url, stream_body("Read this. " + filler(2800, 5), 1), long)
+    long: dict[str, Any] = {}
+    stream_one(url, stream_body(f"Run {run}. Read this. " + filler(2800, 5), 1), long)
+    answered.set()
     for thread in threads:
         thread.join()
     before, during = [], []
     for r in results:
         for a, b in zip(r["times"], r["times"][1:]):
             (before if b < joined else during if a < long["end"] else []).append(b - a)
-    before.sort()
-    during.sort()
-    steady = before[len(before) // 2] if before else float("nan")
-    p99 = during[min(len(during) - 1, int(len(during) * 0.99))] if during else float("nan")
-    return {"steady_ms": 1e3 * steady, "p99_ms": 1e3 * p99, "join_ms": 1e3 * (long["end"] - joined),
-            "gaps_during": len(during)}
+    return {"steady_ms": 1e3 * median(before), "p99_ms": 1e3 * percentile(during, 0.99),
+            "ttft_ms": 1e3 * (long["end"] - joined), "gaps_during": len(during), "joined": joined,
+            "answered": long["end"], "streams_end": min((r["end"] for r in results), default=long["end"])}
+
+
+def median(values: list[float]) -> float:
+    return percentile(values, 0.5)
+
+
+def percentile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(len(values) * q))] if values else float("nan")
 
 
 def chat(url: str, messages: list[dict[str, Any]], max_tokens: int) -> dict[str, Any]:
@@ -146,7 +161,7 @@ def client_main(url: str) -> None:
         if order["kind"] == "parallel":
             result = parallel(url, order["n"], order["tokens"], order["run"])
         elif order["kind"] == "join":
-            result = join(url, order["tokens"])
+            result = join(url, order["tokens"], order["streams"], order["run"])
         else:
             result = trace(url, order["side"], order["turns"])
         print(json.dumps(result), flush=True)
@@ -169,75 +184,158 @@ class Client:
         self._process.wait(timeout=30)
 
 
-# --- llama.cpp's batched decode of the same file
-
-_QUIET: Any = None  # llama.cpp's log callback that drops its lines (set on first use)
+# --- llama.cpp's batched decode of the same file, in a process of its own
 
 
-def llama_cpp_batched(model: Path, threads: int, n_seq: int, tokens: int) -> float | None:
-    """Tokens/s of llama.cpp decoding `tokens` tokens in each of `n_seq` sequences, one batch per step (greedy
-    is not needed: the cost of a step does not depend on which tokens it holds). None without llama-cpp-python."""
-    global _QUIET
-    try:
-        import llama_cpp
-    except ImportError:
-        return None
-    if _QUIET is None:
-        _QUIET = llama_cpp.llama_log_callback(lambda level, text, data: None)
+def batched_decode(engine: str, model: Path, threads: int, n_seq: int, tokens: int,
+                   passive: bool = False) -> dict[str, float] | None:
+    """`engine` ("llama.cpp" or "strata") decoding `tokens` tokens in each of `n_seq` sequences in a child
+    process (libgomp reads OMP_WAIT_POLICY once, at its start): tokens/s over the timed steps, and the rate its
+    median step gives. None for llama.cpp without llama-cpp-python."""
+    if engine == "llama.cpp":
+        try:
+            import llama_cpp  # noqa: F401
+        except ImportError:
+            return None
+    env = dict(os.environ)
+    env.pop("OMP_WAIT_POLICY", None)
+    if passive:
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
+    out = subprocess.run([sys.executable, __file__, "--decode", engine, "--model", str(model), "--threads",
+                          str(threads), "--tokens", str(tokens), "--n-seq", str(n_seq)], env=env,
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+PROMPT = [100 + i for i in range(32)]
+
+
+def decode_rates(steps: list[float], n_seq: int) -> None:
+    steps = steps[1:]  # the first step is a warm-up (it sizes llama.cpp's buffers): not timed
+    print(json.dumps({"tokens_per_s": n_seq * len(steps) / sum(steps), "median_rate": n_seq / median(steps)}))
+
+
+def strata_main(model: Path, threads: int, n_seq: int, tokens: int) -> None:
+    """The same steps as `llama_cpp_main` on our engine (`Engine.eval_batch`, the last token's logits of each
+    sequence)."""
+    from strata.engine_cffi import BatchItem, Engine
+
+    with Engine.load(model, n_ctx=512, threads=threads, n_seq=n_seq) as engine:
+        for seq in range(n_seq):
+            engine.eval_batch([BatchItem(seq, PROMPT)])
+        steps = []
+        for step in range(tokens):
+            started = time.perf_counter()
+            engine.eval_batch([BatchItem(seq, [1000 + step]) for seq in range(n_seq)])
+            steps.append(time.perf_counter() - started)
+    decode_rates(steps, n_seq)
+
+
+def llama_cpp_main(model: Path, threads: int, n_seq: int, tokens: int) -> None:
+    """The child: each sequence's 32-token prompt, then `tokens` steps of one token per sequence with logits for
+    each (as a sampler needs). Greedy is not needed: a step's cost does not depend on which tokens it holds."""
+    import llama_cpp
+
+    quiet = llama_cpp.llama_log_callback(lambda level, text, data: None)
+    llama_cpp.llama_log_set(quiet, None)
     llama_cpp.llama_backend_init()
-    mparams = llama_cpp.llama_model_default_params()
-    llama_cpp.llama_log_set(_QUIET, None)
-    lm = llama_cpp.llama_model_load_from_file(str(model).encode(), mparams)
+    lm = llama_cpp.llama_model_load_from_file(str(model).encode(), llama_cpp.llama_model_default_params())
     cparams = llama_cpp.llama_context_default_params()
-    cparams.n_ctx, cparams.n_batch, cparams.n_seq_max = 512 * n_seq, 512, n_seq
+    cparams.n_ctx, cparams.n_batch, cparams.n_ubatch, cparams.n_seq_max = 512 * n_seq, 512, 512, n_seq
     cparams.n_threads = cparams.n_threads_batch = threads
     ctx = llama_cpp.llama_init_from_model(lm, cparams)
     batch = llama_cpp.llama_batch_init(512, 0, n_seq)
-    prompt = [100 + i for i in range(32)]
+    prompt = PROMPT
 
-    def fill(entries: list[tuple[int, int, int, bool]]) -> None:
+    def decode(entries: list[tuple[int, int, int, bool]]) -> None:
         batch.n_tokens = len(entries)
         for i, (token, pos, seq, logits) in enumerate(entries):
             batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, pos, 1
             batch.seq_id[i][0], batch.logits[i] = seq, logits
+        if llama_cpp.llama_decode(ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed")
 
-    for seq in range(n_seq):  # each sequence's prompt
-        fill([(t, p, seq, p == len(prompt) - 1) for p, t in enumerate(prompt)])
-        assert llama_cpp.llama_decode(ctx, batch) == 0
-    started = 0.0
-    for step in range(tokens):  # the first step is a warm-up (it sizes llama.cpp's buffers): not timed
-        fill([(1000 + step, len(prompt) + step, seq, True) for seq in range(n_seq)])
-        assert llama_cpp.llama_decode(ctx, batch) == 0
-        started = started or time.perf_counter()
-    rate = n_seq * (tokens - 1) / (time.perf_counter() - started)
+    for seq in range(n_seq):
+        decode([(t, p, seq, p == len(prompt) - 1) for p, t in enumerate(prompt)])
+    steps = []
+    for step in range(tokens):
+        started = time.perf_counter()
+        decode([(1000 + step, len(prompt) + step, seq, True) for seq in range(n_seq)])
+        steps.append(time.perf_counter() - started)
+    decode_rates(steps, n_seq)
     llama_cpp.llama_batch_free(batch)
     llama_cpp.llama_free(ctx)
     llama_cpp.llama_model_free(lm)
-    return rate
 
 
 # --- the run
 
 
-async def run(model: Path, threads: int, tokens: int, turns: int) -> dict[str, Any]:
-    results: dict[str, Any] = {"parallel": {}, "trace": {}}
+class Steps:
+    """The engine's steps, timed in the server: (start, end, tokens) of each `Batcher.step()` with work."""
+
+    def __init__(self, batcher: Any):
+        self.rows: list[tuple[float, float, int]] = []
+        step = batcher.step
+
+        def timed() -> Any:
+            started = time.perf_counter()
+            changed = step()
+            if batcher.last_batch:
+                self.rows.append((started, time.perf_counter(), batcher.last_batch))
+            return changed
+
+        batcher.step = timed
+
+    def of_join(self, j: dict[str, Any], streams: int) -> dict[str, float]:
+        """Median of the decode-only steps before the prompt joined; p99 of the steps with its chunks while the
+        streams ran."""
+        steady = [end - start for start, end, n in self.rows if end < j["joined"] and n == streams]
+        until = min(j["answered"], j["streams_end"])
+        during = [end - start for start, end, n in self.rows if j["joined"] <= start and end < until and n > streams]
+        return {"engine_steady_ms": 1e3 * median(steady), "engine_p99_ms": 1e3 * percentile(during, 0.99),
+                "engine_max_ms": 1e3 * max(during, default=float("nan"))}
+
+
+async def run(model: Path, threads: int, tokens: int, turns: int, parts: set[str]) -> dict[str, Any]:
+    results: dict[str, Any] = {"parallel": {}, "trace": {}, "join": {}}
     for slots in (8, 1):
+        if slots == 1 and "trace" not in parts:
+            continue
         config = config_from_dict({"model": str(model), "context": 4096, "threads": threads, "slots": slots,
                                    "host": "127.0.0.1", "port": 0})
         async with open_service(config, log=lambda line: None) as service, served(service) as (host, port):
             client = Client(f"http://{host}:{port}")
+            ask = lambda **order: trio.to_thread.run_sync(lambda: client.ask(**order))  # noqa: E731
             try:
                 if slots == 8:
-                    await trio.to_thread.run_sync(lambda: client.ask(kind="parallel", n=1, tokens=8, run=-1))
-                    for n in STREAMS:
-                        results["parallel"][n] = await trio.to_thread.run_sync(
-                            lambda n=n: client.ask(kind="parallel", n=n, tokens=tokens, run=n))
-                        results["parallel"][n]["llama_cpp"] = llama_cpp_batched(model, threads, n, tokens)
-                    results["join"] = await trio.to_thread.run_sync(
-                        lambda: client.ask(kind="join", tokens=4 * tokens))
-                for side in ((True, False) if slots == 8 else (True,)):
-                    results["trace"][(slots, side)] = await trio.to_thread.run_sync(
-                        lambda side=side: client.ask(kind="trace", side=side, turns=turns))
+                    await ask(kind="parallel", n=1, tokens=8, run=-1)
+                for n in STREAMS if slots == 8 and "parallel" in parts else ():
+                    results["parallel"][n] = await ask(kind="parallel", n=n, tokens=tokens, run=n)
+                    decodes = results["parallel"][n]["decode"] = {}
+                    for _ in range(DECODE_RUNS):  # alternated, so that a change of load hits each alike
+                        for name in ("strata", "spin", "passive"):
+                            rate = await trio.to_thread.run_sync(
+                                lambda name=name, n=n: batched_decode("strata" if name == "strata" else "llama.cpp",
+                                                                      model, threads, n, tokens, name == "passive"))
+                            decodes.setdefault(name, []).append(rate)
+                if slots == 8 and "join" in parts:
+                    batcher = service.loop.batcher
+                    steps, budget = Steps(batcher), batcher.budget
+                    results["join"]["alone"] = await ask(kind="join", tokens=0, streams=0, run=0)
+                    budgets = {"time (step_slowdown 2)": budget, "tokens (step_tokens 64)": None,
+                               "time (step_slowdown 1.5)": StepBudget(1.5), "time (step_slowdown 2) again": budget}
+                    for run_, (name, batcher.budget) in enumerate(budgets.items(), 1):
+                        # the streams outlast the long prompt (they hang up once it is answered)
+                        j = results["join"][name] = await ask(kind="join", tokens=3000, streams=3, run=run_)
+                        j.update(steps.of_join(j, 3))
+                    batcher.budget = budget
+                    if os.environ.get("AGENTS_STEPS"):
+                        Path(os.environ["AGENTS_STEPS"]).write_text(json.dumps(
+                            {"steps": steps.rows, "join": {k: {x: v[x] for x in ("joined", "answered")}
+                                                           for k, v in results["join"].items()}}))
+                for side in ((True, False) if slots == 8 else (True,)) if "trace" in parts else ():
+                    results["trace"][(slots, side)] = await ask(kind="trace", side=side, turns=turns)
                     for slot in service.loop.batcher.slots:  # the next trace starts cold
                         slot.keys = []
             finally:
@@ -246,27 +344,51 @@ async def run(model: Path, threads: int, tokens: int, turns: int) -> dict[str, A
 
 
 def report(model: Path, threads: int, tokens: int, r: dict[str, Any]) -> None:
-    print(f"model {model.name}, {threads} threads, {tokens} tokens per stream\n")
-    print("| streams | Strata tok/s | ratio to 1 | ttft max ms | llama.cpp batched tok/s | Strata / llama.cpp |")
-    print("|---|---|---|---|---|---|")
-    one = r["parallel"][1]["tokens_per_s"]
-    for n in STREAMS:
-        p = r["parallel"][n]
-        rate, ll = p["tokens_per_s"], p["llama_cpp"]
-        theirs = "- | -" if ll is None else f"{ll:.1f} | {rate / ll:.2f}"
-        print(f"| {n} | {rate:.1f} | {rate / one:.2f} | {max(p['ttft_ms']):.0f} | {theirs} |")
-    with_side, without, one_slot = r["trace"][(8, True)], r["trace"][(8, False)], r["trace"][(1, True)]
-    print(f"\nagent trace: {with_side['prompt_tokens']} prompt tokens at the last main turn")
-    print("| run | main-turn reuse (mean / min) | trace s | main turns s |")
-    print("|---|---|---|---|")
-    for name, t in (("8 slots, side requests", with_side), ("8 slots, main turns only", without),
-                    ("1 slot, side requests", one_slot)):
-        print(f"| {name} | {t['reuse']:.1%} / {t['min_reuse']:.1%} | {t['seconds']:.2f} | {t['main_seconds']:.2f} |")
-    print(f"\nmain turns with side requests / without: {with_side['main_seconds'] / without['main_seconds']:.2f}")
-    j = r["join"]
-    print(f"\n3 streams while a ~3,000-token prompt joins ({j['join_ms']:.0f} ms to its answer): steady step "
-          f"{j['steady_ms']:.1f} ms, p99 gap while it joins {j['p99_ms']:.1f} ms "
-          f"({j['p99_ms'] / j['steady_ms']:.2f}x, {j['gaps_during']} gaps)")
+    print(f"model {model.name}, {threads} threads, {tokens} tokens per stream, load average "
+          f"{' '.join(f'{x:.1f}' for x in os.getloadavg())} at the end\n")
+    if r["parallel"]:
+        print("| streams | Strata tok/s (HTTP) | ratio to 1 | ttft max ms | batched decode tok/s: Strata engine | "
+              "llama.cpp (spin wait) | llama.cpp (passive wait) | Strata HTTP / llama.cpp | "
+              "Strata engine / llama.cpp |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        one = r["parallel"][1]["tokens_per_s"]
+        for n in STREAMS:
+            p = r["parallel"][n]
+            rate, d = p["tokens_per_s"], p["decode"]
+            ours = median([x["tokens_per_s"] for x in d["strata"]])
+            if None in d["spin"]:
+                theirs = f"{ours:.1f} | - | - | - | -"
+            else:
+                spin, passive = (median([x["tokens_per_s"] for x in d[k]]) for k in ("spin", "passive"))
+                best = max(spin, passive)
+                theirs = f"{ours:.1f} | {spin:.1f} | {passive:.1f} | {rate / best:.2f} | {ours / best:.2f}"
+            print(f"| {n} | {rate:.1f} | {rate / one:.2f} | {max(p['ttft_ms']):.0f} | {theirs} |")
+        print(f"\nbatched decode: median of {DECODE_RUNS} runs each, alternated; llama.cpp is the better of "
+              "its two waits")
+    if r["trace"]:
+        with_side, without, one_slot = r["trace"][(8, True)], r["trace"][(8, False)], r["trace"][(1, True)]
+        print(f"\nagent trace: {with_side['prompt_tokens']} prompt tokens at the last main turn")
+        print("| run | main-turn reuse (mean / min) | trace s | main turns s |")
+        print("|---|---|---|---|")
+        for name, t in (("8 slots, side requests", with_side), ("8 slots, main turns only", without),
+                        ("1 slot, side requests", one_slot)):
+            print(f"| {name} | {t['reuse']:.1%} / {t['min_reuse']:.1%} | {t['seconds']:.2f} | "
+                  f"{t['main_seconds']:.2f} |")
+        print(f"\nmain turns with side requests / without: "
+              f"{with_side['main_seconds'] / without['main_seconds']:.2f}")
+    if r["join"]:
+        alone = r["join"]["alone"]["ttft_ms"]
+        print(f"\n3 streams while a ~3,000-token prompt joins (its first token alone: {alone:.0f} ms)")
+        print("| step budget | steady step ms | p99 gap ms | p99 / steady | engine: steady step ms | p99 step ms | "
+              "max step ms | p99 / steady | joining prompt's first token ms | / alone |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for name, j in r["join"].items():
+            if name == "alone":
+                continue
+            print(f"| {name} | {j['steady_ms']:.1f} | {j['p99_ms']:.1f} | {j['p99_ms'] / j['steady_ms']:.2f} | "
+                  f"{j['engine_steady_ms']:.1f} | {j['engine_p99_ms']:.1f} | {j['engine_max_ms']:.1f} | "
+                  f"{j['engine_p99_ms'] / j['engine_steady_ms']:.2f} | {j['ttft_ms']:.0f} | "
+                  f"{j['ttft_ms'] / alone:.2f} |")
 
 
 def main() -> None:
@@ -275,15 +397,23 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--turns", type=int, default=8)
+    parser.add_argument("--only", nargs="+", choices=("parallel", "join", "trace"),
+                        default=["parallel", "join", "trace"], help="parts to run (default: all)")
     parser.add_argument("--client", help=argparse.SUPPRESS)
+    parser.add_argument("--decode", choices=("llama.cpp", "strata"), help=argparse.SUPPRESS)
+    parser.add_argument("--n-seq", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.client:
         client_main(args.client)
         return
+    if args.decode:
+        (llama_cpp_main if args.decode == "llama.cpp" else strata_main)(args.model, args.threads, args.n_seq,
+                                                                         args.tokens)
+        return
     if not args.model.is_file():
         sys.exit(f"no model at {args.model}: strata make-model --arch qwen3moe --size small --dtype q8_0 "
                  f"--vocab qwen --out {args.model}")
-    results = trio.run(run, args.model, args.threads, args.tokens, args.turns)
+    results = trio.run(run, args.model, args.threads, args.tokens, args.turns, set(args.only))
     report(args.model, args.threads, args.tokens, results)
 
 

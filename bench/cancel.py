@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import tempfile
@@ -30,7 +31,7 @@ from strata.service import Service, open_service
 
 from served import served
 
-LONG_PROMPT = "x" * 3000  # about 3000 tokens with a byte-level vocabulary
+LONG_PROMPT = " ".join(str(i) for i in range(700))  # about 2,700 tokens with a byte-level vocabulary, 2,500 with Qwen's
 
 
 class Client:
@@ -78,37 +79,55 @@ async def released_after(service: Service, hung_up_wall: float, n_rows: int) -> 
     return row.start + row.duration - hung_up_wall if row.finish == "cancel" else None
 
 
+def states(service: Service) -> list[str]:
+    return [slot["state"] for slot in service.slots()]
+
+
 async def one_hang_up(service: Service, client: Client, phase: str, idle_ttft: float, rng: random.Random
                       ) -> tuple[float | None, float | None]:
-    """One measurement: (release seconds, next request's extra wait in seconds); None for what was not
-    measured (no next request while queued; the model stopped on its own before the hang-up)."""
+    """One measurement with every slot taken: the other slots decode, the first request is on the last slot
+    (processing a long prompt, or decoding) and a next one waits in the queue; (release seconds, the next
+    request's extra wait in seconds) when the first (or, for `queued`, the waiting one) hangs up; None for what
+    was not measured (the model stopped on its own before the hang-up)."""
     await until(lambda: not service.turn.busy and service.turn.queued == 0)
+    n_slots = len(service.slots())
+    others = [await client.open({**request(f"other {i} {rng.random()}", 4000), "stream": True})
+              for i in range(n_slots - 1)]
+    await until(lambda: states(service).count("decode") == n_slots - 1)
     first_text = LONG_PROMPT if phase == "prompt" else f"busy {rng.random()}"
     first = await client.open({**request(first_text, 4000 if phase != "prompt" else 1), "stream": True})
-    await until(lambda: service.phase == ("prompt" if phase == "prompt" else "decode"))
+    await until(lambda: states(service).count("prompt" if phase == "prompt" else "decode")
+                == (1 if phase == "prompt" else n_slots))
     result: dict[str, float] = {}
-    async with trio.open_nursery() as nursery:
-        if phase == "queued":
-            victim = await client.open({**request(f"victim {rng.random()}", 4), "stream": True})
+    try:
+        async with trio.open_nursery() as nursery:
+            if phase == "queued":
+                victim = await client.open({**request(f"victim {rng.random()}", 4), "stream": True})
+                await until(lambda: service.turn.queued == 1)
+                await trio.sleep(rng.uniform(0, 0.01))
+                n_rows = service.history.totals.requests
+                hung_up = time.time()
+                await victim.aclose()
+                release = await released_after(service, hung_up, n_rows)
+                await first.aclose()
+                return release, None
+
+            async def next_request() -> None:
+                result["next"] = await client.first_token(request(f"next {rng.random()}", 1))
+
+            nursery.start_soon(next_request)
             await until(lambda: service.turn.queued == 1)
-            await trio.sleep(rng.uniform(0, 0.01))
+            # the middle of the long prompt, or between two tokens
+            await trio.sleep(rng.uniform(0.3, 0.6) if phase == "prompt" else rng.uniform(0.005, 0.02))
+            assert states(service).count("prompt" if phase == "prompt" else "decode") == (
+                1 if phase == "prompt" else n_slots)
             n_rows = service.history.totals.requests
-            hung_up = time.time()
-            await victim.aclose()
-            release = await released_after(service, hung_up, n_rows)
+            hung_up_wall, hung_up = time.time(), time.perf_counter()
             await first.aclose()
-            return release, None
-
-        async def next_request() -> None:
-            result["next"] = await client.first_token(request(f"next {rng.random()}", 1))
-
-        nursery.start_soon(next_request)
-        await until(lambda: service.turn.queued == 1)
-        await trio.sleep(rng.uniform(0.005, 0.02))
-        n_rows = service.history.totals.requests
-        hung_up_wall, hung_up = time.time(), time.perf_counter()
-        await first.aclose()
-        release = await released_after(service, hung_up_wall, n_rows)
+            release = await released_after(service, hung_up_wall, n_rows)
+    finally:
+        for other in others:
+            await other.aclose()
     if release is None:
         return None, None
     return release, result["next"] - hung_up - idle_ttft
@@ -164,14 +183,15 @@ def summary(values: list[float]) -> str:
 
 async def main(args: argparse.Namespace) -> None:
     config = config_from_dict({"model": str(args.model), "context": 4096, "threads": args.threads,
-                               "host": "127.0.0.1", "port": 0})
+                               "slots": args.slots, "host": "127.0.0.1", "port": 0})
     rng = random.Random(args.seed)
     async with open_service(config, log=lambda line: None) as service:
         async with served(service) as (host, port):
             client = Client(host, port)
             idle_ttft = await idle_first_token(service, client)
-            print(f"model {args.model.name}, threads {service.engine.threads}; idle time to first token "
-                  f"{idle_ttft * 1e3:.1f} ms; {args.repeats} repeats")
+            print(f"model {args.model.name}, threads {service.engine.threads}, slots {args.slots}; idle time to "
+                  f"first token {idle_ttft * 1e3:.1f} ms; {args.repeats} repeats; load average "
+                  f"{os.getloadavg()[0]:.1f}")
             print(f"{'phase':<22} {'release ms (median, max)':>26} {'next request extra wait ms':>30}")
             for phase in ("queued", "prompt", "decode"):
                 releases, waits = [], []
@@ -193,6 +213,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--model", type=Path, help="GGUF model (default: a generated tiny qwen3moe)")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--slots", type=int, default=4, help="the other slots decode while one is measured")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args()
 
