@@ -63,3 +63,17 @@ def test_partial_rope_is_refused(tmp_path: pathlib.Path) -> None:
     path = _write(tmp_path / "m.gguf", "llama", **_LLAMA, rope__dimension_count=16)
     with pytest.raises(EngineError, match="rope.dimension_count 16 differs from the head size 32"):
         Engine.load(path)
+
+
+@pytest.mark.parametrize(("arch", "keys", "message"), [
+    ("qwen3", {"rope__dimension_sections": [8, 4, 4, 0]}, "rope.dimension_sections on qwen3, whose RoPE has one axis"),
+    ("qwen3vl", {"rope__dimension_sections": [8, 8, 8, 0]}, r"expected three sections of at most head_dim / 2 = 16"),
+    ("qwen3vl", {"rope__dimension_sections": [8, 4, 4, 0, 0]}, "rope.dimension_sections has 5 values"),
+    ("qwen3vl", {"n_deepstack_layers": 3}, "n_deepstack_layers 3 on qwen3vl with 1 layers"),
+    ("qwen3", {"n_deepstack_layers": 1}, "n_deepstack_layers 1 on qwen3"),
+])
+def test_multi_axis_rope_and_deepstack_keys_are_checked(tmp_path: pathlib.Path, arch: str, keys: dict,
+                                                         message: str) -> None:
+    # before any tensor is read: these header-only files have none but token_embd
+    with pytest.raises(EngineError, match=message):
+        Engine.load(_write(tmp_path / "m.gguf", arch, **_LLAMA, **keys))

@@ -270,3 +270,5 @@ def test_a_picture_cut_between_calls_keeps_its_grid():
     (index, part), = embeds_from([(3, rows)], 5, 20)  # the first two rows are already in the cache
     assert index == 0 and np.array_equal(part, rows.rows[2:])
     assert part.grid().tolist() == [[0, 2], [1, 0], [1, 1], [1, 2]]
+    with pytest.raises(ValueError, match="grid of width 0"):
+        PictureRows(rows.rows, nx=0)

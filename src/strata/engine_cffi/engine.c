@@ -278,7 +278,7 @@ static strata_status build_model(strata_model *m, const strata_model_params *p) 
     strata_status st;
     m->hp = *p;
     if ((st = set_arch(m, p->arch)) != STRATA_OK || (st = check_hparams(p)) != STRATA_OK ||
-        (st = check_moe_hparams(m)) != STRATA_OK)
+        (st = check_moe_hparams(m)) != STRATA_OK || (st = build_mrope(m, p)) != STRATA_OK)
         return st;
     m->hp.arch = m->arch;
     m->hp.tensors = NULL;
@@ -288,7 +288,7 @@ static strata_status build_model(strata_model *m, const strata_model_params *p) 
         (st = get_vector(p, &m->output_norm, p->n_embd, "output_norm", 0)) != STRATA_OK)
         return st;
     if (!m->output.data) m->output = m->tok_embd;  // tied embeddings
-    if ((st = build_rope(m, p)) != STRATA_OK || (st = build_mrope(m, p)) != STRATA_OK) return st;
+    if ((st = build_rope(m, p)) != STRATA_OK) return st;
     m->layers = calloc(p->n_layer, sizeof(layer_weights));
     if (!m->layers) return fail(STRATA_ERR_NOMEM, "out of memory");
     for (int il = 0; il < p->n_layer; il++)
