@@ -30,6 +30,18 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def qwen_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen's real tokenizer saved as a Hugging Face tokenizer (`llama_cpp_convert.qwen_tokenizer`: tens of seconds,
+    made once for every converted Qwen checkpoint); skips without llama.cpp's converter, which is what reads it."""
+    from llama_cpp_convert import qwen_tokenizer, require_converter
+
+    require_converter()
+    directory = tmp_path_factory.mktemp("qwen-tokenizer")
+    qwen_tokenizer(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
 def tokenizer(tiny_model: Path) -> Any:
     from strata.tokenizer import Tokenizer
 

@@ -20,7 +20,7 @@ import pytest
 import safetensors.torch
 import torch
 from gguf import GGUFReader
-from llama_cpp_convert import convert, qwen_tokenizer, require_converter
+from llama_cpp_convert import convert
 from transformers import (
     Qwen3VLConfig,
     Qwen3VLForConditionalGeneration,
@@ -78,24 +78,16 @@ def _experts_as_transformers_4(path: pathlib.Path) -> None:
     safetensors.torch.save_file(tensors, path, metadata={"format": "pt"})
 
 
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    require_converter()
-    directory = tmp_path_factory.mktemp("qwen-tokenizer")
-    qwen_tokenizer(directory)  # tens of seconds: made once for both models
-    return directory
-
-
 @pytest.fixture(scope="module", params=list(MODELS))
 def converted(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
-              tokenizer_dir: pathlib.Path) -> tuple:
+              qwen_tokenizer_dir: pathlib.Path) -> tuple:
     arch = request.param
     hf_dir = tmp_path_factory.mktemp(f"{arch}-hf")
     model = _checkpoint(arch)
     model.save_pretrained(hf_dir)
     if arch == "qwen3vlmoe":
         _experts_as_transformers_4(hf_dir / "model.safetensors")
-    for file in tokenizer_dir.iterdir():
+    for file in qwen_tokenizer_dir.iterdir():
         shutil.copy(file, hf_dir)
     return arch, model, convert(hf_dir, hf_dir.parent / f"{arch}.gguf", "f32")
 

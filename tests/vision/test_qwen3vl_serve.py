@@ -26,7 +26,7 @@ import openai
 import pytest
 import torch
 from conftest import live_server, server_config
-from llama_cpp_convert import convert, qwen_tokenizer, require_converter
+from llama_cpp_convert import convert
 from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
 import strata
@@ -88,12 +88,12 @@ def _checkpoint() -> Qwen3VLForConditionalGeneration:
 
 
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory: pytest.TempPathFactory) -> tuple:
-    require_converter()
+def converted(tmp_path_factory: pytest.TempPathFactory, qwen_tokenizer_dir: pathlib.Path) -> tuple:
     hf_dir = tmp_path_factory.mktemp("qwen3vl-serve-hf")
     model = _checkpoint()
     model.save_pretrained(hf_dir)
-    qwen_tokenizer(hf_dir)
+    for file in qwen_tokenizer_dir.iterdir():
+        shutil.copy(file, hf_dir)
     tokenizer_config = json.loads((hf_dir / "tokenizer_config.json").read_text())
     tokenizer_config["chat_template"] = chat_template()  # renders a picture as <|vision_start|><|image_pad|>...
     (hf_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
