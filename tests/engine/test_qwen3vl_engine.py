@@ -231,7 +231,7 @@ def test_the_batcher_cuts_a_picture_into_steps_and_reuses_it(converted: tuple) -
             _answer(batcher, turn)
             alone.append(turn.tokens)
     with Engine.load(path, n_ctx=128, threads=2, kv="f32", n_batch=128, n_seq=2) as engine:
-        batcher = Batcher(engine, step_tokens=8)
+        batcher = Batcher(engine, step_tokens=8, slowdown=None)  # a budget of tokens: the cuts are known
         talker = Job([1, 2, 3], Sampler(greedy, 151936), 60, set())
         batcher.add(talker)
         batcher.step()  # decoding from now on: the picture prompt joins in steps of 7 tokens
