@@ -73,8 +73,10 @@ def test_input_items_become_openai_chat_messages():
         {"role": "tool", "tool_call_id": "call_1", "content": "18 C"},
         {"role": "tool", "tool_call_id": "call_2", "content": "21 C"},
     ]
+    # strict unless the tool says otherwise: the Responses API's default
     assert request.tools == [{"type": "function", "function": {
-        "name": "get_weather", "description": "Weather in a city", "parameters": WEATHER_TOOL["parameters"]}}]
+        "name": "get_weather", "description": "Weather in a city", "parameters": WEATHER_TOOL["parameters"],
+        "strict": True}}]
 
 
 def test_reasoning_starts_a_new_assistant_message():

@@ -317,3 +317,25 @@ def test_the_qwen_vocabulary_in_the_other_dialects(qwen, stream):
     uses = [block for block in called.content if block.type == "tool_use"]
     assert called.stop_reason == "tool_use" and [use.name for use in uses] == ["get_weather"]
     jsonschema.validate(uses[0].input, WEATHER["function"]["parameters"])
+
+
+def test_responses_functions_are_strict_unless_the_request_says_not(demo):
+    """The Responses API's default is `strict: true`: the demo model's call (Paris) must follow the schema,
+    which only knows Lyon and Rome; with `strict: false` it writes what it likes."""
+    schema = {"type": "object", "properties": {"city": {"enum": ["Lyon", "Rome"]}}, "required": ["city"],
+              "additionalProperties": False}
+    tool = {"type": "function", "name": "get_weather", "description": "Current weather for a city.",
+            "parameters": schema}
+
+    def call(**extra: Any) -> tuple[dict[str, Any], bool | None]:
+        with chat_client(demo) as client:
+            response = client.responses.create(model="m", input="What's the weather in Paris?", temperature=0,
+                                               max_output_tokens=200, tools=[{**tool, **extra}])
+        calls = [item for item in response.output if item.type == "function_call"]
+        assert [item.name for item in calls] == ["get_weather"]
+        return json.loads(calls[0].arguments), response.tools[0].strict
+
+    arguments, strict = call()
+    jsonschema.validate(arguments, schema)
+    assert strict is True
+    assert call(strict=False) == ({"city": "Paris"}, False)

@@ -306,12 +306,13 @@ def _tools(body: dict[str, Any], listed: set[str]) -> tuple[list[dict[str, Any]]
             continue
         if kind != "function":
             raise bad_request(f"{param}.type", f"built-in tool {kind!r} is not supported; use function or mcp tools")
+        # The Responses API's functions are strict unless the request says otherwise (its documented default).
         strict = get(tool, "strict", bool, f"{param}.strict")
         tools.append(function_tool(
             get(tool, "name", str, f"{param}.name", required=True),
             get(tool, "description", str, f"{param}.description"),
             get_object(tool, "parameters", f"{param}.parameters") or {"type": "object", "properties": {}},
-            strict=bool(strict),
+            strict=strict is None or strict,
         ))
     return tools, servers
 
