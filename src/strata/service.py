@@ -587,9 +587,6 @@ class Service:
             prepared = await trio.to_thread.run_sync(self._prepare, round_request, pictures)
             guide = await self._guide(round_request, prepared)
             row.prompt_tokens = totals[0] + len(prepared.ids)
-            for listing in listings:  # after the first prompt is known to fit: a refusal keeps its status
-                yield listing
-            listings = []
             calls: list[_Call] = []
             text, reasoning = [], []
             finish, usage = Finish("error"), Usage(0, 0, 0)
@@ -604,8 +601,16 @@ class Service:
                             if isinstance(event, Finish):
                                 finish = event
                                 continue
-                            if isinstance(event, PromptProcessed) and totals[0]:
-                                continue  # the prompt a response starts with is the first round's
+                            if isinstance(event, PromptProcessed):
+                                if totals[0]:
+                                    continue  # the prompt a response starts with is the first round's
+                                # The listings follow the prompt's size (Anthropic's message_start carries it)
+                                # and a prompt known to fit (a refusal keeps its status).
+                                yield event
+                                for listing in listings:
+                                    yield listing
+                                listings = []
+                                continue
                             if isinstance(event, ToolCallStart):
                                 server = toolset.server_of(event.name) if toolset is not None else None
                                 calls.append(_Call(n_calls, event.id, event.name, server))

@@ -116,3 +116,14 @@ def test_refusals_are_anthropic_errors(server, body, message):
     error = reply.json()
     assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
     assert message in error["error"]["message"]
+
+
+def test_message_start_carries_the_prompt_size(server, api):
+    server.engine.say(call("echo", text="u"), "Done.")
+    with api.beta.messages.stream(model="m", max_tokens=200, betas=BETA, mcp_servers=SERVERS,
+                                  messages=[{"role": "user", "content": "hi"}]) as stream:
+        start = next(event for event in stream if event.type == "message_start").message.usage
+        stream.get_final_message()
+    size = httpx.post(server.url + "/v1/messages/count_tokens", timeout=30, json={
+        "model": "m", "messages": [{"role": "user", "content": "hi"}], "mcp_servers": SERVERS}).json()
+    assert start.input_tokens + start.cache_read_input_tokens == size["input_tokens"] > 50
