@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import json
 import signal
+import socket
 import sys
 from collections.abc import Awaitable, Callable
 from functools import partial
@@ -110,9 +111,11 @@ async def serve(
 ) -> int:
     """Load `config.model` and serve the HTTP API until shutdown; return the exit status.
 
-    The server listens while the model loads (`/health` answers 503 until it is loaded). Shutdown — SIGINT or
-    SIGTERM with `handle_signals`, `shutdown_trigger` returning, or the model failing to load — stops accepting
-    connections and gives in-flight requests `limits.graceful_timeout` seconds before they are cancelled.
+    The listening sockets are bound first: an address that cannot be used ends startup with one line, before the
+    model starts loading. The server listens while the model loads (`/health` answers 503 until it is loaded).
+    Shutdown — SIGINT or SIGTERM with `handle_signals`, `shutdown_trigger` returning, or the model failing to load —
+    stops accepting connections and gives in-flight requests `limits.graceful_timeout` seconds before they are
+    cancelled.
 
     Args:
         config: the configuration.
@@ -121,6 +124,21 @@ async def serve(
         log: where startup lines go.
         task_status: for `nursery.start`: started with the bound addresses once listening.
     """
+    try:
+        sockets = bind_sockets(listen_addresses(config.host, config.port))
+    except ListenError as error:
+        log(f"error: {error}")
+        return 1
+    try:
+        return await _serve(config, sockets, handle_signals, shutdown_trigger, log, task_status)
+    finally:
+        for sock in sockets:
+            sock.close()  # the ones handed to hypercorn are detached: closing them does nothing
+
+
+async def _serve(config: Config, sockets: list[socket.socket], handle_signals: bool,
+                 shutdown_trigger: Callable[[], Awaitable[None]] | None, log: Callable[[str], None],
+                 task_status: trio.TaskStatus[list[str]] | None) -> int:
     import hypercorn
     import hypercorn.trio
     import trio
@@ -148,7 +166,8 @@ async def serve(
         async with open_service(config, wait=False, log=log) as service:
             nursery.start_soon(_end_streams_on, stop, service)
             hyper = hypercorn.Config()
-            hyper.bind = listen_addresses(config.host, config.port)
+            # hypercorn takes over the bound sockets by their descriptors.
+            hyper.bind = [f"fd://{sock.detach()}" for sock in sockets]
             hyper.graceful_timeout = config.limits.graceful_timeout
             hyper.accesslog = None
             # Invariant: the service closes only after hypercorn has returned, i.e. after every request ended.
@@ -160,7 +179,7 @@ async def serve(
                     cause = _os_error(error)
                     if cause is None:
                         raise
-                    log(f"error: cannot listen on {', '.join(hyper.bind)}: {cause}")
+                    log(f"error: cannot listen on {', '.join(listen_addresses(config.host, config.port))}: {cause}")
                     failed = True
                 else:
                     log(f"listening on {', '.join(binds)}")
@@ -179,6 +198,34 @@ def listen_addresses(host: str, port: int) -> list[str]:
             name = f"[{name}]"
         binds.append(f"{name}:{port}")
     return binds
+
+
+class ListenError(OSError):
+    """An address the server cannot listen on, named with its cause."""
+
+
+def bind_sockets(binds: list[str]) -> list[socket.socket]:
+    """Bound sockets for hypercorn's `binds` (made as hypercorn makes them); all or none.
+
+    Raises:
+        ListenError: an address in use, a host that does not resolve, ...
+    """
+    import hypercorn
+
+    sockets: list[socket.socket] = []
+    try:
+        for bind in binds:
+            one = hypercorn.Config()
+            one.bind = [bind]
+            try:
+                sockets += one.create_sockets().insecure_sockets
+            except OSError as error:
+                raise ListenError(f"cannot listen on {bind}: {error}") from None
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
 
 
 def _os_error(error: BaseException) -> OSError | None:

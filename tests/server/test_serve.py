@@ -191,6 +191,7 @@ def test_a_port_in_use_or_an_unknown_host_is_one_line(tiny_model):
             assert done.returncode == 1, output
             assert f"error: cannot listen on {host}:{port}: " in output and cause in output
             assert "Traceback" not in output
+            assert "loading" not in output  # startup stopped before the model
 
 
 async def test_several_listen_addresses(tiny_model):
