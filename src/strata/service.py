@@ -81,7 +81,6 @@ from strata.vision.protocol import Ready
 # Variables the chat template gets from the request itself; `chat_template_kwargs` may not override them.
 _RESERVED_TEMPLATE_VARS = frozenset({"messages", "tools", "add_generation_prompt"})
 IMAGE_PAD = "<|image_pad|>"  # the token a chat template renders once per picture, expanded to its rows
-FIM_TOKENS = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")  # Qwen's fill-in-the-middle tags
 
 
 class RequestError(ValueError):
@@ -345,7 +344,8 @@ class Service:
 
     def _completion_prompt(self, completion: CompletionPrompt) -> tuple[str, list[int]]:
         """A raw completion's prompt text and ids: the text tokenised as plain text, or the ids checked; with a
-        suffix, the fill-in-the-middle form `<|fim_prefix|>prompt<|fim_suffix|>suffix<|fim_middle|>`."""
+        suffix, the fill-in-the-middle form `<prefix>prompt<suffix>suffix<middle>` with the tokens the model
+        declares (`Tokenizer.fim`)."""
         tokenizer, guard = self.tokenizer, self.prompt_tokens
         assert guard is not None, "prompt before the model is loaded"
         try:
@@ -360,10 +360,11 @@ class Service:
         else:
             ids = guard.encode_text(completion.text or "")
         if completion.suffix is not None:
-            fim = [tokenizer.token_to_id(name) for name in FIM_TOKENS]
-            if None in fim:
-                raise RequestError("suffix: this model's vocabulary has no fill-in-the-middle tokens "
-                                   f"({', '.join(FIM_TOKENS)})", "suffix")
+            fim = getattr(tokenizer, "fim", None)
+            if fim is None:
+                raise RequestError("suffix: this model does not declare fill-in-the-middle tokens (its file has no "
+                                   "tokenizer.ggml.fim_pre_token_id, fim_suf_token_id and fim_mid_token_id, and its "
+                                   "chat template names none)", "suffix")
             prefix, suffix, middle = fim
             ids = [prefix, *ids, suffix, *guard.encode_text(completion.suffix), middle]
         if not ids:

@@ -43,6 +43,33 @@ PRE_TOKENIZERS = {"qwen2": _QWEN2, "llama-bpe": _LLAMA3, "llama3": _LLAMA3, "lla
 END_OF_GENERATION_TEXTS = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>")
 _ID_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 _SPECIAL_TYPES = (int(TokenType.CONTROL), int(TokenType.USER_DEFINED))
+# Fill-in-the-middle: the keys llama.cpp defines for the prefix, suffix and middle tokens (the current names, then
+# the older ones it still reads), and the tag sets a chat template may name instead.
+_FIM_KEYS = (("tokenizer.ggml.fim_pre_token_id", "tokenizer.ggml.fim_suf_token_id", "tokenizer.ggml.fim_mid_token_id"),
+             ("tokenizer.ggml.prefix_token_id", "tokenizer.ggml.suffix_token_id", "tokenizer.ggml.middle_token_id"))
+_FIM_TAGS = (("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"), ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
+             ("<PRE>", "<SUF>", "<MID>"), ("<\uff5cfim\u2581begin\uff5c>", "<\uff5cfim\u2581hole\uff5c>",
+                                          "<\uff5cfim\u2581end\uff5c>"))
+
+
+def fim_ids(meta: dict[str, Any], vocab: dict[str, int]) -> tuple[int, int, int] | None:
+    """The (prefix, suffix, middle) token ids a model declares for fill-in-the-middle, or None.
+
+    Declared means: the file's FIM keys (all three; `gguf_new_metadata.py --special-token fim_pre ...` writes
+    them), else a tag set its chat template names, each tag a token. A vocabulary that merely has such tokens
+    declares nothing: many chat models carry them unused.
+    """
+    n_vocab = len(vocab)
+    for keys in _FIM_KEYS:
+        if all(key in meta for key in keys):
+            ids = tuple(int(meta[key]) for key in keys)
+            if all(0 <= i < n_vocab for i in ids):
+                return ids[0], ids[1], ids[2]
+    template = meta.get("tokenizer.chat_template") or ""
+    for tags in _FIM_TAGS:
+        if all(tag in template and tag in vocab for tag in tags):
+            return vocab[tags[0]], vocab[tags[1]], vocab[tags[2]]
+    return None
 
 
 # --- GGUF metadata
@@ -122,6 +149,7 @@ class Tokenizer:
     eos_ids: frozenset[int]
     chat_template: str | None = dataclasses.field(repr=False)
     control_texts: tuple[str, ...] = dataclasses.field(default=(), repr=False)  # CONTROL tokens (<|im_end|>, ...)
+    fim: tuple[int, int, int] | None = None  # the declared fill-in-the-middle (prefix, suffix, middle) ids
 
     @classmethod
     def from_gguf(cls, path_or_reader: str | os.PathLike[str] | GGUFReader) -> Tokenizer:
@@ -155,7 +183,8 @@ class Tokenizer:
                    bos_id=None if bos is None else int(bos), add_bos=add_bos,
                    eos_id=None if eos is None else int(eos),
                    eos_ids=frozenset(eos_ids), chat_template=meta.get("tokenizer.chat_template"),
-                   control_texts=tuple(tokens[i] for i, t in enumerate(types) if t == TokenType.CONTROL))
+                   control_texts=tuple(tokens[i] for i, t in enumerate(types) if t == TokenType.CONTROL),
+                   fim=fim_ids(meta, vocab))
 
     @property
     def n_vocab(self) -> int:
