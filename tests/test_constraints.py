@@ -10,6 +10,7 @@ import jsonschema
 import numpy as np
 import pytest
 
+from strata import constraints
 from strata.constraints import AnswerFormat, GrammarError, Grammars, plan_constraint
 from strata.events import TextDelta, ToolCallArgumentsDelta, ToolCallStart
 from strata.sampling import Sampler, SamplingParams
@@ -59,6 +60,36 @@ def run(grammars: Grammars, the_plan, seed: int, *, max_tokens: int = 400, bias:
             return out
         out.append(token)
     raise AssertionError(f"no end of turn in {max_tokens} tokens")
+
+
+@pytest.mark.parametrize("few", [0, 40, 10**6], ids=["by-mask", "by-index", "allowed-ids"])
+def test_the_guides_masks_are_llguidances(grammars, tokenizer, monkeypatch, few):
+    """The masks the guide computes beside the engine and writes (by allowed ids, banned ids or a boolean mask,
+    whichever `_FEW` picks) ban exactly what llguidance's own matcher, fed the same tokens, bans."""
+    import llguidance
+    import llguidance.numpy
+
+    monkeypatch.setattr(constraints, "_FEW", few)
+    the_plan = plan(grammars, answer_format=AnswerFormat("json_schema", json.dumps(SCHEMA)))
+    reference = llguidance.LLMatcher(grammars.ll_tokenizer(), the_plan.answer, log_level=0)
+    bits = llguidance.numpy.allocate_token_bitmask(1, grammars.n_vocab)
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=few), grammars.n_vocab, mask=grammars.guide(the_plan))
+    rng = np.random.default_rng(few)
+    out: list[int] = []
+    while not out or out[-1] not in grammars.eos_ids:
+        assert len(out) < 400
+        logits = rng.normal(0, 3, grammars.n_vocab).astype(np.float32)
+        token = sampler.sample(logits, out)  # masks `logits` in place
+        if reference.is_stopped():
+            expected = np.isin(np.arange(grammars.n_vocab), grammars.eos_ids)
+        else:
+            llguidance.numpy.fill_next_token_bitmask(reference, bits, 0)
+            expected = np.unpackbits(bits.view(np.uint8), bitorder="little", count=grammars.n_vocab).view(bool)
+        assert np.array_equal(np.isfinite(logits), expected)
+        out.append(token)
+        if token not in grammars.eos_ids:
+            assert reference.consume_token(token)
+    jsonschema.validate(json.loads(tokenizer.decode(out[:-1])), SCHEMA)
 
 
 @pytest.mark.parametrize("seed", range(4))

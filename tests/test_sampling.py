@@ -162,3 +162,40 @@ def test_draws_follow_the_distribution() -> None:
     assert np.all(counts[expected == 0] == 0)
     # 5 standard deviations of a binomial proportion
     np.testing.assert_array_less(np.abs(counts / n - expected), 5 * np.sqrt(expected * (1 - expected) / n) + 1e-9)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.7),
+    SamplingParams(temperature=1.0, top_k=5),
+    SamplingParams(temperature=1.3, top_p=0.8),
+    SamplingParams(temperature=1.0, min_p=0.1),
+    SamplingParams(temperature=0.9, top_k=40, top_p=0.9, min_p=0.05),
+])
+def test_drawing_among_a_masks_ids_is_the_masked_distribution(params: SamplingParams) -> None:
+    """A mask that names its allowed ids lets the sampler work on those alone: the distribution is Hugging Face's
+    on the whole vocabulary with every other logit at -inf."""
+    logits = random_logits(3.0, seed=5)
+    allowed = np.sort(np.random.default_rng(6).choice(N_VOCAB, 200, replace=False))
+    masked = np.full(N_VOCAB, -np.inf, np.float32)
+    masked[allowed] = logits[allowed]
+    ids, probs = Sampler(params, N_VOCAB).distribution(masked, among=allowed)
+    expected = reference_distribution(masked, params)
+    assert set(ids.tolist()) == set(expected)
+    for i, p in zip(ids.tolist(), probs, strict=True):
+        assert p == pytest.approx(expected[i], rel=1e-5, abs=1e-12)
+
+
+def test_a_greedy_draw_among_ids_is_their_arg_max() -> None:
+    logits = random_logits(3.0, seed=7)
+    allowed = np.array([3, 77, 151_000])
+
+    class Mask:
+        def apply(self, values: np.ndarray) -> np.ndarray:
+            return allowed
+
+        def advance(self, token: int) -> None:
+            pass
+
+    expected = int(allowed[np.argmax(logits[allowed])])
+    assert Sampler(SamplingParams(temperature=0), N_VOCAB, mask=Mask()).sample(logits.copy()) == expected
+    assert int(np.argmax(logits)) != expected  # the mask changed the answer

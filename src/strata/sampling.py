@@ -109,9 +109,10 @@ def _check_int(name: str, value: object, lo: int | None = None) -> None:
 
 class TokenMask(Protocol):
     """What constrains the next token (`strata.constraints.Guide`): it masks the logits before the pipeline and
-    follows the token drawn."""
+    follows the token drawn. `apply` may return the allowed ids (when they are few): the pipeline then works on
+    those alone instead of the whole vocabulary."""
 
-    def apply(self, logits: np.ndarray) -> None: ...
+    def apply(self, logits: np.ndarray) -> np.ndarray | None: ...
     def advance(self, token: int) -> None: ...
 
 
@@ -151,22 +152,24 @@ class Sampler:
             raise ValueError(f"logits must have shape ({self.n_vocab},), got {np.shape(logits)}")
         if self._bias_ids.size:
             logits[self._bias_ids] += self._bias_values
-        if self.mask is not None:
-            self.mask.apply(logits)
-        token = self._draw(logits, previous_ids)
+        among = self.mask.apply(logits) if self.mask is not None else None
+        token = self._draw(logits, previous_ids, among)
         if self.mask is not None:
             self.mask.advance(token)
         if self.logprobs is not None:
             self.records.append(_log_probabilities(logits, token, self.logprobs))
         return token
 
-    def _draw(self, logits: np.ndarray, previous_ids: Sequence[int]) -> int:
+    def _draw(self, logits: np.ndarray, previous_ids: Sequence[int], among: np.ndarray | None = None) -> int:
+        """A token drawn from `logits`; with `among` (ids), from those tokens only (the others are masked)."""
         p = self.params
         if p.greedy and not p.penalised:  # the decode loop's common case: the arg-max, nothing to build
             if np.shape(logits) != (self.n_vocab,):
                 raise ValueError(f"logits must have shape ({self.n_vocab},), got {np.shape(logits)}")
+            if among is not None:
+                return int(among[np.argmax(logits[among])])
             return int(np.argmax(logits))
-        ids, weights = self._candidates(logits, previous_ids)
+        ids, weights = self._candidates(logits, previous_ids, among)
         if len(ids) == 1:
             return int(ids[0])
         cumulative = np.cumsum(weights, dtype=np.float64)
@@ -191,19 +194,30 @@ class Sampler:
         out[ids] = values
         return out
 
-    def distribution(self, logits: np.ndarray, previous_ids: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray]:
-        """The candidates `sample` draws from: token ids and their probabilities (summing to 1).
+    def distribution(self, logits: np.ndarray, previous_ids: Sequence[int] = (), among: np.ndarray | None = None
+                     ) -> tuple[np.ndarray, np.ndarray]:
+        """The candidates `sample` draws from: token ids and their probabilities (summing to 1); with `among`
+        (ascending ids: what a mask allows), from those tokens only.
 
         At temperature 0 (or top_k 1) that is the arg-max alone with probability 1. With top-k or top-p the ids
         come most likely first; otherwise in vocabulary order.
         """
-        ids, weights = self._candidates(logits, previous_ids)
+        ids, weights = self._candidates(logits, previous_ids, among)
         return ids, weights / weights.sum(dtype=np.float64)
 
-    def _candidates(self, logits: np.ndarray, previous_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-        """Like `distribution`, with weights relative to the most likely token instead of probabilities."""
-        p = self.params
+    def _candidates(self, logits: np.ndarray, previous_ids: Sequence[int], among: np.ndarray | None = None
+                    ) -> tuple[np.ndarray, np.ndarray]:
+        """Like `distribution`, with weights relative to the most likely token instead of probabilities; with
+        `among`, over those ids only."""
         scores = self.penalise(logits, previous_ids)
+        if among is None:
+            return self._filter(scores)
+        ids, weights = self._filter(scores[among])
+        return among[ids], weights
+
+    def _filter(self, scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Temperature, top-k, top-p and min-p over `scores`: the positions kept and their weights."""
+        p = self.params
         if p.greedy:
             return np.array([int(np.argmax(scores))]), np.ones(1)
         # float32 over the whole vocabulary (exp is the cost here); float64 once the candidates are few
