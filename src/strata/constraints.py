@@ -94,6 +94,8 @@ class Plan:
         max_calls: in `auto` mode, how many tool calls may start (None: any number).
         parts: (grammar, param) of each schema or grammar the request sent, checked one by one so that an error
             names its field.
+        prefix: text the answer already begins with (a prefilled assistant message): the answer's grammar
+            applies to it and its continuation together.
     """
 
     answer: str | None = None
@@ -103,11 +105,12 @@ class Plan:
     banned: tuple[int, ...] = ()
     max_calls: int | None = None
     parts: tuple[tuple[str, str], ...] = ()
+    prefix: str = ""
 
 
 def plan_constraint(*, answer_format: AnswerFormat | None, tools: Sequence[dict[str, Any]],
                     tool_choice: str | dict[str, Any] | None, parallel_tool_calls: bool, thinking: bool,
-                    in_reasoning: bool, tokens: SpecialTokens) -> Plan | None:
+                    in_reasoning: bool, tokens: SpecialTokens, prefix: str = "") -> Plan | None:
     """The plan for a request's answer format and tool choice; None when nothing is constrained.
 
     Args:
@@ -120,12 +123,18 @@ def plan_constraint(*, answer_format: AnswerFormat | None, tools: Sequence[dict[
         thinking: the template lets the model think (it may open `<think>` first).
         in_reasoning: the prompt ends inside an open `<think>`.
         tokens: the tag ids of the vocabulary.
+        prefix: the answer's text so far (a prefilled assistant message, past any reasoning): a format applies
+            to it and what follows together.
 
     Raises:
-        GrammarError: a format that cannot be combined with the tools.
+        GrammarError: a format that cannot be combined with the tools, or a forced tool choice after a prefill.
     """
     choice = tool_choice if tool_choice is not None else "auto"
     forced = choice == "required" or isinstance(choice, dict)
+    if forced and tools and prefix:
+        raise GrammarError("tool_choice: a forced tool call cannot continue a prefilled assistant message (the "
+                           "call would have to begin the answer); send tool_choice \"auto\" or drop the prefill",
+                           "tool_choice")
     if choice == "none" or not tools:
         tools = []
     parts: list[tuple[str, str]] = []
@@ -149,11 +158,12 @@ def plan_constraint(*, answer_format: AnswerFormat | None, tools: Sequence[dict[
         rules = ["start: calls" if forced else "start: answer | calls", *calls_rule]
         if answer_rule is not None and not forced:
             rules.append(f"answer: {answer_rule}")
-        return Plan(answer=_lark(rules), parts=tuple(parts), may_think=may_think, in_reasoning=in_reasoning)
+        return Plan(answer=_lark(rules), parts=tuple(parts), may_think=may_think, in_reasoning=in_reasoning,
+                    prefix=prefix)
     if answer_format is not None:
         answer = _lark([f"start: {answer_rule}"]) if answer_rule is not None else parts[0][0]
         return Plan(answer=answer, banned=banned, parts=tuple(parts), may_think=may_think,
-                    in_reasoning=in_reasoning)
+                    in_reasoning=in_reasoning, prefix=prefix)
     if not tools or tokens.call_open is None:
         return Plan(banned=banned) if banned else None
     # `auto`: the text is free; calls are constrained when a tool is strict, and counted.
@@ -278,6 +288,13 @@ class Grammars:
             self._check(grammar, param)
         compiled = _Compiled(self._matcher(plan.answer, "response_format") if plan.answer else None,
                              self._matcher(plan.call, "tools") if plan.call else None)
+        if plan.prefix and compiled.answer is not None:
+            ids = self._tokenizer.encode(plan.prefix, special=False)
+            matcher = compiled.answer
+            if matcher.try_consume_tokens(ids) < len(ids) or matcher.is_error():
+                raise GrammarError(f"messages: the prefilled assistant text {plan.prefix[:40]!r} cannot begin an "
+                                   f"answer in the requested format ({plan.parts[0][1]}); JSON answers are "
+                                   'compact with single spaces, as in {"a": 1, "b": [2, 3]}', "messages")
         return Guide(plan, compiled, self.n_vocab, self.tokens, self.eos_ids)
 
     def _check(self, grammar: str, param: str) -> None:

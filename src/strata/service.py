@@ -414,10 +414,13 @@ class Service:
         """
         assert self.grammars is not None
         try:
+            # A prefilled answer (past any reasoning) is the start of the constrained one.
+            prefix = "" if not request.prefill or prepared.starts_in_reasoning else \
+                _message_text(request.messages[-1]).rpartition("</think>")[2].strip()
             plan = plan_constraint(answer_format=request.answer_format, tools=request.tools,
                                    tool_choice=request.tool_choice, parallel_tool_calls=request.parallel_tool_calls,
                                    thinking=prepared.may_think, in_reasoning=prepared.starts_in_reasoning,
-                                   tokens=self.grammars.tokens)
+                                   tokens=self.grammars.tokens, prefix=prefix)
             if plan is None:
                 return None
             # Abandoning is safe: a compiled grammar only lands in the cache.
@@ -1032,15 +1035,19 @@ def _open_last_turn(text: str, message: dict[str, Any]) -> str:
     """
     if message.get("role") != "assistant":
         raise RequestError("continuing the final message needs an assistant message last", "messages")
-    content = message.get("content") or ""
-    if not isinstance(content, str):
-        content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
-    content = content.strip()
+    content = _message_text(message).strip()
     at = text.rfind(content) if content else -1
     if at < 0:
         raise RequestError("the chat template does not render the final assistant message's text, so it cannot be "
                            "continued", "messages")
     return text[: at + len(content)]
+
+
+def _message_text(message: dict[str, Any]) -> str:
+    content = message.get("content") or ""
+    if not isinstance(content, str):
+        content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    return content
 
 
 def model_names(config: Config) -> list[str]:

@@ -339,3 +339,49 @@ def test_responses_functions_are_strict_unless_the_request_says_not(demo):
     jsonschema.validate(arguments, schema)
     assert strict is True
     assert call(strict=False) == ({"city": "Paris"}, False)
+
+
+# --- a prefilled answer
+
+
+PREFILL = '{"answer": "'
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_prefilled_answer_is_continued_in_the_format(demo, stream):
+    """The schema applies to the prefilled text and its continuation together: Anthropic's prefill and OpenAI's
+    continue_final_message each return a continuation that completes a valid answer."""
+    prefilled = [*QUESTION, {"role": "assistant", "content": PREFILL}]
+    request = dict(model="m", max_tokens=200, messages=prefilled, extra_body={
+        "temperature": 0.7, "output_config": {"format": {"type": "json_schema", "schema": SCHEMA}}})
+    with messages_client(demo) as client:
+        if stream:
+            with client.messages.stream(**request) as events:
+                message = events.get_final_message()
+        else:
+            message = client.messages.create(**request)
+    assert message.stop_reason == "end_turn"
+    jsonschema.validate(json.loads(PREFILL + "".join(b.text for b in message.content if b.type == "text")), SCHEMA)
+    text, calls, finish = chat(demo, stream, messages=prefilled, response_format=RESPONSE_FORMAT, temperature=0.7,
+                               extra_body={"continue_final_message": True})
+    assert (finish, calls) == ("stop", [])
+    jsonschema.validate(json.loads(PREFILL + text), SCHEMA)
+
+
+def test_a_prefill_the_format_or_a_forced_tool_cannot_continue_is_a_400(demo):
+    with messages_client(demo) as client:
+        with pytest.raises(anthropic.BadRequestError) as not_json:
+            client.messages.create(model="m", max_tokens=50, messages=[
+                *QUESTION, {"role": "assistant", "content": "The sky is"}], extra_body={
+                "output_config": {"format": {"type": "json_schema", "schema": SCHEMA}}})
+        with pytest.raises(anthropic.BadRequestError) as forced:
+            client.messages.create(model="m", max_tokens=50, tools=ANTHROPIC_TOOLS, tool_choice={"type": "any"},
+                                   messages=[*QUESTION, {"role": "assistant", "content": "Let me check."}])
+    assert "messages" in not_json.value.body["error"]["message"]
+    assert "cannot begin an answer" in not_json.value.body["error"]["message"]
+    assert "tool_choice" in forced.value.body["error"]["message"]
+    # A prefill without a format or a forced tool is as before: continued freely.
+    with messages_client(demo) as client:
+        message = client.messages.create(model="m", max_tokens=20, messages=[
+            *QUESTION, {"role": "assistant", "content": "The sky is"}], extra_body={"temperature": 0})
+    assert message.content and message.content[0].text
