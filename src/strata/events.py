@@ -115,13 +115,23 @@ class ToolCallArgumentsDelta:
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """One generated answer token's log-probability and the most likely alternatives (requests with `logprobs`);
-    it comes before the text events of its token. Tokens are (text, UTF-8 bytes) as OpenAI reports them."""
+    """One generated token's log-probability and the most likely alternatives (requests with `logprobs`); it
+    comes before the text events of its token. Tokens are (text, UTF-8 bytes) as OpenAI reports them.
+    `reasoning`: a token of the reasoning's text (the `<think>` tags themselves get no entry)."""
 
     token: str
     bytes: tuple[int, ...]
-    logprob: float
+    logprob: float | None  # None only for the first token of an echoed prompt
     top: tuple[tuple[str, tuple[int, ...], float], ...] = ()
+    reasoning: bool = False
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """The echoed prompt's tokens with their log-probabilities (a completion with `echo` and `logprobs`), before
+    the echoed text; the first token's `logprob` is None (nothing predicts it)."""
+
+    entries: tuple[TokenLogprob, ...]
 
 
 @dataclass(frozen=True)
@@ -172,4 +182,4 @@ class Finish:
 
 
 Event = (TextDelta | ReasoningDelta | ToolCallStart | ToolCallArgumentsDelta | TokenLogprob | PromptProcessed
-         | McpToolList | ToolResult | Usage | Finish)
+         | PromptLogprobs | McpToolList | ToolResult | Usage | Finish)

@@ -28,10 +28,11 @@ import numpy as np
 
 from strata.engine_cffi import BatchItem, EngineAborted
 from strata.images import embeds_from
-from strata.sampling import Sampler
+from strata.sampling import Sampler, log_probabilities
 
 # (index in the prompt, float32 rows (n_rows, n_embd)): rows that replace the embeddings of prompt placeholders.
 Embeds = Sequence[tuple[int, np.ndarray]]
+_SCORED_ROWS = 64  # 64 rows of logits of a 151,936-token vocabulary: 39 MB
 
 
 def common_prefix(a: Sequence[Hashable], b: Sequence[Hashable]) -> int:
@@ -57,11 +58,13 @@ class Job:
         tag: the caller's name for the job (the request id), shown in the slots' status.
         progress: told the job's slot (`slot`) and its prompt's positions in the cache as they grow
             (`prompt_progress(done, cached=None)`: `strata.activity.RequestProgress`), or None.
+        prompt_logprobs: score the prompt: each prompt token after the first gets its log-probability and this
+            many alternatives in `prompt_records` (the whole prompt is evaluated then: no cached prefix).
     """
 
     def __init__(self, ids: Sequence[int], sampler: Sampler, max_tokens: int, stop_ids: Collection[int], *,
                  keys: Sequence[Hashable] | None = None, spans: Sequence[tuple[int, Any]] = (), tag: str = "",
-                 progress: Any = None):
+                 progress: Any = None, prompt_logprobs: int | None = None):
         if not ids:
             raise ValueError("the prompt is empty")
         self.history = list(ids)  # the prompt, then every sampled token
@@ -82,6 +85,17 @@ class Job:
         self.prompt_done = 0.0  # perf_counter() when the prompt was through, and at the last token
         self.last_token = 0.0
         self.stopping = False  # Batcher.cancel was called
+        self.prompt_logprobs = prompt_logprobs
+        self.prompt_records: list[tuple[float, list[tuple[int, float]]]] = []  # prompt tokens 1.., as Sampler.records
+
+    def score_prompt(self, n_past: int, rows: np.ndarray) -> None:
+        """Record the prompt tokens that the logits `rows` of the positions up to `n_past` predict."""
+        first = n_past - len(rows)
+        for j, row in enumerate(rows):
+            at = first + j + 1
+            if at >= self.n_prompt:
+                break
+            self.prompt_records.append(log_probabilities(row, self.history[at], self.prompt_logprobs or 0))
 
     @property
     def decoding(self) -> bool:
@@ -203,6 +217,8 @@ class Batcher:
         if not idle:
             raise RuntimeError("every slot is taken")
         n_keep = job.n_prompt - 1  # at least the last prompt token is evaluated: its logits start the answer
+        if job.prompt_logprobs is not None:
+            n_keep = 0  # a scored prompt is evaluated whole
 
         def shared(slot: _Slot) -> int:
             return min(common_prefix(slot.keys, job.keys), n_keep)
@@ -266,6 +282,8 @@ class Batcher:
             slot.keys = (job.keys + job.history[job.n_prompt:])[:n_past]
             if job.progress is not None and not job.decoding:
                 job.progress.prompt_progress(min(n_past, job.n_prompt))
+            if job.prompt_logprobs is not None and logits is not None and not job.decoding and not job.stopping:
+                job.score_prompt(n_past, logits)
             if job.stopping:
                 self._leave(job, "cancel")
             elif logits is not None and len(logits) and n_past == len(job.history):
@@ -297,10 +315,12 @@ class Batcher:
             if job.decoding or budget <= 0:
                 continue
             start = self.engine.seq_n_past(job.seq)
-            end = min(job.n_prompt, start + budget)
+            scored = job.prompt_logprobs is not None
+            # A scored prompt's chunks return every row's logits: at most _SCORED_ROWS at a time.
+            end = min(job.n_prompt, start + (min(budget, _SCORED_ROWS) if scored else budget))
             embeds = embeds_from(job.spans, start, end)
             items.append(BatchItem(job.seq, job.history[start:end], embeds or None,
-                                   "last" if end == job.n_prompt else "none"))
+                                   "all" if scored else "last" if end == job.n_prompt else "none"))
             work.append(job)
             budget -= end - start
         self.last_batch = sum(len(item.tokens) for item in items)

@@ -157,7 +157,7 @@ class Sampler:
         if self.mask is not None:
             self.mask.advance(token)
         if self.logprobs is not None:
-            self.records.append(_log_probabilities(logits, token, self.logprobs))
+            self.records.append(log_probabilities(logits, token, self.logprobs))
         return token
 
     def _draw(self, logits: np.ndarray, previous_ids: Sequence[int], among: np.ndarray | None = None) -> int:
@@ -244,7 +244,7 @@ class Sampler:
         return ids, weights
 
 
-def _log_probabilities(logits: np.ndarray, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
+def log_probabilities(logits: np.ndarray, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
     """The log-probability of `token` and the `top` most likely tokens under softmax(logits): the model's own
     distribution after the logit bias and the answer's mask, before penalties and temperature (what OpenAI
     reports)."""

@@ -40,6 +40,7 @@ from strata.events import (
     Event,
     Finish,
     FinishReason,
+    PromptLogprobs,
     PromptProcessed,
     ReasoningDelta,
     TextDelta,
@@ -675,8 +676,10 @@ class Service:
         live.phase = "prompt"
         before = row.output_tokens  # tokens of earlier rounds of this response
         sampler = Sampler(request.sampling, self.engine.n_vocab, mask=guide, logprobs=request.logprobs)
+        echo = request.completion is not None and request.completion.echo
         job = Job(prepared.ids, sampler, prepared.max_tokens, self.tokenizer.eos_ids, keys=prepared.prompt.keys,
-                  spans=prepared.prompt.spans, tag=row.id, progress=live)
+                  spans=prepared.prompt.spans, tag=row.id, progress=live,
+                  prompt_logprobs=request.logprobs if echo else None)
         stream = _Stream(self.loop, job)
         self._generating.append((row, stream))
         try:
@@ -687,7 +690,9 @@ class Service:
                 tokens = await stream.next_tokens()
                 if live.phase == "prompt":
                     yield PromptProcessed(len(prepared.ids), job.reused)
-                    if request.completion is not None and request.completion.echo:
+                    if echo:
+                        if job.prompt_logprobs is not None:
+                            yield PromptLogprobs(self._prompt_logprobs(prepared.ids, job.prompt_records))
                         yield TextDelta(self.tokenizer.decode(prepared.ids))
                 live.phase = "decode"
                 row.reused_tokens, row.prompt_seconds, row.decode_seconds = job.reused, *stream.seconds()
@@ -697,8 +702,8 @@ class Service:
                     row.output_tokens += 1
                     was_reasoning = output.in_reasoning
                     events = output.push(token)
-                    if request.logprobs is not None and not (was_reasoning or output.in_reasoning):
-                        yield self._logprob(token, sampler.records[row.output_tokens - before - 1])
+                    if request.logprobs is not None and was_reasoning == output.in_reasoning:  # not a tag
+                        yield self._logprob(token, sampler.records[row.output_tokens - before - 1], was_reasoning)
                     for event in events:
                         yield event
                     reasoning_tokens += was_reasoning or output.in_reasoning  # the tags count as reasoning
@@ -722,15 +727,22 @@ class Service:
                     completion_tokens=row.output_tokens - before, reasoning_tokens=reasoning_tokens)
         yield Finish(finish, output.stop_sequence)
 
-    def _logprob(self, token: int, record: tuple[float, list[tuple[int, float]]]) -> TokenLogprob:
-        id_bytes = self.tokenizer.id_bytes
-
-        def named(i: int) -> tuple[str, tuple[int, ...]]:
-            data = id_bytes[i] if i < len(id_bytes) else b""
-            return data.decode("utf-8", errors="replace"), tuple(data)
-
+    def _logprob(self, token: int, record: tuple[float, list[tuple[int, float]]], reasoning: bool = False
+                 ) -> TokenLogprob:
         logprob, top = record
-        return TokenLogprob(*named(token), logprob, tuple((*named(i), value) for i, value in top))
+        return TokenLogprob(*self._named(token), logprob, tuple((*self._named(i), value) for i, value in top),
+                            reasoning)
+
+    def _named(self, i: int) -> tuple[str, tuple[int, ...]]:
+        """A token as OpenAI names it: its text and UTF-8 bytes."""
+        id_bytes = self.tokenizer.id_bytes
+        data = id_bytes[i] if i < len(id_bytes) else b""
+        return data.decode("utf-8", errors="replace"), tuple(data)
+
+    def _prompt_logprobs(self, ids: list[int], records: list[tuple[float, list[tuple[int, float]]]]
+                         ) -> tuple[TokenLogprob, ...]:
+        first = TokenLogprob(*self._named(ids[0]), None)
+        return (first, *(self._logprob(token, record) for token, record in zip(ids[1:], records, strict=True)))
 
     @property
     def phase(self) -> str:

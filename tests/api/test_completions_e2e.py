@@ -37,6 +37,7 @@ def greedy(tiny_model: Path):
             logits = engine.eval([token])
         return out
 
+    continuation.engine = engine  # type: ignore[attr-defined]
     yield continuation
     engine.close()
 
@@ -123,3 +124,33 @@ def test_json_schema_on_a_completion(client):
     reply = client.completions.create(model="m", prompt="JSON:", max_tokens=40, temperature=1.0, seed=3,
                                       extra_body={"json_schema": schema})
     jsonschema.validate(json.loads(reply.choices[0].text), schema)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_echo_with_logprobs_scores_the_prompt(client, greedy, tokenizer, stream):
+    """The echoed prompt's tokens come first in `logprobs`, the first with null entries, the others with their
+    log-probabilities under the model (the engine's own logits, log-softmaxed here in float64), then the answer's."""
+    ids = tokenizer.encode("Numbers: 1 2 3", special=False)
+    engine = greedy.engine
+    engine.keep(0)
+    rows = engine.eval(ids, all_logits=True).astype(np.float64)
+    log_softmax = rows - rows.max(axis=1, keepdims=True)
+    log_softmax -= np.log(np.exp(log_softmax).sum(axis=1, keepdims=True))
+    expected = [log_softmax[i, ids[i + 1]] for i in range(len(ids) - 1)]
+    request = dict(model="m", prompt=ids, max_tokens=3, temperature=0, echo=True, logprobs=2)
+    if stream:
+        chunks = list(client.completions.create(stream=True, **request))
+        entries = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+        tokens = [t for e in entries for t in e.tokens]
+        scores = [v for e in entries for v in e.token_logprobs]
+        tops = [v for e in entries for v in e.top_logprobs]
+    else:
+        logprobs = client.completions.create(**request).choices[0].logprobs
+        tokens, scores, tops = logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs
+        assert logprobs.text_offset[:2] == [0, len(tokens[0])]
+    assert len(tokens) == len(ids) + 3
+    assert "".join(tokens[:len(ids)]) == tokenizer.decode(ids)
+    assert scores[0] is None and tops[0] is None
+    np.testing.assert_allclose(scores[1:len(ids)], expected, rtol=0, atol=1e-4)
+    assert all(len(top) == 2 for top in tops[1:])
+    assert all(score <= 0 for score in scores[1:])

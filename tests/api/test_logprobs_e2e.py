@@ -107,3 +107,46 @@ def test_responses_include_logprobs(client, reference):
     for entries in (part.logprobs, deltas, done.logprobs):
         assert np.allclose([entry.logprob for entry in entries], logprobs, atol=2e-3)
         assert all(len(entry.top_logprobs) == 2 for entry in entries)
+
+
+@pytest.fixture(scope="module")
+def demo():
+    import strata
+
+    demo_model = Path(strata.__file__).parent / "models" / "demo.gguf"
+    with live_server(server_config(model=str(demo_model), context=1024)) as live:
+        with openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0) as api:
+            yield api
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_chat_reasoning_tokens_have_their_own_logprobs(demo, stream):
+    """The demo model thinks first: its reasoning tokens' entries come under `logprobs.reasoning_content` (they
+    spell the message's `reasoning_content`), the answer's under `content` (they spell `content`), the tags in
+    neither. Responses reports output text only: the same answer, no reasoning entries."""
+    request = dict(model="m", messages=[{"role": "user", "content": "What is the capital of Japan?"}], max_tokens=200,
+                   temperature=0, logprobs=True, top_logprobs=1)
+    if stream:
+        content = reasoning = ""
+        content_entries, reasoning_entries = [], []
+        for chunk in demo.chat.completions.create(stream=True, **request):
+            for choice in chunk.choices:
+                content += choice.delta.content or ""
+                reasoning += (choice.delta.model_extra or {}).get("reasoning_content") or ""
+                if choice.logprobs is not None:
+                    content_entries += [entry.token for entry in choice.logprobs.content or []]
+                    reasoning_entries += [entry["token"] for entry in
+                                          (choice.logprobs.model_extra or {}).get("reasoning_content") or []]
+    else:
+        choice = demo.chat.completions.create(**request).choices[0]
+        content, reasoning = choice.message.content, choice.message.model_extra["reasoning_content"]
+        content_entries = [entry.token for entry in choice.logprobs.content]
+        reasoning_entries = [entry["token"] for entry in choice.logprobs.model_extra["reasoning_content"]]
+    assert reasoning.strip() and content.strip()
+    assert "".join(reasoning_entries).strip() == reasoning.strip()
+    assert "".join(content_entries).strip() == content.strip()
+    assert not any("think>" in token for token in content_entries + reasoning_entries)
+    response = demo.responses.create(model="m", input="What is the capital of Japan?", max_output_tokens=200,
+                                     temperature=0, include=["message.output_text.logprobs"])
+    message = next(item for item in response.output if item.type == "message")
+    assert "".join(entry.token for entry in message.content[0].logprobs).strip() == response.output_text.strip()

@@ -321,9 +321,16 @@ def render_response(events: Iterable[Event], *, model: str, request_id: str,
 
 
 def _logprobs_json(entries: list[TokenLogprob]) -> dict[str, Any] | None:
+    """OpenAI's `logprobs`: `content` for the answer's tokens; the reasoning's under `reasoning_content` (named
+    after the message field their text is in; OpenAI itself reports none)."""
     if not entries:
         return None
-    return {"content": [openai_logprob(entry) for entry in entries], "refusal": None}
+    out: dict[str, Any] = {"content": [openai_logprob(entry) for entry in entries if not entry.reasoning],
+                           "refusal": None}
+    reasoning = [openai_logprob(entry) for entry in entries if entry.reasoning]
+    if reasoning:
+        out["reasoning_content"] = reasoning
+    return out
 
 
 class ChunkStream:

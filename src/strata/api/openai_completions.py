@@ -10,7 +10,16 @@ from typing import Any
 from strata.api.errors import ApiError
 from strata.api.openai_chat import include_usage, sampling_from, stops_from, usage_json
 from strata.api.translate import SseEvent, bad_request, check_type, collect, get, get_int, llama_cpp_format
-from strata.events import ChatRequest, CompletionPrompt, Event, Finish, TextDelta, TokenLogprob, Usage
+from strata.events import (
+    ChatRequest,
+    CompletionPrompt,
+    Event,
+    Finish,
+    PromptLogprobs,
+    TextDelta,
+    TokenLogprob,
+    Usage,
+)
 
 _FINISH_REASONS = {"stop": "stop", "length": "length", "tool_calls": "stop"}
 
@@ -65,7 +74,7 @@ def _finish_reason(finish: Finish) -> str:
 
 def _logprobs_json(entries: list[TokenLogprob], offset: int) -> tuple[dict[str, Any] | None, int]:
     """The legacy completions `logprobs` object for `entries` whose text starts at `offset`; and the offset
-    after them."""
+    after them. An echoed prompt's first token has null `token_logprobs` and `top_logprobs` entries."""
     if not entries:
         return None, offset
     offsets = []
@@ -74,7 +83,8 @@ def _logprobs_json(entries: list[TokenLogprob], offset: int) -> tuple[dict[str, 
         offset += len(entry.token)
     return {"tokens": [entry.token for entry in entries],
             "token_logprobs": [entry.logprob for entry in entries],
-            "top_logprobs": [{token: logprob for token, _, logprob in entry.top} for entry in entries],
+            "top_logprobs": [None if entry.logprob is None else {token: logprob for token, _, logprob in entry.top}
+                             for entry in entries],
             "text_offset": offsets}, offset
 
 
@@ -84,7 +94,11 @@ def render_response(events: Iterable[Event], *, model: str, request_id: str) -> 
     outcome = collect(events)
     finish_reason = _finish_reason(outcome.finish or Finish("error"))
     echoed = next((len(e.text) for e in events if isinstance(e, TextDelta)), 0) if _echoes(events) else 0
-    logprobs, _ = _logprobs_json([e for e in events if isinstance(e, TokenLogprob)], echoed)
+    entries = [e for e in events if isinstance(e, TokenLogprob)]
+    prompt = next((e for e in events if isinstance(e, PromptLogprobs)), None)
+    if prompt is not None:  # the echoed prompt's tokens come first, from offset 0
+        entries, echoed = [*prompt.entries, *entries], 0
+    logprobs, _ = _logprobs_json(entries, echoed)
     return {
         "id": f"cmpl-{request_id}",
         "object": "text_completion",
@@ -121,6 +135,8 @@ class CompletionStream:
     def feed(self, event: Event) -> list[SseEvent]:
         if isinstance(event, TokenLogprob):
             self._logprobs.append(event)
+        elif isinstance(event, PromptLogprobs):  # they go out with the echoed prompt's chunk
+            self._logprobs.extend(event.entries)
         elif isinstance(event, TextDelta) and event.text:
             return [self._chunk(event.text)]
         if isinstance(event, Usage):

@@ -534,7 +534,8 @@ class ResponseEventStream:
         """The events that say what `event` adds to the response."""
         out = self.start()
         if isinstance(event, TokenLogprob):
-            self._logprobs.append(openai_logprob(event))
+            if not event.reasoning:  # the Responses API has logprobs for output text only
+                self._logprobs.append(openai_logprob(event))
         elif isinstance(event, (TextDelta, ReasoningDelta)) and event.text:
             out += self._text(event)
         elif isinstance(event, ToolCallStart):

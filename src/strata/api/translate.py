@@ -323,7 +323,8 @@ def collect(events: Iterable[Event]) -> Outcome:
     pending: list[dict[str, Any]] = []  # log-probabilities come before the text of their tokens
     for event in events:
         if isinstance(event, TokenLogprob):
-            pending.append(openai_logprob(event))
+            if not event.reasoning:  # the text blocks' own; reasoning blocks carry none
+                pending.append(openai_logprob(event))
         elif isinstance(event, (TextDelta, ReasoningDelta)):
             kind: Literal["text", "reasoning"] = "text" if isinstance(event, TextDelta) else "reasoning"
             if event.text:
