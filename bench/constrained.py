@@ -7,10 +7,11 @@ Without --model the small Q8_0 qwen3moe model with the 151,936-token Qwen vocabu
 directory. Three guides are compared with free decoding, in turns, `--repeats` times each, and medians are
 reported (the machine is shared, so only figures from one run are compared):
 
-- "inline": the mask computed on the decode path before each token and written through a boolean copy (how
-  the guide worked before its masks were computed beside the forward pass);
-- "waited": the server's guide, its next mask waited for as soon as the token is drawn (no overlap);
-- "overlapped": the server's guide as it runs, the next mask computed while the engine computes the logits.
+- "before": the mask computed on the decode path before each token and written through a boolean copy over
+  the whole vocabulary, the sampler's pipeline on the whole vocabulary (the guide before these changes);
+- "on the path": the guide with `overlap` off (what the server runs where the engine's threads take every
+  core): the mask computed after each token, written by index, the sampler drawing among the allowed ids;
+- "overlapped": the same with the next mask computed in a pool thread while the engine computes the logits.
 """
 
 from __future__ import annotations
@@ -38,9 +39,10 @@ SCHEMA = {"type": "object", "properties": {"items": {"type": "array", "minItems"
     "required": ["items"], "additionalProperties": False}
 
 
-class _Inline:
-    """The JSON answer's mask computed on the decode path: the matcher's bitmask unpacked and copied over the
-    logits before each token, the token consumed after."""
+class _Before:
+    """The JSON answer's mask as the guide made it before: the matcher's bitmask unpacked and copied over the
+    logits before each token, the token consumed after; `apply` names no ids, so the sampler's pipeline runs on
+    the whole vocabulary."""
 
     def __init__(self, matcher, n_vocab: int):
         import llguidance.numpy
@@ -57,21 +59,6 @@ class _Inline:
 
     def advance(self, token):
         self.matcher.consume_token(token)
-
-
-class _Waited:
-    """The server's guide with its next mask waited for at once: the same work, none of it beside the engine."""
-
-    def __init__(self, guide):
-        self.guide = guide
-
-    def apply(self, logits):
-        return self.guide.apply(logits)
-
-    def advance(self, token):
-        self.guide.advance(token)
-        if self.guide._next is not None:
-            self.guide._next.result()
 
 
 class _Timed:
@@ -150,8 +137,10 @@ def run(model: str, args: argparse.Namespace) -> None:
         compile_cached.append(time.perf_counter() - started)
 
     prompt = tokenizer.encode("<|im_start|>user\nList things.<|im_end|>\n<|im_start|>assistant\n", special=True)
-    kinds = {"inline": lambda: _Inline(grammars._matcher(plan(SCHEMA).answer, "bench"), engine.n_vocab),
-             "waited": lambda: _Waited(grammars.guide(plan(SCHEMA))),
+    on_path = Grammars(tokenizer, engine.n_vocab, overlap=False)
+    on_path.ll_tokenizer()
+    kinds = {"before": lambda: _Before(grammars._matcher(plan(SCHEMA).answer, "bench"), engine.n_vocab),
+             "on the path": lambda: on_path.guide(plan(SCHEMA)),
              "overlapped": lambda: grammars.guide(plan(SCHEMA))}
     free = []
     rates: dict[str, list[float]] = {kind: [] for kind in kinds}

@@ -62,14 +62,16 @@ def run(grammars: Grammars, the_plan, seed: int, *, max_tokens: int = 400, bias:
     raise AssertionError(f"no end of turn in {max_tokens} tokens")
 
 
+@pytest.mark.parametrize("overlap", [True, False], ids=["in-a-pool-thread", "in-advance"])
 @pytest.mark.parametrize("few", [0, 40, 10**6], ids=["by-mask", "by-index", "allowed-ids"])
-def test_the_guides_masks_are_llguidances(grammars, tokenizer, monkeypatch, few):
-    """The masks the guide computes beside the engine and writes (by allowed ids, banned ids or a boolean mask,
-    whichever `_FEW` picks) ban exactly what llguidance's own matcher, fed the same tokens, bans."""
+def test_the_guides_masks_are_llguidances(grammars, tokenizer, monkeypatch, few, overlap):
+    """The masks the guide computes (beside the engine or not) and writes (by allowed ids, banned ids or a
+    boolean mask, whichever `_FEW` picks) ban exactly what llguidance's own matcher, fed the same tokens, bans."""
     import llguidance
     import llguidance.numpy
 
     monkeypatch.setattr(constraints, "_FEW", few)
+    monkeypatch.setattr(grammars, "overlap", overlap)
     the_plan = plan(grammars, answer_format=AnswerFormat("json_schema", json.dumps(SCHEMA)))
     reference = llguidance.LLMatcher(grammars.ll_tokenizer(), the_plan.answer, log_level=0)
     bits = llguidance.numpy.allocate_token_bitmask(1, grammars.n_vocab)

@@ -257,11 +257,14 @@ class Grammars:
     Args:
         tokenizer: the model's `strata.tokenizer.Tokenizer`.
         n_vocab: the engine's logits length (may exceed the tokenizer's).
+        overlap: the guides compute their next masks in a pool thread beside the engine's forward pass; worth it
+            only where a core is left for it (see `Guide`).
     """
 
-    def __init__(self, tokenizer: Any, n_vocab: int):
+    def __init__(self, tokenizer: Any, n_vocab: int, overlap: bool = True):
         self._tokenizer = tokenizer
         self.n_vocab = n_vocab
+        self.overlap = overlap
         self.tokens = SpecialTokens.of(tokenizer)
         self.eos_ids = tuple(sorted(tokenizer.eos_ids))
         self._lock = threading.Lock()
@@ -295,7 +298,7 @@ class Grammars:
                 raise GrammarError(f"messages: the prefilled assistant text {plan.prefix[:40]!r} cannot begin an "
                                    f"answer in the requested format ({plan.parts[0][1]}); JSON answers are "
                                    'compact with single spaces, as in {"a": 1, "b": [2, 3]}', "messages")
-        return Guide(plan, compiled, self.n_vocab, self.tokens, self.eos_ids)
+        return Guide(plan, compiled, self.n_vocab, self.tokens, self.eos_ids, overlap=self.overlap)
 
     def _check(self, grammar: str, param: str) -> None:
         import llguidance
@@ -392,9 +395,11 @@ class Guide:
     `apply(logits)` is called before a token is sampled, `advance(token)` after; the sampler keeps the rest of
     its pipeline. Once the answer's grammar is complete only an end-of-turn token remains allowed.
 
-    The mask depends only on the tokens sampled so far, so `advance` hands the token to a pool thread that
-    consumes it and computes the next mask while the engine computes the next logits; `apply` waits for it (it
-    is usually done) and writes it.
+    The mask depends only on the tokens sampled so far. With `overlap`, `advance` hands the token to a pool
+    thread that consumes it and computes the next mask while the engine computes the next logits, and `apply`
+    waits for it (it is usually done) and writes it. That pays where a core is free for it: where the engine's
+    threads take every core, the thread's wake-ups and its share of a core cost the forward pass more than the
+    mask (bench/RESULTS.md), and `advance` computes the mask itself.
     """
 
     plan: Plan
@@ -403,6 +408,7 @@ class Guide:
     tokens: SpecialTokens
     eos_ids: tuple[int, ...]
     calls: int = 0
+    overlap: bool = True
     _state: int = field(init=False)
     _matcher: Any = field(init=False, default=None)
     _bits: np.ndarray = field(init=False)
@@ -471,8 +477,12 @@ class Guide:
             self.calls += 1
 
     def _start(self, token: int | None, *, think: bool = False, call: bool = False, reset: bool = False) -> None:
-        """Compute the next mask in a pool thread: after `token` (if any) is consumed."""
-        self._next = _mask_pool().submit(self._next_mask, self._matcher, token, think, call, reset)
+        """Compute the next mask (in a pool thread with `overlap`): after `token` (if any) is consumed."""
+        if self.overlap:
+            self._next = _mask_pool().submit(self._next_mask, self._matcher, token, think, call, reset)
+            return
+        self._next = Future()
+        self._next.set_result(self._next_mask(self._matcher, token, think, call, reset))
 
     def _next_mask(self, matcher: Any, token: int | None, think: bool, call: bool, reset: bool) -> _Mask:
         """(pool thread) Consume `token`, then what may come next. In a call, a complete call ends the mask. Once
