@@ -15,6 +15,7 @@ import hashlib
 import io
 import re
 import warnings
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import unquote_to_bytes
 
@@ -253,8 +254,11 @@ class PromptImages:
     spans: list[tuple[int, Any]]
 
 
-def expand_image_pads(ids: list[int], pad_id: int, embeddings: list[Any]) -> PromptImages:
-    """Replace the i-th pad token of `ids` by `embeddings[i].n_tokens` pad positions.
+def expand_image_pads(ids: list[int], pad_id: int, embeddings: list[Any],
+                      marker_ids: Callable[[str], list[int]] | None = None) -> PromptImages:
+    """Replace the i-th pad token of `ids` by `embeddings[i].n_tokens` pad positions; a picture split into tiles
+    (its `grid`) gets the ids of each part's marker (`marker_ids`, e.g. LFM2-VL's `<|img_row_1_col_1|>`) before
+    that part's rows, as its model was trained to read them.
 
     Raises:
         ImageRejected: the prompt holds a different number of pads than there are pictures (a chat template
@@ -274,10 +278,23 @@ def expand_image_pads(ids: list[int], pad_id: int, embeddings: list[Any]) -> Pro
             keys.append(token)
             continue
         embedding = next(pictures)
-        spans.append((len(out_ids), PictureRows(embedding.rows, embedding.nx)))
-        out_ids.extend([pad_id] * embedding.n_tokens)
-        keys.extend((embedding.digest, row) for row in range(embedding.n_tokens))
+        first = 0  # the picture's row that the next part starts at
+        for marker, nx, ny in embedding.grid.segments():
+            if marker and marker_ids is not None:
+                marked = marker_ids(marker)
+                out_ids.extend(marked)
+                keys.extend(marked)
+            # each part is a grid of its own (Qwen3-VL's positions read it; a tiled picture is LFM2-VL's)
+            spans.append((len(out_ids), PictureRows(embedding.rows[first:first + nx * ny], nx)))
+            out_ids.extend([pad_id] * (nx * ny))
+            keys.extend((embedding.digest, row) for row in range(first, first + nx * ny))
+            first += nx * ny
     return PromptImages(out_ids, keys, spans)
+
+
+def marker_tokens(grid: Any, marker_ids: Callable[[str], list[int]]) -> int:
+    """The prompt positions a picture's part markers take (see `expand_image_pads`)."""
+    return sum(len(marker_ids(marker)) for marker, _, _ in grid.segments() if marker)
 
 
 def embeds_from(spans: list[tuple[int, Any]], start: int, end: int) -> list[tuple[int, Any]]:

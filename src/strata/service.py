@@ -61,6 +61,7 @@ from strata.images import (
     PromptImages,
     expand_image_pads,
     load_source,
+    marker_tokens,
 )
 from strata.mcp_tools import McpRequestError, McpServers, Toolset, open_toolset
 from strata.progress import Stage, with_progress
@@ -136,6 +137,7 @@ class _Staged:
     rows: int
     data: bytes = b""
     embedding: Embedding | None = None
+    markers: int = 0  # prompt positions of its parts' markers (a picture split into tiles)
 
 
 def _omit_or_refuse(content: list[dict[str, Any]], j: int, error: Exception) -> None:
@@ -321,7 +323,9 @@ class Service:
             request = dataclasses.replace(request, tools=request.tools + toolset.functions())
         request, pictures = await self._pictures(request)
         _, ids = await trio.to_thread.run_sync(self._prompt, request)
-        return len(ids) + sum(len(picture.rows) - 1 for picture in pictures)  # each picture's pad becomes its rows
+        # each picture's pad becomes its rows, and its parts' markers when it is split into tiles
+        return len(ids) + sum(picture.n_tokens + marker_tokens(picture.grid, self._marker_ids) - 1
+                              for picture in pictures)
 
     def _require_ready(self) -> None:
         if not self.loaded.is_set():
@@ -385,7 +389,7 @@ class Service:
         pad_id = self.tokenizer.token_to_id(IMAGE_PAD)
         if pictures:
             try:
-                prompt = expand_image_pads(ids, pad_id, pictures)
+                prompt = expand_image_pads(ids, pad_id, pictures, self._marker_ids)
             except ImageRejected as error:
                 raise RequestError(str(error)) from None
         else:
@@ -407,6 +411,15 @@ class Service:
         # An empty block closed by the template means no thinking; a continued answer is past its thinking.
         may_think = not text.rstrip().endswith("</think>") and not request.prefill
         return _Prepared(prompt, max_tokens, starts_in_reasoning, may_think)
+
+    def _marker_ids(self, marker: str) -> list[int]:
+        """The ids of a tiled picture's part marker: its token where the vocabulary has one (LFM2-VL's), else the
+        marker's text (as llama.cpp reads a row-and-column marker)."""
+        token = self.tokenizer.token_to_id(marker)
+        if token is not None:
+            return [token]
+        assert self.prompt_tokens is not None, "prompt before the model is loaded"
+        return self.prompt_tokens.encode_text(marker)
 
     async def _guide(self, request: ChatRequest, prepared: _Prepared) -> Guide | None:
         """The constraint of a request's answer (format, tool choice), compiled in a worker thread; None when the
@@ -465,7 +478,7 @@ class Service:
                 staged.append((i, j, await self._stage(messages[i]["content"][j]["image"], live)))
             except (ImageRejected, PictureRefused, VisionUnavailable) as error:
                 _omit_or_refuse(messages[i]["content"], j, error)
-        n_rows, n_ctx = sum(picture.rows for _, _, picture in staged), self.engine.n_ctx
+        n_rows, n_ctx = sum(picture.rows + picture.markers for _, _, picture in staged), self.engine.n_ctx
         if n_rows >= n_ctx:
             raise RequestError(f"the request's pictures take {n_rows} prompt tokens; the context holds {n_ctx} "
                                "(prompt and answer)", code="context_length_exceeded")
@@ -501,11 +514,15 @@ class Service:
         assert self.vision is not None
         if isinstance(image, PrecomputedEmbeds):
             embedding = check_embeds(image, await self._ready(), MAX_IMAGE_BYTES)
-            return _Staged(embedding.n_tokens, embedding=embedding)
+            return _Staged(embedding.n_tokens, embedding=embedding,
+                           markers=marker_tokens(embedding.grid, self._marker_ids))
         if live is not None:
             live.phase = "download"
         data, info = await self._download(image)  # first: a bad picture is refused whatever the encoder's state
-        return _Staged(self.vision.rows(await self._ready(), info), data=data)
+        ready = await self._ready()
+        grid = self.vision.grid(ready, info)
+        markers = 0 if grid is None else marker_tokens(grid, self._marker_ids)
+        return _Staged(self.vision.rows(ready, info), data=data, markers=markers)
 
     async def _ready(self) -> Ready:
         """The encoder's READY (its last one, else it is started for it)."""

@@ -22,9 +22,11 @@ from strata.images import (
     embeds_from,
     expand_image_pads,
     load_source,
+    marker_tokens,
     parse_data_url,
 )
 from strata.picture_rows import PictureRows
+from strata.vision.protocol import PictureGrid
 
 from .conftest import noise_png
 
@@ -228,8 +230,10 @@ def test_cache_keeps_real_rows():
 
 
 class Picture:
-    def __init__(self, digest: str, n_tokens: int):
-        self.digest, self.n_tokens, self.nx = digest, n_tokens, 2
+    def __init__(self, digest: str, n_tokens: int, grid: PictureGrid | None = None):
+        self.digest, self.n_tokens = digest, n_tokens
+        self.grid = grid or PictureGrid(n_tokens, 1)
+        self.nx = self.grid.nx
         self.rows = np.arange(n_tokens * 2, dtype=np.float32).reshape(n_tokens, 2) + hash(digest) % 7
 
 
@@ -241,6 +245,21 @@ def test_expand_image_pads_places_each_picture():
     assert prompt.keys[2:5] == [("a", 0), ("a", 1), ("a", 2)] and prompt.keys[8:10] == [("b", 0), ("b", 1)]
     assert [first for first, _ in prompt.spans] == [2, 8]
     assert prompt.spans[0][1].rows is a.rows and prompt.spans[0][1].nx == a.nx  # the grid goes with the rows
+
+
+def test_a_tiled_picture_gets_its_parts_markers():
+    pad, markers = 9, {"<|img_row_1_col_1|>": [51], "<|img_row_1_col_2|>": [52], "<|img_thumbnail|>": [60, 61]}
+    grid = PictureGrid(2, 1, cols=2, rows=1, tile=1)  # two one-token tiles, then a 2x1 thumbnail
+    tiled = Picture("t", 4, grid)
+    prompt = expand_image_pads([1, pad, 2], pad, [tiled], markers.__getitem__)
+    assert prompt.ids == [1, 51, pad, 52, pad, 60, 61, pad, pad, 2]
+    assert prompt.keys == [1, 51, ("t", 0), 52, ("t", 1), 60, 61, ("t", 2), ("t", 3), 2]
+    assert [first for first, _ in prompt.spans] == [2, 4, 7]
+    assert [rows.nx for _, rows in prompt.spans] == [1, 1, 2]  # each part its own grid
+    assert np.array_equal(np.concatenate([rows.rows for _, rows in prompt.spans]), tiled.rows)
+    assert marker_tokens(grid, markers.__getitem__) == 4
+    # a picture in one piece has no markers
+    assert expand_image_pads([1, pad, 2], pad, [Picture("a", 2)], markers.__getitem__).ids == [1, pad, pad, 2]
 
 
 def test_two_pictures_with_the_same_pads_have_different_keys():

@@ -32,10 +32,10 @@ _BLOCK = {"layer_norm1": _T.V_ENC_INPUT_NORM, "self_attn.q_proj": _T.V_ENC_ATTN_
           "layer_norm2": _T.V_ENC_POST_ATTN_NORM, "mlp.fc1": _T.V_ENC_FFN_UP, "mlp.fc2": _T.V_ENC_FFN_DOWN}
 
 
-def _checkpoint() -> Lfm2VlModel:
+def checkpoint(n_layer: int = 2) -> Lfm2VlModel:
     config = Lfm2VlConfig(
         vision_config={"model_type": "siglip2_vision_model", "hidden_size": N_EMBD, "intermediate_size": 64,
-                       "num_hidden_layers": 2, "num_attention_heads": 2, "patch_size": PATCH, "num_patches": 256,
+                       "num_hidden_layers": n_layer, "num_attention_heads": 2, "patch_size": PATCH, "num_patches": 256,
                        "vision_use_head": False},
         text_config={"model_type": "lfm2", "hidden_size": N_TEXT, "intermediate_size": 128, "num_hidden_layers": 2,
                      "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 512,
@@ -85,7 +85,7 @@ def _mmproj_tensors(model: Lfm2VlModel) -> dict[str, np.ndarray]:
 
 @pytest.fixture(scope="module")
 def lfm2_vl(tmp_path_factory: pytest.TempPathFactory) -> tuple[Lfm2VlModel, pathlib.Path]:
-    model = _checkpoint()
+    model = checkpoint()
     path = tmp_path_factory.mktemp("lfm2vl") / "mmproj.gguf"
     # image_size 256 is what the converter writes for LFM2-VL (16 x 16 learned positions)
     hp = VisionHParams(image_size=256, patch_size=PATCH, n_embd=N_EMBD, n_ff=64, n_head=2, n_layer=2,
@@ -102,7 +102,7 @@ def lfm2_vl(tmp_path_factory: pytest.TempPathFactory) -> tuple[Lfm2VlModel, path
     return model, path
 
 
-def _reference(model: Lfm2VlModel, pixels: np.ndarray) -> np.ndarray:
+def reference(model: Lfm2VlModel, pixels: np.ndarray) -> np.ndarray:
     """get_image_features on normalised pixels (3, H, W): patches flattened in (row, column, channel) order."""
     _, height, width = pixels.shape
     gy, gx = height // PATCH, width // PATCH
@@ -128,7 +128,7 @@ def test_embeddings_match_the_checkpoint(lfm2_vl: tuple, size: tuple[int, int]) 
     model, path = lfm2_vl
     width, height = size
     pixels = np.random.default_rng(width).uniform(-1, 1, (3, height, width)).astype(np.float32)
-    expected = _reference(model, pixels)
+    expected = reference(model, pixels)
     got = Encoder(Mmproj.load(path), threads=2).encode(pixels)
     assert got.shape == expected.shape == (width * height // (2 * PATCH) ** 2, N_TEXT)
     err = np.linalg.norm(got - expected) / np.linalg.norm(expected)

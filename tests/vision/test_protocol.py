@@ -21,6 +21,7 @@ from strata.vision.protocol import (
     Encoded,
     EncodePath,
     Failed,
+    PictureGrid,
     ProtocolError,
     Quit,
     Ready,
@@ -89,8 +90,13 @@ def test_ready_carries_the_sizing_rule_and_an_older_encoder_may_leave_it_out():
     caps = dataclasses.replace(CAPS, sizing=Sizing("smart", 16, 2, 64, 256))
     line = encode_reply(Ready(8, caps))
     fields = json.loads(line.split(b" ", 2)[2])
-    assert fields["sizing"] == {"grid": "smart", "patch_size": 16, "merge": 2, "min_tokens": 64, "max_tokens": 256}
+    assert fields["sizing"] == {"grid": "smart", "patch_size": 16, "merge": 2, "min_tokens": 64, "max_tokens": 256,
+                                "tile_size": 0, "min_tiles": 0, "max_tiles": 0}
     assert parse_reply(line) == Ready(8, caps)
+    # the tiling fields are optional: an encoder that does not split pictures may leave them out
+    untiled = {k: v for k, v in fields.items() if k != "sizing"} | {"sizing": {
+        k: v for k, v in fields["sizing"].items() if not k.endswith(("tile_size", "tiles"))}}
+    assert parse_reply(b"READY 8 " + json.dumps(untiled).encode() + b"\n") == Ready(8, caps)
     assert "sizing" not in json.loads(encode_reply(Ready(8, CAPS)).split(b" ", 2)[2])
     assert parse_reply(encode_reply(Ready(8, CAPS))).capabilities.sizing is None
     for bad, message in [
@@ -98,6 +104,7 @@ def test_ready_carries_the_sizing_rule_and_an_older_encoder_may_leave_it_out():
         (fields["sizing"] | {"grid": "other"}, "'grid' is not one of token, smart"),
         (fields["sizing"] | {"merge": 0}, "'merge' is not an integer"),
         ({k: v for k, v in fields["sizing"].items() if k != "patch_size"}, "'patch_size' is not an integer"),
+        (fields["sizing"] | {"max_tiles": -1}, "'max_tiles' is not an integer from 0"),
     ]:
         with pytest.raises(ProtocolError, match=message):
             parse_reply(b"READY 8 " + json.dumps(fields | {"sizing": bad}).encode())
@@ -217,6 +224,34 @@ def test_sve_layout():
     assert (header.n_tokens, header.nx, header.ny, header.n_embd) == (6, 3, 2, 4)
     np.testing.assert_array_equal(parsed, rows)
     assert parse_sve_header(data[:20]) == header
+
+
+def test_a_tiled_picture_is_sve2_with_its_tiles():
+    # two tiles of 2x2 tokens, then a 3x1 thumbnail: 11 rows
+    rows = np.arange(11 * 4, dtype=np.float32).reshape(11, 4) / 7
+    data = encode_sve(rows, 3, 1, (2, 1, 2))
+    assert data[:4] == b"SVE2"
+    assert struct.unpack_from("<8i", data) == (0x32455653, 11, 3, 1, 4, 2, 1, 2)
+    header, parsed = parse_sve(data)
+    assert header.grid == PictureGrid(3, 1, 2, 1, 2) and header.size == 32
+    np.testing.assert_array_equal(parsed, rows)
+    assert parse_sve_header(data[:32]) == header
+    with pytest.raises(ProtocolError, match="for a 3x1 grid after 2x1 tiles of 2x2"):
+        parse_sve(struct.pack("<8i", 0x32455653, 12, 3, 1, 4, 2, 1, 2) + np.zeros(48, "<f4").tobytes())
+    with pytest.raises(ProtocolError, match="out of range"):
+        parse_sve(struct.pack("<8i", 0x32455653, 3, 3, 1, 4, 0, 1, 2) + np.zeros(12, "<f4").tobytes())
+    with pytest.raises(ProtocolError, match="shorter than its 32-byte header"):
+        parse_sve(data[:24])
+    with pytest.raises(ValueError, match="10 rows for a 3x1 grid after"):
+        encode_sve(rows[:10], 3, 1, (2, 1, 2))
+
+
+def test_a_grids_segments_are_lfm2_vls_layout():
+    assert PictureGrid(4, 3).segments() == [("", 4, 3)]
+    assert PictureGrid(4, 3, cols=2, rows=2, tile=16).segments() == [
+        ("<|img_row_1_col_1|>", 16, 16), ("<|img_row_1_col_2|>", 16, 16), ("<|img_row_2_col_1|>", 16, 16),
+        ("<|img_row_2_col_2|>", 16, 16), ("<|img_thumbnail|>", 4, 3)]
+    assert PictureGrid(4, 3, cols=2, rows=2, tile=16).n_tokens == 4 * 256 + 12
 
 
 @pytest.mark.parametrize(

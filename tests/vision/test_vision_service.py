@@ -25,7 +25,7 @@ from conftest import ScriptedEngine, server_config, wait_until
 import strata
 from strata.events import ChatRequest, TextDelta, Usage
 from strata.images import ImageSource, check_image
-from strata.modelgen.mmproj import write_random_mmproj
+from strata.modelgen.mmproj import VisionShape, write_random_mmproj
 from strata.sampling import SamplingParams
 from strata.service import RequestError, ServiceUnavailable, open_service
 from strata.vision.client import VisionStartError
@@ -497,3 +497,59 @@ async def test_shutdown_during_a_download_is_a_503(scripted, tokenizer, mmproj, 
             await collect(svc, chat(with_picture(f"http://127.0.0.1:{pictures.port}/slow")))
         await wait_until(lambda: pictures.open_connections == 0)
         assert svc.history.last.finish == "unavailable"
+
+
+@pytest.fixture(scope="module")
+def lfm2_vl_mmproj(tmp_path_factory) -> Path:
+    """An LFM2-VL file (no variant key) with LFM2-VL's 16-pixel patches: a 512-pixel tile is 16x16 = 256 rows."""
+    path = tmp_path_factory.mktemp("vision-service") / "lfm2-vl.gguf"
+    shape = VisionShape(image_size=32, patch_size=16, n_embd=32, n_ff=64, n_head=2, n_layer=2)
+    write_random_mmproj(path, WIDTH, shape, seed=5, dtype="f32", variant="lfm2-vl")
+    return path
+
+
+async def test_a_tiled_pictures_parts_follow_their_markers(scripted, tokenizer, lfm2_vl_mmproj, tmp_path):
+    """A 600x300 picture over a 16-row budget is split as LFM2-VL splits it: two 512-pixel tiles (256 rows each)
+    and a 5x2 thumbnail, each after its marker (this vocabulary has no LFM2 markers: their text); the rows are the
+    worker's; the context check and count_tokens count the markers too."""
+    picture = noise_png(600, 300, seed=91)
+    config = vision_config(lfm2_vl_mmproj, max_tokens=16, min_tokens=4)
+    markers = ["<|img_row_1_col_1|>", "<|img_row_1_col_2|>", "<|img_thumbnail|>"]
+    marker_ids = [tokenizer.encode(marker, special=False) for marker in markers]
+    n_positions = 2 * 256 + 10 + sum(map(len, marker_ids))
+    engine = scripted("A picture.", n_ctx=2048)
+    async with open_service(config, engine=engine, tokenizer=tokenizer, log=lambda line: None) as svc:
+        request = chat(with_picture(data_url(picture)))
+        plain = await svc.count_tokens(chat({"role": "user", "content": [{"type": "text", "text": "What is this?"}]}))
+        # the picture: <|vision_start|>, its positions, <|vision_end|>
+        assert await svc.count_tokens(request) == plain + 2 + n_positions
+        await collect(svc, request)
+    path = tmp_path / "tiled.png"
+    path.write_bytes(picture)
+    encoder = Encoder(Mmproj.load(lfm2_vl_mmproj), 1)
+    resized = preprocess(load_image(str(path)), encoder.hp, 16, 4)
+    expected = [encoder.encode(part) for part in resized.parts]
+    assert [len(rows) for rows in expected] == [256, 256, 10]
+    # the prompt reaches the engine in chunks: put its positions and rows back together
+    tokens: list[int] = []
+    row_at: dict[int, np.ndarray] = {}
+    for call, embeds in zip(engine.calls, engine.embeds, strict=True):
+        for index, rows in embeds:
+            row_at.update((len(tokens) + index + k, row) for k, row in enumerate(rows))
+        tokens += call
+    pad = tokenizer.token_to_id("<|image_pad|>")
+    index = tokens.index(tokenizer.token_to_id("<|vision_start|>")) + 1
+    for ids, want in zip(marker_ids, expected, strict=True):
+        assert tokens[index:index + len(ids)] == ids
+        index += len(ids)
+        assert tokens[index:index + len(want)] == [pad] * len(want)
+        np.testing.assert_allclose(np.stack([row_at[index + k] for k in range(len(want))]), want, rtol=0, atol=1e-5)
+        index += len(want)
+    assert tokens[index] == tokenizer.token_to_id("<|vision_end|>") and len(row_at) == 2 * 256 + 10
+
+    async with open_service(config, engine=scripted("ok", n_ctx=512), tokenizer=tokenizer,
+                            log=lambda line: None) as svc:
+        with pytest.raises(RequestError, match=f"pictures take {n_positions} prompt tokens") as caught:
+            await collect(svc, chat(with_picture(data_url(picture))))
+        assert caught.value.code == "context_length_exceeded"
+        assert svc.vision.status()["encodes"] == 0

@@ -41,6 +41,7 @@ from strata.vision.protocol import (
     Cancel,
     EncodeBytes,
     Failed,
+    PictureGrid,
     ProtocolError,
     Ready,
     Result,
@@ -79,13 +80,19 @@ class PictureRefused(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Embedding:
-    """One encoded picture: `rows` (n_tokens, n_embd) float32 over an nx × ny merged-token grid."""
+    """One encoded picture: `rows` (n_tokens, n_embd) float32 over an nx × ny merged-token grid, after the
+    (cols, rows, side) `tiles` of a picture split into tiles (see `PictureGrid`)."""
 
     rows: np.ndarray
     nx: int
     ny: int
     digest: str  # content hash of the picture (or of the pre-computed embeddings)
     ms: float = 0.0
+    tiles: tuple[int, int, int] = (0, 0, 0)
+
+    @property
+    def grid(self) -> PictureGrid:
+        return PictureGrid(self.nx, self.ny, *self.tiles)
 
     @property
     def n_tokens(self) -> int:
@@ -353,14 +360,18 @@ class VisionClient:
     # --- encoding
 
     @staticmethod
-    def rows(ready: Ready, info: ImageInfo) -> int:
-        """The rows the encoder of `ready` turns a picture with this header into: its own sizing rule applied to
-        the picture's upright size, or its `max_tokens` (the most a picture can take) when READY has no rule."""
+    def grid(ready: Ready, info: ImageInfo) -> PictureGrid | None:
+        """What the encoder of `ready` turns a picture with this header into (its own sizing rule applied to the
+        picture's upright size); None when READY has no rule."""
         rule = ready.capabilities.sizing
-        if rule is None:
-            return ready.capabilities.max_tokens
-        nx, ny = picture_grid(info.width, info.height, rule)
-        return nx * ny
+        return None if rule is None else picture_grid(info.width, info.height, rule)
+
+    @staticmethod
+    def rows(ready: Ready, info: ImageInfo) -> int:
+        """The rows the encoder of `ready` turns a picture with this header into (`grid`), or its `max_tokens`
+        (the most a picture can take) when READY has no sizing rule."""
+        grid = VisionClient.grid(ready, info)
+        return ready.capabilities.max_tokens if grid is None else grid.n_tokens
 
     async def encode(self, data: bytes, turn: Any = None, rows: int | None = None) -> Embedding:
         """The embedding rows of the picture `data` (checked bytes), from the cache or the encoder.
@@ -528,7 +539,8 @@ class VisionClient:
             except ProtocolError as error:
                 job.refused = f"the encoder sent bad embeddings: {error}"
             else:
-                job.embedding = Embedding(rows, header.nx, header.ny, "", reply.ms)
+                job.embedding = Embedding(rows, header.nx, header.ny, "", reply.ms,
+                                          (header.cols, header.rows, header.tile))
         elif isinstance(reply, Failed):
             job.refused = reply.detail if reply.kind == "image" else reply.message
         job.done.set()

@@ -9,7 +9,7 @@ import dataclasses
 from strata.images import ImageRejected, content_hash
 from strata.vision.client import Embedding
 from strata.vision.protocol import (
-    SVE_HEADER_BYTES,
+    SVE_MAX_HEADER_BYTES,
     ProtocolError,
     Ready,
     parse_sve,
@@ -40,7 +40,7 @@ def check_embeds(embeds: PrecomputedEmbeds, ready: Ready, max_bytes: int) -> Emb
     if len(data) > max_bytes:
         raise ImageRejected(f"image_embeds: {len(data)} bytes, more than the limit of {max_bytes}")
     try:
-        header = parse_sve_header(data[:SVE_HEADER_BYTES])
+        header = parse_sve_header(data[:SVE_MAX_HEADER_BYTES])
     except ProtocolError as error:
         raise ImageRejected(f"image_embeds: {error}") from None
     if header.n_embd != ready.n_embd:
@@ -57,4 +57,5 @@ def check_embeds(embeds: PrecomputedEmbeds, ready: Ready, max_bytes: int) -> Emb
     if embeds.fingerprint != caps.fingerprint:
         raise ImageRejected(f"image_embeds: fingerprint {embeds.fingerprint[:80]!r} is not this server's encoder "
                             f"({caps.fingerprint}); encode with the same mmproj file")
-    return Embedding(rows, header.nx, header.ny, "embeds:" + content_hash(data))
+    return Embedding(rows, header.nx, header.ny, "embeds:" + content_hash(data),
+                     tiles=(header.cols, header.rows, header.tile))

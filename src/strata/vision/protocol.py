@@ -33,8 +33,11 @@ MAX_MESSAGE_CHARS = 500
 MAX_DIMENSION = 1 << 20  # bound on token counts, grid sides and widths read from a line or a header
 
 SVE_MAGIC = 0x31455653  # b"SVE1" read as a little-endian int32
+SVE_TILED_MAGIC = 0x32455653  # b"SVE2": SVE1's header plus the tiles of a tiled picture
 _SVE_HEADER = struct.Struct("<5i")
+_SVE_TILED_HEADER = struct.Struct("<8i")
 SVE_HEADER_BYTES = _SVE_HEADER.size
+SVE_MAX_HEADER_BYTES = _SVE_TILED_HEADER.size
 
 _ID_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _UINT_RE = re.compile(r"[0-9]{1,12}")
@@ -95,16 +98,54 @@ Request = EncodePath | EncodeBytes | Cancel | Quit
 class Sizing:
     """How the encoder sizes a picture to rows (READY's optional `sizing`): `grid` names the rule ("token" or
     "smart", see `strata.vision.preprocess.picture_grid`), applied with merged tokens of `patch_size * merge`
-    pixels a side and a budget of `min_tokens` to `max_tokens` rows."""
+    pixels a side and a budget of `min_tokens` to `max_tokens` rows. With `tile_size`, a picture too large for
+    that budget is split into `min_tiles` to `max_tiles` square tiles of `tile_size` pixels, plus a thumbnail
+    (LFM2-VL's image splitting); 0: never split."""
 
     grid: str
     patch_size: int
     merge: int
     min_tokens: int
     max_tokens: int
+    tile_size: int = 0
+    min_tiles: int = 0
+    max_tiles: int = 0
 
 
 SIZING_GRIDS = ("token", "smart")
+_OPTIONAL_SIZING = ("tile_size", "min_tiles", "max_tiles")  # absent from an older encoder: 0
+
+
+@dataclasses.dataclass(frozen=True)
+class PictureGrid:
+    """What a picture becomes: a grid of `nx` x `ny` merged tokens (rows in row-major order), preceded, for a
+    picture split into tiles, by `cols` x `rows` tiles (in row-major order) of `tile` x `tile` tokens each; the
+    grid is then the whole picture's thumbnail. This is the layout of LFM2-VL's image processor."""
+
+    nx: int
+    ny: int
+    cols: int = 0
+    rows: int = 0
+    tile: int = 0
+
+    @property
+    def tiled(self) -> bool:
+        return self.cols * self.rows > 0
+
+    @property
+    def n_tokens(self) -> int:
+        """Embedding rows, tiles and thumbnail together."""
+        return self.cols * self.rows * self.tile * self.tile + self.nx * self.ny
+
+    def segments(self) -> list[tuple[str, int, int]]:
+        """(marker, nx, ny) of each part in prompt order: the text the model reads before the part's rows ("" for
+        none) and its grid. A tiled picture's tiles follow LFM2-VL's `<|img_row_R_col_C|>` (from 1), its thumbnail
+        `<|img_thumbnail|>`."""
+        if not self.tiled:
+            return [("", self.nx, self.ny)]
+        tiles = [(f"<|img_row_{r + 1}_col_{c + 1}|>", self.tile, self.tile)
+                 for r in range(self.rows) for c in range(self.cols)]
+        return [*tiles, ("<|img_thumbnail|>", self.nx, self.ny)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -449,12 +490,14 @@ def _sizing(fields: Any) -> Sizing | None:
         raise ProtocolError("READY capability 'sizing' is not a JSON object")
     values: dict[str, Any] = {}
     for field in dataclasses.fields(Sizing):
-        value = fields.get(field.name)
+        optional = field.name in _OPTIONAL_SIZING
+        value = fields.get(field.name, 0 if optional else None)
         if field.name == "grid":
             if value not in SIZING_GRIDS:
                 raise ProtocolError(f"READY sizing 'grid' is not one of {', '.join(SIZING_GRIDS)}")
-        elif type(value) is not int or not 1 <= value <= MAX_DIMENSION:
-            raise ProtocolError(f"READY sizing {field.name!r} is not an integer from 1 to {MAX_DIMENSION}")
+        elif type(value) is not int or not int(not optional) <= value <= MAX_DIMENSION:
+            raise ProtocolError(f"READY sizing {field.name!r} is not an integer from {int(not optional)} to "
+                                f"{MAX_DIMENSION}")
         values[field.name] = value
     return Sizing(**values)
 
@@ -468,46 +511,69 @@ class SveHeader:
     nx: int  # merged-token grid width; n_tokens = nx * ny, rows in row-major grid order
     ny: int
     n_embd: int
+    # A tiled picture (SVE2): cols x rows tiles of tile x tile tokens come first, then the nx x ny thumbnail.
+    cols: int = 0
+    rows: int = 0
+    tile: int = 0
+
+    @property
+    def grid(self) -> PictureGrid:
+        return PictureGrid(self.nx, self.ny, self.cols, self.rows, self.tile)
+
+    @property
+    def size(self) -> int:
+        """Bytes of the header: SVE1's, or SVE2's for a tiled picture."""
+        return _SVE_TILED_HEADER.size if self.grid.tiled else _SVE_HEADER.size
 
 
-def encode_sve(embeddings: np.ndarray, nx: int, ny: int) -> bytes:
-    """SVE1 bytes for `embeddings` (n_tokens, n_embd), n_tokens = nx * ny."""
+def encode_sve(embeddings: np.ndarray, nx: int, ny: int, tiles: tuple[int, int, int] = (0, 0, 0)) -> bytes:
+    """SVE1 bytes for `embeddings` (n_tokens, n_embd), n_tokens = nx * ny; for a tiled picture (`tiles` = cols,
+    rows, tile side), SVE2 bytes, n_tokens = cols * rows * tile**2 + nx * ny."""
     n_tokens, n_embd = embeddings.shape
-    if n_tokens != nx * ny:
-        raise ValueError(f"{n_tokens} rows for a {nx}x{ny} grid")
-    header = _SVE_HEADER.pack(SVE_MAGIC, n_tokens, nx, ny, n_embd)
+    grid = PictureGrid(nx, ny, *tiles)
+    if n_tokens != grid.n_tokens:
+        raise ValueError(f"{n_tokens} rows for a {nx}x{ny} grid" + (f" after {tiles} tiles" if grid.tiled else ""))
+    if grid.tiled:
+        header = _SVE_TILED_HEADER.pack(SVE_TILED_MAGIC, n_tokens, nx, ny, n_embd, *tiles)
+    else:
+        header = _SVE_HEADER.pack(SVE_MAGIC, n_tokens, nx, ny, n_embd)
     return header + np.ascontiguousarray(embeddings, dtype="<f4").tobytes()
 
 
 def parse_sve_header(data: bytes) -> SveHeader:
-    """The header of SVE1 `data` (at least its first SVE_HEADER_BYTES bytes).
+    """The header of SVE1/SVE2 `data` (at least its first SVE_MAX_HEADER_BYTES bytes, or all of it if shorter).
 
     Raises:
         ProtocolError: wrong magic, or counts that are negative, too large or inconsistent.
     """
-    if len(data) < SVE_HEADER_BYTES:
-        raise ProtocolError(f"SVE1 data shorter than its {SVE_HEADER_BYTES}-byte header")
-    magic, n_tokens, nx, ny, n_embd = _SVE_HEADER.unpack_from(data)
-    if magic != SVE_MAGIC:
+    magic = struct.unpack_from("<i", data)[0] if len(data) >= 4 else None
+    layout = _SVE_TILED_HEADER if magic == SVE_TILED_MAGIC else _SVE_HEADER
+    if len(data) < layout.size:
+        raise ProtocolError(f"SVE1 data shorter than its {layout.size}-byte header")
+    magic, n_tokens, nx, ny, n_embd, *tiles = layout.unpack_from(data)
+    if magic not in (SVE_MAGIC, SVE_TILED_MAGIC):
         raise ProtocolError(f"not SVE1 data (magic {magic & 0xFFFFFFFF:#010x})")
-    if not all(0 < v <= MAX_DIMENSION for v in (n_tokens, nx, ny, n_embd)):
-        raise ProtocolError(f"SVE1 header out of range: {n_tokens} tokens, {nx}x{ny} grid, width {n_embd}")
-    if n_tokens != nx * ny:
-        raise ProtocolError(f"SVE1 header says {n_tokens} tokens for a {nx}x{ny} grid")
-    return SveHeader(n_tokens, nx, ny, n_embd)
+    if not all(0 < v <= MAX_DIMENSION for v in (n_tokens, nx, ny, n_embd, *tiles)):
+        raise ProtocolError(f"SVE1 header out of range: {n_tokens} tokens, {nx}x{ny} grid, width {n_embd}"
+                            + (f", tiles {tiles}" if tiles else ""))
+    header = SveHeader(n_tokens, nx, ny, n_embd, *tiles)
+    if n_tokens != header.grid.n_tokens:
+        raise ProtocolError(f"SVE1 header says {n_tokens} tokens for a {nx}x{ny} grid"
+                            + (f" after {tiles[0]}x{tiles[1]} tiles of {tiles[2]}x{tiles[2]}" if tiles else ""))
+    return header
 
 
 def parse_sve(data: bytes) -> tuple[SveHeader, np.ndarray]:
-    """Header and float32 rows (n_tokens, n_embd) of SVE1 `data`, which must be exactly that long.
+    """Header and float32 rows (n_tokens, n_embd) of SVE1/SVE2 `data`, which must be exactly that long.
 
     Raises:
         ProtocolError: a bad header, a size that does not match it, or a value that is not finite.
     """
     header = parse_sve_header(data)
-    expected = SVE_HEADER_BYTES + 4 * header.n_tokens * header.n_embd
+    expected = header.size + 4 * header.n_tokens * header.n_embd
     if len(data) != expected:
         raise ProtocolError(f"SVE1 data is {len(data)} bytes, its header needs {expected}")
-    rows = np.frombuffer(data, dtype="<f4", offset=SVE_HEADER_BYTES).reshape(header.n_tokens, header.n_embd)
+    rows = np.frombuffer(data, dtype="<f4", offset=header.size).reshape(header.n_tokens, header.n_embd)
     if not np.isfinite(rows).all():
         raise ProtocolError("SVE1 data holds values that are not finite")
     return header, rows

@@ -20,7 +20,10 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from typing import BinaryIO
+
+import numpy as np
 
 from strata.vision.encoder import EncodeCancelled, Encoder
 from strata.vision.load import open_encoder
@@ -28,7 +31,9 @@ from strata.vision.mmproj import MmprojError
 from strata.vision.preprocess import (
     DEFAULT_MAX_PIXELS,
     ImageError,
+    Picture,
     load_image,
+    most_rows,
     preprocess,
     sizing,
     token_budget,
@@ -92,14 +97,15 @@ class Server:
         self._closing = False
 
     def ready(self) -> Ready:
+        rule = sizing(self.encoder.hp, self.max_tokens, self.min_tokens)
         caps = Capabilities(
             cuda=False,
             threads=self.encoder.threads,
-            max_tokens=self.max_tokens,
+            max_tokens=most_rows(rule),  # a picture split into tiles takes more than the budget of its thumbnail
             fingerprint=self.encoder.mmproj.fingerprint,
             projector=self.encoder.hp.projector,
             max_image_bytes=self.max_image_bytes,
-            sizing=sizing(self.encoder.hp, self.max_tokens, self.min_tokens),
+            sizing=rule,
         )
         return Ready(self.encoder.n_embd, caps)
 
@@ -224,8 +230,7 @@ class Server:
         try:
             picture = preprocess(load_image(source, self.max_pixels), self.encoder.hp, self.max_tokens,
                                  self.min_tokens)
-            rows = self.encoder.encode(picture.pixels, job.cancel.is_set)
-            data = encode_sve(rows, picture.nx, picture.ny)
+            data = encode_picture(self.encoder, picture, job.cancel.is_set)
             ms = (time.perf_counter() - start) * 1000
             if isinstance(request, EncodeBytes):
                 return Result(request.job_id, picture.n_tokens, picture.nx, picture.ny, ms, len(data)), data
@@ -256,6 +261,14 @@ class Server:
                 self._stdout.flush()
             except (BrokenPipeError, ValueError):  # the reader is gone (ValueError: stream closed)
                 self._output_closed = True
+
+
+def encode_picture(encoder: Encoder, picture: Picture, cancelled: Callable[[], bool] = lambda: False) -> bytes:
+    """SVE bytes of a picture: each part (tile or whole) is encoded on its own, as the checkpoint sees them, and
+    their rows follow one another."""
+    rows = np.concatenate([encoder.encode(part, cancelled) for part in picture.parts])
+    grid = picture.grid
+    return encode_sve(rows, grid.nx, grid.ny, (grid.cols, grid.rows, grid.tile))
 
 
 def write_file(path: str, data: bytes) -> None:
@@ -343,7 +356,7 @@ def encode_main(argv: list[str]) -> int:
         encoder = _load(args)
         min_tokens, max_tokens = token_budget(encoder.hp, args.min_tokens, args.max_tokens)
         picture = preprocess(load_image(args.image), encoder.hp, max_tokens, min_tokens)
-        data = encode_sve(encoder.encode(picture.pixels), picture.nx, picture.ny)
+        data = encode_picture(encoder, picture)
         write_file(args.out, data)
     except (MmprojError, ImageError, OSError) as exc:
         print(f"strata-vision encode: {exc}", file=sys.stderr)
