@@ -285,7 +285,8 @@ def expand_image_pads(ids: list[int], pad_id: int, embeddings: list[Any],
                 out_ids.extend(marked)
                 keys.extend(marked)
             # each part is a grid of its own (Qwen3-VL's positions read it; a tiled picture is LFM2-VL's)
-            spans.append((len(out_ids), PictureRows(embedding.rows[first:first + nx * ny], nx)))
+            rows = embedding.rows if nx * ny == embedding.n_tokens else embedding.rows[first:first + nx * ny]
+            spans.append((len(out_ids), PictureRows(rows, nx)))
             out_ids.extend([pad_id] * (nx * ny))
             keys.extend((embedding.digest, row) for row in range(first, first + nx * ny))
             first += nx * ny

@@ -535,7 +535,7 @@ async def test_a_tiled_pictures_parts_follow_their_markers(scripted, tokenizer, 
     row_at: dict[int, np.ndarray] = {}
     for call, embeds in zip(engine.calls, engine.embeds, strict=True):
         for index, rows in embeds:
-            row_at.update((len(tokens) + index + k, row) for k, row in enumerate(rows))
+            row_at.update((len(tokens) + index + k, row) for k, row in enumerate(np.asarray(rows)))
         tokens += call
     pad = tokenizer.token_to_id("<|image_pad|>")
     index = tokens.index(tokenizer.token_to_id("<|vision_start|>")) + 1
