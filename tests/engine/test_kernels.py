@@ -325,3 +325,27 @@ def test_gemm_rows_matches_its_naive_reference(kernels, qtype, n_tok):
     assert np.all(np.abs(ys[0] - ys[1]) <= slack)
     want = x_seen.astype(np.float64) @ weights_f32(qtype, w, n_cols)[r0:r1].astype(np.float64).T
     assert np.all(np.abs(ys[1] - want) <= 1e-6 * np.abs(want) + 1e-30)
+
+
+@pytest.mark.parametrize("qtype", WEIGHT_TYPES)
+def test_a_tokens_row_does_not_depend_on_the_tokens_beside_it(kernels, qtype):
+    """Each token's outputs are the same bits whether it is the product's only token (decode: the direct tiles)
+    or one of 39 (a prompt: tiles of four tokens, rows prepared once per block of tokens, a pair and a last odd
+    token), so a sequence's logits in a batch equal its logits alone."""
+    kffi, klib = kernels
+    rng = np.random.default_rng(int(qtype) + 300)
+    n_tok, n_rows = 39, 9
+    n_cols = round_up(544, qtype)
+    w = random_weights(qtype, n_rows, n_cols, rng)
+    xq = quantize_rows(kernels, Q(klib.strata_traits(int(qtype)).vec_dot_type),
+                       rng.standard_normal((n_tok, n_cols)).astype(np.float32))
+
+    def product(x: np.ndarray) -> np.ndarray:
+        y = np.zeros((len(x), n_rows), dtype=np.float32)
+        klib.strata_gemm_rows(int(qtype), n_cols, kffi.from_buffer(w), 0, n_rows, kffi.from_buffer(x), len(x),
+                              kffi.from_buffer("float[]", y), n_rows)
+        return y
+
+    together = product(xq)
+    for t in range(n_tok):
+        assert_same_bits(product(xq[t:t + 1]), together[t:t + 1])

@@ -304,34 +304,44 @@ static inline __m128i u8x8_to_16(uint64_t v) {
 
 // Q4_K x Q8_K: sum_s sc_s * (q . x)_s scaled by d, minus sum_s m_s * bsum_s scaled by dmin.
 #if defined(VNNI512)
+// A block's integer sum per token in the 8 lanes in which the prepared prompt tile (tile_kq_prepared) leaves it,
+// from two 16-lane sums: a, of the 64-value chunks it takes in its first 128-value step (Q4_K: chunks 0 and 2 of
+// the direct tile), and b, of the others. The f32 work that follows is the same in both tiles, so a token's result
+// does not depend on how many tokens share its product (alone or in a batch, decode or prompt).
+static inline __m256i kq_canonical(__m512i a, __m512i b) {
+    __m256i fa = _mm256_add_epi32(_mm512_castsi512_si256(a), _mm512_extracti64x4_epi64(a, 1));
+    __m256i fb = _mm256_add_epi32(_mm512_castsi512_si256(b), _mm512_extracti64x4_epi64(b, 1));
+    return _mm256_hadd_epi32(fa, fb);
+}
+
 // 512-bit: a 32-byte chunk of qs unpacks to sub-block 2c (low nibbles) then 2c + 1 (high), the order of x. The
-// mins go straight into the f32 accumulators (lanes 0-7): dmin * m_s times da * (sum of sub-block s of x).
+// mins go straight into the f32 accumulators: dmin * m_s times da * (sum of sub-block s of x).
 INLINE void tile_q4_K(const gemm_args *a, int64_t r, int64_t t, int NR, int NT) {
     const block_q4_K *w[TR];
     const block_q8_K *x[TT];
-    __m512 acc[TR][TT];
+    __m256 acc[TR][TT];
     const __m512i low4 = _mm512_set1_epi8(0xf);
     UNROLL for (int i = 0; i < NR; i++) w[i] = W_ROW(a, TILE_ROW(a, r, i));
     UNROLL for (int j = 0; j < NT; j++) x[j] = X_ROW(a, t + j);
     UNROLL for (int i = 0; i < NR; i++)
-        UNROLL for (int j = 0; j < NT; j++) acc[i][j] = _mm512_setzero_ps();
+        UNROLL for (int j = 0; j < NT; j++) acc[i][j] = _mm256_setzero_ps();
     for (int64_t b = 0; b < a->n / QKK; b++) {
-        __m512 xsum[TT];  // da * the sum of each sub-block of x
+        __m256 xsum[TT];  // da * the sum of each sub-block of x
         UNROLL for (int j = 0; j < NT; j++) {
             __m256i bs = _mm256_loadu_si256((const __m256i *)x[j][b].bsums);
             __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(bs, _mm256_set1_epi16(1)));
-            xsum[j] = _mm512_zextps256_ps512(_mm256_mul_ps(sums, _mm256_set1_ps(x[j][b].d)));
+            xsum[j] = _mm256_mul_ps(sums, _mm256_set1_ps(x[j][b].d));
         }
         UNROLL for (int i = 0; i < NR; i++) {
             const block_q4_K *B = &w[i][b];
             uint64_t sc8, m8;
             q4k_scale_min_u64(B->scales, &sc8, &m8);
             __m512i sc16 = _mm512_castsi128_si512(u8x8_to_16(sc8));
-            __m512 mins = _mm512_zextps256_ps512(_mm256_mul_ps(
-                _mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(u8x8_to_16(m8))), _mm256_set1_ps(F16(B->dmin))));
-            __m512 d = _mm512_set1_ps(F16(B->d));
-            __m512i isum[TT];
-            UNROLL for (int j = 0; j < NT; j++) isum[j] = _mm512_setzero_si512();
+            __m256 mins = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(u8x8_to_16(m8))),
+                                        _mm256_set1_ps(F16(B->dmin)));
+            float d = F16(B->d);
+            __m512i isum[2][TT];
+            UNROLL for (int j = 0; j < NT; j++) isum[0][j] = isum[1][j] = _mm512_setzero_si512();
             UNROLL for (int c = 0; c < 4; c++) {
                 __m256i q = _mm256_loadu_si256((const __m256i *)(B->qs + 32 * c));
                 __m512i q2 = _mm512_and_si512(
@@ -341,17 +351,17 @@ INLINE void tile_q4_K(const gemm_args *a, int64_t r, int64_t t, int NR, int NT) 
                 __m512i s = _mm512_permutexvar_epi16(pick, sc16);
                 UNROLL for (int j = 0; j < NT; j++) {
                     __m512i xv = _mm512_loadu_si512(x[j][b].qs + 64 * c);
-                    isum[j] = _mm512_dpwssd_epi32(isum[j], _mm512_maddubs_epi16(q2, xv), s);
+                    isum[c % 2][j] = _mm512_dpwssd_epi32(isum[c % 2][j], _mm512_maddubs_epi16(q2, xv), s);
                 }
             }
             UNROLL for (int j = 0; j < NT; j++) {
-                __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(x[j][b].d));
-                acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[j]), scale, acc[i][j]);
-                acc[i][j] = _mm512_fnmadd_ps(mins, xsum[j], acc[i][j]);
+                __m256i sum = kq_canonical(isum[0][j], isum[1][j]);
+                acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(d * x[j][b].d), acc[i][j]);
+                acc[i][j] = _mm256_fnmadd_ps(mins, xsum[j], acc[i][j]);
             }
         }
     }
-    store_tile512(a, r, t, NR, NT, acc);
+    store_tile(a, r, t, NR, NT, acc);
 }
 #else
 INLINE void tile_q4_K(const gemm_args *a, int64_t r, int64_t t, int NR, int NT) {
@@ -418,25 +428,22 @@ static inline __m512i lane_index(int base) {
 }
 
 // 512-bit: 64 values at a time, chunks 0-1 and 2-3 of a half (the order of x), a group of 16 per 128-bit lane.
+// The sums of q01 and of q23 are kept apart for kq_canonical.
 INLINE void tile_q6_K(const gemm_args *a, int64_t r, int64_t t, int NR, int NT) {
     const block_q6_K *w[TR];
     const block_q8_K *x[TT];
-    __m512 acc[TR][TT];
+    __m256 acc[TR][TT];
     const __m512i low4 = _mm512_set1_epi8(0xf), bits45 = _mm512_set1_epi8(0x30);
     UNROLL for (int i = 0; i < NR; i++) w[i] = W_ROW(a, TILE_ROW(a, r, i));
     UNROLL for (int j = 0; j < NT; j++) x[j] = X_ROW(a, t + j);
     UNROLL for (int i = 0; i < NR; i++)
-        UNROLL for (int j = 0; j < NT; j++) acc[i][j] = _mm512_setzero_ps();
+        UNROLL for (int j = 0; j < NT; j++) acc[i][j] = _mm256_setzero_ps();
     for (int64_t b = 0; b < a->n / QKK; b++) {
         UNROLL for (int i = 0; i < NR; i++) {
             const block_q6_K *B = &w[i][b];
             __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)B->scales));
-            __m512i isum[TT];
-            UNROLL for (int j = 0; j < NT; j++) {
-                __m256i bs = _mm256_loadu_si256((const __m256i *)x[j][b].bsums);
-                __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 5);
-                isum[j] = _mm512_zextsi256_si512(_mm256_sub_epi32(_mm256_setzero_si256(), offset));
-            }
+            __m512i isum[2][TT];
+            UNROLL for (int j = 0; j < NT; j++) isum[0][j] = isum[1][j] = _mm512_setzero_si512();
             UNROLL for (int h = 0; h < 2; h++) {
                 __m512i ql = _mm512_loadu_si512(B->ql + 64 * h);  // chunk 0 | chunk 1 low nibbles
                 __m256i qh = _mm256_loadu_si256((const __m256i *)(B->qh + 32 * h));
@@ -452,15 +459,20 @@ INLINE void tile_q6_K(const gemm_args *a, int64_t r, int64_t t, int NR, int NT) 
                     const int8_t *xs = x[j][b].qs + 128 * h;
                     __m512i p01 = _mm512_maddubs_epi16(q01, _mm512_loadu_si512(xs));
                     __m512i p23 = _mm512_maddubs_epi16(q23, _mm512_loadu_si512(xs + 64));
-                    isum[j] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(isum[j], p01, s01), p23, s23);
+                    isum[0][j] = _mm512_dpwssd_epi32(isum[0][j], p01, s01);
+                    isum[1][j] = _mm512_dpwssd_epi32(isum[1][j], p23, s23);
                 }
             }
             float d = F16(B->d);
-            UNROLL for (int j = 0; j < NT; j++)
-                acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[j]), _mm512_set1_ps(d * x[j][b].d), acc[i][j]);
+            UNROLL for (int j = 0; j < NT; j++) {
+                __m256i bs = _mm256_loadu_si256((const __m256i *)x[j][b].bsums);
+                __m256i sum = _mm256_sub_epi32(kq_canonical(isum[0][j], isum[1][j]),
+                                               _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 5));
+                acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(d * x[j][b].d), acc[i][j]);
+            }
         }
     }
-    store_tile512(a, r, t, NR, NT, acc);
+    store_tile(a, r, t, NR, NT, acc);
 }
 #else
 INLINE void tile_q6_K(const gemm_args *a, int64_t r, int64_t t, int NR, int NT) {
@@ -505,38 +517,7 @@ INLINE void tile_q6_K(const gemm_args *a, int64_t r, int64_t t, int NR, int NT) 
 #endif
 #endif
 
-// --- prompt-shaped K-quant products (AVX-512 VNNI)
-// With many tokens, each tile of rows is unpacked once per block of tokens (kq_prep): values to bytes, scales to
-// the lanes they multiply, so that work is not repeated for every tile of tokens. One vpdpbusd per 64 values sums
-// 4 products per lane (at most 4 * 63 * 128 for Q6_K: 16 bits hold it); two chunks pack to 16 bits and one
-// vpdpwssd applies their scales: 3 multiplies per 64 values where vpmaddubsw + vpdpwssd take 4.
-#if defined(VNNI512)
-#define KQ_PREPARED 1
-#define KQ_MIN_TOKENS 16  // below this, preparing the rows costs more than it saves (measured)
-
-typedef struct {
-    uint8_t q[4][64];  // chunk c: elements 64c .. 64c + 63, unsigned (Q4_K: 0..15, Q6_K: 0..63)
-    int16_t s[2][32];  // per 16-bit lane of chunks 2h, 2h + 1 packed together, the scale of its sums
-    union {
-        float mins[8];    // Q4_K: dmin * m_s
-        int16_t sc[16];   // Q6_K: the scales
-    };
-    float d;
-} __attribute__((aligned(64))) kq_prep;
-
-// The scales of a packed pair of chunks 2h, 2h + 1: its 128-bit lane k holds 4 sums of chunk 2h (elements
-// 128h + 16k ..) then 4 of chunk 2h + 1 (64 further on); sc holds one scale per `group` elements.
-static inline __m512i kq_pair_scales(__m512i sc, int h, int group) {
-    const __m512i second = _mm512_set_epi16(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0,
-                                            1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
-    const __m512i lane_k = _mm512_set_epi16(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2,
-                                            1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    // element 128h + 64 * second + 16k, in units of `group`
-    __m512i e = _mm512_add_epi16(_mm512_slli_epi16(second, 6), _mm512_slli_epi16(lane_k, 4));
-    __m512i idx = _mm512_srli_epi16(_mm512_add_epi16(e, _mm512_set1_epi16((short)(128 * h))), group == 32 ? 5 : 4);
-    return _mm512_permutexvar_epi16(idx, sc);
-}
-
+#if defined(KQ_PREPARED)
 static void q4k_prepare(const block_q4_K *B, kq_prep *P) {
     uint64_t sc8, m8;
     q4k_scale_min_u64(B->scales, &sc8, &m8);
@@ -571,72 +552,6 @@ static void q6k_prepare(const block_q6_K *B, kq_prep *P) {
     P->d = F16(B->d);
 }
 
-// Lanes 0-7 of a, then lanes 0-7 of b, each the sum of its register's two halves.
-static inline __m512i fold_pair(__m512i a, __m512i b) {
-    return _mm512_add_epi32(_mm512_shuffle_i64x2(a, b, 0x44), _mm512_shuffle_i64x2(a, b, 0xee));
-}
-
-// A tile of rows prepared in p (row i's blocks nb apart) and tokens in pairs. Each pair folds its two 16-lane
-// sums into one register: a 4 x 4 tile holds 8 accumulators, not 16. The offsets cost a pair one instruction or
-// two: Q4_K's mins (dmin * m_s times da * the sum of sub-block s of x, in lanes s and 8 + s) one FMA; Q6_K's
-// 32 * sum_g sc_g * bsum_g a multiply-add of 16-bit pairs and a shift.
-INLINE void tile_kq_prepared(int type, const gemm_args *a, const kq_prep *p, int64_t r, int64_t t, int NR, int NT) {
-    const block_q8_K *x[TT];
-    __m512 acc[TR][TT / 2];
-    int64_t nb = a->n / QKK;
-    UNROLL for (int j = 0; j < NT; j++) x[j] = X_ROW(a, t + j);
-    UNROLL for (int i = 0; i < NR; i++)
-        UNROLL for (int k = 0; k < NT / 2; k++) acc[i][k] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        // per pair, in the halves of a register: da of each token, and its bsums (Q6_K) or, for Q4_K, da * the sum
-        // of each sub-block of 32
-        __m512 da[TT / 2], xsum[TT / 2];
-        __m512i bsums[TT / 2];
-        UNROLL for (int k = 0; k < NT / 2; k++) {
-            const block_q8_K *X0 = &x[2 * k][b], *X1 = &x[2 * k + 1][b];
-            da[k] = _mm512_insertf32x8(_mm512_set1_ps(X0->d), _mm256_set1_ps(X1->d), 1);
-            bsums[k] = load_2x256(X0->bsums, X1->bsums);
-            if (type == STRATA_TYPE_Q4_K)
-                xsum[k] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(bsums[k], _mm512_set1_epi16(1))), da[k]);
-        }
-        UNROLL for (int i = 0; i < NR; i++) {
-            const kq_prep *P = &p[i * nb + b];
-            __m512i isum[TT];
-            UNROLL for (int j = 0; j < NT; j++) isum[j] = _mm512_setzero_si512();
-            UNROLL for (int h = 0; h < 2; h++) {
-                __m512i q0 = _mm512_load_si512(P->q[2 * h]), q1 = _mm512_load_si512(P->q[2 * h + 1]);
-                __m512i s = _mm512_load_si512(P->s[h]);
-                UNROLL for (int j = 0; j < NT; j++) {
-                    const int8_t *xs = x[j][b].qs + 128 * h;
-                    // a fresh load for every row: kept across rows, x would take 16 registers
-                    __asm__("" : "+r"(xs));
-                    __m512i zero = _mm512_setzero_si512();
-                    __m512i p0 = _mm512_dpbusd_epi32(zero, q0, _mm512_loadu_si512(xs));
-                    __m512i p1 = _mm512_dpbusd_epi32(zero, q1, _mm512_loadu_si512(xs + 64));
-                    isum[j] = _mm512_dpwssd_epi32(isum[j], _mm512_packs_epi32(p0, p1), s);
-                }
-            }
-            __m512 d = _mm512_set1_ps(P->d);
-            UNROLL for (int k = 0; k < NT / 2; k++) {
-                __m512i sum = fold_pair(isum[2 * k], isum[2 * k + 1]);
-                if (type == STRATA_TYPE_Q6_K)  // the values are q + 32
-                    sum = _mm512_sub_epi32(sum, _mm512_slli_epi32(_mm512_madd_epi16(
-                        _mm512_broadcast_i32x8(_mm256_load_si256((const __m256i *)P->sc)), bsums[k]), 5));
-                acc[i][k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, da[k]), acc[i][k]);
-                if (type == STRATA_TYPE_Q4_K)
-                    acc[i][k] = _mm512_fnmadd_ps(_mm512_broadcast_f32x8(_mm256_load_ps(P->mins)), xsum[k],
-                                                 acc[i][k]);
-            }
-        }
-    }
-    UNROLL for (int i = 0; i < NR; i++)
-        UNROLL for (int k = 0; k < NT / 2; k++) {
-            int64_t row = TILE_ROW(a, r, i);
-            a->y[(t + 2 * k) * a->ldy + row] = hsum256(_mm512_castps512_ps256(acc[i][k]));
-            a->y[(t + 2 * k + 1) * a->ldy + row] = hsum256(_mm512_extractf32x8_ps(acc[i][k], 1));
-        }
-}
-
 // Rows r, r + rs, ... (NR of them) prepared into p, then every token of [tb, te) against them: pairs of pairs,
 // a last pair, and a last odd token straight from the blocks.
 INLINE void kq_row_tile(int type, const gemm_args *a, kq_prep *p, int64_t r, int64_t tb, int64_t te, int NR) {
@@ -649,8 +564,9 @@ INLINE void kq_row_tile(int type, const gemm_args *a, kq_prep *p, int64_t r, int
         }
     }
     int64_t t = tb;
-    for (; t + TT <= te; t += TT) tile_kq_prepared(type, a, p, r, t, NR, TT);
-    for (; t + 2 <= te; t += 2) tile_kq_prepared(type, a, p, r, t, NR, 2);
+    const int kind = type == STRATA_TYPE_Q4_K ? KQ_Q4_K : KQ_Q6_K;
+    for (; t + TT <= te; t += TT) tile_kq_prepared(kind, a, p, r, t, NR, TT);
+    for (; t + 2 <= te; t += 2) tile_kq_prepared(kind, a, p, r, t, NR, 2);
     if (t < te) {
         if (type == STRATA_TYPE_Q4_K) tile_q4_K(a, r, t, NR, 1);
         else tile_q6_K(a, r, t, NR, 1);

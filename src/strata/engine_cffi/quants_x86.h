@@ -97,6 +97,120 @@ static inline __m512i load_4x128(const void *p0, const void *p1, const void *p2,
 }
 #endif
 
+// --- prompt-shaped K-quant products (AVX-512 VNNI)
+// With many tokens, each tile of rows is unpacked once per block of tokens (kq_prep): values to bytes, scales to
+// the lanes they multiply, so that work is not repeated for every tile of tokens. One vpdpbusd per 64 values sums
+// 4 products per lane (at most 4 * 63 * 128 for Q6_K: 16 bits hold it); two chunks pack to 16 bits and one
+// vpdpwssd applies their scales: 3 multiplies per 64 values where vpmaddubsw + vpdpwssd take 4.
+#if defined(VNNI512)
+#define KQ_PREPARED 1
+#define KQ_MIN_TOKENS 16  // below this, preparing the rows costs more than it saves (measured)
+
+typedef struct {
+    uint8_t q[4][64];  // chunk c: elements 64c .. 64c + 63, unsigned (at most 63)
+    int16_t s[2][32];  // per 16-bit lane of chunks 2h, 2h + 1 packed together, the scale of its sums
+    union {
+        float mins[8];    // Q4_K: dmin * m_s
+        int16_t sc[16];   // Q6_K: the scales
+        int16_t osc[16];  // KQ_OFFSET: -o * the scale of each group of 16, for values stored as q + o
+    };
+    int16_t m[16];     // KQ_MINS: the min of each group of 16
+    float d, dmin;
+} __attribute__((aligned(64))) kq_prep;
+
+// What tile_kq_prepared adds to the products of the prepared values: Q4_K's and Q6_K's own terms, or for the
+// 256-element types of quants_x86_kx.c an offset (-o * sum_g sc_g * bsum_g) or mins (dmin * sum_g m_g * bsum_g).
+enum { KQ_Q4_K, KQ_Q6_K, KQ_OFFSET, KQ_MINS };
+
+// The scales of a packed pair of chunks 2h, 2h + 1: its 128-bit lane k holds 4 sums of chunk 2h (elements
+// 128h + 16k ..) then 4 of chunk 2h + 1 (64 further on); sc holds one scale per `group` elements.
+static inline __m512i kq_pair_scales(__m512i sc, int h, int group) {
+    const __m512i second = _mm512_set_epi16(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0,
+                                            1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
+    const __m512i lane_k = _mm512_set_epi16(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2,
+                                            1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    // element 128h + 64 * second + 16k, in units of `group`
+    __m512i e = _mm512_add_epi16(_mm512_slli_epi16(second, 6), _mm512_slli_epi16(lane_k, 4));
+    __m512i idx = _mm512_srli_epi16(_mm512_add_epi16(e, _mm512_set1_epi16((short)(128 * h))), group == 32 ? 5 : 4);
+    return _mm512_permutexvar_epi16(idx, sc);
+}
+
+// Lanes 0-7 of a, then lanes 0-7 of b, each the sum of its register's two halves.
+static inline __m512i fold_pair(__m512i a, __m512i b) {
+    return _mm512_add_epi32(_mm512_shuffle_i64x2(a, b, 0x44), _mm512_shuffle_i64x2(a, b, 0xee));
+}
+
+// A tile of rows prepared in p (row i's blocks nb apart) and tokens in pairs. Each pair folds its two 16-lane
+// sums into one register: a 4 x 4 tile holds 8 accumulators, not 16. The offsets cost a pair one instruction or
+// two: Q4_K's mins (dmin * m_s times da * the sum of sub-block s of x, in lanes s and 8 + s) one FMA; Q6_K's
+// 32 * sum_g sc_g * bsum_g a multiply-add of 16-bit pairs and a shift; KQ_OFFSET's one vpdpwssd. Each kind's
+// direct tile ends in the same integer lanes and f32 steps (kq_canonical, tile_kx).
+INLINE void tile_kq_prepared(int kind, const gemm_args *a, const kq_prep *p, int64_t r, int64_t t, int NR, int NT) {
+    const block_q8_K *x[TT];
+    __m512 acc[TR][TT / 2];
+    int64_t nb = a->n / QKK;
+    UNROLL for (int j = 0; j < NT; j++) x[j] = X_ROW(a, t + j);
+    UNROLL for (int i = 0; i < NR; i++)
+        UNROLL for (int k = 0; k < NT / 2; k++) acc[i][k] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        // per pair, in the halves of a register: da of each token, and its bsums (Q6_K) or, for Q4_K, da * the sum
+        // of each sub-block of 32
+        __m512 da[TT / 2], xsum[TT / 2];
+        __m512i bsums[TT / 2];
+        UNROLL for (int k = 0; k < NT / 2; k++) {
+            const block_q8_K *X0 = &x[2 * k][b], *X1 = &x[2 * k + 1][b];
+            da[k] = _mm512_insertf32x8(_mm512_set1_ps(X0->d), _mm256_set1_ps(X1->d), 1);
+            bsums[k] = load_2x256(X0->bsums, X1->bsums);
+            if (kind == KQ_Q4_K)
+                xsum[k] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(bsums[k], _mm512_set1_epi16(1))), da[k]);
+        }
+        UNROLL for (int i = 0; i < NR; i++) {
+            const kq_prep *P = &p[i * nb + b];
+            __m512i isum[TT];
+            UNROLL for (int j = 0; j < NT; j++) isum[j] = _mm512_setzero_si512();
+            UNROLL for (int h = 0; h < 2; h++) {
+                __m512i q0 = _mm512_load_si512(P->q[2 * h]), q1 = _mm512_load_si512(P->q[2 * h + 1]);
+                __m512i s = _mm512_load_si512(P->s[h]);
+                UNROLL for (int j = 0; j < NT; j++) {
+                    const int8_t *xs = x[j][b].qs + 128 * h;
+                    // a fresh load for every row: kept across rows, x would take 16 registers
+                    __asm__("" : "+r"(xs));
+                    __m512i zero = _mm512_setzero_si512();
+                    __m512i p0 = _mm512_dpbusd_epi32(zero, q0, _mm512_loadu_si512(xs));
+                    __m512i p1 = _mm512_dpbusd_epi32(zero, q1, _mm512_loadu_si512(xs + 64));
+                    isum[j] = _mm512_dpwssd_epi32(isum[j], _mm512_packs_epi32(p0, p1), s);
+                }
+            }
+            __m512 d = _mm512_set1_ps(P->d);
+            UNROLL for (int k = 0; k < NT / 2; k++) {
+                __m512i sum = fold_pair(isum[2 * k], isum[2 * k + 1]);
+                if (kind == KQ_Q6_K)  // the values are q + 32
+                    sum = _mm512_sub_epi32(sum, _mm512_slli_epi32(_mm512_madd_epi16(
+                        _mm512_broadcast_i32x8(_mm256_load_si256((const __m256i *)P->sc)), bsums[k]), 5));
+                if (kind == KQ_OFFSET)
+                    sum = _mm512_dpwssd_epi32(sum, _mm512_broadcast_i32x8(_mm256_load_si256((const __m256i *)P->osc)),
+                                              bsums[k]);
+                if (kind == KQ_MINS)
+                    acc[i][k] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(
+                        _mm512_broadcast_i32x8(_mm256_load_si256((const __m256i *)P->m)), bsums[k])),
+                        _mm512_mul_ps(_mm512_set1_ps(P->dmin), da[k]), acc[i][k]);
+                acc[i][k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, da[k]), acc[i][k]);
+                if (kind == KQ_Q4_K)
+                    acc[i][k] = _mm512_fnmadd_ps(_mm512_broadcast_f32x8(_mm256_load_ps(P->mins)), xsum[k],
+                                                 acc[i][k]);
+            }
+        }
+    }
+    UNROLL for (int i = 0; i < NR; i++)
+        UNROLL for (int k = 0; k < NT / 2; k++) {
+            int64_t row = TILE_ROW(a, r, i);
+            a->y[(t + 2 * k) * a->ldy + row] = hsum256(_mm512_castps512_ps256(acc[i][k]));
+            a->y[(t + 2 * k + 1) * a->ldy + row] = hsum256(_mm512_extractf32x8_ps(acc[i][k], 1));
+        }
+}
+
+#endif
+
 // Without a vector path a tile is NR * NT scalar dot products.
 #define TILE_SCALAR(t) \
     static inline void tile_scalar_##t(const gemm_args *a, int64_t r, int64_t tk, int NR, int NT) { \

@@ -333,12 +333,12 @@ INLINE void tile_kx(int k, const gemm_args *a, const kx_prep *P, int64_t r, int6
 // tile_kx, which is what a prompt's inner loop is bound by (Zen 4 splits the 512-bit ops, but not the decoding).
 INLINE void tile_kx_prep512(int k, const gemm_args *a, const kx_prep *P, int64_t r, int64_t t, int NR, int NT) {
     const block_q8_K *x[TT] = {0};
-    __m512 acc[TR][TT];
+    __m256 acc[TR][TT];
     const int o = kx_offset(k);
     const int64_t nb = a->n / QKK;
     UNROLL for (int j = 0; j < NT; j++) x[j] = X_ROW(a, t + j);
     UNROLL for (int i = 0; i < NR; i++)
-        UNROLL for (int j = 0; j < NT; j++) acc[i][j] = _mm512_setzero_ps();
+        UNROLL for (int j = 0; j < NT; j++) acc[i][j] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         UNROLL for (int i = 0; i < NR; i++) {
             const kx_prep *p = &P[i * nb + b];
@@ -358,23 +358,21 @@ INLINE void tile_kx_prep512(int k, const gemm_args *a, const kx_prep *P, int64_t
                     isum[j] = _mm512_dpwssd_epi32(isum[j], _mm512_maddubs_epi16(u, xv), s);
                 }
             }
+            // from here on as tile_kx, op for op: the halves' sum is its integer sum, lane for lane
             UNROLL for (int j = 0; j < NT; j++) {
                 __m256i sum = _mm256_add_epi32(_mm512_castsi512_si256(isum[j]), _mm512_extracti64x4_epi64(isum[j], 1));
-                __m256 v = _mm256_setzero_ps();
                 if (KX_MINS(k) || o) {
                     __m256i bs = _mm256_loadu_si256((const __m256i *)x[j][b].bsums);
                     if (o) sum = _mm256_sub_epi32(sum, _mm256_mullo_epi32(_mm256_madd_epi16(p->sc, bs), _mm256_set1_epi32(o)));
                     if (KX_MINS(k))
-                        v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p->m, bs)), _mm256_set1_ps(-p->dmin * x[j][b].d));
+                        acc[i][j] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p->m, bs)),
+                                                     _mm256_set1_ps(p->dmin * x[j][b].d), acc[i][j]);
                 }
-                v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(p->d * x[j][b].d), v);
-                acc[i][j] = _mm512_add_ps(acc[i][j], _mm512_castps256_ps512(v));
+                acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(p->d * x[j][b].d), acc[i][j]);
             }
         }
     }
-    UNROLL for (int i = 0; i < NR; i++)
-        UNROLL for (int j = 0; j < NT; j++)
-            a->y[(t + j) * a->ldy + TILE_ROW(a, r, i)] = hsum256(_mm512_castps512_ps256(acc[i][j]));
+    store_tile(a, r, t, NR, NT, acc);
 }
 #define KX_PREPARED_TILE(k, a, P, r, t, NR, NT) tile_kx_prep512(k, a, P, r, t, NR, NT)
 #else
