@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import pathlib
+import subprocess
+import sys
 
 import gguf
 import numpy as np
@@ -26,9 +28,8 @@ from transformers import Lfm2VlForConditionalGeneration, Lfm2VlModel
 
 from strata.vision.encoder import Encoder
 from strata.vision.mmproj import Mmproj, read_hparams
-from strata.vision.preprocess import preprocess, token_budget
+from strata.vision.preprocess import load_image, preprocess, token_budget
 from strata.vision.protocol import parse_sve
-from strata.vision.worker import encode_picture
 
 from .test_lfm2_vl import N_TEXT, PATCH, checkpoint, reference
 
@@ -94,16 +95,25 @@ def test_embeddings_match_the_checkpoint(converted: tuple, outtype: str, size: t
     assert err < TOLERANCE[outtype], f"relative error {err:.2e}"
 
 
-def test_a_tiled_picture_through_the_converters_file(converted: tuple) -> None:
-    """A picture large enough to be split: each part's rows are the checkpoint's for that part's pixels."""
+def test_strata_vision_encodes_a_tiled_picture_with_it(converted: tuple, tmp_path: pathlib.Path) -> None:
+    """A picture large enough to be split, through the `strata-vision encode` process: each part's rows are the
+    checkpoint's for that part's pixels, in order."""
     model, files = converted
-    encoder = Encoder(Mmproj.load(files["f32"]), threads=2)
-    min_tokens, max_tokens = token_budget(encoder.hp)
     image = Image.fromarray(np.random.default_rng(3).uniform(0, 255, (9, 16, 3)).astype(np.uint8)).resize(
         (1100, 600), Image.Resampling.BICUBIC)
-    picture = preprocess(image, encoder.hp, max_tokens, min_tokens)
-    assert (picture.grid.cols, picture.grid.rows) == (2, 1)
-    _, rows = parse_sve(encode_picture(encoder, picture))
-    expected = np.concatenate([reference(model, part) for part in picture.parts])
+    path = tmp_path / "wide.png"
+    image.save(path)
+    done = subprocess.run([sys.executable, "-m", "strata.vision.worker", "encode", str(path), "--mmproj",
+                           str(files["f32"]), "--out", str(tmp_path / "wide.sve"), "--threads", "2"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout)
+    assert (summary["tiles"], summary["nx"], summary["ny"], summary["n_tokens"]) == ([2, 1, 16], 21, 11, 743)
+    header, rows = parse_sve((tmp_path / "wide.sve").read_bytes())
+    assert header.grid.tiled and rows.shape == (743, N_TEXT)
+    hp = read_hparams(gguf.GGUFReader(files["f32"]))
+    min_tokens, max_tokens = token_budget(hp)
+    parts = preprocess(load_image(str(path)), hp, max_tokens, min_tokens).parts
+    expected = np.concatenate([reference(model, part) for part in parts])
     err = np.linalg.norm(rows - expected) / np.linalg.norm(expected)
     assert err < TOLERANCE["f32"], f"relative error {err:.2e}"

@@ -366,6 +366,7 @@ def encode_main(argv: list[str]) -> int:
         "n_tokens": picture.n_tokens,
         "nx": picture.nx,
         "ny": picture.ny,
+        "tiles": [picture.grid.cols, picture.grid.rows, picture.grid.tile],  # [0, 0, 0]: not split
         "n_embd": encoder.n_embd,
         "fingerprint": encoder.mmproj.fingerprint,
         "ms": round((time.perf_counter() - start) * 1000, 1),
