@@ -15,6 +15,7 @@ positions of max |ours - llama.cpp| / max |llama.cpp|):
 - Presets with Q4_1 or Q5_1 tensors: 6e-3 to 2e-2 at every position for Q4_1 and Q5_1, 1e-3 to 5e-3 at most
   positions for Q3_K_L and Q5_K_S (Q5_1 in their ffn_down). ggml pairs these types with Q8_1 activations,
   whose per-block sum (times the weights' min) is stored as f16; we use the exact sum of the same int8 values.
+  On this file's Q4_1 attn_q and a random input, that alone moves the product by 4e-4 of its largest output.
   Not a format difference.
 - Isolated jumps at one position (Q4_K_M 7e-3, Q5_0 7e-3, IQ3_S 3e-3, IQ2_M 2e-3, Q2_K 3e-6; elsewhere ~3e-7), on
   quantised files: a 1e-7 difference moves an activation across a rounding boundary of its int8 (Q8_0/Q8_K)
