@@ -276,16 +276,35 @@ def test_cancel_frees_the_slot_at_the_next_step_and_the_others_go_on() -> None:
     assert a.tokens == [(2 + i) % N_VOCAB for i in range(10)]
 
 
+def test_a_job_cancelled_between_steps_leaves_without_an_engine_call() -> None:
+    engine = SuccessorEngine(n_seq=2)
+    batcher = Batcher(engine)
+    batcher.add(a := job([1], max_tokens=5))
+    batcher.add(b := job([7], max_tokens=5))
+    batcher.step()
+    batcher.cancel(b)
+    n_calls = len(engine.calls)
+    assert batcher.step() == [b] and b.finish == "cancel" and len(engine.calls) == n_calls  # told at once
+    run(batcher, a)
+    assert a.tokens == [2, 3, 4, 5, 6]
+
+
 def test_an_abort_in_flight_drops_only_that_job() -> None:
     engine = SuccessorEngine(n_seq=2)
     batcher = Batcher(engine)
     batcher.add(a := job([1], max_tokens=5))
     batcher.add(b := job([7], max_tokens=5))
-    batcher._in_call = {b.seq}  # as if the call were in flight: cancel raises the engine's flag for b
-    batcher.cancel(b)
-    assert engine.flags == {b.seq}
-    batcher.step()
-    assert a.tokens == [2] and b.finish == "cancel" and not engine.flags
+    evaluate = engine.eval_batch
+
+    def cancelled_in_flight(items):
+        batcher.cancel(b)  # from another thread while the call runs: the engine's flag for b goes up
+        assert engine.flags == {b.seq}
+        engine.eval_batch = evaluate
+        return evaluate(items)
+
+    engine.eval_batch = cancelled_in_flight
+    assert set(batcher.step()) == {a, b}
+    assert a.tokens == [2] and b.finish == "cancel" and not engine.flags and b.tokens == []
     run(batcher, a)
     assert a.tokens == [2, 3, 4, 5, 6]
 

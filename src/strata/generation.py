@@ -252,10 +252,13 @@ class Batcher:
                 self.engine.abort(job.seq)
 
     def step(self) -> list[Job]:
-        """One engine call for every job that has work; returns the jobs that got tokens or finished."""
+        """One engine call for every job that has work; returns the jobs that got tokens or finished. Jobs
+        cancelled between two steps leave their slots without a call: the step returns them at once."""
         changed = [job for job in self.jobs if job.stopping]
         for job in changed:
             self._leave(job, "cancel")
+        if changed:  # their slots are free: say so now, not after another engine call
+            return changed
         started = self.clock()
         items, work, n_decoding = self._plan()
         if not items:

@@ -1162,7 +1162,8 @@ typedef struct {
     float *logits;                 // the caller's (n_out, n_vocab)
 } chunk_job;
 
-/* Every thread's part of a chunk: embeddings, every layer (the abort flags checked before each), logits. */
+/* Every thread's part of a chunk: embeddings, every layer (the abort flags checked before its attention and
+ * before its feed-forward: a long prompt's chunk spends a layer's time in each), logits. */
 static void forward_job(int ith, int nth, void *arg) {
     const chunk_job *j = arg;
     strata_context *c = j->c;
@@ -1171,6 +1172,7 @@ static void forward_job(int ith, int nth, void *arg) {
     embed(&tm, c, j->embd_rows, j->n_tok);
     for (int il = 0; il < m->hp.n_layer && !team_should_stop(&tm, c, j->n_tok); il++) {
         attention_block(&tm, c, il, j->n_tok);
+        if (team_should_stop(&tm, c, j->n_tok)) break;
         if (m->is_moe) moe_block(&tm, c, il, j->n_tok);
         else dense_ffn_block(&tm, c, il, j->n_tok);
         if (il < m->hp.n_deepstack) add_deepstack(&tm, c, j->embd_rows, il, j->n_tok);
