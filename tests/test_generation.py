@@ -214,6 +214,17 @@ def test_a_joining_prompt_is_cut_so_that_a_step_takes_at_most_slowdown_times_the
     assert sum(chunks) == 640 and all(chunk >= 1 for chunk in chunks)
 
 
+def test_a_prompt_within_the_token_cap_joins_in_one_step() -> None:
+    engine = TimedEngine(0.02, lambda pos: 0.01, prompting={1}, n_seq=2, n_ctx=256)
+    batcher = Batcher(engine, step_tokens=32, slowdown=2.0, clock=engine.clock)
+    batcher.add(a := job([1], max_tokens=50))
+    for _ in range(3):
+        batcher.step()
+    batcher.add(b := job(list(range(31))))  # 31 = the cap less a's token: not cut, though 10x a's step
+    batcher.step()
+    assert [(seq, len(t)) for seq, t, _ in engine.calls[-1]] == [(a.seq, 1), (b.seq, 31)] and b.tokens
+
+
 def test_a_new_number_of_decoding_jobs_gets_a_decode_only_step_first() -> None:
     engine = TimedEngine(0.01, lambda pos: 0.001, prompting={2}, n_seq=3, n_ctx=256)
     batcher = Batcher(engine, step_tokens=64, slowdown=3.0, clock=engine.clock)

@@ -121,8 +121,8 @@ class Config:
     # MiB the KV cache of all slots may take: startup refuses a slots x context that needs more (None: no bound)
     kv_budget: float | None = None
     step_tokens: int = 64  # most tokens per engine step while streams decode: a joining prompt comes in chunks
-    # While streams decode, a step carrying a joining prompt's chunk takes at most this many times their own step
-    # (measured as the server runs); the chunk is sized to fit, within step_tokens.
+    # While streams decode and a prompt longer than step_tokens joins, a step carrying its chunk takes at most this
+    # many times their own step (measured as the server runs); the chunk is sized to fit, within step_tokens.
     step_slowdown: float = 2.0
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     vision: VisionConfig = field(default_factory=VisionConfig)

@@ -17,7 +17,8 @@ HELP = {
     "slots": "requests generating at once (each keeps its KV cache of context positions while idle)",
     "kv_budget": "most MiB the KV cache of all slots may take (slots x context must fit; default: no bound)",
     "step_tokens": "most tokens per engine step while requests decode (a joining prompt comes in chunks)",
-    "step_slowdown": "most a joining prompt may slow the decoding requests' steps, as a multiple of their own step",
+    "step_slowdown": "most a joining prompt longer than step_tokens may slow the decoding requests' steps, as a "
+                     "multiple of their own step",
     "web": "serve the chat page (/) and the monitor (/monitor)",
     "model_alias": "the served model name(s), comma-separated; the first is reported",
     "cors_origins": 'browser origins allowed to call the API, as a JSON list ("*": any)',

@@ -1,10 +1,10 @@
 """The generation loop: jobs generating on the sequences (slots) of one engine context, advanced together.
 
 `Batcher.step()` is one engine call: one token of every decoding job, plus prompt chunks of joining jobs within a
-per-step budget, so a long prompt never holds up the streams already running. The budget is one of time
-(`StepBudget`: a step with prompt chunks takes at most `slowdown` times the decoding jobs' own step, from costs
-measured as it runs) under a cap of tokens. The server's engine thread and `strata generate` (through `generate`)
-both loop over it. No I/O and no detokenising: callers render the ids.
+per-step budget, so a long prompt never holds up the streams already running. The budget is a cap of tokens,
+and while a prompt longer than the cap joins, one of time (`StepBudget`: a step with prompt chunks takes at most
+`slowdown` times the decoding jobs' own step, from costs measured as it runs). The server's engine thread and
+`strata generate` (through `generate`) both loop over it. No I/O and no detokenising: callers render the ids.
 
 Each slot keeps what its cache holds after its job ends (the prefix cache): a new job goes to the idle slot whose
 cache shares the longest prefix with its prompt (token ids, and (picture digest, row) for picture rows), the
@@ -177,10 +177,11 @@ class Batcher:
 
     Args:
         engine: a context of `engine.n_seq` sequences.
-        step_tokens: the most tokens one step takes while some job is decoding (decode tokens included).
+        step_tokens: the most tokens one step takes while some job is decoding (decode tokens included); a
+            joining prompt that fits goes in one step.
         n_batch: the most tokens of a step with nobody decoding (default: the engine's `n_batch`).
-        slowdown: while jobs decode, a step with prompt chunks takes at most this many times their decode-only
-            step (`StepBudget`); None: `step_tokens` is the only bound.
+        slowdown: while jobs decode and a prompt longer than `step_tokens` joins, a step with prompt chunks takes
+            at most this many times their decode-only step (`StepBudget`); None: `step_tokens` is the only bound.
         clock: seconds, for measuring steps.
     """
 
@@ -312,7 +313,10 @@ class Batcher:
             items.append(BatchItem(job.seq, job.history[-1:]))
             work.append(job)
         budget = self.step_tokens - len(decoding) if decoding else self.n_batch
-        if decoding and self.budget is not None and len(decoding) < len(self.jobs):
+        # A short prompt (a side request, a parallel one) joins within the token cap at once; only a prompt
+        # longer than that, which would hold the streams for many steps, is cut by time.
+        if decoding and self.budget is not None and any(
+                not job.decoding and job.n_prompt - job.reused > budget for job in self.jobs):
             budget = self.budget.prompt_tokens(len(decoding), budget)
         for job in self.jobs:
             if job.decoding or budget <= 0:
