@@ -79,6 +79,44 @@ async def released_after(service: Service, hung_up_wall: float, n_rows: int) -> 
     return row.start + row.duration - hung_up_wall if row.finish == "cancel" else None
 
 
+class Marks:
+    """Where a release's time goes: hang-up -> the batcher told (`cancel`) -> the job out of its slot."""
+
+    def __init__(self, service: Service):
+        batcher = service.loop.batcher
+        self.told: dict[Any, float] = {}
+        self.left: dict[Any, float] = {}
+        self.hung_up: list[tuple[float, float]] = []  # (hang-up, batcher told), time.time()
+        cancel, leave = batcher.cancel, batcher._leave
+
+        def told(job: Any) -> None:
+            self.told.setdefault(job, time.time())
+            if HANG_UPS and len(self.hung_up) < len(HANG_UPS):
+                self.hung_up.append((HANG_UPS[-1], self.told[job]))
+            cancel(job)
+
+        def left(job: Any, finish: str) -> None:
+            leave(job, finish)
+            if finish == "cancel":
+                self.left[job] = time.time()
+
+        batcher.cancel, batcher._leave = told, left
+
+    def split(self) -> str:
+        """Median ms from the batcher being told to the job leaving its slot, since the last call."""
+        spans = [1e3 * (self.left[job] - t) for job, t in self.told.items() if job in self.left]
+        before = [1e3 * (told - hung_up) for hung_up, told in self.hung_up]
+        self.told.clear()
+        self.left.clear()
+        self.hung_up.clear()
+        HANG_UPS.clear()
+        out = f"hang-up -> told {statistics.median(before):.1f} (max {max(before):.1f})" if before else ""
+        return out + (f", told -> left {statistics.median(spans):.1f} (max {max(spans):.1f})" if spans else "")
+
+
+HANG_UPS: list[float] = []  # time.time() of each measured hang-up
+
+
 def states(service: Service) -> list[str]:
     return [slot["state"] for slot in service.slots()]
 
@@ -107,6 +145,7 @@ async def one_hang_up(service: Service, client: Client, phase: str, idle_ttft: f
                 await trio.sleep(rng.uniform(0, 0.01))
                 n_rows = service.history.totals.requests
                 hung_up = time.time()
+                HANG_UPS.append(hung_up)
                 await victim.aclose()
                 release = await released_after(service, hung_up, n_rows)
                 await first.aclose()
@@ -123,6 +162,7 @@ async def one_hang_up(service: Service, client: Client, phase: str, idle_ttft: f
                 1 if phase == "prompt" else n_slots)
             n_rows = service.history.totals.requests
             hung_up_wall, hung_up = time.time(), time.perf_counter()
+            HANG_UPS.append(hung_up_wall)
             await first.aclose()
             release = await released_after(service, hung_up_wall, n_rows)
     finally:
@@ -188,6 +228,7 @@ async def main(args: argparse.Namespace) -> None:
     async with open_service(config, log=lambda line: None) as service:
         async with served(service) as (host, port):
             client = Client(host, port)
+            marks = Marks(service)
             idle_ttft = await idle_first_token(service, client)
             print(f"model {args.model.name}, threads {service.engine.threads}, slots {args.slots}; idle time to "
                   f"first token {idle_ttft * 1e3:.1f} ms; {args.repeats} repeats; load average "
@@ -201,7 +242,7 @@ async def main(args: argparse.Namespace) -> None:
                         releases.append(release)
                     if wait is not None:
                         waits.append(wait)
-                print(f"{phase:<22} {summary(releases):>26} {summary(waits):>30}")
+                print(f"{phase:<22} {summary(releases):>26} {summary(waits):>30}   {marks.split()}")
             storm: list[float] = []
             for _ in range(max(1, args.repeats // 3)):
                 storm += await random_storm(service, client, rng)
