@@ -9,9 +9,10 @@ reported (the machine is shared, so only figures from one run are compared):
 
 - "before": the mask computed on the decode path before each token and written through a boolean copy over
   the whole vocabulary, the sampler's pipeline on the whole vocabulary (the guide before these changes);
-- "on the path": the guide with `overlap` off (what the server runs where the engine's threads take every
-  core): the mask computed after each token, written by index, the sampler drawing among the allowed ids;
-- "overlapped": the same with the next mask computed in a pool thread while the engine computes the logits.
+- "on the path": the guide with `overlap` off: the mask computed after each token, written by index, the
+  sampler drawing among the allowed ids when they are few;
+- "overlapped": the server's guide: the same with the next mask computed in a pool thread while the engine
+  computes the logits.
 """
 
 from __future__ import annotations

@@ -257,8 +257,8 @@ class Grammars:
     Args:
         tokenizer: the model's `strata.tokenizer.Tokenizer`.
         n_vocab: the engine's logits length (may exceed the tokenizer's).
-        overlap: the guides compute their next masks in a pool thread beside the engine's forward pass; worth it
-            only where a core is left for it (see `Guide`).
+        overlap: the guides compute their next masks in a pool thread beside the engine's forward pass (see
+            `Guide`; off only to measure the difference).
     """
 
     def __init__(self, tokenizer: Any, n_vocab: int, overlap: bool = True):
@@ -397,9 +397,8 @@ class Guide:
 
     The mask depends only on the tokens sampled so far. With `overlap`, `advance` hands the token to a pool
     thread that consumes it and computes the next mask while the engine computes the next logits, and `apply`
-    waits for it (it is usually done) and writes it. That pays where a core is free for it: where the engine's
-    threads take every core, the thread's wake-ups and its share of a core cost the forward pass more than the
-    mask (bench/RESULTS.md), and `advance` computes the mask itself.
+    waits for it (it is usually done) and writes it; without, `advance` computes the mask itself. Overlapping
+    also keeps the gap between engine calls short, within the engine threads' idle spin (bench/RESULTS.md).
     """
 
     plan: Plan

@@ -208,9 +208,7 @@ class Service:
         if not template:
             raise ServiceUnavailable("the model has no chat template (tokenizer.chat_template)")
         self.engine, self.tokenizer, self.template = engine, tokenizer, template
-        # Masks beside the forward pass only where the engine leaves a core free for them.
-        self.grammars = Grammars(tokenizer, engine.n_vocab,
-                                 overlap=(os.cpu_count() or 1) > getattr(engine, "threads", 1))
+        self.grammars = Grammars(tokenizer, engine.n_vocab)
         self.prompt_tokens = PromptTokens(tokenizer)
         # as many slots as the engine has sequences (an engine passed in may have fewer than config.slots)
         self.turn = Turn(max_queued=self.config.limits.queue_length, slots=getattr(engine, "n_seq", 1))
