@@ -171,20 +171,20 @@ def test_rejects_other_tokenizer_models(tmp_path: pathlib.Path) -> None:
         Tokenizer.from_gguf(tmp_path / "x.gguf")
 
 
-def test_fim_tokens_come_from_the_files_keys_or_the_chat_template():
+def test_fim_tokens_come_from_the_files_keys_or_the_vocabulary():
     from strata.tokenizer import fim_ids
 
     vocab = {"a": 0, "<|fim_prefix|>": 1, "<|fim_suffix|>": 2, "<|fim_middle|>": 3, "<PRE>": 4, "<SUF>": 5,
              "<MID>": 6}
     keys = {"tokenizer.ggml.fim_pre_token_id": 4, "tokenizer.ggml.fim_suf_token_id": 5,
             "tokenizer.ggml.fim_mid_token_id": 6}
-    older = {"tokenizer.ggml.prefix_token_id": 1, "tokenizer.ggml.suffix_token_id": 2,
-             "tokenizer.ggml.middle_token_id": 3}
-    assert fim_ids(keys, vocab) == (4, 5, 6)
-    assert fim_ids(older, vocab) == (1, 2, 3)
-    template = "{% if fim %}<|fim_prefix|>{{ prefix }}<|fim_suffix|>{{ suffix }}<|fim_middle|>{% endif %}"
-    assert fim_ids({"tokenizer.chat_template": template}, vocab) == (1, 2, 3)
-    # Tokens in the vocabulary declare nothing; nor do keys that are incomplete or out of range.
-    assert fim_ids({}, vocab) is None
-    assert fim_ids({"tokenizer.ggml.fim_pre_token_id": 4, "tokenizer.ggml.fim_mid_token_id": 6}, vocab) is None
-    assert fim_ids({**keys, "tokenizer.ggml.fim_mid_token_id": 99}, vocab) is None
+    older = {"tokenizer.ggml.prefix_token_id": 4, "tokenizer.ggml.suffix_token_id": 5,
+             "tokenizer.ggml.middle_token_id": 6}
+    assert fim_ids(keys, vocab) == (4, 5, 6)  # the keys win over the tags found by text
+    assert fim_ids(older, vocab) == (4, 5, 6)
+    assert fim_ids({}, vocab) == (1, 2, 3)
+    # Incomplete or out-of-range keys are ignored; a vocabulary with only some tags has no FIM.
+    assert fim_ids({"tokenizer.ggml.fim_pre_token_id": 4, "tokenizer.ggml.fim_mid_token_id": 6}, vocab) == (1, 2, 3)
+    assert fim_ids({**keys, "tokenizer.ggml.fim_mid_token_id": 99}, vocab) == (1, 2, 3)
+    assert fim_ids({}, {"a": 0, "<|fim_prefix|>": 1, "<|fim_middle|>": 2}) is None
+    assert fim_ids({**keys, "tokenizer.ggml.fim_mid_token_id": 99}, {"a": 0, "<PRE>": 4}) is None

@@ -350,7 +350,7 @@ class Service:
     def _completion_prompt(self, completion: CompletionPrompt) -> tuple[str, list[int]]:
         """A raw completion's prompt text and ids: the text tokenised as plain text, or the ids checked; with a
         suffix, the fill-in-the-middle form `<prefix>prompt<suffix>suffix<middle>` with the tokens the model
-        declares (`Tokenizer.fim`)."""
+        has (`Tokenizer.fim`)."""
         tokenizer, guard = self.tokenizer, self.prompt_tokens
         assert guard is not None, "prompt before the model is loaded"
         try:
@@ -367,9 +367,9 @@ class Service:
         if completion.suffix is not None:
             fim = getattr(tokenizer, "fim", None)
             if fim is None:
-                raise RequestError("suffix: this model does not declare fill-in-the-middle tokens (its file has no "
-                                   "tokenizer.ggml.fim_pre_token_id, fim_suf_token_id and fim_mid_token_id, and its "
-                                   "chat template names none)", "suffix")
+                raise RequestError("suffix: this model has no fill-in-the-middle tokens (no "
+                                   "tokenizer.ggml.fim_pre/suf/mid_token_id keys, and no <|fim_prefix|>, "
+                                   "<|fim_suffix|>, <|fim_middle|> or similar tokens in its vocabulary)", "suffix")
             prefix, suffix, middle = fim
             ids = [prefix, *ids, suffix, *guard.encode_text(completion.suffix), middle]
         if not ids:

@@ -44,20 +44,20 @@ END_OF_GENERATION_TEXTS = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_i
 _ID_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 _SPECIAL_TYPES = (int(TokenType.CONTROL), int(TokenType.USER_DEFINED))
 # Fill-in-the-middle: the keys llama.cpp defines for the prefix, suffix and middle tokens (the current names, then
-# the older ones it still reads), and the tag sets a chat template may name instead.
+# the older ones it still reads), and the tag sets it recognises by text.
 _FIM_KEYS = (("tokenizer.ggml.fim_pre_token_id", "tokenizer.ggml.fim_suf_token_id", "tokenizer.ggml.fim_mid_token_id"),
              ("tokenizer.ggml.prefix_token_id", "tokenizer.ggml.suffix_token_id", "tokenizer.ggml.middle_token_id"))
 _FIM_TAGS = (("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"), ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
-             ("<PRE>", "<SUF>", "<MID>"), ("<\uff5cfim\u2581begin\uff5c>", "<\uff5cfim\u2581hole\uff5c>",
-                                          "<\uff5cfim\u2581end\uff5c>"))
+             ("<fim-prefix>", "<fim-suffix>", "<fim-middle>"), ("<PRE>", "<SUF>", "<MID>"),
+             ("<\uff5cfim\u2581begin\uff5c>", "<\uff5cfim\u2581hole\uff5c>", "<\uff5cfim\u2581end\uff5c>"))
 
 
 def fim_ids(meta: dict[str, Any], vocab: dict[str, int]) -> tuple[int, int, int] | None:
-    """The (prefix, suffix, middle) token ids a model declares for fill-in-the-middle, or None.
+    """The (prefix, suffix, middle) token ids of a model's fill-in-the-middle form, or None.
 
-    Declared means: the file's FIM keys (all three; `gguf_new_metadata.py --special-token fim_pre ...` writes
-    them), else a tag set its chat template names, each tag a token. A vocabulary that merely has such tokens
-    declares nothing: many chat models carry them unused.
+    The file's FIM keys when it has all three in range, else the first tag set whose three tags are all tokens.
+    llama.cpp's converter writes no FIM keys, so the files users download (Qwen2.5-Coder's included) carry only the
+    tags, and llama.cpp finds them by text the same way.
     """
     n_vocab = len(vocab)
     for keys in _FIM_KEYS:
@@ -65,9 +65,8 @@ def fim_ids(meta: dict[str, Any], vocab: dict[str, int]) -> tuple[int, int, int]
             ids = tuple(int(meta[key]) for key in keys)
             if all(0 <= i < n_vocab for i in ids):
                 return ids[0], ids[1], ids[2]
-    template = meta.get("tokenizer.chat_template") or ""
     for tags in _FIM_TAGS:
-        if all(tag in template and tag in vocab for tag in tags):
+        if all(tag in vocab for tag in tags):
             return vocab[tags[0]], vocab[tags[1]], vocab[tags[2]]
     return None
 
@@ -149,7 +148,7 @@ class Tokenizer:
     eos_ids: frozenset[int]
     chat_template: str | None = dataclasses.field(repr=False)
     control_texts: tuple[str, ...] = dataclasses.field(default=(), repr=False)  # CONTROL tokens (<|im_end|>, ...)
-    fim: tuple[int, int, int] | None = None  # the declared fill-in-the-middle (prefix, suffix, middle) ids
+    fim: tuple[int, int, int] | None = None  # the fill-in-the-middle (prefix, suffix, middle) ids (`fim_ids`)
 
     @classmethod
     def from_gguf(cls, path_or_reader: str | os.PathLike[str] | GGUFReader) -> Tokenizer:

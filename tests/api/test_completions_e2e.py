@@ -1,6 +1,6 @@
 """`POST /v1/completions` through hypercorn and the real C engine with the official client: answers equal greedy
 decoding with the engine called directly, streamed and not, for a text prompt, token ids, echo, stop strings and
-a fill-in-the-middle suffix where the file declares FIM tokens (a 400 naming `suffix` where it does not);
+a fill-in-the-middle suffix where the model has FIM tokens (a 400 naming `suffix` where it has none);
 unsupported fields are 400s naming them."""
 
 from __future__ import annotations
@@ -78,33 +78,41 @@ def test_control_token_text_in_a_prompt_stays_text(client, tokenizer):
 
 
 @pytest.fixture(scope="module")
-def fim_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model with its file declaring Qwen's fill-in-the-middle tokens."""
-    from strata.modelgen import write_random_model
+def no_fim_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with its vocabulary's fill-in-the-middle tags renamed: a model without FIM tokens."""
+    import dataclasses
 
-    return write_random_model(tmp_path_factory.mktemp("fim") / "fim.gguf", arch="qwen3moe", size="tiny",
-                              dtype="f32", vocab="bytes", seed=0, fim=True)
+    from strata.modelgen import vocab, write_random_model, writer
+
+    renamed = {"<|fim_prefix|>": "<|unused_a|>", "<|fim_suffix|>": "<|unused_b|>", "<|fim_middle|>": "<|unused_c|>"}
+    plain = vocab.bytes_vocab()
+    without = dataclasses.replace(plain, tokens=tuple(renamed.get(t, t) for t in plain.tokens))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(writer, "get_vocab", lambda name: without)
+        return write_random_model(tmp_path_factory.mktemp("nofim") / "nofim.gguf", arch="qwen3moe", size="tiny",
+                                  dtype="f32", vocab="bytes", seed=0)
 
 
-def test_a_suffix_is_filled_in_the_middle_where_the_file_declares_it(fim_model, greedy, tokenizer):
+def test_a_suffix_is_filled_in_the_middle(client, greedy, tokenizer):
+    # The file has no FIM keys (llama.cpp's converter writes none): the tokens are found in the vocabulary.
     fim = [tokenizer.token_to_id(name) for name in ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")]
     ids = [fim[0], *tokenizer.encode("def add(a, b):\n", special=False), fim[1],
            *tokenizer.encode("\n    return c\n", special=False), fim[2]]
-    with live_server(server_config(model=str(fim_model), context=512)) as live:
-        with openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0) as api:
-            reply = api.completions.create(model="m", prompt="def add(a, b):\n", suffix="\n    return c\n",
-                                           max_tokens=MAX_TOKENS, temperature=0)
-    assert reply.choices[0].text == tokenizer.decode(greedy(ids))  # the weights are the tiny model's
+    reply = client.completions.create(model="m", prompt="def add(a, b):\n", suffix="\n    return c\n",
+                                      max_tokens=MAX_TOKENS, temperature=0)
+    assert reply.choices[0].text == tokenizer.decode(greedy(ids))
     assert reply.usage.prompt_tokens == len(ids)
 
 
-def test_a_suffix_for_a_model_without_fim_is_a_400_naming_it(client, tokenizer):
-    # The vocabulary has Qwen's FIM tokens, but the file does not declare them: a chat model, not a coder.
-    assert tokenizer.token_to_id("<|fim_prefix|>") is not None
-    with pytest.raises(openai.BadRequestError) as caught:
-        client.completions.create(model="m", prompt="def add(a, b):\n", suffix="\n    return c\n", max_tokens=4)
+def test_a_suffix_for_a_model_without_fim_is_a_400_naming_it(no_fim_model):
+    with live_server(server_config(model=str(no_fim_model), context=512)) as live:
+        with openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0) as api:
+            with pytest.raises(openai.BadRequestError) as caught:
+                api.completions.create(model="m", prompt="def add(a, b):\n", suffix="\n    return c\n", max_tokens=4)
+            plain = api.completions.create(model="m", prompt="def add(a, b):\n", max_tokens=2, temperature=0)
     assert caught.value.body["param"] == "suffix"
     assert "fill-in-the-middle" in caught.value.body["message"]
+    assert plain.choices[0].text  # the same model completes a prompt without a suffix
 
 
 @pytest.mark.parametrize(("extra", "param"), [

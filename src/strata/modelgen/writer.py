@@ -216,10 +216,8 @@ def _add_hparams(writer: GGUFWriter, arch: str, hp: HParams, n_vocab: int) -> No
         writer.add_expert_feed_forward_length(hp.n_ff_exp)
 
 
-def add_vocab(writer: GGUFWriter, vocab: Vocab, fim: bool = False) -> None:
-    """The `tokenizer.*` keys of `vocab` and the chat template; with `fim`, the keys declaring Qwen's
-    fill-in-the-middle tokens (as `gguf_new_metadata.py --special-token fim_pre "<|fim_prefix|>"` ... writes
-    them for a coder model)."""
+def add_vocab(writer: GGUFWriter, vocab: Vocab) -> None:
+    """The `tokenizer.*` keys of `vocab` and the chat template."""
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("qwen2")
     writer.add_token_list(list(vocab.tokens))
@@ -234,16 +232,13 @@ def add_vocab(writer: GGUFWriter, vocab: Vocab, fim: bool = False) -> None:
     writer.add_eot_token_id(im_end)
     writer.add_add_bos_token(False)
     writer.add_chat_template(chat_template())
-    if fim:
-        for key, tag in (("fim_pre", "<|fim_prefix|>"), ("fim_suf", "<|fim_suffix|>"), ("fim_mid", "<|fim_middle|>")):
-            writer.add_uint32(f"tokenizer.ggml.{key}_token_id", vocab.token_id(tag))
 
 
 # --- writing
 
 
 def write_random_model(path: str | pathlib.Path, arch: str = "qwen3moe", size: str = "tiny", dtype: str = "f32",
-                       vocab: str = "bytes", seed: int = 0, fim: bool = False, **overrides: float) -> pathlib.Path:
+                       vocab: str = "bytes", seed: int = 0, **overrides: float) -> pathlib.Path:
     """Write a GGUF model with random weights and return its path.
 
     Args:
@@ -255,7 +250,6 @@ def write_random_model(path: str | pathlib.Path, arch: str = "qwen3moe", size: s
         vocab: "bytes" (256 byte tokens, Qwen3's 26 added tokens, 3 whitespace merges) or "qwen" (Qwen's
             151936-entry vocabulary).
         seed: seed of `numpy.random.default_rng`.
-        fim: declare the vocabulary's fill-in-the-middle tokens (`tokenizer.ggml.fim_*_token_id`).
         overrides: hyper-parameters replacing the table's (`n_layer`, `n_embd`, `n_expert`, ...).
 
     Raises:
@@ -266,7 +260,7 @@ def write_random_model(path: str | pathlib.Path, arch: str = "qwen3moe", size: s
     voc = get_vocab(vocab)
     rng = np.random.default_rng(seed)
     return _write(pathlib.Path(path), arch, hp, voc, dtype, f"strata-{arch}-{size}-random",
-                  lambda spec: draw_encoded(spec, rng), fim=fim)
+                  lambda spec: draw_encoded(spec, rng))
 
 
 def write_model(path: str | os.PathLike[str], arch: str, hp: HParams, vocab: Vocab, weights: Mapping[str, np.ndarray],
@@ -311,7 +305,7 @@ def _check_arch(arch: str) -> None:
 
 
 def _write(path: pathlib.Path, arch: str, hp: HParams, voc: Vocab, dtype: str, name: str,
-           encoded: Callable[[TensorSpec], np.ndarray], fim: bool = False) -> pathlib.Path:
+           encoded: Callable[[TensorSpec], np.ndarray]) -> pathlib.Path:
     """Write the file, asking `encoded` for each tensor's bytes in file order."""
     specs = tensor_specs(arch, hp, voc.n_vocab, dtype)
     writer = GGUFWriter(path, MODEL_ARCH_NAMES[_ARCH[arch]])
@@ -320,7 +314,7 @@ def _write(path: pathlib.Path, arch: str, hp: HParams, voc: Vocab, dtype: str, n
     if dtype not in ("f32", "f16", "bf16"):
         writer.add_quantization_version(GGML_QUANT_VERSION)
     _add_hparams(writer, arch, hp, voc.n_vocab)
-    add_vocab(writer, voc, fim)
+    add_vocab(writer, voc)
     # Tensor infos first, data streamed after: only one tensor is ever in memory.
     for spec in specs:
         shape = quants.byte_shape(spec.shape, spec.qtype)
