@@ -81,3 +81,15 @@ def qwen_tokenizer(directory: pathlib.Path) -> None:
     tok.normalizer = normalizers.NFC()
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>").save_pretrained(
         directory)
+
+
+def experts_as_transformers_4(path: pathlib.Path) -> None:
+    """The converter reads Qwen3-VL-MoE's packed experts in transformers 4's layout, gate_up_proj (experts, n_embd,
+    2 n_ff) and down_proj (experts, n_ff, n_embd); transformers 5 saves both transposed, which the converter turns
+    into a file llama.cpp refuses. Stored here as a transformers 4 checkpoint has them."""
+    import safetensors.torch
+
+    tensors = safetensors.torch.load_file(path)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        tensors[name] = tensors[name].transpose(1, 2).contiguous()
+    safetensors.torch.save_file(tensors, path, metadata={"format": "pt"})

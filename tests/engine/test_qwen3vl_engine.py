@@ -17,10 +17,9 @@ import shutil
 
 import numpy as np
 import pytest
-import safetensors.torch
 import torch
 from gguf import GGUFReader
-from llama_cpp_convert import convert
+from llama_cpp_convert import convert, experts_as_transformers_4
 from transformers import (
     Qwen3VLConfig,
     Qwen3VLForConditionalGeneration,
@@ -68,16 +67,6 @@ def _checkpoint(arch: str) -> torch.nn.Module:
     return model.float().eval()
 
 
-def _experts_as_transformers_4(path: pathlib.Path) -> None:
-    """The converter reads Qwen3-VL-MoE's packed experts in transformers 4's layout, gate_up_proj (experts, n_embd,
-    2 n_ff) and down_proj (experts, n_ff, n_embd); transformers 5 saves both transposed, which the converter turns
-    into a file llama.cpp refuses. Stored here as a transformers 4 checkpoint has them."""
-    tensors = safetensors.torch.load_file(path)
-    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
-        tensors[name] = tensors[name].transpose(1, 2).contiguous()
-    safetensors.torch.save_file(tensors, path, metadata={"format": "pt"})
-
-
 @pytest.fixture(scope="module", params=list(MODELS))
 def converted(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
               qwen_tokenizer_dir: pathlib.Path) -> tuple:
@@ -86,7 +75,7 @@ def converted(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     model = _checkpoint(arch)
     model.save_pretrained(hf_dir)
     if arch == "qwen3vlmoe":
-        _experts_as_transformers_4(hf_dir / "model.safetensors")
+        experts_as_transformers_4(hf_dir / "model.safetensors")
     for file in qwen_tokenizer_dir.iterdir():
         shutil.copy(file, hf_dir)
     return arch, model, convert(hf_dir, hf_dir.parent / f"{arch}.gguf", "f32")

@@ -1,7 +1,8 @@
-"""A picture question to a Qwen3-VL model end to end: one random `Qwen3VLForConditionalGeneration` with Qwen's real
-tokenizer and the Qwen3 chat template, turned into a text file and an mmproj file by llama.cpp's own converter,
-served by hypercorn with the real engine and a real `strata-vision` process (in-process, where the engine's calls
-are recorded, and as the `strata serve` command), asked through the official client.
+"""A picture question to a Qwen3-VL model end to end: a random `Qwen3VLForConditionalGeneration`, and a random
+`Qwen3VLMoeForConditionalGeneration` (the architecture of Qwen3-VL-30B-A3B), each with Qwen's real tokenizer and the
+Qwen3 chat template, turned into a text file and an mmproj file by llama.cpp's own converter, served by hypercorn
+with the real engine and a real `strata-vision` process (in-process, where the engine's calls are recorded, and as
+the `strata serve` command), asked through the official client.
 
 The answer (greedy) must be the checkpoint's own greedy answer to the same prompt ids and picture pixels, computed
 by transformers over the whole model: its vision tower, M-RoPE positions and deepstack features included. Random
@@ -26,8 +27,13 @@ import openai
 import pytest
 import torch
 from conftest import live_server, server_config
-from llama_cpp_convert import convert
-from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+from llama_cpp_convert import convert, experts_as_transformers_4
+from transformers import (
+    Qwen3VLConfig,
+    Qwen3VLForConditionalGeneration,
+    Qwen3VLMoeConfig,
+    Qwen3VLMoeForConditionalGeneration,
+)
 
 import strata
 from strata.engine_cffi import Engine, PictureRows
@@ -61,8 +67,14 @@ class RecordingEngine:
         return self._engine.eval_batch(items)
 
 
-def _checkpoint() -> Qwen3VLForConditionalGeneration:
-    config = Qwen3VLConfig(
+_MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "decoder_sparse_step": 1}
+MODELS = {"qwen3vl": (Qwen3VLConfig, Qwen3VLForConditionalGeneration, {}),
+          "qwen3vlmoe": (Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration, _MOE)}
+
+
+def _checkpoint(arch: str) -> torch.nn.Module:
+    config_class, model_class, extra = MODELS[arch]
+    config = config_class(
         vision_config={"depth": 3, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": PATCH,
                        "spatial_merge_size": MERGE, "temporal_patch_size": 2, "out_hidden_size": N_TEXT,
                        "num_position_embeddings": 64, "deepstack_visual_indexes": [0, 1]},
@@ -70,10 +82,10 @@ def _checkpoint() -> Qwen3VLForConditionalGeneration:
                      "num_key_value_heads": 1, "head_dim": 32, "vocab_size": 151936, "rms_norm_eps": 1e-6,
                      "max_position_embeddings": 4096,
                      "rope_parameters": {"rope_type": "default", "rope_theta": 5e6, "mrope_section": [8, 4, 4],
-                                         "mrope_interleaved": True}})
+                                         "mrope_interleaved": True}, **extra})
     config.vision_config._attn_implementation = config.text_config._attn_implementation = "eager"
     torch.manual_seed(0)
-    model = Qwen3VLForConditionalGeneration(config)
+    model = model_class(config)
     with torch.no_grad():  # weights of order one: the picture and the positions change the answer
         for name, param in model.named_parameters():
             if "norm" in name and name.endswith("weight"):
@@ -82,16 +94,20 @@ def _checkpoint() -> Qwen3VLForConditionalGeneration:
                 param.normal_(0, 0.1)
             elif "embed_tokens" in name or "pos_embed" in name:
                 param.normal_(0, 1)
-            else:
-                param.normal_(0, param[0].numel() ** -0.5)
+            else:  # 1 / sqrt(fan-in); packed experts (experts, n_out, n_in)
+                param.normal_(0, param.shape[-1] ** -0.5 if param.ndim == 3 else param[0].numel() ** -0.5)
     return model.float().eval()
 
 
-@pytest.fixture(scope="module")
-def converted(tmp_path_factory: pytest.TempPathFactory, qwen_tokenizer_dir: pathlib.Path) -> tuple:
-    hf_dir = tmp_path_factory.mktemp("qwen3vl-serve-hf")
-    model = _checkpoint()
+@pytest.fixture(scope="module", params=list(MODELS))
+def converted(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+              qwen_tokenizer_dir: pathlib.Path) -> tuple:
+    arch = request.param
+    hf_dir = tmp_path_factory.mktemp(f"{arch}-serve-hf")
+    model = _checkpoint(arch)
     model.save_pretrained(hf_dir)
+    if arch == "qwen3vlmoe":
+        experts_as_transformers_4(hf_dir / "model.safetensors")
     for file in qwen_tokenizer_dir.iterdir():
         shutil.copy(file, hf_dir)
     tokenizer_config = json.loads((hf_dir / "tokenizer_config.json").read_text())
@@ -100,8 +116,8 @@ def converted(tmp_path_factory: pytest.TempPathFactory, qwen_tokenizer_dir: path
     (hf_dir / "preprocessor_config.json").write_text(json.dumps({
         "image_processor_type": "Qwen2VLImageProcessor", "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
         "patch_size": PATCH, "merge_size": MERGE, "temporal_patch_size": 2}))
-    text = convert(hf_dir, hf_dir.parent / "qwen3vl.gguf", "f32")
-    mmproj = convert(hf_dir, hf_dir.parent / "qwen3vl-mmproj.gguf", "f32", "--mmproj")
+    text = convert(hf_dir, hf_dir.parent / f"{arch}.gguf", "f32")
+    mmproj = convert(hf_dir, hf_dir.parent / f"{arch}-mmproj.gguf", "f32", "--mmproj")
     shutil.rmtree(hf_dir)
     return model, text, mmproj
 
@@ -113,7 +129,7 @@ def _pixels(mmproj: pathlib.Path) -> np.ndarray:
     return preprocess(load_image(PICTURE), hp, max_tokens, min_tokens).pixels
 
 
-def _greedy_reference(model: Qwen3VLForConditionalGeneration, ids: list[int], pixels: np.ndarray
+def _greedy_reference(model: torch.nn.Module, ids: list[int], pixels: np.ndarray
                       ) -> tuple[list[int], list[float]]:
     """The checkpoint's greedy tokens after `ids` (the picture's pads expanded) and each step's gap between its top
     two logits relative to the largest, from full forward passes with the pixels patched as Qwen's processor does
