@@ -180,6 +180,14 @@ INLINE __m256i kx_chunk(int k, const void *blk, int c) {
     }
     if (k == KX_IQ3_S) {
         const block_iq3_s *B = blk;
+#if defined(__AVX512F__)
+        // the 8 indices (qs[i] plus bit i of qh as bit 8) in lanes, and one gather: fewer instructions than 8
+        // scalar loads and inserts, which bound the decode product
+        __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(B->qs + 8 * c)));
+        __m256i hi = _mm256_srlv_epi32(_mm256_set1_epi32(B->qh[c]), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        idx = _mm256_or_si256(idx, _mm256_slli_epi32(_mm256_and_si256(hi, _mm256_set1_epi32(1)), 8));
+        __m256i q = _mm256_i32gather_epi32((const int *)strata_iq3s_grid, idx, 4);
+#else
         const uint8_t *qs = B->qs + 8 * c;
         unsigned qh = B->qh[c];
         __m256i q = _mm256_set_epi32(
@@ -187,6 +195,7 @@ INLINE __m256i kx_chunk(int k, const void *blk, int c) {
             (int)strata_iq3s_grid[qs[5] | ((qh << 3) & 256)], (int)strata_iq3s_grid[qs[4] | ((qh << 4) & 256)],
             (int)strata_iq3s_grid[qs[3] | ((qh << 5) & 256)], (int)strata_iq3s_grid[qs[2] | ((qh << 6) & 256)],
             (int)strata_iq3s_grid[qs[1] | ((qh << 7) & 256)], (int)strata_iq3s_grid[qs[0] | ((qh << 8) & 256)]);
+#endif
         return negate_where(q, load_u32(B->signs + 4 * c));
     }
     if (k == KX_IQ3_XXS) {
@@ -273,6 +282,15 @@ typedef struct {
 
 #define KX_MIN_TOKENS 16  // with fewer tokens, each tile unpacks its blocks itself
 
+// The types whose values plus offset stay below 64, so that tile_kq_prepared's 4-product sums fit 16 bits
+// (4 * 63 * 127): their prompts take it, and their direct tile ends in its lanes. The others keep kx_prep.
+#if defined(KQ_PREPARED)
+#define KX_KQ(k) ((k) == KX_Q2_K || (k) == KX_Q3_K || (k) == KX_Q5_K || (k) == KX_IQ3_S || (k) == KX_IQ1_S || \
+                  (k) == KX_IQ1_M)
+#else
+#define KX_KQ(k) 0
+#endif
+
 static void kx_prepare(int k, const void *blk, kx_prep *P) {
     kx_meta M;
     kx_meta_of(k, blk, &M);
@@ -298,29 +316,31 @@ INLINE void tile_kx(int k, const gemm_args *a, const kx_prep *P, int64_t r, int6
             kx_meta M;
             if (p) M.sc = p->sc, M.m = p->m, M.d = p->d, M.dmin = p->dmin;
             else kx_meta_of(k, B, &M);
-            __m256i isum[TT];
-            UNROLL for (int j = 0; j < NT; j++) isum[j] = _mm256_setzero_si256();
+            // KX_KQ: chunks c % 4 < 2 and the others apart, then paired into tile_kq_prepared's lanes
+            __m256i isum[2][TT];
+            UNROLL for (int j = 0; j < TT; j++) isum[0][j] = isum[1][j] = _mm256_setzero_si256();  // TT: quiets GCC
             _Pragma("GCC unroll 8") for (int c = 0; c < 8; c++) {
                 __m256i q = p ? _mm256_load_si256((const __m256i *)(p->q + 32 * c)) : kx_chunk(k, B, c);
                 __m256i u = KX_UNSIGNED(k) ? q : o ? _mm256_add_epi8(q, _mm256_set1_epi8((char)o)) : _mm256_abs_epi8(q);
                 __m256i s = chunk_scales(M.sc, c);
+                const int half = KX_KQ(k) && c % 4 >= 2;
                 UNROLL for (int j = 0; j < NT; j++) {
                     __m256i xv = _mm256_loadu_si256((const __m256i *)(x[j][b].qs + 32 * c));
                     if (!KX_UNSIGNED(k) && !o) xv = _mm256_sign_epi8(xv, q);
-                    isum[j] = dot_s16(isum[j], _mm256_maddubs_epi16(u, xv), s);
+                    isum[half][j] = dot_s16(isum[half][j], _mm256_maddubs_epi16(u, xv), s);
                 }
             }
+            __m256i osc = _mm256_mullo_epi16(M.sc, _mm256_set1_epi16((short)-o));
             UNROLL for (int j = 0; j < NT; j++) {
+                __m256i sum = KX_KQ(k) ? _mm256_hadd_epi32(isum[0][j], isum[1][j]) : isum[0][j];
                 if (KX_MINS(k) || o) {
                     __m256i bs = _mm256_loadu_si256((const __m256i *)x[j][b].bsums);
-                    if (o)
-                        isum[j] = _mm256_sub_epi32(isum[j], _mm256_mullo_epi32(_mm256_madd_epi16(M.sc, bs),
-                                                                               _mm256_set1_epi32(o)));
+                    if (o) sum = dot_s16(sum, osc, bs);
                     if (KX_MINS(k))
                         acc[i][j] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(M.m, bs)),
                                                      _mm256_set1_ps(M.dmin * x[j][b].d), acc[i][j]);
                 }
-                acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[j]), _mm256_set1_ps(M.d * x[j][b].d), acc[i][j]);
+                acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(M.d * x[j][b].d), acc[i][j]);
             }
         }
     }
@@ -363,7 +383,7 @@ INLINE void tile_kx_prep512(int k, const gemm_args *a, const kx_prep *P, int64_t
                 __m256i sum = _mm256_add_epi32(_mm512_castsi512_si256(isum[j]), _mm512_extracti64x4_epi64(isum[j], 1));
                 if (KX_MINS(k) || o) {
                     __m256i bs = _mm256_loadu_si256((const __m256i *)x[j][b].bsums);
-                    if (o) sum = _mm256_sub_epi32(sum, _mm256_mullo_epi32(_mm256_madd_epi16(p->sc, bs), _mm256_set1_epi32(o)));
+                    if (o) sum = dot_s16(sum, _mm256_mullo_epi16(p->sc, _mm256_set1_epi16((short)-o)), bs);
                     if (KX_MINS(k))
                         acc[i][j] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p->m, bs)),
                                                      _mm256_set1_ps(p->dmin * x[j][b].d), acc[i][j]);
@@ -379,15 +399,59 @@ INLINE void tile_kx_prep512(int k, const gemm_args *a, const kx_prep *P, int64_t
 #define KX_PREPARED_TILE(k, a, P, r, t, NR, NT) tile_kx(k, a, P, r, t, NR, NT)
 #endif
 
-// Rows [r0, r1) (tiles as DEFINE_GEMM's) against tokens [tb, te), each tile of rows unpacked into P first.
-INLINE void kx_prepared_rows(int k, gemm_args *a, kx_prep *P, int64_t r0, int64_t r1, int64_t tb, int64_t te) {
+#if defined(KQ_PREPARED)
+// A KX_KQ block for tile_kq_prepared: values + offset in 64-value chunks, the pair scales, -o * sc, the mins.
+static void kx_kq_prepare(int k, const void *blk, kq_prep *P) {
+    kx_meta M;
+    kx_meta_of(k, blk, &M);
+    const int o = kx_offset(k);
+    for (int c = 0; c < 8; c++)
+        _mm256_store_si256((__m256i *)(P->q[c / 2] + 32 * (c % 2)),
+                           _mm256_add_epi8(kx_chunk(k, blk, c), _mm256_set1_epi8((char)o)));
+    for (int h = 0; h < 2; h++) _mm512_store_si512(P->s[h], kq_pair_scales(_mm512_castsi256_si512(M.sc), h, 16));
+    _mm256_store_si256((__m256i *)P->osc, _mm256_mullo_epi16(M.sc, _mm256_set1_epi16((short)-o)));
+    _mm256_store_si256((__m256i *)P->m, M.m);
+    P->d = M.d, P->dmin = M.dmin;
+}
+#define KX_PREP_BYTES(k) (KX_KQ(k) ? sizeof(kq_prep) : sizeof(kx_prep))
+#else
+#define KX_PREP_BYTES(k) sizeof(kx_prep)
+#endif
+
+// Rows [r0, r1) (tiles as DEFINE_GEMM's) against tokens [tb, te), each tile of rows unpacked into P first (kq_prep
+// for the KX_KQ types, in tiles of 4 and 2 tokens and a last odd one straight from the blocks; else kx_prep).
+INLINE void kx_prepared_rows(int k, gemm_args *a, void *P, int64_t r0, int64_t r1, int64_t tb, int64_t te) {
     int64_t nb = a->n / QKK;
     for (int64_t r = r0; r < r1;) {
         int full = r < r0 + a->rs;  // a tile of TR rows rs apart, else one of the last rows
         for (int i = 0; i < (full ? TR : 1); i++)
-            for (int64_t b = 0; b < nb; b++)
-                kx_prepare(k, (const char *)W_ROW(a, TILE_ROW(a, r, i)) + b * KX_BLOCK_BYTES[k], &P[i * nb + b]);
+            for (int64_t b = 0; b < nb; b++) {
+                const char *blk = (const char *)W_ROW(a, TILE_ROW(a, r, i)) + b * KX_BLOCK_BYTES[k];
+#if defined(KQ_PREPARED)
+                if (KX_KQ(k)) {
+                    kx_kq_prepare(k, blk, (kq_prep *)P + i * nb + b);
+                    continue;
+                }
+#endif
+                kx_prepare(k, blk, (kx_prep *)P + i * nb + b);
+            }
         int64_t t = tb;
+#if defined(KQ_PREPARED)
+        if (KX_KQ(k)) {
+            const int kind = KX_MINS(k) ? KQ_MINS : KQ_OFFSET;
+            if (full) {
+                for (; t + TT <= te; t += TT) tile_kq_prepared(kind, a, P, r, t, TR, TT);
+                for (; t + 2 <= te; t += 2) tile_kq_prepared(kind, a, P, r, t, TR, 2);
+                if (t < te) tile_kx(k, a, NULL, r, t, TR, 1);
+            } else {
+                for (; t + TT <= te; t += TT) tile_kq_prepared(kind, a, P, r, t, 1, TT);
+                for (; t + 2 <= te; t += 2) tile_kq_prepared(kind, a, P, r, t, 1, 2);
+                if (t < te) tile_kx(k, a, NULL, r, t, 1, 1);
+            }
+            r = full && r + 1 == r0 + a->rs ? r0 + TR * a->rs : r + 1;
+            continue;
+        }
+#endif
         if (full) {
             for (; t + TT <= te; t += TT) KX_PREPARED_TILE(k, a, P, r, t, TR, TT);
             for (; t < te; t++) KX_PREPARED_TILE(k, a, P, r, t, TR, 1);
@@ -589,23 +653,24 @@ INLINE void tile_b32(int k, const gemm_args *a, int64_t r, int64_t t, int NR, in
     DEFINE_GEMM(strata_gemm_##t, tile_##t)
 
 // Per type: decode-shaped products tile straight from the blocks; with KX_MIN_TOKENS or more tokens, each tile of
-// rows is unpacked once per block of tokens. The grid types' decode tiles keep the (never taken) prepared branch:
-// without it GCC schedules their 64 table loads per block worse (IQ3_S decode 3.5 ms instead of 3.1).
+// rows is unpacked once per block of tokens. The grid types' decode tiles after IQ3_S (whose table lookups are one
+// gather per chunk) keep the (never taken) prepared branch: without it GCC scheduled IQ3_S's 64 table loads per
+// block worse (3.5 ms instead of 3.1 when it had them).
 #define KX_GEMM(t, K) \
     static inline void tile_##t(const gemm_args *a, int64_t r, int64_t tk, int NR, int NT) { \
         const kx_prep *none = NULL; \
-        if (K >= KX_IQ3_S) __asm__("" : "+r"(none));  /* see KX_GEMM */ \
+        if (K > KX_IQ3_S) __asm__("" : "+r"(none));  /* see KX_GEMM */ \
         tile_kx(K, a, none, r, tk, NR, NT); \
     } \
     static DEFINE_GEMM(gemm_blocks_##t, tile_##t) \
-    static __attribute__((noinline)) void gemm_prepared_##t(gemm_args *a, kx_prep *P, int64_t r0, int64_t r1, \
+    static __attribute__((noinline)) void gemm_prepared_##t(gemm_args *a, void *P, int64_t r0, int64_t r1, \
                                                              int64_t n_tok) { \
         a->rs = (r1 - r0) / TR; \
         for (int64_t tb = 0; tb < n_tok; tb += TOKEN_BLOCK) \
             kx_prepared_rows(K, a, P, r0, r1, tb, tb + TOKEN_BLOCK < n_tok ? tb + TOKEN_BLOCK : n_tok); \
     } \
     void strata_gemm_##t(gemm_args *a, int64_t r0, int64_t r1, int64_t n_tok) { \
-        kx_prep *P = n_tok >= KX_MIN_TOKENS ? aligned_alloc(32, (size_t)(TR * a->n / QKK) * sizeof(kx_prep)) : NULL; \
+        void *P = n_tok >= KX_MIN_TOKENS ? aligned_alloc(64, (size_t)(TR * a->n / QKK) * KX_PREP_BYTES(K)) : NULL; \
         if (P) gemm_prepared_##t(a, P, r0, r1, n_tok); \
         else gemm_blocks_##t(a, r0, r1, n_tok); \
         free(P); \
