@@ -24,7 +24,7 @@ import json
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -110,7 +110,8 @@ class Plan:
 
 def plan_constraint(*, answer_format: AnswerFormat | None, tools: Sequence[dict[str, Any]],
                     tool_choice: str | dict[str, Any] | None, parallel_tool_calls: bool, thinking: bool,
-                    in_reasoning: bool, tokens: SpecialTokens, prefix: str = "") -> Plan | None:
+                    in_reasoning: bool, tokens: SpecialTokens, prefix: str = "",
+                    tool_fields: Mapping[str, str] | None = None) -> Plan | None:
     """The plan for a request's answer format and tool choice; None when nothing is constrained.
 
     Args:
@@ -125,6 +126,8 @@ def plan_constraint(*, answer_format: AnswerFormat | None, tools: Sequence[dict[
         tokens: the tag ids of the vocabulary.
         prefix: the answer's text so far (a prefilled assistant message, past any reasoning): a format applies
             to it and what follows together.
+        tool_fields: each tool's parameters field as the request named it, by tool name, for errors (default:
+            the OpenAI chat shape's `tools[i].function.parameters`).
 
     Raises:
         GrammarError: a format that cannot be combined with the tools, or a forced tool choice after a prefill.
@@ -153,7 +156,7 @@ def plan_constraint(*, answer_format: AnswerFormat | None, tools: Sequence[dict[
                                'tool_choice "none" or leave the tools out', answer_format.param)
         if isinstance(choice, dict):
             tools = [tool for tool in tools if tool["function"]["name"] == choice["function"]["name"]]
-        calls_rule, call_parts = _calls_rules(tools, tokens, parallel_tool_calls, body_only=False)
+        calls_rule, call_parts = _calls_rules(tools, tokens, parallel_tool_calls, tool_fields or {}, body_only=False)
         parts += call_parts
         rules = ["start: calls" if forced else "start: answer | calls", *calls_rule]
         if answer_rule is not None and not forced:
@@ -169,7 +172,7 @@ def plan_constraint(*, answer_format: AnswerFormat | None, tools: Sequence[dict[
     # `auto`: the text is free; calls are constrained when a tool is strict, and counted.
     call, call_parts = None, []
     if any(tool["function"].get("strict") for tool in tools) and tokens.call_close is not None:
-        calls_rule, call_parts = _calls_rules(tools, tokens, parallel_tool_calls, body_only=True)
+        calls_rule, call_parts = _calls_rules(tools, tokens, parallel_tool_calls, tool_fields or {}, body_only=True)
         call = _lark(["start: body", *calls_rule])
     elif parallel_tool_calls:
         return None
@@ -199,7 +202,8 @@ def _format_rule(answer_format: AnswerFormat) -> tuple[str | None, tuple[str, st
     return f"%json {text}", (_json_grammar(text), answer_format.param)
 
 
-def _calls_rules(tools: Sequence[dict[str, Any]], tokens: SpecialTokens, parallel: bool, *, body_only: bool
+def _calls_rules(tools: Sequence[dict[str, Any]], tokens: SpecialTokens, parallel: bool,
+                 tool_fields: Mapping[str, str], *, body_only: bool
                  ) -> tuple[list[str], list[tuple[str, str]]]:
     """Lark rules for tool calls in the chat template's syntax: `<tool_call>\\n{"name": ..., "arguments":
     {...}}\\n</tool_call>`, one rule per declared tool. Strict tools get their parameters' schema exactly;
@@ -220,7 +224,7 @@ def _calls_rules(tools: Sequence[dict[str, Any]], tokens: SpecialTokens, paralle
         text = _json_text(schema, lenient=not strict)
         rules.append(f"tool{i}: %json {text}")
         if strict:
-            parts.append((_json_grammar(text), f"tools[{i}].function.parameters"))
+            parts.append((_json_grammar(text), tool_fields.get(function["name"], f"tools[{i}].function.parameters")))
     return rules, parts
 
 

@@ -69,6 +69,8 @@ class ChatRequest:
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] = field(default_factory=list)
     tool_choice: str | dict[str, Any] | None = None
+    # Each tool's parameters schema as the request's dialect names it (errors name it so), by tool name.
+    tool_fields: dict[str, str] = field(default_factory=dict)
     parallel_tool_calls: bool = True
     answer_format: AnswerFormat | None = None
     prefill: bool = False  # the last message is the assistant's: the model continues it instead of a new turn

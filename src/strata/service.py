@@ -434,7 +434,7 @@ class Service:
             plan = plan_constraint(answer_format=request.answer_format, tools=request.tools,
                                    tool_choice=request.tool_choice, parallel_tool_calls=request.parallel_tool_calls,
                                    thinking=prepared.may_think, in_reasoning=prepared.starts_in_reasoning,
-                                   tokens=self.grammars.tokens, prefix=prefix)
+                                   tokens=self.grammars.tokens, prefix=prefix, tool_fields=request.tool_fields)
             if plan is None:
                 return None
             # Abandoning is safe: a compiled grammar only lands in the cache.

@@ -181,13 +181,23 @@ def test_unsupported_schemas_are_400s_naming_the_field(demo):
         with pytest.raises(openai.BadRequestError) as tool_error:
             client.chat.completions.create(model="m", messages=QUESTION, tool_choice="required", tools=[
                 {"type": "function", "function": {"name": "f", "strict": True, "parameters": UNSUPPORTED}}])
-    with messages_client(demo) as client, pytest.raises(anthropic.BadRequestError) as messages_error:
-        client.messages.create(model="m", max_tokens=50, messages=QUESTION, extra_body={
-            "output_config": {"format": {"type": "json_schema", "schema": UNSUPPORTED}}})
+        with pytest.raises(openai.BadRequestError) as responses_tool_error:  # strict by default there
+            client.responses.create(model="m", input="hi", tool_choice="required", tools=[
+                {"type": "function", "name": "g", "parameters": {"type": "object"}},
+                {"type": "function", "name": "f", "parameters": UNSUPPORTED}])
+    with messages_client(demo) as client:
+        with pytest.raises(anthropic.BadRequestError) as messages_error:
+            client.messages.create(model="m", max_tokens=50, messages=QUESTION, extra_body={
+                "output_config": {"format": {"type": "json_schema", "schema": UNSUPPORTED}}})
+        with pytest.raises(anthropic.BadRequestError) as messages_tool_error:
+            client.messages.create(model="m", max_tokens=50, messages=QUESTION, tool_choice={"type": "any"},
+                                   tools=[{"name": "f", "input_schema": UNSUPPORTED, "strict": True}])
     assert chat_error.value.body["param"] == "response_format.json_schema.schema"
     assert responses_error.value.body["param"] == "text.format.schema"
     assert kind_error.value.body["param"] == "response_format.type"
     assert tool_error.value.body["param"] == "tools[0].function.parameters"
+    assert responses_tool_error.value.body["param"] == "tools[1].parameters"
+    assert messages_tool_error.value.body["error"]["message"].startswith("tools[0].input_schema")
     assert "dependentSchemas" in chat_error.value.body["message"]
     assert "output_config.format.schema" in messages_error.value.body["error"]["message"]
     # The server keeps serving.

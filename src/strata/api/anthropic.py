@@ -119,6 +119,8 @@ def _parse_prompt(body: dict[str, Any]) -> ChatRequest:
     return ChatRequest(
         messages=messages,
         tools=tools,
+        tool_fields={tool["name"]: f"tools[{i}].input_schema" for i, tool in enumerate(body.get("tools") or [])
+                     if tool.get("type") in (None, "custom")},
         mcp=_mcp_servers(body, toolsets, listed),
         tool_choice=_tool_choice(body, check_unique_tool_names(tools, "tools")),
         parallel_tool_calls=not get(choice, "disable_parallel_tool_use", bool,

@@ -108,6 +108,7 @@ def parse_request(body: Any, *, sampling_defaults: Mapping[str, Any] | None = No
     return ChatRequest(
         messages=messages,
         tools=tools,
+        tool_fields=_tool_fields(body),
         mcp=servers,
         tool_choice=_tool_choice(body, check_unique_tool_names(tools, "tools")),
         parallel_tool_calls=get(body, "parallel_tool_calls", bool, "parallel_tool_calls") is not False,
@@ -315,6 +316,12 @@ def _tools(body: dict[str, Any], listed: set[str]) -> tuple[list[dict[str, Any]]
             strict=strict is None or strict,
         ))
     return tools, servers
+
+
+def _tool_fields(body: dict[str, Any]) -> dict[str, str]:
+    """Each function tool's parameters field, by name (after `_tools` checked them)."""
+    return {tool["name"]: f"tools[{i}].parameters" for i, tool in enumerate(body.get("tools") or [])
+            if tool.get("type") == "function"}
 
 
 def _mcp_use(tool: dict[str, Any], param: str, listed: set[str]) -> McpUse:
