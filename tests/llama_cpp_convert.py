@@ -93,3 +93,15 @@ def experts_as_transformers_4(path: pathlib.Path) -> None:
     for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
         tensors[name] = tensors[name].transpose(1, 2).contiguous()
     safetensors.torch.save_file(tensors, path, metadata={"format": "pt"})
+
+
+def save_qwen3vl(model, hf_dir: pathlib.Path, tokenizer_dir: pathlib.Path) -> None:
+    """A Qwen3-VL checkpoint in `hf_dir` as the converter reads it: the model (MoE experts in transformers 4's
+    layout) and the Qwen tokenizer's files from `tokenizer_dir`."""
+    import shutil
+
+    model.save_pretrained(hf_dir)
+    if model.config.model_type == "qwen3_vl_moe":
+        experts_as_transformers_4(hf_dir / "model.safetensors")
+    for file in tokenizer_dir.iterdir():
+        shutil.copy(file, hf_dir)

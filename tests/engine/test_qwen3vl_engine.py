@@ -13,13 +13,12 @@ Logits: relative error per position, max|engine - reference| / max|reference|, f
 from __future__ import annotations
 
 import pathlib
-import shutil
 
 import numpy as np
 import pytest
 import torch
 from gguf import GGUFReader
-from llama_cpp_convert import convert, experts_as_transformers_4
+from llama_cpp_convert import convert, save_qwen3vl
 from transformers import (
     Qwen3VLConfig,
     Qwen3VLForConditionalGeneration,
@@ -73,11 +72,7 @@ def converted(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     arch = request.param
     hf_dir = tmp_path_factory.mktemp(f"{arch}-hf")
     model = _checkpoint(arch)
-    model.save_pretrained(hf_dir)
-    if arch == "qwen3vlmoe":
-        experts_as_transformers_4(hf_dir / "model.safetensors")
-    for file in qwen_tokenizer_dir.iterdir():
-        shutil.copy(file, hf_dir)
+    save_qwen3vl(model, hf_dir, qwen_tokenizer_dir)
     return arch, model, convert(hf_dir, hf_dir.parent / f"{arch}.gguf", "f32")
 
 

@@ -27,7 +27,7 @@ import openai
 import pytest
 import torch
 from conftest import live_server, server_config
-from llama_cpp_convert import convert, experts_as_transformers_4
+from llama_cpp_convert import convert, save_qwen3vl
 from transformers import (
     Qwen3VLConfig,
     Qwen3VLForConditionalGeneration,
@@ -105,11 +105,7 @@ def converted(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     arch = request.param
     hf_dir = tmp_path_factory.mktemp(f"{arch}-serve-hf")
     model = _checkpoint(arch)
-    model.save_pretrained(hf_dir)
-    if arch == "qwen3vlmoe":
-        experts_as_transformers_4(hf_dir / "model.safetensors")
-    for file in qwen_tokenizer_dir.iterdir():
-        shutil.copy(file, hf_dir)
+    save_qwen3vl(model, hf_dir, qwen_tokenizer_dir)
     tokenizer_config = json.loads((hf_dir / "tokenizer_config.json").read_text())
     tokenizer_config["chat_template"] = chat_template()  # renders a picture as <|vision_start|><|image_pad|>...
     (hf_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
