@@ -69,6 +69,15 @@ def messages_client(server) -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
 
 
+def message(server, stream: bool, **request: Any) -> anthropic.types.Message:
+    """An Anthropic message, streamed (the SDK's final message) or not."""
+    with messages_client(server) as client:
+        if stream:
+            with client.messages.stream(**request) as events:
+                return events.get_final_message()
+        return client.messages.create(**request)
+
+
 def chat(server, stream: bool, **request: Any) -> tuple[str, list[tuple[str, str]], str]:
     """(content, [(tool name, arguments JSON)], finish_reason) of a chat completion, streamed or not."""
     request = {"model": "m", "max_tokens": 200, **request}
@@ -143,16 +152,10 @@ def test_responses_text_format(demo, stream):
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_anthropic_output_config_format(demo, stream):
-    request = dict(model="m", max_tokens=200, messages=QUESTION, extra_body={
+    reply = message(demo, stream, model="m", max_tokens=200, messages=QUESTION, extra_body={
         "temperature": 0.7, "output_config": {"format": {"type": "json_schema", "schema": SCHEMA}}})
-    with messages_client(demo) as client:
-        if stream:
-            with client.messages.stream(**request) as events:
-                message = events.get_final_message()
-        else:
-            message = client.messages.create(**request)
-    assert message.stop_reason == "end_turn"
-    jsonschema.validate(json.loads("".join(b.text for b in message.content if b.type == "text")), SCHEMA)
+    assert reply.stop_reason == "end_turn"
+    jsonschema.validate(json.loads("".join(b.text for b in reply.content if b.type == "text")), SCHEMA)
 
 
 def test_llama_cpp_json_schema_and_grammar_fields(demo):
@@ -238,13 +241,8 @@ def test_chat_tool_choice_holds(demo, stream):
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_anthropic_tool_choice_holds(demo, stream):
     def ask(content: str, tool_choice: dict[str, Any]) -> anthropic.types.Message:
-        request = dict(model="m", max_tokens=200, messages=[{"role": "user", "content": content}],
+        return message(demo, stream, model="m", max_tokens=200, messages=[{"role": "user", "content": content}],
                        tools=ANTHROPIC_TOOLS, tool_choice=tool_choice, extra_body={"temperature": 0})
-        with messages_client(demo) as client:
-            if stream:
-                with client.messages.stream(**request) as events:
-                    return events.get_final_message()
-            return client.messages.create(**request)
 
     def uses(message: anthropic.types.Message) -> list[str]:
         return [block.name for block in message.content if block.type == "tool_use"]
@@ -313,17 +311,9 @@ def test_the_qwen_vocabulary_in_the_other_dialects(qwen, stream):
                 response = events.get_final_response()
         else:
             response = client.responses.create(**responses)
-    with messages_client(qwen) as client:
-        if stream:
-            with client.messages.stream(**anthropic_json) as events:
-                message = events.get_final_message()
-            with client.messages.stream(**anthropic_tool) as events:
-                called = events.get_final_message()
-        else:
-            message = client.messages.create(**anthropic_json)
-            called = client.messages.create(**anthropic_tool)
+    answer, called = message(qwen, stream, **anthropic_json), message(qwen, stream, **anthropic_tool)
     jsonschema.validate(json.loads(response.output_text), SCHEMA)
-    jsonschema.validate(json.loads("".join(b.text for b in message.content if b.type == "text")), SCHEMA)
+    jsonschema.validate(json.loads("".join(b.text for b in answer.content if b.type == "text")), SCHEMA)
     uses = [block for block in called.content if block.type == "tool_use"]
     assert called.stop_reason == "tool_use" and [use.name for use in uses] == ["get_weather"]
     jsonschema.validate(uses[0].input, WEATHER["function"]["parameters"])
@@ -362,16 +352,10 @@ def test_a_prefilled_answer_is_continued_in_the_format(demo, stream):
     """The schema applies to the prefilled text and its continuation together: Anthropic's prefill and OpenAI's
     continue_final_message each return a continuation that completes a valid answer."""
     prefilled = [*QUESTION, {"role": "assistant", "content": PREFILL}]
-    request = dict(model="m", max_tokens=200, messages=prefilled, extra_body={
+    reply = message(demo, stream, model="m", max_tokens=200, messages=prefilled, extra_body={
         "temperature": 0.7, "output_config": {"format": {"type": "json_schema", "schema": SCHEMA}}})
-    with messages_client(demo) as client:
-        if stream:
-            with client.messages.stream(**request) as events:
-                message = events.get_final_message()
-        else:
-            message = client.messages.create(**request)
-    assert message.stop_reason == "end_turn"
-    jsonschema.validate(json.loads(PREFILL + "".join(b.text for b in message.content if b.type == "text")), SCHEMA)
+    assert reply.stop_reason == "end_turn"
+    jsonschema.validate(json.loads(PREFILL + "".join(b.text for b in reply.content if b.type == "text")), SCHEMA)
     text, calls, finish = chat(demo, stream, messages=prefilled, response_format=RESPONSE_FORMAT, temperature=0.7,
                                extra_body={"continue_final_message": True})
     assert (finish, calls) == ("stop", [])
