@@ -34,7 +34,7 @@ from strata.api.errors import ApiError, as_api_error, dialect_for_path, error_bo
 from strata.api.hosts import add_host_check
 from strata.api.translate import SseEvent
 from strata.config import Config, load_config
-from strata.events import ChatRequest, Event
+from strata.events import ChatRequest, Event, Finish, PromptProcessed
 from strata.service import RequestError, Service, open_service
 
 # Exceptions a failed ASGI send may raise, depending on the server.
@@ -414,7 +414,11 @@ def _chat_view(state: _State, dialect: _Dialect) -> Callable[[], Awaitable[Respo
         # The first event is awaited here, before the status line goes out, so that a request the service
         # refuses (too long, queue full, engine error) gets its HTTP status instead of a broken stream.
         try:
-            first = await events.__anext__()
+            first = [await events.__anext__()]
+            if isinstance(first[0], PromptProcessed):
+                # The first token's events come at once after it: the first write carries them too.
+                second = await anext(events, None)
+                first += [second] if second is not None else []
         except BaseException:
             await events.aclose()
             raise
@@ -439,24 +443,29 @@ def _with_sampling_defaults(chat_request: ChatRequest, body: Any, config: Config
     return dataclasses.replace(chat_request, sampling=sampling)
 
 
-async def _stream(events: AsyncGenerator[Event, None], first: Event, renderer: Any, done: bytes | None
+async def _stream(events: AsyncGenerator[Event, None], first: list[Event], renderer: Any, done: bytes | None
                   ) -> AsyncIterator[bytes]:
-    """The SSE body. Runs in the request's task: a hang-up cancels it at its next checkpoint, and the response
-    machinery closes it, which closes `events` (the service's generator) and frees the engine's turn."""
+    """The SSE body, from the `first` events (already taken from `events`) on. Runs in the request's task: a
+    hang-up cancels it at its next checkpoint, and the response machinery closes it, which closes `events` (the
+    service's generator) and frees the engine's turn."""
+    end = b""  # the finish's frames go out with the end marker, in one write
     async with aclosing(events):
-        yield _frames(renderer.feed(first))  # feed opens the stream: the first event may say how
+        yield b"".join(_frames(renderer.feed(event)) for event in first)  # feed opens the stream: it may say how
         try:
             async for event in events:
                 frames = _frames(renderer.feed(event))
-                if frames:  # an empty body message would be a write of nothing
+                if isinstance(event, Finish):
+                    end += frames
+                elif frames:  # an empty body message would be a write of nothing
                     yield frames
         except Exception as exc:  # noqa: BLE001 - the status went out already: the error becomes an event
-            yield _frames(renderer.error(as_api_error(exc)))
-    if done is not None:
-        yield done
+            end += _frames(renderer.error(as_api_error(exc)))
+    end += done or b""
+    if end:
+        yield end
 
 
 def _frames(events: list[SseEvent]) -> bytes:
-    """The SSE frames of one event's renderings, as one write (the role chunk and the first token together, a
-    finish and its usage together): each write costs the server a pass through hypercorn and a send."""
+    """The SSE frames of one event's renderings, as one write (a finish and its usage together): each write costs
+    the server a pass through hypercorn and a send, and the client a wake-up."""
     return b"".join(sse.encode(data, name) for name, data in events)
