@@ -8,14 +8,17 @@
   counts and threads, its tokens/s over the decode steps (a better case than ours, which counts prompts, HTTP
   and sampling), run twice: with libgomp's default wait (threads spin at each of ggml's barriers: on a machine
   whose cores other work also uses, a spinning thread burns the time slice its partner needs) and with
-  `OMP_WAIT_POLICY=PASSIVE`. The ratio is Strata / the better of the two.
+  `OMP_WAIT_POLICY=PASSIVE`. The ratio is Strata / the better of the two. The CPU time per token of the
+  server's event loop (the trio thread: HTTP, rendering, the hand-off of tokens) and of the client process show
+  what serving costs beside the engine; the last column is HTTP against our own engine's batched decode.
 - **A long prompt joins.** Three streams run, then a request with a ~3,000-token prompt arrives: the streams'
   inter-token gaps while it is processed (p99, at the client) against their steady step (median gap before it
   came), and the engine's own step times (p99 / median, from the server), with the step budget in time (the
   default) and in tokens only (`step_tokens` 64, the old budget); and the long prompt's time to its first token,
   against the same prompt with nobody else on the engine.
 The server runs in this process (hypercorn, trio worker, `slots` = 8); the client runs in a process of its own
-(a client here would compete with the server for the GIL), with one thread per stream.
+(a client here would compete with the server for the GIL); the parallel streams' client reads all its
+connections in one thread, the others have one thread per stream.
 
     python bench/agents.py [--model bench/out/qwen3moe-small-q8_0.gguf] [--threads 2] [--tokens 64] [--only join]
 """
@@ -25,6 +28,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import selectors
+import socket
 import subprocess
 import sys
 import threading
@@ -75,17 +80,56 @@ def stream_body(text: str, tokens: int) -> dict[str, Any]:
 
 
 def parallel(url: str, n: int, tokens: int, run: int) -> dict[str, Any]:
-    results: list[dict[str, Any]] = [{} for _ in range(n)]
+    """`n` streams at once, each on its own connection, all read by one thread (`selectors`) that counts content
+    chunks in the raw bytes: a thread per stream with an HTTP library and `json.loads` of every chunk cost the
+    client more CPU per token than the server's own event loop, on the cores the server needs."""
+    host, _, port = url.removeprefix("http://").rpartition(":")
     bodies = [stream_body(f"run {run} stream {i}: " + filler(20, run * 10 + i), tokens) for i in range(n)]
-    threads = [threading.Thread(target=stream_one, args=(url, body, result)) for body, result in zip(bodies, results)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    cpu = time.process_time()
+    results = stream_many(host, int(port), bodies)
+    cpu = time.process_time() - cpu
     start, end = min(r["start"] for r in results), max(r["end"] for r in results)
     chunks = sum(r["chunks"] for r in results)
-    return {"tokens_per_s": chunks / (end - start), "chunks": chunks,
+    return {"tokens_per_s": chunks / (end - start), "chunks": chunks, "client_cpu_s": cpu,
             "ttft_ms": [1e3 * (r["first"] - r["start"]) for r in results]}
+
+
+_CONTENT, _EMPTY = b'"delta":{"content":"', b'"delta":{"content":""'
+
+
+def stream_many(host: str, port: int, bodies: list[dict[str, Any]]) -> list[dict[str, float]]:
+    """Streamed chat requests sent together, read as they come: per stream its start, first content chunk, end
+    and number of content chunks (one per token)."""
+    selector = selectors.DefaultSelector()
+    results: list[dict[str, float]] = []
+    for body in bodies:
+        data = json.dumps(body).encode()
+        head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(data)}\r\n\r\n").encode()
+        result = {"start": time.perf_counter(), "first": 0.0, "end": 0.0, "chunks": 0}
+        sock = socket.create_connection((host, port))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.sendall(head + data)
+        selector.register(sock, selectors.EVENT_READ, [result, b""])
+        results.append(result)
+    while selector.get_map():
+        for key, _ in selector.select():
+            result, buffer = key.data
+            data = key.fileobj.recv(65536)  # type: ignore[union-attr]
+            *events, key.data[1] = (buffer + data).split(b"\n\n")
+            done = not data
+            for event in events:
+                if _CONTENT in event and _EMPTY not in event:
+                    result["chunks"] += 1
+                    if result["chunks"] == 1:
+                        result["first"] = time.perf_counter()
+                done = done or b"data: [DONE]" in event
+            if done:
+                result["end"] = time.perf_counter()
+                result["first"] = result["first"] or result["end"]
+                selector.unregister(key.fileobj)
+                key.fileobj.close()  # type: ignore[union-attr]
+    return results
 
 
 def join(url: str, tokens: int, streams: int, run: int) -> dict[str, Any]:
@@ -311,7 +355,9 @@ async def run(model: Path, threads: int, tokens: int, turns: int, parts: set[str
                 if slots == 8:
                     await ask(kind="parallel", n=1, tokens=8, run=-1)
                 for n in STREAMS if slots == 8 and "parallel" in parts else ():
+                    loop_cpu = time.thread_time()  # this thread runs trio: the server's event loop
                     results["parallel"][n] = await ask(kind="parallel", n=n, tokens=tokens, run=n)
+                    results["parallel"][n]["loop_cpu_s"] = time.thread_time() - loop_cpu
                     decodes = results["parallel"][n]["decode"] = {}
                     for _ in range(DECODE_RUNS):  # alternated, so that a change of load hits each alike
                         for name in ("strata", "spin", "passive"):
@@ -347,10 +393,10 @@ def report(model: Path, threads: int, tokens: int, r: dict[str, Any]) -> None:
     print(f"model {model.name}, {threads} threads, {tokens} tokens per stream, load average "
           f"{' '.join(f'{x:.1f}' for x in os.getloadavg())} at the end\n")
     if r["parallel"]:
-        print("| streams | Strata tok/s (HTTP) | ratio to 1 | ttft max ms | batched decode tok/s: Strata engine | "
-              "llama.cpp (spin wait) | llama.cpp (passive wait) | Strata HTTP / llama.cpp | "
-              "Strata engine / llama.cpp |")
-        print("|---|---|---|---|---|---|---|---|---|")
+        print("| streams | Strata tok/s (HTTP) | ratio to 1 | ttft max ms | CPU ms/token: server loop | client | "
+              "batched decode tok/s: Strata engine | llama.cpp (spin wait) | llama.cpp (passive wait) | "
+              "Strata HTTP / llama.cpp | Strata engine / llama.cpp | Strata HTTP / engine |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
         one = r["parallel"][1]["tokens_per_s"]
         for n in STREAMS:
             p = r["parallel"][n]
@@ -362,7 +408,9 @@ def report(model: Path, threads: int, tokens: int, r: dict[str, Any]) -> None:
                 spin, passive = (median([x["tokens_per_s"] for x in d[k]]) for k in ("spin", "passive"))
                 best = max(spin, passive)
                 theirs = f"{ours:.1f} | {spin:.1f} | {passive:.1f} | {rate / best:.2f} | {ours / best:.2f}"
-            print(f"| {n} | {rate:.1f} | {rate / one:.2f} | {max(p['ttft_ms']):.0f} | {theirs} |")
+            cpu = f"{1e3 * p['loop_cpu_s'] / p['chunks']:.3f} | {1e3 * p['client_cpu_s'] / p['chunks']:.3f}"
+            print(f"| {n} | {rate:.1f} | {rate / one:.2f} | {max(p['ttft_ms']):.0f} | {cpu} | {theirs} | "
+                  f"{rate / ours:.2f} |")
         print(f"\nbatched decode: median of {DECODE_RUNS} runs each, alternated; llama.cpp is the better of "
               "its two waits")
     if r["trace"]:
