@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import signal
 import socket
 import sys
@@ -88,7 +89,21 @@ def run(args: argparse.Namespace) -> int:
     if not config.model:
         config = with_demo_model(config)
         print(f"no model given: serving the demo model {config.model} (docs/DEMO_MODEL.md)")
-    return trio.run(partial(serve, config, handle_signals=True))
+    try:
+        return trio.run(partial(serve, config, handle_signals=True))
+    except BaseException as error:
+        # The signal receiver covers all of serve(); an interrupt in trio's last instants after it is still one
+        # line, not a traceback.
+        if not _only_interrupts(error):
+            raise
+        print("SIGINT: stopped", flush=True)
+        return 130
+
+
+def _only_interrupts(error: BaseException) -> bool:
+    if isinstance(error, BaseExceptionGroup):
+        return error.split(KeyboardInterrupt)[1] is None
+    return isinstance(error, KeyboardInterrupt)
 
 
 def with_demo_model(config: Config) -> Config:
@@ -115,7 +130,8 @@ async def serve(
     model starts loading. The server listens while the model loads (`/health` answers 503 until it is loaded).
     Shutdown — SIGINT or SIGTERM with `handle_signals`, `shutdown_trigger` returning, or the model failing to load —
     stops accepting connections and gives in-flight requests `limits.graceful_timeout` seconds before they are
-    cancelled.
+    cancelled. A second signal during shutdown cancels them at once ("stop now"); later ones are ignored, so no
+    interrupt lands in the middle of closing the engine.
 
     Args:
         config: the configuration.
@@ -147,6 +163,7 @@ async def _serve(config: Config, sockets: list[socket.socket], handle_signals: b
     from strata.service import open_service
 
     stop = trio.Event()
+    hurry = trio.CancelScope()  # the HTTP server's: a second signal cancels the requests in flight at once
     failed = False
 
     async def watch_loading(service: Any) -> None:
@@ -160,7 +177,7 @@ async def _serve(config: Config, sockets: list[socket.socket], handle_signals: b
 
     async with trio.open_nursery() as nursery:
         if handle_signals:
-            nursery.start_soon(_stop_on_signal, stop)
+            nursery.start_soon(_stop_on_signal, stop, hurry)
         if shutdown_trigger is not None:
             nursery.start_soon(_stop_after, shutdown_trigger, stop)
         async with open_service(config, wait=False, log=log) as service:
@@ -171,21 +188,22 @@ async def _serve(config: Config, sockets: list[socket.socket], handle_signals: b
             hyper.graceful_timeout = config.limits.graceful_timeout
             hyper.accesslog = None
             # Invariant: the service closes only after hypercorn has returned, i.e. after every request ended.
-            async with trio.open_nursery() as server_nursery:
-                try:
-                    binds = await server_nursery.start(partial(
-                        hypercorn.trio.serve, create_app(service=service), hyper, shutdown_trigger=stop.wait))
-                except (OSError, ExceptionGroup) as error:
-                    cause = _os_error(error)
-                    if cause is None:
-                        raise
-                    log(f"error: cannot listen on {', '.join(listen_addresses(config.host, config.port))}: {cause}")
-                    failed = True
-                else:
-                    log(f"listening on {', '.join(binds)}")
-                    server_nursery.start_soon(watch_loading, service)
-                    if task_status is not None:
-                        task_status.started(binds)
+            with hurry:
+                async with trio.open_nursery() as server_nursery:
+                    try:
+                        binds = await server_nursery.start(partial(
+                            hypercorn.trio.serve, create_app(service=service), hyper, shutdown_trigger=stop.wait))
+                    except (OSError, ExceptionGroup) as error:
+                        cause = _os_error(error)
+                        if cause is None:
+                            raise
+                        log(f"error: cannot listen on {', '.join(listen_addresses(config.host, config.port))}: {cause}")
+                        failed = True
+                    else:
+                        log(f"listening on {', '.join(binds)}")
+                        server_nursery.start_soon(watch_loading, service)
+                        if task_status is not None:
+                            task_status.started(binds)
         nursery.cancel_scope.cancel()
     return 1 if failed else 0
 
@@ -246,15 +264,31 @@ async def _end_streams_on(stop: trio.Event, service: Any) -> None:
     service.stopping.set()
 
 
-async def _stop_on_signal(stop: trio.Event) -> None:
+STOP_NOW_TIMEOUT = 3.0  # seconds a forced stop may take before the process exits without finishing it
+
+
+async def _stop_on_signal(stop: trio.Event, hurry: trio.CancelScope) -> None:
+    """The first SIGINT or SIGTERM starts the graceful shutdown; the second cancels the requests in flight, and
+    if serving has not ended `STOP_NOW_TIMEOUT` seconds later (hypercorn shields its socket writes: one to a
+    client that reads nothing never ends), the process exits; a third exits at once. The receiver stays open
+    until serving ends: an interrupt outside it is raised by trio wherever the process is (closing the engine,
+    for one), and ends it with a traceback."""
     import trio
 
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for received in signals:
-            print(f"{signal.Signals(received).name}: shutting down (requests in flight get the graceful_timeout)",
-                  flush=True)
-            stop.set()
-            return
+            name = signal.Signals(received).name
+            if not stop.is_set():
+                print(f"{name}: shutting down (requests in flight get the graceful_timeout; again to stop now)",
+                      flush=True)
+                stop.set()
+            elif not hurry.cancel_called:
+                print(f"{name} again: stopping now (requests in flight are cancelled)", flush=True)
+                hurry.cancel()
+                with trio.move_on_after(STOP_NOW_TIMEOUT):
+                    await signals.__anext__()
+                print(f"{name}: exiting without finishing the shutdown", flush=True)
+                os._exit(1)
 
 
 async def _stop_after(trigger: Callable[[], Awaitable[None]], stop: trio.Event) -> None:

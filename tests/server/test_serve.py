@@ -3,6 +3,7 @@ startup lines, config errors that name the key, and shutdown (SIGTERM or a trigg
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -10,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -84,6 +86,50 @@ def test_strata_serve_prints_what_it_loaded_and_stops_on_sigterm_mid_request(tin
             assert exited_after < 0.2 + 1.5
             with pytest.raises(httpx.HTTPError):
                 request.result()
+    finally:
+        process.kill()
+        process.wait()
+        process.stdout.close()
+
+
+@pytest.mark.parametrize("interrupts", [1, 2])
+def test_ctrl_c_once_waits_for_the_requests_and_twice_stops_now(tiny_model, interrupts):
+    # Graceful wait of 600 s: with two interrupts, only "stop now" can end the stream in time.
+    graceful = "0.5" if interrupts == 1 else "600"
+    command = [sys.executable, "-m", "strata.cli", "serve", "--model", str(tiny_model), "--port", "0", "--threads",
+               "1", "--slots", "1", "--limits.graceful-timeout", graceful]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env=environment())
+    try:
+        url = wait_for_line(process, r"serving \S+ on (http://\S+)")[0].group(1)
+        # A stream that only the context ends (thousands of tokens): still running at shutdown.
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000, "stream": True,
+                "logit_bias": {str(ord("A")): 100}}
+        streaming, chunks = threading.Event(), []
+
+        def read() -> None:
+            with contextlib.suppress(httpx.HTTPError), httpx.stream(
+                    "POST", url + "/v1/chat/completions", json=body, timeout=60) as reply:
+                for line in reply.iter_lines():
+                    chunks.append(line)
+                    if '"content":"A' in line:
+                        streaming.set()
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        assert streaming.wait(30)
+        process.send_signal(signal.SIGINT)
+        lines = wait_for_line(process, r"shutting down")[1]
+        if interrupts == 2:
+            process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=30) == 0
+        reader.join(30)
+        lines += process.stdout.readlines()
+        output = "".join(lines)
+        assert "Traceback" not in output and "KeyboardInterrupt" not in output, output
+        assert output.count("SIGINT: shutting down") == 1
+        assert output.count("SIGINT again: stopping now") == (interrupts == 2), output
+        assert not any("[DONE]" in chunk for chunk in chunks)  # the stream was cut, not finished
     finally:
         process.kill()
         process.wait()
