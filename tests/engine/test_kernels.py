@@ -304,7 +304,7 @@ def test_gemm_rows_matches_its_naive_reference(kernels, qtype, n_tok):
     threads; the reference sees the same quantised activations, so only the summation order differs."""
     kffi, klib = kernels
     rng = np.random.default_rng(int(qtype) + 100 + n_tok)
-    n_rows, ldy, r0, r1 = 13, 20, 3, 12
+    n_rows, ldy, r0, r1 = 24, 30, 3, 22  # 19 rows: a band of 16 in the K-quant prompt path, and 3 more
     n_cols = round_up(544, qtype)
     w = random_weights(qtype, n_rows, n_cols, rng)
     x = rng.standard_normal((n_tok, n_cols)).astype(np.float32)
@@ -330,11 +330,11 @@ def test_gemm_rows_matches_its_naive_reference(kernels, qtype, n_tok):
 @pytest.mark.parametrize("qtype", WEIGHT_TYPES)
 def test_a_tokens_row_does_not_depend_on_the_tokens_beside_it(kernels, qtype):
     """Each token's outputs are the same bits whether it is the product's only token (decode: the direct tiles)
-    or one of 39 (a prompt: tiles of four tokens, rows prepared once per block of tokens, a pair and a last odd
-    token), so a sequence's logits in a batch equal its logits alone."""
+    or one of 39 (a prompt: rows prepared once, in tiles of several tokens and the rest, and rows beyond the
+    prepared tiles), so a sequence's logits in a batch equal its logits alone."""
     kffi, klib = kernels
     rng = np.random.default_rng(int(qtype) + 300)
-    n_tok, n_rows = 39, 9
+    n_tok, n_rows = 39, 41  # prompt bands of 16 rows and 9 more, 8 tokens at a time and 4 + 2 + 1
     n_cols = round_up(544, qtype)
     w = random_weights(qtype, n_rows, n_cols, rng)
     xq = quantize_rows(kernels, Q(klib.strata_traits(int(qtype)).vec_dot_type),

@@ -112,15 +112,12 @@ typedef struct {
     union {
         float mins[8];    // Q4_K: dmin * m_s
         int16_t sc[16];   // Q6_K: the scales
-        int16_t osc[16];  // KQ_OFFSET: -o * the scale of each group of 16, for values stored as q + o
     };
-    int16_t m[16];     // KQ_MINS: the min of each group of 16
-    float d, dmin;
+    float d;
 } __attribute__((aligned(64))) kq_prep;
 
-// What tile_kq_prepared adds to the products of the prepared values: Q4_K's and Q6_K's own terms, or for the
-// 256-element types of quants_x86_kx.c an offset (-o * sum_g sc_g * bsum_g) or mins (dmin * sum_g m_g * bsum_g).
-enum { KQ_Q4_K, KQ_Q6_K, KQ_OFFSET, KQ_MINS };
+// What tile_kq_prepared adds to the products of the prepared values: Q4_K's and Q6_K's own terms.
+enum { KQ_Q4_K, KQ_Q6_K };
 
 // The scales of a packed pair of chunks 2h, 2h + 1: its 128-bit lane k holds 4 sums of chunk 2h (elements
 // 128h + 16k ..) then 4 of chunk 2h + 1 (64 further on); sc holds one scale per `group` elements.
@@ -143,8 +140,8 @@ static inline __m512i fold_pair(__m512i a, __m512i b) {
 // A tile of rows prepared in p (row i's blocks nb apart) and tokens in pairs. Each pair folds its two 16-lane
 // sums into one register: a 4 x 4 tile holds 8 accumulators, not 16. The offsets cost a pair one instruction or
 // two: Q4_K's mins (dmin * m_s times da * the sum of sub-block s of x, in lanes s and 8 + s) one FMA; Q6_K's
-// 32 * sum_g sc_g * bsum_g a multiply-add of 16-bit pairs and a shift; KQ_OFFSET's one vpdpwssd. Each kind's
-// direct tile ends in the same integer lanes and f32 steps (kq_canonical, tile_kx).
+// 32 * sum_g sc_g * bsum_g a multiply-add of 16-bit pairs and a shift. Each kind's direct tile ends in the same
+// integer lanes and f32 steps (kq_canonical).
 INLINE void tile_kq_prepared(int kind, const gemm_args *a, const kq_prep *p, int64_t r, int64_t t, int NR, int NT) {
     const block_q8_K *x[TT];
     __m512 acc[TR][TT / 2];
@@ -187,13 +184,6 @@ INLINE void tile_kq_prepared(int kind, const gemm_args *a, const kq_prep *p, int
                 if (kind == KQ_Q6_K)  // the values are q + 32
                     sum = _mm512_sub_epi32(sum, _mm512_slli_epi32(_mm512_madd_epi16(
                         _mm512_broadcast_i32x8(_mm256_load_si256((const __m256i *)P->sc)), bsums[k]), 5));
-                if (kind == KQ_OFFSET)
-                    sum = _mm512_dpwssd_epi32(sum, _mm512_broadcast_i32x8(_mm256_load_si256((const __m256i *)P->osc)),
-                                              bsums[k]);
-                if (kind == KQ_MINS)
-                    acc[i][k] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(
-                        _mm512_broadcast_i32x8(_mm256_load_si256((const __m256i *)P->m)), bsums[k])),
-                        _mm512_mul_ps(_mm512_set1_ps(P->dmin), da[k]), acc[i][k]);
                 acc[i][k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, da[k]), acc[i][k]);
                 if (kind == KQ_Q4_K)
                     acc[i][k] = _mm512_fnmadd_ps(_mm512_broadcast_f32x8(_mm256_load_ps(P->mins)), xsum[k],
