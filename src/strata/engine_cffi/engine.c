@@ -19,7 +19,10 @@
 
 #define ROWS_PER_TASK 16   /* output rows per unit of work in a product: small enough to balance threads */
 #define MAX_EXPERT_USED 64
-#define FEW_TOKENS 4       /* chunks up to this many tokens are decode-shaped: products read rows as long streams */
+#define FEW_TOKENS 64      /* chunks up to this many tokens are decode-shaped: products read rows as long runs
+                            * (the kernels keep a tile of rows in cache while up to 64 tokens pass over it) */
+#define RUNS_PER_THREAD 8  /* units of a decode-shaped product per thread: enough for one to take up another's */
+#define MIN_RUN_BLOCKS 8   /* ROWS_PER_TASK blocks per unit at least: a run long enough to stream */
 
 // --- errors
 
@@ -749,23 +752,26 @@ static void quantize_rows(const team *tm, int vec_dot_type, const float *x, int 
 static int64_t row_blocks(const matrix *w) { return (w->n_out + ROWS_PER_TASK - 1) / ROWS_PER_TASK; }
 
 /* ys[i] (n_tok, ws[i].n_out) = xq @ ws[i]^T for n_w weights of one partner type, xq already converted to it.
- * The row blocks of every weight form one parallel loop, so q, k and v (or gate and up) share one barrier.
- * With few tokens each thread's run of blocks of one weight is one call: the kernel then reads its rows as a few
- * long streams (short rows taken 16 at a time left the output product at half the memory bandwidth). With many,
- * a call per block keeps that block's rows in cache while every token passes over them. */
+ * The row blocks of every weight form one parallel loop, so q, k and v (or gate and up) share one barrier. Its
+ * units are handed out through the shared counter as threads free up, so a thread that loses its core for a
+ * while leaves its share to the others instead of holding up the barrier. With few tokens a unit is a long run
+ * of one weight's blocks (about RUNS_PER_THREAD of them per thread), one kernel call: the kernel then reads its
+ * rows as a few long streams (short rows taken 16 at a time left the output product at half the memory
+ * bandwidth), and keeps each tile of rows in cache while every token passes over it. With many, a unit is one
+ * block, whose rows stay in cache while the tokens' blocks go by. Which thread computes a row does not change
+ * its sum. */
 static void products(const team *tm, int n_w, const matrix *const *ws, float *const *ys, const void *xq,
                      int n_tok) {
-    int64_t total = 0;
+    int64_t total = 0, units = 0, per = 1;  // per: blocks per unit
     for (int i = 0; i < n_w; i++) total += row_blocks(ws[i]);
-    int64_t step = n_tok <= FEW_TOKENS ? total : 1;  // blocks per call
-    range r = share(tm, total);
-    for (int64_t i = 0, first = 0; i < n_w; first += row_blocks(ws[i++])) {  // first: weight i's first block
+    if (n_tok <= FEW_TOKENS) per = max64(MIN_RUN_BLOCKS, total / ((int64_t)RUNS_PER_THREAD * tm->nth));
+    for (int i = 0; i < n_w; i++) units += (row_blocks(ws[i]) + per - 1) / per;
+    for (int64_t u; (u = team_next(tm)) < units;) {
+        int i = 0;
+        for (int64_t n; u >= (n = (row_blocks(ws[i]) + per - 1) / per); i++) u -= n;  // unit u of weight i
         const matrix *w = ws[i];
-        int64_t hi = min64(r.hi, first + row_blocks(w));
-        for (int64_t b = max64(r.lo, first); b < hi; b += step) {
-            int64_t r0 = (b - first) * ROWS_PER_TASK, r1 = (min64(b + step, hi) - first) * ROWS_PER_TASK;
-            strata_gemm_rows(w->type, w->n_in, w->data, r0, min64(r1, w->n_out), xq, n_tok, ys[i], w->n_out);
-        }
+        int64_t r0 = u * per * ROWS_PER_TASK, r1 = min64(r0 + per * ROWS_PER_TASK, w->n_out);
+        strata_gemm_rows(w->type, w->n_in, w->data, r0, r1, xq, n_tok, ys[i], w->n_out);
     }
     team_sync(tm);
 }
@@ -968,10 +974,11 @@ static void route_tokens(strata_context *c, int n_tok) {
 }
 
 /* Rows per expert task: ROWS_PER_TASK for a prompt; for a few tokens, the longest runs (see products) that
- * still leave two tasks per thread among the n_mat expert matrices of the loop, in whole ROWS_PER_TASK blocks. */
+ * still leave RUNS_PER_THREAD / 2 tasks per thread among the n_mat expert matrices of the loop, in whole
+ * ROWS_PER_TASK blocks. */
 static int64_t expert_task_rows(const strata_context *c, int n_tok, int n_mat, int64_t n_out) {
     if (n_tok > FEW_TOKENS || n_mat == 0) return ROWS_PER_TASK;
-    int64_t per_matrix = (2 * c->n_threads + n_mat - 1) / n_mat;  // tasks each matrix is cut into
+    int64_t per_matrix = (RUNS_PER_THREAD / 2 * c->n_threads + n_mat - 1) / n_mat;  // tasks per matrix
     int64_t rows = (n_out + per_matrix - 1) / per_matrix;
     return (rows + ROWS_PER_TASK - 1) / ROWS_PER_TASK * ROWS_PER_TASK;
 }
