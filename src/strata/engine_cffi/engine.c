@@ -336,7 +336,8 @@ struct strata_context {
     int *n_past;                   // (n_seq,) positions each sequence holds
     atomic_int *abort_flag;        // (n_seq,) raised by strata_abort, lowered when a call drops the sequence
     int *dropped;                  // (n_seq,) the call in flight dropped the sequence (its flag was seen)
-    int stop;                      /* every sequence of the chunk was dropped, as the team read it */
+    int stop;                      /* every sequence of the chunk was dropped: the chunk stopped */
+    int stop_at[2];                /* the answers of the two alternating polls of the abort flags */
     strata_timings timings;
     double output_t0;              /* when the current output projection began (ms) */
     size_t kv_elem;                /* bytes per cached value */
@@ -722,7 +723,9 @@ static void team_sync(const team *tm) { strata_pool_barrier(tm->pool); }
 /* The next unit of a loop whose units are taken one at a time as threads free up (units of uneven cost). */
 static int team_next(const team *tm) { return strata_pool_next(tm->pool); }
 
-// --- building blocks (each called by every thread of the team; each ends at a barrier)
+// --- building blocks (each called by every thread of the team; each ends at a barrier, except those that work
+// on this thread's share of the tokens only (share(tm, n_tok)): a step on the same share may follow them at once,
+// since each thread then reads only rows it wrote itself)
 
 /* out (n,) = x / sqrt(mean(x^2) + eps) * w */
 static void rmsnorm(float *out, const float *x, const float *w, int64_t n, float eps) {
@@ -732,12 +735,11 @@ static void rmsnorm(float *out, const float *x, const float *w, int64_t n, float
     for (int64_t i = 0; i < n; i++) out[i] = x[i] * s * w[i];
 }
 
-/* out rows (n_tok, n) = rmsnorm of x rows, in parallel over tokens. */
+/* out rows (n_tok, n) = rmsnorm of x rows, this thread's share of them; no barrier. */
 static void rmsnorm_rows(const team *tm, float *out, const float *x, const float *w, int n_tok, int64_t n,
                          float eps) {
     range r = share(tm, n_tok);
     for (int64_t t = r.lo; t < r.hi; t++) rmsnorm(out + t * n, x + t * n, w, n, eps);
-    team_sync(tm);
 }
 
 /* dst rows (n_tok) = x rows (n_tok, n) converted to `vec_dot_type`, rows `stride` bytes apart. */
@@ -890,15 +892,14 @@ static void attention(const team *tm, strata_context *c, int il, int n_tok) {
     team_sync(tm);
 }
 
-/* x += y, row by row. */
+/* x += y, row by row, this thread's share; no barrier. */
 static void add_rows(const team *tm, float *x, const float *y, int n_tok, int64_t n) {
     range r = share(tm, n_tok);
     for (int64_t t = r.lo; t < r.hi; t++)
         for (int64_t i = 0; i < n; i++) x[t * n + i] += y[t * n + i];
-    team_sync(tm);
 }
 
-/* hb = silu(hb) * hb2 over n_rows rows of n. */
+/* hb = silu(hb) * hb2 over this thread's share of n_rows rows of n; no barrier. */
 static void swiglu_rows(const team *tm, float *hb, const float *hb2, int n_rows, int64_t n) {
     range rows = share(tm, n_rows);
     for (int64_t r = rows.lo; r < rows.hi; r++)
@@ -906,8 +907,26 @@ static void swiglu_rows(const team *tm, float *hb, const float *hb2, int n_rows,
             float g = hb[r * n + i];
             hb[r * n + i] = g / (1.0f + expf(-g)) * hb2[r * n + i];
         }
-    team_sync(tm);
 }
+
+/* Thread 0 reads the abort flags of the chunk's sequences: a raised flag drops its sequence from the rest of the
+ * call (and is lowered). The chunk stops when all its sequences are dropped; the others' tokens go on, so one
+ * sequence's abort never costs another its work. The answer goes in stop_at[slot], which every thread reads
+ * after the next barrier (team_stopped). Two slots, polled in turn, each with barriers between a poll and the
+ * next one of its slot: every thread has read a slot before thread 0 can write it again. */
+static void poll_aborts(const team *tm, strata_context *c, int slot, int n_tok) {
+    if (tm->ith != 0) return;
+    int live = 0;
+    for (int t = 0; t < n_tok; t++) {
+        int s = c->chunk_seq[t];
+        if (!c->dropped[s] && atomic_exchange(&c->abort_flag[s], 0)) c->dropped[s] = 1;
+        live |= !c->dropped[s];
+    }
+    c->stop_at[slot] = !live;
+}
+
+/* The answer of the last poll of `slot`; after a barrier that follows it, every thread reads the same. */
+static int team_stopped(const strata_context *c, int slot) { return c->stop_at[slot]; }
 
 // --- transformer blocks
 
@@ -923,6 +942,7 @@ static void attention_block(const team *tm, strata_context *c, int il, int n_tok
     rope_and_cache(tm, c, L, il, n_tok);
     // att = softmax(q k^T / sqrt(head_dim)) v over positions <= each token's; x += att @ Wo
     attention(tm, c, il, n_tok);
+    poll_aborts(tm, c, 1, n_tok);  // read before the feed-forward
     linear1(tm, c, c->att, n_tok, &L->wo, c->xb);
     add_rows(tm, c->x, c->xb, n_tok, p->n_embd);
 }
@@ -936,6 +956,7 @@ static void dense_ffn_block(const team *tm, strata_context *c, int il, int n_tok
     float *ys[2] = {c->hb, c->hb2};
     linear(tm, c, c->xb, n_tok, 2, ws, ys);
     swiglu_rows(tm, c->hb, c->hb2, n_tok, p->n_ff);
+    poll_aborts(tm, c, 0, n_tok);  // read before the next layer
     linear1(tm, c, c->hb, n_tok, &L->ffn_down, c->xb);
     add_rows(tm, c->x, c->xb, n_tok, p->n_embd);
 }
@@ -1054,7 +1075,7 @@ static void experts_gate_up(const team *tm, strata_context *c, const layer_weigh
         expert_products(tm, c, last - first, ws + first, ys + first, c->xq_slots, stride, 0, c->n_tasks_up,
                         c->task_rows[0]);
     }
-    swiglu_rows(tm, c->hb, c->hb2, n_slots, p->n_ff_exp);
+    swiglu_rows(tm, c->hb, c->hb2, n_slots, p->n_ff_exp);  // the down product's conversion follows on its share
 }
 
 static void moe_block(const team *tm, strata_context *c, int il, int n_tok) {
@@ -1064,14 +1085,14 @@ static void moe_block(const team *tm, strata_context *c, int il, int n_tok) {
     // xb = rmsnorm(x); router logits = xb @ Wr; each token picks its top-k experts
     rmsnorm_rows(tm, c->xb, c->x, L->ffn_norm, n_tok, p->n_embd, p->rms_eps);
     linear1(tm, c, c->xb, n_tok, &L->router, c->router);
-    if (tm->ith == 0) {
+    if (tm->ith == 0) {  // no barrier of its own: only gather_slots reads the routing, past the next one
         route_tokens(c, n_tok);
         group_slots(c, n_tok);
     }
-    team_sync(tm);
     // per slot: hb = silu(xb Wg_e) * (xb Wu_e); moe_out = hb @ Wd_e
     experts_gate_up(tm, c, L, n_tok);
     size_t stride = act_row_bytes(L->down_exps.vec_dot_type, p->n_ff_exp);
+    poll_aborts(tm, c, 0, n_tok);  // read before the next layer
     quantize_rows(tm, L->down_exps.vec_dot_type, c->hb, n_slots, p->n_ff_exp, c->xq_slots, stride);
     const matrix *down = &L->down_exps;
     expert_products(tm, c, 1, &down, &c->moe_out, c->xq_slots, stride, c->n_tasks_up, c->n_tasks_down,
@@ -1083,8 +1104,7 @@ static void moe_block(const team *tm, strata_context *c, int il, int n_tok) {
             const float *y = c->moe_out + (size_t)c->slot_of[t * k + j] * p->n_embd;
             float w = c->choice_weight[t * k + j];
             for (int64_t i = 0; i < p->n_embd; i++) c->x[t * p->n_embd + i] += w * y[i];
-        }
-    team_sync(tm);
+        }  // no barrier: the next step on x works on the same share
 }
 
 // --- forward pass of one chunk
@@ -1109,8 +1129,7 @@ static void embed(const team *tm, strata_context *c, const float *embd_rows, int
         else
             strata_dequantize_row_any(m->tok_embd.type, (const char *)m->tok_embd.data +
                                       (size_t)c->chunk_token[t] * m->tok_embd.row_bytes, c->x + t * E, E);
-    }
-    team_sync(tm);
+    }  // no barrier: this thread's share
 }
 
 /* After layer k < n_deepstack: x rows of the caller's rows += their slice k + 1 (Qwen3-VL's deepstack: the
@@ -1122,25 +1141,7 @@ static void add_deepstack(const team *tm, strata_context *c, const float *embd_r
         if (c->chunk_embd[t] < 0) continue;
         const float *slice = embd_rows + (size_t)c->chunk_embd[t] * W + (size_t)(k + 1) * E;
         for (int64_t i = 0; i < E; i++) c->x[t * E + i] += slice[i];
-    }
-    team_sync(tm);
-}
-
-/* Thread 0 reads the abort flags of the chunk's sequences: a raised flag drops its sequence from the rest of the
- * call (and is lowered). The chunk stops when all its sequences are dropped; the others' tokens go on, so one
- * sequence's abort never costs another its work. The barrier gives every thread the same answer. */
-static int team_should_stop(const team *tm, strata_context *c, int n_tok) {
-    if (tm->ith == 0) {
-        int live = 0;
-        for (int t = 0; t < n_tok; t++) {
-            int s = c->chunk_seq[t];
-            if (!c->dropped[s] && atomic_exchange(&c->abort_flag[s], 0)) c->dropped[s] = 1;
-            live |= !c->dropped[s];
-        }
-        c->stop = !live;
-    }
-    team_sync(tm);
-    return c->stop;
+    }  // no barrier: this thread's share
 }
 
 /* rmsnorm(x rows) @ Woutput into the caller's logits rows, for the chunk's tokens that want logits. Rows of
@@ -1169,25 +1170,31 @@ typedef struct {
     float *logits;                 // the caller's (n_out, n_vocab)
 } chunk_job;
 
-/* Every thread's part of a chunk: embeddings, every layer (the abort flags checked before its attention and
- * before its feed-forward: a long prompt's chunk spends a layer's time in each), logits. */
+/* Every thread's part of a chunk: embeddings, every layer (the abort flags polled before the end of its
+ * attention and of its feed-forward, and the answer acted on after each: a long prompt's chunk spends about a
+ * layer's time in each), logits. */
 static void forward_job(int ith, int nth, void *arg) {
     const chunk_job *j = arg;
     strata_context *c = j->c;
     const strata_model *m = c->model;
     team tm = {c->pool, ith, nth};
     embed(&tm, c, j->embd_rows, j->n_tok);
-    for (int il = 0; il < m->hp.n_layer && !team_should_stop(&tm, c, j->n_tok); il++) {
+    poll_aborts(&tm, c, 0, j->n_tok);
+    team_sync(&tm);
+    int stop = 0;
+    for (int il = 0; !(stop = team_stopped(c, 0)) && il < m->hp.n_layer; il++) {
         attention_block(&tm, c, il, j->n_tok);
-        if (team_should_stop(&tm, c, j->n_tok)) break;
+        if ((stop = team_stopped(c, 1))) break;
         if (m->is_moe) moe_block(&tm, c, il, j->n_tok);
         else dense_ffn_block(&tm, c, il, j->n_tok);
         if (il < m->hp.n_deepstack) add_deepstack(&tm, c, j->embd_rows, il, j->n_tok);
     }
-    if (!c->stop) {
+    if (!stop) {
+        team_sync(&tm);  // the output's runs of tokens need not be this thread's share of x
         if (ith == 0) c->output_t0 = now_ms();
         output_logits(&tm, c, j->n_tok, j->logits);
     }
+    if (ith == 0) c->stop = stop;  // for the caller, once the job is done
 }
 
 // --- eval: validation, chunking, timings
