@@ -211,7 +211,8 @@ INLINE void tile_kq_prepared(int kind, const gemm_args *a, const kq_prep *p, int
     }
 // Rows [r0, r1) x all tokens by tiles of TR rows a quarter of the range apart (rows r, r + rs, ...): adjacent
 // rows, read as TR streams a few KB apart, starve the hardware prefetchers (a Q8_0 decode product ran at a
-// third of the memory bandwidth). The last (r1 - r0) % TR rows, and tokens short of a full tile, take 1-wide tiles.
+// third of the memory bandwidth). The last (r1 - r0) % TR rows take 1-wide tiles; tokens short of a full tile take
+// a pair, then single ones (two decoding sequences went through the weights twice, one token at a time).
 #define DEFINE_GEMM(NAME, TILE) \
     void NAME(gemm_args *a, int64_t r0, int64_t r1, int64_t n_tok) { \
         a->rs = (r1 - r0) / TR; \
@@ -220,11 +221,13 @@ INLINE void tile_kq_prepared(int kind, const gemm_args *a, const kq_prep *p, int
             for (int64_t r = r0; r < r0 + a->rs; r++) { \
                 int64_t t = tb; \
                 for (; t + TT <= te; t += TT) TILE(a, r, t, TR, TT); \
+                for (; t + 2 <= te; t += 2) TILE(a, r, t, TR, 2); \
                 for (; t < te; t++) TILE(a, r, t, TR, 1); \
             } \
             for (int64_t r = r0 + TR * a->rs; r < r1; r++) { \
                 int64_t t = tb; \
                 for (; t + TT <= te; t += TT) TILE(a, r, t, 1, TT); \
+                for (; t + 2 <= te; t += 2) TILE(a, r, t, 1, 2); \
                 for (; t < te; t++) TILE(a, r, t, 1, 1); \
             } \
         } \
