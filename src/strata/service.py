@@ -990,10 +990,17 @@ class _Stream:
 
         Raises: what the engine raised (EngineError, ...).
         """
+        waited = False
         while True:
             self._waiter = waiter = trio.Event()
             ended = self.job.finish is not None  # read first: every token is appended before finish is set
             tokens = self.job.tokens[self._taken:]
+            if tokens and not waited:
+                # Tokens that came while the last ones were sent: give the loop a turn (the sends themselves need
+                # not: see the API's `_patch_tcp_server_send`), then take them and any that came meanwhile.
+                waited = True
+                await trio.lowlevel.checkpoint()
+                continue
             if tokens:
                 self._taken += len(tokens)
                 return tokens
@@ -1002,6 +1009,7 @@ class _Stream:
                     raise self.job.error
                 return []
             await waiter.wait()
+            waited = True
 
     def wake(self) -> None:
         if self._waiter is not None:

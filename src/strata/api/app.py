@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import trio
-from hypercorn.events import Closed
+from hypercorn.events import Closed, RawData
 from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, ASGISendEvent
 from quart import Quart, Response, request
@@ -41,25 +41,50 @@ from strata.service import RequestError, Service, open_service
 _SEND_ERRORS = (OSError, trio.BrokenResourceError, trio.ClosedResourceError)
 
 
-def _tolerate_writes_while_closing() -> None:
-    """Work around a race in hypercorn's trio worker (0.18): `TCPServer._close` shuts the socket's write side
-    with `send_eof`, which holds trio's one-sender guard across a checkpoint, without taking the send lock that
-    every write takes. A write at that moment from the connection's other task raises `BusyResourceError`: when
-    a body timeout's 408 and the client's hang-up meet, the reader's error response hits it, and the exception
-    escapes the connection's task and stops the whole server. The connection is being closed, so the write is
-    moot: it is treated as a write to a closed socket, as hypercorn already treats `ClosedResourceError`."""
+def _patch_tcp_server_send() -> None:
+    """Two changes to the send of hypercorn's trio worker (0.18), `TCPServer.protocol_send`:
+
+    - A write goes to the socket at once when nobody else is writing and the socket takes it all (the usual case:
+      a streamed token is a few hundred bytes), instead of through the send lock and `send_all`, whose two
+      checkpoints each cost a pass of trio's scheduler: with them a streamed token took four passes, two
+      without. A write the socket does not take whole (a slow reader, a closed connection), or while another
+      is in flight, goes hypercorn's way, which waits and reports a closed connection as before.
+    - A race: `TCPServer._close` shuts the socket's write side with `send_eof`, which holds trio's one-sender
+      guard across a checkpoint, without taking the send lock that every write takes. A write at that moment
+      from the connection's other task raises `BusyResourceError`: when a body timeout's 408 and the client's
+      hang-up meet, the reader's error response hits it, and the exception escapes the connection's task and
+      stops the whole server. The connection is being closed, so the write is moot: it is treated as a write to
+      a closed socket, as hypercorn already treats `ClosedResourceError`."""
     send = TCPServer.protocol_send
-    if getattr(send, "tolerates_close", False):
+    if getattr(send, "patched", False):
         return
 
     async def protocol_send(self: TCPServer, event: Any) -> None:
+        if isinstance(event, RawData) and not self.send_lock.locked():
+            await trio.lowlevel.checkpoint_if_cancelled()  # a cancelled task writes nothing, as with the lock
+            sent = _send_now(self.stream, event.data)
+            if sent == len(event.data):
+                return
+            event = RawData(data=event.data[sent:])
         try:
             await send(self, event)
         except trio.BusyResourceError:
             await self.protocol.handle(Closed())
 
-    protocol_send.tolerates_close = True  # type: ignore[attr-defined]
+    protocol_send.patched = True  # type: ignore[attr-defined]
     TCPServer.protocol_send = protocol_send  # type: ignore[method-assign]
+
+
+def _send_now(stream: Any, data: bytes) -> int:
+    """Write what a plain TCP stream's socket takes of `data` without waiting: the bytes written (0 for another
+    kind of stream, a shut or full socket, or an error, which the caller's ordinary send then meets)."""
+    sock = getattr(getattr(stream, "socket", None), "_sock", None) if isinstance(stream, trio.SocketStream) else None
+    if sock is None or stream.socket.did_shutdown_SHUT_WR:
+        return 0
+    try:
+        return int(sock.send(data))
+    except OSError:  # BlockingIOError included
+        return 0
 
 
 class _RequestConnection(TrioASGIHTTPConnection):
@@ -133,7 +158,7 @@ def create_app(service: Service | None = None, config: Config | None = None) -> 
         from strata.serve import with_demo_model
 
         config = with_demo_model(config)  # as `strata serve` does: `{}` is a working config
-    _tolerate_writes_while_closing()
+    _patch_tcp_server_send()
     state = _State(config, service)
     app = QuartTrio(__name__)
     app.asgi_http_class = _RequestConnection
