@@ -137,6 +137,21 @@ def test_picture_rows_are_matched_by_digest_and_cut_at_the_cached_prefix() -> No
     assert tokens == [0, 0, 7] and embeds[0][0] == 0 and embeds[0][1].shape == (2, 2)
 
 
+def test_a_slot_knows_what_each_cached_position_holds() -> None:
+    # through a prompt in chunks, picture rows, decoding and a cancel mid-prompt
+    engine = SuccessorEngine(n_batch=2)
+    batcher = Batcher(engine, n_batch=2)
+    keys = [1, 2, ("pic", 0), ("pic", 1), 5]
+    run(batcher, first := job([1, 2, 0, 0, 5], max_tokens=4, keys=keys, spans=[(2, np.ones((2, 2), np.float32))]))
+    slot = batcher.slots[0]
+    assert slot.keys == keys + first.tokens[:-1] and len(slot.keys) == engine.seq_n_past(0)  # the last: not fed
+    batcher.add(second := job([1, 2, 9, 10, 11, 12, 13]))
+    batcher.step()  # [9, 10] after the reused [1, 2]
+    batcher.cancel(second)
+    batcher.step()
+    assert second.finish == "cancel" and slot.keys == [1, 2, 9, 10] == engine.caches[0]
+
+
 def test_penalties_see_the_prompt() -> None:
     engine = SuccessorEngine()
     sampler = Sampler(SamplingParams(temperature=0.0, repetition_penalty=2.0), N_VOCAB)

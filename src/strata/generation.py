@@ -283,7 +283,7 @@ class Batcher:
         for job, logits in zip(work, rows, strict=True):
             slot = self.slots[job.seq]
             n_past = self.engine.seq_n_past(job.seq)
-            slot.keys = (job.keys + job.history[job.n_prompt:])[:n_past]
+            _track(slot.keys, job, n_past)
             if job.progress is not None and not job.decoding:
                 job.progress.prompt_progress(min(n_past, job.n_prompt))
             if job.prompt_logprobs is not None and logits is not None and not job.decoding and not job.stopping:
@@ -357,6 +357,18 @@ class Batcher:
             # A flag raised as the job's last call was returning would stop the slot's next job.
             self.engine.clear_abort(job.seq)
             job.finish = finish
+
+
+def _track(keys: list[Hashable], job: Job, n_past: int) -> None:
+    """Make a slot's `keys` those of the first `n_past` positions of `job` (its prompt's keys, then its sampled
+    tokens), in place: a step adds a token or a chunk, and rebuilding the whole list at every step cost 0.44 ms a
+    job at 20,000 positions, on the engine thread, holding the GIL."""
+    have = len(keys)
+    if have > n_past:
+        del keys[n_past:]
+    elif have < n_past:
+        keys += job.keys[have:min(n_past, job.n_prompt)]
+        keys += job.history[max(have, job.n_prompt):n_past]
 
 
 def generate(engine: Any, prompt_ids: Sequence[int], sampler: Sampler, max_tokens: int, stop_ids: Collection[int],
