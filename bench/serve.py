@@ -94,6 +94,8 @@ def stream_once(host: str, port: int, run: int, n_tokens: int, sock: socket.sock
         while not done:
             data = connection.recv(65536)
             if not data:
+                if not chunks:  # a kept connection the server closed while it was idle
+                    raise ConnectionResetError("the server closed the connection")
                 break
             *events, buffer = (buffer + data).split(b"\n\n")
             for event in events:
@@ -122,7 +124,12 @@ def client_main(host: str, port: int) -> None:
     kept = socket.create_connection((host, port))
     for line in sys.stdin:
         order = json.loads(line)
-        result = stream_once(host, port, order["run"], order["tokens"], kept if order["keep"] else None)
+        try:
+            result = stream_once(host, port, order["run"], order["tokens"], kept if order["keep"] else None)
+        except OSError:  # hypercorn closes a connection idle for keep_alive_timeout (5 s): a slow direct run
+            kept.close()
+            kept = socket.create_connection((host, port))
+            result = stream_once(host, port, order["run"], order["tokens"], kept if order["keep"] else None)
         print(json.dumps(result), flush=True)
     kept.close()
 
