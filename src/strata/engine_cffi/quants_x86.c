@@ -304,42 +304,36 @@ static inline __m128i u8x8_to_16(uint64_t v) {
 
 // Q4_K x Q8_K: sum_s sc_s * (q . x)_s scaled by d, minus sum_s m_s * bsum_s scaled by dmin.
 #if defined(VNNI512)
-// A block's integer sum per token in the 8 lanes in which the prepared prompt tile (tile_kq_prepared) leaves it,
-// from two 16-lane sums: a, of the 64-value chunks it takes in its first 128-value step (Q4_K: chunks 0 and 2 of
-// the direct tile), and b, of the others. The f32 work that follows is the same in both tiles, so a token's result
-// does not depend on how many tokens share its product (alone or in a batch, decode or prompt).
-static inline __m256i kq_canonical(__m512i a, __m512i b) {
-    __m256i fa = _mm256_add_epi32(_mm512_castsi512_si256(a), _mm512_extracti64x4_epi64(a, 1));
-    __m256i fb = _mm256_add_epi32(_mm512_castsi512_si256(b), _mm512_extracti64x4_epi64(b, 1));
-    return _mm256_hadd_epi32(fa, fb);
+// A 512-bit integer sum as 8 lanes.
+static inline __m256i fold512(__m512i v) {
+    return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
 }
 
-// 512-bit: a 32-byte chunk of qs unpacks to sub-block 2c (low nibbles) then 2c + 1 (high), the order of x. The
-// mins go straight into the f32 accumulators: dmin * m_s times da * (sum of sub-block s of x).
+// Each of the 8 mins once per group of 16 (one per bsum).
+static inline __m256i q4k_mins16(uint64_t m8) {
+    __m128i m = u8x8_to_16(m8);
+    return _mm256_set_m128i(_mm_unpackhi_epi16(m, m), _mm_unpacklo_epi16(m, m));
+}
+
+// 512-bit: a 32-byte chunk of qs unpacks to sub-block 2c (low nibbles) then 2c + 1 (high), the order of x. Each
+// block ends in the integers and f32 steps of the bands (kb_part, kb_steps), 4 rows in the lanes.
 INLINE void tile_q4_K(const gemm_args *a, int64_t r, int64_t t, int NR, int NT) {
     const block_q4_K *w[TR];
     const block_q8_K *x[TT];
-    __m256 acc[TR][TT];
+    __m128 acc[TT];
     const __m512i low4 = _mm512_set1_epi8(0xf);
     UNROLL for (int i = 0; i < NR; i++) w[i] = W_ROW(a, TILE_ROW(a, r, i));
-    UNROLL for (int j = 0; j < NT; j++) x[j] = X_ROW(a, t + j);
-    UNROLL for (int i = 0; i < NR; i++)
-        UNROLL for (int j = 0; j < NT; j++) acc[i][j] = _mm256_setzero_ps();
+    UNROLL for (int j = 0; j < NT; j++) x[j] = X_ROW(a, t + j), acc[j] = _mm_setzero_ps();
     for (int64_t b = 0; b < a->n / QKK; b++) {
-        __m256 xsum[TT];  // da * the sum of each sub-block of x
-        UNROLL for (int j = 0; j < NT; j++) {
-            __m256i bs = _mm256_loadu_si256((const __m256i *)x[j][b].bsums);
-            __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(bs, _mm256_set1_epi16(1)));
-            xsum[j] = _mm256_mul_ps(sums, _mm256_set1_ps(x[j][b].d));
-        }
+        __m128i part[TR][TT] = {0};
+        float d[TR] = {0}, dmin[TR] = {0};
         UNROLL for (int i = 0; i < NR; i++) {
             const block_q4_K *B = &w[i][b];
             uint64_t sc8, m8;
             q4k_scale_min_u64(B->scales, &sc8, &m8);
             __m512i sc16 = _mm512_castsi128_si512(u8x8_to_16(sc8));
-            __m256 mins = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(u8x8_to_16(m8))),
-                                        _mm256_set1_ps(F16(B->dmin)));
-            float d = F16(B->d);
+            __m256i m16 = q4k_mins16(m8);
+            d[i] = F16(B->d), dmin[i] = F16(B->dmin);
             __m512i isum[2][TT];
             UNROLL for (int j = 0; j < NT; j++) isum[0][j] = isum[1][j] = _mm512_setzero_si512();
             UNROLL for (int c = 0; c < 4; c++) {
@@ -355,13 +349,15 @@ INLINE void tile_q4_K(const gemm_args *a, int64_t r, int64_t t, int NR, int NT) 
                 }
             }
             UNROLL for (int j = 0; j < NT; j++) {
-                __m256i sum = kq_canonical(isum[0][j], isum[1][j]);
-                acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(d * x[j][b].d), acc[i][j]);
-                acc[i][j] = _mm256_fnmadd_ps(mins, xsum[j], acc[i][j]);
+                __m256i bs = _mm256_loadu_si256((const __m256i *)x[j][b].bsums);
+                part[i][j] = kb_part(fold512(_mm512_add_epi32(isum[0][j], isum[1][j])), _mm256_madd_epi16(m16, bs));
             }
         }
+        __m128 d4 = _mm_setr_ps(d[0], d[1], d[2], d[3]), dmin4 = _mm_setr_ps(dmin[0], dmin[1], dmin[2], dmin[3]);
+        UNROLL for (int j = 0; j < NT; j++)
+            acc[j] = kb_steps(1, acc[j], part[0][j], part[1][j], part[2][j], part[3][j], d4, dmin4, x[j][b].d);
     }
-    store_tile(a, r, t, NR, NT, acc);
+    store_rows4(a, r, t, NR, NT, acc);
 }
 #else
 INLINE void tile_q4_K(const gemm_args *a, int64_t r, int64_t t, int NR, int NT) {
@@ -428,17 +424,17 @@ static inline __m512i lane_index(int base) {
 }
 
 // 512-bit: 64 values at a time, chunks 0-1 and 2-3 of a half (the order of x), a group of 16 per 128-bit lane.
-// The sums of q01 and of q23 are kept apart for kq_canonical.
+// Each block ends as tile_q4_K's.
 INLINE void tile_q6_K(const gemm_args *a, int64_t r, int64_t t, int NR, int NT) {
     const block_q6_K *w[TR];
     const block_q8_K *x[TT];
-    __m256 acc[TR][TT];
+    __m128 acc[TT];
     const __m512i low4 = _mm512_set1_epi8(0xf), bits45 = _mm512_set1_epi8(0x30);
     UNROLL for (int i = 0; i < NR; i++) w[i] = W_ROW(a, TILE_ROW(a, r, i));
-    UNROLL for (int j = 0; j < NT; j++) x[j] = X_ROW(a, t + j);
-    UNROLL for (int i = 0; i < NR; i++)
-        UNROLL for (int j = 0; j < NT; j++) acc[i][j] = _mm256_setzero_ps();
+    UNROLL for (int j = 0; j < NT; j++) x[j] = X_ROW(a, t + j), acc[j] = _mm_setzero_ps();
     for (int64_t b = 0; b < a->n / QKK; b++) {
+        __m128i part[TR][TT] = {0};
+        float d[TR] = {0};
         UNROLL for (int i = 0; i < NR; i++) {
             const block_q6_K *B = &w[i][b];
             __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)B->scales));
@@ -463,16 +459,19 @@ INLINE void tile_q6_K(const gemm_args *a, int64_t r, int64_t t, int NR, int NT) 
                     isum[1][j] = _mm512_dpwssd_epi32(isum[1][j], p23, s23);
                 }
             }
-            float d = F16(B->d);
-            UNROLL for (int j = 0; j < NT; j++) {
+            d[i] = F16(B->d);
+            UNROLL for (int j = 0; j < NT; j++) {  // the values are q + 32
                 __m256i bs = _mm256_loadu_si256((const __m256i *)x[j][b].bsums);
-                __m256i sum = _mm256_sub_epi32(kq_canonical(isum[0][j], isum[1][j]),
+                __m256i sum = _mm256_sub_epi32(fold512(_mm512_add_epi32(isum[0][j], isum[1][j])),
                                                _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 5));
-                acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(d * x[j][b].d), acc[i][j]);
+                part[i][j] = kb_part(sum, _mm256_setzero_si256());
             }
         }
+        __m128 d4 = _mm_setr_ps(d[0], d[1], d[2], d[3]);
+        UNROLL for (int j = 0; j < NT; j++)
+            acc[j] = kb_steps(0, acc[j], part[0][j], part[1][j], part[2][j], part[3][j], d4, d4, x[j][b].d);
     }
-    store_tile(a, r, t, NR, NT, acc);
+    store_rows4(a, r, t, NR, NT, acc);
 }
 #else
 INLINE void tile_q6_K(const gemm_args *a, int64_t r, int64_t t, int NR, int NT) {
@@ -518,58 +517,34 @@ INLINE void tile_q6_K(const gemm_args *a, int64_t r, int64_t t, int NR, int NT) 
 #endif
 
 #if defined(KQ_PREPARED)
-static void q4k_prepare(const block_q4_K *B, kq_prep *P) {
+// A row's super-block for a band (kb_prepare).
+static void q4k_unpack(const void *blk, uint8_t *u, __m256i *sc, __m256i *m, float *d, float *dmin) {
+    const block_q4_K *B = blk;
     uint64_t sc8, m8;
     q4k_scale_min_u64(B->scales, &sc8, &m8);
-    __m512i sc16 = _mm512_castsi128_si512(u8x8_to_16(sc8));
-    for (int h = 0; h < 2; h++) _mm512_store_si512(P->s[h], kq_pair_scales(sc16, h, 32));
-    __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(u8x8_to_16(m8)));
-    _mm256_store_ps(P->mins, _mm256_mul_ps(m, _mm256_set1_ps(F16(B->dmin))));
-    P->d = F16(B->d);
+    *sc = q4k_mins16(sc8), *m = q4k_mins16(m8);  // each of the 8 once per group of 16
+    *d = F16(B->d), *dmin = F16(B->dmin);
     const __m256i low4 = _mm256_set1_epi8(0xf);
     for (int c = 0; c < 4; c++) {  // sub-block 2c in the low nibbles, 2c + 1 in the high ones
         __m256i q = _mm256_loadu_si256((const __m256i *)(B->qs + 32 * c));
-        _mm256_store_si256((__m256i *)P->q[c], _mm256_and_si256(q, low4));
-        _mm256_store_si256((__m256i *)(P->q[c] + 32), _mm256_and_si256(_mm256_srli_epi16(q, 4), low4));
+        _mm256_store_si256((__m256i *)(u + 64 * c), _mm256_and_si256(q, low4));
+        _mm256_store_si256((__m256i *)(u + 64 * c + 32), _mm256_and_si256(_mm256_srli_epi16(q, 4), low4));
     }
 }
 
-static void q6k_prepare(const block_q6_K *B, kq_prep *P) {
+static void q6k_unpack(const void *blk, uint8_t *u, __m256i *sc, __m256i *m, float *d, float *dmin) {
+    const block_q6_K *B = blk;
     const __m512i low4 = _mm512_set1_epi8(0xf), bits45 = _mm512_set1_epi8(0x30);
-    __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)B->scales));
-    for (int h = 0; h < 2; h++) {
-        _mm512_store_si512(P->s[h], kq_pair_scales(_mm512_castsi256_si512(sc16), h, 16));
-        // as in tile_q6_K: elements 128h + 0..63, then 128h + 64..127
+    *sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)B->scales)), *m = _mm256_setzero_si256();
+    *d = F16(B->d), *dmin = 0.0f;
+    for (int h = 0; h < 2; h++) {  // as in tile_q6_K: elements 128h + 0..63, then 128h + 64..127, as q + 32
         __m512i ql = _mm512_loadu_si512(B->ql + 64 * h);
         __m256i qh = _mm256_loadu_si256((const __m256i *)(B->qh + 32 * h));
         __m512i qh2 = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
-        _mm512_store_si512(P->q[2 * h], _mm512_or_si512(_mm512_and_si512(ql, low4),
+        _mm512_store_si512(u + 128 * h, _mm512_or_si512(_mm512_and_si512(ql, low4),
                                                         _mm512_and_si512(_mm512_slli_epi16(qh2, 4), bits45)));
-        _mm512_store_si512(P->q[2 * h + 1], _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low4),
-                                                            _mm512_and_si512(qh2, bits45)));
-    }
-    _mm256_store_si256((__m256i *)P->sc, sc16);
-    P->d = F16(B->d);
-}
-
-// Rows r, r + rs, ... (NR of them) prepared into p, then every token of [tb, te) against them: pairs of pairs,
-// a last pair, and a last odd token straight from the blocks.
-INLINE void kq_row_tile(int type, const gemm_args *a, kq_prep *p, int64_t r, int64_t tb, int64_t te, int NR) {
-    int64_t nb = a->n / QKK;
-    for (int i = 0; i < NR; i++) {
-        const void *row = W_ROW(a, TILE_ROW(a, r, i));
-        for (int64_t b = 0; b < nb; b++) {
-            if (type == STRATA_TYPE_Q4_K) q4k_prepare((const block_q4_K *)row + b, &p[i * nb + b]);
-            else q6k_prepare((const block_q6_K *)row + b, &p[i * nb + b]);
-        }
-    }
-    int64_t t = tb;
-    const int kind = type == STRATA_TYPE_Q4_K ? KQ_Q4_K : KQ_Q6_K;
-    for (; t + TT <= te; t += TT) tile_kq_prepared(kind, a, p, r, t, NR, TT);
-    for (; t + 2 <= te; t += 2) tile_kq_prepared(kind, a, p, r, t, NR, 2);
-    if (t < te) {
-        if (type == STRATA_TYPE_Q4_K) tile_q4_K(a, r, t, NR, 1);
-        else tile_q6_K(a, r, t, NR, 1);
+        _mm512_store_si512(u + 128 * h + 64, _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low4),
+                                                             _mm512_and_si512(qh2, bits45)));
     }
 }
 #endif
@@ -601,38 +576,20 @@ DEFINE_GEMM(strata_gemm_q4_0, tile_q4_0)
 static DEFINE_GEMM(gemm_q4_K_blocks, tile_q4_K)
 static DEFINE_GEMM(gemm_q6_K_blocks, tile_q6_K)
 
-#if defined(KQ_PREPARED)
-// As DEFINE_GEMM, with each tile of rows prepared once per block of tokens. Fewer than KQ_MIN_TOKENS tokens
-// (decode, a small expert's share) read the blocks directly, as does a product whose scratch cannot be had.
-static void gemm_kq(int type, gemm_args *a, int64_t r0, int64_t r1, int64_t n_tok) {
-    kq_prep *p = n_tok >= KQ_MIN_TOKENS ? aligned_alloc(64, (size_t)(TR * a->n / QKK) * sizeof(kq_prep)) : NULL;
-    if (!p) {
-        if (type == STRATA_TYPE_Q4_K) gemm_q4_K_blocks(a, r0, r1, n_tok);
-        else gemm_q6_K_blocks(a, r0, r1, n_tok);
-        return;
-    }
-    a->rs = (r1 - r0) / TR;
-    for (int64_t tb = 0; tb < n_tok; tb += TOKEN_BLOCK) {
-        int64_t te = tb + TOKEN_BLOCK < n_tok ? tb + TOKEN_BLOCK : n_tok;
-        for (int64_t r = r0; r < r0 + a->rs; r++) kq_row_tile(type, a, p, r, tb, te, TR);
-        for (int64_t r = r0 + TR * a->rs; r < r1; r++) kq_row_tile(type, a, p, r, tb, te, 1);
-    }
-    free(p);
-}
-#endif
-
+// Prompts (KQ_MIN_TOKENS or more) in bands of rows; decode, a small expert's share, or a product whose scratch
+// cannot be had read the blocks directly.
 void strata_gemm_q4_K(gemm_args *a, int64_t r0, int64_t r1, int64_t n_tok) {
 #if defined(KQ_PREPARED)
-    gemm_kq(STRATA_TYPE_Q4_K, a, r0, r1, n_tok);
-#else
-    gemm_q4_K_blocks(a, r0, r1, n_tok);
+    if (n_tok >= KQ_MIN_TOKENS && gemm_kb(q4k_unpack, sizeof(block_q4_K), 0, 1, gemm_q4_K_blocks, a, r0, r1, n_tok))
+        return;
 #endif
+    gemm_q4_K_blocks(a, r0, r1, n_tok);
 }
 
 void strata_gemm_q6_K(gemm_args *a, int64_t r0, int64_t r1, int64_t n_tok) {
 #if defined(KQ_PREPARED)
-    gemm_kq(STRATA_TYPE_Q6_K, a, r0, r1, n_tok);
-#else
-    gemm_q6_K_blocks(a, r0, r1, n_tok);
+    if (n_tok >= KQ_MIN_TOKENS && gemm_kb(q6k_unpack, sizeof(block_q6_K), 32, 0, gemm_q6_K_blocks, a, r0, r1, n_tok))
+        return;
 #endif
+    gemm_q6_K_blocks(a, r0, r1, n_tok);
 }

@@ -97,108 +97,187 @@ static inline __m512i load_4x128(const void *p0, const void *p1, const void *p2,
 }
 #endif
 
-// --- prompt-shaped K-quant products (AVX-512 VNNI)
-// With many tokens, each tile of rows is unpacked once per block of tokens (kq_prep): values to bytes, scales to
-// the lanes they multiply, so that work is not repeated for every tile of tokens. One vpdpbusd per 64 values sums
-// 4 products per lane (at most 4 * 63 * 128 for Q6_K: 16 bits hold it); two chunks pack to 16 bits and one
-// vpdpwssd applies their scales: 3 multiplies per 64 values where vpmaddubsw + vpdpwssd take 4.
 #if defined(VNNI512)
-#define KQ_PREPARED 1
+#define KQ_PREPARED 1     // prompts of the 256-element types in bands of rows (below)
 #define KQ_MIN_TOKENS 16  // below this, preparing the rows costs more than it saves (measured)
+#endif
+
+#if defined(__AVX2__)
+// The last steps of the direct tiles that end as the bands below do.
+// The direct tiles' sums of one row and token, s and m in 8 lanes each, as 4 lanes: s in lanes 0 + 1, m in 2 + 3.
+static inline __m128i kb_part(__m256i s, __m256i m) {
+    __m256i sm = _mm256_hadd_epi32(s, m);
+    return _mm_add_epi32(_mm256_castsi256_si128(sm), _mm256_extracti128_si256(sm, 1));
+}
+
+// The f32 steps of one token for 4 rows (kb_part's p0 .. p3) in the lanes.
+INLINE __m128 kb_steps(int mins, __m128 acc, __m128i p0, __m128i p1, __m128i p2, __m128i p3, __m128 d, __m128 dmin,
+                       float da) {
+    __m128 f01 = _mm_cvtepi32_ps(_mm_hadd_epi32(p0, p1)), f23 = _mm_cvtepi32_ps(_mm_hadd_epi32(p2, p3));  // s m s m
+    __m128 vda = _mm_set1_ps(da);
+    if (mins) acc = _mm_fnmadd_ps(_mm_shuffle_ps(f01, f23, 0xdd), _mm_mul_ps(dmin, vda), acc);
+    return _mm_fmadd_ps(_mm_shuffle_ps(f01, f23, 0x88), _mm_mul_ps(d, vda), acc);
+}
+
+INLINE void store_rows4(const gemm_args *a, int64_t r, int64_t t, int NR, int NT, const __m128 acc[TT]) {
+    UNROLL for (int j = 0; j < NT; j++) {
+        float y4[4];
+        _mm_storeu_ps(y4, acc[j]);
+        UNROLL for (int i = 0; i < NR; i++) a->y[(t + j) * a->ldy + TILE_ROW(a, r, i)] = y4[i];
+    }
+}
+
+#endif
+
+#if defined(VNNI512)
+// --- prompts in bands of rows (AVX-512 VNNI): Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ3_S, IQ1_S, IQ1_M
+// A band of KB_ROWS consecutive rows is unpacked once per product: values + offset as unsigned bytes, 4 of each row
+// per 32-bit lane, so that one vpdpbusd with a token's 4 activations broadcast sums 4 values of 16 rows, and needs
+// no horizontal sum. A group of 16 values sums in 32 bits (seeded with -o * bsum_g), then one vpmulld applies its
+// scale: 1.25 multiplies per 64 values, where vpmaddubsw + vpdpwssd take 2.
+//
+// The sums of a block, for each row and token, are two integers: s = sum_g sc_g * (q . x)_g (offset included) and
+// m = sum_g m_g * bsum_g (types with mins), then two f32 steps: acc -= m * (dmin * da), acc += s * (d * da).
+// Integer sums do not depend on their order, so the direct tiles (4 rows in the lanes of one register: kb_part,
+// kb_steps) and the bands give a token the same bits alone (decode) as in a batch (prompt).
+#define KB_ROWS 16
+#define KB_TOKENS 8  // tokens per tile: 3 x 8 registers of sums (a group's, the block's, the f32 result)
 
 typedef struct {
-    uint8_t q[4][64];  // chunk c: elements 64c .. 64c + 63, unsigned (at most 63)
-    int16_t s[2][32];  // per 16-bit lane of chunks 2h, 2h + 1 packed together, the scale of its sums
-    union {
-        float mins[8];    // Q4_K: dmin * m_s
-        int16_t sc[16];   // Q6_K: the scales
-    };
-    float d;
-} __attribute__((aligned(64))) kq_prep;
+    uint8_t q[QKK / 4][4 * KB_ROWS];   // step s (values 4s .. 4s + 3), row i's at bytes 4i ..
+    int32_t sc[QKK / 16][KB_ROWS];     // the scale of group g
+    int16_t m[QKK / 32][2 * KB_ROWS];  // the mins of groups 2p, 2p + 1, a pair per row
+    float d[KB_ROWS], dmin[KB_ROWS];
+} __attribute__((aligned(64))) kb_prep;
 
-// What tile_kq_prepared adds to the products of the prepared values: Q4_K's and Q6_K's own terms.
-enum { KQ_Q4_K, KQ_Q6_K };
+// A row's super-block as kb_prepare takes it: 256 values + offset as bytes, the scale and min of each group of 16.
+typedef void (*kb_unpack_fn)(const void *blk, uint8_t *u, __m256i *sc, __m256i *m, float *d, float *dmin);
 
-// The scales of a packed pair of chunks 2h, 2h + 1: its 128-bit lane k holds 4 sums of chunk 2h (elements
-// 128h + 16k ..) then 4 of chunk 2h + 1 (64 further on); sc holds one scale per `group` elements.
-static inline __m512i kq_pair_scales(__m512i sc, int h, int group) {
-    const __m512i second = _mm512_set_epi16(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0,
-                                            1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
-    const __m512i lane_k = _mm512_set_epi16(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2,
-                                            1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    // element 128h + 64 * second + 16k, in units of `group`
-    __m512i e = _mm512_add_epi16(_mm512_slli_epi16(second, 6), _mm512_slli_epi16(lane_k, 4));
-    __m512i idx = _mm512_srli_epi16(_mm512_add_epi16(e, _mm512_set1_epi16((short)(128 * h))), group == 32 ? 5 : 4);
-    return _mm512_permutexvar_epi16(idx, sc);
+// r[c] becomes the 16 elements c of r[0..15] (a 16 x 16 transpose of 32-bit elements): pairs, then quads within
+// 128-bit lanes, then the lanes.
+static inline void transpose16(__m512i r[16]) {
+    __m512i a[16], b[16];
+    for (int i = 0; i < 8; i++) {
+        a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {  // b[4i + e], lane L: element 4L + e of rows 4i .. 4i + 3
+        b[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
+        b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
+    }
+    for (int e = 0; e < 4; e++) {
+        __m512i c0 = _mm512_shuffle_i32x4(b[e], b[4 + e], 0x88), c1 = _mm512_shuffle_i32x4(b[e], b[4 + e], 0xdd);
+        __m512i c2 = _mm512_shuffle_i32x4(b[8 + e], b[12 + e], 0x88), c3 = _mm512_shuffle_i32x4(b[8 + e], b[12 + e], 0xdd);
+        r[e] = _mm512_shuffle_i32x4(c0, c2, 0x88), r[8 + e] = _mm512_shuffle_i32x4(c0, c2, 0xdd);
+        r[4 + e] = _mm512_shuffle_i32x4(c1, c3, 0x88), r[12 + e] = _mm512_shuffle_i32x4(c1, c3, 0xdd);
+    }
 }
 
-// Lanes 0-7 of a, then lanes 0-7 of b, each the sum of its register's two halves.
-static inline __m512i fold_pair(__m512i a, __m512i b) {
-    return _mm512_add_epi32(_mm512_shuffle_i64x2(a, b, 0x44), _mm512_shuffle_i64x2(a, b, 0xee));
-}
-
-// A tile of rows prepared in p (row i's blocks nb apart) and tokens in pairs. Each pair folds its two 16-lane
-// sums into one register: a 4 x 4 tile holds 8 accumulators, not 16. The offsets cost a pair one instruction or
-// two: Q4_K's mins (dmin * m_s times da * the sum of sub-block s of x, in lanes s and 8 + s) one FMA; Q6_K's
-// 32 * sum_g sc_g * bsum_g a multiply-add of 16-bit pairs and a shift. Each kind's direct tile ends in the same
-// integer lanes and f32 steps (kq_canonical).
-INLINE void tile_kq_prepared(int kind, const gemm_args *a, const kq_prep *p, int64_t r, int64_t t, int NR, int NT) {
-    const block_q8_K *x[TT];
-    __m512 acc[TR][TT / 2];
-    int64_t nb = a->n / QKK;
-    UNROLL for (int j = 0; j < NT; j++) x[j] = X_ROW(a, t + j);
-    UNROLL for (int i = 0; i < NR; i++)
-        UNROLL for (int k = 0; k < NT / 2; k++) acc[i][k] = _mm512_setzero_ps();
+// Rows r .. r + KB_ROWS - 1, block by block, into P (nb blocks): each row unpacked as it comes, then turned into
+// the lanes by transposes.
+static void kb_prepare(kb_unpack_fn unpack, size_t block_bytes, int mins, const gemm_args *a, int64_t r,
+                       kb_prep *P) {
+    const int64_t nb = a->n / QKK;
+    uint8_t v[KB_ROWS][QKK] __attribute__((aligned(64)));
     for (int64_t b = 0; b < nb; b++) {
-        // per pair, in the halves of a register: da of each token, and its bsums (Q6_K) or, for Q4_K, da * the sum
-        // of each sub-block of 32
-        __m512 da[TT / 2], xsum[TT / 2];
-        __m512i bsums[TT / 2];
-        UNROLL for (int k = 0; k < NT / 2; k++) {
-            const block_q8_K *X0 = &x[2 * k][b], *X1 = &x[2 * k + 1][b];
-            da[k] = _mm512_insertf32x8(_mm512_set1_ps(X0->d), _mm256_set1_ps(X1->d), 1);
-            bsums[k] = load_2x256(X0->bsums, X1->bsums);
-            if (kind == KQ_Q4_K)
-                xsum[k] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(bsums[k], _mm512_set1_epi16(1))), da[k]);
+        kb_prep *p = &P[b];
+        __m512i sc[KB_ROWS], m[KB_ROWS];
+        for (int i = 0; i < KB_ROWS; i++) {
+            __m256i sc16, m16;
+            unpack((const char *)W_ROW(a, r + i) + b * block_bytes, v[i], &sc16, &m16, &p->d[i], &p->dmin[i]);
+            sc[i] = _mm512_cvtepi16_epi32(sc16);
+            m[i] = _mm512_castsi256_si512(m16);  // as 8 pairs of 16 bits
         }
-        UNROLL for (int i = 0; i < NR; i++) {
-            const kq_prep *P = &p[i * nb + b];
-            __m512i isum[TT];
-            UNROLL for (int j = 0; j < NT; j++) isum[j] = _mm512_setzero_si512();
-            UNROLL for (int h = 0; h < 2; h++) {
-                __m512i q0 = _mm512_load_si512(P->q[2 * h]), q1 = _mm512_load_si512(P->q[2 * h + 1]);
-                __m512i s = _mm512_load_si512(P->s[h]);
-                UNROLL for (int j = 0; j < NT; j++) {
-                    const int8_t *xs = x[j][b].qs + 128 * h;
-                    // a fresh load for every row: kept across rows, x would take 16 registers
-                    __asm__("" : "+r"(xs));
-                    __m512i zero = _mm512_setzero_si512();
-                    __m512i p0 = _mm512_dpbusd_epi32(zero, q0, _mm512_loadu_si512(xs));
-                    __m512i p1 = _mm512_dpbusd_epi32(zero, q1, _mm512_loadu_si512(xs + 64));
-                    isum[j] = _mm512_dpwssd_epi32(isum[j], _mm512_packs_epi32(p0, p1), s);
-                }
-            }
-            __m512 d = _mm512_set1_ps(P->d);
-            UNROLL for (int k = 0; k < NT / 2; k++) {
-                __m512i sum = fold_pair(isum[2 * k], isum[2 * k + 1]);
-                if (kind == KQ_Q6_K)  // the values are q + 32
-                    sum = _mm512_sub_epi32(sum, _mm512_slli_epi32(_mm512_madd_epi16(
-                        _mm512_broadcast_i32x8(_mm256_load_si256((const __m256i *)P->sc)), bsums[k]), 5));
-                acc[i][k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, da[k]), acc[i][k]);
-                if (kind == KQ_Q4_K)
-                    acc[i][k] = _mm512_fnmadd_ps(_mm512_broadcast_f32x8(_mm256_load_ps(P->mins)), xsum[k],
-                                                 acc[i][k]);
-            }
+        transpose16(sc);
+        for (int g = 0; g < QKK / 16; g++) _mm512_store_si512(p->sc[g], sc[g]);
+        if (mins) {
+            transpose16(m);
+            for (int q = 0; q < QKK / 32; q++) _mm512_store_si512(p->m[q], m[q]);
+        }
+        for (int s16 = 0; s16 < QKK / 64; s16++) {  // steps 16 s16 .. 16 s16 + 15
+            __m512i w[KB_ROWS];
+            for (int i = 0; i < KB_ROWS; i++) w[i] = _mm512_load_si512(v[i] + 64 * s16);
+            transpose16(w);
+            for (int e = 0; e < 16; e++) _mm512_store_si512(p->q[16 * s16 + e], w[e]);
         }
     }
-    UNROLL for (int i = 0; i < NR; i++)
-        UNROLL for (int k = 0; k < NT / 2; k++) {
-            int64_t row = TILE_ROW(a, r, i);
-            a->y[(t + 2 * k) * a->ldy + row] = hsum256(_mm512_castps512_ps256(acc[i][k]));
-            a->y[(t + 2 * k + 1) * a->ldy + row] = hsum256(_mm512_extractf32x8_ps(acc[i][k], 1));
-        }
 }
 
+// The band prepared in P against tokens t .. t + NT - 1; xo (offset types): -o * bsum_g per token, block, group.
+INLINE void tile_kb(int mins, const gemm_args *a, const kb_prep *P, const int32_t *xo, int64_t r, int64_t t, int NT) {
+    const block_q8_K *x[KB_TOKENS] = {0};
+    __m512 acc[KB_TOKENS];
+    const int64_t nb = a->n / QKK;
+    _Pragma("GCC unroll 8") for (int j = 0; j < NT; j++) x[j] = X_ROW(a, t + j), acc[j] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const kb_prep *p = &P[b];
+        __m512i s[KB_TOKENS];
+        _Pragma("GCC unroll 8") for (int j = 0; j < NT; j++) s[j] = _mm512_setzero_si512();
+        for (int g = 0; g < QKK / 16; g++) {
+            __m512i raw[KB_TOKENS];
+            _Pragma("GCC unroll 8") for (int j = 0; j < NT; j++)
+                raw[j] = xo ? _mm512_set1_epi32(xo[((t + j) * nb + b) * 16 + g]) : _mm512_setzero_si512();
+            UNROLL for (int e = 0; e < 4; e++) {
+                __m512i w = _mm512_load_si512(p->q[4 * g + e]);
+                _Pragma("GCC unroll 8") for (int j = 0; j < NT; j++) {
+                    int32_t x4;
+                    memcpy(&x4, x[j][b].qs + 16 * g + 4 * e, 4);
+                    raw[j] = _mm512_dpbusd_epi32(raw[j], w, _mm512_set1_epi32(x4));
+                }
+            }
+            __m512i sc = _mm512_load_si512(p->sc[g]);
+            _Pragma("GCC unroll 8") for (int j = 0; j < NT; j++) s[j] = _mm512_add_epi32(s[j], _mm512_mullo_epi32(raw[j], sc));
+        }
+        __m512 d = _mm512_load_ps(p->d);
+        _Pragma("GCC unroll 8") for (int j = 0; j < NT; j++) {
+            __m512 da = _mm512_set1_ps(x[j][b].d);
+            if (mins) {  // as kb_steps, lane by lane
+                __m512i m = _mm512_setzero_si512();
+                UNROLL for (int q = 0; q < QKK / 32; q++) {
+                    int32_t pair;
+                    memcpy(&pair, x[j][b].bsums + 2 * q, 4);
+                    m = _mm512_dpwssd_epi32(m, _mm512_load_si512(p->m[q]), _mm512_set1_epi32(pair));
+                }
+                acc[j] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(m), _mm512_mul_ps(_mm512_load_ps(p->dmin), da), acc[j]);
+            }
+            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[j]), _mm512_mul_ps(d, da), acc[j]);
+        }
+    }
+    _Pragma("GCC unroll 8") for (int j = 0; j < NT; j++) _mm512_storeu_ps(a->y + (t + j) * a->ldy + r, acc[j]);
+}
+
+// Rows [r0, r1) against n_tok tokens: bands of KB_ROWS rows, the last rows by `direct` (the type's direct tiles).
+// 0 when the scratch cannot be had. Inlined so that each type's mins and offset are constants.
+INLINE int gemm_kb(kb_unpack_fn unpack, size_t block_bytes, int o, int mins,
+                   void (*direct)(gemm_args *, int64_t, int64_t, int64_t), gemm_args *a, int64_t r0, int64_t r1,
+                   int64_t n_tok) {
+    const int64_t nb = a->n / QKK;
+    kb_prep *P = aligned_alloc(64, (size_t)nb * sizeof(kb_prep));
+    int32_t *xo = o ? malloc((size_t)(n_tok * nb * 16) * sizeof(int32_t)) : NULL;
+    if (!P || (o && !xo)) {
+        free(P), free(xo);
+        return 0;
+    }
+    for (int64_t t = 0; o && t < n_tok; t++) {
+        const block_q8_K *x = X_ROW(a, t);
+        for (int64_t b = 0; b < nb; b++)
+            for (int g = 0; g < 16; g++) xo[(t * nb + b) * 16 + g] = -o * x[b].bsums[g];
+    }
+    int64_t r = r0;
+    for (; r + KB_ROWS <= r1; r += KB_ROWS) {
+        kb_prepare(unpack, block_bytes, mins, a, r, P);
+        int64_t t = 0;
+        for (; t + KB_TOKENS <= n_tok; t += KB_TOKENS) tile_kb(mins, a, P, xo, r, t, KB_TOKENS);
+        if (t + 4 <= n_tok) tile_kb(mins, a, P, xo, r, t, 4), t += 4;
+        if (t + 2 <= n_tok) tile_kb(mins, a, P, xo, r, t, 2), t += 2;
+        if (t < n_tok) tile_kb(mins, a, P, xo, r, t, 1);
+    }
+    if (r < r1) direct(a, r, r1, n_tok);
+    free(P), free(xo);
+    return 1;
+}
 #endif
 
 // Without a vector path a tile is NR * NT scalar dot products.

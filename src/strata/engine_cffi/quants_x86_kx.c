@@ -298,17 +298,6 @@ static void kx_prepare(int k, const void *blk, kx_prep *P) {
     for (int c = 0; c < 8; c++) _mm256_store_si256((__m256i *)(P->q + 32 * c), kx_chunk(k, blk, c));
 }
 
-// KX_KQ types sum a block, for each row and token, to two integers: s = sum_g sc_g * (q . x)_g (offset
-// included) and m = sum_g m_g * bsum_g (KX_MINS), then take two f32 steps, acc -= m * (dmin * da) and
-// acc += s * (d * da). Integer sums do not depend on their order, so the direct tile (here, 4 rows in the lanes
-// of one register) and the prompt tile (tile_kb, 16 rows in the lanes) give a token the same bits alone (decode)
-// as in a batch (prompt).
-INLINE __m128 kx_steps(int mins, __m128 acc, __m128 s, __m128 m, __m128 d, __m128 dmin, float da) {
-    __m128 vda = _mm_set1_ps(da);
-    if (mins) acc = _mm_fnmadd_ps(m, _mm_mul_ps(dmin, vda), acc);
-    return _mm_fmadd_ps(s, _mm_mul_ps(d, vda), acc);
-}
-
 // Rows from their blocks, or (P not NULL) from kx_prep rows nb blocks apart.
 INLINE void tile_kx(int k, const gemm_args *a, const kx_prep *P, int64_t r, int64_t t, int NR, int NT) {
     const char *w[TR] = {0};
@@ -322,7 +311,7 @@ INLINE void tile_kx(int k, const gemm_args *a, const kx_prep *P, int64_t r, int6
     UNROLL for (int i = 0; i < NR; i++)
         UNROLL for (int j = 0; j < NT; j++) acc[i][j] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        __m128i part[TR][TT] = {0};  // KX_KQ: s in lanes 0 + 1, m in lanes 2 + 3, per row and token
+        __m128i part[TR][TT] = {0};  // KX_KQ: kb_part's, per row and token
         float d[TR] = {0}, dmin[TR] = {0};
         UNROLL for (int i = 0; i < NR; i++) {
             const void *B = w[i] + b * KX_BLOCK_BYTES[k];
@@ -351,9 +340,7 @@ INLINE void tile_kx(int k, const gemm_args *a, const kx_prep *P, int64_t r, int6
                 if (KX_KQ(k)) {
                     __m256i bs = _mm256_loadu_si256((const __m256i *)x[j][b].bsums);
                     if (o) sum = dot_s16(sum, osc, bs);
-                    __m256i m = KX_MINS(k) ? _mm256_madd_epi16(M.m, bs) : _mm256_setzero_si256();
-                    __m256i sm = _mm256_hadd_epi32(sum, m);
-                    part[i][j] = _mm_add_epi32(_mm256_castsi256_si128(sm), _mm256_extracti128_si256(sm, 1));
+                    part[i][j] = kb_part(sum, KX_MINS(k) ? _mm256_madd_epi16(M.m, bs) : _mm256_setzero_si256());
                     continue;
                 }
                 if (KX_MINS(k) || o) {
@@ -368,20 +355,13 @@ INLINE void tile_kx(int k, const gemm_args *a, const kx_prep *P, int64_t r, int6
         }
         if (KX_KQ(k)) {
             __m128 d4 = _mm_setr_ps(d[0], d[1], d[2], d[3]), dmin4 = _mm_setr_ps(dmin[0], dmin[1], dmin[2], dmin[3]);
-            UNROLL for (int j = 0; j < NT; j++) {
-                __m128 f01 = _mm_cvtepi32_ps(_mm_hadd_epi32(part[0][j], part[1][j]));  // s0 m0 s1 m1
-                __m128 f23 = _mm_cvtepi32_ps(_mm_hadd_epi32(part[2][j], part[3][j]));
-                acc4[j] = kx_steps(KX_MINS(k), acc4[j], _mm_shuffle_ps(f01, f23, 0x88), _mm_shuffle_ps(f01, f23, 0xdd),
-                                   d4, dmin4, x[j][b].d);
-            }
+            UNROLL for (int j = 0; j < NT; j++)
+                acc4[j] = kb_steps(KX_MINS(k), acc4[j], part[0][j], part[1][j], part[2][j], part[3][j], d4, dmin4,
+                                   x[j][b].d);
         }
     }
     if (KX_KQ(k)) {
-        UNROLL for (int j = 0; j < NT; j++) {
-            float y4[4];
-            _mm_storeu_ps(y4, acc4[j]);
-            UNROLL for (int i = 0; i < NR; i++) a->y[(t + j) * a->ldy + TILE_ROW(a, r, i)] = y4[i];
-        }
+        store_rows4(a, r, t, NR, NT, acc4);
     } else {
         store_tile(a, r, t, NR, NT, acc);
     }
@@ -440,115 +420,13 @@ INLINE void tile_kx_prep512(int k, const gemm_args *a, const kx_prep *P, int64_t
 #endif
 
 #if defined(KQ_PREPARED)
-// --- prompts of the KX_KQ types: rows in the lanes
-// A band of KB_ROWS consecutive rows is unpacked once per product: values + o as unsigned bytes, 4 of each row per
-// 32-bit lane, so that one vpdpbusd with a token's 4 activations broadcast sums 4 values of 16 rows, and needs no
-// horizontal sum. A group's 4 steps sum in 32 bits (seeded with -o * bsum_g), then one vpmulld applies its scale:
-// 1.25 multiplies per 64 values, where vpmaddubsw + vpdpwssd take 2. Every (row, token, block) ends in the integer
-// sums of kx_block_sum, so a token's result is the bits the direct tile (tile_kx) gives it.
-#define KB_ROWS 16
-#define KB_TOKENS 8  // tokens per tile: 3 x 8 registers of sums (a group's, the block's, the f32 result)
-
-typedef struct {
-    uint8_t q[QKK / 4][4 * KB_ROWS];  // step s (values 4s .. 4s + 3), row i's at bytes 4i ..
-    int32_t sc[QKK / 16][KB_ROWS];    // the scale of group g
-    int16_t m[QKK / 32][2 * KB_ROWS];  // KX_MINS: the mins of groups 2p, 2p + 1, a pair per row
-    float d[KB_ROWS], dmin[KB_ROWS];
-} __attribute__((aligned(64))) kb_prep;
-
-// Rows r .. r + KB_ROWS - 1, block by block, into P (nb blocks).
-static void kb_prepare(int k, const gemm_args *a, int64_t r, kb_prep *P) {
-    const int64_t nb = a->n / QKK;
-    const int o = kx_offset(k);
-    for (int64_t b = 0; b < nb; b++) {
-        kb_prep *p = &P[b];
-        for (int i = 0; i < KB_ROWS; i++) {
-            const char *blk = (const char *)W_ROW(a, r + i) + b * KX_BLOCK_BYTES[k];
-            kx_meta M;
-            kx_meta_of(k, blk, &M);
-            int16_t sc[16], m[16];
-            _mm256_storeu_si256((__m256i *)sc, M.sc);
-            _mm256_storeu_si256((__m256i *)m, M.m);
-            for (int g = 0; g < 16; g++) p->sc[g][i] = sc[g];
-            for (int g = 0; g < 16; g++) p->m[g / 2][2 * i + g % 2] = m[g];
-            p->d[i] = M.d, p->dmin[i] = M.dmin;
-            uint32_t v[QKK / 4];
-            for (int c = 0; c < 8; c++)
-                _mm256_storeu_si256((__m256i *)(v + 8 * c), _mm256_add_epi8(kx_chunk(k, blk, c), _mm256_set1_epi8((char)o)));
-            for (int st = 0; st < QKK / 4; st++) memcpy(p->q[st] + 4 * i, v + st, 4);
-        }
-    }
-}
-
-// The band prepared in P against tokens t .. t + NT - 1; xo: -o * bsum_g per token, block and group.
-INLINE void tile_kb(int k, const gemm_args *a, const kb_prep *P, const int32_t *xo, int64_t r, int64_t t, int NT) {
-    const block_q8_K *x[KB_TOKENS] = {0};
-    __m512 acc[KB_TOKENS];
-    const int64_t nb = a->n / QKK;
-    _Pragma("GCC unroll 8") for (int j = 0; j < NT; j++) x[j] = X_ROW(a, t + j), acc[j] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const kb_prep *p = &P[b];
-        __m512i s[KB_TOKENS];
-        _Pragma("GCC unroll 8") for (int j = 0; j < NT; j++) s[j] = _mm512_setzero_si512();
-        for (int g = 0; g < QKK / 16; g++) {
-            __m512i raw[KB_TOKENS];
-            _Pragma("GCC unroll 8") for (int j = 0; j < NT; j++)
-                raw[j] = xo ? _mm512_set1_epi32(xo[((t + j) * nb + b) * 16 + g]) : _mm512_setzero_si512();
-            UNROLL for (int e = 0; e < 4; e++) {
-                __m512i w = _mm512_load_si512(p->q[4 * g + e]);
-                _Pragma("GCC unroll 8") for (int j = 0; j < NT; j++)
-                    raw[j] = _mm512_dpbusd_epi32(raw[j], w, _mm512_set1_epi32((int)load_u32(x[j][b].qs + 16 * g + 4 * e)));
-            }
-            __m512i sc = _mm512_load_si512(p->sc[g]);
-            _Pragma("GCC unroll 8") for (int j = 0; j < NT; j++) s[j] = _mm512_add_epi32(s[j], _mm512_mullo_epi32(raw[j], sc));
-        }
-        __m512 d = _mm512_load_ps(p->d);
-        _Pragma("GCC unroll 8") for (int j = 0; j < NT; j++) {
-            __m512 da = _mm512_set1_ps(x[j][b].d);
-            if (KX_MINS(k)) {  // as kx_block_sum, lane by lane
-                __m512i m = _mm512_setzero_si512();
-                UNROLL for (int q = 0; q < QKK / 32; q++)
-                    m = _mm512_dpwssd_epi32(m, _mm512_load_si512(p->m[q]), _mm512_set1_epi32((int)load_u32(x[j][b].bsums + 2 * q)));
-                acc[j] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(m), _mm512_mul_ps(_mm512_load_ps(p->dmin), da), acc[j]);
-            }
-            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[j]), _mm512_mul_ps(d, da), acc[j]);
-        }
-    }
-    _Pragma("GCC unroll 8") for (int j = 0; j < NT; j++) _mm512_storeu_ps(a->y + (t + j) * a->ldy + r, acc[j]);
-}
-
-// Rows [r0, r1) against n_tok tokens: bands of KB_ROWS rows, the last rows with the direct tile. 0 when the
-// scratch cannot be had.
-static int gemm_kb(int k, gemm_args *a, int64_t r0, int64_t r1, int64_t n_tok) {
-    const int64_t nb = a->n / QKK;
-    const int o = kx_offset(k);
-    kb_prep *P = aligned_alloc(64, (size_t)nb * sizeof(kb_prep));
-    int32_t *xo = o ? malloc((size_t)(n_tok * nb * 16) * sizeof(int32_t)) : NULL;
-    if (!P || (o && !xo)) {
-        free(P), free(xo);
-        return 0;
-    }
-    for (int64_t t = 0; o && t < n_tok; t++) {
-        const block_q8_K *x = X_ROW(a, t);
-        for (int64_t b = 0; b < nb; b++)
-            for (int g = 0; g < 16; g++) xo[(t * nb + b) * 16 + g] = -o * x[b].bsums[g];
-    }
-    int64_t r = r0;
-    for (; r + KB_ROWS <= r1; r += KB_ROWS) {
-        kb_prepare(k, a, r, P);
-        int64_t t = 0;
-        for (; t + KB_TOKENS <= n_tok; t += KB_TOKENS) tile_kb(k, a, P, xo, r, t, KB_TOKENS);
-        if (t + 4 <= n_tok) tile_kb(k, a, P, xo, r, t, 4), t += 4;
-        if (t + 2 <= n_tok) tile_kb(k, a, P, xo, r, t, 2), t += 2;
-        if (t < n_tok) tile_kb(k, a, P, xo, r, t, 1);
-    }
-    for (; r < r1; r++) {
-        int64_t t = 0;
-        for (; t + TT <= n_tok; t += TT) tile_kx(k, a, NULL, r, t, 1, TT);
-        for (; t < n_tok; t++) tile_kx(k, a, NULL, r, t, 1, 1);
-    }
-    free(P), free(xo);
-    return 1;
+// A KX_KQ row's super-block for a band (kb_prepare): values + offset, and its scales.
+INLINE void kx_unpack(int k, const void *blk, uint8_t *u, __m256i *sc, __m256i *m, float *d, float *dmin) {
+    kx_meta M;
+    kx_meta_of(k, blk, &M);
+    *sc = M.sc, *m = M.m, *d = M.d, *dmin = M.dmin;
+    for (int c = 0; c < 8; c++)
+        _mm256_store_si256((__m256i *)(u + 32 * c), _mm256_add_epi8(kx_chunk(k, blk, c), _mm256_set1_epi8((char)kx_offset(k))));
 }
 #endif
 
@@ -765,12 +643,10 @@ INLINE void tile_b32(int k, const gemm_args *a, int64_t r, int64_t t, int NR, in
 // rows is unpacked once per block of tokens. The grid types' decode tiles after IQ3_S (whose table lookups are one
 // gather per chunk) keep the (never taken) prepared branch: without it GCC scheduled IQ3_S's 64 table loads per
 // block worse (3.5 ms instead of 3.1 when it had them).
-#if defined(KQ_PREPARED)
-#define KX_BANDS gemm_kb
-#else
-#define KX_BANDS(K, a, r0, r1, n_tok) 0
-#endif
-#define KX_GEMM_(t, K, TILE_SPEC) \
+#define KX_NO_BANDS(t, K, a, r0, r1, n_tok) 0
+#define KX_BANDS(t, K, a, r0, r1, n_tok) \
+    gemm_kb(kb_unpack_##t, KX_BLOCK_BYTES[K], kx_offset(K), KX_MINS(K), gemm_blocks_##t, a, r0, r1, n_tok)
+#define KX_GEMM_(t, K, TILE_SPEC, BANDS) \
     TILE_SPEC void tile_##t(const gemm_args *a, int64_t r, int64_t tk, int NR, int NT) { \
         const kx_prep *none = NULL; \
         if (K > KX_IQ3_S) __asm__("" : "+r"(none));  /* see KX_GEMM */ \
@@ -784,17 +660,21 @@ INLINE void tile_b32(int k, const gemm_args *a, int64_t r, int64_t t, int NR, in
             kx_prepared_rows(K, a, P, r0, r1, tb, tb + TOKEN_BLOCK < n_tok ? tb + TOKEN_BLOCK : n_tok); \
     } \
     void strata_gemm_##t(gemm_args *a, int64_t r0, int64_t r1, int64_t n_tok) { \
-        if (KX_KQ(K) && n_tok >= KX_MIN_TOKENS && KX_BANDS(K, a, r0, r1, n_tok)) return; \
+        if (n_tok >= KX_MIN_TOKENS && BANDS(t, K, a, r0, r1, n_tok)) return; \
         void *P = n_tok >= KX_MIN_TOKENS ? aligned_alloc(64, (size_t)(TR * a->n / QKK) * sizeof(kx_prep)) : NULL; \
         if (P) gemm_prepared_##t(a, P, r0, r1, n_tok); \
         else gemm_blocks_##t(a, r0, r1, n_tok); \
         free(P); \
     }
-#define KX_GEMM(t, K) KX_GEMM_(t, K, static inline)
+#define KX_GEMM(t, K) KX_GEMM_(t, K, static inline, KX_NO_BANDS)
 #if defined(KQ_PREPARED)
 // The KX_KQ types' direct tiles are inlined with their sizes as constants: their last steps put 4 rows' sums in
 // one register (tile_kx), which GCC keeps in registers only then (Q5_K decode 0.63 ms, 0.75 ms not inlined).
-#define KX_GEMM_KQ(t, K) KX_GEMM_(t, K, INLINE)
+#define KX_GEMM_KQ(t, K) \
+    static void kb_unpack_##t(const void *blk, uint8_t *u, __m256i *sc, __m256i *m, float *d, float *dmin) { \
+        kx_unpack(K, blk, u, sc, m, d, dmin); \
+    } \
+    KX_GEMM_(t, K, INLINE, KX_BANDS)
 #else
 #define KX_GEMM_KQ KX_GEMM
 #endif
