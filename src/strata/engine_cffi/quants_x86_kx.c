@@ -282,7 +282,7 @@ typedef struct {
 
 #define KX_MIN_TOKENS 16  // with fewer tokens, each tile unpacks its blocks itself
 
-// The types whose prompts take tile_kb (rows in the lanes) and whose direct tile ends in kx_steps. The others keep
+// The types whose prompts take tile_kb (rows in the lanes) and whose direct tile ends in kb_steps. The others keep
 // kx_prep and tile_kx's own f32 lanes.
 #if defined(KQ_PREPARED)
 #define KX_KQ(k) ((k) == KX_Q2_K || (k) == KX_Q3_K || (k) == KX_Q5_K || (k) == KX_IQ3_S || (k) == KX_IQ1_S || \
