@@ -99,7 +99,7 @@ static inline __m512i load_4x128(const void *p0, const void *p1, const void *p2,
 
 #if defined(VNNI512)
 #define KQ_PREPARED 1     // prompts of the 256-element types in bands of rows (below)
-#define KQ_MIN_TOKENS 16  // below this, preparing the rows costs more than it saves (measured)
+#define KQ_MIN_TOKENS 16  // below this, prompts read the blocks directly (set for the earlier prepared tile)
 #endif
 
 #if defined(__AVX2__)
