@@ -687,7 +687,9 @@ INLINE void tile_b32(int k, const gemm_args *a, int64_t r, int64_t t, int NR, in
 KX_GEMM_KQ(q2_K, KX_Q2_K)
 KX_GEMM_KQ(q3_K, KX_Q3_K)
 KX_GEMM_KQ(q5_K, KX_Q5_K)
+#if !defined(VNNI512)  // with AVX-512 VNNI: quants_x86_iq4xs.c
 KX_GEMM(iq4_xs, KX_IQ4_XS)
+#endif
 KX_GEMM_KQ(iq3_s, KX_IQ3_S)
 KX_GEMM(iq3_xxs, KX_IQ3_XXS)
 KX_GEMM(iq2_xxs, KX_IQ2_XXS)
