@@ -6,7 +6,7 @@
  * sub-block of 32 (elements 0-15 in one register, 16-31 in another, the nibble order of the block itself), so a
  * lane's two vpdpbusd belong to one sub-block and one vpmulld applies its 6-bit scale: four sub-blocks per
  * register, 1.5 multiplies per 64 values where the shared tiles take 2. The activations are rearranged to that
- * order once per product (ix_act), the rows once per block of tokens (ix_prep) when there are many tokens.
+ * order once per product (ix_act). Prompts take tokens in lanes instead (ix_lanes, below).
  * Decode tiles unpack the blocks themselves and end in the same integer lanes and f32 steps, so a token's outputs
  * do not depend on the tokens beside it. */
 #include <stddef.h>
@@ -22,15 +22,7 @@ typedef struct {
     float d;
 } __attribute__((aligned(64))) ix_act;
 
-// One row's super-block, in ix_act's order: the values + 128, and the scale of each lane's sub-block.
-typedef struct {
-    uint8_t u[2][2][64];
-    int32_t sc[2][16];
-    float d;
-} __attribute__((aligned(64))) ix_prep;
-
-#define IX_MIN_TOKENS 16  // as the other 256-element types: from here on the rows are prepared once
-#define IX_TOKEN_BLOCK 32 // tokens whose ix_act (448 bytes per super-block) stay in cache over every row tile
+#define IX_MIN_TOKENS 16  // from here on, prompts take the lanes kernel below
 #define IX_PREFETCH 1024  // decode streams TR rows, ahead of the hardware prefetchers
 
 static void ix_act_of(const block_q8_K *X, ix_act *A) {
@@ -75,55 +67,55 @@ INLINE void ix_scales(const block_iq4_xs *B, __m512i sc[2]) {
     sc[1] = _mm512_permutexvar_epi32(_mm512_set_epi32(7, 7, 7, 7, 6, 6, 6, 6, 5, 5, 5, 5, 4, 4, 4, 4), s8);
 }
 
-static void ix_prepare(const block_iq4_xs *B, ix_prep *P) {
-    __m512i u[2][2], sc[2];
-    ix_values(B, u);
-    ix_scales(B, sc);
-    for (int g = 0; g < 2; g++) {
-        _mm512_store_si512(P->u[g][0], u[g][0]);
-        _mm512_store_si512(P->u[g][1], u[g][1]);
-        _mm512_store_si512(P->sc[g], sc[g]);
+
+
+// The direct tiles' last steps per super-block: each row and token's integer sum (16 lanes of isum) reduced to one
+// number, in lane i (row i) of acc[j], then acc[j] += sum * d_i * dx_j, as the lanes kernel does per token.
+INLINE void ix_scale_add(__m512i isum[TR][TT], const float d[TR], const float dx[TT], __m128 acc[TT], int NR, int NT) {
+    const __m128 dw = _mm_loadu_ps(d);
+    UNROLL for (int j = 0; j < NT; j++) {
+        __m256i h[TR];
+        UNROLL for (int i = 0; i < NR; i++)
+            h[i] = _mm256_add_epi32(_mm512_castsi512_si256(isum[i][j]), _mm512_extracti64x4_epi64(isum[i][j], 1));
+        __m256i q;
+        if (NR == TR) {  // lane k of each 128-bit half: a partial sum of row k
+            q = _mm256_hadd_epi32(_mm256_hadd_epi32(h[0], h[1]), _mm256_hadd_epi32(h[2], h[3]));
+        } else {
+            q = _mm256_hadd_epi32(h[0], h[0]);
+            q = _mm256_hadd_epi32(q, q);
+        }
+        __m128i sum = _mm_add_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+        acc[j] = _mm_fmadd_ps(_mm_cvtepi32_ps(sum), _mm_mul_ps(dw, _mm_set1_ps(dx[j])), acc[j]);
     }
-    P->d = F16(B->d);
 }
 
-// NR rows (from their blocks, or prepared: P's rows nb apart) x NT tokens (A's, nb apart). Pairs of tokens share
-// an f32 register as in tile_kq_prepared (each token's 16 integer lanes folded to 8); one token alone does the
-// same steps on 8 lanes.
-INLINE void tile_ix(const gemm_args *a, int prepared, const ix_prep *P, const ix_act *A, int64_t r, int64_t t,
-                    int NR, int NT) {
+INLINE void ix_store(const gemm_args *a, const __m128 acc[TT], int64_t r, int64_t t, int NR, int NT) {
+    UNROLL for (int j = 0; j < NT; j++) {
+        float out[4];
+        _mm_storeu_ps(out, acc[j]);
+        UNROLL for (int i = 0; i < NR; i++) a->y[(t + j) * a->ldy + TILE_ROW(a, r, i)] = out[i];
+    }
+}
+
+// NR rows from their blocks x NT tokens (A's, nb apart). Each row and token's integer sum is reduced to one
+// number per super-block and scaled in f32 in lane i (row i) of an xmm: the steps the lanes kernel takes for
+// each of its tokens, so a token's outputs are the same bits in either.
+INLINE void tile_ix(const gemm_args *a, const ix_act *A, int64_t r, int64_t t, int NR, int NT) {
     const int64_t nb = a->n / QKK;
     const char *w[TR] = {0};
-    __m512 acc[TR][TT / 2];
-    __m256 acc1[TR];
-    UNROLL for (int i = 0; i < NR; i++) {
-        w[i] = W_ROW(a, TILE_ROW(a, r, i));
-        acc1[i] = _mm256_setzero_ps();
-        UNROLL for (int k = 0; k < NT / 2; k++) acc[i][k] = _mm512_setzero_ps();
-    }
+    __m128 acc[TT];
+    UNROLL for (int i = 0; i < NR; i++) w[i] = W_ROW(a, TILE_ROW(a, r, i));
+    UNROLL for (int j = 0; j < NT; j++) acc[j] = _mm_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        __m512 da[TT / 2];
-        UNROLL for (int k = 0; k < NT / 2; k++)
-            da[k] = _mm512_insertf32x8(_mm512_set1_ps(A[2 * k * nb + b].d), _mm256_set1_ps(A[(2 * k + 1) * nb + b].d), 1);
+        __m512i isum[TR][TT];
+        float d[TR] = {0};
         UNROLL for (int i = 0; i < NR; i++) {
+            const block_iq4_xs *B = (const block_iq4_xs *)w[i] + b;
+            if (NT == 1) _mm_prefetch((const char *)B + IX_PREFETCH, _MM_HINT_T0);
             __m512i u[2][2], sc[2];
-            float d;
-            if (prepared) {
-                const ix_prep *p = &P[i * nb + b];
-                for (int g = 0; g < 2; g++) {
-                    u[g][0] = _mm512_load_si512(p->u[g][0]);
-                    u[g][1] = _mm512_load_si512(p->u[g][1]);
-                    sc[g] = _mm512_load_si512(p->sc[g]);
-                }
-                d = p->d;
-            } else {
-                const block_iq4_xs *B = (const block_iq4_xs *)w[i] + b;
-                if (NT == 1) _mm_prefetch((const char *)B + IX_PREFETCH, _MM_HINT_T0);
-                ix_values(B, u);
-                ix_scales(B, sc);
-                d = F16(B->d);
-            }
-            __m512i isum[TT];
+            ix_values(B, u);
+            ix_scales(B, sc);
+            d[i] = F16(B->d);
             UNROLL for (int j = 0; j < NT; j++) {
                 const ix_act *X = &A[j * nb + b];
                 __m512i p[2];
@@ -131,78 +123,179 @@ INLINE void tile_ix(const gemm_args *a, int prepared, const ix_prep *P, const ix
                     p[g] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_load_si512(X->seed[g]), u[g][0],
                                                                    _mm512_load_si512(X->x[g][0])),
                                                u[g][1], _mm512_load_si512(X->x[g][1]));
-                isum[j] = _mm512_add_epi32(_mm512_mullo_epi32(p[0], sc[0]), _mm512_mullo_epi32(p[1], sc[1]));
+                isum[i][j] = _mm512_add_epi32(_mm512_mullo_epi32(p[0], sc[0]), _mm512_mullo_epi32(p[1], sc[1]));
             }
-            if (NT == 1) {
-                __m256i s = _mm256_add_epi32(_mm512_castsi512_si256(isum[0]), _mm512_extracti64x4_epi64(isum[0], 1));
-                acc1[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(d * A[b].d), acc1[i]);
-            }
-            UNROLL for (int k = 0; k < NT / 2; k++)
-                acc[i][k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(fold_pair(isum[2 * k], isum[2 * k + 1])),
-                                            _mm512_mul_ps(_mm512_set1_ps(d), da[k]), acc[i][k]);
         }
+        float dx[TT];
+        UNROLL for (int j = 0; j < NT; j++) dx[j] = A[j * nb + b].d;
+        ix_scale_add(isum, d, dx, acc, NR, NT);
     }
-    UNROLL for (int i = 0; i < NR; i++) {
-        int64_t row = TILE_ROW(a, r, i);
-        if (NT == 1) a->y[t * a->ldy + row] = hsum256(acc1[i]);
-        UNROLL for (int k = 0; k < NT / 2; k++) {
-            a->y[(t + 2 * k) * a->ldy + row] = hsum256(_mm512_castps512_ps256(acc[i][k]));
-            a->y[(t + 2 * k + 1) * a->ldy + row] = hsum256(_mm512_extractf32x8_ps(acc[i][k], 1));
-        }
-    }
+    ix_store(a, acc, r, t, NR, NT);
 }
 
-// Tokens [tb, te) (A from tb) against rows [r0, r1) in tiles of TR rows rs apart (as DEFINE_GEMM), each tile of
-// rows prepared into P first when P is given.
-INLINE void ix_rows(gemm_args *a, int prepared, ix_prep *P, const ix_act *A, int64_t r0, int64_t r1, int64_t tb,
-                    int64_t te) {
+// Tokens [tb, te) (A from tb) against rows [r0, r1), in tiles of TR rows rs apart as DEFINE_GEMM's.
+static void ix_direct(gemm_args *a, const ix_act *A, int64_t r0, int64_t r1, int64_t tb, int64_t te) {
     const int64_t nb = a->n / QKK;
+    a->rs = (r1 - r0) / TR;
     for (int64_t r = r0; r < r1;) {
         const int full = r < r0 + a->rs;  // a tile of TR rows rs apart, else one of the last rows
-        if (prepared)
-            for (int i = 0; i < (full ? TR : 1); i++)
-                for (int64_t b = 0; b < nb; b++)
-                    ix_prepare((const block_iq4_xs *)W_ROW(a, TILE_ROW(a, r, i)) + b, &P[i * nb + b]);
         int64_t t = tb;
+#define IX_TILE(NR, NT) tile_ix(a, A + (t - tb) * nb, r, t, NR, NT)
         if (full) {
-            for (; t + TT <= te; t += TT) tile_ix(a, prepared, P, A + (t - tb) * nb, r, t, TR, TT);
-            for (; t + 2 <= te; t += 2) tile_ix(a, prepared, P, A + (t - tb) * nb, r, t, TR, 2);
-            if (t < te) tile_ix(a, prepared, P, A + (t - tb) * nb, r, t, TR, 1);
+            for (; t + TT <= te; t += TT) IX_TILE(TR, TT);
+            for (; t < te; t++) IX_TILE(TR, 1);
         } else {
-            for (; t + TT <= te; t += TT) tile_ix(a, prepared, P, A + (t - tb) * nb, r, t, 1, TT);
-            for (; t + 2 <= te; t += 2) tile_ix(a, prepared, P, A + (t - tb) * nb, r, t, 1, 2);
-            if (t < te) tile_ix(a, prepared, P, A + (t - tb) * nb, r, t, 1, 1);
+            for (; t + TT <= te; t += TT) IX_TILE(1, TT);
+            for (; t < te; t++) IX_TILE(1, 1);
         }
+#undef IX_TILE
         r = full && r + 1 == r0 + a->rs ? r0 + TR * a->rs : r + 1;
     }
 }
 
-static __attribute__((noinline)) void ix_gemm(gemm_args *a, int prepared, ix_prep *P, ix_act *A, int64_t r0,
-                                              int64_t r1, int64_t n_tok, int64_t tokens_per_block) {
+static void ix_acts(const gemm_args *a, int64_t tb, int64_t te, ix_act *A) {
     const int64_t nb = a->n / QKK;
-    a->rs = (r1 - r0) / TR;
-    for (int64_t tb = 0; tb < n_tok; tb += tokens_per_block) {
-        int64_t te = tb + tokens_per_block < n_tok ? tb + tokens_per_block : n_tok;
-        for (int64_t t = tb; t < te; t++)
-            for (int64_t b = 0; b < nb; b++) ix_act_of((const block_q8_K *)X_ROW(a, t) + b, &A[(t - tb) * nb + b]);
-        if (prepared) ix_rows(a, 1, P, A, r0, r1, tb, te);
-        else ix_rows(a, 0, NULL, A, r0, r1, tb, te);
+    for (int64_t t = tb; t < te; t++)
+        for (int64_t b = 0; b < nb; b++) ix_act_of((const block_q8_K *)X_ROW(a, t) + b, &A[(t - tb) * nb + b]);
+}
+
+// --- prompts: tokens in lanes
+// As ggml's tiled kernel lays a prompt out: 16 tokens in the 32-bit lanes of a register, 4 values of each, so one
+// vpdpbusd with 4 values of a row broadcast does 64 multiply-adds for one row and 16 tokens, and a sub-block's 8
+// of them share one vpmulld by its scale. A band of IB rows reuses each register of activations IB times. The
+// values are stored + 128 and each sum starts from -128 * sum(x).
+#define IL 16              // tokens per group, one per lane
+#define IB 8               // rows per band: IB sums, IB integer and IB f32 accumulators stay in registers
+#define IX_CHUNK_GROUPS 4  // groups packed at a time (64 tokens, 4.6 KB per super-block each)
+#define IX_PAD_TOKENS 8    // a last group this full runs padded with zero tokens, a smaller one takes tile_ix
+
+typedef struct {
+    int8_t q[QKK / 4][IL][4];  // values 4k .. 4k + 3 of each token
+    int32_t corr[8][IL];       // -128 * the sum of sub-block s's 32 activations, per token
+    float d[IL];
+} __attribute__((aligned(64))) ix_lanes;
+
+typedef struct {
+    uint8_t u[QKK];  // the values + 128, in element order
+    int32_t sc[8];
+    float d;
+} ix_row;
+
+// Tokens t0 .. t0 + n - 1 (n <= IL) into a group; lanes from n on stay zero.
+static void ix_lanes_of(const gemm_args *a, int64_t t0, int n, ix_lanes *L) {
+    const int64_t nb = a->n / QKK;
+    for (int64_t b = 0; b < nb; b++) {
+        if (n < IL) memset(&L[b], 0, sizeof(ix_lanes));
+        for (int j = 0; j < n; j++) {
+            const block_q8_K *X = (const block_q8_K *)X_ROW(a, t0 + j) + b;
+            for (int k = 0; k < QKK / 4; k++) memcpy(L[b].q[k][j], X->qs + 4 * k, 4);
+            for (int s = 0; s < 8; s++) L[b].corr[s][j] = -128 * (X->bsums[2 * s] + X->bsums[2 * s + 1]);
+            L[b].d[j] = X->d;
+        }
+    }
+}
+
+static void ix_row_of(const block_iq4_xs *B, ix_row *R) {
+    const __m128i table = _mm_xor_si128(_mm_loadu_si128((const __m128i *)KVALUES_IQ4NL), _mm_set1_epi8((char)0x80));
+    const __m128i low4 = _mm_set1_epi8(0xf);
+    for (int s = 0; s < 8; s++) {
+        __m128i v = _mm_loadu_si128((const __m128i *)(B->qs + 16 * s));
+        _mm_storeu_si128((__m128i *)(R->u + 32 * s), _mm_shuffle_epi8(table, _mm_and_si128(v, low4)));
+        _mm_storeu_si128((__m128i *)(R->u + 32 * s + 16),
+                         _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(v, 4), low4)));
+        R->sc[s] = strata_iq4xs_scale(B, s);
+    }
+    R->d = F16(B->d);
+}
+
+// NR rows r .. r + NR - 1 (R's, nb apart) x the n tokens of group L from t0.
+INLINE void tile_lanes(const gemm_args *a, const ix_row *R, const ix_lanes *L, int64_t r, int64_t t0, int n, int NR) {
+    const int64_t nb = a->n / QKK;
+    __m512 acc[IB];
+    _Pragma("GCC unroll 8") for (int i = 0; i < NR; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const ix_lanes *G = &L[b];
+        __m512i s1[IB];
+        _Pragma("GCC unroll 8") for (int i = 0; i < NR; i++) s1[i] = _mm512_setzero_si512();
+        _Pragma("GCC unroll 1") for (int s = 0; s < 8; s++) {
+            const __m512i corr = _mm512_load_si512(G->corr[s]);
+            __m512i p[IB];
+            _Pragma("GCC unroll 8") for (int i = 0; i < NR; i++) p[i] = corr;
+            _Pragma("GCC unroll 8") for (int g = 0; g < 8; g++) {
+                const int k = 8 * s + g;
+                const __m512i codes = _mm512_load_si512(G->q[k]);
+                _Pragma("GCC unroll 8") for (int i = 0; i < NR; i++) {
+                    uint32_t u4;
+                    memcpy(&u4, R[i * nb + b].u + 4 * k, 4);
+                    p[i] = _mm512_dpbusd_epi32(p[i], _mm512_set1_epi32((int)u4), codes);
+                }
+            }
+            _Pragma("GCC unroll 8") for (int i = 0; i < NR; i++)
+                s1[i] = _mm512_add_epi32(s1[i], _mm512_mullo_epi32(p[i], _mm512_set1_epi32(R[i * nb + b].sc[s])));
+        }
+        const __m512 dx = _mm512_load_ps(G->d);
+        _Pragma("GCC unroll 8") for (int i = 0; i < NR; i++)
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1[i]), _mm512_mul_ps(_mm512_set1_ps(R[i * nb + b].d), dx),
+                                     acc[i]);
+    }
+    _Pragma("GCC unroll 8") for (int i = 0; i < NR; i++) {
+        float out[IL];
+        _mm512_storeu_ps(out, acc[i]);
+        for (int j = 0; j < n; j++) a->y[(t0 + j) * a->ldy + r + i] = out[j];
+    }
+}
+
+// Tokens [0, n_lanes) by groups of IL (the last one padded), rows [r0, r1) in bands of IB.
+static void ix_prompt(gemm_args *a, ix_lanes *L, ix_row *R, int64_t r0, int64_t r1, int64_t n_lanes) {
+    const int64_t nb = a->n / QKK;
+    for (int64_t tb = 0; tb < n_lanes; tb += IL * IX_CHUNK_GROUPS) {
+        int64_t te = tb + IL * IX_CHUNK_GROUPS < n_lanes ? tb + IL * IX_CHUNK_GROUPS : n_lanes;
+        int ng = (int)((te - tb + IL - 1) / IL);
+        for (int g = 0; g < ng; g++) {
+            int64_t t0 = tb + IL * g;
+            ix_lanes_of(a, t0, (int)(te - t0 < IL ? te - t0 : IL), L + g * nb);
+        }
+        for (int64_t r = r0; r < r1;) {
+            const int nr = r1 - r >= IB ? IB : 1;
+            for (int i = 0; i < nr; i++)
+                for (int64_t b = 0; b < nb; b++)
+                    ix_row_of((const block_iq4_xs *)W_ROW(a, r + i) + b, &R[i * nb + b]);
+            for (int g = 0; g < ng; g++) {
+                int64_t t0 = tb + IL * g;
+                int n = (int)(te - t0 < IL ? te - t0 : IL);
+                if (nr == IB) tile_lanes(a, R, L + g * nb, r, t0, n, IB);
+                else tile_lanes(a, R, L + g * nb, r, t0, n, 1);
+            }
+            r += nr;
+        }
     }
 }
 
 TILE_SCALAR(iq4_xs)
 static DEFINE_GEMM(gemm_scalar_iq4_xs, tile_scalar_iq4_xs)
 
+// Prompts: whole groups of IL tokens in lanes, and a last partial group padded or (small) token by token.
 void strata_gemm_iq4_xs(gemm_args *a, int64_t r0, int64_t r1, int64_t n_tok) {
     const int64_t nb = a->n / QKK;
-    const int prepared = n_tok >= IX_MIN_TOKENS;
-    const int64_t per_block = prepared ? IX_TOKEN_BLOCK : n_tok;
-    ix_act *A = aligned_alloc(64, (size_t)(per_block * nb) * sizeof(ix_act));
-    ix_prep *P = prepared ? aligned_alloc(64, (size_t)(TR * nb) * sizeof(ix_prep)) : NULL;
-    if (A && (P || !prepared)) ix_gemm(a, prepared, P, A, r0, r1, n_tok, per_block);
-    else gemm_scalar_iq4_xs(a, r0, r1, n_tok);  // out of memory: slow, but right
+    int64_t n_lanes = 0;
+    if (n_tok >= IX_MIN_TOKENS) n_lanes = n_tok % IL >= IX_PAD_TOKENS ? n_tok : n_tok / IL * IL;
+    int64_t n_direct = n_tok - n_lanes;
+    ix_act *A = n_direct ? aligned_alloc(64, (size_t)(n_direct * nb) * sizeof(ix_act)) : NULL;
+    ix_lanes *L = n_lanes ? aligned_alloc(64, (size_t)(IX_CHUNK_GROUPS * nb) * sizeof(ix_lanes)) : NULL;
+    ix_row *R = n_lanes ? malloc((size_t)(IB * nb) * sizeof(ix_row)) : NULL;
+    if ((n_direct && !A) || (n_lanes && (!L || !R))) {
+        gemm_scalar_iq4_xs(a, r0, r1, n_tok);  // out of memory: slow, but right
+    } else {
+        if (n_lanes) ix_prompt(a, L, R, r0, r1, n_lanes);
+        if (n_direct) {
+            ix_acts(a, n_lanes, n_tok, A);
+            ix_direct(a, A, r0, r1, n_lanes, n_tok);
+        }
+    }
     free(A);
-    free(P);
+    free(L);
+    free(R);
 }
+
 
 #endif
