@@ -1,14 +1,17 @@
 /* quants_x86_iq4xs.c — IQ4_XS x Q8_K with AVX-512 VNNI, decode and prompt shapes (other builds: quants_x86_kx.c).
  *
- * IQ4_XS's values (the IQ4_NL table, -127 .. 113) are too wide for the 16-bit pair sums of the shared K-quant
- * tiles. Stored unsigned as u = q + 128 they suit vpdpbusd: the activations stay signed, and each 32-bit lane's
- * -128 * (sum of its 8 activations) is a seed its sums start from. As with IQ4_NL, one 128-bit lane holds one
- * sub-block of 32 (elements 0-15 in one register, 16-31 in another, the nibble order of the block itself), so a
- * lane's two vpdpbusd belong to one sub-block and one vpmulld applies its 6-bit scale: four sub-blocks per
- * register, 1.5 multiplies per 64 values where the shared tiles take 2. The activations are rearranged to that
- * order once per product (ix_act). Prompts take tokens in lanes instead (ix_lanes, below).
- * Decode tiles unpack the blocks themselves and end in the same integer lanes and f32 steps, so a token's outputs
- * do not depend on the tokens beside it. */
+ * Prompts (16 tokens or more) put 16 tokens in the lanes of a register (ix_lanes, below). Decode tiles unpack the
+ * blocks themselves and reduce each row's integer sum per super-block to one number before the f32 steps the
+ * lanes take per token, so a token's outputs are the same bits whatever shares its product. This tile predates
+ * the shared one with rows in the lanes (tile_kb, quants_x86_kx.c), which IQ4_XS (values + 128, scales per 32)
+ * could also take; the two were not compared yet.
+ *
+ * IQ4_XS's values (the IQ4_NL table, -127 .. 113) are too wide for 16-bit pair sums. Stored unsigned as
+ * u = q + 128 they suit vpdpbusd: the activations stay signed, and each 32-bit lane's -128 * (sum of its
+ * activations) is a seed its sums start from. In the decode tile, as with IQ4_NL, one 128-bit lane holds one
+ * sub-block (elements 0-15 in one register, 16-31 in another, the nibble order of the block itself), so a lane's
+ * two vpdpbusd belong to one sub-block and one vpmulld applies its 6-bit scale; the activations are rearranged
+ * to that order once per product (ix_act). */
 #include <stddef.h>
 #include <stdlib.h>
 #include "quants_x86.h"
