@@ -2,14 +2,17 @@
 done by calling the engine directly.
 
 Both sides run greedy decoding of the same prompts (a fresh prompt each run, so no KV prefix is reused) for a
-fixed number of tokens. Direct: tokenizer, `engine.eval`, argmax and the streaming detokeniser in a loop. HTTP: a
+fixed number of tokens. Direct: what `strata generate` does, the chat template, the tokenizer and
+`strata.generation.generate` (the generation loop the server runs too) on an engine of the server's shape, with
+the streaming detokeniser; its batcher is kept from run to run, as the server's is. HTTP: a
 streamed `/v1/chat/completions` request to a server in this process (hypercorn, trio worker), read by a client in
 a process of its own over a plain socket, as a real client would be (one in this process would compete with the
 server for the GIL); the first token is the first content chunk, throughput counts the chunks after it. Direct
 and HTTP runs alternate, so that a busy machine slows both alike, and each figure is the median over the runs.
-CPU per token is this process's (the server's, without the client). The client keeps its connection from one
-request to the next, as the OpenAI and Anthropic SDKs do; a third run of each round opens a new connection, whose
-first token is shown too. Goal: under 2 ms more to the first token and under 5% less throughput.
+CPU per token is this process's (the server's, without the client), and on the HTTP side by thread
+(`threadcpu`: the event loop, the engine's threads, the waker, the rest). The client keeps its connection from
+one request to the next, as the OpenAI and Anthropic SDKs do; a third run of each round opens a new connection,
+whose first token is shown too. Goal: under 2 ms more to the first token and under 5% less throughput.
 
     python bench/serve.py [--model F.gguf ...] [--threads 1 2] [--tokens 64] [--runs 7]
 
@@ -31,13 +34,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import trio
 
 from strata.config import config_from_dict
+from strata.generation import Batcher, generate
 from strata.prompt import render_chat
+from strata.sampling import Sampler, SamplingParams
 from strata.service import open_service
 
+import threadcpu
 from served import served
 
 SMALL_MODEL = Path(__file__).parent / "out" / "qwen3moe-small-q8_0.gguf"
@@ -47,30 +52,24 @@ def messages(run: int) -> list[dict[str, Any]]:
     return [{"role": "user", "content": f"Run {run}: write a long story about a lighthouse keeper."}]
 
 
-def direct(engine: Any, tokenizer: Any, cached: list[int], run: int, n_tokens: int) -> tuple[float, float, float]:
-    """(seconds to the first token, decode tokens/s, process CPU seconds per token) calling the engine directly.
-
-    `cached` is what the engine's KV cache holds; like the server, keep its common prefix with the new prompt.
-    """
+def direct(engine: Any, batcher: Any, tokenizer: Any, run: int, n_tokens: int) -> tuple[float, float, float, int]:
+    """(seconds to the first token, decode tokens/s, process CPU seconds per token, tokens) calling the engine
+    directly, as `strata generate` does: render, tokenise, then `strata.generation.generate` (the generation loop
+    the server runs too) on a batcher kept from run to run, so that its slots keep their prefixes as the
+    server's do; each token is detokenised as it comes."""
     cpu = time.process_time()
     start = time.perf_counter()
-    ids = tokenizer.encode(render_chat(tokenizer.chat_template, messages(run)), special=True)
-    reused = 0
-    while reused < min(len(ids) - 1, len(cached)) and ids[reused] == cached[reused]:
-        reused += 1
-    engine.keep(reused)
-    logits = engine.eval(ids[reused:])
-    token = int(np.argmax(logits))
-    first = time.perf_counter()
+    ids = tokenizer.encode_prompt(render_chat(tokenizer.chat_template, messages(run)))
+    sampler = Sampler(SamplingParams(temperature=0), engine.n_vocab)
     decoder = tokenizer.stream_decoder()
-    decoder.push(token)
-    cached[:] = ids
-    for _ in range(n_tokens - 1):
-        logits = engine.eval([token])
-        cached.append(token)
-        token = int(np.argmax(logits))
+    first, n = start, 0
+    for token in generate(engine, ids, sampler, n_tokens, tokenizer.eos_ids, batcher=batcher):
         decoder.push(token)
-    return first - start, (n_tokens - 1) / (time.perf_counter() - first), (time.process_time() - cpu) / n_tokens
+        n += 1
+        if n == 1:
+            first = time.perf_counter()
+    rate = (n - 1) / (time.perf_counter() - first) if n > 1 else 0.0
+    return first - start, rate, (time.process_time() - cpu) / max(n, 1), n
 
 
 # --- the client process
@@ -153,13 +152,16 @@ class Client:
         self._process.wait(timeout=10)
 
 
-async def over_http(client: Client, run: int, n_tokens: int, keep: bool = True) -> tuple[float, float, float, int]:
-    """(seconds to the first content chunk, chunks/s after it, server CPU seconds per chunk, chunks); `keep`:
-    over the client's kept connection, else a new one."""
-    cpu = time.process_time()
+async def over_http(client: Client, run: int, n_tokens: int, keep: bool = True,
+                    names: threadcpu.Names | None = None) -> tuple[float, float, float, int, dict[str, float]]:
+    """(seconds to the first content chunk, chunks/s after it, server CPU seconds per chunk, chunks, the server's
+    CPU seconds per chunk by thread role (`threadcpu`)); `keep`: over the client's kept connection, else a new
+    one."""
+    cpu, threads = time.process_time(), threadcpu.snapshot()
     result = await trio.to_thread.run_sync(client.request, run, n_tokens, keep)
-    chunks = int(result["chunks"])
-    return result["ttft"], result["rate"], (time.process_time() - cpu) / max(chunks, 1), chunks
+    chunks = max(int(result["chunks"]), 1)
+    roles = {role: seconds / chunks for role, seconds in threadcpu.spent(threads, threadcpu.snapshot(), names).items()}
+    return result["ttft"], result["rate"], (time.process_time() - cpu) / chunks, chunks, roles
 
 
 # --- the comparison
@@ -169,22 +171,26 @@ async def compare(model: Path, threads: int | None, n_tokens: int, runs: int) ->
     from strata.engine_cffi import Engine
     from strata.tokenizer import Tokenizer
 
-    engine = Engine.load(model, n_ctx=4096, threads=threads)
-    tokenizer = Tokenizer.from_gguf(model)
     config = config_from_dict({"model": str(model), "context": 4096, "threads": threads,
                                "host": "127.0.0.1", "port": 0})
+    # The direct side's engine has the server's shape: as many sequences, the same batch.
+    engine = Engine.load(model, n_ctx=config.context, threads=threads, n_seq=config.slots, n_batch=config.batch)
+    batcher = Batcher(engine, config.step_tokens, config.batch, config.step_slowdown)
+    tokenizer = Tokenizer.from_gguf(model)
     direct_runs, http_runs, fresh_runs = [], [], []
+    roles: list[dict[str, float]] = []
     async with open_service(config, log=lambda line: None) as service:
         async with served(service) as (host, port):
-            client = Client(host, port)
+            client, names = Client(host, port), threadcpu.Names()
             try:
-                cached: list[int] = []
-                direct(engine, tokenizer, cached, -1, 8)  # warm up both
+                direct(engine, batcher, tokenizer, -1, 8)  # warm up both
                 await over_http(client, -1, 8)
                 for run in range(10, 10 + runs):  # two-digit runs: every prompt has as many tokens
-                    direct_runs.append(direct(engine, tokenizer, cached, run, n_tokens))
-                    ttft, rate, cpu, chunks = await over_http(client, run, n_tokens)
+                    direct_runs.append(direct(engine, batcher, tokenizer, run, n_tokens)[:3])
+                    with names:
+                        ttft, rate, cpu, chunks, by_role = await over_http(client, run, n_tokens, names=names)
                     http_runs.append((ttft, rate, cpu))
+                    roles.append(by_role)
                     fresh_runs.append((await over_http(client, run + runs, n_tokens, keep=False))[:3])
                     # A model that ends its answer early gives fewer chunks: it still times the same path.
                     if chunks < n_tokens // 2:
@@ -197,6 +203,8 @@ async def compare(model: Path, threads: int | None, n_tokens: int, runs: int) ->
         for i, name in enumerate(("ttft_ms", "tokens_per_s", "cpu_ms")):
             scale = 1.0 if name == "tokens_per_s" else 1e3
             medians[f"{side}_{name}"] = statistics.median(row[i] for row in rows) * scale
+    for role in threadcpu.ROLES:
+        medians[f"http_{role}_ms"] = statistics.median(row[role] for row in roles) * 1e3
     return medians
 
 
@@ -211,8 +219,9 @@ def report(model: Path, threads: int | None, n_tokens: int, runs: int, m: dict[s
     print(f"{'decode (tokens/s)':<22} {m['direct_tokens_per_s']:10.1f} {m['http_tokens_per_s']:10.1f} "
           f"{rate:+10.1f} %")
     cpu = m["http_cpu_ms"] - m["direct_cpu_ms"]
-    print(f"{'CPU per token (ms)':<22} {m['direct_cpu_ms']:10.2f} {m['http_cpu_ms']:10.2f} {cpu:+10.2f} ms",
-          flush=True)
+    print(f"{'CPU per token (ms)':<22} {m['direct_cpu_ms']:10.2f} {m['http_cpu_ms']:10.2f} {cpu:+10.2f} ms")
+    print(f"{'  HTTP, by thread (ms)':<22} " + ", ".join(f"{role} {m[f'http_{role}_ms']:.3f}"
+                                                       for role in threadcpu.ROLES), flush=True)
 
 
 async def main(args: argparse.Namespace) -> None:

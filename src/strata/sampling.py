@@ -18,6 +18,7 @@ samples from the model's own distribution. The penalty window, 64 tokens, is lla
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -140,8 +141,12 @@ class Sampler:
             raise ValueError(f"logit_bias names a token id beyond the vocabulary ({n_vocab} tokens)")
         self._bias_ids = np.array([token for token, _ in params.logit_bias], dtype=np.int64)
         self._bias_values = np.array([bias for _, bias in params.logit_bias], dtype=np.float32)
-        seed = None if params.seed is None else params.seed % 2**64
-        self._rng = np.random.default_rng(seed)
+
+    @functools.cached_property
+    def _rng(self) -> np.random.Generator:
+        # Built at the first random draw: a fresh generator reads the OS's entropy (about 60 us), which a greedy
+        # request, the common case of agents, never needs.
+        return np.random.default_rng(None if self.params.seed is None else self.params.seed % 2**64)
 
     def sample(self, logits: np.ndarray, previous_ids: Sequence[int] = ()) -> int:
         """Return the next token id for `logits` (n_vocab,), given the tokens so far (prompt and output).
