@@ -44,6 +44,7 @@ from strata.service import open_service
 
 import threadcpu
 from served import served
+from stamps import Stamps
 
 SMALL_MODEL = Path(__file__).parent / "out" / "qwen3moe-small-q8_0.gguf"
 
@@ -114,7 +115,8 @@ def stream_once(host: str, port: int, run: int, n_tokens: int, sock: socket.sock
     finally:
         if sock is None:
             connection.close()
-    return {"ttft": first - start, "rate": (chunks - 1) / (last - first), "chunks": chunks}
+    return {"ttft": first - start, "rate": (chunks - 1) / max(last - first, 1e-9), "chunks": chunks,
+            "sent": start, "first": first}
 
 
 def client_main(host: str, port: int) -> None:
@@ -224,9 +226,41 @@ def report(model: Path, threads: int | None, n_tokens: int, runs: int, m: dict[s
                                                        for role in threadcpu.ROLES), flush=True)
 
 
+async def stamped(model: Path, threads: int | None, runs: int) -> None:
+    """Time stamps along requests of 4 tokens over a kept connection (`stamps.Stamps`): medians, in ms from the
+    client's send."""
+    config = config_from_dict({"model": str(model), "context": 4096, "threads": threads,
+                               "host": "127.0.0.1", "port": 0})
+    rows = []
+    async with open_service(config, log=lambda line: None) as service, served(service) as (host, port):
+        client = Client(host, port)
+        try:
+            await over_http(client, -1, 8)
+            marks = Stamps().install(service)
+            try:
+                for run in range(10, 10 + runs):
+                    marks.reset()
+                    result = await trio.to_thread.run_sync(client.request, run, 4, True)
+                    rows.append(marks.row(result["sent"], result["first"]))
+            finally:
+                marks.uninstall()
+        finally:
+            client.close()
+    print(f"model {model.name}, threads {threads or 'all'}: time stamps of a request, ms after the client's send "
+          f"(median of {runs}; step: from the mark before)")
+    last = 0.0
+    for mark in rows[0]:
+        at = statistics.median(row[mark] for row in rows if mark in row)
+        print(f"  {mark:<22} {at:8.3f} {at - last:+8.3f}")
+        last = at
+
+
 async def main(args: argparse.Namespace) -> None:
     for model in args.model:
         for threads in args.threads:
+            if args.stamps:
+                await stamped(model, threads, args.runs)
+                continue
             medians = await compare(model, threads, args.tokens, args.runs)
             report(model, threads, args.tokens, args.runs, medians)
 
@@ -237,6 +271,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--runs", type=int, default=7)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--stamps", action="store_true",
+                        help="instead: time stamps along a request, from arrival to the first write")
     parser.add_argument("--client", metavar="HOST:PORT", help=argparse.SUPPRESS)  # the client process
     return parser.parse_args()
 

@@ -1,0 +1,120 @@
+"""Time stamps along one streamed request, in the server's process, for `bench/serve.py --stamps`.
+
+`Stamps.install(service)` wraps, from the outside, the calls a request passes through and notes `perf_counter()`
+at each (the client's process reads the same monotonic clock, so its send and its first chunk fit on the same
+line): bytes arrived (hypercorn's connection), view entered and body parsed (the route's body reader), prompt
+prepared (rendered and tokenised), job submitted to the engine thread, engine call started and returned, token
+sampled (the job's own stamp), trio woken for it, the first content write to the socket.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any
+
+import hypercorn.protocol.h11 as h11_protocol
+import hypercorn.events as hypercorn_events
+
+import strata.api.app as app_module
+import strata.service as service_module
+
+_TOKEN = re.compile(rb'"(?:reasoning_)?content":"[^"]')  # a chunk with text: the role chunk has ""
+MARKS = ("bytes arrived", "view entered", "body parsed", "prompt ready", "job submitted", "engine call",
+         "engine returned", "token sampled", "trio woken", "first write")
+
+
+class Stamps:
+    def __init__(self) -> None:
+        self.marks: dict[str, float] = {}
+        self._undo: list[tuple[Any, str, Any]] = []
+
+    def reset(self) -> None:
+        self.marks = {}
+
+    def note(self, mark: str) -> None:
+        self.marks.setdefault(mark, time.perf_counter())  # the first time in the request
+
+    def _wrap(self, owner: Any, name: str, make: Any) -> None:
+        original = getattr(owner, name)
+        self._undo.append((owner, name, original))
+        setattr(owner, name, make(original))
+
+    def install(self, service: Any) -> Stamps:
+        note = self.note
+
+        def handle(original: Any) -> Any:
+            async def wrapped(protocol: Any, event: Any) -> None:
+                if isinstance(event, hypercorn_events.RawData) and event.data:
+                    note("bytes arrived")
+                await original(protocol, event)
+            return wrapped
+
+        def body(original: Any) -> Any:
+            async def wrapped() -> Any:
+                note("view entered")
+                data = await original()
+                note("body parsed")
+                return data
+            return wrapped
+
+        def prepare(original: Any) -> Any:
+            def wrapped(*args: Any) -> Any:
+                result = original(*args)
+                note("prompt ready")
+                return result
+            return wrapped
+
+        def submit(original: Any) -> Any:
+            def wrapped(loop: Any, stream: Any) -> None:
+                note("job submitted")
+                self.job = stream.job
+                original(loop, stream)
+            return wrapped
+
+        def eval_batch(original: Any) -> Any:
+            def wrapped(items: Any) -> Any:
+                note("engine call")
+                try:
+                    return original(items)
+                finally:
+                    note("engine returned")
+            return wrapped
+
+        def wake_all(original: Any) -> Any:
+            def wrapped(streams: Any) -> None:
+                note("trio woken")
+                original(streams)
+            return wrapped
+
+        def send_now(original: Any) -> Any:
+            def wrapped(stream: Any, data: bytes) -> int:
+                sent = original(stream, data)
+                if _TOKEN.search(data):
+                    note("first write")
+                return sent
+            return wrapped
+
+        self._wrap(h11_protocol.H11Protocol, "handle", handle)
+        self._wrap(app_module, "_json_body", body)
+        self._wrap(service, "_prepare", prepare)
+        self._wrap(service_module._EngineLoop, "submit", submit)
+        self._wrap(service.engine, "eval_batch", eval_batch)
+        self._wrap(service_module, "_wake_all", wake_all)
+        self._wrap(app_module, "_send_now", send_now)
+        return self
+
+    def uninstall(self) -> None:
+        for owner, name, original in reversed(self._undo):
+            setattr(owner, name, original)
+        self._undo = []
+
+    def row(self, sent: float, first: float) -> dict[str, float]:
+        """Milliseconds from the client's send to each mark, the token's sampling and the client's first chunk."""
+        marks = dict(self.marks)
+        job = getattr(self, "job", None)
+        if job is not None and job.prompt_done:
+            marks["token sampled"] = job.prompt_done
+        out = {mark: (marks[mark] - sent) * 1e3 for mark in MARKS if mark in marks}
+        out["client's first chunk"] = (first - sent) * 1e3
+        return out
