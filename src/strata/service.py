@@ -846,8 +846,13 @@ class _EngineLoop:
     (0.1-0.25 ms per token measured for an engine thread that woke trio itself). One wake-up carries every
     stream of a step. A step that gave some job its first token (or ended one) wakes trio from the engine
     thread itself: the first token is what a client waits for, and the waker's own wake-up, on cores the engine
-    keeps busy, was about half a millisecond of it.
+    keeps busy, was about half a millisecond of it. After a first token the engine thread also waits, at most
+    `HANDOFF_SECONDS`, until those requests have taken it (the response's headers and first write, the most
+    Python a request runs at once): run beside the next step, that work shared the cores with the engine's
+    threads and took 2-3 times as long. The other streams lose that wait once per request that joins.
     """
+
+    HANDOFF_SECONDS = 0.003
 
     def __init__(self, batcher: Batcher):
         self.batcher = batcher
@@ -859,6 +864,7 @@ class _EngineLoop:
         self._pauses = 0  # paused() holders (guarded by _cond)
         self._pause_ack: trio.Event | None = None
         self._trio_token: trio.lowlevel.TrioToken | None = None
+        self._handoffs: set[_Stream] = set()  # woken with a first token, not taken yet (guarded by _cond)
 
     def submit(self, stream: _Stream) -> None:
         with self._cond:
@@ -882,6 +888,8 @@ class _EngineLoop:
                 stream.wake()
             elif stream.job.finish is None:
                 self.batcher.cancel(stream.job)
+            self._handoffs.discard(stream)
+            self._cond.notify()
 
     @asynccontextmanager
     async def paused(self) -> AsyncIterator[None]:
@@ -899,6 +907,13 @@ class _EngineLoop:
         finally:
             with self._cond:
                 self._pauses -= 1
+                self._cond.notify()
+
+    def taken(self, stream: _Stream) -> None:
+        """A stream woken with its first token has taken it (see `HANDOFF_SECONDS`)."""
+        with self._cond:
+            self._handoffs.discard(stream)
+            if not self._handoffs:
                 self._cond.notify()
 
     # in the engine thread
@@ -927,9 +942,23 @@ class _EngineLoop:
                 # A first token (or an end): waking trio here spares it the waker's own wake-up, at the price
                 # of this thread waiting for the GIL once before its next call.
                 assert self._trio_token is not None
+                firsts = {stream for stream in streams if stream.job.finish is None and len(stream.job.tokens) == 1}
+                for stream in firsts:
+                    stream.handing_off = True
+                with self._cond:
+                    self._handoffs = firsts
                 self._trio_token.run_sync_soon(wake)
+                if firsts:
+                    self._await_handoffs()
             else:
                 wakes.put(wake)  # one wake-up of trio for every stream of the step
+
+    def _await_handoffs(self) -> None:
+        deadline = time.monotonic() + self.HANDOFF_SECONDS
+        with self._cond:
+            while self._handoffs and not self._pauses and (left := deadline - time.monotonic()) > 0:
+                self._cond.wait(left)
+            self._handoffs = set()
 
     # in the waker thread
 
@@ -974,6 +1003,7 @@ class _Stream:
     def __init__(self, loop: _EngineLoop, job: Job):
         self.job, self._loop = job, loop
         self._taken = 0
+        self.handing_off = False  # the engine thread waits for this stream to take its first token
         self._waiter: trio.Event | None = None
         self._ended = trio.Event()
         loop.submit(self)
@@ -990,6 +1020,9 @@ class _Stream:
 
         Raises: what the engine raised (EngineError, ...).
         """
+        if self.handing_off:  # called again: the first token went out (or more tokens are needed for it)
+            self.handing_off = False
+            self._loop.taken(self)
         waited = False
         while True:
             self._waiter = waiter = trio.Event()

@@ -131,6 +131,55 @@ async def test_a_hang_up_takes_out_only_its_own_sequence(tiny_model, tokenizer):
                                           if thread.name.startswith("strata engine")])
 
 
+class FirstTokenWatch(BatchRecorder):
+    """Also records, at each eval call, whether the consumer had been given its first token (`given`)."""
+
+    def __init__(self, engine: Any):
+        super().__init__(engine)
+        self.given = False
+        self.seen: list[bool] = []
+
+    def eval_batch(self, items: Any) -> Any:
+        self.seen.append(self.given)
+        return super().eval_batch(items)
+
+
+async def test_the_engine_waits_for_a_first_token_to_be_taken_before_its_next_step(scripted, tokenizer):
+    # The hand-off: the request's headers and first write run on free cores, not beside the next step.
+    engine = FirstTokenWatch(scripted("abcdefgh"))
+    async with open_service(server_config(), engine=engine, tokenizer=tokenizer) as service:
+        assert service.loop is not None
+        service.loop.HANDOFF_SECONDS = 60.0  # only the request taking its token ends the wait here
+        with trio.fail_after(30):
+            async with aclosing(service.chat(request("hi"))) as events:
+                async for event in events:
+                    if isinstance(event, TextDelta):
+                        engine.given = True
+    assert engine.seen[:2] == [False, True]  # the prompt's call, then the next step only after the first token
+
+
+async def test_a_hang_up_during_the_first_token_hand_off_holds_up_no_one(scripted, tokenizer):
+    engine = scripted("x" * 30, decode_s=0.002, n_seq=2)
+    async with open_service(server_config(), engine=engine, tokenizer=tokenizer) as service:
+        assert service.loop is not None
+        service.loop.HANDOFF_SECONDS = 60.0
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                other: list[Any] = []
+
+                async def long() -> None:
+                    other.extend(await collect(service, request("the long one")))
+
+                nursery.start_soon(long)
+                await wait_until(lambda: any(slot["state"] == "decode" for slot in service.slots()))
+                async with aclosing(service.chat(request("a short one"))) as events:
+                    async for event in events:
+                        if isinstance(event, TextDelta):
+                            break  # hangs up holding its first token, before taking another
+        assert text(other) == "x" * 30
+        assert sorted(row.finish for row in service.history.rows) == ["cancel", "stop"]
+
+
 async def test_a_side_request_no_longer_evicts_the_main_conversation(scripted, tokenizer):
     engine = scripted("Sure, here it is.", n_seq=2)
     system = "You are a coding agent. " * 40
