@@ -9,8 +9,9 @@
   and sampling), run twice: with libgomp's default wait (threads spin at each of ggml's barriers: on a machine
   whose cores other work also uses, a spinning thread burns the time slice its partner needs) and with
   `OMP_WAIT_POLICY=PASSIVE`. The ratio is Strata / the better of the two. The CPU time per token of the
-  server's event loop (the trio thread: HTTP, rendering, the hand-off of tokens) and of the client process show
-  what serving costs beside the engine; the last column is HTTP against our own engine's batched decode.
+  server's event loop (the trio thread: HTTP, rendering, the hand-off of tokens), its waker thread, the
+  engine's threads (`threadcpu`) and the client process show what serving costs beside the engine, on the same
+  cores; the last column is HTTP against our own engine's batched decode.
 - **A long prompt joins.** Three streams run, then a request with a ~3,000-token prompt arrives: the streams'
   inter-token gaps while it is processed (p99, at the client) against their steady step (median gap before it
   came), and the engine's own step times (p99 / median, from the server), with the step budget in time (the
@@ -44,6 +45,7 @@ from strata.config import config_from_dict
 from strata.generation import StepBudget
 from strata.service import open_service
 
+import threadcpu
 from served import served
 
 SMALL_MODEL = Path(__file__).parent / "out" / "qwen3moe-small-q8_0.gguf"
@@ -355,9 +357,10 @@ async def run(model: Path, threads: int, tokens: int, turns: int, parts: set[str
                 if slots == 8:
                     await ask(kind="parallel", n=1, tokens=8, run=-1)
                 for n in STREAMS if slots == 8 and "parallel" in parts else ():
-                    loop_cpu = time.thread_time()  # this thread runs trio: the server's event loop
-                    results["parallel"][n] = await ask(kind="parallel", n=n, tokens=tokens, run=n)
-                    results["parallel"][n]["loop_cpu_s"] = time.thread_time() - loop_cpu
+                    threads, names = threadcpu.snapshot(), threadcpu.Names()
+                    with names:
+                        results["parallel"][n] = await ask(kind="parallel", n=n, tokens=tokens, run=n)
+                    results["parallel"][n]["cpu_s"] = threadcpu.spent(threads, threadcpu.snapshot(), names)
                     decodes = results["parallel"][n]["decode"] = {}
                     for _ in range(DECODE_RUNS):  # alternated, so that a change of load hits each alike
                         for name in ("strata", "spin", "passive"):
@@ -393,10 +396,11 @@ def report(model: Path, threads: int, tokens: int, r: dict[str, Any]) -> None:
     print(f"model {model.name}, {threads} threads, {tokens} tokens per stream, load average "
           f"{' '.join(f'{x:.1f}' for x in os.getloadavg())} at the end\n")
     if r["parallel"]:
-        print("| streams | Strata tok/s (HTTP) | ratio to 1 | ttft max ms | CPU ms/token: server loop | client | "
+        print("| streams | Strata tok/s (HTTP) | ratio to 1 | ttft max ms | CPU ms/token: server loop | waker | "
+              "engine threads | client | "
               "batched decode tok/s: Strata engine | llama.cpp (spin wait) | llama.cpp (passive wait) | "
               "Strata HTTP / llama.cpp | Strata engine / llama.cpp | Strata HTTP / engine |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         one = r["parallel"][1]["tokens_per_s"]
         for n in STREAMS:
             p = r["parallel"][n]
@@ -408,7 +412,8 @@ def report(model: Path, threads: int, tokens: int, r: dict[str, Any]) -> None:
                 spin, passive = (median([x["tokens_per_s"] for x in d[k]]) for k in ("spin", "passive"))
                 best = max(spin, passive)
                 theirs = f"{ours:.1f} | {spin:.1f} | {passive:.1f} | {rate / best:.2f} | {ours / best:.2f}"
-            cpu = f"{1e3 * p['loop_cpu_s'] / p['chunks']:.3f} | {1e3 * p['client_cpu_s'] / p['chunks']:.3f}"
+            cpu = " | ".join(f"{1e3 * seconds / p['chunks']:.3f}" for seconds in (
+                p["cpu_s"]["loop"], p["cpu_s"]["waker"], p["cpu_s"]["engine"], p["client_cpu_s"]))
             print(f"| {n} | {rate:.1f} | {rate / one:.2f} | {max(p['ttft_ms']):.0f} | {cpu} | {theirs} | "
                   f"{rate / ours:.2f} |")
         print(f"\nbatched decode: median of {DECODE_RUNS} runs each, alternated; llama.cpp is the better of "
