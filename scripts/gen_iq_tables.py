@@ -2,6 +2,8 @@
 
 The tables are facts of the GGUF format; the `gguf` package carries them (packed, in gguf.quants), and this script
 unpacks them into C arrays: one entry per grid point, its values as bytes (little-endian, byte k = element k).
+IQ3_S's grid is also written as byte planes (byte k of every entry, then byte k + 1 ...), the form in which
+AVX-512 VBMI's byte permutes look 64 entries up at once.
 
     python scripts/gen_iq_tables.py
 """
@@ -24,9 +26,9 @@ GRIDS = [  # (C name, gguf class, C element type)
 ]
 
 
-def c_array(ctype: str, name: str, values: list[int], width: int, per_line: int) -> str:
+def c_array(ctype: str, name: str, values: list[int], width: int, per_line: int, attribute: str = "") -> str:
     lines = [", ".join(f"0x{v:0{width}x}" for v in values[i:i + per_line]) for i in range(0, len(values), per_line)]
-    return f"const {ctype} {name}[{len(values)}] = {{\n    " + ",\n    ".join(lines) + ",\n};\n"
+    return f"const {ctype} {name}[{len(values)}]{attribute} = {{\n    " + ",\n    ".join(lines) + ",\n};\n"
 
 
 def main() -> None:
@@ -37,6 +39,10 @@ def main() -> None:
         grid = cls.grid.reshape(cls.grid_shape).astype(np.int64).astype(np.uint8)  # IQ1_S: -1 as 0xff
         packed = grid.view(np.uint64 if ctype == "uint64_t" else np.uint32).ravel()
         parts.append(c_array(ctype, name, [int(v) for v in packed], 16 if ctype == "uint64_t" else 8, 4))
+        if cls is quants.IQ3_S:
+            planes = grid.T.ravel()  # (4, 512): byte k of each entry
+            parts.append(c_array("uint8_t", "strata_iq3s_planes", [int(v) for v in planes], 2, 16,
+                                 " __attribute__((aligned(64)))"))
     ksigns = list(np.frombuffer(quants.IQ2_XXS.ksigns, dtype=np.uint8))
     parts.append(c_array("uint8_t", "strata_ksigns_iq2xs", [int(v) for v in ksigns], 2, 16))
     OUT.write_text("\n".join(parts))

@@ -80,6 +80,7 @@ _Static_assert(sizeof(block_iq1_s) == 50 && sizeof(block_iq1_m) == 56, "IQ1 bloc
 extern const uint64_t strata_iq2xxs_grid[256], strata_iq2xs_grid[512], strata_iq2s_grid[1024], strata_iq1s_grid[2048];
 extern const uint32_t strata_iq3xxs_grid[256], strata_iq3s_grid[512];
 extern const uint8_t strata_ksigns_iq2xs[128];
+extern const uint8_t strata_iq3s_planes[4 * 512];  // byte k of every IQ3_S grid entry, for k = 0 .. 3
 static const int8_t KVALUES_IQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 static const int8_t KVALUES_MXFP4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};  // e2m1, doubled
 
