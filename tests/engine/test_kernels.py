@@ -333,8 +333,7 @@ def test_a_tokens_row_does_not_depend_on_the_tokens_beside_it(kernels, qtype, n_
     """Each token's outputs are the same bits whether it is the product's only token (decode: the direct tiles)
     or one of 7 (a few sequences decoding: direct tiles of four tokens, two and one) or 39 (a prompt: rows
     prepared once, in tiles of several tokens and the rest, and rows beyond the prepared tiles), so a sequence's
-    logits in a batch equal its logits alone. IQ4_XS's prompts take groups of 16 tokens in lanes, the last one
-    padded (29) or token by token (39)."""
+    logits in a batch equal its logits alone."""
     kffi, klib = kernels
     rng = np.random.default_rng(int(qtype) + 300)
     n_rows = 41  # prompt bands of 16 rows and 9 more; 39 tokens go 8 at a time and 4 + 2 + 1

@@ -130,7 +130,7 @@ INLINE void store_rows4(const gemm_args *a, int64_t r, int64_t t, int NR, int NT
 #endif
 
 #if defined(VNNI512)
-// --- prompts in bands of rows (AVX-512 VNNI): Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ3_S, IQ1_S, IQ1_M
+// --- prompts in bands of rows (AVX-512 VNNI): Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ3_S, IQ1_S, IQ1_M
 // A band of KB_ROWS consecutive rows is unpacked once per product: values + offset as unsigned bytes, 4 of each row
 // per 32-bit lane, so that one vpdpbusd with a token's 4 activations broadcast sums 4 values of 16 rows, and needs
 // no horizontal sum. A group of 16 values sums in 32 bits (seeded with -o * bsum_g), then one vpmulld applies its
@@ -205,8 +205,8 @@ static void kb_prepare(kb_unpack_fn unpack, size_t block_bytes, int mins, const 
     }
 }
 
-// The band prepared in P against tokens t .. t + NT - 1; xo (offset types): -o * bsum_g per token, block, group.
-INLINE void tile_kb(int mins, const gemm_args *a, const kb_prep *P, const int32_t *xo, int64_t r, int64_t t, int NT) {
+// The band prepared in P against tokens t .. t + NT - 1; each group's sum starts from -o * bsum_g (o: the offset).
+INLINE void tile_kb(int mins, const gemm_args *a, const kb_prep *P, int o, int64_t r, int64_t t, int NT) {
     const block_q8_K *x[KB_TOKENS] = {0};
     __m512 acc[KB_TOKENS];
     const int64_t nb = a->n / QKK;
@@ -218,7 +218,7 @@ INLINE void tile_kb(int mins, const gemm_args *a, const kb_prep *P, const int32_
         for (int g = 0; g < QKK / 16; g++) {
             __m512i raw[KB_TOKENS];
             _Pragma("GCC unroll 8") for (int j = 0; j < NT; j++)
-                raw[j] = xo ? _mm512_set1_epi32(xo[((t + j) * nb + b) * 16 + g]) : _mm512_setzero_si512();
+                raw[j] = _mm512_set1_epi32(-o * x[j][b].bsums[g]);
             UNROLL for (int e = 0; e < 4; e++) {
                 __m512i w = _mm512_load_si512(p->q[4 * g + e]);
                 _Pragma("GCC unroll 8") for (int j = 0; j < NT; j++) {
@@ -255,27 +255,18 @@ INLINE int gemm_kb(kb_unpack_fn unpack, size_t block_bytes, int o, int mins,
                    int64_t n_tok) {
     const int64_t nb = a->n / QKK;
     kb_prep *P = aligned_alloc(64, (size_t)nb * sizeof(kb_prep));
-    int32_t *xo = o ? malloc((size_t)(n_tok * nb * 16) * sizeof(int32_t)) : NULL;
-    if (!P || (o && !xo)) {
-        free(P), free(xo);
-        return 0;
-    }
-    for (int64_t t = 0; o && t < n_tok; t++) {
-        const block_q8_K *x = X_ROW(a, t);
-        for (int64_t b = 0; b < nb; b++)
-            for (int g = 0; g < 16; g++) xo[(t * nb + b) * 16 + g] = -o * x[b].bsums[g];
-    }
+    if (!P) return 0;
     int64_t r = r0;
     for (; r + KB_ROWS <= r1; r += KB_ROWS) {
         kb_prepare(unpack, block_bytes, mins, a, r, P);
         int64_t t = 0;
-        for (; t + KB_TOKENS <= n_tok; t += KB_TOKENS) tile_kb(mins, a, P, xo, r, t, KB_TOKENS);
-        if (t + 4 <= n_tok) tile_kb(mins, a, P, xo, r, t, 4), t += 4;
-        if (t + 2 <= n_tok) tile_kb(mins, a, P, xo, r, t, 2), t += 2;
-        if (t < n_tok) tile_kb(mins, a, P, xo, r, t, 1);
+        for (; t + KB_TOKENS <= n_tok; t += KB_TOKENS) tile_kb(mins, a, P, o, r, t, KB_TOKENS);
+        if (t + 4 <= n_tok) tile_kb(mins, a, P, o, r, t, 4), t += 4;
+        if (t + 2 <= n_tok) tile_kb(mins, a, P, o, r, t, 2), t += 2;
+        if (t < n_tok) tile_kb(mins, a, P, o, r, t, 1);
     }
     if (r < r1) direct(a, r, r1, n_tok);
-    free(P), free(xo);
+    free(P);
     return 1;
 }
 #endif
