@@ -14,9 +14,13 @@
   cores; the last column is HTTP against our own engine's batched decode.
 - **A long prompt joins.** Three streams run, then a request with a ~3,000-token prompt arrives: the streams'
   inter-token gaps while it is processed (p99, at the client) against their steady step (median gap before it
-  came), and the engine's own step times (p99 / median, from the server), with the step budget in time (the
-  default) and in tokens only (`step_tokens` 64, the old budget); and the long prompt's time to its first token,
-  against the same prompt with nobody else on the engine.
+  came), and the engine's own step times (p99 / median, from the server, in wall time and in the server
+  process's CPU time, which another process taking a core does not stretch), the time from a step's end to the
+  client's read of its token (median / p99: trio's wake-up, the writes, the client), and the long prompt's time
+  to its first token against the same prompt with nobody else on the engine. Budgets, one after the other and
+  then again: the default (`step_slowdown` 2, the process's CPU time, the decode step re-measured every 32
+  steps), the same timed by the wall clock and never re-measured (the budget before), by the engine thread's
+  CPU time, a budget of tokens only (`step_tokens` 64), and `step_slowdown` 1.5.
 The server runs in this process (hypercorn, trio worker, `slots` = 8); the client runs in a process of its own
 (a client here would compete with the server for the GIL); the parallel streams' client reads all its
 connections in one thread, the others have one thread per stream.
@@ -27,6 +31,7 @@ connections in one thread, the others have one thread per stream.
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import os
 import selectors
@@ -158,7 +163,8 @@ def join(url: str, tokens: int, streams: int, run: int) -> dict[str, Any]:
             (before if b < joined else during if a < long["end"] else []).append(b - a)
     return {"steady_ms": 1e3 * median(before), "p99_ms": 1e3 * percentile(during, 0.99),
             "ttft_ms": 1e3 * (long["end"] - joined), "gaps_during": len(during), "joined": joined,
-            "answered": long["end"], "streams_end": min((r["end"] for r in results), default=long["end"])}
+            "answered": long["end"], "streams_end": min((r["end"] for r in results), default=long["end"]),
+            "times": [r["times"] for r in results]}
 
 
 def median(values: list[float]) -> float:
@@ -318,17 +324,19 @@ def llama_cpp_main(model: Path, threads: int, n_seq: int, tokens: int) -> None:
 
 
 class Steps:
-    """The engine's steps, timed in the server: (start, end, tokens) of each `Batcher.step()` with work."""
+    """The engine's steps, timed in the server: (start, end, tokens, CPU seconds of this process) of each
+    `Batcher.step()` with work. The CPU time shows what the budget controls apart from the machine's load: another
+    process taking a core stretches a step's wall time, not its work."""
 
     def __init__(self, batcher: Any):
-        self.rows: list[tuple[float, float, int]] = []
+        self.rows: list[tuple[float, float, int, float]] = []
         step = batcher.step
 
         def timed() -> Any:
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), time.process_time()
             changed = step()
             if batcher.last_batch:
-                self.rows.append((started, time.perf_counter(), batcher.last_batch))
+                self.rows.append((started, time.perf_counter(), batcher.last_batch, time.process_time() - cpu))
             return changed
 
         batcher.step = timed
@@ -336,11 +344,19 @@ class Steps:
     def of_join(self, j: dict[str, Any], streams: int) -> dict[str, float]:
         """Median of the decode-only steps before the prompt joined; p99 of the steps with its chunks while the
         streams ran."""
-        steady = [end - start for start, end, n in self.rows if end < j["joined"] and n == streams]
+        steady = [end - start for start, end, n, _ in self.rows if end < j["joined"] and n == streams]
         until = min(j["answered"], j["streams_end"])
-        during = [end - start for start, end, n in self.rows if j["joined"] <= start and end < until and n > streams]
+        during = [end - start for start, end, n, _ in self.rows
+                  if j["joined"] <= start and end < until and n > streams]
+        cpu_steady = [cpu for _, end, n, cpu in self.rows if end < j["joined"] and n == streams]
+        cpu_during = [cpu for start, end, n, cpu in self.rows if j["joined"] <= start and end < until and n > streams]
+        ends = sorted(end for _, end, _, _ in self.rows)
+        delivery = [t - ends[i - 1] for times in j["times"] for t in times
+                    if j["joined"] <= t < until and (i := bisect.bisect_right(ends, t)) > 0]
         return {"engine_steady_ms": 1e3 * median(steady), "engine_p99_ms": 1e3 * percentile(during, 0.99),
-                "engine_max_ms": 1e3 * max(during, default=float("nan"))}
+                "engine_max_ms": 1e3 * max(during, default=float("nan")),
+                "delivery_ms": (1e3 * median(delivery), 1e3 * percentile(delivery, 0.99)),
+                "engine_cpu": percentile(cpu_during, 0.99) / median(cpu_steady)}
 
 
 async def run(model: Path, threads: int, tokens: int, turns: int, parts: set[str]) -> dict[str, Any]:
@@ -372,8 +388,12 @@ async def run(model: Path, threads: int, tokens: int, turns: int, parts: set[str
                     batcher = service.loop.batcher
                     steps, budget = Steps(batcher), batcher.budget
                     results["join"]["alone"] = await ask(kind="join", tokens=0, streams=0, run=0)
-                    budgets = {"time (step_slowdown 2)": budget, "tokens (step_tokens 64)": None,
-                               "time (step_slowdown 1.5)": StepBudget(1.5), "time (step_slowdown 2) again": budget}
+                    before = lambda: StepBudget(2.0, time.perf_counter, refresh=None)  # noqa: E731
+                    budgets = {"slowdown 2 (default)": budget, "slowdown 2, wall clock, never re-measured": before(),
+                               "slowdown 2, engine thread's CPU clock": StepBudget(2.0, time.thread_time),
+                               "tokens only (step_tokens 64)": None, "slowdown 1.5": StepBudget(1.5),
+                               "slowdown 2 (default) again": budget,
+                               "slowdown 2, wall clock, never re-measured, again": before()}
                     for run_, (name, batcher.budget) in enumerate(budgets.items(), 1):
                         # the streams outlast the long prompt (they hang up once it is answered)
                         j = results["join"][name] = await ask(kind="join", tokens=3000, streams=3, run=run_)
@@ -381,7 +401,7 @@ async def run(model: Path, threads: int, tokens: int, turns: int, parts: set[str
                     batcher.budget = budget
                     if os.environ.get("AGENTS_STEPS"):
                         Path(os.environ["AGENTS_STEPS"]).write_text(json.dumps(
-                            {"steps": steps.rows, "join": {k: {x: v[x] for x in ("joined", "answered")}
+                            {"steps": steps.rows, "join": {k: {x: v[x] for x in ("joined", "answered", "times")}
                                                            for k, v in results["join"].items()}}))
                 for side in ((True, False) if slots == 8 else (True,)) if "trace" in parts else ():
                     results["trace"][(slots, side)] = await ask(kind="trace", side=side, turns=turns)
@@ -433,14 +453,16 @@ def report(model: Path, threads: int, tokens: int, r: dict[str, Any]) -> None:
         alone = r["join"]["alone"]["ttft_ms"]
         print(f"\n3 streams while a ~3,000-token prompt joins (its first token alone: {alone:.0f} ms)")
         print("| step budget | steady step ms | p99 gap ms | p99 / steady | engine: steady step ms | p99 step ms | "
-              "max step ms | p99 / steady | joining prompt's first token ms | / alone |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
+              "max step ms | p99 / steady | in CPU time | step end to client read ms (median / p99) | "
+              "joining prompt's first token ms | / alone |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for name, j in r["join"].items():
             if name == "alone":
                 continue
             print(f"| {name} | {j['steady_ms']:.1f} | {j['p99_ms']:.1f} | {j['p99_ms'] / j['steady_ms']:.2f} | "
                   f"{j['engine_steady_ms']:.1f} | {j['engine_p99_ms']:.1f} | {j['engine_max_ms']:.1f} | "
-                  f"{j['engine_p99_ms'] / j['engine_steady_ms']:.2f} | {j['ttft_ms']:.0f} | "
+                  f"{j['engine_p99_ms'] / j['engine_steady_ms']:.2f} | {j['engine_cpu']:.2f} | "
+                  f"{j['delivery_ms'][0]:.1f} / {j['delivery_ms'][1]:.1f} | {j['ttft_ms']:.0f} | "
                   f"{j['ttft_ms'] / alone:.2f} |")
 
 

@@ -226,7 +226,30 @@ def test_a_joining_prompt_is_cut_so_that_a_step_takes_at_most_slowdown_times_the
     assert chunks[:4] == [4, 8, 16, 19]
     assert max(steps) <= 2.0 * 0.02 * 1.1  # the chunk follows the growing cost (10%: the average lags it)
     assert sum(steps > 2 * 0.02 * 0.85) > 0.8 * len(steps)  # and uses the time it has
-    assert sum(chunks) == 640 and all(chunk >= 1 for chunk in chunks)
+    # every step carries some of the prompt but each 33rd, which re-measures the decode step
+    assert sum(chunks) == 640 and [i for i, chunk in enumerate(chunks) if chunk < 1] == [32]
+
+
+def test_a_decode_step_timed_during_a_burst_stops_setting_the_chunks_once_re_measured() -> None:
+    engine = TimedEngine(0.04, lambda pos: 0.001, prompting={3}, n_seq=4, n_ctx=16384)
+    batcher = Batcher(engine, step_tokens=64, slowdown=2.0, clock=engine.clock)
+    streams = [job([1 + i], max_tokens=4000) for i in range(3)]
+    for stream in streams:
+        batcher.add(stream)
+    for _ in range(8):  # the decode-only steps are timed at twice their cost (another process had a core)
+        batcher.step()
+    engine.decode = 0.02  # the burst is over as the prompt joins
+    batcher.add(long := job(list(range(16)) * 800, max_tokens=1))
+    first = len(engine.calls)
+    while long.finish is None:
+        batcher.step()
+    chunks = [sum(len(t) for seq, t, _ in call if seq == long.seq) for call in engine.calls[first:]]
+    steps = np.diff(engine.times[first - 1:])
+    refreshes = [i for i, chunk in enumerate(chunks) if chunk == 0]
+    assert refreshes[:4] == [32, 65, 98, 131]
+    assert max(steps[:32]) > 2.5 * 0.02  # the stale reference: steps of three times the decode step
+    assert max(steps[refreshes[2]:]) <= 2.0 * 0.02 * 1.05  # after three refreshes, the median is the real step
+    assert batcher.budget.decode_seconds(3) == pytest.approx(0.02)
 
 
 def test_a_prompt_within_the_token_cap_joins_in_one_step() -> None:

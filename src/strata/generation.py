@@ -117,26 +117,37 @@ class StepBudget:
 
     Two costs are measured as steps run: the seconds of a decode-only step, per number of decoding jobs, and the
     seconds a prompt token adds to a step with decoding jobs (the step's time less their decode-only step's, per
-    prompt token). Each is the median of its last `WINDOW` measurements: a step that lost its core to another
-    process is an outlier, not a new cost, while a prompt's cost growing with its position (attention) and a
-    lasting change of load are followed within a few steps. The prompt cost is learnt from such mixed steps
-    only, since a token in a small chunk costs more than one in a whole engine chunk (an MoE reads its experts
-    either way). The first step with a new number of decoding jobs carries no prompt (it measures their step);
-    the first chunk after that is small, and a chunk at most doubles from one step to the next, so that a wrong
-    estimate costs one short step, not one long one. Every other step carries at least one prompt token: a
-    prompt always progresses.
+    prompt token). Each is the median of its last measurements (`DECODE_WINDOW`, `WINDOW`): a step that lost
+    its core to another process is an outlier, not a new cost, while a prompt's cost growing with its position
+    (attention) and a lasting change of load are followed within a few steps. The prompt cost is learnt from
+    such mixed steps only, since a token in a small chunk costs more than one in a whole engine chunk (an MoE
+    reads its experts either way), and is computed against the decode-only step as it is now. The first step
+    with a new number of decoding jobs carries no prompt (it measures their step); the first chunk after that
+    is small, and a chunk at most doubles from one step to the next, so that a wrong estimate costs one short
+    step, not one long one. While a long prompt joins, each `refresh` steps with a chunk are followed by a
+    decode-only one: the step the budget multiplies is re-measured (one timed during a burst of load would
+    otherwise set every chunk of the prompt). Every other step carries at least one prompt token: a prompt
+    always progresses.
+
+    Steps are timed by `clock`, by default the process's CPU time, which the engine's threads are nearly all of
+    while a step runs: another process taking a core for a while stretches a step's wall time but not its work,
+    so it neither inflates the reference step nor shrinks the chunks after it. (One thread's CPU time is not
+    enough: the engine thread takes over the products' rows of a partner that lost its core, and its own CPU
+    time doubles with the wall time.)
     """
 
     FIRST_CHUNK = 4
     WINDOW = 9
+    DECODE_WINDOW = 5  # decode-only steps are rare while a prompt joins: the reference follows a change in 3
 
-    def __init__(self, slowdown: float):
+    def __init__(self, slowdown: float, clock: Callable[[], float] = time.process_time, refresh: int | None = 32):
         if slowdown < 1:
             raise ValueError(f"slowdown must be at least 1, not {slowdown}")
-        self.slowdown = slowdown
+        self.slowdown, self.clock, self.refresh = slowdown, clock, refresh
         self._decode: dict[int, deque[float]] = {}  # decoding jobs -> seconds of their last decode-only steps
-        self._per_token: deque[float] = deque(maxlen=self.WINDOW)  # seconds a prompt token added to mixed steps
+        self._mixed_steps: deque[tuple[int, int, float]] = deque(maxlen=self.WINDOW)  # (n, prompt, seconds)
         self._last_chunk = 0
+        self._mixed = 0  # mixed steps since the last decode-only one
 
     def decode_seconds(self, n: int) -> float | None:
         """A decode-only step of `n` jobs, as measured (None before the first)."""
@@ -144,12 +155,16 @@ class StepBudget:
         return statistics.median(times) if times else None
 
     def per_token_seconds(self) -> float | None:
-        return statistics.median(self._per_token) if self._per_token else None
+        """What a prompt token adds to a step with decoding jobs: computed against the decode-only steps as
+        they are now, so that a re-measured one corrects the prompt's cost too."""
+        added = [max(seconds - step, 0.0) / prompt for n, prompt, seconds in self._mixed_steps
+                 if (step := self.decode_seconds(n)) is not None]
+        return statistics.median(added) if added else None
 
     def prompt_tokens(self, n: int, cap: int) -> int:
         """The prompt tokens a step with `n` (> 0) decoding jobs may carry, at most `cap`."""
         step = self.decode_seconds(n)
-        if step is None or cap <= 0:
+        if step is None or cap <= 0 or (self.refresh is not None and self._mixed >= self.refresh):
             return 0
         per_token = self.per_token_seconds()
         if per_token is None:
@@ -164,12 +179,12 @@ class StepBudget:
         if n <= 0:
             return
         if not prompt:
-            self._decode.setdefault(n, deque(maxlen=self.WINDOW)).append(seconds)
+            self._decode.setdefault(n, deque(maxlen=self.DECODE_WINDOW)).append(seconds)
+            self._mixed = 0
             return
         self._last_chunk = prompt
-        step = self.decode_seconds(n)
-        if step is not None:
-            self._per_token.append(max(seconds - step, 0.0) / prompt)
+        self._mixed += 1
+        self._mixed_steps.append((n, prompt, seconds))
 
 
 class Batcher:
@@ -182,18 +197,17 @@ class Batcher:
         n_batch: the most tokens of a step with nobody decoding (default: the engine's `n_batch`).
         slowdown: while jobs decode and a prompt longer than `step_tokens` joins, a step with prompt chunks takes
             at most this many times their decode-only step (`StepBudget`); None: `step_tokens` is the only bound.
-        clock: seconds, for measuring steps.
+        clock: seconds, for timing steps (default: the `StepBudget`'s, the process's CPU time).
     """
 
     def __init__(self, engine: Any, step_tokens: int = 64, n_batch: int | None = None,
-                 slowdown: float | None = 2.0, clock: Callable[[], float] = time.perf_counter):
+                 slowdown: float | None = 2.0, clock: Callable[[], float] | None = None):
         self.engine = engine
         self.n_batch: int = n_batch if n_batch is not None else getattr(engine, "n_batch", 256)
         self.slots = [_Slot(seq) for seq in range(engine.n_seq)]
         self.jobs: list[Job] = []  # in arrival order: earlier prompts get the step budget first
         self.step_tokens = max(1, step_tokens)
-        self.budget = StepBudget(slowdown) if slowdown is not None else None
-        self.clock = clock
+        self.budget = None if slowdown is None else StepBudget(slowdown, clock or time.process_time)
         self.last_batch = 0  # tokens in the last step
         self._clock = itertools.count(1)
         self._lock = threading.Lock()  # cancel() against the step's bookkeeping
@@ -260,7 +274,8 @@ class Batcher:
             self._leave(job, "cancel")
         if changed:  # their slots are free: say so now, not after another engine call
             return changed
-        started = self.clock()
+        budget = self.budget
+        started = budget.clock() if budget is not None else 0.0
         items, work, n_decoding = self._plan()
         if not items:
             return changed
@@ -300,8 +315,8 @@ class Batcher:
             else:
                 continue
             changed.append(job)
-        if self.budget is not None and complete:  # a step cut short by an abort measures nothing
-            self.budget.record(n_decoding, self.last_batch - n_decoding, self.clock() - started)
+        if budget is not None and complete:  # a step cut short by an abort measures nothing
+            budget.record(n_decoding, self.last_batch - n_decoding, budget.clock() - started)
         return changed
 
     def _plan(self) -> tuple[list[BatchItem], list[Job], int]:
