@@ -36,6 +36,7 @@ class Names:
         self._thread: threading.Thread | None = None
 
     def __enter__(self) -> Names:
+        self.roles = {}  # a cached thread may take another role in the next request
         self._stop.clear()
         self._thread = threading.Thread(target=self._watch, name="threadcpu", daemon=True)
         self._thread.start()

@@ -623,6 +623,10 @@ class Service:
                 try:
                     async with aclosing(self._generate(round_request, prepared, live, guide)) as events:
                         async for event in events:
+                            if type(event) is TextDelta:  # per streamed token: the usual event, tested first
+                                text.append(event.text)
+                                yield event
+                                continue
                             if isinstance(event, Usage):
                                 usage = event
                                 continue

@@ -70,6 +70,11 @@ class ToolCallParser:
 
     def feed(self, text: str) -> list[Event]:
         """Consume the next piece of model text; return the events it completes."""
+        if (not self._pending and self._state in (_TEXT, _THINK) and not self._skip_newlines and "<" not in text
+                and not text.endswith("\n")):
+            # Per streamed token, the usual case: every tag starts with "<", and only a tag or trailing newlines
+            # (which a tag after them would drop) are held back, so the state machine would emit it all.
+            return [TextDelta(text) if self._state == _TEXT else ReasoningDelta(text)] if text else []
         self._pending += text
         events: list[Event] = []
         while self._pending and self._step(events):
@@ -303,6 +308,8 @@ class StopMatcher:
         self._pending = ""
 
     def feed(self, text: str) -> str:
+        if not self.stops:  # per streamed token: the usual request has no stop strings
+            return text
         if self.stopped:
             return ""
         self._pending += text

@@ -22,6 +22,15 @@ def test_sse_framing_round_trips():
                                   (None, "[DONE]")]
 
 
+def test_sse_data_is_what_json_dumps_writes():
+    # The prebuilt encoder against the library's own compact, non-ASCII dumps.
+    data = {"a": [1, -2.5, 1e-300, float("inf"), float("-inf"), None, True, False], "é\"\n": {"k": "日本\u2028\x00"},
+            "n": 10**20, 3: "int key", "empty": {}, "list": []}
+    expected = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    assert sse.encode(data) == f"data: {expected}\n\n".encode()
+    assert sse.encode(data, "ping") == f"event: ping\ndata: {expected}\n\n".encode()
+
+
 def test_parse_request_maps_every_field():
     body = {
         "model": "m", "messages": [
