@@ -3,6 +3,9 @@
     python bench/kernels.py [--rows 4096] [--cols 4096] [--tokens 1,64,256] [--threads 1,2] [--types q8_0,q4_k]
                             [--clock wall|cpu]
 
+Type q8_0b is Q8_0 read from the band layout the engine keeps of a Q8_0 output weight (`strata_bands_prepare`,
+AVX-512 VNNI builds), built once outside the timed calls; put it beside q8_0 (`--types q8_0,q8_0b`).
+
 GB/s counts the weight bytes one product reads; with one token the product is bound by memory, so the table
 shows it as a share of the machine's read bandwidth, measured by numpy streaming over a large array with as
 many threads (a copy's figure is printed too). Calls rotate between copies of w totalling WORKING_SET bytes, so
@@ -31,6 +34,7 @@ TYPES = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": Q.Q
          "q6_k": Q.Q6_K, "q5_k": Q.Q5_K, "q3_k": Q.Q3_K, "q2_k": Q.Q2_K, "iq4_xs": Q.IQ4_XS, "iq4_nl": Q.IQ4_NL,
          "iq3_s": Q.IQ3_S, "mxfp4": Q.MXFP4, "q4_1": Q.Q4_1, "q5_0": Q.Q5_0, "q5_1": Q.Q5_1, "iq3_xxs": Q.IQ3_XXS,
          "iq2_xxs": Q.IQ2_XXS, "iq2_xs": Q.IQ2_XS, "iq2_s": Q.IQ2_S, "iq1_s": Q.IQ1_S, "iq1_m": Q.IQ1_M}
+BANDS = {"q8_0b": Q.Q8_0}  # the band layout of a type, prepared once (strata_bands_prepare)
 DEFAULT_TYPES = "f32,f16,bf16,q8_0,q4_0,q4_k,q6_k,q5_k,q3_k,q2_k,iq4_xs,iq4_nl,iq3_s,mxfp4"
 NAIVE_ROWS = 64  # the reference is slow: time it on this many rows and scale
 WORKING_SET = 256 << 20
@@ -91,15 +95,32 @@ def time_call(fn, clock=time.perf_counter, min_seconds: float = 0.3, max_calls: 
     return best
 
 
-def matmul_call(qtype: Q, ws: list[np.ndarray], x: np.ndarray, y: np.ndarray, n_threads: int | None):
-    """A call of the fast (n_threads) or naive (None) product, on the next of the weight copies ws each time."""
+def prepare_bands(qtype: Q, w: np.ndarray, n_cols: int) -> np.ndarray:
+    """w's rows in the band layout, or a clear stop where this build has none for the type."""
+    n_bytes = lib.strata_bands_bytes(int(qtype), w.shape[0], n_cols)
+    if not n_bytes:
+        raise SystemExit(f"this build has no band layout for {qtype.name} (AVX-512 VNNI only)")
+    room = np.empty(n_bytes + 64, dtype=np.uint8)
+    bands = room[-room.ctypes.data % 64:][:n_bytes]  # 64-byte aligned, as the engine allocates them
+    assert lib.strata_bands_prepare(int(qtype), ffi.from_buffer(w), w.shape[0], n_cols, ffi.from_buffer(bands)) == 0
+    return bands
+
+
+def matmul_call(qtype: Q, ws: list[np.ndarray], x: np.ndarray, y: np.ndarray, n_threads: int | None,
+                bands: list[np.ndarray] | None = None):
+    """A call of the fast (n_threads) or naive (None) product, on the next of the weight copies ws (or of their
+    band layouts) each time."""
     rest = (x.shape[1], ffi.from_buffer("float[]", x), x.shape[0], ffi.from_buffer("float[]", y))
-    calls = [(int(qtype), ffi.from_buffer(w), w.shape[0], *rest) for w in ws]
+    calls = [(int(qtype), ffi.from_buffer(b if bands else w), w.shape[0], *rest)
+             for w, b in zip(ws, bands or ws, strict=True)]
     turn = iter(range(1 << 62))
 
     def call():
         args = calls[next(turn) % len(calls)]
-        status = lib.strata_matmul(*args, n_threads) if n_threads else lib.strata_matmul_naive(*args)
+        if n_threads is None:
+            status = lib.strata_matmul_naive(*args)
+        else:
+            status = (lib.strata_matmul_bands if bands else lib.strata_matmul)(*args, n_threads)
         assert status == lib.STRATA_OK
 
     return call
@@ -178,7 +199,7 @@ def main() -> None:
     parser.add_argument("--cols", type=int, default=4096)
     parser.add_argument("--tokens", default="1,64,256")
     parser.add_argument("--threads", default="1,2")
-    parser.add_argument("--types", default=DEFAULT_TYPES, help=f"of {','.join(TYPES)}")
+    parser.add_argument("--types", default=DEFAULT_TYPES, help=f"of {','.join([*TYPES, *BANDS])}")
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                         help="cpu: the calling thread's CPU time, which other processes on a busy machine do not "
                              "inflate; meaningful at 1 thread only (the naive column always uses it)")
@@ -200,9 +221,10 @@ def main() -> None:
     print("-" * len(header))
     rng = np.random.default_rng(0)
     for name in args.types.split(","):
-        qtype = TYPES[name]
+        qtype = BANDS.get(name) or TYPES[name]
         w = make_weights(qtype, args.rows, args.cols, rng)
         ws = [w] + [w.copy() for _ in range(WORKING_SET // w.nbytes)]
+        bands = [prepare_bands(qtype, v, args.cols) for v in ws] if name in BANDS else None
         for n_tok in tokens:
             x = rng.standard_normal((n_tok, args.cols), dtype=np.float32)
             y = np.empty((n_tok, args.rows), dtype=np.float32)
@@ -210,7 +232,7 @@ def main() -> None:
             naive = matmul_call(qtype, [w_part], x, y_part, None)
             naive_seconds = time_call(naive, time.thread_time, 0.1, 3) * args.rows / NAIVE_ROWS
             for n_threads in threads:
-                fast = matmul_call(qtype, ws, x, y, n_threads)
+                fast = matmul_call(qtype, ws, x, y, n_threads, bands)
                 seconds = time_call(fast, clock)
                 gbs = w.nbytes / seconds / 1e9
                 gflops = 2 * args.rows * args.cols * n_tok / seconds / 1e9

@@ -230,8 +230,9 @@ class Service:
                 engine.close()
                 raise
             self.attach(engine, tokenizer)
+            bands = f", output weight in bands {engine.prepared_bytes / 2**20:.0f} MiB" if engine.prepared_bytes else ""
             log(f"model: {self.config.model} ({engine.arch}), context {engine.n_ctx}, threads {engine.threads}, "
-                f"backend {engine.backend}")
+                f"backend {engine.backend}{bands}")
             budget = "" if self.config.kv_budget is None else f" of a {self.config.kv_budget:g} MiB budget"
             log(f"KV cache: {engine.n_seq} slots x {engine.n_ctx} positions ({self.config.kv}), "
                 f"{engine.kv_bytes / 2**20:.0f} MiB{budget}")

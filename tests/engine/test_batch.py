@@ -8,6 +8,8 @@ import time
 
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType, GGUFReader
+from strata.engine_cffi._engine import lib
 
 from strata.engine_cffi import BatchItem, Engine, EngineAborted, EngineError
 from strata.modelgen import write_random_model
@@ -217,3 +219,17 @@ def test_a_kv_budget_bounds_slots_times_context_before_anything_is_allocated(mod
     with pytest.raises(EngineError, match=rf"3 slots x 64 positions \({kv}\) needs .* MiB, over the KV budget of "
                        r".* MiB: 2 slots of 64 positions fit, or 3 slots of 63 positions"):
         Engine.load(models["f32"], n_ctx=64, threads=1, n_seq=3, kv=kv, kv_budget=need - 1)
+
+
+@pytest.mark.parametrize("dtype", ["q8_0", "f32"])
+def test_only_a_q8_0_output_weight_is_laid_out_in_bands(models: dict[str, pathlib.Path], dtype: str) -> None:
+    # The bands are a copy beside the mapped file: what they take is counted, and printed at startup.
+    output = next(t for t in GGUFReader(models[dtype]).tensors if t.name in ("output.weight", "output"))
+    n_cols, n_rows = (int(n) for n in output.shape[:2])
+    with Engine.load(models[dtype], n_ctx=64, threads=1) as engine:
+        assert output.tensor_type == (GGMLQuantizationType.Q8_0 if dtype == "q8_0" else GGMLQuantizationType.F32)
+        if dtype == "q8_0" and lib.strata_bands_bytes(int(output.tensor_type), n_rows, n_cols):  # AVX-512 VNNI
+            assert engine.prepared_bytes == lib.strata_bands_bytes(int(output.tensor_type), n_rows, n_cols)
+            assert engine.prepared_bytes >= n_rows * n_cols // 32 * 34
+        else:
+            assert engine.prepared_bytes == 0

@@ -7,6 +7,7 @@ kernel interface (kernels.h, which cffi's module does not wrap) is reached throu
 
 from __future__ import annotations
 
+import os
 import pathlib
 
 import cffi
@@ -351,3 +352,101 @@ def test_a_tokens_row_does_not_depend_on_the_tokens_beside_it(kernels, qtype, n_
     together = product(xq)
     for t in range(n_tok):
         assert_same_bits(product(xq[t:t + 1]), together[t:t + 1])
+
+
+# --- the band layout the engine keeps of a Q8_0 output weight (AVX-512 VNNI builds)
+
+
+def vnni_native_build() -> bool:
+    """This build was compiled for this CPU (no STRATA_MARCH), and the CPU has AVX-512 VNNI."""
+    cpu = pathlib.Path("/proc/cpuinfo")
+    return "STRATA_MARCH" not in os.environ and cpu.exists() and "avx512_vnni" in cpu.read_text()
+
+
+def bands_of(w: np.ndarray, n_cols: int) -> np.ndarray:
+    n_bytes = lib.strata_bands_bytes(int(Q.Q8_0), w.shape[0], n_cols)
+    if not n_bytes:
+        assert not vnni_native_build(), "a native AVX-512 VNNI build lays Q8_0 out in bands"
+        assert lib.strata_bands_prepare(int(Q.Q8_0), ffi.from_buffer(w), w.shape[0], n_cols,
+                                        ffi.from_buffer(np.zeros(64, np.uint8))) == lib.STRATA_ERR_UNSUPPORTED
+        pytest.skip("this build keeps Q8_0 on its direct tiles")
+    bands = np.full(n_bytes, 0x55, dtype=np.uint8)  # every byte is written
+    assert lib.strata_bands_prepare(int(Q.Q8_0), ffi.from_buffer(w), w.shape[0], n_cols,
+                                    ffi.from_buffer(bands)) == lib.STRATA_OK
+    return bands
+
+
+def matmul_bands(bands: np.ndarray, n_rows: int, x: np.ndarray, n_threads: int) -> np.ndarray:
+    n_tok, n_cols = x.shape
+    y = np.full((n_tok, n_rows), np.nan, dtype=np.float32)
+    status = lib.strata_matmul_bands(int(Q.Q8_0), ffi.from_buffer(bands), n_rows, n_cols,
+                                     ffi.from_buffer("float[]", x), n_tok, ffi.from_buffer("float[]", y), n_threads)
+    assert status == lib.STRATA_OK, ffi.string(lib.strata_status_string(status))
+    return y
+
+
+def test_only_q8_0_has_a_band_layout():
+    assert lib.strata_bands_bytes(int(Q.Q4_K), 64, 512) == 0
+    assert lib.strata_bands_bytes(int(Q.F32), 64, 512) == 0
+    assert lib.strata_bands_bytes(int(Q.Q8_0), 64, 100) == 0  # not whole blocks
+    if vnni_native_build():  # 16 rows a band; pairs of blocks of 32 values + 16 scales each, odd counts padded
+        assert lib.strata_bands_bytes(int(Q.Q8_0), 41, 544) == 3 * 9 * (2 * 16 * 34)
+
+
+@pytest.mark.parametrize("n_tok,n_rows,n_cols", [(1, 41, 544), (7, 41, 544), (2, 16, 32), (39, 37, 1056),
+                                                 (5, 3, 96), (13, 150, 64)])
+def test_bands_equal_naive_on_lossless_activations(n_tok, n_rows, n_cols):
+    rng = np.random.default_rng(n_tok * 100 + n_rows)
+    w = random_weights(Q.Q8_0, n_rows, n_cols, rng)
+    x = lossless_activations(Q.Q8_0, n_tok, n_cols, rng)
+    bands = bands_of(w, n_cols)
+    naive = matmul(Q.Q8_0, w, x)
+    slack = accumulation_slack(weights_f32(Q.Q8_0, w, n_cols), x)
+    for n_threads in (1, 2):
+        err = np.abs(matmul_bands(bands, n_rows, x, n_threads).astype(np.float64) - naive)
+        assert np.all(err <= slack), f"{n_threads} threads: worst {np.max(err / slack):.3g} x the tolerance"
+
+
+@pytest.mark.parametrize("n_tok", [7, 39])
+def test_a_tokens_row_from_the_bands_does_not_depend_on_the_tokens_beside_it(n_tok):
+    """The engine reads its output weight from the bands for 1 token as for many: each token's logits are the
+    same bits alone and in a batch, whatever tiles (8, 4, 2, 1 tokens) and streams of bands its row took."""
+    rng = np.random.default_rng(n_tok + 500)
+    n_rows, n_cols = 41, 544  # 2 bands and 9 rows of a third
+    w = random_weights(Q.Q8_0, n_rows, n_cols, rng)
+    x = rng.standard_normal((n_tok, n_cols)).astype(np.float32)
+    bands = bands_of(w, n_cols)
+    together = matmul_bands(bands, n_rows, x, 1)
+    for t in range(n_tok):
+        assert_same_bits(matmul_bands(bands, n_rows, x[t:t + 1], 1), together[t:t + 1])
+    assert_same_bits(matmul_bands(bands, n_rows, x, 2), together)
+    err = np.abs(together.astype(np.float64) - matmul(Q.Q8_0, w, x))
+    assert np.all(err <= quantisation_bound(Q.Q8_0, weights_f32(Q.Q8_0, w, n_cols), x))
+
+
+def test_gemm_bands_writes_only_its_rows(kernels):
+    """A range of whole bands and a partial last one, into a wider y, as the forward pass splits rows between
+    threads; the same quantised activations through the direct tiles differ only in summation order."""
+    kffi, klib = kernels
+    rng = np.random.default_rng(9)
+    n_tok, n_rows, n_cols, ldy, r0, r1 = 5, 70, 544, 75, 16, 67
+    w = random_weights(Q.Q8_0, n_rows, n_cols, rng)
+    bands = bands_of(w, n_cols)
+    x = rng.standard_normal((n_tok, n_cols)).astype(np.float32)
+    xq = quantize_rows(kernels, Q.Q8_0, x)
+    x_seen = np.zeros_like(x)
+    for t in range(n_tok):
+        klib.strata_dequantize_row_any(int(Q.Q8_0), kffi.from_buffer(xq[t]), kffi.from_buffer("float[]", x_seen[t]),
+                                       n_cols)
+    calls = [lambda y: klib.strata_gemm_bands(int(Q.Q8_0), kffi.from_buffer(bands), n_cols, r0, r1,
+                                              kffi.from_buffer(xq), n_tok, kffi.from_buffer("float[]", y), ldy),
+             lambda y: klib.strata_gemm_rows(int(Q.Q8_0), n_cols, kffi.from_buffer(w), r0, r1, kffi.from_buffer(xq),
+                                             n_tok, kffi.from_buffer("float[]", y), ldy)]
+    ys = []
+    for call in calls:
+        y = np.full((n_tok, ldy), np.nan, dtype=np.float32)
+        call(y)
+        assert np.isnan(y[:, :r0]).all() and np.isnan(y[:, r1:]).all()
+        ys.append(y[:, r0:r1].astype(np.float64))
+    slack = 2 * accumulation_slack(weights_f32(Q.Q8_0, w, n_cols)[r0:r1], x_seen)
+    assert np.all(np.abs(ys[0] - ys[1]) <= slack)

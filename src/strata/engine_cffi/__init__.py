@@ -198,6 +198,8 @@ class Engine:
         self.n_seq: int = lib.strata_n_seq(ctx)
         self.n_batch: int = n_batch
         self.kv_bytes: int = lib.strata_kv_bytes(ctx)  # the KV cache of every sequence, allocated once
+        # weights laid out again at load (the output weight's bands): memory beyond the mapped file
+        self.prepared_bytes: int = lib.strata_model_prepared_bytes(model)
         self._dropped = ffi.new("int[]", self.n_seq)
 
     @classmethod

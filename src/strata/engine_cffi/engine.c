@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <time.h>
 
 #include "kernels.h"
@@ -18,6 +19,7 @@
 #include "threadpool.h"
 
 #define ROWS_PER_TASK 16   /* output rows per unit of work in a product: small enough to balance threads */
+_Static_assert(ROWS_PER_TASK % STRATA_BAND_ROWS == 0, "a unit of rows starts a band");
 #define MAX_EXPERT_USED 64
 #define FEW_TOKENS 64      /* chunks up to this many tokens are decode-shaped: products read rows as long runs
                             * (the kernels keep a tile of rows in cache while up to 64 tokens pass over it) */
@@ -49,6 +51,7 @@ typedef struct {
     int64_t n_out;         /* ne[1]: rows (per expert for 3-D tensors) */
     size_t row_bytes;
     size_t matrix_bytes;   /* n_out rows: the stride between the experts of a 3-D tensor */
+    const void *bands;     /* NULL, or the rows laid out in bands (strata_bands_fill): every product reads that */
 } matrix;
 
 /* The matrix of expert e in a 3-D expert tensor. */
@@ -88,6 +91,8 @@ struct strata_model {
     unsigned char *rope_axis;  // (head_dim / 2,) the component each frequency pair turns by (0 without mrope)
     matrix tok_embd;           // (n_vocab, n_embd)
     matrix output;             // (n_vocab, n_embd): token_embd when the model ties them
+    void *output_bands;        // output's rows in bands, built at load where the build has them for its type
+    size_t prepared_bytes;     /* what output_bands takes */
     float *output_norm;        // (n_embd,)
     float *inv_freq;           // (head_dim / 2,) rope frequencies, scaled (build_rope)
     layer_weights *layers;     // (n_layer,)
@@ -277,6 +282,24 @@ static strata_status check_moe_hparams(const strata_model *m) {
     return STRATA_OK;
 }
 
+/* The output product takes several tokens whenever several sequences decode, and from 4 tokens on its Q8_0 tile
+ * is bound by arithmetic: its rows are laid out once in bands, a copy (a tied embedding keeps its rows for the
+ * lookups, and an untied output's mapped pages are not read again), and every product of it, 1 token included,
+ * reads the bands, so a sequence's logits have the same bits alone and in a batch. */
+static strata_status prepare_output(strata_model *m) {
+    matrix *w = &m->output;
+    size_t n = strata_bands_size(w->type, w->n_out, w->n_in);
+    if (!n) return STRATA_OK;
+    const size_t huge = (size_t)2 << 20;  // read as a few long streams every step: huge pages spare the TLB
+    m->output_bands = aligned_alloc(huge, (n + huge - 1) / huge * huge);
+    if (!m->output_bands) return fail(STRATA_ERR_NOMEM, "out of memory for the output weight's bands (%zu bytes)", n);
+    madvise(m->output_bands, (n + huge - 1) / huge * huge, MADV_HUGEPAGE);  // a hint: no error if refused
+    strata_bands_fill(w->type, w->data, w->n_out, w->n_in, m->output_bands);
+    w->bands = m->output_bands;
+    m->prepared_bytes = n;
+    return STRATA_OK;
+}
+
 static strata_status build_model(strata_model *m, const strata_model_params *p) {
     strata_status st;
     m->hp = *p;
@@ -291,6 +314,7 @@ static strata_status build_model(strata_model *m, const strata_model_params *p) 
         (st = get_vector(p, &m->output_norm, p->n_embd, "output_norm", 0)) != STRATA_OK)
         return st;
     if (!m->output.data) m->output = m->tok_embd;  // tied embeddings
+    if ((st = prepare_output(m)) != STRATA_OK) return st;
     if ((st = build_rope(m, p)) != STRATA_OK) return st;
     m->layers = calloc(p->n_layer, sizeof(layer_weights));
     if (!m->layers) return fail(STRATA_ERR_NOMEM, "out of memory");
@@ -313,6 +337,8 @@ strata_status strata_model_create(const strata_model_params *params, strata_mode
     return STRATA_OK;
 }
 
+size_t strata_model_prepared_bytes(const strata_model *m) { return m->prepared_bytes; }
+
 void strata_model_free(strata_model *m) {
     if (!m) return;
     if (m->layers)
@@ -322,6 +348,7 @@ void strata_model_free(strata_model *m) {
         }
     free(m->layers);
     free(m->output_norm);
+    free(m->output_bands);
     free(m->inv_freq);
     free(m->rope_axis);
     free(m);
@@ -773,7 +800,10 @@ static void products(const team *tm, int n_w, const matrix *const *ws, float *co
         for (int64_t n; u >= (n = (row_blocks(ws[i]) + per - 1) / per); i++) u -= n;  // unit u of weight i
         const matrix *w = ws[i];
         int64_t r0 = u * per * ROWS_PER_TASK, r1 = min64(r0 + per * ROWS_PER_TASK, w->n_out);
-        strata_gemm_rows(w->type, w->n_in, w->data, r0, r1, xq, n_tok, ys[i], w->n_out);
+        if (w->bands)
+            strata_gemm_bands(w->type, w->bands, w->n_in, r0, r1, xq, n_tok, ys[i], w->n_out);
+        else
+            strata_gemm_rows(w->type, w->n_in, w->data, r0, r1, xq, n_tok, ys[i], w->n_out);
     }
     team_sync(tm);
 }

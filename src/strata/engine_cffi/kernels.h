@@ -59,3 +59,12 @@ void strata_gemm_rows_naive(int type, int64_t n, const void *w, int64_t r0, int6
 float strata_f16_to_f32(uint16_t h);
 uint16_t strata_f32_to_f16(float f);
 float strata_bf16_to_f32(uint16_t h);
+
+/* --- weights laid out once in bands of rows (quants_x86.c; Q8_0 with AVX-512 VNNI), for a weight whose every
+ * product should take it: the bytes for n_rows rows of n elements, 0 where this build has no band layout for
+ * `type`; fill it from GGUF rows; then products as strata_gemm_rows, r0 a multiple of STRATA_BAND_ROWS. */
+#define STRATA_BAND_ROWS 16
+size_t strata_bands_size(int type, int64_t n_rows, int64_t n);
+void strata_bands_fill(int type, const void *w, int64_t n_rows, int64_t n, void *bands);
+void strata_gemm_bands(int type, const void *bands, int64_t n, int64_t r0, int64_t r1, const void *x, int64_t n_tok,
+                       float *y, int64_t ldy);

@@ -143,9 +143,10 @@ static strata_status check_matmul(int type, const void *w, long long n_rows, lon
 
 #define MATMUL_CHUNKS_PER_THREAD 8
 
-strata_status strata_matmul(int type, const void *w, long long n_rows, long long n_cols,
-                            const float *x, long long n_tok, float *y, int n_threads) {
-    strata_status st = check_matmul(type, w, n_rows, n_cols, x, n_tok, y);
+// y = x @ w^T, n_threads threads: w's rows, or the band layout of them when bands is not NULL.
+static strata_status matmul_fast(int type, const void *w, const void *bands, long long n_rows, long long n_cols,
+                                 const float *x, long long n_tok, float *y, int n_threads) {
+    strata_status st = check_matmul(type, bands ? bands : w, n_rows, n_cols, x, n_tok, y);
     if (st != STRATA_OK) return st;
     int xt = strata_traits(type)->vec_dot_type;
     size_t xb = row_bytes(xt, n_cols);
@@ -158,15 +159,42 @@ strata_status strata_matmul(int type, const void *w, long long n_rows, long long
         #pragma omp for schedule(static)
         for (long long t = 0; t < n_tok; t++) strata_quantize_row_any(xt, x + t * n_cols, xq + t * xb, n_cols);
         // Chunks of rows handed out as threads free up: on a busy machine a thread that loses its core for a
-        // while no longer holds up the call by its whole share.
+        // while no longer holds up the call by its whole share. Whole bands: a multiple of 16 rows.
         int64_t chunk = (n_rows / ((int64_t)omp_get_num_threads() * MATMUL_CHUNKS_PER_THREAD) + 15) / 16 * 16;
         if (chunk < 16) chunk = 16;
         #pragma omp for schedule(dynamic, 1)
-        for (long long r0 = 0; r0 < n_rows; r0 += chunk)
-            strata_gemm_rows(type, n_cols, w, r0, r0 + chunk < n_rows ? r0 + chunk : n_rows, xq, n_tok, y, n_rows);
+        for (long long r0 = 0; r0 < n_rows; r0 += chunk) {
+            long long r1 = r0 + chunk < n_rows ? r0 + chunk : n_rows;
+            if (bands)
+                strata_gemm_bands(type, bands, n_cols, r0, r1, xq, n_tok, y, n_rows);
+            else
+                strata_gemm_rows(type, n_cols, w, r0, r1, xq, n_tok, y, n_rows);
+        }
     }
     free(xq);
     return STRATA_OK;
+}
+
+strata_status strata_matmul(int type, const void *w, long long n_rows, long long n_cols,
+                            const float *x, long long n_tok, float *y, int n_threads) {
+    return matmul_fast(type, w, NULL, n_rows, n_cols, x, n_tok, y, n_threads);
+}
+
+size_t strata_bands_bytes(int type, long long n_rows, long long n_cols) {
+    return strata_type_supported(type) && row_bytes(type, n_cols) ? strata_bands_size(type, n_rows, n_cols) : 0;
+}
+
+strata_status strata_bands_prepare(int type, const void *w, long long n_rows, long long n_cols, void *bands) {
+    if (!strata_bands_bytes(type, n_rows, n_cols)) return STRATA_ERR_UNSUPPORTED;
+    if (!w || !bands) return STRATA_ERR_INVALID_ARG;
+    strata_bands_fill(type, w, n_rows, n_cols, bands);
+    return STRATA_OK;
+}
+
+strata_status strata_matmul_bands(int type, const void *bands, long long n_rows, long long n_cols,
+                                  const float *x, long long n_tok, float *y, int n_threads) {
+    if (!strata_bands_bytes(type, n_rows, n_cols)) return STRATA_ERR_UNSUPPORTED;
+    return matmul_fast(type, NULL, bands, n_rows, n_cols, x, n_tok, y, n_threads);
 }
 
 strata_status strata_matmul_naive(int type, const void *w, long long n_rows, long long n_cols,

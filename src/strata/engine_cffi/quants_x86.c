@@ -516,6 +516,193 @@ INLINE void tile_q6_K(const gemm_args *a, int64_t r, int64_t t, int NR, int NT) 
 #endif
 #endif
 
+// Q8_0 weights in bands of rows, laid out once at load (AVX-512 VNNI), for the engine's output weight. With a few
+// tokens the tile above is bound by arithmetic: per 64 products of a row and a token it spends a vpdpbusd, and a
+// conversion, a multiply and an FMA on the block sums. A band holds QB_ROWS consecutive rows, one per 32-bit lane:
+// for each block, step e holds values 4e .. 4e + 3 of every row, + 128 as unsigned bytes, so one vpdpbusd against
+// a token's 4 activations broadcast sums 4 values of 16 rows (seeded with -128 * the activations' sum), and each
+// block ends in one conversion, multiply and FMA for 16 rows. A row and token take the same steps whatever the
+// other tokens are, and no horizontal sums, so 1 token gives the same bits as a batch. A band is its pairs of
+// blocks (QB_PAIR), each the values of both and then their scales in f16: one stream of whole cache lines.
+#if defined(VNNI512)
+#define QB_ROWS STRATA_BAND_ROWS
+#define QB_TOKENS 8     // tokens per tile: 8 integer and 8 f32 accumulators
+#define QB_SEEDS 4096   // -128 * sum(x) per token and block, on the stack: up to this many (wider rows: no bands)
+
+#define QB_STREAMS 8  // bands read at once: accumulators for bands x tokens <= 8 each
+
+// A pair of blocks: the values of both (2 x 512 bytes), then their scales (2 x 32), 17 cache lines.
+#define QB_PAIR 1088
+static size_t qb_band_bytes(int64_t nb) {
+    return (size_t)(nb + 1) / 2 * QB_PAIR;
+}
+
+// Block b of a band: its values, its 16 scales.
+static inline const uint8_t *qb_values(const uint8_t *band, int64_t b) {
+    return band + b / 2 * QB_PAIR + b % 2 * 512;
+}
+
+static inline const uint16_t *qb_scales(const uint8_t *band, int64_t b) {
+    return (const uint16_t *)(band + b / 2 * QB_PAIR + 1024 + b % 2 * 32);
+}
+
+size_t strata_bands_size(int type, int64_t n_rows, int64_t n) {
+    if (type != STRATA_TYPE_Q8_0 || n_rows <= 0 || n <= 0 || n % QK || n / QK > QB_SEEDS) return 0;
+    return (size_t)((n_rows + QB_ROWS - 1) / QB_ROWS) * qb_band_bytes(n / QK);
+}
+
+void strata_bands_fill(int type, const void *w, int64_t n_rows, int64_t n, void *bands) {
+    (void)type;
+    const int64_t nb = n / QK, n_bands = (n_rows + QB_ROWS - 1) / QB_ROWS;
+    const size_t band_bytes = qb_band_bytes(nb);
+    for (int64_t k = 0; k < n_bands; k++) {
+        uint8_t *band = (uint8_t *)bands + k * band_bytes;
+        for (int64_t p = 0; p < (nb + 1) / 2; p++) {  // rows past the end: w = 0 with scale 0
+            memset(band + p * QB_PAIR, 0x80, 1024);
+            memset(band + p * QB_PAIR + 1024, 0, 64);
+        }
+        for (int i = 0; i < QB_ROWS && k * QB_ROWS + i < n_rows; i++) {
+            const block_q8_0 *row = (const block_q8_0 *)((const char *)w + (k * QB_ROWS + i) * nb * sizeof(block_q8_0));
+            for (int64_t b = 0; b < nb; b++) {
+                uint32_t v[8];
+                memcpy(v, row[b].qs, QK);
+                for (int e = 0; e < 8; e++) {
+                    uint32_t u = v[e] ^ 0x80808080u;
+                    memcpy((uint8_t *)qb_values(band, b) + e * 64 + 4 * i, &u, 4);
+                }
+                ((uint16_t *)qb_scales(band, b))[i] = row[b].d;
+            }
+        }
+    }
+}
+
+// NB bands (rows of band i: its bits of rows[i]) against NT tokens: seed[j * nb + b] = -128 * sum of token j's
+// block b; y[i] is band i's first row of the first token.
+INLINE void tile_q8_bands(const uint8_t *const *band, const __mmask16 *rows, int64_t nb, const block_q8_0 *x0,
+                          int64_t xb, const int32_t *seed, float *const *y, int64_t ldy, int NB, int NT) {
+    const block_q8_0 *x[QB_TOKENS];
+    __m512 acc[QB_STREAMS][QB_TOKENS];
+    _Pragma("GCC unroll 8") for (int j = 0; j < NT; j++) {
+        x[j] = (const block_q8_0 *)((const char *)x0 + j * xb);
+        _Pragma("GCC unroll 8") for (int i = 0; i < NB; i++) acc[i][j] = _mm512_setzero_ps();
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        __m512i s[QB_STREAMS][QB_TOKENS];
+        _Pragma("GCC unroll 8") for (int j = 0; j < NT; j++) {
+            __m512i sj = _mm512_set1_epi32(seed[j * nb + b]);
+            _Pragma("GCC unroll 8") for (int i = 0; i < NB; i++) s[i][j] = sj;
+        }
+        _Pragma("GCC unroll 8") for (int e = 0; e < 8; e++)
+            _Pragma("GCC unroll 8") for (int i = 0; i < NB; i++) {
+                __m512i w = _mm512_loadu_si512(qb_values(band[i], b) + 64 * e);
+                _Pragma("GCC unroll 8") for (int j = 0; j < NT; j++) {
+                    int32_t x4;
+                    memcpy(&x4, x[j][b].qs + 4 * e, 4);
+                    s[i][j] = _mm512_dpbusd_epi32(s[i][j], w, _mm512_set1_epi32(x4));
+                }
+            }
+        _Pragma("GCC unroll 8") for (int i = 0; i < NB; i++) {
+            __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)qb_scales(band[i], b)));
+            _Pragma("GCC unroll 8") for (int j = 0; j < NT; j++)
+                acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i][j]),
+                                            _mm512_mul_ps(dw, _mm512_set1_ps(F16(x[j][b].d))), acc[i][j]);
+        }
+    }
+    _Pragma("GCC unroll 8") for (int j = 0; j < NT; j++)
+        _Pragma("GCC unroll 8") for (int i = 0; i < NB; i++) _mm512_mask_storeu_ps(y[i] + j * ldy, rows[i], acc[i][j]);
+}
+
+// NT tokens against NB bands, QB_STREAMS / NT bands per tile.
+INLINE void q8_bands_tile(const uint8_t *const *band, const __mmask16 *rows, int64_t nb, const char *x, int64_t xb,
+                          const int32_t *seed, float *const *y, int64_t ldy, int NB, int NT) {
+    float *yj[QB_STREAMS];
+    for (int i = 0; i < NB; i++) yj[i] = y[i];
+    const int per = QB_STREAMS / NT < NB ? QB_STREAMS / NT : NB;
+    for (int i = 0; i < NB; i += per)
+        tile_q8_bands(band + i, rows + i, nb, (const block_q8_0 *)x, xb, seed, yj + i, ldy, per, NT);
+}
+
+// Bands k + i * step (i < NB) against the g tokens at x (seeds as tile_q8_bands's), rows below r1.
+INLINE void q8_bands_tokens(const uint8_t *bands, size_t band_bytes, int64_t nb, int64_t k, int64_t step, int NB,
+                            int64_t r1, const char *x, int64_t xb, int64_t g, const int32_t *seed, float *y,
+                            int64_t ldy) {
+    const uint8_t *band[QB_STREAMS];
+    __mmask16 rows[QB_STREAMS];
+    float *yb[QB_STREAMS];
+    for (int i = 0; i < NB; i++) {
+        int64_t r = (k + i * step) * QB_ROWS;
+        band[i] = bands + (k + i * step) * band_bytes;
+        rows[i] = r1 - r >= QB_ROWS ? 0xffff : (__mmask16)((1u << (r1 - r)) - 1);
+        yb[i] = y + r;
+    }
+    int64_t j = 0;
+    for (; j + QB_TOKENS <= g; j += QB_TOKENS) {
+        for (int i = 0; i < NB; i++) yb[i] += j ? QB_TOKENS * ldy : 0;
+        q8_bands_tile(band, rows, nb, x + j * xb, xb, seed + j * nb, yb, ldy, NB, QB_TOKENS);
+    }
+    for (int i = 0; i < NB; i++) yb[i] = y + (k + i * step) * QB_ROWS + j * ldy;
+    if (j + 4 <= g) {
+        q8_bands_tile(band, rows, nb, x + j * xb, xb, seed + j * nb, yb, ldy, NB, 4);
+        for (int i = 0; i < NB; i++) yb[i] += 4 * ldy;
+        j += 4;
+    }
+    if (j + 2 <= g) {
+        q8_bands_tile(band, rows, nb, x + j * xb, xb, seed + j * nb, yb, ldy, NB, 2);
+        for (int i = 0; i < NB; i++) yb[i] += 2 * ldy;
+        j += 2;
+    }
+    if (j < g) q8_bands_tile(band, rows, nb, x + j * xb, xb, seed + j * nb, yb, ldy, NB, 1);
+}
+
+// Rows [r0, r1) (r0 a multiple of QB_ROWS) as S streams of consecutive bands, S bands a 1 / S of the range apart
+// read at once, then the rest. Fewer tokens are bound by memory and want more streams (one stream of bands left
+// 1-token products at half the memory bandwidth); 8 tokens are bound by arithmetic and read one band at a time.
+void strata_gemm_bands(int type, const void *bands, int64_t n, int64_t r0, int64_t r1, const void *x, int64_t n_tok,
+                       float *y, int64_t ldy) {
+    (void)type;
+    const int64_t nb = n / QK, xb = nb * (int64_t)sizeof(block_q8_0), group = QB_SEEDS / nb;
+    const size_t band_bytes = qb_band_bytes(nb);
+    const int64_t k0 = r0 / QB_ROWS, k1 = (r1 + QB_ROWS - 1) / QB_ROWS;
+    int32_t seed[QB_SEEDS];
+    for (int64_t t0 = 0; t0 < n_tok; t0 += group) {  // the tokens whose seeds fit, over every band
+        const int64_t g = n_tok - t0 < group ? n_tok - t0 : group;
+        const char *xt = (const char *)x + t0 * xb;
+        for (int64_t j = 0; j < g; j++) {
+            const block_q8_0 *xj = (const block_q8_0 *)(xt + j * xb);
+            for (int64_t b = 0; b < nb; b++) {
+                int32_t sum = 0;
+                for (int v = 0; v < QK; v++) sum += xj[b].qs[v];
+                seed[j * nb + b] = -128 * sum;
+            }
+        }
+        float *yt = y + t0 * ldy;
+        int S = g >= 8 ? 1 : g >= 4 ? 2 : g >= 2 ? 4 : QB_STREAMS;
+        int64_t rs = S > 1 ? (k1 - k0) / S : 0, k = k0;
+        for (; k < k0 + rs; k++) {  // S streams; constant band counts, so that each tile is unrolled
+            if (S == 8) q8_bands_tokens(bands, band_bytes, nb, k, rs, 8, r1, xt, xb, g, seed, yt, ldy);
+            else if (S == 4) q8_bands_tokens(bands, band_bytes, nb, k, rs, 4, r1, xt, xb, g, seed, yt, ldy);
+            else q8_bands_tokens(bands, band_bytes, nb, k, rs, 2, r1, xt, xb, g, seed, yt, ldy);
+        }
+        for (k = k0 + S * rs; k < k1; k++)
+            q8_bands_tokens(bands, band_bytes, nb, k, 0, 1, r1, xt, xb, g, seed, yt, ldy);
+    }
+}
+#else
+size_t strata_bands_size(int type, int64_t n_rows, int64_t n) {
+    (void)type, (void)n_rows, (void)n;
+    return 0;  // the direct tiles are the only path
+}
+
+void strata_bands_fill(int type, const void *w, int64_t n_rows, int64_t n, void *bands) {
+    (void)type, (void)w, (void)n_rows, (void)n, (void)bands;
+}
+
+void strata_gemm_bands(int type, const void *bands, int64_t n, int64_t r0, int64_t r1, const void *x, int64_t n_tok,
+                       float *y, int64_t ldy) {
+    (void)type, (void)bands, (void)n, (void)r0, (void)r1, (void)x, (void)n_tok, (void)y, (void)ldy;
+}
+#endif
+
 #if defined(KQ_PREPARED)
 // A row's super-block for a band (kb_prepare).
 static void q4k_unpack(const void *blk, uint8_t *u, __m256i *sc, __m256i *m, float *d, float *dmin) {

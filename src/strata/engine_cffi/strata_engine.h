@@ -52,13 +52,21 @@ strata_status strata_dequantize_row(int type, const void *src, float *dst, long 
 /* y (n_tok, n_rows) = x (n_tok, n_cols) @ w^T, w (n_rows, n_cols) of `type`: the fast path, n_threads threads. */
 strata_status strata_matmul(int type, const void *w, long long n_rows, long long n_cols,
                             const float *x, long long n_tok, float *y, int n_threads);
+/* The band layout the engine keeps of a Q8_0 output weight (AVX-512 VNNI builds): its bytes for w (n_rows,
+ * n_cols), 0 where this build has none for `type` (UNSUPPORTED from the two below); the layout built from w's rows
+ * into `bands`; and strata_matmul's product read from it. */
+size_t strata_bands_bytes(int type, long long n_rows, long long n_cols);
+strata_status strata_bands_prepare(int type, const void *w, long long n_rows, long long n_cols, void *bands);
+strata_status strata_matmul_bands(int type, const void *bands, long long n_rows, long long n_cols,
+                                  const float *x, long long n_tok, float *y, int n_threads);
 /* The same product by the naive reference: dequantise, then sum in double. */
 strata_status strata_matmul_naive(int type, const void *w, long long n_rows, long long n_cols,
                                   const float *x, long long n_tok, float *y);
 
 /* --- engine: a model built from a tensor table, a context (several sequences), the forward pass
  * The caller owns the tensor data (a memory-mapped GGUF file) and must keep it mapped until strata_model_free:
- * the model keeps pointers into it and never copies weights. */
+ * the model keeps pointers into it and copies no weight except the one it lays out again at load
+ * (strata_model_prepared_bytes). */
 
 typedef struct strata_model strata_model;
 typedef struct strata_context strata_context;
@@ -104,6 +112,9 @@ typedef struct {
 
 strata_status strata_model_create(const strata_model_params *params, strata_model **out);
 void strata_model_free(strata_model *model);
+/* Bytes the model allocates besides the caller's tensors: weights laid out for its kernels at load (the output
+ * weight's bands, where the build has them for its type). */
+size_t strata_model_prepared_bytes(const strata_model *model);
 
 enum {
     STRATA_KV_F32 = 0,
