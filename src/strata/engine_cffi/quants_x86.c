@@ -523,7 +523,7 @@ INLINE void tile_q6_K(const gemm_args *a, int64_t r, int64_t t, int NR, int NT) 
 // a token's 4 activations broadcast sums 4 values of 16 rows (seeded with -128 * the activations' sum), and each
 // block ends in one conversion, multiply and FMA for 16 rows. A row and token take the same steps whatever the
 // other tokens are, and no horizontal sums, so 1 token gives the same bits as a batch. A band is its pairs of
-// blocks (QB_PAIR), each the values of both and then their scales in f16: one stream of whole cache lines.
+// blocks (QB_PAIR), each the scales of both in f16 and then their values: one stream of whole cache lines.
 #if defined(VNNI512)
 #define QB_ROWS STRATA_BAND_ROWS
 #define QB_TOKENS 8     // tokens per tile: 8 integer and 8 f32 accumulators
@@ -531,7 +531,8 @@ INLINE void tile_q6_K(const gemm_args *a, int64_t r, int64_t t, int NR, int NT) 
 
 #define QB_STREAMS 8  // bands per tile at most: bands x tokens <= 8 (integer and f32 accumulators)
 
-// A pair of blocks: the values of both (2 x 512 bytes), then their scales (2 x 32), 17 cache lines.
+// A pair of blocks: the scales of both (2 x 32 bytes), then their values (2 x 512), 17 cache lines. Scales first,
+// so that a band is read in address order: after the values they made 1 token 3.1-3.2 ms against 2.6-2.7.
 #define QB_PAIR 1088
 static size_t qb_band_bytes(int64_t nb) {
     return (size_t)(nb + 1) / 2 * QB_PAIR;
@@ -539,11 +540,11 @@ static size_t qb_band_bytes(int64_t nb) {
 
 // Block b of a band: its values, its 16 scales.
 static inline const uint8_t *qb_values(const uint8_t *band, int64_t b) {
-    return band + b / 2 * QB_PAIR + b % 2 * 512;
+    return band + b / 2 * QB_PAIR + 64 + b % 2 * 512;
 }
 
 static inline const uint16_t *qb_scales(const uint8_t *band, int64_t b) {
-    return (const uint16_t *)(band + b / 2 * QB_PAIR + 1024 + b % 2 * 32);
+    return (const uint16_t *)(band + b / 2 * QB_PAIR + b % 2 * 32);
 }
 
 size_t strata_bands_size(int type, int64_t n_rows, int64_t n) {
@@ -558,8 +559,8 @@ void strata_bands_fill(int type, const void *w, int64_t n_rows, int64_t n, void 
     for (int64_t k = 0; k < n_bands; k++) {
         uint8_t *band = (uint8_t *)bands + k * band_bytes;
         for (int64_t p = 0; p < (nb + 1) / 2; p++) {  // rows past the end: w = 0 with scale 0
-            memset(band + p * QB_PAIR, 0x80, 1024);
-            memset(band + p * QB_PAIR + 1024, 0, 64);
+            memset(band + p * QB_PAIR, 0, 64);
+            memset(band + p * QB_PAIR + 64, 0x80, 1024);
         }
         for (int i = 0; i < QB_ROWS && k * QB_ROWS + i < n_rows; i++) {
             const block_q8_0 *row = (const block_q8_0 *)((const char *)w + (k * QB_ROWS + i) * nb * sizeof(block_q8_0));
