@@ -386,10 +386,10 @@ async def run(model: Path, threads: int, tokens: int, turns: int, parts: set[str
                 if slots == 8:
                     await ask(kind="parallel", n=1, tokens=8, run=-1)
                 for n in STREAMS if slots == 8 and "parallel" in parts else ():
-                    threads, names = threadcpu.snapshot(), threadcpu.Names()
+                    cpu_before, names = threadcpu.snapshot(), threadcpu.Names()
                     with names:
                         results["parallel"][n] = await ask(kind="parallel", n=n, tokens=tokens, run=n)
-                    results["parallel"][n]["cpu_s"] = threadcpu.spent(threads, threadcpu.snapshot(), names)
+                    results["parallel"][n]["cpu_s"] = threadcpu.spent(cpu_before, threadcpu.snapshot(), names)
                     decodes = results["parallel"][n]["decode"] = {}
                     for _ in range(DECODE_RUNS):  # alternated, so that a change of load hits each alike
                         for name in ("strata", "spin", "passive"):
