@@ -169,7 +169,8 @@ async def over_http(client: Client, run: int, n_tokens: int, keep: bool = True,
 # --- the comparison
 
 
-async def compare(model: Path, threads: int | None, n_tokens: int, runs: int) -> dict[str, float]:
+async def compare(model: Path, threads: int | None, n_tokens: int, runs: int, warm: bool = False
+                  ) -> dict[str, float]:
     from strata.engine_cffi import Engine
     from strata.tokenizer import Tokenizer
 
@@ -188,7 +189,11 @@ async def compare(model: Path, threads: int | None, n_tokens: int, runs: int) ->
                 direct(engine, batcher, tokenizer, -1, 8)  # warm up both
                 await over_http(client, -1, 8)
                 for run in range(10, 10 + runs):  # two-digit runs: every prompt has as many tokens
+                    if warm:  # untimed, so that the timed request does not follow the other side's engine
+                        direct(engine, batcher, tokenizer, run + 50, 4)
                     direct_runs.append(direct(engine, batcher, tokenizer, run, n_tokens)[:3])
+                    if warm:
+                        await over_http(client, run + 50, 4)
                     with names:
                         ttft, rate, cpu, chunks, by_role = await over_http(client, run, n_tokens, names=names)
                     http_runs.append((ttft, rate, cpu))
@@ -261,7 +266,7 @@ async def main(args: argparse.Namespace) -> None:
             if args.stamps:
                 await stamped(model, threads, args.runs)
                 continue
-            medians = await compare(model, threads, args.tokens, args.runs)
+            medians = await compare(model, threads, args.tokens, args.runs, args.warm)
             report(model, threads, args.tokens, args.runs, medians)
 
 
@@ -271,6 +276,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--runs", type=int, default=7)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--warm", action="store_true",
+                        help="an untimed request on each side before its timed one (after the other side's)")
     parser.add_argument("--stamps", action="store_true",
                         help="instead: time stamps along a request, from arrival to the first write")
     parser.add_argument("--client", metavar="HOST:PORT", help=argparse.SUPPRESS)  # the client process
