@@ -57,6 +57,7 @@ from served import served
 SMALL_MODEL = Path(__file__).parent / "out" / "qwen3moe-small-q8_0.gguf"
 STREAMS = (1, 2, 4, 8)
 DECODE_RUNS = 3  # of each engine's batched decode per number of sequences: the median is reported
+HTTP_RUNS = 5  # of each number of HTTP streams, the counts alternated: the median is reported
 WORDS = ("agent", "tool", "file", "patch", "test", "build", "review", "commit", "branch", "error", "trace", "plan")
 
 
@@ -385,11 +386,14 @@ async def run(model: Path, threads: int, tokens: int, turns: int, parts: set[str
             try:
                 if slots == 8:
                     await ask(kind="parallel", n=1, tokens=8, run=-1)
+                for round_ in range(HTTP_RUNS) if slots == 8 and "parallel" in parts else ():
+                    for n in STREAMS:  # the counts alternated, so that a change of load hits each alike
+                        cpu_before, names = threadcpu.snapshot(), threadcpu.Names()
+                        with names:
+                            p = await ask(kind="parallel", n=n, tokens=tokens, run=100 * round_ + n)
+                        p["cpu_s"] = threadcpu.spent(cpu_before, threadcpu.snapshot(), names)
+                        results["parallel"].setdefault(n, {"http": []})["http"].append(p)
                 for n in STREAMS if slots == 8 and "parallel" in parts else ():
-                    cpu_before, names = threadcpu.snapshot(), threadcpu.Names()
-                    with names:
-                        results["parallel"][n] = await ask(kind="parallel", n=n, tokens=tokens, run=n)
-                    results["parallel"][n]["cpu_s"] = threadcpu.spent(cpu_before, threadcpu.snapshot(), names)
                     decodes = results["parallel"][n]["decode"] = {}
                     for _ in range(DECODE_RUNS):  # alternated, so that a change of load hits each alike
                         for name in ("strata", "spin", "passive"):
@@ -434,10 +438,11 @@ def report(model: Path, threads: int, tokens: int, r: dict[str, Any]) -> None:
               "batched decode tok/s: Strata engine | llama.cpp (spin wait) | llama.cpp (passive wait) | "
               "Strata HTTP / llama.cpp | Strata engine / llama.cpp | Strata HTTP / engine |")
         print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-        one = r["parallel"][1]["tokens_per_s"]
+        one = median([h["tokens_per_s"] for h in r["parallel"][1]["http"]])
         for n in STREAMS:
-            p = r["parallel"][n]
-            rate, d = p["tokens_per_s"], p["decode"]
+            runs, d = r["parallel"][n]["http"], r["parallel"][n]["decode"]
+            rate = median([h["tokens_per_s"] for h in runs])
+            chunks = sum(h["chunks"] for h in runs)
             ours = median([x["tokens_per_s"] for x in d["strata"]])
             if None in d["spin"]:
                 theirs = f"{ours:.1f} | - | - | - | -"
@@ -445,12 +450,13 @@ def report(model: Path, threads: int, tokens: int, r: dict[str, Any]) -> None:
                 spin, passive = (median([x["tokens_per_s"] for x in d[k]]) for k in ("spin", "passive"))
                 best = max(spin, passive)
                 theirs = f"{ours:.1f} | {spin:.1f} | {passive:.1f} | {rate / best:.2f} | {ours / best:.2f}"
-            cpu = " | ".join(f"{1e3 * seconds / p['chunks']:.3f}" for seconds in (
-                p["cpu_s"]["loop"], p["cpu_s"]["waker"], p["cpu_s"]["engine"], p["client_cpu_s"]))
-            print(f"| {n} | {rate:.1f} | {rate / one:.2f} | {max(p['ttft_ms']):.0f} | {cpu} | {theirs} | "
-                  f"{rate / ours:.2f} |")
-        print(f"\nbatched decode: median of {DECODE_RUNS} runs each, alternated; llama.cpp is the better of "
-              "its two waits")
+            spent = [sum(h["cpu_s"][part] for h in runs) for part in ("loop", "waker", "engine")]
+            spent.append(sum(h["client_cpu_s"] for h in runs))
+            cpu = " | ".join(f"{1e3 * seconds / chunks:.3f}" for seconds in spent)
+            ttft = max(max(h["ttft_ms"]) for h in runs)
+            print(f"| {n} | {rate:.1f} | {rate / one:.2f} | {ttft:.0f} | {cpu} | {theirs} | {rate / ours:.2f} |")
+        print(f"\nHTTP: median of {HTTP_RUNS} runs of each count, alternated; batched decode: median of "
+              f"{DECODE_RUNS} runs each, alternated; llama.cpp is the better of its two waits")
     if r["trace"]:
         with_side, without, one_slot = r["trace"][(8, True)], r["trace"][(8, False)], r["trace"][(1, True)]
         print(f"\nagent trace: {with_side['prompt_tokens']} prompt tokens at the last main turn")
