@@ -9,6 +9,7 @@ import time
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFReader
+from gguf_rewrite import rewrite
 from strata.engine_cffi._engine import lib
 
 from strata.engine_cffi import BatchItem, Engine, EngineAborted, EngineError
@@ -233,3 +234,32 @@ def test_only_a_q8_0_output_weight_is_laid_out_in_bands(models: dict[str, pathli
             assert engine.prepared_bytes >= n_rows * n_cols // 32 * 34
         else:
             assert engine.prepared_bytes == 0
+
+
+def test_a_tied_output_weight_gives_the_bits_of_an_untied_copy(models: dict[str, pathlib.Path],
+                                                                tmp_path: pathlib.Path) -> None:
+    # Without output.weight the file ties the output to token_embd: the output's bands (when laid out) are made
+    # from the embedding, whose rows lookups still read as they are in the file. A copy that stores the same
+    # bytes as output.weight must give the same logits, bit for bit, alone and in a batch.
+    src = models["q8_0"]
+    embd = next(t for t in GGUFReader(src).tensors if t.name == "token_embd.weight")
+    assert embd.tensor_type == GGMLQuantizationType.Q8_0
+    tied = rewrite(src, tmp_path / "tied.gguf", drop="output.weight")
+    untied = rewrite(src, tmp_path / "untied.gguf", replace={"output.weight": np.asarray(embd.data)})
+    assert "output.weight" not in {t.name for t in GGUFReader(tied).tensors}
+    with Engine.load(tied, n_ctx=64, threads=1) as a, Engine.load(untied, n_ctx=64, threads=1) as b:
+        assert a.prepared_bytes == b.prepared_bytes
+    prompts = [tokens(n, seed) for n, seed in [(11, 21), (6, 22)]]
+    steps = [tokens(3, 30 + s) for s in range(2)]
+    want = [alone(untied, prompts[k], steps[k]) for k in range(2)]
+    for k in range(2):
+        for a_rows, b_rows in zip(alone(tied, prompts[k], steps[k]), want[k], strict=True):
+            np.testing.assert_array_equal(a_rows, b_rows)
+    with Engine.load(tied, n_ctx=128, threads=2, n_seq=2) as engine:
+        got = [[rows] for rows in engine.eval_batch([BatchItem(s, prompts[s], logits="all") for s in range(2)])]
+        for i in range(3):
+            for k, rows in enumerate(engine.eval_batch([BatchItem(s, [steps[s][i]]) for s in range(2)])):
+                got[k].append(rows)
+    for k in range(2):
+        for a_rows, b_rows in zip(got[k], want[k], strict=True):
+            np.testing.assert_array_equal(a_rows, b_rows)

@@ -7,6 +7,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+from gguf_rewrite import rewrite
 
 from strata.modelgen.mmproj import IMAGE_MEAN, IMAGE_STD, SIZES, VisionShape, text_model_width, write_random_mmproj
 from strata.vision.load import open_encoder
@@ -121,31 +122,6 @@ def test_same_arguments_write_the_same_bytes_and_fingerprint(tmp_path: Path):
     fingerprints = [Mmproj.load(p).fingerprint for p in (a, b, c)]
     assert fingerprints[0] == fingerprints[1] != fingerprints[2]
     assert fingerprints[0].startswith("sha256:") and len(fingerprints[0]) == len("sha256:") + 64
-
-
-def rewrite(src: Path, dst: Path, *, drop: str = "", keys: dict | None = None, reshape: str = "") -> Path:
-    """Copy an mmproj file, leaving out tensor `drop`, flattening tensor `reshape`, and overriding string `keys`."""
-    reader = gguf.GGUFReader(src)
-    keys = keys or {}
-    arch = keys.get(gguf.Keys.General.ARCHITECTURE, field(reader, gguf.Keys.General.ARCHITECTURE))
-    writer = gguf.GGUFWriter(dst, arch)
-    for key, f in reader.fields.items():
-        if key.startswith("GGUF.") or key == gguf.Keys.General.ARCHITECTURE:
-            continue
-        if key in keys:
-            writer.add_string(key, keys[key])
-            continue
-        sub_type = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(key, f.contents(), f.types[0], sub_type)
-    for t in reader.tensors:
-        if t.name != drop:
-            data = np.asarray(t.data)
-            writer.add_tensor(t.name, data.reshape(-1) if t.name == reshape else data)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return dst
 
 
 @pytest.mark.parametrize(

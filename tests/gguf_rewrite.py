@@ -1,0 +1,36 @@
+"""Copies of GGUF files with one thing changed, for tests of what readers make of such files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+
+def rewrite(src: Path, dst: Path, *, drop: str = "", keys: dict | None = None, reshape: str = "",
+            replace: dict[str, np.ndarray] | None = None) -> Path:
+    """Copy a GGUF file, leaving out tensor `drop`, flattening tensor `reshape`, giving the tensors in `replace`
+    new data of their type (rows of bytes for a quantised one), and overriding string `keys`."""
+    reader = gguf.GGUFReader(src)
+    keys = keys or {}
+    replace = replace or {}
+    arch = keys.get(gguf.Keys.General.ARCHITECTURE, reader.fields[gguf.Keys.General.ARCHITECTURE].contents())
+    writer = gguf.GGUFWriter(dst, arch)
+    for key, f in reader.fields.items():
+        if key.startswith("GGUF.") or key == gguf.Keys.General.ARCHITECTURE:
+            continue
+        if key in keys:
+            writer.add_string(key, keys[key])
+            continue
+        sub_type = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, f.contents(), f.types[0], sub_type)
+    for t in reader.tensors:
+        if t.name != drop:
+            data = np.asarray(replace.get(t.name, t.data))
+            writer.add_tensor(t.name, data.reshape(-1) if t.name == reshape else data, raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
