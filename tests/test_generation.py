@@ -205,6 +205,16 @@ class TimedEngine(SuccessorEngine):
         return super().eval_batch(items)
 
 
+def run_until_answered(batcher: Batcher, engine: TimedEngine, long: Job) -> tuple[list[int], np.ndarray]:
+    """Steps until the joining job `long` is answered: its prompt tokens in each of those steps, and the steps'
+    seconds."""
+    first = len(engine.calls)
+    while long.finish is None:
+        batcher.step()
+    chunks = [sum(len(t) for seq, t, _ in call if seq == long.seq) for call in engine.calls[first:]]
+    return chunks, np.diff(engine.times[first - 1:])
+
+
 def test_a_joining_prompt_is_cut_so_that_a_step_takes_at_most_slowdown_times_the_decode_step() -> None:
     # a prompt token costs a twentieth of the decode step at first, twice that at position 500 (attention)
     engine = TimedEngine(0.02, lambda pos: 0.001 * (1 + pos / 500), prompting={3}, n_seq=4, n_ctx=1024)
@@ -216,12 +226,8 @@ def test_a_joining_prompt_is_cut_so_that_a_step_takes_at_most_slowdown_times_the
     run_steps(5)  # their one-token prompts, then decode-only steps: the decode step is measured
     assert batcher.budget.decode_seconds(3) == pytest.approx(0.02)
     batcher.add(long := job(list(range(16)) * 40, max_tokens=1))
-    first = len(engine.calls)
-    while long.finish is None:
-        batcher.step()
-    chunks = [sum(len(t) for seq, t, _ in call if seq == long.seq) for call in engine.calls[first:]]
-    steps = np.diff(engine.times[first - 1:])
-    assert all(len(call) >= 3 for call in engine.calls[first:])  # the streams had a token in every step
+    chunks, steps = run_until_answered(batcher, engine, long)
+    assert all(len(call) >= 3 for call in engine.calls[-len(chunks):])  # the streams had a token in every step
     # small first, at most doubling, then what fits: 0.02 s over the average cost so far (1.03 ms)
     assert chunks[:4] == [4, 8, 16, 19]
     assert max(steps) <= 2.0 * 0.02 * 1.1  # the chunk follows the growing cost (10%: the average lags it)
@@ -240,11 +246,7 @@ def test_a_decode_step_timed_during_a_burst_stops_setting_the_chunks_once_re_mea
         batcher.step()
     engine.decode = 0.02  # the burst is over as the prompt joins
     batcher.add(long := job(list(range(16)) * 800, max_tokens=1))
-    first = len(engine.calls)
-    while long.finish is None:
-        batcher.step()
-    chunks = [sum(len(t) for seq, t, _ in call if seq == long.seq) for call in engine.calls[first:]]
-    steps = np.diff(engine.times[first - 1:])
+    chunks, steps = run_until_answered(batcher, engine, long)
     refreshes = [i for i, chunk in enumerate(chunks) if chunk == 0]
     assert refreshes[:4] == [32, 65, 98, 131]
     assert max(steps[:32]) > 2.5 * 0.02  # the stale reference: steps of three times the decode step
