@@ -14,33 +14,37 @@
   cores; the last column is HTTP against our own engine's batched decode.
 - **A long prompt joins.** Three streams run, then a request with a ~3,000-token prompt arrives: the streams'
   inter-token gaps while it is processed (p99, at the client) against their steady step (median gap before it
-  came), and the engine's own step times (p99 / median, from the server, in wall time and in the server
-  process's CPU time, which another process taking a core does not stretch), the time from a step's end to the
-  client's read of its token (median / p99: trio's wake-up, the writes, the client), the client's worst 1% of
-  gaps split into the engine's part (between the two steps' ends) and the rest, and the long prompt's time
-  to its first token against the same prompt with nobody else on the engine. Budgets, one after the other and
-  then again: the default (`step_slowdown` 2, the process's CPU time, the decode step re-measured every 32
-  steps), the same timed by the wall clock and never re-measured (the budget before), by the engine thread's
-  CPU time, a budget of tokens only (`step_tokens` 64), and `step_slowdown` 1.5.
+  came; the median after it was answered is shown too: their step grows with their context meanwhile). The
+  streams ask for `logprobs` so that the client knows each chunk's tokens: a chunk whose text waited for a later
+  token (a character split across tokens) ends a gap of two steps that is the text's, and is left out. Beside
+  it the engine's own step times (p99 / median, from the server, in wall time and in the server process's CPU
+  time, which another process taking a core does not stretch), the time from a step's end to the client's read
+  of its token (median / p99: trio's wake-up, the writes, the client), the client's worst 1% of gaps split into
+  the engine's part (between the two steps' ends) and the rest, and the long prompt's time to its first token
+  against the same prompt with nobody else on the engine. Budgets, one after the other and then again: the
+  default (`step_slowdown` 1.75, the process's CPU time, the decode step re-measured every 32 steps),
+  `step_slowdown` 2, the budget before the CPU clock (2, wall clock, never re-measured), a budget of tokens only
+  (`step_tokens` 64), and `step_slowdown` 1.5; `--join-runs N` runs the default alone N times instead.
 The server runs in this process (hypercorn, trio worker, `slots` = 8); the client runs in a process of its own
-(a client here would compete with the server for the GIL); the parallel streams' client reads all its
-connections in one thread, the others have one thread per stream.
+(a client here would compete with the server for the GIL) and reads all its connections in one thread.
 
     python bench/agents.py [--model bench/out/qwen3moe-small-q8_0.gguf] [--threads 2] [--tokens 64] [--only join]
+                           [--join-runs N] [--slowdown S]
 """
 
 from __future__ import annotations
 
 import argparse
 import bisect
+import itertools
 import json
 import os
 import selectors
 import socket
 import subprocess
 import sys
-import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -68,104 +72,133 @@ def filler(n_words: int, seed: int) -> str:
 # --- the client process
 
 
-def stream_one(url: str, body: dict[str, Any], out: dict[str, Any], stop: threading.Event | None = None) -> None:
-    """One streamed chat request: the time of each content chunk. Hangs up once `stop` is set."""
-    times: list[float] = []
-    start = time.perf_counter()
-    with httpx.Client(timeout=600) as client, client.stream("POST", url + "/v1/chat/completions", json=body) as r:
-        for line in r.iter_lines():
-            if stop is not None and stop.is_set():
-                break
-            if line.startswith("data: {") and '"content"' in line and json.loads(line[6:])["choices"][0][
-                    "delta"].get("content"):
-                times.append(time.perf_counter())
-    end = time.perf_counter()
-    out.update(start=start, first=times[0] if times else end, end=end, chunks=len(times), times=times)
-
-
-def stream_body(text: str, tokens: int) -> dict[str, Any]:
-    return {"model": "m", "stream": True, "max_tokens": tokens, "temperature": 0,
+def stream_body(text: str, tokens: int, logprobs: bool = False) -> dict[str, Any]:
+    return {"model": "m", "stream": True, "max_tokens": tokens, "temperature": 0, "logprobs": logprobs,
             "messages": [{"role": "user", "content": text}]}
 
 
 def parallel(url: str, n: int, tokens: int, run: int) -> dict[str, Any]:
-    """`n` streams at once, each on its own connection, all read by one thread (`selectors`) that counts content
-    chunks in the raw bytes: a thread per stream with an HTTP library and `json.loads` of every chunk cost the
-    client more CPU per token than the server's own event loop, on the cores the server needs."""
-    host, _, port = url.removeprefix("http://").rpartition(":")
+    """`n` streams at once, each on its own connection, all read by one thread (`Streams`)."""
     bodies = [stream_body(f"run {run} stream {i}: " + filler(20, run * 10 + i), tokens) for i in range(n)]
     cpu = time.process_time()
-    results = stream_many(host, int(port), bodies)
+    with Streams(url) as streams:
+        results = [streams.send(body) for body in bodies]
+        streams.read()
     cpu = time.process_time() - cpu
     start, end = min(r["start"] for r in results), max(r["end"] for r in results)
-    chunks = sum(r["chunks"] for r in results)
+    chunks = sum(len(r["times"]) for r in results)
     return {"tokens_per_s": chunks / (end - start), "chunks": chunks, "client_cpu_s": cpu,
             "ttft_ms": [1e3 * (r["first"] - r["start"]) for r in results]}
 
 
 _CONTENT, _EMPTY = b'"delta":{"content":"', b'"delta":{"content":""'
+_LOGPROBS = b'"logprobs":{"content":['
 
 
-def stream_many(host: str, port: int, bodies: list[dict[str, Any]]) -> list[dict[str, float]]:
-    """Streamed chat requests sent together, read as they come: per stream its start, first content chunk, end
-    and number of content chunks (one per token)."""
-    selector = selectors.DefaultSelector()
-    results: list[dict[str, float]] = []
-    for body in bodies:
+def _text_waited(event: bytes) -> bool:
+    """Whether a content chunk (with `logprobs`) carries tokens whose text could not be shown before the last one
+    came: the bytes of a character split across tokens, which the server holds until the character is whole."""
+    data = event[event.index(b"data: {") + 6:]  # after the chunked encoding's size line
+    tokens = json.loads(data)["choices"][0]["logprobs"]["content"]
+    try:
+        b"".join(bytes(token["bytes"]) for token in tokens[:-1]).decode()
+    except UnicodeDecodeError:
+        return True
+    return False
+
+
+class Streams:
+    """Streamed chat requests on plain sockets, read as they come by one thread (`selectors`) that finds content
+    chunks in the raw bytes: per stream its start, the time of each content chunk (one per token), its first and
+    its end. A thread per stream with an HTTP library and `json.loads` of every chunk cost the client more CPU
+    per token than the server's own event loop, on the cores the server needs, and its threads' turns at the
+    client's GIL added their own milliseconds to the gaps it measured. Leaving the block hangs up on the streams
+    still open."""
+
+    def __init__(self, url: str):
+        host, _, port = url.removeprefix("http://").rpartition(":")
+        self.address = (host, int(port))
+        self.selector = selectors.DefaultSelector()
+
+    def __enter__(self) -> Streams:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for key in list(self.selector.get_map().values()):
+            self.selector.unregister(key.fileobj)
+            key.fileobj.close()  # type: ignore[union-attr]
+        self.selector.close()
+
+    def send(self, body: dict[str, Any]) -> dict[str, Any]:
         data = json.dumps(body).encode()
-        head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(data)}\r\n\r\n").encode()
-        result = {"start": time.perf_counter(), "first": 0.0, "end": 0.0, "chunks": 0}
-        sock = socket.create_connection((host, port))
+        head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {self.address[0]}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n").encode()
+        result: dict[str, Any] = {"start": time.perf_counter(), "first": 0.0, "end": 0.0, "times": [], "waited": []}
+        sock = socket.create_connection(self.address)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.sendall(head + data)
-        selector.register(sock, selectors.EVENT_READ, [result, b""])
-        results.append(result)
-    while selector.get_map():
-        for key, _ in selector.select():
-            result, buffer = key.data
-            data = key.fileobj.recv(65536)  # type: ignore[union-attr]
-            *events, key.data[1] = (buffer + data).split(b"\n\n")
-            done = not data
-            for event in events:
-                if _CONTENT in event and _EMPTY not in event:
-                    result["chunks"] += 1
-                    if result["chunks"] == 1:
-                        result["first"] = time.perf_counter()
-                done = done or b"data: [DONE]" in event
-            if done:
-                result["end"] = time.perf_counter()
-                result["first"] = result["first"] or result["end"]
-                selector.unregister(key.fileobj)
-                key.fileobj.close()  # type: ignore[union-attr]
-    return results
+        self.selector.register(sock, selectors.EVENT_READ, [result, b""])
+        return result
+
+    def read(self, until: Callable[[], bool] = lambda: False, seconds: float | None = None) -> None:
+        """Read until every stream has ended, `until()` holds or `seconds` have passed."""
+        deadline = None if seconds is None else time.perf_counter() + seconds
+        while self.selector.get_map() and not until():
+            left = None if deadline is None else deadline - time.perf_counter()
+            if left is not None and left <= 0:
+                return
+            for key, _ in self.selector.select(left):
+                result, buffer = key.data
+                data = key.fileobj.recv(65536)  # type: ignore[union-attr]
+                now = time.perf_counter()
+                *events, key.data[1] = (buffer + data).split(b"\n\n")
+                done = not data
+                for event in events:
+                    if _CONTENT in event and _EMPTY not in event:
+                        result["times"].append(now)
+                        result["first"] = result["first"] or now
+                        if _LOGPROBS in event:
+                            result["waited"].append(_text_waited(event))
+                    done = done or b"data: [DONE]" in event
+                if done:
+                    result["end"] = now
+                    result["first"] = result["first"] or now
+                    self.selector.unregister(key.fileobj)
+                    key.fileobj.close()  # type: ignore[union-attr]
 
 
 def join(url: str, tokens: int, streams: int, run: int) -> dict[str, Any]:
     """`streams` streams of up to `tokens` tokens run; a request with a ~3,000-token prompt joins once they stream.
-    Their inter-token gaps while it is processed (p99) against their gaps before it joined (median). Every prompt
-    is new (`run`): no prefix is reused."""
-    results: list[dict[str, Any]] = [{} for _ in range(streams)]
-    answered = threading.Event()  # the streams hang up once the long prompt is answered
-    threads = [threading.Thread(target=stream_one, args=(url, stream_body(f"join {run} stream {i}: " + filler(20, i),
-                                                                           tokens), result, answered))
-               for i, result in enumerate(results)]
-    for thread in threads:
-        thread.start()
-    time.sleep(1.0 if streams else 0.0)  # their short prompts are through: they are streaming
-    joined = time.perf_counter()
-    long: dict[str, Any] = {}
-    stream_one(url, stream_body(f"Run {run}. Read this. " + filler(2800, 5), 1), long)
-    answered.set()
-    for thread in threads:
-        thread.join()
-    before, during = [], []
+    Their inter-token gaps while it is processed (p99) against their gaps before it joined (median), and after
+    it was answered (their own step grows with their context meanwhile). Every prompt is new (`run`): no prefix
+    is reused. The streams ask for `logprobs`, which name each chunk's tokens: a chunk whose text waited for a
+    later token (a character split across tokens: about 1 chunk in 100 of the random model's text) ends a gap
+    of two steps that is the text's, not the scheduler's, and is left out (counted in `text_waits`)."""
+    with Streams(url) as reader:
+        results = [reader.send(stream_body(f"join {run} stream {i}: " + filler(20, i), tokens, logprobs=True))
+                   for i in range(streams)]
+        reader.read(seconds=1.0 if streams else 0.0)  # their short prompts are through: they are streaming
+        joined = time.perf_counter()
+        long = reader.send(stream_body(f"Run {run}. Read this. " + filler(2800, 5), 1))
+        reader.read(until=lambda: bool(long["end"]))
+        reader.read(seconds=0.5 if streams else 0.0)  # the streams' own step after it; then they hang up
+        for r in results:
+            r["end"] = r["end"] or time.perf_counter()
+    before, during, after, waits = [], [], [], 0
     for r in results:
-        for a, b in zip(r["times"], r["times"][1:]):
-            (before if b < joined else during if a < long["end"] else []).append(b - a)
-    return {"steady_ms": 1e3 * median(before), "p99_ms": 1e3 * percentile(during, 0.99),
-            "ttft_ms": 1e3 * (long["end"] - joined), "gaps_during": len(during), "joined": joined,
-            "answered": long["end"], "streams_end": min((r["end"] for r in results), default=long["end"]),
+        for (a, b), waited in zip(itertools.pairwise(r["times"]), r["waited"][1:], strict=True):
+            if waited:
+                waits += joined <= b and a < long["end"]
+            elif b < joined:
+                before.append(b - a)
+            elif a < long["end"]:
+                during.append(b - a)
+            elif a > long["end"] + 0.02:
+                after.append(b - a)
+    return {"steady_ms": 1e3 * median(before), "after_ms": 1e3 * median(after),
+            "p99_ms": 1e3 * percentile(during, 0.99), "ttft_ms": 1e3 * (long["end"] - joined),
+            "gaps_during": len(during), "text_waits": waits, "joined": joined, "answered": long["end"],
+            "streams_end": min((r["end"] for r in results), default=long["end"]),
             "times": [r["times"] for r in results]}
 
 
@@ -373,13 +406,15 @@ class Steps:
                                   1e3 * sum(gap - engine for gap, engine in gaps) / len(gaps))}
 
 
-async def run(model: Path, threads: int, tokens: int, turns: int, parts: set[str]) -> dict[str, Any]:
+async def run(model: Path, threads: int, tokens: int, turns: int, parts: set[str],
+              join_runs: int | None = None, slowdown: float | None = None) -> dict[str, Any]:
     results: dict[str, Any] = {"parallel": {}, "trace": {}, "join": {}}
     for slots in (8, 1):
         if slots == 1 and "trace" not in parts:
             continue
         config = config_from_dict({"model": str(model), "context": 4096, "threads": threads, "slots": slots,
-                                   "host": "127.0.0.1", "port": 0})
+                                   "host": "127.0.0.1", "port": 0}
+                                  | ({} if slowdown is None else {"step_slowdown": slowdown}))
         async with open_service(config, log=lambda line: None) as service, served(service) as (host, port):
             client = Client(f"http://{host}:{port}")
             ask = lambda **order: trio.to_thread.run_sync(lambda: client.ask(**order))  # noqa: E731
@@ -406,11 +441,13 @@ async def run(model: Path, threads: int, tokens: int, turns: int, parts: set[str
                     steps, budget = Steps(batcher), batcher.budget
                     results["join"]["alone"] = await ask(kind="join", tokens=0, streams=0, run=0)
                     before = lambda: StepBudget(2.0, time.perf_counter, refresh=None)  # noqa: E731
-                    budgets = {"slowdown 2 (default)": budget, "slowdown 2, wall clock, never re-measured": before(),
-                               "slowdown 2, engine thread's CPU clock": StepBudget(2.0, time.thread_time),
+                    default = f"default (slowdown {budget.slowdown:g})" if budget is not None else "default"
+                    budgets = {default: budget, "slowdown 2": StepBudget(2.0),
+                               "slowdown 2, wall clock, never re-measured (before)": before(),
                                "tokens only (step_tokens 64)": None, "slowdown 1.5": StepBudget(1.5),
-                               "slowdown 2 (default) again": budget,
-                               "slowdown 2, wall clock, never re-measured, again": before()}
+                               f"{default} again": budget, "slowdown 2 again": StepBudget(2.0)}
+                    if join_runs:  # the default alone, again and again: its spread from run to run
+                        budgets = {f"default, run {i}": budget for i in range(1, join_runs + 1)}
                     for run_, (name, batcher.budget) in enumerate(budgets.items(), 1):
                         # the streams outlast the long prompt (they hang up once it is answered)
                         j = results["join"][name] = await ask(kind="join", tokens=3000, streams=3, run=run_)
@@ -471,14 +508,17 @@ def report(model: Path, threads: int, tokens: int, r: dict[str, Any]) -> None:
     if r["join"]:
         alone = r["join"]["alone"]["ttft_ms"]
         print(f"\n3 streams while a ~3,000-token prompt joins (its first token alone: {alone:.0f} ms)")
-        print("| step budget | steady step ms | p99 gap ms | p99 / steady | engine: steady step ms | p99 step ms | "
-              "max step ms | p99 / steady | in CPU time | step end to client read ms (median / p99) | "
-              "worst 1% of gaps: engine / way to the client ms | joining prompt's first token ms | / alone |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        print("| step budget | steady step ms (before / after) | p99 gap ms | p99 / steady | "
+              "gaps (text waits left out) | engine: steady step ms | p99 step ms | max step ms | p99 / steady | "
+              "in CPU time | "
+              "step end to client read ms (median / p99) | worst 1% of gaps: engine / way to the client ms | "
+              "joining prompt's first token ms | / alone |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for name, j in r["join"].items():
             if name == "alone":
                 continue
-            print(f"| {name} | {j['steady_ms']:.1f} | {j['p99_ms']:.1f} | {j['p99_ms'] / j['steady_ms']:.2f} | "
+            print(f"| {name} | {j['steady_ms']:.1f} / {j['after_ms']:.1f} | {j['p99_ms']:.1f} | "
+                  f"{j['p99_ms'] / j['steady_ms']:.2f} | {j['gaps_during']} ({j['text_waits']}) | "
                   f"{j['engine_steady_ms']:.1f} | {j['engine_p99_ms']:.1f} | {j['engine_max_ms']:.1f} | "
                   f"{j['engine_p99_ms'] / j['engine_steady_ms']:.2f} | {j['engine_cpu']:.2f} | "
                   f"{j['delivery_ms'][0]:.1f} / {j['delivery_ms'][1]:.1f} | "
@@ -494,6 +534,9 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--only", nargs="+", choices=("parallel", "join", "trace"),
                         default=["parallel", "join", "trace"], help="parts to run (default: all)")
+    parser.add_argument("--join-runs", type=int, metavar="N",
+                        help="run only the default step budget in the join part, N times")
+    parser.add_argument("--slowdown", type=float, help="the server's step_slowdown (default: the config's)")
     parser.add_argument("--client", help=argparse.SUPPRESS)
     parser.add_argument("--decode", choices=("llama.cpp", "strata"), help=argparse.SUPPRESS)
     parser.add_argument("--n-seq", type=int, help=argparse.SUPPRESS)
@@ -508,7 +551,8 @@ def main() -> None:
     if not args.model.is_file():
         sys.exit(f"no model at {args.model}: strata make-model --arch qwen3moe --size small --dtype q8_0 "
                  f"--vocab qwen --out {args.model}")
-    results = trio.run(run, args.model, args.threads, args.tokens, args.turns, set(args.only))
+    results = trio.run(run, args.model, args.threads, args.tokens, args.turns, set(args.only), args.join_runs,
+                       args.slowdown)
     report(args.model, args.threads, args.tokens, results)
 
 
