@@ -23,7 +23,7 @@ from strata.events import (
     Usage,
 )
 from strata.sampling import SamplingParams
-from strata.service import RequestError, open_service
+from strata.service import RequestError, _EngineLoop, open_service
 from strata.turn import QueueFull
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -189,9 +189,32 @@ async def test_engine_ahead_of_a_slow_reader_loses_no_token(scripted, tokenizer)
                     await trio.sleep(0.01)
         assert joined(events, TextDelta) == text
         assert events[-1] == Finish("stop")
-        # The engine thread and its waker ended with the request.
-        assert not service.engine_running
+        # The engine thread and its waker end once no job came for LINGER_SECONDS.
+        await wait_until(lambda: not service.engine_running, timeout=5 * _EngineLoop.LINGER_SECONDS)
         assert not [thread for thread in threading.enumerate() if thread.name.startswith("strata engine")]
+
+
+async def test_the_next_request_goes_to_the_waiting_engine_thread_which_ends_with_the_service(
+        scripted, tokenizer, monkeypatch):
+    started = []  # the names of the threads the service starts
+    start_thread_soon = trio.lowlevel.start_thread_soon
+
+    def counting(fn: Any, deliver: Any, name: str | None = None) -> None:
+        started.append(name)
+        start_thread_soon(fn, deliver, name=name)
+
+    monkeypatch.setattr(trio.lowlevel, "start_thread_soon", counting)
+    async with open_service(server_config(), engine=scripted("ok"), tokenizer=tokenizer) as service:
+        assert joined(await collect(service, request("one")), TextDelta) == "ok"
+        assert joined(await collect(service, request("two")), TextDelta) == "ok"
+        assert started.count("strata engine") == 1  # the second job went to the thread the first one started
+        assert service.engine_running
+        closing = time.monotonic()
+    # Closing the service ends the waiting thread at once, not after LINGER_SECONDS.
+    assert time.monotonic() - closing < _EngineLoop.LINGER_SECONDS / 2
+    assert not service.engine_running
+    await wait_until(lambda: not [thread for thread in threading.enumerate()
+                                  if thread.name.startswith("strata engine")])
 
 
 async def test_stale_abort_flag_does_not_break_the_next_request(scripted, tokenizer):
