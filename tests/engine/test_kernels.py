@@ -424,6 +424,31 @@ def test_a_tokens_row_from_the_bands_does_not_depend_on_the_tokens_beside_it(n_t
     assert np.all(err <= quantisation_bound(Q.Q8_0, weights_f32(Q.Q8_0, w, n_cols), x))
 
 
+def test_the_tile_unit_gives_the_vnni_tiles_bits():
+    """Where the machine has the tile unit (AMX), products of 4 tokens and more from the bands take it: each group
+    of up to 16 tokens, and a last one of any size, gives the same bits as the VNNI tiles, at 1 and 2 threads."""
+    bound = lib.strata_bands_amx(0)
+    amx_flags = pathlib.Path("/proc/cpuinfo").exists() and "amx_int8" in pathlib.Path("/proc/cpuinfo").read_text()
+    if not bound:
+        assert not (vnni_native_build() and amx_flags), "a native build on a CPU with AMX uses the tile unit"
+        pytest.skip("no tile unit in this build or on this machine")
+    assert bound == 4
+    rng = np.random.default_rng(77)
+    n_rows, n_cols = 16 * 11 + 5, 544  # bands in 3 streams and the rest, a partial last band, an odd block count
+    w = random_weights(Q.Q8_0, n_rows, n_cols, rng)
+    bands = bands_of(w, n_cols)
+    x = rng.standard_normal((37, n_cols)).astype(np.float32)
+    try:
+        for n_tok in (1, 4, 5, 8, 9, 16, 17, 20, 37):
+            for n_threads in (1, 2):
+                lib.strata_bands_amx(1)  # every product on the tile unit
+                tiles = matmul_bands(bands, n_rows, x[:n_tok], n_threads)
+                lib.strata_bands_amx(1 << 30)  # none
+                assert_same_bits(tiles, matmul_bands(bands, n_rows, x[:n_tok], n_threads))
+    finally:
+        lib.strata_bands_amx(bound)
+
+
 def test_gemm_bands_writes_only_its_rows(kernels):
     """A range of whole bands and a partial last one, into a wider y, as the forward pass splits rows between
     threads; the same quantised activations through the direct tiles differ only in summation order."""

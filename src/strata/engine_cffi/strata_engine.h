@@ -59,6 +59,9 @@ size_t strata_bands_bytes(int type, long long n_rows, long long n_cols);
 strata_status strata_bands_prepare(int type, const void *w, long long n_rows, long long n_cols, void *bands);
 strata_status strata_matmul_bands(int type, const void *bands, long long n_rows, long long n_cols,
                                   const float *x, long long n_tok, float *y, int n_threads);
+/* The least tokens of a product from the bands that the tile unit (AMX) takes, where this build and machine have
+ * it (0 where not): fewer take the VNNI tiles, and both give the same bits. min_tokens > 0 sets it first. */
+int strata_bands_amx(int min_tokens);
 /* The same product by the naive reference: dequantise, then sum in double. */
 strata_status strata_matmul_naive(int type, const void *w, long long n_rows, long long n_cols,
                                   const float *x, long long n_tok, float *y);
