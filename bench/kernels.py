@@ -5,8 +5,8 @@
 
 Type q8_0b is Q8_0 read from the band layout the engine keeps of a Q8_0 output weight (`strata_bands_prepare`,
 AVX-512 VNNI builds), built once outside the timed calls; put it beside q8_0 (`--types q8_0,q8_0b`). Where the
-machine has the tile unit (AMX), q8_0b takes it from 2 tokens up, as the engine does, and q8_0v is the same bands
-read by the VNNI tiles alone.
+machine has the tile unit (AMX), q8_0b takes it from as many tokens as the engine does (4), and q8_0v is the same
+bands read by the VNNI tiles alone.
 
 GB/s counts the weight bytes one product reads; with one token the product is bound by memory, so the table
 shows it as a share of the machine's read bandwidth, measured by numpy streaming over a large array with as
@@ -37,7 +37,8 @@ TYPES = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": Q.Q
          "iq3_s": Q.IQ3_S, "mxfp4": Q.MXFP4, "q4_1": Q.Q4_1, "q5_0": Q.Q5_0, "q5_1": Q.Q5_1, "iq3_xxs": Q.IQ3_XXS,
          "iq2_xxs": Q.IQ2_XXS, "iq2_xs": Q.IQ2_XS, "iq2_s": Q.IQ2_S, "iq1_s": Q.IQ1_S, "iq1_m": Q.IQ1_M}
 BANDS = {"q8_0b": Q.Q8_0, "q8_0v": Q.Q8_0}  # the band layout of a type, prepared once (strata_bands_prepare)
-TILE_UNIT_TOKENS = {"q8_0b": 2, "q8_0v": 1 << 30}  # from how many tokens the bands take the tile unit (AMX)
+# From how many tokens the bands take the tile unit (AMX): as the engine does, and never.
+TILE_UNIT_TOKENS = {"q8_0b": lib.strata_bands_amx(0), "q8_0v": 1 << 30}
 DEFAULT_TYPES = "f32,f16,bf16,q8_0,q4_0,q4_k,q6_k,q5_k,q3_k,q2_k,iq4_xs,iq4_nl,iq3_s,mxfp4"
 NAIVE_ROWS = 64  # the reference is slow: time it on this many rows and scale
 WORKING_SET = 256 << 20
@@ -228,7 +229,7 @@ def main() -> None:
         w = make_weights(qtype, args.rows, args.cols, rng)
         ws = [w] + [w.copy() for _ in range(WORKING_SET // w.nbytes)]
         bands = [prepare_bands(qtype, v, args.cols) for v in ws] if name in BANDS else None
-        if name in TILE_UNIT_TOKENS:
+        if TILE_UNIT_TOKENS.get(name):  # 0: no tile unit here
             lib.strata_bands_amx(TILE_UNIT_TOKENS[name])
         for n_tok in tokens:
             x = rng.standard_normal((n_tok, args.cols), dtype=np.float32)

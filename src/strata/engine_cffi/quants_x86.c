@@ -665,12 +665,13 @@ INLINE void q8_bands_tokens(const uint8_t *bands, size_t band_bytes, int64_t nb,
 // bytes) by a band's block (8 rows of 64 unsigned bytes: the band layout is the tile layout), giving the exact
 // integer sums of 16 rows x 16 tokens that 8 vpdpbusd per token give. The f32 steps after it are tile_q8_bands's,
 // in its order, so a token gets the same bits either way. Where the VNNI tile spends 8 vpdpbusd per token and
-// block, the tile unit spends one instruction for all of them.
+// block, the tile unit spends one instruction for all of them; the sums go through memory (a tile store, then
+// one load per token) to the f32 steps.
 #define QB_AMX 1
 #define QB_AMX_TOKENS 16
 #define QB_AMX_MAX_BLOCKS 256  // the tokens' values, packed as tiles, on the stack: 160 KiB at most
 // The least tokens a product gives the tile unit (strata_bands_amx). 151,936 x 512 at 2 threads, ms, VNNI / tile
-// unit: 2 tokens 2.78 / 2.96, 3: 2.89 / 3.10, 4: 3.35 / 3.20, 8: 5.68 / 3.49, 16: 7.47 / 6.04.
+// unit: 2 tokens 2.77 / 2.89, 3: 2.89 / 2.88, 4: 3.34 / 2.96, 5: 3.52 / 3.21, 8: 5.46 / 3.39, 16: 7.17 / 6.06.
 static int bands_amx_tokens = 4;
 
 static int amx_permitted;
@@ -693,7 +694,8 @@ typedef struct {
 
 // Band k of each of NS streams (band[i] its bytes, rows[i] its rows below r1, y[i] its rows' place in y) against
 // G tokens: a holds block b's values of the tokens at a + 512 b, dx[16 b + j] token j's scale of block b,
-// seed[j * nb + b] as tile_q8_bands's. Tiles: 0 the tokens, 1 + i stream i's block, 4 + i its sums.
+// seed[j * nb + b] as tile_q8_bands's. Tiles: 0 the tokens, 1 and 2 the streams' blocks in turn, 3 + i stream
+// i's sums (8 tiles in all: 4 streams share 2 block tiles).
 #define QB_AMX_BLOCK(i, B, C)                          \
     if (i < NS) {                                      \
         _tile_zero(C);                                 \
@@ -703,14 +705,14 @@ typedef struct {
     }
 INLINE void q8_bands_amx_tile(const uint8_t *const *band, const __mmask16 *rows, float *const *y, int64_t nb,
                               const int8_t *a, const float *dx, const int32_t *seed, int64_t ldy, int NS, int G) {
-    int32_t sums[3][QB_AMX_TOKENS][16] __attribute__((aligned(64)));
-    __m512 acc[3][QB_AMX_TOKENS];
-    _Pragma("GCC unroll 3") for (int i = 0; i < NS; i++)
+    int32_t sums[4][QB_AMX_TOKENS][16] __attribute__((aligned(64)));
+    __m512 acc[4][QB_AMX_TOKENS];
+    _Pragma("GCC unroll 4") for (int i = 0; i < NS; i++)
         _Pragma("GCC unroll 16") for (int j = 0; j < G; j++) acc[i][j] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         _tile_loadd(0, a + 512 * b, 32);
-        QB_AMX_BLOCK(0, 1, 4) QB_AMX_BLOCK(1, 2, 5) QB_AMX_BLOCK(2, 3, 6)  // literal tiles: asm operands
-        _Pragma("GCC unroll 3") for (int i = 0; i < NS; i++) {
+        QB_AMX_BLOCK(0, 1, 3) QB_AMX_BLOCK(1, 2, 4) QB_AMX_BLOCK(2, 1, 5) QB_AMX_BLOCK(3, 2, 6)  // literal tiles
+        _Pragma("GCC unroll 4") for (int i = 0; i < NS; i++) {
             __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)qb_scales(band[i], b)));
             _Pragma("GCC unroll 16") for (int j = 0; j < G; j++) {
                 __m512i s = _mm512_add_epi32(_mm512_set1_epi32(seed[j * nb + b]), _mm512_load_si512(sums[i][j]));
@@ -719,23 +721,25 @@ INLINE void q8_bands_amx_tile(const uint8_t *const *band, const __mmask16 *rows,
             }
         }
     }
-    _Pragma("GCC unroll 3") for (int i = 0; i < NS; i++)
+    _Pragma("GCC unroll 4") for (int i = 0; i < NS; i++)
         _Pragma("GCC unroll 16") for (int j = 0; j < G; j++) _mm512_mask_storeu_ps(y[i] + j * ldy, rows[i], acc[i][j]);
 }
 #undef QB_AMX_BLOCK
 
 // Bands [k0, k1) against G tokens (a, dx, seed as q8_bands_amx_tile's), rows below r1: up to 8 tokens are bound by
-// memory and read 3 streams of bands a third of the range apart at once (one stream: 8 tokens 4.8 ms against
-// 3.5 for 151,936 x 512 at 2 threads), then the rest one band at a time.
+// memory and read S streams of bands a 1 / S of the range apart at once, then the rest one band at a time
+// (151,936 x 512 at 2 threads: 4 tokens 4.25 ms with one stream, 3.28 with 3, 2.96 with 4; 8 tokens 4.79 with
+// one, 3.39 with 3, whose 24 accumulators leave registers to spare where 4 streams' 32 would not).
 INLINE void q8_bands_amx_tokens(const uint8_t *bands, size_t band_bytes, int64_t nb, int64_t k0, int64_t k1,
                                 int64_t r1, const int8_t *a, const float *dx, const int32_t *seed, float *y,
                                 int64_t ldy, int G) {
-    const int64_t rs = G <= 8 ? (k1 - k0) / 3 : 0;
-    const uint8_t *band[3];
-    __mmask16 rows[3];
-    float *yb[3];
-    for (int64_t k = k0, NS = 3; k < k1; k++) {
-        if (k == k0 + rs) k = k0 + 3 * rs, NS = 1;  // the three streams are through: the rest
+    const int S = G <= 4 ? 4 : G <= 8 ? 3 : 1;
+    const int64_t rs = S > 1 ? (k1 - k0) / S : 0;
+    const uint8_t *band[4];
+    __mmask16 rows[4];
+    float *yb[4];
+    for (int64_t k = k0, NS = S; k < k1; k++) {
+        if (k == k0 + rs) k = k0 + S * rs, NS = 1;  // the streams are through: the rest
         if (k == k1) break;
         for (int i = 0; i < NS; i++) {
             int64_t r = (k + i * rs) * QB_ROWS;
@@ -743,7 +747,8 @@ INLINE void q8_bands_amx_tokens(const uint8_t *bands, size_t band_bytes, int64_t
             rows[i] = r1 - r >= QB_ROWS ? 0xffff : (__mmask16)((1u << (r1 - r)) - 1);
             yb[i] = y + r;
         }
-        if (NS == 3) q8_bands_amx_tile(band, rows, yb, nb, a, dx, seed, ldy, 3, G);
+        if (NS == 4) q8_bands_amx_tile(band, rows, yb, nb, a, dx, seed, ldy, 4, G);
+        else if (NS == 3) q8_bands_amx_tile(band, rows, yb, nb, a, dx, seed, ldy, 3, G);
         else q8_bands_amx_tile(band, rows, yb, nb, a, dx, seed, ldy, 1, G);
     }
 }
@@ -761,10 +766,8 @@ static void gemm_bands_amx(const void *bands, int64_t n, int64_t r0, int64_t r1,
         const int64_t g = n_tok - t0 < QB_AMX_TOKENS ? n_tok - t0 : QB_AMX_TOKENS;
         amx_config config = {.palette = 1};
         config.rows[0] = (uint8_t)g, config.colsb[0] = QK;  // the tokens' values of a block
-        for (int i = 0; i < 3; i++) {
-            config.rows[1 + i] = QK / 4, config.colsb[1 + i] = 64;  // a band's block: 4 values of 16 rows a row
-            config.rows[4 + i] = (uint8_t)g, config.colsb[4 + i] = 64;  // their sums, 16 rows a token
-        }
+        for (int i = 1; i <= 2; i++) config.rows[i] = QK / 4, config.colsb[i] = 64;
+        for (int i = 3; i <= 6; i++) config.rows[i] = (uint8_t)g, config.colsb[i] = 64;
         _tile_loadconfig(&config);
         for (int64_t j = 0; j < g; j++) {
             const block_q8_0 *xj = (const block_q8_0 *)((const char *)x + (t0 + j) * xb);
