@@ -4,6 +4,7 @@ model."""
 from __future__ import annotations
 
 import re
+import time
 
 import numpy as np
 import pytest
@@ -234,6 +235,19 @@ def test_a_joining_prompt_is_cut_so_that_a_step_takes_at_most_slowdown_times_the
     assert sum(steps > 2 * 0.02 * 0.85) > 0.8 * len(steps)  # and uses the time it has
     # every step carries some of the prompt but each 33rd, which re-measures the decode step
     assert sum(chunks) == 640 and [i for i, chunk in enumerate(chunks) if chunk < 1] == [32]
+
+
+def test_steps_are_timed_by_the_engines_own_cpu_clock_where_it_has_one() -> None:
+    """`Engine.cpu_seconds` counts the engine's threads only: the budget takes it over the process's CPU time,
+    which counts the event loop and a tokenising worker too."""
+    engine = TimedEngine(0.02, lambda pos: 0.0, prompting=set(), n_seq=2, n_ctx=256)
+    engine.cpu_seconds = engine.clock
+    batcher = Batcher(engine, step_tokens=64)
+    batcher.add(job([1], max_tokens=10))
+    for _ in range(4):
+        batcher.step()
+    assert batcher.budget.decode_seconds(1) == pytest.approx(0.02)  # the engine's clock, not the process's
+    assert Batcher(SuccessorEngine(n_seq=2)).budget.clock is time.process_time
 
 
 def test_a_decode_step_timed_during_a_burst_stops_setting_the_chunks_once_re_measured() -> None:

@@ -123,7 +123,7 @@ class Config:
     step_tokens: int = 64  # most tokens per engine step while streams decode: a joining prompt comes in chunks
     # While streams decode and a prompt longer than step_tokens joins, a step carrying its chunk takes at most this
     # many times their own step (measured as the server runs); the chunk is sized to fit, within step_tokens. The
-    # steps' spread puts the streams' p99 gap near 1.6x the aim (bench/RESULTS.md): 1.75 keeps it within 3x.
+    # steps' spread puts the streams' p99 gap 1.4-1.6x the aim: 1.75 keeps a margin to 3x (bench/RESULTS.md).
     step_slowdown: float = 1.75
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     vision: VisionConfig = field(default_factory=VisionConfig)

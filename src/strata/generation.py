@@ -129,11 +129,14 @@ class StepBudget:
     otherwise set every chunk of the prompt). Every other step carries at least one prompt token: a prompt
     always progresses.
 
-    Steps are timed by `clock`, by default the process's CPU time, which the engine's threads are nearly all of
-    while a step runs: another process taking a core for a while stretches a step's wall time but not its work,
-    so it neither inflates the reference step nor shrinks the chunks after it. (One thread's CPU time is not
-    enough: the engine thread takes over the products' rows of a partner that lost its core, and its own CPU
-    time doubles with the wall time.)
+    Steps are timed by `clock` in CPU time: another process taking a core for a while stretches a step's wall
+    time but not its work, so it neither inflates the reference step nor shrinks the chunks after it. The
+    `Batcher` gives it the engine's own threads' CPU time where the engine counts it (`Engine.cpu_seconds`: the
+    evaluating thread and the pool's workers), else the process's. (One thread's CPU time is not enough: the
+    engine thread takes over the products' rows of a partner that lost its core, and its own CPU time doubles
+    with the wall time. The process's counts its other threads too: the event loop writing the tokens out, a
+    worker tokenising the joining prompt, whose CPU in the decode step that measures the reference set every
+    chunk after it too large.)
     """
 
     FIRST_CHUNK = 4
@@ -197,7 +200,8 @@ class Batcher:
         n_batch: the most tokens of a step with nobody decoding (default: the engine's `n_batch`).
         slowdown: while jobs decode and a prompt longer than `step_tokens` joins, a step with prompt chunks takes
             at most this many times their decode-only step (`StepBudget`); None: `step_tokens` is the only bound.
-        clock: seconds, for timing steps (default: the `StepBudget`'s, the process's CPU time).
+        clock: seconds, for timing steps (default: the engine's threads' CPU time, `engine.cpu_seconds`, where it
+            has one; else the process's).
     """
 
     def __init__(self, engine: Any, step_tokens: int = 64, n_batch: int | None = None,
@@ -207,7 +211,8 @@ class Batcher:
         self.slots = [_Slot(seq) for seq in range(engine.n_seq)]
         self.jobs: list[Job] = []  # in arrival order: earlier prompts get the step budget first
         self.step_tokens = max(1, step_tokens)
-        self.budget = None if slowdown is None else StepBudget(slowdown, clock or time.process_time)
+        clock = clock or getattr(engine, "cpu_seconds", None) or time.process_time
+        self.budget = None if slowdown is None else StepBudget(slowdown, clock)
         self.last_batch = 0  # tokens in the last step
         self._clock = itertools.count(1)
         self._lock = threading.Lock()  # cancel() against the step's bookkeeping

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import threading
 import time
 
 import numpy as np
@@ -75,6 +76,33 @@ def test_idle_engine_burns_no_cpu(models: dict[str, pathlib.Path]) -> None:
         cpu = time.process_time() - cpu0
         wall = time.perf_counter() - wall0
     assert cpu < 0.05 * wall, f"{cpu:.3f} s of CPU in {wall:.2f} s idle"
+
+
+def test_cpu_seconds_counts_the_engines_threads_and_no_other(models: dict[str, pathlib.Path]) -> None:
+    """`Engine.cpu_seconds` (the step budget's clock): the calling thread's and the workers' CPU, so an eval on
+    3 threads counts more CPU than the caller's own, and a busy Python thread beside it counts for nothing."""
+    with Engine.load(models["moe"], n_ctx=256, threads=3) as engine:
+        engine.eval(tokens(4))
+        start, own = engine.cpu_seconds(), time.thread_time()
+        engine.eval(tokens(120, seed=1))
+        spent, own = engine.cpu_seconds() - start, time.thread_time() - own
+        assert spent > 1.3 * own > 0, f"{spent:.4f} s counted, the caller's own {own:.4f} s"
+        stop = threading.Event()
+
+        def burn() -> None:
+            while not stop.is_set():
+                pass
+
+        burner = threading.Thread(target=burn)
+        burner.start()
+        try:
+            before, process = engine.cpu_seconds(), time.process_time()
+            time.sleep(0.3)  # the workers sleep; the burner runs
+            counted, burnt = engine.cpu_seconds() - before, time.process_time() - process
+        finally:
+            stop.set()
+            burner.join()
+        assert burnt > 0.1 and counted < 0.02, f"{counted:.4f} s counted while another thread burnt {burnt:.3f}"
 
 
 @pytest.mark.parametrize("threads", [3, 4])

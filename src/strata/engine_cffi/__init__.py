@@ -404,6 +404,11 @@ class Engine:
         is no longer wanted."""
         _check(lib.strata_abort(self._live_ctx(), int(seq)))
 
+    def cpu_seconds(self) -> float:
+        """CPU seconds this context's threads have run: the calling thread's (call it from the thread that
+        evaluates) and the pool workers'. A step's work, without the process's other threads."""
+        return float(lib.strata_cpu_seconds(self._live_ctx()))
+
     def clear_abort(self, seq: int = 0) -> None:
         """Lower an abort flag that no call has consumed, e.g. before starting a new request's work."""
         _check(lib.strata_clear_abort(self._live_ctx(), int(seq)))

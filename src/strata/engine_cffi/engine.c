@@ -568,6 +568,12 @@ strata_status strata_clear_abort(strata_context *c, int seq) {
 
 void strata_get_timings(const strata_context *c, strata_timings *out) { *out = c->timings; }
 
+double strata_cpu_seconds(const strata_context *c) {
+    struct timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec + strata_pool_worker_seconds(c->pool);
+}
+
 // --- KV cache rows: one (position, kv head) row of head_dim values
 
 /* Index of row (seq, il, kvh, position 0) in the cache, and of its int8 scale; position p is row base + p. A kv

@@ -199,3 +199,6 @@ typedef struct {
 } strata_timings;
 
 void strata_get_timings(const strata_context *ctx, strata_timings *out);
+/* CPU seconds the context's threads have run so far: the calling thread (call it from the thread that evaluates:
+ * it runs its share of every call) and the pool's workers. Other threads of the process are not counted. */
+double strata_cpu_seconds(const strata_context *ctx);

@@ -154,6 +154,17 @@ void strata_pool_free(strata_pool *p) {
     free(p);
 }
 
+double strata_pool_worker_seconds(const strata_pool *p) {
+    double seconds = 0.0;
+    for (int i = 0; i < p->n_threads - 1; i++) {
+        clockid_t clock;
+        struct timespec ts;
+        if (pthread_getcpuclockid(p->workers[i].thread, &clock) == 0 && clock_gettime(clock, &ts) == 0)
+            seconds += (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+    }
+    return seconds;
+}
+
 // --- jobs
 
 void strata_pool_run(strata_pool *p, strata_job job, void *arg) {

@@ -16,6 +16,8 @@ strata_pool *strata_pool_create(int n_threads);
 /* Stop and join every worker. Not while a job runs. */
 void strata_pool_free(strata_pool *pool);
 
+/* CPU seconds the workers (not the calling thread) have run so far. */
+double strata_pool_worker_seconds(const strata_pool *pool);
 /* Run job(ith, nth, arg) on every thread; returns when all have finished. One caller at a time. */
 void strata_pool_run(strata_pool *pool, strata_job job, void *arg);
 /* Inside a job, every thread: wait until all have arrived. Everything written before it is visible after it. */
