@@ -110,8 +110,8 @@ def _text_waited(event: bytes) -> bool:
 
 class Streams:
     """Streamed chat requests on plain sockets, read as they come by one thread (`selectors`) that finds content
-    chunks in the raw bytes: per stream its start, the time of each content chunk (one per token), its first and
-    its end. A thread per stream with an HTTP library and `json.loads` of every chunk cost the client more CPU
+    chunks in the raw bytes: per stream its start, the time of each content chunk (one per token, but where a
+    token's text waits for the next), its first and its end. A thread per stream with an HTTP library and `json.loads` of every chunk cost the client more CPU
     per token than the server's own event loop, on the cores the server needs, and its threads' turns at the
     client's GIL added their own milliseconds to the gaps it measured. Leaving the block hangs up on the streams
     still open."""
