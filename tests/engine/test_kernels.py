@@ -354,6 +354,34 @@ def test_a_tokens_row_does_not_depend_on_the_tokens_beside_it(kernels, qtype, n_
         assert_same_bits(product(xq[t:t + 1]), together[t:t + 1])
 
 
+@pytest.mark.parametrize("r0, r1", [(3, 12), (16, 41), (5, 41)])
+def test_q8_0_rows_in_any_range_do_not_depend_on_the_tokens_beside_them(kernels, r0, r1):
+    """Q8_0 rows read as they lie, over a range of fewer rows than a tile of the tile unit (AMX, where the machine
+    has it) and over ranges whose last tile reaches back into rows already written: each of 1 to 20 tokens gets
+    the same bits alone (the VNNI path for one or two tokens) as with the others, only the range's rows are
+    written, and every output is within the quantisation bound of the naive product."""
+    kffi, klib = kernels
+    rng = np.random.default_rng(r0 * 100 + r1)
+    n_rows, n_cols = 41, 17 * 32  # an odd block count
+    w = random_weights(Q.Q8_0, n_rows, n_cols, rng)
+    x = rng.standard_normal((20, n_cols)).astype(np.float32)
+    xq = quantize_rows(kernels, Q.Q8_0, x)
+
+    def product(rows: np.ndarray) -> np.ndarray:
+        y = np.full((len(rows), n_rows), np.nan, dtype=np.float32)
+        klib.strata_gemm_rows(int(Q.Q8_0), n_cols, kffi.from_buffer(w), r0, r1, kffi.from_buffer(rows), len(rows),
+                              kffi.from_buffer("float[]", y), n_rows)
+        return y
+
+    for n_tok in (1, 2, 3, 17, 20):
+        together = product(xq[:n_tok])
+        assert np.isnan(together[:, :r0]).all() and np.isnan(together[:, r1:]).all()
+        for t in range(n_tok):
+            assert_same_bits(product(xq[t:t + 1]), together[t:t + 1])
+        err = np.abs(together[:, r0:r1].astype(np.float64) - matmul(Q.Q8_0, w, x[:n_tok])[:, r0:r1])
+        assert np.all(err <= quantisation_bound(Q.Q8_0, weights_f32(Q.Q8_0, w, n_cols)[r0:r1], x[:n_tok]))
+
+
 # --- the band layout the engine keeps of a Q8_0 output weight (AVX-512 VNNI builds)
 
 
