@@ -25,6 +25,9 @@ _Static_assert(ROWS_PER_TASK % STRATA_BAND_ROWS == 0, "a unit of rows starts a b
                             * (the kernels keep a tile of rows in cache while up to 64 tokens pass over it) */
 #define RUNS_PER_THREAD 8  /* units of a decode-shaped product per thread: enough for one to take up another's */
 #define MIN_RUN_BLOCKS 8   /* ROWS_PER_TASK blocks per unit at least: a run long enough to stream */
+#define PACKED_RUN_BLOCKS 32 /* a prompt's unit of a product that packs its tokens per call (strata_gemm_packs_tokens),
+                              * bounded as decode's by RUNS_PER_THREAD: a 256-token prompt of the small Q8_0 MoE at 2
+                              * threads took 71.7 ms in units of 1 block (each repacking every token), 53 in 8, 48 */
 
 // --- errors
 
@@ -793,13 +796,19 @@ static int64_t row_blocks(const matrix *w) { return (w->n_out + ROWS_PER_TASK - 
  * of one weight's blocks (about RUNS_PER_THREAD of them per thread), one kernel call: the kernel then reads its
  * rows as a few long streams (short rows taken 16 at a time left the output product at half the memory
  * bandwidth), and keeps each tile of rows in cache while every token passes over it. With many, a unit is one
- * block, whose rows stay in cache while the tokens' blocks go by. Which thread computes a row does not change
- * its sum. */
+ * block, whose rows stay in cache while the tokens' blocks go by, except for kernels that pack the tokens anew
+ * in every call (strata_gemm_packs_tokens): their units are runs of up to PACKED_RUN_BLOCKS. Which thread computes
+ * a row does not change its sum. */
 static void products(const team *tm, int n_w, const matrix *const *ws, float *const *ys, const void *xq,
                      int n_tok) {
     int64_t total = 0, units = 0, per = 1;  // per: blocks per unit
-    for (int i = 0; i < n_w; i++) total += row_blocks(ws[i]);
+    int packs = 1;  // every weight packs the tokens per call
+    for (int i = 0; i < n_w; i++) {
+        total += row_blocks(ws[i]);
+        packs &= strata_gemm_packs_tokens(ws[i]->type, ws[i]->n_in) && !ws[i]->bands;
+    }
     if (n_tok <= FEW_TOKENS) per = max64(MIN_RUN_BLOCKS, total / ((int64_t)RUNS_PER_THREAD * tm->nth));
+    else if (packs) per = max64(1, min64(PACKED_RUN_BLOCKS, total / ((int64_t)RUNS_PER_THREAD * tm->nth)));
     for (int i = 0; i < n_w; i++) units += (row_blocks(ws[i]) + per - 1) / per;
     for (int64_t u; (u = team_next(tm)) < units;) {
         int i = 0;
@@ -1030,11 +1039,12 @@ static void route_tokens(strata_context *c, int n_tok) {
     }
 }
 
-/* Rows per expert task: ROWS_PER_TASK for a prompt; for a few tokens, the longest runs (see products) that
- * still leave RUNS_PER_THREAD / 2 tasks per thread among the n_mat expert matrices of the loop, in whole
- * ROWS_PER_TASK blocks. */
-static int64_t expert_task_rows(const strata_context *c, int n_tok, int n_mat, int64_t n_out) {
-    if (n_tok > FEW_TOKENS || n_mat == 0) return ROWS_PER_TASK;
+/* Rows per expert task: ROWS_PER_TASK for a prompt (PACKED_RUN_BLOCKS of them where the product packs its tokens
+ * per call, `packs`); for a few tokens, the longest runs (see products) that still leave RUNS_PER_THREAD / 2 tasks
+ * per thread among the n_mat expert matrices of the loop, in whole ROWS_PER_TASK blocks. */
+static int64_t expert_task_rows(const strata_context *c, int n_tok, int n_mat, int64_t n_out, int packs) {
+    if (n_mat == 0) return ROWS_PER_TASK;
+    if (n_tok > FEW_TOKENS) return packs ? PACKED_RUN_BLOCKS * ROWS_PER_TASK : ROWS_PER_TASK;
     int64_t per_matrix = (RUNS_PER_THREAD / 2 * c->n_threads + n_mat - 1) / n_mat;  // tasks per matrix
     int64_t rows = (n_out + per_matrix - 1) / per_matrix;
     return (rows + ROWS_PER_TASK - 1) / ROWS_PER_TASK * ROWS_PER_TASK;
@@ -1043,7 +1053,7 @@ static int64_t expert_task_rows(const strata_context *c, int n_tok, int n_mat, i
 /* Give each (token, choice) a slot, slots grouped by expert (expert e owns expert_count[e] slots from
  * expert_start[e]); then list the (expert, row block) tasks: gate/up ones first, then down ones. Experts nobody
  * picked get no task. */
-static void group_slots(strata_context *c, int n_tok) {
+static void group_slots(strata_context *c, int il, int n_tok) {
     const strata_model_params *p = &c->model->hp;
     int n_exp = p->n_expert, k = p->n_expert_used, next[n_exp];  // next free slot per expert
     for (int e = 0, start = 0; e < n_exp; e++) {
@@ -1057,8 +1067,12 @@ static void group_slots(strata_context *c, int n_tok) {
     }
     int n_picked = 0;
     for (int e = 0; e < n_exp; e++) n_picked += c->expert_count[e] > 0;
-    c->task_rows[0] = expert_task_rows(c, n_tok, 2 * n_picked, p->n_ff_exp);
-    c->task_rows[1] = expert_task_rows(c, n_tok, n_picked, p->n_embd);
+    const layer_weights *L = &c->model->layers[il];
+    int packs_up = strata_gemm_packs_tokens(L->gate_exps.type, L->gate_exps.n_in) &&
+                   strata_gemm_packs_tokens(L->up_exps.type, L->up_exps.n_in);
+    c->task_rows[0] = expert_task_rows(c, n_tok, 2 * n_picked, p->n_ff_exp, packs_up);
+    c->task_rows[1] = expert_task_rows(c, n_tok, n_picked, p->n_embd,
+                                       strata_gemm_packs_tokens(L->down_exps.type, L->down_exps.n_in));
     int64_t blocks[2] = {(p->n_ff_exp + c->task_rows[0] - 1) / c->task_rows[0],
                          (p->n_embd + c->task_rows[1] - 1) / c->task_rows[1]};
     int n[2] = {0, 0};
@@ -1123,7 +1137,7 @@ static void moe_block(const team *tm, strata_context *c, int il, int n_tok) {
     linear1(tm, c, c->xb, n_tok, &L->router, c->router);
     if (tm->ith == 0) {  // no barrier of its own: only gather_slots reads the routing, past the next one
         route_tokens(c, n_tok);
-        group_slots(c, n_tok);
+        group_slots(c, il, n_tok);
     }
     // per slot: hb = silu(xb Wg_e) * (xb Wu_e); moe_out = hb @ Wd_e
     experts_gate_up(tm, c, L, n_tok);

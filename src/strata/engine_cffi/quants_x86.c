@@ -1168,6 +1168,15 @@ void strata_gemm_q6_K(gemm_args *a, int64_t r0, int64_t r1, int64_t n_tok) {
     gemm_q6_K_blocks(a, r0, r1, n_tok);
 }
 
+int strata_gemm_packs_tokens(int type, int64_t n) {
+#if defined(QB_AMX)
+    return type == STRATA_TYPE_Q8_0 && n / QK <= QB_AMX_MAX_BLOCKS && amx_ready();
+#else
+    (void)type, (void)n;
+    return 0;
+#endif
+}
+
 int strata_bands_amx(int min_tokens) {
 #if defined(QB_AMX)
     if (!amx_ready()) return 0;
