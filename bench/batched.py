@@ -1,7 +1,8 @@
 """The engine's batched decode at 1, 2, 4 and 8 sequences, for one or more builds side by side.
 
     python bench/batched.py [--model bench/out/qwen3moe-small-q8_0.gguf] [--threads 2] [--seqs 1,2,4,8]
-                            [--tokens 64] [--runs 3] [--engine src=src] [--engine old=/path/to/an/older/src]
+                            [--tokens 64] [--runs 3] [--distinct] [--engine src=src]
+                            [--engine old=/path/to/an/older/src]
 
 Each measurement is the steps of `bench/agents.py`'s batched decode for our engine (a 32-token prompt per
 sequence, then `--tokens` steps of one token per sequence with its logits, after one untimed step) in a process
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import pathlib
 import statistics
 import subprocess
@@ -31,25 +33,31 @@ DEFAULT_MODEL = ROOT / "bench" / "out" / "qwen3moe-small-q8_0.gguf"
 PROMPT = [100 + i for i in range(32)]
 
 
-def worker(model: str, threads: int, n_seq: int, tokens: int) -> dict[str, float]:
+def worker(model: str, threads: int, n_seq: int, tokens: int, distinct: bool) -> dict[str, float]:
     """In the child: each sequence's prompt, then `tokens` + 1 steps of one token per sequence (the first one
     untimed). Wall tokens/s and tokens per CPU-second of this process's threads over the timed steps."""
     from strata.engine_cffi import BatchItem, Engine
 
+    draw = random.Random(0)
+
+    def token(same: int) -> int:
+        return draw.randrange(1000, 100000) if distinct else same
+
     with Engine.load(model, n_ctx=512, threads=threads, n_seq=n_seq) as engine:
         for seq in range(n_seq):
-            engine.eval_batch([BatchItem(seq, PROMPT)])
-        engine.eval_batch([BatchItem(seq, [999]) for seq in range(n_seq)])
+            engine.eval_batch([BatchItem(seq, [token(t) for t in PROMPT])])
+        engine.eval_batch([BatchItem(seq, [token(999)]) for seq in range(n_seq)])
         wall, cpu = time.perf_counter(), time.process_time()
         for step in range(tokens):
-            engine.eval_batch([BatchItem(seq, [1000 + step]) for seq in range(n_seq)])
+            engine.eval_batch([BatchItem(seq, [token(1000 + step)]) for seq in range(n_seq)])
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     return {"wall": n_seq * tokens / wall, "cpu": n_seq * tokens / cpu}
 
 
-def measure(src: str, model: str, threads: int, n_seq: int, tokens: int) -> dict[str, float]:
+def measure(src: str, model: str, threads: int, n_seq: int, tokens: int, distinct: bool) -> dict[str, float]:
     env = dict(os.environ, PYTHONPATH=src)
-    out = subprocess.run([sys.executable, __file__, "--worker", model, str(threads), str(n_seq), str(tokens)],
+    out = subprocess.run([sys.executable, __file__, "--worker", model, str(threads), str(n_seq), str(tokens),
+                          str(int(distinct))],
                          env=env, capture_output=True, text=True, check=True).stdout
     return json.loads(out.splitlines()[-1])
 
@@ -63,11 +71,12 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--engine", action="append", metavar="LABEL=DIR",
                     help="a source tree to measure (repeatable); default src=src (this tree)")
-    ap.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
+    ap.add_argument("--distinct", action="store_true", help="each sequence its own random tokens")
+    ap.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        model, threads, n_seq, tokens = args.worker
-        print(json.dumps(worker(model, int(threads), int(n_seq), int(tokens))))
+        model, threads, n_seq, tokens, distinct = args.worker
+        print(json.dumps(worker(model, int(threads), int(n_seq), int(tokens), distinct == "1")))
         return
     engines = [e.split("=", 1) for e in (args.engine or [f"src={ROOT / 'src'}"])]
     seqs = [int(n) for n in args.seqs.split(",")]
@@ -75,9 +84,11 @@ def main() -> None:
     for run in range(args.runs):
         for n in seqs:
             for label, src in engines:
-                results[label, n].append(measure(src, args.model, args.threads, n, args.tokens))
+                results[label, n].append(measure(src, args.model, args.threads, n, args.tokens, args.distinct))
         print(f"round {run + 1} of {args.runs} done", file=sys.stderr, flush=True)
-    print(f"{pathlib.Path(args.model).name}, {args.threads} threads, {args.tokens} steps, medians of {args.runs}")
+    tokens = "each sequence its own tokens" if args.distinct else "every sequence the same tokens"
+    print(f"{pathlib.Path(args.model).name}, {args.threads} threads, {args.tokens} steps, {tokens}, "
+          f"medians of {args.runs}")
     print(f"{'engine':8} {'seqs':>4} {'tok/s':>8} {'x 1 seq':>7} {'tok/cpu-s':>10} {'x 1 seq':>7}")
     for label, _ in engines:
         one = {k: statistics.median(r[k] for r in results[label, seqs[0]]) for k in ("wall", "cpu")}
