@@ -28,6 +28,8 @@ typedef __m512 avec;
 #define av_sub _mm512_sub_ps
 #define av_mul _mm512_mul_ps
 #define av_max _mm512_max_ps
+#define av_min _mm512_min_ps
+#define av_div _mm512_div_ps
 static inline avec av_floor(avec v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
 /* 2^n for whole n in [-126, 127], built as an f32's exponent bits */
 static inline avec av_pow2(avec n) {
@@ -55,6 +57,8 @@ typedef __m256 avec;
 #define av_sub _mm256_sub_ps
 #define av_mul _mm256_mul_ps
 #define av_max _mm256_max_ps
+#define av_min _mm256_min_ps
+#define av_div _mm256_div_ps
 static inline avec av_floor(avec v) { return _mm256_floor_ps(v); }
 static inline avec av_pow2(avec n) {
     __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
