@@ -55,6 +55,7 @@ typedef struct {
     size_t row_bytes;
     size_t matrix_bytes;   /* n_out rows: the stride between the experts of a 3-D tensor */
     const void *bands;     /* NULL, or the rows laid out in bands (strata_bands_fill): every product reads that */
+    int packs;             /* its products pack the tokens anew per call (strata_gemm_packs_tokens; not its bands') */
 } matrix;
 
 /* The matrix of expert e in a 3-D expert tensor. */
@@ -134,6 +135,7 @@ static strata_status view_tensor(const strata_tensor_info *t, int64_t ne0, int64
     w->n_out = want[1];
     w->row_bytes = strata_row_bytes(t->type, ne0);
     w->matrix_bytes = w->row_bytes * (size_t)want[1];
+    w->packs = strata_gemm_packs_tokens(t->type, ne0);
     if ((unsigned long long)t->n_bytes < w->matrix_bytes * (size_t)want[2])
         return fail(STRATA_ERR_INVALID_ARG, "tensor %s: %lld bytes, its shape needs %zu (truncated file?)",
                     t->name, t->n_bytes, w->matrix_bytes * (size_t)want[2]);
@@ -299,6 +301,7 @@ static strata_status prepare_output(strata_model *m) {
     madvise(m->output_bands, (n + huge - 1) / huge * huge, MADV_HUGEPAGE);  // a hint: no error if refused
     strata_bands_fill(w->type, w->data, w->n_out, w->n_in, m->output_bands);
     w->bands = m->output_bands;
+    w->packs = 0;
     m->prepared_bytes = n;
     return STRATA_OK;
 }
@@ -805,7 +808,7 @@ static void products(const team *tm, int n_w, const matrix *const *ws, float *co
     int packs = 1;  // every weight packs the tokens per call
     for (int i = 0; i < n_w; i++) {
         total += row_blocks(ws[i]);
-        packs &= strata_gemm_packs_tokens(ws[i]->type, ws[i]->n_in) && !ws[i]->bands;
+        packs &= ws[i]->packs;
     }
     if (n_tok <= FEW_TOKENS) per = max64(MIN_RUN_BLOCKS, total / ((int64_t)RUNS_PER_THREAD * tm->nth));
     else if (packs) per = max64(1, min64(PACKED_RUN_BLOCKS, total / ((int64_t)RUNS_PER_THREAD * tm->nth)));
@@ -1062,7 +1065,7 @@ static int64_t expert_task_rows(const strata_context *c, int n_tok, int n_mat, i
 /* Give each (token, choice) a slot, slots grouped by expert (expert e owns expert_count[e] slots from
  * expert_start[e]); then list the (expert, row block) tasks: gate/up ones first, then down ones. Experts nobody
  * picked get no task. */
-static void group_slots(strata_context *c, int il, int n_tok) {
+static void group_slots(strata_context *c, const layer_weights *L, int n_tok) {
     const strata_model_params *p = &c->model->hp;
     int n_exp = p->n_expert, k = p->n_expert_used, next[n_exp];  // next free slot per expert
     for (int e = 0, start = 0; e < n_exp; e++) {
@@ -1076,12 +1079,8 @@ static void group_slots(strata_context *c, int il, int n_tok) {
     }
     int n_picked = 0;
     for (int e = 0; e < n_exp; e++) n_picked += c->expert_count[e] > 0;
-    const layer_weights *L = &c->model->layers[il];
-    int packs_up = strata_gemm_packs_tokens(L->gate_exps.type, L->gate_exps.n_in) &&
-                   strata_gemm_packs_tokens(L->up_exps.type, L->up_exps.n_in);
-    c->task_rows[0] = expert_task_rows(c, n_tok, 2 * n_picked, p->n_ff_exp, packs_up);
-    c->task_rows[1] = expert_task_rows(c, n_tok, n_picked, p->n_embd,
-                                       strata_gemm_packs_tokens(L->down_exps.type, L->down_exps.n_in));
+    c->task_rows[0] = expert_task_rows(c, n_tok, 2 * n_picked, p->n_ff_exp, L->gate_exps.packs && L->up_exps.packs);
+    c->task_rows[1] = expert_task_rows(c, n_tok, n_picked, p->n_embd, L->down_exps.packs);
     int64_t blocks[2] = {(p->n_ff_exp + c->task_rows[0] - 1) / c->task_rows[0],
                          (p->n_embd + c->task_rows[1] - 1) / c->task_rows[1]};
     int n[2] = {0, 0};
@@ -1146,7 +1145,7 @@ static void moe_block(const team *tm, strata_context *c, int il, int n_tok) {
     linear1(tm, c, c->xb, n_tok, &L->router, c->router);
     if (tm->ith == 0) {  // no barrier of its own: only gather_slots reads the routing, past the next one
         route_tokens(c, n_tok);
-        group_slots(c, il, n_tok);
+        group_slots(c, L, n_tok);
     }
     // per slot: hb = silu(xb Wg_e) * (xb Wu_e); moe_out = hb @ Wd_e
     experts_gate_up(tm, c, L, n_tok);
