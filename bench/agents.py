@@ -1,8 +1,9 @@
 """Agent traffic through HTTP: parallel streams, and a long conversation with side requests between its turns.
 
-- **Parallel streams.** N clients (1, 2, 4, 8) stream greedy answers of `--tokens` tokens at once, each its own
-  prompt; the figure is the aggregate generated tokens/s (all streams' chunks over the wall time from the first
-  request to the last chunk) and its ratio to one stream. Beside it, when llama-cpp-python is installed,
+- **Parallel streams.** N clients (1, 2, 4, 8) stream answers of `--tokens` tokens at once, each its own prompt,
+  greedy unless `--temperature` says otherwise (agents that leave it out get the APIs' default, 1); the figure
+  is the aggregate generated tokens/s (all streams' chunks over the wall time from the first request to the last
+  chunk) and its ratio to one stream. Beside it, when llama-cpp-python is installed,
   llama.cpp's own batched decode of the same file, in a process of its own: one `llama_decode` per step with a
   `llama_batch` holding one token of each of N sequences (prompts first, one per sequence), the same token
   counts and threads, its tokens/s over the decode steps (a better case than ours, which counts prompts, HTTP
@@ -30,7 +31,7 @@ The server runs in this process (hypercorn, trio worker, `slots` = 8); the clien
 (a client here would compete with the server for the GIL) and reads all its connections in one thread.
 
     python bench/agents.py [--model bench/out/qwen3moe-small-q8_0.gguf] [--threads 2] [--tokens 64] [--only join]
-                           [--join-runs N] [--slowdown S]
+                           [--join-runs N] [--slowdown S] [--temperature T]
 """
 
 from __future__ import annotations
@@ -73,14 +74,15 @@ def filler(n_words: int, seed: int) -> str:
 # --- the client process
 
 
-def stream_body(text: str, tokens: int, logprobs: bool = False) -> dict[str, Any]:
-    return {"model": "m", "stream": True, "max_tokens": tokens, "temperature": 0, "logprobs": logprobs,
+def stream_body(text: str, tokens: int, logprobs: bool = False, temperature: float = 0.0) -> dict[str, Any]:
+    return {"model": "m", "stream": True, "max_tokens": tokens, "temperature": temperature, "logprobs": logprobs,
             "messages": [{"role": "user", "content": text}]}
 
 
-def parallel(url: str, n: int, tokens: int, run: int) -> dict[str, Any]:
+def parallel(url: str, n: int, tokens: int, run: int, temperature: float = 0.0) -> dict[str, Any]:
     """`n` streams at once, each on its own connection, all read by one thread (`Streams`)."""
-    bodies = [stream_body(f"run {run} stream {i}: " + filler(20, run * 10 + i), tokens) for i in range(n)]
+    bodies = [stream_body(f"run {run} stream {i}: " + filler(20, run * 10 + i), tokens, temperature=temperature)
+              for i in range(n)]
     cpu = time.process_time()
     with Streams(url) as streams:
         results = [streams.send(body) for body in bodies]
@@ -247,7 +249,7 @@ def client_main(url: str) -> None:
     for line in sys.stdin:
         order = json.loads(line)
         if order["kind"] == "parallel":
-            result = parallel(url, order["n"], order["tokens"], order["run"])
+            result = parallel(url, order["n"], order["tokens"], order["run"], order.get("temperature", 0.0))
         elif order["kind"] == "join":
             result = join(url, order["tokens"], order["streams"], order["run"])
         else:
@@ -408,7 +410,8 @@ class Steps:
 
 
 async def run(model: Path, threads: int, tokens: int, turns: int, parts: set[str],
-              join_runs: int | None = None, slowdown: float | None = None) -> dict[str, Any]:
+              join_runs: int | None = None, slowdown: float | None = None, temperature: float = 0.0
+              ) -> dict[str, Any]:
     results: dict[str, Any] = {"parallel": {}, "trace": {}, "join": {}}
     for slots in (8, 1):
         if slots == 1 and "trace" not in parts:
@@ -426,7 +429,8 @@ async def run(model: Path, threads: int, tokens: int, turns: int, parts: set[str
                     for n in STREAMS:  # the counts alternated, so that a change of load hits each alike
                         cpu_before, names = threadcpu.snapshot(), threadcpu.Names()
                         with names:
-                            p = await ask(kind="parallel", n=n, tokens=tokens, run=100 * round_ + n)
+                            p = await ask(kind="parallel", n=n, tokens=tokens, run=100 * round_ + n,
+                                          temperature=temperature)
                         p["cpu_s"] = threadcpu.spent(cpu_before, threadcpu.snapshot(), names)
                         results["parallel"].setdefault(n, {"http": []})["http"].append(p)
                 for n in STREAMS if slots == 8 and "parallel" in parts else ():
@@ -540,6 +544,8 @@ def main() -> None:
     parser.add_argument("--join-runs", type=int, metavar="N",
                         help="run only the default step budget in the join part, N times")
     parser.add_argument("--slowdown", type=float, help="the server's step_slowdown (default: the config's)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="the parallel streams' temperature (default 0: greedy; 1 is the APIs' default)")
     parser.add_argument("--client", help=argparse.SUPPRESS)
     parser.add_argument("--decode", choices=("llama.cpp", "strata"), help=argparse.SUPPRESS)
     parser.add_argument("--n-seq", type=int, help=argparse.SUPPRESS)
@@ -555,7 +561,7 @@ def main() -> None:
         sys.exit(f"no model at {args.model}: strata make-model --arch qwen3moe --size small --dtype q8_0 "
                  f"--vocab qwen --out {args.model}")
     results = trio.run(run, args.model, args.threads, args.tokens, args.turns, set(args.only), args.join_runs,
-                       args.slowdown)
+                       args.slowdown, args.temperature)
     report(args.model, args.threads, args.tokens, results)
 
 

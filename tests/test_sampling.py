@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -13,7 +15,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from strata.sampling import Sampler, SamplingParams
+from strata.sampling import Sampler, SamplingParams, draw
 
 N_VOCAB = 151_936
 
@@ -199,3 +201,80 @@ def test_a_greedy_draw_among_ids_is_their_arg_max() -> None:
     expected = int(allowed[np.argmax(logits[allowed])])
     assert Sampler(SamplingParams(temperature=0), N_VOCAB, mask=Mask()).sample(logits.copy()) == expected
     assert int(np.argmax(logits)) != expected  # the mask changed the answer
+
+
+# --- the draw (strata_sample, in C) against the numpy pipeline's candidates
+
+
+def reference_pick(ids: np.ndarray, probs: np.ndarray, u: float) -> tuple[int, float]:
+    """The token `u` draws from the candidates walked in id order, and u's distance to the nearest boundary of the
+    running probabilities (where float rounding may decide either way)."""
+    order = np.argsort(ids)
+    cumulative = np.cumsum(probs[order])
+    at = min(int(np.searchsorted(cumulative, u, side="right")), len(ids) - 1)
+    return int(ids[order][at]), float(np.min(np.abs(cumulative - u)))
+
+
+def with_ties_and_masks(n: int, seed: int) -> np.ndarray:
+    """Logits in steps of 0.25, so that many are equal (ties at every cut), and a tenth of them -inf."""
+    rng = np.random.default_rng(seed)
+    logits = np.round(rng.standard_normal(n) * 8) / 4
+    logits[rng.random(n) < 0.1] = -np.inf
+    return logits.astype(np.float32)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(),
+    SamplingParams(temperature=0.7),
+    SamplingParams(temperature=1.3, top_p=0.8),
+    SamplingParams(temperature=0.6, top_p=0.95),
+    SamplingParams(top_p=0.3),
+    SamplingParams(temperature=1.0, min_p=0.1),
+    SamplingParams(temperature=0.8, top_p=0.9, min_p=0.02),
+    SamplingParams(temperature=1.0, top_k=5),
+    SamplingParams(temperature=0.6, top_k=20, top_p=0.95),
+    SamplingParams(temperature=0.9, top_k=40, top_p=0.9, min_p=0.05),
+    SamplingParams(top_k=1999),
+])
+@pytest.mark.parametrize("logits", [random_logits(3.0, n=2000, seed=11), random_logits(1.0, n=2000, seed=12),
+                                    with_ties_and_masks(2000, 13)], ids=["peaked", "flat", "ties and masks"])
+def test_a_draw_picks_the_token_the_candidates_give_u(params: SamplingParams, logits: np.ndarray) -> None:
+    """For u across [0, 1): the token of the numpy pipeline's candidates (`distribution`) whose running
+    probability, in id order, first passes u. Near a boundary (within 1e-5: the two take e^x in float32 by
+    different means) either neighbour may come."""
+    ids, probs = Sampler(params, len(logits)).distribution(logits)
+    checked = 0
+    for u in np.linspace(0.0, 1.0, 401, endpoint=False) + 0.0012345:
+        expected, margin = reference_pick(ids, probs, u)
+        if margin < 1e-5:
+            continue
+        assert draw(logits, params, float(u)) == expected, f"u={u}"
+        checked += 1
+    assert checked > 300
+
+
+@pytest.mark.parametrize("params", [SamplingParams(top_p=0.9), SamplingParams(temperature=0.5, min_p=0.2),
+                                    SamplingParams(top_k=50, top_p=0.7)])
+def test_draws_over_the_whole_vocabulary_stay_among_the_candidates(params: SamplingParams) -> None:
+    logits = random_logits(3.0, seed=21)
+    ids, probs = Sampler(params, N_VOCAB).distribution(logits)
+    sampler = Sampler(dataclasses.replace(params, seed=5), N_VOCAB)
+    drawn = np.array([sampler.sample(logits) for _ in range(3000)])
+    assert set(drawn.tolist()) <= set(ids.tolist())
+    # the most likely candidate comes about as often as it should (5 standard deviations)
+    top = int(ids[np.argmax(probs)])
+    p = float(probs.max())
+    assert abs(np.mean(drawn == top) - p) < 5 * np.sqrt(p * (1 - p) / 3000)
+
+
+def test_a_draw_never_picks_a_masked_token() -> None:
+    logits = np.full(N_VOCAB, -np.inf, np.float32)
+    logits[[7, 151_000]] = [0.0, -100.0]  # e^-100: below the float32 weights the draw keeps
+    assert {draw(logits, SamplingParams(), u) for u in (0.0, 0.5, 0.999999)} == {7}
+
+
+def test_a_draw_refuses_greedy_settings_and_no_logits() -> None:
+    with pytest.raises(ValueError, match="temperature above 0"):
+        draw(np.zeros(4, np.float32), SamplingParams(temperature=0.0), 0.5)
+    with pytest.raises(ValueError, match="logits"):
+        draw(np.zeros(0, np.float32), SamplingParams(), 0.5)

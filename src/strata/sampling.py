@@ -26,6 +26,8 @@ from typing import Protocol
 
 import numpy as np
 
+from strata.engine_cffi._engine import ffi, lib
+
 # top-p on the whole vocabulary first looks at this many of the most likely tokens, and grows the window only if
 # their mass falls short of top_p: a full sort of 151,936 logits costs ~10 ms, a partition ~1 ms.
 _TOP_P_FIRST_WINDOW = 1024
@@ -141,6 +143,7 @@ class Sampler:
             raise ValueError(f"logit_bias names a token id beyond the vocabulary ({n_vocab} tokens)")
         self._bias_ids = np.array([token for token, _ in params.logit_bias], dtype=np.int64)
         self._bias_values = np.array([bias for _, bias in params.logit_bias], dtype=np.float32)
+        self._work: tuple[np.ndarray, np.ndarray] | None = None
 
     @functools.cached_property
     def _rng(self) -> np.random.Generator:
@@ -168,18 +171,20 @@ class Sampler:
     def _draw(self, logits: np.ndarray, previous_ids: Sequence[int], among: np.ndarray | None = None) -> int:
         """A token drawn from `logits`; with `among` (ids), from those tokens only (the others are masked)."""
         p = self.params
-        if p.greedy and not p.penalised:  # the decode loop's common case: the arg-max, nothing to build
-            if np.shape(logits) != (self.n_vocab,):
-                raise ValueError(f"logits must have shape ({self.n_vocab},), got {np.shape(logits)}")
-            if among is not None:
-                return int(among[np.argmax(logits[among])])
-            return int(np.argmax(logits))
-        ids, weights = self._candidates(logits, previous_ids, among)
-        if len(ids) == 1:
-            return int(ids[0])
-        cumulative = np.cumsum(weights, dtype=np.float64)
-        pick = np.searchsorted(cumulative, self._rng.random() * cumulative[-1], side="right")
-        return int(ids[min(pick, len(ids) - 1)])
+        scores = self.penalise(logits, previous_ids)  # `logits` itself unless a penalty applies
+        if among is not None:
+            scores = scores[among]
+        if p.greedy:  # the decode loop's common case: the arg-max, nothing to build
+            index = int(np.argmax(scores))
+        else:
+            index = draw(scores, p, self._rng.random(), self._scratch(len(scores)))
+        return index if among is None else int(among[index])
+
+    def _scratch(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """`draw`'s work arrays for n logits, kept from draw to draw (151,936 logits: 1.2 MB)."""
+        if self._work is None or len(self._work[0]) < n:
+            self._work = (np.empty(n, np.float32), np.empty(n, np.int32))
+        return self._work
 
     def penalise(self, logits: np.ndarray, previous_ids: Sequence[int]) -> np.ndarray:
         """The logits after the penalties (a copy when any applies; `logits` itself is never changed)."""
@@ -249,6 +254,31 @@ class Sampler:
         return ids, weights
 
 
+def draw(scores: np.ndarray, params: SamplingParams, u: float,
+         work: tuple[np.ndarray, np.ndarray] | None = None) -> int:
+    """The index of the token that `u` in [0, 1) draws from `scores` (logits after penalties and masks) under the
+    temperature, top-k, top-p and min-p of `params` (not greedy): the candidates `Sampler.distribution` gives,
+    walked in id order until their running probability passes `u`. In C (`strata_sample`), without the GIL: numpy
+    took 1.4 ms a token over 151,936 logits at the default settings, and 15 ms for top-p 0.95 of a flat
+    distribution. Weights under e^-87 of the most likely token's count as 0.
+
+    work: a float32 and an int32 array of at least len(scores), reused between calls (else allocated)."""
+    scores = np.ascontiguousarray(scores, dtype=np.float32)
+    n = len(scores)
+    if n == 0 or params.greedy:
+        raise ValueError("draw needs logits and a temperature above 0 (greedy draws are the arg-max)")
+    floats, ints = work if work is not None else (np.empty(n, np.float32), np.empty(n, np.int32))
+    if len(floats) < n or len(ints) < n or floats.dtype != np.float32 or ints.dtype != np.int32:
+        raise ValueError(f"draw needs float32 and int32 work arrays of {n} values")
+    settings = ffi.new("strata_sampling *", {"temperature": params.temperature, "top_k": params.top_k,
+                                             "top_p": params.top_p, "min_p": params.min_p})
+    index = lib.strata_sample(ffi.from_buffer("float[]", scores), n, settings, u,
+                              ffi.from_buffer("float[]", floats), ffi.from_buffer("int[]", ints))
+    if index < 0:
+        raise MemoryError("no memory for the top-k candidates")
+    return int(index)
+
+
 def log_probabilities(logits: np.ndarray, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
     """The log-probability of `token` and the `top` most likely tokens under softmax(logits): the model's own
     distribution after the logit bias and the answer's mask, before penalties and temperature (what OpenAI
@@ -263,13 +293,15 @@ def log_probabilities(logits: np.ndarray, token: int, top: int) -> tuple[float, 
 
 
 def _nucleus_window(scaled: np.ndarray, relative: np.ndarray, total: float, top_p: float) -> np.ndarray:
-    """Ids of the most likely tokens, highest first, at least enough of them to hold `top_p` of the mass.
+    """Ids of the most likely tokens, highest first (equal ones in id order), at least enough of them to hold
+    `top_p` of the mass.
 
     Grows a partitioned window instead of sorting the whole vocabulary; only the window that suffices is sorted.
     """
     window = _TOP_P_FIRST_WINDOW
     while window < len(scaled):
-        ids = np.argpartition(-scaled, window - 1)[:window]
+        lowest = scaled[np.argpartition(-scaled, window - 1)[window - 1]]
+        ids = np.flatnonzero(scaled >= lowest)  # the window, and every token equal to its lowest
         if relative[ids].sum(dtype=np.float64) >= top_p * total:
             return ids[np.argsort(-scaled[ids], kind="stable")]
         window *= 8
@@ -285,9 +317,10 @@ def _recent(previous_ids: Sequence[int], last_n: int) -> Sequence[int]:
 
 
 def _sorted_top(scores: np.ndarray, k: int) -> np.ndarray:
-    """Ids of the k highest scores, highest first."""
-    part = np.argpartition(-scores, k - 1)[:k]
-    return part[np.argsort(-scores[part], kind="stable")]
+    """Ids of the k highest scores, highest first (equal ones in id order)."""
+    lowest = scores[np.argpartition(-scores, k - 1)[k - 1]]
+    ids = np.flatnonzero(scores >= lowest)
+    return ids[np.argsort(-scores[ids], kind="stable")][:k]
 
 
 def _nucleus_size(weights: np.ndarray, total: float, top_p: float) -> int:

@@ -386,9 +386,11 @@ def test_the_monitor_shows_phases_and_a_cancelled_request(long_answers: Served, 
     chat = long_answers.url + "/v1/chat/completions"
     story = {"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 3000, "stream": True,
              "temperature": 0}
+    # Greedy and long, so that its decode spans several of the page's 0.25 s updates: a short answer could pass
+    # between two of them and leave no decode in its trail.
     picture = {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:image/png;base64," + PICTURE}},
-        {"type": "text", "text": "What is in the picture?"}]}], "max_tokens": 100}
+        {"type": "text", "text": "What is in the picture?"}]}], "max_tokens": 1000, "temperature": 0}
     results: list[httpx.Response] = []
     with httpx.Client(timeout=60) as client, client.stream("POST", chat, json=story) as long_reply:
         chunks = long_reply.iter_bytes()  # kept: a dropped iterator closes the response

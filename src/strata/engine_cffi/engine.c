@@ -635,26 +635,10 @@ static void kv_store(const strata_context *c, void *cache, float *scales, size_t
     }
 }
 
-/* Cache rows are read in place as f32 vectors of AV lanes (simd.h), with e^x for the softmax: a vector path, a
- * leftovers tail, a scalar path without AVX2. */
+/* Cache rows are read in place as f32 vectors of AV lanes (simd.h, which has the softmax's e^x too): a vector
+ * path, a leftovers tail, a scalar path without AVX2. */
 #if defined(AV)
 #define AV_SLICE 4  /* vectors of a V row summed per pass: 2 heads x 4 accumulators stay in registers */
-
-/* e^x for x <= 87 (a softmax's x <= 0, SwiGLU's -g), within a few ulp of expf: e^x = 2^n e^r with |r| <= ln2 / 2,
- * n = round(x / ln2), ln2 split in two parts so that r is exact, and e^r by Cephes' degree-7 polynomial for expf.
- * Below -87 it gives about 1e-38 rather than 0, which no softmax sum notices. */
-static inline avec av_exp_neg(avec x) {
-    static const float c[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f,
-                               1.6666665459e-1f, 5.0000001201e-1f};
-    x = av_max(x, av_set1(-87.0f));
-    avec n = av_floor(av_fmadd(x, av_set1(1.44269504089f), av_set1(0.5f)));
-    avec r = av_fmadd(n, av_set1(-0.693359375f), x);
-    r = av_fmadd(n, av_set1(2.12194440e-4f), r);
-    avec poly = av_set1(c[0]);
-    for (int k = 1; k < 6; k++) poly = av_fmadd(poly, r, av_set1(c[k]));
-    avec er = av_fmadd(poly, av_mul(r, r), av_add(r, av_set1(1.0f)));  // 1 + r + r^2 poly(r)
-    return av_mul(er, av_pow2(n));
-}
 
 /* AV cached values from element i of a row, as f32 (int8 rows still unscaled). */
 static inline avec kv_vec(int kv_type, const void *row, int i) {

@@ -44,6 +44,11 @@ static inline avec av_from_bf16(const uint16_t *h) {  // bf16 is the top half of
 static inline avec av_from_i8(const int8_t *v) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)v)));
 }
+/* v's lanes where x > lo, 0 elsewhere; whether any lane of x is above lo */
+static inline avec av_where_above(avec x, avec lo, avec v) {
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, lo, _CMP_GT_OQ), v);
+}
+static inline int av_any_above(avec x, avec lo) { return _mm512_cmp_ps_mask(x, lo, _CMP_GT_OQ) != 0; }
 #elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 #define AV 8
 typedef __m256 avec;
@@ -72,4 +77,26 @@ static inline avec av_from_bf16(const uint16_t *h) {
 static inline avec av_from_i8(const int8_t *v) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)v)));
 }
+static inline avec av_where_above(avec x, avec lo, avec v) { return _mm256_and_ps(_mm256_cmp_ps(x, lo, _CMP_GT_OQ), v); }
+static inline int av_any_above(avec x, avec lo) { return _mm256_movemask_ps(_mm256_cmp_ps(x, lo, _CMP_GT_OQ)) != 0; }
 #endif
+
+#if defined(AV)
+/* e^x for x <= 87 (a softmax's x <= 0, SwiGLU's -g, a sampler's scaled logits less their maximum), within a few
+ * ulp of expf: e^x = 2^n e^r with |r| <= ln2 / 2, n = round(x / ln2), ln2 split in two parts so that r is exact,
+ * and e^r by Cephes' degree-7 polynomial for expf. Below -87 it gives about 1e-38 rather than 0, which no softmax
+ * sum notices. */
+static inline avec av_exp_neg(avec x) {
+    static const float c[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f,
+                               1.6666665459e-1f, 5.0000001201e-1f};
+    x = av_max(x, av_set1(-87.0f));
+    avec n = av_floor(av_fmadd(x, av_set1(1.44269504089f), av_set1(0.5f)));
+    avec r = av_fmadd(n, av_set1(-0.693359375f), x);
+    r = av_fmadd(n, av_set1(2.12194440e-4f), r);
+    avec poly = av_set1(c[0]);
+    for (int k = 1; k < 6; k++) poly = av_fmadd(poly, r, av_set1(c[k]));
+    avec er = av_fmadd(poly, av_mul(r, r), av_add(r, av_set1(1.0f)));  // 1 + r + r^2 poly(r)
+    return av_mul(er, av_pow2(n));
+}
+#endif
+

@@ -41,6 +41,20 @@ enum {
     STRATA_TYPE_MXFP4 = 39
 };
 
+/* --- sampling */
+
+typedef struct {
+    float temperature;  /* > 0: divides the logits, in f32 */
+    int top_k;          /* keep the k most likely tokens; 0 (or k >= n): off */
+    double top_p;       /* in (0, 1]: keep the most likely tokens until their probability reaches it; 1: off */
+    double min_p;       /* in [0, 1]: keep tokens at least this fraction of the most likely one's probability */
+} strata_sampling;
+
+/* The index of the token drawn from logits[0..n) under `s` by u in [0, 1): the kept tokens in id order, the first
+ * whose running probability passes u (the candidates are strata.sampling's numpy pipeline's). work: n floats,
+ * idx: n ints of scratch. -1: n <= 0, a temperature not above 0, or no memory. */
+int strata_sample(const float *logits, int n, const strata_sampling *s, double u, float *work, int *idx);
+
 /* --- kernels: block formats and dot products (also used by tests and the image encoder) */
 
 /* 1 when `type` is a weight type the engine reads. */
