@@ -3,7 +3,9 @@ and in the batcher's decode, where every sequence's draw runs on the engine thre
 
     python bench/sampling.py [--model bench/out/qwen3moe-small-q8_0.gguf] [--threads 2] [--tokens 64] [--runs 3]
 
-Per draw: microseconds over 151,936 logits (normal, standard deviation 3: "peaked", 1: "flat"), median of 200. The
+Per draw: microseconds over 151,936 logits, median of 200: normal with standard deviation 1 ("flat") or 3, and
+"trained-like": 300 tokens 8-20 above a normal background of deviation 2, as a trained model puts most of its mass
+on a few tokens (a random model's logits are the flat kind). The
 numpy side is the earlier sampler's: the candidates (`Sampler.distribution`, sorted windows for top-p and top-k),
 then a search of their running sum. Decode: tokens/s of the batcher (`strata.generation.Batcher`, as the server
 and `strata generate` run it) with 1 and 4 sequences of 40 random prompt tokens each, for each setting, both draws
@@ -34,6 +36,17 @@ SETTINGS = {
     "temperature 0.6, top-p 0.95, top-k 20": SamplingParams(temperature=0.6, top_p=0.95, top_k=20),
     "temperature 1, min-p 0.05": SamplingParams(min_p=0.05),
 }
+
+
+def trained_like(rng: np.random.Generator) -> np.ndarray:
+    logits = rng.standard_normal(N_VOCAB) * 2
+    logits[rng.choice(N_VOCAB, 300, replace=False)] += rng.uniform(8, 20, 300)
+    return logits.astype(np.float32)
+
+
+LOGITS = {"flat": (np.random.default_rng(0).standard_normal(N_VOCAB)).astype(np.float32),
+          "normal, sd 3": (np.random.default_rng(0).standard_normal(N_VOCAB) * 3).astype(np.float32),
+          "trained-like": trained_like(np.random.default_rng(0))}
 
 
 def numpy_draw(sampler: Sampler, logits: np.ndarray, previous: Any = ()) -> int:
@@ -86,8 +99,7 @@ def main() -> None:
     print(f"per draw over {N_VOCAB:,} logits, microseconds (median of 200)\n")
     print("| setting | logits | numpy | C | numpy / C |\n|---|---|---|---|---|")
     for name, params in SETTINGS.items():
-        for kind, scale in (("peaked", 3.0), ("flat", 1.0)):
-            logits = (np.random.default_rng(0).standard_normal(N_VOCAB) * scale).astype(np.float32)
+        for kind, logits in LOGITS.items():
             old, new = per_draw(params, logits, numpy_draw), per_draw(params, logits, Sampler.sample)
             print(f"| {name} | {kind} | {old:.0f} | {new:.0f} | {old / new:.1f} |")
 

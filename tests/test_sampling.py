@@ -215,6 +215,14 @@ def reference_pick(ids: np.ndarray, probs: np.ndarray, u: float) -> tuple[int, f
     return int(ids[order][at]), float(np.min(np.abs(cumulative - u)))
 
 
+def trained_like(n: int, seed: int) -> np.ndarray:
+    """Most of the mass on a few tokens, as a trained model puts it: 30 tokens 8-20 above a normal background."""
+    rng = np.random.default_rng(seed)
+    logits = rng.standard_normal(n) * 2
+    logits[rng.choice(n, 30, replace=False)] += rng.uniform(8, 20, 30)
+    return logits.astype(np.float32)
+
+
 def with_ties_and_masks(n: int, seed: int) -> np.ndarray:
     """Logits in steps of 0.25, so that many are equal (ties at every cut), and a tenth of them -inf."""
     rng = np.random.default_rng(seed)
@@ -237,7 +245,8 @@ def with_ties_and_masks(n: int, seed: int) -> np.ndarray:
     SamplingParams(top_k=1999),
 ])
 @pytest.mark.parametrize("logits", [random_logits(3.0, n=2000, seed=11), random_logits(1.0, n=2000, seed=12),
-                                    with_ties_and_masks(2000, 13)], ids=["peaked", "flat", "ties and masks"])
+                                    trained_like(2000, 14), with_ties_and_masks(2000, 13)],
+                         ids=["peaked", "flat", "trained-like", "ties and masks"])
 def test_a_draw_picks_the_token_the_candidates_give_u(params: SamplingParams, logits: np.ndarray) -> None:
     """For u across [0, 1): the token of the numpy pipeline's candidates (`distribution`) whose running
     probability, in id order, first passes u. Near a boundary (within 1e-5: the two take e^x in float32 by

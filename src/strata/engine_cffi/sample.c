@@ -3,10 +3,12 @@
  * The candidates are those of the sampler's numpy pipeline (`Sampler.distribution`, which the tests hold against
  * Hugging Face's warpers), found without sorting the vocabulary:
  * - top-k keeps a heap of the k best values seen, and skips a vector of values at once when none beats its worst;
- * - top-p (without top-k) needs the most likely tokens until their probability reaches p. Its cut is found by
- *   histograms of the weights' bits (a weight is in [0, 1]: its bits order as its value does): 10 bits over every
- *   weight, the next 12 over those of the bin where p is reached, the last 8 over those of its bin, whose weights
- *   are then equal and taken in id order (as numpy's stable sort takes them).
+ * - top-p (without top-k) needs the most likely tokens until their probability reaches p. Only tokens of weight at
+ *   least (1 - p) / 2n of the total can be among them (the others together weigh less than 1 - p): in a trained
+ *   model's distribution a few hundred of a vocabulary. The cut among those is found by histograms of the weights'
+ *   bits (a weight is in [0, 1]: its bits order as its value does): 10 bits over them all, the next 12 over those
+ *   of the bin where p is reached, the last 8 over those of its bin, whose weights are then equal and taken in id
+ *   order (as numpy's stable sort takes them).
  * The kept tokens are walked in id order until their running weight passes u times their total, the blocks of
  * DRAW_BLOCK tokens before the one where that happens summed by vector.
  *
@@ -46,38 +48,58 @@ static int crossing_bin(const double *w, int n_bins, double need, double *above)
     return last;
 }
 
-/* The most likely of the weights w[0..n) (each in [0, 1]; ties: the lower index first), as few as reach `need` in
- * weight. Returns the last one taken, the cut: token i is in iff w[i] > w[cut], or equal and i <= cut; -1 if every
- * token is in. idx[0..*n_ties) is left holding the tokens of the cut's weight that are in (the cut last). idx: n
- * ints of scratch. */
-static int top_cut(const float *w, int n, double need, int *idx, int *n_ties) {
+/* The tokens whose weight is at least theta, into idx (ascending): how many, or -1 once there are more than
+ * `most` (a flat distribution: the whole vocabulary is read faster in order than through a long list). A vector
+ * of weights none of which reaches theta is passed over at once. */
+static int candidates(const float *w, int n, float theta, int most, int *idx) {
+    int m = 0, i = 0;
+    const float floor = nextafterf(theta, -INFINITY);  // w >= theta: w > floor
+#if defined(AV)
+    const avec f = av_set1(floor);
+    for (; i + AV <= n; i += AV) {
+        if (!av_any_above(av_load(w + i), f)) continue;
+        for (int l = i; l < i + AV; l++)
+            if (w[l] > floor) idx[m++] = l;
+        if (m > most) return -1;
+    }
+#endif
+    for (; i < n; i++)
+        if (w[i] > floor) idx[m++] = i;
+    return m > most ? -1 : m;
+}
+
+/* The most likely tokens (ties: the lower index first), as few as reach `need` in weight (their whole weight if it
+ * falls short by rounding), among idx[0..m) (ascending), or among all n with m < 0; weights w[i] in [0, 1].
+ * Returns the last one taken, the cut: a token of those is in iff w[i] > w[cut], or equal and i <= cut.
+ * idx[0..*n_ties) is left holding the tokens of the cut's weight that are in (the cut last). idx: n ints. */
+static int top_cut(const float *w, int n, int *idx, int m, double need, int *n_ties) {
     static const int shift[3] = {20, 8, 0}, width[3] = {10, 12, 8};  // bits 30 and 31 of a weight are 0
     double quad[4][1 << 10] = {{0}}, hist[1 << 12];
     double above = 0.0;
-    int m = 0;
-    *n_ties = 0;
-    // level 0 over every weight, in 4 interleaved histograms: no add waits for the one before it in the same bin
-    int i = 0;
-    for (; i + 4 <= n; i += 4)
-        for (int h = 0; h < 4; h++) quad[h][bits_of(w[i + h]) >> shift[0]] += w[i + h];
-    for (; i < n; i++) quad[0][bits_of(w[i]) >> shift[0]] += w[i];
-    double all = 0.0;
-    for (int b = 0; b < 1 << width[0]; b++) all += quad[0][b] += quad[1][b] + quad[2][b] + quad[3][b];
-    if (all < need) return -1;
+    // level 0, in 4 interleaved histograms: no add waits for the one before it in the same bin
+    const int all = m < 0, count = all ? n : m;
+#define AT(j) (all ? (j) : idx[j])
+    int j = 0;
+    for (; j + 4 <= count; j += 4)
+        for (int q = 0; q < 4; q++) quad[q][bits_of(w[AT(j + q)]) >> shift[0]] += w[AT(j + q)];
+    for (; j < count; j++) quad[0][bits_of(w[AT(j)]) >> shift[0]] += w[AT(j)];
+    for (int b = 0; b < 1 << width[0]; b++) quad[0][b] += quad[1][b] + quad[2][b] + quad[3][b];
     uint32_t prefix = (uint32_t)crossing_bin(quad[0], 1 << width[0], need, &above);
-    for (i = 0; i < n; i++)
-        if (bits_of(w[i]) >> shift[0] == prefix) idx[m++] = i;
+    m = 0;  // the bin's tokens, in index order
+    for (j = 0; j < count; j++)
+        if (bits_of(w[AT(j)]) >> shift[0] == prefix) idx[m++] = AT(j);
+#undef AT
     for (int level = 1; level < 3; level++) {
         const int s = shift[level], bins = 1 << width[level];
         memset(hist, 0, sizeof(double) * bins);
-        for (int j = 0; j < m; j++) hist[(bits_of(w[idx[j]]) >> s) & (bins - 1)] += w[idx[j]];
+        for (j = 0; j < m; j++) hist[(bits_of(w[idx[j]]) >> s) & (bins - 1)] += w[idx[j]];
         prefix = prefix << width[level] | (uint32_t)crossing_bin(hist, bins, need, &above);
-        int kept = 0;  // the bin's tokens, in index order
-        for (int j = 0; j < m; j++)
+        int kept = 0;
+        for (j = 0; j < m; j++)
             if (bits_of(w[idx[j]]) >> s == prefix) idx[kept++] = idx[j];
         m = kept;
     }
-    for (int j = 0; j < m; j++) {  // equal weights now, in index order
+    for (j = 0; j < m; j++) {  // equal weights now, in index order
         above += w[idx[j]];
         *n_ties = j + 1;
         if (above >= need) break;
@@ -289,10 +311,13 @@ int strata_sample(const float *logits, int n, const strata_sampling *s, double u
     const float mx = scale_logits(logits, n, s->temperature, work);
     if (s->top_k > 0 && s->top_k < n) return draw_top_k(work, n, s, u);
     const double total = relative_weights(work, n, mx);
-    int n_ties = 0, cut = -1;
-    if (s->top_p < 1.0) cut = top_cut(work, n, s->top_p * total, idx, &n_ties);
     const float min_floor = below(s->min_p);
-    if (cut < 0) return draw_above(work, n, min_floor, idx, 0, 0.0f, u);
+    if (!(s->top_p < 1.0)) return draw_above(work, n, min_floor, idx, 0, 0.0f, u);
+    // Tokens under theta weigh less than (1 - top_p) of the total together, so those at theta or above hold top_p
+    // of it, and the cut is among them (a half, against rounding).
+    const float theta = (float)(0.5 * (1.0 - s->top_p) * total / n);
+    int n_ties = 0;
+    const int cut = top_cut(work, n, idx, candidates(work, n, theta, n / 16, idx), s->top_p * total, &n_ties);
     // above the cut's weight, and the ties taken at it (if it passes min-p)
     const float value = work[cut], floor = value > min_floor ? value : min_floor;
     return draw_above(work, n, floor, idx, value > min_floor ? n_ties : 0, value, u);
