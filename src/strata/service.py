@@ -708,12 +708,14 @@ class Service:
         job = Job(prepared.ids, sampler, prepared.max_tokens, self.tokenizer.eos_ids, keys=prepared.prompt.keys,
                   spans=prepared.prompt.spans, tag=row.id, progress=live,
                   prompt_logprobs=request.logprobs if echo else None)
+        # Everything this task can make before the job goes: the engine thread needs the GIL to start the job's
+        # call, and gets it only once this task waits for the first token.
+        output = _Output(self.tokenizer, request, prepared.starts_in_reasoning)
+        finish: FinishReason | None = None
+        reasoning_tokens = 0
         stream = _Stream(self.loop, job)
         self._generating.append((row, stream))
         try:
-            output = _Output(self.tokenizer, request, prepared.starts_in_reasoning)
-            finish: FinishReason | None = None
-            reasoning_tokens = 0
             while finish is None:
                 tokens = await stream.next_tokens()
                 if live.phase == "prompt":
