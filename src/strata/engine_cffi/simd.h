@@ -49,6 +49,19 @@ static inline avec av_where_above(avec x, avec lo, avec v) {
     return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, lo, _CMP_GT_OQ), v);
 }
 static inline int av_any_above(avec x, avec lo) { return _mm512_cmp_ps_mask(x, lo, _CMP_GT_OQ) != 0; }
+/* lane k = the sum of a[k]'s lanes, for 16 vectors at once: pairs of lanes, then of quarters, every vector's sum
+ * by the same tree */
+static inline avec av_sums(const avec a[16]) {
+    __m512 t[8], u[4];
+    for (int k = 0; k < 8; k++)  // per quarter: a0+a2, b0+b2, a1+a3, b1+b3
+        t[k] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * k], a[2 * k + 1]), _mm512_unpackhi_ps(a[2 * k], a[2 * k + 1]));
+    for (int k = 0; k < 4; k++)  // per quarter: the quarter's sums of a[4k] .. a[4k + 3]
+        u[k] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * k], t[2 * k + 1], 0x44),
+                             _mm512_shuffle_ps(t[2 * k], t[2 * k + 1], 0xee));
+    const __m512 v0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xdd));
+    const __m512 v1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(v0, v1, 0x88), _mm512_shuffle_f32x4(v0, v1, 0xdd));
+}
 #elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 #define AV 8
 typedef __m256 avec;
@@ -79,6 +92,15 @@ static inline avec av_from_i8(const int8_t *v) {
 }
 static inline avec av_where_above(avec x, avec lo, avec v) { return _mm256_and_ps(_mm256_cmp_ps(x, lo, _CMP_GT_OQ), v); }
 static inline int av_any_above(avec x, avec lo) { return _mm256_movemask_ps(_mm256_cmp_ps(x, lo, _CMP_GT_OQ)) != 0; }
+static inline avec av_sums(const avec a[8]) {
+    __m256 t[4], u[2];
+    for (int k = 0; k < 4; k++)
+        t[k] = _mm256_add_ps(_mm256_unpacklo_ps(a[2 * k], a[2 * k + 1]), _mm256_unpackhi_ps(a[2 * k], a[2 * k + 1]));
+    for (int k = 0; k < 2; k++)
+        u[k] = _mm256_add_ps(_mm256_shuffle_ps(t[2 * k], t[2 * k + 1], 0x44),
+                             _mm256_shuffle_ps(t[2 * k], t[2 * k + 1], 0xee));
+    return _mm256_add_ps(_mm256_permute2f128_ps(u[0], u[1], 0x20), _mm256_permute2f128_ps(u[0], u[1], 0x31));
+}
 #endif
 
 #if defined(AV)
