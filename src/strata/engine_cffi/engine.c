@@ -923,6 +923,36 @@ static void key_scores(strata_context *c, size_t base, const float *q, int n_pos
         }
     }
 }
+
+/* key_scores for two heads of one kv head at once, AV / 2 positions at a time: a key row is converted once for
+ * both. Each score takes the same steps as in key_scores (av_sums sums every vector by the same tree), so a head
+ * gets the same bits alone or in a pair. */
+static void key_scores_pair(strata_context *c, size_t base, const float *qa, const float *qb, int n_pos,
+                            float scale, float *sa, float *sb) {
+    enum { H = AV / 2 };
+    const int nv = c->model->hp.head_dim / AV;
+    for (int p0 = 0; p0 < n_pos; p0 += H) {
+        avec acc[AV];
+        float fs[AV] __attribute__((aligned(64))), out[AV];
+        _Pragma("GCC unroll 8") for (int k = 0; k < H; k++) {
+            acc[k] = acc[H + k] = av_zero(), fs[k] = fs[H + k] = 0.0f;
+            if (p0 + k >= n_pos) continue;
+            float f;
+            const void *row = kv_row(c, c->k_cache, c->k_scale, base + p0 + k, &f);
+            avec key = kv_vec(c->kv_type, row, 0), a = av_mul(av_load(qa), key), b = av_mul(av_load(qb), key);
+            for (int i = 1; i < nv; i++) {
+                key = kv_vec(c->kv_type, row, i * AV);
+                a = av_fmadd(av_load(qa + i * AV), key, a);
+                b = av_fmadd(av_load(qb + i * AV), key, b);
+            }
+            acc[k] = a, acc[H + k] = b, fs[k] = fs[H + k] = f * scale;
+        }
+        av_store(out, av_mul(av_sums(acc), av_load(fs)));
+        const int n = n_pos - p0 < H ? n_pos - p0 : H;
+        memcpy(sa + p0, out, sizeof(float) * n);
+        memcpy(sb + p0, out + H, sizeof(float) * n);
+    }
+}
 #endif
 
 /* out rows (n_q, head_dim) = softmax(q_j . K[0..n_pos) / sqrt(head_dim)) . V[0..n_pos), in f32, for n_q query
@@ -934,7 +964,11 @@ static void attend_heads(strata_context *c, size_t base, const float *q, int n_q
     float scale = 1.0f / sqrtf((float)hd), f;
 #if defined(AV)
     if (hd % AV == 0) {
-        for (int j = 0; j < n_q; j++) key_scores(c, base, q + j * hd, n_pos, scale, scores + (size_t)j * c->n_ctx);
+        int j = 0;
+        for (; j + 2 <= n_q; j += 2)
+            key_scores_pair(c, base, q + j * hd, q + (j + 1) * hd, n_pos, scale, scores + (size_t)j * c->n_ctx,
+                            scores + (size_t)(j + 1) * c->n_ctx);
+        if (j < n_q) key_scores(c, base, q + j * hd, n_pos, scale, scores + (size_t)j * c->n_ctx);
     } else
 #endif
     for (int p = 0; p < n_pos; p++) {
