@@ -114,6 +114,9 @@ class Config:
     threads: int | None = None
     kv: str = "f16"
     batch: int = 256
+    # Read the weights where the model file is mapped instead of a copy in huge pages: slower decode, but memory
+    # the kernel can drop, for a model about the size of the RAM.
+    mapped_weights: bool = False
     web: bool = True  # the chat page (/) and the monitor (/monitor)
     model_alias: str | None = None  # the served model name(s), comma-separated; the first is reported
     cors_origins: list[str] | None = None  # browser origins allowed to call the API ("*": any); None: no CORS

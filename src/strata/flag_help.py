@@ -14,6 +14,8 @@ HELP = {
     "threads": "engine threads (default: all cores)",
     "kv": "KV cache type: f32, f16 or int8",
     "batch": "prompt tokens per engine call",
+    "mapped_weights": "read the weights where the model file is mapped, not from a copy in huge pages (slower "
+                      "decode; for a model about the size of the RAM)",
     "slots": "requests generating at once (each keeps its KV cache of context positions while idle)",
     "kv_budget": "most MiB the KV cache of all slots may take (slots x context must fit; default: no bound)",
     "step_tokens": "most tokens per engine step while requests decode (a joining prompt comes in chunks)",

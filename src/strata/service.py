@@ -231,8 +231,10 @@ class Service:
                 raise
             self.attach(engine, tokenizer)
             bands = f", output weight in bands {engine.prepared_bytes / 2**20:.0f} MiB" if engine.prepared_bytes else ""
+            copied = f", weights copied to huge pages {engine.copied_bytes / 2**20:.0f} MiB" if engine.copied_bytes \
+                else ""
             log(f"model: {self.config.model} ({engine.arch}), context {engine.n_ctx}, threads {engine.threads}, "
-                f"backend {engine.backend}{bands}")
+                f"backend {engine.backend}{bands}{copied}")
             budget = "" if self.config.kv_budget is None else f" of a {self.config.kv_budget:g} MiB budget"
             log(f"KV cache: {engine.n_seq} slots x {engine.n_ctx} positions ({self.config.kv}), "
                 f"{engine.kv_bytes / 2**20:.0f} MiB{budget}")
@@ -254,7 +256,8 @@ class Service:
         stage.now = "tensors and context"
         budget = None if config.kv_budget is None else int(config.kv_budget * 2**20)
         engine = Engine.load(config.model, n_ctx=config.context, threads=config.threads, kv=config.kv,
-                             n_batch=config.batch, n_seq=config.slots, kv_budget=budget)
+                             n_batch=config.batch, n_seq=config.slots, kv_budget=budget,
+                             mapped_weights=config.mapped_weights)
         try:
             stage.now = "tokenizer"
             tokenizer = Tokenizer.from_gguf(config.model)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pathlib
 import threading
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -32,7 +33,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, pathlib.Path]:
     return found
 
 
-def alone(path: pathlib.Path, prompt: list[int], steps: list[int], **load: int) -> list[np.ndarray]:
+def alone(path: pathlib.Path, prompt: list[int], steps: list[int], **load: Any) -> list[np.ndarray]:
     """The prompt's logits (all rows), then one row per decode step, from a context of one sequence."""
     with Engine.load(path, n_ctx=128, threads=2, **load) as engine:
         rows = [engine.eval(prompt, all_logits=True)]
@@ -234,6 +235,27 @@ def test_only_a_q8_0_output_weight_is_laid_out_in_bands(models: dict[str, pathli
             assert engine.prepared_bytes >= n_rows * n_cols // 32 * 34
         else:
             assert engine.prepared_bytes == 0
+
+
+@pytest.mark.parametrize("dtype", ["q8_0", "q4_k", "f32", "llama", "dense_q4_k"])
+def test_weights_copied_to_huge_pages_give_the_bits_of_the_mapped_file(models: dict[str, pathlib.Path],
+                                                                       dtype: str) -> None:
+    # By default load copies every layer's matrices, and an output weight without bands, into memory of its own
+    # (in huge pages); mapped_weights reads them where the file is mapped. The same bytes in the same kernels:
+    # the same logits, bit for bit, and the copy holds exactly those matrices (each on its own cache lines).
+    path = models[dtype]
+    with Engine.load(path, n_ctx=64, threads=1, mapped_weights=True) as mapped:
+        assert mapped.copied_bytes == 0
+        banded = mapped.prepared_bytes > 0
+    matrices = [t for t in GGUFReader(path).tensors if len(t.shape) >= 2 and (
+        t.name.startswith("blk.") or (t.name.startswith("output") and not banded))]
+    assert any("exps" in t.name for t in matrices) == (dtype not in ("llama", "dense_q4_k"))
+    with Engine.load(path, n_ctx=64, threads=1) as copied:
+        assert copied.copied_bytes == sum((int(t.n_bytes) + 63) // 64 * 64 for t in matrices)
+        assert (copied.prepared_bytes > 0) == banded
+    prompt, steps = tokens(13, 41), tokens(3, 42)
+    for got, want in zip(alone(path, prompt, steps), alone(path, prompt, steps, mapped_weights=True), strict=True):
+        np.testing.assert_array_equal(got, want)
 
 
 def test_a_tied_output_weight_gives_the_bits_of_an_untied_copy(models: dict[str, pathlib.Path],

@@ -69,6 +69,7 @@ def test_strata_serve_prints_what_it_loaded_and_stops_on_sigterm_mid_request(tin
         startup = "".join(lines)
         assert "context 4096" in startup and "threads 1" in startup and "backend cpu" in startup
         assert re.search(r"KV cache: 4 slots x 4096 positions \(f16\), \d+ MiB of a 512 MiB budget", startup)
+        assert re.search(r"weights copied to huge pages \d+ MiB", startup)
         # Seconds of prompt processing on one thread: still running when the graceful deadline comes.
         body = {"messages": [{"role": "user", "content": "x" * 4000}], "max_tokens": 1, "stream": True}
         with ThreadPoolExecutor(1) as pool:
@@ -97,11 +98,13 @@ def test_ctrl_c_once_waits_for_the_requests_and_twice_stops_now(tiny_model, inte
     # Graceful wait of 600 s: with two interrupts, only "stop now" can end the stream in time.
     graceful = "0.5" if interrupts == 1 else "600"
     command = [sys.executable, "-m", "strata.cli", "serve", "--model", str(tiny_model), "--port", "0", "--threads",
-               "1", "--slots", "1", "--limits.graceful-timeout", graceful]
+               "1", "--slots", "1", "--limits.graceful-timeout", graceful, "--mapped-weights", "true"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                env=environment())
     try:
-        url = wait_for_line(process, r"serving \S+ on (http://\S+)")[0].group(1)
+        found, lines = wait_for_line(process, r"serving \S+ on (http://\S+)")
+        url = found.group(1)
+        assert "backend cpu" in "".join(lines) and "weights copied" not in "".join(lines)
         # A stream that only the context ends (thousands of tokens): still running at shutdown.
         body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000, "stream": True,
                 "logit_bias": {str(ord("A")): 100}}

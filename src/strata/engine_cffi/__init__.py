@@ -198,17 +198,23 @@ class Engine:
         self.n_seq: int = lib.strata_n_seq(ctx)
         self.n_batch: int = n_batch
         self.kv_bytes: int = lib.strata_kv_bytes(ctx)  # the KV cache of every sequence, allocated once
-        # weights laid out again at load (the output weight's bands): memory beyond the mapped file
+        # weights laid out again at load (the output weight's bands) and copied (mapped_weights off): memory
+        # beyond the mapped file
         self.prepared_bytes: int = lib.strata_model_prepared_bytes(model)
+        self.copied_bytes: int = lib.strata_model_copied_bytes(model)
         self._dropped = ffi.new("int[]", self.n_seq)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], n_ctx: int = 4096, threads: int | None = None, kv: str = "f16",
-             n_batch: int = 256, n_seq: int = 1, kv_budget: int | None = None) -> Engine:
+             n_batch: int = 256, n_seq: int = 1, kv_budget: int | None = None,
+             mapped_weights: bool = False) -> Engine:
         """Map a GGUF model and create its context: `n_seq` sequences of `n_ctx` positions each.
 
         Args:
             kv_budget: the most bytes the KV cache of all sequences may take; None: what they need.
+            mapped_weights: read every weight where the file is mapped (4 KiB pages), instead of a copy of the
+                matrices that decode reads whole in huge pages (faster decode; the copy is memory the kernel
+                cannot drop, as it can the file's pages).
 
         Raises:
             EngineError: missing, truncated or non-GGUF file; unsupported architecture or tensor type; a context
@@ -222,6 +228,7 @@ class Engine:
             table = _TensorTable(file)
             keep: list[Any] = [table]
             params = _model_params(file, table, keep)
+            params.copy_weights = not mapped_weights
             keep.append(params)
             if kv_budget is not None:
                 _check_kv_budget(params, n_ctx, n_seq, kv, kv_budget)

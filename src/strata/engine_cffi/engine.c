@@ -54,6 +54,7 @@ typedef struct {
     int64_t n_out;         /* ne[1]: rows (per expert for 3-D tensors) */
     size_t row_bytes;
     size_t matrix_bytes;   /* n_out rows: the stride between the experts of a 3-D tensor */
+    size_t bytes;          /* every expert's rows */
     const void *bands;     /* NULL, or the rows laid out in bands (strata_bands_fill): every product reads that */
     int packs;             /* its products pack the tokens anew per call (strata_gemm_packs_tokens; not its bands') */
 } matrix;
@@ -97,6 +98,8 @@ struct strata_model {
     matrix output;             // (n_vocab, n_embd): token_embd when the model ties them
     void *output_bands;        // output's rows in bands, built at load where the build has them for its type
     size_t prepared_bytes;     /* what output_bands takes */
+    void *weights;             // the copy of the matrices decode reads whole (copy_weights), in huge pages
+    size_t copied_bytes;       /* what weights holds */
     float *output_norm;        // (n_embd,)
     float *inv_freq;           // (head_dim / 2,) rope frequencies, scaled (build_rope)
     layer_weights *layers;     // (n_layer,)
@@ -135,6 +138,7 @@ static strata_status view_tensor(const strata_tensor_info *t, int64_t ne0, int64
     w->n_out = want[1];
     w->row_bytes = strata_row_bytes(t->type, ne0);
     w->matrix_bytes = w->row_bytes * (size_t)want[1];
+    w->bytes = w->matrix_bytes * (size_t)want[2];
     w->packs = strata_gemm_packs_tokens(t->type, ne0);
     if ((unsigned long long)t->n_bytes < w->matrix_bytes * (size_t)want[2])
         return fail(STRATA_ERR_INVALID_ARG, "tensor %s: %lld bytes, its shape needs %zu (truncated file?)",
@@ -306,6 +310,48 @@ static strata_status prepare_output(strata_model *m) {
     return STRATA_OK;
 }
 
+/* The matrices a decode step reads from end to end: every layer's, and the output unless it has bands. */
+static int streamed_matrices(strata_model *m, matrix **out) {
+    int n = 0;
+    for (int il = 0; il < m->hp.n_layer; il++) {
+        layer_weights *L = &m->layers[il];
+        matrix *ws[] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->ffn_gate, &L->ffn_up, &L->ffn_down, &L->router,
+                        &L->gate_exps, &L->up_exps, &L->down_exps};
+        for (size_t i = 0; i < sizeof ws / sizeof *ws; i++)
+            if (ws[i]->data) out[n++] = ws[i];
+    }
+    if (!m->output.bands) out[n++] = &m->output;
+    return n;
+}
+
+/* Mapped from the file, the weights sit in 4 KiB pages: a step's long reads take a TLB miss every 4 KiB, and the
+ * hardware prefetchers stop at each page's end. One copy in 2 MiB pages at load spares both. The small Q8_0 MoE
+ * at 2 threads, a step's time besides the output product: 1 token 1.15-1.39 -> 1.07-1.18 ms, 4 tokens
+ * 3.08-3.38 -> 2.96-3.10. The file's pages are not read again; the token embeddings stay mapped (a step reads
+ * one row per token). */
+static strata_status copy_weights(strata_model *m) {
+    matrix **ws = malloc(sizeof(matrix *) * ((size_t)m->hp.n_layer * 11 + 1));
+    if (!ws) return fail(STRATA_ERR_NOMEM, "out of memory");
+    int n = streamed_matrices(m, ws);
+    size_t total = 0;
+    for (int i = 0; i < n; i++) total += (ws[i]->bytes + 63) / 64 * 64;  // each matrix on its own cache lines
+    const size_t huge = (size_t)2 << 20, size = (total + huge - 1) / huge * huge;
+    char *at = m->weights = total ? aligned_alloc(huge, size) : NULL;
+    if (total && !at) {
+        free(ws);
+        return fail(STRATA_ERR_NOMEM, "out of memory for a copy of the weights (%zu MiB)", total >> 20);
+    }
+    if (total) madvise(at, size, MADV_HUGEPAGE);  // a hint: no error if refused
+    for (int i = 0; i < n; i++) {
+        memcpy(at, ws[i]->data, ws[i]->bytes);
+        ws[i]->data = at;
+        at += (ws[i]->bytes + 63) / 64 * 64;
+    }
+    free(ws);
+    m->copied_bytes = total;
+    return STRATA_OK;
+}
+
 static strata_status build_model(strata_model *m, const strata_model_params *p) {
     strata_status st;
     m->hp = *p;
@@ -326,7 +372,7 @@ static strata_status build_model(strata_model *m, const strata_model_params *p) 
     if (!m->layers) return fail(STRATA_ERR_NOMEM, "out of memory");
     for (int il = 0; il < p->n_layer; il++)
         if ((st = build_layer(m, p, il, &m->layers[il])) != STRATA_OK) return st;
-    return STRATA_OK;
+    return p->copy_weights ? copy_weights(m) : STRATA_OK;
 }
 
 strata_status strata_model_create(const strata_model_params *params, strata_model **out) {
@@ -345,6 +391,8 @@ strata_status strata_model_create(const strata_model_params *params, strata_mode
 
 size_t strata_model_prepared_bytes(const strata_model *m) { return m->prepared_bytes; }
 
+size_t strata_model_copied_bytes(const strata_model *m) { return m->copied_bytes; }
+
 void strata_model_free(strata_model *m) {
     if (!m) return;
     if (m->layers)
@@ -355,6 +403,7 @@ void strata_model_free(strata_model *m) {
     free(m->layers);
     free(m->output_norm);
     free(m->output_bands);
+    free(m->weights);
     free(m->inv_freq);
     free(m->rope_axis);
     free(m);

@@ -82,8 +82,8 @@ strata_status strata_matmul_naive(int type, const void *w, long long n_rows, lon
 
 /* --- engine: a model built from a tensor table, a context (several sequences), the forward pass
  * The caller owns the tensor data (a memory-mapped GGUF file) and must keep it mapped until strata_model_free:
- * the model keeps pointers into it and copies no weight except the one it lays out again at load
- * (strata_model_prepared_bytes). */
+ * the model keeps pointers into it, except for the weights it lays out again (strata_model_prepared_bytes) and
+ * those it copies at load (copy_weights, strata_model_copied_bytes). */
 
 typedef struct strata_model strata_model;
 typedef struct strata_context strata_context;
@@ -125,6 +125,8 @@ typedef struct {
                                 * extra n_embd slices, slice k added to the row's hidden state after layer k */
     const strata_tensor_info *tensors;
     int n_tensors;
+    int copy_weights;          /* 1: copy the matrices a decode step reads whole (every layer's, and the output
+                                * unless laid out in bands) into memory in huge pages; 0: read them where mapped */
 } strata_model_params;
 
 strata_status strata_model_create(const strata_model_params *params, strata_model **out);
@@ -132,6 +134,8 @@ void strata_model_free(strata_model *model);
 /* Bytes the model allocates besides the caller's tensors: weights laid out for its kernels at load (the output
  * weight's bands, where the build has them for its type). */
 size_t strata_model_prepared_bytes(const strata_model *model);
+/* Bytes of the weights copied at load (copy_weights). */
+size_t strata_model_copied_bytes(const strata_model *model);
 
 enum {
     STRATA_KV_F32 = 0,
