@@ -205,7 +205,7 @@ class Batcher:
     """
 
     def __init__(self, engine: Any, step_tokens: int = 64, n_batch: int | None = None,
-                 slowdown: float | None = 1.75, clock: Callable[[], float] | None = None):
+                 slowdown: float | None = 1.6, clock: Callable[[], float] | None = None):
         self.engine = engine
         self.n_batch: int = n_batch if n_batch is not None else getattr(engine, "n_batch", 256)
         self.slots = [_Slot(seq) for seq in range(engine.n_seq)]
