@@ -241,8 +241,10 @@ def test_only_a_q8_0_output_weight_is_laid_out_in_bands(models: dict[str, pathli
 def test_weights_copied_to_huge_pages_give_the_bits_of_the_mapped_file(models: dict[str, pathlib.Path],
                                                                        dtype: str) -> None:
     # By default load copies every layer's matrices, and an output weight without bands, into memory of its own
-    # (in huge pages); mapped_weights reads them where the file is mapped. The same bytes in the same kernels:
-    # the same logits, bit for bit, and the copy holds exactly those matrices (each on its own cache lines).
+    # (in huge pages), Q8_0 ones laid out in bands where the build has them; mapped_weights reads the rows where
+    # the file is mapped. Bands and rows end each block in the same f32 steps: the same logits, bit for bit, in
+    # a prompt (the tile unit's paths) and in decode steps. The copy holds exactly those matrices (each on its
+    # own cache lines; bands of whole 16-row groups take the rows' bytes).
     path = models[dtype]
     with Engine.load(path, n_ctx=64, threads=1, mapped_weights=True) as mapped:
         assert mapped.copied_bytes == 0

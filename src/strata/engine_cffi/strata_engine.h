@@ -126,7 +126,8 @@ typedef struct {
     const strata_tensor_info *tensors;
     int n_tensors;
     int copy_weights;          /* 1: copy the matrices a decode step reads whole (every layer's, and the output
-                                * unless laid out in bands) into memory in huge pages; 0: read them where mapped */
+                                * unless laid out in bands) into memory in huge pages, Q8_0 ones in bands where
+                                * the build has them (the same bits); 0: read them where mapped */
 } strata_model_params;
 
 strata_status strata_model_create(const strata_model_params *params, strata_model **out);
