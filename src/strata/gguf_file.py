@@ -12,6 +12,7 @@ import contextlib
 import mmap
 import os
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,6 +78,16 @@ class GGUFFile:
     def data(self, tensor: TensorInfo) -> np.ndarray:
         """The tensor's bytes as a read-only uint8 view of the mapping (never a copy)."""
         return np.frombuffer(self._map, dtype=np.uint8, count=tensor.n_bytes, offset=tensor.offset)
+
+    def release(self, tensors: Iterable[TensorInfo]) -> None:
+        """Unmap the pages that lie wholly within `tensors` (bytes a reader has copied and no longer reads) from
+        this process: they stop counting as its memory, the kernel keeps them in its page cache while memory
+        allows, and a later read maps them in again."""
+        page = mmap.PAGESIZE
+        for tensor in tensors:
+            start, end = -(-tensor.offset // page) * page, (tensor.offset + tensor.n_bytes) // page * page
+            if end > start:
+                self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def close(self) -> None:
         """Unmap the file; while a view returned by `data` is still referenced, the mapping lives on with it."""

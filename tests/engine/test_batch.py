@@ -260,6 +260,27 @@ def test_weights_copied_to_huge_pages_give_the_bits_of_the_mapped_file(models: d
         np.testing.assert_array_equal(got, want)
 
 
+def resident_bytes(engine: Engine) -> int:
+    """Bytes of the engine's mapping of its file that are in this process's memory (Linux: /proc/self/smaps)."""
+    start = np.frombuffer(engine._file._map, np.uint8).ctypes.data  # the mapping's first byte
+    lines = pathlib.Path("/proc/self/smaps").read_text().splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith(f"{start:x}-"))  # its line in the table
+    return next(int(line.split()[1]) * 1024 for line in lines[head + 1:] if line.startswith("Rss:"))
+
+
+def test_the_copied_weights_pages_leave_the_process(models: dict[str, pathlib.Path]) -> None:
+    # Once copied, the layers' pages of the file are unmapped from the process (the page cache may keep them):
+    # its memory counts the weights once. Read where mapped, they stay in it.
+    path = models["q8_0"]
+    layers = sum(int(t.n_bytes) for t in GGUFReader(path).tensors if t.name.startswith("blk."))
+    with Engine.load(path, n_ctx=64, threads=1, mapped_weights=True) as engine:
+        engine.eval(tokens(13, 43))
+        assert resident_bytes(engine) > layers / 2
+    with Engine.load(path, n_ctx=64, threads=1) as engine:
+        engine.eval(tokens(13, 43))
+        assert resident_bytes(engine) < layers / 8
+
+
 def test_a_tied_output_weight_gives_the_bits_of_an_untied_copy(models: dict[str, pathlib.Path],
                                                                 tmp_path: pathlib.Path) -> None:
     # Without output.weight the file ties the output to token_embd: the output's bands (when laid out) are made

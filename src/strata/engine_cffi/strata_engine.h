@@ -83,7 +83,8 @@ strata_status strata_matmul_naive(int type, const void *w, long long n_rows, lon
 /* --- engine: a model built from a tensor table, a context (several sequences), the forward pass
  * The caller owns the tensor data (a memory-mapped GGUF file) and must keep it mapped until strata_model_free:
  * the model keeps pointers into it, except for the weights it lays out again (strata_model_prepared_bytes) and
- * those it copies at load (copy_weights, strata_model_copied_bytes). */
+ * those it copies at load (copy_weights, strata_model_copied_bytes): with copy_weights, token_embd is the only
+ * tensor it reads where mapped after strata_model_create. */
 
 typedef struct strata_model strata_model;
 typedef struct strata_context strata_context;
