@@ -213,8 +213,8 @@ class Engine:
         Args:
             kv_budget: the most bytes the KV cache of all sequences may take; None: what they need.
             mapped_weights: read every weight where the file is mapped (4 KiB pages), instead of a copy of the
-                matrices that decode reads whole in huge pages (faster decode; the copy is memory the kernel
-                cannot drop, as it can the file's pages).
+                matrices that decode reads whole, in huge pages and Q8_0 ones in bands (faster decode and
+                prompts, the same logits; the copy is memory the kernel cannot drop, as it can the file's pages).
 
         Raises:
             EngineError: missing, truncated or non-GGUF file; unsupported architecture or tensor type; a context

@@ -57,7 +57,7 @@ typedef struct {
     size_t bytes;          /* every expert's rows */
     const void *bands;     /* NULL, or the rows laid out in bands (strata_bands_fill): every product reads that */
     size_t bands_bytes;    /* one expert's bands: the stride between the experts' bands of a 3-D tensor */
-    int packs;             /* its products pack the tokens anew per call (strata_gemm_packs_tokens; not its bands') */
+    int packs;             /* its products pack the tokens anew per call (strata_gemm_packs_tokens) */
 } matrix;
 
 /* The matrix of expert e in a 3-D expert tensor. */
@@ -325,6 +325,12 @@ static int streamed_matrices(strata_model *m, matrix **out) {
     return n;
 }
 
+/* What a matrix takes in the copy: its bands where the build has them for its type, else its rows. */
+static size_t copy_bytes(const matrix *w) {
+    size_t n_mats = w->bytes / w->matrix_bytes, bands = strata_bands_size(w->type, w->n_out, w->n_in);
+    return ((bands ? bands * n_mats : w->bytes) + 63) / 64 * 64;  // each matrix on its own cache lines
+}
+
 /* Mapped from the file, the weights sit in 4 KiB pages: a step's long reads take a TLB miss every 4 KiB, and the
  * hardware prefetchers stop at each page's end. One copy in 2 MiB pages at load spares both. The small Q8_0 MoE
  * at 2 threads, a step's time besides the output product: 1 token 1.15-1.39 -> 1.07-1.18 ms, 4 tokens
@@ -334,11 +340,6 @@ static int streamed_matrices(strata_model *m, matrix **out) {
  * expert or a dense layer that many), the bands are not, and both end each block in the same f32 steps. Small
  * Q8_0 MoE, 4 / 8 sequences: 705-749 -> 805-849 / 1018-1049 -> 1266-1289 tok/s; dense qwen3 4 sequences
  * 360 -> 454-471. */
-static size_t copy_bytes(const matrix *w) {
-    size_t n_mats = w->bytes / w->matrix_bytes, bands = strata_bands_size(w->type, w->n_out, w->n_in);
-    return ((bands ? bands * n_mats : w->bytes) + 63) / 64 * 64;  // each matrix on its own cache lines
-}
-
 static strata_status copy_weights(strata_model *m) {
     matrix **ws = malloc(sizeof(matrix *) * ((size_t)m->hp.n_layer * 11 + 1));
     if (!ws) return fail(STRATA_ERR_NOMEM, "out of memory");

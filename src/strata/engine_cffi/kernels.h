@@ -52,7 +52,8 @@ void strata_quantize_row_any(int vec_dot_type, const float *src, void *dst, int6
 void strata_gemm_rows(int type, int64_t n, const void *w, int64_t r0, int64_t r1,
                       const void *x, int64_t n_tok, float *y, int64_t ldy);
 /* Whether strata_gemm_rows of `type` rows of n elements packs its tokens anew in every call (Q8_0 by the tile
- * unit), so that a prompt's product wants long runs of rows per call, not tasks of a few rows. */
+ * unit; strata_gemm_bands of them too), so that a prompt's product wants long runs of rows per call, not tasks
+ * of a few rows. */
 int strata_gemm_packs_tokens(int type, int64_t n);
 /* Reference for the above: dequantise both sides, sum in double. */
 void strata_gemm_rows_naive(int type, int64_t n, const void *w, int64_t r0, int64_t r1,
