@@ -46,9 +46,9 @@ def test_a_sequence_in_a_batch_equals_the_sequence_alone(models: dict[str, pathl
     # Three prompts of different lengths in one call (chunks mixing their tokens), then decode steps of one token
     # per sequence in one call each. Every product computes each token's row on its own, in the same order
     # whatever else is in the chunk, so the logits are bit-identical. That includes the K-quants, whose products
-    # of 16 tokens or more take another path (weights unpacked once per tile) that ends in the same integer sums
-    # and f32 steps as the direct one (a difference of ~2e-7 there, rounded to Q8_K in the next layer, once moved
-    # logits by up to 1.9% of the largest).
+    # of 16 tokens or more (Q4_K and Q6_K: 10) take another path (weights unpacked once per tile) that ends in
+    # the same integer sums and f32 steps as the direct one (a difference of ~2e-7 there, rounded to Q8_K in the
+    # next layer, once moved logits by up to 1.9% of the largest).
     path = models[dtype]
     prompts = [tokens(n, seed) for n, seed in [(21, 1), (9, 2), (14, 3)]]
     steps = [tokens(4, 10 + s) for s in range(3)]
