@@ -228,7 +228,7 @@ class Engine:
             table = _TensorTable(file)
             keep: list[Any] = [table]
             params = _model_params(file, table, keep)
-            params.copy_weights = not mapped_weights
+            params.copy_weights, params.load_threads = not mapped_weights, threads
             keep.append(params)
             if kv_budget is not None:
                 _check_kv_budget(params, n_ctx, n_seq, kv, kv_budget)

@@ -340,35 +340,75 @@ static size_t copy_bytes(const matrix *w) {
  * expert or a dense layer that many), the bands are not, and both end each block in the same f32 steps. Small
  * Q8_0 MoE, 4 / 8 sequences: 705-749 -> 805-849 / 1018-1049 -> 1266-1289 tok/s; dense qwen3 4 sequences
  * 360 -> 454-471. */
-static strata_status copy_weights(strata_model *m) {
-    matrix **ws = malloc(sizeof(matrix *) * ((size_t)m->hp.n_layer * 11 + 1));
-    if (!ws) return fail(STRATA_ERR_NOMEM, "out of memory");
+typedef struct {
+    const matrix *const *ws;  // the matrices, their data still where mapped
+    char *const *dst;         // where each one's copy goes
+    const int *first_unit;    // (n + 1,) each matrix's first unit (one unit per expert), then the count of units
+    int n;
+    atomic_int next;          // the next unit to take
+} copy_work;
+
+/* Run by each thread of the load's pool: take units (one expert's matrix, or a 2-D matrix) until none is left,
+ * and copy each one: into bands where the build has them for its type, else as it lies. */
+static void copy_units(int ith, int nth, void *arg) {
+    (void)ith, (void)nth;
+    copy_work *cw = arg;
+    for (int u; (u = atomic_fetch_add(&cw->next, 1)) < cw->first_unit[cw->n];) {
+        int lo = 0, hi = cw->n;  // the matrix i with first_unit[i] <= u < first_unit[i + 1]
+        while (hi - lo > 1) {
+            int mid = (lo + hi) / 2;
+            if (cw->first_unit[mid] <= u) lo = mid;
+            else hi = mid;
+        }
+        const matrix *w = cw->ws[lo];
+        size_t e = (size_t)(u - cw->first_unit[lo]), bands = strata_bands_size(w->type, w->n_out, w->n_in);
+        const char *src = (const char *)w->data + e * w->matrix_bytes;
+        if (bands) strata_bands_fill(w->type, src, w->n_out, w->n_in, cw->dst[lo] + e * bands);
+        else memcpy(cw->dst[lo] + e * w->matrix_bytes, src, w->matrix_bytes);
+    }
+}
+
+static strata_status copy_weights(strata_model *m, int n_threads) {
+    const size_t cap = (size_t)m->hp.n_layer * 11 + 1;
+    matrix **ws = malloc(sizeof(matrix *) * cap);
+    char **dst = malloc(sizeof(char *) * cap);
+    int *first_unit = malloc(sizeof(int) * (cap + 1));
+    if (!ws || !dst || !first_unit) {
+        free(ws), free(dst), free(first_unit);
+        return fail(STRATA_ERR_NOMEM, "out of memory");
+    }
     int n = streamed_matrices(m, ws);
     size_t total = 0;
-    for (int i = 0; i < n; i++) total += copy_bytes(ws[i]);
+    first_unit[0] = 0;
+    for (int i = 0; i < n; i++) {
+        total += copy_bytes(ws[i]);
+        first_unit[i + 1] = first_unit[i] + (int)(ws[i]->bytes / ws[i]->matrix_bytes);
+    }
     const size_t huge = (size_t)2 << 20, size = (total + huge - 1) / huge * huge;
     char *at = m->weights = total ? aligned_alloc(huge, size) : NULL;
     if (total && !at) {
-        free(ws);
+        free(ws), free(dst), free(first_unit);
         return fail(STRATA_ERR_NOMEM, "out of memory for a copy of the weights (%zu MiB)", total >> 20);
     }
     if (total) madvise(at, size, MADV_HUGEPAGE);  // a hint: no error if refused
     for (int i = 0; i < n; i++) {
+        dst[i] = at;
+        at += copy_bytes(ws[i]);
+    }
+    // The copy is bound by memory and page faults: the cores the context will use share it (a pool that cannot
+    // start leaves it to this thread).
+    copy_work cw = {.ws = (const matrix *const *)ws, .dst = dst, .first_unit = first_unit, .n = n};
+    strata_pool *pool = n_threads > 1 ? strata_pool_create(n_threads) : NULL;
+    if (pool) strata_pool_run(pool, copy_units, &cw);
+    else copy_units(0, 1, &cw);
+    strata_pool_free(pool);
+    for (int i = 0; i < n; i++) {  // the products read the copy from now on
         matrix *w = ws[i];
         size_t bands = strata_bands_size(w->type, w->n_out, w->n_in);
-        if (bands) {
-            for (size_t e = 0; e < w->bytes / w->matrix_bytes; e++)
-                strata_bands_fill(w->type, (const char *)w->data + e * w->matrix_bytes, w->n_out, w->n_in,
-                                  at + e * bands);
-            w->bands = at;
-            w->bands_bytes = bands;
-        } else {
-            memcpy(at, w->data, w->bytes);
-            w->data = at;
-        }
-        at += copy_bytes(w);
+        if (bands) w->bands = dst[i], w->bands_bytes = bands;
+        else w->data = dst[i];
     }
-    free(ws);
+    free(ws), free(dst), free(first_unit);
     m->copied_bytes = total;
     return STRATA_OK;
 }
@@ -393,7 +433,7 @@ static strata_status build_model(strata_model *m, const strata_model_params *p) 
     if (!m->layers) return fail(STRATA_ERR_NOMEM, "out of memory");
     for (int il = 0; il < p->n_layer; il++)
         if ((st = build_layer(m, p, il, &m->layers[il])) != STRATA_OK) return st;
-    return p->copy_weights ? copy_weights(m) : STRATA_OK;
+    return p->copy_weights ? copy_weights(m, p->load_threads) : STRATA_OK;
 }
 
 strata_status strata_model_create(const strata_model_params *params, strata_model **out) {

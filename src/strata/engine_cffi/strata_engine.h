@@ -129,6 +129,7 @@ typedef struct {
     int copy_weights;          /* 1: copy the matrices a decode step reads whole (every layer's, and the output
                                 * unless laid out in bands) into memory in huge pages, Q8_0 ones in bands where
                                 * the build has them (the same bits); 0: read them where mapped */
+    int load_threads;          /* threads that make that copy (at most 1: the caller's alone) */
 } strata_model_params;
 
 strata_status strata_model_create(const strata_model_params *params, strata_model **out);
