@@ -248,7 +248,8 @@ class Engine:
             file.close()
             _check(status)
         if not mapped_weights:  # the model has its own copy of every tensor but the embeddings it looks up
-            file.release(t for t in file.tensors if t.name not in ("token_embd", "token_embd.weight"))
+            embeddings = file.tensor("token_embd")
+            file.release(t for t in file.tensors if t is not embeddings)
         return cls(file, params, model_out[0], ctx_out[0], keep, n_ctx, threads, min(n_batch, n_ctx))
 
     # --- state

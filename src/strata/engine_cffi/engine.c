@@ -141,9 +141,9 @@ static strata_status view_tensor(const strata_tensor_info *t, int64_t ne0, int64
     w->matrix_bytes = w->row_bytes * (size_t)want[1];
     w->bytes = w->matrix_bytes * (size_t)want[2];
     w->packs = strata_gemm_packs_tokens(t->type, ne0);
-    if ((unsigned long long)t->n_bytes < w->matrix_bytes * (size_t)want[2])
+    if ((unsigned long long)t->n_bytes < w->bytes)
         return fail(STRATA_ERR_INVALID_ARG, "tensor %s: %lld bytes, its shape needs %zu (truncated file?)",
-                    t->name, t->n_bytes, w->matrix_bytes * (size_t)want[2]);
+                    t->name, t->n_bytes, w->bytes);
     return STRATA_OK;
 }
 
