@@ -2,9 +2,12 @@
 
 `Stamps.install(service)` wraps, from the outside, the calls a request passes through and notes `perf_counter()`
 at each (the client's process reads the same monotonic clock, so its send and its first chunk fit on the same
-line): bytes arrived (hypercorn's connection), view entered and body parsed (the route's body reader), prompt
-prepared (rendered and tokenised), job submitted to the engine thread, engine call started and returned, token
-sampled (the job's own stamp), trio woken for it, the first content write to the socket.
+line): bytes arrived (hypercorn's connection), request parsed (hypercorn's stream gets the request's head), app
+called (the ASGI connection of the request), handler started (quart's, before the request's context), view entered
+and body parsed (the route's body reader), prompt prepared (rendered and tokenised), job submitted to the engine
+thread, engine call started and returned, token sampled (the job's own stamp), wake sent (the engine thread has
+handed the token to trio), trio woken for it, tokens taken (by the request's task), view returned (its streamed
+response made), head written (the status line and headers), the first content write to the socket.
 """
 
 from __future__ import annotations
@@ -13,15 +16,19 @@ import re
 import time
 from typing import Any
 
-import hypercorn.protocol.h11 as h11_protocol
 import hypercorn.events as hypercorn_events
+import hypercorn.protocol.events as stream_events
+import hypercorn.protocol.h11 as h11_protocol
+import hypercorn.protocol.http_stream as http_stream
+import quart_trio
 
 import strata.api.app as app_module
 import strata.service as service_module
 
 _TOKEN = re.compile(rb'"(?:reasoning_)?content":"[^"]')  # a chunk with text: the role chunk has ""
-MARKS = ("bytes arrived", "view entered", "body parsed", "prompt ready", "job submitted", "engine call",
-         "engine returned", "token sampled", "trio woken", "first write")
+MARKS = ("bytes arrived", "request parsed", "app called", "handler started", "view entered", "body parsed",
+         "prompt ready", "job submitted", "engine call", "engine returned", "token sampled", "wake sent", "trio woken",
+         "tokens taken", "view returned", "head written", "first write")
 
 
 class Stamps:
@@ -48,6 +55,25 @@ class Stamps:
                 if isinstance(event, hypercorn_events.RawData) and event.data:
                     note("bytes arrived")
                 await original(protocol, event)
+            return wrapped
+
+        def stream_handle(original: Any) -> Any:
+            async def wrapped(stream: Any, event: Any) -> None:
+                if isinstance(event, stream_events.Request):
+                    note("request parsed")
+                await original(stream, event)
+            return wrapped
+
+        def app_call(original: Any) -> Any:
+            async def wrapped(connection: Any, receive: Any, send: Any) -> None:
+                note("app called")
+                await original(connection, receive, send)
+            return wrapped
+
+        def handler(original: Any) -> Any:
+            async def wrapped(app: Any, request: Any) -> Any:
+                note("handler started")
+                return await original(app, request)
             return wrapped
 
         def body(original: Any) -> Any:
@@ -81,10 +107,37 @@ class Stamps:
                     note("engine returned")
             return wrapped
 
+        def handoff(original: Any) -> Any:
+            def wrapped(loop: Any) -> None:
+                note("wake sent")
+                original(loop)
+            return wrapped
+
         def wake_all(original: Any) -> Any:
             def wrapped(streams: Any) -> None:
                 note("trio woken")
                 original(streams)
+            return wrapped
+
+        def next_tokens(original: Any) -> Any:
+            async def wrapped(stream: Any) -> Any:
+                tokens = await original(stream)
+                if "trio woken" in self.marks:
+                    note("tokens taken")
+                return tokens
+            return wrapped
+
+        def streamed(original: Any) -> Any:
+            def wrapped(*args: Any) -> Any:
+                note("view returned")
+                return original(*args)
+            return wrapped
+
+        def app_send(original: Any) -> Any:
+            async def wrapped(stream: Any, message: Any) -> None:
+                await original(stream, message)
+                if message is not None and message["type"] == "http.response.start":
+                    note("head written")
             return wrapped
 
         def send_now(original: Any) -> Any:
@@ -96,11 +149,18 @@ class Stamps:
             return wrapped
 
         self._wrap(h11_protocol.H11Protocol, "handle", handle)
+        self._wrap(http_stream.HTTPStream, "handle", stream_handle)
+        self._wrap(app_module._RequestConnection, "__call__", app_call)
+        self._wrap(quart_trio.QuartTrio, "handle_request", handler)
         self._wrap(app_module, "_json_body", body)
         self._wrap(service, "_prepare", prepare)
         self._wrap(service_module._EngineLoop, "submit", submit)
         self._wrap(service.engine, "eval_batch", eval_batch)
+        self._wrap(service_module._EngineLoop, "_await_handoffs", handoff)
         self._wrap(service_module, "_wake_all", wake_all)
+        self._wrap(service_module._Stream, "next_tokens", next_tokens)
+        self._wrap(app_module, "_stream", streamed)
+        self._wrap(http_stream.HTTPStream, "app_send", app_send)
         self._wrap(app_module, "_send_now", send_now)
         return self
 
