@@ -10,9 +10,9 @@
   and sampling), run twice: with libgomp's default wait (threads spin at each of ggml's barriers: on a machine
   whose cores other work also uses, a spinning thread burns the time slice its partner needs) and with
   `OMP_WAIT_POLICY=PASSIVE`. The ratio is Strata / the better of the two. The CPU time per token of the
-  server's event loop (the trio thread: HTTP, rendering, the hand-off of tokens), its waker thread, the
-  engine's threads (`threadcpu`) and the client process show what serving costs beside the engine, on the same
-  cores; the last column is HTTP against our own engine's batched decode.
+  server's event loop (the trio thread: HTTP, rendering, the hand-off of tokens), the engine's threads
+  (`threadcpu`) and the client process show what serving costs beside the engine, on the same cores; the last
+  column is HTTP against our own engine's batched decode.
 - **A long prompt joins.** Three streams run, then a request with a ~3,000-token prompt arrives: the streams'
   inter-token gaps while it is processed (p99, at the client) against their steady step (median gap before it
   came; the median after it was answered is shown too: their step grows with their context meanwhile). The
@@ -477,11 +477,11 @@ def report(model: Path, threads: int, tokens: int, r: dict[str, Any]) -> None:
     print(f"model {model.name}, {threads} threads, {tokens} tokens per stream, load average "
           f"{' '.join(f'{x:.1f}' for x in os.getloadavg())} at the end\n")
     if r["parallel"]:
-        print("| streams | Strata tok/s (HTTP) | ratio to 1 | ttft max ms | CPU ms/token: server loop | waker | "
+        print("| streams | Strata tok/s (HTTP) | ratio to 1 | ttft max ms | CPU ms/token: server loop | "
               "engine threads | client | "
               "batched decode tok/s: Strata engine | llama.cpp (spin wait) | llama.cpp (passive wait) | "
               "Strata HTTP / llama.cpp | Strata engine / llama.cpp | Strata HTTP / engine |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         one = median([h["tokens_per_s"] for h in r["parallel"][1]["http"]])
         for n in STREAMS:
             runs, d = r["parallel"][n]["http"], r["parallel"][n]["decode"]
@@ -494,7 +494,7 @@ def report(model: Path, threads: int, tokens: int, r: dict[str, Any]) -> None:
                 spin, passive = (median([x["tokens_per_s"] for x in d[k]]) for k in ("spin", "passive"))
                 best = max(spin, passive)
                 theirs = f"{ours:.1f} | {spin:.1f} | {passive:.1f} | {rate / best:.2f} | {ours / best:.2f}"
-            spent = [sum(h["cpu_s"][part] for h in runs) for part in ("loop", "waker", "engine")]
+            spent = [sum(h["cpu_s"][part] for h in runs) for part in ("loop", "engine")]
             spent.append(sum(h["client_cpu_s"] for h in runs))
             cpu = " | ".join(f"{1e3 * seconds / chunks:.3f}" for seconds in spent)
             ttft = max(max(h["ttft_ms"]) for h in runs)

@@ -10,9 +10,9 @@ a process of its own over a plain socket, as a real client would be (one in this
 server for the GIL); the first token is the first content chunk, throughput counts the chunks after it. Direct
 and HTTP runs alternate, so that a busy machine slows both alike, and each figure is the median over the runs.
 CPU per token is this process's (the server's, without the client), and on the HTTP side by thread
-(`threadcpu`: the event loop, the engine's threads, the waker, the rest). The client keeps its connection from
-one request to the next, as the OpenAI and Anthropic SDKs do; a third run of each round opens a new connection,
-whose first token is shown too. Goal: under 2 ms more to the first token and under 5% less throughput.
+(`threadcpu`: the event loop, the engine's threads, the rest). The client keeps its connection from one request
+to the next, as the OpenAI and Anthropic SDKs do; a third run of each round opens a new connection, whose first
+token is shown too. Goal: under 2 ms more to the first token and under 5% less throughput.
 
     python bench/serve.py [--model F.gguf ...] [--threads 1 2] [--tokens 64] [--runs 7]
 

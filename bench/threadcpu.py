@@ -2,8 +2,8 @@
 `stat`'s ticks are 10 ms, too coarse for one request).
 
 Roles by thread name: "loop" the main thread (trio: HTTP, rendering, the hand-off of tokens), "engine" the
-engine's threads (the batcher's thread, which also computes, and the pool's workers), "waker" the relay that wakes
-trio for the engine thread, "other" the rest (trio's worker threads, the tokenizer's).
+engine's threads (the batcher's thread, which also computes, and the pool's workers), "other" the rest (trio's
+worker threads, the tokenizer's).
 """
 
 from __future__ import annotations
@@ -11,14 +11,12 @@ from __future__ import annotations
 import os
 import threading
 
-ROLES = ("loop", "engine", "waker", "other")
+ROLES = ("loop", "engine", "other")
 
 
 def _role(tid: str, name: str) -> str:
     if tid == str(threading.main_thread().native_id):
         return "loop"
-    if name.startswith("strata engine w"):  # comm keeps 15 characters of "strata engine waker"
-        return "waker"
     if name.startswith("strata-engine") or name == "strata engine":
         return "engine"
     return "other"

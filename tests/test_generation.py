@@ -3,6 +3,7 @@ model."""
 
 from __future__ import annotations
 
+import os
 import re
 import time
 
@@ -151,6 +152,24 @@ def test_a_slot_knows_what_each_cached_position_holds() -> None:
     batcher.cancel(second)
     batcher.step()
     assert second.finish == "cancel" and slot.keys == [1, 2, 9, 10] == engine.caches[0]
+
+
+def test_each_engine_call_is_notified_on_the_batchers_eventfd() -> None:
+    # The real engine writes it as its call starts (tests/engine); for one that cannot, the batcher writes it
+    # just before the call.
+    engine = SuccessorEngine()
+    batcher = Batcher(engine)
+    fd = os.eventfd(0, os.EFD_NONBLOCK)
+    try:
+        run(batcher, j := job([1, 2, 3], max_tokens=2))
+        with pytest.raises(BlockingIOError):  # notify_fd -1: nothing written
+            os.eventfd_read(fd)
+        batcher.notify_fd = fd
+        run(batcher, job([7], max_tokens=3))
+        assert os.eventfd_read(fd) == len(engine.calls) - 2  # the first job's two calls were not notified
+    finally:
+        os.close(fd)
+    assert j.tokens == [4, 5]
 
 
 def test_penalties_see_the_prompt() -> None:

@@ -14,14 +14,14 @@ Cancelling the caller's cancel scope stops a request in any phase, exactly like 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
-import queue
 import threading
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
-from contextlib import aclosing, asynccontextmanager
+from contextlib import aclosing, asynccontextmanager, suppress
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol
@@ -848,20 +848,18 @@ class _EngineLoop:
     between steps; with nothing left to do it waits `LINGER_SECONDS` for the next job, then ends (the next job
     starts it again), so an idle server holds no thread. Agents send their requests in bursts (a turn, a side
     request, a sub-agent's call): a job handed to the waiting thread starts 0.1-0.2 ms sooner than one that
-    starts a thread (and its waker) through trio's thread cache, on the first token's path.
+    starts a thread through trio's thread cache, on the first token's path.
 
     Invariant: a job reaches the engine only through the batcher, in this thread; a cancelled job leaves at the
     next step boundary (an engine call in flight drops its sequence within one layer), and the others go on.
 
-    A second thread, the waker, wakes the requests' tasks on the engine thread's behalf: waking trio writes to a
-    socket, which releases the GIL, and the request's task, woken, took it while it rendered and sent its token
-    (0.1-0.25 ms per token measured for an engine thread that woke trio itself). One wake-up carries every
-    stream of a step. A step that gave some job its first token (or ended one) wakes trio from the engine
-    thread itself: the first token is what a client waits for, and the waker's own wake-up, on cores the engine
-    keeps busy, was about half a millisecond of it. After a first token the engine thread also waits, at most
-    `HANDOFF_SECONDS`, until those requests have taken it (the response's headers and first write, the most
-    Python a request runs at once): run beside the next step, that work shared the cores with the engine's
-    threads and took 2-3 times as long. The other streams lose that wait once per request that joins.
+    The requests' tasks learn of their tokens through the thread's `_Relay`: a step's wake-ups go to trio as the
+    next engine call starts, one wake-up for every stream of the step. A step that gave some job its first token
+    (or ended one) wakes trio from the engine thread at once: the first token is what a client waits for. After
+    a first token the engine thread also waits, at most `HANDOFF_SECONDS`, until those requests have taken it
+    (the response's headers and first write, the most Python a request runs at once): run beside the next step,
+    that work shared the cores with the engine's threads and took 2-3 times as long. The other streams lose that
+    wait once per request that joins.
     """
 
     HANDOFF_SECONDS = 0.003
@@ -888,10 +886,10 @@ class _EngineLoop:
                 self.running = True
                 self.periods += 1
                 self._trio_token = trio.lowlevel.current_trio_token()
-                wakes: queue.SimpleQueue[Any] = queue.SimpleQueue()  # this engine thread's, to its own waker
-                trio.lowlevel.start_thread_soon(partial(self._relay, wakes), outcome.Outcome.unwrap,
-                                                name="strata engine waker")
-                trio.lowlevel.start_thread_soon(partial(self._work, wakes), wakes.put, name="strata engine")
+                relay = _Relay()  # this engine thread's
+                trio.lowlevel.spawn_system_task(relay.deliver, name="strata engine relay")
+                trio.lowlevel.start_thread_soon(partial(self._work, relay), partial(self._ended_with, relay),
+                                                name="strata engine")
             self._cond.notify()
 
     def cancel(self, stream: _Stream) -> None:
@@ -944,16 +942,24 @@ class _EngineLoop:
 
     # in the engine thread
 
-    def _work(self, wakes: queue.SimpleQueue[Any]) -> None:
+    def _work(self, relay: _Relay) -> None:
+        try:
+            self._steps(relay)
+        finally:
+            self.batcher.notify_fd = -1
+
+    def _steps(self, relay: _Relay) -> None:
         idle_until = None  # the time this thread ends unless a job comes
         while True:
             with self._cond:
                 if self._pauses:
-                    wakes.put(self._acknowledge_pause)
+                    relay.put(self._acknowledge_pause)
+                    relay.notify()
                     while self._pauses:
                         self._cond.wait()
                 arrived, self._inbox = self._inbox, []
                 if not arrived and not self.batcher.jobs:
+                    relay.flush()  # no engine call comes to carry the wake-ups queued
                     now = time.monotonic()
                     idle_until = idle_until or now + self.LINGER_SECONDS
                     if now >= idle_until or self._closing:
@@ -965,6 +971,9 @@ class _EngineLoop:
                 for stream in arrived:  # under the lock: cancel() finds a job either in the inbox or here
                     self.batcher.add(stream.job)
                     self._streams[stream.job] = stream
+            # The next call carries the wake-ups queued, if any: a call that wakes trio for nothing (a prompt's)
+            # shares the cores with the loop's turn for nothing.
+            self.batcher.notify_fd = relay.fd if relay.queued else -1
             changed = self.batcher.step()
             if not changed:
                 continue
@@ -972,8 +981,8 @@ class _EngineLoop:
                 streams = [self._streams[job] if job.finish is None else self._streams.pop(job) for job in changed]
             wake = partial(_wake_all, streams)
             if any(len(stream.job.tokens) <= 1 for stream in streams):
-                # A first token (or an end): waking trio here spares it the waker's own wake-up, at the price
-                # of this thread waiting for the GIL once before its next call.
+                # A first token (or an end): trio is woken now, not as the next call starts, at the price of
+                # this thread waiting for the GIL once before that call.
                 assert self._trio_token is not None
                 firsts = {stream for stream in streams if stream.job.finish is None and len(stream.job.tokens) == 1}
                 for stream in firsts:
@@ -984,7 +993,7 @@ class _EngineLoop:
                 if firsts:
                     self._await_handoffs()
             else:
-                wakes.put(wake)  # one wake-up of trio for every stream of the step
+                relay.put(wake)  # one wake-up of trio for every stream of the step, as the next call starts
 
     def _await_handoffs(self) -> None:
         deadline = time.monotonic() + self.HANDOFF_SECONDS
@@ -993,14 +1002,9 @@ class _EngineLoop:
                 self._cond.wait(left)
             self._handoffs = set()
 
-    # in the waker thread
-
-    def _relay(self, wakes: queue.SimpleQueue[Any]) -> None:
-        """Deliver each wake-up to trio, then the engine thread's outcome, and end."""
-        assert self._trio_token is not None
-        while callable(item := wakes.get()):
-            self._trio_token.run_sync_soon(item)
-        self._trio_token.run_sync_soon(self._finish, item)
+    def _ended_with(self, relay: _Relay, result: outcome.Outcome) -> None:
+        """The engine thread's last act: trio learns its outcome after every wake-up it queued."""
+        relay.end(partial(self._finish, result))
 
     # back in trio
 
@@ -1024,6 +1028,72 @@ class _EngineLoop:
             for stream in streams:
                 stream.job.error, stream.job.finish = result.error, "error"
                 stream.wake()
+
+
+class _Relay:
+    """One engine thread's wake-ups of trio: the thread queues calls, and an eventfd wakes a trio task (a system
+    task: it lives as long as the thread) that runs them in order, the thread's outcome last.
+
+    The engine call after a step carries the notification: it adds 1 to the eventfd as it starts, without the GIL
+    (`strata_batch.notify_fd`), so the loop wakes while the engine computes, and finds the GIL free. The engine
+    thread writes the eventfd itself only where no call follows (it waits, pauses or ends): the write releases the
+    GIL, and a loop already awake takes it there and holds the thread for as long as it renders (0.1-0.25 ms a
+    token, measured when the thread woke trio after every step). A thread of its own for the wake-ups, as before,
+    cost a second wake-up per step on the cores the engine keeps busy, and 0.07 ms of CPU a token at one stream.
+    The eventfd closes when both the engine thread and the task are done with it."""
+
+    _END = None  # queued after the engine thread's outcome: the task ends there
+
+    def __init__(self) -> None:
+        self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._calls: collections.deque[Callable[[], object] | None] = collections.deque()
+        self._holders = 2  # the engine thread and the trio task
+        self._lock = threading.Lock()
+
+    # in the engine thread
+
+    def put(self, call: Callable[[], object]) -> None:
+        self._calls.append(call)
+
+    def notify(self) -> None:
+        os.eventfd_write(self.fd, 1)
+
+    @property
+    def queued(self) -> bool:
+        return bool(self._calls)
+
+    def flush(self) -> None:
+        if self._calls:
+            self.notify()
+
+    def end(self, call: Callable[[], object]) -> None:
+        self._calls.extend((call, self._END))
+        self.notify()
+        self._release()
+
+    # in trio
+
+    async def deliver(self) -> None:
+        try:
+            while True:
+                await trio.lowlevel.wait_readable(self.fd)
+                with suppress(BlockingIOError):  # a notification the last pass took already
+                    os.eventfd_read(self.fd)
+                while self._calls:
+                    call = self._calls.popleft()
+                    if call is self._END:
+                        return
+                    call()
+        finally:
+            trio.lowlevel.notify_closing(self.fd)
+            self._release()
+
+    def _release(self) -> None:
+        with self._lock:
+            self._holders -= 1
+            if self._holders:
+                return
+        os.close(self.fd)
 
 
 def _wake_all(streams: list[_Stream]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
 import threading
 import time
@@ -201,6 +202,20 @@ def test_batch_errors(models: dict[str, pathlib.Path]) -> None:
             engine.copy_prefix(1, 0, 11)
         with pytest.raises(EngineError, match="outside the 1 tokens"):
             engine.eval_batch([BatchItem(0, [1, 2]), BatchItem(1, [3], [(1, np.zeros((1, engine.n_embd)))])])
+
+
+def test_a_call_adds_one_to_its_notify_eventfd_as_it_starts(models: dict[str, pathlib.Path]) -> None:
+    fd = os.eventfd(0, os.EFD_NONBLOCK)
+    try:
+        with Engine.load(models["f32"], n_ctx=16, threads=2) as engine:
+            engine.eval([1, 2, 3])
+            with pytest.raises(BlockingIOError):  # no notify_fd: nothing written
+                os.eventfd_read(fd)
+            engine.eval_batch([BatchItem(0, [4])], notify_fd=fd)
+            engine.eval_batch([BatchItem(0, [5])], notify_fd=fd)
+            assert os.eventfd_read(fd) == 2
+    finally:
+        os.close(fd)
 
 
 def test_the_pool_is_n_seq_times_one_sequence(models: dict[str, pathlib.Path]) -> None:

@@ -4,6 +4,7 @@ reuse and history rows."""
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from contextlib import aclosing
@@ -23,7 +24,7 @@ from strata.events import (
     Usage,
 )
 from strata.sampling import SamplingParams
-from strata.service import RequestError, _EngineLoop, open_service
+from strata.service import RequestError, _EngineLoop, _Relay, open_service
 from strata.turn import QueueFull
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -180,6 +181,7 @@ async def test_cancel_on_the_engine_aborts_and_frees_the_turn(scripted, tokenize
 async def test_engine_ahead_of_a_slow_reader_loses_no_token(scripted, tokenizer):
     # The engine thread fills the buffer while the reader sleeps: wake-ups come once per batch, not per token.
     text = "".join(chr(ord("a") + i % 26) for i in range(300))
+    fds_before = len(os.listdir("/proc/self/fd"))
     async with open_service(server_config(), engine=scripted(text), tokenizer=tokenizer) as service:
         events = []
         async with aclosing(service.chat(request())) as stream:
@@ -189,9 +191,45 @@ async def test_engine_ahead_of_a_slow_reader_loses_no_token(scripted, tokenizer)
                     await trio.sleep(0.01)
         assert joined(events, TextDelta) == text
         assert events[-1] == Finish("stop")
-        # The engine thread and its waker end once no job came for LINGER_SECONDS.
+        # The engine thread ends once no job came for LINGER_SECONDS, and its relay's eventfd closes.
         await wait_until(lambda: not service.engine_running, timeout=5 * _EngineLoop.LINGER_SECONDS)
         assert not [thread for thread in threading.enumerate() if thread.name.startswith("strata engine")]
+        assert len(os.listdir("/proc/self/fd")) <= fds_before
+
+
+def closed(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return True
+    return False
+
+
+async def test_the_relay_runs_the_engine_threads_calls_in_order_and_closes_its_eventfd():
+    relay, ran = _Relay(), []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(relay.deliver)
+        for i in range(3):
+            relay.put(lambda i=i: ran.append(i))
+        await trio.sleep(0.01)
+        assert ran == []  # queued: they go when an engine call (or the thread itself) writes the eventfd
+        relay.flush()
+        await wait_until(lambda: ran == [0, 1, 2], timeout=5)
+        relay.put(lambda: ran.append(3))
+        await trio.to_thread.run_sync(relay.end, lambda: ran.append("end"))  # as the engine thread ends
+    assert ran == [0, 1, 2, 3, "end"]
+    assert closed(relay.fd)
+
+
+async def test_a_relay_whose_task_was_cancelled_closes_its_eventfd_with_the_engine_thread():
+    relay = _Relay()
+    with trio.move_on_after(0.01):
+        await relay.deliver()  # cancelled: trio is done with the eventfd, the engine thread is not
+    assert not closed(relay.fd)
+    relay.put(lambda: None)
+    relay.notify()  # the engine thread may still write to it
+    relay.end(lambda: None)
+    assert closed(relay.fd)
 
 
 async def test_the_next_request_goes_to_the_waiting_engine_thread_which_ends_with_the_service(

@@ -304,11 +304,12 @@ class Engine:
         (logits,) = self.eval_batch([item])
         return logits if all_logits else logits[0]
 
-    def eval_batch(self, items: Sequence[BatchItem]) -> list[np.ndarray]:
+    def eval_batch(self, items: Sequence[BatchItem], notify_fd: int = -1) -> list[np.ndarray]:
         """Evaluate the tokens of several sequences in one call: every weight is read once for all of them.
 
         Returns, per item, its logits rows: (1, n_vocab) for "last", (len(tokens), n_vocab) for "all", (0, n_vocab)
-        for "none" (views into one array).
+        for "none" (views into one array). `notify_fd`: an eventfd the call adds 1 to as it starts, without the GIL
+        (-1: none).
         Raises:
             EngineAborted: abort(seq) dropped some sequences (`dropped`); the others' work is complete, but the
                 logits are not returned: evaluate nothing more for the dropped ones and look at `seq_n_past`.
@@ -365,6 +366,7 @@ class Engine:
         batch.embd_grid = keep[7] if (grid >= 0).any() else ffi.NULL
         batch.out_index, batch.n_out, batch.logits = keep[5], len(out32), keep[6]
         batch.seq_dropped = self._dropped
+        batch.notify_fd = notify_fd
         status = lib.strata_eval_batch(ctx, batch)
         dropped = frozenset(s for s in range(self.n_seq) if self._dropped[s]) if status == lib.STRATA_ABORTED \
             else frozenset()

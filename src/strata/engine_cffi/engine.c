@@ -13,6 +13,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "kernels.h"
 #include "simd.h"
@@ -1509,6 +1510,10 @@ strata_status strata_eval_batch(strata_context *c, const strata_batch *b) {
     double t0 = now_ms();
     memset(&c->timings, 0, sizeof c->timings);
     if (!b) return fail(STRATA_ERR_INVALID_ARG, "no batch");
+    if (b->notify_fd >= 0) {  // first: whoever waits on it runs while this call computes
+        uint64_t one = 1;
+        if (write(b->notify_fd, &one, sizeof one) < 0) {}  // full or closed: the waiter has had its wake-up
+    }
     int n_alloc = b->n_tokens > 0 ? b->n_tokens : 1;
     int *embd_at = malloc(sizeof(int) * n_alloc), *rope = malloc(sizeof(int) * 3 * n_alloc);
     if (!embd_at || !rope) {

@@ -205,6 +205,7 @@ typedef struct {
     int n_out;
     float *logits;            /* (n_out, n_vocab) */
     int *seq_dropped;         /* (n_seq,) or NULL: set to 1 for each sequence an abort dropped */
+    int notify_fd;            /* an eventfd the call adds 1 to as it starts, or -1 (none) */
 } strata_batch;
 
 /* Evaluate a batch. A sequence whose abort flag is seen is dropped from the rest of the call: its chunks that
