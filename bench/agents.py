@@ -23,7 +23,7 @@
   of its token (median / p99: trio's wake-up, the writes, the client), the client's worst 1% of gaps split into
   the engine's part (between the two steps' ends) and the rest, and the long prompt's time to its first token
   against the same prompt with nobody else on the engine. Budgets, one after the other and then again: the
-  default (`step_slowdown` 1.75, the engine's threads' CPU time, the decode step re-measured every 32 steps),
+  default (`step_slowdown` 1.6, the engine's threads' CPU time, the decode step re-measured every 32 steps),
   `step_slowdown` 2, 1.75 timed by the process's CPU time (every thread of the server), the budget before the
   CPU clocks (2, wall clock, never re-measured), a budget of tokens only (`step_tokens` 64), and
   `step_slowdown` 1.5; `--join-runs N` runs the default alone N times instead.
