@@ -78,6 +78,25 @@ def test_greedy_is_argmax(params: SamplingParams) -> None:
         assert sampler.sample(logits, [1, 2, 3]) == int(np.argmax(logits))
 
 
+def test_a_draw_handed_out_takes_what_sample_would_have_drawn() -> None:
+    # draw_inputs and draw_with (the batcher's draws of several rows at once) give sample's tokens, seed for seed;
+    # a draw that sample must make itself (greedy, a mask, a bias, log-probabilities) is not handed out.
+    params = SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.3, seed=7)
+    whole, split = Sampler(params, N_VOCAB), Sampler(params, N_VOCAB)
+    history = [1, 2, 3]
+    for seed in range(6):
+        logits = random_logits(3.0, seed=seed)
+        inputs = split.draw_inputs(logits, history)
+        assert inputs is not None
+        token = split.draw_with(*inputs)
+        assert token == whole.sample(logits, history)
+        history.append(token)
+    logits = random_logits(3.0)
+    assert Sampler(SamplingParams(temperature=0.0), N_VOCAB).draw_inputs(logits) is None
+    assert Sampler(SamplingParams(logit_bias=((5, 1.0),)), N_VOCAB).draw_inputs(logits) is None
+    assert Sampler(SamplingParams(), N_VOCAB, logprobs=1).draw_inputs(logits) is None
+
+
 @pytest.mark.parametrize(
     "params",
     [

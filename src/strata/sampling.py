@@ -168,6 +168,18 @@ class Sampler:
             self.records.append(log_probabilities(logits, token, self.logprobs))
         return token
 
+    def draw_inputs(self, logits: np.ndarray, previous_ids: Sequence[int] = ()) -> tuple[np.ndarray, float] | None:
+        """What `sample` would hand the C draw for `logits` (the scores after penalties, and u), for a caller that
+        draws several rows at once (`Engine.sample_rows`); None where `sample` must draw itself (greedy, a mask, a
+        logit bias, log-probabilities). Like `sample`, it takes u from this sampler's generator."""
+        if self.params.greedy or self.mask is not None or self._bias_ids.size or self.logprobs is not None:
+            return None
+        return self.penalise(logits, previous_ids), self._rng.random()
+
+    def draw_with(self, scores: np.ndarray, u: float) -> int:
+        """The token `draw_inputs`' scores and u give, drawn here (`draw`)."""
+        return draw(scores, self.params, u, self._scratch(len(scores)))
+
     def _draw(self, logits: np.ndarray, previous_ids: Sequence[int], among: np.ndarray | None = None) -> int:
         """A token drawn from `logits`; with `among` (ids), from those tokens only (the others are masked)."""
         p = self.params

@@ -16,6 +16,7 @@ from strata.engine_cffi._engine import lib
 
 from strata.engine_cffi import BatchItem, Engine, EngineAborted, EngineError
 from strata.modelgen import write_random_model
+from strata.sampling import SamplingParams, draw
 
 DTYPES = ["f32", "f16", "q8_0", "q4_k"]
 
@@ -104,6 +105,26 @@ def test_greedy_answers_in_a_batch_equal_the_answers_alone(models: dict[str, pat
                 outs[s].append(int(np.argmax(rows[s][0])))
             rows = engine.eval_batch([BatchItem(s, outs[s][-1:]) for s in range(3)])
     assert outs == [greedy_alone(p) for p in prompts]
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_draws_of_several_rows_on_the_engines_threads_are_the_draws_one_by_one(models: dict[str, pathlib.Path],
+                                                                                 threads: int) -> None:
+    rng = np.random.default_rng(threads)
+    settings = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.9),
+                SamplingParams(temperature=0.6, top_k=20, top_p=0.95), SamplingParams(min_p=0.05),
+                SamplingParams(temperature=1.3, top_k=3)]
+    with Engine.load(models["q8_0"], n_ctx=32, threads=threads) as engine:
+        n = engine.n_vocab
+        rows = [rng.normal(0.0, 2.0, n).astype(np.float32) for _ in range(7)]
+        params = [settings[i % len(settings)] for i in range(7)]
+        u = [float(x) for x in rng.random(7)]
+        assert engine.sample_rows(rows, params, u) == [draw(r, p, x) for r, p, x in zip(rows, params, u, strict=True)]
+        assert engine.sample_rows([], [], []) == []
+        with pytest.raises(EngineError, match="temperature"):
+            engine.sample_rows(rows[:2], [params[0], SamplingParams(temperature=0.0)], u[:2])
+        with pytest.raises(EngineError, match="rows of"):
+            engine.sample_rows([rows[0][:10]], params[:1], u[:1])
 
 
 def test_pictures_in_two_sequences_at_once(models: dict[str, pathlib.Path]) -> None:

@@ -421,6 +421,26 @@ class Engine:
         evaluates) and the pool workers'. A step's work, without the process's other threads."""
         return float(lib.strata_cpu_seconds(self._live_ctx()))
 
+    def sample_rows(self, rows: Sequence[np.ndarray], settings: Sequence[Any], u: Sequence[float]) -> list[int]:
+        """A token drawn from each row of logits (n_vocab float32 each), as `strata.sampling.draw` draws it (row i
+        under settings[i], which has temperature, top_k, top_p and min_p, with u[i]), the rows shared out among the
+        engine's threads. Call it between evals, from the thread that evaluates."""
+        if not rows:
+            return []
+        n = self.n_vocab
+        keep = [np.ascontiguousarray(row, dtype=np.float32) for row in rows]
+        if any(row.shape != (n,) for row in keep):
+            raise EngineError(f"draws need rows of {n} logits")
+        pointers = ffi.new("float *[]", [ffi.from_buffer("float[]", row) for row in keep])
+        draws = ffi.new("strata_sampling[]", [{"temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p,
+                                               "min_p": p.min_p} for p in settings])
+        tokens = ffi.new("int[]", len(keep))
+        _check(lib.strata_sample_rows(self._live_ctx(), len(keep), pointers, n, draws, ffi.new("double[]", u),
+                                      tokens))
+        if any(tokens[i] < 0 for i in range(len(keep))):
+            raise EngineError("a draw needs a temperature above 0 (greedy draws are the arg-max)")
+        return list(tokens)
+
     def clear_abort(self, seq: int = 0) -> None:
         """Lower an abort flag that no call has consumed, e.g. before starting a new request's work."""
         _check(lib.strata_clear_abort(self._live_ctx(), int(seq)))

@@ -510,6 +510,9 @@ struct strata_context {
     float *hb2;                    // (n_rows_ff, n_ff_max) up
     float *moe_out;                // (n_batch * n_expert_used, n_embd) each expert's output per slot
     float *router;                 // (n_batch, n_expert) router logits
+    float *draw_work;              // (n_threads, draw_n) strata_sample_rows' scratch
+    int *draw_idx;                 // (n_threads, draw_n)
+    int draw_n;
     void *xq;                      // (n_rows_ff, act_row_max) activations in a product's partner type
     void *xq_slots;                // (n_batch * n_expert_used, act_row_max) token rows gathered per slot
     size_t act_row_max;            /* bytes of the widest activation row */
@@ -639,7 +642,7 @@ void strata_context_free(strata_context *c) {
                     c->scores, c->hb, c->hb2, c->moe_out, c->router, c->xq, c->xq_slots, c->slot_of,
                     c->choice_weight, c->slot_token, c->expert_start, c->expert_count, c->tasks, c->n_past,
                     (void *)c->abort_flag, c->dropped, c->chunk_token, c->chunk_seq, c->chunk_pos, c->chunk_embd,
-                    c->chunk_out, c->chunk_rope, c->rope_t, c->rope_next};
+                    c->chunk_out, c->chunk_rope, c->rope_t, c->rope_next, c->draw_work, c->draw_idx};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
     free(c);
 }
@@ -689,6 +692,43 @@ double strata_cpu_seconds(const strata_context *c) {
     struct timespec ts;
     clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec + strata_pool_worker_seconds(c->pool);
+}
+
+// --- draws of several rows
+
+typedef struct {
+    strata_context *c;
+    int n_rows, n;
+    const float *const *rows;
+    const strata_sampling *settings;
+    const double *u;
+    int *tokens;
+} draws_job;
+
+static void draws(int ith, int nth, void *arg) {
+    (void)nth;
+    const draws_job *j = arg;
+    float *work = j->c->draw_work + (size_t)ith * j->n;
+    int *idx = j->c->draw_idx + (size_t)ith * j->n;
+    for (int k; (k = strata_pool_next(j->c->pool)) < j->n_rows;)  // the pool's counter: the job's end resets it
+        j->tokens[k] = strata_sample(j->rows[k], j->n, &j->settings[k], j->u[k], work, idx);
+}
+
+strata_status strata_sample_rows(strata_context *c, int n_rows, const float *const *rows, int n,
+                                 const strata_sampling *settings, const double *u, int *tokens) {
+    if (n_rows < 0 || n <= 0 || (n_rows > 0 && (!rows || !settings || !u || !tokens)))
+        return fail(STRATA_ERR_INVALID_ARG, "draws need rows of at least one logit, their settings and u");
+    if (n > c->draw_n) {  // every thread's scratch for a draw, kept for the next
+        free(c->draw_work);
+        free(c->draw_idx);
+        c->draw_work = malloc(sizeof(float) * c->n_threads * (size_t)n);
+        c->draw_idx = malloc(sizeof(int) * c->n_threads * (size_t)n);
+        c->draw_n = c->draw_work && c->draw_idx ? n : 0;
+        if (!c->draw_n) return fail(STRATA_ERR_NOMEM, "out of memory for the draws' scratch");
+    }
+    draws_job job = {c, n_rows, n, rows, settings, u, tokens};
+    strata_pool_run(c->pool, draws, &job);
+    return STRATA_OK;
 }
 
 // --- KV cache rows: one (position, kv head) row of head_dim values

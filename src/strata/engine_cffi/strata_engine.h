@@ -224,3 +224,9 @@ void strata_get_timings(const strata_context *ctx, strata_timings *out);
 /* CPU seconds the context's threads have run so far: the calling thread (call it from the thread that evaluates:
  * it runs its share of every call) and the pool's workers. Other threads of the process are not counted. */
 double strata_cpu_seconds(const strata_context *ctx);
+
+/* tokens[i] = strata_sample(rows[i], n, &settings[i], u[i], ...) for i < n_rows, the rows shared out among the
+ * context's threads (a step's sequences draw at once: each draw reads the whole vocabulary). Call it between
+ * evals, from the thread that evaluates. A token of -1: that draw's settings had no temperature, or no memory. */
+strata_status strata_sample_rows(strata_context *ctx, int n_rows, const float *const *rows, int n,
+                                 const strata_sampling *settings, const double *u, int *tokens);
