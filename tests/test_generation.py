@@ -419,27 +419,27 @@ def test_greedy_generation_through_the_engine_matches_recomputation(tmp_path) ->
 
 
 def test_sampled_answers_in_a_batch_equal_the_answers_alone(tmp_path) -> None:
-    # Seeded draws: a step of three jobs draws on the engine's threads (Engine.sample_rows), a job alone on the
-    # batcher's thread; each job's tokens are the same either way.
+    # Seeded draws and a greedy one: a step of four jobs draws on the engine's threads (Engine.sample_rows), a job
+    # alone on the batcher's thread; each job's tokens are the same either way.
     from strata.engine_cffi import Engine
     from strata.modelgen import write_random_model
 
     path = write_random_model(tmp_path / "m.gguf", arch="qwen3moe", size="tiny", dtype="q8_0")
     params = [SamplingParams(temperature=1.0, seed=1), SamplingParams(temperature=0.7, top_p=0.9, seed=2),
-              SamplingParams(temperature=0.6, top_k=20, seed=3)]
-    prompts = [[5, 6, 7], [9, 10, 11, 12], [20, 21]]
+              SamplingParams(temperature=0.6, top_k=20, seed=3), SamplingParams(temperature=0.0)]
+    prompts = [[5, 6, 7], [9, 10, 11, 12], [20, 21], [30, 31, 32]]
 
     def new_jobs(engine: Engine) -> list[Job]:
         return [Job(prompt, Sampler(p, engine.n_vocab), 10, set()) for prompt, p in zip(prompts, params, strict=True)]
 
-    with Engine.load(path, n_ctx=64, threads=2, n_seq=3) as engine:
+    with Engine.load(path, n_ctx=64, threads=2, n_seq=4) as engine:
         together = new_jobs(engine)
         run(Batcher(engine), *together)
         alone = new_jobs(engine)
         for j in alone:
             run(Batcher(engine), j)
     assert [j.tokens for j in together] == [j.tokens for j in alone]
-    assert len({tuple(j.tokens) for j in together}) == 3
+    assert len({tuple(j.tokens) for j in together}) == 4
 
 
 def test_generate_command_prints_the_greedy_completion(tmp_path, capsys) -> None:

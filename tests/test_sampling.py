@@ -79,8 +79,9 @@ def test_greedy_is_argmax(params: SamplingParams) -> None:
 
 
 def test_a_draw_handed_out_takes_what_sample_would_have_drawn() -> None:
-    # draw_inputs and draw_with (the batcher's draws of several rows at once) give sample's tokens, seed for seed;
-    # a draw that sample must make itself (greedy, a mask, a bias, log-probabilities) is not handed out.
+    # draw_inputs and draw_with (the batcher's draws of several rows at once) give sample's tokens, seed for seed
+    # (a greedy draw takes no u); a draw that sample must make itself (a mask, a bias, log-probabilities) is not
+    # handed out.
     params = SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.3, seed=7)
     whole, split = Sampler(params, N_VOCAB), Sampler(params, N_VOCAB)
     history = [1, 2, 3]
@@ -92,7 +93,9 @@ def test_a_draw_handed_out_takes_what_sample_would_have_drawn() -> None:
         assert token == whole.sample(logits, history)
         history.append(token)
     logits = random_logits(3.0)
-    assert Sampler(SamplingParams(temperature=0.0), N_VOCAB).draw_inputs(logits) is None
+    greedy = Sampler(SamplingParams(temperature=0.0, repetition_penalty=1e6), N_VOCAB)
+    scores, u = greedy.draw_inputs(logits, [int(np.argmax(logits))]) or (None, None)
+    assert u == 0.0 and greedy.draw_with(scores, u) == greedy.sample(logits, [int(np.argmax(logits))])
     assert Sampler(SamplingParams(logit_bias=((5, 1.0),)), N_VOCAB).draw_inputs(logits) is None
     assert Sampler(SamplingParams(), N_VOCAB, logprobs=1).draw_inputs(logits) is None
 

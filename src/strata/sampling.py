@@ -169,15 +169,18 @@ class Sampler:
         return token
 
     def draw_inputs(self, logits: np.ndarray, previous_ids: Sequence[int] = ()) -> tuple[np.ndarray, float] | None:
-        """What `sample` would hand the C draw for `logits` (the scores after penalties, and u), for a caller that
-        draws several rows at once (`Engine.sample_rows`); None where `sample` must draw itself (greedy, a mask, a
-        logit bias, log-probabilities). Like `sample`, it takes u from this sampler's generator."""
-        if self.params.greedy or self.mask is not None or self._bias_ids.size or self.logprobs is not None:
+        """What `sample` draws from for `logits` (the scores after penalties, and u; 0 for a greedy draw, which
+        takes none), for a caller that draws several rows at once (`Engine.sample_rows`); None where `sample` must
+        draw itself (a mask, a logit bias, log-probabilities). Like `sample`, it takes u from this sampler's
+        generator."""
+        if self.mask is not None or self._bias_ids.size or self.logprobs is not None:
             return None
-        return self.penalise(logits, previous_ids), self._rng.random()
+        return self.penalise(logits, previous_ids), 0.0 if self.params.greedy else self._rng.random()
 
     def draw_with(self, scores: np.ndarray, u: float) -> int:
-        """The token `draw_inputs`' scores and u give, drawn here (`draw`)."""
+        """The token `draw_inputs`' scores and u give, drawn here."""
+        if self.params.greedy:
+            return int(np.argmax(scores))
         return draw(scores, self.params, u, self._scratch(len(scores)))
 
     def _draw(self, logits: np.ndarray, previous_ids: Sequence[int], among: np.ndarray | None = None) -> int:

@@ -111,18 +111,24 @@ def test_greedy_answers_in_a_batch_equal_the_answers_alone(models: dict[str, pat
 def test_draws_of_several_rows_on_the_engines_threads_are_the_draws_one_by_one(models: dict[str, pathlib.Path],
                                                                                  threads: int) -> None:
     rng = np.random.default_rng(threads)
+    # Greedy rows (temperature 0, or top-k 1) take numpy's arg-max: the first of equal largest values, the first
+    # NaN where there is one.
     settings = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.9),
                 SamplingParams(temperature=0.6, top_k=20, top_p=0.95), SamplingParams(min_p=0.05),
-                SamplingParams(temperature=1.3, top_k=3)]
+                SamplingParams(temperature=1.3, top_k=3), SamplingParams(temperature=0.0), SamplingParams(top_k=1)]
     with Engine.load(models["q8_0"], n_ctx=32, threads=threads) as engine:
         n = engine.n_vocab
-        rows = [rng.normal(0.0, 2.0, n).astype(np.float32) for _ in range(7)]
-        params = [settings[i % len(settings)] for i in range(7)]
-        u = [float(x) for x in rng.random(7)]
-        assert engine.sample_rows(rows, params, u) == [draw(r, p, x) for r, p, x in zip(rows, params, u, strict=True)]
+        rows = [rng.normal(0.0, 2.0, n).astype(np.float32) for _ in range(9)]
+        params = [settings[i % len(settings)] for i in range(9)]
+        u = [float(x) for x in rng.random(9)]
+        expected = [int(np.argmax(r)) if p.greedy else draw(r, p, x) for r, p, x in zip(rows, params, u, strict=True)]
+        assert engine.sample_rows(rows, params, u) == expected
+        greedy = SamplingParams(temperature=0.0)
+        ties, nans, low = rng.normal(0.0, 1.0, n).astype(np.float32), rows[0].copy(), np.full(n, -np.inf, np.float32)
+        ties[[n - 3, 77, 200]] = 9.0
+        nans[[n - 1, 123]] = np.nan
+        assert engine.sample_rows([ties, nans, low], [greedy] * 3, [0.0] * 3) == [77, 123, 0]
         assert engine.sample_rows([], [], []) == []
-        with pytest.raises(EngineError, match="temperature"):
-            engine.sample_rows(rows[:2], [params[0], SamplingParams(temperature=0.0)], u[:2])
         with pytest.raises(EngineError, match="rows of"):
             engine.sample_rows([rows[0][:10]], params[:1], u[:1])
 

@@ -423,8 +423,8 @@ class Engine:
 
     def sample_rows(self, rows: Sequence[np.ndarray], settings: Sequence[Any], u: Sequence[float]) -> list[int]:
         """A token drawn from each row of logits (n_vocab float32 each), as `strata.sampling.draw` draws it (row i
-        under settings[i], which has temperature, top_k, top_p and min_p, with u[i]), the rows shared out among the
-        engine's threads. Call it between evals, from the thread that evaluates."""
+        under settings[i], a `SamplingParams`, with u[i]; numpy's arg-max where settings[i] is greedy), the rows
+        shared out among the engine's threads. Call it between evals, from the thread that evaluates."""
         if not rows:
             return []
         n = self.n_vocab
@@ -432,13 +432,13 @@ class Engine:
         if any(row.shape != (n,) for row in keep):
             raise EngineError(f"draws need rows of {n} logits")
         pointers = ffi.new("float *[]", [ffi.from_buffer("float[]", row) for row in keep])
-        draws = ffi.new("strata_sampling[]", [{"temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p,
-                                               "min_p": p.min_p} for p in settings])
+        draws = ffi.new("strata_sampling[]", [{"temperature": 0.0 if p.greedy else p.temperature, "top_k": p.top_k,
+                                               "top_p": p.top_p, "min_p": p.min_p} for p in settings])
         tokens = ffi.new("int[]", len(keep))
         _check(lib.strata_sample_rows(self._live_ctx(), len(keep), pointers, n, draws, ffi.new("double[]", u),
                                       tokens))
         if any(tokens[i] < 0 for i in range(len(keep))):
-            raise EngineError("a draw needs a temperature above 0 (greedy draws are the arg-max)")
+            raise MemoryError("no memory for the top-k candidates")
         return list(tokens)
 
     def clear_abort(self, seq: int = 0) -> None:

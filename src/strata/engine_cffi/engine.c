@@ -711,7 +711,9 @@ static void draws(int ith, int nth, void *arg) {
     float *work = j->c->draw_work + (size_t)ith * j->n;
     int *idx = j->c->draw_idx + (size_t)ith * j->n;
     for (int k; (k = strata_pool_next(j->c->pool)) < j->n_rows;)  // the pool's counter: the job's end resets it
-        j->tokens[k] = strata_sample(j->rows[k], j->n, &j->settings[k], j->u[k], work, idx);
+        j->tokens[k] = j->settings[k].temperature > 0.0f
+                           ? strata_sample(j->rows[k], j->n, &j->settings[k], j->u[k], work, idx)
+                           : strata_argmax(j->rows[k], j->n);
 }
 
 strata_status strata_sample_rows(strata_context *c, int n_rows, const float *const *rows, int n,

@@ -306,6 +306,34 @@ static int draw_top_k(const float *work, int n, const strata_sampling *s, double
     return pick;
 }
 
+/* numpy's arg-max of x[0..n): the first NaN if there is one, else the first of the largest. */
+int strata_argmax(const float *x, int n) {
+    float best = -INFINITY;
+    int i = 0;
+#if defined(AV)
+    avec top = av_set1(-INFINITY);
+    for (; i + AV <= n; i += AV) {
+        avec v = av_load(x + i);
+        if (av_nan_lanes(v)) break;  // the NaN's index: found one by one below
+        top = av_max(top, v);
+    }
+    best = av_hmax(top);
+#endif
+    for (; i < n; i++) {
+        if (x[i] != x[i]) return i;
+        if (x[i] > best) best = x[i];
+    }
+    i = 0;
+#if defined(AV)
+    for (const avec want = av_set1(best); i + AV <= n; i += AV) {
+        unsigned equal = av_equal_lanes(av_load(x + i), want);
+        if (equal) return i + __builtin_ctz(equal);
+    }
+#endif
+    while (i < n && x[i] != best) i++;
+    return i < n ? i : 0;  // n <= 0, or every value -inf... found above; 0 as numpy gives for all equal
+}
+
 int strata_sample(const float *logits, int n, const strata_sampling *s, double u, float *work, int *idx) {
     if (n <= 0 || !(s->temperature > 0.0f)) return -1;
     const float mx = scale_logits(logits, n, s->temperature, work);

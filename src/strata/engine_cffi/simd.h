@@ -49,6 +49,10 @@ static inline avec av_where_above(avec x, avec lo, avec v) {
     return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, lo, _CMP_GT_OQ), v);
 }
 static inline int av_any_above(avec x, avec lo) { return _mm512_cmp_ps_mask(x, lo, _CMP_GT_OQ) != 0; }
+/* bit k set where lane k of x equals v; where lane k of x is a NaN */
+static inline unsigned av_equal_lanes(avec x, avec v) { return _mm512_cmp_ps_mask(x, v, _CMP_EQ_OQ); }
+static inline unsigned av_nan_lanes(avec x) { return _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q); }
+static inline float av_hmax(avec x) { return _mm512_reduce_max_ps(x); }
 /* lane k = the sum of a[k]'s lanes, for 16 vectors at once: pairs of lanes, then of quarters, every vector's sum
  * by the same tree */
 static inline avec av_sums(const avec a[16]) {
@@ -92,6 +96,15 @@ static inline avec av_from_i8(const int8_t *v) {
 }
 static inline avec av_where_above(avec x, avec lo, avec v) { return _mm256_and_ps(_mm256_cmp_ps(x, lo, _CMP_GT_OQ), v); }
 static inline int av_any_above(avec x, avec lo) { return _mm256_movemask_ps(_mm256_cmp_ps(x, lo, _CMP_GT_OQ)) != 0; }
+static inline unsigned av_equal_lanes(avec x, avec v) {
+    return (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(x, v, _CMP_EQ_OQ));
+}
+static inline unsigned av_nan_lanes(avec x) { return (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)); }
+static inline float av_hmax(avec x) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
 static inline avec av_sums(const avec a[8]) {
     __m256 t[4], u[2];
     for (int k = 0; k < 4; k++)

@@ -54,6 +54,8 @@ typedef struct {
  * whose running probability passes u (the candidates are strata.sampling's numpy pipeline's). work: n floats,
  * idx: n ints of scratch. -1: n <= 0, a temperature not above 0, or no memory. */
 int strata_sample(const float *logits, int n, const strata_sampling *s, double u, float *work, int *idx);
+/* numpy's arg-max of x[0..n): the index of the first NaN if there is one, else of the first largest value. */
+int strata_argmax(const float *x, int n);
 
 /* --- kernels: block formats and dot products (also used by tests and the image encoder) */
 
@@ -225,8 +227,9 @@ void strata_get_timings(const strata_context *ctx, strata_timings *out);
  * it runs its share of every call) and the pool's workers. Other threads of the process are not counted. */
 double strata_cpu_seconds(const strata_context *ctx);
 
-/* tokens[i] = strata_sample(rows[i], n, &settings[i], u[i], ...) for i < n_rows, the rows shared out among the
- * context's threads (a step's sequences draw at once: each draw reads the whole vocabulary). Call it between
- * evals, from the thread that evaluates. A token of -1: that draw's settings had no temperature, or no memory. */
+/* tokens[i] = strata_sample(rows[i], n, &settings[i], u[i], ...) for i < n_rows, or strata_argmax(rows[i], n)
+ * where settings[i] has a temperature of 0, the rows shared out among the context's threads (a step's sequences
+ * draw at once: each draw reads the whole vocabulary). Call it between evals, from the thread that evaluates. A
+ * token of -1: no memory for a top-k draw. */
 strata_status strata_sample_rows(strata_context *ctx, int n_rows, const float *const *rows, int n,
                                  const strata_sampling *settings, const double *u, int *tokens);
