@@ -384,8 +384,8 @@ class Batcher:
     def _draw_together(self, draws: list[tuple[Job, np.ndarray, float]], now: float) -> None:
         """The step's draws in one engine call: each reads the whole vocabulary (~80 us at 151,936 logits at
         temperature 1, ~35 us for the arg-max of a row just made), and the engine's threads, idle between steps,
-        take them in parallel. One draw is done here: handing it to the
-        threads (whose idle spin may have ended) cost more than it saved."""
+        take them in parallel. One draw is done here: handing it to the threads (whose idle spin may have ended)
+        cost more than it saved."""
         try:
             if len(draws) == 1:
                 job, scores, u = draws[0]

@@ -178,21 +178,17 @@ class Sampler:
         return self.penalise(logits, previous_ids), 0.0 if self.params.greedy else self._rng.random()
 
     def draw_with(self, scores: np.ndarray, u: float) -> int:
-        """The token `draw_inputs`' scores and u give, drawn here."""
-        if self.params.greedy:
+        """The index that `scores` (after penalties) and u give, drawn here."""
+        if self.params.greedy:  # the decode loop's common case: the arg-max, nothing to build
             return int(np.argmax(scores))
         return draw(scores, self.params, u, self._scratch(len(scores)))
 
     def _draw(self, logits: np.ndarray, previous_ids: Sequence[int], among: np.ndarray | None = None) -> int:
         """A token drawn from `logits`; with `among` (ids), from those tokens only (the others are masked)."""
-        p = self.params
         scores = self.penalise(logits, previous_ids)  # `logits` itself unless a penalty applies
         if among is not None:
             scores = scores[among]
-        if p.greedy:  # the decode loop's common case: the arg-max, nothing to build
-            index = int(np.argmax(scores))
-        else:
-            index = draw(scores, p, self._rng.random(), self._scratch(len(scores)))
+        index = self.draw_with(scores, 0.0 if self.params.greedy else self._rng.random())
         return index if among is None else int(among[index])
 
     def _scratch(self, n: int) -> tuple[np.ndarray, np.ndarray]:

@@ -331,7 +331,7 @@ int strata_argmax(const float *x, int n) {
     }
 #endif
     while (i < n && x[i] != best) i++;
-    return i < n ? i : 0;  // n <= 0, or every value -inf... found above; 0 as numpy gives for all equal
+    return i < n ? i : 0;  // i == n only for n <= 0: best is one of the values (-inf where all are)
 }
 
 int strata_sample(const float *logits, int n, const strata_sampling *s, double u, float *work, int *idx) {
