@@ -874,7 +874,6 @@ class _EngineLoop:
         self.periods = 0  # engine threads started whose end trio has not seen yet (trio only)
         self._pauses = 0  # paused() holders (guarded by _cond)
         self._pause_ack: trio.Event | None = None
-        self._trio_token: trio.lowlevel.TrioToken | None = None
         self._handoffs: set[_Stream] = set()  # woken with a first token, not taken yet (guarded by _cond)
         self._closing = False  # no job comes any more: a waiting engine thread ends (guarded by _cond)
         self._ended: trio.Event | None = None  # set when trio has seen the last engine thread end
@@ -885,7 +884,6 @@ class _EngineLoop:
             if not self.running:
                 self.running = True
                 self.periods += 1
-                self._trio_token = trio.lowlevel.current_trio_token()
                 relay = _Relay()  # this engine thread's
                 trio.lowlevel.spawn_system_task(relay.deliver, name="strata engine relay")
                 trio.lowlevel.start_thread_soon(partial(self._work, relay), partial(self._ended_with, relay),
@@ -983,13 +981,13 @@ class _EngineLoop:
             if any(len(stream.job.tokens) <= 1 for stream in streams):
                 # A first token (or an end): trio is woken now, not as the next call starts, at the price of
                 # this thread waiting for the GIL once before that call.
-                assert self._trio_token is not None
                 firsts = {stream for stream in streams if stream.job.finish is None and len(stream.job.tokens) == 1}
                 for stream in firsts:
                     stream.handing_off = True
                 with self._cond:
                     self._handoffs = firsts
-                self._trio_token.run_sync_soon(wake)
+                relay.put(wake)
+                relay.notify()
                 if firsts:
                     self._await_handoffs()
             else:
