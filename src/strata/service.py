@@ -1128,7 +1128,6 @@ class _Stream:
             self._loop.taken(self)
         waited = False
         while True:
-            self._waiter = waiter = trio.Event()
             ended = self.job.finish is not None  # read first: every token is appended before finish is set
             tokens = self.job.tokens[self._taken:]
             if tokens and not waited:
@@ -1144,6 +1143,8 @@ class _Stream:
                 if self.job.error is not None:
                     raise self.job.error
                 return []
+            # `wake` runs in trio, so no wake-up falls between the reads above and this wait.
+            self._waiter = waiter = trio.Event()
             await waiter.wait()
             waited = True
 

@@ -51,11 +51,15 @@ class Turn:
         """Wait for the turn (a checkpoint, cancellable), hold it for the block, release it on exit."""
         if self._max_queued is not None and self.queued >= self._max_queued and self.full:
             raise QueueFull(f"{self.queued} requests are already waiting for the engine")
-        self.queued += 1
-        try:
-            await self._slot.acquire()
-        finally:
-            self.queued -= 1
+        if self._slot.value > 0:  # free, so nobody waits: taken without a pass of trio's scheduler
+            await trio.lowlevel.checkpoint_if_cancelled()
+            self._slot.acquire_nowait()
+        else:
+            self.queued += 1
+            try:
+                await self._slot.acquire()
+            finally:
+                self.queued -= 1
         try:
             yield
         finally:
