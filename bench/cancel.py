@@ -1,6 +1,7 @@
 """How fast a hang-up frees the engine, in each phase of a request.
 
-A client hangs up while its request is queued, during prompt processing of a long prompt, or while decoding;
+A client hangs up while its request is queued, during prompt processing of a long prompt (a new one each time,
+between 30% and 60% of its time alone), or while decoding;
 the script measures (1) how long until the server has released the request (it left the queue, or the engine
 aborted and the turn was released: the request's history row is written) and (2) for the engine phases, how long
 until the next queued request's first token arrives, minus that request's own time to first token on an idle
@@ -121,8 +122,8 @@ def states(service: Service) -> list[str]:
     return [slot["state"] for slot in service.slots()]
 
 
-async def one_hang_up(service: Service, client: Client, phase: str, idle_ttft: float, rng: random.Random
-                      ) -> tuple[float | None, float | None]:
+async def one_hang_up(service: Service, client: Client, phase: str, idle_ttft: float, long_ttft: float,
+                      rng: random.Random) -> tuple[float | None, float | None]:
     """One measurement with every slot taken: the other slots decode, the first request is on the last slot
     (processing a long prompt, or decoding) and a next one waits in the queue; (release seconds, the next
     request's extra wait in seconds) when the first (or, for `queued`, the waiting one) hangs up; None for what
@@ -132,7 +133,8 @@ async def one_hang_up(service: Service, client: Client, phase: str, idle_ttft: f
     others = [await client.open({**request(f"other {i} {rng.random()}", 4000), "stream": True})
               for i in range(n_slots - 1)]
     await until(lambda: states(service).count("decode") == n_slots - 1)
-    first_text = LONG_PROMPT if phase == "prompt" else f"busy {rng.random()}"
+    # A long prompt of its own each time (no cached prefix), hung up on between 30% and 60% of its time alone.
+    first_text = f"{rng.random()} {LONG_PROMPT}" if phase == "prompt" else f"busy {rng.random()}"
     first = await client.open({**request(first_text, 4000 if phase != "prompt" else 1), "stream": True})
     await until(lambda: states(service).count("prompt" if phase == "prompt" else "decode")
                 == (1 if phase == "prompt" else n_slots))
@@ -157,9 +159,12 @@ async def one_hang_up(service: Service, client: Client, phase: str, idle_ttft: f
             nursery.start_soon(next_request)
             await until(lambda: service.turn.queued == 1)
             # the middle of the long prompt, or between two tokens
-            await trio.sleep(rng.uniform(0.3, 0.6) if phase == "prompt" else rng.uniform(0.005, 0.02))
-            assert states(service).count("prompt" if phase == "prompt" else "decode") == (
-                1 if phase == "prompt" else n_slots)
+            await trio.sleep(rng.uniform(0.3, 0.6) * long_ttft if phase == "prompt" else rng.uniform(0.005, 0.02))
+            if states(service).count("prompt" if phase == "prompt" else "decode") != (
+                    1 if phase == "prompt" else n_slots):  # a request ended on its own (a stop token): not measured
+                await first.aclose()
+                nursery.cancel_scope.cancel()
+                return None, None
             n_rows = service.history.totals.requests
             hung_up_wall, hung_up = time.time(), time.perf_counter()
             HANG_UPS.append(hung_up_wall)
@@ -173,12 +178,13 @@ async def one_hang_up(service: Service, client: Client, phase: str, idle_ttft: f
     return release, result["next"] - hung_up - idle_ttft
 
 
-async def idle_first_token(service: Service, client: Client) -> float:
+async def idle_first_token(service: Service, client: Client, text: str = "next", runs: int = 5) -> float:
+    """The median time to the first token of a prompt `text` (made unique) on an idle engine."""
     times = []
-    for i in range(5):
+    for i in range(runs):
         await until(lambda: not service.turn.busy)
         start = time.perf_counter()
-        times.append(await client.first_token(request(f"next {random.random()}", 1)) - start)
+        times.append(await client.first_token(request(f"{random.random()} {text}", 1)) - start)
     return statistics.median(times)
 
 
@@ -230,14 +236,16 @@ async def main(args: argparse.Namespace) -> None:
             client = Client(host, port)
             marks = Marks(service)
             idle_ttft = await idle_first_token(service, client)
+            long_ttft = await idle_first_token(service, client, LONG_PROMPT, runs=1)
             print(f"model {args.model.name}, threads {service.engine.threads}, slots {args.slots}; idle time to "
-                  f"first token {idle_ttft * 1e3:.1f} ms; {args.repeats} repeats; load average "
+                  f"first token {idle_ttft * 1e3:.1f} ms (the long prompt's {long_ttft * 1e3:.0f} ms); "
+                  f"{args.repeats} repeats; load average "
                   f"{os.getloadavg()[0]:.1f}")
             print(f"{'phase':<22} {'release ms (median, max)':>26} {'next request extra wait ms':>30}")
             for phase in ("queued", "prompt", "decode"):
                 releases, waits = [], []
                 while len(releases) < args.repeats:
-                    release, wait = await one_hang_up(service, client, phase, idle_ttft, rng)
+                    release, wait = await one_hang_up(service, client, phase, idle_ttft, long_ttft, rng)
                     if release is not None:
                         releases.append(release)
                     if wait is not None:
