@@ -340,7 +340,11 @@ def llama_cpp_main(model: Path, threads: int, n_seq: int, tokens: int) -> None:
     quiet = llama_cpp.llama_log_callback(lambda level, text, data: None)
     llama_cpp.llama_log_set(quiet, None)
     llama_cpp.llama_backend_init()
-    lm = llama_cpp.llama_model_load_from_file(str(model).encode(), llama_cpp.llama_model_default_params())
+    mparams = llama_cpp.llama_model_default_params()
+    # ggml's AMX weight layout (an "extra" buffer type) crashes in its matrix product on an AMX Xeon (0.3.36):
+    # the weights stay in ggml's CPU layout.
+    mparams.use_extra_bufts = False
+    lm = llama_cpp.llama_model_load_from_file(str(model).encode(), mparams)
     cparams = llama_cpp.llama_context_default_params()
     cparams.n_ctx, cparams.n_batch, cparams.n_ubatch, cparams.n_seq_max = 512 * n_seq, 512, 512, n_seq
     cparams.n_threads = cparams.n_threads_batch = threads
