@@ -99,10 +99,10 @@ class Stamps:
             return wrapped
 
         def eval_batch(original: Any) -> Any:
-            def wrapped(items: Any) -> Any:
+            def wrapped(items: Any, notify_fd: int = -1) -> Any:
                 note("engine call")
                 try:
-                    return original(items)
+                    return original(items, notify_fd=notify_fd)
                 finally:
                     note("engine returned")
             return wrapped

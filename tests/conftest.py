@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -98,9 +99,11 @@ class ScriptedEngine:
     def seq_n_past(self, seq: int) -> int:
         return len(self.kvs[seq])
 
-    def eval_batch(self, items: Sequence[Any]) -> list[np.ndarray | None]:
+    def eval_batch(self, items: Sequence[Any], notify_fd: int = -1) -> list[np.ndarray | None]:
         from strata.engine_cffi import EngineAborted, EngineError
 
+        if notify_fd >= 0:  # as the engine does as a call starts
+            os.eventfd_write(notify_fd, 1)
         results: list[np.ndarray | None] = []
         dropped: set[int] = set()
         self.running.set()

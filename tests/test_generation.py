@@ -33,7 +33,9 @@ class SuccessorEngine:
     def seq_n_past(self, seq: int) -> int:
         return len(self.caches[seq])
 
-    def eval_batch(self, items: list[BatchItem]) -> list[np.ndarray | None]:
+    def eval_batch(self, items: list[BatchItem], notify_fd: int = -1) -> list[np.ndarray | None]:
+        if notify_fd >= 0:  # as the engine does as a call starts
+            os.eventfd_write(notify_fd, 1)
         self.calls.append([(item.seq, list(item.tokens), item.embeds) for item in items])
         results: list[np.ndarray | None] = []
         dropped = frozenset(item.seq for item in items if item.seq in self.flags)
@@ -155,8 +157,8 @@ def test_a_slot_knows_what_each_cached_position_holds() -> None:
 
 
 def test_each_engine_call_is_notified_on_the_batchers_eventfd() -> None:
-    # The real engine writes it as its call starts (tests/engine); for one that cannot, the batcher writes it
-    # just before the call.
+    # The batcher hands its eventfd to every call; the engine writes it as the call starts (this fake as the real
+    # one does: tests/engine).
     engine = SuccessorEngine()
     batcher = Batcher(engine)
     fd = os.eventfd(0, os.EFD_NONBLOCK)
@@ -217,12 +219,12 @@ class TimedEngine(SuccessorEngine):
     def clock(self) -> float:
         return self.now
 
-    def eval_batch(self, items: list[BatchItem]) -> list[np.ndarray | None]:
+    def eval_batch(self, items: list[BatchItem], notify_fd: int = -1) -> list[np.ndarray | None]:
         self.now += self.decode + sum(self.per_token(self.seq_n_past(item.seq) + i)
                                       for item in items if item.seq in self.prompting
                                       for i in range(len(item.tokens)))
         self.times = [*getattr(self, "times", []), self.now]
-        return super().eval_batch(items)
+        return super().eval_batch(items, notify_fd=notify_fd)
 
 
 def run_until_answered(batcher: Batcher, engine: TimedEngine, long: Job) -> tuple[list[int], np.ndarray]:
@@ -380,11 +382,11 @@ def test_an_abort_in_flight_drops_only_that_job() -> None:
     batcher.add(b := job([7], max_tokens=5))
     evaluate = engine.eval_batch
 
-    def cancelled_in_flight(items):
+    def cancelled_in_flight(items, notify_fd=-1):
         batcher.cancel(b)  # from another thread while the call runs: the engine's flag for b goes up
         assert engine.flags == {b.seq}
         engine.eval_batch = evaluate
-        return evaluate(items)
+        return evaluate(items, notify_fd=notify_fd)
 
     engine.eval_batch = cancelled_in_flight
     assert set(batcher.step()) == {a, b}

@@ -16,9 +16,7 @@ The engine is anything with the `strata.engine_cffi.Engine` calls used here (`ev
 
 from __future__ import annotations
 
-import inspect
 import itertools
-import os
 import statistics
 import threading
 import time
@@ -215,10 +213,7 @@ class Batcher:
         self.step_tokens = max(1, step_tokens)
         clock = clock or getattr(engine, "cpu_seconds", None) or time.process_time
         self.budget = None if slowdown is None else StepBudget(slowdown, clock)
-        # An eventfd every engine call adds 1 to as it starts (-1: none): see service._Relay. An engine whose
-        # eval_batch cannot (no `notify_fd`: the tests' fakes and wrappers) has it written here, before its call.
-        self.notify_fd = -1
-        self._engine_notifies = "notify_fd" in inspect.signature(engine.eval_batch).parameters
+        self.notify_fd = -1  # an eventfd every engine call adds 1 to as it starts (-1: none): see service._Relay
         # The step's draws at once on the engine's threads, where it has them.
         self._engine_draws = hasattr(engine, "sample_rows")
         self.last_batch = 0  # tokens in the last step
@@ -296,13 +291,7 @@ class Batcher:
             self._in_call = {job.seq for job in work}
         complete = True
         try:
-            if self.notify_fd < 0:
-                rows = self.engine.eval_batch(items)
-            elif self._engine_notifies:
-                rows = self.engine.eval_batch(items, notify_fd=self.notify_fd)
-            else:
-                os.eventfd_write(self.notify_fd, 1)
-                rows = self.engine.eval_batch(items)
+            rows = self.engine.eval_batch(items, notify_fd=self.notify_fd)
         except EngineAborted as error:  # some sequences were dropped: the others' work is complete
             rows, complete = error.results, False
         except Exception as error:  # noqa: BLE001 - the call's jobs end with it; the slots serve on

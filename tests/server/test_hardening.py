@@ -138,7 +138,7 @@ def test_host_name(header, name):
 
 def test_a_server_error_names_no_exception_class(tokenizer):
     class Broken(ScriptedEngine):
-        def eval_batch(self, items):
+        def eval_batch(self, items, notify_fd=-1):
             raise KeyError("secret internals")
 
     with live_server(server_config(), Broken(tokenizer), tokenizer) as live:

@@ -43,9 +43,9 @@ class BatchRecorder:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
 
-    def eval_batch(self, items: Any) -> Any:
+    def eval_batch(self, items: Any, notify_fd: int = -1) -> Any:
         self.batches.append([item.seq for item in items])
-        return self._engine.eval_batch(items)
+        return self._engine.eval_batch(items, notify_fd=notify_fd)
 
 
 async def test_requests_up_to_the_slots_generate_together_and_the_rest_wait(scripted, tokenizer):
@@ -139,9 +139,9 @@ class FirstTokenWatch(BatchRecorder):
         self.given = False
         self.seen: list[bool] = []
 
-    def eval_batch(self, items: Any) -> Any:
+    def eval_batch(self, items: Any, notify_fd: int = -1) -> Any:
         self.seen.append(self.given)
-        return super().eval_batch(items)
+        return super().eval_batch(items, notify_fd=notify_fd)
 
 
 async def test_the_engine_waits_for_a_first_token_to_be_taken_before_its_next_step(scripted, tokenizer):

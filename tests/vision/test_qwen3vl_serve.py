@@ -62,9 +62,9 @@ class RecordingEngine:
     def __getattr__(self, name: str):
         return getattr(self._engine, name)
 
-    def eval_batch(self, items):
+    def eval_batch(self, items, notify_fd=-1):
         self.calls += [(list(item.tokens), list(item.embeds or [])) for item in items]
-        return self._engine.eval_batch(items)
+        return self._engine.eval_batch(items, notify_fd=notify_fd)
 
 
 _MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "decoder_sparse_step": 1}

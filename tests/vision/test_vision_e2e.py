@@ -49,9 +49,9 @@ class RecordingEngine:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
 
-    def eval_batch(self, items):
+    def eval_batch(self, items, notify_fd=-1):
         self.calls += [(list(item.tokens), list(item.embeds or [])) for item in items]
-        return self._engine.eval_batch(items)
+        return self._engine.eval_batch(items, notify_fd=notify_fd)
 
 
 @pytest.fixture(scope="module")

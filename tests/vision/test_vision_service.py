@@ -339,10 +339,10 @@ async def test_a_cuda_encoder_pauses_the_whole_batch_between_steps(scripted, tok
     calls: list[tuple[float, float]] = []
     evaluate = engine.eval_batch
 
-    def timed(items):
+    def timed(items, notify_fd=-1):
         started = time.perf_counter()
         try:
-            return evaluate(items)
+            return evaluate(items, notify_fd=notify_fd)
         finally:
             calls.append((started, time.perf_counter()))
 
