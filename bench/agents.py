@@ -57,7 +57,7 @@ import httpx
 import trio
 
 from strata.config import config_from_dict
-from strata.generation import StepBudget
+from strata.scheduling.batcher import StepBudget
 from strata.service import open_service
 
 import threadcpu

@@ -26,10 +26,10 @@ from pathlib import Path
 
 import numpy as np
 
-from strata.constraints import AnswerFormat, Grammars, plan_constraint
+from strata.text.constraints import AnswerFormat, Grammars, plan_constraint
 from strata.engine_cffi import Engine
-from strata.sampling import Sampler, SamplingParams
-from strata.tokenizer import Tokenizer
+from strata.text.sampling import Sampler, SamplingParams
+from strata.text.tokenizer import Tokenizer
 
 # A long answer: enough constrained tokens to measure (strings are free text inside the grammar).
 SCHEMA = {"type": "object", "properties": {"items": {"type": "array", "minItems": 64, "items": {

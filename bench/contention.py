@@ -32,7 +32,7 @@ from strata.config import config_from_dict
 from strata.events import ChatRequest
 from strata.modelgen import write_random_model
 from strata.modelgen.mmproj import write_random_mmproj
-from strata.sampling import SamplingParams
+from strata.text.sampling import SamplingParams
 from strata.service import open_service
 from strata.vision.client import VisionClient
 

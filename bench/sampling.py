@@ -1,4 +1,4 @@
-"""What drawing a token costs: the C draw (`strata.sampling.draw`) against the numpy pipeline it replaced, per draw
+"""What drawing a token costs: the C draw (`strata.text.sampling.draw`) against the numpy pipeline it replaced, per draw
 and in the batcher's decode, where every sequence's draw runs on the engine thread between two steps.
 
     python bench/sampling.py [--model bench/out/qwen3moe-small-q8_0.gguf] [--threads 2] [--tokens 64] [--runs 3]
@@ -7,7 +7,7 @@ Per draw: microseconds over 151,936 logits, median of 200: normal with standard 
 "trained-like": 300 tokens 8-20 above a normal background of deviation 2, as a trained model puts most of its mass
 on a few tokens (a random model's logits are the flat kind). The
 numpy side is the earlier sampler's: the candidates (`Sampler.distribution`, sorted windows for top-p and top-k),
-then a search of their running sum. Decode: tokens/s of the batcher (`strata.generation.Batcher`, as the server
+then a search of their running sum. Decode: tokens/s of the batcher (`strata.scheduling.batcher.Batcher`, as the server
 and `strata generate` run it) with 1 and 4 sequences of 40 random prompt tokens each, for each setting, both draws
 alternated in the same process; median of `--runs`.
 """
@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from strata.generation import Batcher, Job
-from strata.sampling import Sampler, SamplingParams
+from strata.scheduling.batcher import Batcher, Job
+from strata.text.sampling import Sampler, SamplingParams
 
 SMALL_MODEL = Path(__file__).parent / "out" / "qwen3moe-small-q8_0.gguf"
 N_VOCAB = 151_936

@@ -3,7 +3,7 @@ done by calling the engine directly.
 
 Both sides run greedy decoding of the same prompts (a fresh prompt each run, so no KV prefix is reused) for a
 fixed number of tokens. Direct: what `strata generate` does, the chat template, the tokenizer and
-`strata.generation.generate` (the generation loop the server runs too) on an engine of the server's shape, with
+`strata.scheduling.batcher.generate` (the generation loop the server runs too) on an engine of the server's shape, with
 the streaming detokeniser; its batcher is kept from run to run, as the server's is. HTTP: a
 streamed `/v1/chat/completions` request to a server in this process (hypercorn, trio worker), read by a client in
 a process of its own over a plain socket, as a real client would be (one in this process would compete with the
@@ -37,9 +37,9 @@ from typing import Any
 import trio
 
 from strata.config import config_from_dict
-from strata.generation import Batcher, generate
-from strata.prompt import render_chat
-from strata.sampling import Sampler, SamplingParams
+from strata.scheduling.batcher import Batcher, generate
+from strata.text.prompt import render_chat
+from strata.text.sampling import Sampler, SamplingParams
 from strata.service import open_service
 
 import threadcpu
@@ -55,7 +55,7 @@ def messages(run: int) -> list[dict[str, Any]]:
 
 def direct(engine: Any, batcher: Any, tokenizer: Any, run: int, n_tokens: int) -> tuple[float, float, float, int]:
     """(seconds to the first token, decode tokens/s, process CPU seconds per token, tokens) calling the engine
-    directly, as `strata generate` does: render, tokenise, then `strata.generation.generate` (the generation loop
+    directly, as `strata generate` does: render, tokenise, then `strata.scheduling.batcher.generate` (the generation loop
     the server runs too) on a batcher kept from run to run, so that its slots keep their prefixes as the
     server's do; each token is detokenised as it comes."""
     cpu = time.process_time()
@@ -172,7 +172,7 @@ async def over_http(client: Client, run: int, n_tokens: int, keep: bool = True,
 async def compare(model: Path, threads: int | None, n_tokens: int, runs: int, warm: bool = False
                   ) -> dict[str, float]:
     from strata.engine_cffi import Engine
-    from strata.tokenizer import Tokenizer
+    from strata.text.tokenizer import Tokenizer
 
     config = config_from_dict({"model": str(model), "context": 4096, "threads": threads,
                                "host": "127.0.0.1", "port": 0})

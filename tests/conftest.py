@@ -44,7 +44,7 @@ def qwen_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tokenizer(tiny_model: Path) -> Any:
-    from strata.tokenizer import Tokenizer
+    from strata.text.tokenizer import Tokenizer
 
     return Tokenizer.from_gguf(tiny_model)
 

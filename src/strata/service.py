@@ -32,8 +32,6 @@ import trio
 
 from strata.activity import Activity, RequestProgress
 from strata.config import Config
-from strata.constraints import GrammarError, Grammars, Guide, plan_constraint
-from strata.downloads import DownloadPolicy, download_client
 from strata.events import (
     ChatRequest,
     CompletionPrompt,
@@ -50,9 +48,10 @@ from strata.events import (
     ToolResult,
     Usage,
 )
-from strata.generation import Batcher, Job
 from strata.history import History, HistoryRow
-from strata.images import (
+from strata.mcp_tools import McpRequestError, McpServers, Toolset, open_toolset
+from strata.pictures.downloads import DownloadPolicy, download_client
+from strata.pictures.sources import (
     DOWNLOAD_TIMEOUT,
     MAX_IMAGE_BYTES,
     ImageInfo,
@@ -63,13 +62,14 @@ from strata.images import (
     load_source,
     marker_tokens,
 )
-from strata.mcp_tools import McpRequestError, McpServers, Toolset, open_toolset
 from strata.progress import Stage, with_progress
-from strata.prompt import PromptError, render_chat
-from strata.prompt_tokens import PromptTokens, strings_of
-from strata.sampling import Sampler
-from strata.toolcalls import StopMatcher, ToolCallParser
-from strata.turn import QueueFull, Turn
+from strata.scheduling.batcher import Batcher, Job
+from strata.scheduling.turn import QueueFull, Turn
+from strata.text.constraints import GrammarError, Grammars, Guide, plan_constraint
+from strata.text.prompt import PromptError, render_chat
+from strata.text.prompt_tokens import PromptTokens, strings_of
+from strata.text.sampling import Sampler
+from strata.text.toolcalls import StopMatcher, ToolCallParser
 from strata.vision.client import (
     Embedding,
     PictureRefused,
@@ -112,7 +112,7 @@ ENCODER_RETRY_AFTER = 5  # seconds: an encoder that crashed or hung is started a
 
 class EngineLike(Protocol):
     """What the service needs of `strata.engine_cffi.Engine` (tests substitute scripted engines): the calls
-    `strata.generation.Batcher` makes, and a few properties."""
+    `strata.scheduling.batcher.Batcher` makes, and a few properties."""
 
     n_vocab: int
     n_embd: int
@@ -245,7 +245,7 @@ class Service:
 
     def _load_blocking(self, log: Callable[[str], None], stage: Stage) -> tuple[Any, Any]:
         from strata.engine_cffi import Engine
-        from strata.tokenizer import Tokenizer
+        from strata.text.tokenizer import Tokenizer
 
         config = self.config
         if not config.model:
@@ -340,7 +340,7 @@ class Service:
 
     def _prompt(self, request: ChatRequest) -> tuple[str, list[int]]:
         """The prompt text and token ids of a request, control tokens typed in its text tokenised as text (see
-        `strata.prompt_tokens`). Blocking work (in a worker thread): a request whose text cannot fit the context
+        `strata.text.prompt_tokens`). Blocking work (in a worker thread): a request whose text cannot fit the context
         is refused before any of it is done."""
         guard = self.prompt_tokens
         assert guard is not None, "prompt before the model is loaded"

@@ -20,7 +20,7 @@ MAX_TOKENS = 8
 @pytest.fixture(scope="module")
 def greedy(tiny_model: Path):
     from strata.engine_cffi import Engine
-    from strata.tokenizer import Tokenizer
+    from strata.text.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_gguf(tiny_model)
     engine = Engine.load(tiny_model, n_ctx=512)

@@ -11,7 +11,7 @@ import openai
 import pytest
 from conftest import live_server, server_config
 
-from strata.prompt import render_chat
+from strata.text.prompt import render_chat
 
 N = 6
 USER = [{"role": "user", "content": "Count with me."}]
@@ -21,7 +21,7 @@ USER = [{"role": "user", "content": "Count with me."}]
 def reference(tiny_model: Path):
     """(token ids, log-probabilities of each, top-3 ids at each step) of greedy decoding, computed directly."""
     from strata.engine_cffi import Engine
-    from strata.tokenizer import Tokenizer
+    from strata.text.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_gguf(tiny_model)
     engine = Engine.load(tiny_model, n_ctx=512)

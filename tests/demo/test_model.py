@@ -11,7 +11,7 @@ from strata.engine_cffi import Engine
 from strata.modelgen.demo import bpe, data, export, train
 from strata.modelgen.demo.model import TextModel, VisionModel
 from strata.modelgen.writer import chat_template
-from strata.tokenizer import read_tokenizer_metadata
+from strata.text.tokenizer import read_tokenizer_metadata
 from strata.vision.encoder import Encoder
 from strata.vision.mmproj import Mmproj
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from conftest import live_server, server_config
 
-from strata.serve import with_demo_model
+from strata.models import with_demo_model
 
 README = Path(__file__).parents[2] / "README.md"
 

@@ -21,8 +21,8 @@ from conftest import live_server, server_config
 from PIL import Image, ImageDraw
 
 from strata.modelgen.demo import data, evaluate
-from strata.prompt import render_chat
-from strata.tokenizer import Tokenizer
+from strata.text.prompt import render_chat
+from strata.text.tokenizer import Tokenizer
 
 SHIPPED = pathlib.Path(str(importlib.resources.files("strata.models")))
 MAX_TOKENS = 64

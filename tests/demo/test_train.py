@@ -10,7 +10,7 @@ import gguf
 import pytest
 
 from strata.modelgen.demo import export, train
-from strata.tokenizer import read_tokenizer_metadata
+from strata.text.tokenizer import read_tokenizer_metadata
 from strata.vision.mmproj import read_hparams
 
 SHIPPED = pathlib.Path(str(importlib.resources.files("strata.models")))

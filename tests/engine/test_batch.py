@@ -16,7 +16,7 @@ from strata.engine_cffi._engine import lib
 
 from strata.engine_cffi import BatchItem, Engine, EngineAborted, EngineError
 from strata.modelgen import write_random_model
-from strata.sampling import SamplingParams, draw
+from strata.text.sampling import SamplingParams, draw
 
 DTYPES = ["f32", "f16", "q8_0", "q4_k"]
 

@@ -19,7 +19,7 @@ from llama_cpp_convert import convert, llama3_tokenizer, require_converter
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from strata.engine_cffi import Engine
-from strata.tokenizer import Tokenizer
+from strata.text.tokenizer import Tokenizer
 
 N_PROMPT, N_DECODE = 312, 8
 TOLERANCE = 1e-5  # measured 7e-7; the same weights without the scaling are 1e-2 off

@@ -28,9 +28,9 @@ from transformers import (
 from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
 
 from strata.engine_cffi import BatchItem, Engine, PictureRows
-from strata.generation import Batcher, Job
-from strata.sampling import Sampler, SamplingParams
-from strata.tokenizer import Tokenizer
+from strata.scheduling.batcher import Batcher, Job
+from strata.text.sampling import Sampler, SamplingParams
+from strata.text.tokenizer import Tokenizer
 
 N_PROMPT, N_DECODE = 60, 4
 PICTURE_NY, PICTURE_NX = 3, 5  # merged tokens: not square, so rows and columns are told apart

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from strata.cli.serve import _flag_value
 from strata.config import ConfigError, config_from_dict
-from strata.serve import _flag_value
 
 
 def test_stdio_and_http_servers():

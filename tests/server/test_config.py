@@ -71,9 +71,9 @@ def test_unreadable_or_invalid_file(tmp_path):
 def test_every_flag_says_what_it_is_and_its_default():
     import argparse
 
+    from strata.cli.flag_help import HELP
+    from strata.cli.serve import add_arguments
     from strata.config import flag_names
-    from strata.flag_help import HELP
-    from strata.serve import add_arguments
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

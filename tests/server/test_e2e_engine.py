@@ -13,7 +13,7 @@ import openai
 import pytest
 from conftest import live_server, server_config
 
-from strata.prompt import render_chat
+from strata.text.prompt import render_chat
 
 MAX_TOKENS = 12
 FIRST = [{"role": "user", "content": "Tell me a story."}]
@@ -23,7 +23,7 @@ FIRST = [{"role": "user", "content": "Tell me a story."}]
 def reference(tiny_model: Path):
     """Greedy answers computed with the engine and tokenizer directly: (text, n_tokens) for given messages."""
     from strata.engine_cffi import Engine
-    from strata.tokenizer import Tokenizer
+    from strata.text.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_gguf(tiny_model)
     engine = Engine.load(tiny_model, n_ctx=512)

@@ -23,9 +23,9 @@ from strata.events import (
     ToolCallStart,
     Usage,
 )
-from strata.sampling import SamplingParams
+from strata.scheduling.turn import QueueFull
 from strata.service import RequestError, _EngineLoop, _Relay, open_service
-from strata.turn import QueueFull
+from strata.text.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 

@@ -13,8 +13,8 @@ import trio
 from conftest import LiveServer, server_config, wait_until
 
 from strata.events import ChatRequest, Finish, TextDelta, Usage
-from strata.sampling import SamplingParams
 from strata.service import open_service
+from strata.text.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 

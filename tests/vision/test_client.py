@@ -12,7 +12,7 @@ import pytest
 import trio
 
 from strata.config import VisionConfig
-from strata.turn import Turn
+from strata.scheduling.turn import Turn
 from strata.vision.client import (
     PictureRefused,
     VisionClient,

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import strata
-from strata.images import ImageRejected
+from strata.pictures.sources import ImageRejected
 from strata.vision.embeds import PrecomputedEmbeds, check_embeds
 from strata.vision.protocol import SVE_MAGIC, Capabilities, Ready, encode_sve, parse_sve
 

@@ -38,7 +38,7 @@ from transformers import (
 import strata
 from strata.engine_cffi import Engine, PictureRows
 from strata.modelgen.writer import chat_template
-from strata.tokenizer import Tokenizer
+from strata.text.tokenizer import Tokenizer
 from strata.vision.load import open_encoder
 from strata.vision.preprocess import load_image, preprocess, token_budget
 

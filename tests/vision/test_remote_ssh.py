@@ -25,9 +25,9 @@ from conftest import server_config
 import strata
 from strata.config import VisionConfig
 from strata.events import ChatRequest, TextDelta
-from strata.images import ImageSource
-from strata.sampling import SamplingParams
+from strata.pictures.sources import ImageSource
 from strata.service import ServiceUnavailable, open_service
+from strata.text.sampling import SamplingParams
 from strata.vision.client import VisionClient, VisionUnavailable
 
 from .conftest import noise_png

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from strata.images import check_image
+from strata.pictures.sources import check_image
 from strata.vision.client import VisionClient
 from strata.vision.mmproj import VisionHParams
 from strata.vision.preprocess import load_image, preprocess, sizing, token_budget

@@ -24,10 +24,10 @@ from conftest import ScriptedEngine, server_config, wait_until
 
 import strata
 from strata.events import ChatRequest, TextDelta, Usage
-from strata.images import ImageSource, check_image
 from strata.modelgen.mmproj import VisionShape, write_random_mmproj
-from strata.sampling import SamplingParams
+from strata.pictures.sources import ImageSource, check_image
 from strata.service import RequestError, ServiceUnavailable, open_service
+from strata.text.sampling import SamplingParams
 from strata.vision.client import VisionStartError
 from strata.vision.embeds import PrecomputedEmbeds
 from strata.vision.encoder import Encoder
@@ -388,7 +388,7 @@ async def test_a_cuda_encoder_pauses_the_whole_batch_between_steps(scripted, tok
 
 
 async def test_server_with_a_bad_local_encoder_exits_naming_the_file(tiny_model, tmp_path):
-    from strata.serve import serve
+    from strata.api.server import serve
 
     missing = tmp_path / "missing-mmproj.gguf"
     config = server_config(model=str(tiny_model), vision={"mmproj": str(missing)})

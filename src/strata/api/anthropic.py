@@ -39,7 +39,6 @@ from strata.api.translate import (
     schema_format,
     stop_sequence,
 )
-from strata.constraints import AnswerFormat
 from strata.events import (
     ChatRequest,
     Event,
@@ -54,7 +53,8 @@ from strata.events import (
     ToolResult,
     Usage,
 )
-from strata.prompt import strip_billing_header
+from strata.text.constraints import AnswerFormat
+from strata.text.prompt import strip_billing_header
 
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 _IMAGE_MEDIA_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")

@@ -157,7 +157,7 @@ def create_app(service: Service | None = None, config: Config | None = None) -> 
     elif config is None:
         config = load_config()
     if service is None and not config.model:
-        from strata.serve import with_demo_model
+        from strata.models import with_demo_model
 
         config = with_demo_model(config)  # as `strata serve` does: `{}` is a working config
     _patch_tcp_server_send()

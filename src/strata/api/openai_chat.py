@@ -31,7 +31,6 @@ from strata.api.translate import (
     openai_logprob,
     top_logprobs,
 )
-from strata.constraints import AnswerFormat
 from strata.events import (
     ChatRequest,
     Event,
@@ -43,7 +42,8 @@ from strata.events import (
     ToolCallStart,
     Usage,
 )
-from strata.sampling import SamplingParams
+from strata.text.constraints import AnswerFormat
+from strata.text.sampling import SamplingParams
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 _EFFORTS = ("none", "minimal", "low", "medium", "high")

@@ -42,7 +42,6 @@ from strata.api.translate import (
     sampling_params,
     top_logprobs,
 )
-from strata.constraints import AnswerFormat
 from strata.events import (
     ChatRequest,
     Event,
@@ -57,6 +56,7 @@ from strata.events import (
     ToolResult,
     Usage,
 )
+from strata.text.constraints import AnswerFormat
 
 _ROUTE = "responses"
 # Assistant turns hold the server's own output parts; some clients send that text back as input_text.

@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, overload
 
 from strata.api.errors import ApiError
-from strata.constraints import AnswerFormat
 from strata.events import (
     Event,
     Finish,
@@ -23,8 +22,9 @@ from strata.events import (
     ToolResult,
     Usage,
 )
-from strata.images import ImageRejected, ImageSource, decode_base64
-from strata.sampling import SamplingParams
+from strata.pictures.sources import ImageRejected, ImageSource, decode_base64
+from strata.text.constraints import AnswerFormat
+from strata.text.sampling import SamplingParams
 from strata.vision.embeds import PrecomputedEmbeds
 
 SseEvent = tuple[str, dict[str, Any]]

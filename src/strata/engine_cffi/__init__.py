@@ -16,7 +16,7 @@ import numpy as np
 
 from strata.engine_cffi._engine import ffi, lib
 from strata.gguf_file import GGUFError, GGUFFile
-from strata.picture_rows import PictureRows
+from strata.pictures.rows import PictureRows
 
 __all__ = ["BatchItem", "Engine", "EngineAborted", "EngineError", "PictureRows"]
 
@@ -422,7 +422,7 @@ class Engine:
         return float(lib.strata_cpu_seconds(self._live_ctx()))
 
     def sample_rows(self, rows: Sequence[np.ndarray], settings: Sequence[Any], u: Sequence[float]) -> list[int]:
-        """A token drawn from each row of logits (n_vocab float32 each), as `strata.sampling.draw` draws it (row i
+        """A token drawn from each row of logits (n_vocab float32 each), as `strata.text.sampling.draw` draws it (row i
         under settings[i], a `SamplingParams`, with u[i]; numpy's arg-max where settings[i] is greedy), the rows
         shared out among the engine's threads. Call it between evals, from the thread that evaluates."""
         if not rows:

@@ -1,4 +1,4 @@
-/* sample.c — a token drawn from logits after temperature, top-k, top-p and min-p: strata.sampling's draw.
+/* sample.c — a token drawn from logits after temperature, top-k, top-p and min-p: strata.text.sampling's draw.
  *
  * The candidates are those of the sampler's numpy pipeline (`Sampler.distribution`, which the tests hold against
  * Hugging Face's warpers), found without sorting the vocabulary:

@@ -51,7 +51,7 @@ typedef struct {
 } strata_sampling;
 
 /* The index of the token drawn from logits[0..n) under `s` by u in [0, 1): the kept tokens in id order, the first
- * whose running probability passes u (the candidates are strata.sampling's numpy pipeline's). work: n floats,
+ * whose running probability passes u (the candidates are strata.text.sampling's numpy pipeline's). work: n floats,
  * idx: n ints of scratch. -1: n <= 0, a temperature not above 0, or no memory. */
 int strata_sample(const float *logits, int n, const strata_sampling *s, double u, float *work, int *idx);
 /* numpy's arg-max of x[0..n): the index of the first NaN if there is one, else of the first largest value. */

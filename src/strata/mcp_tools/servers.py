@@ -23,8 +23,8 @@ import trio
 
 import strata
 from strata.config import McpConfig, McpServerConfig
-from strata.downloads import DownloadPolicy
 from strata.mcp_tools.tools import McpTool, ToolOutput, tool_output, usable_tools
+from strata.pictures.downloads import DownloadPolicy
 
 if TYPE_CHECKING:
     import mcp_types

@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from strata.images import ImageSource
+from strata.pictures.sources import ImageSource
 
 if TYPE_CHECKING:  # the SDK's types are imported when first needed (see servers.py)
     import mcp_types

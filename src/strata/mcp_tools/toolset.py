@@ -12,10 +12,10 @@ from urllib.parse import urlsplit
 import trio
 
 from strata.config import McpServerConfig
-from strata.downloads import DownloadPolicy
 from strata.events import McpToolList, McpUse
 from strata.mcp_tools.servers import McpServer, McpServers, McpUnavailable
 from strata.mcp_tools.tools import McpTool, ToolOutput
+from strata.pictures.downloads import DownloadPolicy
 
 _CLOSE_TIMEOUT = 5.0  # seconds to close the MCP servers a request opened
 

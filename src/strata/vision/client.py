@@ -34,7 +34,7 @@ import numpy as np
 import trio
 
 import strata
-from strata.images import EmbeddingCache, ImageInfo, content_hash
+from strata.pictures.sources import EmbeddingCache, ImageInfo, content_hash
 from strata.vision.preprocess import picture_grid
 from strata.vision.protocol import (
     MAX_LINE_BYTES,

@@ -1,5 +1,5 @@
 """The demo model's vocabulary: a byte-level BPE trained with HF `tokenizers` on the training text, then Qwen3's
-added tokens, in the GGUF form `strata.tokenizer` reads (`gpt2` model, `qwen2` pre-tokenizer)."""
+added tokens, in the GGUF form `strata.text.tokenizer` reads (`gpt2` model, `qwen2` pre-tokenizer)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from tokenizers import models, normalizers, pre_tokenizers, trainers
 
 from strata.modelgen.vocab import QWEN_SPECIAL_TOKENS, Vocab
 from strata.modelgen.writer import add_vocab
-from strata.tokenizer import PRE_TOKENIZERS, Tokenizer
+from strata.text.tokenizer import PRE_TOKENIZERS, Tokenizer
 
 _SPECIAL_TYPE = {t: TokenType.CONTROL if t.startswith("<|") else TokenType.USER_DEFINED for t in QWEN_SPECIAL_TOKENS}
 
@@ -28,7 +28,7 @@ def _strip_special(text: str) -> str:
 def train_vocab(texts: Iterable[str], n_merges: int) -> Vocab:
     """A vocabulary of the 256 byte tokens, up to `n_merges` merges learnt from `texts`, then Qwen3's added tokens.
 
-    The pre-tokenizer is the one `strata.tokenizer` applies for `qwen2` (split regex, then byte-level mapping), so
+    The pre-tokenizer is the one `strata.text.tokenizer` applies for `qwen2` (split regex, then byte-level mapping), so
     the merges meet the same pieces at training and at use. Training is deterministic for the same texts.
     """
     tok = tokenizers.Tokenizer(models.BPE())

@@ -17,7 +17,7 @@ from typing import Any
 
 from PIL import Image, ImageDraw
 
-from strata.prompt import render_chat
+from strata.text.prompt import render_chat
 
 COLOURS = {
     "red": (220, 30, 30), "green": (30, 160, 60), "blue": (40, 80, 225), "yellow": (240, 210, 20),

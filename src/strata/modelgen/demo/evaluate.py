@@ -31,7 +31,7 @@ from strata.modelgen.demo import data
 from strata.modelgen.demo.export import read_text, read_vision
 from strata.modelgen.demo.model import TextModel, VisionModel
 from strata.modelgen.demo.train import IMAGE_PAD
-from strata.tokenizer import Tokenizer
+from strata.text.tokenizer import Tokenizer
 from strata.vision import protocol
 from strata.vision.preprocess import load_image, preprocess, token_budget
 

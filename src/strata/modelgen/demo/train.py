@@ -33,7 +33,7 @@ from strata.modelgen.demo.model import TextModel, VisionModel
 from strata.modelgen.hparams import HParams
 from strata.modelgen.vocab import Vocab
 from strata.modelgen.writer import chat_template
-from strata.tokenizer import Tokenizer
+from strata.text.tokenizer import Tokenizer
 from strata.vision.mmproj import VisionHParams
 from strata.vision.preprocess import preprocess, token_budget
 

@@ -28,7 +28,7 @@ _SAFE_CUT = re.compile(r"(?<=[A-Za-z])(?= [A-Za-z])|(?<=\n)(?=[A-Za-z])")
 
 
 class PromptTokens:
-    """Token ids of rendered prompts for one tokenizer (`strata.tokenizer.Tokenizer`).
+    """Token ids of rendered prompts for one tokenizer (`strata.text.tokenizer.Tokenizer`).
 
     Args:
         tokenizer: has `encode(text, special=...)`, `control_texts` and `id_bytes`.

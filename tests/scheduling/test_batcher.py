@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from strata.engine_cffi import BatchItem, EngineAborted
-from strata.generation import Batcher, Job, generate
-from strata.prompt import render_chat
-from strata.sampling import Sampler, SamplingParams
+from strata.scheduling.batcher import Batcher, Job, generate
+from strata.text.prompt import render_chat
+from strata.text.sampling import Sampler, SamplingParams
 
 N_VOCAB = 16
 GREEDY = SamplingParams(temperature=0.0)
@@ -448,7 +448,7 @@ def test_generate_command_prints_the_greedy_completion(tmp_path, capsys) -> None
     from strata.cli import main
     from strata.engine_cffi import Engine
     from strata.modelgen import write_random_model
-    from strata.tokenizer import Tokenizer
+    from strata.text.tokenizer import Tokenizer
 
     path = write_random_model(tmp_path / "tiny.gguf", arch="qwen3moe", size="tiny", dtype="f32", seed=2)
     tokenizer = Tokenizer.from_gguf(path)

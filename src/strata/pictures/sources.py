@@ -23,8 +23,8 @@ import httpx
 import trio
 from PIL import Image
 
-from strata.downloads import DownloadRefused
-from strata.picture_rows import PictureRows
+from strata.pictures.downloads import DownloadRefused
+from strata.pictures.rows import PictureRows
 
 MAX_IMAGE_BYTES = 20 * 1024 * 1024  # one picture, downloaded or inline
 MAX_PIXELS = 50_000_000  # the encoder's own bound: a larger header is a decompression bomb

@@ -1,20 +1,11 @@
-"""`strata serve`: load a model (the shipped demo model when none is given) and serve the HTTP API with
-hypercorn's trio worker.
-
-Every config key has a flag (`--context`, `--limits.max-tokens`, `--vision.mmproj`, ...); flags override the JSON
-file given with `--config` (or `STRATA_CONFIG`), which overrides the defaults. Heavy imports happen in `run`, so
-that `import strata` stays light.
-"""
+"""Run the HTTP server: the listening sockets bound first, then handed to hypercorn (trio) in-process by
+descriptor, with the service beside it; signals and the graceful shutdown."""
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import json
 import os
 import signal
 import socket
-import sys
 from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -23,97 +14,6 @@ if TYPE_CHECKING:
     import trio
 
     from strata.config import Config
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from strata.config import Config, flag_names
-    from strata.flag_help import HELP
-
-    defaults = Config()
-    parser.add_argument("--config", metavar="FILE", help="JSON config file (default: $STRATA_CONFIG)")
-    for key, hint in flag_names():
-        flag = "--" + key.replace("_", "-")
-        section, _, name = key.rpartition(".")
-        default = getattr(getattr(defaults, section) if section else defaults, name)
-        shown = "" if default is None or "(default" in HELP.get(key, "") else f" (default: {json.dumps(default)})"
-        parser.add_argument(flag, dest=f"cfg:{key}", metavar=_metavar(hint), default=None,
-                            help=f'{HELP.get(key, "see the docs")}{shown}; the "{key}" config key')
-
-
-def _metavar(hint: Any) -> str:
-    text = str(hint)
-    if "dict" in text:
-        return "JSON_OBJECT"
-    if "list" in text:
-        return "JSON_LIST"
-    if "bool" in text:
-        return "true|false"
-    return "N" if ("int" in text or "float" in text) else "VALUE"
-
-
-def _flag_value(key: str, hint: Any, text: str) -> Any:
-    """A flag's text as the JSON value the config expects (numbers, booleans, lists and objects parse as
-    JSON)."""
-    if "str" in str(hint) and "list" not in str(hint) and "dict" not in str(hint):
-        return text
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text  # validation names the key and the expected type
-
-
-def config_from_args(args: argparse.Namespace) -> Config:
-    from strata.config import flag_names, load_config
-
-    overrides: dict[str, Any] = {}
-    for key, hint in flag_names():
-        text = getattr(args, f"cfg:{key}", None)
-        if text is None:
-            continue
-        section, _, name = key.rpartition(".")
-        target = overrides.setdefault(section, {}) if section else overrides
-        target[name] = _flag_value(key, hint, text)
-    return load_config(args.config, overrides)
-
-
-def run(args: argparse.Namespace) -> int:
-    import trio
-
-    from strata.config import ConfigError
-
-    try:
-        config = config_from_args(args)
-    except ConfigError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    if not config.model:
-        config = with_demo_model(config)
-        print(f"no model given: serving the demo model {config.model} (docs/DEMO_MODEL.md)")
-    try:
-        return trio.run(partial(serve, config, handle_signals=True))
-    except BaseException as error:
-        # The signal receiver covers all of serve(); an interrupt in trio's last instants after it is still one
-        # line, not a traceback.
-        if not _only_interrupts(error):
-            raise
-        print("SIGINT: stopped", flush=True)
-        return 130
-
-
-def _only_interrupts(error: BaseException) -> bool:
-    if isinstance(error, BaseExceptionGroup):
-        return error.split(KeyboardInterrupt)[1] is None
-    return isinstance(error, KeyboardInterrupt)
-
-
-def with_demo_model(config: Config) -> Config:
-    """`config` serving the shipped demo model, with its own CPU image encoder unless one is configured."""
-    from strata.models import DEMO_MMPROJ, DEMO_MODEL
-
-    vision = config.vision
-    if not vision.mmproj and not vision.exe:  # the file carries its picture budget
-        vision = dataclasses.replace(vision, mmproj=str(DEMO_MMPROJ))
-    return dataclasses.replace(config, model=str(DEMO_MODEL), vision=vision)
 
 
 async def serve(

@@ -111,7 +111,7 @@ def _check_int(name: str, value: object, lo: int | None = None) -> None:
 
 
 class TokenMask(Protocol):
-    """What constrains the next token (`strata.constraints.Guide`): it masks the logits before the pipeline and
+    """What constrains the next token (`strata.text.constraints.Guide`): it masks the logits before the pipeline and
     follows the token drawn. `apply` may return the allowed ids (when they are few): the pipeline then works on
     those alone instead of the whole vocabulary."""
 

@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 
-from strata.sampling import SamplingParams
+from strata.text.sampling import SamplingParams
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,10 +25,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from strata.engine_cffi import Engine, EngineError
-    from strata.generation import generate
-    from strata.prompt import PromptError, render_chat
-    from strata.sampling import Sampler
-    from strata.tokenizer import Tokenizer
+    from strata.scheduling.batcher import generate
+    from strata.text.prompt import PromptError, render_chat
+    from strata.text.sampling import Sampler
+    from strata.text.tokenizer import Tokenizer
 
     try:
         params = SamplingParams(temperature=args.temperature, seed=args.seed)

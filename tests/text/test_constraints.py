@@ -10,11 +10,11 @@ import jsonschema
 import numpy as np
 import pytest
 
-from strata import constraints
-from strata.constraints import AnswerFormat, GrammarError, Grammars, plan_constraint
+from strata.text import constraints
 from strata.events import TextDelta, ToolCallArgumentsDelta, ToolCallStart
-from strata.sampling import Sampler, SamplingParams
-from strata.toolcalls import ToolCallParser
+from strata.text.constraints import AnswerFormat, GrammarError, Grammars, plan_constraint
+from strata.text.sampling import Sampler, SamplingParams
+from strata.text.toolcalls import ToolCallParser
 
 SCHEMA = {"type": "object", "properties": {
     "colour": {"enum": ["red", "green", "blue"]},

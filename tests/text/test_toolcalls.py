@@ -11,7 +11,7 @@ from collections.abc import Iterable
 import pytest
 
 from strata.events import Event, ReasoningDelta, TextDelta, ToolCallArgumentsDelta, ToolCallStart
-from strata.toolcalls import StopMatcher, ToolCallParser
+from strata.text.toolcalls import StopMatcher, ToolCallParser
 
 WEATHER_ARGS = '{"city": "Zürich", "days": [1, 2], "opts": {"unit": "°C", "note": "a \\"}\\" </tool_call> b"}}'
 

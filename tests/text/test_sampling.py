@@ -15,7 +15,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from strata.sampling import Sampler, SamplingParams, draw
+from strata.text.sampling import Sampler, SamplingParams, draw
 
 N_VOCAB = 151_936
 

@@ -4,7 +4,7 @@ import pytest
 import trio
 import trio.testing
 
-from strata.turn import Turn
+from strata.scheduling.turn import Turn
 
 
 class _Yields(trio.abc.Instrument):

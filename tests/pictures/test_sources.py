@@ -12,8 +12,10 @@ import numpy as np
 import pytest
 import trio
 from PIL import Image
+from vision.conftest import noise_png
 
-from strata.images import (
+from strata.pictures.rows import PictureRows
+from strata.pictures.sources import (
     EmbeddingCache,
     ImageRejected,
     ImageSource,
@@ -25,10 +27,7 @@ from strata.images import (
     marker_tokens,
     parse_data_url,
 )
-from strata.picture_rows import PictureRows
 from strata.vision.protocol import PictureGrid
-
-from .conftest import noise_png
 
 pytestmark = pytest.mark.timeout(30)
 

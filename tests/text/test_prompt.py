@@ -9,8 +9,8 @@ from importlib.resources import files
 import pytest
 from transformers.utils.chat_template_utils import render_jinja_template
 
-from strata import prompt
-from strata.prompt import PromptError, render_chat
+from strata.text import prompt
+from strata.text.prompt import PromptError, render_chat
 
 QWEN3 = (files("strata.modelgen") / "qwen3_chat_template.jinja").read_text(encoding="utf-8")
 

@@ -259,7 +259,7 @@ class Grammars:
     `compile` from a worker thread: the first call builds the tokenizer, ~2 s for 151k tokens).
 
     Args:
-        tokenizer: the model's `strata.tokenizer.Tokenizer`.
+        tokenizer: the model's `strata.text.tokenizer.Tokenizer`.
         n_vocab: the engine's logits length (may exceed the tokenizer's).
         overlap: the guides compute their next masks in a pool thread beside the engine's forward pass (see
             `Guide`; off only to measure the difference).

@@ -8,10 +8,10 @@ import ipaddress
 import pytest
 import trio
 
-from strata.downloads import DownloadPolicy, download_client
-from strata.images import ImageRejected, ImageSource, load_source
+from strata.pictures.downloads import DownloadPolicy, download_client
+from strata.pictures.sources import ImageRejected, ImageSource, load_source
 
-from .test_images import PICTURE, PictureServer
+from .test_sources import PICTURE, PictureServer
 
 
 class RedirectingServer(PictureServer):
