@@ -36,7 +36,7 @@ from strata.vision.preprocess import load_image, preprocess
 from strata.vision.protocol import parse_sve
 
 from .conftest import SLOW_SHAPE, fake_cuda_encoder, noise_png
-from .test_images import PictureServer
+from pictures.test_sources import PictureServer
 
 pytestmark = pytest.mark.timeout(60)
 
