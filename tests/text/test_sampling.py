@@ -49,6 +49,7 @@ def reference_distribution(logits: np.ndarray, params: SamplingParams) -> dict[i
         ("temperature", float("nan"), "temperature must be a finite number"),
         ("top_k", -1, "top_k must be at least 0"),
         ("top_k", 2.5, "top_k must be an integer"),
+        ("top_k", 2**31, "top_k must be at most 2147483647"),  # the engine's draw takes it as a C int
         ("top_p", 0.0, "top_p must be greater than 0"),
         ("top_p", 1.5, "top_p must be at most 1"),
         ("min_p", -0.5, "min_p must be at least 0"),
@@ -70,7 +71,8 @@ def test_logits_of_the_wrong_length_are_refused() -> None:
         Sampler(SamplingParams(), 10).sample(np.zeros(11, np.float32))
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=0.0), SamplingParams(top_k=1, seed=3)])
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.0), SamplingParams(top_k=1, seed=3),
+                                    SamplingParams(temperature=1e-300), SamplingParams(temperature=9e-6, seed=3)])
 def test_greedy_is_argmax(params: SamplingParams) -> None:
     sampler = Sampler(params, N_VOCAB)
     for seed in range(5):
@@ -309,3 +311,13 @@ def test_a_draw_refuses_greedy_settings_and_no_logits() -> None:
         draw(np.zeros(4, np.float32), SamplingParams(temperature=0.0), 0.5)
     with pytest.raises(ValueError, match="logits"):
         draw(np.zeros(0, np.float32), SamplingParams(), 0.5)
+
+
+@pytest.mark.parametrize("top_k", [N_VOCAB, 2**31 - 1])
+def test_a_top_k_beyond_the_vocabulary_keeps_every_token(top_k: int) -> None:
+    logits = np.random.default_rng(5).normal(size=N_VOCAB).astype(np.float32)
+    every = Sampler(SamplingParams(top_k=0, seed=11), N_VOCAB)
+    beyond = Sampler(SamplingParams(top_k=top_k, seed=11), N_VOCAB)
+    assert [beyond.sample(logits.copy()) for _ in range(20)] == [every.sample(logits.copy()) for _ in range(20)]
+    work = (np.empty(N_VOCAB, np.float32), np.empty(N_VOCAB, np.int32))
+    assert draw(logits, SamplingParams(top_k=top_k), 0.5, work) == draw(logits, SamplingParams(), 0.5, work)

@@ -32,14 +32,23 @@ from strata.engine_cffi._engine import ffi, lib
 # their mass falls short of top_p: a full sort of 151,936 logits costs ~10 ms, a partition ~1 ms.
 _TOP_P_FIRST_WINDOW = 1024
 
+# A temperature above 0 but below this draws the arg-max, as 0 does: the logits divided by it overflow float32
+# (the engine's draw takes the temperature as a C float, in which 1e-300 is 0), and the limit of the distribution
+# as the temperature goes to 0 is the arg-max anyway (at 1e-5, a logit 1e-3 below the largest weighs e^-100).
+GREEDY_BELOW = 1e-5
+# top_k goes to the engine's draw as a C int; a larger k keeps every token, as 0 does.
+_TOP_K_MAX = 2**31 - 1
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens. Every field has the neutral or OpenAI default; `validate()` checks the ranges.
 
     Attributes:
-        temperature: divides the logits; 0 means greedy (always the most likely token).
-        top_k: keep only the k most likely tokens; 0 means off.
+        temperature: divides the logits; 0 means greedy (always the most likely token), and so does any
+            temperature under `GREEDY_BELOW`.
+        top_k: keep only the k most likely tokens; 0 means off, and so does a k of the vocabulary's size or more.
+            At most 2^31 - 1.
         top_p: nucleus sampling, in (0, 1]; 1 means off.
         min_p: drop tokens less likely than `min_p` times the most likely one, in [0, 1]; 0 means off.
         repetition_penalty: > 0; 1 means off. Divides positive logits of recent tokens, multiplies negative ones.
@@ -68,7 +77,7 @@ class SamplingParams:
     def validate(self) -> None:
         """Raise ValueError naming the first field whose value is out of range."""
         _check_number("temperature", self.temperature, lo=0.0)
-        _check_int("top_k", self.top_k, lo=0)
+        _check_int("top_k", self.top_k, lo=0, hi=_TOP_K_MAX)
         _check_number("top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True)
         _check_number("min_p", self.min_p, lo=0.0, hi=1.0)
         _check_number("repetition_penalty", self.repetition_penalty, lo=0.0, lo_open=True)
@@ -83,7 +92,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_BELOW or self.top_k == 1
 
     @property
     def penalised(self) -> bool:
@@ -103,11 +112,13 @@ def _check_number(name: str, value: object, lo: float | None = None, hi: float |
         raise ValueError(f"{name} must be at most {hi:g}, got {value!r}")
 
 
-def _check_int(name: str, value: object, lo: int | None = None) -> None:
+def _check_int(name: str, value: object, lo: int | None = None, hi: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an integer, got {value!r}")
     if lo is not None and value < lo:
         raise ValueError(f"{name} must be at least {lo}, got {value!r}")
+    if hi is not None and value > hi:
+        raise ValueError(f"{name} must be at most {hi}, got {value!r}")
 
 
 class TokenMask(Protocol):
