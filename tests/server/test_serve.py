@@ -20,6 +20,7 @@ import httpx
 import pytest
 import trio
 from conftest import server_config
+from gguf_rewrite import rewrite
 
 import strata
 from strata.cli import main
@@ -195,8 +196,9 @@ async def _wait_healthy(client: httpx.AsyncClient) -> None:
             await trio.sleep(0.05)
 
 
-async def test_serve_returns_1_when_the_model_fails_to_load(tmp_path):
-    config = server_config(model=str(tmp_path / "missing.gguf"))
+async def test_serve_returns_1_when_the_model_fails_to_load(tiny_model, tmp_path):
+    # A file that passes the path's checks (tests/cli) and still fails to load: a tensor is missing.
+    config = server_config(model=str(rewrite(tiny_model, tmp_path / "no-embeddings.gguf", drop="token_embd.weight")))
     lines: list[str] = []
     with trio.fail_after(30):
         assert await strata.serve(config, log=lines.append) == 1
@@ -277,3 +279,21 @@ async def test_status_streams_end_when_shutdown_begins(tiny_model):
                         events.append(chunk)
                         stop.set()
     assert events and events[0].startswith(b"event: status\n")
+
+
+def test_a_wrong_model_path_is_one_line_before_anything_listens(tmp_path):
+    command = [sys.executable, "-m", "strata.cli", "serve", "--model", str(tmp_path), "--port", "0"]
+    done = subprocess.run(command, capture_output=True, text=True, env=environment(), timeout=60)
+    assert done.returncode == 1
+    assert done.stdout + done.stderr == f"error: model {tmp_path}: a directory, not a GGUF model file (name the " \
+                                        ".gguf file in it)\n"
+
+
+def test_a_gpu_encoder_on_a_build_without_cuda_names_the_users_flag():
+    command = [sys.executable, "-m", "strata.cli", "serve", "--port", "0", "--threads", "1", "--vision.gpu", "true"]
+    done = subprocess.run(command, capture_output=True, text=True, env=environment(), timeout=60)
+    output = done.stdout + done.stderr
+    assert done.returncode == 1, output
+    assert "error: the image encoder did not start: this build of strata-vision has no CUDA backend; set " \
+           "vision.gpu to false (--vision.gpu false) to encode on the CPU" in output
+    assert "--gpu to" not in output and "Traceback" not in output

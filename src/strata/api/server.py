@@ -26,8 +26,9 @@ async def serve(
 ) -> int:
     """Load `config.model` and serve the HTTP API until shutdown; return the exit status.
 
-    The listening sockets are bound first: an address that cannot be used ends startup with one line, before the
-    model starts loading. The server listens while the model loads (`/health` answers 503 until it is loaded).
+    The model file is checked first (`strata.model_file`), then the listening sockets are bound: a wrong path or
+    an address that cannot be used ends startup with one line, before the model starts loading. The server
+    listens while the model loads (`/health` answers 503 until it is loaded).
     Shutdown — SIGINT or SIGTERM with `handle_signals`, `shutdown_trigger` returning, or the model failing to load —
     stops accepting connections and gives in-flight requests `limits.graceful_timeout` seconds before they are
     cancelled. A second signal during shutdown cancels them at once ("stop now"); later ones are ignored, so no
@@ -40,9 +41,14 @@ async def serve(
         log: where startup lines go.
         task_status: for `nursery.start`: started with the bound addresses once listening.
     """
+    from strata.model_file import ModelFileError, check_model_file
+
     try:
+        # A wrong model path is one line before anything listens; a file that passes and still fails to load
+        # (a tensor missing, too little memory) ends serving once loading has failed.
+        check_model_file(config.model)
         sockets = bind_sockets(listen_addresses(config.host, config.port))
-    except ListenError as error:
+    except (ModelFileError, ListenError) as error:
         log(f"error: {error}")
         return 1
     try:

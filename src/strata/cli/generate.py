@@ -11,7 +11,7 @@ from strata.text.sampling import SamplingParams
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = SamplingParams()
-    parser.add_argument("--model", required=True, help="GGUF model file")
+    parser.add_argument("--model", default=None, help="GGUF model file (default: the shipped demo model)")
     parser.add_argument("--prompt", required=True, help="the prompt text (special-token text becomes its token)")
     parser.add_argument("--chat", action="store_true",
                         help="send the prompt as a user message through the model's chat template")
@@ -25,23 +25,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from strata.engine_cffi import Engine, EngineError
+    from strata.model_file import check_model_file
+    from strata.models import DEMO_MODEL
     from strata.scheduling.batcher import generate
     from strata.text.prompt import PromptError, render_chat
     from strata.text.sampling import Sampler
     from strata.text.tokenizer import Tokenizer
 
+    model = args.model or str(DEMO_MODEL)
     try:
         params = SamplingParams(temperature=args.temperature, seed=args.seed)
-        tokenizer = Tokenizer.from_gguf(args.model)
+        check_model_file(model)  # one line for a wrong path, as `strata serve` prints it (a ValueError)
+        tokenizer = Tokenizer.from_gguf(model)
         text = args.prompt
         if args.chat:
             if tokenizer.chat_template is None:
                 raise PromptError("the model has no chat template (tokenizer.chat_template)")
             text = render_chat(tokenizer.chat_template, [{"role": "user", "content": args.prompt}])
         prompt_ids = tokenizer.encode_prompt(text)
-        engine = Engine.load(args.model, n_ctx=args.context, threads=args.threads)
+        engine = Engine.load(model, n_ctx=args.context, threads=args.threads)
     except (ValueError, OSError, EngineError) as exc:
-        print(f"strata generate: {exc}", file=sys.stderr)
+        print(f"strata generate: error: {exc}", file=sys.stderr)
         return 1
     try:
         sampler = Sampler(params, engine.n_vocab)

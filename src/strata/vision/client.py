@@ -492,9 +492,17 @@ class VisionClient:
             session.ready = reply
             session.alive = True
         elif isinstance(reply, Failed):
-            session.finish(reply.message)
+            session.finish(self._start_failure(reply))
         else:
             session.finish(f"the encoder's first line is not READY: {line[:80]!r}")
+
+    def _start_failure(self, reply: Failed) -> str:
+        """Why the encoder refused to start, in the user's terms: the worker names its own `--gpu`, which the
+        user typed only when `vision.exe` is their own command."""
+        if reply.kind == "gpu" and not self.config.exe:
+            return ("this build of strata-vision has no CUDA backend; set vision.gpu to false "
+                    "(--vision.gpu false) to encode on the CPU")
+        return reply.message
 
     async def _exit_reason(self, session: _Session) -> str:
         """Why a process ended without a word: its stderr's last lines and its exit status."""
