@@ -18,7 +18,7 @@ class ModelFileError(ValueError):
     """The model file cannot be served: missing, a directory, not GGUF, or an architecture the engine lacks."""
 
 
-def check_model_file(path: str | os.PathLike[str]) -> str:
+def check_model_file(path: str | os.PathLike[str] | None) -> str:
     """The file's architecture, once the file is known to be one the engine can load.
 
     Raises:
@@ -26,7 +26,7 @@ def check_model_file(path: str | os.PathLike[str]) -> str:
     """
     from strata.engine_cffi import SUPPORTED_ARCHITECTURES
 
-    if not os.fspath(path):
+    if not path:
         raise ModelFileError('no model configured (the "model" key or --model)')
     where = Path(path)
     if where.is_dir():
