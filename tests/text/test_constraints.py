@@ -10,8 +10,8 @@ import jsonschema
 import numpy as np
 import pytest
 
-from strata.text import constraints
 from strata.events import TextDelta, ToolCallArgumentsDelta, ToolCallStart
+from strata.text import constraints
 from strata.text.constraints import AnswerFormat, GrammarError, Grammars, plan_constraint
 from strata.text.sampling import Sampler, SamplingParams
 from strata.text.toolcalls import ToolCallParser
