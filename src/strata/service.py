@@ -51,16 +51,14 @@ from strata.events import (
 from strata.history import History, HistoryRow
 from strata.mcp_tools import McpRequestError, McpServers, Toolset, open_toolset
 from strata.pictures.downloads import DownloadPolicy, download_client
+from strata.pictures.expand import PromptImages, expand_image_pads, marker_tokens
 from strata.pictures.sources import (
     DOWNLOAD_TIMEOUT,
     MAX_IMAGE_BYTES,
     ImageInfo,
     ImageRejected,
     ImageSource,
-    PromptImages,
-    expand_image_pads,
     load_source,
-    marker_tokens,
 )
 from strata.progress import Stage, with_progress
 from strata.scheduling.batcher import Batcher, Job
