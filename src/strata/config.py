@@ -151,6 +151,14 @@ def _fail(key: str, message: str) -> ConfigError:
 
 
 def _check(config: Config) -> None:
+    _check_engine(config)
+    _check_limits(config.limits)
+    _check_vision(config.vision)
+    _check_mcp(config)
+
+
+def _check_engine(config: Config) -> None:
+    """The top-level keys: where the server listens, and the engine's shape."""
     if not 0 <= config.port <= 65535:
         raise _fail("port", f"must be 0..65535, got {config.port}")
     if config.kv not in KV_TYPES:
@@ -164,7 +172,9 @@ def _check(config: Config) -> None:
         raise _fail("kv_budget", f"must be positive (MiB), got {config.kv_budget}")
     if not config.step_slowdown >= 1:
         raise _fail("step_slowdown", f"must be at least 1 (a multiple of the decode step), got {config.step_slowdown}")
-    limits = config.limits
+
+
+def _check_limits(limits: LimitsConfig) -> None:
     for key in ("max_body_bytes", "queue_length", "history_size", "max_pictures"):
         if getattr(limits, key) < 1:
             raise _fail(f"limits.{key}", "must be at least 1")
@@ -173,14 +183,16 @@ def _check(config: Config) -> None:
     for key in ("body_timeout", "graceful_timeout"):
         if getattr(limits, key) <= 0:
             raise _fail(f"limits.{key}", "must be positive")
+
+
+def _check_vision(vision: VisionConfig) -> None:
     for key in ("encode_timeout", "encode_timeout_per_row"):
-        if getattr(config.vision, key) <= 0:
+        if getattr(vision, key) <= 0:
             raise _fail(f"vision.{key}", "must be positive")
     for key in ("max_tokens", "min_tokens"):
-        value = getattr(config.vision, key)
+        value = getattr(vision, key)
         if value is not None and value < 1:
             raise _fail(f"vision.{key}", "must be at least 1")
-    _check_mcp(config)
 
 
 def _check_mcp(config: Config) -> None:
@@ -190,39 +202,60 @@ def _check_mcp(config: Config) -> None:
         if getattr(config.mcp, key) <= 0:
             raise _fail(f"mcp.{key}", "must be positive")
     for name, server in config.mcp_servers.items():
-        key = f"mcp_servers.{name}"
-        if not _MCP_SERVER_NAME.fullmatch(name):
-            raise _fail(key, "must be named with 1 to 64 letters, digits, '_' or '-'")
-        if (server.command is None) == (server.url is None):
-            raise _fail(key, 'needs exactly one of "command" (a stdio server) and "url" (streamable HTTP)')
-        stdio_only = [k for k in ("args", "env", "cwd") if getattr(server, k) is not None]
-        if server.url is not None and stdio_only:
-            raise _fail(f"{key}.{stdio_only[0]}", 'is for stdio servers ("command"), not "url" ones')
-        if server.command is not None and server.headers is not None:
-            raise _fail(f"{key}.headers", 'is for "url" servers, not stdio ones')
-        if server.url is not None and not re.match(r"https?://", server.url, re.IGNORECASE):
-            raise _fail(f"{key}.url", "must be an http:// or https:// URL")
-        if server.timeout is not None and server.timeout <= 0:
-            raise _fail(f"{key}.timeout", "must be positive")
+        _check_mcp_server(name, server)
+
+
+def _check_mcp_server(name: str, server: McpServerConfig) -> None:
+    """One of `mcp_servers`: a stdio server (`command`, and its args, env, cwd) or a streamable-HTTP one (`url`,
+    and its headers), never a mix."""
+    key = f"mcp_servers.{name}"
+    if not _MCP_SERVER_NAME.fullmatch(name):
+        raise _fail(key, "must be named with 1 to 64 letters, digits, '_' or '-'")
+    if (server.command is None) == (server.url is None):
+        raise _fail(key, 'needs exactly one of "command" (a stdio server) and "url" (streamable HTTP)')
+    stdio_only = [k for k in ("args", "env", "cwd") if getattr(server, k) is not None]
+    if server.url is not None and stdio_only:
+        raise _fail(f"{key}.{stdio_only[0]}", 'is for stdio servers ("command"), not "url" ones')
+    if server.command is not None and server.headers is not None:
+        raise _fail(f"{key}.headers", 'is for "url" servers, not stdio ones')
+    if server.url is not None and not re.match(r"https?://", server.url, re.IGNORECASE):
+        raise _fail(f"{key}.url", "must be an http:// or https:// URL")
+    if server.timeout is not None and server.timeout <= 0:
+        raise _fail(f"{key}.timeout", "must be positive")
 
 
 def _coerce(key: str, hint: Any, value: Any) -> Any:
-    """`value` as type `hint` (a scalar, an optional scalar or a list of strings) or a ConfigError naming `key`."""
+    """`value` as type `hint` (a scalar, an optional scalar, a list of strings or an object of strings) or a
+    ConfigError naming `key`."""
     allowed = [t for t in getattr(hint, "__args__", (hint,)) if t is not type(None)]
     if value is None:
         if len(allowed) < len(getattr(hint, "__args__", ())):
             return None
         raise _fail(key, "must not be null")
     target = allowed[0]
-    if getattr(target, "__origin__", None) is dict:
-        if isinstance(value, Mapping) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
-            return dict(value)
-        raise _fail(key, "must be an object of strings")
-    if getattr(target, "__origin__", None) is list:
-        may_be_empty = key.startswith("mcp_servers.")  # a command's arguments
-        if isinstance(value, list) and all(isinstance(item, str) for item in value) and (value or may_be_empty):
-            return list(value)
-        raise _fail(key, "must be a list of strings" if may_be_empty else "must be a non-empty list of strings")
+    origin = getattr(target, "__origin__", None)
+    if origin is dict:
+        return _string_object(key, value)
+    if origin is list:
+        return _string_list(key, value)
+    return _scalar(key, target, value)
+
+
+def _string_object(key: str, value: Any) -> dict[str, str]:
+    if isinstance(value, Mapping) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        return dict(value)
+    raise _fail(key, "must be an object of strings")
+
+
+def _string_list(key: str, value: Any) -> list[str]:
+    may_be_empty = key.startswith("mcp_servers.")  # a command's arguments
+    if isinstance(value, list) and all(isinstance(item, str) for item in value) and (value or may_be_empty):
+        return list(value)
+    raise _fail(key, "must be a list of strings" if may_be_empty else "must be a non-empty list of strings")
+
+
+def _scalar(key: str, target: type, value: Any) -> Any:
+    """A JSON number, string or boolean as `target`: an int is a float too, a boolean is not an int."""
     if target is float and isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
     if isinstance(value, target) and not (target is int and isinstance(value, bool)):

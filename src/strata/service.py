@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol
 
-import httpx
 import outcome
 import trio
 
@@ -51,16 +50,14 @@ from strata.events import (
 from strata.history import History, HistoryRow
 from strata.mcp_tools import McpRequestError, McpServers, Toolset, open_toolset
 from strata.pictures.downloads import DownloadPolicy, download_client
-from strata.pictures.sources import (
-    DOWNLOAD_TIMEOUT,
-    MAX_IMAGE_BYTES,
-    ImageInfo,
-    ImageRejected,
-    ImageSource,
-    PromptImages,
-    expand_image_pads,
-    load_source,
-    marker_tokens,
+from strata.pictures.expand import PromptImages, expand_image_pads, marker_tokens
+from strata.pictures.sources import DOWNLOAD_TIMEOUT, ImageRejected
+from strata.pictures.staging import (
+    Downloads,
+    PicturesRefused,
+    PictureStaging,
+    PicturesUnavailable,
+    picture_places,
 )
 from strata.progress import Stage, with_progress
 from strata.scheduling.batcher import Batcher, Job
@@ -70,15 +67,7 @@ from strata.text.prompt import PromptError, render_chat
 from strata.text.prompt_tokens import PromptTokens, strings_of
 from strata.text.sampling import Sampler
 from strata.text.toolcalls import StopMatcher, ToolCallParser
-from strata.vision.client import (
-    Embedding,
-    PictureRefused,
-    VisionClient,
-    VisionStartError,
-    VisionUnavailable,
-)
-from strata.vision.embeds import PrecomputedEmbeds, check_embeds
-from strata.vision.protocol import Ready
+from strata.vision.client import Embedding, VisionClient, VisionStartError
 
 # Variables the chat template gets from the request itself; `chat_template_kwargs` may not override them.
 _RESERVED_TEMPLATE_VARS = frozenset({"messages", "tools", "add_generation_prompt"})
@@ -132,28 +121,6 @@ class EngineLike(Protocol):
     def close(self) -> None: ...
 
 
-@dataclass(frozen=True)
-class _Staged:
-    """A request's picture checked and sized, not encoded yet: its bytes and the rows they will take (predicted
-    from the header), or its pre-computed rows."""
-
-    rows: int
-    data: bytes = b""
-    embedding: Embedding | None = None
-    markers: int = 0  # prompt positions of its parts' markers (a picture split into tiles)
-
-
-def _omit_or_refuse(content: list[dict[str, Any]], j: int, error: Exception) -> None:
-    """A picture that cannot be used: one a tool returned becomes the text `[image omitted: <why>]`; the user's
-    own refuses the request (400), and an encoder that is not available makes it a 503."""
-    image = content[j]["image"]
-    if isinstance(error, VisionUnavailable):
-        raise ServiceUnavailable(str(error), retry_after=ENCODER_RETRY_AFTER) from None
-    if not image.in_tool_result:
-        raise RequestError(f"{image.param}: {error}", image.param) from None
-    content[j] = {"type": "text", "text": f"[image omitted: {error}]"}
-
-
 @dataclass
 class _Prepared:
     prompt: PromptImages  # ids, what the KV cache holds at each position, and the pictures' rows
@@ -181,8 +148,8 @@ class Service:
         self.history = History(config.limits.history_size)
         self._generating: list[tuple[HistoryRow, _Stream]] = []  # requests on a slot, in arrival order
         self.activity = Activity()
-        self._downloads: set[trio.CancelScope] = set()  # image downloads in flight (stopped at shutdown)
         self.stopping = trio.Event()  # set when the server starts shutting down: endless streams end
+        self.downloads = Downloads(self.stopping)  # image URLs (open_service gives it its client)
         self.model_names = model_names(config)  # the served name first, then the other aliases
         self.model_name = self.model_names[0]
         self.started = time.time()
@@ -195,7 +162,6 @@ class Service:
         self.loaded = trio.Event()
         self.nursery: trio.Nursery | None = None  # the service's long-lived nursery (open_service)
         self.vision: VisionClient | None = None  # the image encoder, when the config has one
-        self.http: httpx.AsyncClient | None = None  # downloads of image URLs (open_service)
         self.mcp = McpServers(config.mcp_servers, config.mcp)  # the configured MCP servers (open_service starts them)
         self.loop: _EngineLoop | None = None  # the engine's batcher and its thread (attach)
 
@@ -453,100 +419,26 @@ class Service:
 
     async def _pictures(self, request: ChatRequest, live: RequestProgress | None = None
                         ) -> tuple[ChatRequest, list[Embedding]]:
-        """Encode the request's pictures, in prompt order, in the calling task (the request's: cancellable).
+        """Encode the request's pictures, in prompt order, in the calling task (the request's: cancellable); see
+        `strata.pictures.staging`.
 
         A picture a tool returned that cannot be used becomes the text `[image omitted: <why>]`; the user's own
-        is a `RequestError` (400), and so is an encoder that is not available.
+        is a `RequestError` (400), and an encoder that is not available a `ServiceUnavailable` (503).
         """
-        places = [(i, j) for i, message in enumerate(request.messages) if isinstance(message.get("content"), list)
-                  for j, part in enumerate(message["content"]) if part.get("type") == "image"]
-        if not places:
-            return request, []
-        limit = self.config.limits.max_pictures
-        if len(places) > limit:  # before any picture is downloaded or encoded
-            i, j = places[limit]
-            param = request.messages[i]["content"][j]["image"].param
-            raise RequestError(f"{param}: the request has {len(places)} pictures; at most {limit} are allowed (the "
-                               "limits.max_pictures config key)", param)
-        if self.vision is None:
-            param = request.messages[places[0][0]]["content"][places[0][1]]["image"].param
-            raise RequestError(f"{param}: image input needs an image encoder, and this server has none (the "
-                               "vision.mmproj key)", param)
-        self._require_ready()
-        messages = [dict(message, content=list(message["content"])) if isinstance(message.get("content"), list)
-                    else message for message in request.messages]
-        # Every picture is checked and sized (from its header, or its pre-computed rows) before any is encoded: a
-        # request whose pictures cannot fit the context costs no encoder time.
-        staged: list[tuple[int, int, _Staged]] = []
-        for i, j in places:
-            try:
-                staged.append((i, j, await self._stage(messages[i]["content"][j]["image"], live)))
-            except (ImageRejected, PictureRefused, VisionUnavailable) as error:
-                _omit_or_refuse(messages[i]["content"], j, error)
-        n_rows, n_ctx = sum(picture.rows + picture.markers for _, _, picture in staged), self.engine.n_ctx
-        if n_rows >= n_ctx:
-            raise RequestError(f"the request's pictures take {n_rows} prompt tokens; the context holds {n_ctx} "
-                               "(prompt and answer)", code="context_length_exceeded")
-        pictures = []
-        for i, j, picture in staged:
-            try:
-                pictures.append(await self._encode(picture, live))
-            except (ImageRejected, PictureRefused, VisionUnavailable) as error:
-                _omit_or_refuse(messages[i]["content"], j, error)
+        try:
+            places = picture_places(request.messages, self.config.limits.max_pictures, self.vision is not None)
+            if not places:
+                return request, []
+            self._require_ready()
+            assert self.vision is not None
+            staging = PictureStaging(self.vision, self.downloads, _Exclusive(self), self.engine.n_ctx,
+                                     self.engine.picture_width, self._marker_ids)
+            messages, pictures = await staging.encode(request.messages, places, live)
+        except PicturesRefused as error:
+            raise RequestError(str(error), error.param, error.code) from None
+        except PicturesUnavailable as error:
+            raise ServiceUnavailable(str(error), retry_after=ENCODER_RETRY_AFTER) from None
         return dataclasses.replace(request, messages=messages), pictures
-
-    async def _download(self, image: ImageSource) -> tuple[bytes, ImageInfo]:
-        """The picture's checked bytes; a shutdown that begins meanwhile stops the download with a 503 (the
-        request has not answered yet: it gets a status rather than a dropped connection)."""
-        with trio.CancelScope() as scope:
-            self._downloads.add(scope)
-            try:
-                if self.stopping.is_set():
-                    scope.cancel()
-                return await load_source(image, self.http, MAX_IMAGE_BYTES, DOWNLOAD_TIMEOUT)
-            finally:
-                self._downloads.discard(scope)
-        raise ServiceUnavailable("the server is shutting down", retry_after=ENCODER_RETRY_AFTER)
-
-    async def _stop_downloads(self) -> None:
-        """In the service's nursery: when shutdown begins, stop the downloads in flight (see `_download`)."""
-        await self.stopping.wait()
-        for scope in list(self._downloads):
-            scope.cancel()
-
-    async def _stage(self, image: ImageSource | PrecomputedEmbeds, live: RequestProgress | None) -> _Staged:
-        """A picture's checked bytes and the rows the encoder will make of them, or its pre-computed rows."""
-        assert self.vision is not None
-        if isinstance(image, PrecomputedEmbeds):
-            embedding = check_embeds(image, await self._ready(), MAX_IMAGE_BYTES)
-            return _Staged(embedding.n_tokens, embedding=embedding,
-                           markers=marker_tokens(embedding.grid, self._marker_ids))
-        if live is not None:
-            live.phase = "download"
-        data, info = await self._download(image)  # first: a bad picture is refused whatever the encoder's state
-        ready = await self._ready()
-        grid = self.vision.grid(ready, info)
-        markers = 0 if grid is None else marker_tokens(grid, self._marker_ids)
-        return _Staged(self.vision.rows(ready, info), data=data, markers=markers)
-
-    async def _ready(self) -> Ready:
-        """The encoder's READY (its last one, else it is started for it)."""
-        assert self.vision is not None
-        return self.vision.last_ready or (await self.vision.session()).ready_reply()
-
-    async def _encode(self, picture: _Staged, live: RequestProgress | None) -> Embedding:
-        assert self.vision is not None
-        embedding = picture.embedding
-        if embedding is None:
-            if live is not None:
-                live.phase = "encoding"
-            # The deadline is this picture's own: its predicted rows times vision.encode_timeout_per_row.
-            embedding = await self.vision.encode(picture.data, _Exclusive(self), picture.rows)
-        n_embd = self.engine.picture_width
-        if embedding.rows.shape[1] != n_embd:
-            raise VisionUnavailable(f"its rows are {embedding.rows.shape[1]} wide and the model's embeddings "
-                                    f"{n_embd} (an mmproj made for another model?)")
-        return embedding
 
     async def chat(self, request: ChatRequest, *, request_id: str | None = None) -> AsyncGenerator[Event, None]:
         """Generate the answer to `request` as events, ending with `Usage` and `Finish`.
@@ -1295,8 +1187,8 @@ async def open_service(
         images = config.images
         policy = DownloadPolicy.from_config(images.allow_private, images.allow_hosts)
         async with trio.open_nursery() as nursery, download_client(policy, DOWNLOAD_TIMEOUT) as http:
-            service.nursery, service.http = nursery, (http if images.downloads else None)
-            nursery.start_soon(service._stop_downloads)
+            service.nursery, service.downloads.client = nursery, (http if images.downloads else None)
+            nursery.start_soon(service.downloads.stop_at_shutdown)
             service.mcp = McpServers(config.mcp_servers, config.mcp, log, policy)
             await service.mcp.start(nursery)
             try:

@@ -1,5 +1,5 @@
-"""Pictures in requests: where their bytes come from (data: URLs, base64, http(s) downloads), the checks every
-picture passes before it reaches the encoder, and the cache of encoded pictures.
+"""Pictures in requests: where their bytes come from (data: URLs, base64, http(s) downloads) and the checks every
+picture passes before it reaches the encoder.
 
 Downloads run in the calling task, so they belong to the request's nursery: a client that hangs up cancels them
 at once. Every failure is an `ImageRejected` whose message names what is wrong with the picture or its URL.
@@ -9,14 +9,10 @@ from __future__ import annotations
 
 import base64
 import binascii
-import collections
 import dataclasses
-import hashlib
 import io
 import re
 import warnings
-from collections.abc import Callable
-from typing import Any
 from urllib.parse import unquote_to_bytes
 
 import httpx
@@ -24,12 +20,10 @@ import trio
 from PIL import Image
 
 from strata.pictures.downloads import DownloadRefused
-from strata.pictures.rows import PictureRows
 
 MAX_IMAGE_BYTES = 20 * 1024 * 1024  # one picture, downloaded or inline
 MAX_PIXELS = 50_000_000  # the encoder's own bound: a larger header is a decompression bomb
 DOWNLOAD_TIMEOUT = 30.0  # seconds for one URL, connecting and reading together
-CACHE_BYTES = 256 * 1024 * 1024  # encoded rows kept by the cache
 
 _ORIENTATION = 0x0112  # the EXIF tag; values 5-8 turn the picture a quarter, swapping its sides
 _QUARTER_TURNS = (5, 6, 7, 8)
@@ -186,123 +180,3 @@ async def load_source(source: ImageSource, client: httpx.AsyncClient | None, max
         scheme = (source.url or "").split(":", 1)[0][:20]
         raise ImageRejected(f"unsupported image URL scheme {scheme!r} (http, https or data)")
     return data, check_image(data, max_bytes)
-
-
-def content_hash(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-class EmbeddingCache:
-    """Encoded pictures by content hash, least recently used dropped first, bounded by the bytes of their rows.
-
-    Attributes:
-        hits, misses: lookups that found / did not find their picture.
-    """
-
-    def __init__(self, max_bytes: int = CACHE_BYTES):
-        self.max_bytes = max_bytes
-        self.hits = 0
-        self.misses = 0
-        self._items: collections.OrderedDict[str, Any] = collections.OrderedDict()
-        self._bytes = 0
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def get(self, digest: str) -> Any | None:
-        item = self._items.get(digest)
-        if item is None:
-            self.misses += 1
-            return None
-        self._items.move_to_end(digest)
-        self.hits += 1
-        return item
-
-    def put(self, digest: str, item: Any) -> None:
-        """Keep `item` (it has `.nbytes`); an item larger than the whole cache is not kept."""
-        if digest in self._items:
-            self._bytes -= self._items.pop(digest).nbytes
-        if item.nbytes > self.max_bytes:
-            return
-        self._items[digest] = item
-        self._bytes += item.nbytes
-        while self._bytes > self.max_bytes:
-            _, dropped = self._items.popitem(last=False)
-            self._bytes -= dropped.nbytes
-
-    def clear(self) -> None:
-        self._items.clear()
-        self._bytes = 0
-
-
-# --- pictures in the prompt
-
-
-@dataclasses.dataclass(frozen=True)
-class PromptImages:
-    """A prompt with its pictures in place.
-
-    Attributes:
-        ids: token ids; each picture's positions hold the pad token (the engine replaces their embeddings).
-        keys: one per position, what the KV cache holds there: the token id, or (picture digest, row) for a
-            picture's row, so prefix reuse tells two pictures apart although their ids are the same pads.
-        spans: (first position, rows) of each picture, in order: `PictureRows`, which know their grid.
-    """
-
-    ids: list[int]
-    keys: list[Any]
-    spans: list[tuple[int, Any]]
-
-
-def expand_image_pads(ids: list[int], pad_id: int, embeddings: list[Any],
-                      marker_ids: Callable[[str], list[int]] | None = None) -> PromptImages:
-    """Replace the i-th pad token of `ids` by `embeddings[i].n_tokens` pad positions; a picture split into tiles
-    (its `grid`) gets the ids of each part's marker (`marker_ids`, e.g. LFM2-VL's `<|img_row_1_col_1|>`) before
-    that part's rows, as its model was trained to read them.
-
-    Raises:
-        ImageRejected: the prompt holds a different number of pads than there are pictures (a chat template
-            without vision markers, or a pad token typed into the text).
-    """
-    n_pads = ids.count(pad_id)
-    if n_pads != len(embeddings):
-        raise ImageRejected(f"the prompt has {n_pads} image placeholders for {len(embeddings)} pictures (the chat "
-                            "template must render each picture as <|vision_start|><|image_pad|><|vision_end|>)")
-    out_ids: list[int] = []
-    keys: list[Any] = []
-    spans: list[tuple[int, Any]] = []
-    pictures = iter(embeddings)
-    for token in ids:
-        if token != pad_id:
-            out_ids.append(token)
-            keys.append(token)
-            continue
-        embedding = next(pictures)
-        first = 0  # the picture's row that the next part starts at
-        for marker, nx, ny in embedding.grid.segments():
-            if marker and marker_ids is not None:
-                marked = marker_ids(marker)
-                out_ids.extend(marked)
-                keys.extend(marked)
-            # each part is a grid of its own (Qwen3-VL's positions read it; a tiled picture is LFM2-VL's)
-            rows = embedding.rows if nx * ny == embedding.n_tokens else embedding.rows[first:first + nx * ny]
-            spans.append((len(out_ids), PictureRows(rows, nx)))
-            out_ids.extend([pad_id] * (nx * ny))
-            keys.extend((embedding.digest, row) for row in range(first, first + nx * ny))
-            first += nx * ny
-    return PromptImages(out_ids, keys, spans)
-
-
-def marker_tokens(grid: Any, marker_ids: Callable[[str], list[int]]) -> int:
-    """The prompt positions a picture's part markers take (see `expand_image_pads`)."""
-    return sum(len(marker_ids(marker)) for marker, _, _ in grid.segments() if marker)
-
-
-def embeds_from(spans: list[tuple[int, Any]], start: int, end: int) -> list[tuple[int, Any]]:
-    """The `Engine.eval` embeds for positions [start, end): each span cut to that window, indexed from `start`."""
-    out = []
-    for first, rows in spans:
-        lo, hi = max(first, start), min(first + len(rows), end)
-        if lo < hi:
-            out.append((lo - start, rows[lo - first: hi - first]))
-    return out

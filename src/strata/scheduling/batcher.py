@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from strata.engine_cffi import BatchItem, EngineAborted
-from strata.pictures.sources import embeds_from
+from strata.pictures.expand import embeds_from
 from strata.text.sampling import Sampler, log_probabilities
 
 # (index in the prompt, float32 rows (n_rows, n_embd)): rows that replace the embeddings of prompt placeholders.

@@ -132,51 +132,94 @@ def plan_constraint(*, answer_format: AnswerFormat | None, tools: Sequence[dict[
     Raises:
         GrammarError: a format that cannot be combined with the tools, or a forced tool choice after a prefill.
     """
+    choice, forced, tools = _tool_choice(tool_choice, tools, prefix)
+    format_rule = _format_rule(answer_format) if answer_format is not None else None
+    may_think, in_reasoning = _reasoning(thinking, in_reasoning, tokens)
+    if tools and (forced or format_rule is not None):
+        answer, parts = _answer_or_calls(format_rule, tools, choice, forced, tokens, parallel_tool_calls,
+                                         tool_fields or {})
+        return Plan(answer=answer, parts=parts, may_think=may_think, in_reasoning=in_reasoning, prefix=prefix)
+    if format_rule is not None:
+        # no tools here: the answer is the format's, and a call may not start
+        banned = () if tokens.call_open is None else (tokens.call_open,)
+        return Plan(answer=_format_answer(format_rule), banned=banned, parts=(format_rule[1],), may_think=may_think,
+                    in_reasoning=in_reasoning, prefix=prefix)
+    if not tools:
+        return Plan(banned=(tokens.call_open,)) if choice == "none" and tokens.call_open is not None else None
+    return _auto_calls(tools, tokens, parallel_tool_calls, tool_fields or {})
+
+
+def _tool_choice(tool_choice: str | dict[str, Any] | None, tools: Sequence[dict[str, Any]], prefix: str
+                 ) -> tuple[str | dict[str, Any], bool, Sequence[dict[str, Any]]]:
+    """The tool choice (None is "auto"), whether it forces a call, and the tools it lets the model call (none
+    when it is "none").
+
+    Raises:
+        GrammarError: a forced call after a prefill (the call would have to begin the answer).
+    """
     choice = tool_choice if tool_choice is not None else "auto"
     forced = choice == "required" or isinstance(choice, dict)
     if forced and tools and prefix:
         raise GrammarError("tool_choice: a forced tool call cannot continue a prefilled assistant message (the "
                            "call would have to begin the answer); send tool_choice \"auto\" or drop the prefill",
                            "tool_choice")
-    if choice == "none" or not tools:
-        tools = []
-    parts: list[tuple[str, str]] = []
-    answer_rule = None
-    if answer_format is not None:
-        answer_rule, part = _format_rule(answer_format)
-        parts.append(part)
-    banned: tuple[int, ...] = ()
-    if not tools and tokens.call_open is not None and (choice == "none" or answer_format is not None):
-        banned = (tokens.call_open,)
+    return choice, forced, [] if choice == "none" else tools
+
+
+def _reasoning(thinking: bool, in_reasoning: bool, tokens: SpecialTokens) -> tuple[bool, bool]:
+    """Whether the model may open `<think>` before the constrained answer, and whether the prompt left one open
+    that the answer follows; both only where the vocabulary has the tags as tokens."""
     may_think = thinking and not in_reasoning and tokens.think_open is not None and tokens.think_close is not None
-    in_reasoning = in_reasoning and tokens.think_close is not None
-    if tools and (forced or answer_format is not None):
-        if answer_rule is None and answer_format is not None:
-            raise GrammarError(f"{answer_format.param}: a grammar cannot be combined with tools; send "
-                               'tool_choice "none" or leave the tools out', answer_format.param)
-        if isinstance(choice, dict):
-            tools = [tool for tool in tools if tool["function"]["name"] == choice["function"]["name"]]
-        calls_rule, call_parts = _calls_rules(tools, tokens, parallel_tool_calls, tool_fields or {}, body_only=False)
-        parts += call_parts
-        rules = ["start: calls" if forced else "start: answer | calls", *calls_rule]
-        if answer_rule is not None and not forced:
-            rules.append(f"answer: {answer_rule}")
-        return Plan(answer=_lark(rules), parts=tuple(parts), may_think=may_think, in_reasoning=in_reasoning,
-                    prefix=prefix)
-    if answer_format is not None:
-        answer = _lark([f"start: {answer_rule}"]) if answer_rule is not None else parts[0][0]
-        return Plan(answer=answer, banned=banned, parts=tuple(parts), may_think=may_think,
-                    in_reasoning=in_reasoning, prefix=prefix)
-    if not tools or tokens.call_open is None:
-        return Plan(banned=banned) if banned else None
-    # `auto`: the text is free; calls are constrained when a tool is strict, and counted.
-    call, call_parts = None, []
-    if any(tool["function"].get("strict") for tool in tools) and tokens.call_close is not None:
-        calls_rule, call_parts = _calls_rules(tools, tokens, parallel_tool_calls, tool_fields or {}, body_only=True)
-        call = _lark(["start: body", *calls_rule])
-    elif parallel_tool_calls:
+    return may_think, in_reasoning and tokens.think_close is not None
+
+
+def _format_answer(format_rule: tuple[str | None, tuple[str, str]]) -> str:
+    """The grammar of an answer in a format (`_format_rule`) and nothing else: a JSON rule as a grammar's start,
+    or the request's own grammar."""
+    rule, (grammar, _) = format_rule
+    return _lark([f"start: {rule}"]) if rule is not None else grammar
+
+
+def _answer_or_calls(format_rule: tuple[str | None, tuple[str, str]] | None, tools: Sequence[dict[str, Any]],
+                     choice: str | dict[str, Any], forced: bool, tokens: SpecialTokens, parallel: bool,
+                     tool_fields: Mapping[str, str]) -> tuple[str, tuple[tuple[str, str], ...]]:
+    """The grammar of an answer that is tool calls (a forced choice: required, or the named tool's) or, with a
+    JSON format and `auto`, either an answer in the format or calls; and the parts to check.
+
+    Raises:
+        GrammarError: the format is a grammar (it has rules of its own, and cannot be combined with calls).
+    """
+    rule, parts = None, []
+    if format_rule is not None:
+        rule, part = format_rule
+        parts.append(part)
+        if rule is None:
+            param = part[1]
+            raise GrammarError(f"{param}: a grammar cannot be combined with tools; send tool_choice \"none\" or "
+                               "leave the tools out", param)
+    if isinstance(choice, dict):
+        tools = [tool for tool in tools if tool["function"]["name"] == choice["function"]["name"]]
+    calls_rule, call_parts = _calls_rules(tools, tokens, parallel, tool_fields, body_only=False)
+    rules = ["start: calls" if forced else "start: answer | calls", *calls_rule]
+    if rule is not None and not forced:
+        rules.append(f"answer: {rule}")
+    return _lark(rules), (*parts, *call_parts)
+
+
+def _auto_calls(tools: Sequence[dict[str, Any]], tokens: SpecialTokens, parallel: bool,
+                tool_fields: Mapping[str, str]) -> Plan | None:
+    """`auto` with tools and no format: the text is free; calls are constrained when a tool is strict, and
+    counted (None: nothing to enforce)."""
+    if tokens.call_open is None:
         return None
-    return Plan(call=call, max_calls=None if parallel_tool_calls else 1, parts=tuple(call_parts))
+    call: str | None = None
+    call_parts: list[tuple[str, str]] = []
+    if any(tool["function"].get("strict") for tool in tools) and tokens.call_close is not None:
+        calls_rule, call_parts = _calls_rules(tools, tokens, parallel, tool_fields, body_only=True)
+        call = _lark(["start: body", *calls_rule])
+    elif parallel:
+        return None
+    return Plan(call=call, max_calls=None if parallel else 1, parts=tuple(call_parts))
 
 
 def _lark(rules: list[str]) -> str:

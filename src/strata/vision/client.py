@@ -34,7 +34,8 @@ import numpy as np
 import trio
 
 import strata
-from strata.pictures.sources import EmbeddingCache, ImageInfo, content_hash
+from strata.pictures.cache import EmbeddingCache, content_hash
+from strata.pictures.sources import ImageInfo
 from strata.vision.preprocess import picture_grid
 from strata.vision.protocol import (
     MAX_LINE_BYTES,

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from strata.pictures.sources import ImageRejected, content_hash
+from strata.pictures.cache import content_hash
+from strata.pictures.sources import ImageRejected
 from strata.vision.client import Embedding
 from strata.vision.protocol import (
     SVE_MAX_HEADER_BYTES,
