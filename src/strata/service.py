@@ -42,7 +42,6 @@ from strata.events import (
     PromptProcessed,
     ReasoningDelta,
     TextDelta,
-    TokenLogprob,
     ToolCallArgumentsDelta,
     ToolCallStart,
     ToolResult,
@@ -66,10 +65,10 @@ from strata.progress import Stage, with_progress
 from strata.scheduling.batcher import Batcher, Job
 from strata.scheduling.turn import QueueFull, Turn
 from strata.text.constraints import GrammarError, Grammars, Guide, plan_constraint
+from strata.text.output import LogprobNames, Output
 from strata.text.prompt import PromptError, render_chat
 from strata.text.prompt_tokens import PromptTokens, strings_of
 from strata.text.sampling import Sampler
-from strata.text.toolcalls import StopMatcher, ToolCallParser
 from strata.vision.client import (
     Embedding,
     PictureRefused,
@@ -713,7 +712,8 @@ class Service:
                   prompt_logprobs=request.logprobs if echo else None)
         # Everything this task can make before the job goes: the engine thread needs the GIL to start the job's
         # call, and gets it only once this task waits for the first token.
-        output = _Output(self.tokenizer, request, prepared.starts_in_reasoning)
+        output = Output(self.tokenizer, request, prepared.starts_in_reasoning)
+        names = LogprobNames(self.tokenizer.id_bytes)
         finish: FinishReason | None = None
         reasoning_tokens = 0
         stream = _Stream(self.loop, job)
@@ -725,7 +725,7 @@ class Service:
                     yield PromptProcessed(len(prepared.ids), job.reused)
                     if echo:
                         if job.prompt_logprobs is not None:
-                            yield PromptLogprobs(self._prompt_logprobs(prepared.ids, job.prompt_records))
+                            yield PromptLogprobs(names.prompt_logprobs(prepared.ids, job.prompt_records))
                         yield TextDelta(self.tokenizer.decode(prepared.ids))
                 live.phase = "decode"
                 row.reused_tokens, row.prompt_seconds, row.decode_seconds = job.reused, *stream.seconds()
@@ -736,7 +736,7 @@ class Service:
                     was_reasoning = output.in_reasoning
                     events = output.push(token)
                     if request.logprobs is not None and was_reasoning == output.in_reasoning:  # not a tag
-                        yield self._logprob(token, sampler.records[row.output_tokens - before - 1], was_reasoning)
+                        yield names.logprob(token, sampler.records[row.output_tokens - before - 1], was_reasoning)
                     for event in events:
                         yield event
                     reasoning_tokens += was_reasoning or output.in_reasoning  # the tags count as reasoning
@@ -759,23 +759,6 @@ class Service:
         yield Usage(prompt_tokens=len(prepared.ids), cached_tokens=row.reused_tokens,
                     completion_tokens=row.output_tokens - before, reasoning_tokens=reasoning_tokens)
         yield Finish(finish, output.stop_sequence)
-
-    def _logprob(self, token: int, record: tuple[float, list[tuple[int, float]]], reasoning: bool = False
-                 ) -> TokenLogprob:
-        logprob, top = record
-        return TokenLogprob(*self._named(token), logprob, tuple((*self._named(i), value) for i, value in top),
-                            reasoning)
-
-    def _named(self, i: int) -> tuple[str, tuple[int, ...]]:
-        """A token as OpenAI names it: its text and UTF-8 bytes."""
-        id_bytes = self.tokenizer.id_bytes
-        data = id_bytes[i] if i < len(id_bytes) else b""
-        return data.decode("utf-8", errors="replace"), tuple(data)
-
-    def _prompt_logprobs(self, ids: list[int], records: list[tuple[float, list[tuple[int, float]]]]
-                         ) -> tuple[TokenLogprob, ...]:
-        first = TokenLogprob(*self._named(ids[0]), None)
-        return (first, *(self._logprob(token, record) for token, record in zip(ids[1:], records, strict=True)))
 
     @property
     def phase(self) -> str:
@@ -1159,68 +1142,6 @@ class _Stream:
             self._loop.cancel(self)
             with trio.CancelScope(shield=True):
                 await self._ended.wait()
-
-
-class _PlainText:
-    """The parser of a raw completion: all of the text is text."""
-
-    n_tool_calls = 0
-    in_reasoning = False
-
-    def feed(self, text: str) -> list[Event]:
-        return [TextDelta(text)] if text else []
-
-    def finish(self) -> list[Event]:
-        return []
-
-
-class _Output:
-    """Generated token ids to events: detokenise, cut at stop strings, split reasoning and tool calls."""
-
-    def __init__(self, tokenizer: Any, request: ChatRequest, starts_in_reasoning: bool):
-        self._decoder = tokenizer.stream_decoder()
-        self._stops = StopMatcher(request.stop)
-        self._text = ""  # everything the model wrote, to tell which stop string ended it
-        tools = request.tools if request.tool_choice != "none" else []
-        self._parser: ToolCallParser | _PlainText = ToolCallParser(
-            starts_in_reasoning=starts_in_reasoning, parse_tool_calls=bool(tools),
-            tool_names={tool["function"]["name"] for tool in tools})
-        if request.completion is not None:
-            self._parser = _PlainText()  # a raw completion: tags are text
-
-    @property
-    def stopped(self) -> bool:
-        return self._stops.stopped
-
-    @property
-    def n_tool_calls(self) -> int:
-        return self._parser.n_tool_calls
-
-    @property
-    def in_reasoning(self) -> bool:
-        return self._parser.in_reasoning
-
-    @property
-    def stop_sequence(self) -> str | None:
-        """The stop string that ended the generation: the one found earliest in the text."""
-        if not self._stops.stopped:
-            return None
-        found = [(self._text.find(stop), stop) for stop in self._stops.stops if stop in self._text]
-        return min(found)[1] if found else None
-
-    def push(self, token: int) -> list[Event]:
-        text = self._decoder.push(token)
-        if self._stops.stops:
-            self._text += text
-        return self._parser.feed(self._stops.feed(text))
-
-    def finish(self) -> list[Event]:
-        if not self._stops.stopped:
-            events = self._parser.feed(self._stops.feed(self._decoder.flush()))
-            events += self._parser.feed(self._stops.flush())
-        else:
-            events = []
-        return events + self._parser.finish()
 
 
 def _short(request: ChatRequest) -> bool:
