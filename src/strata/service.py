@@ -40,15 +40,11 @@ from strata.events import (
     FinishReason,
     PromptLogprobs,
     PromptProcessed,
-    ReasoningDelta,
     TextDelta,
-    ToolCallArgumentsDelta,
-    ToolCallStart,
-    ToolResult,
     Usage,
 )
 from strata.history import History, HistoryRow
-from strata.mcp_tools import McpRequestError, McpServers, Toolset, open_toolset
+from strata.mcp_tools import McpRequestError, McpServers, Toolset, open_toolset, run_rounds
 from strata.pictures.downloads import DownloadPolicy, download_client
 from strata.pictures.sources import (
     DOWNLOAD_TIMEOUT,
@@ -567,7 +563,9 @@ class Service:
                 if request.mcp:
                     toolset = await self._toolset(request)
                     request = dataclasses.replace(request, tools=request.tools + toolset.functions())
-                async with aclosing(self._rounds(request, toolset, live)) as events:
+                rounds = run_rounds(request, self._round, toolset, live, max_rounds=self.config.mcp.max_rounds,
+                                    sees_pictures=self._sees_pictures)
+                async with aclosing(rounds) as events:
                     async for event in events:
                         yield event
             except (trio.Cancelled, GeneratorExit):
@@ -596,108 +594,30 @@ class Service:
         except McpRequestError as error:
             raise RequestError(str(error), error.param) from None
 
-    async def _rounds(self, request: ChatRequest, toolset: Toolset | None, live: RequestProgress
-                      ) -> AsyncGenerator[Event, None]:
-        """Generate; when the model called MCP tools, call them (in this task: the request's), append their
-        results and generate on, up to `mcp.max_rounds` times. The engine's turn is held only while generating,
-        so a slow tool stalls no one else; the next round's prompt shares the previous one's KV prefix.
+    def _sees_pictures(self) -> bool:
+        """Whether the model is given the pictures MCP tools return: it has an image encoder."""
+        return self.vision is not None
 
-        The events of every round go out as they happen, tool calls numbered across the response, then one
-        `Usage` (the sum of the rounds) and one `Finish`. A call of the client's own tools ends the response.
-        """
-        row = live.row
-        totals = [0, 0, 0, 0]  # prompt, cached, completion, reasoning tokens over the rounds
-        n_calls, rounds = 0, 0
-        listings = toolset.listings if toolset is not None else []
-        while True:
-            live.phase = "prepare"
-            round_request, pictures = await self._pictures(request, live)
-            if pictures or not _short(round_request):
-                prepared = await trio.to_thread.run_sync(self._prepare, round_request, pictures)
-            else:  # a worker thread's round trip would cost more than the work
-                prepared = self._prepare(round_request, pictures)
-            guide = await self._guide(round_request, prepared)
-            row.prompt_tokens = totals[0] + len(prepared.ids)
-            calls: list[_Call] = []
-            text, reasoning = [], []
-            finish, usage = Finish("error"), Usage(0, 0, 0)
-            live.phase = "queued"
-            async with self.turn.hold():
-                try:
-                    async with aclosing(self._generate(round_request, prepared, live, guide)) as events:
-                        async for event in events:
-                            if type(event) is TextDelta:  # per streamed token: the usual event, tested first
-                                text.append(event.text)
-                                yield event
-                                continue
-                            if isinstance(event, Usage):
-                                usage = event
-                                continue
-                            if isinstance(event, Finish):
-                                finish = event
-                                continue
-                            if isinstance(event, PromptProcessed):
-                                if totals[0]:
-                                    continue  # the prompt a response starts with is the first round's
-                                # The listings follow the prompt's size (Anthropic's message_start carries it)
-                                # and a prompt known to fit (a refusal keeps its status).
-                                yield event
-                                for listing in listings:
-                                    yield listing
-                                listings = []
-                                continue
-                            if isinstance(event, ToolCallStart):
-                                server = toolset.server_of(event.name) if toolset is not None else None
-                                calls.append(_Call(n_calls, event.id, event.name, server))
-                                event = ToolCallStart(n_calls, event.id, event.name, server)
-                                n_calls += 1
-                            elif isinstance(event, ToolCallArgumentsDelta):
-                                call = calls[event.index]
-                                call.arguments += event.text
-                                event = ToolCallArgumentsDelta(call.index, event.text)
-                            elif isinstance(event, TextDelta):
-                                text.append(event.text)
-                            elif isinstance(event, ReasoningDelta):
-                                reasoning.append(event.text)
-                            yield event
-                finally:
-                    live.slot = None
-            for i, value in enumerate((usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens,
-                                       usage.reasoning_tokens)):
-                totals[i] += value
-            served = [call for call in calls if call.server is not None]
-            if finish.reason != "tool_calls" or not served:
-                break
-            assert toolset is not None
-            if rounds >= self.config.mcp.max_rounds:
-                for call in served:
-                    yield ToolResult(call.index, call.id, f"not run: this response reached its limit of "
-                                     f"{self.config.mcp.max_rounds} tool rounds (mcp.max_rounds)", is_error=True)
-                finish = Finish("tool_calls" if len(served) < len(calls) else "stop")
-                break
-            rounds += 1
-            live.phase = "tool"
-            messages = [_assistant_message(text, reasoning, calls)]
-            for call in served:
-                output = await toolset.call(call.name, call.arguments, pictures=self.vision is not None)
-                yield ToolResult(call.index, call.id, output.text, output.is_error)
-                messages.append({"role": "tool", "tool_call_id": call.id, "content": output.content})
-            if len(served) < len(calls):
-                break  # the client's own tools were called too: the response ends, as any tool call does
-            max_tokens = request.max_tokens
-            if max_tokens is not None:
-                max_tokens -= totals[2]
-                if max_tokens < 1:
-                    finish = Finish("length")
-                    break
-            # A required or named tool choice was met by this round's calls: the next rounds choose freely.
-            choice = request.tool_choice if request.tool_choice in (None, "auto", "none") else "auto"
-            request = dataclasses.replace(request, messages=request.messages + messages, max_tokens=max_tokens,
-                                          tool_choice=choice)
-        row.prompt_tokens, row.reused_tokens = totals[0], totals[1]
-        row.finish = finish.reason
-        yield Usage(*totals)
-        yield Finish(finish.reason, finish.stop_sequence)
+    @asynccontextmanager
+    async def _round(self, request: ChatRequest, live: RequestProgress) -> AsyncIterator[AsyncIterator[Event]]:
+        """One round of a response (`strata.mcp_tools.rounds.RoundEvents`): the request's pictures encoded, its
+        prompt prepared and its answer's constraint compiled, then the engine's turn held while the caller takes
+        the generated events."""
+        live.phase = "prepare"
+        request, pictures = await self._pictures(request, live)
+        if pictures or not _short(request):
+            prepared = await trio.to_thread.run_sync(self._prepare, request, pictures)
+        else:  # a worker thread's round trip would cost more than the work
+            prepared = self._prepare(request, pictures)
+        guide = await self._guide(request, prepared)
+        live.row.prompt_tokens += len(prepared.ids)  # the response's prompt: the earlier rounds' and this one
+        live.phase = "queued"
+        async with self.turn.hold():
+            try:
+                async with aclosing(self._generate(request, prepared, live, guide)) as events:
+                    yield events
+            finally:
+                live.slot = None
 
     async def _generate(self, request: ChatRequest, prepared: _Prepared, live: RequestProgress,
                         guide: Guide | None) -> AsyncGenerator[Event, None]:
@@ -784,28 +704,6 @@ class Service:
     def engine_running(self) -> bool:
         """Whether an engine thread is running (until trio has seen its end)."""
         return self.loop is not None and self.loop.periods > 0
-
-
-@dataclass
-class _Call:
-    """A tool call of the model, numbered across the response; `server` is the MCP server's label, or None for
-    the client's own tools."""
-
-    index: int
-    id: str
-    name: str
-    server: str | None
-    arguments: str = ""
-
-
-def _assistant_message(text: list[str], reasoning: list[str], calls: list[_Call]) -> dict[str, Any]:
-    """What the model wrote in a round, as the assistant message the next round's prompt renders."""
-    message: dict[str, Any] = {"role": "assistant", "content": "".join(text)}
-    if reasoning:
-        message["reasoning_content"] = "".join(reasoning)
-    message["tool_calls"] = [{"id": call.id, "type": "function",
-                              "function": {"name": call.name, "arguments": call.arguments}} for call in calls]
-    return message
 
 
 class _Exclusive:
