@@ -1,4 +1,7 @@
-"""The service: one loaded model, its engine's turn and the generation of chat requests as events.
+"""The service: a loaded model's lifetime (loading, its image encoder, closing) and the phases of a chat request
+(its prompt prepared, its answer's constraint compiled, a round generated on the engine's turn) as events. A
+response's rounds of MCP tool calls are `strata.mcp_tools.rounds`'; generated tokens become events in
+`strata.text.output`.
 
 Embedding it in a trio program::
 
@@ -1151,8 +1154,3 @@ async def _load_quietly(service: Service, log: Callable[[str], None]) -> None:
         log(f"error: {error}")
     except Exception as error:  # noqa: BLE001 - reported through service.load_error
         log(f"error: the model failed to load: {error}")
-
-
-def new_request_id() -> str:
-    return uuid.uuid4().hex[:24]
-
