@@ -4,7 +4,7 @@ events that come out."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from typing import Any
 
 import pytest
@@ -49,7 +49,8 @@ class ScriptedRounds:
 
         self.open = True
         try:
-            yield events()
+            async with aclosing(events()) as stream:
+                yield stream
         finally:
             self.open = False
 
@@ -185,3 +186,13 @@ async def test_a_failed_tool_is_an_error_result_and_the_rounds_go_on():
     events, _ = await respond(ask(), rounds, toolset)
     assert ToolResult(0, "call_broken", "broken: {}", is_error=True) in events
     assert events[-3:] == [TextDelta("ok"), Usage(20, 0, 6), Finish("stop")]
+
+
+async def test_a_response_closed_early_leaves_its_round():
+    rounds = ScriptedRounds(round_of(TextDelta("a"), TextDelta("b")))
+    live = RequestProgress(HistoryRow(id="r", route="chat", start=0.0))
+    events = run_rounds(ask(), rounds, None, live, max_rounds=8, sees_pictures=lambda: False)  # type: ignore[arg-type]
+    assert await events.__anext__() == PromptProcessed(10, 0)
+    assert rounds.open
+    await events.aclose()
+    assert not rounds.open  # the service gives the engine's turn back there
