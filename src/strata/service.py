@@ -1,4 +1,7 @@
-"""The service: one loaded model, its engine's turn and the generation of chat requests as events.
+"""The service: a loaded model's lifetime (loading, its image encoder, closing) and the phases of a chat request
+(its prompt prepared, its answer's constraint compiled, a round generated on the engine's turn) as events. A
+response's rounds of MCP tool calls are `strata.mcp_tools.rounds`'; generated tokens become events in
+`strata.text.output`.
 
 Embedding it in a trio program::
 
@@ -39,16 +42,11 @@ from strata.events import (
     FinishReason,
     PromptLogprobs,
     PromptProcessed,
-    ReasoningDelta,
     TextDelta,
-    TokenLogprob,
-    ToolCallArgumentsDelta,
-    ToolCallStart,
-    ToolResult,
     Usage,
 )
 from strata.history import History, HistoryRow
-from strata.mcp_tools import McpRequestError, McpServers, Toolset, open_toolset
+from strata.mcp_tools import McpRequestError, McpServers, Toolset, open_toolset, run_rounds
 from strata.pictures.downloads import DownloadPolicy, download_client
 from strata.pictures.expand import PromptImages, expand_image_pads, marker_tokens
 from strata.pictures.sources import DOWNLOAD_TIMEOUT, ImageRejected
@@ -63,10 +61,10 @@ from strata.progress import Stage, with_progress
 from strata.scheduling.batcher import Batcher, Job
 from strata.scheduling.turn import QueueFull, Turn
 from strata.text.constraints import GrammarError, Grammars, Guide, plan_constraint
+from strata.text.output import LogprobNames, Output
 from strata.text.prompt import PromptError, render_chat
 from strata.text.prompt_tokens import PromptTokens, strings_of
 from strata.text.sampling import Sampler
-from strata.text.toolcalls import StopMatcher, ToolCallParser
 from strata.vision.client import Embedding, VisionClient, VisionStartError
 
 # Variables the chat template gets from the request itself; `chat_template_kwargs` may not override them.
@@ -460,7 +458,9 @@ class Service:
                 if request.mcp:
                     toolset = await self._toolset(request)
                     request = dataclasses.replace(request, tools=request.tools + toolset.functions())
-                async with aclosing(self._rounds(request, toolset, live)) as events:
+                rounds = run_rounds(request, self._round, toolset, live, max_rounds=self.config.mcp.max_rounds,
+                                    sees_pictures=self._sees_pictures)
+                async with aclosing(rounds) as events:
                     async for event in events:
                         yield event
             except (trio.Cancelled, GeneratorExit):
@@ -489,108 +489,30 @@ class Service:
         except McpRequestError as error:
             raise RequestError(str(error), error.param) from None
 
-    async def _rounds(self, request: ChatRequest, toolset: Toolset | None, live: RequestProgress
-                      ) -> AsyncGenerator[Event, None]:
-        """Generate; when the model called MCP tools, call them (in this task: the request's), append their
-        results and generate on, up to `mcp.max_rounds` times. The engine's turn is held only while generating,
-        so a slow tool stalls no one else; the next round's prompt shares the previous one's KV prefix.
+    def _sees_pictures(self) -> bool:
+        """Whether the model is given the pictures MCP tools return: it has an image encoder."""
+        return self.vision is not None
 
-        The events of every round go out as they happen, tool calls numbered across the response, then one
-        `Usage` (the sum of the rounds) and one `Finish`. A call of the client's own tools ends the response.
-        """
-        row = live.row
-        totals = [0, 0, 0, 0]  # prompt, cached, completion, reasoning tokens over the rounds
-        n_calls, rounds = 0, 0
-        listings = toolset.listings if toolset is not None else []
-        while True:
-            live.phase = "prepare"
-            round_request, pictures = await self._pictures(request, live)
-            if pictures or not _short(round_request):
-                prepared = await trio.to_thread.run_sync(self._prepare, round_request, pictures)
-            else:  # a worker thread's round trip would cost more than the work
-                prepared = self._prepare(round_request, pictures)
-            guide = await self._guide(round_request, prepared)
-            row.prompt_tokens = totals[0] + len(prepared.ids)
-            calls: list[_Call] = []
-            text, reasoning = [], []
-            finish, usage = Finish("error"), Usage(0, 0, 0)
-            live.phase = "queued"
-            async with self.turn.hold():
-                try:
-                    async with aclosing(self._generate(round_request, prepared, live, guide)) as events:
-                        async for event in events:
-                            if type(event) is TextDelta:  # per streamed token: the usual event, tested first
-                                text.append(event.text)
-                                yield event
-                                continue
-                            if isinstance(event, Usage):
-                                usage = event
-                                continue
-                            if isinstance(event, Finish):
-                                finish = event
-                                continue
-                            if isinstance(event, PromptProcessed):
-                                if totals[0]:
-                                    continue  # the prompt a response starts with is the first round's
-                                # The listings follow the prompt's size (Anthropic's message_start carries it)
-                                # and a prompt known to fit (a refusal keeps its status).
-                                yield event
-                                for listing in listings:
-                                    yield listing
-                                listings = []
-                                continue
-                            if isinstance(event, ToolCallStart):
-                                server = toolset.server_of(event.name) if toolset is not None else None
-                                calls.append(_Call(n_calls, event.id, event.name, server))
-                                event = ToolCallStart(n_calls, event.id, event.name, server)
-                                n_calls += 1
-                            elif isinstance(event, ToolCallArgumentsDelta):
-                                call = calls[event.index]
-                                call.arguments += event.text
-                                event = ToolCallArgumentsDelta(call.index, event.text)
-                            elif isinstance(event, TextDelta):
-                                text.append(event.text)
-                            elif isinstance(event, ReasoningDelta):
-                                reasoning.append(event.text)
-                            yield event
-                finally:
-                    live.slot = None
-            for i, value in enumerate((usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens,
-                                       usage.reasoning_tokens)):
-                totals[i] += value
-            served = [call for call in calls if call.server is not None]
-            if finish.reason != "tool_calls" or not served:
-                break
-            assert toolset is not None
-            if rounds >= self.config.mcp.max_rounds:
-                for call in served:
-                    yield ToolResult(call.index, call.id, f"not run: this response reached its limit of "
-                                     f"{self.config.mcp.max_rounds} tool rounds (mcp.max_rounds)", is_error=True)
-                finish = Finish("tool_calls" if len(served) < len(calls) else "stop")
-                break
-            rounds += 1
-            live.phase = "tool"
-            messages = [_assistant_message(text, reasoning, calls)]
-            for call in served:
-                output = await toolset.call(call.name, call.arguments, pictures=self.vision is not None)
-                yield ToolResult(call.index, call.id, output.text, output.is_error)
-                messages.append({"role": "tool", "tool_call_id": call.id, "content": output.content})
-            if len(served) < len(calls):
-                break  # the client's own tools were called too: the response ends, as any tool call does
-            max_tokens = request.max_tokens
-            if max_tokens is not None:
-                max_tokens -= totals[2]
-                if max_tokens < 1:
-                    finish = Finish("length")
-                    break
-            # A required or named tool choice was met by this round's calls: the next rounds choose freely.
-            choice = request.tool_choice if request.tool_choice in (None, "auto", "none") else "auto"
-            request = dataclasses.replace(request, messages=request.messages + messages, max_tokens=max_tokens,
-                                          tool_choice=choice)
-        row.prompt_tokens, row.reused_tokens = totals[0], totals[1]
-        row.finish = finish.reason
-        yield Usage(*totals)
-        yield Finish(finish.reason, finish.stop_sequence)
+    @asynccontextmanager
+    async def _round(self, request: ChatRequest, live: RequestProgress) -> AsyncIterator[AsyncIterator[Event]]:
+        """One round of a response (`strata.mcp_tools.rounds.RoundEvents`): the request's pictures encoded, its
+        prompt prepared and its answer's constraint compiled, then the engine's turn held while the caller takes
+        the generated events."""
+        live.phase = "prepare"
+        request, pictures = await self._pictures(request, live)
+        if pictures or not _short(request):
+            prepared = await trio.to_thread.run_sync(self._prepare, request, pictures)
+        else:  # a worker thread's round trip would cost more than the work
+            prepared = self._prepare(request, pictures)
+        guide = await self._guide(request, prepared)
+        live.row.prompt_tokens += len(prepared.ids)  # the response's prompt: the earlier rounds' and this one
+        live.phase = "queued"
+        async with self.turn.hold():
+            try:
+                async with aclosing(self._generate(request, prepared, live, guide)) as events:
+                    yield events
+            finally:
+                live.slot = None
 
     async def _generate(self, request: ChatRequest, prepared: _Prepared, live: RequestProgress,
                         guide: Guide | None) -> AsyncGenerator[Event, None]:
@@ -605,7 +527,8 @@ class Service:
                   prompt_logprobs=request.logprobs if echo else None)
         # Everything this task can make before the job goes: the engine thread needs the GIL to start the job's
         # call, and gets it only once this task waits for the first token.
-        output = _Output(self.tokenizer, request, prepared.starts_in_reasoning)
+        output = Output(self.tokenizer, request, prepared.starts_in_reasoning)
+        names = LogprobNames(self.tokenizer.id_bytes)
         finish: FinishReason | None = None
         reasoning_tokens = 0
         stream = _Stream(self.loop, job)
@@ -617,7 +540,7 @@ class Service:
                     yield PromptProcessed(len(prepared.ids), job.reused)
                     if echo:
                         if job.prompt_logprobs is not None:
-                            yield PromptLogprobs(self._prompt_logprobs(prepared.ids, job.prompt_records))
+                            yield PromptLogprobs(names.prompt_logprobs(prepared.ids, job.prompt_records))
                         yield TextDelta(self.tokenizer.decode(prepared.ids))
                 live.phase = "decode"
                 row.reused_tokens, row.prompt_seconds, row.decode_seconds = job.reused, *stream.seconds()
@@ -628,7 +551,7 @@ class Service:
                     was_reasoning = output.in_reasoning
                     events = output.push(token)
                     if request.logprobs is not None and was_reasoning == output.in_reasoning:  # not a tag
-                        yield self._logprob(token, sampler.records[row.output_tokens - before - 1], was_reasoning)
+                        yield names.logprob(token, sampler.records[row.output_tokens - before - 1], was_reasoning)
                     for event in events:
                         yield event
                     reasoning_tokens += was_reasoning or output.in_reasoning  # the tags count as reasoning
@@ -651,23 +574,6 @@ class Service:
         yield Usage(prompt_tokens=len(prepared.ids), cached_tokens=row.reused_tokens,
                     completion_tokens=row.output_tokens - before, reasoning_tokens=reasoning_tokens)
         yield Finish(finish, output.stop_sequence)
-
-    def _logprob(self, token: int, record: tuple[float, list[tuple[int, float]]], reasoning: bool = False
-                 ) -> TokenLogprob:
-        logprob, top = record
-        return TokenLogprob(*self._named(token), logprob, tuple((*self._named(i), value) for i, value in top),
-                            reasoning)
-
-    def _named(self, i: int) -> tuple[str, tuple[int, ...]]:
-        """A token as OpenAI names it: its text and UTF-8 bytes."""
-        id_bytes = self.tokenizer.id_bytes
-        data = id_bytes[i] if i < len(id_bytes) else b""
-        return data.decode("utf-8", errors="replace"), tuple(data)
-
-    def _prompt_logprobs(self, ids: list[int], records: list[tuple[float, list[tuple[int, float]]]]
-                         ) -> tuple[TokenLogprob, ...]:
-        first = TokenLogprob(*self._named(ids[0]), None)
-        return (first, *(self._logprob(token, record) for token, record in zip(ids[1:], records, strict=True)))
 
     @property
     def phase(self) -> str:
@@ -693,28 +599,6 @@ class Service:
     def engine_running(self) -> bool:
         """Whether an engine thread is running (until trio has seen its end)."""
         return self.loop is not None and self.loop.periods > 0
-
-
-@dataclass
-class _Call:
-    """A tool call of the model, numbered across the response; `server` is the MCP server's label, or None for
-    the client's own tools."""
-
-    index: int
-    id: str
-    name: str
-    server: str | None
-    arguments: str = ""
-
-
-def _assistant_message(text: list[str], reasoning: list[str], calls: list[_Call]) -> dict[str, Any]:
-    """What the model wrote in a round, as the assistant message the next round's prompt renders."""
-    message: dict[str, Any] = {"role": "assistant", "content": "".join(text)}
-    if reasoning:
-        message["reasoning_content"] = "".join(reasoning)
-    message["tool_calls"] = [{"id": call.id, "type": "function",
-                              "function": {"name": call.name, "arguments": call.arguments}} for call in calls]
-    return message
 
 
 class _Exclusive:
@@ -1053,68 +937,6 @@ class _Stream:
                 await self._ended.wait()
 
 
-class _PlainText:
-    """The parser of a raw completion: all of the text is text."""
-
-    n_tool_calls = 0
-    in_reasoning = False
-
-    def feed(self, text: str) -> list[Event]:
-        return [TextDelta(text)] if text else []
-
-    def finish(self) -> list[Event]:
-        return []
-
-
-class _Output:
-    """Generated token ids to events: detokenise, cut at stop strings, split reasoning and tool calls."""
-
-    def __init__(self, tokenizer: Any, request: ChatRequest, starts_in_reasoning: bool):
-        self._decoder = tokenizer.stream_decoder()
-        self._stops = StopMatcher(request.stop)
-        self._text = ""  # everything the model wrote, to tell which stop string ended it
-        tools = request.tools if request.tool_choice != "none" else []
-        self._parser: ToolCallParser | _PlainText = ToolCallParser(
-            starts_in_reasoning=starts_in_reasoning, parse_tool_calls=bool(tools),
-            tool_names={tool["function"]["name"] for tool in tools})
-        if request.completion is not None:
-            self._parser = _PlainText()  # a raw completion: tags are text
-
-    @property
-    def stopped(self) -> bool:
-        return self._stops.stopped
-
-    @property
-    def n_tool_calls(self) -> int:
-        return self._parser.n_tool_calls
-
-    @property
-    def in_reasoning(self) -> bool:
-        return self._parser.in_reasoning
-
-    @property
-    def stop_sequence(self) -> str | None:
-        """The stop string that ended the generation: the one found earliest in the text."""
-        if not self._stops.stopped:
-            return None
-        found = [(self._text.find(stop), stop) for stop in self._stops.stops if stop in self._text]
-        return min(found)[1] if found else None
-
-    def push(self, token: int) -> list[Event]:
-        text = self._decoder.push(token)
-        if self._stops.stops:
-            self._text += text
-        return self._parser.feed(self._stops.feed(text))
-
-    def finish(self) -> list[Event]:
-        if not self._stops.stopped:
-            events = self._parser.feed(self._stops.feed(self._decoder.flush()))
-            events += self._parser.feed(self._stops.flush())
-        else:
-            events = []
-        return events + self._parser.finish()
-
-
 def _short(request: ChatRequest) -> bool:
     """Whether the request's text (messages, tools, template arguments, a raw prompt) is at most
     `INLINE_PROMPT_CHARS` characters."""
@@ -1224,8 +1046,3 @@ async def _load_quietly(service: Service, log: Callable[[str], None]) -> None:
         log(f"error: {error}")
     except Exception as error:  # noqa: BLE001 - reported through service.load_error
         log(f"error: the model failed to load: {error}")
-
-
-def new_request_id() -> str:
-    return uuid.uuid4().hex[:24]
-
