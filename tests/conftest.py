@@ -307,3 +307,35 @@ def serve_script(tokenizer):
         return live_server(server_config(), engine, tokenizer)
 
     return start
+
+
+# --- tiers: `./scripts/test.sh --fast` (pytest -m "not slow") runs the unit tests in well under a minute; the
+# whole suite is the gate. Slow are the modules that start servers, processes or a browser, or build models with
+# torch or llama.cpp; every `*_e2e.py` module is slow too.
+SLOW_MODULES = frozenset({
+    "demo/test_readme.py", "demo/test_train.py", "demo/test_model.py", "demo/test_shipped.py",
+    "engine/test_llama3.py", "engine/test_qwen3vl_engine.py", "engine/test_engine_reference.py",
+    "engine/test_llama_cpp_files.py",
+    "mcp_tools/test_anthropic_mcp.py", "mcp_tools/test_responses_mcp.py", "mcp_tools/test_demo_mcp.py",
+    "modelgen/test_writer.py",
+    "server/test_serve.py", "server/test_body_timeout.py", "server/test_fuzz.py", "server/test_hardening.py",
+    "server/test_http_chat.py", "server/test_http_errors_status.py", "server/test_http_lifecycle.py",
+    "server/test_http_send.py", "server/test_live_status.py", "server/test_slots.py",
+    "vision/test_client.py", "vision/test_client_embeds.py", "vision/test_lfm2_vl.py",
+    "vision/test_lfm2_vl_convert.py", "vision/test_lfm2_vl_tiles.py", "vision/test_qwen3vl.py",
+    "vision/test_qwen3vl_serve.py", "vision/test_remote_ssh.py", "vision/test_sizing.py",
+    "vision/test_vision_service.py", "vision/test_worker.py",
+    "web/test_pages_e2e.py", "web/test_web_routes.py",
+})
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "slow: not in the fast tier (./scripts/test.sh --fast)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    tests = Path(__file__).parent
+    for item in items:
+        module = item.path.relative_to(tests).as_posix()
+        if module in SLOW_MODULES or module.endswith("_e2e.py"):
+            item.add_marker(pytest.mark.slow)
