@@ -213,7 +213,8 @@ class Batcher:
         self.step_tokens = max(1, step_tokens)
         clock = clock or getattr(engine, "cpu_seconds", None) or time.process_time
         self.budget = None if slowdown is None else StepBudget(slowdown, clock)
-        self.notify_fd = -1  # an eventfd every engine call adds 1 to as it starts (-1: none): see service._Relay
+        # an eventfd every engine call adds 1 to as it starts (-1: none): see `strata.scheduling.engine_loop.Relay`
+        self.notify_fd = -1
         # The step's draws at once on the engine's threads, where it has them.
         self._engine_draws = hasattr(engine, "sample_rows")
         self.last_batch = 0  # tokens in the last step
