@@ -18,10 +18,10 @@ import dataclasses
 import os
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import httpx
 import trio
@@ -60,6 +60,7 @@ from strata.pictures.sources import (
 )
 from strata.progress import Stage, with_progress
 from strata.scheduling.batcher import Batcher, Job
+from strata.scheduling.engine_like import EngineLike
 from strata.scheduling.engine_loop import EngineLoop, Exclusive, Stream
 from strata.scheduling.turn import QueueFull, Turn
 from strata.text.constraints import GrammarError, Grammars, Guide, plan_constraint
@@ -105,28 +106,6 @@ class ServiceUnavailable(Exception):
 
 
 ENCODER_RETRY_AFTER = 5  # seconds: an encoder that crashed or hung is started again for the next picture
-
-
-class EngineLike(Protocol):
-    """What the service needs of `strata.engine_cffi.Engine` (tests substitute scripted engines): the calls
-    `strata.scheduling.batcher.Batcher` makes, and a few properties."""
-
-    n_vocab: int
-    n_embd: int
-    picture_width: int  # the width of a picture's rows: n_embd, wider with Qwen3-VL's deepstack slices
-    n_ctx: int
-    n_seq: int
-    arch: str
-    backend: str
-    threads: int
-
-    def eval_batch(self, items: Sequence[Any], notify_fd: int = -1) -> Any: ...
-    def seq_n_past(self, seq: int) -> int: ...
-    def keep(self, n: int, seq: int = 0) -> None: ...
-    def copy_prefix(self, src: int, dst: int, n: int) -> None: ...
-    def abort(self, seq: int = 0) -> None: ...
-    def clear_abort(self, seq: int = 0) -> None: ...
-    def close(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -211,7 +190,7 @@ class Service:
         self.grammars = Grammars(tokenizer, engine.n_vocab)
         self.prompt_tokens = PromptTokens(tokenizer)
         # as many slots as the engine has sequences (an engine passed in may have fewer than config.slots)
-        self.turn = Turn(max_queued=self.config.limits.queue_length, slots=getattr(engine, "n_seq", 1))
+        self.turn = Turn(max_queued=self.config.limits.queue_length, slots=engine.n_seq)
         self.loop = EngineLoop(Batcher(engine, self.config.step_tokens, self.config.batch, self.config.step_slowdown))
         self.loaded.set()
 

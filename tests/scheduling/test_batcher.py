@@ -9,64 +9,13 @@ import time
 
 import numpy as np
 import pytest
+from fakes import N_VOCAB, SuccessorEngine, TimedEngine
 
-from strata.engine_cffi import BatchItem, EngineAborted
 from strata.scheduling.batcher import Batcher, Job, generate
 from strata.text.prompt import render_chat
 from strata.text.sampling import Sampler, SamplingParams
 
-N_VOCAB = 16
 GREEDY = SamplingParams(temperature=0.0)
-
-
-class SuccessorEngine:
-    """An engine of `n_seq` sequences whose most likely next token is always (last token + 1) mod N_VOCAB, the
-    runner-up (last + 2); it records every call as a list of (seq, tokens, embeds)."""
-
-    def __init__(self, n_ctx: int = 64, n_seq: int = 1, n_batch: int = 256) -> None:
-        self.n_vocab, self.n_ctx, self.n_seq, self.n_batch = N_VOCAB, n_ctx, n_seq, n_batch
-        self.caches: list[list[int]] = [[] for _ in range(n_seq)]
-        self.calls: list[list[tuple[int, list[int], list | None]]] = []
-        self.copies: list[tuple[int, int, int]] = []
-        self.flags: set[int] = set()
-
-    def seq_n_past(self, seq: int) -> int:
-        return len(self.caches[seq])
-
-    def eval_batch(self, items: list[BatchItem], notify_fd: int = -1) -> list[np.ndarray | None]:
-        if notify_fd >= 0:  # as the engine does as a call starts
-            os.eventfd_write(notify_fd, 1)
-        self.calls.append([(item.seq, list(item.tokens), item.embeds) for item in items])
-        results: list[np.ndarray | None] = []
-        dropped = frozenset(item.seq for item in items if item.seq in self.flags)
-        for item in items:
-            assert item.tokens and self.seq_n_past(item.seq) + len(item.tokens) <= self.n_ctx
-            if item.seq in dropped:
-                results.append(None)
-                continue
-            self.caches[item.seq] += item.tokens
-            logits = np.zeros((len(item.tokens), N_VOCAB), np.float32)
-            for i, token in enumerate(item.tokens):
-                logits[i, (token + 1) % N_VOCAB] = 5.0
-                logits[i, (token + 2) % N_VOCAB] = 4.0
-            results.append({"all": logits, "last": logits[-1:], "none": logits[:0]}[item.logits])
-        self.flags -= dropped
-        if dropped:
-            raise EngineAborted("aborted", dropped, results)
-        return results
-
-    def keep(self, n: int, seq: int = 0) -> None:
-        del self.caches[seq][n:]
-
-    def copy_prefix(self, src: int, dst: int, n: int) -> None:
-        self.copies.append((src, dst, n))
-        self.caches[dst] = self.caches[src][:n]
-
-    def abort(self, seq: int = 0) -> None:
-        self.flags.add(seq)
-
-    def clear_abort(self, seq: int = 0) -> None:
-        self.flags.discard(seq)
 
 
 def job(ids: list[int], max_tokens: int = 1, stop_ids: set[int] | None = None, **kw) -> Job:
@@ -206,25 +155,6 @@ def test_jobs_share_each_step_and_a_joining_prompt_comes_in_chunks() -> None:
     assert len(a.tokens) == 4 and b.tokens == [4]  # b's first token came with its last chunk (19 + 1 mod 16)
     run(batcher, a, b)
     assert a.tokens == [(3 + i) % N_VOCAB for i in range(20)] and b.tokens == [4, 5]
-
-
-class TimedEngine(SuccessorEngine):
-    """A SuccessorEngine on a clock of its own: a call takes `decode` seconds plus `per_token(position)` for each
-    token of the sequences in `prompting`."""
-
-    def __init__(self, decode: float, per_token, prompting: set[int], **kw) -> None:
-        super().__init__(**kw)
-        self.now, self.decode, self.per_token, self.prompting = 0.0, decode, per_token, prompting
-
-    def clock(self) -> float:
-        return self.now
-
-    def eval_batch(self, items: list[BatchItem], notify_fd: int = -1) -> list[np.ndarray | None]:
-        self.now += self.decode + sum(self.per_token(self.seq_n_past(item.seq) + i)
-                                      for item in items if item.seq in self.prompting
-                                      for i in range(len(item.tokens)))
-        self.times = [*getattr(self, "times", []), self.now]
-        return super().eval_batch(items, notify_fd=notify_fd)
 
 
 def run_until_answered(batcher: Batcher, engine: TimedEngine, long: Job) -> tuple[list[int], np.ndarray]:

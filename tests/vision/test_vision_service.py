@@ -20,7 +20,9 @@ from typing import Any
 import numpy as np
 import pytest
 import trio
-from conftest import ScriptedEngine, server_config, wait_until
+from conftest import server_config, wait_until
+from fakes import ScriptedEngine
+from pictures.test_sources import PictureServer
 
 import strata
 from strata.events import ChatRequest, TextDelta, Usage
@@ -36,7 +38,6 @@ from strata.vision.preprocess import load_image, preprocess
 from strata.vision.protocol import parse_sve
 
 from .conftest import SLOW_SHAPE, fake_cuda_encoder, noise_png
-from .test_images import PictureServer
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -10,8 +10,7 @@ Each slot keeps what its cache holds after its job ends (the prefix cache): a ne
 cache shares the longest prefix with its prompt (token ids, and (picture digest, row) for picture rows), the
 least recently used one when none does; a longer prefix held by a busy slot is copied over (`copy_prefix`).
 
-The engine is anything with the `strata.engine_cffi.Engine` calls used here (`eval_batch`, `keep`, `copy_prefix`,
-`seq_n_past`, `abort`, `clear_abort`, `n_seq`, `n_ctx`, `n_batch`).
+The engine is an `EngineLike` (`strata.engine_cffi.Engine`, or a test's scripted engine).
 """
 
 from __future__ import annotations
@@ -28,6 +27,7 @@ import numpy as np
 
 from strata.engine_cffi import BatchItem, EngineAborted
 from strata.pictures.sources import embeds_from
+from strata.scheduling.engine_like import EngineLike
 from strata.text.sampling import Sampler, log_probabilities
 
 # (index in the prompt, float32 rows (n_rows, n_embd)): rows that replace the embeddings of prompt placeholders.
@@ -131,8 +131,8 @@ class StepBudget:
 
     Steps are timed by `clock` in CPU time: another process taking a core for a while stretches a step's wall
     time but not its work, so it neither inflates the reference step nor shrinks the chunks after it. The
-    `Batcher` gives it the engine's own threads' CPU time where the engine counts it (`Engine.cpu_seconds`: the
-    evaluating thread and the pool's workers), else the process's. (One thread's CPU time is not enough: the
+    `Batcher` gives it the engine's own threads' CPU time (`Engine.cpu_seconds`: the evaluating thread and the
+    pool's workers); without one it is the process's. (One thread's CPU time is not enough: the
     engine thread takes over the products' rows of a partner that lost its core, and its own CPU time doubles
     with the wall time. The process's counts its other threads too: the event loop writing the tokens out, a
     worker tokenising the joining prompt, whose CPU in the decode step that measures the reference set every
@@ -200,23 +200,20 @@ class Batcher:
         n_batch: the most tokens of a step with nobody decoding (default: the engine's `n_batch`).
         slowdown: while jobs decode and a prompt longer than `step_tokens` joins, a step with prompt chunks takes
             at most this many times their decode-only step (`StepBudget`); None: `step_tokens` is the only bound.
-        clock: seconds, for timing steps (default: the engine's threads' CPU time, `engine.cpu_seconds`, where it
-            has one; else the process's).
+        clock: seconds, for timing steps (default: the engine's threads' CPU time, `engine.cpu_seconds`).
     """
 
-    def __init__(self, engine: Any, step_tokens: int = 64, n_batch: int | None = None,
+    def __init__(self, engine: EngineLike, step_tokens: int = 64, n_batch: int | None = None,
                  slowdown: float | None = 1.6, clock: Callable[[], float] | None = None):
         self.engine = engine
-        self.n_batch: int = n_batch if n_batch is not None else getattr(engine, "n_batch", 256)
+        self.n_batch = n_batch if n_batch is not None else engine.n_batch
         self.slots = [_Slot(seq) for seq in range(engine.n_seq)]
         self.jobs: list[Job] = []  # in arrival order: earlier prompts get the step budget first
         self.step_tokens = max(1, step_tokens)
-        clock = clock or getattr(engine, "cpu_seconds", None) or time.process_time
+        clock = clock or engine.cpu_seconds
         self.budget = None if slowdown is None else StepBudget(slowdown, clock)
         # an eventfd every engine call adds 1 to as it starts (-1: none): see `strata.scheduling.engine_loop.Relay`
         self.notify_fd = -1
-        # The step's draws at once on the engine's threads, where it has them.
-        self._engine_draws = hasattr(engine, "sample_rows")
         self.last_batch = 0  # tokens in the last step
         self._clock = itertools.count(1)
         self._lock = threading.Lock()  # cancel() against the step's bookkeeping
@@ -291,6 +288,7 @@ class Batcher:
         with self._lock:
             self._in_call = {job.seq for job in work}
         complete = True
+        rows: Sequence[np.ndarray | None]  # None: a sequence the call dropped
         try:
             rows = self.engine.eval_batch(items, notify_fd=self.notify_fd)
         except EngineAborted as error:  # some sequences were dropped: the others' work is complete
@@ -365,7 +363,7 @@ class Batcher:
         if self._budget(job) <= 0:
             self._leave(job, "length")
             return
-        inputs = job.sampler.draw_inputs(logits, job.history) if self._engine_draws else None
+        inputs = job.sampler.draw_inputs(logits, job.history)
         if inputs is not None:
             draws.append((job, *inputs))
             return
@@ -428,8 +426,8 @@ def _track(keys: list[Hashable], job: Job, n_past: int) -> None:
         keys += job.history[max(have, job.n_prompt):n_past]
 
 
-def generate(engine: Any, prompt_ids: Sequence[int], sampler: Sampler, max_tokens: int, stop_ids: Collection[int],
-             embeds: Embeds | None = None, batcher: Batcher | None = None) -> Iterator[int]:
+def generate(engine: EngineLike, prompt_ids: Sequence[int], sampler: Sampler, max_tokens: int,
+             stop_ids: Collection[int], embeds: Embeds | None = None, batcher: Batcher | None = None) -> Iterator[int]:
     """Yield up to `max_tokens` generated token ids; a token in `stop_ids` ends the generation and is not yielded.
 
     Generation also ends where the context does, so every yielded token has a place in the cache. Penalties see
