@@ -133,7 +133,7 @@ def _omit_or_refuse(content: list[dict[str, Any]], j: int, error: Exception) -> 
 @dataclass
 class _Prepared:
     prompt: PromptImages  # ids, what the KV cache holds at each position, and the pictures' rows
-    max_tokens: int
+    max_tokens: int | None  # the request's caps (the job adds the context's: `Job.budget`); None: the context's
     starts_in_reasoning: bool
     may_think: bool  # the prompt leaves the model free to open a reasoning block
 
@@ -382,10 +382,8 @@ class Service:
                                code="context_length_exceeded")
         if any(token >= self.engine.n_vocab for token, _ in request.sampling.logit_bias):
             raise RequestError(f"logit_bias: token ids go up to {self.engine.n_vocab - 1}", "logit_bias")
-        max_tokens = n_ctx - len(ids)
-        for cap in (request.max_tokens, self.config.limits.max_tokens):
-            if cap is not None:
-                max_tokens = min(max_tokens, cap)
+        max_tokens = min((cap for cap in (request.max_tokens, self.config.limits.max_tokens) if cap is not None),
+                         default=None)
         if request.completion is not None:
             return _Prepared(prompt, max_tokens, False, False)
         starts_in_reasoning = text.rstrip("\n").endswith("<think>")
@@ -706,7 +704,7 @@ class Service:
                         yield TextDelta(self.tokenizer.decode(prepared.ids))
                 live.phase = "decode"
                 row.reused_tokens, row.prompt_seconds, row.decode_seconds = job.reused, *stream.seconds()
-                if not tokens:  # the job left its slot: a stop token, or the token budget is spent
+                if not tokens:  # the job left its slot: a stop token, or its token budget is spent
                     finish = "stop" if job.finish == "stop" else "length"
                 for token in tokens:
                     row.output_tokens += 1
@@ -719,9 +717,6 @@ class Service:
                     reasoning_tokens += was_reasoning or output.in_reasoning  # the tags count as reasoning
                     if output.stopped:
                         finish = "stop"
-                        break
-                    if row.output_tokens - before >= prepared.max_tokens:
-                        finish = "length"
                         break
         finally:
             try:

@@ -18,7 +18,7 @@ from strata.text.sampling import Sampler, SamplingParams
 GREEDY = SamplingParams(temperature=0.0)
 
 
-def job(ids: list[int], max_tokens: int = 1, stop_ids: set[int] | None = None, **kw) -> Job:
+def job(ids: list[int], max_tokens: int | None = 1, stop_ids: set[int] | None = None, **kw) -> Job:
     return Job(ids, Sampler(GREEDY, N_VOCAB), max_tokens, stop_ids or set(), **kw)
 
 
@@ -51,6 +51,16 @@ def test_generation_ends_with_the_context() -> None:
     engine = SuccessorEngine(n_ctx=5)
     out = list(generate(engine, [0, 1, 2], Sampler(GREEDY, N_VOCAB), max_tokens=10, stop_ids=set()))
     assert out == [3, 4]
+
+
+def test_a_job_owns_its_token_budget_within_its_context() -> None:
+    engine = SuccessorEngine(n_ctx=8)
+    batcher = Batcher(engine, n_batch=8)
+    capped, free = job([0, 1, 2], max_tokens=3), job([0, 1, 2], max_tokens=None)
+    run(batcher, capped)
+    run(batcher, free)
+    assert (capped.budget, capped.tokens, capped.finish) == (3, [3, 4, 5], "length")
+    assert (free.budget, free.tokens, free.finish) == (5, [3, 4, 5, 6, 7], "length")  # as many as the context holds
 
 
 def test_a_cached_prompt_prefix_is_not_evaluated_again() -> None:

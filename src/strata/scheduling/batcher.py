@@ -21,7 +21,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Hashable, Iterator, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -33,6 +33,8 @@ from strata.text.sampling import Sampler, log_probabilities
 # (index in the prompt, float32 rows (n_rows, n_embd)): rows that replace the embeddings of prompt placeholders.
 Embeds = Sequence[tuple[int, np.ndarray]]
 _SCORED_ROWS = 64  # 64 rows of logits of a 151,936-token vocabulary: 39 MB
+# How a job left its slot: a stop id, its token budget, `Batcher.cancel`, an error of its engine call or its draw.
+JobFinish = Literal["stop", "length", "cancel", "error"]
 
 
 def common_prefix(a: Sequence[Hashable], b: Sequence[Hashable]) -> int:
@@ -48,11 +50,16 @@ def common_prefix(a: Sequence[Hashable], b: Sequence[Hashable]) -> int:
 class Job:
     """One generation: a prompt, then up to `max_tokens` sampled tokens.
 
+    The job owns its token budget: the batcher ends it with finish "length" at `budget` tokens, `max_tokens` within
+    the room its context has left (every token has a place in the cache), so a caller reads `finish` and counts
+    nothing itself.
+
     Written by the batcher's thread only, except `tokens`/`finish`, which others read (list appends and attribute
     writes are atomic), and `Batcher.cancel`.
 
     Args:
         ids: the prompt, at least one token.
+        max_tokens: the most tokens to sample; None: as many as the context holds.
         keys: what each prompt position holds, for prefix reuse (default: the ids; (digest, row) for pictures).
         spans: pictures: (first position, float32 rows) replacing the embeddings of the placeholders there.
         tag: the caller's name for the job (the request id), shown in the slots' status.
@@ -62,7 +69,7 @@ class Job:
             many alternatives in `prompt_records` (the whole prompt is evaluated then: no cached prefix).
     """
 
-    def __init__(self, ids: Sequence[int], sampler: Sampler, max_tokens: int, stop_ids: Collection[int], *,
+    def __init__(self, ids: Sequence[int], sampler: Sampler, max_tokens: int | None, stop_ids: Collection[int], *,
                  keys: Sequence[Hashable] | None = None, spans: Sequence[tuple[int, Any]] = (), tag: str = "",
                  progress: Any = None, prompt_logprobs: int | None = None):
         if not ids:
@@ -77,7 +84,8 @@ class Job:
         self.sampler, self.max_tokens, self.stop_ids, self.tag = sampler, max_tokens, stop_ids, tag
         self.progress = progress
         self.tokens: list[int] = []  # sampled and yielded, in order (a stop id is not)
-        self.finish: str | None = None  # "stop", "length", "cancel" or "error" once the job has left its slot
+        self.finish: JobFinish | None = None  # once the job has left its slot
+        self.budget = 0  # the tokens it may sample: max_tokens within its context's room (set by Batcher.add)
         self.error: BaseException | None = None
         self.seq = -1  # its slot while it has one
         self.reused = 0  # prompt positions found in the slot's cache
@@ -259,6 +267,8 @@ class Batcher:
         slot.keys = job.keys[:reused]
         slot.job, slot.used = job, next(self._clock)
         job.seq, job.reused = slot.seq, reused
+        room = self.engine.n_ctx - job.n_prompt  # every token has a place in the cache
+        job.budget = room if job.max_tokens is None else min(job.max_tokens, room)
         self.jobs.append(job)
         if job.progress is not None:
             job.progress.slot = slot.seq
@@ -360,7 +370,7 @@ class Batcher:
 
     def _sample(self, job: Job, logits: np.ndarray, now: float, draws: list[tuple[Job, np.ndarray, float]]) -> None:
         """Draw the job's next token, or leave its draw in `draws` for `_draw_together`."""
-        if self._budget(job) <= 0:
+        if job.budget <= 0:
             self._leave(job, "length")
             return
         inputs = job.sampler.draw_inputs(logits, job.history)
@@ -389,9 +399,6 @@ class Batcher:
         for (job, _, _), token in zip(draws, tokens, strict=True):
             self._take(job, token, now)
 
-    def _budget(self, job: Job) -> int:
-        return min(job.max_tokens, self.engine.n_ctx - job.n_prompt)  # every token has a place in the cache
-
     def _take(self, job: Job, token: int, now: float) -> None:
         """The job's drawn token: the end at a stop id, else its next token (and the end at its budget)."""
         if token in job.stop_ids:
@@ -400,10 +407,10 @@ class Batcher:
         job.history.append(token)
         job.tokens.append(token)
         job.last_token = now
-        if len(job.tokens) >= self._budget(job):
+        if len(job.tokens) >= job.budget:
             self._leave(job, "length")
 
-    def _leave(self, job: Job, finish: str) -> None:
+    def _leave(self, job: Job, finish: JobFinish) -> None:
         """Free the job's slot; the slot keeps what its cache holds."""
         slot = self.slots[job.seq]
         slot.job, slot.used = None, next(self._clock)
