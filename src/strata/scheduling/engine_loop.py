@@ -131,19 +131,12 @@ class EngineLoop:
         while True:
             with self._cond:
                 if self._pauses:
-                    relay.put(self._acknowledge_pause)
-                    relay.notify()
-                    while self._pauses:
-                        self._cond.wait()
+                    self._hold_paused(relay)
                 arrived, self._inbox = self._inbox, []
                 if not arrived and not self.batcher.jobs:
-                    relay.flush()  # no engine call comes to carry the wake-ups queued
-                    now = time.monotonic()
-                    idle_until = idle_until or now + self.LINGER_SECONDS
-                    if now >= idle_until or self._closing:
-                        self.running = False
+                    idle_until = self._linger(relay, idle_until)
+                    if idle_until is None:
                         return
-                    self._cond.wait(idle_until - now)
                     continue
                 idle_until = None
                 for stream in arrived:  # under the lock: cancel() finds a job either in the inbox or here
@@ -159,19 +152,41 @@ class EngineLoop:
                 streams = [self._streams[job] if job.finish is None else self._streams.pop(job) for job in changed]
             wake = partial(_wake_all, streams)
             if any(len(stream.job.tokens) <= 1 for stream in streams):
-                # A first token (or an end): trio is woken now, not as the next call starts, at the price of
-                # this thread waiting for the GIL once before that call.
-                firsts = {stream for stream in streams if stream.job.finish is None and len(stream.job.tokens) == 1}
-                for stream in firsts:
-                    stream.handing_off = True
-                with self._cond:
-                    self._handoffs = firsts
-                relay.put(wake)
-                relay.notify()
-                if firsts:
-                    self._await_handoffs()
+                self._wake_now(relay, streams, wake)
             else:
                 relay.put(wake)  # one wake-up of trio for every stream of the step, as the next call starts
+
+    def _linger(self, relay: Relay, idle_until: float | None) -> float | None:
+        """Nothing to do (under `_cond`): wait for a job until `idle_until` (from now, on the first pass that finds
+        nothing); None: the thread ends, as no job came or the service is closing."""
+        relay.flush()  # no engine call comes to carry the wake-ups queued
+        now = time.monotonic()
+        idle_until = idle_until or now + self.LINGER_SECONDS
+        if now >= idle_until or self._closing:
+            self.running = False
+            return None
+        self._cond.wait(idle_until - now)
+        return idle_until
+
+    def _hold_paused(self, relay: Relay) -> None:
+        """Tell trio the thread is between two steps, and stay there while `paused()` is held (under `_cond`)."""
+        relay.put(self._acknowledge_pause)
+        relay.notify()
+        while self._pauses:
+            self._cond.wait()
+
+    def _wake_now(self, relay: Relay, streams: list[Stream], wake: Callable[[], object]) -> None:
+        """A first token (or an end): trio is woken now, not as the next call starts, at the price of this thread
+        waiting for the GIL once before that call; after a first token, the thread waits for the hand-off."""
+        firsts = {stream for stream in streams if stream.job.finish is None and len(stream.job.tokens) == 1}
+        for stream in firsts:
+            stream.handing_off = True
+        with self._cond:
+            self._handoffs = firsts
+        relay.put(wake)
+        relay.notify()
+        if firsts:
+            self._await_handoffs()
 
     def _await_handoffs(self) -> None:
         deadline = time.monotonic() + self.HANDOFF_SECONDS
