@@ -311,7 +311,16 @@ class Batcher:
         finally:
             with self._lock:
                 self._in_call = set()
-        now = time.perf_counter()
+        changed = self._advance(work, rows, time.perf_counter())
+        if budget is not None and complete:  # a step cut short by an abort measures nothing
+            budget.record(n_decoding, self.last_batch - n_decoding, budget.clock() - started)
+        return changed
+
+    def _advance(self, work: list[Job], rows: Sequence[np.ndarray | None], now: float) -> list[Job]:
+        """The call's jobs after it: their slots' keys, prompt progress and scores, then each job's next token
+        (drawn together where several are), or its end (cancelled, or its sampler failed). Returns the jobs that
+        got a token or finished; a job still in its prompt is not among them."""
+        changed: list[Job] = []
         draws: list[tuple[Job, np.ndarray, float]] = []  # (job, scores, u) to draw together
         for job, logits in zip(work, rows, strict=True):
             slot = self.slots[job.seq]
@@ -325,18 +334,12 @@ class Batcher:
                 self._leave(job, "cancel")
             elif logits is not None and len(logits) and n_past == len(job.history):
                 job.prompt_done = job.prompt_done or now
-                try:
-                    self._sample(job, logits[-1], now, draws)
-                except Exception as error:  # noqa: BLE001 - a sampler or token mask that failed ends its job only
-                    job.error = error
-                    self._leave(job, "error")
+                self._sample(job, logits[-1], now, draws)
             else:
                 continue
             changed.append(job)
         if draws:
             self._draw_together(draws, now)
-        if budget is not None and complete:  # a step cut short by an abort measures nothing
-            budget.record(n_decoding, self.last_batch - n_decoding, budget.clock() - started)
         return changed
 
     def _plan(self) -> tuple[list[BatchItem], list[Job], int]:
@@ -370,14 +373,18 @@ class Batcher:
 
     def _sample(self, job: Job, logits: np.ndarray, now: float, draws: list[tuple[Job, np.ndarray, float]]) -> None:
         """Draw the job's next token, or leave its draw in `draws` for `_draw_together`."""
-        if job.budget <= 0:
-            self._leave(job, "length")
-            return
-        inputs = job.sampler.draw_inputs(logits, job.history)
-        if inputs is not None:
-            draws.append((job, *inputs))
-            return
-        self._take(job, job.sampler.sample(logits, job.history), now)
+        try:
+            if job.budget <= 0:
+                self._leave(job, "length")
+                return
+            inputs = job.sampler.draw_inputs(logits, job.history)
+            if inputs is not None:
+                draws.append((job, *inputs))
+                return
+            self._take(job, job.sampler.sample(logits, job.history), now)
+        except Exception as error:  # noqa: BLE001 - a sampler or token mask that failed ends its job only
+            job.error = error
+            self._leave(job, "error")
 
     def _draw_together(self, draws: list[tuple[Job, np.ndarray, float]], now: float) -> None:
         """The step's draws in one engine call: each reads the whole vocabulary (~80 us at 151,936 logits at
