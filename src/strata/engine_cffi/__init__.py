@@ -197,6 +197,8 @@ class Engine:
     one sequence reads like one.
     """
 
+    _ctx: Any = None  # the C context; None once closed, and in an engine whose construction failed (`__del__`)
+
     def __init__(self, file: GGUFFile, params: Any, model: Any, ctx: Any, keep: list[Any], n_ctx: int,
                  threads: int, n_batch: int) -> None:
         self._file, self._model, self._ctx, self._keep = file, model, ctx, keep
@@ -463,7 +465,7 @@ class Engine:
 
     def close(self) -> None:
         """Free the context and the model, then drop the file mapping. Idempotent."""
-        if getattr(self, "_ctx", None) is not None:
+        if self._ctx is not None:
             lib.strata_context_free(self._ctx)
             lib.strata_model_free(self._model)
             self._ctx = self._model = None
