@@ -3,7 +3,7 @@ the requests' tasks with their tokens, each request's `Stream` of its job, and `
 between two steps.
 
 A hang-up walks this room alone: `Stream.stop` -> `EngineLoop.cancel` -> `Batcher.cancel` (the engine's abort
-flag) -> the next step takes the job out -> `Relay` wakes the request's task.
+flag, when the job's call is in flight) -> the next step takes the job out -> `Relay` wakes the request's task.
 """
 
 from __future__ import annotations
