@@ -704,7 +704,7 @@ class Service:
                         yield TextDelta(self.tokenizer.decode(prepared.ids))
                 live.phase = "decode"
                 row.reused_tokens, row.prompt_seconds, row.decode_seconds = job.reused, *stream.seconds()
-                if not tokens:  # the job left its slot: a stop token, or its token budget is spent
+                if not tokens:  # the job left its slot: a stop token, or the token budget is spent
                     finish = "stop" if job.finish == "stop" else "length"
                 for token in tokens:
                     row.output_tokens += 1
