@@ -23,7 +23,7 @@ import hypercorn.protocol.http_stream as http_stream
 import quart_trio
 
 import strata.api.app as app_module
-import strata.service as service_module
+import strata.scheduling.engine_loop as engine_loop
 
 _TOKEN = re.compile(rb'"(?:reasoning_)?content":"[^"]')  # a chunk with text: the role chunk has ""
 MARKS = ("bytes arrived", "request parsed", "app called", "handler started", "view entered", "body parsed",
@@ -154,11 +154,11 @@ class Stamps:
         self._wrap(quart_trio.QuartTrio, "handle_request", handler)
         self._wrap(app_module, "_json_body", body)
         self._wrap(service, "_prepare", prepare)
-        self._wrap(service_module._EngineLoop, "submit", submit)
+        self._wrap(engine_loop.EngineLoop, "submit", submit)
         self._wrap(service.engine, "eval_batch", eval_batch)
-        self._wrap(service_module._EngineLoop, "_await_handoffs", handoff)
-        self._wrap(service_module, "_wake_all", wake_all)
-        self._wrap(service_module._Stream, "next_tokens", next_tokens)
+        self._wrap(engine_loop.EngineLoop, "_await_handoffs", handoff)
+        self._wrap(engine_loop, "_wake_all", wake_all)
+        self._wrap(engine_loop.Stream, "next_tokens", next_tokens)
         self._wrap(app_module, "_stream", streamed)
         self._wrap(http_stream.HTTPStream, "app_send", app_send)
         self._wrap(app_module, "_send_now", send_now)

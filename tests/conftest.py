@@ -1,20 +1,18 @@
-"""Shared test helpers: generated tiny models, a scripted engine, and live servers on 127.0.0.1:0."""
+"""Shared test helpers: generated tiny models, scripted engines (from `fakes`), and live servers on 127.0.0.1:0."""
 
 from __future__ import annotations
 
-import os
 import threading
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any, Self
 
-import numpy as np
 import outcome
 import pytest
 import trio
+from fakes import ScriptedEngine
 
 from strata.config import Config, config_from_dict
 
@@ -50,133 +48,6 @@ def tokenizer(tiny_model: Path) -> Any:
 
 
 # --- a scripted engine
-
-
-class ScriptedEngine:
-    """The `Engine` API with a "model" that writes `script` (token ids) after each assistant prompt, then stops.
-
-    Timing and aborts behave like the C engine's: a prompt token costs `prompt_s` and a decode step `decode_s`
-    seconds of blocking work (a batch costs the sum of its items'); each sequence's abort flag is checked between
-    tokens — `LAYERS` times per token —, drops that sequence from the call in flight (or the next one that has its
-    tokens) with `EngineAborted`, is lowered by doing so, and the positions not reached are dropped.
-
-    Args:
-        tokenizer: the tokenizer whose ids the script uses (for the vocabulary size and end-of-turn id).
-        script: the ids the model writes after `<|im_start|>assistant\\n`; the end-of-turn id follows.
-        n_seq: sequences (slots).
-    """
-
-    LAYERS = 4  # abort checks per token
-
-    def __init__(self, tokenizer: Any, script: Sequence[int] = (), *, n_ctx: int = 4096, prompt_s: float = 0.0,
-                 decode_s: float = 0.0, n_embd: int = 48, n_seq: int = 1):
-        self.n_embd = self.picture_width = n_embd  # the vision tests' encoders write rows this wide
-        self.n_vocab = tokenizer.n_vocab
-        self.n_ctx, self.n_seq = n_ctx, n_seq
-        self.arch, self.backend, self.threads = "scripted", "scripted", 1
-        self.script = list(script)
-        self.prompt_s, self.decode_s = prompt_s, decode_s
-        self.kvs: list[list[int]] = [[] for _ in range(n_seq)]
-        self.calls: list[list[int]] = []  # the tokens of every item of every eval call, in order
-        self.embeds: list[list[Any]] = []  # the embeds of every item: (index, rows) pairs
-        self.call_times: list[float] = []  # time.perf_counter() at the start of each item
-        self.aborts = 0  # items stopped by an abort flag
-        self.running = threading.Event()  # set while an eval call runs
-        self._abort: set[int] = set()
-        self._lock = threading.Lock()
-        self._turn_open = tokenizer.encode("<|im_start|>assistant\n", special=True)
-        self._no_thinking = tokenizer.encode("<think>\n\n</think>\n\n", special=True)
-        self._end = tokenizer.token_to_id("<|im_end|>")
-
-    @property
-    def kv(self) -> list[int]:
-        return self.kvs[0]
-
-    @property
-    def n_past(self) -> int:
-        return len(self.kvs[0])
-
-    def seq_n_past(self, seq: int) -> int:
-        return len(self.kvs[seq])
-
-    def eval_batch(self, items: Sequence[Any], notify_fd: int = -1) -> list[np.ndarray | None]:
-        from strata.engine_cffi import EngineAborted, EngineError
-
-        if notify_fd >= 0:  # as the engine does as a call starts
-            os.eventfd_write(notify_fd, 1)
-        results: list[np.ndarray | None] = []
-        dropped: set[int] = set()
-        self.running.set()
-        try:
-            for item in items:
-                self.call_times.append(time.perf_counter())
-                self.calls.append(list(item.tokens))
-                self.embeds.append(list(item.embeds or []))
-                kv = self.kvs[item.seq]
-                if len(kv) + len(item.tokens) > self.n_ctx:
-                    raise EngineError("context full")
-                step = self.prompt_s if len(item.tokens) > 1 else self.decode_s
-                results.append(self._run(item, kv, step, dropped))
-        finally:
-            self.running.clear()
-        if dropped:
-            raise EngineAborted("aborted", frozenset(dropped), results)
-        return results
-
-    def _run(self, item: Any, kv: list[int], step: float, dropped: set[int]) -> np.ndarray | None:
-        for token in item.tokens:
-            for _ in range(self.LAYERS):
-                with self._lock:
-                    stop = item.seq in self._abort
-                    self._abort.discard(item.seq)
-                if stop:
-                    self.aborts += 1
-                    dropped.add(item.seq)
-                    return None
-                if step:
-                    time.sleep(step / self.LAYERS)
-            kv.append(token)
-        # A margin no temperature below ~10 can overturn: the script is followed at any sampling setting.
-        logits = np.full((1, self.n_vocab), -100.0, dtype=np.float32)
-        logits[0, self._next_token(kv)] = 100.0
-        return logits if item.logits == "last" else logits[:0]
-
-    def eval(self, tokens: Sequence[int], embeds: Any = None, all_logits: bool = False) -> np.ndarray:
-        from strata.engine_cffi import BatchItem
-
-        (logits,) = self.eval_batch([BatchItem(0, tokens, embeds)])
-        assert logits is not None
-        return logits[0]
-
-    def _next_token(self, kv: list[int]) -> int:
-        """The script's token after what follows the last assistant prompt (and its empty thinking block, when
-        the template disabled thinking) in the cache."""
-        n = len(self._turn_open)
-        for start in range(len(kv) - n, -1, -1):
-            if kv[start:start + n] == self._turn_open:
-                start += n
-                if kv[start:start + len(self._no_thinking)] == self._no_thinking:
-                    start += len(self._no_thinking)
-                written = len(kv) - start
-                return self.script[written] if 0 <= written < len(self.script) else self._end
-        return self._end
-
-    def keep(self, n: int, seq: int = 0) -> None:
-        del self.kvs[seq][n:]
-
-    def copy_prefix(self, src: int, dst: int, n: int) -> None:
-        self.kvs[dst] = self.kvs[src][:n]
-
-    def abort(self, seq: int = 0) -> None:
-        with self._lock:
-            self._abort.add(seq)
-
-    def clear_abort(self, seq: int = 0) -> None:
-        with self._lock:
-            self._abort.discard(seq)
-
-    def close(self) -> None:
-        pass
 
 
 @pytest.fixture

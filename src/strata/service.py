@@ -17,19 +17,15 @@ Cancelling the caller's cancel scope stops a request in any phase, exactly like 
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import os
-import threading
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
-from contextlib import aclosing, asynccontextmanager, suppress
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
-from functools import partial
-from typing import Any, Protocol
+from typing import Any
 
-import outcome
 import trio
 
 from strata.activity import Activity, RequestProgress
@@ -59,6 +55,8 @@ from strata.pictures.staging import (
 )
 from strata.progress import Stage, with_progress
 from strata.scheduling.batcher import Batcher, Job
+from strata.scheduling.engine_like import EngineLike
+from strata.scheduling.engine_loop import EngineLoop, Exclusive, Stream
 from strata.scheduling.turn import QueueFull, Turn
 from strata.text.constraints import GrammarError, Grammars, Guide, plan_constraint
 from strata.text.output import LogprobNames, Output
@@ -97,32 +95,12 @@ class ServiceUnavailable(Exception):
 ENCODER_RETRY_AFTER = 5  # seconds: an encoder that crashed or hung is started again for the next picture
 
 
-class EngineLike(Protocol):
-    """What the service needs of `strata.engine_cffi.Engine` (tests substitute scripted engines): the calls
-    `strata.scheduling.batcher.Batcher` makes, and a few properties."""
-
-    n_vocab: int
-    n_embd: int
-    picture_width: int  # the width of a picture's rows: n_embd, wider with Qwen3-VL's deepstack slices
-    n_ctx: int
-    n_seq: int
-    arch: str
-    backend: str
-    threads: int
-
-    def eval_batch(self, items: Sequence[Any], notify_fd: int = -1) -> Any: ...
-    def seq_n_past(self, seq: int) -> int: ...
-    def keep(self, n: int, seq: int = 0) -> None: ...
-    def copy_prefix(self, src: int, dst: int, n: int) -> None: ...
-    def abort(self, seq: int = 0) -> None: ...
-    def clear_abort(self, seq: int = 0) -> None: ...
-    def close(self) -> None: ...
 
 
 @dataclass
 class _Prepared:
     prompt: PromptImages  # ids, what the KV cache holds at each position, and the pictures' rows
-    max_tokens: int
+    max_tokens: int | None  # the request's caps (the job adds the context's: `Job.budget`); None: the context's
     starts_in_reasoning: bool
     may_think: bool  # the prompt leaves the model free to open a reasoning block
 
@@ -144,7 +122,7 @@ class Service:
         self.config = config
         self.turn = Turn(max_queued=config.limits.queue_length, slots=config.slots)
         self.history = History(config.limits.history_size)
-        self._generating: list[tuple[HistoryRow, _Stream]] = []  # requests on a slot, in arrival order
+        self._generating: list[tuple[HistoryRow, Stream]] = []  # requests on a slot, in arrival order
         self.activity = Activity()
         self.stopping = trio.Event()  # set when the server starts shutting down: endless streams end
         self.downloads = Downloads(self.stopping)  # image URLs (open_service gives it its client)
@@ -161,7 +139,7 @@ class Service:
         self.nursery: trio.Nursery | None = None  # the service's long-lived nursery (open_service)
         self.vision: VisionClient | None = None  # the image encoder, when the config has one
         self.mcp = McpServers(config.mcp_servers, config.mcp)  # the configured MCP servers (open_service starts them)
-        self.loop: _EngineLoop | None = None  # the engine's batcher and its thread (attach)
+        self.loop: EngineLoop | None = None  # the engine's batcher and its thread (attach)
 
     @property
     def ready(self) -> bool:
@@ -178,8 +156,8 @@ class Service:
         self.grammars = Grammars(tokenizer, engine.n_vocab)
         self.prompt_tokens = PromptTokens(tokenizer)
         # as many slots as the engine has sequences (an engine passed in may have fewer than config.slots)
-        self.turn = Turn(max_queued=self.config.limits.queue_length, slots=getattr(engine, "n_seq", 1))
-        self.loop = _EngineLoop(Batcher(engine, self.config.step_tokens, self.config.batch, self.config.step_slowdown))
+        self.turn = Turn(max_queued=self.config.limits.queue_length, slots=engine.n_seq)
+        self.loop = EngineLoop(Batcher(engine, self.config.step_tokens, self.config.batch, self.config.step_slowdown))
         self.loaded.set()
 
     async def load(self, log: Callable[[str], None] = print) -> None:
@@ -370,10 +348,8 @@ class Service:
                                code="context_length_exceeded")
         if any(token >= self.engine.n_vocab for token, _ in request.sampling.logit_bias):
             raise RequestError(f"logit_bias: token ids go up to {self.engine.n_vocab - 1}", "logit_bias")
-        max_tokens = n_ctx - len(ids)
-        for cap in (request.max_tokens, self.config.limits.max_tokens):
-            if cap is not None:
-                max_tokens = min(max_tokens, cap)
+        max_tokens = min((cap for cap in (request.max_tokens, self.config.limits.max_tokens) if cap is not None),
+                         default=None)
         if request.completion is not None:
             return _Prepared(prompt, max_tokens, False, False)
         starts_in_reasoning = text.rstrip("\n").endswith("<think>")
@@ -429,7 +405,8 @@ class Service:
                 return request, []
             self._require_ready()
             assert self.vision is not None
-            staging = PictureStaging(self.vision, self.downloads, _Exclusive(self), self.engine.n_ctx,
+            assert self.loop is not None
+            staging = PictureStaging(self.vision, self.downloads, Exclusive(self.loop, self.turn), self.engine.n_ctx,
                                      self.engine.picture_width, self._marker_ids)
             messages, pictures = await staging.encode(request.messages, places, live)
         except PicturesRefused as error:
@@ -531,7 +508,7 @@ class Service:
         names = LogprobNames(self.tokenizer.id_bytes)
         finish: FinishReason | None = None
         reasoning_tokens = 0
-        stream = _Stream(self.loop, job)
+        stream = Stream(self.loop, job)
         self._generating.append((row, stream))
         try:
             while finish is None:
@@ -557,9 +534,6 @@ class Service:
                     reasoning_tokens += was_reasoning or output.in_reasoning  # the tags count as reasoning
                     if output.stopped:
                         finish = "stop"
-                        break
-                    if row.output_tokens - before >= prepared.max_tokens:
-                        finish = "length"
                         break
         finally:
             try:
@@ -601,340 +575,6 @@ class Service:
         return self.loop is not None and self.loop.periods > 0
 
 
-class _Exclusive:
-    """The engine taken whole, for an image encoder that shares its GPU: `hold()` waits until the engine thread
-    is between two steps and keeps it there (the whole batch waits) for the block."""
-
-    def __init__(self, service: Service):
-        self._service = service
-
-    @asynccontextmanager
-    async def hold(self) -> AsyncIterator[None]:
-        assert self._service.loop is not None
-        async with self._service.loop.paused():
-            self._service.turn.exclusive += 1
-            try:
-                yield
-            finally:
-                self._service.turn.exclusive -= 1
-
-
-class _EngineLoop:
-    """The engine thread: while any job has work it runs `Batcher.step()` after step, adding the jobs that arrived
-    between steps; with nothing left to do it waits `LINGER_SECONDS` for the next job, then ends (the next job
-    starts it again), so an idle server holds no thread. Agents send their requests in bursts (a turn, a side
-    request, a sub-agent's call): a job handed to the waiting thread starts 0.1-0.2 ms sooner than one that
-    starts a thread through trio's thread cache, on the first token's path.
-
-    Invariant: a job reaches the engine only through the batcher, in this thread; a cancelled job leaves at the
-    next step boundary (an engine call in flight drops its sequence within one layer), and the others go on.
-
-    The requests' tasks learn of their tokens through the thread's `_Relay`: a step's wake-ups go to trio as the
-    next engine call starts, one wake-up for every stream of the step. A step that gave some job its first token
-    (or ended one) wakes trio from the engine thread at once: the first token is what a client waits for. After
-    a first token the engine thread also waits, at most `HANDOFF_SECONDS`, until those requests have taken it
-    (the response's headers and first write, the most Python a request runs at once): run beside the next step,
-    that work shared the cores with the engine's threads and took 2-3 times as long. The other streams lose that
-    wait once per request that joins.
-    """
-
-    HANDOFF_SECONDS = 0.003
-    LINGER_SECONDS = 1.0
-
-    def __init__(self, batcher: Batcher):
-        self.batcher = batcher
-        self._cond = threading.Condition()
-        self._inbox: list[_Stream] = []  # submitted, not yet added to the batcher (guarded by _cond)
-        self._streams: dict[Job, _Stream] = {}  # the batcher's jobs (guarded by _cond)
-        self.running = False  # the engine thread runs (guarded by _cond)
-        self.periods = 0  # engine threads started whose end trio has not seen yet (trio only)
-        self._pauses = 0  # paused() holders (guarded by _cond)
-        self._pause_ack: trio.Event | None = None
-        self._handoffs: set[_Stream] = set()  # woken with a first token, not taken yet (guarded by _cond)
-        self._closing = False  # no job comes any more: a waiting engine thread ends (guarded by _cond)
-        self._ended: trio.Event | None = None  # set when trio has seen the last engine thread end
-
-    def submit(self, stream: _Stream) -> None:
-        with self._cond:
-            self._inbox.append(stream)
-            if not self.running:
-                self.running = True
-                self.periods += 1
-                relay = _Relay()  # this engine thread's
-                trio.lowlevel.spawn_system_task(relay.deliver, name="strata engine relay")
-                trio.lowlevel.start_thread_soon(partial(self._work, relay), partial(self._ended_with, relay),
-                                                name="strata engine")
-            self._cond.notify()
-
-    def cancel(self, stream: _Stream) -> None:
-        """Take a stream's job out: from the inbox at once, else at the batcher's next step."""
-        with self._cond:
-            if stream in self._inbox:
-                self._inbox.remove(stream)
-                stream.job.finish = "cancel"
-                stream.wake()
-            elif stream.job.finish is None:
-                self.batcher.cancel(stream.job)
-            self._handoffs.discard(stream)
-            self._cond.notify()
-
-    @asynccontextmanager
-    async def paused(self) -> AsyncIterator[None]:
-        """Keep the engine thread between two steps for the block."""
-        with self._cond:
-            self._pauses += 1
-            ack = None
-            if self.running:
-                self._pause_ack = ack = trio.Event()
-            self._cond.notify()
-        try:
-            if ack is not None:
-                await ack.wait()
-            yield
-        finally:
-            with self._cond:
-                self._pauses -= 1
-                self._cond.notify()
-
-    async def close(self) -> None:
-        """End the engine thread once it has no job (at once if it waits for one), and wait until trio has seen
-        it end, at most `LINGER_SECONDS` longer than its jobs: the service is closing, no job comes."""
-        with self._cond:
-            self._closing = True
-            self._cond.notify()
-        if self.periods:
-            self._ended = trio.Event()
-            with trio.CancelScope(shield=True), trio.move_on_after(self.LINGER_SECONDS):
-                await self._ended.wait()
-
-    def taken(self, stream: _Stream) -> None:
-        """A stream woken with its first token has taken it (see `HANDOFF_SECONDS`)."""
-        with self._cond:
-            self._handoffs.discard(stream)
-            if not self._handoffs:
-                self._cond.notify()
-
-    # in the engine thread
-
-    def _work(self, relay: _Relay) -> None:
-        try:
-            self._steps(relay)
-        finally:
-            self.batcher.notify_fd = -1
-
-    def _steps(self, relay: _Relay) -> None:
-        idle_until = None  # the time this thread ends unless a job comes
-        while True:
-            with self._cond:
-                if self._pauses:
-                    relay.put(self._acknowledge_pause)
-                    relay.notify()
-                    while self._pauses:
-                        self._cond.wait()
-                arrived, self._inbox = self._inbox, []
-                if not arrived and not self.batcher.jobs:
-                    relay.flush()  # no engine call comes to carry the wake-ups queued
-                    now = time.monotonic()
-                    idle_until = idle_until or now + self.LINGER_SECONDS
-                    if now >= idle_until or self._closing:
-                        self.running = False
-                        return
-                    self._cond.wait(idle_until - now)
-                    continue
-                idle_until = None
-                for stream in arrived:  # under the lock: cancel() finds a job either in the inbox or here
-                    self.batcher.add(stream.job)
-                    self._streams[stream.job] = stream
-            # The next call carries the wake-ups queued, if any: a call that wakes trio for nothing (a prompt's)
-            # shares the cores with the loop's turn for nothing.
-            self.batcher.notify_fd = relay.fd if relay.queued else -1
-            changed = self.batcher.step()
-            if not changed:
-                continue
-            with self._cond:
-                streams = [self._streams[job] if job.finish is None else self._streams.pop(job) for job in changed]
-            wake = partial(_wake_all, streams)
-            if any(len(stream.job.tokens) <= 1 for stream in streams):
-                # A first token (or an end): trio is woken now, not as the next call starts, at the price of
-                # this thread waiting for the GIL once before that call.
-                firsts = {stream for stream in streams if stream.job.finish is None and len(stream.job.tokens) == 1}
-                for stream in firsts:
-                    stream.handing_off = True
-                with self._cond:
-                    self._handoffs = firsts
-                relay.put(wake)
-                relay.notify()
-                if firsts:
-                    self._await_handoffs()
-            else:
-                relay.put(wake)  # one wake-up of trio for every stream of the step, as the next call starts
-
-    def _await_handoffs(self) -> None:
-        deadline = time.monotonic() + self.HANDOFF_SECONDS
-        with self._cond:
-            while self._handoffs and not self._pauses and (left := deadline - time.monotonic()) > 0:
-                self._cond.wait(left)
-            self._handoffs = set()
-
-    def _ended_with(self, relay: _Relay, result: outcome.Outcome) -> None:
-        """The engine thread's last act: trio learns its outcome after every wake-up it queued."""
-        relay.end(partial(self._finish, result))
-
-    # back in trio
-
-    def _acknowledge_pause(self) -> None:
-        if self._pause_ack is not None:
-            self._pause_ack.set()
-
-    def _finish(self, result: outcome.Outcome) -> None:
-        """The engine thread ended. An exception there (a bug: engine errors end jobs, not the thread) fails every
-        job it had."""
-        self.periods -= 1
-        self._acknowledge_pause()
-        if self._ended is not None and not self.periods:
-            self._ended.set()
-        if isinstance(result, outcome.Error):
-            with self._cond:
-                self.running = False
-                streams = list(self._streams.values()) + self._inbox
-                self._streams.clear()
-                self._inbox = []
-            for stream in streams:
-                stream.job.error, stream.job.finish = result.error, "error"
-                stream.wake()
-
-
-class _Relay:
-    """One engine thread's wake-ups of trio: the thread queues calls, and an eventfd wakes a trio task (a system
-    task: it lives as long as the thread) that runs them in order, the thread's outcome last.
-
-    The engine call after a step carries the notification: it adds 1 to the eventfd as it starts, without the GIL
-    (`strata_batch.notify_fd`), so the loop wakes while the engine computes, and finds the GIL free. The engine
-    thread writes the eventfd itself only where no call follows (it waits, pauses or ends): the write releases the
-    GIL, and a loop already awake takes it there and holds the thread for as long as it renders (0.1-0.25 ms a
-    token, measured when the thread woke trio after every step). A thread of its own for the wake-ups, as before,
-    cost a second wake-up per step on the cores the engine keeps busy, and 0.07 ms of CPU a token at one stream.
-    The eventfd closes when both the engine thread and the task are done with it."""
-
-    _END = None  # queued after the engine thread's outcome: the task ends there
-
-    def __init__(self) -> None:
-        self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        self._calls: collections.deque[Callable[[], object] | None] = collections.deque()
-        self._holders = 2  # the engine thread and the trio task
-        self._lock = threading.Lock()
-
-    # in the engine thread
-
-    def put(self, call: Callable[[], object]) -> None:
-        self._calls.append(call)
-
-    def notify(self) -> None:
-        os.eventfd_write(self.fd, 1)
-
-    @property
-    def queued(self) -> bool:
-        return bool(self._calls)
-
-    def flush(self) -> None:
-        if self._calls:
-            self.notify()
-
-    def end(self, call: Callable[[], object]) -> None:
-        self._calls.extend((call, self._END))
-        self.notify()
-        self._release()
-
-    # in trio
-
-    async def deliver(self) -> None:
-        try:
-            while True:
-                await trio.lowlevel.wait_readable(self.fd)
-                with suppress(BlockingIOError):  # a notification the last pass took already
-                    os.eventfd_read(self.fd)
-                while self._calls:
-                    call = self._calls.popleft()
-                    if call is self._END:
-                        return
-                    call()
-        finally:
-            trio.lowlevel.notify_closing(self.fd)
-            self._release()
-
-    def _release(self) -> None:
-        with self._lock:
-            self._holders -= 1
-            if self._holders:
-                return
-        os.close(self.fd)
-
-
-def _wake_all(streams: list[_Stream]) -> None:
-    for stream in streams:
-        stream.wake()
-
-
-class _Stream:
-    """A request's view of its job: the tokens as they come, and `stop()`, awaited on every exit of the request
-    (cancellation included), which takes the job out and waits, shielded, until it has left its slot."""
-
-    def __init__(self, loop: _EngineLoop, job: Job):
-        self.job, self._loop = job, loop
-        self._taken = 0
-        self.handing_off = False  # the engine thread waits for this stream to take its first token
-        self._waiter: trio.Event | None = None
-        self._ended = trio.Event()
-        loop.submit(self)
-
-    def seconds(self) -> tuple[float, float]:
-        """(prompt seconds, decode seconds) so far."""
-        job = self.job
-        if not job.prompt_done:
-            return time.perf_counter() - job.started, 0.0
-        return job.prompt_done - job.started, max(job.last_token - job.prompt_done, 0.0)
-
-    async def next_tokens(self) -> list[int]:
-        """Wait for sampled tokens; [] once the job has left its slot and every token was taken.
-
-        Raises: what the engine raised (EngineError, ...).
-        """
-        if self.handing_off:  # called again: the first token went out (or more tokens are needed for it)
-            self.handing_off = False
-            self._loop.taken(self)
-        waited = False
-        while True:
-            ended = self.job.finish is not None  # read first: every token is appended before finish is set
-            tokens = self.job.tokens[self._taken:]
-            if tokens and not waited:
-                # Tokens that came while the last ones were sent: give the loop a turn (the sends themselves need
-                # not: see the API's `_patch_tcp_server_send`), then take them and any that came meanwhile.
-                waited = True
-                await trio.lowlevel.checkpoint()
-                continue
-            if tokens:
-                self._taken += len(tokens)
-                return tokens
-            if ended:
-                if self.job.error is not None:
-                    raise self.job.error
-                return []
-            # `wake` runs in trio, so no wake-up falls between the reads above and this wait.
-            self._waiter = waiter = trio.Event()
-            await waiter.wait()
-            waited = True
-
-    def wake(self) -> None:
-        if self._waiter is not None:
-            self._waiter.set()
-        if self.job.finish is not None:
-            self._ended.set()
-
-    async def stop(self) -> None:
-        if not self._ended.is_set():
-            self._loop.cancel(self)
-            with trio.CancelScope(shield=True):
-                await self._ended.wait()
 
 
 def _short(request: ChatRequest) -> bool:

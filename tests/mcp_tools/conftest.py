@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ScriptedEngine
+from fakes import ScriptedEngine
 
 SERVER = str(Path(__file__).with_name("mcp_test_server.py"))
 

@@ -127,3 +127,22 @@ def test_message_start_carries_the_prompt_size(server, api):
     size = httpx.post(server.url + "/v1/messages/count_tokens", timeout=30, json={
         "model": "m", "messages": [{"role": "user", "content": "hi"}], "mcp_servers": SERVERS}).json()
     assert start.input_tokens + start.cache_read_input_tokens == size["input_tokens"] > 50
+
+
+def test_the_token_budget_spans_the_tool_rounds(server, api, tokenizer):
+    """`max_tokens` counts every round's tokens: a later round gets what the earlier ones left; a call that spends
+    the whole budget ends the response there, its tool not run."""
+    first = call("echo", text="hi")
+    n = len(tokenizer.encode(first, special=True))
+
+    def answer(max_tokens: int, *scripts: str) -> Any:
+        server.engine.say(*scripts)
+        return api.beta.messages.create(model="m", max_tokens=max_tokens, betas=BETA, mcp_servers=SERVERS,
+                                        messages=[{"role": "user", "content": "hi"}])
+
+    message = answer(n + 2, first, "Done, and a longer answer than the budget.")
+    assert [block.type for block in message.content][-1] == "text" and len(message.content[-1].text) == 2
+    assert message.stop_reason == "max_tokens" and message.usage.output_tokens == n + 2
+    spent = answer(n, first, "Done.")
+    assert [block.type for block in spent.content][-1] == "mcp_tool_use"
+    assert spent.stop_reason == "max_tokens" and spent.usage.output_tokens == n

@@ -9,67 +9,16 @@ import time
 
 import numpy as np
 import pytest
+from fakes import N_VOCAB, SuccessorEngine, TimedEngine
 
-from strata.engine_cffi import BatchItem, EngineAborted
 from strata.scheduling.batcher import Batcher, Job, generate
 from strata.text.prompt import render_chat
 from strata.text.sampling import Sampler, SamplingParams
 
-N_VOCAB = 16
 GREEDY = SamplingParams(temperature=0.0)
 
 
-class SuccessorEngine:
-    """An engine of `n_seq` sequences whose most likely next token is always (last token + 1) mod N_VOCAB, the
-    runner-up (last + 2); it records every call as a list of (seq, tokens, embeds)."""
-
-    def __init__(self, n_ctx: int = 64, n_seq: int = 1, n_batch: int = 256) -> None:
-        self.n_vocab, self.n_ctx, self.n_seq, self.n_batch = N_VOCAB, n_ctx, n_seq, n_batch
-        self.caches: list[list[int]] = [[] for _ in range(n_seq)]
-        self.calls: list[list[tuple[int, list[int], list | None]]] = []
-        self.copies: list[tuple[int, int, int]] = []
-        self.flags: set[int] = set()
-
-    def seq_n_past(self, seq: int) -> int:
-        return len(self.caches[seq])
-
-    def eval_batch(self, items: list[BatchItem], notify_fd: int = -1) -> list[np.ndarray | None]:
-        if notify_fd >= 0:  # as the engine does as a call starts
-            os.eventfd_write(notify_fd, 1)
-        self.calls.append([(item.seq, list(item.tokens), item.embeds) for item in items])
-        results: list[np.ndarray | None] = []
-        dropped = frozenset(item.seq for item in items if item.seq in self.flags)
-        for item in items:
-            assert item.tokens and self.seq_n_past(item.seq) + len(item.tokens) <= self.n_ctx
-            if item.seq in dropped:
-                results.append(None)
-                continue
-            self.caches[item.seq] += item.tokens
-            logits = np.zeros((len(item.tokens), N_VOCAB), np.float32)
-            for i, token in enumerate(item.tokens):
-                logits[i, (token + 1) % N_VOCAB] = 5.0
-                logits[i, (token + 2) % N_VOCAB] = 4.0
-            results.append({"all": logits, "last": logits[-1:], "none": logits[:0]}[item.logits])
-        self.flags -= dropped
-        if dropped:
-            raise EngineAborted("aborted", dropped, results)
-        return results
-
-    def keep(self, n: int, seq: int = 0) -> None:
-        del self.caches[seq][n:]
-
-    def copy_prefix(self, src: int, dst: int, n: int) -> None:
-        self.copies.append((src, dst, n))
-        self.caches[dst] = self.caches[src][:n]
-
-    def abort(self, seq: int = 0) -> None:
-        self.flags.add(seq)
-
-    def clear_abort(self, seq: int = 0) -> None:
-        self.flags.discard(seq)
-
-
-def job(ids: list[int], max_tokens: int = 1, stop_ids: set[int] | None = None, **kw) -> Job:
+def job(ids: list[int], max_tokens: int | None = 1, stop_ids: set[int] | None = None, **kw) -> Job:
     return Job(ids, Sampler(GREEDY, N_VOCAB), max_tokens, stop_ids or set(), **kw)
 
 
@@ -102,6 +51,16 @@ def test_generation_ends_with_the_context() -> None:
     engine = SuccessorEngine(n_ctx=5)
     out = list(generate(engine, [0, 1, 2], Sampler(GREEDY, N_VOCAB), max_tokens=10, stop_ids=set()))
     assert out == [3, 4]
+
+
+def test_a_job_owns_its_token_budget_within_its_context() -> None:
+    engine = SuccessorEngine(n_ctx=8)
+    batcher = Batcher(engine, n_batch=8)
+    capped, free = job([0, 1, 2], max_tokens=3), job([0, 1, 2], max_tokens=None)
+    run(batcher, capped)
+    run(batcher, free)
+    assert (capped.budget, capped.tokens, capped.finish) == (3, [3, 4, 5], "length")
+    assert (free.budget, free.tokens, free.finish) == (5, [3, 4, 5, 6, 7], "length")  # as many as the context holds
 
 
 def test_a_cached_prompt_prefix_is_not_evaluated_again() -> None:
@@ -206,25 +165,6 @@ def test_jobs_share_each_step_and_a_joining_prompt_comes_in_chunks() -> None:
     assert len(a.tokens) == 4 and b.tokens == [4]  # b's first token came with its last chunk (19 + 1 mod 16)
     run(batcher, a, b)
     assert a.tokens == [(3 + i) % N_VOCAB for i in range(20)] and b.tokens == [4, 5]
-
-
-class TimedEngine(SuccessorEngine):
-    """A SuccessorEngine on a clock of its own: a call takes `decode` seconds plus `per_token(position)` for each
-    token of the sequences in `prompting`."""
-
-    def __init__(self, decode: float, per_token, prompting: set[int], **kw) -> None:
-        super().__init__(**kw)
-        self.now, self.decode, self.per_token, self.prompting = 0.0, decode, per_token, prompting
-
-    def clock(self) -> float:
-        return self.now
-
-    def eval_batch(self, items: list[BatchItem], notify_fd: int = -1) -> list[np.ndarray | None]:
-        self.now += self.decode + sum(self.per_token(self.seq_n_past(item.seq) + i)
-                                      for item in items if item.seq in self.prompting
-                                      for i in range(len(item.tokens)))
-        self.times = [*getattr(self, "times", []), self.now]
-        return super().eval_batch(items, notify_fd=notify_fd)
 
 
 def run_until_answered(batcher: Batcher, engine: TimedEngine, long: Job) -> tuple[list[int], np.ndarray]:

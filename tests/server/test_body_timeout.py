@@ -9,7 +9,8 @@ import threading
 import time
 
 import httpx
-from conftest import ScriptedEngine, live_server, server_config
+from conftest import live_server, server_config
+from fakes import ScriptedEngine
 
 BODY_TIMEOUT = 0.1
 

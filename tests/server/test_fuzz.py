@@ -8,7 +8,8 @@ import json
 
 import httpx
 import pytest
-from conftest import ScriptedEngine, live_server, server_config
+from conftest import live_server, server_config
+from fakes import ScriptedEngine
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -8,7 +8,8 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import ScriptedEngine, live_server, server_config
+from conftest import live_server, server_config
+from fakes import FailingEngine, ScriptedEngine
 
 from strata.api import body
 from strata.api.hosts import host_name
@@ -137,11 +138,7 @@ def test_host_name(header, name):
 
 
 def test_a_server_error_names_no_exception_class(tokenizer):
-    class Broken(ScriptedEngine):
-        def eval_batch(self, items, notify_fd=-1):
-            raise KeyError("secret internals")
-
-    with live_server(server_config(), Broken(tokenizer), tokenizer) as live:
+    with live_server(server_config(), FailingEngine(tokenizer, KeyError("secret internals")), tokenizer) as live:
         reply = post(live, "/v1/chat/completions", json.dumps(request_for("/v1/chat/completions", "hi")).encode())
         assert reply.status_code == 500
         assert "KeyError" not in reply.text and "secret" not in reply.text

@@ -7,7 +7,8 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import ScriptedEngine, live_server, server_config
+from conftest import live_server, server_config
+from fakes import ScriptedEngine
 from prometheus_client.parser import text_string_to_metric_families
 
 USER = [{"role": "user", "content": "hi"}]

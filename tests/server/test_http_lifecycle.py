@@ -14,7 +14,8 @@ from typing import Any
 import httpx
 import pytest
 import trio
-from conftest import ScriptedEngine, live_server, server_config, wait_until
+from conftest import live_server, server_config, wait_until
+from fakes import ScriptedEngine
 
 
 def body(text: str, **fields: Any) -> dict[str, Any]:

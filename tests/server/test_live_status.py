@@ -10,7 +10,8 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import ScriptedEngine, live_server, server_config
+from conftest import live_server, server_config
+from fakes import ScriptedEngine
 
 from strata.api import sse
 

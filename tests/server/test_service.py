@@ -23,8 +23,9 @@ from strata.events import (
     ToolCallStart,
     Usage,
 )
+from strata.scheduling.engine_loop import EngineLoop
 from strata.scheduling.turn import QueueFull
-from strata.service import RequestError, _EngineLoop, _Relay, open_service
+from strata.service import RequestError, open_service
 from strata.text.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -192,44 +193,9 @@ async def test_engine_ahead_of_a_slow_reader_loses_no_token(scripted, tokenizer)
         assert joined(events, TextDelta) == text
         assert events[-1] == Finish("stop")
         # The engine thread ends once no job came for LINGER_SECONDS, and its relay's eventfd closes.
-        await wait_until(lambda: not service.engine_running, timeout=5 * _EngineLoop.LINGER_SECONDS)
+        await wait_until(lambda: not service.engine_running, timeout=5 * EngineLoop.LINGER_SECONDS)
         assert not [thread for thread in threading.enumerate() if thread.name.startswith("strata engine")]
         assert len(os.listdir("/proc/self/fd")) <= fds_before
-
-
-def closed(fd: int) -> bool:
-    try:
-        os.fstat(fd)
-    except OSError:
-        return True
-    return False
-
-
-async def test_the_relay_runs_the_engine_threads_calls_in_order_and_closes_its_eventfd():
-    relay, ran = _Relay(), []
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(relay.deliver)
-        for i in range(3):
-            relay.put(lambda i=i: ran.append(i))
-        await trio.sleep(0.01)
-        assert ran == []  # queued: they go when an engine call (or the thread itself) writes the eventfd
-        relay.flush()
-        await wait_until(lambda: ran == [0, 1, 2], timeout=5)
-        relay.put(lambda: ran.append(3))
-        await trio.to_thread.run_sync(relay.end, lambda: ran.append("end"))  # as the engine thread ends
-    assert ran == [0, 1, 2, 3, "end"]
-    assert closed(relay.fd)
-
-
-async def test_a_relay_whose_task_was_cancelled_closes_its_eventfd_with_the_engine_thread():
-    relay = _Relay()
-    with trio.move_on_after(0.01):
-        await relay.deliver()  # cancelled: trio is done with the eventfd, the engine thread is not
-    assert not closed(relay.fd)
-    relay.put(lambda: None)
-    relay.notify()  # the engine thread may still write to it
-    relay.end(lambda: None)
-    assert closed(relay.fd)
 
 
 async def test_the_next_request_goes_to_the_waiting_engine_thread_which_ends_with_the_service(
@@ -249,7 +215,7 @@ async def test_the_next_request_goes_to_the_waiting_engine_thread_which_ends_wit
         assert service.engine_running
         closing = time.monotonic()
     # Closing the service ends the waiting thread at once, not after LINGER_SECONDS.
-    assert time.monotonic() - closing < _EngineLoop.LINGER_SECONDS / 2
+    assert time.monotonic() - closing < EngineLoop.LINGER_SECONDS / 2
     assert not service.engine_running
     await wait_until(lambda: not [thread for thread in threading.enumerate()
                                   if thread.name.startswith("strata engine")])

@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 import trio
 from conftest import LiveServer, server_config, wait_until
+from fakes import FirstTokenWatch, RecordingEngine
 
 from strata.events import ChatRequest, Finish, TextDelta, Usage
 from strata.service import open_service
@@ -33,23 +34,8 @@ def text(events: list[Any]) -> str:
     return "".join(event.text for event in events if isinstance(event, TextDelta))
 
 
-class BatchRecorder:
-    """Wraps an engine and records the sequences of each eval call."""
-
-    def __init__(self, engine: Any):
-        self._engine = engine
-        self.batches: list[list[int]] = []
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._engine, name)
-
-    def eval_batch(self, items: Any, notify_fd: int = -1) -> Any:
-        self.batches.append([item.seq for item in items])
-        return self._engine.eval_batch(items, notify_fd=notify_fd)
-
-
 async def test_requests_up_to_the_slots_generate_together_and_the_rest_wait(scripted, tokenizer):
-    engine = BatchRecorder(scripted("x" * 40, decode_s=0.004, n_seq=3))
+    engine = RecordingEngine(scripted("x" * 40, decode_s=0.004, n_seq=3))
     async with open_service(server_config(), engine=engine, tokenizer=tokenizer) as service:
         results: list[list[Any]] = []
 
@@ -129,19 +115,6 @@ async def test_a_hang_up_takes_out_only_its_own_sequence(tiny_model, tokenizer):
             assert all(slot["state"] == "idle" for slot in service.slots())
             await wait_until(lambda: not [thread for thread in threading.enumerate()
                                           if thread.name.startswith("strata engine")])
-
-
-class FirstTokenWatch(BatchRecorder):
-    """Also records, at each eval call, whether the consumer had been given its first token (`given`)."""
-
-    def __init__(self, engine: Any):
-        super().__init__(engine)
-        self.given = False
-        self.seen: list[bool] = []
-
-    def eval_batch(self, items: Any, notify_fd: int = -1) -> Any:
-        self.seen.append(self.given)
-        return super().eval_batch(items, notify_fd=notify_fd)
 
 
 async def test_the_engine_waits_for_a_first_token_to_be_taken_before_its_next_step(scripted, tokenizer):

@@ -8,7 +8,8 @@ from contextlib import aclosing
 from typing import Any
 
 import pytest
-from conftest import ScriptedEngine, server_config
+from conftest import server_config
+from fakes import ScriptedEngine
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -27,6 +27,7 @@ import openai
 import pytest
 import torch
 from conftest import live_server, server_config
+from fakes import RecordingEngine
 from llama_cpp_convert import convert, save_qwen3vl
 from transformers import (
     Qwen3VLConfig,
@@ -50,21 +51,6 @@ PATCH, MERGE, N_TEXT = 16, 2, 64
 MAX_TOKENS = 8  # answer tokens
 TIE, MIN_COMPARED = 2e-5, 4  # TIE: 30x the engine's logits error against transformers (~6e-7)
 PICTURE = noise_png(160, 96, seed=7)  # 10 x 6 patches, 5 x 3 merged tokens: no resize, not square
-
-
-class RecordingEngine:
-    """The real engine, with the tokens and embeds of each item of each eval call kept."""
-
-    def __init__(self, engine: Engine):
-        self._engine = engine
-        self.calls: list[tuple[list[int], list]] = []
-
-    def __getattr__(self, name: str):
-        return getattr(self._engine, name)
-
-    def eval_batch(self, items, notify_fd=-1):
-        self.calls += [(list(item.tokens), list(item.embeds or [])) for item in items]
-        return self._engine.eval_batch(items, notify_fd=notify_fd)
 
 
 _MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "decoder_sparse_step": 1}

@@ -13,7 +13,6 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Any
 
 import anthropic
 import httpx
@@ -21,6 +20,7 @@ import numpy as np
 import openai
 import pytest
 from conftest import live_server, server_config
+from fakes import RecordingEngine
 
 import strata
 from strata.modelgen.mmproj import write_random_mmproj
@@ -37,21 +37,6 @@ MAX_TOKENS = 64
 PICTURE = noise_png(64, 48, seed=40)
 TOOL_PICTURE = noise_png(48, 64, seed=41)
 DATA_URL = "data:image/png;base64," + base64.b64encode(PICTURE).decode()
-
-
-class RecordingEngine:
-    """The real engine, with the tokens and embeds of each item of each eval call kept."""
-
-    def __init__(self, engine: Any):
-        self._engine = engine
-        self.calls: list[tuple[list[int], list[Any]]] = []
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._engine, name)
-
-    def eval_batch(self, items, notify_fd=-1):
-        self.calls += [(list(item.tokens), list(item.embeds or [])) for item in items]
-        return self._engine.eval_batch(items, notify_fd=notify_fd)
 
 
 @pytest.fixture(scope="module")

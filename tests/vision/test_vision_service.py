@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 import pytest
 import trio
-from conftest import ScriptedEngine, server_config, wait_until
+from conftest import server_config, wait_until
+from fakes import ScriptedEngine
 from pictures.test_sources import PictureServer
 
 import strata

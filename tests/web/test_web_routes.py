@@ -9,7 +9,8 @@ import pathlib
 import re
 
 import httpx
-from conftest import ScriptedEngine, live_server, server_config
+from conftest import live_server, server_config
+from fakes import ScriptedEngine
 
 from strata.web import BUILD_INFO, STATIC, sources_fingerprint
 

@@ -86,6 +86,17 @@ def _open_gguf(path: str | os.PathLike[str]) -> GGUFFile:
         raise EngineError(str(exc)) from None
 
 
+def _item_logits(items: Sequence[BatchItem], logits: np.ndarray, dropped: frozenset[int]) -> list[np.ndarray | None]:
+    """Each item's rows of a batch's logits (views), None for an item of a dropped sequence."""
+    results: list[np.ndarray | None] = []
+    at = 0
+    for item in items:
+        n = {"all": len(item.tokens), "last": 1, "none": 0}[item.logits]
+        results.append(None if item.seq in dropped else logits[at : at + n])
+        at += n
+    return results
+
+
 class _TensorTable:
     """The C tensor table for a file's tensors; holds the cffi objects the table points into."""
 
@@ -185,6 +196,8 @@ class Engine:
     The single-sequence calls (`eval`, `keep`, `n_past`, `abort`, ...) take `seq=0` by default, so a context of
     one sequence reads like one.
     """
+
+    _ctx: Any = None  # the C context; None once closed, and in an engine whose construction failed (`__del__`)
 
     def __init__(self, file: GGUFFile, params: Any, model: Any, ctx: Any, keep: list[Any], n_ctx: int,
                  threads: int, n_batch: int) -> None:
@@ -319,6 +332,36 @@ class Engine:
         ctx = self._live_ctx()
         if not items:
             raise EngineError("eval needs at least one token")
+        ids32, seq32, pos32, out32, rows, index, grid = self._batch_arrays(ctx, items)
+        logits = np.empty((len(out32), self.n_vocab), dtype=np.float32)
+        batch = ffi.new("strata_batch *")
+        keep = [ffi.from_buffer("int[]", ids32), ffi.from_buffer("int[]", seq32), ffi.from_buffer("int[]", pos32),
+                ffi.from_buffer("float[]", rows), ffi.from_buffer("int[]", index), ffi.from_buffer("int[]", out32),
+                ffi.from_buffer("float[]", logits), ffi.from_buffer("int[]", np.ascontiguousarray(grid))]
+        batch.n_tokens, batch.tokens, batch.seq, batch.pos = len(ids32), keep[0], keep[1], keep[2]
+        batch.embd_rows, batch.embd_index, batch.n_embd_rows = keep[3], keep[4], len(index)
+        batch.embd_grid = keep[7] if (grid >= 0).any() else ffi.NULL
+        batch.out_index, batch.n_out, batch.logits = keep[5], len(out32), keep[6]
+        batch.seq_dropped = self._dropped
+        batch.notify_fd = notify_fd
+        status = lib.strata_eval_batch(ctx, batch)
+        dropped = frozenset(s for s in range(self.n_seq) if self._dropped[s]) if status == lib.STRATA_ABORTED \
+            else frozenset()
+        if status != lib.STRATA_ABORTED:
+            _check(status)
+        results = _item_logits(items, logits, dropped)
+        if dropped:
+            raise EngineAborted(ffi.string(lib.strata_last_error()).decode("utf-8", "replace"), dropped, results)
+        return results  # type: ignore[return-value]  # no None without a dropped sequence
+
+    def _batch_arrays(self, ctx: Any, items: Sequence[BatchItem]) -> tuple[np.ndarray, ...]:
+        """The C batch's arrays for `items`: token ids, sequences and positions (int32, one per token), the
+        tokens whose logits are wanted, and the embedding rows with their token indices and grid places (a
+        placeholder row and grid when there are none: an empty buffer has no address to give).
+
+        Raises:
+            EngineError: a sequence twice or out of range, empty or out-of-range tokens, bad embedding rows.
+        """
         seen: set[int] = set()
         ids: list[int] = []
         seqs: list[int] = []
@@ -348,39 +391,14 @@ class Engine:
         ids64 = np.asarray(ids, dtype=np.int64)
         if ids64.min() < _INT32.min or ids64.max() > _INT32.max:
             raise EngineError(f"token id out of range [0, {self.n_vocab})")
-        ids32, seq32 = ids64.astype(np.int32), np.asarray(seqs, dtype=np.int32)
-        pos32, out32 = np.asarray(pos, dtype=np.int32), np.asarray(outs, dtype=np.int32)
         if row_blocks:
             rows, index = np.concatenate(row_blocks), np.concatenate(row_index).astype(np.int32)
             grid = np.concatenate(grid_blocks)
         else:
             rows, index = np.zeros((1, self.picture_width), np.float32), np.zeros(0, np.int32)
             grid = np.full((1, 2), -1, np.int32)  # not read: an empty buffer has no address to give
-        logits = np.empty((len(out32), self.n_vocab), dtype=np.float32)
-        batch = ffi.new("strata_batch *")
-        keep = [ffi.from_buffer("int[]", ids32), ffi.from_buffer("int[]", seq32), ffi.from_buffer("int[]", pos32),
-                ffi.from_buffer("float[]", rows), ffi.from_buffer("int[]", index), ffi.from_buffer("int[]", out32),
-                ffi.from_buffer("float[]", logits), ffi.from_buffer("int[]", np.ascontiguousarray(grid))]
-        batch.n_tokens, batch.tokens, batch.seq, batch.pos = len(ids32), keep[0], keep[1], keep[2]
-        batch.embd_rows, batch.embd_index, batch.n_embd_rows = keep[3], keep[4], len(index)
-        batch.embd_grid = keep[7] if (grid >= 0).any() else ffi.NULL
-        batch.out_index, batch.n_out, batch.logits = keep[5], len(out32), keep[6]
-        batch.seq_dropped = self._dropped
-        batch.notify_fd = notify_fd
-        status = lib.strata_eval_batch(ctx, batch)
-        dropped = frozenset(s for s in range(self.n_seq) if self._dropped[s]) if status == lib.STRATA_ABORTED \
-            else frozenset()
-        if status != lib.STRATA_ABORTED:
-            _check(status)
-        results: list[np.ndarray | None] = []
-        at = 0
-        for item in items:
-            n = {"all": len(item.tokens), "last": 1, "none": 0}[item.logits]
-            results.append(None if item.seq in dropped else logits[at : at + n])
-            at += n
-        if dropped:
-            raise EngineAborted(ffi.string(lib.strata_last_error()).decode("utf-8", "replace"), dropped, results)
-        return results  # type: ignore[return-value]  # no None without a dropped sequence
+        return (ids64.astype(np.int32), np.asarray(seqs, dtype=np.int32), np.asarray(pos, dtype=np.int32),
+                np.asarray(outs, dtype=np.int32), rows, index, grid)
 
     def _embedding_rows(self, embeds: Embeds, n_tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The embedding rows as one (n_rows, picture_width) array, the token index of each row, and each row's
@@ -447,7 +465,7 @@ class Engine:
 
     def close(self) -> None:
         """Free the context and the model, then drop the file mapping. Idempotent."""
-        if getattr(self, "_ctx", None) is not None:
+        if self._ctx is not None:
             lib.strata_context_free(self._ctx)
             lib.strata_model_free(self._model)
             self._ctx = self._model = None

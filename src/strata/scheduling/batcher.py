@@ -10,8 +10,7 @@ Each slot keeps what its cache holds after its job ends (the prefix cache): a ne
 cache shares the longest prefix with its prompt (token ids, and (picture digest, row) for picture rows), the
 least recently used one when none does; a longer prefix held by a busy slot is copied over (`copy_prefix`).
 
-The engine is anything with the `strata.engine_cffi.Engine` calls used here (`eval_batch`, `keep`, `copy_prefix`,
-`seq_n_past`, `abort`, `clear_abort`, `n_seq`, `n_ctx`, `n_batch`).
+The engine is an `EngineLike` (`strata.engine_cffi.Engine`, or a test's scripted engine).
 """
 
 from __future__ import annotations
@@ -22,17 +21,20 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Hashable, Iterator, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
 from strata.engine_cffi import BatchItem, EngineAborted
 from strata.pictures.expand import embeds_from
+from strata.scheduling.engine_like import EngineLike
 from strata.text.sampling import Sampler, log_probabilities
 
 # (index in the prompt, float32 rows (n_rows, n_embd)): rows that replace the embeddings of prompt placeholders.
 Embeds = Sequence[tuple[int, np.ndarray]]
 _SCORED_ROWS = 64  # 64 rows of logits of a 151,936-token vocabulary: 39 MB
+# How a job left its slot: a stop id, its token budget, `Batcher.cancel`, an error of its engine call or its draw.
+JobFinish = Literal["stop", "length", "cancel", "error"]
 
 
 def common_prefix(a: Sequence[Hashable], b: Sequence[Hashable]) -> int:
@@ -48,11 +50,16 @@ def common_prefix(a: Sequence[Hashable], b: Sequence[Hashable]) -> int:
 class Job:
     """One generation: a prompt, then up to `max_tokens` sampled tokens.
 
+    The job owns its token budget: the batcher ends it with finish "length" at `budget` tokens, `max_tokens` within
+    the room its context has left (every token has a place in the cache), so a caller reads `finish` and counts
+    nothing itself.
+
     Written by the batcher's thread only, except `tokens`/`finish`, which others read (list appends and attribute
     writes are atomic), and `Batcher.cancel`.
 
     Args:
         ids: the prompt, at least one token.
+        max_tokens: the most tokens to sample; None: as many as the context holds.
         keys: what each prompt position holds, for prefix reuse (default: the ids; (digest, row) for pictures).
         spans: pictures: (first position, float32 rows) replacing the embeddings of the placeholders there.
         tag: the caller's name for the job (the request id), shown in the slots' status.
@@ -62,7 +69,7 @@ class Job:
             many alternatives in `prompt_records` (the whole prompt is evaluated then: no cached prefix).
     """
 
-    def __init__(self, ids: Sequence[int], sampler: Sampler, max_tokens: int, stop_ids: Collection[int], *,
+    def __init__(self, ids: Sequence[int], sampler: Sampler, max_tokens: int | None, stop_ids: Collection[int], *,
                  keys: Sequence[Hashable] | None = None, spans: Sequence[tuple[int, Any]] = (), tag: str = "",
                  progress: Any = None, prompt_logprobs: int | None = None):
         if not ids:
@@ -77,7 +84,8 @@ class Job:
         self.sampler, self.max_tokens, self.stop_ids, self.tag = sampler, max_tokens, stop_ids, tag
         self.progress = progress
         self.tokens: list[int] = []  # sampled and yielded, in order (a stop id is not)
-        self.finish: str | None = None  # "stop", "length", "cancel" or "error" once the job has left its slot
+        self.finish: JobFinish | None = None  # once the job has left its slot
+        self.budget = 0  # the tokens it may sample: max_tokens within its context's room (set by Batcher.add)
         self.error: BaseException | None = None
         self.seq = -1  # its slot while it has one
         self.reused = 0  # prompt positions found in the slot's cache
@@ -131,8 +139,8 @@ class StepBudget:
 
     Steps are timed by `clock` in CPU time: another process taking a core for a while stretches a step's wall
     time but not its work, so it neither inflates the reference step nor shrinks the chunks after it. The
-    `Batcher` gives it the engine's own threads' CPU time where the engine counts it (`Engine.cpu_seconds`: the
-    evaluating thread and the pool's workers), else the process's. (One thread's CPU time is not enough: the
+    `Batcher` gives it the engine's own threads' CPU time (`Engine.cpu_seconds`: the evaluating thread and the
+    pool's workers); without one it is the process's. (One thread's CPU time is not enough: the
     engine thread takes over the products' rows of a partner that lost its core, and its own CPU time doubles
     with the wall time. The process's counts its other threads too: the event loop writing the tokens out, a
     worker tokenising the joining prompt, whose CPU in the decode step that measures the reference set every
@@ -200,22 +208,20 @@ class Batcher:
         n_batch: the most tokens of a step with nobody decoding (default: the engine's `n_batch`).
         slowdown: while jobs decode and a prompt longer than `step_tokens` joins, a step with prompt chunks takes
             at most this many times their decode-only step (`StepBudget`); None: `step_tokens` is the only bound.
-        clock: seconds, for timing steps (default: the engine's threads' CPU time, `engine.cpu_seconds`, where it
-            has one; else the process's).
+        clock: seconds, for timing steps (default: the engine's threads' CPU time, `engine.cpu_seconds`).
     """
 
-    def __init__(self, engine: Any, step_tokens: int = 64, n_batch: int | None = None,
+    def __init__(self, engine: EngineLike, step_tokens: int = 64, n_batch: int | None = None,
                  slowdown: float | None = 1.6, clock: Callable[[], float] | None = None):
         self.engine = engine
-        self.n_batch: int = n_batch if n_batch is not None else getattr(engine, "n_batch", 256)
+        self.n_batch = n_batch if n_batch is not None else engine.n_batch
         self.slots = [_Slot(seq) for seq in range(engine.n_seq)]
         self.jobs: list[Job] = []  # in arrival order: earlier prompts get the step budget first
         self.step_tokens = max(1, step_tokens)
-        clock = clock or getattr(engine, "cpu_seconds", None) or time.process_time
+        clock = clock or engine.cpu_seconds
         self.budget = None if slowdown is None else StepBudget(slowdown, clock)
-        self.notify_fd = -1  # an eventfd every engine call adds 1 to as it starts (-1: none): see service._Relay
-        # The step's draws at once on the engine's threads, where it has them.
-        self._engine_draws = hasattr(engine, "sample_rows")
+        # an eventfd every engine call adds 1 to as it starts (-1: none): see `strata.scheduling.engine_loop.Relay`
+        self.notify_fd = -1
         self.last_batch = 0  # tokens in the last step
         self._clock = itertools.count(1)
         self._lock = threading.Lock()  # cancel() against the step's bookkeeping
@@ -261,6 +267,8 @@ class Batcher:
         slot.keys = job.keys[:reused]
         slot.job, slot.used = job, next(self._clock)
         job.seq, job.reused = slot.seq, reused
+        room = self.engine.n_ctx - job.n_prompt  # every token has a place in the cache
+        job.budget = room if job.max_tokens is None else min(job.max_tokens, room)
         self.jobs.append(job)
         if job.progress is not None:
             job.progress.slot = slot.seq
@@ -290,6 +298,7 @@ class Batcher:
         with self._lock:
             self._in_call = {job.seq for job in work}
         complete = True
+        rows: Sequence[np.ndarray | None]  # None: a sequence the call dropped
         try:
             rows = self.engine.eval_batch(items, notify_fd=self.notify_fd)
         except EngineAborted as error:  # some sequences were dropped: the others' work is complete
@@ -302,7 +311,16 @@ class Batcher:
         finally:
             with self._lock:
                 self._in_call = set()
-        now = time.perf_counter()
+        changed = self._advance(work, rows, time.perf_counter())
+        if budget is not None and complete:  # a step cut short by an abort measures nothing
+            budget.record(n_decoding, self.last_batch - n_decoding, budget.clock() - started)
+        return changed
+
+    def _advance(self, work: list[Job], rows: Sequence[np.ndarray | None], now: float) -> list[Job]:
+        """The call's jobs after it: their slots' keys, prompt progress and scores, then each job's next token
+        (drawn together where several are), or its end (cancelled, or its sampler failed). Returns the jobs that
+        got a token or finished; a job still in its prompt is not among them."""
+        changed: list[Job] = []
         draws: list[tuple[Job, np.ndarray, float]] = []  # (job, scores, u) to draw together
         for job, logits in zip(work, rows, strict=True):
             slot = self.slots[job.seq]
@@ -316,18 +334,12 @@ class Batcher:
                 self._leave(job, "cancel")
             elif logits is not None and len(logits) and n_past == len(job.history):
                 job.prompt_done = job.prompt_done or now
-                try:
-                    self._sample(job, logits[-1], now, draws)
-                except Exception as error:  # noqa: BLE001 - a sampler or token mask that failed ends its job only
-                    job.error = error
-                    self._leave(job, "error")
+                self._sample(job, logits[-1], now, draws)
             else:
                 continue
             changed.append(job)
         if draws:
             self._draw_together(draws, now)
-        if budget is not None and complete:  # a step cut short by an abort measures nothing
-            budget.record(n_decoding, self.last_batch - n_decoding, budget.clock() - started)
         return changed
 
     def _plan(self) -> tuple[list[BatchItem], list[Job], int]:
@@ -361,14 +373,18 @@ class Batcher:
 
     def _sample(self, job: Job, logits: np.ndarray, now: float, draws: list[tuple[Job, np.ndarray, float]]) -> None:
         """Draw the job's next token, or leave its draw in `draws` for `_draw_together`."""
-        if self._budget(job) <= 0:
-            self._leave(job, "length")
-            return
-        inputs = job.sampler.draw_inputs(logits, job.history) if self._engine_draws else None
-        if inputs is not None:
-            draws.append((job, *inputs))
-            return
-        self._take(job, job.sampler.sample(logits, job.history), now)
+        try:
+            if job.budget <= 0:
+                self._leave(job, "length")
+                return
+            inputs = job.sampler.draw_inputs(logits, job.history)
+            if inputs is not None:
+                draws.append((job, *inputs))
+                return
+            self._take(job, job.sampler.sample(logits, job.history), now)
+        except Exception as error:  # noqa: BLE001 - a sampler or token mask that failed ends its job only
+            job.error = error
+            self._leave(job, "error")
 
     def _draw_together(self, draws: list[tuple[Job, np.ndarray, float]], now: float) -> None:
         """The step's draws in one engine call: each reads the whole vocabulary (~80 us at 151,936 logits at
@@ -390,9 +406,6 @@ class Batcher:
         for (job, _, _), token in zip(draws, tokens, strict=True):
             self._take(job, token, now)
 
-    def _budget(self, job: Job) -> int:
-        return min(job.max_tokens, self.engine.n_ctx - job.n_prompt)  # every token has a place in the cache
-
     def _take(self, job: Job, token: int, now: float) -> None:
         """The job's drawn token: the end at a stop id, else its next token (and the end at its budget)."""
         if token in job.stop_ids:
@@ -401,10 +414,10 @@ class Batcher:
         job.history.append(token)
         job.tokens.append(token)
         job.last_token = now
-        if len(job.tokens) >= self._budget(job):
+        if len(job.tokens) >= job.budget:
             self._leave(job, "length")
 
-    def _leave(self, job: Job, finish: str) -> None:
+    def _leave(self, job: Job, finish: JobFinish) -> None:
         """Free the job's slot; the slot keeps what its cache holds."""
         slot = self.slots[job.seq]
         slot.job, slot.used = None, next(self._clock)
@@ -427,8 +440,8 @@ def _track(keys: list[Hashable], job: Job, n_past: int) -> None:
         keys += job.history[max(have, job.n_prompt):n_past]
 
 
-def generate(engine: Any, prompt_ids: Sequence[int], sampler: Sampler, max_tokens: int, stop_ids: Collection[int],
-             embeds: Embeds | None = None, batcher: Batcher | None = None) -> Iterator[int]:
+def generate(engine: EngineLike, prompt_ids: Sequence[int], sampler: Sampler, max_tokens: int,
+             stop_ids: Collection[int], embeds: Embeds | None = None, batcher: Batcher | None = None) -> Iterator[int]:
     """Yield up to `max_tokens` generated token ids; a token in `stop_ids` ends the generation and is not yielded.
 
     Generation also ends where the context does, so every yielded token has a place in the cache. Penalties see

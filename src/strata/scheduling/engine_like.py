@@ -1,0 +1,55 @@
+"""`EngineLike`: what the scheduler and the service call on an engine.
+
+`strata.engine_cffi.Engine` implements it; so do the scripted engines of the tests (`tests/fakes.py`, which mypy
+checks against this protocol) and the wrappers that record an engine's calls. Every member is required: the
+batcher and the service call them without asking whether an engine has them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+
+from strata.engine_cffi import BatchItem
+from strata.text.sampling import SamplingParams
+
+
+class EngineLike(Protocol):
+    """A context of `n_seq` sequences of `n_ctx` positions each, and its model."""
+
+    @property
+    def n_vocab(self) -> int: ...
+    @property
+    def picture_width(self) -> int:
+        """The width of a picture's rows: n_embd, wider with Qwen3-VL's deepstack slices."""
+    @property
+    def n_ctx(self) -> int: ...
+    @property
+    def n_seq(self) -> int: ...
+    @property
+    def n_batch(self) -> int:
+        """The most tokens of one call."""
+    @property
+    def arch(self) -> str: ...
+    @property
+    def backend(self) -> str: ...
+    @property
+    def threads(self) -> int: ...
+
+    def eval_batch(self, items: Sequence[BatchItem], notify_fd: int = -1) -> list[np.ndarray]:
+        """Per item, its logits rows; `EngineAborted` (with the results of the sequences not dropped) when
+        `abort(seq)` stopped some sequence. `notify_fd`: an eventfd the call adds 1 to as it starts (-1: none)."""
+    def seq_n_past(self, seq: int) -> int: ...
+    def keep(self, n: int, seq: int = 0) -> None: ...
+    def copy_prefix(self, src: int, dst: int, n: int) -> None: ...
+    def abort(self, seq: int = 0) -> None: ...
+    def clear_abort(self, seq: int = 0) -> None: ...
+    def sample_rows(self, rows: Sequence[np.ndarray], settings: Sequence[SamplingParams], u: Sequence[float]
+                    ) -> list[int]:
+        """A token drawn from each row of logits, as `strata.text.sampling.draw` draws it (the arg-max where
+        settings[i] is greedy): the draws of one step at once."""
+    def cpu_seconds(self) -> float:
+        """CPU seconds the engine's own threads have run (the clock the batcher times its steps by)."""
+    def close(self) -> None: ...
