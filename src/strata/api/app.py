@@ -32,7 +32,7 @@ from strata.api.body import INLINE_BYTES, parse_body
 from strata.api.cors import add_cors
 from strata.api.errors import ApiError, as_api_error, dialect_for_path, error_body
 from strata.api.hosts import add_host_check
-from strata.api.translate import SseEvent
+from strata.api.render import Renderer, SseEvent
 from strata.config import Config, load_config
 from strata.events import ChatRequest, Event, Finish, PromptProcessed
 from strata.service import RequestError, Service, open_service
@@ -134,12 +134,23 @@ class _State:
 
 
 @dataclass(frozen=True)
+class _Answer:
+    """What a renderer is made from: the names the answer reports, the request (whose settings a Responses
+    answer echoes) and its body (whose stream options an OpenAI stream follows)."""
+
+    model: str
+    request_id: str
+    request: ChatRequest
+    body: Any
+    streamed: bool
+
+
+@dataclass(frozen=True)
 class _Dialect:
-    """How one API speaks: parse a body, render a finished answer, stream events."""
+    """How one API speaks: parse a body, and render the answer's events (a stream, or its fold)."""
 
     parse: Callable[[Any], ChatRequest]
-    render: Callable[..., dict[str, Any]]
-    new_stream: Callable[..., Any]  # (model=, request_id=, body=, request=) -> renderer with start/feed/error
+    renderer: Callable[[_Answer], Renderer]
     done: bytes | None = None  # a marker after the last event
 
 
@@ -334,13 +345,16 @@ def _add_info_routes(app: Quart, state: _State) -> None:
 # --- chat routes
 
 
+def _openai_usage(answer: _Answer) -> bool:
+    """Whether an OpenAI stream ends with its usage chunk (asked for in the body of a streamed request only)."""
+    return answer.streamed and openai_chat.include_usage(answer.body)
+
+
 def _openai_chat_dialect() -> _Dialect:
     return _Dialect(
         parse=openai_chat.parse_request,
-        render=lambda events, *, model, request_id, request: openai_chat.render_response(
-            events, model=model, request_id=request_id),
-        new_stream=lambda *, model, request_id, body, request: openai_chat.ChunkStream(
-            model=model, request_id=request_id, include_usage=openai_chat.include_usage(body)),
+        renderer=lambda answer: openai_chat.ChatRenderer(
+            model=answer.model, request_id=answer.request_id, include_usage=_openai_usage(answer)),
         done=sse.DONE,
     )
 
@@ -348,10 +362,8 @@ def _openai_chat_dialect() -> _Dialect:
 def _completions_dialect() -> _Dialect:
     return _Dialect(
         parse=openai_completions.parse_request,
-        render=lambda events, *, model, request_id, request: openai_completions.render_response(
-            events, model=model, request_id=request_id),
-        new_stream=lambda *, model, request_id, body, request: openai_completions.CompletionStream(
-            model=model, request_id=request_id, body=body),
+        renderer=lambda answer: openai_completions.CompletionRenderer(
+            model=answer.model, request_id=answer.request_id, include_usage=_openai_usage(answer)),
         done=sse.DONE,
     )
 
@@ -363,10 +375,7 @@ def _anthropic_dialect() -> _Dialect | None:
         return None
     return _Dialect(
         parse=anthropic.parse_request,
-        render=lambda events, *, model, request_id, request: anthropic.render_response(
-            events, model=model, request_id=request_id),
-        new_stream=lambda *, model, request_id, body, request: anthropic.MessageStream(
-            model=model, request_id=request_id),
+        renderer=lambda answer: anthropic.MessageRenderer(model=answer.model, request_id=answer.request_id),
     )
 
 
@@ -377,10 +386,8 @@ def _responses_dialect() -> _Dialect | None:
         return None
     return _Dialect(
         parse=openai_responses.parse_request,
-        render=lambda events, *, model, request_id, request: openai_responses.render_response(
-            events, model=model, request_id=request_id, request=request),
-        new_stream=lambda *, model, request_id, body, request: openai_responses.ResponseEventStream(
-            model=model, request_id=request_id, request=request),
+        renderer=lambda answer: openai_responses.ResponseRenderer(
+            model=answer.model, request_id=answer.request_id, request=answer.request),
     )
 
 
@@ -433,11 +440,13 @@ def _chat_view(state: _State, dialect: _Dialect) -> Callable[[], Awaitable[Respo
         service = state.ready_service()
         request_id = uuid.uuid4().hex[:24]
         events = service.chat(chat_request, request_id=request_id)
-        names = {"model": service.model_name, "request_id": request_id, "request": chat_request}
-        if not (isinstance(data, dict) and data.get("stream") is True):
+        streamed = isinstance(data, dict) and data.get("stream") is True
+        answer = _Answer(service.model_name, request_id, chat_request, data, streamed)
+        if not streamed:
             async with aclosing(events):
-                return _json(dialect.render([event async for event in events], **names))
-        renderer = dialect.new_stream(body=data, **names)
+                generated = [event async for event in events]
+            return _json(dialect.renderer(answer).whole(generated))
+        renderer = dialect.renderer(answer)
         # The first event is awaited here, before the status line goes out, so that a request the service
         # refuses (too long, queue full, engine error) gets its HTTP status instead of a broken stream.
         try:
@@ -470,8 +479,8 @@ def _with_sampling_defaults(chat_request: ChatRequest, body: Any, config: Config
     return dataclasses.replace(chat_request, sampling=sampling)
 
 
-async def _stream(events: AsyncGenerator[Event, None], first: list[Event], renderer: Any, done: bytes | None
-                  ) -> AsyncIterator[bytes]:
+async def _stream(events: AsyncGenerator[Event, None], first: list[Event], renderer: Renderer,
+                  done: bytes | None) -> AsyncIterator[bytes]:
     """The SSE body, from the `first` events (already taken from `events`) on. Runs in the request's task: a
     hang-up cancels it at its next checkpoint, and the response machinery closes it, which closes `events` (the
     service's generator) and frees the engine's turn."""
