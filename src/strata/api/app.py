@@ -27,7 +27,7 @@ from quart_trio import QuartTrio
 from quart_trio.asgi import TrioASGIHTTPConnection
 from werkzeug.exceptions import HTTPException
 
-from strata.api import openai_chat, openai_completions, sse, status, tokens, web
+from strata.api import anthropic, openai_chat, openai_completions, openai_responses, sse, status, tokens, web
 from strata.api.body import INLINE_BYTES, parse_body
 from strata.api.cors import add_cors
 from strata.api.errors import ApiError, as_api_error, dialect_for_path, error_body
@@ -350,70 +350,45 @@ def _openai_usage(answer: _Answer) -> bool:
     return answer.streamed and openai_chat.include_usage(answer.body)
 
 
-def _openai_chat_dialect() -> _Dialect:
-    return _Dialect(
+_DIALECTS = {
+    "/v1/chat/completions": _Dialect(
         parse=openai_chat.parse_request,
         renderer=lambda answer: openai_chat.ChatRenderer(
             model=answer.model, request_id=answer.request_id, include_usage=_openai_usage(answer)),
         done=sse.DONE,
-    )
-
-
-def _completions_dialect() -> _Dialect:
-    return _Dialect(
+    ),
+    "/v1/completions": _Dialect(
         parse=openai_completions.parse_request,
         renderer=lambda answer: openai_completions.CompletionRenderer(
             model=answer.model, request_id=answer.request_id, include_usage=_openai_usage(answer)),
         done=sse.DONE,
-    )
-
-
-def _anthropic_dialect() -> _Dialect | None:
-    try:
-        from strata.api import anthropic
-    except ImportError:
-        return None
-    return _Dialect(
+    ),
+    "/v1/messages": _Dialect(
         parse=anthropic.parse_request,
         renderer=lambda answer: anthropic.MessageRenderer(model=answer.model, request_id=answer.request_id),
-    )
-
-
-def _responses_dialect() -> _Dialect | None:
-    try:
-        from strata.api import openai_responses
-    except ImportError:
-        return None
-    return _Dialect(
+    ),
+    "/v1/responses": _Dialect(
         parse=openai_responses.parse_request,
         renderer=lambda answer: openai_responses.ResponseRenderer(
             model=answer.model, request_id=answer.request_id, request=answer.request),
-    )
+    ),
+}
 
 
 def _add_chat_routes(app: Quart, state: _State) -> None:
-    routes = {"/v1/chat/completions": _openai_chat_dialect(),
-              "/v1/completions": _completions_dialect(),
-              "/v1/messages": _anthropic_dialect(),
-              "/v1/responses": _responses_dialect()}
-    for path, dialect in routes.items():
-        if dialect is not None:
-            app.add_url_rule(path, endpoint=path, view_func=_chat_view(state, dialect), methods=["POST"])
-    if routes["/v1/messages"] is not None:
-        from strata.api import anthropic
+    for path, dialect in _DIALECTS.items():
+        app.add_url_rule(path, endpoint=path, view_func=_chat_view(state, dialect), methods=["POST"])
 
-        @app.post("/v1/messages/count_tokens")
-        async def count_tokens() -> Response:
-            chat_request = anthropic.parse_count_tokens_request(await _json_body())
-            return _json(anthropic.render_count(await state.ready_service().count_tokens(chat_request)))
-    if routes["/v1/responses"] is not None:
-        from strata.api import openai_responses
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens() -> Response:
+        chat_request = anthropic.parse_count_tokens_request(await _json_body())
+        return _json(anthropic.render_count(await state.ready_service().count_tokens(chat_request)))
 
-        @app.post("/v1/responses/input_tokens")
-        async def input_tokens() -> Response:
-            chat_request = openai_responses.parse_count_request(await _json_body())
-            count = await state.ready_service().count_tokens(chat_request)
-            return _json({"object": "response.input_tokens", "input_tokens": count})
+    @app.post("/v1/responses/input_tokens")
+    async def input_tokens() -> Response:
+        chat_request = openai_responses.parse_count_request(await _json_body())
+        count = await state.ready_service().count_tokens(chat_request)
+        return _json({"object": "response.input_tokens", "input_tokens": count})
 
 
 def _add_token_routes(app: Quart, state: _State) -> None:
