@@ -42,7 +42,9 @@ _SEND_ERRORS = (OSError, trio.BrokenResourceError, trio.ClosedResourceError)
 
 
 def _patch_tcp_server_send() -> None:
-    """Two changes to the send of hypercorn's trio worker (0.18), `TCPServer.protocol_send`:
+    """Two changes to the send of hypercorn's trio worker, `TCPServer.protocol_send` (as 0.17 and 0.18 have it:
+    pyproject.toml pins hypercorn below 0.19, and tests/server/test_http_send.py fails when the internals used
+    here change — the lock, the stream, the original's fallback, trio's socket):
 
     - A write goes to the socket at once when nobody else is writing and the socket takes it all (the usual case:
       a streamed token is a few hundred bytes), instead of through the send lock and `send_all`, whose two
