@@ -223,7 +223,7 @@ TOOL_TURN = [
 
 
 def test_rendered_message_matches_the_client_type():
-    message = Message.model_validate(anthropic.render_response(TOOL_TURN, model="strata", request_id="abc"))
+    message = Message.model_validate(anthropic.MessageRenderer(model="strata", request_id="abc").whole(TOOL_TURN))
     assert message.id == "msg_abc"
     assert [block.type for block in message.content] == ["thinking", "text", "tool_use", "tool_use"]
     assert message.content[0].thinking == "The user wants the weather."
@@ -240,8 +240,8 @@ def test_rendered_message_matches_the_client_type():
     ("stop", "end_turn"), ("length", "max_tokens"), ("tool_calls", "tool_use"),
 ])
 def test_stop_reasons(reason, stop_reason):
-    events = [TextDelta("x"), Finish(reason)]
-    message = anthropic.render_response(events, model="m", request_id="r", usage=Usage(3, 0, 1))
+    events = [TextDelta("x"), Usage(3, 0, 1), Finish(reason)]
+    message = anthropic.MessageRenderer(model="m", request_id="r").whole(events)
     assert message["stop_reason"] == stop_reason
     assert message["usage"]["input_tokens"] == 3
 
@@ -249,12 +249,12 @@ def test_stop_reasons(reason, stop_reason):
 @pytest.mark.parametrize(("reason", "status"), [("error", 500), ("cancel", 503)])
 def test_a_generation_that_did_not_finish_is_an_error(reason, status):
     with pytest.raises(ApiError) as caught:
-        anthropic.render_response([TextDelta("x"), Finish(reason)], model="m", request_id="r")
+        anthropic.MessageRenderer(model="m", request_id="r").whole([TextDelta("x"), Finish(reason)])
     assert caught.value.status == status
 
 
 def _stream(events, **kwargs):
-    stream = anthropic.MessageStream(model="strata", request_id="abc", **kwargs)
+    stream = anthropic.MessageRenderer(model="strata", request_id="abc", **kwargs)
     out = stream.start()
     for event in events:
         out += stream.feed(event)
@@ -285,7 +285,7 @@ def test_stream_sequence():
 def test_stream_accumulates_to_the_rendered_message(reason):
     events = [*TOOL_TURN[:-1], Finish(reason)]
     streamed = _accumulate(_stream(events))
-    rendered = Message.model_validate(anthropic.render_response(events, model="strata", request_id="abc"))
+    rendered = Message.model_validate(anthropic.MessageRenderer(model="strata", request_id="abc").whole(events))
     assert streamed.model_dump(exclude_none=True) == rendered.model_dump(exclude_none=True)
 
 
@@ -315,7 +315,7 @@ def test_stream_of_an_empty_answer():
 
 
 def test_stream_without_explicit_start_opens_by_itself():
-    stream = anthropic.MessageStream(model="m", request_id="r")
+    stream = anthropic.MessageRenderer(model="m", request_id="r")
     first = stream.feed(TextDelta("a"))
     assert [name for name, _ in first] == ["message_start", "ping", "content_block_start", "content_block_delta"]
     assert stream.start() == []
@@ -329,7 +329,7 @@ def test_a_failed_stream_ends_with_an_error_event():
 
 def test_stream_events_are_fresh_objects():
     # The server may serialise events later; none may change afterwards.
-    stream = anthropic.MessageStream(model="m", request_id="r")
+    stream = anthropic.MessageRenderer(model="m", request_id="r")
     first = stream.feed(TextDelta("a"))
     snapshot = copy.deepcopy(first)
     stream.feed(TextDelta("b"))

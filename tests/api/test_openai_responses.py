@@ -204,8 +204,8 @@ def _request():
 
 
 def test_rendered_response_matches_the_client_type():
-    response = Response.model_validate(openai_responses.render_response(
-        TOOL_TURN, model="strata", request_id="abc", request=_request()))
+    response = Response.model_validate(openai_responses.ResponseRenderer(
+        model="strata", request_id="abc", request=_request()).whole(TOOL_TURN))
     assert (response.id, response.status, response.model) == ("resp_abc", "completed", "strata")
     assert [item.type for item in response.output] == ["reasoning", "message", "function_call", "function_call"]
     assert response.output[0].content[0].text == "The user wants the weather."
@@ -220,15 +220,15 @@ def test_rendered_response_matches_the_client_type():
 
 
 def test_a_cut_answer_is_incomplete():
-    response = Response.model_validate(openai_responses.render_response(
-        [TextDelta("abc"), Finish("length")], model="m", request_id="r", usage=Usage(3, 0, 1)))
+    response = Response.model_validate(openai_responses.ResponseRenderer(
+        model="m", request_id="r").whole([TextDelta("abc"), Usage(3, 0, 1), Finish("length")]))
     assert (response.status, response.incomplete_details.reason) == ("incomplete", "max_output_tokens")
     assert response.usage.input_tokens == 3
     assert response.output[0].status == "incomplete"
 
 
 def _stream(events, request=None):
-    stream = openai_responses.ResponseEventStream(model="strata", request_id="abc", request=request)
+    stream = openai_responses.ResponseRenderer(model="strata", request_id="abc", request=request)
     out = stream.start()
     for event in events:
         out += stream.feed(event)
@@ -266,8 +266,8 @@ def test_stream_sequence():
 def test_stream_completes_to_the_rendered_response():
     request = _request()
     state = _replay(_stream(TOOL_TURN, request))
-    rendered = Response.model_validate(openai_responses.render_response(
-        TOOL_TURN, model="strata", request_id="abc", request=request))
+    rendered = Response.model_validate(openai_responses.ResponseRenderer(
+        model="strata", request_id="abc", request=request).whole(TOOL_TURN))
     streamed = state._completed_response
     assert streamed is not None
     assert [item.model_dump(exclude_none=True) for item in streamed.output] == \
@@ -279,7 +279,7 @@ def test_stream_completes_to_the_rendered_response():
 def test_the_last_stream_event_holds_the_rendered_response(reason):
     events = [*TOOL_TURN[:-1], Finish(reason)]
     last = _stream(events)[-1][1]["response"]
-    rendered = openai_responses.render_response(events, model="strata", request_id="abc")
+    rendered = openai_responses.ResponseRenderer(model="strata", request_id="abc").whole(events)
     assert {**last, "created_at": 0} == {**rendered, "created_at": 0}
 
 
@@ -317,7 +317,7 @@ def test_a_failed_stream_ends_with_response_failed():
 
 
 def test_an_error_event_mid_stream():
-    stream = openai_responses.ResponseEventStream(model="m", request_id="r")
+    stream = openai_responses.ResponseRenderer(model="m", request_id="r")
     sse_events = stream.feed(TextDelta("a")) + stream.error(ApiError(503, "shutting down", kind="server_error"))
     _replay(sse_events)
     assert sse_events[-1][1]["message"] == "shutting down"

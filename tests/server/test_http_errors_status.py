@@ -145,6 +145,18 @@ async def test_health_and_chat_answer_503_while_the_model_loads():
     assert "loading" in (await reply.get_json())["error"]["message"]
 
 
+def test_every_dialect_has_its_routes():
+    # The dialects are imported like any module: one that fails to import stops the server from starting,
+    # instead of leaving its routes out.
+    from strata.api import create_app
+    from strata.service import Service
+
+    app = create_app(service=Service(server_config()))
+    posts = {rule.rule for rule in app.url_map.iter_rules() if "POST" in (rule.methods or ())}
+    assert posts >= {"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens",
+                     "/v1/responses", "/v1/responses/input_tokens"}
+
+
 async def test_a_failed_send_cancels_the_request():
     import trio
 

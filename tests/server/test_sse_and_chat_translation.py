@@ -62,8 +62,8 @@ def test_tool_choice_none_hides_the_tools():
     assert openai_chat.parse_request(body).tools == []
 
 
-def test_render_response_is_a_valid_chat_completion():
-    body = openai_chat.render_response(EVENTS, model="m", request_id="abc")
+def test_whole_answer_is_a_valid_chat_completion():
+    body = openai_chat.ChatRenderer(model="m", request_id="abc").whole(EVENTS)
     completion = ChatCompletion.model_validate(body)
     message = completion.choices[0].message
     assert message.content == "Hello" and message.model_extra["reasoning_content"] == "think"
@@ -76,12 +76,12 @@ def test_render_response_is_a_valid_chat_completion():
 
 def test_failed_generation_is_a_500():
     with pytest.raises(ApiError) as caught:
-        openai_chat.render_response([Finish("error")], model="m", request_id="x")
+        openai_chat.ChatRenderer(model="m", request_id="x").whole([Finish("error")])
     assert caught.value.status == 500
 
 
 def test_chunk_stream_is_valid_chunks_in_order():
-    stream = openai_chat.ChunkStream(model="m", request_id="abc", include_usage=True)
+    stream = openai_chat.ChatRenderer(model="m", request_id="abc", include_usage=True)
     chunks = [data for event in EVENTS for name, data in stream.feed(event)]
     parsed = [ChatCompletionChunk.model_validate(chunk) for chunk in chunks]
     assert [chunk["choices"][0]["delta"] if chunk["choices"] else None for chunk in chunks] == [
@@ -97,7 +97,7 @@ def test_chunk_stream_is_valid_chunks_in_order():
 
 
 def test_chunk_stream_error_event_when_generation_fails():
-    stream = openai_chat.ChunkStream(model="m", request_id="abc")
+    stream = openai_chat.ChatRenderer(model="m", request_id="abc")
     events = stream.feed(TextDelta("a")) + stream.feed(Finish("error"))
     assert events[-1][1]["error"]["type"] == "server_error"
 

@@ -1,5 +1,6 @@
 """The Anthropic Messages dialect (`POST /v1/messages`, `/v1/messages/count_tokens`): request JSON to a
-`ChatRequest`, generation events to a message or to Anthropic's stream of events. Pure translation, no I/O.
+`ChatRequest`, generation events to Anthropic's stream of events and the message it adds up to. Pure
+translation, no I/O.
 
 Tool calls keep the ids the generation gives them; thinking blocks carry an empty signature (nothing signs them).
 The MCP connector works with the servers this server is configured with (`mcp_servers` entries name them; others
@@ -12,18 +13,16 @@ and `usage.input_tokens` counts only the prompt tokens that were not read from t
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, final
 
 from strata.api.errors import ApiError, anthropic_error_body
+from strata.api.render import Renderer, SseEvent, unfinished
 from strata.api.translate import (
-    Block,
-    SseEvent,
     arguments_object,
     bad_request,
     check_stops,
     check_type,
     check_unique_tool_names,
-    collect,
     function_tool,
     get,
     get_choice,
@@ -37,7 +36,6 @@ from strata.api.translate import (
     join_parts,
     sampling_params,
     schema_format,
-    stop_sequence,
 )
 from strata.events import (
     ChatRequest,
@@ -45,9 +43,11 @@ from strata.events import (
     Finish,
     McpToolList,
     McpUse,
+    PromptLogprobs,
     PromptProcessed,
     ReasoningDelta,
     TextDelta,
+    TokenLogprob,
     ToolCallArgumentsDelta,
     ToolCallStart,
     ToolResult,
@@ -396,63 +396,8 @@ def _thinking(body: dict[str, Any]) -> bool:
 
 # --- responses
 
-def render_response(events: Iterable[Event], *, model: str, request_id: str,
-                    usage: Usage | None = None) -> dict[str, Any]:
-    """The JSON of a finished, non-streamed message.
-
-    Args:
-        events: everything the generation yielded, ending with its `Finish`.
-        model: the model name to report.
-        request_id: the server's id of this request; the message id is `msg_` + it.
-        usage: the token counts; None takes the `Usage` event among `events`.
-
-    Raises:
-        ApiError: 500 when the generation failed, 503 when it was cancelled (the server is shutting down).
-    """
-    outcome = collect(events)
-    finish = outcome.finish or Finish("error")
-    _raise_unfinished(finish)
-    outcome.blocks = [block for block in outcome.blocks if block.kind != "mcp_list" or block.error is None]
-    return {
-        "id": f"msg_{request_id}",
-        "type": "message",
-        "role": "assistant",
-        "model": model,
-        "content": [_content_block(block) for block in outcome.blocks],
-        "stop_reason": _stop_reason(finish),
-        "stop_sequence": stop_sequence(finish),
-        "usage": _usage(usage or outcome.usage),
-    }
-
-
-def _content_block(block: Block) -> dict[str, Any]:
-    if block.kind == "reasoning":
-        return {"type": "thinking", "thinking": block.text, "signature": ""}
-    if block.kind == "text":
-        return {"type": "text", "text": block.text}
-    if block.kind == "mcp_list":
-        return {"type": "mcp_tool_listing", "mcp_server_name": block.server, "tools": list(block.tools)}
-    if block.kind == "mcp_result":
-        return {"type": "mcp_tool_result", "tool_use_id": block.call_id, "is_error": block.is_error,
-                "content": [{"type": "text", "text": block.output or ""}]}
-    if block.kind == "mcp_call":
-        return {"type": "mcp_tool_use", "id": block.call_id, "name": block.name, "server_name": block.server,
-                "input": _input_object(block.text)}
-    return {"type": "tool_use", "id": block.call_id, "name": block.name,
-            "input": arguments_object(block.text, "tool_use.input")}
-
-
-def _input_object(text: str) -> dict[str, Any]:
-    """A call's arguments as the `input` object; arguments that are not an object (the model's mistake, which
-    its tool result reported) are shown as an empty one."""
-    try:
-        return arguments_object(text, "mcp_tool_use.input")
-    except ApiError:
-        return {}
-
-
 def _stop_reason(finish: Finish) -> str:
-    if finish.reason == "stop" and stop_sequence(finish) is not None:
+    if finish.reason == "stop" and finish.stop_sequence is not None:
         return "stop_sequence"
     return _STOP_REASONS[finish.reason]
 
@@ -467,15 +412,9 @@ def _usage(usage: Usage | None) -> dict[str, int]:
     }
 
 
-def _raise_unfinished(finish: Finish) -> None:
-    if finish.reason == "error":
-        raise ApiError(500, "generation failed", kind="server_error")
-    if finish.reason == "cancel":
-        raise ApiError(503, "the request was cancelled", kind="server_error")
-
-
-class MessageStream:
-    """Anthropic's event stream for one message, built from generation events one at a time.
+@final
+class MessageRenderer(Renderer):
+    """Anthropic's event stream for one message, and the message it adds up to.
 
     The sequence: `message_start`, `ping`, then per content block `content_block_start`, its
     `content_block_delta`s and `content_block_stop`, and at the end `message_delta` (stop reason, usage) and
@@ -487,20 +426,17 @@ class MessageStream:
     """
 
     def __init__(self, *, model: str, request_id: str):
+        super().__init__()
         self._model = model
         self._id = f"msg_{request_id}"
-        self._started = False
         self._blocks = 0  # content blocks started so far
         self._open: str | None = None  # the kind of the block still open
         self._tool_blocks: dict[int, int] = {}  # tool call index -> its block index
         self._usage: Usage | None = None
 
-    def start(self, prompt: PromptProcessed | None = None) -> list[SseEvent]:
-        """The opening events (sent once; `feed` sends them first if nobody asked yet), with the prompt's token
-        counts when they are known."""
-        if self._started:
-            return []
-        self._started = True
+    def on_start(self, first: Event | None) -> list[SseEvent]:
+        """`message_start` carries the prompt's token counts when the stream opens with them."""
+        prompt = first if isinstance(first, PromptProcessed) else None
         usage = _usage(Usage(prompt.prompt_tokens, prompt.cached_tokens, 0) if prompt else None)
         message: dict[str, Any] = {
             "id": self._id, "type": "message", "role": "assistant", "model": self._model, "content": [],
@@ -508,40 +444,84 @@ class MessageStream:
         }
         return [("message_start", {"type": "message_start", "message": message}), ("ping", {"type": "ping"})]
 
-    def feed(self, event: Event) -> list[SseEvent]:
-        """The events that say what `event` adds to the message."""
-        out = self.start(event if isinstance(event, PromptProcessed) else None)
-        if isinstance(event, TextDelta) and event.text:
-            out += self._delta("text", {"type": "text_delta", "text": event.text})
-        elif isinstance(event, ReasoningDelta) and event.text:
-            out += self._delta("thinking", {"type": "thinking_delta", "thinking": event.text})
-        elif isinstance(event, ToolCallStart):
-            self._tool_blocks[event.index] = self._blocks
-            if event.server is not None:
-                out += self._open_block("mcp_tool_use", {"type": "mcp_tool_use", "id": event.id, "name": event.name,
-                                                         "server_name": event.server, "input": {}})
-            else:
-                out += self._open_block("tool_use", {"type": "tool_use", "id": event.id, "name": event.name,
-                                                     "input": {}})
-        elif isinstance(event, ToolResult):
-            block = {"type": "mcp_tool_result", "tool_use_id": event.call_id, "is_error": event.is_error,
-                     "content": [{"type": "text", "text": event.text}]}
-            out += self._open_block("mcp_tool_result", block) + self._close_block()
-        elif isinstance(event, McpToolList) and event.error is None:
-            block = {"type": "mcp_tool_listing", "mcp_server_name": event.server, "tools": list(event.tools)}
-            out += self._open_block("mcp_tool_listing", block) + self._close_block()
-        elif isinstance(event, ToolCallArgumentsDelta) and event.text:
-            delta = {"type": "input_json_delta", "partial_json": event.text}
-            out.append(_block_delta(self._tool_blocks[event.index], delta))
-        elif isinstance(event, Usage):
-            self._usage = event
-        elif isinstance(event, Finish):
-            out += self._finish(event)
+    def on_text(self, event: TextDelta) -> list[SseEvent]:
+        return self._delta("text", {"type": "text_delta", "text": event.text}) if event.text else []
+
+    def on_reasoning(self, event: ReasoningDelta) -> list[SseEvent]:
+        return self._delta("thinking", {"type": "thinking_delta", "thinking": event.text}) if event.text else []
+
+    def on_tool_call(self, event: ToolCallStart) -> list[SseEvent]:
+        self._tool_blocks[event.index] = self._blocks
+        if event.server is not None:
+            return self._open_block("mcp_tool_use", {"type": "mcp_tool_use", "id": event.id, "name": event.name,
+                                                     "server_name": event.server, "input": {}})
+        return self._open_block("tool_use", {"type": "tool_use", "id": event.id, "name": event.name, "input": {}})
+
+    def on_tool_arguments(self, event: ToolCallArgumentsDelta) -> list[SseEvent]:
+        if not event.text:
+            return []
+        return [_block_delta(self._tool_blocks[event.index], {"type": "input_json_delta", "partial_json": event.text})]
+
+    def on_logprob(self, event: TokenLogprob) -> list[SseEvent]:
+        return []  # the Messages API has no log-probabilities
+
+    def on_prompt_logprobs(self, event: PromptLogprobs) -> list[SseEvent]:
+        return []
+
+    def on_prompt(self, event: PromptProcessed) -> list[SseEvent]:
+        return []  # its counts open the stream (`on_start`)
+
+    def on_tool_list(self, event: McpToolList) -> list[SseEvent]:
+        if event.error is not None:
+            return []  # a server that is down lists nothing
+        block = {"type": "mcp_tool_listing", "mcp_server_name": event.server, "tools": list(event.tools)}
+        return self._open_block("mcp_tool_listing", block) + self._close_block()
+
+    def on_tool_result(self, event: ToolResult) -> list[SseEvent]:
+        block = {"type": "mcp_tool_result", "tool_use_id": event.call_id, "is_error": event.is_error,
+                 "content": [{"type": "text", "text": event.text}]}
+        return self._open_block("mcp_tool_result", block) + self._close_block()
+
+    def on_usage(self, event: Usage) -> list[SseEvent]:
+        self._usage = event
+        return []
+
+    def on_finish(self, event: Finish) -> list[SseEvent]:
+        out = self._close_block()
+        error = unfinished(event)
+        if error is not None:
+            return out + self.error(error)
+        delta = {"stop_reason": _stop_reason(event), "stop_sequence": event.stop_sequence}
+        out.append(("message_delta", {"type": "message_delta", "delta": delta, "usage": _usage(self._usage)}))
+        out.append(("message_stop", {"type": "message_stop"}))
         return out
 
-    def error(self, error: ApiError) -> list[SseEvent]:
-        """The event that ends a stream the server cannot finish (the HTTP status was sent long ago)."""
+    def on_error(self, error: ApiError) -> list[SseEvent]:
         return [("error", anthropic_error_body(error))]
+
+    def fold(self, stream: Iterable[SseEvent]) -> dict[str, Any]:
+        """The message as the Anthropic SDK accumulates it: `message_start`'s message, each block from its start
+        with its deltas joined (a tool call's `input` parsed from its JSON pieces), `message_delta`'s stop reason
+        and usage.
+
+        Raises:
+            ApiError: 400 when the arguments of a call to one of the client's tools are not a JSON object.
+        """
+        message: dict[str, Any] = {}
+        pieces: dict[int, list[str]] = {}  # an open block's index -> its deltas' pieces
+        for name, data in stream:
+            if name == "message_start":
+                message = {**data["message"], "content": []}
+            elif name == "content_block_start":
+                message["content"].append(dict(data["content_block"]))
+            elif name == "content_block_delta":
+                delta = data["delta"]
+                pieces.setdefault(data["index"], []).append(delta[_DELTA_PIECES[delta["type"]]])
+            elif name == "content_block_stop":
+                _finish_block(message["content"][data["index"]], "".join(pieces.pop(data["index"], [])))
+            elif name == "message_delta":
+                message.update(data["delta"], usage=data["usage"])
+        return message
 
     def _delta(self, kind: str, delta: dict[str, Any]) -> list[SseEvent]:
         out = [] if self._open == kind else self._open_block(kind, dict(_EMPTY_BLOCKS[kind]))
@@ -562,17 +542,26 @@ class MessageStream:
         self._open = None
         return [("content_block_stop", {"type": "content_block_stop", "index": self._blocks - 1})]
 
-    def _finish(self, finish: Finish) -> list[SseEvent]:
-        out = self._close_block()
-        try:
-            _raise_unfinished(finish)
-        except ApiError as error:
-            return out + self.error(error)
-        delta = {"stop_reason": _stop_reason(finish), "stop_sequence": stop_sequence(finish)}
-        out.append(("message_delta", {"type": "message_delta", "delta": delta, "usage": _usage(self._usage)}))
-        out.append(("message_stop", {"type": "message_stop"}))
-        return out
-
 
 def _block_delta(index: int, delta: dict[str, Any]) -> SseEvent:
     return ("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta})
+
+
+# A content block delta's type -> its field that holds the piece.
+_DELTA_PIECES = {"text_delta": "text", "thinking_delta": "thinking", "input_json_delta": "partial_json"}
+
+
+def _finish_block(block: dict[str, Any], joined: str) -> None:
+    """A block with its deltas' pieces `joined`: a call to the client's tool must carry an object as its
+    `input`; a call the server ran shows arguments that are not an object (the model's mistake, which its result
+    reported) as {}."""
+    kind = block["type"]
+    if kind in ("text", "thinking"):
+        block[kind] = joined
+    elif kind == "tool_use":
+        block["input"] = arguments_object(joined, "tool_use.input")
+    elif kind == "mcp_tool_use":
+        try:
+            block["input"] = arguments_object(joined, "mcp_tool_use.input")
+        except ApiError:
+            block["input"] = {}

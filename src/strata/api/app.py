@@ -27,12 +27,12 @@ from quart_trio import QuartTrio
 from quart_trio.asgi import TrioASGIHTTPConnection
 from werkzeug.exceptions import HTTPException
 
-from strata.api import openai_chat, openai_completions, sse, status, tokens, web
+from strata.api import anthropic, openai_chat, openai_completions, openai_responses, sse, status, tokens, web
 from strata.api.body import INLINE_BYTES, parse_body
 from strata.api.cors import add_cors
 from strata.api.errors import ApiError, as_api_error, dialect_for_path, error_body
 from strata.api.hosts import add_host_check
-from strata.api.translate import SseEvent
+from strata.api.render import Renderer, SseEvent
 from strata.config import Config, load_config
 from strata.events import ChatRequest, Event, Finish, PromptProcessed
 from strata.service import RequestError, Service, open_service
@@ -42,7 +42,9 @@ _SEND_ERRORS = (OSError, trio.BrokenResourceError, trio.ClosedResourceError)
 
 
 def _patch_tcp_server_send() -> None:
-    """Two changes to the send of hypercorn's trio worker (0.18), `TCPServer.protocol_send`:
+    """Two changes to the send of hypercorn's trio worker, `TCPServer.protocol_send` (as 0.17 and 0.18 have it:
+    pyproject.toml pins hypercorn below 0.19, and tests/server/test_http_send.py fails when the internals used
+    here change — the lock, the stream, the original's fallback, trio's socket):
 
     - A write goes to the socket at once when nobody else is writing and the socket takes it all (the usual case:
       a streamed token is a few hundred bytes), instead of through the send lock and `send_all`, whose two
@@ -134,12 +136,23 @@ class _State:
 
 
 @dataclass(frozen=True)
+class _Answer:
+    """What a renderer is made from: the names the answer reports, the request (whose settings a Responses
+    answer echoes) and its body (whose stream options an OpenAI stream follows)."""
+
+    model: str
+    request_id: str
+    request: ChatRequest
+    body: Any
+    streamed: bool
+
+
+@dataclass(frozen=True)
 class _Dialect:
-    """How one API speaks: parse a body, render a finished answer, stream events."""
+    """How one API speaks: parse a body, and render the answer's events (a stream, or its fold)."""
 
     parse: Callable[[Any], ChatRequest]
-    render: Callable[..., dict[str, Any]]
-    new_stream: Callable[..., Any]  # (model=, request_id=, body=, request=) -> renderer with start/feed/error
+    renderer: Callable[[_Answer], Renderer]
     done: bytes | None = None  # a marker after the last event
 
 
@@ -334,79 +347,50 @@ def _add_info_routes(app: Quart, state: _State) -> None:
 # --- chat routes
 
 
-def _openai_chat_dialect() -> _Dialect:
-    return _Dialect(
+def _openai_usage(answer: _Answer) -> bool:
+    """Whether an OpenAI stream ends with its usage chunk (asked for in the body of a streamed request only)."""
+    return answer.streamed and openai_chat.include_usage(answer.body)
+
+
+_DIALECTS = {
+    "/v1/chat/completions": _Dialect(
         parse=openai_chat.parse_request,
-        render=lambda events, *, model, request_id, request: openai_chat.render_response(
-            events, model=model, request_id=request_id),
-        new_stream=lambda *, model, request_id, body, request: openai_chat.ChunkStream(
-            model=model, request_id=request_id, include_usage=openai_chat.include_usage(body)),
+        renderer=lambda answer: openai_chat.ChatRenderer(
+            model=answer.model, request_id=answer.request_id, include_usage=_openai_usage(answer)),
         done=sse.DONE,
-    )
-
-
-def _completions_dialect() -> _Dialect:
-    return _Dialect(
+    ),
+    "/v1/completions": _Dialect(
         parse=openai_completions.parse_request,
-        render=lambda events, *, model, request_id, request: openai_completions.render_response(
-            events, model=model, request_id=request_id),
-        new_stream=lambda *, model, request_id, body, request: openai_completions.CompletionStream(
-            model=model, request_id=request_id, body=body),
+        renderer=lambda answer: openai_completions.CompletionRenderer(
+            model=answer.model, request_id=answer.request_id, include_usage=_openai_usage(answer)),
         done=sse.DONE,
-    )
-
-
-def _anthropic_dialect() -> _Dialect | None:
-    try:
-        from strata.api import anthropic
-    except ImportError:
-        return None
-    return _Dialect(
+    ),
+    "/v1/messages": _Dialect(
         parse=anthropic.parse_request,
-        render=lambda events, *, model, request_id, request: anthropic.render_response(
-            events, model=model, request_id=request_id),
-        new_stream=lambda *, model, request_id, body, request: anthropic.MessageStream(
-            model=model, request_id=request_id),
-    )
-
-
-def _responses_dialect() -> _Dialect | None:
-    try:
-        from strata.api import openai_responses
-    except ImportError:
-        return None
-    return _Dialect(
+        renderer=lambda answer: anthropic.MessageRenderer(model=answer.model, request_id=answer.request_id),
+    ),
+    "/v1/responses": _Dialect(
         parse=openai_responses.parse_request,
-        render=lambda events, *, model, request_id, request: openai_responses.render_response(
-            events, model=model, request_id=request_id, request=request),
-        new_stream=lambda *, model, request_id, body, request: openai_responses.ResponseEventStream(
-            model=model, request_id=request_id, request=request),
-    )
+        renderer=lambda answer: openai_responses.ResponseRenderer(
+            model=answer.model, request_id=answer.request_id, request=answer.request),
+    ),
+}
 
 
 def _add_chat_routes(app: Quart, state: _State) -> None:
-    routes = {"/v1/chat/completions": _openai_chat_dialect(),
-              "/v1/completions": _completions_dialect(),
-              "/v1/messages": _anthropic_dialect(),
-              "/v1/responses": _responses_dialect()}
-    for path, dialect in routes.items():
-        if dialect is not None:
-            app.add_url_rule(path, endpoint=path, view_func=_chat_view(state, dialect), methods=["POST"])
-    if routes["/v1/messages"] is not None:
-        from strata.api import anthropic
+    for path, dialect in _DIALECTS.items():
+        app.add_url_rule(path, endpoint=path, view_func=_chat_view(state, dialect), methods=["POST"])
 
-        @app.post("/v1/messages/count_tokens")
-        async def count_tokens() -> Response:
-            chat_request = anthropic.parse_count_tokens_request(await _json_body())
-            return _json(anthropic.render_count(await state.ready_service().count_tokens(chat_request)))
-    if routes["/v1/responses"] is not None:
-        from strata.api import openai_responses
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens() -> Response:
+        chat_request = anthropic.parse_count_tokens_request(await _json_body())
+        return _json(anthropic.render_count(await state.ready_service().count_tokens(chat_request)))
 
-        @app.post("/v1/responses/input_tokens")
-        async def input_tokens() -> Response:
-            chat_request = openai_responses.parse_count_request(await _json_body())
-            count = await state.ready_service().count_tokens(chat_request)
-            return _json({"object": "response.input_tokens", "input_tokens": count})
+    @app.post("/v1/responses/input_tokens")
+    async def input_tokens() -> Response:
+        chat_request = openai_responses.parse_count_request(await _json_body())
+        count = await state.ready_service().count_tokens(chat_request)
+        return _json({"object": "response.input_tokens", "input_tokens": count})
 
 
 def _add_token_routes(app: Quart, state: _State) -> None:
@@ -433,11 +417,13 @@ def _chat_view(state: _State, dialect: _Dialect) -> Callable[[], Awaitable[Respo
         service = state.ready_service()
         request_id = uuid.uuid4().hex[:24]
         events = service.chat(chat_request, request_id=request_id)
-        names = {"model": service.model_name, "request_id": request_id, "request": chat_request}
-        if not (isinstance(data, dict) and data.get("stream") is True):
+        streamed = isinstance(data, dict) and data.get("stream") is True
+        answer = _Answer(service.model_name, request_id, chat_request, data, streamed)
+        if not streamed:
             async with aclosing(events):
-                return _json(dialect.render([event async for event in events], **names))
-        renderer = dialect.new_stream(body=data, **names)
+                generated = [event async for event in events]
+            return _json(dialect.renderer(answer).whole(generated))
+        renderer = dialect.renderer(answer)
         # The first event is awaited here, before the status line goes out, so that a request the service
         # refuses (too long, queue full, engine error) gets its HTTP status instead of a broken stream.
         try:
@@ -470,8 +456,8 @@ def _with_sampling_defaults(chat_request: ChatRequest, body: Any, config: Config
     return dataclasses.replace(chat_request, sampling=sampling)
 
 
-async def _stream(events: AsyncGenerator[Event, None], first: list[Event], renderer: Any, done: bytes | None
-                  ) -> AsyncIterator[bytes]:
+async def _stream(events: AsyncGenerator[Event, None], first: list[Event], renderer: Renderer,
+                  done: bytes | None) -> AsyncIterator[bytes]:
     """The SSE body, from the `first` events (already taken from `events`) on. Runs in the request's task: a
     hang-up cancels it at its next checkpoint, and the response machinery closes it, which closes `events` (the
     service's generator) and frees the engine's turn."""

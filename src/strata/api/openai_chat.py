@@ -1,21 +1,20 @@
-"""OpenAI chat completions (`POST /v1/chat/completions`): request JSON to a `ChatRequest`, events to JSON and
-SSE chunks. Pure translation, no I/O."""
+"""OpenAI chat completions (`POST /v1/chat/completions`): request JSON to a `ChatRequest`, events to SSE chunks
+and the completion they add up to. Pure translation, no I/O."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, final
 
 from strata.api.errors import ApiError
+from strata.api.render import Renderer, SseEvent, openai_logprob, unfinished
 from strata.api.translate import (
-    SseEvent,
     arguments_object,
     bad_request,
     check_stops,
     check_type,
     check_unique_tool_names,
-    collect,
     function_tool,
     get,
     get_choice,
@@ -28,18 +27,21 @@ from strata.api.translate import (
     llama_cpp_format,
     logit_bias,
     openai_format,
-    openai_logprob,
     top_logprobs,
 )
 from strata.events import (
     ChatRequest,
     Event,
     Finish,
+    McpToolList,
+    PromptLogprobs,
+    PromptProcessed,
     ReasoningDelta,
     TextDelta,
     TokenLogprob,
     ToolCallArgumentsDelta,
     ToolCallStart,
+    ToolResult,
     Usage,
 )
 from strata.text.constraints import AnswerFormat
@@ -282,42 +284,10 @@ def usage_json(usage: Usage | None) -> dict[str, Any]:
     }
 
 
-def _check_finished(finish: Finish) -> str:
-    if finish.reason == "error":
-        raise ApiError(500, "generation failed", kind="server_error")
-    if finish.reason == "cancel":
-        raise ApiError(503, "the request was cancelled", kind="server_error")
-    return _FINISH_REASONS[finish.reason]
-
-
-def render_response(events: Iterable[Event], *, model: str, request_id: str,
-                    usage: Usage | None = None) -> dict[str, Any]:
-    """The `chat.completion` object of a finished generation.
-
-    Raises:
-        ApiError: 500 when the generation failed.
-    """
-    events = list(events)
-    outcome = collect(events)
-    finish_reason = _check_finished(outcome.finish or Finish("error"))
-    text = "".join(block.text for block in outcome.blocks if block.kind == "text")
-    reasoning = "".join(block.text for block in outcome.blocks if block.kind == "reasoning")
-    calls = [{"id": block.call_id, "type": "function", "function": {"name": block.name, "arguments": block.text}}
-             for block in outcome.blocks if block.kind == "tool_call"]
-    message: dict[str, Any] = {"role": "assistant", "content": text or (None if calls else "")}
-    if reasoning:
-        message["reasoning_content"] = reasoning
-    if calls:
-        message["tool_calls"] = calls
-    return {
-        "id": f"chatcmpl-{request_id}",
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [{"index": 0, "message": message, "finish_reason": finish_reason,
-                     "logprobs": _logprobs_json([e for e in events if isinstance(e, TokenLogprob)])}],
-        "usage": usage_json(usage or outcome.usage),
-    }
+def stream_error(error: ApiError) -> list[SseEvent]:
+    """The event that ends an OpenAI stream (chat or completions) the server cannot finish."""
+    return [("", {"error": {"message": error.message, "type": error.kind, "param": error.param,
+                            "code": error.code}})]
 
 
 def _logprobs_json(entries: list[TokenLogprob]) -> dict[str, Any] | None:
@@ -333,69 +303,150 @@ def _logprobs_json(entries: list[TokenLogprob]) -> dict[str, Any] | None:
     return out
 
 
-class ChunkStream:
-    """The `chat.completion.chunk` stream of one generation, built from events one at a time.
+@final
+class ChatRenderer(Renderer):
+    """The `chat.completion.chunk` stream of one generation, and the `chat.completion` it adds up to.
 
     The sequence: a first chunk with the role, then one chunk per delta (`content`, `reasoning_content`, or
     `tool_calls` entries — a call's id, type and name first, then pieces of its arguments), a last chunk with
     `finish_reason`, with `include_usage` one more chunk with no choices and the usage, then `[DONE]` (sent by
-    the caller). Chunk events have no SSE event name.
+    the caller). Chunk events have no SSE event name. A failed generation ends with an error event instead.
+
+    Args:
+        model: the model name to report.
+        request_id: the server's id of this request; the completion id is `chatcmpl-` + it.
+        include_usage: end the stream with the usage chunk (the client's `stream_options.include_usage`).
     """
 
     def __init__(self, *, model: str, request_id: str, include_usage: bool = False):
+        super().__init__()
         self._head = {"id": f"chatcmpl-{request_id}", "object": "chat.completion.chunk",
                       "created": int(time.time()), "model": model}
         self._include_usage = include_usage
-        self._started = False
         self._usage: Usage | None = None
         self._logprobs: list[TokenLogprob] = []  # waiting for the chunk of their text
 
-    def start(self) -> list[SseEvent]:
-        if self._started:
-            return []
-        self._started = True
+    def on_start(self, first: Event | None) -> list[SseEvent]:
         return [self._chunk({"role": "assistant", "content": ""})]
 
-    def feed(self, event: Event) -> list[SseEvent]:
-        out = self.start()
-        if isinstance(event, TokenLogprob):
-            self._logprobs.append(event)
-        elif isinstance(event, TextDelta) and event.text:
-            out.append(self._chunk({"content": event.text}))
-        elif isinstance(event, ReasoningDelta) and event.text:
-            out.append(self._chunk({"reasoning_content": event.text}))
-        elif isinstance(event, ToolCallStart):
-            call = {"index": event.index, "id": event.id, "type": "function",
-                    "function": {"name": event.name, "arguments": ""}}
-            out.append(self._chunk({"tool_calls": [call]}))
-        elif isinstance(event, ToolCallArgumentsDelta) and event.text:
-            out.append(self._chunk({"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]}))
-        elif isinstance(event, Usage):
-            self._usage = event
-        elif isinstance(event, Finish):
-            out += self._finish(event)
-        return out
+    def on_text(self, event: TextDelta) -> list[SseEvent]:
+        return [self._chunk({"content": event.text})] if event.text else []
 
-    def error(self, error: ApiError) -> list[SseEvent]:
-        """The event that ends a stream the server cannot finish (the HTTP status was sent long ago)."""
-        return [("", {"error": {"message": error.message, "type": error.kind, "param": error.param,
-                                "code": error.code}})]
+    def on_reasoning(self, event: ReasoningDelta) -> list[SseEvent]:
+        return [self._chunk({"reasoning_content": event.text})] if event.text else []
 
-    def _finish(self, finish: Finish) -> list[SseEvent]:
-        try:
-            reason = _check_finished(finish)
-        except ApiError as error:
+    def on_tool_call(self, event: ToolCallStart) -> list[SseEvent]:
+        call = {"index": event.index, "id": event.id, "type": "function",
+                "function": {"name": event.name, "arguments": ""}}
+        return [self._chunk({"tool_calls": [call]})]
+
+    def on_tool_arguments(self, event: ToolCallArgumentsDelta) -> list[SseEvent]:
+        if not event.text:
+            return []
+        return [self._chunk({"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]})]
+
+    def on_logprob(self, event: TokenLogprob) -> list[SseEvent]:
+        self._logprobs.append(event)
+        return []
+
+    def on_prompt_logprobs(self, event: PromptLogprobs) -> list[SseEvent]:
+        return []  # a chat prompt is never echoed
+
+    def on_prompt(self, event: PromptProcessed) -> list[SseEvent]:
+        return []
+
+    def on_tool_list(self, event: McpToolList) -> list[SseEvent]:
+        return []  # chat requests name no MCP servers
+
+    def on_tool_result(self, event: ToolResult) -> list[SseEvent]:
+        return []
+
+    def on_usage(self, event: Usage) -> list[SseEvent]:
+        self._usage = event
+        return []
+
+    def on_finish(self, event: Finish) -> list[SseEvent]:
+        error = unfinished(event)
+        if error is not None:
             return self.error(error)
-        out = [self._chunk({}, finish_reason=reason)]
-        if self._include_usage:
+        out = [self._chunk({}, finish_reason=_FINISH_REASONS[event.reason])]
+        if self._include_usage or self.folding:
             out.append(("", {**self._head, "choices": [], "usage": usage_json(self._usage)}))
         return out
 
+    def on_error(self, error: ApiError) -> list[SseEvent]:
+        return stream_error(error)
+
+    def fold(self, stream: Iterable[SseEvent]) -> dict[str, Any]:
+        message = _Message()
+        for _, chunk in stream:
+            message.add(chunk)
+        return message.completion(self._head)
+
     def _chunk(self, delta: dict[str, Any], finish_reason: str | None = None) -> SseEvent:
-        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason,
-                  "logprobs": _logprobs_json(self._logprobs)}
-        self._logprobs = []
+        logprobs = None
+        if self._logprobs:
+            logprobs, self._logprobs = _logprobs_json(self._logprobs), []
+        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}
         chunk: dict[str, Any] = {**self._head, "choices": [choice]}
         if self._include_usage:
             chunk["usage"] = None
         return ("", chunk)
+
+
+class _Message:
+    """A `chat.completion` accumulated from its chunks, as the OpenAI SDK accumulates a stream: the deltas'
+    texts joined, each tool call's pieces joined by its index, the logprobs' lists joined."""
+
+    def __init__(self) -> None:
+        self.content: list[str] = []
+        self.reasoning: list[str] = []
+        self.calls: dict[int, dict[str, Any]] = {}
+        self.logprobs: dict[str, Any] | None = None
+        self.finish_reason: str | None = None
+        self.usage: dict[str, Any] | None = None
+
+    def add(self, chunk: dict[str, Any]) -> None:
+        if not chunk["choices"]:
+            self.usage = chunk["usage"]
+            return
+        choice = chunk["choices"][0]
+        delta = choice["delta"]
+        self.content.append(delta.get("content") or "")
+        self.reasoning.append(delta.get("reasoning_content") or "")
+        for piece in delta.get("tool_calls", ()):
+            self._add_call(piece)
+        if choice["logprobs"] is not None:
+            self._add_logprobs(choice["logprobs"])
+        self.finish_reason = choice["finish_reason"] or self.finish_reason
+
+    def completion(self, head: dict[str, Any]) -> dict[str, Any]:
+        text, reasoning = "".join(self.content), "".join(self.reasoning)
+        calls = [{"id": call["id"], "type": "function", "function": {"name": call["name"],
+                                                                     "arguments": "".join(call["arguments"])}}
+                 for call in self.calls.values()]
+        message: dict[str, Any] = {"role": "assistant", "content": text or (None if calls else "")}
+        if reasoning:
+            message["reasoning_content"] = reasoning
+        if calls:
+            message["tool_calls"] = calls
+        return {
+            **head,
+            "object": "chat.completion",
+            "choices": [{"index": 0, "message": message, "finish_reason": self.finish_reason,
+                         "logprobs": self.logprobs}],
+            "usage": self.usage,
+        }
+
+    def _add_call(self, piece: dict[str, Any]) -> None:
+        function = piece["function"]
+        if piece["index"] not in self.calls:
+            self.calls[piece["index"]] = {"id": piece["id"], "name": function["name"], "arguments": []}
+        self.calls[piece["index"]]["arguments"].append(function["arguments"])
+
+    def _add_logprobs(self, logprobs: dict[str, Any]) -> None:
+        if self.logprobs is None:
+            self.logprobs = {"content": [], "refusal": None}
+        self.logprobs["content"] += logprobs["content"]
+        if "reasoning_content" in logprobs:
+            self.logprobs.setdefault("reasoning_content", []).extend(logprobs["reasoning_content"])

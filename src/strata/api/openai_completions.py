@@ -5,19 +5,26 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, final
 
 from strata.api.errors import ApiError
-from strata.api.openai_chat import include_usage, sampling_from, stops_from, usage_json
-from strata.api.translate import SseEvent, bad_request, check_type, collect, get, get_int, llama_cpp_format
+from strata.api.openai_chat import sampling_from, stops_from, stream_error, usage_json
+from strata.api.render import Renderer, SseEvent, unfinished
+from strata.api.translate import bad_request, check_type, get, get_int, llama_cpp_format
 from strata.events import (
     ChatRequest,
     CompletionPrompt,
     Event,
     Finish,
+    McpToolList,
     PromptLogprobs,
+    PromptProcessed,
+    ReasoningDelta,
     TextDelta,
     TokenLogprob,
+    ToolCallArgumentsDelta,
+    ToolCallStart,
+    ToolResult,
     Usage,
 )
 
@@ -64,19 +71,9 @@ def _prompt(body: dict[str, Any]) -> dict[str, Any]:
     return {"ids": tuple(prompt)}
 
 
-def _finish_reason(finish: Finish) -> str:
-    if finish.reason == "error":
-        raise ApiError(500, "generation failed", kind="server_error")
-    if finish.reason == "cancel":
-        raise ApiError(503, "the request was cancelled", kind="server_error")
-    return _FINISH_REASONS[finish.reason]
-
-
-def _logprobs_json(entries: list[TokenLogprob], offset: int) -> tuple[dict[str, Any] | None, int]:
-    """The legacy completions `logprobs` object for `entries` whose text starts at `offset`; and the offset
-    after them. An echoed prompt's first token has null `token_logprobs` and `top_logprobs` entries."""
-    if not entries:
-        return None, offset
+def _logprobs_json(entries: list[TokenLogprob], offset: int) -> dict[str, Any]:
+    """The legacy completions `logprobs` object for `entries` whose text starts at `offset`. An echoed prompt's
+    first token has null `token_logprobs` and `top_logprobs` entries."""
     offsets = []
     for entry in entries:
         offsets.append(offset)
@@ -85,80 +82,114 @@ def _logprobs_json(entries: list[TokenLogprob], offset: int) -> tuple[dict[str, 
             "token_logprobs": [entry.logprob for entry in entries],
             "top_logprobs": [None if entry.logprob is None else {token: logprob for token, _, logprob in entry.top}
                              for entry in entries],
-            "text_offset": offsets}, offset
+            "text_offset": offsets}
 
 
-def render_response(events: Iterable[Event], *, model: str, request_id: str) -> dict[str, Any]:
-    """The `text_completion` object of a finished generation."""
-    events = list(events)
-    outcome = collect(events)
-    finish_reason = _finish_reason(outcome.finish or Finish("error"))
-    echoed = next((len(e.text) for e in events if isinstance(e, TextDelta)), 0) if _echoes(events) else 0
-    entries = [e for e in events if isinstance(e, TokenLogprob)]
-    prompt = next((e for e in events if isinstance(e, PromptLogprobs)), None)
-    if prompt is not None:  # the echoed prompt's tokens come first, from offset 0
-        entries, echoed = [*prompt.entries, *entries], 0
-    logprobs, _ = _logprobs_json(entries, echoed)
-    return {
-        "id": f"cmpl-{request_id}",
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [{"index": 0, "text": "".join(block.text for block in outcome.blocks if block.kind == "text"),
-                     "logprobs": logprobs, "finish_reason": finish_reason}],
-        "usage": usage_json(outcome.usage),
-    }
+@final
+class CompletionRenderer(Renderer):
+    """The streamed `text_completion` chunks, and the `text_completion` they add up to: one chunk per text
+    delta, the last with `finish_reason`, with `include_usage` one more with the usage and no choices; `[DONE]`
+    follows (sent by the caller). A failed generation ends with an error event instead.
 
+    Args:
+        model: the model name to report.
+        request_id: the server's id of this request; the completion id is `cmpl-` + it.
+        include_usage: end the stream with the usage chunk (the client's `stream_options.include_usage`).
+    """
 
-def _echoes(events: list[Event]) -> bool:
-    """Whether the first text came before any token (the echoed prompt)."""
-    for event in events:
-        if isinstance(event, TokenLogprob):
-            return False
-        if isinstance(event, TextDelta):
-            return True
-    return False
-
-
-class CompletionStream:
-    """The streamed `text_completion` chunks: one per text delta, the last with `finish_reason`, with
-    `include_usage` one more with the usage and no choices; `[DONE]` follows (sent by the caller)."""
-
-    def __init__(self, *, model: str, request_id: str, body: Any):
+    def __init__(self, *, model: str, request_id: str, include_usage: bool = False):
+        super().__init__()
         self._head = {"id": f"cmpl-{request_id}", "object": "text_completion", "created": int(time.time()),
                       "model": model}
-        self._include_usage = include_usage(body) if isinstance(body, dict) else False
+        self._include_usage = include_usage
         self._usage: Usage | None = None
         self._logprobs: list[TokenLogprob] = []  # waiting for the chunk of their text
         self._offset = 0  # where the next chunk's text starts
 
-    def feed(self, event: Event) -> list[SseEvent]:
-        if isinstance(event, TokenLogprob):
-            self._logprobs.append(event)
-        elif isinstance(event, PromptLogprobs):  # they go out with the echoed prompt's chunk
-            self._logprobs.extend(event.entries)
-        elif isinstance(event, TextDelta) and event.text:
-            return [self._chunk(event.text)]
-        if isinstance(event, Usage):
-            self._usage = event
-        elif isinstance(event, Finish):
-            try:
-                reason = _finish_reason(event)
-            except ApiError as error:
-                return self.error(error)
-            out = [self._chunk("", reason)]
-            if self._include_usage:
-                out.append(("", {**self._head, "choices": [], "usage": usage_json(self._usage)}))
-            return out
+    def on_start(self, first: Event | None) -> list[SseEvent]:
         return []
 
-    def error(self, error: ApiError) -> list[SseEvent]:
-        return [("", {"error": {"message": error.message, "type": error.kind, "param": error.param,
-                                "code": error.code}})]
+    def on_text(self, event: TextDelta) -> list[SseEvent]:
+        return [self._chunk(event.text)] if event.text else []
+
+    def on_reasoning(self, event: ReasoningDelta) -> list[SseEvent]:
+        return []  # a raw completion has no chat template, so no thinking
+
+    def on_tool_call(self, event: ToolCallStart) -> list[SseEvent]:
+        return []  # nor tools
+
+    def on_tool_arguments(self, event: ToolCallArgumentsDelta) -> list[SseEvent]:
+        return []
+
+    def on_logprob(self, event: TokenLogprob) -> list[SseEvent]:
+        self._logprobs.append(event)
+        return []
+
+    def on_prompt_logprobs(self, event: PromptLogprobs) -> list[SseEvent]:
+        self._logprobs.extend(event.entries)  # they go out with the echoed prompt's chunk
+        return []
+
+    def on_prompt(self, event: PromptProcessed) -> list[SseEvent]:
+        return []
+
+    def on_tool_list(self, event: McpToolList) -> list[SseEvent]:
+        return []
+
+    def on_tool_result(self, event: ToolResult) -> list[SseEvent]:
+        return []
+
+    def on_usage(self, event: Usage) -> list[SseEvent]:
+        self._usage = event
+        return []
+
+    def on_finish(self, event: Finish) -> list[SseEvent]:
+        error = unfinished(event)
+        if error is not None:
+            return self.error(error)
+        out = [self._chunk("", _FINISH_REASONS[event.reason])]
+        if self._include_usage or self.folding:
+            out.append(("", {**self._head, "choices": [], "usage": usage_json(self._usage)}))
+        return out
+
+    def on_error(self, error: ApiError) -> list[SseEvent]:
+        return stream_error(error)
+
+    def fold(self, stream: Iterable[SseEvent]) -> dict[str, Any]:
+        """The chunks' texts joined, their logprobs joined, the last finish reason, the usage chunk's usage."""
+        text: list[str] = []
+        logprobs: list[dict[str, Any]] = []
+        finish_reason, usage = None, None
+        for _, chunk in stream:
+            if not chunk["choices"]:
+                usage = chunk["usage"]
+                continue
+            choice = chunk["choices"][0]
+            text.append(choice["text"])
+            if choice["logprobs"] is not None:
+                logprobs.append(choice["logprobs"])
+            finish_reason = choice["finish_reason"] or finish_reason
+        return {**self._head, "choices": [{"index": 0, "text": "".join(text), "logprobs": _joined_logprobs(logprobs),
+                                           "finish_reason": finish_reason}], "usage": usage}
 
     def _chunk(self, text: str, finish_reason: str | None = None) -> SseEvent:
-        logprobs, _ = _logprobs_json(self._logprobs, self._offset)
-        self._logprobs = []
+        logprobs = None
+        if self._logprobs:
+            logprobs, self._logprobs = _logprobs_json(self._logprobs, self._offset), []
         self._offset += len(text)
         return ("", {**self._head, "choices": [{"index": 0, "text": text, "logprobs": logprobs,
                                                 "finish_reason": finish_reason}]})
+
+
+def _joined_logprobs(parts: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The chunks' `logprobs` as one: their lists joined, `text_offset` counting the tokens' own text on from
+    where the first token starts (the chunks' offsets count the text sent, which a stop string may have cut)."""
+    if not parts:
+        return None
+    joined: dict[str, Any] = {key: [value for part in parts for value in part[key]]
+                              for key in ("tokens", "token_logprobs", "top_logprobs")}
+    offsets, offset = [], parts[0]["text_offset"][0]
+    for token in joined["tokens"]:
+        offsets.append(offset)
+        offset += len(token)
+    joined["text_offset"] = offsets
+    return joined

@@ -1,5 +1,5 @@
-"""The OpenAI Responses dialect (`POST /v1/responses`): request JSON to a `ChatRequest`, generation events to a
-response object or to the Responses stream of events. Pure translation, no I/O.
+"""The OpenAI Responses dialect (`POST /v1/responses`): request JSON to a `ChatRequest`, generation events to the
+Responses stream of events and the response it adds up to. Pure translation, no I/O.
 
 Strata keeps no responses: everything that needs a stored one (`previous_response_id`, `store: true`,
 `conversation`, `background`, item references) is refused with a 400, and so are the built-in tools but `mcp`;
@@ -14,18 +14,15 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, final
 
 from strata.api.errors import ApiError
+from strata.api.render import Renderer, SseEvent, openai_logprob
 from strata.api.translate import (
-    Block,
-    SseEvent,
     arguments_object,
     bad_request,
-    call_block,
     check_type,
     check_unique_tool_names,
-    collect,
     function_tool,
     get,
     get_choice,
@@ -36,9 +33,7 @@ from strata.api.translate import (
     image_embeds_part,
     image_url_part,
     join_parts,
-    listing_block,
     openai_format,
-    openai_logprob,
     sampling_params,
     top_logprobs,
 )
@@ -48,6 +43,8 @@ from strata.events import (
     Finish,
     McpToolList,
     McpUse,
+    PromptLogprobs,
+    PromptProcessed,
     ReasoningDelta,
     TextDelta,
     TokenLogprob,
@@ -417,30 +414,25 @@ class _Header:
         return f"{prefix}_{self.request_id}_{output_index}"
 
 
-def render_response(events: Iterable[Event], *, model: str, request_id: str, usage: Usage | None = None,
-                    request: ChatRequest | None = None) -> dict[str, Any]:
-    """The JSON of a finished, non-streamed response.
+@dataclass
+class _Block:
+    """What one output item holds so far: a run of reasoning or of text (with its tokens' logprobs, OpenAI
+    entries), one call of the client's tool (`text` = its arguments JSON), one call the server makes on an MCP
+    server (`server`, then its `output` once run) or one MCP server's tool listing (`tools`, `error`)."""
 
-    Args:
-        events: everything the generation yielded, ending with its `Finish`.
-        model: the model name to report.
-        request_id: the server's id of this request; the response id is `resp_` + it.
-        usage: the token counts; None takes the `Usage` event among `events`.
-        request: the parsed request, whose settings (tools, temperature, ...) the response echoes.
-    """
-    outcome = collect(events)
-    outcome.blocks = [block for block in outcome.blocks if block.kind != "mcp_result"]  # results are in the calls
-    finish = outcome.finish or Finish("error")
-    header = _Header(request_id, model, int(time.time()), request)
-    status, _ = _ENDINGS[finish.reason]
-    # Only the last item can have been cut short; the stream marks it the same way.
-    last = len(outcome.blocks) - 1
-    output = [_output_item(header, block, i, "completed" if i < last or status == "completed" else "incomplete")
-              for i, block in enumerate(outcome.blocks)]
-    return header.response(status, output, usage or outcome.usage, finish)
+    kind: Literal["reasoning", "text", "tool_call", "mcp_call", "mcp_list"]
+    text: str = ""
+    call_id: str = ""
+    name: str = ""
+    server: str = ""
+    output: str | None = None
+    is_error: bool = False
+    tools: tuple[dict[str, Any], ...] = ()
+    error: str | None = None
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
 
 
-def _output_item(header: _Header, block: Block, output_index: int, status: str) -> dict[str, Any]:
+def _output_item(header: _Header, block: _Block, output_index: int, status: str) -> dict[str, Any]:
     if block.kind == "reasoning":
         return {"id": header.item_id("rs", output_index), "type": "reasoning", "status": status, "summary": [],
                 "content": [_part("reasoning_text", block.text)]}
@@ -503,8 +495,9 @@ def _echo_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, An
     return choice or "auto"
 
 
-class ResponseEventStream:
-    """The Responses stream for one response, built from generation events one at a time.
+@final
+class ResponseRenderer(Renderer):
+    """The Responses stream for one response, and the response it adds up to (its last event carries it).
 
     The sequence: `response.created`, `response.in_progress`; per output item `response.output_item.added`, its
     content (`response.content_part.added`, `response.output_text.delta`s or `response.reasoning_text.delta`s,
@@ -519,71 +512,40 @@ class ResponseEventStream:
     """
 
     def __init__(self, *, model: str, request_id: str, request: ChatRequest | None = None):
+        super().__init__()
         self._header = _Header(request_id, model, int(time.time()), request)
         self._sequence = 0
-        self._started = False
         self._items: list[dict[str, Any]] = []  # output items so far; the last may still be open
-        self._open: Block | None = None  # what the open item holds so far
-        self._calls: dict[int, tuple[int, Block]] = {}  # tool call index -> (its output index, its block)
+        self._open: _Block | None = None  # what the open item holds so far
+        self._calls: dict[int, tuple[int, _Block]] = {}  # tool call index -> (its output index, its block)
         self._usage: Usage | None = None
         self._logprobs: list[dict[str, Any]] = []  # waiting for the delta of their text
 
-    def start(self) -> list[SseEvent]:
-        """The opening events (sent once; `feed` sends them first if nobody asked yet)."""
-        if self._started:
-            return []
-        self._started = True
+    def on_start(self, first: Event | None) -> list[SseEvent]:
         response = self._header.response("in_progress", [])
         return [self._event("response.created", response=response),
                 self._event("response.in_progress", response=response)]
 
-    def feed(self, event: Event) -> list[SseEvent]:
-        """The events that say what `event` adds to the response."""
-        out = self.start()
-        if isinstance(event, TokenLogprob):
-            if not event.reasoning:  # the Responses API has logprobs for output text only
-                self._logprobs.append(openai_logprob(event))
-        elif isinstance(event, (TextDelta, ReasoningDelta)) and event.text:
-            out += self._text(event)
-        elif isinstance(event, ToolCallStart):
-            block = call_block(event)
-            self._calls[event.index] = (len(self._items), block)
-            out += self._open_item(block)
-            if block.kind == "mcp_call":
-                out.append(self._event("response.mcp_call.in_progress", **self._where()))
-        elif isinstance(event, ToolCallArgumentsDelta) and event.text:
-            out += self._arguments(event)
-        elif isinstance(event, ToolResult):
-            out += self._result(event)
-        elif isinstance(event, McpToolList):
-            out += self._listing(event)
-        elif isinstance(event, Usage):
-            self._usage = event
-        elif isinstance(event, Finish):
-            out += self._finish(event)
-        return out
+    def on_text(self, event: TextDelta) -> list[SseEvent]:
+        return self._text("text", event.text) if event.text else []
 
-    def error(self, error: ApiError) -> list[SseEvent]:
-        """The event that ends a stream the server cannot finish (the HTTP status was sent long ago)."""
-        return [self._event("error", code=error.kind, message=error.message, param=error.param)]
+    def on_reasoning(self, event: ReasoningDelta) -> list[SseEvent]:
+        return self._text("reasoning", event.text) if event.text else []
 
-    def _text(self, event: TextDelta | ReasoningDelta) -> list[SseEvent]:
-        kind: Literal["text", "reasoning"] = "text" if isinstance(event, TextDelta) else "reasoning"
-        if self._open is not None and self._open.kind == kind:
-            out, block = [], self._open
+    def on_tool_call(self, event: ToolCallStart) -> list[SseEvent]:
+        if event.server is None:
+            block = _Block("tool_call", call_id=event.id, name=event.name)
         else:
-            block = Block(kind)
-            out = self._open_item(block)
-        block.text += event.text
-        name = "response.output_text.delta" if kind == "text" else "response.reasoning_text.delta"
-        extra: dict[str, Any] = {}
-        if kind == "text":
-            extra["logprobs"], self._logprobs = self._logprobs, []
-            block.logprobs += extra["logprobs"]
-        out.append(self._event(name, **self._where(), content_index=0, delta=event.text, **extra))
+            block = _Block("mcp_call", call_id=event.id, name=event.name, server=event.server)
+        self._calls[event.index] = (len(self._items), block)
+        out = self._open_item(block)
+        if block.kind == "mcp_call":
+            out.append(self._event("response.mcp_call.in_progress", **self._where()))
         return out
 
-    def _arguments(self, event: ToolCallArgumentsDelta) -> list[SseEvent]:
+    def on_tool_arguments(self, event: ToolCallArgumentsDelta) -> list[SseEvent]:
+        if not event.text:
+            return []
         output_index, block = self._calls[event.index]
         block.text += event.text
         name = "response.mcp_call_arguments.delta" if block.kind == "mcp_call" else \
@@ -591,7 +553,18 @@ class ResponseEventStream:
         return [self._event(name, item_id=self._items[output_index]["id"], output_index=output_index,
                             delta=event.text)]
 
-    def _result(self, event: ToolResult) -> list[SseEvent]:
+    def on_logprob(self, event: TokenLogprob) -> list[SseEvent]:
+        if not event.reasoning:  # the Responses API has logprobs for output text only
+            self._logprobs.append(openai_logprob(event))
+        return []
+
+    def on_prompt_logprobs(self, event: PromptLogprobs) -> list[SseEvent]:
+        return []  # the prompt is never echoed
+
+    def on_prompt(self, event: PromptProcessed) -> list[SseEvent]:
+        return []
+
+    def on_tool_result(self, event: ToolResult) -> list[SseEvent]:
         """An MCP call's result: the call's item is done (its arguments were done when the next item began)."""
         output_index, block = self._calls[event.index]
         out = self._close_item("completed") if self._open is block else []
@@ -603,10 +576,11 @@ class ResponseEventStream:
         out.append(self._event("response.output_item.done", output_index=output_index, item=item))
         return out
 
-    def _listing(self, event: McpToolList) -> list[SseEvent]:
+    def on_tool_list(self, event: McpToolList) -> list[SseEvent]:
         out = self._close_item("completed")
         output_index = len(self._items)
-        item = _output_item(self._header, listing_block(event), output_index, "completed")
+        block = _Block("mcp_list", server=event.server, tools=event.tools, error=event.error)
+        item = _output_item(self._header, block, output_index, "completed")
         self._items.append(item)
         where = {"item_id": item["id"], "output_index": output_index}
         out.append(self._event("response.output_item.added", output_index=output_index, item={**item, "tools": []}))
@@ -616,7 +590,44 @@ class ResponseEventStream:
         out.append(self._event("response.output_item.done", output_index=output_index, item=item))
         return out
 
-    def _open_item(self, block: Block) -> list[SseEvent]:
+    def on_usage(self, event: Usage) -> list[SseEvent]:
+        self._usage = event
+        return []
+
+    def on_finish(self, event: Finish) -> list[SseEvent]:
+        """The closing event carries the whole response; only the item still open can have been cut short."""
+        status, name = _ENDINGS[event.reason]
+        out = self._close_item("completed" if status == "completed" else "incomplete")
+        response = self._header.response(status, self._items, self._usage, event)
+        out.append(self._event(name, response=response))
+        return out
+
+    def on_error(self, error: ApiError) -> list[SseEvent]:
+        return [self._event("error", code=error.kind, message=error.message, param=error.param)]
+
+    def fold(self, stream: Iterable[SseEvent]) -> dict[str, Any]:
+        """The response the stream's last `response` carries (a failed generation's too: its status says so)."""
+        response: dict[str, Any] = {}
+        for _, data in stream:
+            response = data.get("response", response)
+        return response
+
+    def _text(self, kind: Literal["text", "reasoning"], text: str) -> list[SseEvent]:
+        if self._open is not None and self._open.kind == kind:
+            out, block = [], self._open
+        else:
+            block = _Block(kind)
+            out = self._open_item(block)
+        block.text += text
+        name = "response.output_text.delta" if kind == "text" else "response.reasoning_text.delta"
+        extra: dict[str, Any] = {}
+        if kind == "text":
+            extra["logprobs"], self._logprobs = self._logprobs, []
+            block.logprobs += extra["logprobs"]
+        out.append(self._event(name, **self._where(), content_index=0, delta=text, **extra))
+        return out
+
+    def _open_item(self, block: _Block) -> list[SseEvent]:
         out = self._close_item("completed")
         self._open = block
         item = _output_item(self._header, block, len(self._items), "in_progress")

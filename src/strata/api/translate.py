@@ -1,34 +1,18 @@
-"""Pieces the dialect translators share: typed access to JSON fields that fails with a 400 naming the field, and
-the grouping of generation events into output blocks. Pure functions, no I/O."""
+"""Pieces the dialects' request parsers share: typed access to JSON fields that fails with a 400 naming the field,
+sampling, stops, answer formats, tools and pictures in the shapes a `ChatRequest` holds. Pure functions, no I/O.
+(The answer's side, events to JSON, is `render`.)"""
 
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 from typing import Any, Literal, overload
 
 from strata.api.errors import ApiError
-from strata.events import (
-    Event,
-    Finish,
-    McpToolList,
-    ReasoningDelta,
-    TextDelta,
-    TokenLogprob,
-    ToolCallArgumentsDelta,
-    ToolCallStart,
-    ToolResult,
-    Usage,
-)
 from strata.pictures.sources import ImageRejected, ImageSource, decode_base64
 from strata.text.constraints import AnswerFormat
 from strata.text.sampling import SamplingParams
 from strata.vision.embeds import PrecomputedEmbeds
-
-SseEvent = tuple[str, dict[str, Any]]
-"""One server-sent event as a dialect renders it: (event name, JSON data)."""
 
 _TYPE_NAMES = {
     str: "a string",
@@ -38,10 +22,6 @@ _TYPE_NAMES = {
     list: "an array",
     dict: "an object",
 }
-
-
-def new_id() -> str:
-    return uuid.uuid4().hex[:24]
 
 
 def bad_request(param: str, message: str) -> ApiError:
@@ -180,14 +160,6 @@ def function_tool(name: str, description: str | None, parameters: dict[str, Any]
 
 # --- log probabilities
 
-
-def openai_logprob(event: TokenLogprob) -> dict[str, Any]:
-    """One token's entry in OpenAI's `logprobs.content` (chat) and Responses' `logprobs`."""
-    return {"token": event.token, "logprob": event.logprob, "bytes": list(event.bytes),
-            "top_logprobs": [{"token": token, "logprob": logprob, "bytes": list(data)}
-                             for token, data, logprob in event.top]}
-
-
 def top_logprobs(body: dict[str, Any], enabled: bool, param: str = "top_logprobs") -> int | None:
     """How many alternatives to report per token (0-20), or None when log-probabilities are off."""
     top = get_int(body, "top_logprobs", param, 0)
@@ -286,91 +258,6 @@ def join_parts(parts: list[str | dict[str, Any]], separator: str) -> str | list[
             out.append({"type": "text", "text": separator})
         out.append({"type": "text", "text": part} if isinstance(part, str) else part)
     return out
-
-
-# --- output blocks: what a finished generation said, in order
-
-@dataclass
-class Block:
-    """One piece of the answer: a run of reasoning or of text, one tool call (`text` = its arguments JSON), one
-    call the server made on an MCP server (`mcp_call`: `server`, then its `output` once run; the result also
-    comes as an `mcp_result` block where it happened) or one MCP server's tool listing (`mcp_list`: `server`,
-    `tools`, `error`)."""
-
-    kind: Literal["reasoning", "text", "tool_call", "mcp_call", "mcp_result", "mcp_list"]
-    text: str = ""
-    call_id: str = ""
-    name: str = ""
-    server: str = ""
-    output: str | None = None
-    is_error: bool = False
-    tools: tuple[dict[str, Any], ...] = ()
-    error: str | None = None
-    logprobs: list[dict[str, Any]] = field(default_factory=list)  # text blocks: their tokens' (OpenAI entries)
-
-
-@dataclass
-class Outcome:
-    blocks: list[Block] = field(default_factory=list)
-    usage: Usage | None = None
-    finish: Finish | None = None
-
-
-def collect(events: Iterable[Event]) -> Outcome:
-    """Group a generation's events into blocks: consecutive deltas of one kind join, each tool call is one block."""
-    outcome = Outcome()
-    calls: dict[int, Block] = {}
-    pending: list[dict[str, Any]] = []  # log-probabilities come before the text of their tokens
-    for event in events:
-        if isinstance(event, TokenLogprob):
-            if not event.reasoning:  # the text blocks' own; reasoning blocks carry none
-                pending.append(openai_logprob(event))
-        elif isinstance(event, (TextDelta, ReasoningDelta)):
-            kind: Literal["text", "reasoning"] = "text" if isinstance(event, TextDelta) else "reasoning"
-            if event.text:
-                _append_text(outcome.blocks, kind, event.text)
-                if kind == "text":
-                    outcome.blocks[-1].logprobs += pending
-                    pending = []
-        elif isinstance(event, ToolCallStart):
-            calls[event.index] = call_block(event)
-            outcome.blocks.append(calls[event.index])
-        elif isinstance(event, ToolCallArgumentsDelta):
-            calls[event.index].text += event.text
-        elif isinstance(event, ToolResult):
-            calls[event.index].output, calls[event.index].is_error = event.text, event.is_error
-            outcome.blocks.append(Block("mcp_result", call_id=event.call_id, output=event.text,
-                                        is_error=event.is_error))
-        elif isinstance(event, McpToolList):
-            outcome.blocks.append(listing_block(event))
-        elif isinstance(event, Usage):
-            outcome.usage = event
-        elif isinstance(event, Finish):
-            outcome.finish = event
-    return outcome
-
-
-def call_block(event: ToolCallStart) -> Block:
-    if event.server is not None:
-        return Block("mcp_call", call_id=event.id, name=event.name, server=event.server)
-    return Block("tool_call", call_id=event.id, name=event.name)
-
-
-def listing_block(event: McpToolList) -> Block:
-    return Block("mcp_list", server=event.server, tools=event.tools, error=event.error)
-
-
-def stop_sequence(finish: Finish) -> str | None:
-    """The stop string that ended the generation, for dialects that report it; None when a `Finish` does not
-    carry one (no stop string matched, or the events module records none)."""
-    return getattr(finish, "stop_sequence", None)
-
-
-def _append_text(blocks: list[Block], kind: Literal["reasoning", "text"], text: str) -> None:
-    if blocks and blocks[-1].kind == kind:
-        blocks[-1].text += text
-    else:
-        blocks.append(Block(kind, text))
 
 
 def _is_kind(value: Any, kind: type) -> bool:
