@@ -56,7 +56,7 @@ from strata.pictures.staging import (
 from strata.progress import Stage, with_progress
 from strata.scheduling.batcher import Batcher, Job
 from strata.scheduling.engine_like import EngineLike
-from strata.scheduling.engine_loop import EngineLoop, Exclusive, Stream
+from strata.scheduling.engine_loop import EngineLoop, EngineStartError, Exclusive, Stream
 from strata.scheduling.turn import QueueFull, Turn
 from strata.text.constraints import GrammarError, Grammars, Guide, plan_constraint
 from strata.text.output import LogprobNames, Output
@@ -535,6 +535,8 @@ class Service:
                     if output.stopped:
                         finish = "stop"
                         break
+        except EngineStartError as error:
+            raise ServiceUnavailable(str(error), retry_after=1) from None
         finally:
             try:
                 await stream.stop()
@@ -568,6 +570,11 @@ class Service:
         return [{"slot": slot.seq, "request": None if slot.job is None else slot.job.tag,
                  "state": "idle" if slot.job is None else "decode" if slot.job.decoding else "prompt",
                  "cached_tokens": len(slot.keys)} for slot in self.loop.batcher.slots]
+
+    def engine_problem(self) -> OSError | None:
+        """Why the engine could not take a request now (no file descriptor or thread left to start its thread),
+        or None."""
+        return None if self.loop is None else self.loop.start_problem()
 
     @property
     def engine_running(self) -> bool:

@@ -292,6 +292,10 @@ def _add_info_routes(app: Quart, state: _State) -> None:
     async def health() -> Response:
         service = state.service
         if service is not None and service.ready:
+            problem = service.engine_problem()
+            if problem is not None:
+                return _json({"status": "error", "error": f"the engine cannot start: {problem.strerror or problem}"},
+                             503)
             return _json({"status": "ok"})
         if service is not None and service.load_error is not None:
             return _json({"status": "error", "error": str(service.load_error)}, 503)

@@ -45,7 +45,7 @@ from strata.events import (
     Usage,
 )
 from strata.text.constraints import AnswerFormat
-from strata.text.sampling import SamplingParams
+from strata.text.sampling import SamplingError, SamplingParams
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 _EFFORTS = ("none", "minimal", "low", "medium", "high")
@@ -250,8 +250,8 @@ def sampling_from(body: dict[str, Any]) -> SamplingParams:
             given[key] = value
     try:
         return SamplingParams(**given)
-    except ValueError as error:
-        raise ApiError(400, str(error)) from None
+    except SamplingError as error:
+        raise ApiError(400, str(error), param=error.field) from None
 
 
 def _max_tokens(body: dict[str, Any]) -> int | None:

@@ -11,7 +11,7 @@ from typing import Any, Literal, overload
 from strata.api.errors import ApiError
 from strata.pictures.sources import ImageRejected, ImageSource, decode_base64
 from strata.text.constraints import AnswerFormat
-from strata.text.sampling import SamplingParams
+from strata.text.sampling import SamplingError, SamplingParams
 from strata.vision.embeds import PrecomputedEmbeds
 
 _TYPE_NAMES = {
@@ -117,8 +117,8 @@ def sampling_params(defaults: Mapping[str, Any] | None, **given: Any) -> Samplin
     chosen = {**(defaults or {}), **{name: value for name, value in given.items() if value is not None}}
     try:
         return SamplingParams(**chosen)
-    except ValueError as error:
-        raise ApiError(400, str(error)) from None
+    except SamplingError as error:
+        raise ApiError(400, str(error), param=error.field) from None
 
 
 def logit_bias(body: dict[str, Any]) -> tuple[tuple[int, float], ...]:

@@ -59,16 +59,41 @@ class EngineLoop:
         self._ended: trio.Event | None = None  # set when trio has seen the last engine thread end
 
     def submit(self, stream: Stream) -> None:
+        """Hand a stream's job to the engine thread, starting one if none runs. A thread that cannot be started
+        (no file descriptor left for its relay, no thread) fails this job alone, with `EngineStartError`, and
+        leaves the loop as it was: the next job tries again."""
         with self._cond:
-            self._inbox.append(stream)
             if not self.running:
+                try:
+                    relay = Relay()  # this engine thread's
+                except OSError as error:
+                    self._refuse(stream, error)
+                    return
+                # Invariant: `running` is set only once the thread's relay exists, so a failed start never leaves
+                # the loop marked running with no thread to run it.
                 self.running = True
                 self.periods += 1
-                relay = Relay()  # this engine thread's
                 trio.lowlevel.spawn_system_task(relay.deliver, name="strata engine relay")
                 trio.lowlevel.start_thread_soon(partial(self._work, relay), partial(self._ended_with, relay),
                                                 name="strata engine")
+            self._inbox.append(stream)
             self._cond.notify()
+
+    def start_problem(self) -> OSError | None:
+        """Why a job could not start an engine thread now, if it could not: None while one runs, else what
+        making a thread's relay meets (`/health` asks)."""
+        if self.running:
+            return None
+        try:
+            os.close(os.eventfd(0, os.EFD_CLOEXEC))
+        except OSError as error:
+            return error
+        return None
+
+    def _refuse(self, stream: Stream, error: OSError) -> None:
+        stream.job.error = EngineStartError(f"the engine could not start a step: {error.strerror or error}")
+        stream.job.finish = "error"
+        stream.wake()
 
     def cancel(self, stream: Stream) -> None:
         """Take a stream's job out: from the inbox at once, else at the batcher's next step."""
@@ -221,6 +246,10 @@ class EngineLoop:
             for stream in streams:
                 stream.job.error, stream.job.finish = result.error, "error"
                 stream.wake()
+
+
+class EngineStartError(OSError):
+    """The engine thread could not be started for a job (the process is out of file descriptors or threads)."""
 
 
 class Relay:

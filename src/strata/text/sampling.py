@@ -101,24 +101,32 @@ class SamplingParams:
         )
 
 
+class SamplingError(ValueError):
+    """A sampling setting out of its range; `field` names it (as the APIs name their fields)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
 def _check_number(name: str, value: object, lo: float | None = None, hi: float | None = None,
                   lo_open: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
+        raise SamplingError(name, f"{name} must be a finite number, got {value!r}")
     if lo is not None and (value < lo or (lo_open and value == lo)):
         bound = f"greater than {lo:g}" if lo_open else f"at least {lo:g}"
-        raise ValueError(f"{name} must be {bound}, got {value!r}")
+        raise SamplingError(name, f"{name} must be {bound}, got {value!r}")
     if hi is not None and value > hi:
-        raise ValueError(f"{name} must be at most {hi:g}, got {value!r}")
+        raise SamplingError(name, f"{name} must be at most {hi:g}, got {value!r}")
 
 
 def _check_int(name: str, value: object, lo: int | None = None, hi: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
+        raise SamplingError(name, f"{name} must be an integer, got {value!r}")
     if lo is not None and value < lo:
-        raise ValueError(f"{name} must be at least {lo}, got {value!r}")
+        raise SamplingError(name, f"{name} must be at least {lo}, got {value!r}")
     if hi is not None and value > hi:
-        raise ValueError(f"{name} must be at most {hi}, got {value!r}")
+        raise SamplingError(name, f"{name} must be at most {hi}, got {value!r}")
 
 
 class TokenMask(Protocol):
