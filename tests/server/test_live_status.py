@@ -1,5 +1,5 @@
-"""The live status stream (`/v1/status/stream`): every request's phase, its prompt's progress chunk by chunk, the
-queue, and finished rows, through a live server with a scripted engine."""
+"""The live status stream (`/v1/status/stream`): every slot, every request's phase, its prompt's progress chunk by
+chunk, the queue, and finished rows, through a live server with a scripted engine."""
 
 from __future__ import annotations
 
@@ -93,3 +93,25 @@ def test_the_interval_is_checked(tokenizer, interval):
     with live_server(server_config(), ScriptedEngine(tokenizer), tokenizer) as server:
         reply = httpx.get(server.url + f"/v1/status/stream?interval={interval}")
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "interval"
+
+
+def test_every_slot_and_several_requests_at_once(tokenizer):
+    engine = ScriptedEngine(tokenizer, tokenizer.encode("c" * 300), decode_s=0.01, n_seq=3)
+    with live_server(server_config(slots=3), engine, tokenizer) as server:
+        threads = [post_in_thread(server.url, {"messages": [{"role": "user", "content": f"story {n}"}]})
+                   for n in range(2)]
+        stream = snapshots(server.url, 0.1)
+        for snapshot in stream:
+            decoding = [request for request in snapshot["requests"] if request["phase"] == "decode"]
+            if len(decoding) == 2:
+                break
+        stream.close()
+        for thread in threads:
+            thread.join(10)
+    slots = snapshot["slots"]
+    assert [slot["slot"] for slot in slots] == [0, 1, 2]
+    busy = [slot for slot in slots if slot["state"] != "idle"]
+    assert len(busy) == 2 and all(slot["state"] == "decode" for slot in busy)
+    assert sorted(slot["request"] for slot in busy) == sorted(request["id"] for request in decoding)
+    assert all(slot["cached_tokens"] > 0 for slot in busy)
+    assert {request["slot"] for request in decoding} == {slot["slot"] for slot in busy}

@@ -64,12 +64,13 @@ def vision_status(service: Service) -> dict[str, Any]:
 
 
 def live_status(service: Service, recent: int = 20) -> dict[str, Any]:
-    """Everything the monitor shows, in one snapshot: the engine's slots and queue, every request in flight with
-    its phase and prompt progress, the encoder, the totals and the most recent finished requests."""
+    """Everything the monitor shows, in one snapshot: the engine's slots (each one's state, request and cached
+    tokens) and queue, every request in flight with its phase, slot and prompt progress, the encoder, the totals
+    and the most recent finished requests."""
     return {
         "time": time.time(),
         "model": service.model_name,
-        "slots": 1,
+        "slots": service.slots(),
         "busy": service.turn.busy,
         "queued": service.turn.queued,
         "requests": [progress.as_dict() for progress in service.activity],
