@@ -104,8 +104,8 @@ class Config:
     host: str = "127.0.0.1"
     port: int = 8080
     api_key: str | None = None
-    # /v1/history and /metrics show every client's requests: with this set they need it (or api_key) even when
-    # the API itself is open.
+    # /status, /v1/status, /v1/status/stream, /v1/history and /metrics show every client's requests: with this
+    # set they need it (or api_key) even when the API itself is open.
     status_key: str | None = None
     # Host header names accepted (a guard against DNS rebinding); None: when listening on loopback, the loopback
     # names and addresses only, else any.

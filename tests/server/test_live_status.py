@@ -1,5 +1,6 @@
 """The live status stream (`/v1/status/stream`): every slot, every request's phase, its prompt's progress chunk by
-chunk, the queue, and finished rows, through a live server with a scripted engine."""
+chunk, the queue, and finished rows, through a live server with a scripted engine; and the key that guards the
+status routes."""
 
 from __future__ import annotations
 
@@ -115,3 +116,33 @@ def test_every_slot_and_several_requests_at_once(tokenizer):
     assert sorted(slot["request"] for slot in busy) == sorted(request["id"] for request in decoding)
     assert all(slot["cached_tokens"] > 0 for slot in busy)
     assert {request["slot"] for request in decoding} == {slot["slot"] for slot in busy}
+
+
+def test_status_key_guards_the_status_routes(tokenizer):
+    """/status, /v1/status and its stream show other clients' requests (the last one, the recent rows, the totals,
+    the request on each slot), as /v1/history does: status_key guards them all, while the API stays open."""
+    with live_server(server_config(status_key="s3cret"), ScriptedEngine(tokenizer, tokenizer.encode("ok")),
+                     tokenizer) as server:
+        reply = httpx.post(server.url + "/v1/chat/completions", timeout=30,
+                           json={"messages": [{"role": "user", "content": "my secret question"}]})
+        assert reply.status_code == 200
+        request_id = reply.json()["id"].removeprefix("chatcmpl-")
+        key = {"authorization": "Bearer s3cret"}
+        for path in ("/status", "/v1/status", "/v1/status/stream"):
+            refused = httpx.get(server.url + path, timeout=30)
+            assert refused.status_code == 401, path
+            assert refused.json()["error"]["type"] == "authentication_error"
+            assert request_id not in refused.text
+        assert httpx.get(server.url + "/v1/status", headers=key, timeout=30).json()["last"]["id"] == request_id
+        with httpx.stream("GET", server.url + "/v1/status/stream", headers=key, timeout=30) as stream:
+            assert stream.status_code == 200
+            first = json.loads(sse.decode(next(stream.iter_bytes()))[0][1])
+        assert first["recent"][0]["id"] == request_id and first["totals"]["requests"] == 1
+        assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+        assert httpx.get(server.url + "/v1/models", timeout=30).status_code == 200
+    both = server_config(status_key="s3cret", api_key="k")
+    with live_server(both, ScriptedEngine(tokenizer), tokenizer) as server:
+        for path in ("/status", "/v1/status"):
+            assert httpx.get(server.url + path, timeout=30).status_code == 401
+            assert httpx.get(server.url + path, headers={"x-api-key": "k"}, timeout=30).status_code == 200
+            assert httpx.get(server.url + path, headers={"x-api-key": "s3cret"}, timeout=30).status_code == 200

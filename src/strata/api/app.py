@@ -205,7 +205,8 @@ def _own_service(app: QuartTrio, state: _State) -> None:
             state.closing.set()
 
 
-_STATUS_ROUTES = ("/v1/history", "/metrics")  # what `status_key` guards: other clients' requests
+# What `status_key` guards: the routes that show other clients' requests (ids, routes, tokens, timings).
+_STATUS_ROUTES = ("/status", "/v1/status", "/v1/status/stream", "/v1/history", "/metrics")
 
 
 def _given_key() -> str:

@@ -8,7 +8,8 @@ HELP = {
     "host": "address(es) to listen on, comma-separated",
     "port": "TCP port",
     "api_key": "key clients must send (Authorization: Bearer or x-api-key); also $STRATA_API_KEY",
-    "status_key": "key /v1/history and /metrics need even when api_key is unset (api_key works too)",
+    "status_key": "key the routes that show every client's requests need (/status, /v1/status, its stream, "
+                  "/v1/history, /metrics) even when api_key is unset (api_key works too)",
     "allowed_hosts": "Host header names served, as a JSON list (default on loopback: loopback names only)",
     "context": "context length in tokens (prompt and answer)",
     "threads": "engine threads (default: all cores)",
