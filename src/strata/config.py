@@ -73,6 +73,7 @@ class LimitsConfig:
     history_size: int = 256  # rows of /v1/history kept in memory
     body_timeout: float = 60.0  # seconds to receive a request body
     graceful_timeout: float = 3.0  # seconds in-flight requests get at shutdown
+    status_streams: int = 16  # live status streams (/v1/status/stream, the monitor) open at once; more get 503
 
 
 @dataclass(frozen=True)
@@ -165,7 +166,7 @@ def _check(config: Config) -> None:
     if not config.step_slowdown >= 1:
         raise _fail("step_slowdown", f"must be at least 1 (a multiple of the decode step), got {config.step_slowdown}")
     limits = config.limits
-    for key in ("max_body_bytes", "queue_length", "history_size", "max_pictures"):
+    for key in ("max_body_bytes", "queue_length", "history_size", "max_pictures", "status_streams"):
         if getattr(limits, key) < 1:
             raise _fail(f"limits.{key}", "must be at least 1")
     if limits.max_tokens is not None and limits.max_tokens < 1:

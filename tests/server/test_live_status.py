@@ -1,11 +1,13 @@
 """The live status stream (`/v1/status/stream`): every slot, every request's phase, its prompt's progress chunk by
-chunk, the queue, and finished rows, through a live server with a scripted engine; and the key that guards the
-status routes."""
+chunk, the queue, and finished rows, through a live server with a scripted engine; the key that guards the
+status routes, and the bound on streams open at once."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,6 +16,8 @@ import pytest
 from conftest import ScriptedEngine, live_server, server_config
 
 from strata.api import sse
+from strata.cli.serve import add_arguments, config_from_args
+from strata.config import Config, ConfigError, config_from_dict
 
 LONG_PROMPT = [{"role": "user", "content": "count " * 60}]
 
@@ -146,3 +150,44 @@ def test_status_key_guards_the_status_routes(tokenizer):
             assert httpx.get(server.url + path, timeout=30).status_code == 401
             assert httpx.get(server.url + path, headers={"x-api-key": "k"}, timeout=30).status_code == 200
             assert httpx.get(server.url + path, headers={"x-api-key": "s3cret"}, timeout=30).status_code == 200
+
+
+def stream_when_free(client: httpx.Client, wait: float = 5.0) -> httpx.Response:
+    """A status stream's response, asked for again while the server answers 503 (a seat is freed when the server
+    has seen a client hang up)."""
+    deadline = time.monotonic() + wait
+    while True:
+        reply = client.send(client.build_request("GET", "/v1/status/stream"), stream=True)
+        if reply.status_code != 503 or time.monotonic() > deadline:
+            return reply
+        reply.close()
+        time.sleep(0.05)
+
+
+def test_status_streams_are_bounded(tokenizer):
+    config = server_config(limits={"status_streams": 2})
+    with live_server(config, ScriptedEngine(tokenizer), tokenizer) as server, httpx.Client(
+            base_url=server.url, timeout=30) as client:
+        first, second = snapshots(server.url), snapshots(server.url)
+        next(first), next(second)
+        refused = client.get("/v1/status/stream")
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "5"
+        assert refused.json()["error"] == {"message": "2 status streams are open, the most this server allows",
+                                           "type": "server_error", "param": None, "code": None}
+        assert client.get("/health").status_code == 200
+        # A client that hangs up gives its seat back, one that reads nothing of the body too.
+        first.close()
+        for _ in range(3):
+            reply = stream_when_free(client)
+            assert reply.status_code == 200
+            reply.close()
+        second.close()
+
+
+def test_the_bound_on_status_streams_is_a_flag():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert config_from_args(parser.parse_args(["--limits.status-streams", "3"])).limits.status_streams == 3
+    assert Config().limits.status_streams == 16
+    with pytest.raises(ConfigError, match='"limits.status_streams" must be at least 1'):
+        config_from_dict({"limits": {"status_streams": 0}})

@@ -51,6 +51,7 @@ HELP = {
     "limits.history_size": "rows of /v1/history kept",
     "limits.body_timeout": "seconds to receive a request body",
     "limits.graceful_timeout": "seconds in-flight requests get at shutdown",
+    "limits.status_streams": "live status streams (/v1/status/stream, the monitor page) open at once; more get 503",
     "mcp.max_rounds": "MCP tool rounds one response may run (docs/MCP.md)",
     "mcp.call_timeout": "seconds one MCP tool call may take",
     "mcp.connect_timeout": "seconds an MCP server gets to start and list its tools",
