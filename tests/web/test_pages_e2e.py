@@ -10,6 +10,7 @@ else to a temporary folder.
 from __future__ import annotations
 
 import base64
+import contextlib
 import importlib.resources
 import json
 import os
@@ -116,13 +117,23 @@ def demo() -> Iterator[Served]:
 
 
 @pytest.fixture(scope="module")
-def long_answers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+def random_model(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     # 128 wide, like the demo model, so the demo model's encoder feeds it.
-    model = write_random_model(tmp_path_factory.mktemp("web") / "random.gguf", arch="qwen3moe", size="tiny",
-                               dtype="f16", vocab="qwen", seed=0, n_embd=128)
+    return write_random_model(tmp_path_factory.mktemp("web") / "random.gguf", arch="qwen3moe", size="tiny",
+                              dtype="f16", vocab="qwen", seed=0, n_embd=128)
+
+
+@pytest.fixture(scope="module")
+def long_answers(random_model: pathlib.Path) -> Iterator[Served]:
     # One slot: a second request waits, and the monitor shows it queued.
-    with strata_serve("--model", str(model), "--vision.mmproj", str(SHIPPED / "demo-mmproj.gguf"),
+    with strata_serve("--model", str(random_model), "--vision.mmproj", str(SHIPPED / "demo-mmproj.gguf"),
                       "--vision.threads", "1", "--slots", "1") as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def three_slots(random_model: pathlib.Path) -> Iterator[Served]:
+    with strata_serve("--model", str(random_model), "--slots", "3") as served:
         yield served
 
 
@@ -415,6 +426,35 @@ def test_the_monitor_shows_phases_and_a_cancelled_request(long_answers: Served, 
     assert trail.index("queued") < trail.index("decode"), trail
     assert page.locator("[data-testid=plot-rate] polyline").get_attribute("points")
     assert "ready" in page.get_by_test_id("encoder").inner_text()
+
+
+def test_the_monitor_shows_every_slot(three_slots: Served, page: Any) -> None:
+    page.goto(three_slots.url + "/monitor")
+    page.get_by_test_id("engine").wait_for()
+    slots = page.locator("[data-testid=slots] tr[data-slot]")
+    slots.nth(2).wait_for()
+    assert slots.count() == 3
+    page.get_by_test_id("slots-busy").filter(has_text="0 of 3 busy").wait_for()
+    chat = three_slots.url + "/v1/chat/completions"
+    ids = []
+    with httpx.Client(timeout=60) as client, contextlib.ExitStack() as replies:
+        # Greedy: this model's answer to it runs all 3,000 tokens (both stay in flight until they hang up).
+        story = {"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 3000,
+                 "stream": True, "temperature": 0}
+        for _ in range(2):
+            reply = replies.enter_context(client.stream("POST", chat, json=story))
+            chunks = replies.enter_context(contextlib.closing(reply.iter_bytes()))  # a dropped one would close it
+            first_chunk = json.loads(next(chunks).decode().split("data: ", 1)[1].split("\n", 1)[0])
+            ids.append(first_chunk["id"].removeprefix("chatcmpl-"))
+        page.get_by_test_id("slots-busy").filter(has_text="2 of 3 busy").wait_for()
+        decoding = page.locator("[data-testid=slots] tr[data-state=decode]")
+        assert decoding.count() == 2
+        assert sorted(row.locator("td.mono").inner_text() for row in decoding.all()) == sorted(i[:8] for i in ids)
+        assert page.locator("[data-testid=slots] tr[data-state=idle]").count() == 1
+        for request_id in ids:
+            page.locator(f"[data-testid=requests] tr[data-request='{request_id}'][data-phase=decode]").wait_for()
+    page.get_by_test_id("slots-busy").filter(has_text="0 of 3 busy").wait_for()
+    page.goto("about:blank")  # closes the status stream before the server stops
 
 
 # --- the API key

@@ -178,21 +178,29 @@ Please report this to https://github.com/markedjs/marked.`,e){let e=`<p>An error
     </svg>
   </figure>`}function _o({done:e,total:t}){return t?W`<span class="progress">
     <progress value=${e} max=${t}></progress> ${e} / ${t}
-  </span>`:W`<span class="dim">–</span>`}var vo=e=>(Date.now()/1e3-e).toFixed(1),yo=e=>`${e.requests} finished (${Object.entries(e.finishes).map(([e,t])=>`${e} ${t}`).join(`, `)||`none`})`,bo=e=>e==null?`–`:e.toFixed(1),xo=e=>e.slice(0,8);function So({requests:e,trails:t}){return W`<table data-testid="requests">
-    <thead><tr><th>request</th><th>route</th><th>phase</th><th>prompt</th><th>cached</th><th>out</th>
+  </span>`:W`<span class="dim">–</span>`}var vo=e=>(Date.now()/1e3-e).toFixed(1),yo=e=>`${e.requests} finished (${Object.entries(e.finishes).map(([e,t])=>`${e} ${t}`).join(`, `)||`none`})`,bo=e=>e==null?`–`:e.toFixed(1),xo=e=>e.slice(0,8);function So({slots:e}){return W`<table data-testid="slots">
+    <thead><tr><th>slot</th><th>state</th><th>request</th><th>cached</th></tr></thead>
+    <tbody>
+      ${e.map(e=>W`<tr data-slot=${e.slot} data-state=${e.state}>
+          <td>${e.slot}</td><td><span class="phase phase-${e.state}">${e.state}</span></td>
+          <td class="mono">${e.request?xo(e.request):`–`}</td><td>${e.cached_tokens}</td>
+        </tr>`)}
+    </tbody>
+  </table>`}function Co({requests:e,trails:t}){return W`<table data-testid="requests">
+    <thead><tr><th>request</th><th>route</th><th>phase</th><th>slot</th><th>prompt</th><th>cached</th><th>out</th>
       <th>tok/s</th><th>s</th><th>phases seen</th></tr></thead>
     <tbody>
-      ${e.length===0&&W`<tr><td colspan="9" class="dim">no request in flight</td></tr>`}
+      ${e.length===0&&W`<tr><td colspan="10" class="dim">no request in flight</td></tr>`}
       ${e.map(e=>W`<tr data-request=${e.id} data-phase=${e.phase}>
           <td class="mono">${xo(e.id)}</td><td>${e.route}</td>
-          <td><span class="phase phase-${e.phase}">${e.phase}</span></td>
+          <td><span class="phase phase-${e.phase}">${e.phase}</span></td><td>${e.slot??`–`}</td>
           <td><${_o} done=${e.prompt_done} total=${e.prompt_tokens} /></td>
           <td>${e.cached_tokens}</td><td>${e.output_tokens}</td><td>${bo(e.tokens_per_second)}</td>
           <td>${e.seconds.toFixed(1)}</td>
           <td class="trail" data-testid="trail">${(t[e.id]||[]).join(` → `)}</td>
         </tr>`)}
     </tbody>
-  </table>`}function Co({rows:e,trails:t}){return W`<table data-testid="recent">
+  </table>`}function wo({rows:e,trails:t}){return W`<table data-testid="recent">
     <thead><tr><th>request</th><th>route</th><th>finish</th><th>prompt</th><th>cached</th><th>out</th>
       <th>tok/s</th><th>s</th><th>phases seen</th></tr></thead>
     <tbody>
@@ -204,7 +212,7 @@ Please report this to https://github.com/markedjs/marked.`,e){let e=`<p>An error
           <td class="trail">${(t[e.id]||[]).join(` → `)}</td>
         </tr>`)}
     </tbody>
-  </table>`}function wo({vision:e}){if(!e||e.mode===`off`)return W`<p class="dim">no image encoder configured</p>`;let t=e.job;return W`<dl class="facts" data-testid="encoder">
+  </table>`}function To({vision:e}){if(!e||e.mode===`off`)return W`<p class="dim">no image encoder configured</p>`;let t=e.job;return W`<dl class="facts" data-testid="encoder">
     <dt>mode</dt><dd>${e.mode}${e.cuda?` (CUDA)`:``}</dd>
     <dt>state</dt><dd><span class="state state-${e.state}">${e.state}</span></dd>
     <dt>job</dt><dd>${t?`encoding ${(t.bytes/1024).toFixed(0)} kB for ${vo(t.started)} s`:`none`}</dd>
@@ -212,44 +220,47 @@ Please report this to https://github.com/markedjs/marked.`,e){let e=`<p>An error
     <dt>encoded</dt><dd>${e.encodes} (${e.cache_hits} from cache)</dd>
     <dt>threads</dt><dd>${e.threads??`–`} of ${e.cores} cores</dd>
     ${e.last_error&&W`<dt>error</dt><dd class="error">${e.last_error}</dd>`}
-  </dl>`}function To(){let[e,t]=U(null),[n,r]=U(``),i=De([]),a=De({});if(Ee(()=>{let e=new AbortController;return(async()=>{for(;!e.signal.aborted;){try{let n=await Ge(`/v1/status/stream?interval=${ho}`,{signal:e.signal});r(``);for await(let[,e]of qe(n)){for(let t of e.requests){let e=a.current[t.id]||=[];e[e.length-1]!==t.phase&&e.push(t.phase)}for(i.current.push({t:e.time,rate:e.decode_tokens_per_second,queued:e.queued});i.current.length&&i.current[0].t<e.time-mo;)i.current.shift();t(e)}}catch(t){if(e.signal.aborted)return;r(`status stream: ${t.message}; retrying`)}await new Promise(e=>setTimeout(e,2e3))}})(),()=>e.abort()},[]),!e)return W`<main class="monitor"><p class="dim">${n||`connecting…`}</p></main>`;let o=e.totals;return W`<main class="monitor">
+  </dl>`}function Eo(){let[e,t]=U(null),[n,r]=U(``),i=De([]),a=De({});if(Ee(()=>{let e=new AbortController;return(async()=>{for(;!e.signal.aborted;){try{let n=await Ge(`/v1/status/stream?interval=${ho}`,{signal:e.signal});r(``);for await(let[,e]of qe(n)){for(let t of e.requests){let e=a.current[t.id]||=[];e[e.length-1]!==t.phase&&e.push(t.phase)}for(i.current.push({t:e.time,rate:e.decode_tokens_per_second,queued:e.queued});i.current.length&&i.current[0].t<e.time-mo;)i.current.shift();t(e)}}catch(t){if(e.signal.aborted)return;r(`status stream: ${t.message}; retrying`)}await new Promise(e=>setTimeout(e,2e3))}})(),()=>e.abort()},[]),!e)return W`<main class="monitor"><p class="dim">${n||`connecting…`}</p></main>`;let o=e.totals,s=e.slots.filter(e=>e.state!==`idle`).length;return W`<main class="monitor">
     ${n&&W`<div class="problem">${n}</div>`}
     <section class="cards">
       <div class="card" data-testid="engine">
         <h3>Engine</h3>
         <dl class="facts">
           <dt>model</dt><dd>${e.model}</dd>
-          <dt>slots</dt><dd>${+!!e.busy} of ${e.slots} busy</dd>
+          <dt>slots</dt><dd data-testid="slots-busy">${s} of ${e.slots.length} busy</dd>
           <dt>queue</dt><dd data-testid="queued">${e.queued} waiting</dd>
           <dt>requests</dt><dd>${yo(o)}</dd>
           <dt>tokens</dt>
           <dd>${`${o.prompt_tokens} prompt, ${o.reused_tokens} cached, ${o.output_tokens} generated`}</dd>
         </dl>
       </div>
-      <div class="card"><h3>Image encoder</h3><${wo} vision=${e.vision} /></div>
+      <div class="card"><h3>Image encoder</h3><${To} vision=${e.vision} /></div>
       <div class="card plots">
         <${go} samples=${i.current} field="rate" label="decode" unit="tok/s" />
         <${go} samples=${i.current} field="queued" label="queue" unit="waiting" />
       </div>
     </section>
+    <h3>Slots</h3>
+    <${So} slots=${e.slots} />
     <h3>In flight</h3>
-    <${So} requests=${e.requests} trails=${a.current} />
+    <${Co} requests=${e.requests} trails=${a.current} />
     <h3>Recent</h3>
-    <${Co} rows=${e.recent} trails=${a.current} />
-  </main>`}function Eo({ask:e}){let[t,n]=U(``);return W`<div class="overlay">
+    <${wo} rows=${e.recent} trails=${a.current} />
+  </main>`}function Do({ask:e}){let[t,n]=U(``);return W`<div class="overlay">
     <form class="dialog" data-testid="key-dialog" onSubmit=${n=>{n.preventDefault(),t.trim()&&e.resolve(t.trim())}}>
       <h2>API key</h2>
-      <p>This server needs an API key. It is kept in this browser and sent with every request.</p>
+      <p>This server needs an API key (the monitor also takes its status key). It is kept in this browser and
+        sent with every request.</p>
       <input type="password" data-testid="api-key" autofocus placeholder="API key" value=${t}
              onInput=${e=>n(e.target.value)} />
       <button type="submit">Use this key</button>
     </form>
-  </div>`}function Do(){let[e,t]=U(null);Ee(()=>{Ue(()=>new Promise(e=>t({resolve:n=>(t(null),e(n))})))},[]);let n=location.pathname.replace(/\/+$/,``)===`/monitor`?`monitor`:`chat`;return W`<div class="app">
+  </div>`}function Oo(){let[e,t]=U(null);Ee(()=>{Ue(()=>new Promise(e=>t({resolve:n=>(t(null),e(n))})))},[]);let n=location.pathname.replace(/\/+$/,``)===`/monitor`?`monitor`:`chat`;return W`<div class="app">
     <nav class="top">
       <span class="brand">Strata</span>
       <a href="/" class=${n===`chat`?`active`:``}>Chat</a>
       <a href="/monitor" class=${n===`monitor`?`active`:``}>Monitor</a>
     </nav>
-    ${n===`monitor`?W`<${To} />`:W`<${po} />`}
-    ${e&&W`<${Eo} ask=${e} />`}
-  </div>`}fe(W`<${Do} />`,document.getElementById(`app`));
+    ${n===`monitor`?W`<${Eo} />`:W`<${po} />`}
+    ${e&&W`<${Do} ask=${e} />`}
+  </div>`}fe(W`<${Oo} />`,document.getElementById(`app`));
