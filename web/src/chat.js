@@ -100,6 +100,28 @@ function ToolCall({ call, answered, busy, onResult }) {
   </div>`;
 }
 
+// The text as the model wrote it, not as the page renders it. The clipboard API needs a secure context (https,
+// or this machine); a page served over plain http to another machine copies through a selection instead.
+async function copyText(text) {
+  if (navigator.clipboard) return navigator.clipboard.writeText(text);
+  const area = document.createElement("textarea");
+  area.value = text;
+  document.body.append(area);
+  area.select();
+  document.execCommand("copy");
+  area.remove();
+}
+
+function CopyButton({ text }) {
+  const [copied, setCopied] = useState(false);
+  const copy = async () => {
+    await copyText(text);
+    setCopied(true);
+    setTimeout(() => setCopied(false), 1500);
+  };
+  return html`<button class="plain" data-testid="copy" onClick=${copy}>${copied ? "Copied" : "Copy"}</button>`;
+}
+
 function usageLine({ usage, finish }) {
   const cached = usage.prompt_tokens_details?.cached_tokens ?? 0;
   const end = finish ? `, ${finish}` : "";
@@ -145,6 +167,7 @@ function Message({ message, last, busy, answered, onEdit, onRegenerate, onResult
     ${!busy &&
     html`<div class="actions">
       ${message.role === "user" && html`<button class="plain" onClick=${() => setEditing(message.content)}>Edit</button>`}
+      ${message.role === "assistant" && message.content && html`<${CopyButton} text=${message.content} />`}
       ${message.role === "assistant" && last &&
       html`<button class="plain" data-testid="regenerate" onClick=${onRegenerate}>Regenerate</button>`}
     </div>`}
