@@ -346,6 +346,32 @@ def test_a_form_in_an_answer_is_not_rendered(demo: Served, page: Any) -> None:
     assert "Your session expired." in markdown.inner_text()
 
 
+@pytest.mark.parametrize("storage", ["missing", "refused"])
+def test_the_pages_work_without_indexeddb(demo: Served, page: Any, storage: str) -> None:
+    """Some private windows, and browsers with storage turned off, have no IndexedDB: the chat works without
+    history and says so once; the monitor does not need it."""
+    page.add_init_script({
+        "missing": "delete window.indexedDB;",
+        "refused": """IDBFactory.prototype.open = function () {
+            throw new DOMException("The operation is insecure.", "SecurityError");
+        };""",
+    }[storage])
+    page.goto(demo.url + "/")
+    notice = page.get_by_test_id("no-history")
+    notice.wait_for()
+    assert "IndexedDB" in notice.inner_text()
+    settings(page, temperature="0", reasoning="none")
+    finished(ask(page, "What is the capital of France?"))
+    answer = ask(page, "What is the capital of Italy?")
+    finished(answer)
+    assert "Rome" in answer.inner_text()
+    assert page.get_by_test_id("no-history").count() == 1  # said once, not per answer
+    assert page.locator(".conversations li").count() == 1  # kept for as long as the page is open
+    page.goto(demo.url + "/monitor")
+    page.get_by_test_id("engine").wait_for()
+    page.locator("[data-testid=slots] tr[data-slot]").first.wait_for()
+
+
 def test_a_pasted_picture_is_described(demo: Served, page: Any, screenshots: pathlib.Path) -> None:
     page.goto(demo.url + "/")
     settings(page, temperature="0", reasoning="none")

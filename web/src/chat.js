@@ -6,6 +6,7 @@ import { renderMarkdown } from "./markdown.js";
 import {
   deleteConversation,
   download,
+  historyKept,
   listConversations,
   newConversation,
   saveConversation,
@@ -199,6 +200,7 @@ export function Chat() {
   const [model, setModel] = useState("");
   const [problem, setProblem] = useState("");
   const [showSettings, setShowSettings] = useState(false);
+  const [noHistory, setNoHistory] = useState(false); // this browser cannot keep conversations: said once
   const running = useRef(null); // the AbortController of the answer being streamed
   const bottom = useRef(null);
   const picker = useRef(null);
@@ -206,6 +208,7 @@ export function Chat() {
 
   useEffect(() => {
     (async () => {
+      setNoHistory(!(await historyKept()));
       const stored = await listConversations();
       setConversations(stored);
       setCurrent(stored[0] || newConversation());
@@ -370,6 +373,12 @@ export function Chat() {
       html`<${Settings} settings=${current.settings}
         onChange=${(settings) => ((current.settings = settings), refresh(), store(current))} />`}
       ${problem && html`<div class="problem">${problem}</div>`}
+      ${noHistory &&
+      html`<div class="notice" data-testid="no-history">
+        This browser does not let the page keep conversations (IndexedDB is not available, as in some private
+        windows): they last until the page is closed.
+        <button class="plain" title="Dismiss" onClick=${() => setNoHistory(false)}>×</button>
+      </div>`}
       <div class="messages">
         ${messages.map(
           (message, i) => html`<${Message} message=${message} last=${i === messages.length - 1} busy=${busy}
