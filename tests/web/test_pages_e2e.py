@@ -329,6 +329,11 @@ def test_the_page_shows_and_copies_exactly_what_the_model_wrote(demo: Served, pa
     assert answer.locator(".markdown li").all_inner_texts() == ["[ ] to do", "[x] done"]
     assert answer.locator(".markdown li strong").inner_text() == "done"
     assert copied(page, answer) == tasks
+    # Where the clipboard API refuses (or is missing: plain http to another machine), Copy still copies.
+    page.evaluate("""() => { navigator.clipboard.writeText = () =>
+        Promise.reject(new DOMException("Write permission denied.", "NotAllowedError")); }""")
+    answer = page.locator(".message.assistant").nth(EXACT_ANSWERS.index("2 + 2 =\n\n4."))
+    assert copied(page, answer) == "2 + 2 =\n\n4."
 
 
 def test_a_form_in_an_answer_is_not_rendered(demo: Served, page: Any) -> None:

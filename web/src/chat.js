@@ -102,15 +102,18 @@ function ToolCall({ call, answered, busy, onResult }) {
 }
 
 // The text as the model wrote it, not as the page renders it. The clipboard API needs a secure context (https,
-// or this machine); a page served over plain http to another machine copies through a selection instead.
+// or this machine) and the browser's leave; without them the text is copied through a selection.
 async function copyText(text) {
-  if (navigator.clipboard) return navigator.clipboard.writeText(text);
-  const area = document.createElement("textarea");
-  area.value = text;
-  document.body.append(area);
-  area.select();
-  document.execCommand("copy");
-  area.remove();
+  try {
+    await navigator.clipboard.writeText(text);
+  } catch {
+    const area = document.createElement("textarea");
+    area.value = text;
+    document.body.append(area);
+    area.select();
+    document.execCommand("copy");
+    area.remove();
+  }
 }
 
 function CopyButton({ text }) {
