@@ -73,6 +73,7 @@ class LimitsConfig:
     history_size: int = 256  # rows of /v1/history kept in memory
     body_timeout: float = 60.0  # seconds to receive a request body
     graceful_timeout: float = 3.0  # seconds in-flight requests get at shutdown
+    status_streams: int = 16  # live status streams (/v1/status/stream, the monitor) open at once; more get 503
 
 
 @dataclass(frozen=True)
@@ -104,8 +105,8 @@ class Config:
     host: str = "127.0.0.1"
     port: int = 8080
     api_key: str | None = None
-    # /v1/history and /metrics show every client's requests: with this set they need it (or api_key) even when
-    # the API itself is open.
+    # /status, /v1/status, /v1/status/stream, /v1/history and /metrics show every client's requests: with this
+    # set they need it (or api_key) even when the API itself is open.
     status_key: str | None = None
     # Host header names accepted (a guard against DNS rebinding); None: when listening on loopback, the loopback
     # names and addresses only, else any.
@@ -175,7 +176,7 @@ def _check_engine(config: Config) -> None:
 
 
 def _check_limits(limits: LimitsConfig) -> None:
-    for key in ("max_body_bytes", "queue_length", "history_size", "max_pictures"):
+    for key in ("max_body_bytes", "queue_length", "history_size", "max_pictures", "status_streams"):
         if getattr(limits, key) < 1:
             raise _fail(f"limits.{key}", "must be at least 1")
     if limits.max_tokens is not None and limits.max_tokens < 1:

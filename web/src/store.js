@@ -1,11 +1,33 @@
 // Conversations kept in this browser (IndexedDB): {id, title, created, updated, settings, messages}.
+//
+// The database is opened on first use, so the monitor never needs it. A browser that cannot open it (a private
+// window in some browsers, storage turned off) keeps the conversations in this page's memory instead: the chat
+// works, without history, and `historyKept()` says so.
 import { openDB } from "idb";
 
-const db = openDB("strata", 1, {
-  upgrade(database) {
-    database.createObjectStore("conversations", { keyPath: "id" });
-  },
-});
+let opened = null; // Promise of the database, or of null when this browser cannot open one
+const memory = new Map(); // id -> conversation, when there is no database
+
+async function open() {
+  try {
+    return await openDB("strata", 1, {
+      upgrade(database) {
+        database.createObjectStore("conversations", { keyPath: "id" });
+      },
+    });
+  } catch {
+    return null; // `indexedDB` missing or refusing: no history
+  }
+}
+
+function database() {
+  opened ||= open();
+  return opened;
+}
+
+export async function historyKept() {
+  return (await database()) !== null;
+}
 
 export const DEFAULT_SETTINGS = { system: "", temperature: 0.7, reasoning: "medium", maxTokens: 1024, tools: "" };
 
@@ -22,16 +44,21 @@ export function newConversation() {
 }
 
 export async function listConversations() {
-  const all = await (await db).getAll("conversations");
+  const db = await database();
+  const all = db ? await db.getAll("conversations") : [...memory.values()];
   return all.sort((a, b) => b.updated - a.updated);
 }
 
 export async function saveConversation(conversation) {
-  await (await db).put("conversations", conversation);
+  const db = await database();
+  if (db) await db.put("conversations", conversation);
+  else memory.set(conversation.id, conversation);
 }
 
 export async function deleteConversation(id) {
-  await (await db).delete("conversations", id);
+  const db = await database();
+  if (db) await db.delete("conversations", id);
+  else memory.delete(id);
 }
 
 export function download(name, value) {

@@ -218,7 +218,8 @@ def _own_service(app: QuartTrio, state: _State) -> None:
             state.closing.set()
 
 
-_STATUS_ROUTES = ("/v1/history", "/metrics")  # what `status_key` guards: other clients' requests
+# What `status_key` guards: the routes that show other clients' requests (ids, routes, tokens, timings).
+_STATUS_ROUTES = ("/status", "/v1/status", "/v1/status/stream", "/v1/history", "/metrics")
 
 
 def _given_key() -> str:
@@ -288,6 +289,8 @@ async def _parse(parse: Callable[[Any], ChatRequest], data: Any, large: bool) ->
 
 
 def _add_info_routes(app: Quart, state: _State) -> None:
+    stream_seats = status.StreamSeats(state.config.limits.status_streams)
+
     @app.get("/health")
     async def health() -> Response:
         service = state.service
@@ -335,7 +338,8 @@ def _add_info_routes(app: Quart, state: _State) -> None:
             interval = math.nan
         if not 0.1 <= interval <= 10.0:
             raise ApiError(400, "interval must be 0.1 to 10 seconds", param="interval")
-        return Response(status.live_stream(service, interval), content_type="text/event-stream",
+        return Response(await status.open_live_stream(service, interval, stream_seats),
+                        content_type="text/event-stream",
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     @app.get("/v1/history")

@@ -1,10 +1,12 @@
 """What the status routes say: `/status` (the engine now), `/v1/status` (the server), `/v1/history`, the live
-stream (`/v1/status/stream`) and the Prometheus metrics (`/metrics`), all read from the service when asked."""
+stream (`/v1/status/stream`) and the Prometheus metrics (`/metrics`), all read from the service when asked; and
+how many live streams may be open at once."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from contextlib import aclosing, contextmanager
 from typing import Any
 
 import trio
@@ -14,7 +16,10 @@ from prometheus_client.exposition import generate_latest
 
 import strata
 from strata.api import sse
+from strata.api.errors import ApiError
 from strata.service import Service
+
+STREAM_RETRY_AFTER = 5  # seconds a client refused a status stream is asked to wait
 
 
 def status(service: Service) -> dict[str, Any]:
@@ -64,12 +69,13 @@ def vision_status(service: Service) -> dict[str, Any]:
 
 
 def live_status(service: Service, recent: int = 20) -> dict[str, Any]:
-    """Everything the monitor shows, in one snapshot: the engine's slots and queue, every request in flight with
-    its phase and prompt progress, the encoder, the totals and the most recent finished requests."""
+    """Everything the monitor shows, in one snapshot: the engine's slots (each one's state, request and cached
+    tokens) and queue, every request in flight with its phase, slot and prompt progress, the encoder, the totals
+    and the most recent finished requests."""
     return {
         "time": time.time(),
         "model": service.model_name,
-        "slots": 1,
+        "slots": service.slots(),
         "busy": service.turn.busy,
         "queued": service.turn.queued,
         "requests": [progress.as_dict() for progress in service.activity],
@@ -84,23 +90,71 @@ def _generated(service: Service) -> int:
     return service.history.totals.output_tokens + sum(progress.row.output_tokens for progress in service.activity)
 
 
-async def live_stream(service: Service, interval: float) -> AsyncIterator[bytes]:
+class StreamSeats:
+    """The status streams open at once, at most `limit` (`limits.status_streams`): each one renders a snapshot on
+    the event loop every interval for as long as its client stays, so without a bound a few hundred of them slow
+    every request, `/health` included."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.taken = 0
+
+    @contextmanager
+    def seat(self) -> Iterator[None]:
+        """Held for a stream's life.
+
+        Raises:
+            ApiError: 503 with a Retry-After when `limit` streams are open.
+        """
+        if self.taken >= self.limit:
+            raise ApiError(503, f"{self.limit} status streams are open, the most this server allows",
+                           kind="server_error", retry_after=STREAM_RETRY_AFTER)
+        self.taken += 1
+        try:
+            yield
+        finally:
+            self.taken -= 1
+
+
+async def open_live_stream(service: Service, interval: float, seats: StreamSeats) -> AsyncIterator[bytes]:
     """`live_status` as a server-sent event every `interval` seconds, with the decode rate over the interval
     (`decode_tokens_per_second`). Ends when the client hangs up (the request's nursery is cancelled) or the server
-    starts shutting down (`service.stopping`)."""
-    before, generated = time.monotonic(), _generated(service)
-    rate = 0.0
-    while True:
-        body = live_status(service)
-        body["decode_tokens_per_second"] = rate
-        yield sse.encode(body, "status")
-        with trio.move_on_after(interval):
-            await service.stopping.wait()
-        if service.stopping.is_set():
-            return
-        now, total = time.monotonic(), _generated(service)
-        rate = (total - generated) / (now - before)
-        before, generated = now, total
+    starts shutting down (`service.stopping`).
+
+    The stream takes its seat and its first snapshot here, before the status line goes out, so that a refusal
+    gets its own status; from then on the seat is freed however the stream ends: closed by the response
+    machinery, or, if the response never started its body, finalised by trio as a started generator.
+
+    Raises:
+        ApiError: 503 when every seat is taken.
+    """
+    stream = _live_stream(service, interval, seats)
+    first = await anext(stream)
+    return _resumed(first, stream)
+
+
+async def _resumed(first: bytes, stream: AsyncGenerator[bytes, None]) -> AsyncIterator[bytes]:
+    async with aclosing(stream):
+        yield first
+        async for event in stream:
+            yield event
+
+
+async def _live_stream(service: Service, interval: float, seats: StreamSeats) -> AsyncGenerator[bytes, None]:
+    with seats.seat():
+        before, generated = time.monotonic(), _generated(service)
+        rate = 0.0
+        while True:
+            body = live_status(service)
+            body["decode_tokens_per_second"] = rate
+            yield sse.encode(body, "status")
+            with trio.move_on_after(interval):
+                await service.stopping.wait()
+            if service.stopping.is_set():
+                return
+            now, total = time.monotonic(), _generated(service)
+            rate = (total - generated) / (now - before)
+            before, generated = now, total
 
 
 def history(service: Service) -> dict[str, Any]:

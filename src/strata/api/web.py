@@ -13,8 +13,10 @@ from strata.web import STATIC
 
 PAGES = ("/", "/monitor")
 # Nothing from outside: scripts, styles and requests only from this server; pictures also as data:/blob: URLs.
+# No form submits anywhere (the pages' own forms are handled in script): a form in a model's answer that got past
+# the sanitiser still could not send a typed-in key elsewhere.
 _POLICY = ("default-src 'self'; img-src 'self' data: blob:; style-src 'self'; script-src 'self'; "
-           "connect-src 'self'; object-src 'none'; base-uri 'none'; frame-ancestors 'none'")
+           "connect-src 'self'; object-src 'none'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
 
 
 def is_page(path: str) -> bool:

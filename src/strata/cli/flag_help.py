@@ -8,7 +8,8 @@ HELP = {
     "host": "address(es) to listen on, comma-separated",
     "port": "TCP port",
     "api_key": "key clients must send (Authorization: Bearer or x-api-key); also $STRATA_API_KEY",
-    "status_key": "key /v1/history and /metrics need even when api_key is unset (api_key works too)",
+    "status_key": "key the routes that show every client's requests need (/status, /v1/status, its stream, "
+                  "/v1/history, /metrics) even when api_key is unset (api_key works too)",
     "allowed_hosts": "Host header names served, as a JSON list (default on loopback: loopback names only)",
     "context": "context length in tokens (prompt and answer)",
     "threads": "engine threads (default: all cores)",
@@ -50,6 +51,7 @@ HELP = {
     "limits.history_size": "rows of /v1/history kept",
     "limits.body_timeout": "seconds to receive a request body",
     "limits.graceful_timeout": "seconds in-flight requests get at shutdown",
+    "limits.status_streams": "live status streams (/v1/status/stream, the monitor page) open at once; more get 503",
     "mcp.max_rounds": "MCP tool rounds one response may run (docs/MCP.md)",
     "mcp.call_timeout": "seconds one MCP tool call may take",
     "mcp.connect_timeout": "seconds an MCP server gets to start and list its tools",
