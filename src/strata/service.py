@@ -58,6 +58,7 @@ from strata.scheduling.batcher import Batcher, Job
 from strata.scheduling.engine_like import EngineLike
 from strata.scheduling.engine_loop import EngineLoop, EngineStartError, Exclusive, Stream
 from strata.scheduling.turn import QueueFull, Turn
+from strata.shutdown import ShutdownCut, ShuttingDown
 from strata.text.constraints import GrammarError, Grammars, Guide, plan_constraint
 from strata.text.output import LogprobNames, Output
 from strata.text.prompt import PromptError, render_chat
@@ -125,6 +126,7 @@ class Service:
         self._generating: list[tuple[HistoryRow, Stream]] = []  # requests on a slot, in arrival order
         self.activity = Activity()
         self.stopping = trio.Event()  # set when the server starts shutting down: endless streams end
+        self.cut = ShutdownCut()  # what is still running when the shutdown's time runs out ends with an error event
         self.downloads = Downloads(self.stopping)  # image URLs (open_service gives it its client)
         self.model_names = model_names(config)  # the served name first, then the other aliases
         self.model_name = self.model_names[0]
@@ -436,7 +438,7 @@ class Service:
                     toolset = await self._toolset(request)
                     request = dataclasses.replace(request, tools=request.tools + toolset.functions())
                 rounds = run_rounds(request, self._round, toolset, live, max_rounds=self.config.mcp.max_rounds,
-                                    sees_pictures=self._sees_pictures)
+                                    sees_pictures=self._sees_pictures, cut=self.cut)
                 async with aclosing(rounds) as events:
                     async for event in events:
                         yield event
@@ -446,7 +448,7 @@ class Service:
             except RequestError:
                 row.finish = "refused"  # a 400: the request's fault, not a failure of the server
                 raise
-            except (ServiceUnavailable, QueueFull):
+            except (ServiceUnavailable, QueueFull, ShuttingDown):
                 row.finish = "unavailable"  # a 503
                 raise
             except BaseException:
@@ -494,6 +496,7 @@ class Service:
     async def _generate(self, request: ChatRequest, prepared: _Prepared, live: RequestProgress,
                         guide: Guide | None) -> AsyncGenerator[Event, None]:
         assert self.loop is not None
+        self.cut.check()  # a request that got its turn after the shutdown's cut does not start
         row = live.row
         live.phase = "prompt"
         before = row.output_tokens  # tokens of earlier rounds of this response
@@ -570,6 +573,16 @@ class Service:
         return [{"slot": slot.seq, "request": None if slot.job is None else slot.job.tag,
                  "state": "idle" if slot.job is None else "decode" if slot.job.decoding else "prompt",
                  "cached_tokens": len(slot.keys)} for slot in self.loop.batcher.slots]
+
+    def begin_shutdown(self, grace: float) -> None:
+        """The server stops taking requests; those in flight get `grace` seconds, and what still runs a little
+        before they end is cut with `ShuttingDown` (`strata.shutdown`), which each route renders as an error."""
+        self.cut.begin(grace)
+        self.stopping.set()
+
+    def _interrupt_generations(self) -> None:
+        for _, stream in self._generating:
+            stream.interrupt()
 
     def engine_problem(self) -> OSError | None:
         """Why the engine could not take a request now (no file descriptor or thread left to start its thread),
@@ -658,6 +671,7 @@ async def open_service(
         async with trio.open_nursery() as nursery, download_client(policy, DOWNLOAD_TIMEOUT) as http:
             service.nursery, service.downloads.client = nursery, (http if images.downloads else None)
             nursery.start_soon(service.downloads.stop_at_shutdown)
+            nursery.start_soon(service.cut.run, service._interrupt_generations, service.stopping)
             service.mcp = McpServers(config.mcp_servers, config.mcp, log, policy)
             await service.mcp.start(nursery)
             try:

@@ -67,6 +67,7 @@ def as_api_error(exc: BaseException) -> ApiError:
 
     from strata.scheduling.turn import QueueFull
     from strata.service import RequestError, ServiceUnavailable
+    from strata.shutdown import ShuttingDown
 
     if isinstance(exc, ApiError):
         return exc
@@ -74,6 +75,8 @@ def as_api_error(exc: BaseException) -> ApiError:
         return ApiError(400, str(exc), param=exc.param, code=exc.code)
     if isinstance(exc, ServiceUnavailable):
         return ApiError(503, str(exc), kind="server_error", retry_after=exc.retry_after)
+    if isinstance(exc, ShuttingDown):
+        return ApiError(503, str(exc), kind="server_error", code=exc.code)
     if isinstance(exc, QueueFull):
         return ApiError(503, f"the server is busy: {exc}", kind="server_error", retry_after=1)
     if isinstance(exc, HTTPException):

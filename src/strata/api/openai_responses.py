@@ -603,7 +603,7 @@ class ResponseRenderer(Renderer):
         return out
 
     def on_error(self, error: ApiError) -> list[SseEvent]:
-        return [self._event("error", code=error.kind, message=error.message, param=error.param)]
+        return [self._event("error", code=error.code or error.kind, message=error.message, param=error.param)]
 
     def fold(self, stream: Iterable[SseEvent]) -> dict[str, Any]:
         """The response the stream's last `response` carries (a failed generation's too: its status says so)."""

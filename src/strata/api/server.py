@@ -167,7 +167,7 @@ def _os_error(error: BaseException) -> OSError | None:
 async def _end_streams_on(stop: trio.Event, service: Any) -> None:
     """Let the status streams end when shutdown begins, rather than keep hypercorn's graceful wait going."""
     await stop.wait()
-    service.stopping.set()
+    service.begin_shutdown(service.config.limits.graceful_timeout)
 
 
 STOP_NOW_TIMEOUT = 3.0  # seconds a forced stop may take before the process exits without finishing it

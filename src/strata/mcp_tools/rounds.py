@@ -29,6 +29,7 @@ from strata.events import (
 )
 from strata.history import HistoryRow
 from strata.mcp_tools.toolset import Toolset
+from strata.shutdown import ShutdownCut
 
 RoundEvents = Callable[[ChatRequest, RequestProgress], AbstractAsyncContextManager[AsyncIterator[Event]]]
 """Opens one round of a response: the request prepared and the engine's turn taken, then the round's events (the
@@ -74,8 +75,8 @@ class _Round:
 
 
 async def run_rounds(request: ChatRequest, round_events: RoundEvents, toolset: Toolset | None,
-                     live: RequestProgress, *, max_rounds: int, sees_pictures: Callable[[], bool]
-                     ) -> AsyncGenerator[Event, None]:
+                     live: RequestProgress, *, max_rounds: int, sees_pictures: Callable[[], bool],
+                     cut: ShutdownCut | None = None) -> AsyncGenerator[Event, None]:
     """Generate; when the model called MCP tools, call them (in this task: the request's), append their results
     and generate on, up to `max_rounds` times. The engine's turn is held only while generating, so a slow tool
     stalls no one else; the next round's prompt shares the previous one's KV prefix.
@@ -90,8 +91,10 @@ async def run_rounds(request: ChatRequest, round_events: RoundEvents, toolset: T
         live: the request's progress row (its phase; its history row gets the totals).
         max_rounds: tool rounds one response may run (`mcp.max_rounds`).
         sees_pictures: whether the model is given the pictures a tool returns (asked at each call).
+        cut: the service's shutdown cut, which ends a tool call still running when the shutdown's time runs out
+            (None: never).
     """
-    response = _Response(request, toolset, max_rounds)
+    response = _Response(request, toolset, max_rounds, cut or ShutdownCut())
     while response.request is not None:
         this = _Round()
         text, reasoning = this.text, this.reasoning
@@ -119,8 +122,9 @@ class _Response:
     """What a response keeps across its rounds: the next round's request (None once it ends), the calls'
     numbering, the tool rounds run, the token totals, and the listings not shown yet."""
 
-    def __init__(self, request: ChatRequest, toolset: Toolset | None, max_rounds: int):
+    def __init__(self, request: ChatRequest, toolset: Toolset | None, max_rounds: int, cut: ShutdownCut):
         self.request: ChatRequest | None = request
+        self._cut = cut
         self.finish = Finish("error")
         self.usage = Usage(0, 0, 0)  # the sum of the rounds
         self._toolset = toolset
@@ -198,7 +202,8 @@ class _Response:
         appended to `messages` for the next round's prompt."""
         assert self._toolset is not None
         for call in served:
-            output = await self._toolset.call(call.name, call.arguments, pictures=sees_pictures())
+            with self._cut.cutting():  # a tool still running when the shutdown's time runs out is cut
+                output = await self._toolset.call(call.name, call.arguments, pictures=sees_pictures())
             yield ToolResult(call.index, call.id, output.text, output.is_error)
             messages.append({"role": "tool", "tool_call_id": call.id, "content": output.content})
 

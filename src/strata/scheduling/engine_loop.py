@@ -21,6 +21,7 @@ import trio
 
 from strata.scheduling.batcher import Batcher, Job
 from strata.scheduling.turn import Turn
+from strata.shutdown import ShuttingDown
 
 
 class EngineLoop:
@@ -331,6 +332,7 @@ class Stream:
         self.job, self._loop = job, loop
         self._taken = 0
         self.handing_off = False  # the engine thread waits for this stream to take its first token
+        self.interrupted = False  # cut by a shutdown whose time ran out (`interrupt`)
         self._waiter: trio.Event | None = None
         self._ended = trio.Event()
         loop.submit(self)
@@ -345,8 +347,10 @@ class Stream:
     async def next_tokens(self) -> list[int]:
         """Wait for sampled tokens; [] once the job has left its slot and every token was taken.
 
-        Raises: what the engine raised (EngineError, ...).
+        Raises: what the engine raised (EngineError, ...); ShuttingDown once `interrupt`ed.
         """
+        if self.interrupted:
+            raise ShuttingDown()
         if self.handing_off:  # called again: the first token went out (or more tokens are needed for it)
             self.handing_off = False
             self._loop.taken(self)
@@ -370,7 +374,16 @@ class Stream:
             # `wake` runs in trio, so no wake-up falls between the reads above and this wait.
             self._waiter = waiter = trio.Event()
             await waiter.wait()
+            if self.interrupted:
+                raise ShuttingDown()
             waited = True
+
+    def interrupt(self) -> None:
+        """End the request's wait for tokens with `ShuttingDown`, now or at its next call (its `stop()` then takes
+        the job out)."""
+        self.interrupted = True
+        if self._waiter is not None:
+            self._waiter.set()
 
     def wake(self) -> None:
         if self._waiter is not None:
