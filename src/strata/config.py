@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, get_type_hints
 
 KV_TYPES = ("f32", "f16", "int8")
+CACHE_ISOLATION = ("shared", "api_key")
 
 
 class ConfigError(ValueError):
@@ -108,6 +109,9 @@ class Config:
     # /status, /v1/status, /v1/status/stream, /v1/history and /metrics show every client's requests: with this
     # set they need it (or api_key) even when the API itself is open.
     status_key: str | None = None
+    # Who shares the prefix cache: "shared" (every request, unless it sends a `cache_salt`), or "api_key" (only
+    # requests that sent the same key: each key's conversations are isolated from the others').
+    cache_isolation: str = "shared"
     # Host header names accepted (a guard against DNS rebinding); None: when listening on loopback, the loopback
     # names and addresses only, else any.
     allowed_hosts: list[str] | None = None
@@ -164,6 +168,8 @@ def _check_engine(config: Config) -> None:
         raise _fail("port", f"must be 0..65535, got {config.port}")
     if config.kv not in KV_TYPES:
         raise _fail("kv", f"must be one of {', '.join(KV_TYPES)}, got {config.kv!r}")
+    if config.cache_isolation not in CACHE_ISOLATION:
+        raise _fail("cache_isolation", f"must be one of {', '.join(CACHE_ISOLATION)}, got {config.cache_isolation!r}")
     for key in ("context", "batch", "slots", "step_tokens"):
         if getattr(config, key) < 1:
             raise _fail(key, "must be at least 1")

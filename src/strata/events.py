@@ -83,6 +83,9 @@ class ChatRequest:
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     route: str = "chat"
     mcp: list[McpUse] = field(default_factory=list)  # MCP servers whose tools the server itself calls
+    # Only requests with the same salt share cached prefixes (vLLM's `cache_salt`; with `cache_isolation` "api_key"
+    # the client's key joins it). None: the prefix cache is shared with every request without one.
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True)

@@ -54,7 +54,7 @@ from strata.pictures.staging import (
     picture_places,
 )
 from strata.progress import Stage, with_progress
-from strata.scheduling.batcher import Batcher, Job
+from strata.scheduling.batcher import Batcher, Job, salted
 from strata.scheduling.engine_like import EngineLike
 from strata.scheduling.engine_loop import EngineLoop, EngineStartError, Exclusive, Stream
 from strata.scheduling.turn import QueueFull, Turn
@@ -502,7 +502,8 @@ class Service:
         before = row.output_tokens  # tokens of earlier rounds of this response
         sampler = Sampler(request.sampling, self.engine.n_vocab, mask=guide, logprobs=request.logprobs)
         echo = request.completion is not None and request.completion.echo
-        job = Job(prepared.ids, sampler, prepared.max_tokens, self.tokenizer.eos_ids, keys=prepared.prompt.keys,
+        job = Job(prepared.ids, sampler, prepared.max_tokens, self.tokenizer.eos_ids,
+                  keys=salted(prepared.prompt.keys, request.cache_salt),
                   spans=prepared.prompt.spans, tag=row.id, progress=live,
                   prompt_logprobs=request.logprobs if echo else None)
         # Everything this task can make before the job goes: the engine thread needs the GIL to start the job's

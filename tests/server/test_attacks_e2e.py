@@ -102,3 +102,44 @@ def test_an_engine_thread_that_cannot_start_fails_only_its_request(tiny_model, q
         assert httpx.get(server.url + "/health", timeout=10).json() == {"status": "ok"}
         for _ in range(3):
             assert chat(server).status_code == 200
+
+
+SYSTEM = "You are the bank's assistant. The vault PIN is 4729. Never say it."
+
+
+def cached(server: LiveServer, salt: str | None = None, key: str | None = None, guess: str = "") -> int:
+    messages = [{"role": "system", "content": SYSTEM + guess}, {"role": "user", "content": "hello"}]
+    body: dict[str, Any] = {"model": "m", "messages": messages, "max_tokens": 1, "temperature": 0}
+    if salt is not None:
+        body["cache_salt"] = salt
+    headers = {"authorization": f"Bearer {key}"} if key is not None else {}
+    reply = httpx.post(server.url + "/v1/chat/completions", json=body, headers=headers, timeout=60)
+    assert reply.status_code == 200, reply.text
+    return int(reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+def test_a_cache_salt_keeps_another_clients_prompt_out_of_reach(tiny_model):
+    with live_server(server_config(model=str(tiny_model), slots=4, context=512)) as server:
+        assert cached(server, salt="alice") == 0
+        assert cached(server, salt="alice") > 0  # the same salt shares its prefix
+        # Another client probing the victim's system prompt learns nothing from cached_tokens: not with its own
+        # salt, not with none.
+        assert cached(server, salt="mallory") == 0
+        assert cached(server) == 0
+        assert cached(server) > 0  # requests without a salt share among themselves, as before
+
+
+@pytest.mark.parametrize("value", [7, "", "x" * 257])
+def test_a_bad_cache_salt_is_a_400_naming_it(server, value):
+    reply = chat(server, cache_salt=value)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "cache_salt"
+
+
+def test_cache_isolation_by_api_key(tiny_model):
+    config = server_config(model=str(tiny_model), slots=4, context=512, cache_isolation="api_key")
+    with live_server(config) as server:
+        assert cached(server, key="alice") == 0
+        assert cached(server, key="alice") > 0
+        assert cached(server, key="mallory") == 0
+        assert cached(server, key="mallory", salt="alice") == 0  # a salt cannot reach into another key's cache
+        assert cached(server) == 0  # no key is a key of its own

@@ -9,6 +9,7 @@ a send that fails. Cancellation reaches `Service.chat`, which leaves the queue o
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import hmac
 import json
 import math
@@ -422,6 +423,7 @@ def _chat_view(state: _State, dialect: _Dialect) -> Callable[[], Awaitable[Respo
         data = await _json_body()
         large = (request.content_length or 0) > INLINE_BYTES
         chat_request = _with_sampling_defaults(await _parse(dialect.parse, data, large), data, state.config)
+        chat_request = _with_cache_salt(chat_request, data, state.config)
         service = state.ready_service()
         request_id = uuid.uuid4().hex[:24]
         events = service.chat(chat_request, request_id=request_id)
@@ -447,6 +449,23 @@ def _chat_view(state: _State, dialect: _Dialect) -> Callable[[], Awaitable[Respo
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     return view
+
+
+MAX_CACHE_SALT_CHARS = 256
+
+
+def _with_cache_salt(chat_request: ChatRequest, body: Any, config: Config) -> ChatRequest:
+    """The request's `cache_salt` (any dialect may send it, as vLLM's OpenAI routes take it), joined by a digest of
+    the client's key when `cache_isolation` is "api_key": only requests with the same salt share cached
+    prefixes, so no client can learn another's prompt from `cached_tokens`."""
+    salt = body.get("cache_salt") if isinstance(body, dict) else None
+    if salt is not None and (not isinstance(salt, str) or not 0 < len(salt) <= MAX_CACHE_SALT_CHARS):
+        raise ApiError(400, f"cache_salt: must be a string of 1 to {MAX_CACHE_SALT_CHARS} characters",
+                       param="cache_salt")
+    if config.cache_isolation == "api_key":
+        key = hashlib.sha256(_given_key().encode()).hexdigest()[:32]
+        salt = f"key:{key}" if salt is None else f"key:{key}:{salt}"
+    return chat_request if salt is None else dataclasses.replace(chat_request, cache_salt=salt)
 
 
 def _with_sampling_defaults(chat_request: ChatRequest, body: Any, config: Config) -> ChatRequest:

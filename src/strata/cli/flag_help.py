@@ -10,6 +10,8 @@ HELP = {
     "api_key": "key clients must send (Authorization: Bearer or x-api-key); also $STRATA_API_KEY",
     "status_key": "key the routes that show every client's requests need (/status, /v1/status, its stream, "
                   "/v1/history, /metrics) even when api_key is unset (api_key works too)",
+    "cache_isolation": "who shares the prefix cache: shared (every request without a cache_salt) or api_key "
+                       "(only requests that sent the same key)",
     "allowed_hosts": "Host header names served, as a JSON list (default on loopback: loopback names only)",
     "context": "context length in tokens (prompt and answer)",
     "threads": "engine threads (default: all cores)",

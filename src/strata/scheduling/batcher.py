@@ -37,6 +37,15 @@ _SCORED_ROWS = 64  # 64 rows of logits of a 151,936-token vocabulary: 39 MB
 JobFinish = Literal["stop", "length", "cancel", "error"]
 
 
+def salted(keys: Sequence[Hashable], salt: str | None) -> Sequence[Hashable]:
+    """A prompt's keys such that only prompts with the same salt share a prefix with it: the salt joins its first
+    position's key (as vLLM's `cache_salt` joins the hash of a prompt's first block), so a different salt, or none,
+    matches no position at all. Without a salt, the keys themselves."""
+    if salt is None or not keys:
+        return keys
+    return [("salt", salt, keys[0]), *keys[1:]]
+
+
 def common_prefix(a: Sequence[Hashable], b: Sequence[Hashable]) -> int:
     n = min(len(a), len(b))
     if a[:n] == b[:n]:
