@@ -518,11 +518,8 @@ class Service:
             while finish is None:
                 tokens = await stream.next_tokens()
                 if live.phase == "prompt":
-                    yield PromptProcessed(len(prepared.ids), job.reused)
-                    if echo:
-                        if job.prompt_logprobs is not None:
-                            yield PromptLogprobs(names.prompt_logprobs(prepared.ids, job.prompt_records))
-                        yield TextDelta(self.tokenizer.decode(prepared.ids))
+                    for event in self._prompt_done(job, prepared.ids, names, echo):
+                        yield event
                 live.phase = "decode"
                 row.reused_tokens, row.prompt_seconds, row.decode_seconds = job.reused, *stream.seconds()
                 if not tokens:  # the job left its slot: a stop token, or the token budget is spent
@@ -574,6 +571,16 @@ class Service:
         return [{"slot": slot.seq, "request": None if slot.job is None else slot.job.tag,
                  "state": "idle" if slot.job is None else "decode" if slot.job.decoding else "prompt",
                  "cached_tokens": len(slot.keys)} for slot in self.loop.batcher.slots]
+
+    def _prompt_done(self, job: Job, ids: list[int], names: LogprobNames, echo: bool) -> list[Event]:
+        """The events of a processed prompt: its size and what was cached, then (a completion's `echo`) the prompt
+        itself, with its tokens' log-probabilities when asked."""
+        events: list[Event] = [PromptProcessed(len(ids), job.reused)]
+        if echo:
+            if job.prompt_logprobs is not None:
+                events.append(PromptLogprobs(names.prompt_logprobs(ids, job.prompt_records)))
+            events.append(TextDelta(self.tokenizer.decode(ids)))
+        return events
 
     def begin_shutdown(self, grace: float) -> None:
         """The server stops taking requests; those in flight get `grace` seconds, and what still runs a little

@@ -193,6 +193,7 @@ def create_app(service: Service | None = None, config: Config | None = None) -> 
     add_host_check(app, config)
     _add_error_handler(app)
     _add_info_routes(app, state)
+    _add_status_routes(app, state)
     _add_chat_routes(app, state)
     _add_token_routes(app, state)
     if config.web:
@@ -290,8 +291,6 @@ async def _parse(parse: Callable[[Any], ChatRequest], data: Any, large: bool) ->
 
 
 def _add_info_routes(app: Quart, state: _State) -> None:
-    stream_seats = status.StreamSeats(state.config.limits.status_streams)
-
     @app.get("/health")
     async def health() -> Response:
         service = state.service
@@ -313,6 +312,15 @@ def _add_info_routes(app: Quart, state: _State) -> None:
                    "context_length": context, "max_model_len": context} for name in service.model_names]
         return _json({"object": "list", "data": models})
 
+    @app.get("/v1/mcp")
+    async def mcp_servers() -> Response:
+        return _json({"object": "list", "data": state.ready_service().mcp.status()})
+
+
+def _add_status_routes(app: Quart, state: _State) -> None:
+    """The routes that show every client's requests (`_STATUS_ROUTES`: `status_key` guards them)."""
+    stream_seats = status.StreamSeats(state.config.limits.status_streams)
+
     @app.get("/status")
     async def engine_status() -> Response:
         return _json(status.status(state.ready_service()))
@@ -325,10 +333,6 @@ def _add_info_routes(app: Quart, state: _State) -> None:
         body["mcp"] = [{**server, "tools": [tool["name"] for tool in server["tools"]]}
                        for server in service.mcp.status()]
         return _json(body)
-
-    @app.get("/v1/mcp")
-    async def mcp_servers() -> Response:
-        return _json({"object": "list", "data": state.ready_service().mcp.status()})
 
     @app.get("/v1/status/stream")
     async def status_stream() -> Response:
