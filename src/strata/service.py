@@ -60,7 +60,7 @@ from strata.pictures.staging import (
 from strata.progress import Stage, with_progress
 from strata.scheduling.batcher import Batcher, Job
 from strata.scheduling.turn import QueueFull, Turn
-from strata.text.constraints import GrammarError, Grammars, Guide, plan_constraint
+from strata.text.constraints import GrammarError, GrammarLimits, Grammars, Guide, plan_constraint
 from strata.text.output import LogprobNames, Output
 from strata.text.prompt import PromptError, render_chat
 from strata.text.prompt_tokens import PromptTokens, strings_of
@@ -73,6 +73,9 @@ _RESERVED_TEMPLATE_VARS = frozenset({"messages", "tools", "add_generation_prompt
 # millisecond, about what handing it to a worker thread and back costs on a busy core); longer ones in a thread.
 INLINE_PROMPT_CHARS = 1024
 IMAGE_PAD = "<|image_pad|>"  # the token a chat template renders once per picture, expanded to its rows
+# Requests' grammars and schemas converted and compiled at once, each in a worker thread: a conversion whose request
+# has gone keeps its thread until it ends (it cannot be interrupted; its limits bound it to about a second).
+GRAMMAR_THREADS = 2
 
 
 class RequestError(ValueError):
@@ -162,6 +165,7 @@ class Service:
         self.vision: VisionClient | None = None  # the image encoder, when the config has one
         self.mcp = McpServers(config.mcp_servers, config.mcp)  # the configured MCP servers (open_service starts them)
         self.loop: _EngineLoop | None = None  # the engine's batcher and its thread (attach)
+        self._compiling = trio.CapacityLimiter(GRAMMAR_THREADS)
 
     @property
     def ready(self) -> bool:
@@ -391,25 +395,33 @@ class Service:
         return self.prompt_tokens.encode_text(marker)
 
     async def _guide(self, request: ChatRequest, prepared: _Prepared) -> Guide | None:
-        """The constraint of a request's answer (format, tool choice), compiled in a worker thread; None when the
-        answer is free.
+        """The constraint of a request's answer (format, tool choice), converted and compiled in a worker thread
+        when the request sends a format or tools; None when the answer is free.
 
         Raises:
             RequestError: a schema or grammar that cannot be enforced (naming its field).
         """
-        assert self.grammars is not None
-        try:
-            # A prefilled answer (past any reasoning) is the start of the constrained one.
-            prefix = "" if not request.prefill or prepared.starts_in_reasoning else \
-                _message_text(request.messages[-1]).rpartition("</think>")[2].strip()
+        grammars = self.grammars
+        assert grammars is not None
+        limits = GrammarLimits(self.config.limits.max_grammar_bytes, self.config.limits.max_grammar_rules)
+        # A prefilled answer (past any reasoning) is the start of the constrained one.
+        prefix = "" if not request.prefill or prepared.starts_in_reasoning else \
+            _message_text(request.messages[-1]).rpartition("</think>")[2].strip()
+
+        def compile_guide() -> Guide | None:
             plan = plan_constraint(answer_format=request.answer_format, tools=request.tools,
                                    tool_choice=request.tool_choice, parallel_tool_calls=request.parallel_tool_calls,
                                    thinking=prepared.may_think, in_reasoning=prepared.starts_in_reasoning,
-                                   tokens=self.grammars.tokens, prefix=prefix, tool_fields=request.tool_fields)
-            if plan is None:
-                return None
-            # Abandoning is safe: a compiled grammar only lands in the cache.
-            return await trio.to_thread.run_sync(self.grammars.guide, plan, abandon_on_cancel=True)
+                                   tokens=grammars.tokens, prefix=prefix, tool_fields=request.tool_fields,
+                                   limits=limits)
+            return None if plan is None else grammars.guide(plan)
+
+        try:
+            if request.answer_format is None and not request.tools:
+                return compile_guide()  # nothing to convert or compile: at most the tool-call tag is banned
+            # Abandoning is safe: a compiled grammar only lands in the cache, and the limiter holds the thread's
+            # place until it ends.
+            return await trio.to_thread.run_sync(compile_guide, abandon_on_cancel=True, limiter=self._compiling)
         except GrammarError as error:
             raise RequestError(str(error), error.param) from None
 
@@ -566,6 +578,15 @@ class Service:
                 await stream.stop()
             finally:
                 self._generating.remove((row, stream))
+        if guide is not None and finish == "stop" and not output.stopped:
+            # Invariant: a constrained answer that ended is what was asked, or the request fails with a 400 (an
+            # error event once streaming): llguidance giving up (on a schema no finite text satisfies) leaves only
+            # an end-of-turn token allowed, and must not pass for a finished answer.
+            assert self.grammars is not None
+            failure = await trio.to_thread.run_sync(self.grammars.answer_error, guide)
+            if failure is not None:
+                param = guide.plan.parts[0][1] if guide.plan.parts else "tool_choice"
+                raise RequestError(f"{param}: {failure}", param, code="constraint_failed")
         for event in output.finish():
             yield event
         if finish == "stop" and output.n_tool_calls:
