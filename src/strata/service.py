@@ -294,8 +294,10 @@ class Service:
             toolset = await self._toolset(request)
             await toolset.aclose()
             request = dataclasses.replace(request, tools=request.tools + toolset.functions())
-        request, pictures = await self._pictures(request)
-        _, ids = await trio.to_thread.run_sync(self._prompt, request)
+        request, pictures, rendered = await self._pictures(request)
+        if rendered is None:
+            rendered = await trio.to_thread.run_sync(self._prompt, request)
+        ids = rendered[1]
         # each picture's pad becomes its rows, and its parts' markers when it is split into tiles
         return len(ids) + sum(picture.n_tokens + marker_tokens(picture.grid, self._marker_ids) - 1
                               for picture in pictures)
@@ -353,9 +355,14 @@ class Service:
             ids = tokenizer.with_bos(ids)
         return tokenizer.decode(ids), ids
 
-    def _prepare(self, request: ChatRequest, pictures: list[Embedding]) -> _Prepared:
+    def _prepare(self, request: ChatRequest, pictures: list[Embedding],
+                 rendered: tuple[str, list[int]] | None = None) -> _Prepared:
+        """The request's prompt (`rendered`: its text and ids, when counting its pictures made them already) with
+        its pictures' rows, and its token budget."""
         self._require_ready()
-        if request.completion is not None:
+        if rendered is not None:
+            text, ids = rendered
+        elif request.completion is not None:
             text, ids = self._completion_prompt(request.completion)
         else:
             text, ids = self._prompt(request)
@@ -384,6 +391,11 @@ class Service:
         # An empty block closed by the template means no thinking; a continued answer is past its thinking.
         may_think = not text.rstrip().endswith("</think>") and not request.prefill
         return _Prepared(prompt, max_tokens, starts_in_reasoning, may_think)
+
+    def _pad_id(self) -> int:
+        """The id of the token a picture's placeholder renders as (-1: no such token, or no model yet)."""
+        pad_id = None if self.tokenizer is None else self.tokenizer.token_to_id(IMAGE_PAD)
+        return -1 if pad_id is None else pad_id
 
     def _marker_ids(self, marker: str) -> list[int]:
         """The ids of a tiled picture's part marker: its token where the vocabulary has one (LFM2-VL's), else the
@@ -428,27 +440,43 @@ class Service:
     # --- pictures
 
     async def _pictures(self, request: ChatRequest, live: RequestProgress | None = None
-                        ) -> tuple[ChatRequest, list[Embedding]]:
+                        ) -> tuple[ChatRequest, list[Embedding], tuple[str, list[int]] | None]:
         """Encode the request's pictures, in prompt order, in the calling task (the request's: cancellable); see
-        `strata.pictures.staging`.
+        `strata.pictures.staging`. Before any encode, the prompt is rendered and tokenised (in a worker thread) to
+        count its text with the pictures' rows.
 
         A picture a tool returned that cannot be used becomes the text `[image omitted: <why>]`; the user's own
         is a `RequestError` (400), and an encoder that is not available a `ServiceUnavailable` (503).
+
+        Returns:
+            The request with its messages as encoded (pictures omitted as text), the pictures, and the prompt's
+            text and ids as counted when those are still the request's (no picture was omitted after counting).
         """
+        pad_id = self._pad_id()
+        counted: list[tuple[str, list[int]]] = []
+
+        async def text_tokens(messages: list[dict[str, Any]]) -> int:
+            text, ids = await trio.to_thread.run_sync(self._prompt, dataclasses.replace(request, messages=messages))
+            counted.append((text, ids))
+            return len(ids) - ids.count(pad_id)
+
         try:
             places = picture_places(request.messages, self.config.limits.max_pictures, self.vision is not None)
             if not places:
-                return request, []
+                return request, [], None
             self._require_ready()
             assert self.vision is not None
             staging = PictureStaging(self.vision, self.downloads, _Exclusive(self), self.engine.n_ctx,
-                                     self.engine.picture_width, self._marker_ids)
+                                     self.engine.picture_width, self._marker_ids, text_tokens)
             messages, pictures = await staging.encode(request.messages, places, live)
         except PicturesRefused as error:
             raise RequestError(str(error), error.param, error.code) from None
         except PicturesUnavailable as error:
             raise ServiceUnavailable(str(error), retry_after=ENCODER_RETRY_AFTER) from None
-        return dataclasses.replace(request, messages=messages), pictures
+        # The prompt counted has a placeholder for each picture staged: as many as were encoded, unless one was
+        # omitted since (its text then differs).
+        rendered = counted[0] if counted and counted[0][1].count(pad_id) == len(pictures) else None
+        return dataclasses.replace(request, messages=messages), pictures, rendered
 
     async def chat(self, request: ChatRequest, *, request_id: str | None = None) -> AsyncGenerator[Event, None]:
         """Generate the answer to `request` as events, ending with `Usage` and `Finish`.
@@ -511,11 +539,11 @@ class Service:
         prompt prepared and its answer's constraint compiled, then the engine's turn held while the caller takes
         the generated events."""
         live.phase = "prepare"
-        request, pictures = await self._pictures(request, live)
+        request, pictures, rendered = await self._pictures(request, live)
         if pictures or not _short(request):
-            prepared = await trio.to_thread.run_sync(self._prepare, request, pictures)
+            prepared = await trio.to_thread.run_sync(self._prepare, request, pictures, rendered)
         else:  # a worker thread's round trip would cost more than the work
-            prepared = self._prepare(request, pictures)
+            prepared = self._prepare(request, pictures, rendered)
         guide = await self._guide(request, prepared)
         live.row.prompt_tokens += len(prepared.ids)  # the response's prompt: the earlier rounds' and this one
         live.phase = "queued"
