@@ -218,10 +218,19 @@ def test_integers_beyond_64_bits_are_400s_naming_the_path(demo):
     assert caught.value.body["param"] == "response_format.json_schema.schema.properties.n.minimum"
 
 
+def test_a_schema_whose_instances_contain_themselves_is_a_400_naming_the_ref(demo):
+    # No finite JSON satisfies it: llguidance gave up after `{"`, which came back with finish_reason "stop".
+    endless = {"type": "object", "properties": {"x": {"$ref": "#"}}, "required": ["x"]}
+    with chat_client(demo) as client, pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="m", messages=QUESTION, max_tokens=50, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": endless}})
+    assert caught.value.body["param"] == "response_format.json_schema.schema.properties.x.$ref"
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_a_schema_no_answer_satisfies_fails_rather_than_stopping(demo, stream):
-    # No finite JSON satisfies it: llguidance gives up after `{"`, which came back with finish_reason "stop".
-    endless = {"type": "object", "properties": {"x": {"$ref": "#"}}, "required": ["x"]}
+    # The same through branches, which the plan's check does not follow: llguidance gives up after `{"`.
+    endless = {"type": "object", "properties": {"x": {"anyOf": [{"$ref": "#"}, {"$ref": "#"}]}}, "required": ["x"]}
     response_format = {"type": "json_schema", "json_schema": {"name": "x", "schema": endless}}
     error = openai.APIError if stream else openai.BadRequestError
     with pytest.raises(error) as caught:

@@ -188,9 +188,37 @@ def test_a_strict_tools_integers_are_checked_too(grammars):
     assert caught.value.param == "tools[0].function.parameters.properties.n.maximum"
 
 
+@pytest.mark.parametrize(("schema", "where"), [
+    ({"type": "object", "properties": {"x": {"$ref": "#"}}, "required": ["x"]}, ".properties.x.$ref"),
+    ({"$ref": "#/$defs/a", "$defs": {"a": {"type": "object", "properties": {"x": {"$ref": "#/$defs/a"}},
+                                           "required": ["x"]}}}, ".$defs.a.properties.x.$ref"),
+    ({"type": "array", "items": {"$ref": "#"}, "minItems": 1}, ".items.$ref"),
+    ({"$ref": "#/$defs/a", "$defs": {
+        "a": {"type": "object", "properties": {"b": {"$ref": "#/$defs/b"}}, "required": ["b"]},
+        "b": {"allOf": [{"type": "array", "items": {"$ref": "#/$defs/a"}, "minItems": 2}]}}},
+     ".$defs.b.allOf[0].items.$ref"),
+], ids=["required", "defs", "items", "mutual"])
+def test_a_schema_every_instance_of_which_contains_itself_is_refused(grammars, schema, where):
+    param = "response_format.json_schema.schema"
+    with pytest.raises(GrammarError) as caught:
+        plan(grammars, answer_format=AnswerFormat("json_schema", json.dumps(schema), param))
+    assert caught.value.param == param + where and "no finite JSON" in str(caught.value)
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "properties": {"x": {"$ref": "#"}}},  # optional
+    {"properties": {"x": {"$ref": "#"}}, "required": ["x"]},  # not only objects
+    {"type": "array", "items": {"$ref": "#"}},  # may be empty
+    {"type": "object", "properties": {"x": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}}, "required": ["x"]},
+], ids=["optional", "untyped", "empty-array", "branch"])
+def test_recursive_schemas_with_a_way_out_are_kept(grammars, schema):
+    assert plan(grammars, answer_format=AnswerFormat("json_schema", json.dumps(schema))) is not None
+
+
 def test_an_answer_llguidance_gives_up_on_is_not_a_finished_answer(grammars, tokenizer):
-    # No finite JSON satisfies it: llguidance's matcher fails after `{"` and leaves only an end-of-turn token.
-    endless = {"type": "object", "properties": {"x": {"$ref": "#"}}, "required": ["x"]}
+    # No finite JSON satisfies it (through branches, which the plan's check does not follow): llguidance's matcher
+    # fails after `{"` and leaves only an end-of-turn token.
+    endless = {"type": "object", "properties": {"x": {"anyOf": [{"$ref": "#"}, {"$ref": "#"}]}}, "required": ["x"]}
     the_plan = plan(grammars, answer_format=AnswerFormat("json_schema", json.dumps(endless)))
     guide = grammars.guide(the_plan)
     sampler = Sampler(SamplingParams(temperature=0.0), grammars.n_vocab, mask=guide)

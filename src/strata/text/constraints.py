@@ -14,7 +14,8 @@ bans `<tool_call>` once one call has started; `tool_choice` "none" bans it alway
 
 llguidance (not a compiler of our own): it covers most of JSON schema and says which keyword it lacks, and it
 reads GBNF as llama.cpp clients send it. What it would enforce only approximately is refused instead: integers
-beyond 64 bits (it clamps bounds to them, and keeps `const` and `enum` numbers as doubles). Its GBNF conversion is
+beyond 64 bits (it clamps bounds to them, and keeps `const` and `enum` numbers as doubles), and `$ref` cycles that
+every instance must follow (it gives up after a few tokens: no finite text satisfies them). Its GBNF conversion is
 Python that takes time quadratic in the number of rules (a pass over every rule for each level of a chain of
 rules), so a grammar's size and rules are bounded (`GrammarLimits`) before it starts; `plan_constraint` and
 `Grammars.guide` are blocking work for a worker thread. An answer that ends is checked against what was asked
@@ -31,7 +32,7 @@ import json
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -280,7 +281,7 @@ def _format_rule(answer_format: AnswerFormat, limits: GrammarLimits) -> _FormatR
             raise GrammarError(f"{param}: {error}", param) from None
         return None, (grammar, param), None
     schema = json.loads(answer_format.source) if answer_format.kind == "json_schema" else {"type": "object"}
-    _check_integers(schema, param)
+    _check_schema(schema, param)
     text = _json_text(schema, lenient=False)
     return f"%json {text}", (_json_grammar(text), param), schema
 
@@ -296,6 +297,87 @@ def _check_grammar_size(source: str, param: str, limits: GrammarLimits) -> None:
     if rules > limits.max_rules:
         raise GrammarError(f"{param}: the grammar has {rules} rules; at most {limits.max_rules} are allowed (the "
                            "limits.max_grammar_rules config key)", param)
+
+
+def _check_schema(schema: Any, param: str) -> None:
+    """Refuse a schema llguidance would not hold to: integers it cannot enforce exactly, or a `$ref` cycle that
+    every instance must follow (no finite text satisfies it; llguidance gives up after a few tokens)."""
+    _check_integers(schema, param)
+    _check_finite(schema, param)
+
+
+def _check_finite(schema: Any, param: str) -> None:
+    """Refuse a schema whose instances must hold themselves: a chain of `$ref`s each of which an instance must
+    contain (a required property of an object, an item of a non-empty array, `allOf`) that comes back to where it
+    began. Branches (`anyOf`, `oneOf`, optional properties) may end a chain, so they are never followed.
+
+    Raises:
+        GrammarError: naming the `$ref` that closes the cycle.
+    """
+    if not isinstance(schema, dict):
+        return
+    forced: dict[str, list[tuple[str, str]]] = {}  # a pointer: the (pointer, path of its $ref) it forces
+    stack = ["#"]
+    while stack:
+        pointer = stack.pop()
+        if pointer in forced:
+            continue
+        node = _resolve(schema, pointer)
+        forced[pointer] = [] if node is None else list(_forced_refs(node, param if pointer == "#" else
+                                                                    f"{param}.{pointer[2:].replace('/', '.')}"))
+        stack.extend(target for target, _ in forced[pointer])
+    # A depth-first walk (iterative: a chain of $defs may be long): a $ref back to a pointer on the current chain
+    # closes a cycle.
+    on_chain, done = {"#"}, set()
+    walk = [("#", iter(forced["#"]))]
+    while walk:
+        pointer, targets = walk[-1]
+        step = next(targets, None)
+        if step is None:
+            walk.pop()
+            on_chain.discard(pointer)
+            done.add(pointer)
+            continue
+        target, where = step
+        if target in on_chain:
+            raise GrammarError(f"{where}: every instance would have to contain itself through this $ref ({target}), "
+                               "so no finite JSON satisfies the schema", where)
+        if target not in done:
+            on_chain.add(target)
+            walk.append((target, iter(forced[target])))
+
+
+def _resolve(schema: dict[str, Any], pointer: str) -> Any:
+    """The subschema at a local JSON pointer (`#/$defs/a`), or None."""
+    node: Any = schema
+    for step in pointer[2:].split("/") if pointer != "#" else ():
+        step = step.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and step in node:
+            node = node[step]
+        elif isinstance(node, list) and step.isdigit() and int(step) < len(node):
+            node = node[int(step)]
+        else:
+            return None
+    return node
+
+
+def _forced_refs(node: Any, path: str) -> Iterator[tuple[str, str]]:
+    """The local `$ref`s every instance of `node` must follow, with the path of each."""
+    if not isinstance(node, dict):
+        return
+    ref = node.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        yield ref, f"{path}.$ref"
+    for i, part in enumerate(node.get("allOf") or []):
+        yield from _forced_refs(part, f"{path}.allOf[{i}]")
+    properties = node.get("properties")
+    if node.get("type") == "object" and isinstance(properties, dict):
+        for key in node.get("required") or []:
+            if isinstance(key, str) and key in properties:
+                yield from _forced_refs(properties[key], f"{path}.properties.{key}")
+    items, min_items = node.get("items"), node.get("minItems")
+    if node.get("type") == "array" and isinstance(items, dict) and isinstance(min_items, int) and min_items > 0:
+        yield from _forced_refs(items, f"{path}.items")
 
 
 def _check_integers(schema: Any, param: str) -> None:
@@ -349,7 +431,7 @@ def _calls_rules(tools: Sequence[dict[str, Any]], tokens: SpecialTokens, paralle
         rules.append(f"tool{i}: %json {text}")
         if strict:
             param = tool_fields.get(function["name"], f"tools[{i}].function.parameters")
-            _check_integers(function.get("parameters") or {}, param)
+            _check_schema(function.get("parameters") or {}, param)
             parts.append((_json_grammar(text), param))
     return rules, parts
 
