@@ -606,15 +606,7 @@ class Service:
                 await stream.stop()
             finally:
                 self._generating.remove((row, stream))
-        if guide is not None and finish == "stop" and not output.stopped:
-            # Invariant: a constrained answer that ended is what was asked, or the request fails with a 400 (an
-            # error event once streaming): llguidance giving up (on a schema no finite text satisfies) leaves only
-            # an end-of-turn token allowed, and must not pass for a finished answer.
-            assert self.grammars is not None
-            failure = await trio.to_thread.run_sync(self.grammars.answer_error, guide)
-            if failure is not None:
-                param = guide.plan.parts[0][1] if guide.plan.parts else "tool_choice"
-                raise RequestError(f"{param}: {failure}", param, code="constraint_failed")
+        await self._check_answer(guide, finish, output.stopped)
         for event in output.finish():
             yield event
         if finish == "stop" and output.n_tool_calls:
@@ -623,6 +615,23 @@ class Service:
         yield Usage(prompt_tokens=len(prepared.ids), cached_tokens=row.reused_tokens,
                     completion_tokens=row.output_tokens - before, reasoning_tokens=reasoning_tokens)
         yield Finish(finish, output.stop_sequence)
+
+    async def _check_answer(self, guide: Guide | None, finish: FinishReason, stopped: bool) -> None:
+        """Invariant: a constrained answer that ended with an end-of-turn token (`finish` "stop", not `stopped` by
+        a stop string) is what was asked, or the request fails with a 400 (an error event once streaming):
+        llguidance giving up (on a schema no finite text satisfies) leaves only an end-of-turn token allowed, and
+        must not pass for a finished answer.
+
+        Raises:
+            RequestError: code "constraint_failed", naming the format's field.
+        """
+        if guide is None or finish != "stop" or stopped:
+            return
+        assert self.grammars is not None
+        failure = await trio.to_thread.run_sync(self.grammars.answer_error, guide)
+        if failure is not None:
+            param = guide.plan.parts[0][1] if guide.plan.parts else "tool_choice"
+            raise RequestError(f"{param}: {failure}", param, code="constraint_failed")
 
     @property
     def phase(self) -> str:

@@ -368,16 +368,23 @@ def _forced_refs(node: Any, path: str) -> Iterator[tuple[str, str]]:
     ref = node.get("$ref")
     if isinstance(ref, str) and ref.startswith("#"):
         yield ref, f"{path}.$ref"
+    for part, where in _required_parts(node, path):
+        yield from _forced_refs(part, where)
+
+
+def _required_parts(node: dict[str, Any], path: str) -> Iterator[tuple[Any, str]]:
+    """The subschemas every instance of `node` must satisfy too, as a whole (`allOf`) or in a part of it (a
+    required property of an object, the items of a non-empty array), with their paths."""
     for i, part in enumerate(node.get("allOf") or []):
-        yield from _forced_refs(part, f"{path}.allOf[{i}]")
+        yield part, f"{path}.allOf[{i}]"
     properties = node.get("properties")
     if node.get("type") == "object" and isinstance(properties, dict):
         for key in node.get("required") or []:
             if isinstance(key, str) and key in properties:
-                yield from _forced_refs(properties[key], f"{path}.properties.{key}")
+                yield properties[key], f"{path}.properties.{key}"
     items, min_items = node.get("items"), node.get("minItems")
     if node.get("type") == "array" and isinstance(items, dict) and isinstance(min_items, int) and min_items > 0:
-        yield from _forced_refs(items, f"{path}.items")
+        yield items, f"{path}.items"
 
 
 def _check_integers(schema: Any, param: str) -> None:
