@@ -163,7 +163,7 @@ def plan_constraint(*, answer_format: AnswerFormat | None, tools: Sequence[dict[
 
     Raises:
         GrammarError: a format that cannot be combined with the tools, a forced tool choice after a prefill, a
-            grammar over the limits, or a schema with integers that cannot be enforced exactly.
+            grammar over the limits, or a schema llguidance would not hold to (`_check_schema`).
     """
     choice, forced, tools = _tool_choice(tool_choice, tools, prefix)
     format_rule = _format_rule(answer_format, limits) if answer_format is not None else None
@@ -533,8 +533,8 @@ class Grammars:
         text = guide.plan.prefix + self._tokenizer.decode([t for t in guide.answer_ids if t not in self.eos_ids])
         try:
             answer = json.loads(text)
-        except ValueError as error:
-            return f"the answer is not JSON ({error})"
+        except ValueError as not_json:
+            return f"the answer is not JSON ({not_json})"
         try:
             failure = jsonschema.exceptions.best_match(jsonschema.validators.validator_for(guide.plan.schema)(
                 guide.plan.schema).iter_errors(answer))
