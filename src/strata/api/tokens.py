@@ -1,6 +1,7 @@
 """`POST /tokenize` and `/detokenize` in llama.cpp's shapes, for clients written against its server: translation
 over the model's tokenizer, no engine. Bounded like a chat prompt: text that cannot fit the context is refused
-before it is tokenised, and the work runs in a worker thread, in slices (`strata.text.prompt_tokens`)."""
+before it is tokenised, and all but short text is tokenised in a worker thread, in slices
+(`strata.text.prompt_tokens`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 import trio
 
 from strata.api.translate import bad_request, check_type, get
+from strata.service import INLINE_PROMPT_CHARS
 
 TOKENIZE_THREADS = 2  # requests tokenised or detokenised at once, each in a worker thread
 
@@ -47,6 +49,8 @@ async def tokenize(service: Any, body: Any, limiter: trio.CapacityLimiter) -> di
             return {"tokens": ids}
         return {"tokens": [{"id": token, "piece": _piece(tokenizer.id_bytes[token])} for token in ids]}
 
+    if len(content) <= INLINE_PROMPT_CHARS:  # as a chat prompt: the thread's round trip would cost more
+        return run()
     return await trio.to_thread.run_sync(run, limiter=limiter)
 
 
