@@ -45,6 +45,41 @@ def attacks() -> dict[str, tuple[str, bytes]]:
     }
 
 
+def chained_gbnf(n_rules: int) -> str:
+    """A GBNF grammar whose rules each refer to the next: llguidance's conversion takes time quadratic in them."""
+    rules = [f'r{i} ::= "t{i}" | r{i + 1}' for i in range(n_rules - 1)]
+    return "\n".join(["root ::= r0", *rules, f'r{n_rules - 1} ::= "end"'])
+
+
+def grammar_attacks() -> dict[str, tuple[str, bytes]]:
+    """GBNF grammars (issue 29 item 2): at the rule limit (converted in a worker thread), over it (the issue's
+    55 KB grammar blocked /health 4.8 s), and 5 MB (over the byte limit)."""
+    chat = "/v1/chat/completions"
+    user = [{"role": "user", "content": "hi"}]
+
+    def body(grammar: str) -> bytes:
+        return json.dumps({"model": "m", "messages": user, "grammar": grammar, "max_tokens": 4}).encode()
+
+    return {
+        "GBNF 1,000 rules (999 chained)": (chat, body(chained_gbnf(999))),
+        "GBNF 2,200 chained rules": (chat, body(chained_gbnf(2200))),
+        "GBNF 5 MB": (chat, body('root ::= "' + "a" * (5 * MiB) + '"')),
+    }
+
+
+def tokenize_attacks() -> dict[str, tuple[str, bytes]]:
+    """`POST /tokenize` (issue 29 item 5): 4.8 MB blocked /health 6.4 s, 48 MB never returned; and the longest
+    content the default context lets through (4,096 tokens' worth at the demo vocabulary's longest token)."""
+    def body(content: str) -> bytes:
+        return json.dumps({"content": content}).encode()
+
+    return {
+        "/tokenize 80 KB": ("/tokenize", body(("word " * 20_000)[:81_000])),
+        "/tokenize 4.8 MB": ("/tokenize", body("word " * (48 * MiB // 50))),
+        "/tokenize 48 MB": ("/tokenize", body("word " * (48 * MiB // 5))),
+    }
+
+
 POLLER = """
 import json, sys, time, httpx
 latencies = []
@@ -109,7 +144,7 @@ def main() -> int:
             time.sleep(0.2)
         print("| attack | answer | request s | /health p50 ms | p99 ms | max ms | samples | server RSS MB after |")
         print("|---|---|---|---|---|---|---|---|")
-        for name, (path, body) in attacks().items():
+        for name, (path, body) in {**attacks(), **grammar_attacks(), **tokenize_attacks()}.items():
             r = run_attack(url, path, body)
             print(f"| {name} ({len(body) / MiB:.1f} MiB) | {r['status']} | {r['seconds']:.2f} | {r['p50']:.1f} | "
                   f"{r['p99']:.1f} | {r['max']:.1f} | {r['n']} | {rss_mb(server.pid):.0f} |", flush=True)

@@ -71,6 +71,8 @@ class LimitsConfig:
     max_tokens: int | None = None  # cap on generated tokens per request; None: the context's room
     queue_length: int = 64  # requests waiting for the engine beyond this get 503
     max_pictures: int = 16  # pictures per request (each is downloaded and encoded: checked before any is)
+    max_grammar_bytes: int = 64 * 1024  # a request's grammar (GBNF or Lark), in UTF-8 bytes
+    max_grammar_rules: int = 1000  # rules of a GBNF grammar (its conversion takes time quadratic in them)
     history_size: int = 256  # rows of /v1/history kept in memory
     body_timeout: float = 60.0  # seconds to receive a request body
     graceful_timeout: float = 3.0  # seconds in-flight requests get at shutdown
@@ -182,7 +184,8 @@ def _check_engine(config: Config) -> None:
 
 
 def _check_limits(limits: LimitsConfig) -> None:
-    for key in ("max_body_bytes", "queue_length", "history_size", "max_pictures", "status_streams"):
+    for key in ("max_body_bytes", "queue_length", "history_size", "max_pictures", "status_streams",
+                "max_grammar_bytes", "max_grammar_rules"):
         if getattr(limits, key) < 1:
             raise _fail(f"limits.{key}", "must be at least 1")
     if limits.max_tokens is not None and limits.max_tokens < 1:

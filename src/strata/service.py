@@ -59,7 +59,7 @@ from strata.scheduling.engine_like import EngineLike
 from strata.scheduling.engine_loop import EngineLoop, EngineStartError, Exclusive, Stream
 from strata.scheduling.turn import QueueFull, Turn
 from strata.shutdown import ShutdownCut, ShuttingDown
-from strata.text.constraints import GrammarError, Grammars, Guide, plan_constraint
+from strata.text.constraints import GrammarError, GrammarLimits, Grammars, Guide, plan_constraint
 from strata.text.output import LogprobNames, Output
 from strata.text.prompt import PromptError, render_chat
 from strata.text.prompt_tokens import PromptTokens, strings_of
@@ -72,6 +72,9 @@ _RESERVED_TEMPLATE_VARS = frozenset({"messages", "tools", "add_generation_prompt
 # millisecond, about what handing it to a worker thread and back costs on a busy core); longer ones in a thread.
 INLINE_PROMPT_CHARS = 1024
 IMAGE_PAD = "<|image_pad|>"  # the token a chat template renders once per picture, expanded to its rows
+# Requests' grammars and schemas converted and compiled at once, each in a worker thread: a conversion whose request
+# has gone keeps its thread until it ends (it cannot be interrupted; its limits bound it to about a second).
+GRAMMAR_THREADS = 2
 
 
 class RequestError(ValueError):
@@ -142,6 +145,7 @@ class Service:
         self.vision: VisionClient | None = None  # the image encoder, when the config has one
         self.mcp = McpServers(config.mcp_servers, config.mcp)  # the configured MCP servers (open_service starts them)
         self.loop: EngineLoop | None = None  # the engine's batcher and its thread (attach)
+        self._compiling = trio.CapacityLimiter(GRAMMAR_THREADS)
 
     @property
     def ready(self) -> bool:
@@ -270,8 +274,10 @@ class Service:
             toolset = await self._toolset(request)
             await toolset.aclose()
             request = dataclasses.replace(request, tools=request.tools + toolset.functions())
-        request, pictures = await self._pictures(request)
-        _, ids = await trio.to_thread.run_sync(self._prompt, request)
+        request, pictures, rendered = await self._pictures(request)
+        if rendered is None:
+            rendered = await trio.to_thread.run_sync(self._prompt, request)
+        ids = rendered[1]
         # each picture's pad becomes its rows, and its parts' markers when it is split into tiles
         return len(ids) + sum(picture.n_tokens + marker_tokens(picture.grid, self._marker_ids) - 1
                               for picture in pictures)
@@ -329,9 +335,14 @@ class Service:
             ids = tokenizer.with_bos(ids)
         return tokenizer.decode(ids), ids
 
-    def _prepare(self, request: ChatRequest, pictures: list[Embedding]) -> _Prepared:
+    def _prepare(self, request: ChatRequest, pictures: list[Embedding],
+                 rendered: tuple[str, list[int]] | None = None) -> _Prepared:
+        """The request's prompt (`rendered`: its text and ids, when counting its pictures made them already) with
+        its pictures' rows, and its token budget."""
         self._require_ready()
-        if request.completion is not None:
+        if rendered is not None:
+            text, ids = rendered
+        elif request.completion is not None:
             text, ids = self._completion_prompt(request.completion)
         else:
             text, ids = self._prompt(request)
@@ -359,6 +370,11 @@ class Service:
         may_think = not text.rstrip().endswith("</think>") and not request.prefill
         return _Prepared(prompt, max_tokens, starts_in_reasoning, may_think)
 
+    def _pad_id(self) -> int:
+        """The id of the token a picture's placeholder renders as (-1: no such token, or no model yet)."""
+        pad_id = None if self.tokenizer is None else self.tokenizer.token_to_id(IMAGE_PAD)
+        return -1 if pad_id is None else pad_id
+
     def _marker_ids(self, marker: str) -> list[int]:
         """The ids of a tiled picture's part marker: its token where the vocabulary has one (LFM2-VL's), else the
         marker's text (as llama.cpp reads a row-and-column marker)."""
@@ -369,53 +385,77 @@ class Service:
         return self.prompt_tokens.encode_text(marker)
 
     async def _guide(self, request: ChatRequest, prepared: _Prepared) -> Guide | None:
-        """The constraint of a request's answer (format, tool choice), compiled in a worker thread; None when the
-        answer is free.
+        """The constraint of a request's answer (format, tool choice), converted and compiled in a worker thread
+        when the request sends a format or tools; None when the answer is free.
 
         Raises:
             RequestError: a schema or grammar that cannot be enforced (naming its field).
         """
-        assert self.grammars is not None
-        try:
-            # A prefilled answer (past any reasoning) is the start of the constrained one.
-            prefix = "" if not request.prefill or prepared.starts_in_reasoning else \
-                _message_text(request.messages[-1]).rpartition("</think>")[2].strip()
+        grammars = self.grammars
+        assert grammars is not None
+        limits = GrammarLimits(self.config.limits.max_grammar_bytes, self.config.limits.max_grammar_rules)
+        # A prefilled answer (past any reasoning) is the start of the constrained one.
+        prefix = "" if not request.prefill or prepared.starts_in_reasoning else \
+            _message_text(request.messages[-1]).rpartition("</think>")[2].strip()
+
+        def compile_guide() -> Guide | None:
             plan = plan_constraint(answer_format=request.answer_format, tools=request.tools,
                                    tool_choice=request.tool_choice, parallel_tool_calls=request.parallel_tool_calls,
                                    thinking=prepared.may_think, in_reasoning=prepared.starts_in_reasoning,
-                                   tokens=self.grammars.tokens, prefix=prefix, tool_fields=request.tool_fields)
-            if plan is None:
-                return None
-            # Abandoning is safe: a compiled grammar only lands in the cache.
-            return await trio.to_thread.run_sync(self.grammars.guide, plan, abandon_on_cancel=True)
+                                   tokens=grammars.tokens, prefix=prefix, tool_fields=request.tool_fields,
+                                   limits=limits)
+            return None if plan is None else grammars.guide(plan)
+
+        try:
+            if request.answer_format is None and not request.tools:
+                return compile_guide()  # nothing to convert or compile: at most the tool-call tag is banned
+            # Abandoning is safe: a compiled grammar only lands in the cache, and the limiter holds the thread's
+            # place until it ends.
+            return await trio.to_thread.run_sync(compile_guide, abandon_on_cancel=True, limiter=self._compiling)
         except GrammarError as error:
             raise RequestError(str(error), error.param) from None
 
     # --- pictures
 
     async def _pictures(self, request: ChatRequest, live: RequestProgress | None = None
-                        ) -> tuple[ChatRequest, list[Embedding]]:
+                        ) -> tuple[ChatRequest, list[Embedding], tuple[str, list[int]] | None]:
         """Encode the request's pictures, in prompt order, in the calling task (the request's: cancellable); see
-        `strata.pictures.staging`.
+        `strata.pictures.staging`. Before any encode, the prompt is rendered and tokenised (in a worker thread) to
+        count its text with the pictures' rows.
 
         A picture a tool returned that cannot be used becomes the text `[image omitted: <why>]`; the user's own
         is a `RequestError` (400), and an encoder that is not available a `ServiceUnavailable` (503).
+
+        Returns:
+            The request with its messages as encoded (pictures omitted as text), the pictures, and the prompt's
+            text and ids as counted when those are still the request's (no picture was omitted after counting).
         """
+        pad_id = self._pad_id()
+        counted: list[tuple[str, list[int]]] = []
+
+        async def text_tokens(messages: list[dict[str, Any]]) -> int:
+            text, ids = await trio.to_thread.run_sync(self._prompt, dataclasses.replace(request, messages=messages))
+            counted.append((text, ids))
+            return len(ids) - ids.count(pad_id)
+
         try:
             places = picture_places(request.messages, self.config.limits.max_pictures, self.vision is not None)
             if not places:
-                return request, []
+                return request, [], None
             self._require_ready()
             assert self.vision is not None
             assert self.loop is not None
             staging = PictureStaging(self.vision, self.downloads, Exclusive(self.loop, self.turn), self.engine.n_ctx,
-                                     self.engine.picture_width, self._marker_ids)
+                                     self.engine.picture_width, self._marker_ids, text_tokens)
             messages, pictures = await staging.encode(request.messages, places, live)
         except PicturesRefused as error:
             raise RequestError(str(error), error.param, error.code) from None
         except PicturesUnavailable as error:
             raise ServiceUnavailable(str(error), retry_after=ENCODER_RETRY_AFTER) from None
-        return dataclasses.replace(request, messages=messages), pictures
+        # The prompt counted has a placeholder for each picture staged: as many as were encoded, unless one was
+        # omitted since (its text then differs).
+        rendered = counted[0] if counted and counted[0][1].count(pad_id) == len(pictures) else None
+        return dataclasses.replace(request, messages=messages), pictures, rendered
 
     async def chat(self, request: ChatRequest, *, request_id: str | None = None) -> AsyncGenerator[Event, None]:
         """Generate the answer to `request` as events, ending with `Usage` and `Finish`.
@@ -478,11 +518,11 @@ class Service:
         prompt prepared and its answer's constraint compiled, then the engine's turn held while the caller takes
         the generated events."""
         live.phase = "prepare"
-        request, pictures = await self._pictures(request, live)
+        request, pictures, rendered = await self._pictures(request, live)
         if pictures or not _short(request):
-            prepared = await trio.to_thread.run_sync(self._prepare, request, pictures)
+            prepared = await trio.to_thread.run_sync(self._prepare, request, pictures, rendered)
         else:  # a worker thread's round trip would cost more than the work
-            prepared = self._prepare(request, pictures)
+            prepared = self._prepare(request, pictures, rendered)
         guide = await self._guide(request, prepared)
         live.row.prompt_tokens += len(prepared.ids)  # the response's prompt: the earlier rounds' and this one
         live.phase = "queued"
@@ -543,6 +583,7 @@ class Service:
                 await stream.stop()
             finally:
                 self._generating.remove((row, stream))
+        await self._check_answer(guide, finish, output.stopped)
         for event in output.finish():
             yield event
         if finish == "stop" and output.n_tool_calls:
@@ -551,6 +592,23 @@ class Service:
         yield Usage(prompt_tokens=len(prepared.ids), cached_tokens=row.reused_tokens,
                     completion_tokens=row.output_tokens - before, reasoning_tokens=reasoning_tokens)
         yield Finish(finish, output.stop_sequence)
+
+    async def _check_answer(self, guide: Guide | None, finish: FinishReason, stopped: bool) -> None:
+        """Invariant: a constrained answer that ended with an end-of-turn token (`finish` "stop", not `stopped` by
+        a stop string) is what was asked, or the request fails with a 400 (an error event once streaming):
+        llguidance giving up (on a schema no finite text satisfies) leaves only an end-of-turn token allowed, and
+        must not pass for a finished answer.
+
+        Raises:
+            RequestError: code "constraint_failed", naming the format's field.
+        """
+        if guide is None or finish != "stop" or stopped:
+            return
+        assert self.grammars is not None
+        failure = await trio.to_thread.run_sync(self.grammars.answer_error, guide)
+        if failure is not None:
+            param = guide.plan.parts[0][1] if guide.plan.parts else "tool_choice"
+            raise RequestError(f"{param}: {failure}", param, code="constraint_failed")
 
     @property
     def phase(self) -> str:

@@ -6,6 +6,7 @@ sampled."""
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -205,6 +206,72 @@ def test_unsupported_schemas_are_400s_naming_the_field(demo):
     assert "output_config.format.schema" in messages_error.value.body["error"]["message"]
     # The server keeps serving.
     assert chat(demo, False, messages=QUESTION, max_tokens=5)[2] in ("stop", "length")
+
+
+def test_integers_beyond_64_bits_are_400s_naming_the_path(demo):
+    # llguidance clamps such bounds to 64 bits: this schema's answer came out as 9223372036854775807.
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 2**64, "maximum": 2**70}},
+              "required": ["n"], "additionalProperties": False}
+    with chat_client(demo) as client, pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="m", messages=QUESTION, max_tokens=50, response_format={
+            "type": "json_schema", "json_schema": {"name": "n", "schema": schema}})
+    assert caught.value.body["param"] == "response_format.json_schema.schema.properties.n.minimum"
+
+
+def test_a_schema_whose_instances_contain_themselves_is_a_400_naming_the_ref(demo):
+    # No finite JSON satisfies it: llguidance gave up after `{"`, which came back with finish_reason "stop".
+    endless = {"type": "object", "properties": {"x": {"$ref": "#"}}, "required": ["x"]}
+    with chat_client(demo) as client, pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="m", messages=QUESTION, max_tokens=50, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": endless}})
+    assert caught.value.body["param"] == "response_format.json_schema.schema.properties.x.$ref"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_schema_no_answer_satisfies_fails_rather_than_stopping(demo, stream):
+    # The same through branches, which the plan's check does not follow: llguidance gives up after `{"`.
+    endless = {"type": "object", "properties": {"x": {"anyOf": [{"$ref": "#"}, {"$ref": "#"}]}}, "required": ["x"]}
+    response_format = {"type": "json_schema", "json_schema": {"name": "x", "schema": endless}}
+    error = openai.APIError if stream else openai.BadRequestError
+    with pytest.raises(error) as caught:
+        chat(demo, stream, messages=QUESTION, response_format=response_format, temperature=0,
+             reasoning_effort="none")
+    body = caught.value.body
+    assert body["param"] == "response_format.json_schema.schema" and body["code"] == "constraint_failed"
+    assert "constraint failed" in body["message"]
+    assert chat(demo, False, messages=QUESTION, max_tokens=5)[2] in ("stop", "length")  # still serving
+
+
+def test_a_grammar_over_the_limits_is_a_400_naming_it(demo):
+    chain = "\n".join(["root ::= r0", *(f'r{i} ::= "t{i}" | r{i + 1}' for i in range(1500)), 'r1500 ::= "end"'])
+    with httpx.Client(base_url=demo.url, timeout=60) as client:
+        too_long = client.post("/v1/chat/completions", json={
+            "messages": QUESTION, "grammar": 'root ::= "' + "a" * 70_000 + '"', "max_tokens": 5})
+        too_many = client.post("/v1/chat/completions", json={"messages": QUESTION, "grammar": chain,
+                                                              "max_tokens": 5})
+    assert too_long.status_code == too_many.status_code == 400
+    assert too_long.json()["error"]["param"] == too_many.json()["error"]["param"] == "grammar"
+    assert "limits.max_grammar_bytes" in too_long.json()["error"]["message"]
+    assert "limits.max_grammar_rules" in too_many.json()["error"]["message"]
+
+
+def test_a_grammar_is_converted_off_the_event_loop(demo, monkeypatch):
+    import llguidance
+
+    threads = []
+    convert = llguidance.grammar_from
+
+    def recording(*args: Any) -> str:
+        threads.append(threading.current_thread().name)
+        return convert(*args)
+
+    monkeypatch.setattr(llguidance, "grammar_from", recording)
+    loop_thread = demo.call(lambda: threading.current_thread().name)
+    with httpx.Client(base_url=demo.url, timeout=60) as client:
+        reply = client.post("/v1/chat/completions", json={
+            "messages": QUESTION, "grammar": 'root ::= "yes" | "no"', "max_tokens": 5, "reasoning_effort": "none"})
+    assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"] in ("yes", "no")
+    assert threads and loop_thread not in threads
 
 
 # --- tool choice

@@ -64,9 +64,13 @@ def picture(param: str, in_tool_result: bool = False) -> dict[str, Any]:
     return {"type": "image", "image": ImageSource(param, data=PICTURE, in_tool_result=in_tool_result)}
 
 
-def staging(vision: Vision, n_ctx: int = 100, exclusive: Exclusive | None = None) -> PictureStaging:
+def staging(vision: Vision, n_ctx: int = 100, exclusive: Exclusive | None = None, text: int = 10) -> PictureStaging:
+    """Staging for a request whose text takes `text` prompt tokens."""
+    async def text_tokens(messages: list[dict[str, Any]]) -> int:
+        return text
+
     return PictureStaging(vision, Downloads(trio.Event()), exclusive or Exclusive(), n_ctx,
-                          WIDTH, lambda marker: [])
+                          WIDTH, lambda marker: [], text_tokens)
 
 
 MESSAGES = [{"role": "system", "content": "be brief"},
@@ -98,6 +102,31 @@ async def test_pictures_that_cannot_fit_the_context_cost_no_encode():
     with pytest.raises(PicturesRefused, match="take 100 prompt tokens; the context holds 100") as caught:
         await staging(vision).encode(MESSAGES, [(1, 1), (2, 0)])
     assert caught.value.code == "context_length_exceeded" and vision.encoded == []
+
+
+async def test_text_and_pictures_that_cannot_fit_together_cost_no_encode():
+    vision = Vision(rows=40)
+    with pytest.raises(PicturesRefused, match=r"has 100 tokens \(20 of text, 80 of pictures\); the context holds "
+                                              "100") as caught:
+        await staging(vision, text=20).encode(MESSAGES, [(1, 1), (2, 0)])
+    assert caught.value.code == "context_length_exceeded" and vision.encoded == []
+    _, pictures = await staging(vision, text=19).encode(MESSAGES, [(1, 1), (2, 0)])
+    assert len(pictures) == 2
+
+
+async def test_the_text_is_counted_with_the_pictures_omitted_while_staging():
+    counted = []
+
+    async def text_tokens(messages: list[dict[str, Any]]) -> int:
+        counted.append([part["type"] for part in messages[2]["content"]])
+        return 1
+
+    vision = Vision()
+    broken = [*MESSAGES[:2], {"role": "tool", "content": [{"type": "image", "image": ImageSource(
+        "messages[2].content[0]", data=b"not a picture", in_tool_result=True)}]}]
+    staged = PictureStaging(vision, Downloads(trio.Event()), Exclusive(), 100, WIDTH, lambda marker: [], text_tokens)
+    _, pictures = await staged.encode(broken, [(1, 1), (2, 0)])
+    assert counted == [["text"]] and len(pictures) == 1
 
 
 async def test_a_tools_picture_is_omitted_and_the_users_refused():

@@ -12,7 +12,7 @@ import pytest
 
 from strata.events import TextDelta, ToolCallArgumentsDelta, ToolCallStart
 from strata.text import constraints
-from strata.text.constraints import AnswerFormat, GrammarError, Grammars, plan_constraint
+from strata.text.constraints import AnswerFormat, GrammarError, GrammarLimits, Grammars, plan_constraint
 from strata.text.sampling import Sampler, SamplingParams
 from strata.text.toolcalls import ToolCallParser
 
@@ -134,6 +134,116 @@ def test_a_bad_grammar_names_the_field(grammars):
     with pytest.raises(GrammarError) as caught:
         grammars.guide(plan(grammars, answer_format=AnswerFormat("grammar", "root ::= undefined-rule", "grammar")))
     assert caught.value.param == "grammar" and "undefined" in str(caught.value)
+
+
+def chained_gbnf(n_rules: int) -> str:
+    """A GBNF grammar of `n_rules` rules each referring to the next: llguidance's conversion takes time quadratic
+    in such a chain's length."""
+    rules = [f'r{i} ::= "t{i}" | r{i + 1}' for i in range(n_rules - 1)]
+    return "\n".join(["root ::= r0", *rules, f'r{n_rules - 1} ::= "end"'])
+
+
+@pytest.mark.parametrize(("grammar", "key"), [
+    ('root ::= "' + "a" * 70_000 + '"', "limits.max_grammar_bytes"),
+    (chained_gbnf(1200), "limits.max_grammar_rules"),
+], ids=["bytes", "rules"])
+def test_a_grammar_over_the_limits_is_refused_before_it_is_converted(grammars, monkeypatch, grammar, key):
+    monkeypatch.setattr("llguidance.grammar_from", lambda *_: pytest.fail("converted"))
+    with pytest.raises(GrammarError) as caught:
+        plan(grammars, answer_format=AnswerFormat("grammar", grammar, "grammar"))
+    assert caught.value.param == "grammar" and key in str(caught.value)
+
+
+def test_a_grammar_within_the_limits_is_converted(grammars):
+    limits = GrammarLimits(max_bytes=64 * 1024, max_rules=1000)
+    the_plan = plan(grammars, answer_format=AnswerFormat("grammar", chained_gbnf(999), "grammar"), limits=limits)
+    assert the_plan is not None and the_plan.answer
+
+
+@pytest.mark.parametrize(("schema", "where"), [
+    ({"type": "integer", "minimum": 2**64, "maximum": 2**70}, ".minimum"),
+    ({"type": "object", "properties": {"n": {"type": "integer", "maximum": -(2**63) - 1}}},
+     ".properties.n.maximum"),
+    ({"type": "object", "properties": {"n": {"const": 2**70}}}, ".properties.n.const"),
+    ({"anyOf": [{"type": "string"}, {"enum": [1, 2**53 + 1]}]}, ".anyOf[1].enum[1]"),
+], ids=["bound", "negative-bound", "const", "enum"])
+def test_integers_llguidance_cannot_hold_exactly_are_refused_naming_the_path(grammars, schema, where):
+    param = "response_format.json_schema.schema"
+    with pytest.raises(GrammarError) as caught:
+        plan(grammars, answer_format=AnswerFormat("json_schema", json.dumps(schema), param))
+    assert caught.value.param == param + where and str(caught.value).startswith(param + where + ": ")
+
+
+def test_integers_at_the_limits_are_kept(grammars):
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": -(2**63), "maximum": 2**63 - 1},
+                                               "c": {"const": 2**53}, "d": {"default": 2**70}}}
+    assert plan(grammars, answer_format=AnswerFormat("json_schema", json.dumps(schema))) is not None
+
+
+def test_a_strict_tools_integers_are_checked_too(grammars):
+    tools = [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer", "maximum": 2**65}}}}}]
+    with pytest.raises(GrammarError) as caught:
+        plan(grammars, tools=tools, tool_choice="required")
+    assert caught.value.param == "tools[0].function.parameters.properties.n.maximum"
+
+
+@pytest.mark.parametrize(("schema", "where"), [
+    ({"type": "object", "properties": {"x": {"$ref": "#"}}, "required": ["x"]}, ".properties.x.$ref"),
+    ({"$ref": "#/$defs/a", "$defs": {"a": {"type": "object", "properties": {"x": {"$ref": "#/$defs/a"}},
+                                           "required": ["x"]}}}, ".$defs.a.properties.x.$ref"),
+    ({"type": "array", "items": {"$ref": "#"}, "minItems": 1}, ".items.$ref"),
+    ({"$ref": "#/$defs/a", "$defs": {
+        "a": {"type": "object", "properties": {"b": {"$ref": "#/$defs/b"}}, "required": ["b"]},
+        "b": {"allOf": [{"type": "array", "items": {"$ref": "#/$defs/a"}, "minItems": 2}]}}},
+     ".$defs.b.allOf[0].items.$ref"),
+], ids=["required", "defs", "items", "mutual"])
+def test_a_schema_every_instance_of_which_contains_itself_is_refused(grammars, schema, where):
+    param = "response_format.json_schema.schema"
+    with pytest.raises(GrammarError) as caught:
+        plan(grammars, answer_format=AnswerFormat("json_schema", json.dumps(schema), param))
+    assert caught.value.param == param + where and "no finite JSON" in str(caught.value)
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "properties": {"x": {"$ref": "#"}}},  # optional
+    {"properties": {"x": {"$ref": "#"}}, "required": ["x"]},  # not only objects
+    {"type": "array", "items": {"$ref": "#"}},  # may be empty
+    {"type": "object", "properties": {"x": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}}, "required": ["x"]},
+], ids=["optional", "untyped", "empty-array", "branch"])
+def test_recursive_schemas_with_a_way_out_are_kept(grammars, schema):
+    assert plan(grammars, answer_format=AnswerFormat("json_schema", json.dumps(schema))) is not None
+
+
+def test_an_answer_llguidance_gives_up_on_is_not_a_finished_answer(grammars, tokenizer):
+    # No finite JSON satisfies it (through branches, which the plan's check does not follow): llguidance's matcher
+    # fails after `{"` and leaves only an end-of-turn token.
+    endless = {"type": "object", "properties": {"x": {"anyOf": [{"$ref": "#"}, {"$ref": "#"}]}}, "required": ["x"]}
+    the_plan = plan(grammars, answer_format=AnswerFormat("json_schema", json.dumps(endless)))
+    guide = grammars.guide(the_plan)
+    sampler = Sampler(SamplingParams(temperature=0.0), grammars.n_vocab, mask=guide)
+    rng = np.random.default_rng(0)
+    out: list[int] = []
+    while not out or out[-1] not in grammars.eos_ids:
+        out.append(sampler.sample(rng.normal(0, 3, grammars.n_vocab).astype(np.float32), out))
+        assert len(out) < 50
+    error = grammars.answer_error(guide)
+    assert error is not None and "constraint failed" in error
+
+
+def test_a_finished_answer_is_checked_against_the_schema(grammars, tokenizer):
+    the_plan = plan(grammars, answer_format=AnswerFormat("json_schema", json.dumps(SCHEMA)))
+    guide = grammars.guide(the_plan)
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=3), grammars.n_vocab, mask=guide)
+    rng = np.random.default_rng(3)
+    out: list[int] = []
+    while not out or out[-1] not in grammars.eos_ids:
+        out.append(sampler.sample(rng.normal(0, 3, grammars.n_vocab).astype(np.float32), out))
+    assert grammars.answer_error(guide) is None
+    # What llguidance would let through, as when it enforces a bound only approximately: the check still sees it.
+    guide.answer_ids[:] = tokenizer.encode('{"colour": "red", "count": 100, "ok": true}', special=False)
+    error = grammars.answer_error(guide)
+    assert error is not None and "$.count" in error
 
 
 def test_compiled_grammars_are_cached(grammars):

@@ -407,19 +407,21 @@ def _add_chat_routes(app: Quart, state: _State) -> None:
 
 
 def _add_token_routes(app: Quart, state: _State) -> None:
-    def tokenizer() -> Any:
+    def loaded() -> Service:
         service = state.ready_service()
         if not service.ready:
             raise ApiError(503, "the model is not loaded", kind="server_error")
-        return service.tokenizer
+        return service
+
+    limiter = trio.CapacityLimiter(tokens.TOKENIZE_THREADS)
 
     @app.post("/tokenize")
     async def tokenize() -> Response:
-        return _json(tokens.tokenize(tokenizer(), await _json_body()))
+        return _json(await tokens.tokenize(loaded(), await _json_body(), limiter))
 
     @app.post("/detokenize")
     async def detokenize() -> Response:
-        return _json(tokens.detokenize(tokenizer(), await _json_body()))
+        return _json(await tokens.detokenize(loaded(), await _json_body(), limiter))
 
 
 def _chat_view(state: _State, dialect: _Dialect) -> Callable[[], Awaitable[Response]]:

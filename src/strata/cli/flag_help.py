@@ -49,6 +49,8 @@ HELP = {
     "limits.max_body_bytes": "largest request body, in bytes",
     "limits.max_tokens": "cap on generated tokens per request (default: the context's room)",
     "limits.max_pictures": "pictures per request (more are refused before any is downloaded or encoded)",
+    "limits.max_grammar_bytes": "largest grammar (GBNF or Lark) a request may send, in bytes",
+    "limits.max_grammar_rules": "most rules in a request's GBNF grammar (converting takes time quadratic in them)",
     "limits.queue_length": "requests waiting for the engine beyond this get 503",
     "limits.history_size": "rows of /v1/history kept",
     "limits.body_timeout": "seconds to receive a request body",

@@ -2,8 +2,9 @@
 their headers, then encoded in prompt order, all in the request's task (cancelling it stops every step).
 
 Invariants:
-- Every picture is checked and sized (from its header, or its pre-computed rows) before any is encoded: a request
-  whose pictures cannot fit the context costs no encoder time.
+- Every picture is checked and sized (from its header, or its pre-computed rows) before any is encoded, and the
+  request's text is counted with them: a request whose text and pictures cannot fit the context together costs no
+  encoder time.
 - A request cancelled while its picture is queued for the encoder drops the job; one cancelled while its picture
   is encoded sends `CANCEL` (both kept by `VisionClient.encode`, which runs in the calling task).
 - A picture that cannot be used is refused with its field named, unless a tool returned it: then it becomes the
@@ -13,7 +14,7 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -153,6 +154,8 @@ class PictureStaging:
         n_ctx: the engine's context (the pictures' rows must leave room in it).
         picture_width: the width of the rows the engine takes.
         marker_ids: the ids of a tiled picture's part marker.
+        text_tokens: the prompt tokens the request's text takes with these messages (rendered and tokenised: the
+            service's prepare step), each picture's placeholder not counted.
     """
 
     vision: VisionClient
@@ -161,6 +164,7 @@ class PictureStaging:
     n_ctx: int
     picture_width: int
     marker_ids: Callable[[str], list[int]]
+    text_tokens: Callable[[list[dict[str, Any]]], Awaitable[int]]
 
     async def encode(self, messages: list[dict[str, Any]], places: list[tuple[int, int]],
                      live: RequestProgress | None = None) -> tuple[list[dict[str, Any]], list[Embedding]]:
@@ -170,7 +174,7 @@ class PictureStaging:
             The messages with every picture that was omitted replaced by its text, and the pictures encoded.
 
         Raises:
-            PicturesRefused: a user's picture cannot be used, or the pictures cannot fit the context.
+            PicturesRefused: a user's picture cannot be used, or the text and pictures cannot fit the context.
             PicturesUnavailable: the encoder is not available, or the server is shutting down.
         """
         messages = [dict(message, content=list(message["content"])) if isinstance(message.get("content"), list)
@@ -180,6 +184,11 @@ class PictureStaging:
         if n_rows >= self.n_ctx:
             raise PicturesRefused(f"the request's pictures take {n_rows} prompt tokens; the context holds "
                                   f"{self.n_ctx} (prompt and answer)", code="context_length_exceeded")
+        n_text = await self.text_tokens(messages)
+        if n_text + n_rows >= self.n_ctx:
+            raise PicturesRefused(f"the prompt has {n_text + n_rows} tokens ({n_text} of text, {n_rows} of "
+                                  f"pictures); the context holds {self.n_ctx} (prompt and answer)",
+                                  code="context_length_exceeded")
         pictures = []
         for i, j, picture in staged:
             try:

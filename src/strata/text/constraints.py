@@ -2,7 +2,7 @@
 
 A request can ask for a JSON answer (a JSON schema, or any JSON object), for an answer in a grammar (GBNF or
 llguidance's Lark), or for tool calls that must happen (`tool_choice` required or named) or follow their
-declared schemas. `plan_constraint` turns those fields into a `Plan` (grammar text, no library calls);
+declared schemas. `plan_constraint` turns those fields into a `Plan` (grammar texts, converted, not compiled);
 `Grammars.compile` compiles a plan with llguidance into matchers, cached by grammar text; a `Guide` then runs in
 the engine thread, one per generation: before each token is sampled it masks the logits to the tokens the grammar
 allows, and after it follows the sampled token.
@@ -13,9 +13,17 @@ Reasoning stays free: when thinking is on, the first token may open `<think>`, a
 bans `<tool_call>` once one call has started; `tool_choice` "none" bans it always.
 
 llguidance (not a compiler of our own): it covers most of JSON schema and says which keyword it lacks, and it
-reads GBNF as llama.cpp clients send it. Its mask depends only on the tokens sampled so far, so the next one is
-computed in a pool thread (llguidance drops the GIL) while the engine computes the next logits; when few tokens
-are allowed (most steps of a JSON answer allow one) the sampler draws among those alone.
+reads GBNF as llama.cpp clients send it. What it would enforce only approximately is refused instead: integers
+beyond 64 bits (it clamps bounds to them, and keeps `const` and `enum` numbers as doubles), and `$ref` cycles that
+every instance must follow (it gives up after a few tokens: no finite text satisfies them). Its GBNF conversion is
+Python that takes time quadratic in the number of rules (a pass over every rule for each level of a chain of
+rules), so a grammar's size and rules are bounded (`GrammarLimits`) before it starts; `plan_constraint` and
+`Grammars.guide` are blocking work for a worker thread. An answer that ends is checked against what was asked
+(`Grammars.answer_error`), so that llguidance giving up never passes for a finished answer.
+
+A matcher's mask depends only on the tokens sampled so far, so the next one is computed in a pool thread
+(llguidance drops the GIL) while the engine computes the next logits; when few tokens are allowed (most steps of
+a JSON answer allow one) the sampler draws among those alone.
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ import json
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -37,6 +45,10 @@ FormatKind = Literal["json_schema", "json_object", "grammar"]
 # model cannot fill its budget with blanks and every answer reads the same.
 _JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _CACHE_SIZE = 64
+# The integers llguidance enforces exactly: bounds as 64-bit integers, `const` and `enum` values as doubles.
+_INT64 = (-(2**63), 2**63 - 1)
+_EXACT_DOUBLE = 2**53
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 
 
 class GrammarError(ValueError):
@@ -61,6 +73,20 @@ class AnswerFormat:
     kind: FormatKind
     source: str = ""
     param: str = "response_format"
+
+
+@dataclass(frozen=True)
+class GrammarLimits:
+    """How large a request's grammar may be (the `limits.max_grammar_bytes` and `limits.max_grammar_rules` config
+    keys). The rules bound the GBNF conversion's quadratic time: 1,000 chained rules take about 0.6 s of a core.
+
+    Attributes:
+        max_bytes: the grammar text's size in UTF-8 bytes.
+        max_rules: the rules of a GBNF grammar (its `::=`).
+    """
+
+    max_bytes: int = 64 * 1024
+    max_rules: int = 1000
 
 
 @dataclass(frozen=True)
@@ -96,6 +122,8 @@ class Plan:
             names its field.
         prefix: text the answer already begins with (a prefilled assistant message): the answer's grammar
             applies to it and its continuation together.
+        schema: the JSON schema the whole answer must satisfy (a JSON format with no tools), checked once it
+            ends (`Grammars.answer_error`); None when there is none to check.
     """
 
     answer: str | None = None
@@ -106,13 +134,16 @@ class Plan:
     max_calls: int | None = None
     parts: tuple[tuple[str, str], ...] = ()
     prefix: str = ""
+    schema: Any = None
 
 
 def plan_constraint(*, answer_format: AnswerFormat | None, tools: Sequence[dict[str, Any]],
                     tool_choice: str | dict[str, Any] | None, parallel_tool_calls: bool, thinking: bool,
                     in_reasoning: bool, tokens: SpecialTokens, prefix: str = "",
-                    tool_fields: Mapping[str, str] | None = None) -> Plan | None:
-    """The plan for a request's answer format and tool choice; None when nothing is constrained.
+                    tool_fields: Mapping[str, str] | None = None,
+                    limits: GrammarLimits = GrammarLimits()) -> Plan | None:
+    """The plan for a request's answer format and tool choice; None when nothing is constrained. Blocking work
+    (a worker thread) when the request sends a grammar or schemas: they are converted here.
 
     Args:
         answer_format: the answer's format, if the request set one.
@@ -128,12 +159,14 @@ def plan_constraint(*, answer_format: AnswerFormat | None, tools: Sequence[dict[
             to it and what follows together.
         tool_fields: each tool's parameters field as the request named it, by tool name, for errors (default:
             the OpenAI chat shape's `tools[i].function.parameters`).
+        limits: how large a grammar may be.
 
     Raises:
-        GrammarError: a format that cannot be combined with the tools, or a forced tool choice after a prefill.
+        GrammarError: a format that cannot be combined with the tools, a forced tool choice after a prefill, a
+            grammar over the limits, or a schema llguidance would not hold to (`_check_schema`).
     """
     choice, forced, tools = _tool_choice(tool_choice, tools, prefix)
-    format_rule = _format_rule(answer_format) if answer_format is not None else None
+    format_rule = _format_rule(answer_format, limits) if answer_format is not None else None
     may_think, in_reasoning = _reasoning(thinking, in_reasoning, tokens)
     if tools and (forced or format_rule is not None):
         answer, parts = _answer_or_calls(format_rule, tools, choice, forced, tokens, parallel_tool_calls,
@@ -143,7 +176,7 @@ def plan_constraint(*, answer_format: AnswerFormat | None, tools: Sequence[dict[
         # no tools here: the answer is the format's, and a call may not start
         banned = () if tokens.call_open is None else (tokens.call_open,)
         return Plan(answer=_format_answer(format_rule), banned=banned, parts=(format_rule[1],), may_think=may_think,
-                    in_reasoning=in_reasoning, prefix=prefix)
+                    in_reasoning=in_reasoning, prefix=prefix, schema=format_rule[2])
     if not tools:
         return Plan(banned=(tokens.call_open,)) if choice == "none" and tokens.call_open is not None else None
     return _auto_calls(tools, tokens, parallel_tool_calls, tool_fields or {})
@@ -173,14 +206,14 @@ def _reasoning(thinking: bool, in_reasoning: bool, tokens: SpecialTokens) -> tup
     return may_think, in_reasoning and tokens.think_close is not None
 
 
-def _format_answer(format_rule: tuple[str | None, tuple[str, str]]) -> str:
+def _format_answer(format_rule: _FormatRule) -> str:
     """The grammar of an answer in a format (`_format_rule`) and nothing else: a JSON rule as a grammar's start,
     or the request's own grammar."""
-    rule, (grammar, _) = format_rule
+    rule, (grammar, _), _ = format_rule
     return _lark([f"start: {rule}"]) if rule is not None else grammar
 
 
-def _answer_or_calls(format_rule: tuple[str | None, tuple[str, str]] | None, tools: Sequence[dict[str, Any]],
+def _answer_or_calls(format_rule: _FormatRule | None, tools: Sequence[dict[str, Any]],
                      choice: str | dict[str, Any], forced: bool, tokens: SpecialTokens, parallel: bool,
                      tool_fields: Mapping[str, str]) -> tuple[str, tuple[tuple[str, str], ...]]:
     """The grammar of an answer that is tool calls (a forced choice: required, or the named tool's) or, with a
@@ -191,7 +224,7 @@ def _answer_or_calls(format_rule: tuple[str | None, tuple[str, str]] | None, too
     """
     rule, parts = None, []
     if format_rule is not None:
-        rule, part = format_rule
+        rule, part, _ = format_rule
         parts.append(part)
         if rule is None:
             param = part[1]
@@ -229,20 +262,157 @@ def _lark(rules: list[str]) -> str:
     return llguidance.LLMatcher.grammar_from_lark("\n".join(rules) + "\n")
 
 
-def _format_rule(answer_format: AnswerFormat) -> tuple[str | None, tuple[str, str]]:
+# A format's Lark right-hand side (None for a grammar), its own grammar with its field, and its JSON schema (None
+# for a grammar).
+_FormatRule = tuple[str | None, tuple[str, str], Any]
+
+
+def _format_rule(answer_format: AnswerFormat, limits: GrammarLimits) -> _FormatRule:
     """The Lark right-hand side for a JSON answer format (None for a grammar, which has rules of its own and is
-    used alone), and the format's own grammar with its field, for checking."""
+    used alone), the format's own grammar with its field, for checking, and its JSON schema."""
+    param = answer_format.param
     if answer_format.kind == "grammar":
         import llguidance
 
+        _check_grammar_size(answer_format.source, param, limits)
         try:
             grammar = llguidance.grammar_from("gbnf", answer_format.source)
         except ValueError as error:
-            raise GrammarError(f"{answer_format.param}: {error}", answer_format.param) from None
-        return None, (grammar, answer_format.param)
+            raise GrammarError(f"{param}: {error}", param) from None
+        return None, (grammar, param), None
     schema = json.loads(answer_format.source) if answer_format.kind == "json_schema" else {"type": "object"}
+    _check_schema(schema, param)
     text = _json_text(schema, lenient=False)
-    return f"%json {text}", (_json_grammar(text), answer_format.param)
+    return f"%json {text}", (_json_grammar(text), param), schema
+
+
+def _check_grammar_size(source: str, param: str, limits: GrammarLimits) -> None:
+    """Refuse a grammar over the limits before any of it is converted (a conservative count of the rules: every
+    `::=`, those inside literals included)."""
+    size = len(source.encode("utf-8", errors="surrogatepass"))
+    if size > limits.max_bytes:
+        raise GrammarError(f"{param}: the grammar has {size} bytes; at most {limits.max_bytes} are allowed (the "
+                           "limits.max_grammar_bytes config key)", param)
+    rules = source.count("::=")
+    if rules > limits.max_rules:
+        raise GrammarError(f"{param}: the grammar has {rules} rules; at most {limits.max_rules} are allowed (the "
+                           "limits.max_grammar_rules config key)", param)
+
+
+def _check_schema(schema: Any, param: str) -> None:
+    """Refuse a schema llguidance would not hold to: integers it cannot enforce exactly, or a `$ref` cycle that
+    every instance must follow (no finite text satisfies it; llguidance gives up after a few tokens)."""
+    _check_integers(schema, param)
+    _check_finite(schema, param)
+
+
+def _check_finite(schema: Any, param: str) -> None:
+    """Refuse a schema whose instances must hold themselves: a chain of `$ref`s each of which an instance must
+    contain (a required property of an object, an item of a non-empty array, `allOf`) that comes back to where it
+    began. Branches (`anyOf`, `oneOf`, optional properties) may end a chain, so they are never followed.
+
+    Raises:
+        GrammarError: naming the `$ref` that closes the cycle.
+    """
+    if not isinstance(schema, dict):
+        return
+    forced: dict[str, list[tuple[str, str]]] = {}  # a pointer: the (pointer, path of its $ref) it forces
+    stack = ["#"]
+    while stack:
+        pointer = stack.pop()
+        if pointer in forced:
+            continue
+        node = _resolve(schema, pointer)
+        forced[pointer] = [] if node is None else list(_forced_refs(node, param if pointer == "#" else
+                                                                    f"{param}.{pointer[2:].replace('/', '.')}"))
+        stack.extend(target for target, _ in forced[pointer])
+    # A depth-first walk (iterative: a chain of $defs may be long): a $ref back to a pointer on the current chain
+    # closes a cycle.
+    on_chain, done = {"#"}, set()
+    walk = [("#", iter(forced["#"]))]
+    while walk:
+        pointer, targets = walk[-1]
+        step = next(targets, None)
+        if step is None:
+            walk.pop()
+            on_chain.discard(pointer)
+            done.add(pointer)
+            continue
+        target, where = step
+        if target in on_chain:
+            raise GrammarError(f"{where}: every instance would have to contain itself through this $ref ({target}), "
+                               "so no finite JSON satisfies the schema", where)
+        if target not in done:
+            on_chain.add(target)
+            walk.append((target, iter(forced[target])))
+
+
+def _resolve(schema: dict[str, Any], pointer: str) -> Any:
+    """The subschema at a local JSON pointer (`#/$defs/a`), or None."""
+    node: Any = schema
+    for step in pointer[2:].split("/") if pointer != "#" else ():
+        step = step.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and step in node:
+            node = node[step]
+        elif isinstance(node, list) and step.isdigit() and int(step) < len(node):
+            node = node[int(step)]
+        else:
+            return None
+    return node
+
+
+def _forced_refs(node: Any, path: str) -> Iterator[tuple[str, str]]:
+    """The local `$ref`s every instance of `node` must follow, with the path of each."""
+    if not isinstance(node, dict):
+        return
+    ref = node.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        yield ref, f"{path}.$ref"
+    for part, where in _required_parts(node, path):
+        yield from _forced_refs(part, where)
+
+
+def _required_parts(node: dict[str, Any], path: str) -> Iterator[tuple[Any, str]]:
+    """The subschemas every instance of `node` must satisfy too, as a whole (`allOf`) or in a part of it (a
+    required property of an object, the items of a non-empty array), with their paths."""
+    for i, part in enumerate(node.get("allOf") or []):
+        yield part, f"{path}.allOf[{i}]"
+    properties = node.get("properties")
+    if node.get("type") == "object" and isinstance(properties, dict):
+        for key in node.get("required") or []:
+            if isinstance(key, str) and key in properties:
+                yield properties[key], f"{path}.properties.{key}"
+    items, min_items = node.get("items"), node.get("minItems")
+    if node.get("type") == "array" and isinstance(items, dict) and isinstance(min_items, int) and min_items > 0:
+        yield items, f"{path}.items"
+
+
+def _check_integers(schema: Any, param: str) -> None:
+    """Refuse a schema whose integers llguidance would not enforce exactly: a bound beyond 64 bits, or a `const` or
+    `enum` integer beyond 2^53 (kept as a double, it would come out as another number).
+
+    Raises:
+        GrammarError: naming the keyword's path in the schema.
+    """
+    stack: list[tuple[Any, str, bool]] = [(schema, param, False)]
+    while stack:
+        value, path, in_value = stack.pop()
+        if isinstance(value, dict):
+            for key, item in value.items():
+                where = f"{path}.{key}"
+                if not in_value and key in _BOUNDS and _is_int(item) and not _INT64[0] <= item <= _INT64[1]:
+                    raise GrammarError(f"{where}: {item} cannot be enforced; integer bounds must lie within 64 "
+                                       f"bits ({_INT64[0]} to {_INT64[1]})", where)
+                stack.append((item, where, in_value or key in ("const", "enum")))
+        elif isinstance(value, list):
+            stack.extend((item, f"{path}[{i}]", in_value) for i, item in enumerate(value))
+        elif in_value and _is_int(value) and abs(value) > _EXACT_DOUBLE:
+            raise GrammarError(f"{path}: {value} cannot be enforced; constant integers must lie within "
+                               f"±2^53 ({_EXACT_DOUBLE})", path)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _calls_rules(tools: Sequence[dict[str, Any]], tokens: SpecialTokens, parallel: bool,
@@ -267,7 +437,9 @@ def _calls_rules(tools: Sequence[dict[str, Any]], tokens: SpecialTokens, paralle
         text = _json_text(schema, lenient=not strict)
         rules.append(f"tool{i}: %json {text}")
         if strict:
-            parts.append((_json_grammar(text), tool_fields.get(function["name"], f"tools[{i}].function.parameters")))
+            param = tool_fields.get(function["name"], f"tools[{i}].function.parameters")
+            _check_schema(function.get("parameters") or {}, param)
+            parts.append((_json_grammar(text), param))
     return rules, parts
 
 
@@ -346,6 +518,32 @@ class Grammars:
                                    f"answer in the requested format ({plan.parts[0][1]}); JSON answers are "
                                    'compact with single spaces, as in {"a": 1, "b": [2, 3]}', "messages")
         return Guide(plan, compiled, self.n_vocab, self.tokens, self.eos_ids, overlap=self.overlap)
+
+    def answer_error(self, guide: Guide) -> str | None:
+        """Why a constrained answer that ended with an end-of-turn token is not what its plan asked for, or None
+        when it is: the grammar failed (llguidance gave up, e.g. on a schema no finite text satisfies), ended
+        incomplete, or the text does not validate against the plan's schema. Blocking (a worker thread): the
+        answer is parsed and validated."""
+        error = guide.answer_error()
+        if error is not None or guide.plan.schema is None:
+            return error
+        import jsonschema
+        import referencing.exceptions
+
+        text = guide.plan.prefix + self._tokenizer.decode([t for t in guide.answer_ids if t not in self.eos_ids])
+        try:
+            answer = json.loads(text)
+        except ValueError as not_json:
+            return f"the answer is not JSON ({not_json})"
+        try:
+            failure = jsonschema.exceptions.best_match(jsonschema.validators.validator_for(guide.plan.schema)(
+                guide.plan.schema).iter_errors(answer))
+        except (jsonschema.exceptions.SchemaError, referencing.exceptions.Unresolvable, RecursionError):
+            return None  # a schema jsonschema cannot read: llguidance's grammar is all there is to check
+        if failure is None:
+            return None
+        where = "".join(f"[{step}]" if isinstance(step, int) else f".{step}" for step in failure.absolute_path)
+        return f"the answer does not match the schema at ${where}: {failure.message}"
 
     def _check(self, grammar: str, param: str) -> None:
         import llguidance
@@ -460,6 +658,7 @@ class Guide:
     _bits: np.ndarray = field(init=False)
     _next: Future[_Mask] | None = field(init=False, default=None)  # the next mask, being computed
     _mask: _Mask | None = field(init=False, default=None)  # the mask of this step, once computed
+    answer_ids: list[int] = field(init=False, default_factory=list)  # the tokens sampled in the answer's grammar
 
     def __post_init__(self) -> None:
         import llguidance.numpy
@@ -512,6 +711,7 @@ class Guide:
                     self._state = _FREE
         elif state in (_ANSWER, _START):
             self._state = _ANSWER
+            self.answer_ids.append(token)
             self._start(token)
         elif state == _CALL:
             self._start(token, call=True)
@@ -521,6 +721,23 @@ class Guide:
             self._start(None, reset=self.calls > 1)
         elif token == self.tokens.call_open:
             self.calls += 1
+
+    def answer_error(self) -> str | None:
+        """Once the generation has ended: why the answer's grammar did not accept it (llguidance's error, or an
+        answer that stopped incomplete), or None (accepted, or no answer grammar)."""
+        if self._next is not None:
+            self._next.result()  # the matcher is the pool's until it has consumed the last token
+            self._next = None
+        matcher = self.compiled.answer
+        if matcher is None:
+            return None
+        if self._state != _ANSWER:
+            return "the answer did not begin"
+        if matcher.is_error():
+            return f"the constraint failed: {matcher.get_error().splitlines()[0]}"
+        if not (matcher.is_accepting() or matcher.is_stopped()):
+            return "the answer ended incomplete"
+        return None
 
     def _start(self, token: int | None, *, think: bool = False, call: bool = False, reset: bool = False) -> None:
         """Compute the next mask (in a pool thread with `overlap`): after `token` (if any) is consumed."""

@@ -88,9 +88,10 @@ class PromptTokens:
         ids += self._encode_special(prompt[at:])
         return ids
 
-    def encode_text(self, text: str) -> list[int]:
-        """Token ids of `text` as plain text (control-token text included), in slices like `encode`."""
-        return self._encode_special(text, special=False)
+    def encode_text(self, text: str, special: bool = False) -> list[int]:
+        """Token ids of `text`, in slices like `encode`: as plain text (control-token text included), or with
+        `special` reading control tokens' text as those tokens."""
+        return self._encode_special(text, special=special)
 
     def _encode_special(self, text: str, special: bool = True) -> list[int]:
         ids: list[int] = []
