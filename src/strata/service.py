@@ -23,7 +23,6 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import trio
@@ -32,7 +31,6 @@ from strata.activity import Activity, RequestProgress
 from strata.config import Config
 from strata.events import (
     ChatRequest,
-    CompletionPrompt,
     Event,
     Finish,
     FinishReason,
@@ -44,8 +42,8 @@ from strata.events import (
 from strata.history import History, HistoryRow
 from strata.mcp_tools import McpRequestError, McpServers, Toolset, open_toolset, run_rounds
 from strata.pictures.downloads import DownloadPolicy, download_client
-from strata.pictures.expand import PromptImages, expand_image_pads, marker_tokens
-from strata.pictures.sources import DOWNLOAD_TIMEOUT, ImageRejected
+from strata.pictures.expand import marker_tokens
+from strata.pictures.sources import DOWNLOAD_TIMEOUT
 from strata.pictures.staging import (
     Downloads,
     PicturesRefused,
@@ -54,6 +52,8 @@ from strata.pictures.staging import (
     picture_places,
 )
 from strata.progress import Stage, with_progress
+from strata.prompts import Prepared, Prompts, message_text, short
+from strata.request_errors import RequestError, ServiceUnavailable
 from strata.scheduling.batcher import Batcher, Job, salted
 from strata.scheduling.engine_like import EngineLike
 from strata.scheduling.engine_loop import EngineLoop, EngineStartError, Exclusive, Stream
@@ -61,56 +61,17 @@ from strata.scheduling.turn import QueueFull, Turn
 from strata.shutdown import ShutdownCut, ShuttingDown
 from strata.text.constraints import GrammarError, GrammarLimits, Grammars, Guide, plan_constraint
 from strata.text.output import LogprobNames, Output
-from strata.text.prompt import PromptError, render_chat
-from strata.text.prompt_tokens import PromptTokens, strings_of
 from strata.text.sampling import Sampler
 from strata.vision.client import Embedding, VisionClient, VisionStartError
 
-# Variables the chat template gets from the request itself; `chat_template_kwargs` may not override them.
-_RESERVED_TEMPLATE_VARS = frozenset({"messages", "tools", "add_generation_prompt"})
-# A request with at most this many characters of text is rendered and tokenised on the event loop (under a
-# millisecond, about what handing it to a worker thread and back costs on a busy core); longer ones in a thread.
-INLINE_PROMPT_CHARS = 1024
-IMAGE_PAD = "<|image_pad|>"  # the token a chat template renders once per picture, expanded to its rows
 # Requests' grammars and schemas converted and compiled at once, each in a worker thread: a conversion whose request
 # has gone keeps its thread until it ends (it cannot be interrupted; its limits bound it to about a second).
 GRAMMAR_THREADS = 2
 
 
-class RequestError(ValueError):
-    """A request this model cannot serve (too long for the context, refused by the chat template, a picture that
-    cannot be used, ...); `param` names the request field at fault, when there is one, `code` the error's code."""
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.param = param
-        self.code = code  # OpenAI's error code, e.g. "context_length_exceeded"
-
-
-class ServiceUnavailable(Exception):
-    """Something the request needs is not there now: the model (still loading, or loading failed), or the image
-    encoder (absent, crashed or hung). `retry_after`: seconds after which trying again may work."""
-
-    def __init__(self, message: str, retry_after: int | None = None):
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
 ENCODER_RETRY_AFTER = 5  # seconds: an encoder that crashed or hung is started again for the next picture
 
 
-
-
-@dataclass
-class _Prepared:
-    prompt: PromptImages  # ids, what the KV cache holds at each position, and the pictures' rows
-    max_tokens: int | None  # the request's caps (the job adds the context's: `Job.budget`); None: the context's
-    starts_in_reasoning: bool
-    may_think: bool  # the prompt leaves the model free to open a reasoning block
-
-    @property
-    def ids(self) -> list[int]:
-        return self.prompt.ids
 
 
 class Service:
@@ -137,8 +98,7 @@ class Service:
         self.engine: Any = None  # an EngineLike once loaded
         self.tokenizer: Any = None
         self.grammars: Grammars | None = None  # the model's compiled answer grammars (constrained decoding)
-        self.template: str | None = None
-        self.prompt_tokens: PromptTokens | None = None
+        self.prompts: Prompts | None = None  # the model's prompts (attach)
         self.load_error: BaseException | None = None
         self.loaded = trio.Event()
         self.nursery: trio.Nursery | None = None  # the service's long-lived nursery (open_service)
@@ -158,9 +118,9 @@ class Service:
         template = template or tokenizer.chat_template
         if not template:
             raise ServiceUnavailable("the model has no chat template (tokenizer.chat_template)")
-        self.engine, self.tokenizer, self.template = engine, tokenizer, template
+        self.engine, self.tokenizer = engine, tokenizer
         self.grammars = Grammars(tokenizer, engine.n_vocab)
-        self.prompt_tokens = PromptTokens(tokenizer)
+        self.prompts = Prompts(tokenizer, template, engine.n_ctx, engine.n_vocab, self.config.limits.max_tokens)
         # as many slots as the engine has sequences (an engine passed in may have fewer than config.slots)
         self.turn = Turn(max_queued=self.config.limits.queue_length, slots=engine.n_seq)
         self.loop = EngineLoop(Batcher(engine, self.config.step_tokens, self.config.batch, self.config.step_slowdown))
@@ -250,18 +210,8 @@ class Service:
 
     def render(self, request: ChatRequest) -> str:
         """The prompt text of a request (the chat template applied to its messages and tools)."""
-        kwargs = dict(request.template_kwargs)
-        clash = _RESERVED_TEMPLATE_VARS.intersection(kwargs)
-        if clash:
-            raise RequestError(f"chat_template_kwargs may not set {', '.join(sorted(clash))}")
-        enable_thinking = kwargs.pop("enable_thinking", request.enable_thinking)
-        assert self.template is not None, "render before the model is loaded"
-        try:
-            text = render_chat(self.template, request.messages, tools=request.tools or None,
-                               add_generation_prompt=not request.prefill, enable_thinking=enable_thinking, **kwargs)
-        except PromptError as error:
-            raise RequestError(str(error)) from None
-        return _open_last_turn(text, request.messages[-1]) if request.prefill else text
+        assert self.prompts is not None, "render before the model is loaded"
+        return self.prompts.render(request)
 
     async def count_tokens(self, request: ChatRequest) -> int:
         """How many prompt tokens a request has, each picture counted as the rows its encoding takes: pictures
@@ -275,11 +225,13 @@ class Service:
             await toolset.aclose()
             request = dataclasses.replace(request, tools=request.tools + toolset.functions())
         request, pictures, rendered = await self._pictures(request)
+        prompts = self.prompts
+        assert prompts is not None
         if rendered is None:
-            rendered = await trio.to_thread.run_sync(self._prompt, request)
+            rendered = await trio.to_thread.run_sync(prompts.text_and_ids, request)
         ids = rendered[1]
         # each picture's pad becomes its rows, and its parts' markers when it is split into tiles
-        return len(ids) + sum(picture.n_tokens + marker_tokens(picture.grid, self._marker_ids) - 1
+        return len(ids) + sum(picture.n_tokens + marker_tokens(picture.grid, prompts.marker_ids) - 1
                               for picture in pictures)
 
     def _require_ready(self) -> None:
@@ -288,103 +240,14 @@ class Service:
         if self.load_error is not None:
             raise ServiceUnavailable(f"the model failed to load: {self.load_error}")
 
-    def _prompt(self, request: ChatRequest) -> tuple[str, list[int]]:
-        """The prompt text and token ids of a request, control tokens typed in its text tokenised as text (see
-        `strata.text.prompt_tokens`). Blocking work (in a worker thread): a request whose text cannot fit the context
-        is refused before any of it is done."""
-        guard = self.prompt_tokens
-        assert guard is not None, "prompt before the model is loaded"
-        try:
-            guard.check_length(list(strings_of([request.messages, request.tools, request.template_kwargs])),
-                               self.engine.n_ctx)
-        except ValueError as error:
-            raise RequestError(str(error)) from None
-        text = self.render(dataclasses.replace(request, messages=guard.protect(request.messages),
-                                               tools=guard.protect(request.tools),
-                                               template_kwargs=guard.protect(request.template_kwargs)))
-        return text, self.tokenizer.with_bos(guard.encode(text))
-
-    def _completion_prompt(self, completion: CompletionPrompt) -> tuple[str, list[int]]:
-        """A raw completion's prompt text and ids: the text tokenised as plain text, or the ids checked; with a
-        suffix, the fill-in-the-middle form `<prefix>prompt<suffix>suffix<middle>` with the tokens the model
-        has (`Tokenizer.fim`)."""
-        tokenizer, guard = self.tokenizer, self.prompt_tokens
-        assert guard is not None, "prompt before the model is loaded"
-        try:
-            guard.check_length([completion.text or "", completion.suffix or ""], self.engine.n_ctx)
-        except ValueError as error:
-            raise RequestError(str(error), "prompt") from None
-        if completion.ids is not None:
-            bad = [token for token in completion.ids if not 0 <= token < self.engine.n_vocab]
-            if bad:
-                raise RequestError(f"prompt: token ids go up to {self.engine.n_vocab - 1}, got {bad[0]}", "prompt")
-            ids = list(completion.ids)
-        else:
-            ids = guard.encode_text(completion.text or "")
-        if completion.suffix is not None:
-            fim = getattr(tokenizer, "fim", None)
-            if fim is None:
-                raise RequestError("suffix: this model has no fill-in-the-middle tokens (no "
-                                   "tokenizer.ggml.fim_pre/suf/mid_token_id keys, and no <|fim_prefix|>, "
-                                   "<|fim_suffix|>, <|fim_middle|> or similar tokens in its vocabulary)", "suffix")
-            prefix, suffix, middle = fim
-            ids = [prefix, *ids, suffix, *guard.encode_text(completion.suffix), middle]
-        if not ids:
-            raise RequestError("prompt: must not be empty", "prompt")
-        if completion.ids is None:  # a text prompt starts with BOS when the model wants one, as a chat prompt does
-            ids = tokenizer.with_bos(ids)
-        return tokenizer.decode(ids), ids
-
     def _prepare(self, request: ChatRequest, pictures: list[Embedding],
-                 rendered: tuple[str, list[int]] | None = None) -> _Prepared:
-        """The request's prompt (`rendered`: its text and ids, when counting its pictures made them already) with
-        its pictures' rows, and its token budget."""
+                 rendered: tuple[str, list[int]] | None = None) -> Prepared:
+        """The request's prompt with its pictures' rows, and its token caps (`strata.prompts`)."""
         self._require_ready()
-        if rendered is not None:
-            text, ids = rendered
-        elif request.completion is not None:
-            text, ids = self._completion_prompt(request.completion)
-        else:
-            text, ids = self._prompt(request)
-        pad_id = self.tokenizer.token_to_id(IMAGE_PAD)
-        if pictures:
-            try:
-                prompt = expand_image_pads(ids, pad_id, pictures, self._marker_ids)
-            except ImageRejected as error:
-                raise RequestError(str(error)) from None
-        else:
-            prompt = PromptImages(ids, list(ids), [])
-        ids = prompt.ids
-        n_ctx = self.engine.n_ctx
-        if len(ids) >= n_ctx:
-            raise RequestError(f"the prompt has {len(ids)} tokens; the context holds {n_ctx} (prompt and answer)",
-                               code="context_length_exceeded")
-        if any(token >= self.engine.n_vocab for token, _ in request.sampling.logit_bias):
-            raise RequestError(f"logit_bias: token ids go up to {self.engine.n_vocab - 1}", "logit_bias")
-        max_tokens = min((cap for cap in (request.max_tokens, self.config.limits.max_tokens) if cap is not None),
-                         default=None)
-        if request.completion is not None:
-            return _Prepared(prompt, max_tokens, False, False)
-        starts_in_reasoning = text.rstrip("\n").endswith("<think>")
-        # An empty block closed by the template means no thinking; a continued answer is past its thinking.
-        may_think = not text.rstrip().endswith("</think>") and not request.prefill
-        return _Prepared(prompt, max_tokens, starts_in_reasoning, may_think)
+        assert self.prompts is not None
+        return self.prompts.prepare(request, pictures, rendered)
 
-    def _pad_id(self) -> int:
-        """The id of the token a picture's placeholder renders as (-1: no such token, or no model yet)."""
-        pad_id = None if self.tokenizer is None else self.tokenizer.token_to_id(IMAGE_PAD)
-        return -1 if pad_id is None else pad_id
-
-    def _marker_ids(self, marker: str) -> list[int]:
-        """The ids of a tiled picture's part marker: its token where the vocabulary has one (LFM2-VL's), else the
-        marker's text (as llama.cpp reads a row-and-column marker)."""
-        token = self.tokenizer.token_to_id(marker)
-        if token is not None:
-            return [token]
-        assert self.prompt_tokens is not None, "prompt before the model is loaded"
-        return self.prompt_tokens.encode_text(marker)
-
-    async def _guide(self, request: ChatRequest, prepared: _Prepared) -> Guide | None:
+    async def _guide(self, request: ChatRequest, prepared: Prepared) -> Guide | None:
         """The constraint of a request's answer (format, tool choice), converted and compiled in a worker thread
         when the request sends a format or tools; None when the answer is free.
 
@@ -396,7 +259,7 @@ class Service:
         limits = GrammarLimits(self.config.limits.max_grammar_bytes, self.config.limits.max_grammar_rules)
         # A prefilled answer (past any reasoning) is the start of the constrained one.
         prefix = "" if not request.prefill or prepared.starts_in_reasoning else \
-            _message_text(request.messages[-1]).rpartition("</think>")[2].strip()
+            message_text(request.messages[-1]).rpartition("</think>")[2].strip()
 
         def compile_guide() -> Guide | None:
             plan = plan_constraint(answer_format=request.answer_format, tools=request.tools,
@@ -430,11 +293,14 @@ class Service:
             The request with its messages as encoded (pictures omitted as text), the pictures, and the prompt's
             text and ids as counted when those are still the request's (no picture was omitted after counting).
         """
-        pad_id = self._pad_id()
+        assert self.prompts is not None
+        prompts = self.prompts
+        pad_id = prompts.pad_id
         counted: list[tuple[str, list[int]]] = []
 
         async def text_tokens(messages: list[dict[str, Any]]) -> int:
-            text, ids = await trio.to_thread.run_sync(self._prompt, dataclasses.replace(request, messages=messages))
+            text, ids = await trio.to_thread.run_sync(prompts.text_and_ids,
+                                                      dataclasses.replace(request, messages=messages))
             counted.append((text, ids))
             return len(ids) - ids.count(pad_id)
 
@@ -446,7 +312,7 @@ class Service:
             assert self.vision is not None
             assert self.loop is not None
             staging = PictureStaging(self.vision, self.downloads, Exclusive(self.loop, self.turn), self.engine.n_ctx,
-                                     self.engine.picture_width, self._marker_ids, text_tokens)
+                                     self.engine.picture_width, prompts.marker_ids, text_tokens)
             messages, pictures = await staging.encode(request.messages, places, live)
         except PicturesRefused as error:
             raise RequestError(str(error), error.param, error.code) from None
@@ -519,7 +385,7 @@ class Service:
         the generated events."""
         live.phase = "prepare"
         request, pictures, rendered = await self._pictures(request, live)
-        if pictures or not _short(request):
+        if pictures or not short(request):
             prepared = await trio.to_thread.run_sync(self._prepare, request, pictures, rendered)
         else:  # a worker thread's round trip would cost more than the work
             prepared = self._prepare(request, pictures, rendered)
@@ -533,7 +399,7 @@ class Service:
             finally:
                 live.slot = None
 
-    async def _generate(self, request: ChatRequest, prepared: _Prepared, live: RequestProgress,
+    async def _generate(self, request: ChatRequest, prepared: Prepared, live: RequestProgress,
                         guide: Guide | None) -> AsyncGenerator[Event, None]:
         assert self.loop is not None
         self.cut.check()  # a request that got its turn after the shutdown's cut does not start
@@ -661,44 +527,6 @@ class Service:
         return self.loop is not None and self.loop.periods > 0
 
 
-
-
-def _short(request: ChatRequest) -> bool:
-    """Whether the request's text (messages, tools, template arguments, a raw prompt) is at most
-    `INLINE_PROMPT_CHARS` characters."""
-    n = 0
-    completion = request.completion
-    if completion is not None:
-        n = len(completion.text or "") + len(completion.ids or ()) + len(completion.suffix or "")
-    for text in strings_of([request.messages, request.tools, request.template_kwargs]):
-        n += len(text)
-        if n > INLINE_PROMPT_CHARS:
-            return False
-    return n <= INLINE_PROMPT_CHARS
-
-
-def _open_last_turn(text: str, message: dict[str, Any]) -> str:
-    """The prompt of a conversation whose last (assistant) message the model continues: the rendering cut right
-    after that message's text, before the template closes its turn.
-
-    Raises:
-        RequestError: the last message is not the assistant's, or the template's rendering does not hold its text.
-    """
-    if message.get("role") != "assistant":
-        raise RequestError("continuing the final message needs an assistant message last", "messages")
-    content = _message_text(message).strip()
-    at = text.rfind(content) if content else -1
-    if at < 0:
-        raise RequestError("the chat template does not render the final assistant message's text, so it cannot be "
-                           "continued", "messages")
-    return text[: at + len(content)]
-
-
-def _message_text(message: dict[str, Any]) -> str:
-    content = message.get("content") or ""
-    if not isinstance(content, str):
-        content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
-    return content
 
 
 def model_names(config: Config) -> list[str]:

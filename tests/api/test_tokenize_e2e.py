@@ -23,7 +23,7 @@ def real(tiny_model: Path):
 
 def test_content_that_cannot_fit_the_context_is_refused_untokenised(real, monkeypatch):
     monkeypatch.setattr(type(real.service.tokenizer), "encode", lambda *_, **__: pytest.fail("tokenised"))
-    content = "a" * (CONTEXT * real.service.prompt_tokens.max_token_chars)  # at least a context of tokens
+    content = "a" * (CONTEXT * real.service.prompts.tokens.max_token_chars)  # at least a context of tokens
     with httpx.Client(base_url=real.url, timeout=60) as client:
         reply = client.post("/tokenize", json={"content": content})
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "content"
@@ -48,7 +48,7 @@ def test_tokenising_runs_in_a_worker_thread_in_slices_with_the_ids_of_the_whole(
         return encode(self, text, special=special)
 
     # Several slices' worth of text that still fits the context's least count.
-    room = (CONTEXT - 1) * real.service.prompt_tokens.max_token_chars
+    room = (CONTEXT - 1) * real.service.prompts.tokens.max_token_chars
     content = ("The sky is blue.\nIt <|im_end|> rains " * 1000)[:room]
     expected = {special: tokenizer.encode(content, special=special) for special in (True, False)}
     monkeypatch.setattr(type(tokenizer), "encode", recording)

@@ -96,7 +96,8 @@ def test_which_addresses_are_public(address, allowed):
 async def test_service_refuses_internal_urls_and_switches_downloads_off(pictures, scripted, tokenizer):
     from conftest import server_config
 
-    from strata.service import RequestError, open_service
+    from strata.request_errors import RequestError
+    from strata.service import open_service
 
     url = f"http://127.0.0.1:{pictures.port}/picture"
     for images, message in (({}, "not a public address"), ({"downloads": False}, "images.downloads")):

@@ -39,7 +39,7 @@ def user(text: str, n_pictures: int, seed: int) -> list[dict[str, Any]]:
 def test_text_and_pictures_that_cannot_fit_together_cost_no_encode(demo):
     # 16 new pictures fit the context alone, and so does the text by its cheapest count (characters over the
     # vocabulary's longest token); together, tokenised, they are many times the context.
-    n_chars = (CONTEXT - 100) * demo.service.prompt_tokens.max_token_chars
+    n_chars = (CONTEXT - 100) * demo.service.prompts.tokens.max_token_chars
     text = ("x7q " * n_chars)[:n_chars]
     before = demo.service.vision.encodes
     with httpx.Client(base_url=demo.url, timeout=60) as client:
@@ -53,13 +53,13 @@ def test_text_and_pictures_that_cannot_fit_together_cost_no_encode(demo):
 def test_a_request_that_fits_is_encoded_and_tokenised_once(demo, monkeypatch):
     service = demo.service
     prompts = []
-    render = type(service)._prompt
+    render = type(service.prompts).text_and_ids
 
     def counting(self: Any, request: Any) -> Any:
         prompts.append(request)
         return render(self, request)
 
-    monkeypatch.setattr(type(service), "_prompt", counting)
+    monkeypatch.setattr(type(service.prompts), "text_and_ids", counting)
     before = service.vision.encodes
     with httpx.Client(base_url=demo.url, timeout=60) as client:
         reply = client.post("/v1/chat/completions", json={"messages": user("What is this?", 2, seed=200),

@@ -23,9 +23,10 @@ from strata.events import (
     ToolCallStart,
     Usage,
 )
+from strata.request_errors import RequestError
 from strata.scheduling.engine_loop import EngineLoop
 from strata.scheduling.turn import QueueFull
-from strata.service import RequestError, open_service
+from strata.service import open_service
 from strata.text.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)

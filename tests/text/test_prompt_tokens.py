@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from strata.events import ChatRequest
 from strata.modelgen import write_random_model
-from strata.service import RequestError, open_service
+from strata.request_errors import RequestError
+from strata.service import open_service
 from strata.text.prompt import render_chat
 from strata.text.prompt_tokens import SLICE_CHARS, PromptTokens, slices
 from strata.text.tokenizer import Tokenizer
@@ -118,10 +119,10 @@ async def test_the_service_tokenises_in_slices_off_the_event_loop(tokenizer):
 
 async def test_text_that_cannot_fit_is_refused_before_rendering(tokenizer, monkeypatch):
     rendered: list[int] = []
-    import strata.service
+    import strata.prompts
 
-    real = strata.service.render_chat
-    monkeypatch.setattr(strata.service, "render_chat", lambda *a, **k: rendered.append(1) or real(*a, **k))
+    real = strata.prompts.render_chat
+    monkeypatch.setattr(strata.prompts, "render_chat", lambda *a, **k: rendered.append(1) or real(*a, **k))
     engine = ScriptedEngine(tokenizer, tokenizer.encode("ok"), n_ctx=4096)
     async with open_service(server_config(), engine=engine, tokenizer=tokenizer, log=lambda line: None) as service:
         huge = ChatRequest(messages=[{"role": "user", "content": "x" * 5_000_000}])

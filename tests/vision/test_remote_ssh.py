@@ -26,7 +26,8 @@ import strata
 from strata.config import VisionConfig
 from strata.events import ChatRequest, TextDelta
 from strata.pictures.sources import ImageSource
-from strata.service import ServiceUnavailable, open_service
+from strata.request_errors import ServiceUnavailable
+from strata.service import open_service
 from strata.text.sampling import SamplingParams
 from strata.vision.client import VisionClient, VisionUnavailable
 

@@ -28,7 +28,8 @@ import strata
 from strata.events import ChatRequest, TextDelta, Usage
 from strata.modelgen.mmproj import VisionShape, write_random_mmproj
 from strata.pictures.sources import ImageSource, check_image
-from strata.service import RequestError, ServiceUnavailable, open_service
+from strata.request_errors import RequestError, ServiceUnavailable
+from strata.service import open_service
 from strata.text.sampling import SamplingParams
 from strata.vision.client import VisionStartError
 from strata.vision.embeds import PrecomputedEmbeds

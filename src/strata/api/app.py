@@ -36,7 +36,8 @@ from strata.api.hosts import add_host_check
 from strata.api.render import Renderer, SseEvent
 from strata.config import Config, load_config
 from strata.events import ChatRequest, Event, Finish, PromptProcessed
-from strata.service import RequestError, Service, open_service
+from strata.request_errors import RequestError
+from strata.service import Service, open_service
 
 # Exceptions a failed ASGI send may raise, depending on the server.
 _SEND_ERRORS = (OSError, trio.BrokenResourceError, trio.ClosedResourceError)

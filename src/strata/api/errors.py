@@ -65,8 +65,8 @@ def as_api_error(exc: BaseException) -> ApiError:
     """The HTTP error an exception means, whatever part of the server raised it."""
     from werkzeug.exceptions import HTTPException
 
+    from strata.request_errors import RequestError, ServiceUnavailable
     from strata.scheduling.turn import QueueFull
-    from strata.service import RequestError, ServiceUnavailable
     from strata.shutdown import ShuttingDown
 
     if isinstance(exc, ApiError):

@@ -10,7 +10,7 @@ from typing import Any
 import trio
 
 from strata.api.translate import bad_request, check_type, get
-from strata.service import INLINE_PROMPT_CHARS
+from strata.prompts import INLINE_PROMPT_CHARS
 
 TOKENIZE_THREADS = 2  # requests tokenised or detokenised at once, each in a worker thread
 
@@ -36,13 +36,13 @@ async def tokenize(service: Any, body: Any, limiter: trio.CapacityLimiter) -> di
     add_special = get(body, "add_special", bool, "add_special")
     with_pieces = get(body, "with_pieces", bool, "with_pieces")
     try:
-        service.prompt_tokens.check_length([content], service.engine.n_ctx)
+        service.prompts.tokens.check_length([content], service.engine.n_ctx)
     except ValueError as error:
         raise bad_request("content", str(error)) from None
 
     def run() -> dict[str, Any]:
         tokenizer = service.tokenizer
-        ids = service.prompt_tokens.encode_text(content, special=special)
+        ids = service.prompts.tokens.encode_text(content, special=special)
         if add_special and tokenizer.bos_id is not None:
             ids = [tokenizer.bos_id, *ids]
         if not with_pieces:
