@@ -46,7 +46,7 @@ from strata.events import (
     Usage,
 )
 from strata.history import History, HistoryRow
-from strata.mcp_tools import McpRequestError, McpServers, Toolset, open_toolset, run_rounds
+from strata.mcp_tools import McpRequestError, McpServers, Toolset, fit_results, open_toolset, run_rounds
 from strata.pictures.downloads import DownloadPolicy, download_client
 from strata.pictures.expand import PromptImages, expand_image_pads, marker_tokens
 from strata.pictures.sources import DOWNLOAD_TIMEOUT, ImageRejected
@@ -349,10 +349,14 @@ class Service:
             ids = tokenizer.with_bos(ids)
         return tokenizer.decode(ids), ids
 
-    def _prepare(self, request: ChatRequest, pictures: list[Embedding]) -> _Prepared:
+    def _prepare(self, request: ChatRequest, pictures: list[Embedding], results: int = 0) -> _Prepared:
+        """The request's prompt (its last `results` messages are tool results it may cut: `_fitted_prompt`),
+        checked against the context, with its pictures' rows and its answer's room."""
         self._require_ready()
         if request.completion is not None:
             text, ids = self._completion_prompt(request.completion)
+        elif results:
+            text, ids = self._fitted_prompt(request, pictures, results)
         else:
             text, ids = self._prompt(request)
         pad_id = self.tokenizer.token_to_id(IMAGE_PAD)
@@ -380,6 +384,26 @@ class Service:
         # An empty block closed by the template means no thinking; a continued answer is past its thinking.
         may_think = not text.rstrip().endswith("</think>") and not request.prefill
         return _Prepared(prompt, max_tokens, starts_in_reasoning, may_think)
+
+    def _fitted_prompt(self, request: ChatRequest, pictures: list[Embedding], results: int) -> tuple[str, list[int]]:
+        """`_prompt` of a response's next round, whose last `results` messages are the tool results the model has
+        not read yet: cut to fit (`strata.mcp_tools.fit_results`) when the prompt would leave the answer less
+        than a quarter of the context (or the request's max_tokens, if less)."""
+        assert self.prompt_tokens is not None
+        answer = min(cap for cap in (self.engine.n_ctx // 4, request.max_tokens, self.config.limits.max_tokens)
+                     if cap is not None)
+        budget = self.engine.n_ctx - answer - sum(picture.n_tokens + marker_tokens(picture.grid, self._marker_ids)
+                                                  - 1 for picture in pictures)
+        try:
+            text, ids = self._prompt(request)
+            if len(ids) <= budget:
+                return text, ids
+        except RequestError:
+            pass  # its text alone is longer than the context: cut below
+        messages = fit_results(request.messages, results, budget,
+                               lambda messages: len(self._prompt(dataclasses.replace(request, messages=messages))[1]),
+                               self.prompt_tokens.encode_text, self.tokenizer.decode)
+        return self._prompt(dataclasses.replace(request, messages=messages))
 
     def _marker_ids(self, marker: str) -> list[int]:
         """The ids of a tiled picture's part marker: its token where the vocabulary has one (LFM2-VL's), else the
@@ -494,14 +518,15 @@ class Service:
         return self.vision is not None
 
     @asynccontextmanager
-    async def _round(self, request: ChatRequest, live: RequestProgress) -> AsyncIterator[AsyncIterator[Event]]:
+    async def _round(self, request: ChatRequest, live: RequestProgress,
+                     results: int = 0) -> AsyncIterator[AsyncIterator[Event]]:
         """One round of a response (`strata.mcp_tools.rounds.RoundEvents`): the request's pictures encoded, its
-        prompt prepared and its answer's constraint compiled, then the engine's turn held while the caller takes
-        the generated events."""
+        prompt prepared (its last `results` tool results cut to fit) and its answer's constraint compiled, then
+        the engine's turn held while the caller takes the generated events."""
         live.phase = "prepare"
         request, pictures = await self._pictures(request, live)
-        if pictures or not _short(request):
-            prepared = await trio.to_thread.run_sync(self._prepare, request, pictures)
+        if pictures or results or not _short(request):
+            prepared = await trio.to_thread.run_sync(self._prepare, request, pictures, results)
         else:  # a worker thread's round trip would cost more than the work
             prepared = self._prepare(request, pictures)
         guide = await self._guide(request, prepared)
