@@ -96,6 +96,9 @@ class McpConfig:
     call_timeout: float = 60.0  # seconds one tool call may take
     connect_timeout: float = 30.0  # seconds to start a server and list its tools
     request_urls: bool = False  # may a request name an MCP server by URL? (then under the images.* address rules)
+    max_tools: int = 256  # tools one server may list (a longer listing is refused)
+    max_schema_bytes: int = 16 * 1024  # of one listed tool's input schema as JSON (a larger one: listing refused)
+    max_result_bytes: int = 4 * 1024 * 1024  # of one answer of a server: a tool result past it is cut, unread
 
 
 @dataclass(frozen=True)
@@ -198,6 +201,9 @@ def _check_vision(vision: VisionConfig) -> None:
 def _check_mcp(config: Config) -> None:
     if config.mcp.max_rounds < 0:
         raise _fail("mcp.max_rounds", "must be at least 0")
+    for key in ("max_tools", "max_schema_bytes", "max_result_bytes"):
+        if getattr(config.mcp, key) < 1:
+            raise _fail(f"mcp.{key}", "must be at least 1")
     for key in ("call_timeout", "connect_timeout"):
         if getattr(config.mcp, key) <= 0:
             raise _fail(f"mcp.{key}", "must be positive")

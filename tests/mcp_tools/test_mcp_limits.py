@@ -1,16 +1,18 @@
 """MCP's limits against a hostile client or server, through hypercorn on a scripted engine with real MCP test
-servers: a result larger than the context."""
+servers (stdio and streamable HTTP): tool listings, result bytes, and a result larger than the context."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import openai
 import pytest
 from conftest import live_server, server_config
 
-from .conftest import RoundsEngine, call, stdio_server
+from .conftest import RoundsEngine, call, http_server, stdio_server
 
+RESULT_BYTES = 64 * 1024
 CONTEXT = 4096
 
 
@@ -18,10 +20,17 @@ CONTEXT = 4096
 def server(tokenizer):
     engine = RoundsEngine(tokenizer, n_ctx=CONTEXT)
     big = {"STRATA_TEST_BIG": "1", "STRATA_TEST_TOOLS": "echo,big"}
-    config = server_config(mcp_servers={"tools": stdio_server(env=big)})
-    with live_server(config, engine, tokenizer) as live:
-        live.engine = engine
-        yield live
+    with http_server(**big) as web, http_server(STRATA_TEST_TOOLS="echo", STRATA_TEST_MANY_TOOLS="21") as web_many:
+        config = server_config(
+            mcp={"max_tools": 20, "max_result_bytes": RESULT_BYTES},
+            mcp_servers={"tools": stdio_server(env=big), "web": {"url": web},
+                         "many": stdio_server(env={"STRATA_TEST_TOOLS": "echo", "STRATA_TEST_MANY_TOOLS": "21"}),
+                         "wide": stdio_server(env={"STRATA_TEST_TOOLS": "echo",
+                                                   "STRATA_TEST_SCHEMA_PROPERTIES": "1000"}),
+                         "web_many": {"url": web_many}})
+        with live_server(config, engine, tokenizer) as live:
+            live.engine = engine
+            yield live
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +41,62 @@ def api(server):
 
 def mcp(label: str = "tools", **options: Any) -> dict[str, Any]:
     return {"type": "mcp", "server_label": label, "require_approval": "never", **options}
+
+
+def ask(api, server, *scripts: str, tools=None, **options: Any) -> Any:
+    server.engine.say(*scripts)
+    return api.responses.create(model="m", input="hi", tools=tools or [mcp()], **options)
+
+
+def status(server, name: str) -> dict[str, Any]:
+    return next(entry for entry in server.service.mcp.status() if entry["name"] == name)
+
+
+def settled(server, name: str) -> dict[str, Any]:
+    deadline = time.monotonic() + 30
+    while status(server, name)["state"] == "starting" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return status(server, name)
+
+
+# --- tool listings (item 4)
+
+
+@pytest.mark.parametrize("name", ["many", "web_many"])
+def test_a_listing_over_max_tools_is_refused(server, api, name):
+    entry = settled(server, name)
+    assert entry["state"] == "failed" and entry["tools"] == []
+    assert entry["error"] == "the tool listing has 22 tools, more than mcp.max_tools (20)"
+    response = ask(api, server, "Hi.", tools=[mcp(name)])
+    listing = response.output[0]
+    assert listing.type == "mcp_list_tools" and listing.tools == []
+    assert "more than mcp.max_tools (20)" in listing.error
+    assert response.output_text == "Hi."
+
+
+def test_a_listing_with_a_schema_over_max_schema_bytes_is_refused(server):
+    entry = settled(server, "wide")
+    assert entry["state"] == "failed"
+    assert entry["error"].startswith("the input schema of the tool 'wide' is ")
+    assert entry["error"].endswith("bytes, more than mcp.max_schema_bytes (16384)")
+
+
+# --- result bytes (item 7)
+
+
+@pytest.mark.parametrize("label", ["tools", "web"])
+def test_a_result_over_max_result_bytes_is_cut_unread(server, api, label, tokenizer):
+    response = ask(api, server, call("big", chars=10 * RESULT_BYTES), "Done.", tools=[mcp(label)])
+    mcp_call = response.output[1]
+    assert mcp_call.status == "failed"  # a cut result cannot meet the tool's output schema: an error result
+    note = f"[cut: the result is over {RESULT_BYTES} bytes (mcp.max_result_bytes); the rest was not read]"
+    text, _, last = mcp_call.error.content[0]["text"].rpartition("\n")
+    assert last == note
+    assert 60_000 < len(text) < RESULT_BYTES and text == ("0123456789" * RESULT_BYTES)[:len(text)]
+    # The session goes on: the next call of the same server is answered.
+    response = ask(api, server, call("echo", text="after"), "Done.", tools=[mcp(label)])
+    assert response.output[1].output == "echo: after"
+    assert status(server, label)["starts"] == 1
 
 
 # --- a result larger than the context (item 8)
