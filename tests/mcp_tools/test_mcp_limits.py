@@ -1,11 +1,13 @@
 """MCP's limits against a hostile client or server, through hypercorn on a scripted engine with real MCP test
-servers (stdio and streamable HTTP): tool listings, result bytes, and a result larger than the context."""
+servers (stdio and streamable HTTP): servers per request, labels, tool listings, result bytes, and a result
+larger than the context."""
 
 from __future__ import annotations
 
 import time
 from typing import Any
 
+import httpx
 import openai
 import pytest
 from conftest import live_server, server_config
@@ -22,7 +24,8 @@ def server(tokenizer):
     big = {"STRATA_TEST_BIG": "1", "STRATA_TEST_TOOLS": "echo,big"}
     with http_server(**big) as web, http_server(STRATA_TEST_TOOLS="echo", STRATA_TEST_MANY_TOOLS="21") as web_many:
         config = server_config(
-            mcp={"max_tools": 20, "max_result_bytes": RESULT_BYTES},
+            mcp={"max_servers": 3, "max_tools": 20, "max_result_bytes": RESULT_BYTES, "request_urls": True},
+            images={"allow_hosts": ["127.0.0.1"]},
             mcp_servers={"tools": stdio_server(env=big), "web": {"url": web},
                          "many": stdio_server(env={"STRATA_TEST_TOOLS": "echo", "STRATA_TEST_MANY_TOOLS": "21"}),
                          "wide": stdio_server(env={"STRATA_TEST_TOOLS": "echo",
@@ -30,6 +33,7 @@ def server(tokenizer):
                          "web_many": {"url": web_many}})
         with live_server(config, engine, tokenizer) as live:
             live.engine = engine
+            live.web = web
             yield live
 
 
@@ -57,6 +61,46 @@ def settled(server, name: str) -> dict[str, Any]:
     while status(server, name)["state"] == "starting" and time.monotonic() < deadline:
         time.sleep(0.05)
     return status(server, name)
+
+
+def post(server, path: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(server.url + path, json=body, headers={"anthropic-beta": "mcp-client-2025-11-20"}, timeout=30)
+
+
+# --- servers per request (issue 29, item 7)
+
+
+def test_more_servers_than_the_cap_are_refused_before_any_opens(server):
+    starts = {name: settled(server, name)["starts"] for name in ("tools", "web", "many", "wide")}
+    tools = [mcp("tools", allowed_tools=["big"]), mcp("web", allowed_tools=["echo"]), mcp("many"), mcp("wide")]
+    reply = post(server, "/v1/responses", {"model": "m", "input": "hi", "tools": tools})
+    assert reply.status_code == 400
+    error = reply.json()["error"]
+    assert error["param"] == "tools[3]" and "at most 3 MCP servers" in error["message"]
+    assert {name: status(server, name)["starts"] for name in starts} == starts  # none was started again
+
+    servers = [{"type": "url", "name": name} for name in ("tools", "web", "many", "wide")]
+    reply = post(server, "/v1/messages", {"model": "m", "max_tokens": 8, "mcp_servers": servers,
+                                          "messages": [{"role": "user", "content": "hi"}]})
+    assert reply.status_code == 400
+    assert "mcp_servers[3]" in reply.json()["error"]["message"]
+
+
+# --- labels (item 14)
+
+
+def test_a_label_that_could_forge_log_lines_is_refused(server):
+    label = "x\nmcp: tools: ready, 0 tools"
+    reply = post(server, "/v1/responses", {"model": "m", "input": "hi",
+                                           "tools": [mcp(label, server_url=server.web)]})
+    assert reply.status_code == 400
+    assert reply.json()["error"]["param"] == "tools[0].server_label"
+
+    reply = post(server, "/v1/messages", {"model": "m", "max_tokens": 8,
+                                          "mcp_servers": [{"type": "url", "name": label, "url": server.web}],
+                                          "messages": [{"role": "user", "content": "hi"}]})
+    assert reply.status_code == 400
+    assert "mcp_servers[0].name" in reply.json()["error"]["message"]
 
 
 # --- tool listings (item 4)
