@@ -116,3 +116,14 @@ def test_the_http_client_asks_for_uncompressed_answers():
 
     client = bounded_http_client(McpServerConfig(url="http://mcp.test/mcp", headers={"X-Key": "k"}), McpConfig())
     assert client.headers["accept-encoding"] == "identity" and client.headers["x-key"] == "k"
+
+
+def test_stdio_lines_keep_at_most_the_limit():
+    from strata.mcp_tools.transports import _Lines
+
+    lines = _Lines(10)
+    assert lines.feed(b'{"a"') == []
+    assert lines.feed(b': 1}\n{"b": 2}\n{') == [(b'{"a": 1}', None), (b'{"b": 2}', None)]
+    long = lines.feed(b'"c": "' + b"x" * 1000)
+    assert long == []
+    assert lines.feed(b'y"}\n\n') == [(b'{"c": "xxx', b"x" * 253 + b'y"}'), (b"", None)]

@@ -23,7 +23,7 @@ def fit_results(messages: list[dict[str, Any]], results: int, budget: int,
         encode, decode: a text's token ids as plain text, and back.
     """
     head, tail = messages[:-results], [dict(message) for message in messages[-results:]]
-    texts = [(i, j, text) for i, message in enumerate(tail) for j, text in _texts(message)]
+    texts = _all_texts(tail)
     if not texts:
         return messages
     ids = [encode(text) for _, _, text in texts]
@@ -31,11 +31,7 @@ def fit_results(messages: list[dict[str, Any]], results: int, budget: int,
         _set_text(tail[i], j, _note(len(text), len(text)))
     room = budget - count(head + tail) - _MARGIN * len(texts)
     for (i, j, text), tokens, keep in zip(texts, ids, shares([len(t) for t in ids], room), strict=True):
-        if keep >= len(tokens):
-            _set_text(tail[i], j, text)
-        else:
-            kept = decode(tokens[:keep]) if keep > 0 else ""
-            _set_text(tail[i], j, f"{kept}\n{_note(len(kept), len(text))}" if kept else _note(0, len(text)))
+        _set_text(tail[i], j, text if keep >= len(tokens) else _cut(text, decode(tokens[:keep]) if keep > 0 else ""))
     return head + tail
 
 
@@ -56,6 +52,15 @@ def shares(sizes: list[int], room: int) -> list[int]:
 
 def _note(kept: int, whole: int) -> str:
     return f"[cut: {kept} characters of {whole}]"
+
+
+def _cut(text: str, kept: str) -> str:
+    return f"{kept}\n{_note(len(kept), len(text))}" if kept else _note(0, len(text))
+
+
+def _all_texts(messages: list[dict[str, Any]]) -> list[tuple[int, int, str]]:
+    """(message index, text index, text) of the messages' texts (see `_texts`)."""
+    return [(i, j, text) for i, message in enumerate(messages) for j, text in _texts(message)]
 
 
 def _texts(message: dict[str, Any]) -> list[tuple[int, str]]:

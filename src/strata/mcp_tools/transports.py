@@ -90,43 +90,62 @@ async def stdio_transport(config: McpServerConfig, settings: McpConfig,
 
 
 async def _read_lines(stdout: trio.abc.ReceiveStream, writer: Any, pending: Pending, settings: McpConfig) -> None:
-    """Hand the session each line of the server's stdout, keeping at most `max_result_bytes` of a line: an
-    over-long line is read to its end without being kept, and an answer that says so stands for it."""
-    limit = settings.max_result_bytes
-    line = bytearray()
-    over: bytes | None = None  # the kept start of an over-long line
-    tail = b""
+    """Hand the session each line of the server's stdout (`_Lines`: at most `max_result_bytes` of it kept; an
+    answer that says so stands for a longer one)."""
+    lines = _Lines(settings.max_result_bytes)
     dropping = False  # the session is gone: read on (the server must not block writing), hand nothing on
     async with writer:
         with contextlib.suppress(trio.ClosedResourceError, trio.BrokenResourceError, OSError):
             while chunk := await stdout.receive_some(_READ_BYTES):
-                start = 0
-                while True:
-                    end = chunk.find(b"\n", start)
-                    piece = chunk[start:] if end < 0 else chunk[start:end]
-                    if over is None and len(line) + len(piece) > limit:
-                        over, line = bytes(line + piece[:limit - len(line)]), bytearray()
-                    if over is None:
-                        line += piece
-                    else:
-                        tail = (tail + piece)[-_TAIL_BYTES:]
-                    if end < 0:
-                        break
-                    start = end + 1
-                    message: SessionMessage | Exception | None
-                    if over is not None:
-                        answer = pending.over_long(over, tail, limit)
-                        message = None if answer is None else await _parsed(json.dumps(answer).encode(), pending,
-                                                                            settings)
-                        over, tail = None, b""
-                    else:
-                        message = await _parsed(bytes(line), pending, settings) if line.strip() else None
-                        line.clear()
-                    if message is not None and not dropping:
-                        try:
-                            await writer.send(message)
-                        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-                            dropping = True
+                for line, tail in lines.feed(chunk):
+                    message = await _message(line, tail, pending, settings)
+                    if message is None or dropping:
+                        continue
+                    try:
+                        await writer.send(message)
+                    except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+                        dropping = True
+
+
+async def _message(line: bytes, tail: bytes | None, pending: Pending,
+                   settings: McpConfig) -> SessionMessage | Exception | None:
+    """A line as the session takes it; `tail` (the last bytes) is given when only the line's start was kept."""
+    if tail is not None:
+        answer = pending.over_long(line, tail, settings.max_result_bytes)
+        return None if answer is None else await _parsed(json.dumps(answer).encode(), pending, settings)
+    return await _parsed(line, pending, settings) if line.strip() else None
+
+
+class _Lines:
+    """A byte stream split into lines, at most `limit` bytes of each kept: a longer one is read to its end without
+    being kept, and comes out as its start and its last `_TAIL_BYTES`."""
+
+    def __init__(self, limit: int):
+        self._limit = limit
+        self._line = bytearray()
+        self._over = False  # the line has gone past the limit
+        self._tail = b""
+
+    def feed(self, chunk: bytes | bytearray) -> list[tuple[bytes, bytes | None]]:
+        """The lines `chunk` ends: (line, None), or (its kept start, its tail) for an over-long one."""
+        done: list[tuple[bytes, bytes | None]] = []
+        *ended, rest = chunk.split(b"\n")
+        for piece in ended:
+            self._add(piece)
+            done.append((bytes(self._line), self._tail if self._over else None))
+            self._line, self._over, self._tail = bytearray(), False, b""
+        self._add(rest)
+        return done
+
+    def _add(self, piece: bytes | bytearray) -> None:
+        room = self._limit - len(self._line)
+        if not self._over and len(piece) > room:
+            self._line += piece[:room]
+            self._over = True
+        if self._over:
+            self._tail = bytes(self._tail + piece[-_TAIL_BYTES:])[-_TAIL_BYTES:]
+        else:
+            self._line += piece
 
 
 async def _write_lines(stdin: trio.abc.SendStream, reader: Any, read_writer: Any, pending: Pending) -> None:
