@@ -98,12 +98,37 @@ def listing_refusal(answer: dict[str, Any], settings: McpConfig) -> str | None:
         return f"the tool listing has {len(tools)} tools, more than mcp.max_tools ({settings.max_tools})"
     for tool in tools:
         schema = tool.get("inputSchema") if isinstance(tool, dict) else None
-        size = len(json.dumps(schema))
-        if size > settings.max_schema_bytes:
+        if _longer_than(schema, settings.max_schema_bytes):
             name = str(tool.get("name"))[:80] if isinstance(tool, dict) else "?"
-            return (f"the input schema of the tool {name!r} is {size} bytes, more than mcp.max_schema_bytes "
-                    f"({settings.max_schema_bytes})")
+            return (f"the input schema of the tool {name!r} is over {settings.max_schema_bytes} bytes "
+                    "(mcp.max_schema_bytes)")
     return None
+
+
+def _longer_than(value: Any, limit: int) -> bool:
+    """Whether `value` as compact JSON is longer than `limit` bytes (about: strings counted unescaped). The walk
+    stops once past the limit, so a huge schema costs no more than one at the limit."""
+    left = limit
+    stack = [value]
+    while stack and left >= 0:
+        item = stack.pop()
+        if isinstance(item, dict):
+            left -= 1
+            for key, sub in item.items():
+                left -= len(str(key)) + 4  # quotes, colon, comma
+                stack.append(sub)
+                if left < 0:
+                    break
+        elif isinstance(item, list):
+            left -= 1
+            for sub in item:
+                left -= 1
+                stack.append(sub)
+                if left < 0:
+                    break
+        else:
+            left -= len(item) + 2 if isinstance(item, str) else len(str(item))
+    return left < 0
 
 
 def checked(answer: dict[str, Any], method: str | None, settings: McpConfig) -> dict[str, Any]:
