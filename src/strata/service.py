@@ -519,16 +519,16 @@ class Service:
 
     @asynccontextmanager
     async def _round(self, request: ChatRequest, live: RequestProgress,
-                     results: int = 0) -> AsyncIterator[AsyncIterator[Event]]:
+                     results: int) -> AsyncIterator[AsyncIterator[Event]]:
         """One round of a response (`strata.mcp_tools.rounds.RoundEvents`): the request's pictures encoded, its
         prompt prepared (its last `results` tool results cut to fit) and its answer's constraint compiled, then
         the engine's turn held while the caller takes the generated events."""
         live.phase = "prepare"
         request, pictures = await self._pictures(request, live)
-        if pictures or results or not _short(request):
+        if pictures or not _short(request):
             prepared = await trio.to_thread.run_sync(self._prepare, request, pictures, results)
         else:  # a worker thread's round trip would cost more than the work
-            prepared = self._prepare(request, pictures)
+            prepared = self._prepare(request, pictures, results)
         guide = await self._guide(request, prepared)
         live.row.prompt_tokens += len(prepared.ids)  # the response's prompt: the earlier rounds' and this one
         live.phase = "queued"
