@@ -72,11 +72,12 @@ def post(server, path: str, body: dict[str, Any]) -> httpx.Response:
 
 def test_more_servers_than_the_cap_are_refused_before_any_opens(server):
     starts = {name: settled(server, name)["starts"] for name in ("tools", "web", "many", "wide")}
-    tools = [mcp("tools", allowed_tools=["big"]), mcp("web", allowed_tools=["echo"]), mcp("many"), mcp("wide")]
+    tools = [mcp("tools", allowed_tools=["big"]), mcp("web", allowed_tools=["echo"]),
+             mcp("many", allowed_tools=["many_0"]), mcp("wide", allowed_tools=[])]  # no two tools share a name
     reply = post(server, "/v1/responses", {"model": "m", "input": "hi", "tools": tools})
     assert reply.status_code == 400
     error = reply.json()["error"]
-    assert error["param"] == "tools[3]" and "at most 3 MCP servers" in error["message"]
+    assert error["param"] == "tools[3]" and "at most 3 MCP servers" in error["message"], error
     assert {name: status(server, name)["starts"] for name in starts} == starts  # none was started again
 
     servers = [{"type": "url", "name": name} for name in ("tools", "web", "many", "wide")]
