@@ -53,6 +53,8 @@ def test_an_over_long_answer_without_a_readable_id_is_the_one_waiting_or_dropped
     pending.sent("b", "tools/call")
     pending.sent("c", "tools/call")
     assert pending.over_long(b'{"result": {"content": [', b"xxxx", 10) is None
+    pending.cancelled("b")  # its answer may never come: it is not waited for
+    assert pending.over_long(b'{"result": {"content": [', b"xxxx", 10)["id"] == "c"  # type: ignore[index]
 
 
 def test_a_listing_over_the_limits_becomes_an_error():

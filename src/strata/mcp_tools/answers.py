@@ -30,6 +30,10 @@ class Pending:
     def sent(self, request_id: Any, method: str) -> None:
         self._methods[request_id] = method
 
+    def cancelled(self, request_id: Any) -> None:
+        """We cancelled a request: its answer may never come."""
+        self._methods.pop(request_id, None)
+
     def answered(self, message: dict[str, Any]) -> str | None:
         """The method a message from the server answers (None: it answers none of ours)."""
         if "method" in message:

@@ -36,6 +36,7 @@ _PARSERS = trio.CapacityLimiter(2)  # worker threads parsing MCP answers at once
 _INLINE_BYTES = 64 * 1024  # answers up to this size are parsed on the event loop (a thread costs more)
 _READ_BYTES = 256 * 1024
 _TAIL_BYTES = 256  # of an over-long line, kept to find its id (written last by some SDKs)
+_CANCELLED = "notifications/cancelled"
 _EXIT_SECONDS = 2.0  # a stdio server gets to exit after its stdin closes, and again after SIGTERM
 
 
@@ -155,6 +156,8 @@ async def _write_lines(stdin: trio.abc.SendStream, reader: Any, read_writer: Any
                 message = session_message.message
                 if isinstance(message, mcp_types.JSONRPCRequest):
                     pending.sent(message.id, message.method)
+                elif isinstance(message, mcp_types.JSONRPCNotification) and message.method == _CANCELLED:
+                    pending.cancelled((message.params or {}).get("requestId"))
                 text = message.model_dump_json(by_alias=True, exclude_unset=True)
                 await stdin.send_all(text.encode() + b"\n")
     except (anyio.ClosedResourceError, anyio.BrokenResourceError, trio.ClosedResourceError,
