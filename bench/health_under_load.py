@@ -3,7 +3,9 @@
 `strata serve` runs the shipped demo model in its own process; a second process polls `/health` every 20 ms on
 one keep-alive connection (its own GIL: the sender's work cannot delay it) while this one sends one attack
 request, and the latency percentiles are reported with the attack's own answer and the server's memory.
-Run: `python bench/health_under_load.py` (about a minute).
+The MCP attacks come from configured stdio servers (this file run with `--serve-mcp KIND`): a listing of 20,001
+tools, a tool whose schema has 150,000 properties, and a tool whose result is 100 MB (issue 29, items 4 and 7).
+Run: `python bench/health_under_load.py` (a few minutes).
 """
 
 from __future__ import annotations
@@ -29,6 +31,41 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+MCP_ATTACKS = ("many", "wide", "huge")
+
+
+def serve_mcp(kind: str) -> None:
+    """A stdio MCP server for one attack: `many` lists 20,001 tools, `wide` a tool whose schema has 150,000
+    properties, `huge` a tool whose result is 100 MB."""
+    from mcp.server.mcpserver import MCPServer
+    from mcp_types import Tool
+
+    class Attack(MCPServer):
+        async def list_tools(self):  # type: ignore[no-untyped-def]
+            tools = await super().list_tools()
+            if kind == "many":
+                tools += [Tool(name=f"t{i}", input_schema={"type": "object"}) for i in range(20_001)]
+            if kind == "wide":
+                properties = {f"p{i}": {"type": "string"} for i in range(150_000)}
+                tools.append(Tool(name="wide", input_schema={"type": "object", "properties": properties}))
+            return tools
+
+    server = Attack("attack")
+    if kind == "huge":
+
+        @server.tool()
+        def huge() -> str:
+            """A 100 MB answer."""
+            return "x" * (100 * MiB)
+
+    server.run("stdio")
+
+
+def mcp_servers() -> str:
+    return json.dumps({kind: {"command": sys.executable, "args": [__file__, "--serve-mcp", kind]}
+                       for kind in MCP_ATTACKS})
+
+
 def attacks() -> dict[str, tuple[str, bytes]]:
     chat = "/v1/chat/completions"
     user = [{"role": "user", "content": "hi"}]
@@ -42,6 +79,9 @@ def attacks() -> dict[str, tuple[str, bytes]]:
                                               "parameters": {}}}]}).encode()),
         "30,000 messages": (chat, json.dumps({"model": "m", "messages": user * 30_000}).encode()),
         "nested 100,000 deep": (chat, b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"),
+        "MCP listing of 20,001 tools": ("/v1/responses", mcp_request("many")),
+        "MCP schema of 150,000 properties": ("/v1/responses", mcp_request("wide")),
+        "MCP result of 100 MB": ("/v1/responses", mcp_request("huge", tool_choice="required")),
     }
 
 
@@ -78,6 +118,13 @@ def tokenize_attacks() -> dict[str, tuple[str, bytes]]:
         "/tokenize 4.8 MB": ("/tokenize", body("word " * (48 * MiB // 50))),
         "/tokenize 48 MB": ("/tokenize", body("word " * (48 * MiB // 5))),
     }
+
+
+def mcp_request(label: str, **options: Any) -> bytes:
+    """A request naming a configured attack server (it failed at startup: the request starts it again)."""
+    tool = {"type": "mcp", "server_label": label, "require_approval": "never"}
+    return json.dumps({"model": "m", "input": "hi", "tools": [tool], "max_output_tokens": 32,
+                       "reasoning": {"effort": "none"}, **options}).encode()
 
 
 POLLER = """
@@ -129,7 +176,8 @@ def rss_mb(pid: int) -> float:
 def main() -> int:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen([sys.executable, "-m", "strata.cli", "serve", "--port", str(port)],
+    server = subprocess.Popen([sys.executable, "-m", "strata.cli", "serve", "--port", str(port),
+                               "--mcp-servers", mcp_servers()],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.monotonic() + 120
@@ -155,4 +203,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    if sys.argv[1:2] == ["--serve-mcp"]:
+        serve_mcp(sys.argv[2])
+    else:
+        sys.exit(main())

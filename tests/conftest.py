@@ -188,7 +188,7 @@ SLOW_MODULES = frozenset({
     "engine/test_llama3.py", "engine/test_qwen3vl_engine.py", "engine/test_engine_reference.py",
     "engine/test_llama_cpp_files.py",
     "mcp_tools/test_anthropic_mcp.py", "mcp_tools/test_responses_mcp.py", "mcp_tools/test_demo_mcp.py",
-    "mcp_tools/test_shutdown_mcp.py",
+    "mcp_tools/test_shutdown_mcp.py", "mcp_tools/test_mcp_limits.py",
     "modelgen/test_writer.py",
     "server/test_serve.py", "server/test_body_timeout.py", "server/test_fuzz.py", "server/test_hardening.py",
     "server/test_http_chat.py", "server/test_http_errors_status.py", "server/test_http_lifecycle.py",

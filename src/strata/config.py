@@ -100,6 +100,10 @@ class McpConfig:
     call_timeout: float = 60.0  # seconds one tool call may take
     connect_timeout: float = 30.0  # seconds to start a server and list its tools
     request_urls: bool = False  # may a request name an MCP server by URL? (then under the images.* address rules)
+    max_servers: int = 8  # MCP servers one request may name
+    max_tools: int = 256  # tools one server may list (a longer listing is refused)
+    max_schema_bytes: int = 16 * 1024  # of one listed tool's input schema as JSON (a larger one: listing refused)
+    max_result_bytes: int = 4 * 1024 * 1024  # of one answer of a server: a tool result past it is cut, unread
 
 
 @dataclass(frozen=True)
@@ -150,7 +154,7 @@ class Config:
 
 _SECTIONS = {"sampling": SamplingConfig, "vision": VisionConfig, "limits": LimitsConfig, "images": ImagesConfig,
              "mcp": McpConfig}
-_MCP_SERVER_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+MCP_SERVER_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # configured names; requests' labels too
 
 
 def _fail(key: str, message: str) -> ConfigError:
@@ -208,6 +212,9 @@ def _check_vision(vision: VisionConfig) -> None:
 def _check_mcp(config: Config) -> None:
     if config.mcp.max_rounds < 0:
         raise _fail("mcp.max_rounds", "must be at least 0")
+    for key in ("max_servers", "max_tools", "max_schema_bytes", "max_result_bytes"):
+        if getattr(config.mcp, key) < 1:
+            raise _fail(f"mcp.{key}", "must be at least 1")
     for key in ("call_timeout", "connect_timeout"):
         if getattr(config.mcp, key) <= 0:
             raise _fail(f"mcp.{key}", "must be positive")
@@ -219,7 +226,7 @@ def _check_mcp_server(name: str, server: McpServerConfig) -> None:
     """One of `mcp_servers`: a stdio server (`command`, and its args, env, cwd) or a streamable-HTTP one (`url`,
     and its headers), never a mix."""
     key = f"mcp_servers.{name}"
-    if not _MCP_SERVER_NAME.fullmatch(name):
+    if not MCP_SERVER_NAME.fullmatch(name):
         raise _fail(key, "must be named with 1 to 64 letters, digits, '_' or '-'")
     if (server.command is None) == (server.url is None):
         raise _fail(key, 'needs exactly one of "command" (a stdio server) and "url" (streamable HTTP)')

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from strata.events import ChatRequest, CompletionPrompt
-from strata.pictures.expand import PromptImages, expand_image_pads
+from strata.mcp_tools.fitting import fit_results
+from strata.pictures.expand import PromptImages, expand_image_pads, marker_tokens
 from strata.pictures.sources import ImageRejected
 from strata.request_errors import RequestError
 from strata.text.prompt import PromptError, render_chat
@@ -121,10 +122,14 @@ class Prompts:
         return tokenizer.decode(ids), ids
 
     def prepare(self, request: ChatRequest, pictures: list[Embedding],
-                rendered: tuple[str, list[int]] | None = None) -> Prepared:
+                rendered: tuple[str, list[int]] | None = None, results: int = 0) -> Prepared:
         """The request's prompt (`rendered`: its text and ids, when counting its pictures made them already) with
-        its pictures' rows, and its token caps."""
-        text, ids = rendered if rendered is not None else self.text_and_ids(request)
+        its pictures' rows, and its token caps. Its last `results` messages are tool results the model has not
+        read yet: cut to fit (`_fitted`)."""
+        if results and request.completion is None:
+            text, ids = self._fitted(request, pictures, results, rendered)
+        else:
+            text, ids = rendered if rendered is not None else self.text_and_ids(request)
         if pictures:
             try:
                 prompt = expand_image_pads(ids, self.pad_id, pictures, self.marker_ids)
@@ -145,6 +150,26 @@ class Prompts:
         # An empty block closed by the template means no thinking; a continued answer is past its thinking.
         may_think = not text.rstrip().endswith("</think>") and not request.prefill
         return Prepared(prompt, max_tokens, starts_in_reasoning, may_think)
+
+    def _fitted(self, request: ChatRequest, pictures: list[Embedding], results: int,
+                rendered: tuple[str, list[int]] | None) -> tuple[str, list[int]]:
+        """The prompt of a response's next round, whose last `results` messages are the tool results the model
+        has not read yet: cut to fit (`strata.mcp_tools.fit_results`) when the prompt would leave the answer less
+        than a quarter of the context (or the request's max_tokens, if less). Nothing about a tool fails the
+        request."""
+        answer = min(cap for cap in (self.n_ctx // 4, request.max_tokens, self.max_tokens) if cap is not None)
+        rows = sum(picture.n_tokens + marker_tokens(picture.grid, self.marker_ids) - 1 for picture in pictures)
+        budget = self.n_ctx - answer - rows
+        try:
+            text, ids = rendered if rendered is not None else self._chat(request)
+            if len(ids) <= budget:
+                return text, ids
+        except RequestError:
+            pass  # its text alone is longer than the context: cut below
+        messages = fit_results(request.messages, results, budget,
+                               lambda messages: len(self._chat(dataclasses.replace(request, messages=messages))[1]),
+                               self.tokens.encode_text, self.tokenizer.decode)
+        return self._chat(dataclasses.replace(request, messages=messages))
 
     def marker_ids(self, marker: str) -> list[int]:
         """The ids of a tiled picture's part marker: its token where the vocabulary has one (LFM2-VL's), else the

@@ -241,11 +241,12 @@ class Service:
             raise ServiceUnavailable(f"the model failed to load: {self.load_error}")
 
     def _prepare(self, request: ChatRequest, pictures: list[Embedding],
-                 rendered: tuple[str, list[int]] | None = None) -> Prepared:
-        """The request's prompt with its pictures' rows, and its token caps (`strata.prompts`)."""
+                 rendered: tuple[str, list[int]] | None = None, results: int = 0) -> Prepared:
+        """The request's prompt with its pictures' rows, and its token caps (`strata.prompts`); its last
+        `results` messages are tool results the model has not read yet, cut to fit the context."""
         self._require_ready()
         assert self.prompts is not None
-        return self.prompts.prepare(request, pictures, rendered)
+        return self.prompts.prepare(request, pictures, rendered, results)
 
     async def _guide(self, request: ChatRequest, prepared: Prepared) -> Guide | None:
         """The constraint of a request's answer (format, tool choice), converted and compiled in a worker thread
@@ -379,16 +380,17 @@ class Service:
         return self.vision is not None
 
     @asynccontextmanager
-    async def _round(self, request: ChatRequest, live: RequestProgress) -> AsyncIterator[AsyncIterator[Event]]:
+    async def _round(self, request: ChatRequest, live: RequestProgress,
+                     results: int) -> AsyncIterator[AsyncIterator[Event]]:
         """One round of a response (`strata.mcp_tools.rounds.RoundEvents`): the request's pictures encoded, its
-        prompt prepared and its answer's constraint compiled, then the engine's turn held while the caller takes
-        the generated events."""
+        prompt prepared (its last `results` tool results cut to fit) and its answer's constraint compiled, then
+        the engine's turn held while the caller takes the generated events."""
         live.phase = "prepare"
         request, pictures, rendered = await self._pictures(request, live)
         if pictures or not short(request):
-            prepared = await trio.to_thread.run_sync(self._prepare, request, pictures, rendered)
+            prepared = await trio.to_thread.run_sync(self._prepare, request, pictures, rendered, results)
         else:  # a worker thread's round trip would cost more than the work
-            prepared = self._prepare(request, pictures, rendered)
+            prepared = self._prepare(request, pictures, rendered, results)
         guide = await self._guide(request, prepared)
         live.row.prompt_tokens += len(prepared.ids)  # the response's prompt: the earlier rounds' and this one
         live.phase = "queued"

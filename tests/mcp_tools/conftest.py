@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -22,19 +23,26 @@ def stdio_server(mark: Path | None = None, **extra: Any) -> dict[str, Any]:
     return {"command": sys.executable, "args": [SERVER, "stdio"], "env": env, **extra}
 
 
-@pytest.fixture(scope="module")
-def http_mcp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
-    """A streamable-HTTP test server on 127.0.0.1: (its URL, its mark file)."""
-    mark = tmp_path_factory.mktemp("mcp") / "http-mark"
+@contextmanager
+def http_server(**env: str) -> Iterator[str]:
+    """A streamable-HTTP test server on 127.0.0.1 (`env` added to its environment): its URL."""
     proc = subprocess.Popen([sys.executable, SERVER, "http"], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "STRATA_TEST_MARK": str(mark)})
+                            env={**os.environ, **env})
     try:
         port = int(proc.stdout.readline())
-        yield f"http://127.0.0.1:{port}/mcp", mark
+        yield f"http://127.0.0.1:{port}/mcp"
     finally:
         proc.terminate()
         proc.wait(10)
         proc.stdout.close()
+
+
+@pytest.fixture(scope="module")
+def http_mcp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    """A streamable-HTTP test server on 127.0.0.1: (its URL, its mark file)."""
+    mark = tmp_path_factory.mktemp("mcp") / "http-mark"
+    with http_server(STRATA_TEST_MARK=str(mark)) as url:
+        yield url, mark
 
 
 class RoundsEngine(ScriptedEngine):

@@ -5,7 +5,9 @@ Tools: echo, get_weather (what the demo model knows), slow (records its start an
 named by STRATA_TEST_MARK), crash (the process dies mid-call), picture (a PNG), fail (the tool raises), grow
 (adds a tool and notifies the change), and `broken`, whose input schema is not valid JSON Schema.
 STRATA_TEST_TOOLS (comma-separated) keeps only those; STRATA_TEST_WEATHER_PICTURE makes get_weather answer with a
-picture."""
+picture. Attacks on the limits: STRATA_TEST_BIG adds `big` (a text of the characters asked for),
+STRATA_TEST_MANY_TOOLS=N lists N more tools, STRATA_TEST_SCHEMA_PROPERTIES=N a tool `wide` whose schema has N
+properties."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import time
 import anyio
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.utilities.types import Image as McpImage
+from mcp_types import Tool
 from PIL import Image, ImageDraw
 
 MARK = os.environ.get("STRATA_TEST_MARK")
@@ -39,7 +42,17 @@ class TestServer(MCPServer):
         for tool in tools:
             if tool.name == "broken":
                 tool.input_schema = {"type": "object", "properties": {"x": {"type": "no-such-type"}}}
-        return tools
+        return tools + extra_tools()
+
+
+def extra_tools() -> list[Tool]:
+    many = int(os.environ.get("STRATA_TEST_MANY_TOOLS", "0"))
+    tools = [Tool(name=f"many_{i}", description=f"tool {i}", input_schema={"type": "object"}) for i in range(many)]
+    wide = int(os.environ.get("STRATA_TEST_SCHEMA_PROPERTIES", "0"))
+    if wide:
+        properties = {f"p{i}": {"type": "string"} for i in range(wide)}
+        tools.append(Tool(name="wide", input_schema={"type": "object", "properties": properties}))
+    return tools
 
 
 server = TestServer("strata-test")
@@ -92,6 +105,14 @@ def crash() -> str:
     """The process dies during the call."""
     mark("crash")
     os._exit(3)
+
+
+if os.environ.get("STRATA_TEST_BIG"):
+
+    @server.tool()
+    def big(chars: int) -> str:
+        """A text of `chars` characters."""
+        return ("0123456789" * (chars // 10 + 1))[:chars]
 
 
 @server.tool()

@@ -31,6 +31,10 @@ def test_stdio_and_http_servers():
     ({"mcp_servers": {"a": {"command": "x", "typo": 1}}}, 'unknown key "mcp_servers.a.typo"'),
     ({"mcp": {"max_rounds": -1}}, '"mcp.max_rounds" must be at least 0'),
     ({"mcp": {"call_timeout": 0}}, '"mcp.call_timeout" must be positive'),
+    ({"mcp": {"max_servers": 0}}, '"mcp.max_servers" must be at least 1'),
+    ({"mcp": {"max_tools": 0}}, '"mcp.max_tools" must be at least 1'),
+    ({"mcp": {"max_schema_bytes": 0}}, '"mcp.max_schema_bytes" must be at least 1'),
+    ({"mcp": {"max_result_bytes": -1}}, '"mcp.max_result_bytes" must be at least 1'),
 ])
 def test_bad_keys_and_values_are_named(data, message):
     with pytest.raises(ConfigError, match=message.replace(".", r"\.")):

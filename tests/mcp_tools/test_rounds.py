@@ -36,11 +36,14 @@ class ScriptedRounds:
     def __init__(self, *scripts: list[Event]):
         self.scripts = list(scripts)
         self.requests: list[ChatRequest] = []
+        self.results: list[int] = []  # each round's count of tool results it may cut to fit
         self.open = False  # a round's block is open (the service holds the engine's turn there)
 
     @asynccontextmanager
-    async def __call__(self, request: ChatRequest, live: RequestProgress) -> AsyncIterator[AsyncIterator[Event]]:
+    async def __call__(self, request: ChatRequest, live: RequestProgress,
+                       results: int) -> AsyncIterator[AsyncIterator[Event]]:
         self.requests.append(request)
+        self.results.append(results)
         script = self.scripts[len(self.requests) - 1]
 
         async def events() -> AsyncIterator[Event]:
@@ -148,6 +151,7 @@ async def test_mcp_calls_run_between_rounds_numbered_across_the_response():
     assert (second.tool_choice, second.max_tokens) == ("auto", 95)
     assert rounds.requests[0].tool_choice == "required"
     assert "reasoning_content" not in rounds.requests[2].messages[-2]
+    assert rounds.results == [0, 2, 1]  # the results the model has not read yet may be cut to fit the context
 
 
 async def test_mcp_and_client_calls_together_end_after_the_mcp_results():

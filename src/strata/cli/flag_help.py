@@ -60,5 +60,10 @@ HELP = {
     "mcp.call_timeout": "seconds one MCP tool call may take",
     "mcp.connect_timeout": "seconds an MCP server gets to start and list its tools",
     "mcp.request_urls": "let requests name MCP servers by URL (under the images.* address rules)",
+    "mcp.max_servers": "MCP servers one request may name (more are refused with a 400)",
+    "mcp.max_tools": "tools one MCP server may list (a longer listing is refused and the server marked failed)",
+    "mcp.max_schema_bytes": "bytes of one MCP tool's input schema as JSON (a larger one refuses the listing)",
+    "mcp.max_result_bytes": "bytes of one answer of an MCP server read at most (a tool result is cut there, "
+                            "saying so; a longer listing is refused)",
     "mcp_servers": 'MCP servers as a JSON object: name -> {"command", "args", "env", "cwd"} or {"url", "headers"}',
 }

@@ -31,10 +31,12 @@ from strata.history import HistoryRow
 from strata.mcp_tools.toolset import Toolset
 from strata.shutdown import ShutdownCut
 
-RoundEvents = Callable[[ChatRequest, RequestProgress], AbstractAsyncContextManager[AsyncIterator[Event]]]
+RoundEvents = Callable[[ChatRequest, RequestProgress, int], AbstractAsyncContextManager[AsyncIterator[Event]]]
 """Opens one round of a response: the request prepared and the engine's turn taken, then the round's events (the
 generation's own, with no generator between: they are the per-token path); leaving the block gives the turn back.
-Its events end with one `Usage` and one `Finish`."""
+Its events end with one `Usage` and one `Finish`. The third argument is how many of the request's last messages
+are tool results the model has not read yet: the preparation cuts them to fit the context
+(`strata.mcp_tools.fitting`) rather than refuse a request whose tools have run."""
 
 
 @dataclass
@@ -98,7 +100,7 @@ async def run_rounds(request: ChatRequest, round_events: RoundEvents, toolset: T
     while response.request is not None:
         this = _Round()
         text, reasoning = this.text, this.reasoning
-        async with round_events(response.request, live) as events:
+        async with round_events(response.request, live, response.new_results) as events:
             async for event in events:
                 if type(event) is TextDelta:  # per streamed token: the usual events, tested first
                     text.append(event.text)
@@ -132,6 +134,7 @@ class _Response:
         self._rounds = 0  # tool rounds run
         self._n_calls = 0
         self._listings: list[McpToolList] = toolset.listings if toolset is not None else []
+        self.new_results = 0  # the next round's tool results, last in its request's messages
 
     def show(self, this: _Round, event: Event) -> tuple[Event, ...]:
         """A round's event (other than its text, reasoning and logprobs) as the response shows it: the calls
@@ -179,6 +182,7 @@ class _Response:
             self.finish = Finish("tool_calls" if len(served) < len(this.calls) else "stop")
             return
         self._rounds += 1
+        self.new_results = len(served)
         live.phase = "tool"
         messages = [this.assistant_message()]
         async with aclosing(self._call_tools(served, sees_pictures, messages)) as results:

@@ -17,7 +17,7 @@ import math
 import sys
 import tempfile
 from collections.abc import Callable
-from typing import IO, TYPE_CHECKING, Any, TextIO, cast
+from typing import IO, TYPE_CHECKING, Any
 
 import trio
 
@@ -35,10 +35,15 @@ if TYPE_CHECKING:
 
 _MAX_PAGES = 50  # of one tool listing: a server whose cursor never ends cannot hang a listing
 _STDERR_TAIL = 400  # characters of a failed stdio server's stderr kept in its error
+_CHECKS = trio.CapacityLimiter(1)  # worker threads checking tool listings at once
 
 
 class McpUnavailable(Exception):
     """The server cannot be used now; the message says why."""
+
+
+class ListingRefused(Exception):
+    """The server's tool listing is over the limits (`mcp.max_tools`); the message says which."""
 
 
 class McpServer:
@@ -136,24 +141,25 @@ class McpServer:
         self._log(f"mcp: {self.name}: failed: {reason}")
 
     def _new_client(self, stack: contextlib.AsyncExitStack, errlog: IO[str] | None) -> Client:
-        import httpx2
         import mcp_types
         from mcp import Client
-        from mcp.client.stdio import StdioServerParameters, stdio_client
         from mcp.client.streamable_http import streamable_http_client
 
-        config = self.config
+        from strata.mcp_tools.transports import bounded_http_client, stdio_transport
+
+        config, settings = self.config, self.settings
         options: dict[str, Any] = {"cache": None, "message_handler": self._on_message,
                                    "client_info": mcp_types.Implementation(name="strata", version=strata.__version__)}
         if config.command is not None:
             assert errlog is not None
-            params = StdioServerParameters(command=config.command, args=config.args or [], env=config.env,
-                                           cwd=config.cwd)
-            return Client(stdio_client(params, errlog=cast(TextIO, errlog)), **options)
+            return Client(stdio_transport(config, settings, errlog), **options)
         assert config.url is not None
-        http = httpx2.AsyncClient(headers=config.headers or {}, timeout=httpx2.Timeout(30.0, read=300.0))
+        http = bounded_http_client(config, settings)
         stack.push_async_callback(http.aclose)
-        return Client(streamable_http_client(config.url, http_client=http), **options)
+        # Our transport holds an event to the limit (or puts a short answer in its place); the SDK's own bound
+        # must not come first.
+        return Client(streamable_http_client(config.url, http_client=http,
+                                             max_sse_event_size=2 * settings.max_result_bytes + 4096), **options)
 
     async def _watch_session(self, client: Client) -> None:
         """Until the session ends: list the tools again whenever the server says they changed."""
@@ -174,15 +180,24 @@ class McpServer:
                     await self._list(client)
 
     async def _list(self, client: Client) -> None:
+        """List the tools (each page bounded by the transport, see `strata.mcp_tools.answers`) and check them in
+        a worker thread: a tool's schema check takes about a millisecond.
+
+        Raises:
+            ListingRefused: the pages have more than `mcp.max_tools` tools in all.
+        """
         listing: list[mcp_types.Tool] = []
         cursor: str | None = None
         for _ in range(_MAX_PAGES):
             page = await client.list_tools(cursor=cursor)
             listing += page.tools
+            if len(listing) > self.settings.max_tools:
+                raise ListingRefused(f"the tool listing has more than {self.settings.max_tools} tools "
+                                     "(mcp.max_tools)")
             cursor = page.next_cursor
             if not cursor:
                 break
-        self.tools, self.skipped = usable_tools(listing)
+        self.tools, self.skipped = await trio.to_thread.run_sync(usable_tools, listing, limiter=_CHECKS)
         for name, why in self.skipped:
             self._log(f"mcp: {self.name}: tool {name[:80]!r} skipped: {why}")
 
@@ -289,7 +304,7 @@ async def _import_sdk() -> None:
 
 def _import_modules() -> None:
     for name in ("mcp_types", "mcp", "mcp.client.stdio", "mcp.client.streamable_http", "mcp.client.subscriptions",
-                 "jsonschema.validators", "httpx2"):
+                 "jsonschema.validators", "httpx2", "strata.mcp_tools.transports"):
         importlib.import_module(name)
 
 
@@ -301,6 +316,8 @@ def _describe(error: BaseException) -> str:
         error = error.exceptions[0]
     if isinstance(error, MCPError):
         return error.message
+    if isinstance(error, ListingRefused):
+        return str(error)
     text = str(error)
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
 

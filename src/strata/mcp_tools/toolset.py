@@ -11,7 +11,7 @@ from urllib.parse import urlsplit
 
 import trio
 
-from strata.config import McpServerConfig
+from strata.config import MCP_SERVER_NAME, McpServerConfig
 from strata.events import McpToolList, McpUse
 from strata.mcp_tools.servers import McpServer, McpServers, McpUnavailable
 from strata.mcp_tools.tools import McpTool, ToolOutput
@@ -79,8 +79,10 @@ async def open_toolset(uses: Iterable[McpUse], servers: McpServers, client_tools
     named by URL are opened in `nursery` (the service's) for this request and closed by `Toolset.aclose`.
 
     Raises:
-        McpRequestError: an unknown server, a URL the config does not allow, or two tools with one name.
+        McpRequestError: more servers than `mcp.max_servers`, a label that is not a server name, an unknown
+            server, a URL the config does not allow, or two tools with one name.
     """
+    uses = _checked(list(uses), servers.settings.max_servers)
     toolset = Toolset(servers)
     try:
         for use in uses:
@@ -106,6 +108,24 @@ async def open_toolset(uses: Iterable[McpUse], servers: McpServers, client_tools
         await toolset.aclose()
         raise
     return toolset
+
+
+def _checked(uses: list[McpUse], max_servers: int) -> list[McpUse]:
+    """The request's servers, refused before any is opened when there are more than `max_servers` (each is a
+    session, a process or a connection) or when a label is not a server name (labels go to the log)."""
+    if len(uses) > max_servers:
+        raise McpRequestError(f"a request may name at most {max_servers} MCP servers (the config's "
+                              "mcp.max_servers)", uses[max_servers].param)
+    for use in uses:
+        if not MCP_SERVER_NAME.fullmatch(use.label):
+            raise McpRequestError("an MCP server's name must be 1 to 64 letters, digits, '_' or '-'",
+                                  _label_field(use))
+    return uses
+
+
+def _label_field(use: McpUse) -> str:
+    """The field that holds a server's label: Anthropic's `mcp_servers[i].name`, Responses' `tools[i].server_label`."""
+    return f"{use.param}.{'name' if use.param.startswith('mcp_servers') else 'server_label'}"
 
 
 async def _server_for(use: McpUse, servers: McpServers, toolset: Toolset, nursery: trio.Nursery) -> McpServer:
