@@ -172,6 +172,17 @@ def test_hypercorn_command_line_with_strata_config(tiny_model, tmp_path):
             process.stdout.close()
 
 
+def test_hypercorn_command_line_names_a_wrong_model_in_one_line(tmp_path):
+    config = tmp_path / "strata.json"
+    config.write_text(json.dumps({"model": str(tmp_path)}))
+    hypercorn = Path(sys.executable).with_name("hypercorn")
+    done = subprocess.run([str(hypercorn), "strata.api:create_app()", "--worker-class", "trio", "--bind",
+                           f"127.0.0.1:{free_port()}"], capture_output=True, text=True, timeout=60,
+                          env=environment(STRATA_CONFIG=str(config)))
+    output = done.stdout + done.stderr
+    assert output == f"error: model {tmp_path}: a directory, not a GGUF model file (name the .gguf file in it)\n"
+
+
 async def test_serve_in_process_shuts_down_on_its_trigger(tiny_model):
     config = server_config(model=str(tiny_model), context=512, limits={"graceful_timeout": 0.3})
     stop = trio.Event()

@@ -36,6 +36,7 @@ from strata.api.hosts import add_host_check
 from strata.api.render import Renderer, SseEvent
 from strata.config import Config, load_config
 from strata.events import ChatRequest, Event, Finish, PromptProcessed
+from strata.model_file import ModelFileError, check_model_file
 from strata.request_errors import RequestError
 from strata.service import Service, open_service
 
@@ -149,6 +150,17 @@ class _Answer:
     streamed: bool
 
 
+def _check_model(config: Config, from_environment: bool) -> None:
+    """A wrong model path, before the app is served: under another ASGI server's command line (the config from
+    the environment), the same one line as `strata serve` prints, and the process ends; else `ModelFileError`."""
+    try:
+        check_model_file(config.model)
+    except ModelFileError as error:
+        if from_environment:
+            raise SystemExit(f"error: {error}") from None
+        raise
+
+
 @dataclass(frozen=True)
 class _Dialect:
     """How one API speaks: parse a body, and render the answer's events (a stream, or its fold)."""
@@ -167,6 +179,7 @@ def create_app(service: Service | None = None, config: Config | None = None) -> 
         config: the configuration when the app opens its own service; None reads `STRATA_CONFIG` and the
             environment (`hypercorn 'strata.api:create_app()' --worker-class trio`).
     """
+    from_environment = service is None and config is None
     if service is not None:
         config = service.config
     elif config is None:
@@ -175,6 +188,8 @@ def create_app(service: Service | None = None, config: Config | None = None) -> 
         from strata.models import with_demo_model
 
         config = with_demo_model(config)  # as `strata serve` does: `{}` is a working config
+    if service is None:
+        _check_model(config, from_environment)
     _patch_tcp_server_send()
     state = _State(config, service)
     app = QuartTrio(__name__)
