@@ -4,7 +4,9 @@
 one keep-alive connection (its own GIL: the sender's work cannot delay it) while this one sends one attack
 request, and the latency percentiles are reported with the attack's own answer and the server's memory.
 The MCP attacks come from configured stdio servers (this file run with `--serve-mcp KIND`): a listing of 20,001
-tools, a tool whose schema has 150,000 properties, and a tool whose result is 100 MB (issue 29, items 4 and 7).
+tools, a tool whose schema has 150,000 properties, and a tool whose result is 100 MB (issue 29, items 4 and 7);
+GBNF grammars and `/tokenize` bodies (items 2 and 5); and 300 status streams opened at once (item 13: at most
+`limits.status_streams` are served, the rest get a 503).
 Run: `python bench/health_under_load.py` (a few minutes).
 """
 
@@ -143,13 +145,43 @@ print(json.dumps(latencies))
 """
 
 
+STATUS_STREAMS = 300  # the issue's attack: 300 unauthenticated status streams pushed /health to 1.26 s
+
+
+def open_status_streams(url: str, n: int) -> str:
+    """Open `n` status streams at once (interval 0.1 s), read them for 5 s, close them: the answers' statuses."""
+    host, port = url.removeprefix("http://").split(":")
+    request = f"GET /v1/status/stream?interval=0.1 HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode()
+    streams = []
+    for _ in range(n):
+        sock = socket.create_connection((host, int(port)))
+        sock.sendall(request)
+        streams.append(sock)
+    deadline = time.monotonic() + 5.0
+    statuses: dict[str, int] = {}
+    for sock in streams:
+        sock.settimeout(max(deadline - time.monotonic(), 0.5))
+        try:
+            head = sock.recv(64).split(b" ", 2)
+            status = head[1].decode() if len(head) > 1 else "none"
+        except OSError:
+            status = "none"
+        statuses[status] = statuses.get(status, 0) + 1
+    time.sleep(max(deadline - time.monotonic(), 0.0))
+    for sock in streams:
+        sock.close()
+    return ", ".join(f"{count}x{status}" for status, count in sorted(statuses.items()))
+
+
 def run_attack(url: str, path: str, body: bytes) -> dict[str, Any]:
     result: dict[str, Any] = {}
     poller = subprocess.Popen([sys.executable, "-c", POLLER, url], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               text=True)
     time.sleep(1.0)  # a baseline before the attack
     started = time.perf_counter()
-    if path:
+    if path == "status streams":
+        result["status"] = open_status_streams(url, STATUS_STREAMS)
+    elif path:
         reply = httpx.post(url + path, content=body, headers={"content-type": "application/json"}, timeout=600)
         result["status"] = reply.status_code
     else:
@@ -192,7 +224,8 @@ def main() -> int:
             time.sleep(0.2)
         print("| attack | answer | request s | /health p50 ms | p99 ms | max ms | samples | server RSS MB after |")
         print("|---|---|---|---|---|---|---|---|")
-        for name, (path, body) in {**attacks(), **grammar_attacks(), **tokenize_attacks()}.items():
+        streams = {f"{STATUS_STREAMS} status streams at once": ("status streams", b"")}
+        for name, (path, body) in {**attacks(), **grammar_attacks(), **tokenize_attacks(), **streams}.items():
             r = run_attack(url, path, body)
             print(f"| {name} ({len(body) / MiB:.1f} MiB) | {r['status']} | {r['seconds']:.2f} | {r['p50']:.1f} | "
                   f"{r['p99']:.1f} | {r['max']:.1f} | {r['n']} | {rss_mb(server.pid):.0f} |", flush=True)
