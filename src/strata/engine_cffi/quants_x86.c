@@ -1100,15 +1100,20 @@ INLINE void tile_q8_0_exact(const gemm_args *a, int64_t r, int64_t t, int NR, in
         const __m512 dw = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_setr_epi16(
             (short)w[0][b].d, (short)w[1][b].d, (short)w[2][b].d, (short)w[3][b].d,
             (short)w[0][b1].d, (short)w[1][b1].d, (short)w[2][b1].d, (short)w[3][b1].d)));
-        const __m512 dx = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_setr_epi16(
-            (short)x[0][b].d, (short)x[1][b].d, (short)x[2][b].d, (short)x[3][b].d,
-            (short)x[0][b1].d, (short)x[1][b1].d, (short)x[2][b1].d, (short)x[3][b1].d)));
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sb),
-                              _mm512_mul_ps(_mm512_permutexvar_ps(row_of, dw), _mm512_permutexvar_ps(token_of, dx)),
-                              acc);
+        __m512 dx0, dx1;  // the tokens' scales of blocks b and b1 in their lanes; one token's in all (decode)
+        if (NT == 1) {
+            dx0 = _mm512_cvtph_ps(_mm256_set1_epi16((short)x[0][b].d));
+            dx1 = _mm512_cvtph_ps(_mm256_set1_epi16((short)x[0][b1].d));
+        } else {
+            const __m512 dx = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_setr_epi16(
+                (short)x[0][b].d, (short)x[1][b].d, (short)x[2][b].d, (short)x[3][b].d,
+                (short)x[0][b1].d, (short)x[1][b1].d, (short)x[2][b1].d, (short)x[3][b1].d)));
+            dx0 = _mm512_permutexvar_ps(token_of, dx);
+            dx1 = _mm512_permutexvar_ps(_mm512_add_epi32(token_of, second), dx);
+        }
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sb), _mm512_mul_ps(_mm512_permutexvar_ps(row_of, dw), dx0), acc);
         if (b1 > b) {
             const __m512 dw1 = _mm512_permutexvar_ps(_mm512_add_epi32(row_of, second), dw);
-            const __m512 dx1 = _mm512_permutexvar_ps(_mm512_add_epi32(token_of, second), dx);
             acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sb1), _mm512_mul_ps(dw1, dx1), acc);
         }
     }
