@@ -358,8 +358,9 @@ def test_a_tokens_row_does_not_depend_on_the_tokens_beside_it(kernels, qtype, n_
 def test_q8_0_rows_in_any_range_do_not_depend_on_the_tokens_beside_them(kernels, r0, r1):
     """Q8_0 rows read as they lie, over a range of fewer rows than a tile of the tile unit (AMX, where the machine
     has it) and over ranges whose last tile reaches back into rows already written: each of 1 to 20 tokens gets
-    the same bits alone (the VNNI path for one or two tokens) as with the others, only the range's rows are
-    written, and every output is within the quantisation bound of the naive product."""
+    the same bits alone (the exact VNNI tiles) as with the others (those tiles, bands laid out per call, or the tile
+    unit), only the range's rows are written, and every output is within the quantisation bound of the naive
+    product."""
     kffi, klib = kernels
     rng = np.random.default_rng(r0 * 100 + r1)
     n_rows, n_cols = 41, 17 * 32  # an odd block count
@@ -503,3 +504,18 @@ def test_gemm_bands_writes_only_its_rows(kernels):
         ys.append(y[:, r0:r1].astype(np.float64))
     slack = 2 * accumulation_slack(weights_f32(Q.Q8_0, w, n_cols)[r0:r1], x_seen)
     assert np.all(np.abs(ys[0] - ys[1]) <= slack)
+
+
+@pytest.mark.parametrize("n_rows,n_cols", [(41, 544), (16, 32), (37, 1056), (3, 96), (150, 64), (70, 4096)])
+def test_q8_0_rows_give_the_bits_of_their_bands(n_rows, n_cols):
+    """Where a copy at load lays a Q8_0 weight out in bands, its rows as they lie in the file (mapped weights) give
+    the same bits for 1 to 20 tokens at 1 and 2 threads: decode through the rows' exact tiles, prompts through bands
+    laid out per call, both in the bands' f32 steps."""
+    rng = np.random.default_rng(n_rows * 10 + n_cols)
+    w = random_weights(Q.Q8_0, n_rows, n_cols, rng)
+    bands = bands_of(w, n_cols)
+    x = rng.standard_normal((20, n_cols)).astype(np.float32)
+    x[::3, rng.integers(0, n_cols, 3)] *= 50  # an outlier widens a block's scale
+    for n_tok in range(1, 21):
+        for n_threads in (1, 2):
+            assert_same_bits(matmul(Q.Q8_0, w, x[:n_tok], n_threads), matmul_bands(bands, n_rows, x[:n_tok], n_threads))

@@ -72,11 +72,6 @@ INLINE void store_tile512(const gemm_args *a, int64_t r, int64_t t, int NR, int 
             a->y[(t + j) * a->ldy + TILE_ROW(a, r, i)] = _mm512_reduce_add_ps(acc[i][j]);
 }
 
-// Scales a and b, 8 lanes each.
-static inline __m512 f16_pair512(const uint16_t *a, const uint16_t *b) {
-    return _mm512_cvtph_ps(_mm256_set_m128i(_mm_set1_epi16((short)*b), _mm_set1_epi16((short)*a)));
-}
-
 static inline __m512i load_2x256(const void *lo, const void *hi) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(lo)), _mm256_loadu_si256(hi), 1);
 }
