@@ -294,26 +294,23 @@ class Service:
             The request with its messages as encoded (pictures omitted as text), the pictures, and the prompt's
             text and ids as counted when those are still the request's (no picture was omitted after counting).
         """
-        assert self.prompts is not None
-        prompts = self.prompts
-        pad_id = prompts.pad_id
         counted: list[tuple[str, list[int]]] = []
 
         async def text_tokens(messages: list[dict[str, Any]]) -> int:
-            text, ids = await trio.to_thread.run_sync(prompts.text_and_ids,
+            assert self.prompts is not None
+            text, ids = await trio.to_thread.run_sync(self.prompts.text_and_ids,
                                                       dataclasses.replace(request, messages=messages))
             counted.append((text, ids))
-            return len(ids) - ids.count(pad_id)
+            return len(ids) - ids.count(self.prompts.pad_id)
 
         try:
             places = picture_places(request.messages, self.config.limits.max_pictures, self.vision is not None)
             if not places:
                 return request, [], None
             self._require_ready()
-            assert self.vision is not None
-            assert self.loop is not None
+            assert self.vision is not None and self.loop is not None and self.prompts is not None
             staging = PictureStaging(self.vision, self.downloads, Exclusive(self.loop, self.turn), self.engine.n_ctx,
-                                     self.engine.picture_width, prompts.marker_ids, text_tokens)
+                                     self.engine.picture_width, self.prompts.marker_ids, text_tokens)
             messages, pictures = await staging.encode(request.messages, places, live)
         except PicturesRefused as error:
             raise RequestError(str(error), error.param, error.code) from None
@@ -321,6 +318,7 @@ class Service:
             raise ServiceUnavailable(str(error), retry_after=ENCODER_RETRY_AFTER) from None
         # The prompt counted has a placeholder for each picture staged: as many as were encoded, unless one was
         # omitted since (its text then differs).
+        pad_id = self.prompts.pad_id
         rendered = counted[0] if counted and counted[0][1].count(pad_id) == len(pictures) else None
         return dataclasses.replace(request, messages=messages), pictures, rendered
 
