@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from strata.text.constraints import AnswerFormat, Grammars, plan_constraint
+from strata.text.families import family_of
 from strata.engine_cffi import Engine
 from strata.text.sampling import Sampler, SamplingParams
 from strata.text.tokenizer import Tokenizer
@@ -117,7 +118,7 @@ def main() -> None:
 def run(model: str, args: argparse.Namespace) -> None:
     tokenizer = Tokenizer.from_gguf(model)
     engine = Engine.load(model, n_ctx=1024, threads=args.threads)
-    grammars = Grammars(tokenizer, engine.n_vocab)
+    grammars = Grammars(tokenizer, family_of(tokenizer), engine.n_vocab)
     started = time.perf_counter()
     grammars.ll_tokenizer()
     tokenizer_s = time.perf_counter() - started
@@ -138,7 +139,7 @@ def run(model: str, args: argparse.Namespace) -> None:
         compile_cached.append(time.perf_counter() - started)
 
     prompt = tokenizer.encode("<|im_start|>user\nList things.<|im_end|>\n<|im_start|>assistant\n", special=True)
-    on_path = Grammars(tokenizer, engine.n_vocab, overlap=False)
+    on_path = Grammars(tokenizer, family_of(tokenizer), engine.n_vocab, overlap=False)
     on_path.ll_tokenizer()
     kinds = {"before": lambda: _Before(grammars._matcher(plan(SCHEMA).answer, "bench"), engine.n_vocab),
              "on the path": lambda: on_path.guide(plan(SCHEMA)),

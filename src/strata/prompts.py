@@ -16,6 +16,7 @@ from strata.mcp_tools.fitting import fit_results
 from strata.pictures.expand import PromptImages, expand_image_pads, marker_tokens
 from strata.pictures.sources import ImageRejected
 from strata.request_errors import RequestError
+from strata.text.family import ModelFamily
 from strata.text.prompt import PromptError, render_chat
 from strata.text.prompt_tokens import PromptTokens, strings_of
 from strata.vision.client import Embedding
@@ -25,7 +26,6 @@ _RESERVED_TEMPLATE_VARS = frozenset({"messages", "tools", "add_generation_prompt
 # A request with at most this many characters of text is rendered and tokenised on the event loop (under a
 # millisecond, about what handing it to a worker thread and back costs on a busy core); longer ones in a thread.
 INLINE_PROMPT_CHARS = 1024
-IMAGE_PAD = "<|image_pad|>"  # the token a chat template renders once per picture, expanded to its rows
 
 
 @dataclass
@@ -41,21 +41,23 @@ class Prepared:
 
 
 class Prompts:
-    """The prompts of one model: its tokenizer and chat template, its context and vocabulary.
+    """The prompts of one model: its tokenizer, family and chat template, its context and vocabulary.
 
     Args:
         tokenizer: the model's `strata.text.tokenizer.Tokenizer`.
+        family: the model's family (its reasoning markers and picture placeholder).
         template: the chat template (jinja2).
         n_ctx: positions a sequence holds (prompt and answer).
         n_vocab: the vocabulary's size.
         max_tokens: the server's cap on an answer (`limits.max_tokens`), or None.
     """
 
-    def __init__(self, tokenizer: Any, template: str, n_ctx: int, n_vocab: int, max_tokens: int | None):
-        self.tokenizer, self.template = tokenizer, template
+    def __init__(self, tokenizer: Any, family: ModelFamily, template: str, n_ctx: int, n_vocab: int,
+                 max_tokens: int | None):
+        self.tokenizer, self.family, self.template = tokenizer, family, template
         self.n_ctx, self.n_vocab, self.max_tokens = n_ctx, n_vocab, max_tokens
         self.tokens = PromptTokens(tokenizer)
-        pad_id = tokenizer.token_to_id(IMAGE_PAD)
+        pad_id = None if family.image_pad is None else tokenizer.token_to_id(family.image_pad)
         self.pad_id = -1 if pad_id is None else pad_id  # the id a picture's placeholder renders as (-1: none)
 
     def render(self, request: ChatRequest) -> str:
@@ -134,7 +136,8 @@ class Prompts:
             try:
                 prompt = expand_image_pads(ids, self.pad_id, pictures, self.marker_ids)
             except ImageRejected as error:
-                raise RequestError(str(error)) from None
+                raise RequestError(f"{error} (the chat template must render each picture as "
+                                   f"{self.family.picture_prompt})") from None
         else:
             prompt = PromptImages(ids, list(ids), [])
         ids = prompt.ids
@@ -146,9 +149,9 @@ class Prompts:
         max_tokens = min((cap for cap in (request.max_tokens, self.max_tokens) if cap is not None), default=None)
         if request.completion is not None:
             return Prepared(prompt, max_tokens, False, False)
-        starts_in_reasoning = text.rstrip("\n").endswith("<think>")
+        starts_in_reasoning = self.family.opens_reasoning(text)
         # An empty block closed by the template means no thinking; a continued answer is past its thinking.
-        may_think = not text.rstrip().endswith("</think>") and not request.prefill
+        may_think = not self.family.closes_reasoning(text) and not request.prefill
         return Prepared(prompt, max_tokens, starts_in_reasoning, may_think)
 
     def _fitted(self, request: ChatRequest, pictures: list[Embedding], results: int,

@@ -60,6 +60,8 @@ from strata.scheduling.engine_loop import EngineLoop, EngineStartError, Exclusiv
 from strata.scheduling.turn import QueueFull, Turn
 from strata.shutdown import ShutdownCut, ShuttingDown
 from strata.text.constraints import GrammarError, GrammarLimits, Grammars, Guide, plan_constraint
+from strata.text.families import family_of
+from strata.text.family import ModelFamily
 from strata.text.output import LogprobNames, Output
 from strata.text.sampling import Sampler
 from strata.vision.client import Embedding, VisionClient, VisionStartError
@@ -97,6 +99,7 @@ class Service:
         self.started = time.time()
         self.engine: Any = None  # an EngineLike once loaded
         self.tokenizer: Any = None
+        self.family: ModelFamily | None = None  # the model's family, chosen from its vocabulary (attach)
         self.grammars: Grammars | None = None  # the model's compiled answer grammars (constrained decoding)
         self.prompts: Prompts | None = None  # the model's prompts (attach)
         self.load_error: BaseException | None = None
@@ -119,8 +122,10 @@ class Service:
         if not template:
             raise ServiceUnavailable("the model has no chat template (tokenizer.chat_template)")
         self.engine, self.tokenizer = engine, tokenizer
-        self.grammars = Grammars(tokenizer, engine.n_vocab)
-        self.prompts = Prompts(tokenizer, template, engine.n_ctx, engine.n_vocab, self.config.limits.max_tokens)
+        self.family = family_of(tokenizer)
+        self.grammars = Grammars(tokenizer, self.family, engine.n_vocab)
+        self.prompts = Prompts(tokenizer, self.family, template, engine.n_ctx, engine.n_vocab,
+                               self.config.limits.max_tokens)
         # as many slots as the engine has sequences (an engine passed in may have fewer than config.slots)
         self.turn = Turn(max_queued=self.config.limits.queue_length, slots=engine.n_seq)
         self.loop = EngineLoop(Batcher(engine, self.config.step_tokens, self.config.batch, self.config.step_slowdown))
@@ -260,7 +265,7 @@ class Service:
         limits = GrammarLimits(self.config.limits.max_grammar_bytes, self.config.limits.max_grammar_rules)
         # A prefilled answer (past any reasoning) is the start of the constrained one.
         prefix = "" if not request.prefill or prepared.starts_in_reasoning else \
-            message_text(request.messages[-1]).rpartition("</think>")[2].strip()
+            grammars.tokens.family.after_reasoning(message_text(request.messages[-1])).strip()
 
         def compile_guide() -> Guide | None:
             plan = plan_constraint(answer_format=request.answer_format, tools=request.tools,
@@ -414,7 +419,8 @@ class Service:
                   prompt_logprobs=request.logprobs if echo else None)
         # Everything this task can make before the job goes: the engine thread needs the GIL to start the job's
         # call, and gets it only once this task waits for the first token.
-        output = Output(self.tokenizer, request, prepared.starts_in_reasoning)
+        assert self.family is not None
+        output = Output(self.tokenizer, self.family, request, prepared.starts_in_reasoning)
         names = LogprobNames(self.tokenizer.id_bytes)
         finish: FinishReason | None = None
         reasoning_tokens = 0

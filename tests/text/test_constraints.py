@@ -13,6 +13,7 @@ import pytest
 from strata.events import TextDelta, ToolCallArgumentsDelta, ToolCallStart
 from strata.text import constraints
 from strata.text.constraints import AnswerFormat, GrammarError, GrammarLimits, Grammars, plan_constraint
+from strata.text.families import QWEN3
 from strata.text.sampling import Sampler, SamplingParams
 from strata.text.toolcalls import ToolCallParser
 
@@ -32,7 +33,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "strict": True
 
 @pytest.fixture(scope="module")
 def grammars(tokenizer) -> Grammars:
-    return Grammars(tokenizer, tokenizer.n_vocab)
+    return Grammars(tokenizer, QWEN3, tokenizer.n_vocab)
 
 
 def plan(grammars: Grammars, **fields: Any):
@@ -256,7 +257,7 @@ def test_compiled_grammars_are_cached(grammars):
 
 
 def calls_of(tokenizer, ids: list[int], names=None) -> tuple[str, list[tuple[str, dict[str, Any]]]]:
-    parser = ToolCallParser(tool_names=names)
+    parser = ToolCallParser(QWEN3, tool_names=names)
     events = parser.feed(tokenizer.decode(ids)) + parser.finish()
     text = "".join(e.text for e in events if isinstance(e, TextDelta))
     calls: list[tuple[str, dict[str, Any]]] = []

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from strata.events import ChatRequest, CompletionPrompt, Event, ReasoningDelta, TextDelta, TokenLogprob
+from strata.text.families import QWEN3
 from strata.text.output import LogprobNames, Output
 
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
@@ -13,7 +14,7 @@ TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "
 
 def feed(tokenizer: Any, request: ChatRequest, text: str, starts_in_reasoning: bool = False
          ) -> tuple[list[Event], Output]:
-    output = Output(tokenizer, request, starts_in_reasoning)
+    output = Output(tokenizer, QWEN3, request, starts_in_reasoning)
     events: list[Event] = []
     for token in tokenizer.encode(text, special=True):
         events += output.push(token)

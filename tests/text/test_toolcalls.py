@@ -11,6 +11,7 @@ from collections.abc import Iterable
 import pytest
 
 from strata.events import Event, ReasoningDelta, TextDelta, ToolCallArgumentsDelta, ToolCallStart
+from strata.text.families import QWEN3
 from strata.text.toolcalls import StopMatcher, ToolCallParser
 
 WEATHER_ARGS = '{"city": "Zürich", "days": [1, 2], "opts": {"unit": "°C", "note": "a \\"}\\" </tool_call> b"}}'
@@ -82,7 +83,7 @@ CASES = [
 
 
 def run_parser(chunks: Iterable[str], **options: bool) -> list[Event]:
-    parser = ToolCallParser(**options)
+    parser = ToolCallParser(QWEN3, **options)
     events: list[Event] = []
     for chunk in chunks:
         events += parser.feed(chunk)
@@ -139,7 +140,7 @@ def test_streamed_arguments_are_the_models_json_text() -> None:
 
 
 def test_the_call_starts_as_soon_as_its_name_is_known() -> None:
-    parser = ToolCallParser()
+    parser = ToolCallParser(QWEN3)
     assert parser.feed('<tool_call>\n{"name": "get_weather", "argu') == []
     events = parser.feed('ments": {"ci')
     assert [type(event) for event in events] == [ToolCallStart, ToolCallArgumentsDelta]
@@ -148,7 +149,7 @@ def test_the_call_starts_as_soon_as_its_name_is_known() -> None:
 
 
 def test_partial_tags_are_held_back() -> None:
-    parser = ToolCallParser()
+    parser = ToolCallParser(QWEN3)
     assert parser.feed("Hello <tool") == [TextDelta("Hello ")]
     assert parser.feed("box>") == [TextDelta("<toolbox>")]
     assert parser.feed("\n\n") == []  # newlines might come right before a tag

@@ -35,12 +35,11 @@ def expand_image_pads(ids: list[int], pad_id: int, embeddings: list[Any],
 
     Raises:
         ImageRejected: the prompt holds a different number of pads than there are pictures (a chat template
-            without vision markers, or a pad token typed into the text).
+            without vision markers, or a pad token typed into the text); the caller names the family's form.
     """
     n_pads = ids.count(pad_id)
     if n_pads != len(embeddings):
-        raise ImageRejected(f"the prompt has {n_pads} image placeholders for {len(embeddings)} pictures (the chat "
-                            "template must render each picture as <|vision_start|><|image_pad|><|vision_end|>)")
+        raise ImageRejected(f"the prompt has {n_pads} image placeholders for {len(embeddings)} pictures")
     out_ids: list[int] = []
     keys: list[Any] = []
     spans: list[tuple[int, Any]] = []

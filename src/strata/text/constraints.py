@@ -7,10 +7,12 @@ declared schemas. `plan_constraint` turns those fields into a `Plan` (grammar te
 the engine thread, one per generation: before each token is sampled it masks the logits to the tokens the grammar
 allows, and after it follows the sampled token.
 
-Reasoning stays free: when thinking is on, the first token may open `<think>`, and the constraint starts after
-`</think>`. In `auto` mode the text is free; when a declared tool is strict, each call's body, from the model's
-`<tool_call>` to `</tool_call>`, is constrained to a declared tool and its schema. `parallel_tool_calls` false
-bans `<tool_call>` once one call has started; `tool_choice` "none" bans it always.
+The markers and a call's syntax are the model family's (`strata.text.family.ModelFamily`; Qwen3's `<think>` and
+`<tool_call>` below). Reasoning stays free: when thinking is on, the first token may open `<think>`, and the
+constraint starts after `</think>`. In `auto` mode the text is free; when a declared tool is strict, each call's
+body, from the model's `<tool_call>` to `</tool_call>`, is constrained to a declared tool and its schema (the
+family's `call_rule`). `parallel_tool_calls` false bans `<tool_call>` once one call has started; `tool_choice`
+"none" bans it always.
 
 llguidance (not a compiler of our own): it covers most of JSON schema and says which keyword it lacks, and it
 reads GBNF as llama.cpp clients send it. What it would enforce only approximately is refused instead: integers
@@ -38,6 +40,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
+
+from strata.text.family import ModelFamily
 
 FormatKind = Literal["json_schema", "json_object", "grammar"]
 
@@ -91,20 +95,22 @@ class GrammarLimits:
 
 @dataclass(frozen=True)
 class SpecialTokens:
-    """The ids of the format's tags in a vocabulary (None: the tag is not one token there)."""
+    """A model family and the ids of its markers in a vocabulary (None: the marker is not one token there)."""
 
+    family: ModelFamily
     think_open: int | None
     think_close: int | None
     call_open: int | None
     call_close: int | None
 
     @classmethod
-    def of(cls, tokenizer: Any) -> SpecialTokens:
+    def of(cls, tokenizer: Any, family: ModelFamily) -> SpecialTokens:
         def one(text: str) -> int | None:
             ids = tokenizer.encode(text, special=True)
             return ids[0] if len(ids) == 1 else None
 
-        return cls(one("<think>"), one("</think>"), one("<tool_call>"), one("</tool_call>"))
+        return cls(family, one(family.think_open), one(family.think_close), one(family.call_open),
+                   one(family.call_close))
 
 
 @dataclass(frozen=True)
@@ -154,7 +160,7 @@ def plan_constraint(*, answer_format: AnswerFormat | None, tools: Sequence[dict[
         parallel_tool_calls: False allows at most one tool call.
         thinking: the template lets the model think (it may open `<think>` first).
         in_reasoning: the prompt ends inside an open `<think>`.
-        tokens: the tag ids of the vocabulary.
+        tokens: the model family and its markers' ids in the vocabulary.
         prefix: the answer's text so far (a prefilled assistant message, past any reasoning): a format applies
             to it and what follows together.
         tool_fields: each tool's parameters field as the request named it, by tool name, for errors (default:
@@ -282,8 +288,8 @@ def _format_rule(answer_format: AnswerFormat, limits: GrammarLimits) -> _FormatR
         return None, (grammar, param), None
     schema = json.loads(answer_format.source) if answer_format.kind == "json_schema" else {"type": "object"}
     _check_schema(schema, param)
-    text = _json_text(schema, lenient=False)
-    return f"%json {text}", (_json_grammar(text), param), schema
+    text = json_text(schema, lenient=False)
+    return f"%json {text}", (json_grammar(text), param), schema
 
 
 def _check_grammar_size(source: str, param: str, limits: GrammarLimits) -> None:
@@ -418,11 +424,12 @@ def _is_int(value: Any) -> bool:
 def _calls_rules(tools: Sequence[dict[str, Any]], tokens: SpecialTokens, parallel: bool,
                  tool_fields: Mapping[str, str], *, body_only: bool
                  ) -> tuple[list[str], list[tuple[str, str]]]:
-    """Lark rules for tool calls in the chat template's syntax: `<tool_call>\\n{"name": ..., "arguments":
-    {...}}\\n</tool_call>`, one rule per declared tool. Strict tools get their parameters' schema exactly;
-    the others theirs leniently (keywords llguidance lacks are ignored), since their schema binds nobody."""
-    open_tag = _tag(tokens.call_open, "<tool_call>")
-    close_tag = _tag(tokens.call_close, "</tool_call>")
+    """Lark rules for tool calls in the model family's syntax: its call markers around one call of a declared tool
+    (`ModelFamily.call_rule`; Qwen3's: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`), one
+    rule per declared tool, with the grammars of the strict ones to check."""
+    family = tokens.family
+    open_tag = _tag(tokens.call_open, family.call_open)
+    close_tag = _tag(tokens.call_close, family.call_close)
     rules = [f'body: "\\n" ({" | ".join(f"tool{i}" for i in range(len(tools)))}) "\\n" {close_tag}']
     if not body_only:
         rules.insert(0, 'calls: call ("\\n" call)*' if parallel else "calls: call")
@@ -431,15 +438,12 @@ def _calls_rules(tools: Sequence[dict[str, Any]], tokens: SpecialTokens, paralle
     for i, tool in enumerate(tools):
         function = tool["function"]
         strict = bool(function.get("strict"))
-        schema = {"type": "object", "properties": {"name": {"const": function["name"]},
-                                                   "arguments": function.get("parameters") or {"type": "object"}},
-                  "required": ["name", "arguments"], "additionalProperties": False}
-        text = _json_text(schema, lenient=not strict)
-        rules.append(f"tool{i}: %json {text}")
-        if strict:
+        rule, grammar = family.call_rule(function, strict)
+        rules.append(f"tool{i}: {rule}")
+        if strict and grammar is not None:
             param = tool_fields.get(function["name"], f"tools[{i}].function.parameters")
             _check_schema(function.get("parameters") or {}, param)
-            parts.append((_json_grammar(text), param))
+            parts.append((grammar, param))
     return rules, parts
 
 
@@ -447,14 +451,14 @@ def _tag(token: int | None, text: str) -> str:
     return f"<[{token}]>" if token is not None else json.dumps(text)
 
 
-def _json_text(schema: Any, *, lenient: bool) -> str:
+def json_text(schema: Any, *, lenient: bool) -> str:
     if isinstance(schema, dict):
         options = {**schema.get("x-guidance", {}), **_JSON_LAYOUT, "lenient": lenient}
         schema = {**schema, "x-guidance": options}
     return json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
 
 
-def _json_grammar(schema_text: str) -> str:
+def json_grammar(schema_text: str) -> str:
     import llguidance
 
     return llguidance.LLMatcher.grammar_from_json_schema(schema_text)
@@ -475,16 +479,17 @@ class Grammars:
 
     Args:
         tokenizer: the model's `strata.text.tokenizer.Tokenizer`.
+        family: the model's family (its markers and tool-call syntax).
         n_vocab: the engine's logits length (may exceed the tokenizer's).
         overlap: the guides compute their next masks in a pool thread beside the engine's forward pass (see
             `Guide`; off only to measure the difference).
     """
 
-    def __init__(self, tokenizer: Any, n_vocab: int, overlap: bool = True):
+    def __init__(self, tokenizer: Any, family: ModelFamily, n_vocab: int, overlap: bool = True):
         self._tokenizer = tokenizer
         self.n_vocab = n_vocab
         self.overlap = overlap
-        self.tokens = SpecialTokens.of(tokenizer)
+        self.tokens = SpecialTokens.of(tokenizer, family)
         self.eos_ids = tuple(sorted(tokenizer.eos_ids))
         self._lock = threading.Lock()
         self._ll_tokenizer: Any = None

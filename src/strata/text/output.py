@@ -6,13 +6,28 @@ as they come."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from strata.events import ChatRequest, Event, TextDelta, TokenLogprob
-from strata.text.toolcalls import StopMatcher, ToolCallParser
+from strata.text.family import ModelFamily
+from strata.text.toolcalls import StopMatcher
 
 # What the sampler records of a token: its log-probability and the top alternatives as (id, log-probability).
 LogprobRecord = tuple[float, list[tuple[int, float]]]
+
+
+class StreamParser(Protocol):
+    """Streamed model text to events: the family's parser (`ModelFamily.stream_parser`), or plain text."""
+
+    @property
+    def n_tool_calls(self) -> int: ...
+
+    @property
+    def in_reasoning(self) -> bool: ...
+
+    def feed(self, text: str) -> list[Event]: ...
+
+    def finish(self) -> list[Event]: ...
 
 
 class _PlainText:
@@ -29,14 +44,15 @@ class _PlainText:
 
 
 class Output:
-    """Generated token ids to events: detokenise, cut at stop strings, split reasoning and tool calls."""
+    """Generated token ids to events: detokenise, cut at stop strings, split reasoning and tool calls (in the
+    model family's format)."""
 
-    def __init__(self, tokenizer: Any, request: ChatRequest, starts_in_reasoning: bool):
+    def __init__(self, tokenizer: Any, family: ModelFamily, request: ChatRequest, starts_in_reasoning: bool):
         self._decoder = tokenizer.stream_decoder()
         self._stops = StopMatcher(request.stop)
         self._text = ""  # everything the model wrote, to tell which stop string ended it
         tools = request.tools if request.tool_choice != "none" else []
-        self._parser: ToolCallParser | _PlainText = ToolCallParser(
+        self._parser: StreamParser = family.stream_parser(
             starts_in_reasoning=starts_in_reasoning, parse_tool_calls=bool(tools),
             tool_names={tool["function"]["name"] for tool in tools})
         if request.completion is not None:

@@ -20,6 +20,7 @@ from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
 
 from strata.gguf_file import read_metadata
 from strata.modelgen.vocab import byte_to_unicode
+from strata.text.families import END_OF_TURN_TEXTS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,8 +40,6 @@ _LLAMA3 = PreTokenizer(r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\
 # The names llama.cpp gives the pre-tokenizers of the architectures the engine runs (Qwen3 and Qwen3-MoE: qwen2;
 # Llama 3.x: llama-bpe, with its older spellings).
 PRE_TOKENIZERS = {"qwen2": _QWEN2, "llama-bpe": _LLAMA3, "llama3": _LLAMA3, "llama-v3": _LLAMA3}
-# Tokens that end generation whatever the eos key says (llama.cpp also recognises them by name).
-END_OF_GENERATION_TEXTS = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>")
 _ID_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 _SPECIAL_TYPES = (int(TokenType.CONTROL), int(TokenType.USER_DEFINED))
 # Fill-in-the-middle: the keys llama.cpp defines for the prefix, suffix and middle tokens (the current names, then
@@ -174,7 +173,8 @@ class Tokenizer:
         hf.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
                                for i, t in enumerate(types) if t in _SPECIAL_TYPES])
         eos_ids = {int(meta[k]) for k in _ID_KEYS if k in meta}
-        eos_ids |= {vocab[text] for text in END_OF_GENERATION_TEXTS
+        # Tokens that end generation whatever the eos key says (llama.cpp also recognises them by name).
+        eos_ids |= {vocab[text] for text in END_OF_TURN_TEXTS
                     if text in vocab and types[vocab[text]] == TokenType.CONTROL}
         bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
         add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", pre.add_bos)) and bos is not None

@@ -1,5 +1,5 @@
-"""The model's streamed text to events: reasoning, tool calls and plain text (Qwen3's `<think>` and
-`<tool_call>` format), plus stop strings.
+"""The model's streamed text to events: reasoning, tool calls and plain text in the Hermes format (JSON tool calls
+between a family's call markers, as Qwen3 writes them), the grammar of one such call, and stop strings.
 
 Both classes are pure and incremental: they are fed text deltas as the detokeniser produces them and never emit
 anything a later delta could still turn into something else (a partial tag, a partial stop string).
@@ -10,12 +10,12 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
+from typing import Any
 
 from strata.events import Event, ReasoningDelta, TextDelta, ToolCallArgumentsDelta, ToolCallStart
-
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+from strata.text.constraints import json_grammar, json_text
+from strata.text.family import ModelFamily
 
 _TEXT, _THINK, _CALL_HEADER, _CALL_ARGS, _CALL_TAIL, _CALL_BUFFERED = range(6)
 
@@ -30,7 +30,7 @@ def new_call_id() -> str:
 class ToolCallParser:
     """Splits streamed model text into `TextDelta`, `ReasoningDelta`, `ToolCallStart` and `ToolCallArgumentsDelta`.
 
-    Format: reasoning is `<think>…</think>`; a tool call is
+    Format (the family's markers; Qwen3's shown): reasoning is `<think>…</think>`; a tool call is
     `<tool_call>\\n{"name": "…", "arguments": {…}}\\n</tool_call>`. Newlines next to these tags belong to the
     format and are dropped (the chat template strips them the same way when it renders the history back).
 
@@ -43,18 +43,22 @@ class ToolCallParser:
     tags included, as text. So is a call naming a tool that was not declared: it is never reported as a call.
 
     Args:
-        starts_in_reasoning: the prompt already opened `<think>`, so generation begins inside reasoning.
-        parse_tool_calls: False treats `<tool_call>` as ordinary text (a request without tools).
+        family: the model family, whose markers the text uses (`ModelFamily.stream_parser` makes one).
+        starts_in_reasoning: the prompt already opened the reasoning block, so generation begins inside it.
+        parse_tool_calls: False treats the call marker as ordinary text (a request without tools).
         tool_names: the declared tools' names; None accepts any name.
     """
 
-    def __init__(self, starts_in_reasoning: bool = False, parse_tool_calls: bool = True,
+    def __init__(self, family: ModelFamily, starts_in_reasoning: bool = False, parse_tool_calls: bool = True,
                  tool_names: Collection[str] | None = None) -> None:
         self._tool_names = tool_names
         self._state = _THINK if starts_in_reasoning else _TEXT
         self._pending = ""  # text received but not yet emitted or consumed
         self._skip_newlines = starts_in_reasoning  # drop newlines that follow a tag
-        self._text_tags = (THINK_OPEN, CALL_OPEN) if parse_tool_calls else (THINK_OPEN,)
+        self._think_close, self._call_open, self._call_close = family.think_close, family.call_open, family.call_close
+        think_open = family.think_open
+        self._text_tags = (think_open, self._call_open) if parse_tool_calls else (think_open,)
+        self._after_tag = {think_open: _THINK, self._think_close: _TEXT, self._call_open: _CALL_HEADER}
         self._n_calls = 0
         self._args = _ObjectScanner()
 
@@ -65,7 +69,7 @@ class ToolCallParser:
 
     @property
     def in_reasoning(self) -> bool:
-        """Whether the text so far ends inside `<think>`."""
+        """Whether the text so far ends inside the reasoning block."""
         return self._state == _THINK
 
     def feed(self, text: str) -> list[Event]:
@@ -100,7 +104,7 @@ class ToolCallParser:
         if self._state == _TEXT:
             return self._step_plain(events, self._text_tags, TextDelta)
         if self._state == _THINK:
-            return self._step_plain(events, (THINK_CLOSE,), ReasoningDelta)
+            return self._step_plain(events, (self._think_close,), ReasoningDelta)
         if self._state == _CALL_HEADER:
             return self._step_header(events)
         if self._state == _CALL_ARGS:
@@ -124,14 +128,14 @@ class ToolCallParser:
         at, tag = found
         _emit(events, kind, self._pending[:at].rstrip("\n"))
         self._pending = self._pending[at + len(tag):]
-        self._state = {THINK_OPEN: _THINK, THINK_CLOSE: _TEXT, CALL_OPEN: _CALL_HEADER}[tag]
-        self._skip_newlines = tag != CALL_OPEN
+        self._state = self._after_tag[tag]
+        self._skip_newlines = tag != self._call_open
         return True
 
     def _step_header(self, events: list[Event]) -> bool:
-        # Invariant: only text before the first `</tool_call>` decides, so the outcome does not depend on how
+        # Invariant: only text before the first closing marker decides, so the outcome does not depend on how
         # the text was split into deltas.
-        close = self._pending.find(CALL_CLOSE)
+        close = self._pending.find(self._call_close)
         outcome, name, args_at = _match_header(self._pending if close < 0 else self._pending[:close])
         if outcome == "more" and close < 0:
             return False
@@ -157,19 +161,20 @@ class ToolCallParser:
 
     def _step_tail(self) -> bool:
         # What follows the arguments object is the closing brace of the call and whitespace: skipped.
-        at = self._pending.find(CALL_CLOSE)
+        close = self._call_close
+        at = self._pending.find(close)
         if at < 0:
-            self._pending = self._pending[-(len(CALL_CLOSE) - 1):]
+            self._pending = self._pending[-(len(close) - 1):]
             return False
-        self._pending = self._pending[at + len(CALL_CLOSE):]
+        self._pending = self._pending[at + len(close):]
         self._state, self._skip_newlines = _TEXT, True
         return True
 
     def _step_buffered(self, events: list[Event]) -> bool:
-        at = self._pending.find(CALL_CLOSE)
+        at = self._pending.find(self._call_close)
         if at < 0:
             return False
-        body, self._pending = self._pending[:at], self._pending[at + len(CALL_CLOSE):]
+        body, self._pending = self._pending[:at], self._pending[at + len(self._call_close):]
         events += self._whole_call(body, closed=True)
         self._state, self._skip_newlines = _TEXT, True
         return True
@@ -178,7 +183,7 @@ class ToolCallParser:
         """Events for a complete call body, or its raw text when the body is not a valid call."""
         call = _parse_call(body)
         if call is None or not self._declared(call[0]):
-            return [TextDelta(CALL_OPEN + body + (CALL_CLOSE if closed else ""))]
+            return [TextDelta(self._call_open + body + (self._call_close if closed else ""))]
         name, arguments = call
         index, self._n_calls = self._n_calls, self._n_calls + 1
         return [ToolCallStart(index, new_call_id(), name), ToolCallArgumentsDelta(index, arguments)]
@@ -289,6 +294,18 @@ def _parse_call(body: str) -> tuple[str, str] | None:
     if not isinstance(arguments, dict):
         return None
     return call["name"], json.dumps(arguments, ensure_ascii=False)
+
+
+def json_call_rule(function: Mapping[str, Any], strict: bool) -> tuple[str, str | None]:
+    """The grammar piece of one Hermes call of a declared tool: `{"name": "<its name>", "arguments": {...}}`, the
+    arguments in its parameters' schema (exactly when the tool is strict, else leniently: keywords llguidance lacks
+    are ignored, since that schema binds nobody). Returns the Lark right-hand side and, for a strict tool, the
+    call's JSON grammar alone (`strata.text.family.CallRule`)."""
+    schema = {"type": "object", "properties": {"name": {"const": function["name"]},
+                                               "arguments": function.get("parameters") or {"type": "object"}},
+              "required": ["name", "arguments"], "additionalProperties": False}
+    text = json_text(schema, lenient=not strict)
+    return f"%json {text}", json_grammar(text) if strict else None
 
 
 class StopMatcher:
