@@ -438,11 +438,12 @@ def _calls_rules(tools: Sequence[dict[str, Any]], tokens: SpecialTokens, paralle
     for i, tool in enumerate(tools):
         function = tool["function"]
         strict = bool(function.get("strict"))
+        param = tool_fields.get(function["name"], f"tools[{i}].function.parameters")
+        if strict:
+            _check_schema(function.get("parameters") or {}, param)
         rule, grammar = family.call_rule(function, strict)
         rules.append(f"tool{i}: {rule}")
-        if strict and grammar is not None:
-            param = tool_fields.get(function["name"], f"tools[{i}].function.parameters")
-            _check_schema(function.get("parameters") or {}, param)
+        if grammar is not None:
             parts.append((grammar, param))
     return rules, parts
 
@@ -452,6 +453,8 @@ def _tag(token: int | None, text: str) -> str:
 
 
 def json_text(schema: Any, *, lenient: bool) -> str:
+    """A JSON schema as llguidance's `%json` reads it, in the answers' layout (lenient: keywords llguidance lacks
+    are ignored)."""
     if isinstance(schema, dict):
         options = {**schema.get("x-guidance", {}), **_JSON_LAYOUT, "lenient": lenient}
         schema = {**schema, "x-guidance": options}
@@ -459,6 +462,7 @@ def json_text(schema: Any, *, lenient: bool) -> str:
 
 
 def json_grammar(schema_text: str) -> str:
+    """The grammar of a JSON value in a schema (`json_text`), on its own."""
     import llguidance
 
     return llguidance.LLMatcher.grammar_from_json_schema(schema_text)
