@@ -13,8 +13,9 @@ from engine_helpers import abort_mid_prefill
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 from hf_reference import load_hf_model
+from strata.engine_cffi._engine import ffi, lib
 
-from strata.engine_cffi import Engine, EngineAborted, EngineError
+from strata.engine_cffi import SUPPORTED_ARCHITECTURES, Engine, EngineAborted, EngineError
 from strata.modelgen import write_random_model
 
 # The engine computes each token's row independently of how tokens are chunked, but a kernel may take another
@@ -243,6 +244,19 @@ def test_unsupported_architecture(tmp_path: pathlib.Path, models: dict[str, path
     path.write_bytes(data.replace(arch_value, struct.pack("<Q", 5) + b"mamba", 1))
     with pytest.raises(EngineError, match="unsupported architecture 'mamba'"):
         Engine.load(path, n_ctx=64)
+
+
+def test_the_c_table_of_architectures_is_the_wrappers() -> None:
+    """The wrapper refuses an architecture before C sees it; C's own refusal names the rows of its table (archs.c),
+    which must be the architectures the wrapper lets through."""
+    params = ffi.new("strata_model_params *")
+    name = ffi.new("char[]", b"mamba")
+    params.arch = name
+    model = ffi.new("strata_model **")
+    assert lib.strata_model_create(params, model) == lib.STRATA_ERR_UNSUPPORTED
+    assert model[0] == ffi.NULL
+    message = ffi.string(lib.strata_last_error()).decode()
+    assert message == f"unsupported architecture 'mamba' ({', '.join(SUPPORTED_ARCHITECTURES)})"
 
 
 def test_unsupported_tensor_type(tmp_path: pathlib.Path, models: dict[str, pathlib.Path]) -> None:

@@ -20,7 +20,7 @@ from strata.pictures.rows import PictureRows
 
 __all__ = ["BatchItem", "Engine", "EngineAborted", "EngineError", "PictureRows"]
 
-# The architectures the C forward pass runs (its own table, ARCHS in engine.c, has their traits).
+# The architectures the C forward pass runs (its own table, ARCHS in archs.c, has their traits and layers).
 SUPPORTED_ARCHITECTURES = ("qwen3moe", "qwen3", "llama", "qwen3vl", "qwen3vlmoe")
 _KV_TYPES = {"f32": lib.STRATA_KV_F32, "f16": lib.STRATA_KV_F16, "int8": lib.STRATA_KV_INT8}
 _INT32 = np.iinfo(np.int32)

@@ -1,4 +1,4 @@
-/* simd.h — the vector helpers the kernels (quants_*.c) and the forward pass (engine.c) share.
+/* simd.h — the vector helpers the kernels (quants_*.c) and the forward pass (blocks.c) share.
  * AV lanes of f32 per register (avec, av_*): 16 with AVX-512, 8 with AVX2 + F16C + FMA; AV is undefined without a
  * vector unit, and callers keep a scalar path for that case. */
 #pragma once

@@ -1,0 +1,200 @@
+/* engine_internal.h — what the engine's files share, not seen by cffi: a view of a weight, a layer's weights, the
+ * model, the context, a thread's part of a job, and the table of architectures (archs.c). The files: engine.c
+ * (context, batch step, public API), model_load.c (tensor table, hyper-parameters, weight copy), blocks.c (norms,
+ * RoPE, attention, the feed-forwards, embeddings and output), archs.c and one arch_<family>.c per family's
+ * layer. */
+#ifndef STRATA_ENGINE_INTERNAL_H
+#define STRATA_ENGINE_INTERNAL_H
+
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kernels.h"
+#include "threadpool.h"
+
+#define ROWS_PER_TASK 16   /* output rows per unit of work in a product: small enough to balance threads */
+_Static_assert(ROWS_PER_TASK % STRATA_BAND_ROWS == 0, "a unit of rows starts a band");
+#define MAX_EXPERT_USED 64
+#define FEW_TOKENS 64      /* chunks up to this many tokens are decode-shaped: products read rows as long runs
+                            * (the kernels keep a tile of rows in cache while up to 64 tokens pass over it) */
+#define RUNS_PER_THREAD 8  /* units of a decode-shaped product per thread: enough for one to take up another's */
+#define MIN_RUN_BLOCKS 8   /* ROWS_PER_TASK blocks per unit at least: a run long enough to stream */
+#define PACKED_RUN_BLOCKS 32 /* a prompt's unit of a product that packs its tokens per call (strata_gemm_packs_tokens),
+                              * bounded as decode's by RUNS_PER_THREAD: a 256-token prompt of the small Q8_0 MoE at 2
+                              * threads took 71.7 ms in units of 1 block (each repacking every token), 53 in 8, 48 */
+
+// --- errors
+
+/* Record a message for strata_last_error and return `status` (engine.c). */
+strata_status engine_fail(strata_status status, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+// --- weights: a view of one GGUF tensor
+
+typedef struct {
+    const void *data;      /* NULL when the tensor is absent */
+    int type;              /* GGML type id */
+    int vec_dot_type;      /* the activation type its products read */
+    int64_t n_in;          /* ne[0]: elements per row */
+    int64_t n_out;         /* ne[1]: rows (per expert for 3-D tensors) */
+    size_t row_bytes;
+    size_t matrix_bytes;   /* n_out rows: the stride between the experts of a 3-D tensor */
+    size_t bytes;          /* every expert's rows */
+    const void *bands;     /* NULL, or the rows laid out in bands (strata_bands_fill): every product reads that */
+    size_t bands_bytes;    /* one expert's bands: the stride between the experts' bands of a 3-D tensor */
+    int packs;             /* its products pack the tokens anew per call (strata_gemm_packs_tokens) */
+} matrix;
+
+/* The matrix of expert e in a 3-D expert tensor. */
+static inline const void *expert_data(const matrix *w, int e) {
+    return (const char *)w->data + (size_t)e * w->matrix_bytes;
+}
+
+typedef struct {
+    float *attn_norm;      // (n_embd,)
+    matrix wq;             // (n_head * head_dim, n_embd)
+    matrix wk;             // (n_head_kv * head_dim, n_embd)
+    matrix wv;             // (n_head_kv * head_dim, n_embd)
+    float *q_norm;         // (head_dim,) qwen3 and qwen3moe only
+    float *k_norm;         // (head_dim,) qwen3 and qwen3moe only
+    matrix wo;             // (n_embd, n_head * head_dim)
+    float *ffn_norm;       // (n_embd,)
+    matrix ffn_gate;       // (n_ff, n_embd) dense only
+    matrix ffn_up;         // (n_ff, n_embd) dense only
+    matrix ffn_down;       // (n_embd, n_ff) dense only
+    matrix router;         // (n_expert, n_embd) MoE only
+    matrix gate_exps;      // (n_expert, n_ff_exp, n_embd) MoE only
+    matrix up_exps;        // (n_expert, n_ff_exp, n_embd) MoE only
+    matrix down_exps;      // (n_expert, n_embd, n_ff_exp) MoE only
+} layer_weights;
+
+// --- the team: every thread of the pool runs each building block, on its share of the rows
+
+/* One thread's view of the job it runs with the others. */
+typedef struct {
+    strata_pool *pool;
+    int ith, nth;                  /* this thread, of nth */
+} team;
+
+typedef struct { int64_t lo, hi; } range;
+
+// --- architectures: each family's layer in its own file (arch_*.c), found by name in archs.c
+
+typedef enum { ROPE_NORMAL, ROPE_NEOX } rope_mode;  /* rotate adjacent pairs, or pairs half a head apart */
+
+/* One layer over the chunk's tokens, run by every thread of the team: 1 when every sequence of the chunk was
+ * dropped inside it (the chunk stops there), else 0. embd_rows: the caller's (n_embd_rows, n_embd * (1 +
+ * n_deepstack)). */
+typedef int (*arch_layer_fn)(const team *tm, strata_context *c, int il, const float *embd_rows, int n_tok);
+
+typedef struct {
+    const char *name;      /* general.architecture */
+    rope_mode rope;
+    int has_qk_norm;       /* q and k heads RMS-normed before RoPE */
+    int is_moe;            /* the feed-forward is a mixture of experts */
+    int mrope;             /* positions have (t, h, w) components (multi-axis RoPE) */
+    arch_layer_fn layer;
+} arch;
+
+const arch *arch_find(const char *name);  /* NULL for a name no row has */
+void arch_names(char *out, size_t n);     /* every row's name, ", " between them */
+
+int qwen3_layer(const team *tm, strata_context *c, int il, const float *embd_rows, int n_tok);     // arch_qwen3.c
+int qwen3moe_layer(const team *tm, strata_context *c, int il, const float *embd_rows, int n_tok);  // arch_qwen3.c
+int llama_layer(const team *tm, strata_context *c, int il, const float *embd_rows, int n_tok);     // arch_llama.c
+
+// --- model (model_load.c)
+
+struct strata_model {
+    strata_model_params hp;    /* tensors and arch are not kept: they belong to the caller */
+    char arch[16];
+    rope_mode rope;
+    int has_qk_norm;
+    int is_moe;
+    int mrope;                 /* positions have (t, h, w) components (multi-axis RoPE) */
+    arch_layer_fn layer;       /* its family's layer (archs.c) */
+    unsigned char *rope_axis;  // (head_dim / 2,) the component each frequency pair turns by (0 without mrope)
+    matrix tok_embd;           // (n_vocab, n_embd)
+    matrix output;             // (n_vocab, n_embd): token_embd when the model ties them
+    void *output_bands;        // output's rows in bands, built at load where the build has them for its type
+    size_t prepared_bytes;     /* what output_bands takes */
+    void *weights;             // the copy of the matrices decode reads whole (copy_weights), in huge pages
+    size_t copied_bytes;       /* what weights holds */
+    float *output_norm;        // (n_embd,)
+    float *inv_freq;           // (head_dim / 2,) rope frequencies, scaled (build_rope)
+    layer_weights *layers;     // (n_layer,)
+};
+
+// --- context: the sequences' KV cache and scratch for one chunk
+
+struct strata_context {
+    const strata_model *model;
+    int n_ctx, n_seq, n_batch, n_threads, kv_type;
+    strata_pool *pool;             /* n_threads threads, the caller's included */
+    int *n_past;                   // (n_seq,) positions each sequence holds
+    atomic_int *abort_flag;        // (n_seq,) raised by strata_abort, lowered when a call drops the sequence
+    int *dropped;                  // (n_seq,) the call in flight dropped the sequence (its flag was seen)
+    int stop;                      /* every sequence of the chunk was dropped: the chunk stopped */
+    int stop_at[2];                /* the answers of the two alternating polls of the abort flags */
+    strata_timings timings;
+    double output_t0;              /* when the current output projection began (ms) */
+    size_t kv_elem;                /* bytes per cached value */
+    void *k_cache;                 // (n_seq, n_layer, n_head_kv, n_ctx, head_dim) of kv_type
+    void *v_cache;                 // (n_seq, n_layer, n_head_kv, n_ctx, head_dim) of kv_type
+    float *k_scale;                // (n_seq, n_layer, n_head_kv, n_ctx) int8 only
+    float *v_scale;                // (n_seq, n_layer, n_head_kv, n_ctx) int8 only
+    /* multi-axis RoPE only: each cached position's t component, and 1 + its largest (where text goes on) */
+    int *rope_t;                   // (n_seq, n_ctx)
+    int *rope_next;                // (n_seq, n_ctx)
+    /* the chunk in flight: its tokens gathered from the call, in call order */
+    int *chunk_token;              // (n_batch,) token ids
+    int *chunk_seq;                // (n_batch,) sequence of each token
+    int *chunk_pos;                // (n_batch,) position of each token in its sequence
+    int *chunk_rope;               // (n_batch, 3) its RoPE position's (t, h, w) components (all = pos: one axis)
+    int *chunk_embd;               // (n_batch,) the caller's embedding row replacing the token, or -1
+    int *chunk_out;                // (n_batch,) the caller's logits row of the token, or -1
+    float *x;                      // (n_batch, n_embd) residual stream
+    float *xb;                     // (n_batch, n_embd) normed input of a block, then its output
+    float *q;                      // (n_batch, n_head * head_dim)
+    float *k;                      // (n_batch, n_head_kv * head_dim)
+    float *v;                      // (n_batch, n_head_kv * head_dim)
+    float *att;                    // (n_batch, n_head * head_dim) attention output
+    float *scores;                 // (n_threads, n_head / n_head_kv, n_ctx) attention weights
+    float *hb;                     // (n_rows_ff, n_ff_max) gate, then the SwiGLU product
+    float *hb2;                    // (n_rows_ff, n_ff_max) up
+    float *moe_out;                // (n_batch * n_expert_used, n_embd) each expert's output per slot
+    float *router;                 // (n_batch, n_expert) router logits
+    float *draw_work;              // (n_threads, draw_n) strata_sample_rows' scratch
+    int *draw_idx;                 // (n_threads, draw_n)
+    int draw_n;
+    void *xq;                      // (n_rows_ff, act_row_max) activations in a product's partner type
+    void *xq_slots;                // (n_batch * n_expert_used, act_row_max) token rows gathered per slot
+    size_t act_row_max;            /* bytes of the widest activation row */
+    /* MoE routing of the current chunk */
+    int *slot_of;                  // (n_batch, n_expert_used) slot of each (token, choice)
+    float *choice_weight;          // (n_batch, n_expert_used) renormalised router weight
+    int *slot_token;               // (n_batch * n_expert_used) token of each slot; slots are grouped by expert
+    int *expert_start;             // (n_expert,) first slot of each expert
+    int *expert_count;             // (n_expert,) slots of each expert
+    int *tasks;                    // (n_expert * (blocks of n_ff_exp + blocks of n_embd), 2) (expert, row block);
+                                   // a block is task_rows rows, ROWS_PER_TASK or more
+    int n_tasks_up, n_tasks_down;  /* tasks for the gate/up products, then for the down product */
+    int64_t task_rows[2];          /* rows per gate/up task, per down task */
+};
+
+static inline size_t act_row_bytes(int vec_dot_type, int64_t n) {
+    const strata_type_traits *tr = strata_traits(vec_dot_type);
+    return tr->block_bytes * (size_t)(n / tr->block_size);
+}
+
+static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+/* Index of row (seq, il, kvh, position 0) in the cache, and of its int8 scale; position p is row base + p. A kv
+ * head's positions are adjacent, so attention reads each head's rows as one sequential stream. */
+static inline size_t kv_base(const strata_context *c, int seq, int il, int kvh) {
+    const strata_model_params *p = &c->model->hp;
+    return (((size_t)seq * p->n_layer + il) * p->n_head_kv + kvh) * c->n_ctx;
+}
+
+#endif
