@@ -70,3 +70,11 @@ def test_the_progress_line_gives_bytes_rate_and_eta():
     transfer = Transfer(total=40_000_000, report=lines.append, name="m-Q8_0.gguf", started=time.monotonic() - 2)
     transfer.advance(10_000_000)
     assert lines == ["m-Q8_0.gguf: 10.0 of 40.0 MB, 5.0 MB/s, ETA 6 s"]
+
+
+def test_under_another_asgi_server_an_hf_model_is_one_line():
+    from strata.model_file import ModelFileError, check_model_file
+
+    with pytest.raises(ModelFileError, match=r"^model hf:o/m:Q8_0: Hugging Face models are downloaded by `strata "
+                                             r"serve`; under another ASGI server, name the downloaded file$"):
+        check_model_file("hf:o/m:Q8_0")
