@@ -15,6 +15,7 @@ import hashlib
 import json
 import re
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -23,10 +24,13 @@ COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
 class FakeHub:
-    """The repositories served (`repos[repo][path] = bytes`), the URL, and the request paths seen."""
+    """The repositories served (`repos[repo][path] = bytes`), the URL, and the requests seen ("GET /path", with
+    " (bytes=N-)" for a ranged one)."""
 
-    def __init__(self, repos: dict[str, dict[str, bytes]]) -> None:
+    def __init__(self, repos: dict[str, dict[str, bytes]], stall: float = 0.0, cut: int | None = None) -> None:
         self.repos = repos
+        self.stall = stall  # seconds a file's GET waits before its bytes (a slow download)
+        self.cut = cut  # the first whole-file GET ends its connection after this many bytes (a network cut)
         self.requests: list[str] = []
         self.url = ""
 
@@ -43,7 +47,8 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             self._answer(body=False)
 
         def _answer(self, body: bool) -> None:
-            hub.requests.append(f"{self.command} {self.path}")
+            asked = self.headers.get("Range")
+            hub.requests.append(f"{self.command} {self.path}" + (f" ({asked})" if asked else ""))
             path = self.path.split("?")[0]
             info = re.fullmatch(r"/api/models/([^/]+/[^/]+)(?:/revision/[^/]+)?", path)
             if info:
@@ -53,12 +58,19 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             if not resolve or resolve.group(2) not in files:
                 return self._send(404, b"", {"X-Error-Code": "EntryNotFound" if resolve else "RepoNotFound"}, body)
             data = files[resolve.group(2)]
+            if body:
+                time.sleep(hub.stall)
             headers = {"X-Repo-Commit": COMMIT, "ETag": f'"{hashlib.sha256(data).hexdigest()}"'}
             start = re.fullmatch(r"bytes=(\d+)-", self.headers.get("Range", ""))
             if start and body:
                 offset = int(start.group(1))
                 headers["Content-Range"] = f"bytes {offset}-{len(data) - 1}/{len(data)}"
                 return self._send(206, data[offset:], headers, body)
+            if body and hub.cut is not None:
+                cut, hub.cut = hub.cut, None
+                self._send(200, data[:cut], {**headers, "Content-Length": str(len(data))}, body)
+                self.close_connection = True
+                return None
             return self._send(200, data, headers, body)
 
         def _info(self, repo: str, body: bool) -> None:
@@ -70,9 +82,8 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
 
         def _send(self, status: int, data: bytes, headers: dict[str, str], body: bool) -> None:
             self.send_response(status)
-            for key, value in headers.items():
+            for key, value in {"Content-Length": str(len(data)), **headers}.items():
                 self.send_header(key, value)
-            self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             if body:
                 self.wfile.write(data)
@@ -81,9 +92,9 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
 
 
 @contextmanager
-def fake_hub(repos: dict[str, dict[str, bytes]]) -> Iterator[FakeHub]:
+def fake_hub(repos: dict[str, dict[str, bytes]], stall: float = 0.0, cut: int | None = None) -> Iterator[FakeHub]:
     """Serve `repos` on a loopback port until the block ends."""
-    hub = FakeHub(repos)
+    hub = FakeHub(repos, stall, cut)
     server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(hub))
     hub.url = f"http://127.0.0.1:{server.server_address[1]}"
     thread = threading.Thread(target=server.serve_forever, daemon=True)

@@ -70,6 +70,10 @@ def test_the_progress_line_gives_bytes_rate_and_eta():
     transfer = Transfer(total=40_000_000, report=lines.append, name="m-Q8_0.gguf", started=time.monotonic() - 2)
     transfer.advance(10_000_000)
     assert lines == ["m-Q8_0.gguf: 10.0 of 40.0 MB, 5.0 MB/s, ETA 6 s"]
+    resumed = Transfer(total=40_000_000, report=lines.append, name="m-Q8_0.gguf", started=time.monotonic() - 2)
+    resumed.advance(20_000_000, resumed=True)  # an interrupted download's bytes: not in the rate
+    resumed.advance(10_000_000)
+    assert lines[-1] == "m-Q8_0.gguf: 30.0 of 40.0 MB, 5.0 MB/s, ETA 2 s"
 
 
 def test_under_another_asgi_server_an_hf_model_is_one_line():

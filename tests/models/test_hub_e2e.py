@@ -124,3 +124,28 @@ def test_strata_generate_hf_downloads_and_generates(hub_env, repo, capsys):
     err = capsys.readouterr().err
     assert re.search(r"^hf:owner/tiny-GGUF:Q8_0: \S+tiny-Q8_0.gguf$", err, re.MULTILINE)
     assert "strata generate: error: hf:owner/tiny-GGUF:Q5_K_M: no GGUF file for quant Q5_K_M" in err
+
+
+async def test_a_slow_download_prints_progress_lines(hub_env, repo):
+    with fake_hub(repo, stall=2.5) as server:
+        hub_env(server.url)
+        lines: list[str] = []
+        await resolve_config(server_config(model="hf:owner/tiny-GGUF:Q8_0", vision={"hf_mmproj": "none"}),
+                             lines.append)
+    assert re.fullmatch(r"downloading hf:owner/tiny-GGUF:Q8_0 \.\.\. 2 s \(tiny-Q8_0.gguf: 0\.0 of \d+\.\d MB, "
+                        r"0\.0 MB/s\)", lines[0]), lines
+    assert lines[-1].startswith("hf:owner/tiny-GGUF:Q8_0: ")
+
+
+def test_a_download_cut_by_the_network_resumes_where_it_stopped(hub_env, repo):
+    from huggingface_hub.constants import DOWNLOAD_CHUNK_SIZE
+
+    data = repo["owner/tiny-GGUF"]["tiny-F32.gguf"]
+    assert len(data) > DOWNLOAD_CHUNK_SIZE + 1000  # the client writes whole chunks: one is kept
+    lines: list[str] = []
+    with fake_hub(repo, cut=DOWNLOAD_CHUNK_SIZE + 1000) as server:
+        hub_env(server.url)
+        model, _ = fetch(HubRef("owner/tiny-GGUF", "F32"), None, lines.append)
+    assert Path(model).read_bytes() == data
+    assert f"GET /owner/tiny-GGUF/resolve/main/tiny-F32.gguf (bytes={DOWNLOAD_CHUNK_SIZE}-)" in server.requests
+    assert lines[-1].startswith(f"tiny-F32.gguf: {len(data) / 1e6:.1f} of {len(data) / 1e6:.1f} MB")

@@ -133,16 +133,18 @@ class Transfer:
     total: int
     report: Callable[[str], None]
     done: int = 0
+    resumed: int = 0  # of `done`: bytes an interrupted download had left in the cache (not in the rate)
     started: float = dataclasses.field(default_factory=time.monotonic)
     name: str = ""
 
-    def advance(self, n: int) -> None:
+    def advance(self, n: int, resumed: bool = False) -> None:
         self.done += n
+        self.resumed += n if resumed else 0
         self.report(self.line())
 
     def line(self) -> str:
         elapsed = max(time.monotonic() - self.started, 1e-3)
-        rate = self.done / elapsed
+        rate = (self.done - self.resumed) / elapsed
         left = f", ETA {(self.total - self.done) / rate:.0f} s" if rate > 0 and self.total > self.done else ""
         return (f"{self.name}: {self.done / 1e6:.1f} of {self.total / 1e6:.1f} MB, {rate / 1e6:.1f} MB/s{left}")
 
@@ -212,7 +214,7 @@ def _meter(transfer: Transfer) -> type:
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             kwargs["disable"] = True
             super().__init__(*args, **kwargs)
-            transfer.advance(kwargs.get("initial") or 0)  # a resumed download's bytes already there
+            transfer.advance(kwargs.get("initial") or 0, resumed=True)
 
         def update(self, n: float | None = 1) -> bool | None:
             transfer.advance(int(n or 0))
@@ -248,6 +250,7 @@ def fetch(ref: HubRef, mmproj_quant: str | None, report: Callable[[str], None] =
     paths = []
     for name in wanted:
         progress.name = name
+        progress.advance(0)  # the line names the file before its first bytes arrive
         try:
             paths.append(hf_hub_download(ref.repo, name, tqdm_class=_meter(progress)))
         except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as error:
