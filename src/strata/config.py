@@ -47,6 +47,9 @@ class VisionConfig:
     max_tokens: int | None = None  # most rows per picture; None: the mmproj file's budget, else 1024
     min_tokens: int | None = None  # small pictures are scaled up to about this many rows; None: the file's
     exe: list[str] | None = None
+    # With an "hf:" model and no mmproj or exe configured: the quant of the mmproj file taken from the repository
+    # when it has several ("none": no image encoder).
+    hf_mmproj: str = "F16"
     remote: bool = False
     lazy_load: bool = False
     # An encode taking longer than encode_timeout + rows * encode_timeout_per_row seconds (rows: the picture's
@@ -162,6 +165,7 @@ def _fail(key: str, message: str) -> ConfigError:
 
 
 def _check(config: Config) -> None:
+    _check_model_name(config.model)
     _check_engine(config)
     _check_limits(config.limits)
     _check_vision(config.vision)
@@ -185,6 +189,17 @@ def _check_engine(config: Config) -> None:
         raise _fail("kv_budget", f"must be positive (MiB), got {config.kv_budget}")
     if not config.step_slowdown >= 1:
         raise _fail("step_slowdown", f"must be at least 1 (a multiple of the decode step), got {config.step_slowdown}")
+
+
+def _check_model_name(model: str | None) -> None:
+    """An "hf:owner/name[:QUANT]" model is well formed (it is downloaded when the server starts)."""
+    from strata.models.hub import HubError, is_hub_model, parse_ref
+
+    if is_hub_model(model):
+        try:
+            parse_ref(model or "")
+        except HubError as error:
+            raise _fail("model", str(error)) from None
 
 
 def _check_limits(limits: LimitsConfig) -> None:

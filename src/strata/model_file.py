@@ -28,6 +28,9 @@ def check_model_file(path: str | os.PathLike[str] | None) -> str:
 
     if not path:
         raise ModelFileError('no model configured (the "model" key or --model)')
+    if str(path).startswith("hf:"):  # `serve()` and `strata generate` download it before they get here
+        raise ModelFileError(f"model {path}: Hugging Face models are downloaded by `strata serve`; under another "
+                             "ASGI server, name the downloaded file")
     where = Path(path)
     if where.is_dir():
         raise ModelFileError(f"model {path}: a directory, not a GGUF model file (name the .gguf file in it)")

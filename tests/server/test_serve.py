@@ -21,6 +21,7 @@ import pytest
 import trio
 from conftest import server_config
 from gguf_rewrite import rewrite
+from hub_server import fake_hub
 
 import strata
 from strata.cli import main
@@ -57,6 +58,49 @@ def test_config_errors_name_the_key(tmp_path, capsys):
     assert '"limits.queue_length" must be at least 1' in capsys.readouterr().err
     assert main(["serve", "--model", "m.gguf", "--port", "eighty"]) == 2
     assert '"port" must be int' in capsys.readouterr().err
+
+
+def test_strata_serve_hf_downloads_the_model_then_serves_it_from_the_cache(tiny_model, tmp_path):
+    repos = {"owner/tiny-GGUF": {"tiny-Q8_0.gguf": tiny_model.read_bytes(), "tiny-F32.gguf": tiny_model.read_bytes()}}
+    command = [sys.executable, "-m", "strata.cli", "serve", "--hf", "owner/tiny-GGUF:F32", "--port", "0",
+               "--threads", "1", "--context", "256"]
+
+    def serve_and_chat(env: dict[str, str]) -> None:
+        with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=env) as process:
+            try:
+                found, lines = wait_for_line(process, r"serving \S+ on (http://\S+)")
+                assert re.search(r"hf:owner/tiny-GGUF:F32: \S+hf-cache\S+tiny-F32.gguf", "".join(lines))
+                url = found.group(1)
+                deadline = time.monotonic() + 60
+                while httpx.get(url + "/health").status_code != 200:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.05)
+                reply = httpx.post(url + "/v1/chat/completions", timeout=60,
+                                   json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+                assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] <= 2
+            finally:
+                process.send_signal(signal.SIGINT)
+                process.wait(timeout=30)
+
+    with fake_hub(repos) as hub:
+        env = environment(HF_ENDPOINT=hub.url, HF_HUB_CACHE=str(tmp_path / "hf-cache"), HF_HUB_OFFLINE="0")
+        serve_and_chat(env)
+        downloads = [request for request in hub.requests if request.startswith("GET /owner/tiny-GGUF/resolve/")]
+        assert downloads == ["GET /owner/tiny-GGUF/resolve/main/tiny-F32.gguf"]
+        hub.requests.clear()
+        serve_and_chat({**env, "HF_HUB_OFFLINE": "1"})
+        assert hub.requests == []  # the second start asked the hub nothing
+
+
+def test_strata_serve_hf_errors_are_one_line_before_listening(tmp_path, capsys):
+    with fake_hub({}) as hub:
+        env = environment(HF_ENDPOINT=hub.url, HF_HUB_CACHE=str(tmp_path / "hf-cache"))
+        done = subprocess.run([sys.executable, "-m", "strata.cli", "serve", "--hf", "owner/nothing", "--port", "0"],
+                              capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 1
+    assert done.stdout + done.stderr == ("error: hf:owner/nothing: no such repository on the hub (or a private one: "
+                                         "set HF_TOKEN)\n")
 
 
 def test_strata_serve_prints_what_it_loaded_and_stops_on_sigterm_mid_request(tiny_model):

@@ -42,13 +42,17 @@ async def serve(
         task_status: for `nursery.start`: started with the bound addresses once listening.
     """
     from strata.model_file import ModelFileError, check_model_file
+    from strata.models.hub import HubError
+    from strata.models.resolve import resolve_config
 
     try:
         # A wrong model path is one line before anything listens; a file that passes and still fails to load
-        # (a tensor missing, too little memory) ends serving once loading has failed.
+        # (a tensor missing, too little memory) ends serving once loading has failed. An "hf:" model is
+        # downloaded first (or found in the cache).
+        config = await resolve_config(config, log)
         check_model_file(config.model)
         sockets = bind_sockets(listen_addresses(config.host, config.port))
-    except (ModelFileError, ListenError) as error:
+    except (HubError, ModelFileError, ListenError) as error:
         log(f"error: {error}")
         return 1
     try:

@@ -4,7 +4,8 @@ itself, so it cannot drift). A key missing here still gets a flag and its defaul
 from __future__ import annotations
 
 HELP = {
-    "model": "GGUF model file (default: the shipped demo model)",
+    "model": 'GGUF model file, or "hf:owner/name[:QUANT]" downloaded from Hugging Face (default: the shipped '
+             "demo model)",
     "host": "address(es) to listen on, comma-separated",
     "port": "TCP port",
     "api_key": "key clients must send (Authorization: Bearer or x-api-key); also $STRATA_API_KEY",
@@ -33,6 +34,7 @@ HELP = {
     "sampling.min_p": "default min-p (fraction of the top probability, 0..1)",
     "sampling.seed": "default sampling seed",
     "vision.mmproj": "image encoder file (mmproj GGUF)",
+    "vision.hf_mmproj": 'with an hf: model, the quant of the mmproj file taken beside it ("none": no encoder)',
     "vision.gpu": "run the image encoder on the GPU",
     "vision.threads": "image encoder threads (default: a quarter of the cores)",
     "vision.max_tokens": "most rows (tokens) per picture (default: the mmproj file's budget)",

@@ -12,6 +12,8 @@ from strata.text.sampling import SamplingParams
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = SamplingParams()
     parser.add_argument("--model", default=None, help="GGUF model file (default: the shipped demo model)")
+    parser.add_argument("--hf", metavar="REPO[:QUANT]", default=None,
+                        help="download the model from Hugging Face into its cache (instead of --model)")
     parser.add_argument("--prompt", required=True, help="the prompt text (special-token text becomes its token)")
     parser.add_argument("--chat", action="store_true",
                         help="send the prompt as a user message through the model's chat template")
@@ -32,8 +34,8 @@ def run(args: argparse.Namespace) -> int:
     from strata.text.sampling import Sampler
     from strata.text.tokenizer import Tokenizer
 
-    model = args.model or str(DEMO_MODEL)
     try:
+        model = _hub_model(args.hf) if args.hf else args.model or str(DEMO_MODEL)
         params = SamplingParams(temperature=args.temperature, seed=args.seed)
         check_model_file(model)  # one line for a wrong path, as `strata serve` prints it (a ValueError)
         tokenizer = Tokenizer.from_gguf(model)
@@ -57,6 +59,21 @@ def run(args: argparse.Namespace) -> int:
     finally:
         engine.close()
     return 0
+
+
+def _hub_model(name: str) -> str:
+    """The path of the model `--hf` names, downloaded with progress lines on stderr (or found in the cache)."""
+    from functools import partial
+
+    import trio
+
+    from strata.config import Config, VisionConfig
+    from strata.models.hub import PREFIX
+    from strata.models.resolve import resolve_config
+
+    config = Config(model=PREFIX + name.removeprefix(PREFIX), vision=VisionConfig(hf_mmproj="none"))
+    resolved = trio.run(partial(resolve_config, config, lambda line: print(line, file=sys.stderr, flush=True)))
+    return resolved.model or ""
 
 
 def _stream(tokens, tokenizer, n_prompt: int) -> None:

@@ -24,6 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     defaults = Config()
     parser.add_argument("--config", metavar="FILE", help="JSON config file (default: $STRATA_CONFIG)")
+    parser.add_argument("--hf", metavar="REPO[:QUANT]",
+                        help='download the model (and its mmproj) from Hugging Face into its cache and serve it; '
+                             'the same as --model hf:REPO[:QUANT], the "model" config key')
     for key, hint in flag_names():
         flag = "--" + key.replace("_", "-")
         section, _, name = key.rpartition(".")
@@ -66,6 +69,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
         section, _, name = key.rpartition(".")
         target = overrides.setdefault(section, {}) if section else overrides
         target[name] = _flag_value(key, hint, text)
+    if args.hf:
+        overrides["model"] = "hf:" + args.hf.removeprefix("hf:")
     return load_config(args.config, overrides)
 
 

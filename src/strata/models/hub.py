@@ -1,0 +1,259 @@
+"""Models named by a Hugging Face repository: `strata serve --hf REPO[:QUANT]`, or `"model": "hf:REPO[:QUANT]"`.
+
+The `huggingface_hub` client does the transfer, so its cache (`HF_HOME`, `HF_HUB_CACHE`), its offline mode
+(`HF_HUB_OFFLINE=1`), its token (`HF_TOKEN`) and its resumable downloads are the user's usual ones. The file for a
+quant is chosen as llama.cpp's `-hf` and the hub's own GGUF manifest choose it: the first GGUF file whose path has
+the quant followed by `.` or `-` (case-insensitive; and, unlike llama.cpp, as a word of its own: F16 is not BF16);
+with no quant, Q4_K_M, else the first GGUF file. An `mmproj`
+file beside it is taken too, the one of the preferred quant (F16 unless configured) when there are several.
+
+A second start needs no network: when the hub cannot be reached (or offline mode is on), the files come from the
+cache. Everything that goes wrong is one `HubError` line, before anything listens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+PREFIX = "hf:"
+DEFAULT_QUANT = "Q4_K_M"
+SPLIT_PART = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
+_REPO = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+class HubError(ValueError):
+    """A Hugging Face model cannot be had: one line for the user."""
+
+
+@dataclass(frozen=True)
+class HubRef:
+    """`REPO[:QUANT]`: a repository and the quant asked for (None: the default choice)."""
+
+    repo: str
+    quant: str | None
+
+    def __str__(self) -> str:
+        return f"{PREFIX}{self.repo}" + (f":{self.quant}" if self.quant else "")
+
+
+@dataclass(frozen=True)
+class HubChoice:
+    """The repository's files to fetch: the model and, when there is one, its mmproj."""
+
+    model: str
+    mmproj: str | None
+
+
+def parse_ref(text: str) -> HubRef:
+    """`owner/name[:QUANT]` (an `hf:` prefix allowed) as a `HubRef`.
+
+    Raises:
+        HubError: when the text is not of that form.
+    """
+    body = text.removeprefix(PREFIX)
+    repo, _, quant = body.partition(":")
+    if not _REPO.fullmatch(repo) or ":" in quant:
+        raise HubError(f"{text}: not a Hugging Face model name (owner/name or owner/name:QUANT)")
+    return HubRef(repo, quant or None)
+
+
+def is_hub_model(model: str | None) -> bool:
+    return bool(model) and model.startswith(PREFIX)  # type: ignore[union-attr]
+
+
+# --- choosing files
+
+
+def quant_of(name: str) -> str:
+    """The quant a GGUF file name ends with: `Qwen3-8B-Q4_K_M.gguf` and `m.Q8_0-00001-of-00002.gguf` give Q4_K_M
+    and Q8_0."""
+    stem = SPLIT_PART.sub("", Path(name).name)
+    stem = stem[:-len(".gguf")] if stem.lower().endswith(".gguf") else stem
+    return re.split(r"[-.]", stem)[-1]
+
+
+def _has_quant(name: str, quant: str) -> bool:
+    return re.search(r"(?<![A-Za-z0-9])" + re.escape(quant) + r"[.-]", name, re.IGNORECASE) is not None
+
+
+def choose_files(ref: HubRef, names: list[str], mmproj_quant: str | None) -> HubChoice:
+    """The files of the repository (`names`, paths in it) that serve `ref`.
+
+    Args:
+        ref: the repository and quant.
+        names: every file path in the repository.
+        mmproj_quant: the mmproj quant preferred when there are several; None: no mmproj.
+
+    Raises:
+        HubError: no GGUF file for the quant (naming the quants there are), or the quant comes in split files.
+    """
+    ggufs = sorted(name for name in names if name.lower().endswith(".gguf"))
+    models = [name for name in ggufs if "mmproj" not in Path(name).name.lower()]
+    if not models:
+        raise HubError(f"{ref}: the repository has no GGUF model file")
+    quants = sorted({quant_of(name) for name in models})
+    if ref.quant:
+        found = [name for name in models if _has_quant(name, ref.quant)]
+    else:
+        found = [name for name in models if _has_quant(name, DEFAULT_QUANT)] or models
+    if not found:
+        raise HubError(f"{ref}: no GGUF file for quant {ref.quant} (there are: {', '.join(quants)})")
+    model = found[0]
+    if SPLIT_PART.search(model):
+        whole = sorted({quant_of(name) for name in models if not SPLIT_PART.search(name)})
+        raise HubError(f"{ref}: {model} is one part of a split model (-00001-of-0000N), which Strata cannot load "
+                       f"yet; single-file quants there: {', '.join(whole) or 'none'}")
+    return HubChoice(model, _choose_mmproj(ggufs, model, mmproj_quant))
+
+
+def _choose_mmproj(ggufs: list[str], model: str, quant: str | None) -> str | None:
+    """The mmproj beside the model (in its folder, else anywhere in the repository), of `quant` if there is one."""
+    if quant is None:
+        return None
+    mmprojs = [name for name in ggufs if "mmproj" in Path(name).name.lower()]
+    beside = [name for name in mmprojs if Path(name).parent == Path(model).parent] or mmprojs
+    preferred = [name for name in beside if _has_quant(name, quant)]
+    return next(iter(preferred or beside), None)
+
+
+# --- the hub and the cache
+
+
+@dataclass
+class Transfer:
+    """Bytes of a download so far, for the progress line; updated from the download's thread."""
+
+    total: int
+    report: Callable[[str], None]
+    done: int = 0
+    resumed: int = 0  # of `done`: bytes an interrupted download had left in the cache (not in the rate)
+    started: float = dataclasses.field(default_factory=time.monotonic)
+    name: str = ""
+
+    def advance(self, n: int, resumed: bool = False) -> None:
+        self.done += n
+        self.resumed += n if resumed else 0
+        self.report(self.line())
+
+    def line(self) -> str:
+        elapsed = max(time.monotonic() - self.started, 1e-3)
+        rate = (self.done - self.resumed) / elapsed
+        left = f", ETA {(self.total - self.done) / rate:.0f} s" if rate > 0 and self.total > self.done else ""
+        return (f"{self.name}: {self.done / 1e6:.1f} of {self.total / 1e6:.1f} MB, {rate / 1e6:.1f} MB/s{left}")
+
+
+def _listing(ref: HubRef) -> tuple[list[str], dict[str, int]] | None:
+    """The repository's file paths and sizes from the hub; None when the hub cannot be reached.
+
+    Raises:
+        HubError: no such repository (or one the token cannot see).
+    """
+    import httpx2  # the HTTP client huggingface_hub 2.x runs on
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
+
+    if constants.is_offline_mode():
+        return None
+    try:
+        info = HfApi().model_info(ref.repo, files_metadata=True)
+    except GatedRepoError:
+        raise HubError(f"{ref}: a gated repository: accept its terms on the hub and set HF_TOKEN") from None
+    except RepositoryNotFoundError:
+        raise HubError(f"{ref}: no such repository on the hub (or a private one: set HF_TOKEN)") from None
+    except (httpx2.TransportError, HfHubHTTPError, OSError):
+        return None
+    siblings = info.siblings or []
+    return [file.rfilename for file in siblings], {file.rfilename: file.size or 0 for file in siblings}
+
+
+def _cached_snapshot(repo: str) -> Path | None:
+    """The cache's folder of the repository's main revision, when it has one."""
+    from huggingface_hub import constants
+    from huggingface_hub.file_download import repo_folder_name
+
+    folder = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo, repo_type="model")
+    try:
+        revision = (folder / "refs" / "main").read_text().strip()
+    except OSError:
+        return None
+    snapshot = folder / "snapshots" / revision
+    return snapshot if snapshot.is_dir() else None
+
+
+def _from_cache(ref: HubRef, mmproj_quant: str | None) -> tuple[str, str | None]:
+    snapshot = _cached_snapshot(ref.repo)
+    if snapshot is None:
+        raise HubError(f"{ref}: the hub cannot be reached and nothing of the repository is cached")
+    names = [path.relative_to(snapshot).as_posix() for path in snapshot.rglob("*") if path.is_file()]
+    choice = choose_files(ref, names, mmproj_quant)
+    return str(snapshot / choice.model), str(snapshot / choice.mmproj) if choice.mmproj else None
+
+
+def _check_disk(ref: HubRef, needed: int) -> None:
+    from huggingface_hub import constants
+
+    cache = Path(constants.HF_HUB_CACHE)
+    cache.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(cache).free
+    if needed > free:
+        raise HubError(f"{ref}: the download needs {needed / 1e9:.2f} GB and {cache} has {free / 1e9:.2f} GB free")
+
+
+def _meter(transfer: Transfer) -> type:
+    """A tqdm class for `hf_hub_download` that prints nothing and counts bytes into `transfer`."""
+    from huggingface_hub.utils import tqdm
+
+    class Meter(tqdm):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs["disable"] = True
+            super().__init__(*args, **kwargs)
+            transfer.advance(kwargs.get("initial") or 0, resumed=True)
+
+        def update(self, n: float | None = 1) -> bool | None:
+            transfer.advance(int(n or 0))
+            return None
+
+    return Meter
+
+
+def fetch(ref: HubRef, mmproj_quant: str | None, report: Callable[[str], None] = lambda _: None,
+          ) -> tuple[str, str | None]:
+    """Download (or find in the cache) the files serving `ref`; returns the model's path and the mmproj's.
+
+    Args:
+        ref: the repository and quant.
+        mmproj_quant: the mmproj quant preferred; None: no mmproj.
+        report: called from the download's thread with a progress line (bytes, rate, ETA) as bytes arrive.
+
+    Raises:
+        HubError: one line for the user.
+    """
+    from huggingface_hub import hf_hub_download, try_to_load_from_cache
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    listing = _listing(ref)
+    if listing is None:
+        return _from_cache(ref, mmproj_quant)
+    names, sizes = listing
+    choice = choose_files(ref, names, mmproj_quant)
+    wanted = [name for name in (choice.model, choice.mmproj) if name]
+    missing = [name for name in wanted if not isinstance(try_to_load_from_cache(ref.repo, name), str)]
+    progress = Transfer(total=sum(sizes.get(name, 0) for name in missing), report=report)
+    _check_disk(ref, progress.total)
+    paths = []
+    for name in wanted:
+        progress.name = name
+        progress.advance(0)  # the line names the file before its first bytes arrive
+        try:
+            paths.append(hf_hub_download(ref.repo, name, tqdm_class=_meter(progress)))
+        except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as error:
+            raise HubError(f"{ref}: downloading {name} failed ({error}); run again to resume") from None
+    return paths[0], paths[1] if len(paths) > 1 else None
+

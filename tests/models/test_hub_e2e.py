@@ -1,0 +1,151 @@
+"""`--hf` downloads with the real `huggingface_hub` client against a local stand-in for the hub
+(`tests/hub_server.py`), with GGUF files made by our writer: download, cache reuse offline, each error
+(`strata serve --hf` answering a chat request: `server/test_serve.py`)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import trio
+from conftest import server_config
+from hub_server import fake_hub
+
+from strata.models import hub
+from strata.models.hub import HubError, HubRef, fetch
+from strata.models.resolve import resolve_config
+
+
+@pytest.fixture
+def hub_env(monkeypatch, tmp_path):
+    """The client's cache in a temporary folder, online; returns a function pointing it at an endpoint."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+
+    def point_at(url: str) -> None:  # as HF_ENDPOINT=url does when the client is imported
+        monkeypatch.setattr(constants, "ENDPOINT", url)
+        monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", url + "/{repo_id}/resolve/{revision}/{filename}")
+
+    return point_at
+
+
+@pytest.fixture(scope="module")
+def repo(tiny_model: Path) -> dict[str, dict[str, bytes]]:
+    data = tiny_model.read_bytes()
+    return {"owner/tiny-GGUF": {"README.md": b"tiny", "tiny-Q8_0.gguf": data, "tiny-F32.gguf": data + b"",
+                                "mmproj-tiny-BF16.gguf": b"bf16", "mmproj-tiny-F16.gguf": b"f16",
+                                "tiny-Q4_0-00001-of-00002.gguf": data, "tiny-Q4_0-00002-of-00002.gguf": b""}}
+
+
+def test_one_file_and_its_mmproj_are_downloaded_with_progress(hub_env, repo, tiny_model):
+    lines: list[str] = []
+    with fake_hub(repo) as server:
+        hub_env(server.url)
+        model, mmproj = fetch(HubRef("owner/tiny-GGUF", "F32"), "F16", lines.append)
+    assert Path(model).name == "tiny-F32.gguf" and Path(model).read_bytes() == tiny_model.read_bytes()
+    assert mmproj is not None and Path(mmproj).read_bytes() == b"f16"
+    assert "hf-cache" in model  # the client's cache, in its layout
+    assert lines[-1].startswith("mmproj-tiny-F16.gguf: ") and "MB/s" in lines[-1]
+    assert any(line.startswith("tiny-F32.gguf: ") for line in lines)
+
+
+def test_a_second_start_uses_the_cache_without_the_network(hub_env, repo):
+    from huggingface_hub import constants
+
+    with fake_hub(repo) as server:
+        hub_env(server.url)
+        first = fetch(HubRef("owner/tiny-GGUF", "Q8_0"), "F16")
+    # The hub is gone (connection refused): the cached files serve.
+    assert fetch(HubRef("owner/tiny-GGUF", "Q8_0"), "F16") == first
+    # Offline mode: no request at all.
+    with fake_hub(repo) as server:
+        hub_env(server.url)
+        constants.HF_HUB_OFFLINE = True  # restored by the fixture's monkeypatch
+        assert fetch(HubRef("owner/tiny-GGUF", "Q8_0"), "F16") == first
+        assert server.requests == []
+    # A quant that was never downloaded is not in the cache.
+    with pytest.raises(HubError, match=r"no GGUF file for quant F32 \(there are: Q8_0\)"):
+        fetch(HubRef("owner/tiny-GGUF", "F32"), None)
+
+
+def test_network_down_with_nothing_cached(hub_env):
+    with fake_hub({}) as server:
+        url = server.url
+    hub_env(url)  # nothing listens there any more
+    with pytest.raises(HubError, match=r"^hf:owner/tiny-GGUF: the hub cannot be reached and nothing of the "
+                                       r"repository is cached$"):
+        fetch(HubRef("owner/tiny-GGUF", None), None)
+
+
+def test_each_error_is_one_line(hub_env, repo, monkeypatch):
+    with fake_hub(repo) as server:
+        hub_env(server.url)
+        with pytest.raises(HubError, match=r"^hf:owner/nothing: no such repository on the hub"):
+            fetch(HubRef("owner/nothing", None), None)
+        with pytest.raises(HubError, match=r"no GGUF file for quant Q5_K_M \(there are: F32, Q4_0, Q8_0\)$"):
+            fetch(HubRef("owner/tiny-GGUF", "Q5_K_M"), None)
+        with pytest.raises(HubError, match=r"split model .* single-file quants there: F32, Q8_0$"):
+            fetch(HubRef("owner/tiny-GGUF", "Q4_0"), None)
+        monkeypatch.setattr(hub.shutil, "disk_usage", lambda _: type("Usage", (), {"free": 1000})())
+        with pytest.raises(HubError, match=r"the download needs 0\.\d+ GB and .*hf-cache has 0\.00 GB free$"):
+            fetch(HubRef("owner/tiny-GGUF", "F32"), "F16")
+        assert not any("/resolve/" in request for request in server.requests)  # nothing was downloaded
+
+
+async def test_the_config_names_the_downloaded_files(hub_env, repo):
+    with fake_hub(repo) as server:
+        hub_env(server.url)
+        lines: list[str] = []
+        config = await resolve_config(server_config(model="hf:owner/tiny-GGUF:Q8_0"), lines.append)
+        assert Path(config.model or "").name == "tiny-Q8_0.gguf"
+        assert Path(config.vision.mmproj or "").name == "mmproj-tiny-F16.gguf"
+        assert lines == [f"hf:owner/tiny-GGUF:Q8_0: {config.model} (mmproj {config.vision.mmproj})"]
+        mine = await resolve_config(server_config(model="hf:owner/tiny-GGUF:Q8_0", vision={"mmproj": "m.gguf"}),
+                                    lines.append)
+        assert mine.vision.mmproj == "m.gguf"
+        none = await resolve_config(server_config(model="hf:owner/tiny-GGUF", vision={"hf_mmproj": "none"}),
+                                    lines.append)
+        assert Path(none.model or "").name == "tiny-F32.gguf" and none.vision.mmproj is None  # no Q4_K_M: the first
+    await trio.lowlevel.checkpoint()
+
+
+
+def test_strata_generate_hf_downloads_and_generates(hub_env, repo, capsys):
+    from strata.cli import main
+
+    with fake_hub(repo) as server:
+        hub_env(server.url)
+        assert main(["generate", "--hf", "owner/tiny-GGUF:Q8_0", "--prompt", "hi", "--max-tokens", "2",
+                     "--temperature", "0", "--threads", "1", "--context", "64"]) == 0
+        assert main(["generate", "--hf", "owner/tiny-GGUF:Q5_K_M", "--prompt", "hi"]) == 1
+    err = capsys.readouterr().err
+    assert re.search(r"^hf:owner/tiny-GGUF:Q8_0: \S+tiny-Q8_0.gguf$", err, re.MULTILINE)
+    assert "strata generate: error: hf:owner/tiny-GGUF:Q5_K_M: no GGUF file for quant Q5_K_M" in err
+
+
+async def test_a_slow_download_prints_progress_lines(hub_env, repo):
+    with fake_hub(repo, stall=2.5) as server:
+        hub_env(server.url)
+        lines: list[str] = []
+        await resolve_config(server_config(model="hf:owner/tiny-GGUF:Q8_0", vision={"hf_mmproj": "none"}),
+                             lines.append)
+    assert re.fullmatch(r"downloading hf:owner/tiny-GGUF:Q8_0 \.\.\. 2 s \(tiny-Q8_0.gguf: 0\.0 of \d+\.\d MB, "
+                        r"0\.0 MB/s\)", lines[0]), lines
+    assert lines[-1].startswith("hf:owner/tiny-GGUF:Q8_0: ")
+
+
+def test_a_download_cut_by_the_network_resumes_where_it_stopped(hub_env, repo):
+    from huggingface_hub.constants import DOWNLOAD_CHUNK_SIZE
+
+    data = repo["owner/tiny-GGUF"]["tiny-F32.gguf"]
+    assert len(data) > DOWNLOAD_CHUNK_SIZE + 1000  # the client writes whole chunks: one is kept
+    lines: list[str] = []
+    with fake_hub(repo, cut=DOWNLOAD_CHUNK_SIZE + 1000) as server:
+        hub_env(server.url)
+        model, _ = fetch(HubRef("owner/tiny-GGUF", "F32"), None, lines.append)
+    assert Path(model).read_bytes() == data
+    assert f"GET /owner/tiny-GGUF/resolve/main/tiny-F32.gguf (bytes={DOWNLOAD_CHUNK_SIZE}-)" in server.requests
+    assert lines[-1].startswith(f"tiny-F32.gguf: {len(data) / 1e6:.1f} of {len(data) / 1e6:.1f} MB")
