@@ -68,6 +68,11 @@ class RoundsEngine(ScriptedEngine):
         return super()._next_token(kv)
 
 
+def mcp(label: str = "tools", **options: Any) -> dict[str, Any]:
+    """A Responses API `mcp` tool naming the configured server `label`, run without asking."""
+    return {"type": "mcp", "server_label": label, "require_approval": "never", **options}
+
+
 def call(name: str, **arguments: Any) -> str:
     """The text with which the model calls a tool."""
     import json

@@ -12,7 +12,7 @@ import openai
 import pytest
 from conftest import live_server, server_config
 
-from .conftest import RoundsEngine, call, http_server, stdio_server
+from .conftest import RoundsEngine, call, http_server, mcp, stdio_server
 
 RESULT_BYTES = 64 * 1024
 CONTEXT = 4096
@@ -41,10 +41,6 @@ def server(tokenizer):
 def api(server):
     with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as client:
         yield client
-
-
-def mcp(label: str = "tools", **options: Any) -> dict[str, Any]:
-    return {"type": "mcp", "server_label": label, "require_approval": "never", **options}
 
 
 def ask(api, server, *scripts: str, tools=None, **options: Any) -> Any:

@@ -17,7 +17,7 @@ from conftest import live_server, server_config
 
 from strata.api import sse
 
-from .conftest import RoundsEngine, call, stdio_server
+from .conftest import RoundsEngine, call, mcp, stdio_server
 
 MAX_ROUNDS = 3
 
@@ -43,10 +43,6 @@ def server(tokenizer, http_mcp, mark):
 def api(server):
     with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as client:
         yield client
-
-
-def mcp(label: str = "tools", **options: Any) -> dict[str, Any]:
-    return {"type": "mcp", "server_label": label, "require_approval": "never", **options}
 
 
 def ask(api, *scripts: str, server=None, tools=None, **options: Any) -> Any:

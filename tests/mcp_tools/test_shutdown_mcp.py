@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 from conftest import live_server, server_config
 
-from .conftest import RoundsEngine, call, stdio_server
+from .conftest import RoundsEngine, call, mcp, stdio_server
 
 
 def wait_for(predicate: Any, timeout: float = 15.0) -> None:
@@ -31,7 +31,7 @@ def test_a_tool_call_running_when_the_grace_ends_is_cut_with_an_error_event(toke
     with live_server(config, engine, tokenizer) as server:
         wait_for(lambda: server.call(lambda: server.service.mcp.status()[0]["state"] == "ready"))
         body = {"model": "m", "input": "hi", "stream": True,
-                "tools": [{"type": "mcp", "server_label": "tools", "require_approval": "never"}]}
+                "tools": [mcp()]}
         with httpx.stream("POST", server.url + "/v1/responses", json=body, timeout=30) as reply:
             lines = reply.iter_bytes()
             wait_for(lambda: chunks.append(next(lines)) is None and "started" in
