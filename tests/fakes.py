@@ -26,7 +26,15 @@ class FakeEngine:
     arch = backend = "scripted"
     threads = 1
     n_batch = 256
+    recurrent = False
+    state_bytes = 0
     cpu_seconds = staticmethod(time.process_time)
+
+    def save_state(self, seq: int) -> bytes:
+        raise EngineError("no recurrent state")
+
+    def load_state(self, seq: int, state: bytes) -> None:
+        raise EngineError("no recurrent state")
 
     def sample_rows(self, rows: Sequence[np.ndarray], settings: Sequence[SamplingParams], u: Sequence[float]
                     ) -> list[int]:
@@ -214,6 +222,51 @@ class SuccessorEngine(FakeEngine):
         self.flags.discard(seq)
 
 
+class RecurrentEngine(SuccessorEngine):
+    """A SuccessorEngine with a recurrent state per sequence, held to the C engine's rules: the state is every
+    token the sequence has taken; `keep` to fewer positions, and `copy_prefix` of fewer than the source holds,
+    leave it invalid until `load_state`; an eval of a sequence whose state does not sum up exactly its cache fails.
+    `loads` records every (seq, n_past) a state was loaded at."""
+
+    recurrent = True
+    state_bytes = 1000
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.states: list[list[int] | None] = [[] for _ in range(self.n_seq)]
+        self.loads: list[tuple[int, int]] = []
+
+    def eval_batch(self, items: Sequence[BatchItem], notify_fd: int = -1) -> list[np.ndarray]:
+        for item in items:
+            if self.states[item.seq] != self.caches[item.seq]:
+                raise EngineError(f"sequence {item.seq}'s recurrent state does not match its cache")
+        dropped = set(self.flags)
+        try:
+            return super().eval_batch(items, notify_fd=notify_fd)
+        finally:  # a dropped sequence's state stopped half-way through the layers
+            for item in items:
+                self.states[item.seq] = None if item.seq in dropped else list(self.caches[item.seq])
+
+    def keep(self, n: int, seq: int = 0) -> None:
+        if n < len(self.caches[seq]):
+            self.states[seq] = [] if n == 0 else None
+        super().keep(n, seq)
+
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        self.states[dst] = list(self.caches[src]) if n == len(self.caches[src]) else None
+        super().copy_prefix(src, dst, n)
+
+    def save_state(self, seq: int) -> bytes:
+        state = self.states[seq]
+        assert state is not None
+        return bytes(state)
+
+    def load_state(self, seq: int, state: bytes) -> None:
+        assert len(state) == len(self.caches[seq]), "a state loaded at another position"
+        self.loads.append((seq, len(state)))
+        self.states[seq] = list(state)
+
+
 class TimedEngine(SuccessorEngine):
     """A SuccessorEngine on a clock of its own: a call takes `decode` seconds plus `per_token(position)` for each
     token of the sequences in `prompting`."""
@@ -301,6 +354,20 @@ class RecordingEngine:
     def sample_rows(self, rows: Sequence[np.ndarray], settings: Sequence[SamplingParams], u: Sequence[float]
                     ) -> list[int]:
         return self._engine.sample_rows(rows, settings, u)
+
+    @property
+    def recurrent(self) -> bool:
+        return self._engine.recurrent
+
+    @property
+    def state_bytes(self) -> int:
+        return self._engine.state_bytes
+
+    def save_state(self, seq: int) -> bytes:
+        return self._engine.save_state(seq)
+
+    def load_state(self, seq: int, state: bytes) -> None:
+        self._engine.load_state(seq, state)
 
     def cpu_seconds(self) -> float:
         return self._engine.cpu_seconds()

@@ -427,6 +427,21 @@ class Engine:
         """Sequence `dst` = the first n positions of sequence `src` (copied KV rows: no forward pass)."""
         _check(lib.strata_copy_prefix(self._live_ctx(), int(src), int(dst), int(n)))
 
+    @property
+    def recurrent(self) -> bool:
+        """Whether the model has recurrent layers: none of the architectures this engine runs has."""
+        return False
+
+    @property
+    def state_bytes(self) -> int:
+        return 0
+
+    def save_state(self, seq: int) -> bytes:
+        raise EngineError("this model has no recurrent state")
+
+    def load_state(self, seq: int, state: bytes) -> None:
+        raise EngineError("this model has no recurrent state")
+
     def abort(self, seq: int = 0) -> None:
         """Stop sequence `seq`'s work in the eval in flight (from any thread) within one layer of a chunk; the call's
         other sequences go on. If no call is in flight, the next call with tokens of `seq` stops it at once (so a

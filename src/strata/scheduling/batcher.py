@@ -9,6 +9,8 @@ and while a prompt longer than the cap joins, one of time (`StepBudget`: a step 
 Each slot keeps what its cache holds after its job ends (the prefix cache): a new job goes to the idle slot whose
 cache shares the longest prefix with its prompt (token ids, and (picture digest, row) for picture rows), the
 least recently used one when none does; a longer prefix held by a busy slot is copied over (`copy_prefix`).
+A hybrid model's slot (a recurrent engine) resumes only where it has its recurrent state: at the end of what it
+holds, or at a snapshot (`strata.scheduling.snapshots`) taken where a later request is likely to branch off.
 
 The engine is an `EngineLike` (`strata.engine_cffi.Engine`, or a test's scripted engine).
 """
@@ -28,6 +30,7 @@ import numpy as np
 from strata.engine_cffi import BatchItem, EngineAborted
 from strata.pictures.expand import embeds_from
 from strata.scheduling.engine_like import EngineLike
+from strata.scheduling.snapshots import Snapshots, snapshot_points
 from strata.text.sampling import Sampler, log_probabilities
 
 # (index in the prompt, float32 rows (n_rows, n_embd)): rows that replace the embeddings of prompt placeholders.
@@ -76,11 +79,13 @@ class Job:
             (`prompt_progress(done, cached=None)`: `strata.activity.RequestProgress`), or None.
         prompt_logprobs: score the prompt: each prompt token after the first gets its log-probability and this
             many alternatives in `prompt_records` (the whole prompt is evaluated then: no cached prefix).
+        turn_starts: the prompt positions where its messages start: a recurrent engine's slot snapshots its state
+            at some of them (`strata.scheduling.snapshots.snapshot_points`).
     """
 
     def __init__(self, ids: Sequence[int], sampler: Sampler, max_tokens: int | None, stop_ids: Collection[int], *,
                  keys: Sequence[Hashable] | None = None, spans: Sequence[tuple[int, Any]] = (), tag: str = "",
-                 progress: Any = None, prompt_logprobs: int | None = None):
+                 progress: Any = None, prompt_logprobs: int | None = None, turn_starts: Sequence[int] = ()):
         if not ids:
             raise ValueError("the prompt is empty")
         self.history = list(ids)  # the prompt, then every sampled token
@@ -104,6 +109,8 @@ class Job:
         self.stopping = False  # Batcher.cancel was called
         self.prompt_logprobs = prompt_logprobs
         self.prompt_records: list[tuple[float, list[tuple[int, float]]]] = []  # prompt tokens 1.., as Sampler.records
+        self.turn_starts = turn_starts
+        self.snapshot_at: list[int] = []  # the prompt positions its slot snapshots (a recurrent engine's)
 
     def score_prompt(self, n_past: int, rows: np.ndarray) -> None:
         """Record the prompt tokens that the logits `rows` of the positions up to `n_past` predict."""
@@ -125,6 +132,7 @@ class _Slot:
         self.keys: list[Hashable] = []  # what each position of the sequence's cache holds
         self.job: Job | None = None
         self.used = 0  # LRU clock value of the last use
+        self.live = True  # a recurrent engine's state is that of the end of `keys` (a dropped call breaks it)
 
 
 class StepBudget:
@@ -218,10 +226,12 @@ class Batcher:
         slowdown: while jobs decode and a prompt longer than `step_tokens` joins, a step with prompt chunks takes
             at most this many times their decode-only step (`StepBudget`); None: `step_tokens` is the only bound.
         clock: seconds, for timing steps (default: the engine's threads' CPU time, `engine.cpu_seconds`).
+        snapshot_bytes: a recurrent engine's snapshots take at most this many bytes (default: four per slot).
     """
 
     def __init__(self, engine: EngineLike, step_tokens: int = 64, n_batch: int | None = None,
-                 slowdown: float | None = 1.6, clock: Callable[[], float] | None = None):
+                 slowdown: float | None = 1.6, clock: Callable[[], float] | None = None,
+                 snapshot_bytes: int | None = None):
         self.engine = engine
         self.n_batch = n_batch if n_batch is not None else engine.n_batch
         self.slots = [_Slot(seq) for seq in range(engine.n_seq)]
@@ -235,6 +245,10 @@ class Batcher:
         self._clock = itertools.count(1)
         self._lock = threading.Lock()  # cancel() against the step's bookkeeping
         self._in_call: set[int] = set()  # sequences of the engine call in flight
+        self.snapshots: Snapshots | None = None
+        if engine.recurrent:
+            state = engine.state_bytes
+            self.snapshots = Snapshots(4 * engine.n_seq * state if snapshot_bytes is None else snapshot_bytes, state)
 
     @property
     def free_slots(self) -> int:
@@ -259,7 +273,7 @@ class Batcher:
             n_keep = 0  # a scored prompt is evaluated whole
 
         def shared(slot: _Slot) -> int:
-            return min(common_prefix(slot.keys, job.keys), n_keep)
+            return self._resumable(slot, min(common_prefix(slot.keys, job.keys), n_keep))
 
         continuing = [slot for slot in idle if 2 * shared(slot) >= len(slot.keys) > 0]
         if continuing:
@@ -270,18 +284,47 @@ class Batcher:
         donor = max(self.slots, key=shared)
         if shared(donor) > reused:
             reused = shared(donor)
-            self.engine.copy_prefix(donor.seq, slot.seq, reused)
-        elif reused < self.engine.seq_n_past(slot.seq):
-            self.engine.keep(reused, seq=slot.seq)
+            self._copy(donor, slot, reused)
+        elif reused < self.engine.seq_n_past(slot.seq) or not slot.live:
+            self._cut(slot, reused)
         slot.keys = job.keys[:reused]
         slot.job, slot.used = job, next(self._clock)
         job.seq, job.reused = slot.seq, reused
+        if self.snapshots is not None:
+            job.snapshot_at = snapshot_points(job.turn_starts, job.n_prompt, reused)
         room = self.engine.n_ctx - job.n_prompt  # every token has a place in the cache
         job.budget = room if job.max_tokens is None else min(job.max_tokens, room)
         self.jobs.append(job)
         if job.progress is not None:
             job.progress.slot = slot.seq
             job.progress.prompt_progress(reused, cached=reused)
+
+    def _resumable(self, slot: _Slot, n: int) -> int:
+        """The longest prefix of at most `n` of the slot's positions that a job can resume from: all `n` but on a
+        recurrent engine, whose slot resumes where it has its state (the end of what it holds, or a snapshot)."""
+        if self.snapshots is None:
+            return n
+        if slot.live and len(slot.keys) <= n:
+            return len(slot.keys)
+        return self.snapshots.best(slot.seq, n)
+
+    def _copy(self, donor: _Slot, slot: _Slot, n: int) -> None:
+        """Make the slot hold the donor's first `n` positions (and, on a recurrent engine, its state there)."""
+        self.engine.copy_prefix(donor.seq, slot.seq, n)
+        if self.snapshots is not None:
+            self.snapshots.clear(slot.seq)
+            if not (donor.live and n == len(donor.keys)):  # copy_prefix copied the state at the donor's end
+                self.engine.load_state(slot.seq, self.snapshots.take(donor.seq, n))
+            slot.live = True
+
+    def _cut(self, slot: _Slot, n: int) -> None:
+        """Cut the slot back to its first `n` positions (on a recurrent engine, to its snapshot there)."""
+        self.engine.keep(n, seq=slot.seq)
+        if self.snapshots is not None:
+            self.snapshots.truncate(slot.seq, n)
+            if n:
+                self.engine.load_state(slot.seq, self.snapshots.take(slot.seq, n))
+            slot.live = True
 
     def cancel(self, job: Job) -> None:
         """Stop `job` (any thread): an engine call in flight drops its sequence within one layer; the job leaves
@@ -335,6 +378,8 @@ class Batcher:
             slot = self.slots[job.seq]
             n_past = self.engine.seq_n_past(job.seq)
             _track(slot.keys, job, n_past)
+            if self.snapshots is not None and logits is not None and n_past in job.snapshot_at and not job.decoding:
+                self.snapshots.put(job.seq, n_past, self.engine.save_state(job.seq))
             if job.progress is not None and not job.decoding:
                 job.progress.prompt_progress(min(n_past, job.n_prompt))
             if job.prompt_logprobs is not None and logits is not None and not job.decoding and not job.stopping:
@@ -372,6 +417,7 @@ class Batcher:
             scored = job.prompt_logprobs is not None
             # A scored prompt's chunks return every row's logits: at most _SCORED_ROWS at a time.
             end = min(job.n_prompt, start + (min(budget, _SCORED_ROWS) if scored else budget))
+            end = min([end, *(p for p in job.snapshot_at if p > start)])  # a chunk ends where a snapshot is due
             embeds = embeds_from(job.spans, start, end)
             items.append(BatchItem(job.seq, job.history[start:end], embeds or None,
                                    "all" if scored else "last" if end == job.n_prompt else "none"))
@@ -430,6 +476,8 @@ class Batcher:
         """Free the job's slot; the slot keeps what its cache holds."""
         slot = self.slots[job.seq]
         slot.job, slot.used = None, next(self._clock)
+        if finish in ("cancel", "error"):  # a call cut short may have left a recurrent state half-way
+            slot.live = self.snapshots is None
         self.jobs.remove(job)
         with self._lock:
             # A flag raised as the job's last call was returning would stop the slot's next job.
