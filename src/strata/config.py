@@ -131,6 +131,9 @@ class Config:
     # Read the weights where the model file is mapped instead of a copy in huge pages: slower decode, but memory
     # the kernel can drop, for a model about the size of the RAM.
     mapped_weights: bool = False
+    # A file the engine writes each MoE layer's chosen experts to, per token of every step (strata.experts.trace):
+    # the traces the expert cache's policy is measured on. None: off.
+    record_routing: str | None = None
     web: bool = True  # the chat page (/) and the monitor (/monitor)
     model_alias: str | None = None  # the served model name(s), comma-separated; the first is reported
     cors_origins: list[str] | None = None  # browser origins allowed to call the API ("*": any); None: no CORS

@@ -170,7 +170,7 @@ class Service:
         budget = None if config.kv_budget is None else int(config.kv_budget * 2**20)
         engine = Engine.load(config.model, n_ctx=config.context, threads=config.threads, kv=config.kv,
                              n_batch=config.batch, n_seq=config.slots, kv_budget=budget,
-                             mapped_weights=config.mapped_weights)
+                             mapped_weights=config.mapped_weights, record_routing=config.record_routing)
         try:
             stage.now = "tokenizer"
             tokenizer = Tokenizer.from_gguf(config.model)

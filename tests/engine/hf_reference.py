@@ -123,9 +123,9 @@ def load_hf_model(path: str | os.PathLike[str]) -> torch.nn.Module:
     return model.float().eval()
 
 
-def reference_logits(model: torch.nn.Module, tokens: list[int]) -> tuple[np.ndarray, np.ndarray | None]:
-    """Logits (n_tokens, n_vocab) of one forward over `tokens`, and for MoE models the routing margin per position:
-    the smallest, over layers, gap between the k-th and (k+1)-th largest router probability (None if dense)."""
+def forward_with_routing(model: torch.nn.Module, tokens: list[int]) -> tuple[np.ndarray, list[torch.Tensor]]:
+    """Logits (n_tokens, n_vocab) of one forward over `tokens`, and each MoE layer's router probabilities
+    (n_tokens, n_expert), softmax of its router logits (none for a dense model)."""
     probs: list[torch.Tensor] = []
     hooks = [layer.mlp.gate.register_forward_hook(lambda _m, _i, out: probs.append(out[0].softmax(-1)))
              for layer in model.model.layers if hasattr(layer.mlp, "gate") and hasattr(layer.mlp, "experts")]
@@ -135,6 +135,13 @@ def reference_logits(model: torch.nn.Module, tokens: list[int]) -> tuple[np.ndar
     finally:
         for hook in hooks:
             hook.remove()
+    return logits, probs
+
+
+def reference_logits(model: torch.nn.Module, tokens: list[int]) -> tuple[np.ndarray, np.ndarray | None]:
+    """Logits (n_tokens, n_vocab) of one forward over `tokens`, and for MoE models the routing margin per position:
+    the smallest, over layers, gap between the k-th and (k+1)-th largest router probability (None if dense)."""
+    logits, probs = forward_with_routing(model, tokens)
     if not probs:
         return logits, None
     k = model.config.num_experts_per_tok

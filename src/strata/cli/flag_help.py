@@ -20,6 +20,8 @@ HELP = {
     "batch": "prompt tokens per engine call",
     "mapped_weights": "read the weights where the model file is mapped, not from a copy in huge pages (slower "
                       "decode; for a model about the size of the RAM)",
+    "record_routing": "write each MoE layer's chosen experts per token of every step to this file (a routing "
+                      "trace for bench/expert_cache.py)",
     "slots": "requests generating at once (each keeps its KV cache of context positions while idle)",
     "kv_budget": "most MiB the KV cache of all slots may take (slots x context must fit; default: no bound)",
     "step_tokens": "most tokens per engine step while requests decode (a joining prompt comes in chunks)",

@@ -23,6 +23,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None, help="random seed (default: a fresh one)")
     parser.add_argument("--threads", type=int, default=None, help="engine threads (default: all cores)")
     parser.add_argument("--context", type=int, default=4096, help="context length in tokens (default 4096)")
+    parser.add_argument("--record-routing", metavar="FILE", default=None,
+                        help="write each MoE layer's chosen experts per token of every step to FILE (a routing trace)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -45,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
                 raise PromptError("the model has no chat template (tokenizer.chat_template)")
             text = render_chat(tokenizer.chat_template, [{"role": "user", "content": args.prompt}])
         prompt_ids = tokenizer.encode_prompt(text)
-        engine = Engine.load(model, n_ctx=args.context, threads=args.threads)
+        engine = Engine.load(model, n_ctx=args.context, threads=args.threads, record_routing=args.record_routing)
     except (ValueError, OSError, EngineError) as exc:
         print(f"strata generate: error: {exc}", file=sys.stderr)
         return 1

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from strata.engine_cffi._engine import ffi, lib
+from strata.experts.trace import RoutingRecorder, TraceInfo
 from strata.gguf_file import GGUFError, GGUFFile
 from strata.pictures.rows import PictureRows
 
@@ -216,11 +217,12 @@ class Engine:
         self.prepared_bytes: int = lib.strata_model_prepared_bytes(model)
         self.copied_bytes: int = lib.strata_model_copied_bytes(model)
         self._dropped = ffi.new("int[]", self.n_seq)
+        self._routing: RoutingRecorder | None = None
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], n_ctx: int = 4096, threads: int | None = None, kv: str = "f16",
              n_batch: int = 256, n_seq: int = 1, kv_budget: int | None = None,
-             mapped_weights: bool = False) -> Engine:
+             mapped_weights: bool = False, record_routing: str | os.PathLike[str] | None = None) -> Engine:
         """Map a GGUF model and create its context: `n_seq` sequences of `n_ctx` positions each.
 
         Args:
@@ -228,6 +230,8 @@ class Engine:
             mapped_weights: read every weight where the file is mapped (4 KiB pages), instead of a copy of the
                 matrices that decode reads whole, in huge pages and Q8_0 ones in bands (faster decode and
                 prompts, the same logits; the copy is memory the kernel cannot drop, as it can the file's pages).
+            record_routing: a file to write the routing trace of every eval to (`strata.experts.trace`): each
+                MoE layer's chosen experts per token of each step.
 
         Raises:
             EngineError: missing, truncated or non-GGUF file; unsupported architecture or tensor type; a context
@@ -263,7 +267,26 @@ class Engine:
         if not mapped_weights:  # the model has its own copy of every tensor but the embeddings it looks up
             embeddings = file.tensor("token_embd")
             file.release(t for t in file.tensors if t is not embeddings)
-        return cls(file, params, model_out[0], ctx_out[0], keep, n_ctx, threads, min(n_batch, n_ctx))
+        engine = cls(file, params, model_out[0], ctx_out[0], keep, n_ctx, threads, min(n_batch, n_ctx))
+        if record_routing is not None:
+            try:
+                engine._record_routing(record_routing, params)
+            except BaseException:
+                engine.close()
+                raise
+        return engine
+
+    def _record_routing(self, path: str | os.PathLike[str], params: Any) -> None:
+        """Start writing the routing trace to `path`."""
+        if params.n_expert <= 0:
+            raise EngineError(f"record_routing: the {self.arch} model has no experts to record")
+        name = self.metadata.get("general.name")
+        info = TraceInfo(name if isinstance(name, str) else os.path.basename(self._file.path), self.arch,
+                         params.n_layer, params.n_expert, params.n_expert_used)
+        try:
+            self._routing = RoutingRecorder(path, info)
+        except OSError as exc:
+            raise EngineError(f"record_routing: cannot write {path}: {exc.strerror}") from None
 
     # --- state
 
@@ -344,7 +367,10 @@ class Engine:
         batch.out_index, batch.n_out, batch.logits = keep[5], len(out32), keep[6]
         batch.seq_dropped = self._dropped
         batch.notify_fd = notify_fd
-        status = lib.strata_eval_batch(ctx, batch)
+        if self._routing is None:
+            status = lib.strata_eval_batch(ctx, batch)
+        else:
+            status = self._eval_recorded(ctx, batch)
         dropped = frozenset(s for s in range(self.n_seq) if self._dropped[s]) if status == lib.STRATA_ABORTED \
             else frozenset()
         if status != lib.STRATA_ABORTED:
@@ -353,6 +379,23 @@ class Engine:
         if dropped:
             raise EngineAborted(ffi.string(lib.strata_last_error()).decode("utf-8", "replace"), dropped, results)
         return results  # type: ignore[return-value]  # no None without a dropped sequence
+
+    def _eval_recorded(self, ctx: Any, batch: Any) -> int:
+        """strata_eval_batch with the routing record on, its records appended to the trace."""
+        assert self._routing is not None
+        n_chunks = -(-batch.n_tokens // self.n_batch)
+        buffer = self._routing.buffer(batch.n_tokens, n_chunks)
+        _check(lib.strata_record_routing(ctx, ffi.from_buffer("int[]", buffer), buffer.size))
+        try:
+            status = lib.strata_eval_batch(ctx, batch)
+        finally:
+            used = lib.strata_routing_used(ctx)
+            lib.strata_record_routing(ctx, ffi.NULL, 0)
+        assert used >= 0, "the routing record's buffer is sized for every record of the call"
+        t = ffi.new("strata_timings *")
+        lib.strata_get_timings(ctx, t)
+        self._routing.write(used, t.n_chunks)
+        return int(status)
 
     def _batch_arrays(self, ctx: Any, items: Sequence[BatchItem]) -> tuple[np.ndarray, ...]:
         """The C batch's arrays for `items`: token ids, sequences and positions (int32, one per token), the
@@ -486,6 +529,8 @@ class Engine:
             self._ctx = self._model = None
             self._keep.clear()
             self._file.close()
+            if self._routing is not None:
+                self._routing.close()
 
     def __enter__(self) -> Engine:
         return self

@@ -573,6 +573,21 @@ static void experts_gate_up(const team *tm, strata_context *c, const layer_weigh
     swiglu_rows(tm, c->hb, c->hb2, n_slots, p->n_ff_exp);  // the down product's conversion follows on its share
 }
 
+/* Append the chunk's choices in layer il to the caller's routing record (strata_record_routing): [il, chunk,
+ * n_tok, each token's k expert ids in the router's order]; a record that does not fit marks the buffer full. */
+static void record_routing(strata_context *c, int il, int n_tok) {
+    int k = c->model->hp.n_expert_used;
+    long long need = 3 + (long long)n_tok * k;
+    if (c->route_used < 0 || c->route_used + need > c->route_cap) {
+        c->route_used = -1;
+        return;
+    }
+    int *out = c->route_rec + c->route_used;
+    out[0] = il, out[1] = c->timings.n_chunks, out[2] = n_tok;
+    memcpy(out + 3, c->slot_of, sizeof(int) * n_tok * k);  // route_tokens left each choice's expert there
+    c->route_used += need;
+}
+
 void block_moe_ffn(const team *tm, strata_context *c, int il, int n_tok) {
     const strata_model_params *p = &c->model->hp;
     const layer_weights *L = &c->model->layers[il];
@@ -582,6 +597,7 @@ void block_moe_ffn(const team *tm, strata_context *c, int il, int n_tok) {
     linear1(tm, c, c->xb, n_tok, &L->router, c->router);
     if (tm->ith == 0) {  // no barrier of its own: only gather_slots reads the routing, past the next one
         route_tokens(c, n_tok);
+        if (c->route_rec) record_routing(c, il, n_tok);
         group_slots(c, L, n_tok);
     }
     // per slot: hb = silu(xb Wg_e) * (xb Wu_e); moe_out = hb @ Wd_e

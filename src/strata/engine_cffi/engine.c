@@ -428,3 +428,15 @@ strata_status strata_eval_batch(strata_context *c, const strata_batch *b) {
         st = engine_fail(STRATA_ABORTED, "aborted: %d of the call's sequences dropped", n_dropped);
     return st;
 }
+
+// --- routing record: each MoE layer's choices, for the expert cache's traces
+
+strata_status strata_record_routing(strata_context *c, int *buf, long long capacity) {
+    if (buf && capacity < 0) return engine_fail(STRATA_ERR_INVALID_ARG, "a routing record of %lld ints", capacity);
+    c->route_rec = buf;
+    c->route_cap = buf ? capacity : 0;
+    c->route_used = 0;
+    return STRATA_OK;
+}
+
+long long strata_routing_used(const strata_context *c) { return c->route_used; }

@@ -180,6 +180,9 @@ struct strata_context {
                                    // a block is task_rows rows, ROWS_PER_TASK or more
     int n_tasks_up, n_tasks_down;  /* tasks for the gate/up products, then for the down product */
     int64_t task_rows[2];          /* rows per gate/up task, per down task */
+    /* the caller's routing record (strata_record_routing), NULL when off */
+    int *route_rec;                // (route_cap,) records of [layer, chunk, n_tok, n_tok x n_expert_used ids]
+    long long route_cap, route_used;  /* ints it holds, ints written (-1: a record did not fit) */
 };
 
 static inline size_t act_row_bytes(int vec_dot_type, int64_t n) {

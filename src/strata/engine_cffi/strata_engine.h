@@ -233,3 +233,15 @@ double strata_cpu_seconds(const strata_context *ctx);
  * token of -1: no memory for a top-k draw. */
 strata_status strata_sample_rows(strata_context *ctx, int n_rows, const float *const *rows, int n,
                                  const strata_sampling *settings, const double *u, int *tokens);
+
+/* --- routing record: which experts each MoE layer chose, for the expert cache's traces */
+
+/* Record the choices of every MoE layer of the following evals into buf (capacity ints), from its start: one
+ * record per (chunk, layer) as the chunk runs, [layer, chunk, n_tok, then n_tok x n_expert_used expert ids], the
+ * chunk's tokens in order and each token's experts in the router's order (the most probable first); chunk is the
+ * chunk's index within its eval call. The buffer must stay valid until recording is turned off; NULL turns it
+ * off (the default: the layers then only test a pointer). Dense models record nothing. */
+strata_status strata_record_routing(strata_context *ctx, int *buf, long long capacity);
+/* Ints written to the record since strata_record_routing; -1 when a record did not fit (nothing is written
+ * after it: set a larger buffer, by the call's tokens, chunks and layers). */
+long long strata_routing_used(const strata_context *ctx);
