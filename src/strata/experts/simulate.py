@@ -1,0 +1,258 @@
+"""Which experts a GPU's memory keeps: the replacement policies of the expert cache, and a replay of routing
+traces (`strata.experts.trace`) against them.
+
+A cache holds up to `capacity` experts, counted over every layer (one budget of VRAM) or per layer. Each engine
+step, layer by layer, the policy is told the distinct experts the step needs in that layer (`step`): those it
+holds are hits (computed on the GPU), the others misses (computed on the CPU from RAM, in parallel); it may then
+upload some misses for later steps, evicting others. Uploads run on their own stream during the step, so a step
+may only start as many as the link moves in a step's time: `uploads_per_step`, released evenly over the layers
+(what a layer leaves is there for the ones after it in the same step). A miss past that budget stays on the CPU.
+
+The policies: `LruCache` and `LfuCache` (the classic baselines), `StaticCache` (a fixed placement, e.g. the most
+frequent experts of another trace), and `LrfuCache`, ours: each expert's references decay by half every
+`half_life` steps, the sum scoring recency and frequency at once (LRFU), and a miss is admitted only when its score
+beats the score of the expert it would evict, so a one-off choice cannot push out an expert in steady use.
+The CUDA backend runs these classes as they are; `replay` measures them here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from strata.experts.trace import RoutingTrace
+
+Key = tuple[int, int]  # (layer, expert)
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What one layer's step did: experts computed on the GPU (hits) and on the CPU (misses), the misses uploaded
+    for later steps, and the (layer, expert) pairs evicted to make room for them."""
+
+    hits: tuple[int, ...]
+    misses: tuple[int, ...]
+    uploads: tuple[int, ...]
+    evictions: tuple[Key, ...]
+
+
+class ExpertCache:
+    """The experts a cache of `capacity` holds and the bookkeeping every policy shares; a subclass says which
+    expert to evict (`_priority`: the lowest goes first) and which misses to admit.
+
+    Args:
+        n_layer, n_expert: the model's MoE layers and experts per layer.
+        capacity: experts held: over all layers, or in each layer when `per_layer`.
+        uploads_per_step: most uploads a step starts, over all its layers (None: no bound).
+    """
+
+    def __init__(self, n_layer: int, n_expert: int, capacity: int, per_layer: bool = False,
+                 uploads_per_step: int | None = None) -> None:
+        if n_layer < 1 or n_expert < 1:
+            raise ValueError(f"a cache needs layers and experts, got {n_layer} x {n_expert}")
+        if capacity < 0 or (uploads_per_step is not None and uploads_per_step < 0):
+            raise ValueError(f"capacity {capacity} and uploads_per_step {uploads_per_step} must not be negative")
+        self.n_layer, self.n_expert, self.capacity, self.per_layer = n_layer, n_expert, capacity, per_layer
+        self.uploads_per_step = uploads_per_step
+        self.held: list[set[int]] = [set() for _ in range(n_layer)]
+        self.now = -1  # the current step
+        self._uploaded = 0  # by the current step so far
+
+    def begin_step(self) -> None:
+        """Start the next step (before its first layer's `step`)."""
+        self.now += 1
+        self._uploaded = 0
+
+    def size(self) -> int:
+        return sum(len(h) for h in self.held)
+
+    def step(self, layer: int, experts: Iterable[int]) -> StepOutcome:
+        """The step needs `experts` in `layer`: count hits and misses, then upload what the policy and the budget
+        allow."""
+        needed = sorted(set(experts))
+        held = self.held[layer]
+        hits = tuple(e for e in needed if e in held)
+        misses = tuple(e for e in needed if e not in held)
+        for e in needed:
+            self._touch(layer, e)
+        uploads: list[int] = []
+        evictions: list[Key] = []
+        for e in self._candidates(layer, misses):
+            if len(uploads) >= self._allowance(layer):
+                break
+            if self._full(layer):
+                victim = self._victim(layer, protect=needed)
+                if victim is None or not self._admit((layer, e), victim):
+                    continue
+                self.held[victim[0]].discard(victim[1])
+                evictions.append(victim)
+            held.add(e)
+            uploads.append(e)
+        self._uploaded += len(uploads)
+        return StepOutcome(hits, misses, tuple(uploads), tuple(evictions))
+
+    def _allowance(self, layer: int) -> float:
+        """Uploads this layer may still start: the step's budget released evenly up to this layer, less what the
+        step has uploaded."""
+        if self.uploads_per_step is None:
+            return math.inf
+        return self.uploads_per_step * (layer + 1) // self.n_layer - self._uploaded
+
+    def _full(self, layer: int) -> bool:
+        return (len(self.held[layer]) if self.per_layer else self.size()) >= self.capacity
+
+    def _victim(self, layer: int, protect: Sequence[int]) -> Key | None:
+        """The held expert to evict (the lowest priority), not one of `protect` in `layer` (the step computes with
+        those); None when there is none."""
+        layers = [layer] if self.per_layer else range(self.n_layer)
+        keys = [(il, e) for il in layers for e in self.held[il] if not (il == layer and e in protect)]
+        return min(keys, key=self._priority) if keys else None
+
+    def _touch(self, layer: int, expert: int) -> None:
+        """The step uses the expert (held or not)."""
+
+    def _candidates(self, layer: int, misses: Sequence[int]) -> Sequence[int]:
+        """The misses in the order they are considered for upload."""
+        return misses
+
+    def _admit(self, key: Key, victim: Key) -> bool:
+        """Whether the miss `key` may take the place of `victim`."""
+        return True
+
+    def _priority(self, key: Key) -> tuple[float, ...]:
+        raise NotImplementedError
+
+
+class LruCache(ExpertCache):
+    """Evicts the expert whose last use is oldest; uploads every miss the budget allows."""
+
+    def __init__(self, n_layer: int, n_expert: int, capacity: int, per_layer: bool = False,
+                 uploads_per_step: int | None = None) -> None:
+        super().__init__(n_layer, n_expert, capacity, per_layer, uploads_per_step)
+        self._last = np.full((n_layer, n_expert), -1, np.int64)
+
+    def _touch(self, layer: int, expert: int) -> None:
+        self._last[layer, expert] = self.now
+
+    def _priority(self, key: Key) -> tuple[float, ...]:
+        return (float(self._last[key]), key[0])
+
+
+class LfuCache(ExpertCache):
+    """Evicts the expert used in the fewest steps so far (the older last use on a tie); counts every use, held
+    or not, and uploads every miss the budget allows."""
+
+    def __init__(self, n_layer: int, n_expert: int, capacity: int, per_layer: bool = False,
+                 uploads_per_step: int | None = None) -> None:
+        super().__init__(n_layer, n_expert, capacity, per_layer, uploads_per_step)
+        self._count = np.zeros((n_layer, n_expert), np.int64)
+        self._last = np.full((n_layer, n_expert), -1, np.int64)
+
+    def _touch(self, layer: int, expert: int) -> None:
+        self._count[layer, expert] += 1
+        self._last[layer, expert] = self.now
+
+    def _priority(self, key: Key) -> tuple[float, ...]:
+        return (float(self._count[key]), float(self._last[key]), key[0])
+
+
+class StaticCache(ExpertCache):
+    """Holds a fixed placement and uploads nothing."""
+
+    def __init__(self, n_layer: int, n_expert: int, placement: Iterable[Key]) -> None:
+        keys = sorted(set(placement))
+        super().__init__(n_layer, n_expert, len(keys), uploads_per_step=0)
+        for layer, e in keys:
+            self.held[layer].add(e)
+
+    def _priority(self, key: Key) -> tuple[float, ...]:
+        return (0.0,)
+
+
+class LrfuCache(ExpertCache):
+    """Ours: recency and frequency in one score per (layer, expert), with admission by score.
+
+    Each use adds 1 to the expert's score, and the score halves every `half_life` steps. It is kept as log2 of
+    the score at the last use plus that step / half_life, which orders experts as their scores do now without
+    touching the others at each step. Misses are considered best-scored first, and one is admitted only if it
+    outscores the expert it would evict: the upload budget is not spent on one-off choices.
+    """
+
+    def __init__(self, n_layer: int, n_expert: int, capacity: int, per_layer: bool = False,
+                 uploads_per_step: int | None = None, half_life: float = 16.0) -> None:
+        if not half_life > 0:
+            raise ValueError(f"half_life must be positive, got {half_life}")
+        super().__init__(n_layer, n_expert, capacity, per_layer, uploads_per_step)
+        self.half_life = half_life
+        self._score = np.full((n_layer, n_expert), -math.inf)  # log2(score) + step / half_life
+
+    def _touch(self, layer: int, expert: int) -> None:
+        now = self.now / self.half_life
+        self._score[layer, expert] = now + math.log2(1.0 + 2.0 ** (self._score[layer, expert] - now))
+
+    def _candidates(self, layer: int, misses: Sequence[int]) -> Sequence[int]:
+        return sorted(misses, key=lambda e: -self._score[layer, e])
+
+    def _admit(self, key: Key, victim: Key) -> bool:
+        return bool(self._score[key] > self._score[victim])
+
+    def _priority(self, key: Key) -> tuple[float, ...]:
+        return (float(self._score[key]), key[0])
+
+
+# --- replay
+
+
+@dataclass
+class ReplayStats:
+    """A replay's counts over its measured steps."""
+
+    hits: int = 0
+    misses: int = 0
+    uploads: int = 0
+    evictions: int = 0
+    steps: int = 0
+    most_uploads_in_a_step: int = 0
+    per_step: list[tuple[int, int, int]] = field(default_factory=list)  # (hits, misses, uploads) per step
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / max(self.hits + self.misses, 1)
+
+
+def replay(trace: RoutingTrace, cache: ExpertCache, measure_from: int = 0) -> ReplayStats:
+    """Run the trace's steps through `cache`, counting from step `measure_from` on (the steps before warm it)."""
+    stats = ReplayStats()
+    for records in trace.steps():
+        cache.begin_step()
+        hits = misses = uploads = 0
+        for record in records:
+            out = cache.step(record.layer, record.used().tolist())
+            hits, misses, uploads = hits + len(out.hits), misses + len(out.misses), uploads + len(out.uploads)
+            if records[0].step >= measure_from:
+                stats.evictions += len(out.evictions)
+        if records[0].step >= measure_from:
+            stats.hits, stats.misses, stats.uploads = stats.hits + hits, stats.misses + misses, stats.uploads + uploads
+            stats.steps += 1
+            stats.most_uploads_in_a_step = max(stats.most_uploads_in_a_step, uploads)
+            stats.per_step.append((hits, misses, uploads))
+    return stats
+
+
+def most_frequent(trace: RoutingTrace, capacity: int, steps: range | None = None,
+                  per_layer: bool = False) -> list[Key]:
+    """The `capacity` (layer, expert) pairs used in the most of the given steps (all by default): a static
+    placement. Ties go to the lower layer, then the lower expert."""
+    info = trace.info
+    counts = np.zeros((info.n_layer, info.n_expert), np.int64)
+    for record in trace.records:
+        if steps is None or record.step in steps:
+            counts[record.layer, record.used()] += 1
+    if per_layer:
+        return [(il, int(e)) for il in range(info.n_layer)
+                for e in np.argsort(-counts[il], kind="stable")[:capacity]]
+    order = np.argsort(-counts.ravel(), kind="stable")[:capacity]
+    return [(int(i) // info.n_expert, int(i) % info.n_expert) for i in order]
