@@ -12,6 +12,7 @@ from strata.experts.simulate import (
     LrfuCache,
     LruCache,
     StaticCache,
+    StepCounts,
     most_frequent,
     replay,
 )
@@ -77,6 +78,15 @@ def test_uploads_are_released_evenly_over_the_layers() -> None:
     assert [len(cache.step(il, [] if il == 1 else [5, 6, 7]).uploads) for il in range(4)] == [0, 0, 1, 1]
 
 
+def test_a_budget_under_one_upload_a_step_accrues() -> None:
+    cache = LruCache(2, 64, capacity=64, uploads_per_step=0.4)
+    uploads = []
+    for s in range(10):
+        cache.begin_step()
+        uploads.append(sum(len(cache.step(il, [2 * s, 2 * s + 1]).uploads) for il in range(2)))
+    assert uploads == [0, 0, 1, 0, 1, 0, 0, 1, 0, 1]  # 0.4, 0.8, 1.2 -> 0.2, 0.6, 1.0 -> 0, ...
+
+
 def test_a_miss_past_the_budget_stays_on_the_cpu() -> None:
     cache = LrfuCache(1, 8, capacity=8, uploads_per_step=1)
     cache.begin_step()
@@ -139,7 +149,7 @@ def test_static_placement_learned_on_one_half_measured_on_the_other() -> None:
     assert (first, oracle) == ([(0, 0)], [(0, 2)])
     assert replay(trace, StaticCache(1, 8, first), measure_from=4).hits == 0
     measured = replay(trace, StaticCache(1, 8, oracle), measure_from=4)
-    assert (measured.hits, measured.misses, measured.uploads, measured.steps) == (3, 1, 0, 4)
+    assert (measured.hits, measured.misses, measured.uploads, len(measured.steps)) == (3, 1, 0, 4)
 
 
 def test_most_frequent_per_layer_takes_each_layers_top() -> None:
@@ -150,8 +160,9 @@ def test_most_frequent_per_layer_takes_each_layers_top() -> None:
 
 def test_replay_counts_only_the_measured_steps() -> None:
     stats = replay(one_layer(0, 0, 0, 1), LruCache(1, 8, capacity=1), measure_from=2)
-    assert (stats.steps, stats.hits, stats.misses, stats.per_step) == (2, 1, 1, [(1, 0, 0), (0, 1, 1)])
-    assert stats.hit_rate == 0.5
+    assert (stats.hits, stats.misses, stats.uploads) == (1, 1, 1)
+    assert stats.steps == [StepCounts(2, 1, ((1, 0),), 0), StepCounts(3, 1, ((0, 1),), 1)]
+    assert stats.hit_rate == 0.5 and stats.most_uploads_in_a_step == 1
 
 
 def test_bad_arguments_are_named() -> None:

@@ -7,6 +7,8 @@ holds are hits (computed on the GPU), the others misses (computed on the CPU fro
 upload some misses for later steps, evicting others. Uploads run on their own stream during the step, so a step
 may only start as many as the link moves in a step's time: `uploads_per_step`, released evenly over the layers
 (what a layer leaves is there for the ones after it in the same step). A miss past that budget stays on the CPU.
+A fractional budget accrues from step to step: a step starts at most ceil(uploads_per_step) uploads, and n steps
+at most uploads_per_step * n + 1.
 
 The policies: `LruCache` and `LfuCache` (the classic baselines), `StaticCache` (a fixed placement, e.g. the most
 frequent experts of another trace), and `LrfuCache`, ours: each expert's references decay by half every
@@ -46,11 +48,11 @@ class ExpertCache:
     Args:
         n_layer, n_expert: the model's MoE layers and experts per layer.
         capacity: experts held: over all layers, or in each layer when `per_layer`.
-        uploads_per_step: most uploads a step starts, over all its layers (None: no bound).
+        uploads_per_step: uploads a step may start, over all its layers (None: no bound); a fraction accrues.
     """
 
     def __init__(self, n_layer: int, n_expert: int, capacity: int, per_layer: bool = False,
-                 uploads_per_step: int | None = None) -> None:
+                 uploads_per_step: float | None = None) -> None:
         if n_layer < 1 or n_expert < 1:
             raise ValueError(f"a cache needs layers and experts, got {n_layer} x {n_expert}")
         if capacity < 0 or (uploads_per_step is not None and uploads_per_step < 0):
@@ -60,10 +62,14 @@ class ExpertCache:
         self.held: list[set[int]] = [set() for _ in range(n_layer)]
         self.now = -1  # the current step
         self._uploaded = 0  # by the current step so far
+        self._credit = 0.0  # uploads the step may start in all, once every layer's share is released
 
     def begin_step(self) -> None:
         """Start the next step (before its first layer's `step`)."""
         self.now += 1
+        if self.uploads_per_step is not None:  # what the last step left and this one's share, short of one more
+            budget = self.uploads_per_step  # upload than ceil(budget): no step starts more than that
+            self._credit = min(self._credit - self._uploaded + budget, max(budget, 1.0) + 1.0 - 1e-6)
         self._uploaded = 0
 
     def size(self) -> int:
@@ -99,7 +105,8 @@ class ExpertCache:
         step has uploaded."""
         if self.uploads_per_step is None:
             return math.inf
-        return self.uploads_per_step * (layer + 1) // self.n_layer - self._uploaded
+        unreleased = self.uploads_per_step * (self.n_layer - layer - 1) / self.n_layer
+        return math.floor(self._credit - unreleased + 1e-9) - self._uploaded
 
     def _full(self, layer: int) -> bool:
         return (len(self.held[layer]) if self.per_layer else self.size()) >= self.capacity
@@ -130,7 +137,7 @@ class LruCache(ExpertCache):
     """Evicts the expert whose last use is oldest; uploads every miss the budget allows."""
 
     def __init__(self, n_layer: int, n_expert: int, capacity: int, per_layer: bool = False,
-                 uploads_per_step: int | None = None) -> None:
+                 uploads_per_step: float | None = None) -> None:
         super().__init__(n_layer, n_expert, capacity, per_layer, uploads_per_step)
         self._last = np.full((n_layer, n_expert), -1, np.int64)
 
@@ -146,7 +153,7 @@ class LfuCache(ExpertCache):
     or not, and uploads every miss the budget allows."""
 
     def __init__(self, n_layer: int, n_expert: int, capacity: int, per_layer: bool = False,
-                 uploads_per_step: int | None = None) -> None:
+                 uploads_per_step: float | None = None) -> None:
         super().__init__(n_layer, n_expert, capacity, per_layer, uploads_per_step)
         self._count = np.zeros((n_layer, n_expert), np.int64)
         self._last = np.full((n_layer, n_expert), -1, np.int64)
@@ -182,7 +189,7 @@ class LrfuCache(ExpertCache):
     """
 
     def __init__(self, n_layer: int, n_expert: int, capacity: int, per_layer: bool = False,
-                 uploads_per_step: int | None = None, half_life: float = 16.0) -> None:
+                 uploads_per_step: float | None = None, half_life: float = 16.0) -> None:
         if not half_life > 0:
             raise ValueError(f"half_life must be positive, got {half_life}")
         super().__init__(n_layer, n_expert, capacity, per_layer, uploads_per_step)
@@ -206,6 +213,16 @@ class LrfuCache(ExpertCache):
 # --- replay
 
 
+@dataclass(frozen=True)
+class StepCounts:
+    """One step of a replay: its tokens, each layer's (hits, misses), and the uploads it started."""
+
+    step: int
+    n_tok: int
+    layers: tuple[tuple[int, int], ...]
+    uploads: int
+
+
 @dataclass
 class ReplayStats:
     """A replay's counts over its measured steps."""
@@ -214,13 +231,15 @@ class ReplayStats:
     misses: int = 0
     uploads: int = 0
     evictions: int = 0
-    steps: int = 0
-    most_uploads_in_a_step: int = 0
-    per_step: list[tuple[int, int, int]] = field(default_factory=list)  # (hits, misses, uploads) per step
+    steps: list[StepCounts] = field(default_factory=list)
 
     @property
     def hit_rate(self) -> float:
         return self.hits / max(self.hits + self.misses, 1)
+
+    @property
+    def most_uploads_in_a_step(self) -> int:
+        return max((s.uploads for s in self.steps), default=0)
 
 
 def replay(trace: RoutingTrace, cache: ExpertCache, measure_from: int = 0) -> ReplayStats:
@@ -228,17 +247,16 @@ def replay(trace: RoutingTrace, cache: ExpertCache, measure_from: int = 0) -> Re
     stats = ReplayStats()
     for records in trace.steps():
         cache.begin_step()
-        hits = misses = uploads = 0
-        for record in records:
-            out = cache.step(record.layer, record.used().tolist())
-            hits, misses, uploads = hits + len(out.hits), misses + len(out.misses), uploads + len(out.uploads)
-            if records[0].step >= measure_from:
-                stats.evictions += len(out.evictions)
-        if records[0].step >= measure_from:
-            stats.hits, stats.misses, stats.uploads = stats.hits + hits, stats.misses + misses, stats.uploads + uploads
-            stats.steps += 1
-            stats.most_uploads_in_a_step = max(stats.most_uploads_in_a_step, uploads)
-            stats.per_step.append((hits, misses, uploads))
+        outcomes = [cache.step(record.layer, record.used().tolist()) for record in records]
+        if records[0].step < measure_from:
+            continue
+        layers = tuple((len(out.hits), len(out.misses)) for out in outcomes)
+        uploads = sum(len(out.uploads) for out in outcomes)
+        stats.hits += sum(h for h, _ in layers)
+        stats.misses += sum(m for _, m in layers)
+        stats.uploads += uploads
+        stats.evictions += sum(len(out.evictions) for out in outcomes)
+        stats.steps.append(StepCounts(records[0].step, len(records[0].experts), layers, uploads))
     return stats
 
 
