@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from strata.experts.simulate import (
+    AdaptiveLrfuCache,
     ExpertCache,
     LfuCache,
     LrfuCache,
@@ -116,7 +117,7 @@ def test_a_global_budget_evicts_across_layers_and_a_per_layer_one_does_not() -> 
     assert split.held == [{1}, {0}]  # layer 0's one place went to 1; 2 had no victim left but 1, in use
 
 
-@pytest.mark.parametrize("policy", [LruCache, LfuCache, LrfuCache])
+@pytest.mark.parametrize("policy", [LruCache, LfuCache, LrfuCache, AdaptiveLrfuCache])
 @pytest.mark.parametrize("per_layer", [False, True])
 def test_every_policy_keeps_its_capacity_and_upload_budget(policy: type[ExpertCache], per_layer: bool) -> None:
     rng = np.random.default_rng(0)
@@ -140,6 +141,50 @@ def test_every_policy_keeps_its_capacity_and_upload_budget(policy: type[ExpertCa
         assert uploaded <= 3
         most = max(most, uploaded)
     assert most == 3  # the budget was reached, not merely never tested
+
+
+def stable_then_one_offs(n_steps: int) -> RoutingTrace:
+    """One layer: expert 0 every fourth step, between them a new expert each time (1, 2, 3, ...)."""
+    return one_layer(*[0 if s % 4 == 0 else s for s in range(n_steps)])
+
+
+def rotating(n_steps: int, period: int = 40) -> RoutingTrace:
+    """One layer: steps alternate between two experts of a pair that changes every `period` steps."""
+    return one_layer(*[2 * (s // period) + s % 2 for s in range(n_steps)])
+
+
+def test_adaptive_lrfu_takes_a_long_half_life_where_hot_experts_stay_hot() -> None:
+    # capacity 1: only frequency keeps 0 against the one-offs (with a half-life of 2 steps, 0's score falls under
+    # a new expert's 1 a step after its use); LRU keeps none of it
+    trace = stable_then_one_offs(400)
+    cache = AdaptiveLrfuCache(1, 400, capacity=1)
+    stats = replay(trace, cache, measure_from=200)
+    assert cache.half_life >= 8 and stats.hits == 50
+    assert replay(trace, LrfuCache(1, 400, capacity=1, half_life=2.0), measure_from=200).hits == 0
+    assert replay(trace, LruCache(1, 400, capacity=1), measure_from=200).hits == 0
+
+
+def test_adaptive_lrfu_takes_a_short_half_life_where_routing_moves() -> None:
+    # capacity 2: the current pair fits; a long memory keeps the old pairs' experts and admits the new pair late
+    trace = rotating(400)
+    cache = AdaptiveLrfuCache(1, 64, capacity=2)
+    stats = replay(trace, cache, measure_from=200)
+    lru = replay(trace, LruCache(1, 64, capacity=2), measure_from=200)
+    frequency = replay(trace, LrfuCache(1, 64, capacity=2, half_life=1024.0), measure_from=200)
+    assert cache.half_life <= 8
+    assert stats.hits >= lru.hits > frequency.hits
+
+
+def test_pace_sets_each_steps_budget_from_its_misses() -> None:
+    seen = []
+
+    def pace(counts: StepCounts) -> float:
+        seen.append(counts)
+        return sum(m for _, m in counts.layers)  # room to upload every miss
+
+    stats = replay(one_layer(0, 1, 0, 1), LruCache(1, 8, capacity=2, uploads_per_step=0), pace=pace)
+    assert [c.layers for c in seen] == [((0, 1),), ((0, 1),), ((1, 0),), ((1, 0),)]  # as each step began
+    assert (stats.hits, stats.uploads) == (2, 2)
 
 
 def test_static_placement_learned_on_one_half_measured_on_the_other() -> None:
@@ -170,3 +215,5 @@ def test_bad_arguments_are_named() -> None:
         LrfuCache(1, 8, 1, half_life=0)
     with pytest.raises(ValueError, match="capacity -1"):
         LruCache(1, 8, -1)
+    with pytest.raises(ValueError, match="positive window"):
+        AdaptiveLrfuCache(1, 8, 1, window=0)

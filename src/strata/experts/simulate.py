@@ -20,7 +20,7 @@ The CUDA backend runs these classes as they are; `replay` measures them here.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -194,20 +194,71 @@ class LrfuCache(ExpertCache):
             raise ValueError(f"half_life must be positive, got {half_life}")
         super().__init__(n_layer, n_expert, capacity, per_layer, uploads_per_step)
         self.half_life = half_life
-        self._score = np.full((n_layer, n_expert), -math.inf)  # log2(score) + step / half_life
+        self.scores = np.full((n_layer, n_expert), -math.inf)  # log2(score) + step / half_life
 
     def _touch(self, layer: int, expert: int) -> None:
         now = self.now / self.half_life
-        self._score[layer, expert] = now + math.log2(1.0 + 2.0 ** (self._score[layer, expert] - now))
+        self.scores[layer, expert] = now + math.log2(1.0 + 2.0 ** (self.scores[layer, expert] - now))
 
     def _candidates(self, layer: int, misses: Sequence[int]) -> Sequence[int]:
-        return sorted(misses, key=lambda e: -self._score[layer, e])
+        return sorted(misses, key=lambda e: -self.scores[layer, e])
 
     def _admit(self, key: Key, victim: Key) -> bool:
-        return bool(self._score[key] > self._score[victim])
+        return bool(self.scores[key] > self.scores[victim])
 
     def _priority(self, key: Key) -> tuple[float, ...]:
-        return (float(self._score[key]), key[0])
+        return (float(self.scores[key]), key[0])
+
+
+class AdaptiveLrfuCache(ExpertCache):
+    """Ours: LRFU whose half-life follows the routing. A shadow LRFU cache per half-life in `half_lives` (expert
+    ids only: no memory behind them) runs on the same steps under the same budgets; the cache evicts and admits by
+    the scores of the shadow with the most hits lately (decaying by half every `window` steps). A model whose hot
+    experts stay hot takes a long half-life (frequency: a placement learned as it runs); one whose routing moves
+    with the text takes a short one (recency)."""
+
+    HALF_LIVES = (0.5, 2.0, 8.0, 32.0, 128.0, 1024.0)
+
+    def __init__(self, n_layer: int, n_expert: int, capacity: int, per_layer: bool = False,
+                 uploads_per_step: float | None = None, half_lives: Sequence[float] = HALF_LIVES,
+                 window: float = 256.0) -> None:
+        if not half_lives or not window > 0:
+            raise ValueError(f"need half-lives and a positive window, got {half_lives} and {window}")
+        super().__init__(n_layer, n_expert, capacity, per_layer, uploads_per_step)
+        self.shadows = [LrfuCache(n_layer, n_expert, capacity, per_layer, uploads_per_step, h) for h in half_lives]
+        self.merit = np.zeros(len(half_lives))  # each shadow's hits, decayed
+        self._keep = 2.0 ** (-1.0 / window)
+        self.chosen = len(half_lives) // 2  # the shadow whose scores the cache uses
+
+    @property
+    def half_life(self) -> float:
+        return self.shadows[self.chosen].half_life
+
+    def begin_step(self) -> None:
+        super().begin_step()
+        self.merit *= self._keep
+        self.chosen = int(np.argmax(self.merit)) if self.merit.any() else self.chosen
+        for shadow in self.shadows:
+            shadow.uploads_per_step = self.uploads_per_step  # a budget paced step by step applies to them too
+            shadow.begin_step()
+
+    def step(self, layer: int, experts: Iterable[int]) -> StepOutcome:
+        needed = list(experts)
+        for i, shadow in enumerate(self.shadows):  # they touch the experts: their scores are up to date
+            self.merit[i] += len(shadow.step(layer, needed).hits)
+        return super().step(layer, needed)
+
+    def _scores(self) -> np.ndarray:
+        return self.shadows[self.chosen].scores
+
+    def _candidates(self, layer: int, misses: Sequence[int]) -> Sequence[int]:
+        return sorted(misses, key=lambda e: -self._scores()[layer, e])
+
+    def _admit(self, key: Key, victim: Key) -> bool:
+        return bool(self._scores()[key] > self._scores()[victim])
+
+    def _priority(self, key: Key) -> tuple[float, ...]:
+        return (float(self._scores()[key]), key[0])
 
 
 # --- replay
@@ -242,12 +293,22 @@ class ReplayStats:
         return max((s.uploads for s in self.steps), default=0)
 
 
-def replay(trace: RoutingTrace, cache: ExpertCache, measure_from: int = 0) -> ReplayStats:
-    """Run the trace's steps through `cache`, counting from step `measure_from` on (the steps before warm it)."""
+def replay(trace: RoutingTrace, cache: ExpertCache, measure_from: int = 0,
+           pace: Callable[[StepCounts], float] | None = None) -> ReplayStats:
+    """Run the trace's steps through `cache`, counting from step `measure_from` on (the steps before warm it).
+
+    pace: each step's upload budget from its hits and misses against the cache as the step begins (uploads 0), as
+    the backend budgets a layer's uploads by the time its misses keep the CPU busy; None: the cache's own budget.
+    """
     stats = ReplayStats()
     for records in trace.steps():
+        used = [record.used().tolist() for record in records]
+        if pace is not None:
+            cache.uploads_per_step = pace(StepCounts(records[0].step, len(records[0].experts), tuple(
+                (len(held & set(u)), len(set(u) - held)) for u, held in
+                zip(used, (cache.held[r.layer] for r in records), strict=True)), 0))
         cache.begin_step()
-        outcomes = [cache.step(record.layer, record.used().tolist()) for record in records]
+        outcomes = [cache.step(record.layer, u) for record, u in zip(records, used, strict=True)]
         if records[0].step < measure_from:
             continue
         layers = tuple((len(out.hits), len(out.misses)) for out in outcomes)
