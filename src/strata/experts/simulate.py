@@ -8,13 +8,14 @@ upload some misses for later steps, evicting others. Uploads run on their own st
 may only start as many as the link moves in a step's time: `uploads_per_step`, released evenly over the layers
 (what a layer leaves is there for the ones after it in the same step). A miss past that budget stays on the CPU.
 A fractional budget accrues from step to step: a step starts at most ceil(uploads_per_step) uploads, and n steps
-at most uploads_per_step * n + 1.
+at most uploads_per_step * n.
 
 The policies: `LruCache` and `LfuCache` (the classic baselines), `StaticCache` (a fixed placement, e.g. the most
-frequent experts of another trace), and `LrfuCache`, ours: each expert's references decay by half every
-`half_life` steps, the sum scoring recency and frequency at once (LRFU), and a miss is admitted only when its score
-beats the score of the expert it would evict, so a one-off choice cannot push out an expert in steady use.
-The CUDA backend runs these classes as they are; `replay` measures them here.
+frequent experts of another trace), `LrfuCache` (each expert's uses decay by half every `half_life` steps, the sum
+scoring recency and frequency at once, and a miss is admitted only when its score beats the score of the expert
+it would evict, so a one-off choice cannot push out an expert in steady use), and ours, `AdaptiveLrfuCache`: LRFU
+with the half-life of whichever shadow LRFU cache has hit most lately. The CUDA backend runs these classes as they
+are; `replay` measures them here.
 """
 
 from __future__ import annotations
@@ -180,7 +181,7 @@ class StaticCache(ExpertCache):
 
 
 class LrfuCache(ExpertCache):
-    """Ours: recency and frequency in one score per (layer, expert), with admission by score.
+    """Recency and frequency in one score per (layer, expert), with admission by score.
 
     Each use adds 1 to the expert's score, and the score halves every `half_life` steps. It is kept as log2 of
     the score at the last use plus that step / half_life, which orders experts as their scores do now without
