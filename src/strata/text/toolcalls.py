@@ -46,7 +46,8 @@ class ToolCallParser:
         family: the model family, whose markers the text uses (`ModelFamily.stream_parser` makes one).
         starts_in_reasoning: the prompt already opened the reasoning block, so generation begins inside it.
         parse_tool_calls: False treats the call marker as ordinary text (a request without tools).
-        tool_names: the declared tools' names; None accepts any name.
+        tool_names: the declared tools' names (or a mapping from them, as `ModelFamily.stream_parser` passes); None
+            accepts any name.
     """
 
     def __init__(self, family: ModelFamily, starts_in_reasoning: bool = False, parse_tool_calls: bool = True,
