@@ -226,3 +226,46 @@ def test_a_json_answer_or_an_xml_call(grammars, tokenizer) -> None:
             assert text == "" and [name for name, _ in calls] == ["set_light"]
         else:
             jsonschema.validate(json.loads(text), schema)
+
+
+# --- the template's own rendering, read back
+
+
+TRICKY = ["Zürich", "a < b && c > d", "</param", "line one\nline two", "\nleading newline", "trailing newline\n",
+          'quotes " and \\ backslash', "<tool_call> inside", "  spaces  ", "<parameter=x>", "", "😀 emoji"]
+ROUND_TRIP = {"type": "object", "properties": {
+    "text": {"type": "string"}, "count": {"type": "integer"}, "ratio": {"type": "number"}, "flag": {"type": "boolean"},
+    "items": {"type": "array"}, "config": {"type": "object"}}}
+
+
+def random_arguments(rng: Any) -> dict[str, Any]:
+    values = {"text": rng.choice(TRICKY), "count": rng.randint(-5, 10**6), "ratio": rng.choice([0.5, -2.25, 1e-3]),
+              "flag": rng.random() < 0.5, "items": [rng.choice(TRICKY), rng.randint(0, 9)],
+              "config": {"path": rng.choice(TRICKY), "deep": {"n": [1, {"m": None}]}}}
+    return {key: values[key] for key in rng.sample(sorted(values), rng.randint(0, len(values)))}
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_calls_the_template_renders_read_back_to_their_arguments(seed: int) -> None:
+    import random
+
+    from strata.text.prompt import render_chat
+
+    if not TEMPLATE.is_file():
+        pytest.skip("llama.cpp's Qwen3.5 chat template is not in .cache/ (run scripts/fetch-llama-cpp.sh)")
+    rng = random.Random(seed)
+    calls = [("tool_" + str(i), random_arguments(rng)) for i in range(rng.randint(1, 3))]
+    messages = [{"role": "user", "content": "go"}, {"role": "assistant", "content": rng.choice(["", "Sure."]),
+                "tool_calls": [{"id": f"c{i}", "type": "function", "function": {"name": name, "arguments": args}}
+                               for i, (name, args) in enumerate(calls)]}]
+    rendered = render_chat(TEMPLATE.read_text("utf-8"), messages, add_generation_prompt=False)
+    answer = rendered.rpartition("<|im_start|>assistant\n")[2].removesuffix("<|im_end|>\n")
+    parser = QWEN35.stream_parser(tools={name: ROUND_TRIP for name, _ in calls})
+    events: list[Event] = []
+    for chunk in random_chunks(answer, seed):
+        events += parser.feed(chunk)
+    events += parser.finish()
+    starts = [event.name for event in events if isinstance(event, ToolCallStart)]
+    arguments = [json.loads("".join(e.text for e in events if isinstance(e, ToolCallArgumentsDelta) and e.index == i))
+                 for i in range(len(starts))]
+    assert list(zip(starts, arguments, strict=True)) == calls, answer
