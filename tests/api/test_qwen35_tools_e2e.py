@@ -176,3 +176,16 @@ def test_the_model_writes_the_xml_syntax(demo35):
     written = "".join(entry.token for entry in choice.logprobs.content)
     assert written.startswith("<tool_call>\n<function=set_light>\n<parameter=room>\n"), written
     assert written.endswith("</function>\n</tool_call>"), written
+
+
+def test_responses_api_streamed_and_not(serve_qwen35):
+    tools = [{"type": "function", "name": "get_weather", "parameters": PARAMETERS, "strict": False}]
+    with serve_qwen35(SCRIPT) as server, openai.OpenAI(base_url=server.url + "/v1", api_key="unused") as client:
+        response = client.responses.create(model="m", input="Weather in Paris?", tools=tools)
+        events = list(client.responses.create(model="m", input="Weather in Paris?", tools=tools, stream=True))
+    calls = [item for item in response.output if item.type == "function_call"]
+    assert [(call.name, json.loads(call.arguments)) for call in calls] == [("get_weather", ARGUMENTS)]
+    deltas = [event.delta for event in events if event.type == "response.function_call_arguments.delta"]
+    assert len(deltas) > 1 and json.loads("".join(deltas)) == ARGUMENTS
+    done = [event.item for event in events if event.type == "response.output_item.done"]
+    assert [json.loads(item.arguments) for item in done if item.type == "function_call"] == [ARGUMENTS]

@@ -42,6 +42,10 @@ class ToolCallParser:
     starts that way nor parses as a whole call by `</tool_call>` or the end of the text — is emitted unchanged,
     tags included, as text. So is a call naming a tool that was not declared: it is never reported as a call.
 
+    Another call syntax keeps the reasoning and text handling and replaces the call body's: a subclass overrides
+    `_step_header` (after the call marker), `_step_args` (the arguments) and `_whole_call` (a body parsed at once),
+    as `strata.text.xml_toolcalls.XmlToolCallParser` does.
+
     Args:
         family: the model family, whose markers the text uses (`ModelFamily.stream_parser` makes one).
         starts_in_reasoning: the prompt already opened the reasoning block, so generation begins inside it.
