@@ -201,6 +201,8 @@ def test_a_strict_text_parameter_with_a_pattern_is_refused_naming_it(grammars) -
     assert str(refused.value).startswith("tools[0].function.parameters.properties.path.pattern: ")
     assert refused.value.param == "tools[0].function.parameters"
     assert plan(grammars, tools=[{"type": "function", "function": {**tool["function"], "strict": False}}])
+    uri = {"type": "object", "properties": {"url": {"type": "string", "format": "uri"}}, "required": ["url"]}
+    assert plan(grammars, tools=[{"type": "function", "function": {"name": "f", "strict": True, "parameters": uri}}])
 
 
 def test_auto_with_a_strict_tool_constrains_the_call_the_model_starts(grammars, tokenizer) -> None:

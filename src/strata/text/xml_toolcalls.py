@@ -39,8 +39,10 @@ _VALUE_END = "\n</parameter>"
 _FUNCTION_END = "</function>"
 # Keywords that say a schema without a `type` describes a JSON value (not raw text).
 _VALUE_KEYWORDS = ("enum", "const", "anyOf", "oneOf", "allOf", "$ref", "properties", "items")
-# String keywords the raw-text grammar cannot hold a value to (a strict tool that uses one is refused).
-_TEXT_KEYWORDS = ("pattern", "format", "minLength", "maxLength")
+# String keywords the raw-text grammar cannot hold a value to (a strict tool that uses one is refused). `format` is
+# not among them: JSON Schema makes it an annotation unless a schema opts into asserting it, and tool schemas carry
+# it often (`"format": "uri"`), so a text value is not held to it.
+_TEXT_KEYWORDS = ("pattern", "minLength", "maxLength")
 
 # The grammar of a raw-text value with its closing tag: any text that does not hold the closing tag itself
 # (one lexeme, so that where the value ends is never ambiguous).
@@ -251,7 +253,8 @@ def xml_call_rule(function: Mapping[str, Any], strict: bool) -> tuple[str, str |
 
     Raises:
         ValueError: a strict tool's text parameter with a keyword the raw text cannot be held to (`pattern`,
-            `format`, `minLength`, `maxLength`), naming its path in the parameters' schema.
+            `minLength`, `maxLength`; `format` is not held either, and not refused), naming its path in the
+            parameters' schema.
     """
     parameters = function.get("parameters") or {}
     properties = _properties(parameters)
