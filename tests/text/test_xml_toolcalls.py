@@ -57,6 +57,8 @@ CASES = [
         ToolCallStart(0, "", "get_weather"), ToolCallArgumentsDelta(0, '{"city": "Lim"}')]),
     ("<tool_call>\n<function=get_weather>\n<parameter=days>\n12\n</param", [
         ToolCallStart(0, "", "get_weather"), ToolCallArgumentsDelta(0, '{"days": 12}')]),
+    ("<tool_call>\n<function=get_weather>\n<parameter=days>\n", [
+        ToolCallStart(0, "", "get_weather"), ToolCallArgumentsDelta(0, '{"days": ""}')]),
 ]
 
 

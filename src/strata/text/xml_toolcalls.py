@@ -20,6 +20,7 @@ from typing import Any
 
 from strata.events import Event, TextDelta, ToolCallArgumentsDelta, ToolCallStart
 from strata.text.constraints import json_text
+from strata.text.family import ModelFamily
 from strata.text.toolcalls import (
     _CALL_ARGS,
     _CALL_BUFFERED,
@@ -95,7 +96,7 @@ class XmlToolCallParser(ToolCallParser):
             every value as text.
     """
 
-    def __init__(self, family: Any, starts_in_reasoning: bool = False, parse_tool_calls: bool = True,
+    def __init__(self, family: ModelFamily, starts_in_reasoning: bool = False, parse_tool_calls: bool = True,
                  tools: Mapping[str, Any] | None = None) -> None:
         super().__init__(family, starts_in_reasoning, parse_tool_calls, tools)
         self._schemas: Mapping[str, Any] = {}  # the current call's parameters' schemas
@@ -112,6 +113,8 @@ class XmlToolCallParser(ToolCallParser):
         rest, self._pending = self._pending, ""
         if self._parameter is not None:
             rest = rest[: len(rest) - _partial_suffix(rest, (_VALUE_END,))]
+            if self._line_start:
+                rest = rest.removeprefix("\n")
             self._value_piece(events, rest.removesuffix("\n"))
             self._end_parameter(events)
         self._arguments(events, "}")
