@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import pathlib
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import gguf
@@ -82,10 +82,12 @@ def qwen35(vocab_file: pathlib.Path) -> Tokenizer:
 
 
 @pytest.fixture(scope="module")
-def llama_cpp_vocab(vocab_file: pathlib.Path) -> Any:
+def llama_cpp_vocab(vocab_file: pathlib.Path) -> Iterator[Any]:
     import llama_cpp
 
-    return llama_cpp.Llama(str(vocab_file), vocab_only=True, verbose=False)
+    llama = llama_cpp.Llama(str(vocab_file), vocab_only=True, verbose=False)
+    yield llama
+    llama.close()
 
 
 def test_the_file_is_a_qwen35_vocabulary(vocab_file: pathlib.Path) -> None:
