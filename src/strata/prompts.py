@@ -17,12 +17,10 @@ from strata.pictures.expand import PromptImages, expand_image_pads, marker_token
 from strata.pictures.sources import ImageRejected
 from strata.request_errors import RequestError
 from strata.text.family import ModelFamily
-from strata.text.prompt import PromptError, render_chat
+from strata.text.prompt import RESERVED_TEMPLATE_VARIABLES, PromptError, render_chat
 from strata.text.prompt_tokens import PromptTokens, strings_of
 from strata.vision.client import Embedding
 
-# Variables the chat template gets from the request itself; `chat_template_kwargs` may not override them.
-_RESERVED_TEMPLATE_VARS = frozenset({"messages", "tools", "add_generation_prompt"})
 # A request with at most this many characters of text is rendered and tokenised on the event loop (under a
 # millisecond, about what handing it to a worker thread and back costs on a busy core); longer ones in a thread.
 INLINE_PROMPT_CHARS = 1024
@@ -63,9 +61,10 @@ class Prompts:
     def render(self, request: ChatRequest) -> str:
         """The prompt text of a request (the chat template applied to its messages and tools)."""
         kwargs = dict(request.template_kwargs)
-        clash = _RESERVED_TEMPLATE_VARS.intersection(kwargs)
+        clash = sorted(RESERVED_TEMPLATE_VARIABLES.intersection(kwargs))
         if clash:
-            raise RequestError(f"chat_template_kwargs may not set {', '.join(sorted(clash))}")
+            raise RequestError(f"chat_template_kwargs.{clash[0]}: the template's own variable cannot be set here",
+                               "chat_template_kwargs")
         enable_thinking = kwargs.pop("enable_thinking", request.enable_thinking)
         try:
             text = render_chat(self.template, request.messages, tools=request.tools or None,

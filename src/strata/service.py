@@ -122,7 +122,7 @@ class Service:
         if not template:
             raise ServiceUnavailable("the model has no chat template (tokenizer.chat_template)")
         self.engine, self.tokenizer = engine, tokenizer
-        self.family = family_of(tokenizer)
+        self.family = family_of(tokenizer, template)
         self.grammars = Grammars(tokenizer, self.family, engine.n_vocab)
         self.prompts = Prompts(tokenizer, self.family, template, engine.n_ctx, engine.n_vocab,
                                self.config.limits.max_tokens)

@@ -68,7 +68,7 @@ def test_the_reasoning_block_of_a_prompt():
 
 
 def test_the_parser_reads_the_familys_markers():
-    parser = OTHER.stream_parser(tool_names={"get_weather"})
+    parser = OTHER.stream_parser(tools={"get_weather": {}})
     events = parser.feed('<reason>hm</reason>Sure.[CALL]\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n'
                          "[/CALL]<tool_call>") + parser.finish()
     assert events[:2] == [ReasoningDelta("hm"), TextDelta("Sure.")]

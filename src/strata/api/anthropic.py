@@ -36,6 +36,7 @@ from strata.api.translate import (
     join_parts,
     sampling_params,
     schema_format,
+    template_kwargs,
 )
 from strata.events import (
     ChatRequest,
@@ -129,6 +130,7 @@ def _parse_prompt(body: dict[str, Any]) -> ChatRequest:
         # A last assistant message is a prefill: the answer continues it (Anthropic's documented behaviour).
         prefill=turns[-1].get("role") == "assistant",
         enable_thinking=_thinking(body),
+        template_kwargs=template_kwargs(body),
         route=_ROUTE,
     )
 

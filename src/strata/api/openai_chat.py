@@ -27,6 +27,7 @@ from strata.api.translate import (
     llama_cpp_format,
     logit_bias,
     openai_format,
+    template_kwargs,
     top_logprobs,
 )
 from strata.events import (
@@ -92,7 +93,7 @@ def parse_request(body: Any) -> ChatRequest:
         max_tokens=_max_tokens(body),
         stop=stops_from(body),
         enable_thinking=effort not in _NO_THINKING_EFFORTS,
-        template_kwargs=dict(get_object(body, "chat_template_kwargs", "chat_template_kwargs") or {}),
+        template_kwargs=template_kwargs(body),
         route="chat",
     )
 

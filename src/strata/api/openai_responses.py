@@ -35,6 +35,7 @@ from strata.api.translate import (
     join_parts,
     openai_format,
     sampling_params,
+    template_kwargs,
     top_logprobs,
 )
 from strata.events import (
@@ -118,6 +119,7 @@ def parse_request(body: Any, *, sampling_defaults: Mapping[str, Any] | None = No
         ),
         max_tokens=get_int(body, "max_output_tokens", "max_output_tokens", 1),
         enable_thinking=_thinking(body),
+        template_kwargs=template_kwargs(body),
         route=_ROUTE,
     )
 

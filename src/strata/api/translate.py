@@ -11,6 +11,7 @@ from typing import Any, Literal, overload
 from strata.api.errors import ApiError
 from strata.pictures.sources import ImageRejected, ImageSource, decode_base64
 from strata.text.constraints import AnswerFormat
+from strata.text.prompt import RESERVED_TEMPLATE_VARIABLES
 from strata.text.sampling import SamplingError, SamplingParams
 from strata.vision.embeds import PrecomputedEmbeds
 
@@ -87,6 +88,18 @@ def get_object(obj: dict[str, Any], key: str, param: str, *, required: Literal[T
 def get_object(obj: dict[str, Any], key: str, param: str, *, required: bool = False) -> dict[str, Any] | None: ...
 def get_object(obj: dict[str, Any], key: str, param: str, *, required: bool = False) -> dict[str, Any] | None:
     return get(obj, key, dict, param, required=required)
+
+
+def template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+    """`chat_template_kwargs`: extra variables for the chat template (`{"enable_thinking": false}`,
+    `{"preserve_thinking": true}`), as llama.cpp and vLLM accept them; an object whose keys are not the template's
+    own variables (`RESERVED_TEMPLATE_VARIABLES`)."""
+    kwargs = get_object(body, "chat_template_kwargs", "chat_template_kwargs") or {}
+    for key in kwargs:
+        if key in RESERVED_TEMPLATE_VARIABLES:
+            raise bad_request(f"chat_template_kwargs.{key}", "the template's own variable cannot be set here (it "
+                              "comes from the request)")
+    return dict(kwargs)
 
 
 @overload

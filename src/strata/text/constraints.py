@@ -425,8 +425,13 @@ def _calls_rules(tools: Sequence[dict[str, Any]], tokens: SpecialTokens, paralle
                  tool_fields: Mapping[str, str], *, body_only: bool
                  ) -> tuple[list[str], list[tuple[str, str]]]:
     """Lark rules for tool calls in the model family's syntax: its call markers around one call of a declared tool
-    (`ModelFamily.call_rule`; Qwen3's: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`), one
-    rule per declared tool, with the grammars of the strict ones to check."""
+    (`ModelFamily.call_rule`; Qwen3's: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, Qwen3.5's:
+    `<tool_call>\\n<function=...>\\n<parameter=...>...</function>\\n</tool_call>`), one rule per declared tool, and
+    the terminals they use, with the grammars of the strict ones to check.
+
+    Raises:
+        GrammarError: a strict tool's schema that the family's syntax cannot hold a call to.
+    """
     family = tokens.family
     open_tag = _tag(tokens.call_open, family.call_open)
     close_tag = _tag(tokens.call_close, family.call_close)
@@ -441,11 +446,14 @@ def _calls_rules(tools: Sequence[dict[str, Any]], tokens: SpecialTokens, paralle
         param = tool_fields.get(function["name"], f"tools[{i}].function.parameters")
         if strict:
             _check_schema(function.get("parameters") or {}, param)
-        rule, grammar = family.call_rule(function, strict)
+        try:
+            rule, grammar = family.call_rule(function, strict)
+        except ValueError as error:  # a schema the family's syntax cannot hold a call to, naming its part
+            raise GrammarError(f"{param}.{error}", param) from None
         rules.append(f"tool{i}: {rule}")
         if grammar is not None:
             parts.append((grammar, param))
-    return rules, parts
+    return [*rules, *family.call_terminals], parts
 
 
 def _tag(token: int | None, text: str) -> str:

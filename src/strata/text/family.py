@@ -8,13 +8,14 @@ tool-call syntax is a new object there, not edits across the text side.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-# (family, starts_in_reasoning, parse_tool_calls, tool_names) -> a parser for one generation, with `feed`,
-# `finish`, `n_tool_calls` and `in_reasoning` (`strata.text.output.StreamParser`)
-ParserFactory = Callable[["ModelFamily", bool, bool, "Collection[str] | None"], Any]
+# (family, starts_in_reasoning, parse_tool_calls, tools) -> a parser for one generation, with `feed`, `finish`,
+# `n_tool_calls` and `in_reasoning` (`strata.text.output.StreamParser`); `tools` maps the declared tools' names to
+# their parameters' schemas (None: any name)
+ParserFactory = Callable[["ModelFamily", bool, bool, "Mapping[str, Any] | None"], Any]
 # (a declared tool's `function` object, strict) -> the Lark right-hand side of one call of it between the
 # family's call markers, and (strict tools only) a grammar of that call alone, checked before use
 CallRule = Callable[[Mapping[str, Any], bool], tuple[str, str | None]]
@@ -35,6 +36,9 @@ class ModelFamily:
         signature: a vocabulary token that marks a file of this family (`strata.text.families.family_of`).
         parser: makes the streamed tool-call parser of one generation.
         call_rule: the grammar piece of one tool's call, which forced and strict calls are built from.
+        call_terminals: Lark definitions the call rules refer to, added to any grammar of calls.
+        template_mark: text whose presence in the chat template marks a file of this family, before any
+            vocabulary signature is looked at (None: the family is known by its vocabulary).
     """
 
     name: str
@@ -48,17 +52,20 @@ class ModelFamily:
     signature: str
     parser: ParserFactory
     call_rule: CallRule
+    call_terminals: tuple[str, ...] = ()
+    template_mark: str | None = None
 
     def stream_parser(self, starts_in_reasoning: bool = False, parse_tool_calls: bool = True,
-                      tool_names: Collection[str] | None = None) -> Any:
+                      tools: Mapping[str, Any] | None = None) -> Any:
         """A parser for one generation's text.
 
         Args:
             starts_in_reasoning: the prompt already opened `think_open`.
             parse_tool_calls: False treats `call_open` as ordinary text (a request without tools).
-            tool_names: the declared tools' names; None accepts any name.
+            tools: the declared tools' parameters' schemas by name (a syntax whose values are text reads them by
+                their types); None accepts any name.
         """
-        return self.parser(self, starts_in_reasoning, parse_tool_calls, tool_names)
+        return self.parser(self, starts_in_reasoning, parse_tool_calls, tools)
 
     def opens_reasoning(self, prompt: str) -> bool:
         """Whether a rendered prompt ends inside an open reasoning block (generation starts in it)."""

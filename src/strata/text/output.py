@@ -54,7 +54,7 @@ class Output:
         tools = request.tools if request.tool_choice != "none" else []
         self._parser: StreamParser = family.stream_parser(
             starts_in_reasoning=starts_in_reasoning, parse_tool_calls=bool(tools),
-            tool_names={tool["function"]["name"] for tool in tools})
+            tools={tool["function"]["name"]: tool["function"].get("parameters") for tool in tools})
         if request.completion is not None:
             self._parser = _PlainText()  # a raw completion: tags are text
 

@@ -23,6 +23,10 @@ class PromptError(ValueError):
     """The chat template failed to compile or render (bad template, or messages it refuses)."""
 
 
+# The variables `render_chat` gives every template from the request itself: extra template variables a request
+# sends (`chat_template_kwargs`) may not set them. (`enable_thinking` they may: it is a setting, not the request.)
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt"})
+
 # What a template's own code can raise while rendering (`raise_exception`, undefined names, `'a' + 1`,
 # `tojson` of something JSON cannot hold, a bad index).
 _RENDER_ERRORS = (jinja2.TemplateError, TypeError, ValueError, LookupError, ArithmeticError)

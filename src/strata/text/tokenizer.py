@@ -37,9 +37,13 @@ _QWEN2 = PreTokenizer(r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p
                       r"|\s*[\r\n]+|\s+(?!\S)|\s+", nfc=True, add_bos=False)
 _LLAMA3 = PreTokenizer(r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                        r"|\s*[\r\n]+|\s+(?!\S)|\s+", nfc=False, add_bos=True)
+# Qwen3.5's keeps combining marks (\p{M}) in words, where Qwen2's splits them off as punctuation, and normalises
+# nothing: a decomposed accent stays two code points, as in Qwen3.5's tokenizer.json and llama.cpp.
+_QWEN35 = PreTokenizer(r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+                       r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+", nfc=False, add_bos=False)
 # The names llama.cpp gives the pre-tokenizers of the architectures the engine runs (Qwen3 and Qwen3-MoE: qwen2;
-# Llama 3.x: llama-bpe, with its older spellings).
-PRE_TOKENIZERS = {"qwen2": _QWEN2, "llama-bpe": _LLAMA3, "llama3": _LLAMA3, "llama-v3": _LLAMA3}
+# Qwen3.5 and Qwen3.6: qwen35; Llama 3.x: llama-bpe, with its older spellings).
+PRE_TOKENIZERS = {"qwen2": _QWEN2, "qwen35": _QWEN35, "llama-bpe": _LLAMA3, "llama3": _LLAMA3, "llama-v3": _LLAMA3}
 _ID_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 _SPECIAL_TYPES = (int(TokenType.CONTROL), int(TokenType.USER_DEFINED))
 # Fill-in-the-middle: the keys llama.cpp defines for the prefix, suffix and middle tokens (the current names, then

@@ -42,11 +42,16 @@ class ToolCallParser:
     starts that way nor parses as a whole call by `</tool_call>` or the end of the text — is emitted unchanged,
     tags included, as text. So is a call naming a tool that was not declared: it is never reported as a call.
 
+    Another call syntax keeps the reasoning and text handling and replaces the call body's: a subclass overrides
+    `_step_header` (after the call marker), `_step_args` (the arguments) and `_whole_call` (a body parsed at once),
+    as `strata.text.xml_toolcalls.XmlToolCallParser` does.
+
     Args:
         family: the model family, whose markers the text uses (`ModelFamily.stream_parser` makes one).
         starts_in_reasoning: the prompt already opened the reasoning block, so generation begins inside it.
         parse_tool_calls: False treats the call marker as ordinary text (a request without tools).
-        tool_names: the declared tools' names; None accepts any name.
+        tool_names: the declared tools' names (or a mapping from them, as `ModelFamily.stream_parser` passes); None
+            accepts any name.
     """
 
     def __init__(self, family: ModelFamily, starts_in_reasoning: bool = False, parse_tool_calls: bool = True,
