@@ -140,6 +140,8 @@ class Config:
     slots: int = 4  # requests generating at once; the KV cache holds slots x context positions
     # MiB the KV cache of all slots may take: startup refuses a slots x context that needs more (None: no bound)
     kv_budget: float | None = None
+    # MiB a hybrid model's recurrent-state snapshots may take, for prefix reuse (None: four per slot)
+    snapshot_budget: float | None = None
     step_tokens: int = 64  # most tokens per engine step while streams decode: a joining prompt comes in chunks
     # While streams decode and a prompt longer than step_tokens joins, a step carrying its chunk takes at most this
     # many times their own step (measured as the server runs); the chunk is sized to fit, within step_tokens. The
@@ -190,6 +192,8 @@ def _check_engine(config: Config) -> None:
         raise _fail("threads", "must be at least 1")
     if config.kv_budget is not None and not config.kv_budget > 0:
         raise _fail("kv_budget", f"must be positive (MiB), got {config.kv_budget}")
+    if config.snapshot_budget is not None and not config.snapshot_budget >= 0:
+        raise _fail("snapshot_budget", f"must be at least 0 (MiB), got {config.snapshot_budget}")
     if not config.step_slowdown >= 1:
         raise _fail("step_slowdown", f"must be at least 1 (a multiple of the decode step), got {config.step_slowdown}")
 

@@ -32,6 +32,7 @@ class Prepared:
     max_tokens: int | None  # the request's caps (the job adds the context's: `Job.budget`); None: the context's
     starts_in_reasoning: bool
     may_think: bool  # the prompt leaves the model free to open a reasoning block
+    turn_starts: list[int] = dataclasses.field(default_factory=list)  # where its messages start (chats only)
 
     @property
     def ids(self) -> list[int]:
@@ -55,6 +56,7 @@ class Prompts:
         self.tokenizer, self.family, self.template = tokenizer, family, template
         self.n_ctx, self.n_vocab, self.max_tokens = n_ctx, n_vocab, max_tokens
         self.tokens = PromptTokens(tokenizer)
+        self.turn_open_id = tokenizer.token_to_id(family.turn_open)  # None: the vocabulary has no such token
         pad_id = None if family.image_pad is None else tokenizer.token_to_id(family.image_pad)
         self.pad_id = -1 if pad_id is None else pad_id  # the id a picture's placeholder renders as (-1: none)
 
@@ -151,7 +153,8 @@ class Prompts:
         starts_in_reasoning = self.family.opens_reasoning(text)
         # An empty block closed by the template means no thinking; a continued answer is past its thinking.
         may_think = not self.family.closes_reasoning(text) and not request.prefill
-        return Prepared(prompt, max_tokens, starts_in_reasoning, may_think)
+        turn_starts = [] if self.turn_open_id is None else [i for i, t in enumerate(ids) if t == self.turn_open_id]
+        return Prepared(prompt, max_tokens, starts_in_reasoning, may_think, turn_starts)
 
     def _fitted(self, request: ChatRequest, pictures: list[Embedding], results: int,
                 rendered: tuple[str, list[int]] | None) -> tuple[str, list[int]]:

@@ -128,7 +128,9 @@ class Service:
                                self.config.limits.max_tokens)
         # as many slots as the engine has sequences (an engine passed in may have fewer than config.slots)
         self.turn = Turn(max_queued=self.config.limits.queue_length, slots=engine.n_seq)
-        self.loop = EngineLoop(Batcher(engine, self.config.step_tokens, self.config.batch, self.config.step_slowdown))
+        snapshots = self.config.snapshot_budget
+        self.loop = EngineLoop(Batcher(engine, self.config.step_tokens, self.config.batch, self.config.step_slowdown,
+                                       snapshot_bytes=None if snapshots is None else int(snapshots * 2**20)))
         self.loaded.set()
 
     async def load(self, log: Callable[[str], None] = print) -> None:
@@ -151,6 +153,10 @@ class Service:
             budget = "" if self.config.kv_budget is None else f" of a {self.config.kv_budget:g} MiB budget"
             log(f"KV cache: {engine.n_seq} slots x {engine.n_ctx} positions ({self.config.kv}), "
                 f"{engine.kv_bytes / 2**20:.0f} MiB{budget}")
+            snapshots = self.loop.batcher.snapshots if self.loop is not None else None
+            if snapshots is not None:
+                log(f"recurrent state: {engine.state_bytes / 2**20:.1f} MiB a sequence; snapshots for prefix reuse: "
+                    f"{snapshots.capacity} ({snapshots.budget / 2**20:.0f} MiB)")
         except BaseException as error:
             self.load_error = error
             self.loaded.set()
@@ -416,7 +422,7 @@ class Service:
         job = Job(prepared.ids, sampler, prepared.max_tokens, self.tokenizer.eos_ids,
                   keys=salted(prepared.prompt.keys, request.cache_salt),
                   spans=prepared.prompt.spans, tag=row.id, progress=live,
-                  prompt_logprobs=request.logprobs if echo else None)
+                  prompt_logprobs=request.logprobs if echo else None, turn_starts=prepared.turn_starts)
         # Everything this task can make before the job goes: the engine thread needs the GIL to start the job's
         # call, and gets it only once this task waits for the first token.
         assert self.family is not None

@@ -112,3 +112,17 @@ def test_the_prompts_take_the_familys_picture_placeholder(tokenizer):
 
     assert prompts(QWEN3).pad_id == tokenizer.token_to_id("<|image_pad|>")
     assert prompts(LLAMA3).pad_id == -1
+
+
+def test_a_chat_prompt_knows_where_its_messages_start(tokenizer):
+    from strata.text.prompt import render_chat
+
+    template = tokenizer.chat_template
+    prompts = Prompts(tokenizer, QWEN3, template, n_ctx=4096, n_vocab=tokenizer.n_vocab, max_tokens=None)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "hello"}, {"role": "user", "content": "again"}]
+    prepared = prompts.prepare(ChatRequest(messages=messages), [])
+    opener = tokenizer.token_to_id("<|im_start|>")
+    assert render_chat(template, messages).count("<|im_start|>") == 5  # four messages and the answer's turn
+    assert len(prepared.turn_starts) == 5
+    assert all(prepared.ids[i] == opener for i in prepared.turn_starts) and prepared.turn_starts[0] == 0

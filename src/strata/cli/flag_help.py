@@ -24,6 +24,7 @@ HELP = {
                       "trace for bench/expert_cache.py)",
     "slots": "requests generating at once (each keeps its KV cache of context positions while idle)",
     "kv_budget": "most MiB the KV cache of all slots may take (slots x context must fit; default: no bound)",
+    "snapshot_budget": "most MiB a hybrid model's state snapshots may take, for prefix reuse (default: 4 per slot)",
     "step_tokens": "most tokens per engine step while requests decode (a joining prompt comes in chunks)",
     "step_slowdown": "most a joining prompt longer than step_tokens may slow the decoding requests' steps, as a "
                      "multiple of their own step",

@@ -25,6 +25,7 @@ QWEN3 = ModelFamily(
     image_pad="<|image_pad|>",
     picture_prompt="<|vision_start|><|image_pad|><|vision_end|>",
     signature="<|im_end|>",
+    turn_open="<|im_start|>",
     parser=ToolCallParser,
     call_rule=json_call_rule,
 )
@@ -36,6 +37,7 @@ LLAMA3 = dataclasses.replace(
     image_pad=None,
     picture_prompt="a picture placeholder token (Llama 3 files have none)",
     signature="<|eot_id|>",
+    turn_open="<|start_header_id|>",
 )
 
 # Qwen3.5/3.6 are known by their chat template, which is what teaches the model its tool-call syntax: the same

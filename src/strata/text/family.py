@@ -34,6 +34,8 @@ class ModelFamily:
         image_pad: the token a chat template renders once per picture (expanded to the picture's rows), or None.
         picture_prompt: how the chat template must render one picture (named when a prompt's pads do not match).
         signature: a vocabulary token that marks a file of this family (`strata.text.families.family_of`).
+        turn_open: the token the chat template opens each message with: where a hybrid model's prompt is
+            snapshotted (`strata.scheduling.snapshots`).
         parser: makes the streamed tool-call parser of one generation.
         call_rule: the grammar piece of one tool's call, which forced and strict calls are built from.
         call_terminals: Lark definitions the call rules refer to, added to any grammar of calls.
@@ -50,6 +52,7 @@ class ModelFamily:
     image_pad: str | None
     picture_prompt: str
     signature: str
+    turn_open: str
     parser: ParserFactory
     call_rule: CallRule
     call_terminals: tuple[str, ...] = ()
