@@ -233,3 +233,15 @@ double strata_cpu_seconds(const strata_context *ctx);
  * token of -1: no memory for a top-k draw. */
 strata_status strata_sample_rows(strata_context *ctx, int n_rows, const float *const *rows, int n,
                                  const strata_sampling *settings, const double *u, int *tokens);
+
+/* --- a sequence's cached positions as bytes (kv_rows.c): what the disk tier under the prefix cache stores */
+
+/* Bytes of one position across every layer: K and V rows of each KV head, their int8 scales, and with multi-axis
+ * RoPE its (t, next) components. n positions take n times this. */
+size_t strata_kv_position_bytes(const strata_context *ctx);
+/* Copy positions [first, first + n) of sequence `seq` (all of them held) into buf (n x strata_kv_position_bytes
+ * bytes, laid out per layer and KV head: see kv_rows.c). */
+strata_status strata_kv_export(strata_context *ctx, int seq, int first, int n, void *buf);
+/* Append the n positions in buf, exported with the same n from position `first`, to sequence `seq`, which must
+ * hold exactly `first` positions; its n_past becomes first + n. Nothing is computed. */
+strata_status strata_kv_import(strata_context *ctx, int seq, int first, int n, const void *buf);
