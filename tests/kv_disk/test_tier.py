@@ -12,6 +12,7 @@ import numpy as np
 from fakes import N_VOCAB, SuccessorEngine
 
 from strata.kv_disk import KvTier
+from strata.kv_disk.store import BlockStore
 from strata.scheduling.batcher import Batcher, Job
 from strata.text.sampling import Sampler, SamplingParams
 
@@ -118,8 +119,11 @@ def test_a_corrupt_block_is_computed_instead(tmp_path: Path) -> None:
     job = _job(prompt + [1])
     _run(Batcher(engine, tier=tier), job)
     assert job.disk_tokens == 16 and engine.caches[0][:41] == prompt + [1]  # blocks 0, 1 read; the rest computed
-    assert len(lines) == 1 and "could not be read" in lines[0] and not third.exists()
-    tier.close()
+    assert len(lines) == 1 and "could not be read" in lines[0] and tier.store.removed == 1
+    tier.close()  # the job's blocks, the recomputed one too, are saved as it leaves
+    store = BlockStore(tmp_path, engine.kv_identity, 10**6)
+    assert bytes(store.get(tier.names(prompt)[2])[1]) == bytes(engine.export_kv(0, 16, BLOCK))
+    store.close()
 
 
 def test_rows_without_portable_keys_are_not_saved(tmp_path: Path) -> None:

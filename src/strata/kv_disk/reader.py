@@ -22,13 +22,13 @@ class Load:
 
     def __init__(self, names: list[bytes], first: int, arrived: threading.Event):
         self.names, self.first = names, first
-        self._ready: collections.deque[bytes] = collections.deque()
+        self._ready: collections.deque[memoryview] = collections.deque()
         self._arrived = arrived
         self.cancelled = False
         self.ended = False  # the reader is done with it: every block read, or it stopped early
         self.failed = False
 
-    def take(self) -> list[bytes]:
+    def take(self) -> list[memoryview]:
         """The payloads read since the last call, in order."""
         taken = []
         while self._ready:
@@ -43,7 +43,7 @@ class Load:
     def cancel(self) -> None:
         self.cancelled = True
 
-    def deliver(self, payload: bytes) -> None:
+    def deliver(self, payload: memoryview) -> None:
         self._ready.append(payload)
         self._arrived.set()
 

@@ -162,7 +162,7 @@ class BlockStore:
             self.bytes += size
         self._evict()
 
-    def get(self, name: bytes) -> tuple[int, bytes]:
+    def get(self, name: bytes) -> tuple[int, memoryview]:
         """(first position, payload) of a stored block, now the most recently used.
 
         Raises:
@@ -174,24 +174,24 @@ class BlockStore:
             info = self._index[name]
             self._index.move_to_end(name)
         file = self.path / (name.hex() + SUFFIX)
+        data = bytearray(info.file_bytes + 1)  # one byte more: a file that grew is seen
         try:
-            with open(file, "rb") as f:
-                data = f.read()
+            with open(file, "rb", buffering=0) as f:
+                size = f.readinto(data)
         except FileNotFoundError:
             self._forget(name)
             raise
-        header = data[:HEADER_BYTES]
-        if len(data) != info.file_bytes:
+        if size != info.file_bytes:
             self._drop(name, file)
-            raise CorruptBlock(f"{file.name}: {len(data)} bytes, not {info.file_bytes}")
-        _, _, _, _, first, _, payload, state, crc = _HEADER.unpack_from(header)
-        body = memoryview(data)[HEADER_BYTES:]
+            raise CorruptBlock(f"{file.name}: {size} bytes, not {info.file_bytes}")
+        _, _, _, _, first, _, payload, state, crc = _HEADER.unpack_from(data)
+        body = memoryview(data)[HEADER_BYTES:size]
         if zlib.crc32(body) != crc or len(body) != payload + state:
             self._drop(name, file)
             raise CorruptBlock(f"{file.name}: its bytes do not match its checksum")
         with contextlib.suppress(OSError):
             os.utime(file)  # its use survives a restart: the LRU order is rebuilt from these times
-        return first, data[HEADER_BYTES:HEADER_BYTES + payload]
+        return first, body[:payload]
 
     def close(self) -> None:
         """Release the directory's lock (the files stay)."""
