@@ -5,8 +5,9 @@
   cache (`posix_fadvise(DONTNEED)`: a restart after a reboot, or after other files took the memory), a new engine
   and batcher open the same directory, and the same prompt's time to its first token is measured, against a new
   engine without the tier (the prompt computed). The two answers must be the same tokens.
-- **Read rate.** The tier's reads in that restart (the reader thread's time per block: the file read and its
-  checksum) against Python reading the same files one after another, each dropped from the page cache first.
+- **Read rate.** The tier reading the prompt's blocks (its reader thread: the file read and its checksum, from
+  the load's start to the last block taken) against Python reading the same files one after another, each from
+  the disk (dropped from the page cache first), alternated 3 times: the medians.
 - **A pool too small.** 8 conversations, each a ~6,000-token prompt of its own and then turns adding ~150 tokens
   of tool output, taken in turn by one client on an engine of 2 slots; each turn's reuse is its cached tokens
   over the positions the conversation's last turn left in a cache (its prompt and answer). RAM only (the slots'
@@ -28,6 +29,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -66,8 +68,11 @@ def answer(batcher: Batcher, prompt: list[int]) -> tuple[Job, float]:
     job = Job(prompt, Sampler(SamplingParams(temperature=0), batcher.engine.n_vocab), ANSWER, set())
     started = time.perf_counter()
     batcher.add(job)
+    job.loaded = started  # type: ignore[attr-defined]  # when its blocks were all imported (the bench's note)
     while job.finish is None:
         batcher.step()
+        if job.loading is not None:
+            job.loaded = time.perf_counter()  # type: ignore[attr-defined]
     return job, job.prompt_done - started
 
 
@@ -75,31 +80,63 @@ def open_engine(args: argparse.Namespace, n_seq: int, n_ctx: int) -> Engine:
     return Engine.load(args.model, n_ctx=n_ctx, threads=args.threads, n_seq=n_seq, kv="f16")
 
 
-def restart(args: argparse.Namespace, directory: Path) -> dict[str, float]:
+def restart(args: argparse.Namespace, directory: Path, rounds: int = 3) -> dict[str, Any]:
+    """The prompt answered and saved once; then `rounds` restarts with the tier (its files dropped from the page
+    cache first) alternated with restarts without it: medians, and every answer the first one."""
     prompt = ids(args.prompt, 0)
     n_ctx = args.prompt + 2 * ANSWER
     with open_engine(args, 1, n_ctx) as engine:
         tier = KvTier(str(directory), engine.kv_identity, 2**34, engine.kv_position_bytes, args.block)
         first, _ = answer(Batcher(engine, tier=tier), prompt)
         tier.close()
-    file_bytes = drop_from_page_cache(directory)
-    with open_engine(args, 1, n_ctx) as engine:
-        tier = KvTier(str(directory), engine.kv_identity, 2**34, engine.kv_position_bytes, args.block)
-        warm, with_tier = answer(Batcher(engine, tier=tier), prompt)
-        read = tier.status()
-        tier.close()
-    with open_engine(args, 1, n_ctx) as engine:
-        cold, without = answer(Batcher(engine), prompt)
-    assert warm.tokens == cold.tokens == first.tokens, "the answers differ"
-    drop_from_page_cache(directory)
-    started, sequential = time.perf_counter(), 0
-    for file in sorted(directory.glob("*.kvb")):
-        with open(file, "rb") as f:
-            sequential += len(f.read())
-    sequential_rate = sequential / (time.perf_counter() - started)
-    return {"prompt": len(prompt), "with": with_tier, "without": without, "disk_tokens": warm.disk_tokens,
-            "blocks": read["read_blocks"], "file_bytes": file_bytes,
-            "read_rate": read["read_bytes"] / read["read_seconds"], "sequential_rate": sequential_rate}
+        identity, position_bytes = engine.kv_identity, engine.kv_position_bytes
+    with_tier, without, reading = [], [], []
+    for _ in range(rounds):
+        file_bytes = drop_from_page_cache(directory)
+        with open_engine(args, 1, n_ctx) as engine:
+            tier = KvTier(str(directory), identity, 2**34, position_bytes, args.block)
+            warm, seconds = answer(Batcher(engine, tier=tier), prompt)
+            read = tier.status()
+            tier.close()
+        with_tier.append(seconds)
+        reading.append(warm.loaded - warm.started)
+        with open_engine(args, 1, n_ctx) as engine:
+            cold, seconds = answer(Batcher(engine), prompt)
+        without.append(seconds)
+        assert warm.tokens == cold.tokens == first.tokens, "the answers differ"
+    tier_rates, sequential_rates = read_rates(args, directory, identity, position_bytes, prompt)
+    return {"prompt": len(prompt), "with": statistics.median(with_tier), "without": statistics.median(without),
+            "reading": statistics.median(reading), "rounds": list(zip(with_tier, without, strict=True)),
+            "disk_tokens": warm.disk_tokens, "blocks": read["read_blocks"], "file_bytes": file_bytes,
+            "read_rate": statistics.median(tier_rates), "sequential_rate": statistics.median(sequential_rates),
+            "rates": list(zip(tier_rates, sequential_rates, strict=True))}
+
+
+def read_rates(args: argparse.Namespace, directory: Path, identity: str, position_bytes: int, prompt: list[int],
+               rounds: int = 3) -> tuple[list[float], list[float]]:
+    """Bytes/s of the tier reading the prompt's blocks (its reader thread, from the load's start to its last
+    block taken) and of Python reading the same files one after another, each from the disk (dropped from the
+    page cache first), alternated `rounds` times."""
+    tier = KvTier(str(directory), identity, 2**34, position_bytes, args.block)
+    names = tier.names(prompt)
+    files = [directory / (name.hex() + ".kvb") for name in names]
+    tier_rates, sequential_rates = [], []
+    for _ in range(rounds):
+        drop_from_page_cache(directory)
+        started, got = time.perf_counter(), 0
+        load = tier.read(names, 0)
+        while not load.finished:
+            tier.wait(0.01)
+            got += sum(len(payload) for payload in load.take())
+        tier_rates.append(got / (time.perf_counter() - started))
+        drop_from_page_cache(directory)
+        started, got = time.perf_counter(), 0
+        for file in files:
+            with open(file, "rb") as f:
+                got += len(f.read())
+        sequential_rates.append(got / (time.perf_counter() - started))
+    tier.close()
+    return tier_rates, sequential_rates
 
 
 def trace(args: argparse.Namespace, directory: Path | None) -> dict[str, float]:
@@ -156,10 +193,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=base) as one, tempfile.TemporaryDirectory(dir=base) as two:
         r = restart(args, Path(one))
         print(f"restart, a {r['prompt']}-token prompt: first token {r['with']:.3f} s with the tier "
-              f"({r['disk_tokens']} tokens in {r['blocks']} blocks read, {r['file_bytes'] / 2**20:.1f} MiB), "
-              f"{r['without']:.3f} s without: {r['with'] / r['without']:.3f}x; the same answer")
-        print(f"read rate: the tier {r['read_rate'] / 2**20:,.0f} MiB/s, sequential reads of the same files "
-              f"{r['sequential_rate'] / 2**20:,.0f} MiB/s: {r['read_rate'] / r['sequential_rate']:.2f}x")
+              f"({r['disk_tokens']} tokens in {r['blocks']} blocks read, {r['file_bytes'] / 2**20:.1f} MiB, in "
+              f"{r['reading']:.3f} s), {r['without']:.3f} s without: {r['with'] / r['without']:.3f}x (medians of 3; "
+              "each round " + ", ".join(f"{a:.3f}/{b:.3f}" for a, b in r["rounds"]) + "); the same answers")
+        print(f"read rate (medians of 3, alternated, from the disk): the tier {r['read_rate'] / 2**20:,.0f} MiB/s, "
+              f"sequential reads of the same files {r['sequential_rate'] / 2**20:,.0f} MiB/s: "
+              f"{r['read_rate'] / r['sequential_rate']:.2f}x; each round "
+              + ", ".join(f"{a / 2**20:,.0f}/{b / 2**20:,.0f}" for a, b in r["rates"])
+              )
         if args.only:
             return
         ram = trace(args, None)

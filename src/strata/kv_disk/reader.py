@@ -88,10 +88,16 @@ class BlockReader:
                 return
             self._load(load)
 
+    PREFETCH = 2  # blocks asked of the disk ahead of the one read
+
     def _load(self, load: Load) -> None:
-        for name in load.names:
+        for name in load.names[:self.PREFETCH]:
+            self.store.prefetch(name)
+        for i, name in enumerate(load.names):
             if load.cancelled:
                 break
+            if i + self.PREFETCH < len(load.names):
+                self.store.prefetch(load.names[i + self.PREFETCH])
             started = time.perf_counter()
             try:
                 _, payload = self.store.get(name)
