@@ -102,7 +102,7 @@ def test_a_full_disk_drops_writes_with_one_warning(tmp_path: Path) -> None:
     store = _FullDisk(tmp_path, IDENTITY, 10**6)
     writer = BlockWriter(store, 10**6, lines.append)
     for i in range(3):
-        assert writer.offer(_name(i), 8 * i, 8, _payload(i))
+        assert writer.offer(_name(i), 8 * i, 8, memoryview(_payload(i)))
     writer.close()
     assert writer.failed == 3 and writer.written == 0 and len(store) == 0
     assert len(lines) == 1 and "No space left on device" in lines[0], lines
@@ -120,8 +120,8 @@ def test_the_write_queue_is_bounded(tmp_path: Path) -> None:
         gate(*args, **kw)  # type: ignore[arg-type]
 
     store.put = slow_put  # type: ignore[method-assign]
-    assert writer.offer(_name(0), 0, 8, _payload(0))
-    assert not writer.offer(_name(1), 8, 8, _payload(1))  # 2000 bytes would not fit 1500: dropped at once
+    assert writer.offer(_name(0), 0, 8, memoryview(_payload(0)))
+    assert not writer.offer(_name(1), 8, 8, memoryview(_payload(1)))  # 2000 bytes would not fit 1500: dropped at once
     assert time.monotonic() - started < 0.04 and writer.dropped == 1
     writer.close()
     assert writer.written == 1 and _name(0) in store

@@ -18,7 +18,7 @@ from strata.kv_disk.store import BlockStore
 class BlockWriter:
     def __init__(self, store: BlockStore, max_bytes: int, log: Callable[[str], None] = print):
         self.store, self.max_bytes, self._log = store, max_bytes, log
-        self._queue: collections.deque[tuple[bytes, int, int, bytes]] = collections.deque()
+        self._queue: collections.deque[tuple[bytes, int, int, memoryview]] = collections.deque()
         self._cond = threading.Condition()
         self.queued_bytes = 0
         self._queued_names: set[bytes] = set()
@@ -44,7 +44,7 @@ class BlockWriter:
         """An empty queue takes any block: one larger than the queue is written alone."""
         return self.queued_bytes + n_bytes <= self.max_bytes or not self.queued_bytes
 
-    def offer(self, name: bytes, first: int, n: int, payload: bytes) -> bool:
+    def offer(self, name: bytes, first: int, n: int, payload: memoryview) -> bool:
         """Queue a block for writing; False (and `dropped` counts it) when the queue has no room."""
         with self._cond:
             if self._closing or not self._fits(len(payload)):
