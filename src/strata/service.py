@@ -158,7 +158,7 @@ class Service:
         if tier is None:
             return
         try:
-            if self.loop is not None:
+            if self.loop is not None and not self.loop.running:  # a step still running owns the slots
                 self.loop.batcher.save_all()
         finally:
             tier.close()
