@@ -505,7 +505,6 @@ class Batcher:
             self.engine.clear_abort(job.seq)
             job.finish = finish
 
-
     def _save(self, slot: _Slot, known: list[bytes]) -> None:
         """Queue the slot's whole blocks that the disk tier lacks (`known`: names of its first blocks, when
         computed already)."""
