@@ -79,6 +79,26 @@ def test_the_byte_budget_holds_least_recently_used_first(tmp_path: Path) -> None
     smaller.close()
 
 
+def test_blocks_a_slot_used_again_are_kept_longest(tmp_path: Path) -> None:
+    """Blocks that a conversation used from memory (saved before, so not written again) are touched at its save:
+    they go after blocks nobody used since, now and after a restart."""
+    block = HEADER_BYTES + 1000
+    store = BlockStore(tmp_path, IDENTITY, 3 * block)
+    for i in range(3):
+        store.put(_name(i), 8 * i, 8, _payload(i))
+        os.utime(tmp_path / (_name(i).hex() + ".kvb"), ns=(i * 10**9, i * 10**9))  # written in this order
+    writer = BlockWriter(store, 10**6)
+    writer.touch([_name(0), _name(5)])  # one stored, one not
+    writer.close()
+    assert os.stat(tmp_path / (_name(0).hex() + ".kvb")).st_mtime_ns > 2 * 10**9
+    store.put(_name(3), 24, 8, _payload(3))
+    assert [i for i in range(4) if _name(i) in store] == [0, 2, 3]
+    store.close()
+    again = BlockStore(tmp_path, IDENTITY, 2 * block)  # the restart's order: 2, then 0 and 3 (just now)
+    assert [i for i in range(4) if _name(i) in again] == [0, 3]
+    again.close()
+
+
 def test_a_second_process_on_the_directory_is_refused(tmp_path: Path) -> None:
     store = BlockStore(tmp_path, IDENTITY, 10**6)
     code = ("import sys\nfrom strata.kv_disk.store import BlockStore, KvDiskError\n"

@@ -189,9 +189,23 @@ class BlockStore:
         if zlib.crc32(body) != crc or len(body) != payload + state:
             self._drop(name, file)
             raise CorruptBlock(f"{file.name}: its bytes do not match its checksum")
-        with contextlib.suppress(OSError):
-            os.utime(file)  # its use survives a restart: the LRU order is rebuilt from these times
+        self.touch_files([name])  # its use survives a restart: the LRU order is rebuilt from these times
         return first, body[:payload]
+
+    def touch(self, names: list[bytes]) -> list[bytes]:
+        """Make stored blocks the most recently used (a slot that holds them in memory just used them); returns
+        those that are stored, whose files' times `touch_files` then moves."""
+        with self._lock:
+            stored = [name for name in names if name in self._index]
+            for name in stored:
+                self._index.move_to_end(name)
+        return stored
+
+    def touch_files(self, names: list[bytes]) -> None:
+        """Set the blocks' files' times to now: the order a restart rebuilds."""
+        for name in names:
+            with contextlib.suppress(OSError):
+                os.utime(self.path / (name.hex() + SUFFIX))
 
     def prefetch(self, name: bytes) -> None:
         """Ask the kernel to read a block's file into its page cache in the background (the reader checks one

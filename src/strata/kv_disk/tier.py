@@ -68,6 +68,7 @@ class KvTier:
         block = self.block_tokens
         n_bytes = block * self.position_bytes
         queued = 0
+        self.writer.touch(names)  # the ones stored were just used: the last to go
         for i, name in enumerate(names):
             if name in self.store or self.writer.queued(name):
                 continue

@@ -19,6 +19,7 @@ class BlockWriter:
     def __init__(self, store: BlockStore, max_bytes: int, log: Callable[[str], None] = print):
         self.store, self.max_bytes, self._log = store, max_bytes, log
         self._queue: collections.deque[tuple[bytes, int, int, memoryview]] = collections.deque()
+        self._touched: list[bytes] = []  # stored blocks used again, whose files' times to move
         self._cond = threading.Condition()
         self.queued_bytes = 0
         self._queued_names: set[bytes] = set()
@@ -56,6 +57,14 @@ class BlockWriter:
             self._cond.notify_all()
             return True
 
+    def touch(self, names: list[bytes]) -> None:
+        """Mark stored blocks as just used, in the index now and on their files from this thread."""
+        stored = self.store.touch(names)
+        if stored:
+            with self._cond:
+                self._touched += stored
+                self._cond.notify_all()
+
     def close(self) -> None:
         """Write what is queued, then end the thread."""
         with self._cond:
@@ -66,9 +75,14 @@ class BlockWriter:
     def _run(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._queue or self._closing)
-                if not self._queue:
+                self._cond.wait_for(lambda: self._queue or self._touched or self._closing)
+                touched, self._touched = self._touched, []
+                if not self._queue and not touched:
                     return
+            self.store.touch_files(touched)
+            with self._cond:
+                if not self._queue:
+                    continue
                 name, first, n, payload = self._queue[0]
             try:
                 self.store.put(name, first, n, payload)
