@@ -127,7 +127,7 @@ def read_rates(args: argparse.Namespace, directory: Path, identity: str, positio
         load = tier.read(names, 0)
         while not load.finished:
             tier.wait(0.01)
-            got += sum(len(payload) for payload in load.take())
+            got += sum(len(payload) for _, payload in load.take())
         tier_rates.append(got / (time.perf_counter() - started))
         drop_from_page_cache(directory)
         started, got = time.perf_counter(), 0

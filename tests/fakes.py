@@ -50,7 +50,8 @@ class FakeEngine:
 
     def import_kv(self, seq: int, first: int, data: Any) -> None:
         cache = self._cache(seq)
-        assert first == len(cache)
+        if first != len(cache):
+            raise EngineError(f"import at {first}: sequence {seq} continues at {len(cache)}")
         cache += np.frombuffer(data, np.int64).tolist()
 
 

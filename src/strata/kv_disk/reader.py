@@ -18,18 +18,17 @@ from strata.kv_disk.store import BlockStore
 
 
 class Load:
-    """One job's consecutive blocks, from position `first`: `take()` what has been read, in order."""
+    """One job's consecutive blocks: `take()` what has been read, in order."""
 
-    def __init__(self, names: list[bytes], first: int, arrived: threading.Event):
-        self.names, self.first = names, first
-        self._ready: collections.deque[memoryview] = collections.deque()
+    def __init__(self, names: list[bytes], arrived: threading.Event):
+        self.names = names
+        self._ready: collections.deque[tuple[int, memoryview]] = collections.deque()
         self._arrived = arrived
         self.cancelled = False
         self.ended = False  # the reader is done with it: every block read, or it stopped early
-        self.failed = False
 
-    def take(self) -> list[memoryview]:
-        """The payloads read since the last call, in order."""
+    def take(self) -> list[tuple[int, memoryview]]:
+        """The blocks read since the last call, in order: (first position, payload)."""
         taken = []
         while self._ready:
             taken.append(self._ready.popleft())
@@ -43,12 +42,12 @@ class Load:
     def cancel(self) -> None:
         self.cancelled = True
 
-    def deliver(self, payload: memoryview) -> None:
-        self._ready.append(payload)
+    def deliver(self, first: int, payload: memoryview) -> None:
+        self._ready.append((first, payload))
         self._arrived.set()
 
-    def end(self, failed: bool = False) -> None:
-        self.failed, self.ended = failed, True
+    def end(self) -> None:
+        self.ended = True
         self._arrived.set()
 
 
@@ -63,8 +62,8 @@ class BlockReader:
         self._thread = threading.Thread(target=self._run, name="strata kv reader", daemon=True)
         self._thread.start()
 
-    def read(self, names: list[bytes], first: int) -> Load:
-        load = Load(names, first, self.arrived)
+    def read(self, names: list[bytes]) -> Load:
+        load = Load(names, self.arrived)
         with self._cond:
             self._loads.append(load)
             self._cond.notify()
@@ -100,15 +99,15 @@ class BlockReader:
                 self.store.prefetch(load.names[i + self.PREFETCH])
             started = time.perf_counter()
             try:
-                _, payload = self.store.get(name)
+                first, payload = self.store.get(name)
             except (OSError, KeyError) as error:  # KeyError: evicted since the lookup, an ordinary miss
                 if not isinstance(error, KeyError):
                     self.failed += 1
                     self._log(f"warning: kv_disk: a block could not be read ({error}); its prompt is recomputed")
-                load.end(failed=True)
+                load.end()
                 return
             self.seconds += time.perf_counter() - started
             self.blocks += 1
             self.bytes += len(payload)
-            load.deliver(payload)
+            load.deliver(first, payload)
         load.end()

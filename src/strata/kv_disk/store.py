@@ -27,7 +27,6 @@ import os
 import struct
 import threading
 import zlib
-from dataclasses import dataclass
 from pathlib import Path
 
 MAGIC = b"STKV"
@@ -43,13 +42,6 @@ class KvDiskError(OSError):
 
 class CorruptBlock(OSError):
     """A block whose payload does not match its checksum (it is removed)."""
-
-
-@dataclass(frozen=True)
-class BlockInfo:
-    first: int  # the block's first position
-    n: int  # its positions
-    file_bytes: int
 
 
 class BlockStore:
@@ -76,7 +68,7 @@ class BlockStore:
             raise KvDiskError(f"kv_disk: {self.path} is in use by another server (its LOCK file is held); give each "
                               "server a directory of its own") from None
         self._lock = threading.Lock()
-        self._index: collections.OrderedDict[bytes, BlockInfo] = collections.OrderedDict()  # least recent first
+        self._index: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # file bytes, least recent first
         self.bytes = 0
         self.removed = 0  # files removed at startup or on reading: another identity, truncated, corrupt
         self._scan()
@@ -93,16 +85,17 @@ class BlockStore:
                 continue
             if not entry.name.endswith(SUFFIX):
                 continue
-            info = self._read_info(Path(entry.path))
-            if info is None:
+            size = self._checked_size(Path(entry.path))
+            if size is None:
                 self._remove_file(Path(entry.path), bad=True)
                 continue
-            found.append((entry.stat().st_mtime_ns, bytes.fromhex(entry.name[:-len(SUFFIX)]), info))
-        for _, name, info in sorted(found, key=lambda row: row[0]):
-            self._index[name] = info
-            self.bytes += info.file_bytes
+            found.append((entry.stat().st_mtime_ns, bytes.fromhex(entry.name[:-len(SUFFIX)]), size))
+        for _, name, size in sorted(found, key=lambda row: row[0]):
+            self._index[name] = size
+            self.bytes += size
 
-    def _read_info(self, file: Path) -> BlockInfo | None:
+    def _checked_size(self, file: Path) -> int | None:
+        """The file's size, if its header is ours and says that size; else None."""
         try:
             with open(file, "rb") as f:
                 header = f.read(HEADER_BYTES)
@@ -111,12 +104,12 @@ class BlockStore:
             return None
         if len(header) < HEADER_BYTES:
             return None
-        magic, version, identity, name, first, n, payload, state, _ = _HEADER.unpack_from(header)
+        magic, version, identity, name, _, _, payload, state, _ = _HEADER.unpack_from(header)
         if (magic, version, identity) != (MAGIC, VERSION, self._identity) or name.hex() + SUFFIX != file.name:
             return None
         if size != HEADER_BYTES + payload + state:
             return None
-        return BlockInfo(first, n, size)
+        return size
 
     def __contains__(self, name: bytes) -> bool:
         return name in self._index
@@ -158,7 +151,7 @@ class BlockStore:
             self._remove_file(temporary)
             raise
         with self._lock:
-            self._index[name] = BlockInfo(first, n, size)
+            self._index[name] = size
             self.bytes += size
         self._evict()
 
@@ -171,19 +164,19 @@ class BlockStore:
             OSError: the read failed.
         """
         with self._lock:
-            info = self._index[name]
+            expected = self._index[name]
             self._index.move_to_end(name)
         file = self.path / (name.hex() + SUFFIX)
-        data = bytearray(info.file_bytes + 1)  # one byte more: a file that grew is seen
+        data = bytearray(expected + 1)  # one byte more: a file that grew is seen
         try:
             with open(file, "rb", buffering=0) as f:
                 size = f.readinto(data)
         except FileNotFoundError:
             self._forget(name)
             raise
-        if size != info.file_bytes:
+        if size != expected:
             self._drop(name, file)
-            raise CorruptBlock(f"{file.name}: {size} bytes, not {info.file_bytes}")
+            raise CorruptBlock(f"{file.name}: {size} bytes, not {expected}")
         _, _, _, _, first, _, payload, state, crc = _HEADER.unpack_from(data)
         body = memoryview(data)[HEADER_BYTES:size]
         if zlib.crc32(body) != crc or len(body) != payload + state:
@@ -232,15 +225,15 @@ class BlockStore:
             with self._lock:
                 if self.bytes <= self.max_bytes or not self._index:
                     return
-                name, info = self._index.popitem(last=False)
-                self.bytes -= info.file_bytes
+                name, size = self._index.popitem(last=False)
+                self.bytes -= size
             self._remove_file(self.path / (name.hex() + SUFFIX))
 
     def _forget(self, name: bytes) -> None:
         with self._lock:
-            info = self._index.pop(name, None)
-            if info is not None:
-                self.bytes -= info.file_bytes
+            size = self._index.pop(name, None)
+            if size is not None:
+                self.bytes -= size
 
     def _drop(self, name: bytes, file: Path) -> None:
         self._forget(name)

@@ -50,7 +50,7 @@ class KvTier:
 
     def read(self, names: list[bytes], first_block: int) -> Load:
         """Read names[first_block:] (stored, consecutive) on the reader thread."""
-        return self.reader.read(names[first_block:], first_block * self.block_tokens)
+        return self.reader.read(names[first_block:])
 
     def wait(self, seconds: float) -> None:
         """Wait until some load has news (a block read, a load ended), at most `seconds`."""

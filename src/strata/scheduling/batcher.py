@@ -324,11 +324,11 @@ class Batcher:
             load = job.loading
             if load is None:
                 continue
-            for payload in load.take():
+            for first, payload in load.take():
                 before = self.engine.seq_n_past(job.seq)
                 try:
-                    self.engine.import_kv(job.seq, before, payload)
-                except EngineError:  # a block that does not fit where it lands: the rest is computed
+                    self.engine.import_kv(job.seq, first, payload)
+                except EngineError:  # a block that is not where the sequence continues: the rest is computed
                     load.cancel()
                     break
                 added = self.engine.seq_n_past(job.seq) - before
