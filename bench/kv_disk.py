@@ -5,9 +5,10 @@
   cache (`posix_fadvise(DONTNEED)`: a restart after a reboot, or after other files took the memory), a new engine
   and batcher open the same directory, and the same prompt's time to its first token is measured, against a new
   engine without the tier (the prompt computed). The two answers must be the same tokens.
-- **Read rate.** The tier reading the prompt's blocks (its reader thread: the file read and its checksum, from
-  the load's start to the last block taken) against Python reading the same files one after another, each from
-  the disk (dropped from the page cache first), alternated 3 times: the medians.
+- **Read rate.** The tier reading the prompt's blocks (its reader thread: the files read and their checksums,
+  from the load's start to the last block taken) against Python reading the same files one after another, and
+  against the same bytes as one file read front to back in 8 MiB reads (as `dd` does), each from the disk
+  (dropped from the page cache first), alternated 9 times: the median of each round's ratio.
 - **A pool too small.** 8 conversations, each a ~6,000-token prompt of its own and then turns adding ~150 tokens
   of tool output, taken in turn by one client on an engine of 2 slots; each turn's reuse is its cached tokens
   over the positions the conversation's last turn left in a cache (its prompt and answer). RAM only (the slots'
@@ -48,11 +49,11 @@ def ids(n: int, seed: int) -> list[int]:
     return [int(t) for t in np.random.default_rng(seed).integers(1000, 100_000, n)]
 
 
-def drop_from_page_cache(directory: Path) -> int:
-    """Ask the kernel to drop the directory's block files from its page cache (written back first: dirty pages
-    are not dropped); returns their bytes."""
+def drop_from_page_cache(directory: Path, files: list[Path] | None = None) -> int:
+    """Ask the kernel to drop the directory's block files (or `files`) from its page cache (written back first:
+    dirty pages are not dropped); returns their bytes."""
     total = 0
-    for file in directory.glob("*.kvb"):
+    for file in files if files is not None else directory.glob("*.kvb"):
         fd = os.open(file, os.O_RDONLY)
         try:
             os.fsync(fd)
@@ -104,39 +105,59 @@ def restart(args: argparse.Namespace, directory: Path, rounds: int = 3) -> dict[
             cold, seconds = answer(Batcher(engine), prompt)
         without.append(seconds)
         assert warm.tokens == cold.tokens == first.tokens, "the answers differ"
-    tier_rates, sequential_rates = read_rates(args, directory, identity, position_bytes, prompt)
+    rates = read_rates(args, directory, identity, position_bytes, prompt)
     return {"prompt": len(prompt), "with": statistics.median(with_tier), "without": statistics.median(without),
             "reading": statistics.median(reading), "rounds": list(zip(with_tier, without, strict=True)),
             "disk_tokens": warm.disk_tokens, "blocks": read["read_blocks"], "file_bytes": file_bytes,
-            "read_rate": statistics.median(tier_rates), "sequential_rate": statistics.median(sequential_rates),
-            "rates": list(zip(tier_rates, sequential_rates, strict=True))}
+            "rates": rates}
 
 
 def read_rates(args: argparse.Namespace, directory: Path, identity: str, position_bytes: int, prompt: list[int],
-               rounds: int = 3) -> tuple[list[float], list[float]]:
-    """Bytes/s of the tier reading the prompt's blocks (its reader thread, from the load's start to its last
-    block taken) and of Python reading the same files one after another, each from the disk (dropped from the
-    page cache first), alternated `rounds` times."""
+               rounds: int = 9) -> dict[str, list[float]]:
+    """Bytes/s, each from the disk (dropped from the page cache first), alternated `rounds` times: the tier
+    reading the prompt's blocks (its reader thread, from the load's start to its last block taken), Python reading
+    the same files one after another (`files`), and the same bytes as one file read front to back in 8 MiB reads
+    (`one_file`: what `dd` measures). A shared disk's rate moves from one second to the next: compare each
+    round's ratios."""
     tier = KvTier(str(directory), identity, 2**34, position_bytes, args.block)
     names = tier.names(prompt)
     files = [directory / (name.hex() + ".kvb") for name in names]
-    tier_rates, sequential_rates = [], []
-    for _ in range(rounds):
-        drop_from_page_cache(directory)
-        started, got = time.perf_counter(), 0
-        load = tier.read(names, 0)
+    whole = directory / "sequential.bin"  # not a block file: the tier's index never sees it
+    with open(whole, "wb") as out:
+        for file in files:
+            out.write(file.read_bytes())
+    rates: dict[str, list[float]] = {"tier": [], "files": [], "one_file": []}
+
+    def timed(kind: str, read: Any) -> None:
+        drop_from_page_cache(directory, [*files, whole])
+        started = time.perf_counter()
+        got = read()
+        rates[kind].append(got / (time.perf_counter() - started))
+
+    def by_tier() -> int:
+        got, load = 0, tier.read(names, 0)
         while not load.finished:
             tier.wait(0.01)
             got += sum(len(payload) for _, payload in load.take())
-        tier_rates.append(got / (time.perf_counter() - started))
-        drop_from_page_cache(directory)
-        started, got = time.perf_counter(), 0
-        for file in files:
-            with open(file, "rb") as f:
-                got += len(f.read())
-        sequential_rates.append(got / (time.perf_counter() - started))
+        return got
+
+    def by_files() -> int:
+        return sum(len(file.read_bytes()) for file in files)
+
+    def one_file() -> int:
+        got = 0
+        with open(whole, "rb", buffering=0) as f:
+            while chunk := f.read(8 << 20):
+                got += len(chunk)
+        return got
+
+    for _ in range(rounds):
+        timed("tier", by_tier)
+        timed("files", by_files)
+        timed("one_file", one_file)
     tier.close()
-    return tier_rates, sequential_rates
+    whole.unlink()
+    return rates
 
 
 def trace(args: argparse.Namespace, directory: Path | None) -> dict[str, float]:
@@ -196,11 +217,16 @@ def main() -> None:
               f"({r['disk_tokens']} tokens in {r['blocks']} blocks read, {r['file_bytes'] / 2**20:.1f} MiB, in "
               f"{r['reading']:.3f} s), {r['without']:.3f} s without: {r['with'] / r['without']:.3f}x (medians of 3; "
               "each round " + ", ".join(f"{a:.3f}/{b:.3f}" for a, b in r["rounds"]) + "); the same answers")
-        print(f"read rate (medians of 3, alternated, from the disk): the tier {r['read_rate'] / 2**20:,.0f} MiB/s, "
-              f"sequential reads of the same files {r['sequential_rate'] / 2**20:,.0f} MiB/s: "
-              f"{r['read_rate'] / r['sequential_rate']:.2f}x; each round "
-              + ", ".join(f"{a / 2**20:,.0f}/{b / 2**20:,.0f}" for a, b in r["rates"])
-              )
+        rates = r["rates"]
+        tier_rates = rates["tier"]
+        for kind, what in (("files", "Python reading the same files one after another"),
+                           ("one_file", "the same bytes as one file read front to back")):
+            pairs = list(zip(tier_rates, rates[kind], strict=True))
+            ratio = statistics.median(a / b for a, b in pairs)
+            mine, theirs = statistics.median(tier_rates) / 2**20, statistics.median(rates[kind]) / 2**20
+            print(f"read rate, the tier against {what}: {ratio:.2f}x (median of {len(pairs)} rounds' ratios; "
+                  f"medians {mine:,.0f} / {theirs:,.0f} MiB/s; each round "
+                  + ", ".join(f"{a / 2**20:,.0f}/{b / 2**20:,.0f}" for a, b in pairs) + ")")
         if args.only:
             return
         ram = trace(args, None)

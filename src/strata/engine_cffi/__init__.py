@@ -18,7 +18,7 @@ from strata.engine_cffi._engine import ffi, lib
 from strata.gguf_file import GGUFError, GGUFFile
 from strata.pictures.rows import PictureRows
 
-__all__ = ["BatchItem", "Engine", "EngineAborted", "EngineError", "PictureRows"]
+__all__ = ["BatchItem", "Engine", "EngineAborted", "EngineError", "PictureRows", "crc32c"]
 
 # The architectures the C forward pass runs (its own table, ARCHS in archs.c, has their traits and layers).
 SUPPORTED_ARCHITECTURES = ("qwen3moe", "qwen3", "llama", "qwen3vl", "qwen3vlmoe")
@@ -168,6 +168,13 @@ def _set_hparams(p: Any, key: Any) -> None:
     if scaling != "none":  # Llama 3's "llama3" scaling writes no type: its factors are the rope_freqs tensor
         raise EngineError(f"unsupported rope.scaling.type {scaling!r} (the engine runs unscaled RoPE and Llama 3's "
                           "rope_freqs)")
+
+
+def crc32c(data: Any, crc: int = 0) -> int:
+    """CRC-32C of a buffer (bytes, memoryview, numpy array), continued from `crc`: the engine's own, 6.7 GB/s with
+    SSE4.2 against zlib's crc32 at 0.6-3.7 GB/s here, on the disk tier's read path. Releases the GIL."""
+    view = memoryview(data).cast("B")
+    return int(lib.strata_crc32c(ffi.from_buffer(view), len(view), crc))
 
 
 def kv_cache_bytes(n_layer: int, n_head_kv: int, head_dim: int, n_ctx: int, n_seq: int, kv: str) -> int:

@@ -7,6 +7,10 @@
  * imported with the same n, at the same first position (the RoPE components are absolute). */
 #include <string.h>
 
+#if defined(__SSE4_2__)
+#include <nmmintrin.h>
+#endif
+
 #include "engine_internal.h"
 
 size_t strata_kv_position_bytes(const strata_context *c) {
@@ -69,4 +73,27 @@ strata_status strata_kv_import(strata_context *c, int seq, int first, int n, con
     move_rows(c, seq, first, n, (char *)buf, 1);
     c->n_past[seq] = first + n;
     return STRATA_OK;
+}
+
+/* CRC-32C (Castagnoli), as iSCSI and ext4 use it: the SSE4.2 instruction, 8 bytes at a time, where the build has
+ * it (2-10x zlib's crc32 here), else bit by bit. Continues from `crc` (0 to start). */
+uint32_t strata_crc32c(const void *data, size_t n, uint32_t crc) {
+    const unsigned char *p = data;
+    crc = ~crc;
+#if defined(__SSE4_2__)
+    uint64_t c = crc;
+    for (; n >= 8; n -= 8, p += 8) {
+        uint64_t word;
+        memcpy(&word, p, 8);
+        c = _mm_crc32_u64(c, word);
+    }
+    crc = (uint32_t)c;
+    for (; n; n--) crc = _mm_crc32_u8(crc, *p++);
+#else
+    for (; n; n--) {
+        crc ^= *p++;
+        for (int k = 0; k < 8; k++) crc = (crc >> 1) ^ (0x82F63B78u & (0u - (crc & 1u)));
+    }
+#endif
+    return ~crc;
 }

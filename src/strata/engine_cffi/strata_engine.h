@@ -245,3 +245,5 @@ strata_status strata_kv_export(strata_context *ctx, int seq, int first, int n, v
 /* Append the n positions in buf, exported with the same n from position `first`, to sequence `seq`, which must
  * hold exactly `first` positions; its n_past becomes first + n. Nothing is computed. */
 strata_status strata_kv_import(strata_context *ctx, int seq, int first, int n, const void *buf);
+/* CRC-32C of n bytes, continued from crc (0 to start): the disk tier's checksum of a block. */
+uint32_t strata_crc32c(const void *data, size_t n, uint32_t crc);

@@ -52,8 +52,16 @@ class Load:
 
 
 class BlockReader:
-    def __init__(self, store: BlockStore, log: Callable[[str], None] = print):
-        self.store, self._log = store, log
+    """Args:
+        touched: told the names of each load's blocks once read (their files' times are moved elsewhere: a
+            metadata write per file halved the read rate here).
+    """
+
+    AHEAD_BYTES = 32 * 2**20  # asked of the disk ahead of the block read: it reads on while a checksum runs
+
+    def __init__(self, store: BlockStore, log: Callable[[str], None] = print,
+                 touched: Callable[[list[bytes]], None] = lambda names: None):
+        self.store, self._log, self._touched = store, log, touched
         self.arrived = threading.Event()  # a block was read or a load ended: the engine thread may go on
         self._loads: collections.deque[Load | None] = collections.deque()
         self._cond = threading.Condition()
@@ -85,18 +93,19 @@ class BlockReader:
                 load = self._loads.popleft()
             if load is None:
                 return
-            self._load(load)
+            self._touched(load.names[:self._load(load)])
 
-    PREFETCH = 2  # blocks asked of the disk ahead of the one read
-
-    def _load(self, load: Load) -> None:
-        for name in load.names[:self.PREFETCH]:
-            self.store.prefetch(name)
+    def _load(self, load: Load) -> int:
+        """Read the load's blocks until it is cancelled or one fails; returns how many were read."""
+        sizes: list[int] = []  # of the blocks asked for so far
+        ahead = 0  # their bytes not read yet
         for i, name in enumerate(load.names):
             if load.cancelled:
-                break
-            if i + self.PREFETCH < len(load.names):
-                self.store.prefetch(load.names[i + self.PREFETCH])
+                load.end()
+                return i
+            while len(sizes) < len(load.names) and (ahead < self.AHEAD_BYTES or len(sizes) <= i):
+                sizes.append(self.store.prefetch(load.names[len(sizes)]))
+                ahead += sizes[-1]
             started = time.perf_counter()
             try:
                 first, payload = self.store.get(name)
@@ -105,9 +114,11 @@ class BlockReader:
                     self.failed += 1
                     self._log(f"warning: kv_disk: a block could not be read ({error}); its prompt is recomputed")
                 load.end()
-                return
+                return i
             self.seconds += time.perf_counter() - started
             self.blocks += 1
             self.bytes += len(payload)
+            ahead -= sizes[i]
             load.deliver(first, payload)
         load.end()
+        return len(load.names)

@@ -3,7 +3,7 @@
 A block's file, `<name in hex>.kvb`, is a header then the payload:
 
     magic "STKV", format version (u32), sha256 of the KV identity (32 bytes), the block's name (32 bytes),
-    first position (u32), positions (u32), payload bytes (u64), state bytes (u64), crc32 of payload and state
+    first position (u32), positions (u32), payload bytes (u64), state bytes (u64), CRC-32C of payload and state
     (u32), zeros to 128 bytes
 
 The payload is the block's exported rows (`Engine.export_kv`). The state bytes, after it, are reserved for the
@@ -26,8 +26,9 @@ import hashlib
 import os
 import struct
 import threading
-import zlib
 from pathlib import Path
+
+from strata.engine_cffi import crc32c
 
 MAGIC = b"STKV"
 VERSION = 1
@@ -138,7 +139,7 @@ class BlockStore:
         if size > self.max_bytes or name in self._index:
             return
         header = _HEADER.pack(MAGIC, VERSION, self._identity, name, first, n, len(payload), len(state),
-                              zlib.crc32(state, zlib.crc32(payload)))
+                              crc32c(state, crc32c(payload)))
         final = self.path / (name.hex() + SUFFIX)
         temporary = final.with_suffix(".tmp")
         try:
@@ -179,10 +180,9 @@ class BlockStore:
             raise CorruptBlock(f"{file.name}: {size} bytes, not {expected}")
         _, _, _, _, first, _, payload, state, crc = _HEADER.unpack_from(data)
         body = memoryview(data)[HEADER_BYTES:size]
-        if zlib.crc32(body) != crc or len(body) != payload + state:
+        if crc32c(body) != crc or len(body) != payload + state:
             self._drop(name, file)
             raise CorruptBlock(f"{file.name}: its bytes do not match its checksum")
-        self.touch_files([name])  # its use survives a restart: the LRU order is rebuilt from these times
         return first, body[:payload]
 
     def touch(self, names: list[bytes]) -> list[bytes]:
@@ -200,17 +200,19 @@ class BlockStore:
             with contextlib.suppress(OSError):
                 os.utime(self.path / (name.hex() + SUFFIX))
 
-    def prefetch(self, name: bytes) -> None:
+    def prefetch(self, name: bytes) -> int:
         """Ask the kernel to read a block's file into its page cache in the background (the reader checks one
-        block's checksum while the disk reads the next)."""
+        block's checksum while the disk reads the next); returns its bytes (0: not stored)."""
+        size = self._index.get(name, 0)
         try:
             fd = os.open(self.path / (name.hex() + SUFFIX), os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
-            return
+            return 0
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
         finally:
             os.close(fd)
+        return size
 
     def close(self) -> None:
         """Release the directory's lock (the files stay)."""

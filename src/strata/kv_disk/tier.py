@@ -35,7 +35,7 @@ class KvTier:
         self.identity, self.block_tokens, self.position_bytes = identity, block_tokens, position_bytes
         self.store = BlockStore(path, identity, max_bytes)
         self.writer = BlockWriter(self.store, queue_bytes, log)
-        self.reader = BlockReader(self.store, log)
+        self.reader = BlockReader(self.store, log, self.writer.touch)
         if self.store.removed:
             log(f"kv_disk: removed {self.store.removed} files of {path} that were another model's, another KV "
                 "type's, or damaged")
