@@ -9,7 +9,7 @@ import gguf
 import numpy as np
 import pytest
 
-from strata.engine_cffi import Engine, EngineError, PictureRows
+from strata.engine_cffi import Engine, EngineError, PictureRows, crc32c
 from strata.modelgen import write_random_model
 
 
@@ -126,3 +126,12 @@ def test_import_checks_where_it_lands(model: pathlib.Path) -> None:
         with pytest.raises(EngineError, match="of 32"):
             engine.import_kv(1, 8, np.concatenate([block] * 4))  # past the context
         assert engine.seq_n_past(1) == 8
+
+
+def test_crc32c_is_castagnoli_s() -> None:
+    """The disk tier's checksum: CRC-32C's check value (RFC 3720's "123456789"), continued across pieces, over
+    lengths that are not whole words."""
+    assert crc32c(b"123456789") == 0xE3069283
+    data = np.random.default_rng(7).integers(0, 256, 1001, dtype=np.uint8)
+    assert crc32c(data[500:], crc32c(data[:500])) == crc32c(data) == crc32c(data.tobytes())
+    assert crc32c(b"") == 0
