@@ -151,6 +151,15 @@ class Service:
             f"{kv_disk.max_bytes / 2**20:,.0f} MiB")
         return tier
 
+    def _attach_with_tier(self, engine: EngineLike, tokenizer: Any, tier: KvTier | None) -> None:
+        """`attach`, closing the tier if that fails (its threads and the directory's lock go with it)."""
+        try:
+            self.attach(engine, tokenizer, kv_tier=tier)
+        except BaseException:
+            if tier is not None:
+                tier.close()
+            raise
+
     def close_kv_tier(self) -> None:
         """Save every idle slot's blocks, write what is queued, and close the tier (blocking: a worker thread's
         job at shutdown, once the engine thread has ended)."""
@@ -179,7 +188,7 @@ class Service:
             except BaseException:
                 engine.close()
                 raise
-            self.attach(engine, tokenizer, kv_tier=tier)
+            self._attach_with_tier(engine, tokenizer, tier)
             bands = f", output weight in bands {engine.prepared_bytes / 2**20:.0f} MiB" if engine.prepared_bytes else ""
             copied = f", weights copied to huge pages {engine.copied_bytes / 2**20:.0f} MiB" if engine.copied_bytes \
                 else ""
@@ -616,7 +625,7 @@ async def open_service(
                 if engine is not None:
                     await service.start_vision(engine, log)
                     tier = await trio.to_thread.run_sync(service.open_kv_tier, engine, log)
-                    service.attach(engine, tokenizer, kv_tier=tier)
+                    service._attach_with_tier(engine, tokenizer, tier)
                 elif wait:
                     await service.load(log)
                 else:

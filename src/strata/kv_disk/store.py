@@ -72,8 +72,12 @@ class BlockStore:
         self._index: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # file bytes, least recent first
         self.bytes = 0
         self.removed = 0  # files removed at startup or on reading: another identity, truncated, corrupt
-        self._scan()
-        self._evict()
+        try:
+            self._scan()
+            self._evict()
+        except OSError as error:
+            self.close()
+            raise KvDiskError(f"kv_disk: cannot read {self.path}: {error.strerror or error}") from None
 
     # --- the index
 
