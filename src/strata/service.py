@@ -40,7 +40,7 @@ from strata.events import (
     Usage,
 )
 from strata.history import History, HistoryRow
-from strata.kv_disk import KvTier
+from strata.kv_disk import KvDiskError, KvTier
 from strata.mcp_tools import McpRequestError, McpServers, Toolset, open_toolset, run_rounds
 from strata.pictures.downloads import DownloadPolicy, download_client
 from strata.pictures.expand import marker_tokens
@@ -653,7 +653,7 @@ async def _load_quietly(service: Service, log: Callable[[str], None]) -> None:
     """Background loading: the failure is kept in `service.load_error` for whoever waits."""
     try:
         await service.load(log)
-    except VisionStartError as error:
+    except (VisionStartError, KvDiskError) as error:
         log(f"error: {error}")
     except Exception as error:  # noqa: BLE001 - reported through service.load_error
         log(f"error: the model failed to load: {error}")

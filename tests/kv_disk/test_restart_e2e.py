@@ -7,7 +7,10 @@ from pathlib import Path
 
 import httpx
 import openai
+import pytest
 from conftest import live_server, server_config
+
+from strata.kv_disk import KvDiskError
 
 # about 600 tokens with the tiny model's byte vocabulary
 MESSAGES = [{"role": "system", "content": "You are a careful assistant. " * 20},
@@ -37,3 +40,12 @@ def test_cached_tokens_after_a_restart(tiny_model: Path, tmp_path: Path) -> None
     assert status["kv_disk"]["blocks"] >= cached // 64 and status["kv_disk"]["read_blocks"] == cached // 64
     assert status["last"]["disk_tokens"] == cached
     assert f'strata_prompt_tokens_total{{source="disk"}} {float(cached)}' in metrics
+
+
+def test_a_second_server_on_the_directory_is_refused(tiny_model: Path, tmp_path: Path) -> None:
+    config = server_config(model=str(tiny_model), context=256, kv_disk={"path": str(tmp_path)})
+    with live_server(config), pytest.raises(ExceptionGroup) as refused, live_server(config):  # trio's nursery's
+        pass
+    assert refused.group_contains(KvDiskError, match="in use by another server")
+    with live_server(config):  # the first one's lock went with it
+        pass
