@@ -9,6 +9,7 @@ import numpy as np
 
 from strata.engine_cffi import Engine
 from strata.kv_disk import KvTier
+from strata.modelgen import write_random_model
 from strata.scheduling.batcher import Batcher, Job
 from strata.text.sampling import Sampler, SamplingParams
 
@@ -43,3 +44,18 @@ def test_another_kv_type_finds_nothing(tiny_model: Path, tmp_path: Path) -> None
     assert job.disk_tokens == 0
     _, job = _answer(tiny_model, tmp_path, prompt, "f32")
     assert job.disk_tokens == 48
+
+
+def test_another_model_file_finds_nothing_and_its_files_go(tiny_model: Path, tmp_path: Path) -> None:
+    """A model of the same shape and settings but other weights has another identity: the first model's blocks
+    are removed when the second opens the directory, never imported."""
+    other = write_random_model(tmp_path / "other.gguf", arch="qwen3moe", size="tiny", dtype="f32", vocab="bytes",
+                               seed=1)
+    prompt = [int(t) for t in np.random.default_rng(2).integers(0, 256, 50)]
+    directory = tmp_path / "kv"
+    _answer(tiny_model, directory, prompt, "f16")
+    first = set(directory.glob("*.kvb"))
+    assert len(first) == 3
+    _, job = _answer(other, directory, prompt, "f16")
+    assert job.disk_tokens == 0
+    assert not first & set(directory.glob("*.kvb"))  # removed: the files there now are the other model's
