@@ -28,12 +28,15 @@ def _payload(i: int, size: int = 1000) -> bytes:
 
 
 def test_blocks_survive_a_restart(tmp_path: Path) -> None:
-    store = BlockStore(tmp_path, IDENTITY, 10**6)
+    store = BlockStore(tmp_path / "kv", IDENTITY, 10**6)
     store.put(_name(0), 0, 8, _payload(0))
     store.put(_name(1), 8, 8, _payload(1))
     store.close()
-    again = BlockStore(tmp_path, IDENTITY, 10**6)
+    again = BlockStore(tmp_path / "kv", IDENTITY, 10**6)
     assert len(again) == 2 and again.bytes == 2 * (HEADER_BYTES + 1000) and again.removed == 0
+    # the blocks are prompts' KV: the directory and its files are the owner's only
+    assert (tmp_path / "kv").stat().st_mode & 0o777 == 0o700
+    assert {f.stat().st_mode & 0o777 for f in (tmp_path / "kv").iterdir()} == {0o600}
     first, payload = again.get(_name(1))
     assert (first, bytes(payload)) == (8, _payload(1))
     again.close()

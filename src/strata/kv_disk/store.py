@@ -58,8 +58,8 @@ class BlockStore:
         self.path, self.max_bytes = Path(path), max_bytes
         self._identity = hashlib.sha256(identity.encode()).digest()
         try:
-            self.path.mkdir(parents=True, exist_ok=True)
-            self._lock_fd = os.open(self.path / "LOCK", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            self.path.mkdir(parents=True, exist_ok=True, mode=0o700)  # the blocks are prompts' KV: owner only
+            self._lock_fd = os.open(self.path / "LOCK", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         except OSError as error:
             raise KvDiskError(f"kv_disk: cannot use {self.path}: {error.strerror or error}") from None
         try:
@@ -147,7 +147,8 @@ class BlockStore:
         final = self.path / (name.hex() + SUFFIX)
         temporary = final.with_suffix(".tmp")
         try:
-            with open(temporary, "wb") as f:
+            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            with open(fd, "wb") as f:
                 f.write(header.ljust(HEADER_BYTES, b"\0"))
                 f.write(payload)
                 f.write(state)
