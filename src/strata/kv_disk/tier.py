@@ -62,9 +62,9 @@ class KvTier:
         self.reader.arrived.set()
 
     def save(self, engine: Any, seq: int, names: list[bytes], wait: bool = False) -> int:
-        """Export sequence `seq`'s blocks `names` (its first len(names) whole blocks) that are neither stored nor
-        queued, and queue them; stops at the first that finds the queue full (unless `wait`). Returns the blocks
-        queued."""
+        """Export the blocks `names` of `engine`'s (an `EngineLike`) sequence `seq` (its first len(names) whole
+        blocks) that are neither stored nor queued, and queue them; stops at the first that finds the queue full
+        (unless `wait`). Returns the blocks queued."""
         block = self.block_tokens
         n_bytes = block * self.position_bytes
         queued = 0
@@ -73,7 +73,7 @@ class KvTier:
             if name in self.store or self.writer.queued(name):
                 continue
             if not self.writer.room(n_bytes, wait=wait):
-                self.writer.dropped += len(names) - i
+                self.writer.drop(sum(name not in self.store for name in names[i:]))
                 break
             payload = memoryview(engine.export_kv(seq, i * block, block))
             queued += self.writer.offer(name, i * block, block, payload)

@@ -57,6 +57,11 @@ class BlockWriter:
             self._cond.notify_all()
             return True
 
+    def drop(self, n: int) -> None:
+        """Count `n` blocks not offered for want of room."""
+        with self._cond:
+            self.dropped += n
+
     def touch(self, names: list[bytes]) -> None:
         """Mark stored blocks as just used, in the index now and on their files from this thread."""
         stored = self.store.touch(names)
