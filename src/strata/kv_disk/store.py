@@ -28,6 +28,8 @@ import struct
 import threading
 from pathlib import Path
 
+import numpy as np
+
 from strata.engine_cffi import crc32c
 
 MAGIC = b"STKV"
@@ -173,7 +175,8 @@ class BlockStore:
             expected = self._index[name]
             self._index.move_to_end(name)
         file = self.path / (name.hex() + SUFFIX)
-        data = bytearray(expected + 1)  # one byte more: a file that grew is seen
+        # one byte more: a file that grew is seen; not zeroed, as a bytearray is (1.5x slower from the page cache)
+        data = memoryview(np.empty(expected + 1, np.uint8)).cast("B")  # type: ignore[arg-type]
         try:
             with open(file, "rb", buffering=0) as f:
                 size = f.readinto(data)
@@ -184,7 +187,7 @@ class BlockStore:
             self._drop(name, file)
             raise CorruptBlock(f"{file.name}: {size} bytes, not {expected}")
         _, _, _, _, first, _, payload, state, crc = _HEADER.unpack_from(data)
-        body = memoryview(data)[HEADER_BYTES:size]
+        body = data[HEADER_BYTES:size]
         if crc32c(body) != crc or len(body) != payload + state:
             self._drop(name, file)
             raise CorruptBlock(f"{file.name}: its bytes do not match its checksum")
