@@ -44,6 +44,24 @@ class FakeEngine:
     def close(self) -> None:
         pass
 
+    # A position's "rows" are its token id: what the disk tier saves and reads back.
+    kv_identity = "fake"
+    kv_position_bytes = 8
+
+    def _cache(self, seq: int) -> list[int]:
+        raise NotImplementedError
+
+    def export_kv(self, seq: int, first: int, n: int) -> np.ndarray:
+        cache = self._cache(seq)
+        assert first + n <= len(cache)
+        return np.asarray(cache[first:first + n], np.int64).view(np.uint8)
+
+    def import_kv(self, seq: int, first: int, data: Any) -> None:
+        cache = self._cache(seq)
+        if first != len(cache):
+            raise EngineError(f"import at {first}: sequence {seq} continues at {len(cache)}")
+        cache += np.frombuffer(data, np.int64).tolist()
+
 
 # --- a chat model that writes a script
 
@@ -86,6 +104,9 @@ class ScriptedEngine(FakeEngine):
     @property
     def kv(self) -> list[int]:
         return self.kvs[0]
+
+    def _cache(self, seq: int) -> list[int]:
+        return self.kvs[seq]
 
     @property
     def n_past(self) -> int:
@@ -185,6 +206,9 @@ class SuccessorEngine(FakeEngine):
 
     def seq_n_past(self, seq: int) -> int:
         return len(self.caches[seq])
+
+    def _cache(self, seq: int) -> list[int]:
+        return self.caches[seq]
 
     def eval_batch(self, items: Sequence[BatchItem], notify_fd: int = -1) -> list[np.ndarray]:
         if notify_fd >= 0:  # as the engine does as a call starts
@@ -371,6 +395,20 @@ class RecordingEngine:
 
     def cpu_seconds(self) -> float:
         return self._engine.cpu_seconds()
+
+    @property
+    def kv_identity(self) -> str:
+        return self._engine.kv_identity
+
+    @property
+    def kv_position_bytes(self) -> int:
+        return self._engine.kv_position_bytes
+
+    def export_kv(self, seq: int, first: int, n: int) -> np.ndarray:
+        return self._engine.export_kv(seq, first, n)
+
+    def import_kv(self, seq: int, first: int, data: Any) -> None:
+        self._engine.import_kv(seq, first, data)
 
     def close(self) -> None:
         self._engine.close()

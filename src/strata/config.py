@@ -83,6 +83,16 @@ class LimitsConfig:
 
 
 @dataclass(frozen=True)
+class KvDiskConfig:
+    """The disk tier under the prefix cache (`strata.kv_disk`): conversations' KV blocks in a directory, kept
+    across restarts of the same model file and KV type. None: no tier."""
+
+    path: str | None = None
+    max_bytes: int = 16 * 2**30  # of block files; the least recently used go first
+    block_tokens: int = 256  # positions per block (a block is one file)
+
+
+@dataclass(frozen=True)
 class McpServerConfig:
     """One MCP server the service connects to: a command it starts (stdio) or a streamable-HTTP `url`."""
 
@@ -152,6 +162,7 @@ class Config:
     images: ImagesConfig = field(default_factory=ImagesConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     mcp: McpConfig = field(default_factory=McpConfig)
+    kv_disk: KvDiskConfig = field(default_factory=KvDiskConfig)
     mcp_servers: dict[str, McpServerConfig] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -161,7 +172,7 @@ class Config:
 # --- validation
 
 _SECTIONS = {"sampling": SamplingConfig, "vision": VisionConfig, "limits": LimitsConfig, "images": ImagesConfig,
-             "mcp": McpConfig}
+             "mcp": McpConfig, "kv_disk": KvDiskConfig}
 MCP_SERVER_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # configured names; requests' labels too
 
 
@@ -175,6 +186,7 @@ def _check(config: Config) -> None:
     _check_limits(config.limits)
     _check_vision(config.vision)
     _check_mcp(config)
+    _check_kv_disk(config.kv_disk)
 
 
 def _check_engine(config: Config) -> None:
@@ -196,6 +208,15 @@ def _check_engine(config: Config) -> None:
         raise _fail("snapshot_budget", f"must be at least 0 (MiB), got {config.snapshot_budget}")
     if not config.step_slowdown >= 1:
         raise _fail("step_slowdown", f"must be at least 1 (a multiple of the decode step), got {config.step_slowdown}")
+
+
+def _check_kv_disk(kv_disk: KvDiskConfig) -> None:
+    if kv_disk.path is not None and not kv_disk.path.strip():
+        raise _fail("kv_disk.path", "must be a directory, not empty")
+    if kv_disk.max_bytes < 1:
+        raise _fail("kv_disk.max_bytes", "must be at least 1")
+    if kv_disk.block_tokens < 1:
+        raise _fail("kv_disk.block_tokens", "must be at least 1")
 
 
 def _check_model_name(model: str | None) -> None:

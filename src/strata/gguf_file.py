@@ -9,6 +9,7 @@ sequential parse. The `gguf` package still supplies the format's constants, and 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import mmap
 import os
 import struct
@@ -21,6 +22,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
+FINGERPRINT_SAMPLE = 1 << 16  # bytes of tensor data at each end that `GGUFFile.fingerprint` reads
 
 _SCALAR_FORMATS = {
     GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H", GGUFValueType.INT16: "<h",
@@ -88,6 +90,17 @@ class GGUFFile:
             start, end = -(-tensor.offset // page) * page, (tensor.offset + tensor.n_bytes) // page * page
             if end > start:
                 self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+    def fingerprint(self) -> str:
+        """A digest that names this file's contents without reading them all: its header (metadata and tensor
+        table), its size, and the first and last `FINGERPRINT_SAMPLE` bytes of its tensor data (two files of one
+        shape made from different weights differ there). Hex sha256."""
+        start = min((t.offset for t in self.tensors), default=len(self._map))
+        digest = hashlib.sha256(self._map[:start])
+        digest.update(len(self._map).to_bytes(8, "little"))
+        digest.update(self._map[start:start + FINGERPRINT_SAMPLE])
+        digest.update(self._map[max(start, len(self._map) - FINGERPRINT_SAMPLE):])
+        return digest.hexdigest()
 
     def close(self) -> None:
         """Unmap the file; while a view returned by `data` is still referenced, the mapping lives on with it."""

@@ -18,7 +18,8 @@ class HistoryRow:
     duration: float = 0.0
     finish: str = "cancel"
     prompt_tokens: int = 0
-    reused_tokens: int = 0
+    reused_tokens: int = 0  # prompt tokens not computed: found in a slot's cache or read from the disk tier
+    disk_tokens: int = 0  # of those, the ones read from the disk tier
     output_tokens: int = 0
     prompt_seconds: float = 0.0
     decode_seconds: float = 0.0
@@ -47,6 +48,7 @@ class Totals:
     finishes: Counter[str] = field(default_factory=Counter)
     prompt_tokens: int = 0
     reused_tokens: int = 0
+    disk_tokens: int = 0
     output_tokens: int = 0
     prompt_seconds: float = 0.0
     decode_seconds: float = 0.0
@@ -56,6 +58,7 @@ class Totals:
         self.finishes[row.finish] += 1
         self.prompt_tokens += row.prompt_tokens
         self.reused_tokens += row.reused_tokens
+        self.disk_tokens += row.disk_tokens
         self.output_tokens += row.output_tokens
         self.prompt_seconds += row.prompt_seconds
         self.decode_seconds += row.decode_seconds

@@ -40,6 +40,7 @@ from strata.events import (
     Usage,
 )
 from strata.history import History, HistoryRow
+from strata.kv_disk import KvDiskError, KvTier
 from strata.mcp_tools import McpRequestError, McpServers, Toolset, open_toolset, run_rounds
 from strata.pictures.downloads import DownloadPolicy, download_client
 from strata.pictures.expand import marker_tokens
@@ -108,6 +109,7 @@ class Service:
         self.vision: VisionClient | None = None  # the image encoder, when the config has one
         self.mcp = McpServers(config.mcp_servers, config.mcp)  # the configured MCP servers (open_service starts them)
         self.loop: EngineLoop | None = None  # the engine's batcher and its thread (attach)
+        self.kv_tier: KvTier | None = None  # the disk tier under the prefix cache (config.kv_disk)
         self._compiling = trio.CapacityLimiter(GRAMMAR_THREADS)
 
     @property
@@ -116,8 +118,9 @@ class Service:
 
     # --- loading
 
-    def attach(self, engine: EngineLike, tokenizer: Any, template: str | None = None) -> None:
-        """Serve with an engine and tokenizer that are already loaded."""
+    def attach(self, engine: EngineLike, tokenizer: Any, template: str | None = None,
+               kv_tier: KvTier | None = None) -> None:
+        """Serve with an engine and tokenizer that are already loaded (and the disk tier opened for it)."""
         template = template or tokenizer.chat_template
         if not template:
             raise ServiceUnavailable("the model has no chat template (tokenizer.chat_template)")
@@ -129,9 +132,51 @@ class Service:
         # as many slots as the engine has sequences (an engine passed in may have fewer than config.slots)
         self.turn = Turn(max_queued=self.config.limits.queue_length, slots=engine.n_seq)
         snapshots = self.config.snapshot_budget
+        self.kv_tier = kv_tier
         self.loop = EngineLoop(Batcher(engine, self.config.step_tokens, self.config.batch, self.config.step_slowdown,
-                                       snapshot_bytes=None if snapshots is None else int(snapshots * 2**20)))
+                                       snapshot_bytes=None if snapshots is None else int(snapshots * 2**20),
+                                       tier=kv_tier))
         self.loaded.set()
+
+    def open_kv_tier(self, engine: EngineLike, log: Callable[[str], None] = print) -> KvTier | None:
+        """The configured disk tier for `engine`'s KV rows (blocking: it scans the directory), or None.
+
+        Raises:
+            KvDiskError: the directory cannot be used (another server holds it).
+        """
+        kv_disk = self.config.kv_disk
+        if kv_disk.path is None:
+            return None
+        if engine.recurrent:  # its blocks would need the recurrent state beside them, which the tier does not store
+            log(f"kv_disk: off: the {engine.arch} model has recurrent layers, whose state the disk tier does not "
+                "store yet")
+            return None
+        tier = KvTier(kv_disk.path, engine.kv_identity, kv_disk.max_bytes, engine.kv_position_bytes,
+                      kv_disk.block_tokens, log)
+        log(f"kv_disk: {kv_disk.path}: {len(tier.store)} blocks, {tier.store.bytes / 2**20:,.0f} MiB of "
+            f"{kv_disk.max_bytes / 2**20:,.0f} MiB")
+        return tier
+
+    def _attach_with_tier(self, engine: EngineLike, tokenizer: Any, tier: KvTier | None) -> None:
+        """`attach`, closing the tier if that fails (its threads and the directory's lock go with it)."""
+        try:
+            self.attach(engine, tokenizer, kv_tier=tier)
+        except BaseException:
+            if tier is not None:
+                tier.close()
+            raise
+
+    def close_kv_tier(self) -> None:
+        """Save every idle slot's blocks, write what is queued, and close the tier (blocking: a worker thread's
+        job at shutdown, once the engine thread has ended)."""
+        tier, self.kv_tier = self.kv_tier, None
+        if tier is None:
+            return
+        try:
+            if self.loop is not None and not self.loop.running:  # a step still running owns the slots
+                self.loop.batcher.save_all()
+        finally:
+            tier.close()
 
     async def load(self, log: Callable[[str], None] = print) -> None:
         """Load the configured model in a worker thread; a failure is kept in `load_error` and re-raised."""
@@ -144,7 +189,12 @@ class Service:
             except BaseException:
                 engine.close()
                 raise
-            self.attach(engine, tokenizer)
+            try:
+                tier = await trio.to_thread.run_sync(self.open_kv_tier, engine, log)
+            except BaseException:
+                engine.close()
+                raise
+            self._attach_with_tier(engine, tokenizer, tier)
             bands = f", output weight in bands {engine.prepared_bytes / 2**20:.0f} MiB" if engine.prepared_bytes else ""
             copied = f", weights copied to huge pages {engine.copied_bytes / 2**20:.0f} MiB" if engine.copied_bytes \
                 else ""
@@ -440,6 +490,7 @@ class Service:
                         yield event
                 live.phase = "decode"
                 row.reused_tokens, row.prompt_seconds, row.decode_seconds = job.reused, *stream.seconds()
+                row.disk_tokens = job.disk_tokens
                 if not tokens:  # the job left its slot: a stop token, or the token budget is spent
                     finish = "stop" if job.finish == "stop" else "length"
                 for token in tokens:
@@ -583,7 +634,8 @@ async def open_service(
             try:
                 if engine is not None:
                     await service.start_vision(engine, log)
-                    service.attach(engine, tokenizer)
+                    tier = await trio.to_thread.run_sync(service.open_kv_tier, engine, log)
+                    service._attach_with_tier(engine, tokenizer, tier)
                 elif wait:
                     await service.load(log)
                 else:
@@ -596,6 +648,8 @@ async def open_service(
                 finally:
                     if service.loop is not None:
                         await service.loop.close()
+                    with trio.CancelScope(shield=True):
+                        await trio.to_thread.run_sync(service.close_kv_tier)
                     nursery.cancel_scope.cancel()
             nursery.cancel_scope.cancel()
     finally:
@@ -609,7 +663,7 @@ async def _load_quietly(service: Service, log: Callable[[str], None]) -> None:
     """Background loading: the failure is kept in `service.load_error` for whoever waits."""
     try:
         await service.load(log)
-    except VisionStartError as error:
+    except (VisionStartError, KvDiskError) as error:
         log(f"error: {error}")
     except Exception as error:  # noqa: BLE001 - reported through service.load_error
         log(f"error: the model failed to load: {error}")

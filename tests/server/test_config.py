@@ -47,6 +47,10 @@ def test_defaults():
     ({"vision": {"max_tokens": 0}}, '"vision.max_tokens" must be at least 1'),
     ({"vision": {"min_tokens": 0}}, '"vision.min_tokens" must be at least 1'),
     ({"sampling": {"temperature": "hot"}}, '"sampling.temperature" must be float'),
+    ({"kv_disk": {"max_bytes": 0}}, '"kv_disk.max_bytes" must be at least 1'),
+    ({"kv_disk": {"block_tokens": 0}}, '"kv_disk.block_tokens" must be at least 1'),
+    ({"kv_disk": {"path": " "}}, '"kv_disk.path" must be a directory'),
+    ({"kv_disk": {"paht": "x"}}, 'unknown key "kv_disk.paht"'),
 ])
 def test_bad_keys_and_values_are_named(data, message):
     with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
@@ -57,6 +61,17 @@ def test_vision_keys_are_accepted():
     vision = {"mmproj": "v.gguf", "gpu": False, "threads": 2, "max_tokens": 512, "exe": ["ssh", "box", "strata-vision"],
               "remote": True, "lazy_load": True}
     assert config_from_dict({"vision": vision}).vision.exe == ["ssh", "box", "strata-vision"]
+
+
+def test_the_kv_disk_flags_set_the_section():
+    import argparse
+
+    from strata.cli.serve import add_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    config = config_from_args(parser.parse_args(["--kv-disk.path", "/srv/kv", "--kv-disk.max-bytes", "1000000"]))
+    assert (config.kv_disk.path, config.kv_disk.max_bytes, config.kv_disk.block_tokens) == ("/srv/kv", 10**6, 256)
 
 
 def test_unreadable_or_invalid_file(tmp_path):

@@ -57,6 +57,7 @@ def server_status(service: Service) -> dict[str, Any]:
             "kv": config.kv,
         },
         "vision": {"state": "not available", "mmproj": config.vision.mmproj},
+        "kv_disk": service.kv_tier.status() if service.kv_tier is not None else None,
         "totals": service.history.totals.as_dict(),
         "last": None if last is None else last.as_dict(),
         **status(service),
@@ -179,6 +180,13 @@ class _ServiceCollector:
         tokens.add_metric(["reused"], totals.reused_tokens)
         tokens.add_metric(["generated"], totals.output_tokens)
         yield tokens
+        sources = CounterMetricFamily("strata_prompt_tokens", "Prompt tokens by where their KV rows came from: a "
+                                      "slot's cache (ram), the disk tier (disk), or computed (a miss).",
+                                      labels=["source"])
+        sources.add_metric(["ram"], totals.reused_tokens - totals.disk_tokens)
+        sources.add_metric(["disk"], totals.disk_tokens)
+        sources.add_metric(["computed"], totals.prompt_tokens - totals.reused_tokens)
+        yield sources
         yield CounterMetricFamily("strata_prompt_seconds", "Time spent processing prompts.",
                                   value=totals.prompt_seconds)
         yield CounterMetricFamily("strata_decode_seconds", "Time spent generating tokens.",

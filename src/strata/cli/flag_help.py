@@ -25,6 +25,10 @@ HELP = {
     "slots": "requests generating at once (each keeps its KV cache of context positions while idle)",
     "kv_budget": "most MiB the KV cache of all slots may take (slots x context must fit; default: no bound)",
     "snapshot_budget": "most MiB a hybrid model's state snapshots may take, for prefix reuse (default: 4 per slot)",
+    "kv_disk.path": "directory of the disk tier under the prefix cache: conversations' KV blocks, kept across "
+                    "restarts of the same model file and KV type (default: none)",
+    "kv_disk.max_bytes": "most bytes of block files in kv_disk.path; the least recently used go first",
+    "kv_disk.block_tokens": "positions per block of the disk tier (a block is one file)",
     "step_tokens": "most tokens per engine step while requests decode (a joining prompt comes in chunks)",
     "step_slowdown": "most a joining prompt longer than step_tokens may slow the decoding requests' steps, as a "
                      "multiple of their own step",

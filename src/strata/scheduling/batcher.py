@@ -11,6 +11,9 @@ cache shares the longest prefix with its prompt (token ids, and (picture digest,
 least recently used one when none does; a longer prefix held by a busy slot is copied over (`copy_prefix`).
 A hybrid model's slot (a recurrent engine) resumes only where it has its recurrent state: at the end of what it
 holds, or at a snapshot (`strata.scheduling.snapshots`) taken where a later request is likely to branch off.
+With a disk tier (`strata.kv_disk.KvTier`), the stored blocks that extend that prefix are read on the tier's
+reader thread and imported as they come, while the other jobs step on; a job leaving its slot saves the slot's
+blocks.
 
 The engine is an `EngineLike` (`strata.engine_cffi.Engine`, or a test's scripted engine).
 """
@@ -27,7 +30,9 @@ from typing import Any, Literal
 
 import numpy as np
 
-from strata.engine_cffi import BatchItem, EngineAborted
+from strata.engine_cffi import BatchItem, EngineAborted, EngineError
+from strata.kv_disk.reader import Load
+from strata.kv_disk.tier import KvTier
 from strata.pictures.expand import embeds_from
 from strata.scheduling.engine_like import EngineLike
 from strata.scheduling.snapshots import Snapshots, snapshot_points
@@ -91,6 +96,8 @@ class Job:
         self.history = list(ids)  # the prompt, then every sampled token
         self.n_prompt = len(ids)
         self.keys: list[Hashable] = list(keys) if keys is not None else list(ids)
+        # keys that name the same rows in another process too (not the stand-ins for pictures without digests)
+        self.portable_keys = keys is not None or not spans
         if keys is None:  # picture rows without digests: keys that only these very rows match
             for first, rows in spans:
                 self.keys[first:first + len(rows)] = [(id(rows), r) for r in range(len(rows))]
@@ -102,7 +109,10 @@ class Job:
         self.budget = 0  # the tokens it may sample: max_tokens within its context's room (set by Batcher.add)
         self.error: BaseException | None = None
         self.seq = -1  # its slot while it has one
-        self.reused = 0  # prompt positions found in the slot's cache
+        self.reused = 0  # prompt positions found in the slot's cache, or read from the disk tier
+        self.disk_tokens = 0  # of those, the ones read from the disk tier
+        self.loading: Load | None = None  # the disk tier's blocks being read for it: it waits for them
+        self.block_names: list[bytes] = []  # the disk tier's names of its prompt's whole blocks (when it has one)
         self.started = time.perf_counter()
         self.prompt_done = 0.0  # perf_counter() when the prompt was through, and at the last token
         self.last_token = 0.0
@@ -133,6 +143,7 @@ class _Slot:
         self.job: Job | None = None
         self.used = 0  # LRU clock value of the last use
         self.live = True  # a recurrent engine's state is that of the end of `keys` (a dropped call breaks it)
+        self.portable = False  # its keys name the same rows in another process (its last job's `portable_keys`)
 
 
 class StepBudget:
@@ -227,12 +238,18 @@ class Batcher:
             at most this many times their decode-only step (`StepBudget`); None: `step_tokens` is the only bound.
         clock: seconds, for timing steps (default: the engine's threads' CPU time, `engine.cpu_seconds`).
         snapshot_bytes: a recurrent engine's snapshots take at most this many bytes (default: four per slot).
+        tier: the disk tier under the slots' caches, or None.
     """
+
+    WAIT_SECONDS = 0.005  # the most a step with nothing to compute waits for a job's blocks before looking again
 
     def __init__(self, engine: EngineLike, step_tokens: int = 64, n_batch: int | None = None,
                  slowdown: float | None = 1.6, clock: Callable[[], float] | None = None,
-                 snapshot_bytes: int | None = None):
+                 snapshot_bytes: int | None = None, tier: KvTier | None = None):
+        if tier is not None and engine.recurrent:
+            raise ValueError("the disk tier does not store a recurrent model's state")
         self.engine = engine
+        self.tier = tier
         self.n_batch = n_batch if n_batch is not None else engine.n_batch
         self.slots = [_Slot(seq) for seq in range(engine.n_seq)]
         self.jobs: list[Job] = []  # in arrival order: earlier prompts get the step budget first
@@ -288,16 +305,59 @@ class Batcher:
         elif reused < self.engine.seq_n_past(slot.seq) or not slot.live:
             self._cut(slot, reused)
         slot.keys = job.keys[:reused]
-        slot.job, slot.used = job, next(self._clock)
+        slot.job, slot.used, slot.portable = job, next(self._clock), job.portable_keys
         job.seq, job.reused = slot.seq, reused
         if self.snapshots is not None:
             job.snapshot_at = snapshot_points(job.turn_starts, job.n_prompt, reused)
+        if self.tier is not None and job.portable_keys:
+            self._read_stored(job, slot, n_keep)
         room = self.engine.n_ctx - job.n_prompt  # every token has a place in the cache
         job.budget = room if job.max_tokens is None else min(job.max_tokens, room)
         self.jobs.append(job)
         if job.progress is not None:
             job.progress.slot = slot.seq
-            job.progress.prompt_progress(reused, cached=reused)
+            job.progress.prompt_progress(job.reused, cached=job.reused)
+
+    def _read_stored(self, job: Job, slot: _Slot, n_keep: int) -> None:
+        """Start reading the stored blocks that extend the job's cached prefix: the consecutive ones from the
+        block where that prefix ends (the slot is cut back to that block's start, at most a block's positions)."""
+        tier = self.tier
+        assert tier is not None
+        block = tier.block_tokens
+        first = job.reused // block
+        if (first + 1) * block > n_keep:  # no whole block of the prompt past the cached prefix
+            return
+        job.block_names = tier.names(job.keys[:n_keep])
+        count = tier.stored(job.block_names, first)
+        if not count:
+            return
+        self.engine.keep(first * block, seq=slot.seq)
+        del slot.keys[first * block:]
+        job.reused = first * block
+        job.loading = tier.read(job.block_names[:first + count], first)
+
+    def _import_read(self) -> None:
+        """Import the blocks read for the jobs waiting for them (a memcpy each, on this thread)."""
+        for job in self.jobs:
+            load = job.loading
+            if load is None:
+                continue
+            for first, payload in load.take():
+                before = self.engine.seq_n_past(job.seq)
+                try:
+                    self.engine.import_kv(job.seq, first, payload)
+                except EngineError:  # a block that is not where the sequence continues: the rest is computed
+                    load.cancel()
+                    break
+                added = self.engine.seq_n_past(job.seq) - before
+                job.reused += added
+                job.disk_tokens += added
+            if load.finished or load.cancelled:
+                job.loading = None
+            n_past = self.engine.seq_n_past(job.seq)
+            _track(self.slots[job.seq].keys, job, n_past)
+            if job.progress is not None:
+                job.progress.prompt_progress(n_past, cached=n_past)
 
     def _resumable(self, slot: _Slot, n: int) -> int:
         """The longest prefix of at most `n` of the slot's positions that a job can resume from: all `n` but on a
@@ -333,6 +393,8 @@ class Batcher:
             job.stopping = True
             if job.seq in self._in_call and job.finish is None:
                 self.engine.abort(job.seq)
+        if self.tier is not None:
+            self.tier.wake()  # a step waiting for blocks looks at once
 
     def step(self) -> list[Job]:
         """One engine call for every job that has work; returns the jobs that got tokens or finished. Jobs
@@ -342,10 +404,14 @@ class Batcher:
             self._leave(job, "cancel")
         if changed:  # their slots are free: say so now, not after another engine call
             return changed
+        if self.tier is not None:
+            self._import_read()
         budget = self.budget
         started = budget.clock() if budget is not None else 0.0
         items, work, n_decoding = self._plan()
         if not items:
+            if self.tier is not None and any(job.loading is not None for job in self.jobs):
+                self.tier.wait(self.WAIT_SECONDS)  # nothing to compute until a block comes
             return changed
         with self._lock:
             self._in_call = {job.seq for job in work}
@@ -408,10 +474,10 @@ class Batcher:
         # A short prompt (a side request, a parallel one) joins within the token cap at once; only a prompt
         # longer than that, which would hold the streams for many steps, is cut by time.
         if decoding and self.budget is not None and any(
-                not job.decoding and job.n_prompt - job.reused > budget for job in self.jobs):
+                not job.decoding and job.loading is None and job.n_prompt - job.reused > budget for job in self.jobs):
             budget = self.budget.prompt_tokens(len(decoding), budget)
         for job in self.jobs:
-            if job.decoding or budget <= 0:
+            if job.decoding or job.loading is not None or budget <= 0:
                 continue
             start = self.engine.seq_n_past(job.seq)
             scored = job.prompt_logprobs is not None
@@ -473,8 +539,13 @@ class Batcher:
             self._leave(job, "length")
 
     def _leave(self, job: Job, finish: JobFinish) -> None:
-        """Free the job's slot; the slot keeps what its cache holds."""
+        """Free the job's slot; the slot keeps what its cache holds, and the disk tier gets its whole blocks."""
         slot = self.slots[job.seq]
+        if job.loading is not None:
+            job.loading.cancel()
+            job.loading = None
+        if self.tier is not None and job.portable_keys and finish != "error":
+            self._save(slot, job.block_names)
         slot.job, slot.used = None, next(self._clock)
         if finish in ("cancel", "error"):  # a call cut short may have left a recurrent state half-way
             slot.live = self.snapshots is None
@@ -483,6 +554,24 @@ class Batcher:
             # A flag raised as the job's last call was returning would stop the slot's next job.
             self.engine.clear_abort(job.seq)
             job.finish = finish
+
+    def _save(self, slot: _Slot, known: list[bytes]) -> None:
+        """Queue the slot's whole blocks that the disk tier lacks (`known`: names of its first blocks, when
+        computed already)."""
+        tier = self.tier
+        assert tier is not None
+        n_past = self.engine.seq_n_past(slot.seq)
+        del slot.keys[n_past:]  # a call cut short may have left keys past what the cache holds
+        start = known[:n_past // tier.block_tokens]
+        tier.save(self.engine, slot.seq, tier.names(slot.keys, start))
+
+    def save_all(self) -> None:
+        """Save every idle slot's blocks, waiting for the writer's room: a clean shutdown, with no step running."""
+        if self.tier is None:
+            return
+        for slot in self.slots:
+            if slot.job is None and slot.portable and slot.keys and self.engine.seq_n_past(slot.seq) == len(slot.keys):
+                self.tier.save(self.engine, slot.seq, self.tier.names(slot.keys), wait=True)
 
 
 def _track(keys: list[Hashable], job: Job, n_past: int) -> None:

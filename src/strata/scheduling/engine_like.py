@@ -8,7 +8,7 @@ batcher and the service call them without asking whether an engine has them.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -44,6 +44,16 @@ class EngineLike(Protocol):
     def seq_n_past(self, seq: int) -> int: ...
     def keep(self, n: int, seq: int = 0) -> None: ...
     def copy_prefix(self, src: int, dst: int, n: int) -> None: ...
+    @property
+    def kv_identity(self) -> str:
+        """What the bits of the cached rows depend on besides the tokens: the model file, the KV type, the layout."""
+    @property
+    def kv_position_bytes(self) -> int:
+        """The bytes of one position's rows as `export_kv` gives them."""
+    def export_kv(self, seq: int, first: int, n: int) -> np.ndarray:
+        """Positions [first, first + n) of sequence `seq` as bytes (uint8)."""
+    def import_kv(self, seq: int, first: int, data: Any) -> None:
+        """Append positions that `export_kv` gave from `first` to sequence `seq`, which holds `first`."""
     def abort(self, seq: int = 0) -> None: ...
     def clear_abort(self, seq: int = 0) -> None: ...
     def sample_rows(self, rows: Sequence[np.ndarray], settings: Sequence[SamplingParams], u: Sequence[float]

@@ -1,0 +1,136 @@
+"""The disk tier under the batcher's slots, on the tests' successor engine (whose exported "rows" are its token
+ids): a restarted batcher reads a conversation back instead of computing it; a hang-up while its blocks are read
+frees the slot at once; a block that cannot be read is computed instead."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+from fakes import N_VOCAB, SuccessorEngine
+
+from strata.kv_disk import KvTier
+from strata.kv_disk.store import BlockStore
+from strata.scheduling.batcher import Batcher, Job
+from strata.text.sampling import Sampler, SamplingParams
+
+BLOCK = 8
+
+
+def _tier(path: Path, engine: SuccessorEngine, lines: list[str] | None = None) -> KvTier:
+    log = lines.append if lines is not None else print
+    return KvTier(str(path), engine.kv_identity, 10**6, engine.kv_position_bytes, BLOCK, log)
+
+
+def _job(ids: list[int], max_tokens: int = 3, **kw: object) -> Job:
+    return Job(ids, Sampler(SamplingParams(temperature=0), N_VOCAB), max_tokens, set(), **kw)  # type: ignore[arg-type]
+
+
+def _run(batcher: Batcher, job: Job) -> None:
+    batcher.add(job)
+    deadline = time.monotonic() + 10
+    while job.finish is None:
+        assert time.monotonic() < deadline
+        batcher.step()
+
+
+def _prompt(n: int, seed: int = 0) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(0, N_VOCAB, n)]
+
+
+def _first_turn(path: Path, prompt: list[int]) -> Job:
+    engine = SuccessorEngine(n_ctx=128)
+    tier = _tier(path, engine)
+    job = _job(prompt)
+    _run(Batcher(engine, tier=tier), job)
+    tier.close()  # a clean shutdown: the queue is written
+    return job
+
+
+def test_a_restarted_batcher_reads_the_conversation_back(tmp_path: Path) -> None:
+    prompt = _prompt(40)
+    first = _first_turn(tmp_path, prompt)
+    assert len(list(tmp_path.glob("*.kvb"))) == 42 // BLOCK  # the prompt and 2 evaluated answer tokens: 5 blocks
+    engine = SuccessorEngine(n_ctx=128)
+    tier = _tier(tmp_path, engine)
+    turn = prompt + first.tokens + _prompt(10, seed=1)  # the next turn of the conversation
+    job = _job(turn)
+    _run(Batcher(engine, tier=tier), job)
+    assert job.disk_tokens == job.reused == 40  # 5 blocks read; the rest of the prompt computed
+    assert engine.caches[0][:40] == turn[:40]
+    assert engine.calls[0][0][1] == turn[40:]  # the first call starts where the blocks end
+    assert tier.status()["read_blocks"] == 5
+    tier.close()
+
+
+def test_the_ram_prefix_comes_first_and_the_disk_extends_it(tmp_path: Path) -> None:
+    prompt = _prompt(40)
+    _first_turn(tmp_path, prompt)
+    engine = SuccessorEngine(n_ctx=128)
+    tier = _tier(tmp_path, engine)
+    batcher = Batcher(engine, tier=tier)
+    _run(batcher, _job(prompt[:20], max_tokens=1))  # the slot now holds 20 positions computed here
+    job = _job(prompt + [1, 2, 3])
+    _run(batcher, job)
+    assert job.reused == 40 and job.disk_tokens == 40 - 16  # cut back to the block at 16, then blocks 2..4 read
+    assert engine.caches[0][:40] == prompt
+    tier.close()
+
+
+def test_a_hang_up_while_blocks_are_read_frees_the_slot(tmp_path: Path) -> None:
+    prompt = _prompt(40)
+    _first_turn(tmp_path, prompt)
+    engine = SuccessorEngine(n_ctx=128)
+    tier = _tier(tmp_path, engine)
+    gate = threading.Event()
+    read = tier.store.get
+
+    def stuck_get(name: bytes) -> tuple[int, bytes]:
+        gate.wait(10)  # a disk that does not answer
+        return read(name)
+
+    tier.store.get = stuck_get  # type: ignore[method-assign]
+    batcher = Batcher(engine, tier=tier)
+    job = _job(prompt + [1])
+    batcher.add(job)
+    assert batcher.step() == [] and job.loading is not None and not engine.calls  # waiting: nothing computed
+    threading.Timer(0.01, batcher.cancel, [job]).start()
+    started = time.monotonic()
+    while job.finish is None:
+        batcher.step()
+    assert job.finish == "cancel" and batcher.free_slots == 1
+    assert time.monotonic() - started < 0.1
+    gate.set()
+    tier.close()
+
+
+def test_a_corrupt_block_is_computed_instead(tmp_path: Path) -> None:
+    prompt = _prompt(40)
+    _first_turn(tmp_path, prompt)
+    engine = SuccessorEngine(n_ctx=128)
+    lines: list[str] = []
+    tier = _tier(tmp_path, engine, lines)
+    third = tmp_path / (tier.names(prompt)[2].hex() + ".kvb")
+    data = bytearray(third.read_bytes())
+    data[-1] ^= 1
+    third.write_bytes(bytes(data))
+    job = _job(prompt + [1])
+    _run(Batcher(engine, tier=tier), job)
+    assert job.disk_tokens == 16 and engine.caches[0][:41] == prompt + [1]  # blocks 0, 1 read; the rest computed
+    assert len(lines) == 1 and "could not be read" in lines[0] and tier.store.removed == 1
+    tier.close()  # the job's blocks, the recomputed one too, are saved as it leaves
+    store = BlockStore(tmp_path, engine.kv_identity, 10**6)
+    assert bytes(store.get(tier.names(prompt)[2])[1]) == bytes(engine.export_kv(0, 16, BLOCK))
+    store.close()
+
+
+def test_rows_without_portable_keys_are_not_saved(tmp_path: Path) -> None:
+    engine = SuccessorEngine(n_ctx=128)
+    engine.picture_width = 2
+    tier = _tier(tmp_path, engine)
+    rows = np.zeros((4, 2), np.float32)  # picture rows without a digest: their keys name this process's array
+    _run(Batcher(engine, tier=tier), _job(_prompt(30), spans=[(2, rows)]))
+    tier.close()
+    assert not list(tmp_path.glob("*.kvb"))
