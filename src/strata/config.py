@@ -110,6 +110,16 @@ class McpConfig:
 
 
 @dataclass(frozen=True)
+class KvEventsConfig:
+    """KV events for a KV-aware router in front of several replicas (`strata.kv_events`, docs/SCALE_OUT.md)."""
+
+    endpoint: str | None = None  # the PUB socket routers connect to, e.g. "tcp://*:5557"; None: no events
+    replay_endpoint: str | None = None  # the ROUTER socket a late router asks for missed batches, or None
+    block_size: int = 16  # positions per block: the router's --kv-event-block-size
+    topic: str = ""  # the first frame of every message
+
+
+@dataclass(frozen=True)
 class Config:
     model: str | None = None
     host: str = "127.0.0.1"
@@ -148,6 +158,7 @@ class Config:
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     mcp: McpConfig = field(default_factory=McpConfig)
     mcp_servers: dict[str, McpServerConfig] = field(default_factory=dict)
+    kv_events: KvEventsConfig = field(default_factory=KvEventsConfig)
 
     def __post_init__(self) -> None:
         _check(self)
@@ -156,7 +167,7 @@ class Config:
 # --- validation
 
 _SECTIONS = {"sampling": SamplingConfig, "vision": VisionConfig, "limits": LimitsConfig, "images": ImagesConfig,
-             "mcp": McpConfig}
+             "mcp": McpConfig, "kv_events": KvEventsConfig}
 MCP_SERVER_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # configured names; requests' labels too
 
 
@@ -170,6 +181,8 @@ def _check(config: Config) -> None:
     _check_limits(config.limits)
     _check_vision(config.vision)
     _check_mcp(config)
+    if config.kv_events.block_size < 1:
+        raise _fail("kv_events.block_size", f"must be at least 1, got {config.kv_events.block_size}")
 
 
 def _check_engine(config: Config) -> None:

@@ -108,6 +108,7 @@ class Service:
         self.vision: VisionClient | None = None  # the image encoder, when the config has one
         self.mcp = McpServers(config.mcp_servers, config.mcp)  # the configured MCP servers (open_service starts them)
         self.loop: EngineLoop | None = None  # the engine's batcher and its thread (attach)
+        self.kv_events: Any = None  # the prefix cache's KV event publisher, when configured (attach)
         self._compiling = trio.CapacityLimiter(GRAMMAR_THREADS)
 
     @property
@@ -129,6 +130,10 @@ class Service:
         # as many slots as the engine has sequences (an engine passed in may have fewer than config.slots)
         self.turn = Turn(max_queued=self.config.limits.queue_length, slots=engine.n_seq)
         self.loop = EngineLoop(Batcher(engine, self.config.step_tokens, self.config.batch, self.config.step_slowdown))
+        if self.config.kv_events.endpoint is not None:
+            from strata.kv_events.publisher import publish_cache_events
+
+            self.kv_events = publish_cache_events(self.config.kv_events, self.loop.batcher)
         self.loaded.set()
 
     async def load(self, log: Callable[[str], None] = print) -> None:
@@ -590,6 +595,8 @@ async def open_service(
                 finally:
                     if service.loop is not None:
                         await service.loop.close()
+                    if service.kv_events is not None:  # after the engine thread: nothing publishes any more
+                        service.kv_events.close()
                     nursery.cancel_scope.cancel()
             nursery.cancel_scope.cancel()
     finally:

@@ -68,4 +68,9 @@ HELP = {
     "mcp.max_result_bytes": "bytes of one answer of an MCP server read at most (a tool result is cut there, "
                             "saying so; a longer listing is refused)",
     "mcp_servers": 'MCP servers as a JSON object: name -> {"command", "args", "env", "cwd"} or {"url", "headers"}',
+    "kv_events.endpoint": "publish KV events (vLLM's format) on this ZMQ address for a KV-aware router, e.g. "
+                          "tcp://*:5557 (docs/SCALE_OUT.md)",
+    "kv_events.replay_endpoint": "ZMQ address where a router that joined late asks for the KV event batches it missed",
+    "kv_events.block_size": "tokens per KV event block (the router's --kv-event-block-size)",
+    "kv_events.topic": "topic frame of every KV event message",
 }

@@ -23,7 +23,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Hashable, Iterator, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
@@ -57,6 +57,14 @@ def common_prefix(a: Sequence[Hashable], b: Sequence[Hashable]) -> int:
     while a[i] == b[i]:
         i += 1
     return i
+
+
+class CacheObserver(Protocol):
+    """Told where a slot's cached keys change (`strata.kv_events.KvBlocks` publishes them for routers)."""
+
+    def on_blocks(self, seq: int, keys: Sequence[Hashable], n: int, kept: int) -> None:
+        """Slot `seq` now holds `keys[:n]` in a form a job can resume from (a recurrent engine's slot: up to its
+        live state or its last snapshot); its first `kept` positions are unchanged since the last call."""
 
 
 class Job:
@@ -246,6 +254,7 @@ class Batcher:
         self._lock = threading.Lock()  # cancel() against the step's bookkeeping
         self._in_call: set[int] = set()  # sequences of the engine call in flight
         self.snapshots: Snapshots | None = None
+        self.observer: CacheObserver | None = None  # told where the slots' cached keys change
         if engine.recurrent:
             state = engine.state_bytes
             self.snapshots = Snapshots(4 * engine.n_seq * state if snapshot_bytes is None else snapshot_bytes, state)
@@ -281,6 +290,7 @@ class Batcher:
         else:
             slot = min(idle, key=lambda s: (len(s.keys) > 0, s.used))
         reused = shared(slot)
+        held = slot.keys
         donor = max(self.slots, key=shared)
         if shared(donor) > reused:
             reused = shared(donor)
@@ -288,6 +298,8 @@ class Batcher:
         elif reused < self.engine.seq_n_past(slot.seq) or not slot.live:
             self._cut(slot, reused)
         slot.keys = job.keys[:reused]
+        if self.observer is not None:
+            self._announce(slot, common_prefix(held, slot.keys))
         slot.job, slot.used = job, next(self._clock)
         job.seq, job.reused = slot.seq, reused
         if self.snapshots is not None:
@@ -298,6 +310,12 @@ class Batcher:
         if job.progress is not None:
             job.progress.slot = slot.seq
             job.progress.prompt_progress(reused, cached=reused)
+
+    def _announce(self, slot: _Slot, kept: int) -> None:
+        """Tell the observer what the slot holds now (its first `kept` positions unchanged)."""
+        if self.observer is not None:
+            n = len(slot.keys) if self.snapshots is None or slot.live else self.snapshots.best(slot.seq, len(slot.keys))
+            self.observer.on_blocks(slot.seq, slot.keys, n, kept)
 
     def _resumable(self, slot: _Slot, n: int) -> int:
         """The longest prefix of at most `n` of the slot's positions that a job can resume from: all `n` but on a
@@ -377,9 +395,11 @@ class Batcher:
         for job, logits in zip(work, rows, strict=True):
             slot = self.slots[job.seq]
             n_past = self.engine.seq_n_past(job.seq)
+            held = len(slot.keys)
             _track(slot.keys, job, n_past)
             if self.snapshots is not None and logits is not None and n_past in job.snapshot_at and not job.decoding:
                 self.snapshots.put(job.seq, n_past, self.engine.save_state(job.seq))
+            self._announce(slot, min(held, n_past))
             if job.progress is not None and not job.decoding:
                 job.progress.prompt_progress(min(n_past, job.n_prompt))
             if job.prompt_logprobs is not None and logits is not None and not job.decoding and not job.stopping:
@@ -478,6 +498,7 @@ class Batcher:
         slot.job, slot.used = None, next(self._clock)
         if finish in ("cancel", "error"):  # a call cut short may have left a recurrent state half-way
             slot.live = self.snapshots is None
+            self._announce(slot, len(slot.keys))
         self.jobs.remove(job)
         with self._lock:
             # A flag raised as the job's last call was returning would stop the slot's next job.
