@@ -28,7 +28,17 @@ from quart_trio import QuartTrio
 from quart_trio.asgi import TrioASGIHTTPConnection
 from werkzeug.exceptions import HTTPException
 
-from strata.api import anthropic, openai_chat, openai_completions, openai_responses, sse, status, tokens, web
+from strata.api import (
+    anthropic,
+    openai_chat,
+    openai_completions,
+    openai_responses,
+    prompt_render,
+    sse,
+    status,
+    tokens,
+    web,
+)
 from strata.api.body import INLINE_BYTES, parse_body
 from strata.api.cors import add_cors
 from strata.api.errors import ApiError, as_api_error, dialect_for_path, error_body
@@ -438,6 +448,14 @@ def _add_token_routes(app: Quart, state: _State) -> None:
     @app.post("/detokenize")
     async def detokenize() -> Response:
         return _json(await tokens.detokenize(loaded(), await _json_body(), limiter))
+
+    @app.post("/v1/chat/completions/render")
+    async def render_chat() -> Response:
+        return _json(await prompt_render.render_chat(loaded(), await _json_body(), limiter))
+
+    @app.post("/v1/completions/render")
+    async def render_completions() -> Response:
+        return _json(await prompt_render.render_completions(loaded(), await _json_body(), limiter))
 
 
 def _chat_view(state: _State, dialect: _Dialect) -> Callable[[], Awaitable[Response]]:

@@ -17,6 +17,7 @@ from prometheus_client.exposition import generate_latest
 import strata
 from strata.api import sse
 from strata.api.errors import ApiError
+from strata.api.vllm_metrics import VllmMetrics
 from strata.service import Service
 
 STREAM_RETRY_AFTER = 5  # seconds a client refused a status stream is asked to wait
@@ -199,6 +200,7 @@ def metrics_registry(service: Service) -> CollectorRegistry:
     """A registry of its own per app, so that several apps in one process never share or clash."""
     registry = CollectorRegistry(auto_describe=True)
     registry.register(_ServiceCollector(service))
+    registry.register(VllmMetrics(service))  # the names the routers in front of a fleet read
     return registry
 
 
