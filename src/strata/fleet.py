@@ -43,6 +43,7 @@ class FleetPlan:
     port: int = 8080
     first_port: int = 8081
     events_port: int = 5557
+    router_metrics_port: int = 29000  # the router's own Prometheus metrics
     block_size: int = 16
     serve_args: tuple[str, ...] = ()
     router: str | None = None
@@ -74,6 +75,7 @@ class FleetPlan:
             raise FleetError("vllm-router is not installed (pip install vllm-router)")
         workers = [self.replica_url(i) for i in range(self.replicas)]
         command = [router, "--host", self.host, "--port", str(self.port), "--policy", self.policy,
+                   "--prometheus-host", self.host, "--prometheus-port", str(self.router_metrics_port),
                    "--worker-urls", *workers]
         if self.policy == "kv_aware":
             command += ["--kv-event-model", model, "--kv-event-block-size", str(self.block_size)]

@@ -28,6 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="replica i serves on this port + i (default: 8081)")
     parser.add_argument("--events-port", type=int, default=plan.events_port,
                         help="replica i publishes KV events on this port + 2i, replays on the next (default: 5557)")
+    parser.add_argument("--router-metrics-port", type=int, default=plan.router_metrics_port,
+                        help="the router's Prometheus port (default: 29000)")
     parser.add_argument("--block-size", type=int, default=plan.block_size, help="tokens per KV event block "
                         "(default: 16)")
     parser.add_argument("--router", metavar="PATH", help="the vllm-router executable (default: the one on PATH)")
@@ -45,7 +47,8 @@ def run(args: argparse.Namespace) -> int:
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="strata-fleet-"))
     try:
         plan = FleetPlan(replicas=args.replicas, policy=args.policy, host=args.host, port=args.port,
-                         first_port=args.first_port, events_port=args.events_port, block_size=args.block_size,
+                         first_port=args.first_port, events_port=args.events_port,
+                         router_metrics_port=args.router_metrics_port, block_size=args.block_size,
                          serve_args=tuple(serve_args), router=args.router, router_args=tuple(args.router_arg))
     except FleetError as error:
         print(f"error: {error}", file=sys.stderr)
