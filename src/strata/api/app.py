@@ -267,7 +267,7 @@ def _add_auth(app: Quart, config: Config) -> None:
     @app.before_request
     async def check_key() -> None:
         # The web page loads without the key; every API call it makes needs it.
-        if request.path == "/health" or (config.web and web.is_page(request.path)):
+        if request.path in ("/health", "/health/live") or (config.web and web.is_page(request.path)):
             return
         keys = status_keys if request.path in _STATUS_ROUTES else api_keys
         if not keys:
@@ -329,6 +329,11 @@ def _add_info_routes(app: Quart, state: _State) -> None:
         if service is not None and service.load_error is not None:
             return _json({"status": "error", "error": str(service.load_error)}, 503)
         return _json({"status": "loading"}, 503)
+
+    @app.get("/health/live")
+    async def live() -> Response:
+        """Liveness: the server answers (a probe that restarts the process; `/health` is readiness: the model)."""
+        return _json({"status": "alive"})
 
     @app.get("/v1/models")
     async def models() -> Response:
