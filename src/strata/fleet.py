@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -64,6 +65,11 @@ class FleetPlan:
     def replay_endpoint(self, i: int) -> str:
         return f"tcp://{self.host}:{self.events_port + 2 * i + 1}"
 
+    def ports(self) -> list[int]:
+        """Every port the fleet listens on."""
+        return [self.port, self.router_metrics_port, *(self.first_port + i for i in range(self.replicas)),
+                *(self.events_port + j for j in range(2 * self.replicas))]
+
     def serve_command(self, i: int) -> list[str]:
         return [sys.executable, "-m", "strata.cli", "serve", "--host", self.host, "--port", str(self.first_port + i),
                 "--kv-events.endpoint", self.events_endpoint(i), "--kv-events.replay-endpoint",
@@ -111,6 +117,9 @@ class Fleet:
         self.stop()
 
     def start(self) -> None:
+        taken = [port for port in self.plan.ports() if not _free(self.plan.host, port)]
+        if taken:  # another server there would answer the health checks in our replicas' place
+            raise FleetError(f"port {taken[0]} on {self.plan.host} is in use")
         self.log_dir.mkdir(parents=True, exist_ok=True)
         for i in range(self.plan.replicas):
             self.start_replica(i, wait=False)
@@ -123,6 +132,9 @@ class Fleet:
 
     def start_replica(self, i: int, wait: bool = True) -> None:
         """Start replica `i` (again, after `kill_replica`)."""
+        port = self.plan.first_port + i
+        if wait and not _free(self.plan.host, port):
+            raise FleetError(f"port {port} on {self.plan.host} is in use")
         self.replicas[i] = self._spawn(self.plan.serve_command(i), f"replica{i}")
         if wait:
             self.wait_replica(i)
@@ -179,3 +191,14 @@ class Fleet:
                     pass
                 time.sleep(0.1)
         raise FleetError(f"{name} was not healthy after {self.timeout:g} s: see {self.log_dir / (name + '.log')}")
+
+
+def _free(host: str, port: int) -> bool:
+    """Whether nothing listens on (host, port) now."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True

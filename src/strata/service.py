@@ -23,7 +23,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -65,6 +65,9 @@ from strata.text.family import ModelFamily
 from strata.text.output import LogprobNames, Output
 from strata.text.sampling import Sampler
 from strata.vision.client import Embedding, VisionClient, VisionStartError
+
+if TYPE_CHECKING:
+    from strata.kv_events.publisher import Publisher
 
 # Requests' grammars and schemas converted and compiled at once, each in a worker thread: a conversion whose request
 # has gone keeps its thread until it ends (it cannot be interrupted; its limits bound it to about a second).
@@ -108,7 +111,7 @@ class Service:
         self.vision: VisionClient | None = None  # the image encoder, when the config has one
         self.mcp = McpServers(config.mcp_servers, config.mcp)  # the configured MCP servers (open_service starts them)
         self.loop: EngineLoop | None = None  # the engine's batcher and its thread (attach)
-        self.kv_events: Any = None  # the prefix cache's KV event publisher, when configured (attach)
+        self.kv_events: Publisher | None = None  # the prefix cache's KV event publisher, if configured (attach)
         self._compiling = trio.CapacityLimiter(GRAMMAR_THREADS)
 
     @property

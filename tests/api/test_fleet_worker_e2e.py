@@ -73,6 +73,18 @@ def test_the_kv_events_announce_the_blocks_of_the_rendered_ids(real):
         assert parent in stored, f"the block at {start} was not announced"
 
 
+def test_the_responses_render_route_gives_the_ids_of_the_same_conversation(real):
+    responses = {"model": real.service.model_name, "input": CHAT["messages"][1:],
+                 "instructions": CHAT["messages"][0]["content"], "max_output_tokens": 2}
+    with httpx.Client(base_url=real.url, timeout=60) as client:
+        chat = client.post("/v1/chat/completions/render", json=CHAT).json()
+        rendered = client.post("/v1/responses/render", json=responses)
+        refused = client.post("/v1/responses/render", json={**responses, "previous_response_id": "resp_1"})
+    assert rendered.status_code == 200 and rendered.json()["request_id"].startswith("resp_")
+    assert rendered.json()["token_ids"] == chat["token_ids"]
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "previous_response_id"
+
+
 def test_the_completions_render_route_gives_one_request_per_prompt(real):
     with httpx.Client(base_url=real.url, timeout=60) as client:
         several = client.post("/v1/completions/render", json={"prompt": ["Hello there", "Goodbye"]})

@@ -458,6 +458,10 @@ def _add_token_routes(app: Quart, state: _State) -> None:
     async def render_chat() -> Response:
         return _json(await prompt_render.render_chat(loaded(), await _json_body(), limiter))
 
+    @app.post("/v1/responses/render")
+    async def render_responses() -> Response:
+        return _json(await prompt_render.render_responses(loaded(), await _json_body(), limiter))
+
     @app.post("/v1/completions/render")
     async def render_completions() -> Response:
         return _json(await prompt_render.render_completions(loaded(), await _json_body(), limiter))

@@ -1,8 +1,9 @@
 """vLLM's render routes, which KV-aware routers call to learn a request's prompt token ids:
-`POST /v1/chat/completions/render` (a chat body in, one vLLM `GenerateRequest` out) and `/v1/completions/render`
-(a completions body in, a list of them: one per prompt). A router hashes the ids in blocks and asks its index
-which replica holds the longest prefix (`strata.kv_events`). No engine: the chat template and the tokenizer only,
-in a worker thread unless the request is short, as the chat routes render.
+`POST /v1/chat/completions/render` and `/v1/responses/render` (a chat or Responses body in, one vLLM
+`GenerateRequest` out) and `/v1/completions/render` (a completions body in, a list of them: one per prompt). A
+router hashes the ids in blocks and asks its index which replica holds the longest prefix (`strata.kv_events`).
+No engine: the chat template and the tokenizer only, in a worker thread unless the request is short, as the chat
+routes render.
 
 The ids are those the chat route would evaluate, but for two things a router cannot match anyway: a picture is
 its one placeholder token (its rows come from the encoder), and the tools of MCP servers the request names are not
@@ -17,7 +18,7 @@ from typing import Any
 
 import trio
 
-from strata.api import openai_chat, openai_completions
+from strata.api import openai_chat, openai_completions, openai_responses
 from strata.api.translate import bad_request, check_type
 from strata.events import ChatRequest
 from strata.prompts import short
@@ -36,6 +37,17 @@ async def render_chat(service: Any, body: Any, limiter: trio.CapacityLimiter) ->
     """
     request = openai_chat.parse_request(body)
     return await _generate_request(service, request, body, f"chatcmpl-{uuid.uuid4().hex}", limiter)
+
+
+async def render_responses(service: Any, body: Any, limiter: trio.CapacityLimiter) -> dict[str, Any]:
+    """A Responses body to a `GenerateRequest`, as `render_chat`.
+
+    Raises:
+        ApiError: 400 for a body the Responses route would refuse (`previous_response_id`: no response is kept).
+        RequestError: a prompt the Responses route would refuse.
+    """
+    request = openai_responses.parse_request(body)
+    return await _generate_request(service, request, body, f"resp_{uuid.uuid4().hex}", limiter)
 
 
 async def render_completions(service: Any, body: Any, limiter: trio.CapacityLimiter) -> list[dict[str, Any]]:
