@@ -85,6 +85,30 @@ def test_the_responses_render_route_gives_the_ids_of_the_same_conversation(real)
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "previous_response_id"
 
 
+def test_the_replayed_events_hold_what_the_status_and_the_slots_hold(real):
+    with httpx.Client(base_url=real.url, timeout=60) as client:
+        for i in range(3):  # two slots, three conversations: the third overwrites one
+            body = {**CHAT, "messages": [CHAT["messages"][0], {"role": "user", "content": f"Question {i}?"}]}
+            assert client.post("/v1/chat/completions", json=body).status_code == 200
+        status = client.get("/v1/status").json()["kv_events"]
+    held = set()
+    for event in replayed_events(status["replay_endpoint"]):
+        if isinstance(event, AllBlocksCleared):
+            held.clear()
+        elif isinstance(event, BlockStored):
+            held.update(event.block_hashes)
+        else:
+            held.difference_update(event.block_hashes)
+    expected = set()
+    for keys in real.call(lambda: [list(slot.keys) for slot in real.service.loop.batcher.slots]):
+        parent = None
+        for start in range(0, len(keys) - BLOCK + 1, BLOCK):
+            parent = block_hash(parent, keys[start:start + BLOCK])
+            expected.add(parent)
+    assert held == expected and status["blocks"] == len(held) > 0
+    assert status["dropped_steps"] == 0 and status["endpoint"].startswith("tcp://127.0.0.1:")
+
+
 def test_the_completions_render_route_gives_one_request_per_prompt(real):
     with httpx.Client(base_url=real.url, timeout=60) as client:
         several = client.post("/v1/completions/render", json={"prompt": ["Hello there", "Goodbye"]})

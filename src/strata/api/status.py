@@ -58,6 +58,7 @@ def server_status(service: Service) -> dict[str, Any]:
             "kv": config.kv,
         },
         "vision": {"state": "not available", "mmproj": config.vision.mmproj},
+        "kv_events": service.kv_events.status() if service.kv_events is not None else None,
         "totals": service.history.totals.as_dict(),
         "last": None if last is None else last.as_dict(),
         **status(service),

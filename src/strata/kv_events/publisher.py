@@ -19,6 +19,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 import zmq
 
@@ -75,6 +76,7 @@ class Publisher:
         self._lost = threading.Event()  # events were dropped: restate before sending more
         self._stop = threading.Event()
         self.sent = self.dropped = 0  # batches sent; steps whose events were dropped
+        self.blocks: KvBlocks | None = None  # the blocks it publishes, for the status (publish_cache_events)
         self._queue.put([AllBlocksCleared()])
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self._thread.start()
@@ -89,6 +91,11 @@ class Publisher:
             self.dropped += 1
             self._lost.set()
             return False
+
+    def status(self) -> dict[str, Any]:
+        """What `/v1/status` shows of the events: where they go, how many batches went, the blocks held now."""
+        return {"endpoint": self.endpoint, "replay_endpoint": self.replay_endpoint, "batches": self.sent,
+                "dropped_steps": self.dropped, "blocks": None if self.blocks is None else len(self.blocks.held())}
 
     def close(self) -> None:
         """Send what is queued, then stop the thread and close the sockets."""
@@ -173,5 +180,6 @@ def publish_cache_events(config: KvEventsConfig, batcher: Batcher) -> Publisher 
     publisher = Publisher(config.endpoint, config.replay_endpoint, config.topic)
     blocks = KvBlocks(config.block_size, publisher.publish)
     publisher.restate = blocks.restate
+    publisher.blocks = blocks
     batcher.observer = blocks
     return publisher
