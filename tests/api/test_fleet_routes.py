@@ -18,7 +18,7 @@ async def test_a_loading_replica_is_alive_but_not_ready_and_renders_nothing():
     assert ready.status_code == 503
     render = await client.post("/v1/chat/completions/render", json={"messages": [{"role": "user", "content": "hi"}]})
     assert render.status_code == 503
-    text = (await (await client.get("/metrics")).get_data()).decode()
+    text = await (await client.get("/metrics")).get_data(as_text=True)
     samples = {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
                for family in text_string_to_metric_families(text) for sample in family.samples}
     model = (("model_name", service.model_name),)

@@ -4,17 +4,18 @@ ids the chat route evaluates, the KV events announce the blocks of those ids, an
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 import zmq
 from conftest import live_server, server_config
 
-from strata.kv_events import AllBlocksCleared, BlockStored, block_hash
+from strata.kv_events import AllBlocksCleared, BlockStored, KvEvent, block_hash
 from strata.kv_events.wire import decode_batch
 
 BLOCK = 4
-CHAT = {"messages": [{"role": "system", "content": "You are a careful assistant who answers briefly."},
+CHAT: dict[str, Any] = {"messages": [{"role": "system", "content": "You are a careful assistant who answers briefly."},
                      {"role": "user", "content": "Name three colours of the rainbow, please."}],
         "max_tokens": 2, "temperature": 0}
 
@@ -28,13 +29,13 @@ def real(tiny_model: Path):
         yield live
 
 
-def replayed_events(endpoint: str) -> list:
+def replayed_events(endpoint: str) -> list[KvEvent]:
     context = zmq.Context()
     dealer = context.socket(zmq.DEALER)
     try:
         dealer.connect(endpoint)
         dealer.send_multipart([b"", (0).to_bytes(8, "big")])
-        events = []
+        events: list[KvEvent] = []
         while True:
             assert dealer.poll(5000), "no replay answer"
             _, seq, payload = dealer.recv_multipart()
@@ -91,7 +92,7 @@ def test_the_replayed_events_hold_what_the_status_and_the_slots_hold(real):
             body = {**CHAT, "messages": [CHAT["messages"][0], {"role": "user", "content": f"Question {i}?"}]}
             assert client.post("/v1/chat/completions", json=body).status_code == 200
         status = client.get("/v1/status").json()["kv_events"]
-    held = set()
+    held: set[int] = set()
     for event in replayed_events(status["replay_endpoint"]):
         if isinstance(event, AllBlocksCleared):
             held.clear()

@@ -55,8 +55,8 @@ def expected_blocks(batcher: Batcher, size: int) -> dict[int, tuple[int, ...]]:
     for slot in batcher.slots:
         parent = None
         for start in range(0, len(slot.keys) - size + 1, size):
-            tokens = slot.keys[start:start + size]
-            if not all(isinstance(key, int) for key in tokens):
+            tokens = [key for key in slot.keys[start:start + size] if isinstance(key, int)]
+            if len(tokens) < size:
                 break
             parent = block_hash(parent, tokens)
             held[parent] = tuple(tokens)
@@ -145,7 +145,7 @@ def replay(context: zmq.Context, endpoint: str, first: int) -> dict[int, bytes]:
     dealer.connect(endpoint)
     try:
         dealer.send_multipart([b"", first.to_bytes(8, "big")])
-        got = {}
+        got: dict[int, bytes] = {}
         while True:
             assert dealer.poll(5000), "no replay answer"
             _, seq, payload = dealer.recv_multipart()
