@@ -10,6 +10,7 @@ import dataclasses
 import json
 import os
 import re
+import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +52,9 @@ class VisionConfig:
     # when it has several ("none": no image encoder).
     hf_mmproj: str = "F16"
     remote: bool = False
+    # Several remote encoders shared by a fleet's replicas: each entry one encoder's command line (as `exe`, split
+    # as a shell would); a picture goes to an idle one. Replaces mmproj and exe.
+    pool: list[str] | None = None
     lazy_load: bool = False
     # An encode taking longer than encode_timeout + rows * encode_timeout_per_row seconds (rows: the picture's
     # own, from its header and READY's sizing rule; READY's max_tokens for an encoder without one) means a hung
@@ -235,6 +239,12 @@ def _check_vision(vision: VisionConfig) -> None:
         value = getattr(vision, key)
         if value is not None and value < 1:
             raise _fail(f"vision.{key}", "must be at least 1")
+    for i, command in enumerate(vision.pool or ()):
+        try:
+            if not shlex.split(command):
+                raise _fail(f"vision.pool[{i}]", "must be a command line, not blank")
+        except ValueError as error:
+            raise _fail(f"vision.pool[{i}]", f"is not a command line: {error}") from None
 
 
 def _check_mcp(config: Config) -> None:

@@ -65,6 +65,7 @@ from strata.text.family import ModelFamily
 from strata.text.output import LogprobNames, Output
 from strata.text.sampling import Sampler
 from strata.vision.client import Embedding, VisionClient, VisionStartError
+from strata.vision.pool import VisionPool
 
 if TYPE_CHECKING:
     from strata.kv_events.publisher import Publisher
@@ -108,7 +109,7 @@ class Service:
         self.load_error: BaseException | None = None
         self.loaded = trio.Event()
         self.nursery: trio.Nursery | None = None  # the service's long-lived nursery (open_service)
-        self.vision: VisionClient | None = None  # the image encoder, when the config has one
+        self.vision: VisionClient | VisionPool | None = None  # the image encoder(s), when the config has them
         self.mcp = McpServers(config.mcp_servers, config.mcp)  # the configured MCP servers (open_service starts them)
         self.loop: EngineLoop | None = None  # the engine's batcher and its thread (attach)
         self.kv_events: Publisher | None = None  # the prefix cache's KV event publisher, if configured (attach)
@@ -196,16 +197,17 @@ class Service:
             VisionStartError: a local encoder that could not start, or whose rows do not fit the model.
         """
         vision = self.config.vision
-        if not (vision.mmproj or vision.exe):
+        if not (vision.mmproj or vision.exe or vision.pool):
             return
         assert self.nursery is not None
-        client = self.vision = VisionClient(vision, engine_threads=engine.threads, log=log)
+        client = self.vision = (VisionPool(vision, engine_threads=engine.threads, log=log) if vision.pool
+                                else VisionClient(vision, engine_threads=engine.threads, log=log))
         what = f"vision: starting the {client.mode()} encoder"
         log(f"{what} ...")
         nursery = self.nursery
         await with_progress(log, what, lambda stage: nursery.start(client.run))
         ready, n_embd = client.last_ready, engine.picture_width
-        if ready is not None and ready.n_embd != n_embd and not vision.remote:
+        if ready is not None and ready.n_embd != n_embd and not client.remote:
             raise VisionStartError(f"the image encoder's rows are {ready.n_embd} wide and the model's embeddings "
                                    f"{n_embd}: {vision.mmproj} was made for another model")
 

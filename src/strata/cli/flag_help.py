@@ -41,6 +41,8 @@ HELP = {
     "vision.min_tokens": "small pictures are scaled up to about this many rows",
     "vision.exe": "encoder command as a JSON list, e.g. an ssh command for a remote encoder",
     "vision.remote": "the encoder is remote: its absence does not stop startup",
+    "vision.pool": "several remote encoders shared by a fleet's replicas, one command line each (a JSON list); a "
+                   "picture goes to an idle one",
     "vision.lazy_load": "start the encoder on the first picture",
     "vision.encode_timeout": "seconds an encode may take, plus encode_timeout_per_row per row, before the "
                              "encoder is deemed hung and restarted",
