@@ -10,6 +10,7 @@ import dataclasses
 import json
 import os
 import re
+import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +52,9 @@ class VisionConfig:
     # when it has several ("none": no image encoder).
     hf_mmproj: str = "F16"
     remote: bool = False
+    # Several remote encoders shared by a fleet's replicas: each entry one encoder's command line (as `exe`, split
+    # as a shell would); a picture goes to an idle one. Replaces mmproj and exe.
+    pool: list[str] | None = None
     lazy_load: bool = False
     # An encode taking longer than encode_timeout + rows * encode_timeout_per_row seconds (rows: the picture's
     # own, from its header and READY's sizing rule; READY's max_tokens for an encoder without one) means a hung
@@ -120,6 +124,16 @@ class McpConfig:
 
 
 @dataclass(frozen=True)
+class KvEventsConfig:
+    """KV events for a KV-aware router in front of several replicas (`strata.kv_events`, docs/SCALE_OUT.md)."""
+
+    endpoint: str | None = None  # the PUB socket routers connect to, e.g. "tcp://*:5557"; None: no events
+    replay_endpoint: str | None = None  # the ROUTER socket a late router asks for missed batches, or None
+    block_size: int = 16  # positions per block: the router's --kv-event-block-size
+    topic: str = ""  # the first frame of every message
+
+
+@dataclass(frozen=True)
 class Config:
     model: str | None = None
     host: str = "127.0.0.1"
@@ -164,6 +178,7 @@ class Config:
     mcp: McpConfig = field(default_factory=McpConfig)
     kv_disk: KvDiskConfig = field(default_factory=KvDiskConfig)
     mcp_servers: dict[str, McpServerConfig] = field(default_factory=dict)
+    kv_events: KvEventsConfig = field(default_factory=KvEventsConfig)
 
     def __post_init__(self) -> None:
         _check(self)
@@ -172,7 +187,7 @@ class Config:
 # --- validation
 
 _SECTIONS = {"sampling": SamplingConfig, "vision": VisionConfig, "limits": LimitsConfig, "images": ImagesConfig,
-             "mcp": McpConfig, "kv_disk": KvDiskConfig}
+             "mcp": McpConfig, "kv_disk": KvDiskConfig, "kv_events": KvEventsConfig}
 MCP_SERVER_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # configured names; requests' labels too
 
 
@@ -187,6 +202,8 @@ def _check(config: Config) -> None:
     _check_vision(config.vision)
     _check_mcp(config)
     _check_kv_disk(config.kv_disk)
+    if config.kv_events.block_size < 1:
+        raise _fail("kv_events.block_size", f"must be at least 1, got {config.kv_events.block_size}")
 
 
 def _check_engine(config: Config) -> None:
@@ -250,6 +267,12 @@ def _check_vision(vision: VisionConfig) -> None:
         value = getattr(vision, key)
         if value is not None and value < 1:
             raise _fail(f"vision.{key}", "must be at least 1")
+    for i, command in enumerate(vision.pool or ()):
+        try:
+            if not shlex.split(command):
+                raise _fail(f"vision.pool[{i}]", "must be a command line, not blank")
+        except ValueError as error:
+            raise _fail(f"vision.pool[{i}]", f"is not a command line: {error}") from None
 
 
 def _check_mcp(config: Config) -> None:

@@ -23,7 +23,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -66,6 +66,10 @@ from strata.text.family import ModelFamily
 from strata.text.output import LogprobNames, Output
 from strata.text.sampling import Sampler
 from strata.vision.client import Embedding, VisionClient, VisionStartError
+from strata.vision.pool import VisionPool
+
+if TYPE_CHECKING:
+    from strata.kv_events.publisher import Publisher
 
 # Requests' grammars and schemas converted and compiled at once, each in a worker thread: a conversion whose request
 # has gone keeps its thread until it ends (it cannot be interrupted; its limits bound it to about a second).
@@ -106,10 +110,11 @@ class Service:
         self.load_error: BaseException | None = None
         self.loaded = trio.Event()
         self.nursery: trio.Nursery | None = None  # the service's long-lived nursery (open_service)
-        self.vision: VisionClient | None = None  # the image encoder, when the config has one
+        self.vision: VisionClient | VisionPool | None = None  # the image encoder(s), when the config has them
         self.mcp = McpServers(config.mcp_servers, config.mcp)  # the configured MCP servers (open_service starts them)
         self.loop: EngineLoop | None = None  # the engine's batcher and its thread (attach)
         self.kv_tier: KvTier | None = None  # the disk tier under the prefix cache (config.kv_disk)
+        self.kv_events: Publisher | None = None  # the prefix cache's KV event publisher, if configured (attach)
         self._compiling = trio.CapacityLimiter(GRAMMAR_THREADS)
 
     @property
@@ -136,6 +141,10 @@ class Service:
         self.loop = EngineLoop(Batcher(engine, self.config.step_tokens, self.config.batch, self.config.step_slowdown,
                                        snapshot_bytes=None if snapshots is None else int(snapshots * 2**20),
                                        tier=kv_tier))
+        if self.config.kv_events.endpoint is not None:
+            from strata.kv_events.publisher import publish_cache_events
+
+            self.kv_events = publish_cache_events(self.config.kv_events, self.loop.batcher)
         self.loaded.set()
 
     def open_kv_tier(self, engine: EngineLike, log: Callable[[str], None] = print) -> KvTier | None:
@@ -244,16 +253,17 @@ class Service:
             VisionStartError: a local encoder that could not start, or whose rows do not fit the model.
         """
         vision = self.config.vision
-        if not (vision.mmproj or vision.exe):
+        if not (vision.mmproj or vision.exe or vision.pool):
             return
         assert self.nursery is not None
-        client = self.vision = VisionClient(vision, engine_threads=engine.threads, log=log)
+        client = self.vision = (VisionPool(vision, engine_threads=engine.threads, log=log) if vision.pool
+                                else VisionClient(vision, engine_threads=engine.threads, log=log))
         what = f"vision: starting the {client.mode()} encoder"
         log(f"{what} ...")
         nursery = self.nursery
         await with_progress(log, what, lambda stage: nursery.start(client.run))
         ready, n_embd = client.last_ready, engine.picture_width
-        if ready is not None and ready.n_embd != n_embd and not vision.remote:
+        if ready is not None and ready.n_embd != n_embd and not client.remote:
             raise VisionStartError(f"the image encoder's rows are {ready.n_embd} wide and the model's embeddings "
                                    f"{n_embd}: {vision.mmproj} was made for another model")
 
@@ -648,6 +658,8 @@ async def open_service(
                 finally:
                     if service.loop is not None:
                         await service.loop.close()
+                    if service.kv_events is not None:  # after the engine thread: nothing publishes any more
+                        service.kv_events.close()
                     with trio.CancelScope(shield=True):
                         await trio.to_thread.run_sync(service.close_kv_tier)
                     nursery.cancel_scope.cancel()

@@ -28,7 +28,17 @@ from quart_trio import QuartTrio
 from quart_trio.asgi import TrioASGIHTTPConnection
 from werkzeug.exceptions import HTTPException
 
-from strata.api import anthropic, openai_chat, openai_completions, openai_responses, sse, status, tokens, web
+from strata.api import (
+    anthropic,
+    openai_chat,
+    openai_completions,
+    openai_responses,
+    prompt_render,
+    sse,
+    status,
+    tokens,
+    web,
+)
 from strata.api.body import INLINE_BYTES, parse_body
 from strata.api.cors import add_cors
 from strata.api.errors import ApiError, as_api_error, dialect_for_path, error_body
@@ -257,7 +267,7 @@ def _add_auth(app: Quart, config: Config) -> None:
     @app.before_request
     async def check_key() -> None:
         # The web page loads without the key; every API call it makes needs it.
-        if request.path == "/health" or (config.web and web.is_page(request.path)):
+        if request.path in ("/health", "/health/live") or (config.web and web.is_page(request.path)):
             return
         keys = status_keys if request.path in _STATUS_ROUTES else api_keys
         if not keys:
@@ -319,6 +329,11 @@ def _add_info_routes(app: Quart, state: _State) -> None:
         if service is not None and service.load_error is not None:
             return _json({"status": "error", "error": str(service.load_error)}, 503)
         return _json({"status": "loading"}, 503)
+
+    @app.get("/health/live")
+    async def live() -> Response:
+        """Liveness: the server answers (a probe that restarts the process; `/health` is readiness: the model)."""
+        return _json({"status": "alive"})
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -438,6 +453,18 @@ def _add_token_routes(app: Quart, state: _State) -> None:
     @app.post("/detokenize")
     async def detokenize() -> Response:
         return _json(await tokens.detokenize(loaded(), await _json_body(), limiter))
+
+    @app.post("/v1/chat/completions/render")
+    async def render_chat() -> Response:
+        return _json(await prompt_render.render_chat(loaded(), await _json_body(), limiter))
+
+    @app.post("/v1/responses/render")
+    async def render_responses() -> Response:
+        return _json(await prompt_render.render_responses(loaded(), await _json_body(), limiter))
+
+    @app.post("/v1/completions/render")
+    async def render_completions() -> Response:
+        return _json(await prompt_render.render_completions(loaded(), await _json_body(), limiter))
 
 
 def _chat_view(state: _State, dialect: _Dialect) -> Callable[[], Awaitable[Response]]:

@@ -17,6 +17,7 @@ from prometheus_client.exposition import generate_latest
 import strata
 from strata.api import sse
 from strata.api.errors import ApiError
+from strata.api.vllm_metrics import VllmMetrics
 from strata.service import Service
 
 STREAM_RETRY_AFTER = 5  # seconds a client refused a status stream is asked to wait
@@ -58,6 +59,7 @@ def server_status(service: Service) -> dict[str, Any]:
         },
         "vision": {"state": "not available", "mmproj": config.vision.mmproj},
         "kv_disk": service.kv_tier.status() if service.kv_tier is not None else None,
+        "kv_events": service.kv_events.status() if service.kv_events is not None else None,
         "totals": service.history.totals.as_dict(),
         "last": None if last is None else last.as_dict(),
         **status(service),
@@ -207,6 +209,7 @@ def metrics_registry(service: Service) -> CollectorRegistry:
     """A registry of its own per app, so that several apps in one process never share or clash."""
     registry = CollectorRegistry(auto_describe=True)
     registry.register(_ServiceCollector(service))
+    registry.register(VllmMetrics(service))  # the names the routers in front of a fleet read
     return registry
 
 

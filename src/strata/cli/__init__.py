@@ -12,6 +12,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("strata.cli.serve", "start the HTTP server"),
     "make-model": ("strata.modelgen.cli", "write a GGUF model with generated weights"),
     "generate": ("strata.cli.generate", "print a completion of a prompt, streaming"),
+    "fleet": ("strata.cli.fleet", "start several replicas behind vllm-router (KV-aware routing)"),
 }
 
 

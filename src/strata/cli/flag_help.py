@@ -48,6 +48,8 @@ HELP = {
     "vision.min_tokens": "small pictures are scaled up to about this many rows",
     "vision.exe": "encoder command as a JSON list, e.g. an ssh command for a remote encoder",
     "vision.remote": "the encoder is remote: its absence does not stop startup",
+    "vision.pool": "several remote encoders shared by a fleet's replicas, one command line each (a JSON list); a "
+                   "picture goes to an idle one",
     "vision.lazy_load": "start the encoder on the first picture",
     "vision.encode_timeout": "seconds an encode may take, plus encode_timeout_per_row per row, before the "
                              "encoder is deemed hung and restarted",
@@ -75,4 +77,9 @@ HELP = {
     "mcp.max_result_bytes": "bytes of one answer of an MCP server read at most (a tool result is cut there, "
                             "saying so; a longer listing is refused)",
     "mcp_servers": 'MCP servers as a JSON object: name -> {"command", "args", "env", "cwd"} or {"url", "headers"}',
+    "kv_events.endpoint": "publish KV events (vLLM's format) on this ZMQ address for a KV-aware router, e.g. "
+                          "tcp://*:5557 (docs/SCALE_OUT.md)",
+    "kv_events.replay_endpoint": "ZMQ address where a router that joined late asks for the KV event batches it missed",
+    "kv_events.block_size": "tokens per KV event block (the router's --kv-event-block-size)",
+    "kv_events.topic": "topic frame of every KV event message",
 }

@@ -34,6 +34,7 @@ from strata.pictures.sources import (
 )
 from strata.vision.client import Embedding, PictureRefused, VisionClient, VisionUnavailable
 from strata.vision.embeds import PrecomputedEmbeds, check_embeds
+from strata.vision.pool import VisionPool
 from strata.vision.protocol import Ready
 
 _UNUSABLE = (ImageRejected, PictureRefused, VisionUnavailable)  # what one picture's staging or encoding may raise
@@ -158,7 +159,7 @@ class PictureStaging:
             service's prepare step), each picture's placeholder not counted.
     """
 
-    vision: VisionClient
+    vision: VisionClient | VisionPool
     downloads: Downloads
     exclusive: ExclusiveEngine
     n_ctx: int

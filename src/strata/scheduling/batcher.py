@@ -26,7 +26,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Hashable, Iterator, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
@@ -62,6 +62,14 @@ def common_prefix(a: Sequence[Hashable], b: Sequence[Hashable]) -> int:
     while a[i] == b[i]:
         i += 1
     return i
+
+
+class CacheObserver(Protocol):
+    """Told where a slot's cached keys change (`strata.kv_events.KvBlocks` publishes them for routers)."""
+
+    def on_blocks(self, seq: int, keys: Sequence[Hashable], n: int, kept: int) -> None:
+        """Slot `seq` now holds `keys[:n]` in a form a job can resume from (a recurrent engine's slot: up to its
+        live state or its last snapshot); its first `kept` positions are unchanged since the last call."""
 
 
 class Job:
@@ -263,6 +271,7 @@ class Batcher:
         self._lock = threading.Lock()  # cancel() against the step's bookkeeping
         self._in_call: set[int] = set()  # sequences of the engine call in flight
         self.snapshots: Snapshots | None = None
+        self.observer: CacheObserver | None = None  # told where the slots' cached keys change
         if engine.recurrent:
             state = engine.state_bytes
             self.snapshots = Snapshots(4 * engine.n_seq * state if snapshot_bytes is None else snapshot_bytes, state)
@@ -298,6 +307,7 @@ class Batcher:
         else:
             slot = min(idle, key=lambda s: (len(s.keys) > 0, s.used))
         reused = shared(slot)
+        held = slot.keys
         donor = max(self.slots, key=shared)
         if shared(donor) > reused:
             reused = shared(donor)
@@ -311,6 +321,7 @@ class Batcher:
             job.snapshot_at = snapshot_points(job.turn_starts, job.n_prompt, reused)
         if self.tier is not None and job.portable_keys:
             self._read_stored(job, slot, n_keep)
+        self._announce(slot, common_prefix(held, slot.keys))
         room = self.engine.n_ctx - job.n_prompt  # every token has a place in the cache
         job.budget = room if job.max_tokens is None else min(job.max_tokens, room)
         self.jobs.append(job)
@@ -355,9 +366,18 @@ class Batcher:
             if load.finished or load.cancelled:
                 job.loading = None
             n_past = self.engine.seq_n_past(job.seq)
-            _track(self.slots[job.seq].keys, job, n_past)
+            slot = self.slots[job.seq]
+            held = len(slot.keys)
+            _track(slot.keys, job, n_past)
+            self._announce(slot, held)
             if job.progress is not None:
                 job.progress.prompt_progress(n_past, cached=n_past)
+
+    def _announce(self, slot: _Slot, kept: int) -> None:
+        """Tell the observer what the slot holds now (its first `kept` positions unchanged)."""
+        if self.observer is not None:
+            n = len(slot.keys) if self.snapshots is None or slot.live else self.snapshots.best(slot.seq, len(slot.keys))
+            self.observer.on_blocks(slot.seq, slot.keys, n, kept)
 
     def _resumable(self, slot: _Slot, n: int) -> int:
         """The longest prefix of at most `n` of the slot's positions that a job can resume from: all `n` but on a
@@ -443,9 +463,11 @@ class Batcher:
         for job, logits in zip(work, rows, strict=True):
             slot = self.slots[job.seq]
             n_past = self.engine.seq_n_past(job.seq)
+            held = len(slot.keys)
             _track(slot.keys, job, n_past)
             if self.snapshots is not None and logits is not None and n_past in job.snapshot_at and not job.decoding:
                 self.snapshots.put(job.seq, n_past, self.engine.save_state(job.seq))
+            self._announce(slot, min(held, n_past))
             if job.progress is not None and not job.decoding:
                 job.progress.prompt_progress(min(n_past, job.n_prompt))
             if job.prompt_logprobs is not None and logits is not None and not job.decoding and not job.stopping:
@@ -549,6 +571,7 @@ class Batcher:
         slot.job, slot.used = None, next(self._clock)
         if finish in ("cancel", "error"):  # a call cut short may have left a recurrent state half-way
             slot.live = self.snapshots is None
+            self._announce(slot, len(slot.keys))
         self.jobs.remove(job)
         with self._lock:
             # A flag raised as the job's last call was returning would stop the slot's next job.
