@@ -246,3 +246,31 @@ def test_events_dropped_on_a_full_queue_are_made_good_by_a_restatement(monkeypat
         for event in decode_batch(batches[seq])[1]:
             index.apply(event)
     assert set(index.blocks) == blocks.held() and len(index.blocks) == 8
+
+
+def test_blocks_read_back_from_the_disk_tier_are_announced(tmp_path) -> None:
+    from strata.kv_disk import KvTier
+
+    rng = random.Random(5)
+    prompt = [rng.randrange(1, N_VOCAB) for _ in range(40)]
+
+    def served(first: list[int], answer: int) -> tuple[Batcher, list[KvEvent], Job]:
+        engine = SuccessorEngine(n_ctx=128)
+        tier = KvTier(str(tmp_path), engine.kv_identity, 10**6, engine.kv_position_bytes, 8, print)
+        batcher = Batcher(engine, tier=tier)
+        sent: list[KvEvent] = []
+        batcher.observer = KvBlocks(BLOCK, sent.extend)
+        done = job(first, max_tokens=answer)
+        batcher.add(done)
+        while done.finish is None:
+            batcher.step()
+        tier.close()
+        return batcher, sent, done
+
+    served(prompt, 3)  # saved to disk as it leaves its slot
+    batcher, sent, again = served(prompt + [1, 2, 3], 1)  # a restarted server reads the prompt back
+    assert again.disk_tokens == 40
+    index = Index()
+    for event in sent:
+        index.apply(event)
+    assert index.blocks == expected_blocks(batcher, BLOCK) and len(index.blocks) == 43 // BLOCK
