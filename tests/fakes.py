@@ -52,7 +52,8 @@ class ScriptedEngine(FakeEngine):
     """The `Engine` API with a "model" that writes `script` (token ids) after each assistant prompt, then stops.
 
     Timing and aborts behave like the C engine's: a prompt token costs `prompt_s` and a decode step `decode_s`
-    seconds of blocking work (a batch costs the sum of its items'); each sequence's abort flag is checked between
+    (each token of a step that verifies a draft too: a neutral cost, that neither speeds nor slows an answer) seconds
+    of blocking work (a batch costs the sum of its items'); each sequence's abort flag is checked between
     tokens — `LAYERS` times per token —, drops that sequence from the call in flight (or the next one that has its
     tokens) with `EngineAborted`, is lowered by doing so, and the positions not reached are dropped.
 
@@ -108,7 +109,8 @@ class ScriptedEngine(FakeEngine):
                 kv = self.kvs[item.seq]
                 if len(kv) + len(item.tokens) > self.n_ctx:
                     raise EngineError("context full")
-                step = self.prompt_s if len(item.tokens) > 1 else self.decode_s
+                # a decode step's token, or a draft token it verifies (every row's logits), costs a decode step
+                step = self.decode_s if len(item.tokens) == 1 or item.logits == "all" else self.prompt_s
                 results.append(self._run(item, kv, step, dropped))
         finally:
             self.running.clear()

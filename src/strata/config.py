@@ -109,6 +109,29 @@ class McpConfig:
     max_result_bytes: int = 4 * 1024 * 1024  # of one answer of a server: a tool result past it is cut, unread
 
 
+SPECULATIVE_SOURCES = ("auto", "lookup", "off")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (`strata.scheduling.drafts`): where decoding requests' drafts come from, and how long.
+
+    Attributes:
+        source: "auto" (the request's `prediction` where it sent one, else prompt lookup), "lookup" (prompt lookup
+            only: a prediction is ignored) or "off".
+        max_draft: the most draft tokens a request adds to one engine step.
+        adaptive: each request's draft length follows its measured acceptance and the measured cost of a draft
+            token, down to none where drafts do not pay; false: `max_draft` whenever the source has that many.
+        min_ngram, max_ngram: the shortest and the longest tail of the answer the prompt lookup matches.
+    """
+
+    source: str = "auto"
+    max_draft: int = 8
+    adaptive: bool = True
+    min_ngram: int = 2
+    max_ngram: int = 12
+
+
 @dataclass(frozen=True)
 class Config:
     model: str | None = None
@@ -147,6 +170,7 @@ class Config:
     images: ImagesConfig = field(default_factory=ImagesConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     mcp: McpConfig = field(default_factory=McpConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     mcp_servers: dict[str, McpServerConfig] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -156,7 +180,7 @@ class Config:
 # --- validation
 
 _SECTIONS = {"sampling": SamplingConfig, "vision": VisionConfig, "limits": LimitsConfig, "images": ImagesConfig,
-             "mcp": McpConfig}
+             "mcp": McpConfig, "speculative": SpeculativeConfig}
 MCP_SERVER_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # configured names; requests' labels too
 
 
@@ -170,6 +194,7 @@ def _check(config: Config) -> None:
     _check_limits(config.limits)
     _check_vision(config.vision)
     _check_mcp(config)
+    _check_speculative(config.speculative)
 
 
 def _check_engine(config: Config) -> None:
@@ -222,6 +247,18 @@ def _check_vision(vision: VisionConfig) -> None:
         value = getattr(vision, key)
         if value is not None and value < 1:
             raise _fail(f"vision.{key}", "must be at least 1")
+
+
+def _check_speculative(speculative: SpeculativeConfig) -> None:
+    if speculative.source not in SPECULATIVE_SOURCES:
+        raise _fail("speculative.source", f"must be one of {', '.join(SPECULATIVE_SOURCES)}, "
+                                          f"got {speculative.source!r}")
+    if not 1 <= speculative.max_draft <= 64:
+        raise _fail("speculative.max_draft", f"must be 1..64, got {speculative.max_draft}")
+    if speculative.min_ngram < 1:
+        raise _fail("speculative.min_ngram", "must be at least 1")
+    if speculative.max_ngram < speculative.min_ngram:
+        raise _fail("speculative.max_ngram", f"must be at least min_ngram ({speculative.min_ngram})")
 
 
 def _check_mcp(config: Config) -> None:

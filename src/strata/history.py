@@ -22,6 +22,14 @@ class HistoryRow:
     output_tokens: int = 0
     prompt_seconds: float = 0.0
     decode_seconds: float = 0.0
+    # speculative decoding: draft tokens verified, and accepted; the draft length last chosen
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    draft_length: int = 0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
 
     @property
     def prompt_tokens_per_second(self) -> float | None:
@@ -38,6 +46,7 @@ class HistoryRow:
         row = dataclasses.asdict(self)
         row["prompt_tokens_per_second"] = self.prompt_tokens_per_second
         row["tokens_per_second"] = self.tokens_per_second
+        row["acceptance_rate"] = self.acceptance_rate
         return row
 
 
@@ -50,6 +59,8 @@ class Totals:
     output_tokens: int = 0
     prompt_seconds: float = 0.0
     decode_seconds: float = 0.0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
 
     def add(self, row: HistoryRow) -> None:
         self.requests += 1
@@ -59,6 +70,8 @@ class Totals:
         self.output_tokens += row.output_tokens
         self.prompt_seconds += row.prompt_seconds
         self.decode_seconds += row.decode_seconds
+        self.draft_tokens += row.draft_tokens
+        self.accepted_tokens += row.accepted_tokens
 
     def as_dict(self) -> dict[str, Any]:
         totals = dataclasses.asdict(self)

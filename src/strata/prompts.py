@@ -34,6 +34,7 @@ class Prepared:
     max_tokens: int | None  # the request's caps (the job adds the context's: `Job.budget`); None: the context's
     starts_in_reasoning: bool
     may_think: bool  # the prompt leaves the model free to open a reasoning block
+    predicted: list[int] | None = None  # the request's prediction, tokenised (speculative decoding's drafts)
 
     @property
     def ids(self) -> list[int]:
@@ -152,7 +153,8 @@ class Prompts:
         starts_in_reasoning = self.family.opens_reasoning(text)
         # An empty block closed by the template means no thinking; a continued answer is past its thinking.
         may_think = not self.family.closes_reasoning(text) and not request.prefill
-        return Prepared(prompt, max_tokens, starts_in_reasoning, may_think)
+        predicted = self.tokenizer.encode(request.prediction, special=False) if request.prediction else None
+        return Prepared(prompt, max_tokens, starts_in_reasoning, may_think, predicted)
 
     def _fitted(self, request: ChatRequest, pictures: list[Embedding], results: int,
                 rendered: tuple[str, list[int]] | None) -> tuple[str, list[int]]:
@@ -188,7 +190,7 @@ def short(request: ChatRequest) -> bool:
     completion = request.completion
     if completion is not None:
         n = len(completion.text or "") + len(completion.ids or ()) + len(completion.suffix or "")
-    for text in strings_of([request.messages, request.tools, request.template_kwargs]):
+    for text in strings_of([request.messages, request.tools, request.template_kwargs, request.prediction or ""]):
         n += len(text)
         if n > INLINE_PROMPT_CHARS:
             return False

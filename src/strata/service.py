@@ -55,6 +55,7 @@ from strata.progress import Stage, with_progress
 from strata.prompts import Prepared, Prompts, message_text, short
 from strata.request_errors import RequestError, ServiceUnavailable
 from strata.scheduling.batcher import Batcher, Job, salted
+from strata.scheduling.drafts import speculation
 from strata.scheduling.engine_like import EngineLike
 from strata.scheduling.engine_loop import EngineLoop, EngineStartError, Exclusive, Stream
 from strata.scheduling.turn import QueueFull, Turn
@@ -413,10 +414,12 @@ class Service:
         before = row.output_tokens  # tokens of earlier rounds of this response
         sampler = Sampler(request.sampling, self.engine.n_vocab, mask=guide, logprobs=request.logprobs)
         echo = request.completion is not None and request.completion.echo
+        spec = speculation(self.config.speculative, prepared.predicted)
+        drafted_before, accepted_before = row.draft_tokens, row.accepted_tokens
         job = Job(prepared.ids, sampler, prepared.max_tokens, self.tokenizer.eos_ids,
                   keys=salted(prepared.prompt.keys, request.cache_salt),
                   spans=prepared.prompt.spans, tag=row.id, progress=live,
-                  prompt_logprobs=request.logprobs if echo else None)
+                  prompt_logprobs=request.logprobs if echo else None, speculation=spec)
         # Everything this task can make before the job goes: the engine thread needs the GIL to start the job's
         # call, and gets it only once this task waits for the first token.
         assert self.family is not None
@@ -434,6 +437,10 @@ class Service:
                         yield event
                 live.phase = "decode"
                 row.reused_tokens, row.prompt_seconds, row.decode_seconds = job.reused, *stream.seconds()
+                if spec is not None:
+                    row.draft_tokens = drafted_before + spec.drafted
+                    row.accepted_tokens = accepted_before + spec.accepted
+                    row.draft_length = spec.length
                 if not tokens:  # the job left its slot: a stop token, or the token budget is spent
                     finish = "stop" if job.finish == "stop" else "length"
                 for token in tokens:
@@ -461,8 +468,12 @@ class Service:
         if finish == "stop" and output.n_tool_calls:
             finish = "tool_calls"
         row.finish = finish
+        accepted = rejected = None  # of the prediction's tokens, when the client sent one
+        if request.prediction is not None:
+            accepted, rejected = (spec.predicted_accepted, spec.predicted_rejected) if spec is not None else (0, 0)
         yield Usage(prompt_tokens=len(prepared.ids), cached_tokens=row.reused_tokens,
-                    completion_tokens=row.output_tokens - before, reasoning_tokens=reasoning_tokens)
+                    completion_tokens=row.output_tokens - before, reasoning_tokens=reasoning_tokens,
+                    accepted_prediction_tokens=accepted, rejected_prediction_tokens=rejected)
         yield Finish(finish, output.stop_sequence)
 
     async def _check_answer(self, guide: Guide | None, finish: FinishReason, stopped: bool) -> None:

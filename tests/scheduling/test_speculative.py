@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 from fakes import N_VOCAB, MarkovEngine, RecurrentEngine, SuccessorEngine
 
+from strata.config import ConfigError, SpeculativeConfig, config_from_dict
 from strata.engine_cffi import BatchItem
 from strata.scheduling.batcher import Batcher, Job, StepBudget
 from strata.scheduling.drafts import (
     Prediction,
     PromptLookup,
     Speculation,
-    SpeculativeConfig,
     speculation,
 )
 from strata.text.sampling import Sampler, SamplingParams
@@ -278,10 +278,12 @@ def test_the_step_budget_measures_a_draft_tokens_cost_against_the_plain_step() -
 
 
 def test_speculative_config_names_a_bad_value() -> None:
-    with pytest.raises(ValueError, match="speculative.source"):
-        SpeculativeConfig(source="mtp")
-    with pytest.raises(ValueError, match="speculative.max_draft"):
-        SpeculativeConfig(max_draft=0)
+    with pytest.raises(ConfigError, match='"speculative.source"'):
+        config_from_dict({"speculative": {"source": "mtp"}})
+    with pytest.raises(ConfigError, match='"speculative.max_draft"'):
+        config_from_dict({"speculative": {"max_draft": 0}})
+    with pytest.raises(ConfigError, match='"speculative.max_ngram"'):
+        config_from_dict({"speculative": {"min_ngram": 4, "max_ngram": 3}})
     assert speculation(SpeculativeConfig(source="off")) is None
     assert isinstance(speculation(ADAPTIVE, [1, 2]).drafter, Prediction)  # type: ignore[union-attr]
     assert isinstance(speculation(FIXED, [1, 2]).drafter, PromptLookup)  # type: ignore[union-attr]

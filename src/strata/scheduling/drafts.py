@@ -37,44 +37,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Protocol
 
-SOURCES = ("auto", "lookup", "off")
-Source = Literal["auto", "lookup", "off"]
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    """How decoding jobs draft (the config's `speculative` section).
-
-    Attributes:
-        source: "auto" (the request's `prediction` if it sent one, else prompt lookup), "lookup" (prompt lookup
-            only, a prediction ignored) or "off".
-        max_draft: the most draft tokens a job appends to one step.
-        adaptive: the draft length follows each job's measured acceptance and the measured cost of a draft token
-            (`Speculation.length`); false: always `max_draft` where the drafter has that many.
-        min_ngram, max_ngram: the shortest and the longest tail of the answer the prompt lookup matches.
-    """
-
-    source: str = "auto"
-    max_draft: int = 8
-    adaptive: bool = True
-    min_ngram: int = 2
-    max_ngram: int = 12
-
-    def __post_init__(self) -> None:
-        if self.source not in SOURCES:
-            raise ValueError(f"speculative.source must be one of {', '.join(SOURCES)}, got {self.source!r}")
-        if not 1 <= self.max_draft <= 64:
-            raise ValueError(f"speculative.max_draft must be 1..64, got {self.max_draft}")
-        if not 1 <= self.min_ngram <= self.max_ngram:
-            raise ValueError(f"speculative.min_ngram must be at least 1 and at most max_ngram ({self.max_ngram}), "
-                             f"got {self.min_ngram}")
-
-    @property
-    def on(self) -> bool:
-        return self.source != "off"
+from strata.config import SpeculativeConfig
 
 
 class Drafter(Protocol):
@@ -179,8 +144,10 @@ class Speculation:
     one token a step without sending it (a shadow draft, checked against the token the step draws): the
     acceptance rate stays measured, and drafting resumes when the text turns repetitive.
 
-    The acceptance rate is (accepted + 1) / (judged + 2) over draft tokens with their counts decaying by
-    `DECAY` at each step that judges one: it follows a change of the text within a few dozen tokens.
+    Until the batcher has measured what a draft token costs, drafts are one token long (a batcher without a step
+    budget never measures it). The acceptance rate is (accepted + 1) / (judged + 2) over draft tokens, with their
+    counts decaying by `DECAY` at each step that judges one: it follows a change of the text within a few dozen
+    tokens.
 
     Args:
         drafter: where the drafts come from.
@@ -211,7 +178,8 @@ class Speculation:
         if not self.adaptive:
             self.length = self.max_draft
             return self.length
-        ratio = draft_s / step_s if step_s and draft_s is not None else self.PRIOR_DRAFT_COST
+        measured = step_s is not None and step_s > 0 and draft_s is not None
+        ratio = draft_s / step_s if measured else self.PRIOR_DRAFT_COST  # type: ignore[operator]
         threshold = max(n_decoding, 1) * ratio
         a = self.rate
         if threshold <= 0:
@@ -220,7 +188,8 @@ class Speculation:
             k = 0
         else:
             k = math.floor(math.log(threshold) / math.log(a)) if a < 1 else self.max_draft
-        self.length = max(0, min(k, self.max_draft))
+        # Until a step has measured what a draft token costs, one token at a time: a short draft measures it.
+        self.length = max(0, min(k, self.max_draft if measured else 1))
         return self.length
 
     def draft(self, history: Sequence[int], n_prompt: int, n: int) -> list[int]:
@@ -258,7 +227,7 @@ class Speculation:
 def speculation(config: SpeculativeConfig, predicted: Sequence[int] | None = None) -> Speculation | None:
     """A job's speculation under `config`, drafting from `predicted` (the request's prediction, tokenised) where
     the source allows; None with speculation off."""
-    if not config.on:
+    if config.source == "off":
         return None
     drafter: Drafter = PromptLookup(config.min_ngram, config.max_ngram)
     if predicted and config.source == "auto":
