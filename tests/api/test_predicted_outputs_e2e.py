@@ -27,6 +27,7 @@ def test_a_prediction_drafts_the_answer_and_usage_counts_its_tokens(tokenizer):
             model="m", messages=USER, temperature=0,
             prediction={"type": "content", "content": [{"type": "text", "text": changed}]})
         history = httpx.get(server.url + "/v1/history").json()["data"]
+        last = httpx.get(server.url + "/v1/status").json()["last"]
         metrics = httpx.get(server.url + "/metrics").text
     n = plain.usage.completion_tokens
     assert right.choices[0].message.content == wrong.choices[0].message.content == plain.choices[0].message.content
@@ -38,7 +39,7 @@ def test_a_prediction_drafts_the_answer_and_usage_counts_its_tokens(tokenizer):
     details = wrong.usage.completion_tokens_details
     assert details.accepted_prediction_tokens > 0 and details.rejected_prediction_tokens > 0
     assert history[1]["acceptance_rate"] == 1.0
-    assert 0 < history[0]["acceptance_rate"] < 1
+    assert 0 < history[0]["acceptance_rate"] < 1 and last == history[0]
     verified = sum(row["draft_tokens"] for row in history)
     assert f'strata_draft_tokens_total{{outcome="verified"}} {float(verified)}' in metrics
 

@@ -4,6 +4,7 @@ recurrent state never keep a rejected token."""
 
 from __future__ import annotations
 
+import json
 import math
 from collections import Counter
 from collections.abc import Sequence
@@ -316,3 +317,40 @@ def test_greedy_answers_through_the_engine_are_identical_with_drafts(tmp_path) -
         assert run(speculation(FIXED))[0] == plain
         predicted, steps = run(speculation(ADAPTIVE, plain))
         assert predicted == plain and steps < plain_steps / 3
+
+
+def test_a_guided_answer_is_the_same_with_drafts_the_guide_forbids(tokenizer) -> None:
+    """A JSON schema's guide (llguidance) over a scripted model that writes a colour the schema does not allow:
+    prompt lookup drafts the forbidden colour from the prompt, the guide ends the draft there, and the answer (and
+    the guide's own record of it) is the one decoded without drafts."""
+    from fakes import ScriptedEngine
+
+    from strata.text.constraints import AnswerFormat, Grammars, plan_constraint
+    from strata.text.families import QWEN3
+
+    schema = {"type": "object", "properties": {"colour": {"enum": ["red", "green"]}, "count": {"type": "integer"}},
+              "required": ["colour", "count"], "additionalProperties": False}
+    script = '{"colour": "purple", "count": 12345}'
+    grammars = Grammars(tokenizer, QWEN3, tokenizer.n_vocab)
+    the_plan = plan_constraint(answer_format=AnswerFormat("json_schema", json.dumps(schema)), tools=[],
+                               tool_choice=None, parallel_tool_calls=True, thinking=False, in_reasoning=False,
+                               tokens=grammars.tokens)
+    prompt = tokenizer.encode(f"<|im_start|>user\nSay {script} twice: {script}<|im_end|>\n<|im_start|>assistant\n",
+                              special=True)
+    answers = []
+    for spec in (None, speculation(FIXED)):
+        engine = ScriptedEngine(tokenizer, tokenizer.encode(script, special=True))
+        batcher = Batcher(engine, slowdown=None)
+        guide = grammars.guide(the_plan)
+        job = Job(prompt, Sampler(GREEDY, tokenizer.n_vocab, mask=guide), 40, set(tokenizer.eos_ids),
+                  speculation=spec)
+        batcher.add(job)
+        while job.finish is None:
+            batcher.step()
+        assert guide.answer_ids == [*job.tokens, guide.answer_ids[-1]]  # and the end of turn
+        assert job.finish == "stop" and guide.answer_error() is None
+        answers.append(job.tokens)
+        if spec is not None:
+            assert 0 < spec.accepted < spec.drafted
+    assert answers[0] == answers[1]
+    assert json.loads(tokenizer.decode(answers[0]))["colour"] in ("red", "green")

@@ -12,6 +12,10 @@ least recently used one when none does; a longer prefix held by a busy slot is c
 A hybrid model's slot (a recurrent engine) resumes only where it has its recurrent state: at the end of what it
 holds, or at a snapshot (`strata.scheduling.snapshots`) taken where a later request is likely to branch off.
 
+A decoding job with a `Speculation` (`strata.scheduling.drafts`) also sends a draft in its step, and keeps the
+part of it that its own draws confirm (`_verify`), so one step may give it several tokens; the positions of the
+rest are cut back (`_roll_back`).
+
 The engine is an `EngineLike` (`strata.engine_cffi.Engine`, or a test's scripted engine).
 """
 
@@ -460,10 +464,7 @@ class Batcher:
         without speculation, so a stop id, the token budget and a failing sampler end the job where they would
         have, and its mask (a guide) only ever follows accepted tokens."""
         rows = logits[-(len(planned.draft) + 1):]
-        try:
-            if job.budget <= 0:
-                self._leave(job, "length")
-                return
+        try:  # a draft is planned within the job's token budget: it has room for one token at least
             for i, row in enumerate(rows):
                 token = job.sampler.sample(row, job.history)
                 self._take(job, token, now)
