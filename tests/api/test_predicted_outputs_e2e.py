@@ -35,7 +35,8 @@ def test_a_prediction_drafts_the_answer_and_usage_counts_its_tokens(tokenizer):
     details = right.usage.completion_tokens_details
     # Every decode step gives one token beside the draft tokens it accepts (the last step's is the end of turn)
     assert details.rejected_prediction_tokens == 0 and details.accepted_prediction_tokens == n - (right_calls - 1)
-    assert right_calls < n / 6  # the prompt's call, one plain step, then the prediction 8 tokens at a time
+    # several tokens a step (how many follows the measured cost of a draft token, up to 8 drafts and one more)
+    assert right_calls < n / 3
     details = wrong.usage.completion_tokens_details
     assert details.accepted_prediction_tokens > 0 and details.rejected_prediction_tokens > 0
     assert history[1]["acceptance_rate"] == 1.0
