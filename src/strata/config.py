@@ -109,7 +109,7 @@ class McpConfig:
     max_result_bytes: int = 4 * 1024 * 1024  # of one answer of a server: a tool result past it is cut, unread
 
 
-SPECULATIVE_SOURCES = ("auto", "lookup", "off")
+SPECULATIVE_SOURCES = ("auto", "lookup", "draft_model", "off")
 
 
 @dataclass(frozen=True)
@@ -118,11 +118,13 @@ class SpeculativeConfig:
 
     Attributes:
         source: "auto" (the request's `prediction` where it sent one, else prompt lookup), "lookup" (prompt lookup
-            only: a prediction is ignored) or "off".
+            only: a prediction is ignored), "draft_model" (`draft_model` drafts) or "off".
         max_draft: the most draft tokens a request adds to one engine step.
         adaptive: each request's draft length follows its measured acceptance and the measured cost of a draft
             token, down to none where drafts do not pay; false: `max_draft` whenever the source has that many.
         min_ngram, max_ngram: the shortest and the longest tail of the answer the prompt lookup matches.
+        draft_model: a small GGUF model of the same vocabulary that drafts greedily (source "draft_model"), on a
+            context of its own as long as the model's, with as many slots.
     """
 
     source: str = "auto"
@@ -130,6 +132,7 @@ class SpeculativeConfig:
     adaptive: bool = True
     min_ngram: int = 2
     max_ngram: int = 12
+    draft_model: str | None = None
 
 
 @dataclass(frozen=True)
@@ -259,6 +262,8 @@ def _check_speculative(speculative: SpeculativeConfig) -> None:
         raise _fail("speculative.min_ngram", "must be at least 1")
     if speculative.max_ngram < speculative.min_ngram:
         raise _fail("speculative.max_ngram", f"must be at least min_ngram ({speculative.min_ngram})")
+    if (speculative.source == "draft_model") != (speculative.draft_model is not None):
+        raise _fail("speculative.draft_model", 'is needed with source "draft_model", and only then')
 
 
 def _check_mcp(config: Config) -> None:

@@ -55,6 +55,7 @@ from strata.progress import Stage, with_progress
 from strata.prompts import Prepared, Prompts, message_text, short
 from strata.request_errors import RequestError, ServiceUnavailable
 from strata.scheduling.batcher import Batcher, Job, salted
+from strata.scheduling.draft_model import DraftModel
 from strata.scheduling.drafts import speculation
 from strata.scheduling.engine_like import EngineLike
 from strata.scheduling.engine_loop import EngineLoop, EngineStartError, Exclusive, Stream
@@ -109,6 +110,7 @@ class Service:
         self.vision: VisionClient | None = None  # the image encoder, when the config has one
         self.mcp = McpServers(config.mcp_servers, config.mcp)  # the configured MCP servers (open_service starts them)
         self.loop: EngineLoop | None = None  # the engine's batcher and its thread (attach)
+        self.draft_model: DraftModel | None = None  # speculative decoding's draft model, when configured (load)
         self._compiling = trio.CapacityLimiter(GRAMMAR_THREADS)
 
     @property
@@ -175,11 +177,29 @@ class Service:
         try:
             stage.now = "tokenizer"
             tokenizer = Tokenizer.from_gguf(config.model)
+            if config.speculative.draft_model is not None:
+                stage.now = "draft model"
+                self.draft_model = DraftModel(self._load_draft_model(engine))
         except BaseException:
             engine.close()
             raise
         log(f"loaded in {time.perf_counter() - started:.1f} s")
         return engine, tokenizer
+
+    def _load_draft_model(self, engine: Any) -> Any:
+        """The config's draft model on a context like the model's (as long, as many slots, its threads)."""
+        from strata.engine_cffi import Engine
+
+        config = self.config
+        path = config.speculative.draft_model
+        assert path is not None
+        draft = Engine.load(path, n_ctx=engine.n_ctx, threads=config.threads, kv=config.kv, n_batch=config.batch,
+                            n_seq=engine.n_seq)
+        if draft.n_vocab != engine.n_vocab:
+            draft.close()
+            raise ServiceUnavailable(f'speculative.draft_model: {path} has {draft.n_vocab} tokens, the model '
+                                     f'{engine.n_vocab}: a draft model needs the same vocabulary')
+        return draft
 
     async def start_vision(self, engine: EngineLike, log: Callable[[str], None] = print) -> None:
         """Start the configured image encoder in the service's nursery (after the model, whose width its rows
@@ -211,6 +231,8 @@ class Service:
     def close(self) -> None:
         if self.engine is not None:
             self.engine.close()
+        if self.draft_model is not None:
+            self.draft_model.engine.close()
 
     # --- requests
 
@@ -414,7 +436,7 @@ class Service:
         before = row.output_tokens  # tokens of earlier rounds of this response
         sampler = Sampler(request.sampling, self.engine.n_vocab, mask=guide, logprobs=request.logprobs)
         echo = request.completion is not None and request.completion.echo
-        spec = speculation(self.config.speculative, prepared.predicted)
+        spec = speculation(self.config.speculative, prepared.predicted, self.draft_model)
         drafted_before, accepted_before = row.draft_tokens, row.accepted_tokens
         job = Job(prepared.ids, sampler, prepared.max_tokens, self.tokenizer.eos_ids,
                   keys=salted(prepared.prompt.keys, request.cache_salt),

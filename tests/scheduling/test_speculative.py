@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import pytest
-from fakes import N_VOCAB, MarkovEngine, RecurrentEngine, SuccessorEngine
+from fakes import N_VOCAB, MarkovEngine, RecordingEngine, RecurrentEngine, SuccessorEngine
 
 from strata.config import ConfigError, SpeculativeConfig, config_from_dict
 from strata.engine_cffi import BatchItem
@@ -285,6 +285,12 @@ def test_speculative_config_names_a_bad_value() -> None:
         config_from_dict({"speculative": {"max_draft": 0}})
     with pytest.raises(ConfigError, match='"speculative.max_ngram"'):
         config_from_dict({"speculative": {"min_ngram": 4, "max_ngram": 3}})
+    with pytest.raises(ConfigError, match='"speculative.draft_model" is needed with source "draft_model"'):
+        config_from_dict({"speculative": {"source": "draft_model"}})
+    with pytest.raises(ConfigError, match='"speculative.draft_model"'):
+        config_from_dict({"speculative": {"draft_model": "d.gguf"}})
+    with pytest.raises(ValueError, match="no draft model is loaded"):
+        speculation(SpeculativeConfig(source="draft_model", draft_model="d.gguf"))
     assert speculation(SpeculativeConfig(source="off")) is None
     assert isinstance(speculation(ADAPTIVE, [1, 2]).drafter, Prediction)  # type: ignore[union-attr]
     assert isinstance(speculation(FIXED, [1, 2]).drafter, PromptLookup)  # type: ignore[union-attr]
@@ -354,3 +360,44 @@ def test_a_guided_answer_is_the_same_with_drafts_the_guide_forbids(tokenizer) ->
             assert 0 < spec.accepted < spec.drafted
     assert answers[0] == answers[1]
     assert json.loads(tokenizer.decode(answers[0]))["colour"] in ("red", "green")
+
+
+def test_a_draft_model_drafts_greedily_and_the_answer_stays_the_models(tmp_path) -> None:
+    """The C engine on a generated MoE with two draft models of its vocabulary: itself (every draft right) and
+    one of other weights (drafts mostly wrong); a 300-token prompt catches up 256 tokens a step."""
+    from strata.engine_cffi import Engine
+    from strata.modelgen import write_random_model
+    from strata.scheduling.draft_model import DraftModel
+
+    main = write_random_model(tmp_path / "m.gguf", arch="qwen3moe", size="tiny", dtype="q8_0", seed=1)
+    other = write_random_model(tmp_path / "d.gguf", arch="qwen3moe", size="tiny", dtype="q8_0", seed=2)
+    config = SpeculativeConfig(source="draft_model", draft_model="x", adaptive=False, max_draft=4)
+    with Engine.load(main, n_ctx=512, threads=1) as engine:
+        prompt = [int(t) for t in np.random.default_rng(0).integers(0, engine.n_vocab, 300)]
+
+        def run(spec: Speculation | None) -> tuple[list[int], int]:
+            batcher = Batcher(engine, slowdown=None)
+            job = Job(prompt, Sampler(GREEDY, engine.n_vocab), 40, set(), speculation=spec)
+            batcher.add(job)
+            steps = 0
+            while job.finish is None:
+                batcher.step()
+                steps += 1
+            engine.keep(0)
+            return job.tokens, steps
+
+        plain, plain_steps = run(None)
+        for path, right in ((main, True), (other, False)):
+            with Engine.load(path, n_ctx=512, threads=1) as draft_engine:
+                recorded = RecordingEngine(draft_engine)
+                drafts = DraftModel(recorded)
+                spec = speculation(config, draft_model=drafts)
+                assert spec is not None
+                tokens, steps = run(spec)
+                assert tokens == plain
+                if right:
+                    assert spec.accepted == spec.drafted > 0 and steps < plain_steps / 2
+                else:
+                    assert spec.accepted < spec.drafted
+                # the first two decode steps: the prompt and its first answer tokens, 256 at a time (then drafts)
+                assert [len(tokens) for tokens, _ in recorded.calls[:3]] == [256, 302 - 256, 1]

@@ -536,7 +536,7 @@ class Batcher:
         length = speculation.choose(n_decoding, budget.decode_seconds(n_decoding) if budget else None,
                                     budget.draft_token_seconds() if budget else None)
         room = min(length, room, self.engine.n_ctx - n_past - len(tokens), job.budget - len(job.tokens) - 1)
-        draft = speculation.draft(job.history, job.n_prompt, max(room, 0))[:max(room, 0)]
+        draft = speculation.draft(job.history, job.n_prompt, max(room, 0), job.seq)[:max(room, 0)]
         state = self.engine.save_state(job.seq) if draft and self.snapshots is not None else None
         self._drafts[job] = _Planned(n_past, tokens + draft, draft, state, len(job.tokens))
         return draft

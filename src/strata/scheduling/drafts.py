@@ -24,10 +24,11 @@ equals it. The batcher does exactly that, with the job's own sampler, so the out
 model's own, a seeded request draws the same tokens with speculation on and off, and masks, penalties and
 log-probabilities apply to every drafted position as to an ordinary one.
 
-A model's own draft heads (the MTP layers of Qwen3.5 files) fit the same interface: a `Drafter` built with the
-engine, whose `propose` reads the draft the engine computed for the sequence in its last step (from the hidden
-state of its last accepted token); a separate small draft model would be one too, run greedily on a context of
-its own (greedy drafting keeps q one-hot, so the verification above stays exact).
+A separate small model of the same vocabulary is a third source (`strata.scheduling.draft_model.DraftModel`):
+drafted greedily on a context of its own, its q is one-hot too. A model's own draft heads (the MTP layers of
+Qwen3.5 files) fit the same interface: a `Drafter` built with the engine, whose `propose(..., seq)` reads the
+draft the engine computed for sequence `seq` in its last step (from the hidden state of its last accepted token
+and the embedding of the next), or runs the heads then; chained heads give several tokens.
 
 `Speculation` is one job's controller: it asks its drafter for as many tokens as pay (`length`) and learns from
 the verification what pays.
@@ -45,9 +46,9 @@ from strata.config import SpeculativeConfig
 class Drafter(Protocol):
     """A source of drafts for one job."""
 
-    def propose(self, history: Sequence[int], n_prompt: int, n: int) -> list[int]:
+    def propose(self, history: Sequence[int], n_prompt: int, n: int, seq: int = 0) -> list[int]:
         """Up to `n` tokens likely to follow `history` (the prompt, its first `n_prompt` tokens, then the answer
-        so far); [] when it has no guess."""
+        so far) of the job on sequence `seq`; [] when it has no guess."""
 
 
 class NgramIndex:
@@ -99,7 +100,7 @@ class PromptLookup:
     def __init__(self, min_ngram: int = 2, max_ngram: int = 12):
         self.index = NgramIndex(min_ngram, max_ngram)
 
-    def propose(self, history: Sequence[int], n_prompt: int, n: int) -> list[int]:
+    def propose(self, history: Sequence[int], n_prompt: int, n: int, seq: int = 0) -> list[int]:
         self.index.extend(history)
         end, _ = self.index.match(history, history, before=len(history))
         return list(history[end:end + n]) if end >= 0 else []
@@ -116,7 +117,7 @@ class Prediction:
         self._aligned = 0  # answer tokens so far equal to the prediction's first ones (-1: it left the prefix)
         self.from_prediction = 0  # tokens of the last proposal taken from the prediction
 
-    def propose(self, history: Sequence[int], n_prompt: int, n: int) -> list[int]:
+    def propose(self, history: Sequence[int], n_prompt: int, n: int, seq: int = 0) -> list[int]:
         answer = history[n_prompt:]
         while 0 <= self._aligned < len(answer):
             if self._aligned < len(self.predicted) and answer[self._aligned] == self.predicted[self._aligned]:
@@ -129,7 +130,7 @@ class Prediction:
             start, _ = self.index.match(self.predicted, answer)
         draft = self.predicted[start:start + n] if start >= 0 else []
         self.from_prediction = len(draft)
-        return draft if draft else self.fallback.propose(history, n_prompt, n)
+        return draft if draft else self.fallback.propose(history, n_prompt, n, seq)
 
 
 class Speculation:
@@ -192,16 +193,16 @@ class Speculation:
         self.length = max(0, min(k, self.max_draft if measured else 1))
         return self.length
 
-    def draft(self, history: Sequence[int], n_prompt: int, n: int) -> list[int]:
-        """The draft to send (`n` tokens at most: `choose`'s length within what the step has room for); with a
-        length of 0, a shadow guess kept for `judge` instead."""
+    def draft(self, history: Sequence[int], n_prompt: int, n: int, seq: int = 0) -> list[int]:
+        """The draft to send for the job on sequence `seq` (`n` tokens at most: `choose`'s length within what the
+        step has room for); with a length of 0, a shadow guess kept for `judge` instead."""
         self._shadow = None
         if n <= 0:
             if self.adaptive and self.length == 0:
-                guess = self.drafter.propose(history, n_prompt, 1)
+                guess = self.drafter.propose(history, n_prompt, 1, seq)
                 self._shadow = guess[0] if guess else None
             return []
-        return self.drafter.propose(history, n_prompt, n)
+        return self.drafter.propose(history, n_prompt, n, seq)
 
     def judge(self, draft: Sequence[int], kept: int, drawn: Sequence[int]) -> None:
         """The step's outcome: `kept` tokens of `draft` were accepted; `drawn` the tokens the step gave the job."""
@@ -224,11 +225,17 @@ class Speculation:
             self._judged = self._judged * self.DECAY + judged
 
 
-def speculation(config: SpeculativeConfig, predicted: Sequence[int] | None = None) -> Speculation | None:
+def speculation(config: SpeculativeConfig, predicted: Sequence[int] | None = None,
+                draft_model: Drafter | None = None) -> Speculation | None:
     """A job's speculation under `config`, drafting from `predicted` (the request's prediction, tokenised) where
-    the source allows; None with speculation off."""
+    the source allows, or from `draft_model` (the config's `draft_model`: a
+    `strata.scheduling.draft_model.DraftModel`); None with speculation off."""
     if config.source == "off":
         return None
+    if config.source == "draft_model":
+        if draft_model is None:
+            raise ValueError("speculative.source is draft_model and no draft model is loaded")
+        return Speculation(draft_model, config.max_draft, config.adaptive)
     drafter: Drafter = PromptLookup(config.min_ngram, config.max_ngram)
     if predicted and config.source == "auto":
         drafter = Prediction(predicted, drafter, config.min_ngram, config.max_ngram)
