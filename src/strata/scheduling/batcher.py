@@ -491,8 +491,9 @@ class Batcher:
             self.engine.load_state(job.seq, planned.state)
 
     def _plan(self) -> tuple[list[BatchItem], list[Job], int]:
-        """This step's items: each decoding job's last token, then prompt chunks in arrival order within the
-        budget (whole n_batch chunks while nobody decodes); and the number of decoding jobs."""
+        """This step's items: each decoding job's last token (and its draft: `_draft`), then prompt chunks in
+        arrival order within the budget (whole n_batch chunks while nobody decodes); and the number of decoding
+        jobs."""
         items, work = [], []
         decoding = [job for job in self.jobs if job.decoding]
         room = self.step_tokens - len(decoding)  # for drafts, then prompt chunks

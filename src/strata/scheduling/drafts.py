@@ -179,8 +179,8 @@ class Speculation:
         if not self.adaptive:
             self.length = self.max_draft
             return self.length
-        measured = step_s is not None and step_s > 0 and draft_s is not None
-        ratio = draft_s / step_s if measured else self.PRIOR_DRAFT_COST  # type: ignore[operator]
+        measured = bool(step_s) and draft_s is not None
+        ratio = draft_s / step_s if step_s and draft_s is not None else self.PRIOR_DRAFT_COST
         threshold = max(n_decoding, 1) * ratio
         a = self.rate
         if threshold <= 0:
