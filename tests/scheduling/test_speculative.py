@@ -17,6 +17,7 @@ from strata.config import ConfigError, SpeculativeConfig, config_from_dict
 from strata.engine_cffi import BatchItem
 from strata.scheduling.batcher import Batcher, Job, StepBudget
 from strata.scheduling.drafts import (
+    NgramIndex,
     Prediction,
     PromptLookup,
     Speculation,
@@ -401,3 +402,13 @@ def test_a_draft_model_drafts_greedily_and_the_answer_stays_the_models(tmp_path)
                     assert spec.accepted < spec.drafted
                 # the first two decode steps: the prompt and its first answer tokens, 256 at a time (then drafts)
                 assert [len(tokens) for tokens, _ in recorded.calls[:3]] == [256, 302 - 256, 1]
+
+
+def test_a_long_prompt_is_indexed_a_chunk_a_step_and_matched_meanwhile() -> None:
+    lookup = PromptLookup()
+    n = 2 * NgramIndex.CHUNK + 100
+    history = [*range(n), 5, 6]  # "5 6" follows at 7; the prompt's tail is indexed last
+    assert lookup.propose(history, n, 2) == [7, 8] and lookup.index.indexed == NgramIndex.CHUNK + 2
+    lookup.propose(history, n, 2)
+    lookup.propose(history, n, 2)
+    assert lookup.index.indexed == len(history) + 1

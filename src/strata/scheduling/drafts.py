@@ -56,18 +56,28 @@ class NgramIndex:
     the longest match of another list's tail, extended backwards up to `max_ngram` tokens."""
 
     CANDIDATES = 32  # latest occurrences of the short n-gram that a match is extended from
+    # Positions indexed by one call at most (~2 ms, in the engine thread): a long prompt is indexed over a few
+    # steps, matched meanwhile against its part indexed so far, and no step waits for all of it.
+    CHUNK = 4096
 
     def __init__(self, min_ngram: int, max_ngram: int):
         self.min_ngram, self.max_ngram = min_ngram, max_ngram
         self._after: dict[tuple[int, ...], list[int]] = {}
-        self._indexed = 0  # positions of the list indexed so far
+        self._indexed = 0  # the next position to index (the end of an n-gram)
+
+    @property
+    def indexed(self) -> int:
+        return self._indexed
 
     def extend(self, tokens: Sequence[int]) -> None:
-        """Index the positions of `tokens` (the list, grown since the last call) not indexed yet."""
+        """Index the positions of `tokens` (the list, grown since the last call) not indexed yet, `CHUNK` at
+        most."""
         m = self.min_ngram
-        for end in range(max(self._indexed, m), len(tokens) + 1):
+        start = max(self._indexed, m)
+        stop = min(len(tokens) + 1, start + self.CHUNK)
+        for end in range(start, stop):
             self._after.setdefault(tuple(tokens[end - m:end]), []).append(end)
-        self._indexed = max(self._indexed, len(tokens) + 1)
+        self._indexed = max(self._indexed, stop)
 
     def match(self, corpus: Sequence[int], tail: Sequence[int], before: int | None = None) -> tuple[int, int]:
         """(position after the match in `corpus`, its length) of the longest match of `tail`'s last tokens that
@@ -112,8 +122,7 @@ class Prediction:
     def __init__(self, predicted: Sequence[int], fallback: Drafter, min_ngram: int = 2, max_ngram: int = 12):
         self.predicted = list(predicted)
         self.fallback = fallback
-        self.index = NgramIndex(min_ngram, max_ngram)
-        self.index.extend(self.predicted)
+        self.index = NgramIndex(min_ngram, max_ngram)  # built as drafts are asked for, in the engine thread
         self._aligned = 0  # answer tokens so far equal to the prediction's first ones (-1: it left the prefix)
         self.from_prediction = 0  # tokens of the last proposal taken from the prediction
 
@@ -127,6 +136,7 @@ class Prediction:
         if self._aligned >= 0:
             start = self._aligned
         else:
+            self.index.extend(self.predicted)
             start, _ = self.index.match(self.predicted, answer)
         draft = self.predicted[start:start + n] if start >= 0 else []
         self.from_prediction = len(draft)
