@@ -5,7 +5,6 @@ recurrent state never keep a rejected token."""
 from __future__ import annotations
 
 import json
-import math
 from collections import Counter
 from collections.abc import Sequence
 
@@ -238,21 +237,31 @@ def test_a_prediction_drafts_its_continuation_then_after_a_match_then_the_lookup
 
 def test_the_draft_length_follows_acceptance_cost_and_the_batch() -> None:
     spec = Speculation(PromptLookup(), max_draft=8)
+    assert spec.choose(1, step_s=None, costs=None) == 1  # unmeasured: one token, which measures the cost
     for _ in range(40):
         spec.judge([1, 2, 3, 4], 3, [1, 2, 3, 7])  # three in four accepted
     assert spec.rate == pytest.approx(0.75, abs=0.01)
-    long = spec.choose(1, step_s=0.010, draft_s=0.001)
-    assert long == math.floor(math.log(0.1) / math.log(spec.rate))  # the depths where rate^i > 1 * 0.001 / 0.010
-    assert spec.choose(4, step_s=0.010, draft_s=0.001) < long  # a crowded batch
-    assert spec.choose(1, step_s=0.010, draft_s=0.004) < long  # dear draft tokens
+    cheap = (0.0, 0.0005)
+
+    def tokens_per_second(k: int, n: int, costs: tuple[float, float]) -> float:  # the step's, as choose weighs it
+        gained = sum(spec.rate ** i for i in range(1, k + 1))
+        return (n + gained) / (0.010 + (costs[0] + costs[1] * k if k else 0.0))
+
+    long = spec.choose(1, step_s=0.010, costs=cheap)
+    assert long == max(range(9), key=lambda k: tokens_per_second(k, 1, cheap)) and long >= 4
+    assert spec.choose(4, step_s=0.010, costs=cheap) < long  # a crowded batch
+    assert spec.choose(1, step_s=0.010, costs=(0.0, 0.002)) < long  # dear draft tokens
+    assert spec.choose(1, step_s=0.010, costs=(0.006, 0.0)) == 8  # a dear verification, then drafts for free
+    assert spec.choose(4, step_s=0.010, costs=(0.02, 0.0)) == 0  # a verification dearer than it gains
     for _ in range(100):
         spec.judge([1, 2, 3], 0, [7])
-    assert spec.choose(1, step_s=0.010, draft_s=0.001) == 0  # off where drafts are wrong
+    usual = (0.001, 0.0005)  # a verification's own cost beside its tokens'
+    assert spec.rate < 0.1 and spec.choose(1, step_s=0.010, costs=usual) == 0  # off where drafts are wrong
     history = [5, 6, 7, 8, 5, 6, 7]
     for _ in range(80):  # off: a shadow guess each step, judged against the drawn token
         assert spec.draft(history, 0, 0) == []
         spec.judge([], 0, [8])
-    assert spec.choose(1, step_s=0.010, draft_s=0.001) > 0  # back on: the text repeats
+    assert spec.choose(1, step_s=0.010, costs=usual) > 0  # back on: the text repeats
 
 
 def test_adaptive_speculation_stops_drafting_free_text() -> None:
@@ -267,16 +276,18 @@ def test_adaptive_speculation_stops_drafting_free_text() -> None:
     assert adaptive.drafted < fixed.drafted / 3
 
 
-def test_the_step_budget_measures_a_draft_tokens_cost_against_the_plain_step() -> None:
+def test_the_step_budget_measures_what_drafts_cost_against_the_plain_step() -> None:
     budget = StepBudget(1.6, clock=lambda: 0.0)
     assert budget.wants_plain_step(2)
     budget.record(2, 0, 0.010)
-    assert not budget.wants_plain_step(2) and budget.draft_token_seconds() is None
-    for _ in range(StepBudget.VERIFY_REFRESH):
-        budget.record(2, 0, 0.014, drafts=8)
-    assert budget.draft_token_seconds() == pytest.approx(0.0005)
+    assert not budget.wants_plain_step(2) and budget.draft_costs() is None
+    budget.record(2, 0, 0.014, drafts=8)
+    assert budget.draft_costs() == pytest.approx((0.0, 0.0005))  # one number of drafts: all of it per token
+    for drafts in (1, 2, 4, 8) * 8:
+        budget.record(2, 0, 0.010 + 0.002 + 0.0005 * drafts, drafts=drafts)
+    assert budget.draft_costs() == pytest.approx((0.002, 0.0005))  # the verification's own, and a token's
     assert budget.decode_seconds(2) == pytest.approx(0.010)  # steps with drafts are not decode-only
-    assert budget.wants_plain_step(2)  # re-measure the reference
+    assert budget.wants_plain_step(2)  # after VERIFY_REFRESH steps with drafts: re-measure the reference
 
 
 def test_speculative_config_names_a_bad_value() -> None:

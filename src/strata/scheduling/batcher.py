@@ -215,12 +215,23 @@ class StepBudget:
                  if (step := self.decode_seconds(n)) is not None]
         return statistics.median(added) if added else None
 
-    def draft_token_seconds(self) -> float | None:
-        """What a draft token adds to a step of decoding jobs (speculative decoding), measured like a prompt
-        token's cost: against the decode-only step as it is now."""
-        added = [max(seconds - step, 0.0) / drafts for n, drafts, seconds in self._verify_steps
-                 if (step := self.decode_seconds(n)) is not None]
-        return statistics.median(added) if added else None
+    def draft_costs(self) -> tuple[float, float] | None:
+        """What drafts add to a step of decoding jobs (speculative decoding): (seconds a step with drafts adds
+        whatever their number, seconds each draft token adds), measured against the decode-only step as it is
+        now: the least-squares line through the recent steps' added seconds against their draft tokens (all of
+        it per token while those steps had one number of drafts); None before any."""
+        points = [(drafts, max(seconds - step, 0.0)) for n, drafts, seconds in self._verify_steps
+                  if (step := self.decode_seconds(n)) is not None]
+        if not points:
+            return None
+        if len({drafts for drafts, _ in points}) < 2:
+            return 0.0, statistics.median(added / drafts for drafts, added in points)
+        mean_drafts = statistics.fmean(drafts for drafts, _ in points)
+        mean_added = statistics.fmean(added for _, added in points)
+        slope = (sum((d - mean_drafts) * (a - mean_added) for d, a in points)
+                 / sum((d - mean_drafts) ** 2 for d, _ in points))
+        slope = max(slope, 0.0)
+        return max(mean_added - slope * mean_drafts, 0.0), slope
 
     def wants_plain_step(self, n: int) -> bool:
         """Whether the next step of `n` decoding jobs should carry no drafts: their decode-only step, the
@@ -535,7 +546,7 @@ class Batcher:
             return []
         budget = self.budget
         length = speculation.choose(n_decoding, budget.decode_seconds(n_decoding) if budget else None,
-                                    budget.draft_token_seconds() if budget else None)
+                                    budget.draft_costs() if budget else None)
         room = min(length, room, self.engine.n_ctx - n_past - len(tokens), job.budget - len(job.tokens) - 1)
         draft = speculation.draft(job.history, job.n_prompt, max(room, 0), job.seq)[:max(room, 0)]
         state = self.engine.save_state(job.seq) if draft and self.snapshots is not None else None

@@ -36,7 +36,6 @@ the verification what pays.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -147,13 +146,14 @@ class Speculation:
     """One job's speculative decoding: its drafter, how long its drafts are, and what they achieved.
 
     The draft length follows a cost model. A draft token at depth i (after i - 1 accepted ones) yields a token with
-    probability a^i, a the job's acceptance rate per token; it costs `draft_s`, the measured seconds a draft token
-    adds to a step, and every job of the step waits that long. In a step of `n` decoding jobs taking `step_s`
-    seconds (n tokens at least), a token of probability P is worth its cost when P / n > draft_s / step_s. So the
-    job drafts the depths where a^i > n * draft_s / step_s: many tokens while its drafts are right and verifying
-    is cheap, fewer in a crowded batch (a larger n), and none where they are mostly wrong. Then it keeps guessing
-    one token a step without sending it (a shadow draft, checked against the token the step draws): the
-    acceptance rate stays measured, and drafting resumes when the text turns repetitive.
+    probability a^i, a the job's acceptance rate per token, so k drafts give the job 1 + a + ... + a^k tokens; a
+    step with drafts costs the measured seconds a step with drafts adds (drawing every row, the rows' logits)
+    plus those of each draft token, and every job of the step waits that long. The job takes the k that gives the
+    step of `n` decoding jobs the most tokens per second: many while its drafts are right and verifying is cheap,
+    fewer in a crowded batch (its extra tokens weigh less beside the other n - 1 jobs' while all of them wait for
+    its drafts), none where they are mostly wrong. Then it keeps guessing one token a step without sending it (a
+    shadow draft, checked against the token the step draws): the acceptance rate stays measured, and drafting
+    resumes when the text turns repetitive.
 
     Until the batcher has measured what a draft token costs, drafts are one token long (a batcher without a step
     budget never measures it). The acceptance rate is (accepted + 1) / (judged + 2) over draft tokens, with their
@@ -167,7 +167,7 @@ class Speculation:
     """
 
     DECAY = 0.95
-    PRIOR_DRAFT_COST = 0.15  # draft_s / step_s before the batcher has measured it
+    PRIOR_DRAFT_COST = 0.15  # a draft token's cost, as a share of the plain step, before it is measured
 
     def __init__(self, drafter: Drafter, max_draft: int, adaptive: bool = True):
         self.drafter, self.max_draft, self.adaptive = drafter, max_draft, adaptive
@@ -183,25 +183,25 @@ class Speculation:
         """The estimated acceptance rate of the next draft token."""
         return (self._accepted + 1.0) / (self._judged + 2.0)
 
-    def choose(self, n_decoding: int, step_s: float | None, draft_s: float | None) -> int:
+    def choose(self, n_decoding: int, step_s: float | None, costs: tuple[float, float] | None) -> int:
         """The draft length that pays in a step of `n_decoding` jobs, at `step_s` seconds for their step without
-        drafts and `draft_s` for each draft token (None: not measured yet)."""
+        drafts, and `costs` (seconds a step with drafts adds, and each draft token) for drafts (None: not
+        measured yet)."""
         if not self.adaptive:
             self.length = self.max_draft
             return self.length
-        measured = bool(step_s) and draft_s is not None
-        ratio = draft_s / step_s if step_s and draft_s is not None else self.PRIOR_DRAFT_COST
-        threshold = max(n_decoding, 1) * ratio
-        a = self.rate
-        if threshold <= 0:
-            k = self.max_draft
-        elif a <= threshold:
-            k = 0
-        else:
-            k = math.floor(math.log(threshold) / math.log(a)) if a < 1 else self.max_draft
-        # Until a step has measured what a draft token costs, one token at a time: a short draft measures it.
-        self.length = max(0, min(k, self.max_draft if measured else 1))
-        return self.length
+        measured = bool(step_s) and costs is not None
+        step = step_s if step_s else 1.0
+        fixed, per_token = costs if step_s and costs is not None else (0.0, self.PRIOR_DRAFT_COST * step)
+        a, expected = self.rate, 1.0
+        best, best_rate = 0, n_decoding / step
+        for k in range(1, (self.max_draft if measured else 1) + 1):
+            expected += a ** k  # the job's tokens from a step with k drafts
+            rate = (n_decoding + expected - 1.0) / (step + fixed + per_token * k)
+            if rate > best_rate:
+                best, best_rate = k, rate
+        self.length = best
+        return best
 
     def draft(self, history: Sequence[int], n_prompt: int, n: int, seq: int = 0) -> list[int]:
         """The draft to send for the job on sequence `seq` (`n` tokens at most: `choose`'s length within what the
