@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import httpx
 import openai
+import pytest
 from conftest import live_server, server_config
 from fakes import ScriptedEngine
 
@@ -55,3 +56,21 @@ def test_speculation_off_ignores_a_prediction_but_reports_it(tokenizer):
     details = reply["usage"]["completion_tokens_details"]
     assert (details["accepted_prediction_tokens"], details["rejected_prediction_tokens"]) == (0, 0)
     assert all(len(call) == 1 for call in engine.calls[1:])
+
+
+@pytest.mark.parametrize("extra", [{"stop": ["* d"]}, {"max_tokens": 9}, {"logprobs": True, "top_logprobs": 2}],
+                         ids=["stop string", "max_tokens", "logprobs"])
+def test_stop_strings_max_tokens_and_logprobs_are_those_without_drafts(tokenizer, extra):
+    engine = ScriptedEngine(tokenizer, tokenizer.encode(SCRIPT, special=True))
+    body = {"messages": USER, "temperature": 0, **extra}
+    replies = []
+    for config in ({"source": "off"}, {"source": "auto", "adaptive": False}):
+        with live_server(server_config(speculative=config), engine, tokenizer) as server, \
+                httpx.Client(base_url=server.url) as client:
+            replies.append(client.post("/v1/chat/completions", json={
+                **body, "prediction": {"type": "content", "content": SCRIPT}}).json())
+    (plain,), (drafted,) = (reply["choices"] for reply in replies)
+    assert drafted == plain and plain["finish_reason"] == ("length" if "max_tokens" in extra else "stop")
+    usage = [reply["usage"] for reply in replies]
+    assert usage[0]["completion_tokens"] == usage[1]["completion_tokens"]
+    assert usage[1]["completion_tokens_details"]["accepted_prediction_tokens"] > 0
