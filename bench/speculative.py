@@ -4,7 +4,8 @@
 
 - steps: the engine alone, the small Q8_0 qwen3moe (`strata make-model --arch qwen3moe --size small --dtype q8_0`):
   the seconds of one step of one sequence that carries its token and k draft tokens, k = 0..16, the median of
-  many; the ratio to k = 0 is what a draft token costs (each one routes to its own experts).
+  many; the ratio to k = 0 is what a draft token costs. Random tokens route to many experts; one token repeated
+  routes alike (few experts beyond one token's): the two bound what the experts a draft adds cost.
 - engine: the batcher on the same model, speculation off, lookup (always max_draft tokens) and adaptive, on
   (a) an edit whose answer the client predicted (the prediction is the model's own greedy answer: every draft is
   right, the best case of an edit), (b) free sampled text at temperature 1 (drafts from prompt lookup mostly
@@ -58,9 +59,11 @@ def small_model() -> pathlib.Path:
 # --- steps: the engine's cost of a draft token
 
 
-def step_costs(engine: Engine, ks: list[int], rounds: int) -> dict[int, tuple[float, float]]:
+def step_costs(engine: Engine, ks: list[int], rounds: int, same: bool = False) -> dict[int, tuple[float, float]]:
     """Median seconds of a step of one sequence at ~300 positions carrying 1 + k tokens (all rows' logits for
-    k > 0, as a verification asks), the ks taking turns: wall time, and the engine threads' CPU time."""
+    k > 0, as a verification asks), the ks taking turns: wall time, and the engine threads' CPU time. `same`:
+    the 1 + k tokens are one token repeated, whose rows route alike (the first layer's exactly: one embedding),
+    so the step reads few experts beyond one token's; else random tokens, which read many."""
     rng = np.random.default_rng(0)
     context = [int(t) for t in rng.integers(0, engine.n_vocab, 300)]
     engine.keep(0)
@@ -68,7 +71,8 @@ def step_costs(engine: Engine, ks: list[int], rounds: int) -> dict[int, tuple[fl
     times: dict[int, list[tuple[float, float]]] = {k: [] for k in ks}
     for _ in range(rounds):
         for k in ks:
-            tokens = [int(t) for t in rng.integers(0, engine.n_vocab, 1 + k)]
+            tokens = [int(t) for t in rng.integers(0, engine.n_vocab, 1 if same else 1 + k)]
+            tokens *= (1 + k) // len(tokens)
             started, cpu = time.perf_counter(), engine.cpu_seconds()
             engine.eval_batch([BatchItem(0, tokens, None, "all" if k else "last")])
             times[k].append((time.perf_counter() - started, engine.cpu_seconds() - cpu))
@@ -239,11 +243,13 @@ def main() -> None:
             if "steps" in parts:
                 ks = [0, 1, 2, 4, 8, 16]
                 costs = step_costs(engine, ks, rounds=10 * args.repeat)
-                print("| draft tokens | step ms | x the plain step | CPU ms | x |\n|---|---|---|---|---|")
+                alike = step_costs(engine, ks, rounds=10 * args.repeat, same=True)
+                print("| draft tokens | step ms | x the plain step | CPU ms | x | one token repeated: CPU ms | x |"
+                      "\n|---|---|---|---|---|---|---|")
                 for k in ks:
-                    (wall, cpu), (wall0, cpu0) = costs[k], costs[0]
-                    print(f"| {k} | {wall * 1e3:.2f} | {wall / wall0:.2f} | {cpu * 1e3:.2f} | {cpu / cpu0:.2f} |",
-                          flush=True)
+                    (wall, cpu), (wall0, cpu0), same, same0 = costs[k], costs[0], alike[k][1], alike[0][1]
+                    print(f"| {k} | {wall * 1e3:.2f} | {wall / wall0:.2f} | {cpu * 1e3:.2f} | {cpu / cpu0:.2f} | "
+                          f"{same * 1e3:.2f} | {same / same0:.2f} |", flush=True)
             if "engine" in parts:
                 print(table("small Q8_0 qwen3moe, batcher", engine_traces(engine, args.repeat, args.tokens)),
                       flush=True)
