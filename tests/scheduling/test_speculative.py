@@ -426,3 +426,22 @@ def test_a_long_prompt_is_indexed_a_chunk_a_step_and_matched_meanwhile() -> None
     lookup.propose(history, n, 2)
     lookup.propose(history, n, 2)
     assert lookup.index.indexed == len(history) + 1
+
+
+def test_a_recurrent_slot_stopped_inside_a_draft_serves_the_next_job_from_its_state() -> None:
+    """A stop id inside an accepted draft ends the job there: its recurrent slot is back at the state before the
+    step (the fake fails any step whose state does not sum up its cache), and the next turn resumes from it."""
+    engine = RecurrentEngine(n_ctx=100)
+    batcher = Batcher(engine, slowdown=None)
+    first = Job([*range(16), 0, 1, 2], Sampler(GREEDY, N_VOCAB), 40, {9}, speculation=speculation(FIXED))
+    batcher.add(first)
+    while first.finish is None:
+        batcher.step()
+    assert first.tokens == [3, 4, 5, 6, 7, 8] and first.finish == "stop"
+    assert batcher.slots[0].live and engine.seq_n_past(0) < len(first.history)
+    follow_up = Job([*first.history, 9, 12], Sampler(GREEDY, N_VOCAB), 5, set(), speculation=speculation(FIXED))
+    batcher.add(follow_up)
+    assert follow_up.reused == engine.seq_n_past(0) > 16  # resumed from the slot's state, not from scratch
+    while follow_up.finish is None:
+        batcher.step()
+    assert follow_up.tokens == [13, 14, 15, 0, 1]
