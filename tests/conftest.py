@@ -64,8 +64,9 @@ def scripted(tokenizer: Any):
 
 
 def server_config(**keys: Any) -> Config:
-    """A config for tests: loopback, an ephemeral port, short shutdown."""
-    data = {"host": "127.0.0.1", "port": 0, "limits": {"graceful_timeout": 1.0}}
+    """A config for tests: loopback, an ephemeral port, short shutdown, and no speculative decoding (the scripted
+    engines' tests count engine calls and time tokens one step at a time; speculation's own tests turn it on)."""
+    data = {"host": "127.0.0.1", "port": 0, "limits": {"graceful_timeout": 1.0}, "speculative": {"source": "off"}}
     for key, value in keys.items():
         if isinstance(value, dict):
             data.setdefault(key, {}).update(value)

@@ -70,7 +70,8 @@ class ScriptedEngine(FakeEngine):
     """The `Engine` API with a "model" that writes `script` (token ids) after each assistant prompt, then stops.
 
     Timing and aborts behave like the C engine's: a prompt token costs `prompt_s` and a decode step `decode_s`
-    seconds of blocking work (a batch costs the sum of its items'); each sequence's abort flag is checked between
+    (each token of a step that verifies a draft too: a neutral cost, that neither speeds nor slows an answer) seconds
+    of blocking work (a batch costs the sum of its items'); each sequence's abort flag is checked between
     tokens — `LAYERS` times per token —, drops that sequence from the call in flight (or the next one that has its
     tokens) with `EngineAborted`, is lowered by doing so, and the positions not reached are dropped.
 
@@ -129,7 +130,8 @@ class ScriptedEngine(FakeEngine):
                 kv = self.kvs[item.seq]
                 if len(kv) + len(item.tokens) > self.n_ctx:
                     raise EngineError("context full")
-                step = self.prompt_s if len(item.tokens) > 1 else self.decode_s
+                # a decode step's token, or a draft token it verifies (every row's logits), costs a decode step
+                step = self.decode_s if len(item.tokens) == 1 or item.logits == "all" else self.prompt_s
                 results.append(self._run(item, kv, step, dropped))
         finally:
             self.running.clear()
@@ -138,6 +140,7 @@ class ScriptedEngine(FakeEngine):
         return cast(list[np.ndarray], results)  # no None without a dropped sequence
 
     def _run(self, item: BatchItem, kv: list[int], step: float, dropped: set[int]) -> np.ndarray | None:
+        nexts = []  # the script's token after each position of the item
         for token in item.tokens:
             for _ in range(self.LAYERS):
                 with self._lock:
@@ -150,10 +153,14 @@ class ScriptedEngine(FakeEngine):
                 if step:
                     time.sleep(step / self.LAYERS)
             kv.append(token)
+            if item.logits == "all":
+                nexts.append(self._next_token(kv))
+        if item.logits == "last":
+            nexts.append(self._next_token(kv))
         # A margin no temperature below ~10 can overturn: the script is followed at any sampling setting.
-        logits = np.full((1, self.n_vocab), -100.0, dtype=np.float32)
-        logits[0, self._next_token(kv)] = 100.0
-        return logits if item.logits == "last" else logits[:0]
+        logits = np.full((len(nexts), self.n_vocab), -100.0, dtype=np.float32)
+        logits[np.arange(len(nexts)), nexts] = 100.0
+        return logits
 
     def eval(self, tokens: Sequence[int], embeds: Any = None, all_logits: bool = False) -> np.ndarray:
         (logits,) = self.eval_batch([BatchItem(0, tokens, embeds)])
@@ -221,16 +228,22 @@ class SuccessorEngine(FakeEngine):
             if item.seq in dropped:
                 results.append(None)
                 continue
-            self.caches[item.seq] += item.tokens
-            logits = np.zeros((len(item.tokens), N_VOCAB), np.float32)
-            for i, token in enumerate(item.tokens):
-                logits[i, (token + 1) % N_VOCAB] = 5.0
-                logits[i, (token + 2) % N_VOCAB] = 4.0
+            cache = self.caches[item.seq]
+            cache += item.tokens
+            first = len(cache) - len(item.tokens)
+            logits = np.stack([self.row(cache[:first + i + 1]) for i in range(len(item.tokens))])
             results.append({"all": logits, "last": logits[-1:], "none": logits[:0]}[item.logits])
         self.flags -= dropped
         if dropped:
             raise EngineAborted("aborted", dropped, results)
         return cast(list[np.ndarray], results)  # no None without a dropped sequence
+
+    def row(self, cache: list[int]) -> np.ndarray:
+        """The logits after the positions `cache` (N_VOCAB,)."""
+        logits = np.zeros(N_VOCAB, np.float32)
+        logits[(cache[-1] + 1) % N_VOCAB] = 5.0
+        logits[(cache[-1] + 2) % N_VOCAB] = 4.0
+        return logits
 
     def keep(self, n: int, seq: int = 0) -> None:
         del self.caches[seq][n:]
@@ -244,6 +257,19 @@ class SuccessorEngine(FakeEngine):
 
     def clear_abort(self, seq: int = 0) -> None:
         self.flags.discard(seq)
+
+
+class MarkovEngine(SuccessorEngine):
+    """A SuccessorEngine whose logits after a position are random (seeded) and depend on its last two tokens:
+    text that repeats itself in places, for speculative decoding. `sharp` scales them (a large value: a few
+    likely tokens)."""
+
+    def __init__(self, seed: int = 0, sharp: float = 1.0, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.table = np.random.default_rng(seed).normal(0.0, sharp, (N_VOCAB, N_VOCAB, N_VOCAB)).astype(np.float32)
+
+    def row(self, cache: list[int]) -> np.ndarray:
+        return self.table[cache[-2] if len(cache) > 1 else 0, cache[-1]].copy()
 
 
 class RecurrentEngine(SuccessorEngine):
@@ -439,5 +465,5 @@ class FailingEngine(ScriptedEngine):
 
 
 # The type check: each engine here implements `EngineLike`.
-_ENGINES: tuple[type[EngineLike], ...] = (ScriptedEngine, SuccessorEngine, TimedEngine, RecordingEngine,
+_ENGINES: tuple[type[EngineLike], ...] = (ScriptedEngine, SuccessorEngine, MarkovEngine, TimedEngine, RecordingEngine,
                                           FirstTokenWatch, FailingEngine)

@@ -51,6 +51,8 @@ class RequestProgress:
             "cached_tokens": self.cached_tokens,
             "output_tokens": row.output_tokens,
             "tokens_per_second": row.tokens_per_second,
+            "draft_length": row.draft_length,
+            "acceptance_rate": row.acceptance_rate,
         }
 
 

@@ -123,6 +123,32 @@ class McpConfig:
     max_result_bytes: int = 4 * 1024 * 1024  # of one answer of a server: a tool result past it is cut, unread
 
 
+SPECULATIVE_SOURCES = ("auto", "lookup", "draft_model", "off")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (`strata.scheduling.drafts`): where decoding requests' drafts come from, and how long.
+
+    Attributes:
+        source: "auto" (the request's `prediction` where it sent one, else prompt lookup), "lookup" (prompt lookup
+            only: a prediction is ignored), "draft_model" (`draft_model` drafts) or "off".
+        max_draft: the most draft tokens a request adds to one engine step.
+        adaptive: each request's draft length follows its measured acceptance and the measured cost of a draft
+            token, down to none where drafts do not pay; false: `max_draft` whenever the source has that many.
+        min_ngram, max_ngram: the shortest and the longest tail of the answer the prompt lookup matches.
+        draft_model: a small GGUF model of the same vocabulary that drafts greedily (source "draft_model"), on a
+            context of its own as long as the model's, with as many slots.
+    """
+
+    source: str = "auto"
+    max_draft: int = 8
+    adaptive: bool = True
+    min_ngram: int = 2
+    max_ngram: int = 12
+    draft_model: str | None = None
+
+
 @dataclass(frozen=True)
 class KvEventsConfig:
     """KV events for a KV-aware router in front of several replicas (`strata.kv_events`, docs/SCALE_OUT.md)."""
@@ -177,6 +203,7 @@ class Config:
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     mcp: McpConfig = field(default_factory=McpConfig)
     kv_disk: KvDiskConfig = field(default_factory=KvDiskConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     mcp_servers: dict[str, McpServerConfig] = field(default_factory=dict)
     kv_events: KvEventsConfig = field(default_factory=KvEventsConfig)
 
@@ -187,7 +214,8 @@ class Config:
 # --- validation
 
 _SECTIONS = {"sampling": SamplingConfig, "vision": VisionConfig, "limits": LimitsConfig, "images": ImagesConfig,
-             "mcp": McpConfig, "kv_disk": KvDiskConfig, "kv_events": KvEventsConfig}
+             "mcp": McpConfig, "kv_disk": KvDiskConfig, "kv_events": KvEventsConfig,
+             "speculative": SpeculativeConfig}
 MCP_SERVER_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # configured names; requests' labels too
 
 
@@ -204,6 +232,7 @@ def _check(config: Config) -> None:
     _check_kv_disk(config.kv_disk)
     if config.kv_events.block_size < 1:
         raise _fail("kv_events.block_size", f"must be at least 1, got {config.kv_events.block_size}")
+    _check_speculative(config.speculative)
 
 
 def _check_engine(config: Config) -> None:
@@ -273,6 +302,20 @@ def _check_vision(vision: VisionConfig) -> None:
                 raise _fail(f"vision.pool[{i}]", "must be a command line, not blank")
         except ValueError as error:
             raise _fail(f"vision.pool[{i}]", f"is not a command line: {error}") from None
+
+
+def _check_speculative(speculative: SpeculativeConfig) -> None:
+    if speculative.source not in SPECULATIVE_SOURCES:
+        raise _fail("speculative.source", f"must be one of {', '.join(SPECULATIVE_SOURCES)}, "
+                                          f"got {speculative.source!r}")
+    if not 1 <= speculative.max_draft <= 64:
+        raise _fail("speculative.max_draft", f"must be 1..64, got {speculative.max_draft}")
+    if speculative.min_ngram < 1:
+        raise _fail("speculative.min_ngram", "must be at least 1")
+    if speculative.max_ngram < speculative.min_ngram:
+        raise _fail("speculative.max_ngram", f"must be at least min_ngram ({speculative.min_ngram})")
+    if (speculative.source == "draft_model") != (speculative.draft_model is not None):
+        raise _fail("speculative.draft_model", 'is needed with source "draft_model", and only then')
 
 
 def _check_mcp(config: Config) -> None:

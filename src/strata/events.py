@@ -86,6 +86,8 @@ class ChatRequest:
     # Only requests with the same salt share cached prefixes (vLLM's `cache_salt`; with `cache_isolation` "api_key"
     # the client's key joins it). None: the prefix cache is shared with every request without one.
     cache_salt: str | None = None
+    # The client's guess of the answer (OpenAI's Predicted Outputs): drafts for speculative decoding.
+    prediction: str | None = None
 
 
 @dataclass(frozen=True)
@@ -170,12 +172,15 @@ class ToolResult:
 @dataclass(frozen=True)
 class Usage:
     """Token counts of a finished generation; `reasoning_tokens` are the completion tokens inside `<think>`
-    (tags included)."""
+    (tags included). With a `prediction`: its tokens drafted and accepted, and drafted and rejected (None
+    without one)."""
 
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
     reasoning_tokens: int = 0
+    accepted_prediction_tokens: int | None = None
+    rejected_prediction_tokens: int | None = None
 
 
 @dataclass(frozen=True)

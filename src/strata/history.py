@@ -23,6 +23,14 @@ class HistoryRow:
     output_tokens: int = 0
     prompt_seconds: float = 0.0
     decode_seconds: float = 0.0
+    # speculative decoding: draft tokens verified, and accepted; the draft length last chosen
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    draft_length: int = 0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
 
     @property
     def prompt_tokens_per_second(self) -> float | None:
@@ -39,6 +47,7 @@ class HistoryRow:
         row = dataclasses.asdict(self)
         row["prompt_tokens_per_second"] = self.prompt_tokens_per_second
         row["tokens_per_second"] = self.tokens_per_second
+        row["acceptance_rate"] = self.acceptance_rate
         return row
 
 
@@ -52,6 +61,8 @@ class Totals:
     output_tokens: int = 0
     prompt_seconds: float = 0.0
     decode_seconds: float = 0.0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
 
     def add(self, row: HistoryRow) -> None:
         self.requests += 1
@@ -62,6 +73,8 @@ class Totals:
         self.output_tokens += row.output_tokens
         self.prompt_seconds += row.prompt_seconds
         self.decode_seconds += row.decode_seconds
+        self.draft_tokens += row.draft_tokens
+        self.accepted_tokens += row.accepted_tokens
 
     def as_dict(self) -> dict[str, Any]:
         totals = dataclasses.asdict(self)

@@ -33,6 +33,7 @@ class Prepared:
     starts_in_reasoning: bool
     may_think: bool  # the prompt leaves the model free to open a reasoning block
     turn_starts: list[int] = dataclasses.field(default_factory=list)  # where its messages start (chats only)
+    predicted: list[int] | None = None  # the request's prediction, tokenised (speculative decoding's drafts)
 
     @property
     def ids(self) -> list[int]:
@@ -154,7 +155,8 @@ class Prompts:
         # An empty block closed by the template means no thinking; a continued answer is past its thinking.
         may_think = not self.family.closes_reasoning(text) and not request.prefill
         turn_starts = [] if self.turn_open_id is None else [i for i, t in enumerate(ids) if t == self.turn_open_id]
-        return Prepared(prompt, max_tokens, starts_in_reasoning, may_think, turn_starts)
+        predicted = self.tokenizer.encode(request.prediction, special=False) if request.prediction else None
+        return Prepared(prompt, max_tokens, starts_in_reasoning, may_think, turn_starts, predicted)
 
     def _fitted(self, request: ChatRequest, pictures: list[Embedding], results: int,
                 rendered: tuple[str, list[int]] | None) -> tuple[str, list[int]]:
@@ -190,7 +192,7 @@ def short(request: ChatRequest) -> bool:
     completion = request.completion
     if completion is not None:
         n = len(completion.text or "") + len(completion.ids or ()) + len(completion.suffix or "")
-    for text in strings_of([request.messages, request.tools, request.template_kwargs]):
+    for text in strings_of([request.messages, request.tools, request.template_kwargs, request.prediction or ""]):
         n += len(text)
         if n > INLINE_PROMPT_CHARS:
             return False

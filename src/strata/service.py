@@ -56,6 +56,8 @@ from strata.progress import Stage, with_progress
 from strata.prompts import Prepared, Prompts, message_text, short
 from strata.request_errors import RequestError, ServiceUnavailable
 from strata.scheduling.batcher import Batcher, Job, salted
+from strata.scheduling.draft_model import DraftModel
+from strata.scheduling.drafts import speculation
 from strata.scheduling.engine_like import EngineLike
 from strata.scheduling.engine_loop import EngineLoop, EngineStartError, Exclusive, Stream
 from strata.scheduling.turn import QueueFull, Turn
@@ -115,6 +117,7 @@ class Service:
         self.loop: EngineLoop | None = None  # the engine's batcher and its thread (attach)
         self.kv_tier: KvTier | None = None  # the disk tier under the prefix cache (config.kv_disk)
         self.kv_events: Publisher | None = None  # the prefix cache's KV event publisher, if configured (attach)
+        self.draft_model: DraftModel | None = None  # speculative decoding's draft model, when configured (load)
         self._compiling = trio.CapacityLimiter(GRAMMAR_THREADS)
 
     @property
@@ -239,11 +242,29 @@ class Service:
         try:
             stage.now = "tokenizer"
             tokenizer = Tokenizer.from_gguf(config.model)
+            if config.speculative.draft_model is not None:
+                stage.now = "draft model"
+                self.draft_model = DraftModel(self._load_draft_model(engine))
         except BaseException:
             engine.close()
             raise
         log(f"loaded in {time.perf_counter() - started:.1f} s")
         return engine, tokenizer
+
+    def _load_draft_model(self, engine: Any) -> Any:
+        """The config's draft model on a context like the model's (as long, as many slots, its threads)."""
+        from strata.engine_cffi import Engine
+
+        config = self.config
+        path = config.speculative.draft_model
+        assert path is not None
+        draft = Engine.load(path, n_ctx=engine.n_ctx, threads=config.threads, kv=config.kv, n_batch=config.batch,
+                            n_seq=engine.n_seq)
+        if draft.n_vocab != engine.n_vocab:
+            draft.close()
+            raise ServiceUnavailable(f'speculative.draft_model: {path} has {draft.n_vocab} tokens, the model '
+                                     f'{engine.n_vocab}: a draft model needs the same vocabulary')
+        return draft
 
     async def start_vision(self, engine: EngineLike, log: Callable[[str], None] = print) -> None:
         """Start the configured image encoder in the service's nursery (after the model, whose width its rows
@@ -276,6 +297,8 @@ class Service:
     def close(self) -> None:
         if self.engine is not None:
             self.engine.close()
+        if self.draft_model is not None:
+            self.draft_model.engine.close()
 
     # --- requests
 
@@ -479,10 +502,13 @@ class Service:
         before = row.output_tokens  # tokens of earlier rounds of this response
         sampler = Sampler(request.sampling, self.engine.n_vocab, mask=guide, logprobs=request.logprobs)
         echo = request.completion is not None and request.completion.echo
+        spec = speculation(self.config.speculative, prepared.predicted, self.draft_model)
+        drafted_before, accepted_before = row.draft_tokens, row.accepted_tokens
         job = Job(prepared.ids, sampler, prepared.max_tokens, self.tokenizer.eos_ids,
                   keys=salted(prepared.prompt.keys, request.cache_salt),
                   spans=prepared.prompt.spans, tag=row.id, progress=live,
-                  prompt_logprobs=request.logprobs if echo else None, turn_starts=prepared.turn_starts)
+                  prompt_logprobs=request.logprobs if echo else None, turn_starts=prepared.turn_starts,
+                  speculation=spec)
         # Everything this task can make before the job goes: the engine thread needs the GIL to start the job's
         # call, and gets it only once this task waits for the first token.
         assert self.family is not None
@@ -501,6 +527,10 @@ class Service:
                 live.phase = "decode"
                 row.reused_tokens, row.prompt_seconds, row.decode_seconds = job.reused, *stream.seconds()
                 row.disk_tokens = job.disk_tokens
+                if spec is not None:
+                    row.draft_tokens = drafted_before + spec.drafted
+                    row.accepted_tokens = accepted_before + spec.accepted
+                    row.draft_length = spec.length
                 if not tokens:  # the job left its slot: a stop token, or the token budget is spent
                     finish = "stop" if job.finish == "stop" else "length"
                 for token in tokens:
@@ -528,8 +558,12 @@ class Service:
         if finish == "stop" and output.n_tool_calls:
             finish = "tool_calls"
         row.finish = finish
+        accepted = rejected = None  # of the prediction's tokens, when the client sent one
+        if request.prediction is not None:
+            accepted, rejected = (spec.predicted_accepted, spec.predicted_rejected) if spec is not None else (0, 0)
         yield Usage(prompt_tokens=len(prepared.ids), cached_tokens=row.reused_tokens,
-                    completion_tokens=row.output_tokens - before, reasoning_tokens=reasoning_tokens)
+                    completion_tokens=row.output_tokens - before, reasoning_tokens=reasoning_tokens,
+                    accepted_prediction_tokens=accepted, rejected_prediction_tokens=rejected)
         yield Finish(finish, output.stop_sequence)
 
     async def _check_answer(self, guide: Guide | None, finish: FinishReason, stopped: bool) -> None:

@@ -132,7 +132,8 @@ def test_responses_input_token_count(serve_script, tokenizer):
 
 @pytest.mark.parametrize(("extra", "param"), [
     ({"n": 2}, "n"), ({"modalities": ["text", "audio"]}, "modalities[1]"), ({"audio": {"voice": "x"}}, "audio"),
-    ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
+    ({"prediction": {"type": "text", "content": "x"}}, "prediction.type"),
+    ({"prediction": {"type": "content", "content": [{"type": "image"}]}}, "prediction.content[0].type"),
     ({"response_format": {"type": "sound"}}, "response_format.type"),
 ])
 def test_unsupported_chat_fields_are_400s(serve_script, extra, param):

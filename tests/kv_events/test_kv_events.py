@@ -16,6 +16,7 @@ from strata.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvBloc
 from strata.kv_events.publisher import Publisher
 from strata.kv_events.wire import decode_batch, encode_batch
 from strata.scheduling.batcher import Batcher, Job, salted
+from strata.scheduling.drafts import PromptLookup, Speculation
 from strata.text.sampling import Sampler, SamplingParams
 
 BLOCK = 4
@@ -175,7 +176,9 @@ def test_the_events_of_a_random_workload_rebuild_the_prefix_cache_through_zmq() 
         for _ in range(60):
             while batcher.free_slots and rng.random() < 0.7:
                 prompt = rng.choice(systems) + [rng.randrange(1, N_VOCAB) for _ in range(rng.randrange(1, 14))]
-                running.append(job(prompt, max_tokens=rng.randrange(1, 12)))
+                # every other job drafts by prompt lookup: its rolled-back positions must leave no block behind
+                spec = Speculation(PromptLookup(), max_draft=4) if rng.random() < 0.5 else None
+                running.append(job(prompt, max_tokens=rng.randrange(1, 12), speculation=spec))
                 batcher.add(running[-1])
             if running and rng.random() < 0.1:
                 batcher.cancel(rng.choice(running))

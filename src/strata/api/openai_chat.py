@@ -95,13 +95,13 @@ def parse_request(body: Any) -> ChatRequest:
         enable_thinking=effort not in _NO_THINKING_EFFORTS,
         template_kwargs=template_kwargs(body),
         route="chat",
+        prediction=_prediction(body),
     )
 
 
 # Fields that would change the answer in ways this server cannot: refused, never silently ignored.
 _UNSUPPORTED = (
     ("audio", "audio output is not supported"),
-    ("prediction", "predicted outputs are not supported"),
     ("web_search_options", "web search is not supported"),
 )
 
@@ -114,6 +114,26 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
     for i, modality in enumerate(modalities):
         if modality != "text":
             raise bad_request(f"modalities[{i}]", f"only text output is supported, got {modality!r}")
+
+
+def _prediction(body: dict[str, Any]) -> str | None:
+    """OpenAI's Predicted Outputs: `{"type": "content", "content": text or [text parts]}`, the answer's text as
+    the client expects it (drafts for speculative decoding: the answer itself is the model's)."""
+    prediction = get_object(body, "prediction", "prediction")
+    if prediction is None:
+        return None
+    if get(prediction, "type", str, "prediction.type", required=True) != "content":
+        raise bad_request("prediction.type", 'must be "content"')
+    content = prediction.get("content")
+    if isinstance(content, str):
+        return content
+    parts = get_list(prediction, "content", "prediction.content", required=True) or []
+    texts = []
+    for i, part in enumerate(parts):
+        if get(part, "type", str, f"prediction.content[{i}].type", required=True) != "text":
+            raise bad_request(f"prediction.content[{i}].type", 'must be "text"')
+        texts.append(get(part, "text", str, f"prediction.content[{i}].text", required=True))
+    return "".join(texts)
 
 
 def _continue_final_message(body: dict[str, Any], messages: list[Any]) -> bool:
@@ -281,7 +301,10 @@ def usage_json(usage: Usage | None) -> dict[str, Any]:
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
-        "completion_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
+        "completion_tokens_details": {"reasoning_tokens": usage.reasoning_tokens} | ({
+            "accepted_prediction_tokens": usage.accepted_prediction_tokens or 0,
+            "rejected_prediction_tokens": usage.rejected_prediction_tokens or 0,
+        } if usage.accepted_prediction_tokens is not None else {}),
     }
 
 

@@ -38,6 +38,8 @@ def status(service: Service) -> dict[str, Any]:
             "prompt_tokens": current.prompt_tokens,
             "reused_tokens": current.reused_tokens,
             "generated_tokens": current.output_tokens,
+            "draft_length": current.draft_length,
+            "acceptance_rate": current.acceptance_rate,
         },
     }
 
@@ -189,6 +191,11 @@ class _ServiceCollector:
         sources.add_metric(["disk"], totals.disk_tokens)
         sources.add_metric(["computed"], totals.prompt_tokens - totals.reused_tokens)
         yield sources
+        drafts = CounterMetricFamily("strata_draft_tokens", "Speculative decoding's draft tokens, verified and "
+                                     "accepted (finished requests).", labels=["outcome"])
+        drafts.add_metric(["verified"], totals.draft_tokens)
+        drafts.add_metric(["accepted"], totals.accepted_tokens)
+        yield drafts
         yield CounterMetricFamily("strata_prompt_seconds", "Time spent processing prompts.",
                                   value=totals.prompt_seconds)
         yield CounterMetricFamily("strata_decode_seconds", "Time spent generating tokens.",

@@ -233,5 +233,10 @@ def _next_request(request: ChatRequest, messages: list[dict[str, Any]], max_toke
 
 
 def _added(total: Usage, usage: Usage) -> Usage:
+    def both(a: int | None, b: int | None) -> int | None:
+        return None if a is None and b is None else (a or 0) + (b or 0)
+
     return Usage(total.prompt_tokens + usage.prompt_tokens, total.cached_tokens + usage.cached_tokens,
-                 total.completion_tokens + usage.completion_tokens, total.reasoning_tokens + usage.reasoning_tokens)
+                 total.completion_tokens + usage.completion_tokens, total.reasoning_tokens + usage.reasoning_tokens,
+                 both(total.accepted_prediction_tokens, usage.accepted_prediction_tokens),
+                 both(total.rejected_prediction_tokens, usage.rejected_prediction_tokens))

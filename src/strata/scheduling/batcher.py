@@ -15,6 +15,10 @@ With a disk tier (`strata.kv_disk.KvTier`), the stored blocks that extend that p
 reader thread and imported as they come, while the other jobs step on; a job leaving its slot saves the slot's
 blocks.
 
+A decoding job with a `Speculation` (`strata.scheduling.drafts`) also sends a draft in its step, and keeps the
+part of it that its own draws confirm (`_verify`), so one step may give it several tokens; the positions of the
+rest are cut back (`_roll_back`).
+
 The engine is an `EngineLike` (`strata.engine_cffi.Engine`, or a test's scripted engine).
 """
 
@@ -26,6 +30,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Hashable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 import numpy as np
@@ -34,6 +39,7 @@ from strata.engine_cffi import BatchItem, EngineAborted, EngineError
 from strata.kv_disk.reader import Load
 from strata.kv_disk.tier import KvTier
 from strata.pictures.expand import embeds_from
+from strata.scheduling.drafts import Speculation
 from strata.scheduling.engine_like import EngineLike
 from strata.scheduling.snapshots import Snapshots, snapshot_points
 from strata.text.sampling import Sampler, log_probabilities
@@ -94,11 +100,13 @@ class Job:
             many alternatives in `prompt_records` (the whole prompt is evaluated then: no cached prefix).
         turn_starts: the prompt positions where its messages start: a recurrent engine's slot snapshots its state
             at some of them (`strata.scheduling.snapshots.snapshot_points`).
+        speculation: drafts its decoding steps verify (`strata.scheduling.drafts`), or None.
     """
 
     def __init__(self, ids: Sequence[int], sampler: Sampler, max_tokens: int | None, stop_ids: Collection[int], *,
                  keys: Sequence[Hashable] | None = None, spans: Sequence[tuple[int, Any]] = (), tag: str = "",
-                 progress: Any = None, prompt_logprobs: int | None = None, turn_starts: Sequence[int] = ()):
+                 progress: Any = None, prompt_logprobs: int | None = None, turn_starts: Sequence[int] = (),
+                 speculation: Speculation | None = None):
         if not ids:
             raise ValueError("the prompt is empty")
         self.history = list(ids)  # the prompt, then every sampled token
@@ -129,6 +137,7 @@ class Job:
         self.prompt_records: list[tuple[float, list[tuple[int, float]]]] = []  # prompt tokens 1.., as Sampler.records
         self.turn_starts = turn_starts
         self.snapshot_at: list[int] = []  # the prompt positions its slot snapshots (a recurrent engine's)
+        self.speculation = speculation
 
     def score_prompt(self, n_past: int, rows: np.ndarray) -> None:
         """Record the prompt tokens that the logits `rows` of the positions up to `n_past` predict."""
@@ -152,6 +161,20 @@ class _Slot:
         self.used = 0  # LRU clock value of the last use
         self.live = True  # a recurrent engine's state is that of the end of `keys` (a dropped call breaks it)
         self.portable = False  # its keys name the same rows in another process (its last job's `portable_keys`)
+
+
+@dataclass
+class _Planned:
+    """A speculating job's part of a step: where its sequence was (`n_past`), what the step appends to it (`fed`:
+    its pending tokens, then `draft`), a recurrent engine's state at `n_past`, and the job's token count before;
+    `kept`: the draft tokens accepted."""
+
+    n_past: int
+    fed: list[int]
+    draft: list[int]
+    state: bytes | None
+    tokens: int
+    kept: int = 0
 
 
 class StepBudget:
@@ -186,6 +209,7 @@ class StepBudget:
     FIRST_CHUNK = 4
     WINDOW = 9
     DECODE_WINDOW = 5  # decode-only steps are rare while a prompt joins: the reference follows a change in 3
+    VERIFY_REFRESH = 32  # steps with drafts between two decode-only ones (their reference)
 
     def __init__(self, slowdown: float, clock: Callable[[], float] = time.process_time, refresh: int | None = 32):
         if slowdown < 1:
@@ -195,6 +219,8 @@ class StepBudget:
         self._mixed_steps: deque[tuple[int, int, float]] = deque(maxlen=self.WINDOW)  # (n, prompt, seconds)
         self._last_chunk = 0
         self._mixed = 0  # mixed steps since the last decode-only one
+        self._verify_steps: deque[tuple[int, int, float]] = deque(maxlen=self.WINDOW)  # (n, drafts, seconds)
+        self._verifies = 0  # steps with drafts since the last decode-only one
 
     def decode_seconds(self, n: int) -> float | None:
         """A decode-only step of `n` jobs, as measured (None before the first)."""
@@ -207,6 +233,29 @@ class StepBudget:
         added = [max(seconds - step, 0.0) / prompt for n, prompt, seconds in self._mixed_steps
                  if (step := self.decode_seconds(n)) is not None]
         return statistics.median(added) if added else None
+
+    def draft_costs(self) -> tuple[float, float] | None:
+        """What drafts add to a step of decoding jobs (speculative decoding): (seconds a step with drafts adds
+        whatever their number, seconds each draft token adds), measured against the decode-only step as it is
+        now: the least-squares line through the recent steps' added seconds against their draft tokens (all of
+        it per token while those steps had one number of drafts); None before any."""
+        points = [(drafts, max(seconds - step, 0.0)) for n, drafts, seconds in self._verify_steps
+                  if (step := self.decode_seconds(n)) is not None]
+        if not points:
+            return None
+        if len({drafts for drafts, _ in points}) < 2:
+            return 0.0, statistics.median(added / drafts for drafts, added in points)
+        mean_drafts = statistics.fmean(drafts for drafts, _ in points)
+        mean_added = statistics.fmean(added for _, added in points)
+        slope = (sum((d - mean_drafts) * (a - mean_added) for d, a in points)
+                 / sum((d - mean_drafts) ** 2 for d, _ in points))
+        slope = max(slope, 0.0)
+        return max(mean_added - slope * mean_drafts, 0.0), slope
+
+    def wants_plain_step(self, n: int) -> bool:
+        """Whether the next step of `n` decoding jobs should carry no drafts: their decode-only step, the
+        reference of every cost, is not measured yet, or not since `VERIFY_REFRESH` steps with drafts."""
+        return self.decode_seconds(n) is None or self._verifies >= self.VERIFY_REFRESH
 
     def prompt_tokens(self, n: int, cap: int) -> int:
         """The prompt tokens a step with `n` (> 0) decoding jobs may carry, at most `cap`."""
@@ -221,17 +270,22 @@ class StepBudget:
             chunk = min(chunk, 2 * max(self._last_chunk, self.FIRST_CHUNK // 2))
         return max(1, min(chunk, cap))
 
-    def record(self, n: int, prompt: int, seconds: float) -> None:
-        """A step with `n` decoding jobs and `prompt` prompt tokens took `seconds`."""
+    def record(self, n: int, prompt: int, seconds: float, drafts: int = 0) -> None:
+        """A step with `n` decoding jobs, `prompt` prompt tokens and `drafts` draft tokens took `seconds` (in a
+        step with a prompt chunk, the draft tokens count as prompt tokens)."""
         if n <= 0:
+            return
+        if drafts and not prompt:
+            self._verify_steps.append((n, drafts, seconds))
+            self._verifies += 1
             return
         if not prompt:
             self._decode.setdefault(n, deque(maxlen=self.DECODE_WINDOW)).append(seconds)
-            self._mixed = 0
+            self._mixed = self._verifies = 0
             return
         self._last_chunk = prompt
         self._mixed += 1
-        self._mixed_steps.append((n, prompt, seconds))
+        self._mixed_steps.append((n, prompt + drafts, seconds))
 
 
 class Batcher:
@@ -270,6 +324,7 @@ class Batcher:
         self._clock = itertools.count(1)
         self._lock = threading.Lock()  # cancel() against the step's bookkeeping
         self._in_call: set[int] = set()  # sequences of the engine call in flight
+        self._drafts: dict[Job, _Planned] = {}  # the speculating jobs of the step being run
         self.snapshots: Snapshots | None = None
         self.observer: CacheObserver | None = None  # told where the slots' cached keys change
         if engine.recurrent:
@@ -433,6 +488,7 @@ class Batcher:
             if self.tier is not None and any(job.loading is not None for job in self.jobs):
                 self.tier.wait(self.WAIT_SECONDS)  # nothing to compute until a block comes
             return changed
+        decode_tokens = sum(len(item.tokens) for item, job in zip(items, work, strict=True) if job.decoding)
         with self._lock:
             self._in_call = {job.seq for job in work}
         complete = True
@@ -442,6 +498,7 @@ class Batcher:
         except EngineAborted as error:  # some sequences were dropped: the others' work is complete
             rows, complete = error.results, False
         except Exception as error:  # noqa: BLE001 - the call's jobs end with it; the slots serve on
+            self._drafts.clear()
             for job in work:
                 job.error = error
                 self._leave(job, "error")
@@ -451,7 +508,8 @@ class Batcher:
                 self._in_call = set()
         changed = self._advance(work, rows, time.perf_counter())
         if budget is not None and complete:  # a step cut short by an abort measures nothing
-            budget.record(n_decoding, self.last_batch - n_decoding, budget.clock() - started)
+            budget.record(n_decoding, self.last_batch - decode_tokens, budget.clock() - started,
+                          drafts=decode_tokens - n_decoding)
         return changed
 
     def _advance(self, work: list[Job], rows: Sequence[np.ndarray | None], now: float) -> list[Job]:
@@ -462,6 +520,18 @@ class Batcher:
         draws: list[tuple[Job, np.ndarray, float]] = []  # (job, scores, u) to draw together
         for job, logits in zip(work, rows, strict=True):
             slot = self.slots[job.seq]
+            planned = self._drafts.get(job)
+            if planned is not None and planned.draft:
+                if logits is not None and not job.stopping:
+                    self._verify(job, planned, logits, now)
+                self._roll_back(job, planned)
+                held = len(slot.keys)
+                _track(slot.keys, job, self.engine.seq_n_past(job.seq))
+                self._announce(slot, min(held, len(slot.keys)))
+                if job.stopping and job.finish is None:
+                    self._leave(job, "cancel")
+                changed.append(job)
+                continue
             n_past = self.engine.seq_n_past(job.seq)
             held = len(slot.keys)
             _track(slot.keys, job, n_past)
@@ -482,17 +552,61 @@ class Batcher:
             changed.append(job)
         if draws:
             self._draw_together(draws, now)
+        for job, planned in self._drafts.items():
+            if job.speculation is not None:
+                job.speculation.judge(planned.draft, planned.kept, job.tokens[planned.tokens:])
+        self._drafts.clear()
         return changed
 
+    def _verify(self, job: Job, planned: _Planned, logits: np.ndarray, now: float) -> None:
+        """Draw the job's tokens from the rows of its last token and its draft, in order, with its own sampler,
+        while each draw equals the draft token it checks: the draft is accepted up to its first miss, and the
+        token drawn there (or after the whole draft) is the step's last. Each draw is the one the job makes
+        without speculation, so a stop id, the token budget and a failing sampler end the job where they would
+        have, and its mask (a guide) only ever follows accepted tokens."""
+        rows = logits[-(len(planned.draft) + 1):]
+        try:  # a draft is planned within the job's token budget: it has room for one token at least
+            for i, row in enumerate(rows):
+                token = job.sampler.sample(row, job.history)
+                self._take(job, token, now)
+                if job.finish is not None or i == len(planned.draft) or token != planned.draft[i]:
+                    break
+                planned.kept += 1
+        except Exception as error:  # noqa: BLE001 - a sampler or token mask that failed ends its job only
+            job.error = error
+            self._leave(job, "error")
+
+    def _roll_back(self, job: Job, planned: _Planned) -> None:
+        """Cut the job's sequence back to the positions that hold its history (the rejected draft's are gone); a
+        recurrent engine's back to where the draft started, with the state saved there: the accepted tokens are
+        evaluated again with the job's next step."""
+        fed = planned.fed
+        n_past = self.engine.seq_n_past(job.seq)
+        valid = planned.n_past + common_prefix(fed, job.history[planned.n_past:planned.n_past + len(fed)])
+        if n_past <= valid:
+            return
+        if planned.state is None:
+            self.engine.keep(valid, seq=job.seq)
+        elif not job.stopping:  # a cancelled job's slot is marked not live as it leaves
+            self.engine.keep(planned.n_past, seq=job.seq)
+            self.engine.load_state(job.seq, planned.state)
+
     def _plan(self) -> tuple[list[BatchItem], list[Job], int]:
-        """This step's items: each decoding job's last token, then prompt chunks in arrival order within the
-        budget (whole n_batch chunks while nobody decodes); and the number of decoding jobs."""
+        """This step's items: each decoding job's last token (and its draft: `_draft`), then prompt chunks in
+        arrival order within the budget (whole n_batch chunks while nobody decodes); and the number of decoding
+        jobs."""
         items, work = [], []
         decoding = [job for job in self.jobs if job.decoding]
+        room = self.step_tokens - len(decoding)  # for drafts, then prompt chunks
+        plain = self.budget is not None and self.budget.wants_plain_step(len(decoding))
         for job in decoding:
-            items.append(BatchItem(job.seq, job.history[-1:]))
+            n_past = self.engine.seq_n_past(job.seq)
+            tokens = job.history[n_past:]  # its last token (and, on a recurrent engine, accepted ones again)
+            draft = self._draft(job, n_past, tokens, len(decoding), 0 if plain else room)
+            room -= len(draft)
+            items.append(BatchItem(job.seq, tokens + draft, None, "all" if draft else "last"))
             work.append(job)
-        budget = self.step_tokens - len(decoding) if decoding else self.n_batch
+        budget = room if decoding else self.n_batch
         # A short prompt (a side request, a parallel one) joins within the token cap at once; only a prompt
         # longer than that, which would hold the streams for many steps, is cut by time.
         if decoding and self.budget is not None and any(
@@ -513,6 +627,21 @@ class Batcher:
             budget -= end - start
         self.last_batch = sum(len(item.tokens) for item in items)
         return items, work, len(decoding)
+
+    def _draft(self, job: Job, n_past: int, tokens: list[int], n_decoding: int, room: int) -> list[int]:
+        """The draft the job's step verifies (at most `room` tokens, within its context and its token budget),
+        planned for `_advance` with what a rollback needs (a recurrent engine's state before it)."""
+        speculation = job.speculation
+        if speculation is None:
+            return []
+        budget = self.budget
+        length = speculation.choose(n_decoding, budget.decode_seconds(n_decoding) if budget else None,
+                                    budget.draft_costs() if budget else None)
+        room = min(length, room, self.engine.n_ctx - n_past - len(tokens), job.budget - len(job.tokens) - 1)
+        draft = speculation.draft(job.history, job.n_prompt, max(room, 0), job.seq)[:max(room, 0)]
+        state = self.engine.save_state(job.seq) if draft and self.snapshots is not None else None
+        self._drafts[job] = _Planned(n_past, tokens + draft, draft, state, len(job.tokens))
+        return draft
 
     def _sample(self, job: Job, logits: np.ndarray, now: float, draws: list[tuple[Job, np.ndarray, float]]) -> None:
         """Draw the job's next token, or leave its draw in `draws` for `_draw_together`."""

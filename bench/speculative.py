@@ -1,0 +1,262 @@
+"""Speculative decoding: what a draft token costs the engine, and what drafts buy, side by side in one run.
+
+    python bench/speculative.py [--threads 2] [--repeat 3] [--parts steps,engine,http]
+
+- steps: the engine alone, the small Q8_0 qwen3moe (`strata make-model --arch qwen3moe --size small --dtype q8_0`):
+  the seconds of one step of one sequence that carries its token and k draft tokens, k = 0..16, the median of
+  many; the ratio to k = 0 is what a draft token costs. Random tokens route to many experts; one token repeated
+  routes alike (few experts beyond one token's): the two bound what the experts a draft adds cost.
+- engine: the batcher on the same model, speculation off, lookup (always max_draft tokens) and adaptive, on
+  (a) an edit whose answer the client predicted (the prediction is the model's own greedy answer: every draft is
+  right, the best case of an edit), (b) free sampled text at temperature 1 (drafts from prompt lookup mostly
+  wrong), (c) four such streams at once: decode tokens/s, with the answers at temperature 0 compared.
+- http: the demo model (`src/strata/models/demo.gguf`) through the HTTP API, a 300-line source file to re-emit
+  with a rename (also with the file as the request's `prediction`), at temperature 0, and a free chat sampled with
+  a seed: decode tokens/s from the history rows (output tokens after the first over the decode seconds), each
+  configuration in a server of its own. The demo model was not trained to edit: its answer is not the file.
+
+Rates are wall-clock and per CPU second of the engine's threads (which the load of other processes on a shared
+machine does not stretch); the table shows medians of `--repeat` runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import statistics
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+OUT = ROOT / "bench" / "out"
+sys.path.insert(0, str(ROOT / "src"))
+
+from strata.config import SpeculativeConfig, config_from_dict  # noqa: E402
+from strata.engine_cffi import BatchItem, Engine  # noqa: E402
+from strata.scheduling.batcher import Batcher, Job  # noqa: E402
+from strata.scheduling.drafts import speculation  # noqa: E402
+from strata.text.sampling import Sampler, SamplingParams  # noqa: E402
+
+MODES = {"off": SpeculativeConfig(source="off"), "lookup": SpeculativeConfig(source="auto", adaptive=False),
+         "adaptive": SpeculativeConfig(source="auto")}
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def small_model() -> pathlib.Path:
+    from strata.modelgen import write_random_model
+
+    path = OUT / "qwen3moe-small-q8_0.gguf"
+    if not path.exists():
+        OUT.mkdir(parents=True, exist_ok=True)
+        write_random_model(path, arch="qwen3moe", size="small", dtype="q8_0", vocab="qwen", seed=0)
+    return path
+
+
+# --- steps: the engine's cost of a draft token
+
+
+def step_costs(engine: Engine, ks: list[int], rounds: int, same: bool = False) -> dict[int, tuple[float, float]]:
+    """Median seconds of a step of one sequence at ~300 positions carrying 1 + k tokens (all rows' logits for
+    k > 0, as a verification asks), the ks taking turns: wall time, and the engine threads' CPU time. `same`:
+    the 1 + k tokens are one token repeated, whose rows route alike (the first layer's exactly: one embedding),
+    so the step reads few experts beyond one token's; else random tokens, which read many."""
+    rng = np.random.default_rng(0)
+    context = [int(t) for t in rng.integers(0, engine.n_vocab, 300)]
+    engine.keep(0)
+    engine.eval_batch([BatchItem(0, context, None, "none")])
+    times: dict[int, list[tuple[float, float]]] = {k: [] for k in ks}
+    for _ in range(rounds):
+        for k in ks:
+            tokens = [int(t) for t in rng.integers(0, engine.n_vocab, 1 if same else 1 + k)]
+            tokens *= (1 + k) // len(tokens)
+            started, cpu = time.perf_counter(), engine.cpu_seconds()
+            engine.eval_batch([BatchItem(0, tokens, None, "all" if k else "last")])
+            times[k].append((time.perf_counter() - started, engine.cpu_seconds() - cpu))
+            engine.keep(len(context))
+    return {k: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v)) for k, v in times.items()}
+
+
+# --- engine: the batcher with each mode
+
+
+def run_jobs(engine: Engine, jobs: list[Job]) -> tuple[tuple[float, float], list[Job]]:
+    """Decode tokens per second of the jobs together (tokens after each one's first, from the end of the last
+    prompt), of wall time and of the engine threads' CPU time (which other processes' load does not stretch)."""
+    batcher = Batcher(engine)
+    for job in jobs:
+        batcher.add(job)
+    while any(not job.decoding for job in jobs):
+        batcher.step()
+    started, cpu = time.perf_counter(), engine.cpu_seconds()
+    first = sum(len(job.tokens) for job in jobs)
+    while batcher.jobs:
+        batcher.step()
+    seconds, cpu = time.perf_counter() - started, engine.cpu_seconds() - cpu
+    for seq in range(engine.n_seq):
+        engine.keep(0, seq)
+    decoded = sum(len(job.tokens) for job in jobs) - first
+    return (decoded / seconds, decoded / cpu), jobs
+
+
+def engine_traces(engine: Engine, repeat: int, tokens: int) -> dict[str, dict[str, float]]:
+    rng = np.random.default_rng(3)
+    prompt = [int(t) for t in rng.integers(0, engine.n_vocab, 200)]
+    prompts4 = [[int(t) for t in rng.integers(0, engine.n_vocab, 200)] for _ in range(4)]
+    predicted = run_jobs(engine, [Job(prompt, Sampler(GREEDY, engine.n_vocab), tokens, set())])[1][0].tokens
+    results: dict[str, dict[str, list[tuple[float, float]]]] = {}
+    answers: dict[str, list[int]] = {}
+
+    def record(trace: str, mode: str, value: tuple[float, float]) -> None:
+        results.setdefault(trace, {}).setdefault(mode, []).append(value)
+
+    for _ in range(repeat):
+        for mode, config in MODES.items():
+            rate, (job,) = run_jobs(engine, [Job(prompt, Sampler(GREEDY, engine.n_vocab), tokens, set(),
+                                                 speculation=speculation(config, predicted))])
+            record("edit, predicted (greedy)", mode, rate)
+            answers[mode] = job.tokens
+            free = SamplingParams(temperature=1.0, seed=11)
+            rate, _ = run_jobs(engine, [Job(prompt, Sampler(free, engine.n_vocab), tokens, set(),
+                                            speculation=speculation(config))])
+            record("free text, sampled", mode, rate)
+            rate, _ = run_jobs(engine, [Job(p, Sampler(SamplingParams(temperature=1.0, seed=i), engine.n_vocab),
+                                            tokens, set(), speculation=speculation(config))
+                                        for i, p in enumerate(prompts4)])
+            record("4 streams, sampled", mode, rate)
+    assert answers["off"] == answers["lookup"] == answers["adaptive"], "greedy answers differ"
+    return medians(results)
+
+
+def medians(results: dict[str, dict[str, list[tuple[float, float]]]]) -> dict[str, dict[str, tuple[float, float]]]:
+    return {trace: {mode: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v))
+                    for mode, v in modes.items()} for trace, modes in results.items()}
+
+
+# --- http: the demo model through the API
+
+
+def source_file(lines: int) -> str:
+    """A Python module of about `lines` lines that uses the name `total` throughout."""
+    out = ['"""Accounts and their ledgers."""', "", "from dataclasses import dataclass", ""]
+    i = 0
+    while len(out) < lines:
+        out += [f"def ledger_{i}(entries, rate_{i}):", "    total = 0",
+                "    for entry in entries:", f"        total += entry.amount * rate_{i}",
+                f"    if total > {100 * (i + 1)}:", f"        total -= {i + 3}", "    return total", "", ""]
+        i += 1
+    return "\n".join(out[:lines]) + "\n"
+
+
+async def http_trace(mode: str, edit: str, chat: list[dict[str, Any]], max_tokens: int, threads: int,
+                     repeat: int) -> dict[str, Any]:
+    """Each trace in a server with `mode`'s speculation: once to warm up (its prompt stays cached: the measured
+    requests evaluate only its last token), then `repeat` times measured."""
+    import httpx
+    from served import served
+
+    from strata.models import DEMO_MODEL
+    from strata.service import open_service
+
+    config = config_from_dict({"model": str(DEMO_MODEL), "threads": threads, "context": 4096, "slots": 1,
+                               "vision": {"exe": ["true"], "lazy_load": True},  # no encoder starts
+                               "speculative": {"source": MODES[mode].source, "adaptive": MODES[mode].adaptive}})
+    out: dict[str, Any] = {}
+    async with open_service(config, log=lambda line: None) as service, served(service) as (host, port), \
+            httpx.AsyncClient(base_url=f"http://{host}:{port}", timeout=600) as client:
+        assert service.engine is not None
+        # The demo model answers a request it was not trained on in a few words: with its end-of-turn ids banned
+        # it writes `max_tokens` tokens, which is what a rate needs.
+        endless = {"logit_bias": {str(token): -100 for token in service.tokenizer.eos_ids}}
+        for name, body in (
+                ("edit", {"messages": [{"role": "user", "content": edit}], "temperature": 0,
+                          "max_tokens": max_tokens, "reasoning_effort": "none"}),
+                ("edit, predicted", {"messages": [{"role": "user", "content": edit}], "temperature": 0,
+                                     "max_tokens": max_tokens, "reasoning_effort": "none",
+                                     "prediction": {"type": "content", "content": edit.split("```")[1]}}),
+                ("free chat, sampled", {"messages": chat, "temperature": 1.0, "seed": 5, "max_tokens": max_tokens,
+                                        "reasoning_effort": "none"})):
+            runs = []
+            for i in range(repeat + 1):
+                cpu = service.engine.cpu_seconds()
+                reply = (await client.post("/v1/chat/completions", json=body | endless)).json()
+                cpu = service.engine.cpu_seconds() - cpu
+                row = service.history.last
+                assert row is not None
+                if i:
+                    runs.append(((row.tokens_per_second or 0.0), (row.output_tokens - 1) / cpu))
+            out[name] = {"text": reply["choices"][0]["message"]["content"], "runs": runs,
+                         "acceptance": row.acceptance_rate, "reused": row.reused_tokens, "prompt": row.prompt_tokens}
+    return out
+
+
+def http_traces(repeat: int, threads: int, max_tokens: int) -> dict[str, dict[str, tuple[float, float]]]:
+    import trio
+
+    text = source_file(300)
+    edit = f"Rename the variable total to amount in this code:\n```{text}```"
+    chat = [{"role": "user", "content": "Tell me about your day, and what you like to do on a long weekend."}]
+    rates: dict[str, dict[str, list[tuple[float, float]]]] = {}
+    texts: dict[str, dict[str, str]] = {}
+    for _ in range(repeat):  # the modes' servers take turns: a change of load falls on all of them
+        for mode in MODES:
+            result = trio.run(http_trace, mode, edit, chat, max_tokens, threads, 2)
+            for name, value in result.items():
+                rates.setdefault(name, {}).setdefault(mode, []).extend(value["runs"])
+                texts.setdefault(name, {})[mode] = value["text"]
+                acceptance = value["acceptance"]
+                print(f"  http {name:20s} {mode:8s} prompt {value['prompt']} (cached {value['reused']}), tok/s "
+                      f"{[round(w) for w, _ in value['runs']]}, per CPU s {[round(c) for _, c in value['runs']]}, "
+                      f"acceptance {acceptance if acceptance is None else round(acceptance, 2)}", flush=True)
+    for name, by_mode in texts.items():
+        assert len(set(by_mode.values())) == 1, f"{name}: the answers differ between modes"
+    return medians(rates)
+
+
+def table(title: str, results: dict[str, dict[str, tuple[float, float]]]) -> str:
+    """Decode tokens/s (wall) and tokens per engine CPU second, each mode's ratio to off."""
+    lines = [f"| {title} | off: tok/s, per CPU s | lookup | adaptive |", "|---|---|---|---|"]
+    for trace, modes in results.items():
+        off = modes["off"]
+        cells = [f"{off[0]:.0f}, {off[1]:.0f}"]
+        for mode in ("lookup", "adaptive"):
+            wall, cpu = modes[mode]
+            cells.append(f"{wall:.0f} ({wall / off[0]:.2f}x), {cpu:.0f} ({cpu / off[1]:.2f}x)")
+        lines.append(f"| {trace} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=256, help="tokens each answer generates")
+    parser.add_argument("--parts", default="steps,engine,http")
+    args = parser.parse_args()
+    parts = args.parts.split(",")
+    print(f"load average {os.getloadavg()[0]:.2f}, {args.threads} engine threads", flush=True)
+    if "steps" in parts or "engine" in parts:
+        with Engine.load(small_model(), n_ctx=1024, threads=args.threads, n_seq=4) as engine:
+            if "steps" in parts:
+                ks = [0, 1, 2, 4, 8, 16]
+                costs = step_costs(engine, ks, rounds=10 * args.repeat)
+                alike = step_costs(engine, ks, rounds=10 * args.repeat, same=True)
+                print("| draft tokens | step ms | x the plain step | CPU ms | x | one token repeated: CPU ms | x |"
+                      "\n|---|---|---|---|---|---|---|")
+                for k in ks:
+                    (wall, cpu), (wall0, cpu0), same, same0 = costs[k], costs[0], alike[k][1], alike[0][1]
+                    print(f"| {k} | {wall * 1e3:.2f} | {wall / wall0:.2f} | {cpu * 1e3:.2f} | {cpu / cpu0:.2f} | "
+                          f"{same * 1e3:.2f} | {same / same0:.2f} |", flush=True)
+            if "engine" in parts:
+                print(table("small Q8_0 qwen3moe, batcher", engine_traces(engine, args.repeat, args.tokens)),
+                      flush=True)
+    if "http" in parts:
+        print(table("demo model, HTTP API", http_traces(args.repeat, args.threads, args.tokens)), flush=True)
+    print(f"load average {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()

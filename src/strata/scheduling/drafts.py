@@ -1,0 +1,252 @@
+"""Speculative decoding's drafts: where a decoding job's guessed next tokens come from, and how many it guesses.
+
+A draft is a few tokens the job's answer is likely to continue with. The batcher appends them to the job's token
+in its step (`strata.scheduling.batcher`), the engine returns logits for every one of them, and the job keeps the
+draft up to the first token its sampler would not have drawn, plus the token the sampler draws there: up to
+`len(draft) + 1` tokens for one step, which on a CPU MoE costs little more than one token while the step reads
+the routed experts' weights anyway.
+
+Sources, behind `Drafter`:
+
+- `PromptLookup`: the answer so far is matched against the prompt and itself (an n-gram index: the longest match
+  of its last tokens, at least `min_ngram` of them and at most `max_ngram`, the latest occurrence among equally
+  long ones), and the tokens that followed the match are the draft. This is prompt-lookup decoding (llama.cpp's
+  `ngram` speculation, vLLM's n-gram proposer): free to compute, and right most of the time where the answer
+  copies its input (an edit of a file it was given, a quote, a reformatting).
+- `Prediction`: the client's own guess of the answer (OpenAI's Predicted Outputs, `prediction` on the chat
+  route), tokenised: drafts continue it where the answer so far is its prefix, else after an n-gram match of the
+  answer's last tokens in it; the prompt lookup takes over where it has no match.
+
+Both are deterministic: the draft's distribution is one token with probability 1, so the standard accept/reject
+rule (accept draft token x with probability min(1, p(x) / q(x)), else draw from p with x removed and
+renormalised) is the same as drawing the token from p as without speculation and keeping the draft while the draw
+equals it. The batcher does exactly that, with the job's own sampler, so the output's distribution is the
+model's own, a seeded request draws the same tokens with speculation on and off, and masks, penalties and
+log-probabilities apply to every drafted position as to an ordinary one.
+
+A separate small model of the same vocabulary is a third source (`strata.scheduling.draft_model.DraftModel`):
+drafted greedily on a context of its own, its q is one-hot too. A model's own draft heads (the MTP layers of
+Qwen3.5 files) fit the same interface: a `Drafter` built with the engine, whose `propose(..., seq)` reads the
+draft the engine computed for sequence `seq` in its last step (from the hidden state of its last accepted token
+and the embedding of the next), or runs the heads then; chained heads give several tokens.
+
+`Speculation` is one job's controller: it asks its drafter for as many tokens as pay (`length`) and learns from
+the verification what pays.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from strata.config import SpeculativeConfig
+
+
+class Drafter(Protocol):
+    """A source of drafts for one job."""
+
+    def propose(self, history: Sequence[int], n_prompt: int, n: int, seq: int = 0) -> list[int]:
+        """Up to `n` tokens likely to follow `history` (the prompt, its first `n_prompt` tokens, then the answer
+        so far) of the job on sequence `seq`; [] when it has no guess."""
+
+
+class NgramIndex:
+    """Where each `min_ngram`-token sequence of a growing token list occurs (the positions just after it), for
+    the longest match of another list's tail, extended backwards up to `max_ngram` tokens."""
+
+    CANDIDATES = 32  # latest occurrences of the short n-gram that a match is extended from
+    # Positions indexed by one call at most (~2 ms, in the engine thread): a long prompt is indexed over a few
+    # steps, matched meanwhile against its part indexed so far, and no step waits for all of it.
+    CHUNK = 4096
+
+    def __init__(self, min_ngram: int, max_ngram: int):
+        self.min_ngram, self.max_ngram = min_ngram, max_ngram
+        self._after: dict[tuple[int, ...], list[int]] = {}
+        self._indexed = 0  # the next position to index (the end of an n-gram)
+
+    @property
+    def indexed(self) -> int:
+        return self._indexed
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Index the positions of `tokens` (the list, grown since the last call) not indexed yet, `CHUNK` at
+        most."""
+        m = self.min_ngram
+        start = max(self._indexed, m)
+        stop = min(len(tokens) + 1, start + self.CHUNK)
+        for end in range(start, stop):
+            self._after.setdefault(tuple(tokens[end - m:end]), []).append(end)
+        self._indexed = max(self._indexed, stop)
+
+    def match(self, corpus: Sequence[int], tail: Sequence[int], before: int | None = None) -> tuple[int, int]:
+        """(position after the match in `corpus`, its length) of the longest match of `tail`'s last tokens that
+        some continuation follows (a position before `before`, default the corpus's end); (-1, 0) if none."""
+        m = self.min_ngram
+        if len(tail) < m:
+            return -1, 0
+        limit = len(corpus) if before is None else before
+        ends = self._after.get(tuple(tail[-m:]), ())
+        best, best_len = -1, 0
+        checked = 0
+        for end in reversed(ends):  # latest first: of equally long matches, the latest wins
+            if end >= limit:
+                continue
+            length = m
+            while (length < self.max_ngram and length < len(tail) and end - length - 1 >= 0
+                   and corpus[end - length - 1] == tail[-length - 1]):
+                length += 1
+            if length > best_len:
+                best, best_len = end, length
+            checked += 1
+            if checked >= self.CANDIDATES or best_len >= self.max_ngram:
+                break
+        return best, best_len
+
+
+class PromptLookup:
+    """Drafts copied from the prompt and the answer so far, after the longest match of the answer's tail."""
+
+    def __init__(self, min_ngram: int = 2, max_ngram: int = 12):
+        self.index = NgramIndex(min_ngram, max_ngram)
+
+    def propose(self, history: Sequence[int], n_prompt: int, n: int, seq: int = 0) -> list[int]:
+        self.index.extend(history)
+        end, _ = self.index.match(history, history, before=len(history))
+        return list(history[end:end + n]) if end >= 0 else []
+
+
+class Prediction:
+    """Drafts from the client's predicted answer (token ids), with `fallback` where the answer has left it."""
+
+    def __init__(self, predicted: Sequence[int], fallback: Drafter, min_ngram: int = 2, max_ngram: int = 12):
+        self.predicted = list(predicted)
+        self.fallback = fallback
+        self.index = NgramIndex(min_ngram, max_ngram)  # built as drafts are asked for, in the engine thread
+        self._aligned = 0  # answer tokens so far equal to the prediction's first ones (-1: it left the prefix)
+        self.from_prediction = 0  # tokens of the last proposal taken from the prediction
+
+    def propose(self, history: Sequence[int], n_prompt: int, n: int, seq: int = 0) -> list[int]:
+        answer = history[n_prompt:]
+        while 0 <= self._aligned < len(answer):
+            if self._aligned < len(self.predicted) and answer[self._aligned] == self.predicted[self._aligned]:
+                self._aligned += 1
+            else:
+                self._aligned = -1
+        if self._aligned >= 0:
+            start = self._aligned
+        else:
+            self.index.extend(self.predicted)
+            start, _ = self.index.match(self.predicted, answer)
+        draft = self.predicted[start:start + n] if start >= 0 else []
+        self.from_prediction = len(draft)
+        return draft if draft else self.fallback.propose(history, n_prompt, n, seq)
+
+
+class Speculation:
+    """One job's speculative decoding: its drafter, how long its drafts are, and what they achieved.
+
+    The draft length follows a cost model. A draft token at depth i (after i - 1 accepted ones) yields a token with
+    probability a^i, a the job's acceptance rate per token, so k drafts give the job 1 + a + ... + a^k tokens; a
+    step with drafts costs the measured seconds a step with drafts adds (drawing every row, the rows' logits)
+    plus those of each draft token, and every job of the step waits that long. The job takes the k that gives the
+    step of `n` decoding jobs the most tokens per second: many while its drafts are right and verifying is cheap,
+    fewer in a crowded batch (its extra tokens weigh less beside the other n - 1 jobs' while all of them wait for
+    its drafts), none where they are mostly wrong. Then it keeps guessing one token a step without sending it (a
+    shadow draft, checked against the token the step draws): the acceptance rate stays measured, and drafting
+    resumes when the text turns repetitive.
+
+    Until the batcher has measured what a draft token costs, drafts are one token long (a batcher without a step
+    budget never measures it). The acceptance rate is (accepted + 1) / (judged + 2) over draft tokens, with their
+    counts decaying by `DECAY` at each step that judges one: it follows a change of the text within a few dozen
+    tokens.
+
+    Args:
+        drafter: where the drafts come from.
+        max_draft: the most tokens of a draft.
+        adaptive: False: always `max_draft` (as many as the drafter has).
+    """
+
+    DECAY = 0.95
+    PRIOR_DRAFT_COST = 0.15  # a draft token's cost, as a share of the plain step, before it is measured
+
+    def __init__(self, drafter: Drafter, max_draft: int, adaptive: bool = True):
+        self.drafter, self.max_draft, self.adaptive = drafter, max_draft, adaptive
+        self._accepted = self._judged = 0.0  # decayed counts
+        self._shadow: int | None = None  # the token guessed without being sent, to check against the draw
+        # totals, for the status and the history
+        self.drafted = self.accepted = self.steps = 0  # draft tokens sent, kept, and the steps that sent some
+        self.length = max_draft if not adaptive else 0  # the draft length last chosen
+        self.predicted_accepted = self.predicted_rejected = 0  # of the tokens drafted from a `Prediction`
+
+    @property
+    def rate(self) -> float:
+        """The estimated acceptance rate of the next draft token."""
+        return (self._accepted + 1.0) / (self._judged + 2.0)
+
+    def choose(self, n_decoding: int, step_s: float | None, costs: tuple[float, float] | None) -> int:
+        """The draft length that pays in a step of `n_decoding` jobs, at `step_s` seconds for their step without
+        drafts, and `costs` (seconds a step with drafts adds, and each draft token) for drafts (None: not
+        measured yet)."""
+        if not self.adaptive:
+            self.length = self.max_draft
+            return self.length
+        measured = bool(step_s) and costs is not None
+        step = step_s if step_s else 1.0
+        fixed, per_token = costs if step_s and costs is not None else (0.0, self.PRIOR_DRAFT_COST * step)
+        a, expected = self.rate, 1.0
+        best, best_rate = 0, n_decoding / step
+        for k in range(1, (self.max_draft if measured else 1) + 1):
+            expected += a ** k  # the job's tokens from a step with k drafts
+            rate = (n_decoding + expected - 1.0) / (step + fixed + per_token * k)
+            if rate > best_rate:
+                best, best_rate = k, rate
+        self.length = best
+        return best
+
+    def draft(self, history: Sequence[int], n_prompt: int, n: int, seq: int = 0) -> list[int]:
+        """The draft to send for the job on sequence `seq` (`n` tokens at most: `choose`'s length within what the
+        step has room for); with a length of 0, a shadow guess kept for `judge` instead."""
+        self._shadow = None
+        if n <= 0:
+            if self.adaptive and self.length == 0:
+                guess = self.drafter.propose(history, n_prompt, 1, seq)
+                self._shadow = guess[0] if guess else None
+            return []
+        return self.drafter.propose(history, n_prompt, n, seq)
+
+    def judge(self, draft: Sequence[int], kept: int, drawn: Sequence[int]) -> None:
+        """The step's outcome: `kept` tokens of `draft` were accepted; `drawn` the tokens the step gave the job."""
+        if draft:
+            rejected = int(kept < len(draft))
+            self._learn(kept, kept + rejected)
+            self.drafted += len(draft)
+            self.accepted += kept
+            self.steps += 1
+            if isinstance(self.drafter, Prediction) and self.drafter.from_prediction:
+                self.predicted_accepted += min(kept, self.drafter.from_prediction)
+                self.predicted_rejected += max(self.drafter.from_prediction - kept, 0)
+        elif self._shadow is not None and drawn:
+            self._learn(int(drawn[0] == self._shadow), 1)
+        self._shadow = None
+
+    def _learn(self, accepted: int, judged: int) -> None:
+        if judged:
+            self._accepted = self._accepted * self.DECAY + accepted
+            self._judged = self._judged * self.DECAY + judged
+
+
+def speculation(config: SpeculativeConfig, predicted: Sequence[int] | None = None,
+                draft_model: Drafter | None = None) -> Speculation | None:
+    """A job's speculation under `config`, drafting from `predicted` (the request's prediction, tokenised) where
+    the source allows, or from `draft_model` (the config's `draft_model`: a
+    `strata.scheduling.draft_model.DraftModel`); None with speculation off."""
+    if config.source == "off":
+        return None
+    if config.source == "draft_model":
+        if draft_model is None:
+            raise ValueError("speculative.source is draft_model and no draft model is loaded")
+        return Speculation(draft_model, config.max_draft, config.adaptive)
+    drafter: Drafter = PromptLookup(config.min_ngram, config.max_ngram)
+    if predicted and config.source == "auto":
+        drafter = Prediction(predicted, drafter, config.min_ngram, config.max_ngram)
+    return Speculation(drafter, config.max_draft, config.adaptive)

@@ -1,0 +1,447 @@
+"""Speculative decoding in the batcher: drafts verified in the job's step give the answer the job gives without
+them (token for token at temperature 0 and with a seed, in distribution otherwise), and the cache and the
+recurrent state never keep a rejected token."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+from fakes import N_VOCAB, MarkovEngine, RecordingEngine, RecurrentEngine, SuccessorEngine
+
+from strata.config import ConfigError, SpeculativeConfig, config_from_dict
+from strata.engine_cffi import BatchItem
+from strata.scheduling.batcher import Batcher, Job, StepBudget
+from strata.scheduling.drafts import (
+    NgramIndex,
+    Prediction,
+    PromptLookup,
+    Speculation,
+    speculation,
+)
+from strata.text.sampling import Sampler, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0)
+FIXED = SpeculativeConfig(source="lookup", adaptive=False, max_draft=4)
+ADAPTIVE = SpeculativeConfig(source="auto")
+PROMPT = [int(t) for t in np.random.default_rng(1).integers(0, N_VOCAB, 40)]
+
+
+def answer(engine: SuccessorEngine, prompt: Sequence[int], spec: Speculation | None, max_tokens: int | None = 60,
+           params: SamplingParams = GREEDY, stop_ids: frozenset[int] = frozenset(), logprobs: int | None = None,
+           slowdown: float | None = 1.6) -> tuple[Job, int]:
+    """The job's answer alone on a fresh batcher, and the steps it took; the cache holds its history throughout.
+    (`slowdown` None: no step budget, so no step without drafts to measure the plain step first.) Steps are timed
+    by a clock of the engine's calls (10 ms each, and 0.5 ms a token), so that adaptive drafts are chosen alike
+    from run to run."""
+    batcher = Batcher(engine, slowdown=slowdown, clock=lambda: sum(
+        0.010 + 0.0005 * sum(len(tokens) for _, tokens, _ in call) for call in engine.calls))
+    job = Job(prompt, Sampler(params, engine.n_vocab, logprobs=logprobs), max_tokens, stop_ids, speculation=spec)
+    batcher.add(job)
+    steps = 0
+    while job.finish is None:
+        batcher.step()
+        steps += 1
+        cache = engine.caches[job.seq]
+        assert cache == job.history[:len(cache)]
+    return job, steps
+
+
+@pytest.mark.parametrize("sharp", [1.0, 3.0])
+@pytest.mark.parametrize("config", [FIXED, ADAPTIVE])
+def test_greedy_answers_are_identical_with_and_without_drafts(sharp: float, config: SpeculativeConfig) -> None:
+    plain, plain_steps = answer(MarkovEngine(seed=2, sharp=sharp, n_ctx=200), PROMPT, None)
+    spec = speculation(config)
+    fast, fast_steps = answer(MarkovEngine(seed=2, sharp=sharp, n_ctx=200), PROMPT, spec)
+    assert fast.tokens == plain.tokens and fast.finish == plain.finish == "length"
+    assert spec is not None and spec.accepted > 0 and spec.drafted > spec.accepted  # some right, some wrong
+    assert fast_steps < plain_steps
+
+
+def test_a_right_draft_gives_all_its_tokens_and_one_more_in_one_step() -> None:
+    engine = SuccessorEngine(n_ctx=100)
+    spec = speculation(FIXED)
+    job, _ = answer(engine, [*range(16), 0, 1, 2], spec, max_tokens=20)
+    assert job.tokens == [(3 + i) % 16 for i in range(20)]
+    decode_items = [call[0][1] for call in engine.calls[1:]]
+    assert decode_items[0] == [3]  # the first decode step: no measured step yet, no draft
+    assert decode_items[1] == [4, 5, 6, 7, 8]  # the answer's last token and four drafted after "3 4"
+    assert decode_items[2] == [9, 10, 11, 12, 13]
+    assert spec is not None and spec.accepted == spec.drafted
+
+
+@pytest.mark.parametrize("seed", [3, 4])
+def test_seeded_sampling_draws_the_same_tokens_with_and_without_drafts(seed: int) -> None:
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=seed)
+    plain, _ = answer(MarkovEngine(seed=5, sharp=3.0, n_ctx=200), PROMPT, None, params=params, logprobs=2)
+    fast, _ = answer(MarkovEngine(seed=5, sharp=3.0, n_ctx=200), PROMPT, speculation(FIXED), params=params,
+                     logprobs=2)
+    assert fast.tokens == plain.tokens
+    assert fast.sampler.records == plain.sampler.records  # log-probabilities of every token, drafted or not
+
+
+def test_sampled_answers_keep_the_models_distribution() -> None:
+    """Unseeded draws: the token at each of the first positions over 400 answers with drafts against 400 without,
+    a chi-square two-sample test per position at the 0.1% level."""
+    n, length = 400, 8
+    counts: list[list[Counter[int]]] = [[Counter() for _ in range(length)] for _ in range(2)]
+    accepted = 0
+    # the model's greedy text repeats "9 3 5 12": lookup drafts it, and a draw at temperature 1 often follows it
+    prompt = [0, *answer(MarkovEngine(seed=1, sharp=2.0), [0], None, 30)[0].tokens]
+    for which in range(2):
+        for i in range(n):
+            spec = speculation(FIXED) if which else None
+            job, _ = answer(MarkovEngine(seed=1, sharp=2.0, n_ctx=60), prompt, spec, max_tokens=length,
+                            params=SamplingParams(temperature=1.0, seed=10_000 * which + i), slowdown=None)
+            accepted += spec.accepted if spec is not None else 0
+            for position, token in enumerate(job.tokens):
+                counts[which][position][token] += 1
+    assert accepted > n  # the drafts were used
+    for position in range(length):
+        a, b = counts[0][position], counts[1][position]
+        tokens = sorted(set(a) | set(b))
+        table = np.array([[a[t] for t in tokens], [b[t] for t in tokens]], dtype=float)
+        expected = table.sum(1, keepdims=True) * table.sum(0, keepdims=True) / table.sum()
+        chi2 = float(((table - expected) ** 2 / expected).sum())
+        dof = len(tokens) - 1
+        # Wilson-Hilferty: the 99.9th percentile of chi-square with dof degrees of freedom
+        limit = dof * (1 - 2 / (9 * dof) + 3.09 * (2 / (9 * dof)) ** 0.5) ** 3
+        assert chi2 < limit, (position, chi2, limit)
+
+
+def test_stop_ids_and_the_token_budget_end_the_answer_where_they_would_without_drafts() -> None:
+    prompt = [*range(16), 0, 1, 2]
+    for stop_ids, max_tokens in ((frozenset({9}), 30), (frozenset(), 7), (frozenset({5}), 2)):
+        plain, _ = answer(SuccessorEngine(n_ctx=100), prompt, None, max_tokens, stop_ids=stop_ids)
+        engine = SuccessorEngine(n_ctx=100)
+        fast, _ = answer(engine, prompt, speculation(FIXED), max_tokens, stop_ids=stop_ids)
+        assert (fast.tokens, fast.finish) == (plain.tokens, plain.finish)
+        assert engine.caches[0] == fast.history[:len(engine.caches[0])]
+        assert len(engine.caches[0]) >= len(fast.history) - 1
+
+
+def test_drafts_stay_within_the_context() -> None:
+    engine = SuccessorEngine(n_ctx=30)  # which fails a call past its context
+    job, _ = answer(engine, [*range(16), 0, 1, 2], speculation(FIXED), max_tokens=None)
+    assert len(job.tokens) == 30 - 19 and job.finish == "length"
+
+
+def test_a_recurrent_engine_restores_its_state_before_a_rejected_draft() -> None:
+    """The successor model's answer starts "5" after "... 9 3 4": lookup drafts "9 3 4 5" after "4 5", the model
+    says 6: the state is restored from before the step and its 5 evaluated again with the next one (the fake fails
+    any step whose state does not sum up its cache)."""
+    prompt = [*range(6), 9, 3, 4]
+    plain, _ = answer(RecurrentEngine(n_ctx=100), prompt, None, 30)
+    engine = RecurrentEngine(n_ctx=100)
+    spec = speculation(FIXED)
+    fast, _ = answer(engine, prompt, spec, 30, slowdown=None)
+    assert fast.tokens == plain.tokens
+    assert engine.loads  # a rollback loaded the saved state
+    assert spec is not None and 0 < spec.accepted < spec.drafted
+    assert [call[0][1] for call in engine.calls[1:3]] == [[5, 9, 3, 4, 5], [5, 6]]
+
+
+class Forbid:
+    """A token mask that bans `banned` and records the tokens it follows."""
+
+    def __init__(self, banned: int):
+        self.banned, self.followed = banned, []  # type: ignore[var-annotated]
+
+    def apply(self, logits: np.ndarray) -> np.ndarray | None:
+        logits[self.banned] = -np.inf
+        return None
+
+    def advance(self, token: int) -> None:
+        self.followed.append(token)
+
+
+def test_a_draft_token_the_mask_forbids_ends_the_draft_and_the_mask_follows_only_accepted_tokens() -> None:
+    prompt = [*range(16), 0, 1, 2]  # drafts run through 7, which the mask bans: the model's runner-up, 8, comes
+    outputs = []
+    for spec in (None, speculation(FIXED)):
+        engine = SuccessorEngine(n_ctx=100)
+        batcher = Batcher(engine)
+        mask = Forbid(7)
+        job = Job(prompt, Sampler(GREEDY, N_VOCAB, mask=mask), 20, set(), speculation=spec)
+        batcher.add(job)
+        while job.finish is None:
+            batcher.step()
+        assert mask.followed == job.tokens
+        outputs.append(job.tokens)
+    assert outputs[0] == outputs[1] and 7 not in outputs[0]
+
+
+def test_a_hang_up_during_verification_frees_the_slot_in_that_step() -> None:
+    engine = SuccessorEngine(n_ctx=100)
+    batcher = Batcher(engine)
+    job = Job([*range(16), 0, 1, 2], Sampler(GREEDY, N_VOCAB), 50, set(), speculation=speculation(FIXED))
+    batcher.add(job)
+    while len(job.tokens) < 6:
+        batcher.step()
+    original = engine.eval_batch
+
+    def hang_up(items: Sequence[BatchItem], notify_fd: int = -1) -> list[np.ndarray]:
+        assert len(items[0].tokens) > 1  # a verification
+        batcher.cancel(job)  # the request hangs up as the call runs: its abort flag drops it
+        return original(items, notify_fd)
+
+    engine.eval_batch = hang_up  # type: ignore[method-assign]
+    assert batcher.step() == [job]
+    assert job.finish == "cancel" and batcher.free_slots == 1 and not batcher.jobs
+    assert engine.caches[0] == job.history[:len(engine.caches[0])]
+
+
+def test_mixed_speculating_and_plain_jobs_each_get_the_answer_they_get_alone() -> None:
+    prompts = [PROMPT, [*range(16), 0, 1, 2], PROMPT[:20] + PROMPT[:10]]
+    params = [GREEDY, SamplingParams(temperature=0.9, seed=4), SamplingParams(temperature=0.7, seed=8)]
+    configs: list[SpeculativeConfig | None] = [FIXED, None, ADAPTIVE]
+
+    def jobs() -> list[Job]:
+        return [Job(prompt, Sampler(p, N_VOCAB), 40, set(), speculation=speculation(c) if c else None)
+                for prompt, p, c in zip(prompts, params, configs, strict=True)]
+
+    engine = MarkovEngine(seed=9, sharp=3.0, n_ctx=200, n_seq=3)
+    batcher = Batcher(engine)
+    together = jobs()
+    for job in together:
+        batcher.add(job)
+    while batcher.jobs:
+        batcher.step()
+    for job, prompt, p in zip(together, prompts, params, strict=True):
+        alone, _ = answer(MarkovEngine(seed=9, sharp=3.0, n_ctx=200), prompt, None, 40, params=p)
+        assert job.tokens == alone.tokens
+    assert any(len(item[1]) > 1 for call in engine.calls[2:] for item in call)  # drafts were verified
+
+
+# --- drafts and their lengths
+
+
+def test_prompt_lookup_drafts_after_the_longest_match() -> None:
+    lookup = PromptLookup(min_ngram=2, max_ngram=8)
+    history = [1, 2, 3, 9, 9, 5, 1, 2, 3, 7, 8, 0, 2, 3]
+    assert lookup.propose(history, 10, 3) == [7, 8, 0]  # "2 3": latest occurrence with a continuation
+    history += [9]  # "2 3 9": the longer match, earlier
+    assert lookup.propose(history, 10, 2) == [9, 5]
+    assert lookup.propose([1, 2], 2, 4) == []
+
+
+def test_a_prediction_drafts_its_continuation_then_after_a_match_then_the_lookup() -> None:
+    drafts = Prediction([10, 11, 12, 13, 14, 15], PromptLookup())
+    prompt = [1, 2, 3, 4]
+    assert drafts.propose(prompt, 4, 3) == [10, 11, 12]
+    assert drafts.propose([*prompt, 10, 11], 4, 3) == [12, 13, 14]
+    assert drafts.propose([*prompt, 10, 11, 5, 12, 13], 4, 3) == [14, 15]  # after the match "12 13"
+    assert drafts.propose([*prompt, 10, 11, 5, 1, 2], 4, 3) == [3, 4, 10]  # no match in it: the prompt's
+    assert drafts.from_prediction == 0
+
+
+def test_the_draft_length_follows_acceptance_cost_and_the_batch() -> None:
+    spec = Speculation(PromptLookup(), max_draft=8)
+    assert spec.choose(1, step_s=None, costs=None) == 1  # unmeasured: one token, which measures the cost
+    for _ in range(40):
+        spec.judge([1, 2, 3, 4], 3, [1, 2, 3, 7])  # three in four accepted
+    assert spec.rate == pytest.approx(0.75, abs=0.01)
+    cheap = (0.0, 0.0005)
+
+    def tokens_per_second(k: int, n: int, costs: tuple[float, float]) -> float:  # the step's, as choose weighs it
+        gained = sum(spec.rate ** i for i in range(1, k + 1))
+        return (n + gained) / (0.010 + (costs[0] + costs[1] * k if k else 0.0))
+
+    long = spec.choose(1, step_s=0.010, costs=cheap)
+    assert long == max(range(9), key=lambda k: tokens_per_second(k, 1, cheap)) and long >= 4
+    assert spec.choose(4, step_s=0.010, costs=cheap) < long  # a crowded batch
+    assert spec.choose(1, step_s=0.010, costs=(0.0, 0.002)) < long  # dear draft tokens
+    assert spec.choose(1, step_s=0.010, costs=(0.006, 0.0)) == 8  # a dear verification, then drafts for free
+    assert spec.choose(4, step_s=0.010, costs=(0.02, 0.0)) == 0  # a verification dearer than it gains
+    for _ in range(100):
+        spec.judge([1, 2, 3], 0, [7])
+    usual = (0.001, 0.0005)  # a verification's own cost beside its tokens'
+    assert spec.rate < 0.1 and spec.choose(1, step_s=0.010, costs=usual) == 0  # off where drafts are wrong
+    history = [5, 6, 7, 8, 5, 6, 7]
+    for _ in range(80):  # off: a shadow guess each step, judged against the drawn token
+        assert spec.draft(history, 0, 0) == []
+        spec.judge([], 0, [8])
+    assert spec.choose(1, step_s=0.010, costs=usual) > 0  # back on: the text repeats
+
+
+def test_adaptive_speculation_stops_drafting_free_text() -> None:
+    """Sampled text of a flat model: prompt lookup is mostly wrong; the adaptive job sends far fewer drafts."""
+    params = SamplingParams(temperature=1.0, seed=1)
+    fixed = speculation(FIXED)
+    adaptive = speculation(ADAPTIVE)
+    answer(MarkovEngine(seed=1, sharp=0.3, n_ctx=400), PROMPT, fixed, 300, params=params)
+    answer(MarkovEngine(seed=1, sharp=0.3, n_ctx=400), PROMPT, adaptive, 300, params=params)
+    assert fixed is not None and adaptive is not None
+    assert fixed.accepted < fixed.drafted / 4
+    assert adaptive.drafted < fixed.drafted / 3
+
+
+def test_the_step_budget_measures_what_drafts_cost_against_the_plain_step() -> None:
+    budget = StepBudget(1.6, clock=lambda: 0.0)
+    assert budget.wants_plain_step(2)
+    budget.record(2, 0, 0.010)
+    assert not budget.wants_plain_step(2) and budget.draft_costs() is None
+    budget.record(2, 0, 0.014, drafts=8)
+    assert budget.draft_costs() == pytest.approx((0.0, 0.0005))  # one number of drafts: all of it per token
+    for drafts in (1, 2, 4, 8) * 8:
+        budget.record(2, 0, 0.010 + 0.002 + 0.0005 * drafts, drafts=drafts)
+    assert budget.draft_costs() == pytest.approx((0.002, 0.0005))  # the verification's own, and a token's
+    assert budget.decode_seconds(2) == pytest.approx(0.010)  # steps with drafts are not decode-only
+    assert budget.wants_plain_step(2)  # after VERIFY_REFRESH steps with drafts: re-measure the reference
+
+
+def test_speculative_config_names_a_bad_value() -> None:
+    with pytest.raises(ConfigError, match='"speculative.source"'):
+        config_from_dict({"speculative": {"source": "mtp"}})
+    with pytest.raises(ConfigError, match='"speculative.max_draft"'):
+        config_from_dict({"speculative": {"max_draft": 0}})
+    with pytest.raises(ConfigError, match='"speculative.max_ngram"'):
+        config_from_dict({"speculative": {"min_ngram": 4, "max_ngram": 3}})
+    with pytest.raises(ConfigError, match='"speculative.draft_model" is needed with source "draft_model"'):
+        config_from_dict({"speculative": {"source": "draft_model"}})
+    with pytest.raises(ConfigError, match='"speculative.draft_model"'):
+        config_from_dict({"speculative": {"draft_model": "d.gguf"}})
+    with pytest.raises(ValueError, match="no draft model is loaded"):
+        speculation(SpeculativeConfig(source="draft_model", draft_model="d.gguf"))
+    assert speculation(SpeculativeConfig(source="off")) is None
+    assert isinstance(speculation(ADAPTIVE, [1, 2]).drafter, Prediction)  # type: ignore[union-attr]
+    assert isinstance(speculation(FIXED, [1, 2]).drafter, PromptLookup)  # type: ignore[union-attr]
+
+
+def test_greedy_answers_through_the_engine_are_identical_with_drafts(tmp_path) -> None:
+    """The C engine on a generated MoE: a step that verifies a draft computes its rows in one batch, and the
+    answer is the one decoded token by token; with the answer itself as the prediction, every draft is right."""
+    from strata.engine_cffi import Engine
+    from strata.modelgen import write_random_model
+
+    path = write_random_model(tmp_path / "m.gguf", arch="qwen3moe", size="tiny", dtype="q8_0")
+    rng = np.random.default_rng(0)
+    with Engine.load(path, n_ctx=256, threads=1) as engine:
+        base = [int(t) for t in rng.integers(0, engine.n_vocab, 30)]
+        prompt = base + base[:10]
+
+        def run(spec: Speculation | None) -> tuple[list[int], int]:
+            batcher = Batcher(engine)
+            job = Job(prompt, Sampler(GREEDY, engine.n_vocab), 48, set(), speculation=spec)
+            batcher.add(job)
+            steps = 0
+            while job.finish is None:
+                batcher.step()
+                steps += 1
+            engine.keep(0)
+            return job.tokens, steps
+
+        plain, plain_steps = run(None)
+        assert run(speculation(FIXED))[0] == plain
+        predicted, steps = run(speculation(SpeculativeConfig(adaptive=False), plain))  # 8 drafts a step
+        assert predicted == plain and steps < plain_steps / 3
+
+
+def test_a_guided_answer_is_the_same_with_drafts_the_guide_forbids(tokenizer) -> None:
+    """A JSON schema's guide (llguidance) over a scripted model that writes a colour the schema does not allow:
+    prompt lookup drafts the forbidden colour from the prompt, the guide ends the draft there, and the answer (and
+    the guide's own record of it) is the one decoded without drafts."""
+    from fakes import ScriptedEngine
+
+    from strata.text.constraints import AnswerFormat, Grammars, plan_constraint
+    from strata.text.families import QWEN3
+
+    schema = {"type": "object", "properties": {"colour": {"enum": ["red", "green"]}, "count": {"type": "integer"}},
+              "required": ["colour", "count"], "additionalProperties": False}
+    script = '{"colour": "purple", "count": 12345}'
+    grammars = Grammars(tokenizer, QWEN3, tokenizer.n_vocab)
+    the_plan = plan_constraint(answer_format=AnswerFormat("json_schema", json.dumps(schema)), tools=[],
+                               tool_choice=None, parallel_tool_calls=True, thinking=False, in_reasoning=False,
+                               tokens=grammars.tokens)
+    prompt = tokenizer.encode(f"<|im_start|>user\nSay {script} twice: {script}<|im_end|>\n<|im_start|>assistant\n",
+                              special=True)
+    answers = []
+    for spec in (None, speculation(FIXED)):
+        engine = ScriptedEngine(tokenizer, tokenizer.encode(script, special=True))
+        batcher = Batcher(engine, slowdown=None)
+        guide = grammars.guide(the_plan)
+        job = Job(prompt, Sampler(GREEDY, tokenizer.n_vocab, mask=guide), 40, set(tokenizer.eos_ids),
+                  speculation=spec)
+        batcher.add(job)
+        while job.finish is None:
+            batcher.step()
+        assert guide.answer_ids == [*job.tokens, guide.answer_ids[-1]]  # and the end of turn
+        assert job.finish == "stop" and guide.answer_error() is None
+        answers.append(job.tokens)
+        if spec is not None:
+            assert 0 < spec.accepted < spec.drafted
+    assert answers[0] == answers[1]
+    assert json.loads(tokenizer.decode(answers[0]))["colour"] in ("red", "green")
+
+
+def test_a_draft_model_drafts_greedily_and_the_answer_stays_the_models(tmp_path) -> None:
+    """The C engine on a generated MoE with two draft models of its vocabulary: itself (every draft right) and
+    one of other weights (drafts mostly wrong); a 300-token prompt catches up 256 tokens a step."""
+    from strata.engine_cffi import Engine
+    from strata.modelgen import write_random_model
+    from strata.scheduling.draft_model import DraftModel
+
+    main = write_random_model(tmp_path / "m.gguf", arch="qwen3moe", size="tiny", dtype="q8_0", seed=1)
+    other = write_random_model(tmp_path / "d.gguf", arch="qwen3moe", size="tiny", dtype="q8_0", seed=2)
+    config = SpeculativeConfig(source="draft_model", draft_model="x", adaptive=False, max_draft=4)
+    with Engine.load(main, n_ctx=512, threads=1) as engine:
+        prompt = [int(t) for t in np.random.default_rng(0).integers(0, engine.n_vocab, 300)]
+
+        def run(spec: Speculation | None) -> tuple[list[int], int]:
+            batcher = Batcher(engine, slowdown=None)
+            job = Job(prompt, Sampler(GREEDY, engine.n_vocab), 40, set(), speculation=spec)
+            batcher.add(job)
+            steps = 0
+            while job.finish is None:
+                batcher.step()
+                steps += 1
+            engine.keep(0)
+            return job.tokens, steps
+
+        plain, plain_steps = run(None)
+        for path, right in ((main, True), (other, False)):
+            with Engine.load(path, n_ctx=512, threads=1) as draft_engine:
+                recorded = RecordingEngine(draft_engine)
+                drafts = DraftModel(recorded)
+                spec = speculation(config, draft_model=drafts)
+                assert spec is not None
+                tokens, steps = run(spec)
+                assert tokens == plain
+                if right:
+                    assert spec.accepted == spec.drafted > 0 and steps < plain_steps / 2
+                else:
+                    assert spec.accepted < spec.drafted
+                # the first two decode steps: the prompt and its first answer tokens, 256 at a time (then drafts)
+                assert [len(tokens) for tokens, _ in recorded.calls[:3]] == [256, 302 - 256, 1]
+
+
+def test_a_long_prompt_is_indexed_a_chunk_a_step_and_matched_meanwhile() -> None:
+    lookup = PromptLookup()
+    n = 2 * NgramIndex.CHUNK + 100
+    history = [*range(n), 5, 6]  # "5 6" follows at 7; the prompt's tail is indexed last
+    assert lookup.propose(history, n, 2) == [7, 8] and lookup.index.indexed == NgramIndex.CHUNK + 2
+    lookup.propose(history, n, 2)
+    lookup.propose(history, n, 2)
+    assert lookup.index.indexed == len(history) + 1
+
+
+def test_a_recurrent_slot_stopped_inside_a_draft_serves_the_next_job_from_its_state() -> None:
+    """A stop id inside an accepted draft ends the job there: its recurrent slot is back at the state before the
+    step (the fake fails any step whose state does not sum up its cache), and the next turn resumes from it."""
+    engine = RecurrentEngine(n_ctx=100)
+    batcher = Batcher(engine, slowdown=None)
+    first = Job([*range(16), 0, 1, 2], Sampler(GREEDY, N_VOCAB), 40, {9}, speculation=speculation(FIXED))
+    batcher.add(first)
+    while first.finish is None:
+        batcher.step()
+    assert first.tokens == [3, 4, 5, 6, 7, 8] and first.finish == "stop"
+    assert batcher.slots[0].live and engine.seq_n_past(0) < len(first.history)
+    follow_up = Job([*first.history, 9, 12], Sampler(GREEDY, N_VOCAB), 5, set(), speculation=speculation(FIXED))
+    batcher.add(follow_up)
+    assert follow_up.reused == engine.seq_n_past(0) > 16  # resumed from the slot's state, not from scratch
+    while follow_up.finish is None:
+        batcher.step()
+    assert follow_up.tokens == [13, 14, 15, 0, 1]
