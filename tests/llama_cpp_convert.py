@@ -105,3 +105,37 @@ def save_qwen3vl(model, hf_dir: pathlib.Path, tokenizer_dir: pathlib.Path) -> No
         experts_as_transformers_4(hf_dir / "model.safetensors")
     for file in tokenizer_dir.iterdir():
         shutil.copy(file, hf_dir)
+
+
+def save_qwen35(model, hf_dir: pathlib.Path, tokenizer_dir: pathlib.Path, n_mtp: int = 1) -> None:
+    """A Qwen3.5 checkpoint in `hf_dir` as published ones are: `model`'s last `n_mtp` decoder layers (full-attention
+    ones) become the MTP block (`mtp.layers.*`, with its `fc` input projection and three norms, drawn here), which
+    transformers does not model; with the tokenizer's files from `tokenizer_dir`."""
+    import shutil
+
+    import safetensors.torch
+    import torch
+
+    model.save_pretrained(hf_dir)
+    config = json.loads((hf_dir / "config.json").read_text())
+    text = config.get("text_config", config)
+    n_layer = text["num_hidden_layers"] - n_mtp
+    assert all(t == "full_attention" for t in text["layer_types"][n_layer:]), "MTP layers are full attention"
+    tensors = safetensors.torch.load_file(hf_dir / "model.safetensors")
+    prefix = "model.language_model.layers." if "text_config" in config else "model.layers."
+    moved = {}
+    for name, value in tensors.items():
+        if name.startswith(prefix) and int(name.removeprefix(prefix).split(".")[0]) >= n_layer:
+            layer, _, rest = name.removeprefix(prefix).partition(".")
+            name = f"mtp.layers.{int(layer) - n_layer}.{rest}"
+        moved[name] = value
+    width = text["hidden_size"]
+    generator = torch.Generator().manual_seed(n_layer)
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        moved[f"mtp.{norm}.weight"] = 0.1 * torch.randn(width, generator=generator)
+    moved["mtp.fc.weight"] = torch.randn(width, 2 * width, generator=generator) / (2 * width) ** 0.5
+    safetensors.torch.save_file(moved, hf_dir / "model.safetensors", metadata={"format": "pt"})
+    text.update(num_hidden_layers=n_layer, layer_types=text["layer_types"][:n_layer], mtp_num_hidden_layers=n_mtp)
+    (hf_dir / "config.json").write_text(json.dumps(config, indent=1))
+    for file in tokenizer_dir.iterdir():
+        shutil.copy(file, hf_dir)
