@@ -12,10 +12,10 @@ import pytest
 from gguf import TENSOR_NAMES, GGUFReader, quants
 
 from strata.modelgen import hparams_for, write_random_model
-from strata.modelgen.hparams import HParams
+from strata.modelgen.hparams import HYBRID_ARCHS, HParams
 from strata.modelgen.writer import SSM_A_LOG_MEAN, SSM_A_LOG_SPREAD
 
-ARCHS = ("qwen35moe", "qwen35")
+ARCHS = HYBRID_ARCHS
 BYTES_VOCAB = 256 + 26 + 3
 # F32 in every dtype, as the converter and llama.cpp's quantizer keep them
 F32_KINDS = ("norm", "ffn_gate_inp", "ffn_gate_inp_shexp", "ssm_a", "ssm_dt", "ssm_conv1d")
@@ -181,3 +181,17 @@ def test_inconsistent_hybrid_shapes_are_refused(tmp_path: pathlib.Path) -> None:
         write_random_model(tmp_path / "m.gguf", arch="qwen35", full_attention_interval=0)
     with pytest.raises(ValueError, match="n_ff_shexp"):
         write_random_model(tmp_path / "m.gguf", arch="qwen35moe", n_ff_shexp=0)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("overrides", [{}, {"full_attention_interval": 2, "n_nextn": 0}])
+def test_llama_cpp_runs_our_files(arch: str, overrides: dict[str, int], tmp_path: pathlib.Path) -> None:
+    """Where llama-cpp-python is installed: llama.cpp loads our files (it refuses a missing, extra or misshapen
+    tensor or key) and gives logits of the spread the writer aims at (std ~2, OUTPUT_GAIN)."""
+    pytest.importorskip("llama_cpp")
+    from llama_cpp_quantize import llama_cpp_logits
+
+    path = write_random_model(tmp_path / "m.gguf", arch=arch, dtype="q8_0", **overrides)
+    logits = llama_cpp_logits(path, list(range(40, 72)))
+    assert logits.shape == (32, BYTES_VOCAB) and np.isfinite(logits).all()
+    assert 1.0 < logits.std() < 4.0
