@@ -12,12 +12,15 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import subprocess
+import sys
 
 import gguf
 import numpy as np
 import pytest
 import torch
 from llama_cpp_convert import convert, require_converter
+from PIL import Image
 from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
 
 from strata.modelgen import cli
@@ -25,6 +28,7 @@ from strata.modelgen.hf_qwen35 import gguf_vision_from_hf, vision_hparams_from_h
 from strata.modelgen.mmproj_qwen35 import write_qwen35_mmproj
 from strata.vision.load import open_encoder
 from strata.vision.mmproj import read_hparams
+from strata.vision.protocol import parse_sve
 from vision.conftest import qwen_patches
 
 TOLERANCE = 1e-4
@@ -116,6 +120,22 @@ def test_embeddings_match_the_checkpoint(qwen35: tuple, converted: pathlib.Path,
     assert got.shape == expected.shape == (width * height // (MERGE * PATCH) ** 2, N_TEXT)
     err = np.linalg.norm(got - expected.numpy()) / np.linalg.norm(expected.numpy())
     assert err < TOLERANCE, f"relative error {err:.2e}"
+
+
+def test_strata_vision_encodes_a_picture_with_the_converted_file(converted: pathlib.Path,
+                                                                 tmp_path: pathlib.Path) -> None:
+    picture = tmp_path / "p.png"
+    Image.new("RGB", (100, 60), (200, 30, 90)).save(picture)
+    done = subprocess.run([sys.executable, "-m", "strata.vision.worker", "encode", str(picture), "--mmproj",
+                           str(converted), "--out", str(tmp_path / "p.sve"), "--threads", "1"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    # 3x2 tokens as it is, under llama.cpp's minimum of 8: scaled up, each side rounded up (Qwen's smart_resize);
+    # rows of the text model's width alone (no deepstack slices)
+    assert (result["nx"], result["ny"], result["n_embd"]) == (4, 3, N_TEXT)
+    _, rows = parse_sve((tmp_path / "p.sve").read_bytes())
+    assert rows.shape == (12, N_TEXT)
 
 
 def test_make_model_writes_a_qwen35_encoder_for_a_qwen35_model(tmp_path: pathlib.Path) -> None:
