@@ -128,3 +128,21 @@ def test_unknown_tensors_are_refused(checkpoint: tuple[str, pathlib.Path]) -> No
     state["model.layers.0.linear_attn.new_thing.weight"] = np.zeros(4, np.float32)
     with pytest.raises(ValueError, match="new_thing"):
         gguf_weights_from_hf(state, hp)
+
+
+@pytest.mark.parametrize("checkpoint", ["qwen35moe"], indirect=True)
+def test_packed_experts_map_as_saved_ones(checkpoint: tuple[str, pathlib.Path]) -> None:
+    """transformers 5 holds the experts packed in memory (`gate_up_proj` (experts, 2 n_ff, n_embd), `down_proj`)
+    and saves them one by one: both map to the same file tensors. (In memory the MTP layer is still decoder layer
+    n_layer, which maps to the same tensors as the saved `mtp.layers.0`.)"""
+    import safetensors.numpy
+
+    arch, hf_dir = checkpoint
+    hp = hparams_from_hf(json.loads((hf_dir / "config.json").read_text()))
+    saved = gguf_weights_from_hf(safetensors.numpy.load_file(hf_dir / "model.safetensors"), hp)
+    in_memory_state = {name: value.numpy() for name, value in _checkpoint(arch).state_dict().items()}
+    assert any(name.endswith("experts.gate_up_proj") for name in in_memory_state)
+    in_memory = gguf_weights_from_hf(in_memory_state, hp)
+    assert in_memory.keys() == saved.keys() - {name for name in saved if ".nextn." in name}
+    for name, value in in_memory.items():
+        assert np.array_equal(value, saved[name]), name
