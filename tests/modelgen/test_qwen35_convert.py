@@ -146,3 +146,30 @@ def test_packed_experts_map_as_saved_ones(checkpoint: tuple[str, pathlib.Path]) 
     assert in_memory.keys() == saved.keys() - {name for name in saved if ".nextn." in name}
     for name, value in in_memory.items():
         assert np.array_equal(value, saved[name]), name
+
+
+@pytest.mark.parametrize("checkpoint", ["qwen35moe"], indirect=True)
+def test_a_multimodal_checkpoints_text_maps_alike(checkpoint: tuple[str, pathlib.Path]) -> None:
+    """`Qwen3_5MoeForConditionalGeneration` keeps the text model under `model.language_model.` beside the vision
+    tower (`model.visual.`, left to the mmproj)."""
+    import safetensors.numpy
+
+    _, hf_dir = checkpoint
+    hp = hparams_from_hf(json.loads((hf_dir / "config.json").read_text()))
+    state = safetensors.numpy.load_file(hf_dir / "model.safetensors")
+    multimodal = {name.replace("model.", "model.language_model.", 1): value for name, value in state.items()}
+    multimodal["model.visual.blocks.0.attn.qkv.weight"] = np.zeros((96, 32), np.float32)
+    assert "model.language_model.layers.0.linear_attn.A_log" in multimodal
+    expected, got = gguf_weights_from_hf(state, hp), gguf_weights_from_hf(multimodal, hp)
+    assert got.keys() == expected.keys()
+    assert all(np.array_equal(got[name], expected[name]) for name in expected)
+
+
+@pytest.mark.parametrize("checkpoint", ["qwen35"], indirect=True)
+def test_a_layer_pattern_the_keys_cannot_describe_is_refused(checkpoint: tuple[str, pathlib.Path]) -> None:
+    _, hf_dir = checkpoint
+    config = json.loads((hf_dir / "config.json").read_text())
+    assert hparams_from_hf(config).recurrent_layers() == (True, True, True, False)
+    config["layer_types"] = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
+    with pytest.raises(ValueError, match="layer_types"):
+        hparams_from_hf(config)
