@@ -177,6 +177,10 @@ def test_inconsistent_hybrid_shapes_are_refused(tmp_path: pathlib.Path) -> None:
         write_random_model(tmp_path / "m.gguf", arch="qwen35", ssm_time_step_rank=3)
     with pytest.raises(ValueError, match="rope_sections"):
         write_random_model(tmp_path / "m.gguf", arch="qwen35", n_rot=32)
+    with pytest.raises(ValueError, match="4 entries"):
+        write_random_model(tmp_path / "m.gguf", arch="qwen35", rope_sections=(3, 3, 2))
+    with pytest.raises(ValueError, match="needs ssm_conv_kernel"):
+        write_random_model(tmp_path / "m.gguf", arch="qwen35", ssm_time_step_rank=0)
     with pytest.raises(ValueError, match="full_attention_interval 0"):
         write_random_model(tmp_path / "m.gguf", arch="qwen35", full_attention_interval=0)
     with pytest.raises(ValueError, match="n_ff_shexp"):

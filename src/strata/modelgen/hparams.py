@@ -67,9 +67,12 @@ class HParams:
         if self.rope_sections and sum(self.rope_sections) != self.rope_dims // 2:
             raise ValueError(f"rope_sections {self.rope_sections} must sum to n_rot / 2 = {self.rope_dims // 2}")
         if self.hybrid:
-            if not (self.ssm_conv_kernel and self.ssm_state_size and self.ssm_group_count and self.ssm_inner_size):
-                raise ValueError("a hybrid model needs ssm_conv_kernel, ssm_state_size, ssm_group_count and "
-                                 "ssm_inner_size")
+            if not (self.ssm_conv_kernel and self.ssm_state_size and self.ssm_group_count
+                    and self.ssm_time_step_rank and self.ssm_inner_size):
+                raise ValueError("a hybrid model needs ssm_conv_kernel, ssm_state_size, ssm_group_count, "
+                                 "ssm_time_step_rank and ssm_inner_size")
+            if len(self.rope_sections) != 4:
+                raise ValueError(f"rope_sections {self.rope_sections} must have 4 entries (t, h, w, extra)")
             if self.ssm_time_step_rank % self.ssm_group_count or self.ssm_inner_size % self.ssm_time_step_rank:
                 raise ValueError(f"ssm_time_step_rank {self.ssm_time_step_rank} must be a multiple of "
                                  f"ssm_group_count {self.ssm_group_count} and divide ssm_inner_size "
