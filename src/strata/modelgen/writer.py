@@ -423,7 +423,8 @@ def write_model(path: str | os.PathLike[str], arch: str, hp: HParams, vocab: Voc
         hp: its hyper-parameters.
         vocab: its vocabulary.
         weights: every tensor of `tensor_specs` by its GGUF name (`blk.0.attn_q.weight`, ...), float32 in numpy
-            order and Hugging Face layout (llama's Q and K rows get permuted here).
+            order and Hugging Face layout (llama's Q and K rows get permuted here); for the hybrids, the values the
+            file stores (`hf_qwen35.gguf_weights_from_hf` makes them of a checkpoint's).
         dtype: as for `write_random_model`.
         name: `general.name`.
 
