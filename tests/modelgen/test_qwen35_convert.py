@@ -1,13 +1,9 @@
 """Our `qwen35moe` / `qwen35` files against llama.cpp's converter: a random checkpoint of transformers' real
 `Qwen3_5MoeForCausalLM` / `Qwen3_5ForCausalLM` with an MTP layer, converted by `convert_hf_to_gguf.py`, and the
-same weights written by `write_model` (mapped by `strata.modelgen.hf_qwen35`): the same tensors, shapes, types and
-bytes (F32 bit-equal, Q8_0 the same blocks), and the same metadata but the name the converter makes up.
-
-Two exceptions, both from the inputs rather than the writer: `ssm_a` = -exp(A_log) may differ in the last bit,
-exp's last bit depending on the library (the converter's torch.exp against a correctly rounded exp: 1% of values
-differ by 1 ulp); and the token types and merges follow the tokenizer files given to the converter, which here are
-rebuilt from Qwen's BPE ranks (every merge path listed, every added token marked special), where our `qwen`
-vocabulary is Qwen's published tokenizer (its 151,387 merges, `<think>`-like tokens user-defined).
+same weights written by `write_model` (mapped by `strata.modelgen.hf_qwen35`), with Qwen's tokenizer: the same
+tensors, shapes, types and bytes (F32 bit-equal, Q8_0 the same blocks), and the same metadata, tokenizer included,
+but the name the converter makes up. `ssm_a` = -exp(A_log) may differ in the last bit: exp's last bit depends on
+the library (the converter's torch.exp against a correctly rounded exp: 1% of values differ by 1 ulp).
 """
 
 from __future__ import annotations
@@ -27,7 +23,6 @@ from strata.modelgen.vocab import ENDOFTEXT, get_vocab
 from strata.modelgen.writer import chat_template, write_model
 
 PRODUCER_KEYS = {"general.name", "general.size_label"}  # the converter's guesses from the directory name
-TOKENIZER_BUILD_KEYS = {"tokenizer.ggml.token_type", "tokenizer.ggml.merges"}  # see the module's docstring
 N_LAYER = 4  # main layers: DeltaNet x3, attention; then one MTP layer
 _TEXT = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
              linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
@@ -78,7 +73,7 @@ def _ours(arch: str, hf_dir: pathlib.Path, out: pathlib.Path, dtype: str) -> pat
 
 def _metadata(reader: gguf.GGUFReader) -> dict[str, object]:
     return {key: (f.types, f.contents()) for key, f in reader.fields.items()
-            if key not in PRODUCER_KEYS | TOKENIZER_BUILD_KEYS and not key.startswith("GGUF.")}
+            if key not in PRODUCER_KEYS and not key.startswith("GGUF.")}
 
 
 @pytest.mark.parametrize(("checkpoint", "outtype"), CONVERSIONS, indirect=["checkpoint"])
