@@ -156,17 +156,18 @@ def test_q4_k_mixture(tmp_path: pathlib.Path) -> None:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_types_match_llama_cpp_quantizer(arch: str, f32_models: dict[str, pathlib.Path],
-                                         tmp_path: pathlib.Path) -> None:
+@pytest.mark.parametrize("n_layer", [4, 8])
+def test_types_match_llama_cpp_quantizer(arch: str, n_layer: int, tmp_path: pathlib.Path) -> None:
     """Where llama-cpp-python is installed: llama.cpp's quantizer makes of our F32 file the types our dtypes
     write. Its files store the shared expert's gate (n_embd, 1) as (n_embd,), dropping the trailing 1 as ggml
     does; the converter keeps it, and so do we."""
     pytest.importorskip("llama_cpp")
     from llama_cpp_quantize import quantize
 
+    source = write_random_model(tmp_path / "f32.gguf", arch=arch, dtype="f32", n_layer=n_layer)
     for preset, dtype in (("Q4_K_M", "q4_k"), ("Q8_0", "q8_0")):
-        theirs = GGUFReader(quantize(f32_models[arch], tmp_path / f"{preset}.gguf", preset))
-        ours = GGUFReader(write_random_model(tmp_path / f"{dtype}.gguf", arch=arch, dtype=dtype))
+        theirs = GGUFReader(quantize(source, tmp_path / f"{preset}.gguf", preset))
+        ours = GGUFReader(write_random_model(tmp_path / f"{dtype}.gguf", arch=arch, dtype=dtype, n_layer=n_layer))
         assert types(ours) == types(theirs), preset
         shapes = {t.name: [n for n in t.shape.tolist() if n != 1] for t in ours.tensors}
         assert shapes == {t.name: t.shape.tolist() for t in theirs.tensors}
