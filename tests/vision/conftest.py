@@ -70,6 +70,16 @@ def slow_mmproj(mmproj_dir: Path) -> Path:
     return path
 
 
+def qwen_patches(pixels: np.ndarray, patch: int, merge: int) -> np.ndarray:
+    """Normalised pixels (3, H, W) as Qwen's processor hands them to its vision tower: the picture is both frames
+    of a temporal patch, patches grouped by merge window, one row (3 * 2 * patch * patch) per patch."""
+    _, height, width = pixels.shape
+    gy, gx = height // patch, width // patch
+    frames = np.stack([pixels, pixels])  # (2, 3, H, W)
+    patches = frames.reshape(2, 3, gy // merge, merge, patch, gx // merge, merge, patch)
+    return np.ascontiguousarray(patches.transpose(2, 5, 3, 6, 1, 0, 4, 7).reshape(gy * gx, -1))
+
+
 def noise_png(width: int, height: int, seed: int = 0) -> bytes:
     """A unique random RGB picture, PNG-encoded."""
     pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)

@@ -23,6 +23,7 @@ from strata.vision.load import open_encoder
 from strata.vision.mmproj import read_hparams
 from strata.vision.preprocess import token_budget
 from strata.vision.protocol import parse_sve
+from vision.conftest import qwen_patches
 
 TOLERANCE = 1e-4
 PATCH, MERGE, N_TEXT, DEEPSTACK = 16, 2, 64, [0, 1]
@@ -66,15 +67,11 @@ def qwen3vl(tmp_path_factory: pytest.TempPathFactory) -> tuple[Qwen3VLForConditi
 
 
 def _reference(model: Qwen3VLForConditionalGeneration, pixels: np.ndarray) -> np.ndarray:
-    """The tower on normalised pixels (3, H, W), patched as Qwen's processor does: the picture is both frames of a
-    temporal patch, patches grouped by 2x2 merge window."""
+    """The tower on normalised pixels (3, H, W), patched as Qwen's processor does."""
     _, height, width = pixels.shape
-    gy, gx = height // PATCH, width // PATCH
-    frames = np.stack([pixels, pixels])  # (2, 3, H, W)
-    patches = frames.reshape(2, 3, gy // MERGE, MERGE, PATCH, gx // MERGE, MERGE, PATCH)
-    patches = patches.transpose(2, 5, 3, 6, 1, 0, 4, 7).reshape(gy * gx, -1)
+    patches = torch.from_numpy(qwen_patches(pixels, PATCH, MERGE))
     with torch.no_grad():
-        out = model.model.visual(torch.from_numpy(np.ascontiguousarray(patches)), grid_thw=torch.tensor([[1, gy, gx]]))
+        out = model.model.visual(patches, grid_thw=torch.tensor([[1, height // PATCH, width // PATCH]]))
     return torch.cat([out.pooler_output, *out.deepstack_features], dim=1).numpy()
 
 

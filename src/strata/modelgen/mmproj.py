@@ -46,6 +46,15 @@ def text_model_width(path: str | os.PathLike[str]) -> int:
     Raises:
         ValueError: the file has no architecture or no embedding length.
     """
+    return text_model_shape(path)[1]
+
+
+def text_model_shape(path: str | os.PathLike[str]) -> tuple[str, int]:
+    """The architecture and embedding width of a text model GGUF: which encoder fits it, and its projection.
+
+    Raises:
+        ValueError: the file has no architecture or no embedding length.
+    """
     reader = gguf.GGUFReader(os.fspath(path))
     arch = reader.fields.get(gguf.Keys.General.ARCHITECTURE)
     if arch is None:
@@ -53,7 +62,7 @@ def text_model_width(path: str | os.PathLike[str]) -> int:
     width = reader.fields.get(gguf.Keys.LLM.EMBEDDING_LENGTH.format(arch=arch.contents()))
     if width is None:
         raise ValueError(f"'{os.fspath(path)}' has no embedding length for architecture {arch.contents()!r}")
-    return int(width.contents())
+    return str(arch.contents()), int(width.contents())
 
 
 def write_random_mmproj(
@@ -148,42 +157,50 @@ def add_vision_metadata(writer: gguf.GGUFWriter, hp: VisionHParams, name: str) -
         writer.add_string(VARIANT_KEY, hp.variant)
 
 
+class TensorDraws:
+    """Random encoder tensors by file name, drawn from `rng` in call order: matrices in `wtype`, the rest float32."""
+
+    def __init__(self, rng: np.random.Generator, wtype: type):
+        self.rng, self.wtype = rng, wtype
+
+    def normal(self, shape: tuple[int, ...], std: float, dtype: type = np.float32) -> np.ndarray:
+        return (self.rng.standard_normal(shape) * std).astype(dtype)
+
+    def linear(self, kind: gguf.MODEL_TENSOR, bid: int | None, n_out: int, n_in: int, gain: float = 1.0) -> dict:
+        return {
+            tensor_name(kind, "weight", bid): self.normal((n_out, n_in), gain / np.sqrt(n_in), self.wtype),
+            tensor_name(kind, "bias", bid): self.normal((n_out,), 0.02),
+        }
+
+    def norm(self, kind: gguf.MODEL_TENSOR, n: int, bid: int | None = None) -> dict:
+        return {
+            tensor_name(kind, "weight", bid): 1.0 + self.normal((n,), 0.1),
+            tensor_name(kind, "bias", bid): self.normal((n,), 0.05),
+        }
+
+
 def _random_tensors(hp: VisionHParams, rng: np.random.Generator, wtype: type,
                     input_norm: bool) -> dict[str, np.ndarray]:
-    def normal(shape: tuple[int, ...], std: float, dtype: type = np.float32) -> np.ndarray:
-        return (rng.standard_normal(shape) * std).astype(dtype)
-
-    def linear(kind: gguf.MODEL_TENSOR, bid: int | None, n_out: int, n_in: int, gain: float = 1.0) -> dict:
-        return {
-            tensor_name(kind, "weight", bid): normal((n_out, n_in), gain / np.sqrt(n_in), wtype),
-            tensor_name(kind, "bias", bid): normal((n_out,), 0.02),
-        }
-
-    def norm(kind: gguf.MODEL_TENSOR, n: int, bid: int | None = None) -> dict:
-        return {
-            tensor_name(kind, "weight", bid): 1.0 + normal((n,), 0.1),
-            tensor_name(kind, "bias", bid): normal((n,), 0.05),
-        }
-
+    draw = TensorDraws(rng, wtype)
     n, p, merged = hp.n_embd, hp.patch_size, hp.merge**2 * hp.n_embd
     # Residual branches are scaled down so the residual stream grows slowly with depth.
     branch_gain = 1.0 / np.sqrt(2 * hp.n_layer)
     tensors = {
-        tensor_name(_T.V_ENC_EMBD_PATCH): normal((n, 3, p, p), 1.0 / np.sqrt(3 * p * p), wtype),
-        tensor_name(_T.V_ENC_EMBD_PATCH, "bias"): normal((n,), 0.02),
-        tensor_name(_T.V_ENC_EMBD_POS): normal((hp.pos_side**2, n), 0.5),
+        tensor_name(_T.V_ENC_EMBD_PATCH): draw.normal((n, 3, p, p), 1.0 / np.sqrt(3 * p * p), wtype),
+        tensor_name(_T.V_ENC_EMBD_PATCH, "bias"): draw.normal((n,), 0.02),
+        tensor_name(_T.V_ENC_EMBD_POS): draw.normal((hp.pos_side**2, n), 0.5),
     }
     for bid in range(hp.n_layer):
-        tensors |= norm(_T.V_ENC_INPUT_NORM, n, bid)
+        tensors |= draw.norm(_T.V_ENC_INPUT_NORM, n, bid)
         for kind in (_T.V_ENC_ATTN_Q, _T.V_ENC_ATTN_K, _T.V_ENC_ATTN_V):
-            tensors |= linear(kind, bid, n, n)
-        tensors |= linear(_T.V_ENC_ATTN_O, bid, n, n, branch_gain)
-        tensors |= norm(_T.V_ENC_POST_ATTN_NORM, n, bid)
-        tensors |= linear(_T.V_ENC_FFN_UP, bid, hp.n_ff, n)
-        tensors |= linear(_T.V_ENC_FFN_DOWN, bid, n, hp.n_ff, branch_gain)
-    tensors |= norm(_T.V_POST_NORM, n)
+            tensors |= draw.linear(kind, bid, n, n)
+        tensors |= draw.linear(_T.V_ENC_ATTN_O, bid, n, n, branch_gain)
+        tensors |= draw.norm(_T.V_ENC_POST_ATTN_NORM, n, bid)
+        tensors |= draw.linear(_T.V_ENC_FFN_UP, bid, hp.n_ff, n)
+        tensors |= draw.linear(_T.V_ENC_FFN_DOWN, bid, n, hp.n_ff, branch_gain)
+    tensors |= draw.norm(_T.V_POST_NORM, n)
     if input_norm:
-        tensors |= norm(_T.V_MM_INP_NORM, merged)
-    tensors |= linear(_T.V_MMPROJ, MM_UP_BID, hp.n_proj, merged)
-    tensors |= linear(_T.V_MMPROJ, MM_DOWN_BID, hp.n_proj, hp.n_proj)
+        tensors |= draw.norm(_T.V_MM_INP_NORM, merged)
+    tensors |= draw.linear(_T.V_MMPROJ, MM_UP_BID, hp.n_proj, merged)
+    tensors |= draw.linear(_T.V_MMPROJ, MM_DOWN_BID, hp.n_proj, hp.n_proj)
     return tensors
