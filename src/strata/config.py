@@ -110,6 +110,36 @@ class McpConfig:
 
 
 @dataclass(frozen=True)
+class ModelEntry:
+    """One of several models a server serves by name (the top-level `models` list): its file and names, and the
+    engine keys a single model has at the top level; a key left out (None) is the top-level one. `mmproj` is its
+    image encoder (none when left out); the other `vision` keys are the top-level ones."""
+
+    name: str
+    model: str
+    aliases: list[str] | None = None  # other names a request's `model` may use
+    mmproj: str | None = None
+    context: int | None = None
+    slots: int | None = None
+    threads: int | None = None
+    kv: str | None = None
+    kv_budget: float | None = None
+    batch: int | None = None
+    mapped_weights: bool | None = None
+    step_tokens: int | None = None
+    step_slowdown: float | None = None
+
+    @property
+    def names(self) -> list[str]:
+        return [self.name, *(self.aliases or [])]
+
+
+# The keys a model entry shares with the top level, each one replacing the top-level value when given.
+MODEL_ENTRY_KEYS = ("context", "slots", "threads", "kv", "kv_budget", "batch", "mapped_weights", "step_tokens",
+                    "step_slowdown")
+
+
+@dataclass(frozen=True)
 class Config:
     model: str | None = None
     host: str = "127.0.0.1"
@@ -148,9 +178,26 @@ class Config:
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     mcp: McpConfig = field(default_factory=McpConfig)
     mcp_servers: dict[str, McpServerConfig] = field(default_factory=dict)
+    # Several models served by name (a request's `model` picks one), each loaded on first use; instead of `model`.
+    models: list[ModelEntry] = field(default_factory=list)
+    # Bytes the loaded models may take together (model files, mmproj files and KV caches), given as a number or
+    # as "12GiB" / "800MB": loading one more unloads the least recently used idle ones (None: no bound).
+    models_memory: int | None = None
 
     def __post_init__(self) -> None:
         _check(self)
+
+    def model_files(self) -> list[str | None]:
+        """The model files served: each of `models`', else `model`."""
+        return [entry.model for entry in self.models] or [self.model]
+
+    def for_model(self, entry: ModelEntry) -> Config:
+        """The configuration one of `models` is served with: the top-level keys, with the entry's file, names,
+        image encoder and engine keys."""
+        given = {key: getattr(entry, key) for key in MODEL_ENTRY_KEYS if getattr(entry, key) is not None}
+        return dataclasses.replace(self, model=entry.model, model_alias=",".join(entry.names), models=[],
+                                   models_memory=None, vision=dataclasses.replace(self.vision, mmproj=entry.mmproj),
+                                   **given)
 
 
 # --- validation
@@ -170,6 +217,7 @@ def _check(config: Config) -> None:
     _check_limits(config.limits)
     _check_vision(config.vision)
     _check_mcp(config)
+    _check_models(config)
 
 
 def _check_engine(config: Config) -> None:
@@ -222,6 +270,48 @@ def _check_vision(vision: VisionConfig) -> None:
         value = getattr(vision, key)
         if value is not None and value < 1:
             raise _fail(f"vision.{key}", "must be at least 1")
+
+
+def _check_models(config: Config) -> None:
+    """`models`: each entry well formed, every name and alias served once; not mixed with the one-model keys."""
+    if config.models_memory is not None and config.models_memory < 1:
+        raise _fail("models_memory", "must be at least 1 byte")
+    if not config.models:
+        return
+    for key in ("model", "model_alias"):
+        if getattr(config, key) is not None:
+            raise _fail(key, 'names one model: with "models", each entry names its own (leave this key out)')
+    seen: set[str] = set()
+    for index, entry in enumerate(config.models):
+        for name in entry.names:
+            if not name.strip() or name != name.strip():
+                raise _fail(f"models[{index}].name", "must be a non-empty name without surrounding spaces")
+            if name in seen:
+                raise _fail(f"models[{index}]", f"serves the name {name!r}, which another entry serves too")
+            seen.add(name)
+        try:
+            config.for_model(entry)  # the entry's keys pass the checks of the top-level ones
+        except ConfigError as error:
+            raise ConfigError(str(error).replace('config: "', f'config: "models[{index}].', 1)) from None
+
+
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(key: str, value: Any) -> int:
+    """A size as bytes: a number, or a string such as "12GiB", "800 MB" or "1.5GiB".
+
+    Raises:
+        ConfigError: naming `key`.
+    """
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    match = _SIZE.fullmatch(value.strip()) if isinstance(value, str) else None
+    if match is None:
+        raise _fail(key, f'must be a number of bytes or a size such as "12GiB", got {json.dumps(value)}')
+    return int(float(match[1]) * _SIZE_UNITS[(match[2] or "").lower()])
 
 
 def _check_mcp(config: Config) -> None:
@@ -316,9 +406,23 @@ def _build(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
                     raise _fail(f"{full}.{name}", "must be an object")
                 servers[name] = _build(McpServerConfig, server, f"{full}.{name}.")
             values[key] = servers
+        elif key == "models" and not prefix:
+            if not isinstance(value, list) or not all(isinstance(entry, Mapping) for entry in value):
+                raise _fail(full, "must be a list of objects (each a model: name, model, ...)")
+            values[key] = [_model_entry(entry, f"{full}[{index}]") for index, entry in enumerate(value)]
+        elif key == "models_memory" and not prefix:
+            values[key] = None if value is None else parse_bytes(full, value)
         else:
             values[key] = _coerce(full, hints[key], value)
     return cls(**values)
+
+
+def _model_entry(data: Mapping[str, Any], key: str) -> ModelEntry:
+    for required in ("name", "model"):
+        if required not in data:
+            raise _fail(f"{key}.{required}", "is required")
+    entry: ModelEntry = _build(ModelEntry, data, f"{key}.")
+    return entry
 
 
 # --- loading

@@ -18,11 +18,11 @@ Cancelling the caller's cancel scope stops a request in any phase, exactly like 
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
+from functools import partial
 from typing import Any
 
 import trio
@@ -41,6 +41,7 @@ from strata.events import (
 )
 from strata.history import History, HistoryRow
 from strata.mcp_tools import McpRequestError, McpServers, Toolset, open_toolset, run_rounds
+from strata.model_set import ModelSet
 from strata.pictures.downloads import DownloadPolicy, download_client
 from strata.pictures.expand import marker_tokens
 from strata.pictures.sources import DOWNLOAD_TIMEOUT
@@ -51,16 +52,15 @@ from strata.pictures.staging import (
     PicturesUnavailable,
     picture_places,
 )
-from strata.progress import Stage, with_progress
 from strata.prompts import Prepared, Prompts, message_text, short
 from strata.request_errors import RequestError, ServiceUnavailable
-from strata.scheduling.batcher import Batcher, Job, salted
+from strata.scheduling.batcher import Job, salted
 from strata.scheduling.engine_like import EngineLike
 from strata.scheduling.engine_loop import EngineLoop, EngineStartError, Exclusive, Stream
 from strata.scheduling.turn import QueueFull, Turn
+from strata.served_model import ServedModel
 from strata.shutdown import ShutdownCut, ShuttingDown
 from strata.text.constraints import GrammarError, GrammarLimits, Grammars, Guide, plan_constraint
-from strata.text.families import family_of
 from strata.text.family import ModelFamily
 from strata.text.output import LogprobNames, Output
 from strata.text.sampling import Sampler
@@ -74,41 +74,71 @@ GRAMMAR_THREADS = 2
 ENCODER_RETRY_AFTER = 5  # seconds: an encoder that crashed or hung is started again for the next picture
 
 
-
-
 class Service:
-    """A loaded model serving chat requests, up to `config.slots` generating at once (see `open_service`).
+    """The served models answering chat requests, each with its own slots (see `open_service`).
+
+    The model's parts (`engine`, `tokenizer`, `turn`, `loop`, `vision`, ...) are the first model's: a
+    single-model server's only one. A request's `model` names one of `models` (`strata.model_set`).
 
     Attributes:
-        turn: the FIFO of requests waiting for one of the engine's slots (`turn.busy`, `turn.queued`).
+        models: the served models, by name.
+        turn: the FIFO of requests waiting for one of the first model's slots (`turn.busy`, `turn.queued`).
         history: recent requests and totals.
         activity: every request in flight, with its phase and prompt progress.
     """
 
     def __init__(self, config: Config):
         self.config = config
-        self.turn = Turn(max_queued=config.limits.queue_length, slots=config.slots)
+        self.models = ModelSet.from_config(config)
         self.history = History(config.limits.history_size)
         self._generating: list[tuple[HistoryRow, Stream]] = []  # requests on a slot, in arrival order
         self.activity = Activity()
         self.stopping = trio.Event()  # set when the server starts shutting down: endless streams end
         self.cut = ShutdownCut()  # what is still running when the shutdown's time runs out ends with an error event
         self.downloads = Downloads(self.stopping)  # image URLs (open_service gives it its client)
-        self.model_names = model_names(config)  # the served name first, then the other aliases
+        self.model_names = self.models.default.names  # the served name first, then the other aliases
         self.model_name = self.model_names[0]
         self.started = time.time()
-        self.engine: Any = None  # an EngineLike once loaded
-        self.tokenizer: Any = None
-        self.family: ModelFamily | None = None  # the model's family, chosen from its vocabulary (attach)
-        self.grammars: Grammars | None = None  # the model's compiled answer grammars (constrained decoding)
-        self.prompts: Prompts | None = None  # the model's prompts (attach)
+        # Startup: a single-model server's model loaded (or failed); a server of several models is ready at once.
         self.load_error: BaseException | None = None
         self.loaded = trio.Event()
         self.nursery: trio.Nursery | None = None  # the service's long-lived nursery (open_service)
-        self.vision: VisionClient | None = None  # the image encoder, when the config has one
         self.mcp = McpServers(config.mcp_servers, config.mcp)  # the configured MCP servers (open_service starts them)
-        self.loop: EngineLoop | None = None  # the engine's batcher and its thread (attach)
         self._compiling = trio.CapacityLimiter(GRAMMAR_THREADS)
+
+    # --- the first model's parts
+
+    @property
+    def engine(self) -> Any:
+        return self.models.default.engine
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.models.default.tokenizer
+
+    @property
+    def family(self) -> ModelFamily | None:
+        return self.models.default.family
+
+    @property
+    def grammars(self) -> Grammars | None:
+        return self.models.default.grammars
+
+    @property
+    def prompts(self) -> Prompts | None:
+        return self.models.default.prompts
+
+    @property
+    def turn(self) -> Turn:
+        return self.models.default.turn
+
+    @property
+    def loop(self) -> EngineLoop | None:
+        return self.models.default.loop
+
+    @property
+    def vision(self) -> VisionClient | None:
+        return self.models.default.vision
 
     @property
     def ready(self) -> bool:
@@ -117,89 +147,31 @@ class Service:
     # --- loading
 
     def attach(self, engine: EngineLike, tokenizer: Any, template: str | None = None) -> None:
-        """Serve with an engine and tokenizer that are already loaded."""
-        template = template or tokenizer.chat_template
-        if not template:
-            raise ServiceUnavailable("the model has no chat template (tokenizer.chat_template)")
-        self.engine, self.tokenizer = engine, tokenizer
-        self.family = family_of(tokenizer)
-        self.grammars = Grammars(tokenizer, self.family, engine.n_vocab)
-        self.prompts = Prompts(tokenizer, self.family, template, engine.n_ctx, engine.n_vocab,
-                               self.config.limits.max_tokens)
-        # as many slots as the engine has sequences (an engine passed in may have fewer than config.slots)
-        self.turn = Turn(max_queued=self.config.limits.queue_length, slots=engine.n_seq)
-        self.loop = EngineLoop(Batcher(engine, self.config.step_tokens, self.config.batch, self.config.step_slowdown))
+        """Serve with an engine and tokenizer that are already loaded (a single-model service)."""
+        self.models.default.attach(engine, tokenizer, template)
         self.loaded.set()
 
     async def load(self, log: Callable[[str], None] = print) -> None:
-        """Load the configured model in a worker thread; a failure is kept in `load_error` and re-raised."""
+        """Load the configured model in a worker thread (a single-model service); a failure is kept in
+        `load_error` and re-raised."""
+        assert self.nursery is not None
         try:
-            engine, tokenizer = await with_progress(
-                log, f"loading {self.config.model}",
-                lambda stage: trio.to_thread.run_sync(self._load_blocking, log, stage))
-            try:
-                await self.start_vision(engine, log)
-            except BaseException:
-                engine.close()
-                raise
-            self.attach(engine, tokenizer)
-            bands = f", output weight in bands {engine.prepared_bytes / 2**20:.0f} MiB" if engine.prepared_bytes else ""
-            copied = f", weights copied to huge pages {engine.copied_bytes / 2**20:.0f} MiB" if engine.copied_bytes \
-                else ""
-            log(f"model: {self.config.model} ({engine.arch}), context {engine.n_ctx}, threads {engine.threads}, "
-                f"backend {engine.backend}{bands}{copied}")
-            budget = "" if self.config.kv_budget is None else f" of a {self.config.kv_budget:g} MiB budget"
-            log(f"KV cache: {engine.n_seq} slots x {engine.n_ctx} positions ({self.config.kv}), "
-                f"{engine.kv_bytes / 2**20:.0f} MiB{budget}")
+            await self.models.default.load(self.nursery, log)
         except BaseException as error:
             self.load_error = error
+            raise
+        finally:
             self.loaded.set()
-            raise
-
-    def _load_blocking(self, log: Callable[[str], None], stage: Stage) -> tuple[Any, Any]:
-        from strata.engine_cffi import Engine
-        from strata.text.tokenizer import Tokenizer
-
-        config = self.config
-        if not config.model:
-            raise ServiceUnavailable('no model configured (the "model" key or --model)')
-        size = os.path.getsize(config.model) if os.path.isfile(config.model) else 0
-        log(f"loading {config.model} ({size / 2**20:,.0f} MiB) ...")
-        started = time.perf_counter()
-        stage.now = "tensors and context"
-        budget = None if config.kv_budget is None else int(config.kv_budget * 2**20)
-        engine = Engine.load(config.model, n_ctx=config.context, threads=config.threads, kv=config.kv,
-                             n_batch=config.batch, n_seq=config.slots, kv_budget=budget,
-                             mapped_weights=config.mapped_weights)
-        try:
-            stage.now = "tokenizer"
-            tokenizer = Tokenizer.from_gguf(config.model)
-        except BaseException:
-            engine.close()
-            raise
-        log(f"loaded in {time.perf_counter() - started:.1f} s")
-        return engine, tokenizer
 
     async def start_vision(self, engine: EngineLike, log: Callable[[str], None] = print) -> None:
-        """Start the configured image encoder in the service's nursery (after the model, whose width its rows
-        must have).
+        """Start the configured image encoder of the first model in the service's nursery (after the model,
+        whose width its rows must have).
 
         Raises:
             VisionStartError: a local encoder that could not start, or whose rows do not fit the model.
         """
-        vision = self.config.vision
-        if not (vision.mmproj or vision.exe):
-            return
         assert self.nursery is not None
-        client = self.vision = VisionClient(vision, engine_threads=engine.threads, log=log)
-        what = f"vision: starting the {client.mode()} encoder"
-        log(f"{what} ...")
-        nursery = self.nursery
-        await with_progress(log, what, lambda stage: nursery.start(client.run))
-        ready, n_embd = client.last_ready, engine.picture_width
-        if ready is not None and ready.n_embd != n_embd and not vision.remote:
-            raise VisionStartError(f"the image encoder's rows are {ready.n_embd} wide and the model's embeddings "
-                                   f"{n_embd}: {vision.mmproj} was made for another model")
+        await self.models.default.start_vision(engine, self.nursery, log)
 
     async def wait_ready(self) -> None:
         """Wait until the model is loaded; raise `ServiceUnavailable` if loading failed."""
@@ -208,59 +180,63 @@ class Service:
             raise ServiceUnavailable(f"the model failed to load: {self.load_error}")
 
     def close(self) -> None:
-        if self.engine is not None:
-            self.engine.close()
+        self.models.close_engines()
 
     # --- requests
 
     def render(self, request: ChatRequest) -> str:
-        """The prompt text of a request (the chat template applied to its messages and tools)."""
+        """The prompt text of a request to the first model (the chat template applied to its messages and
+        tools)."""
         assert self.prompts is not None, "render before the model is loaded"
         return self.prompts.render(request)
 
-    async def count_tokens(self, request: ChatRequest) -> int:
+    async def count_tokens(self, request: ChatRequest, model: str | None = None) -> int:
         """How many prompt tokens a request has, each picture counted as the rows its encoding takes: pictures
         are encoded to know that (cancellable like a chat request's, and cached for the request that follows).
 
-        Raises: what preparing the same chat request would (`RequestError`, `ServiceUnavailable`).
+        Raises: what preparing the same chat request would (`RequestError`, `ServiceUnavailable`,
+            `UnknownModel`).
         """
-        self._require_ready()
-        if request.mcp:
-            toolset = await self._toolset(request)
-            await toolset.aclose()
-            request = dataclasses.replace(request, tools=request.tools + toolset.functions())
-        request, pictures, rendered = await self._pictures(request)
-        prompts = self.prompts
-        assert prompts is not None
-        if rendered is None:
-            rendered = await trio.to_thread.run_sync(prompts.text_and_ids, request)
-        ids = rendered[1]
-        # each picture's pad becomes its rows, and its parts' markers when it is split into tiles
-        return len(ids) + sum(picture.n_tokens + marker_tokens(picture.grid, prompts.marker_ids) - 1
-                              for picture in pictures)
+        async with self.models.use(self.models.find(model)) as served:
+            self._require_ready(served)
+            if request.mcp:
+                toolset = await self._toolset(request)
+                await toolset.aclose()
+                request = dataclasses.replace(request, tools=request.tools + toolset.functions())
+            request, pictures, rendered = await self._pictures(served, request)
+            prompts = served.prompts
+            assert prompts is not None
+            if rendered is None:
+                rendered = await trio.to_thread.run_sync(prompts.text_and_ids, request)
+            ids = rendered[1]
+            # each picture's pad becomes its rows, and its parts' markers when it is split into tiles
+            return len(ids) + sum(picture.n_tokens + marker_tokens(picture.grid, prompts.marker_ids) - 1
+                                  for picture in pictures)
 
-    def _require_ready(self) -> None:
-        if not self.loaded.is_set():
-            raise ServiceUnavailable("the model is still loading")
-        if self.load_error is not None:
-            raise ServiceUnavailable(f"the model failed to load: {self.load_error}")
+    def _require_ready(self, model: ServedModel) -> None:
+        if not self.models.named:  # the single model: loaded at startup
+            if not self.loaded.is_set():
+                raise ServiceUnavailable("the model is still loading")
+            if self.load_error is not None:
+                raise ServiceUnavailable(f"the model failed to load: {self.load_error}")
+        assert model.ready, "a named model is loaded before its request's phases"
 
-    def _prepare(self, request: ChatRequest, pictures: list[Embedding],
+    def _prepare(self, model: ServedModel, request: ChatRequest, pictures: list[Embedding],
                  rendered: tuple[str, list[int]] | None = None, results: int = 0) -> Prepared:
         """The request's prompt with its pictures' rows, and its token caps (`strata.prompts`); its last
         `results` messages are tool results the model has not read yet, cut to fit the context."""
-        self._require_ready()
-        assert self.prompts is not None
-        return self.prompts.prepare(request, pictures, rendered, results)
+        self._require_ready(model)
+        assert model.prompts is not None
+        return model.prompts.prepare(request, pictures, rendered, results)
 
-    async def _guide(self, request: ChatRequest, prepared: Prepared) -> Guide | None:
+    async def _guide(self, model: ServedModel, request: ChatRequest, prepared: Prepared) -> Guide | None:
         """The constraint of a request's answer (format, tool choice), converted and compiled in a worker thread
         when the request sends a format or tools; None when the answer is free.
 
         Raises:
             RequestError: a schema or grammar that cannot be enforced (naming its field).
         """
-        grammars = self.grammars
+        grammars = model.grammars
         assert grammars is not None
         limits = GrammarLimits(self.config.limits.max_grammar_bytes, self.config.limits.max_grammar_rules)
         # A prefilled answer (past any reasoning) is the start of the constrained one.
@@ -286,7 +262,7 @@ class Service:
 
     # --- pictures
 
-    async def _pictures(self, request: ChatRequest, live: RequestProgress | None = None
+    async def _pictures(self, model: ServedModel, request: ChatRequest, live: RequestProgress | None = None
                         ) -> tuple[ChatRequest, list[Embedding], tuple[str, list[int]] | None]:
         """Encode the request's pictures, in prompt order, in the calling task (the request's: cancellable); see
         `strata.pictures.staging`. Before any encode, the prompt is rendered and tokenised (in a worker thread) to
@@ -302,20 +278,21 @@ class Service:
         counted: list[tuple[str, list[int]]] = []
 
         async def text_tokens(messages: list[dict[str, Any]]) -> int:
-            assert self.prompts is not None
-            text, ids = await trio.to_thread.run_sync(self.prompts.text_and_ids,
+            assert model.prompts is not None
+            text, ids = await trio.to_thread.run_sync(model.prompts.text_and_ids,
                                                       dataclasses.replace(request, messages=messages))
             counted.append((text, ids))
-            return len(ids) - ids.count(self.prompts.pad_id)
+            return len(ids) - ids.count(model.prompts.pad_id)
 
         try:
-            places = picture_places(request.messages, self.config.limits.max_pictures, self.vision is not None)
+            places = picture_places(request.messages, self.config.limits.max_pictures, model.vision is not None)
             if not places:
                 return request, [], None
-            self._require_ready()
-            assert self.vision is not None and self.loop is not None and self.prompts is not None
-            staging = PictureStaging(self.vision, self.downloads, Exclusive(self.loop, self.turn), self.engine.n_ctx,
-                                     self.engine.picture_width, self.prompts.marker_ids, text_tokens)
+            self._require_ready(model)
+            assert model.vision is not None and model.loop is not None and model.prompts is not None
+            staging = PictureStaging(model.vision, self.downloads, Exclusive(model.loop, model.turn),
+                                     model.engine.n_ctx, model.engine.picture_width, model.prompts.marker_ids,
+                                     text_tokens)
             messages, pictures = await staging.encode(request.messages, places, live)
         except PicturesRefused as error:
             raise RequestError(str(error), error.param, error.code) from None
@@ -323,35 +300,46 @@ class Service:
             raise ServiceUnavailable(str(error), retry_after=ENCODER_RETRY_AFTER) from None
         # The prompt counted has a placeholder for each picture staged: as many as were encoded, unless one was
         # omitted since (its text then differs).
-        pad_id = self.prompts.pad_id
+        pad_id = model.prompts.pad_id
         rendered = counted[0] if counted and counted[0][1].count(pad_id) == len(pictures) else None
         return dataclasses.replace(request, messages=messages), pictures, rendered
 
-    async def chat(self, request: ChatRequest, *, request_id: str | None = None) -> AsyncGenerator[Event, None]:
+    async def chat(self, request: ChatRequest, *, request_id: str | None = None,
+                   model: str | None = None) -> AsyncGenerator[Event, None]:
         """Generate the answer to `request` as events, ending with `Usage` and `Finish`.
 
         Close the iterator when done with it early (`contextlib.aclosing`): it holds the engine's turn between
         its events. Cancellation (the caller's cancel scope) is clean in every phase: while queued the request
         just leaves the queue; on the engine it raises the abort flag and waits for the engine thread to return.
 
+        Args:
+            model: the name of the model to answer (`models`); a single-model server's answers whatever it is.
+
         Raises:
+            UnknownModel: no served model has that name (raised before the first event).
             RequestError: the request does not fit this model.
-            ServiceUnavailable: the model is not loaded.
+            ServiceUnavailable: the model is not loaded, or failed to load.
             turn.QueueFull: too many requests are waiting.
         """
-        row = HistoryRow(id=request_id or uuid.uuid4().hex, route=request.route, start=time.time())
+        served = self.models.find(model)
+        row = HistoryRow(id=request_id or uuid.uuid4().hex, route=request.route, start=time.time(),
+                         model=served.name)
         started = time.perf_counter()
         with self.activity.track(row) as live:
             toolset: Toolset | None = None
             try:
-                if request.mcp:
-                    toolset = await self._toolset(request)
-                    request = dataclasses.replace(request, tools=request.tools + toolset.functions())
-                rounds = run_rounds(request, self._round, toolset, live, max_rounds=self.config.mcp.max_rounds,
-                                    sees_pictures=self._sees_pictures, cut=self.cut)
-                async with aclosing(rounds) as events:
-                    async for event in events:
-                        yield event
+                if served.state != "loaded" and self.models.named:
+                    live.phase = "loading"  # waiting for the model, and for the memory to load it
+                async with self.models.use(served):
+                    if request.mcp:
+                        toolset = await self._toolset(request)
+                        request = dataclasses.replace(request, tools=request.tools + toolset.functions())
+                    rounds = run_rounds(request, partial(self._round, served), toolset, live,
+                                        max_rounds=self.config.mcp.max_rounds,
+                                        sees_pictures=lambda: served.vision is not None, cut=self.cut)
+                    async with aclosing(rounds) as events:
+                        async for event in events:
+                            yield event
             except (trio.Cancelled, GeneratorExit):
                 row.finish = "cancel"
                 raise
@@ -378,59 +366,56 @@ class Service:
         except McpRequestError as error:
             raise RequestError(str(error), error.param) from None
 
-    def _sees_pictures(self) -> bool:
-        """Whether the model is given the pictures MCP tools return: it has an image encoder."""
-        return self.vision is not None
-
     @asynccontextmanager
-    async def _round(self, request: ChatRequest, live: RequestProgress,
+    async def _round(self, model: ServedModel, request: ChatRequest, live: RequestProgress,
                      results: int) -> AsyncIterator[AsyncIterator[Event]]:
         """One round of a response (`strata.mcp_tools.rounds.RoundEvents`): the request's pictures encoded, its
         prompt prepared (its last `results` tool results cut to fit) and its answer's constraint compiled, then
         the engine's turn held while the caller takes the generated events."""
         live.phase = "prepare"
-        request, pictures, rendered = await self._pictures(request, live)
+        request, pictures, rendered = await self._pictures(model, request, live)
         if pictures or not short(request):
-            prepared = await trio.to_thread.run_sync(self._prepare, request, pictures, rendered, results)
+            prepared = await trio.to_thread.run_sync(self._prepare, model, request, pictures, rendered, results)
         else:  # a worker thread's round trip would cost more than the work
-            prepared = self._prepare(request, pictures, rendered, results)
-        guide = await self._guide(request, prepared)
+            prepared = self._prepare(model, request, pictures, rendered, results)
+        guide = await self._guide(model, request, prepared)
         live.row.prompt_tokens += len(prepared.ids)  # the response's prompt: the earlier rounds' and this one
         live.phase = "queued"
-        async with self.turn.hold():
+        async with model.turn.hold():
             try:
-                async with aclosing(self._generate(request, prepared, live, guide)) as events:
+                async with aclosing(self._generate(model, request, prepared, live, guide)) as events:
                     yield events
             finally:
                 live.slot = None
 
-    async def _generate(self, request: ChatRequest, prepared: Prepared, live: RequestProgress,
+    async def _generate(self, model: ServedModel, request: ChatRequest, prepared: Prepared, live: RequestProgress,
                         guide: Guide | None) -> AsyncGenerator[Event, None]:
-        assert self.loop is not None
+        assert model.loop is not None
         self.cut.check()  # a request that got its turn after the shutdown's cut does not start
         row = live.row
         live.phase = "prompt"
         before = row.output_tokens  # tokens of earlier rounds of this response
-        sampler = Sampler(request.sampling, self.engine.n_vocab, mask=guide, logprobs=request.logprobs)
+        tokenizer = model.tokenizer
+        sampler = Sampler(request.sampling, model.engine.n_vocab, mask=guide, logprobs=request.logprobs)
         echo = request.completion is not None and request.completion.echo
-        job = Job(prepared.ids, sampler, prepared.max_tokens, self.tokenizer.eos_ids,
+        job = Job(prepared.ids, sampler, prepared.max_tokens, tokenizer.eos_ids,
                   keys=salted(prepared.prompt.keys, request.cache_salt),
                   spans=prepared.prompt.spans, tag=row.id, progress=live,
                   prompt_logprobs=request.logprobs if echo else None)
         # Everything this task can make before the job goes: the engine thread needs the GIL to start the job's
         # call, and gets it only once this task waits for the first token.
-        assert self.family is not None
-        output = Output(self.tokenizer, self.family, request, prepared.starts_in_reasoning)
-        names = LogprobNames(self.tokenizer.id_bytes)
+        assert model.family is not None
+        output = Output(tokenizer, model.family, request, prepared.starts_in_reasoning)
+        names = LogprobNames(tokenizer.id_bytes)
         finish: FinishReason | None = None
         reasoning_tokens = 0
-        stream = Stream(self.loop, job)
+        stream = Stream(model.loop, job)
         self._generating.append((row, stream))
         try:
             while finish is None:
                 tokens = await stream.next_tokens()
                 if live.phase == "prompt":
-                    for event in self._prompt_done(job, prepared.ids, names, echo):
+                    for event in self._prompt_done(tokenizer, job, prepared.ids, names, echo):
                         yield event
                 live.phase = "decode"
                 row.reused_tokens, row.prompt_seconds, row.decode_seconds = job.reused, *stream.seconds()
@@ -455,7 +440,7 @@ class Service:
                 await stream.stop()
             finally:
                 self._generating.remove((row, stream))
-        await self._check_answer(guide, finish, output.stopped)
+        await self._check_answer(model, guide, finish, output.stopped)
         for event in output.finish():
             yield event
         if finish == "stop" and output.n_tool_calls:
@@ -465,7 +450,8 @@ class Service:
                     completion_tokens=row.output_tokens - before, reasoning_tokens=reasoning_tokens)
         yield Finish(finish, output.stop_sequence)
 
-    async def _check_answer(self, guide: Guide | None, finish: FinishReason, stopped: bool) -> None:
+    async def _check_answer(self, model: ServedModel, guide: Guide | None, finish: FinishReason,
+                            stopped: bool) -> None:
         """Invariant: a constrained answer that ended with an end-of-turn token (`finish` "stop", not `stopped` by
         a stop string) is what was asked, or the request fails with a 400 (an error event once streaming):
         llguidance giving up (on a schema no finite text satisfies) leaves only an end-of-turn token allowed, and
@@ -476,8 +462,8 @@ class Service:
         """
         if guide is None or finish != "stop" or stopped:
             return
-        assert self.grammars is not None
-        failure = await trio.to_thread.run_sync(self.grammars.answer_error, guide)
+        assert model.grammars is not None
+        failure = await trio.to_thread.run_sync(model.grammars.answer_error, guide)
         if failure is not None:
             param = guide.plan.parts[0][1] if guide.plan.parts else "tool_choice"
             raise RequestError(f"{param}: {failure}", param, code="constraint_failed")
@@ -495,21 +481,19 @@ class Service:
         return self._generating[0][0] if self._generating else None
 
     def slots(self) -> list[dict[str, Any]]:
-        """Each slot: its state ("idle", "prompt", "decode"), the request on it, and the positions it holds."""
-        if self.loop is None:
-            return []
-        return [{"slot": slot.seq, "request": None if slot.job is None else slot.job.tag,
-                 "state": "idle" if slot.job is None else "decode" if slot.job.decoding else "prompt",
-                 "cached_tokens": len(slot.keys)} for slot in self.loop.batcher.slots]
+        """The first model's slots: each one's state ("idle", "prompt", "decode"), the request on it, and the
+        positions it holds."""
+        return self.models.default.slots()
 
-    def _prompt_done(self, job: Job, ids: list[int], names: LogprobNames, echo: bool) -> list[Event]:
+    @staticmethod
+    def _prompt_done(tokenizer: Any, job: Job, ids: list[int], names: LogprobNames, echo: bool) -> list[Event]:
         """The events of a processed prompt: its size and what was cached, then (a completion's `echo`) the prompt
         itself, with its tokens' log-probabilities when asked."""
         events: list[Event] = [PromptProcessed(len(ids), job.reused)]
         if echo:
             if job.prompt_logprobs is not None:
                 events.append(PromptLogprobs(names.prompt_logprobs(ids, job.prompt_records)))
-            events.append(TextDelta(self.tokenizer.decode(ids)))
+            events.append(TextDelta(tokenizer.decode(ids)))
         return events
 
     def begin_shutdown(self, grace: float) -> None:
@@ -523,24 +507,15 @@ class Service:
             stream.interrupt()
 
     def engine_problem(self) -> OSError | None:
-        """Why the engine could not take a request now (no file descriptor or thread left to start its thread),
+        """Why an engine could not take a request now (no file descriptor or thread left to start its thread),
         or None."""
-        return None if self.loop is None else self.loop.start_problem()
+        return next((problem for model in self.models.models if (problem := model.engine_problem()) is not None),
+                    None)
 
     @property
     def engine_running(self) -> bool:
         """Whether an engine thread is running (until trio has seen its end)."""
-        return self.loop is not None and self.loop.periods > 0
-
-
-
-
-def model_names(config: Config) -> list[str]:
-    """The names the model is served as: the `model_alias` names, else the file's name."""
-    aliases = [name.strip() for name in (config.model_alias or "").split(",") if name.strip()]
-    if aliases:
-        return aliases
-    return [os.path.basename(config.model).removesuffix(".gguf") if config.model else "strata"]
+        return any(model.engine_running for model in self.models.models)
 
 
 @asynccontextmanager
@@ -554,7 +529,8 @@ async def open_service(
 ) -> AsyncIterator[Service]:
     """Open a `Service`: its long-lived nursery, the model loaded in a worker thread, then the image encoder when
     the config has one (a local encoder that cannot start raises `VisionStartError`; with `wait=False` it is kept
-    in `service.load_error` like a model that failed to load).
+    in `service.load_error` like a model that failed to load). With several models (`models`), none is loaded
+    here: each loads when a request first names it (`strata.model_set`).
 
     Args:
         config: the configuration (`config.model` is loaded unless `engine` is given).
@@ -575,7 +551,12 @@ async def open_service(
             service.mcp = McpServers(config.mcp_servers, config.mcp, log, policy)
             await service.mcp.start(nursery)
             try:
-                if engine is not None:
+                if service.models.named:  # each model loads when a request first names it
+                    assert engine is None, "a service of several models loads its own"
+                    service.models.nursery, service.models.log = nursery, log
+                    await trio.to_thread.run_sync(service.models.measure)
+                    service.loaded.set()
+                elif engine is not None:
                     await service.start_vision(engine, log)
                     service.attach(engine, tokenizer)
                 elif wait:
@@ -588,8 +569,7 @@ async def open_service(
                 try:
                     yield service
                 finally:
-                    if service.loop is not None:
-                        await service.loop.close()
+                    await service.models.close()
                     nursery.cancel_scope.cancel()
             nursery.cancel_scope.cancel()
     finally:

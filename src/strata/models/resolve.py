@@ -18,11 +18,19 @@ if TYPE_CHECKING:
 
 async def resolve_config(config: Config, log: Callable[[str], None]) -> Config:
     """`config` with an `hf:` model replaced by the downloaded file (and its mmproj, unless one is configured),
-    logging a progress line every few seconds while the download runs.
+    logging a progress line every few seconds while the download runs; each of `models` likewise.
 
     Raises:
         HubError: one line for the user (the repository, the quant, the disk or the network).
     """
+    if config.models:
+        entries = []
+        for entry in config.models:
+            if is_hub_model(entry.model):
+                resolved = await resolve_config(config.for_model(entry), log)
+                entry = dataclasses.replace(entry, model=resolved.model or "", mmproj=resolved.vision.mmproj)
+            entries.append(entry)
+        return dataclasses.replace(config, models=entries)
     if not is_hub_model(config.model):
         return config
     ref = parse_ref(config.model or "")
