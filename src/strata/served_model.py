@@ -170,9 +170,9 @@ class ServedModel:
     # --- unloading
 
     async def unload(self) -> None:
-        """Free the model (no request uses it): its engine thread ended, its encoder stopped, its engine closed.
-        Shielded: an unload begun always ends."""
-        assert self.users == 0, "unloading a model in use"
+        """Free the model: its engine thread ended, its encoder stopped, its engine closed. Shielded: an unload
+        begun always ends. (Invariant, kept by `strata.model_set`: no request held the model when its unload
+        began; one that names it since waits for the state "not loaded" and loads it again.)"""
         self.state = "unloading"
         with trio.CancelScope(shield=True):
             if self.loop is not None:
