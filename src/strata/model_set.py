@@ -21,7 +21,6 @@ import trio
 from strata.config import Config
 from strata.gguf_file import GGUFError, GGUFFile
 from strata.request_errors import ServiceUnavailable
-from strata.scheduling.engine_loop import StepTurns
 from strata.served_model import ServedModel
 
 LOAD_RETRY_AFTER = 5  # seconds a request whose model failed to load is asked to wait before trying again
@@ -59,8 +58,7 @@ class ModelSet:
     def from_config(cls, config: Config) -> ModelSet:
         if not config.models:
             return cls([ServedModel(config, model_names(config))], named=False)
-        turns = StepTurns()
-        models = [ServedModel(config.for_model(entry), entry.names, turns) for entry in config.models]
+        models = [ServedModel(config.for_model(entry), entry.names) for entry in config.models]
         return cls(models, named=True, budget=config.models_memory)
 
     @property

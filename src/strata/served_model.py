@@ -18,7 +18,7 @@ from strata.prompts import Prompts
 from strata.request_errors import ServiceUnavailable
 from strata.scheduling.batcher import Batcher
 from strata.scheduling.engine_like import EngineLike
-from strata.scheduling.engine_loop import EngineLoop, StepTurns
+from strata.scheduling.engine_loop import EngineLoop
 from strata.scheduling.turn import Turn
 from strata.text.constraints import Grammars
 from strata.text.families import family_of
@@ -41,7 +41,7 @@ class ServedModel:
         footprint: the bytes it takes when loaded, as `strata.model_set` counts them against `models_memory`.
     """
 
-    def __init__(self, config: Config, names: list[str], step_turns: StepTurns | None = None):
+    def __init__(self, config: Config, names: list[str]):
         self.config = config
         self.names = names
         self.name = names[0]
@@ -59,7 +59,6 @@ class ServedModel:
         self.prompts: Prompts | None = None
         self.loop: EngineLoop | None = None  # its batcher and engine thread (attach)
         self.vision: VisionClient | None = None  # its image encoder, when it has one
-        self._step_turns = step_turns  # shared with the other models: one engine step at a time
         self._vision_scope: trio.CancelScope | None = None
 
     @property
@@ -79,7 +78,7 @@ class ServedModel:
         # as many slots as the engine has sequences (an engine passed in may have fewer than config.slots)
         self.turn = Turn(max_queued=self.config.limits.queue_length, slots=engine.n_seq)
         batcher = Batcher(engine, self.config.step_tokens, self.config.batch, self.config.step_slowdown)
-        self.loop = EngineLoop(batcher, self._step_turns)
+        self.loop = EngineLoop(batcher)
         self.state = "loaded"
 
     # --- loading

@@ -46,9 +46,8 @@ class EngineLoop:
     HANDOFF_SECONDS = 0.003
     LINGER_SECONDS = 1.0
 
-    def __init__(self, batcher: Batcher, step_turns: StepTurns | None = None):
+    def __init__(self, batcher: Batcher):
         self.batcher = batcher
-        self._step_turns = step_turns  # shared by the engine loops of several models: one step at a time
         self._cond = threading.Condition()
         self._inbox: list[Stream] = []  # submitted, not yet added to the batcher (guarded by _cond)
         self._streams: dict[Job, Stream] = {}  # the batcher's jobs (guarded by _cond)
@@ -172,7 +171,7 @@ class EngineLoop:
             # The next call carries the wake-ups queued, if any: a call that wakes trio for nothing (a prompt's)
             # shares the cores with the loop's turn for nothing.
             self.batcher.notify_fd = relay.fd if relay.queued else -1
-            changed = self._step(relay)
+            changed = self.batcher.step()
             if not changed:
                 continue
             with self._cond:
@@ -182,20 +181,6 @@ class EngineLoop:
                 self._wake_now(relay, streams, wake)
             else:
                 relay.put(wake)  # one wake-up of trio for every stream of the step, as the next call starts
-
-    def _step(self, relay: Relay) -> list[Job]:
-        """One batcher step; with other models' loops, on the shared turn: their engines' thread pools would
-        otherwise share the cores (each spins on its barriers while the other's threads hold them)."""
-        turns = self._step_turns
-        if turns is None:
-            return self.batcher.step()
-        if not turns.try_take():
-            relay.flush()  # the wake-ups queued would otherwise wait for the other model's step
-            turns.take()
-        try:
-            return self.batcher.step()
-        finally:
-            turns.give()
 
     def _linger(self, relay: Relay, idle_until: float | None) -> float | None:
         """Nothing to do (under `_cond`): wait for a job until `idle_until` (from now, on the first pass that finds
@@ -262,41 +247,6 @@ class EngineLoop:
             for stream in streams:
                 stream.job.error, stream.job.finish = result.error, "error"
                 stream.wake()
-
-
-class StepTurns:
-    """Engine steps of several models taken in turn, first come first served: a step that ends hands the turn to
-    the thread that has waited longest, so a model stepping in a loop never starves another (a plain lock lets
-    the thread that releases it take it again at once)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._taken = False
-        self._waiting: collections.deque[threading.Lock] = collections.deque()
-
-    def try_take(self) -> bool:
-        with self._lock:
-            if self._taken:
-                return False
-            self._taken = True
-            return True
-
-    def take(self) -> None:
-        with self._lock:
-            if not self._taken:
-                self._taken = True
-                return
-            handed = threading.Lock()
-            handed.acquire()
-            self._waiting.append(handed)
-        handed.acquire()  # released by give(): the turn is this thread's
-
-    def give(self) -> None:
-        with self._lock:
-            if self._waiting:
-                self._waiting.popleft().release()  # still taken: handed over
-            else:
-                self._taken = False
 
 
 class EngineStartError(OSError):
