@@ -552,6 +552,32 @@ def test_the_monitor_shows_every_slot(three_slots: Served, page: Any) -> None:
     page.goto("about:blank")  # closes the status stream before the server stops
 
 
+def test_several_models_are_picked_by_name_and_shown_on_the_monitor(random_model: pathlib.Path, page: Any,
+                                                                     tmp_path: pathlib.Path) -> None:
+    other = write_random_model(tmp_path / "other.gguf", arch="qwen3moe", size="tiny", dtype="f16", vocab="qwen",
+                               seed=1, n_embd=128)
+    models = [{"name": "first", "model": str(random_model), "slots": 1},
+              {"name": "second", "model": str(other), "aliases": ["2nd"], "slots": 2}]
+    with strata_serve("--models", json.dumps(models)) as served:
+        page.goto(served.url + "/monitor")
+        table = page.get_by_test_id("models")
+        table.locator("tr[data-model=first][data-state='not loaded']").wait_for()
+        table.locator("tr[data-model=second][data-state='not loaded']").wait_for()
+        page.goto(served.url + "/")
+        picker = page.get_by_test_id("model-picker")
+        picker.locator("option").nth(1).wait_for(state="attached")
+        assert picker.locator("option").all_inner_texts() == ["first (not loaded)", "second (not loaded)"]
+        picker.select_option("second")
+        settings(page, max_tokens="4")
+        finished(ask(page, "Hello"))
+        page.goto(served.url + "/monitor")
+        page.get_by_test_id("models").locator("tr[data-model=second][data-state=loaded]").wait_for()
+        assert page.get_by_test_id("models").locator("tr[data-model=first][data-state='not loaded']").count() == 1
+        page.locator("[data-testid=recent] tr[data-finish]").first.wait_for()
+        assert "second" in page.locator("[data-testid=recent] tr[data-finish]").first.inner_text()
+        page.goto("about:blank")  # closes the status stream before the server stops
+
+
 # --- the API key
 
 
