@@ -203,16 +203,17 @@ def model_names(config: Config) -> list[str]:
 
 
 def footprint(config: Config) -> int:
-    """What a model takes loaded, as the budget counts it: its file (the weights are copied, or mapped and read),
-    its mmproj file, and its KV cache (`slots` x `context` positions). A file that cannot be read counts 0: its
-    load fails with the reason."""
+    """What a model takes loaded, as the budget counts it: its file or files (the weights are copied, or mapped and
+    read), its mmproj file, and its KV cache (`slots` x `context` positions). A model file that cannot be read
+    counts 0: its load fails with the reason."""
     from strata.engine_cffi import kv_cache_bytes
 
-    total = sum(os.path.getsize(path) for path in (config.model, config.vision.mmproj)
-                if path and os.path.isfile(path))
+    mmproj = config.vision.mmproj
+    total = os.path.getsize(mmproj) if mmproj and os.path.isfile(mmproj) else 0
     try:
         with GGUFFile(config.model or "") as file:
             meta = file.metadata
+            total += sum(os.path.getsize(path) for path in file.paths)  # a split model's every part
     except (GGUFError, OSError):
         return total
     arch = meta.get("general.architecture")

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import trio
 from conftest import server_config
+from gguf_rewrite import rewrite
 from hub_server import fake_hub
 
 from strata.models import hub
@@ -33,11 +34,13 @@ def hub_env(monkeypatch, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def repo(tiny_model: Path) -> dict[str, dict[str, bytes]]:
+def repo(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, bytes]]:
     data = tiny_model.read_bytes()
+    first = rewrite(tiny_model, tmp_path_factory.mktemp("split") / "tiny-Q4_0.gguf", split_max_tensors=12)
+    parts = {part.name: part.read_bytes() for part in sorted(first.parent.glob("tiny-Q4_0-*-of-*.gguf"))}
+    assert len(parts) > 1
     return {"owner/tiny-GGUF": {"README.md": b"tiny", "tiny-Q8_0.gguf": data, "tiny-F32.gguf": data + b"",
-                                "mmproj-tiny-BF16.gguf": b"bf16", "mmproj-tiny-F16.gguf": b"f16",
-                                "tiny-Q4_0-00001-of-00002.gguf": data, "tiny-Q4_0-00002-of-00002.gguf": b""}}
+                                "mmproj-tiny-BF16.gguf": b"bf16", "mmproj-tiny-F16.gguf": b"f16", **parts}}
 
 
 def test_one_file_and_its_mmproj_are_downloaded_with_progress(hub_env, repo, tiny_model):
@@ -87,12 +90,32 @@ def test_each_error_is_one_line(hub_env, repo, monkeypatch):
             fetch(HubRef("owner/nothing", None), None)
         with pytest.raises(HubError, match=r"no GGUF file for quant Q5_K_M \(there are: F32, Q4_0, Q8_0\)$"):
             fetch(HubRef("owner/tiny-GGUF", "Q5_K_M"), None)
-        with pytest.raises(HubError, match=r"split model .* single-file quants there: F32, Q8_0$"):
-            fetch(HubRef("owner/tiny-GGUF", "Q4_0"), None)
         monkeypatch.setattr(hub.shutil, "disk_usage", lambda _: type("Usage", (), {"free": 1000})())
         with pytest.raises(HubError, match=r"the download needs 0\.\d+ GB and .*hf-cache has 0\.00 GB free$"):
             fetch(HubRef("owner/tiny-GGUF", "F32"), "F16")
         assert not any("/resolve/" in request for request in server.requests)  # nothing was downloaded
+
+
+def test_a_split_model_is_downloaded_whole_and_loads_from_its_first_part(hub_env, repo, tiny_model):
+    from strata.engine_cffi import Engine
+    from strata.model_file import check_model_file
+
+    lines: list[str] = []
+    with fake_hub(repo) as server:
+        hub_env(server.url)
+        model, mmproj = fetch(HubRef("owner/tiny-GGUF", "Q4_0"), None, lines.append)
+    parts = sorted(name for name in repo["owner/tiny-GGUF"] if name.startswith("tiny-Q4_0-"))
+    assert Path(model).name == parts[0] and mmproj is None
+    assert sorted(path.name for path in Path(model).parent.glob("tiny-Q4_0-*")) == parts  # beside each other
+    assert {line.split(":")[0] for line in lines} == set(parts)  # the progress names each part
+    assert check_model_file(model) == "qwen3moe"
+    with Engine.load(model, n_ctx=32) as split, Engine.load(tiny_model, n_ctx=32) as whole:
+        assert (split.eval([1, 2, 3]) == whole.eval([1, 2, 3])).all()
+    broken = {"owner/broken": {name: data for name, data in repo["owner/tiny-GGUF"].items() if name != parts[-1]}}
+    with fake_hub(broken) as server:
+        hub_env(server.url)
+        with pytest.raises(HubError, match=rf"lacks 1 of its {len(parts)} parts \({parts[-1]}\)$"):
+            fetch(HubRef("owner/broken", "Q4_0"), None)
 
 
 async def test_the_config_names_the_downloaded_files(hub_env, repo):

@@ -4,7 +4,8 @@ The `huggingface_hub` client does the transfer, so its cache (`HF_HOME`, `HF_HUB
 (`HF_HUB_OFFLINE=1`), its token (`HF_TOKEN`) and its resumable downloads are the user's usual ones. The file for a
 quant is chosen as llama.cpp's `-hf` and the hub's own GGUF manifest choose it: the first GGUF file whose path has
 the quant followed by `.` or `-` (case-insensitive; and, unlike llama.cpp, as a word of its own: F16 is not BF16);
-with no quant, Q4_K_M, else the first GGUF file. An `mmproj`
+with no quant, Q4_K_M, else the first GGUF file. A model split into several files (`-00001-of-0000N`) comes whole:
+every part, into the same folder, where the engine reads them from the first (`strata.gguf_file`). An `mmproj`
 file beside it is taken too, the one of the preferred quant (F16 unless configured) when there are several.
 
 A second start needs no network: when the hub cannot be reached (or offline mode is on), the files come from the
@@ -45,10 +46,12 @@ class HubRef:
 
 @dataclass(frozen=True)
 class HubChoice:
-    """The repository's files to fetch: the model and, when there is one, its mmproj."""
+    """The repository's files to fetch: the model (a split model's first part) and, when there is one, its mmproj;
+    `parts` are all the model's files (a split model's every part, in order)."""
 
     model: str
     mmproj: str | None
+    parts: tuple[str, ...] = ()
 
 
 def parse_ref(text: str) -> HubRef:
@@ -92,7 +95,7 @@ def choose_files(ref: HubRef, names: list[str], mmproj_quant: str | None) -> Hub
         mmproj_quant: the mmproj quant preferred when there are several; None: no mmproj.
 
     Raises:
-        HubError: no GGUF file for the quant (naming the quants there are), or the quant comes in split files.
+        HubError: no GGUF file for the quant (naming the quants there are), or a split model with a part missing.
     """
     ggufs = sorted(name for name in names if name.lower().endswith(".gguf"))
     models = [name for name in ggufs if "mmproj" not in Path(name).name.lower()]
@@ -106,11 +109,28 @@ def choose_files(ref: HubRef, names: list[str], mmproj_quant: str | None) -> Hub
     if not found:
         raise HubError(f"{ref}: no GGUF file for quant {ref.quant} (there are: {', '.join(quants)})")
     model = found[0]
-    if SPLIT_PART.search(model):
-        whole = sorted({quant_of(name) for name in models if not SPLIT_PART.search(name)})
-        raise HubError(f"{ref}: {model} is one part of a split model (-00001-of-0000N), which Strata cannot load "
-                       f"yet; single-file quants there: {', '.join(whole) or 'none'}")
-    return HubChoice(model, _choose_mmproj(ggufs, model, mmproj_quant))
+    parts = _split_parts(ref, model, set(names))
+    return HubChoice(parts[0], _choose_mmproj(ggufs, parts[0], mmproj_quant), parts)
+
+
+def _split_parts(ref: HubRef, model: str, names: set[str]) -> tuple[str, ...]:
+    """The files of `model`: itself, or every part of the split model it is a part of (`-0000K-of-0000N`, as
+    llama.cpp's `gguf-split` names them), in order.
+
+    Raises:
+        HubError: a part is missing.
+    """
+    match = SPLIT_PART.search(model)
+    if match is None:
+        return (model,)
+    count = int(match[2])
+    stem = model[:match.start()]
+    parts = tuple(f"{stem}-{no:05d}-of-{count:05d}.gguf" for no in range(1, count + 1))
+    missing = [part for part in parts if part not in names]
+    if missing:
+        raise HubError(f"{ref}: the split model {parts[0]} lacks {len(missing)} of its {count} parts "
+                       f"({', '.join(missing)})")
+    return parts
 
 
 def _choose_mmproj(ggufs: list[str], model: str, quant: str | None) -> str | None:
@@ -243,7 +263,7 @@ def fetch(ref: HubRef, mmproj_quant: str | None, report: Callable[[str], None] =
         return _from_cache(ref, mmproj_quant)
     names, sizes = listing
     choice = choose_files(ref, names, mmproj_quant)
-    wanted = [name for name in (choice.model, choice.mmproj) if name]
+    wanted = [*choice.parts, *([choice.mmproj] if choice.mmproj else [])]
     missing = [name for name in wanted if not isinstance(try_to_load_from_cache(ref.repo, name), str)]
     progress = Transfer(total=sum(sizes.get(name, 0) for name in missing), report=report)
     _check_disk(ref, progress.total)
@@ -255,5 +275,5 @@ def fetch(ref: HubRef, mmproj_quant: str | None, report: Callable[[str], None] =
             paths.append(hf_hub_download(ref.repo, name, tqdm_class=_meter(progress)))
         except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as error:
             raise HubError(f"{ref}: downloading {name} failed ({error}); run again to resume") from None
-    return paths[0], paths[1] if len(paths) > 1 else None
+    return paths[0], paths[-1] if choice.mmproj else None
 
