@@ -20,6 +20,7 @@ import trio
 
 from strata.config import Config
 from strata.gguf_file import GGUFError, GGUFFile
+from strata.models.hub import is_hub_model
 from strata.request_errors import ServiceUnavailable
 from strata.served_model import ServedModel
 
@@ -118,7 +119,7 @@ class ModelSet:
                                          retry_after=LOAD_RETRY_AFTER)
             if model.state in ("not loaded", "failed") and self._make_room(model):
                 self._start_load(model)
-            if model.state == "loading":
+            if model.state in ("downloading", "loading"):
                 attempt = model.loads
             await self._changed.wait()
 
@@ -134,7 +135,7 @@ class ModelSet:
         if model.footprint > self.budget:
             raise ServiceUnavailable(f"the model {model.name} needs {model.footprint / 2**30:,.2f} GiB, more than "
                                      f"models_memory ({self.budget / 2**30:,.2f} GiB)")
-        taken = self.taken()
+        taken = self.taken(besides=model)
         if taken + model.footprint <= self.budget:
             return True
         idle = sorted((other for other in self.models if other.state == "loaded" and other.users == 0),
@@ -146,9 +147,10 @@ class ModelSet:
             taken -= victim.footprint
         return False
 
-    def taken(self) -> int:
-        """The bytes the loaded models take (and those loading or unloading)."""
-        return sum(model.footprint for model in self.models if model.state in ("loading", "loaded", "unloading"))
+    def taken(self, besides: ServedModel | None = None) -> int:
+        """The bytes the loaded models take (and those loading or unloading), `besides` left out."""
+        return sum(model.footprint for model in self.models
+                   if model.state in ("loading", "loaded", "unloading") and model is not besides)
 
     def _start_load(self, model: ServedModel) -> None:
         assert self.nursery is not None
@@ -157,10 +159,18 @@ class ModelSet:
         self.nursery.start_soon(self._load, model)
 
     async def _load(self, model: ServedModel) -> None:
+        """Load `model` (an "hf:" one downloaded first, then measured and given room under the budget)."""
         assert self.nursery is not None
         try:
+            if is_hub_model(model.config.model):
+                await model.download(self.log)
+                model.footprint = await trio.to_thread.run_sync(footprint, model.config)
+                model.state = "loading"
+                while not self._make_room(model):
+                    await self._changed.wait()
             await model.load(self.nursery, self.log)
         except Exception as error:  # noqa: BLE001 - kept in model.load_error for its requests and /v1/models
+            model.state, model.load_error = "failed", error
             self.log(f"error: the model {model.name} failed to load: {error}")
         finally:
             self._change()

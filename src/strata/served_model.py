@@ -13,6 +13,8 @@ from typing import Any, Literal
 import trio
 
 from strata.config import Config
+from strata.models.hub import Transfer
+from strata.models.resolve import resolve_config
 from strata.progress import Stage, with_progress
 from strata.prompts import Prompts
 from strata.request_errors import ServiceUnavailable
@@ -25,8 +27,9 @@ from strata.text.families import family_of
 from strata.text.family import ModelFamily
 from strata.vision.client import VisionClient, VisionStartError
 
-# "failed": the last load failed (`load_error` says why); the next request that names the model tries again.
-ModelState = Literal["not loaded", "loading", "loaded", "unloading", "failed"]
+# "downloading": an "hf:" model's files come from the hub (`transfer` counts them). "failed": the last download or
+# load failed (`load_error` says why); the next request that names the model tries again.
+ModelState = Literal["not loaded", "downloading", "loading", "loaded", "unloading", "failed"]
 
 
 class ServedModel:
@@ -51,6 +54,7 @@ class ServedModel:
         self.users = 0
         self.last_used = 0.0
         self.footprint = 0
+        self.transfer: Transfer | None = None  # the download of an "hf:" model, while it runs
         self.turn = Turn(max_queued=config.limits.queue_length, slots=config.slots)
         self.engine: Any = None  # an EngineLike once loaded
         self.tokenizer: Any = None
@@ -82,6 +86,23 @@ class ServedModel:
         self.state = "loaded"
 
     # --- loading
+
+    async def download(self, log: Callable[[str], None]) -> None:
+        """An "hf:" model's files downloaded (or found in the hub's cache) in a worker thread; its config then
+        names them. The download's progress is `transfer` while it runs.
+
+        Raises:
+            HubError: one line: the repository, the quant, the disk or the network.
+        """
+        self.state = "downloading"
+
+        def watch(transfer: Transfer) -> None:
+            self.transfer = transfer
+
+        try:
+            self.config = await resolve_config(self.config, log, watch)
+        finally:
+            self.transfer = None
 
     async def load(self, nursery: trio.Nursery, log: Callable[[str], None]) -> None:
         """Load the model in a worker thread, then start its image encoder in `nursery`; a failure is kept in

@@ -172,3 +172,38 @@ def test_a_download_cut_by_the_network_resumes_where_it_stopped(hub_env, repo):
     assert Path(model).read_bytes() == data
     assert f"GET /owner/tiny-GGUF/resolve/main/tiny-F32.gguf (bytes={DOWNLOAD_CHUNK_SIZE}-)" in server.requests
     assert lines[-1].startswith(f"tiny-F32.gguf: {len(data) / 1e6:.1f} of {len(data) / 1e6:.1f} MB")
+
+
+async def test_a_named_hf_model_downloads_when_first_asked_for_with_its_progress_on_the_status(hub_env, repo,
+                                                                                              tiny_model):
+    import httpx
+    from conftest import live_server, wait_until
+
+    models = [{"name": "local", "model": str(tiny_model), "context": 64},
+              {"name": "hubbed", "model": "hf:owner/tiny-GGUF:Q8_0", "context": 64, "aliases": ["h"]}]
+    config = server_config(models=models, vision={"hf_mmproj": "none"})
+    with fake_hub(repo, stall=1.0) as hub_server, live_server(config) as server:
+        hub_env(hub_server.url)
+        assert not any("/resolve/" in request for request in hub_server.requests)  # nothing at startup
+        hubbed = server.service.models.find("hubbed")
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client, trio.open_nursery() as nursery:
+            answers: list[httpx.Response] = []
+
+            async def ask() -> None:
+                answers.append(await client.post("/v1/chat/completions", json={
+                    "model": "h", "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]}))
+
+            nursery.start_soon(ask)
+            await wait_until(lambda: hubbed.transfer is not None, timeout=10)
+            status = (await client.get("/v1/status")).json()["models"]["data"][1]
+            await wait_until(lambda: bool(answers), timeout=30)
+            listed = {entry["id"]: entry["state"] for entry in (await client.get("/v1/models")).json()["data"]}
+    assert status["state"] == "downloading"
+    download = status["download"]
+    assert download["file"] == "tiny-Q8_0.gguf"
+    assert download["total"] == len(repo["owner/tiny-GGUF"]["tiny-Q8_0.gguf"])
+    assert download["done"] <= download["total"] and "bytes_per_second" in download and "eta_seconds" in download
+    assert answers[0].status_code == 200 and answers[0].json()["model"] == "hubbed"
+    assert listed == {"local": "not loaded", "hubbed": "loaded"}
+    assert Path(hubbed.config.model or "").name == "tiny-Q8_0.gguf" and "hf-cache" in (hubbed.config.model or "")
+    assert hubbed.footprint > len(repo["owner/tiny-GGUF"]["tiny-Q8_0.gguf"])  # measured once downloaded

@@ -101,6 +101,8 @@ def test_each_model_entry_is_the_top_level_config_with_its_own_keys():
     assert (coder.vision.mmproj, small.vision.mmproj, small.vision.threads) == (None, "small-mmproj.gguf", 3)
     assert (small.context, small.slots, small.models) == (2048, 4, [])
     assert config.model_files() == ["coder.gguf", "small.gguf"]
+    hub = config_from_dict({"models": [*TWO, {"name": "hub", "model": "hf:owner/name:Q8_0"}]})
+    assert hub.model_files() == ["coder.gguf", "small.gguf"]  # downloaded when first named, not checked at startup
 
 
 @pytest.mark.parametrize(("value", "size"), [(1000, 1000), ("800MB", 800 * 10**6), ("1.5 GiB", 3 * 2**29),

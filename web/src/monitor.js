@@ -99,6 +99,16 @@ function Recent({ rows, trails }) {
   </table>`;
 }
 
+// An "hf:" model's download while it runs: the file, its bytes, the rate and the time left.
+function Download({ download: d }) {
+  const mb = (bytes) => (bytes / 1e6).toFixed(1);
+  return html`<span class="progress" data-testid="download">
+    <progress value=${d.done} max=${d.total || 1}></progress>
+    ${` ${d.file}: ${mb(d.done)} of ${mb(d.total)} MB, ${mb(d.bytes_per_second)} MB/s`}
+    ${d.eta_seconds !== null ? `, ETA ${Math.round(d.eta_seconds)} s` : ""}
+  </span>`;
+}
+
 // A server of several models: each one's state, what it takes of models_memory, its slots and queue, its totals.
 function Models({ models }) {
   const memory = models.memory;
@@ -116,6 +126,7 @@ function Models({ models }) {
           (m) => html`<tr data-model=${m.name} data-state=${m.state}>
             <td>${m.name}${m.aliases.length ? html` <span class="dim">(${m.aliases.join(", ")})</span>` : ""}</td>
             <td><span class="state state-${m.state.replace(" ", "-")}">${m.state}</span>
+              ${m.download && html` <${Download} download=${m.download} />`}
               ${m.error && html` <span class="error">${m.error}</span>`}</td>
             <td>${gib(m.footprint)}</td><td>${m.users}</td>
             <td>${m.slots.filter((slot) => slot.state !== "idle").length} of ${m.slots.length}</td>

@@ -98,7 +98,8 @@ def model_list(service: Service) -> list[dict[str, Any]]:
 
 
 def models_status(service: Service) -> dict[str, Any]:
-    """Every model: its names, state, slots and queue, encoder and totals, and the memory budget they share."""
+    """Every model: its names, state (an "hf:" model's download while it runs: bytes, rate, ETA), slots and queue,
+    encoder and totals, and the memory budget they share."""
     models = service.models
     totals = service.history.by_model
     return {
@@ -107,6 +108,7 @@ def models_status(service: Service) -> dict[str, Any]:
             "name": model.name,
             "aliases": model.names[1:],
             "state": model.state,
+            "download": None if model.transfer is None else model.transfer.as_dict(),
             "error": None if model.load_error is None else str(model.load_error),
             "file": model.config.model,
             "footprint": model.footprint,

@@ -162,11 +162,25 @@ class Transfer:
         self.resumed += n if resumed else 0
         self.report(self.line())
 
+    def rate(self) -> float:
+        """Bytes a second so far (the resumed ones left out)."""
+        return (self.done - self.resumed) / max(time.monotonic() - self.started, 1e-3)
+
+    def eta(self) -> float | None:
+        """Seconds left at the rate so far; None before any byte came."""
+        rate = self.rate()
+        return (self.total - self.done) / rate if rate > 0 and self.total > self.done else None
+
     def line(self) -> str:
-        elapsed = max(time.monotonic() - self.started, 1e-3)
-        rate = (self.done - self.resumed) / elapsed
-        left = f", ETA {(self.total - self.done) / rate:.0f} s" if rate > 0 and self.total > self.done else ""
-        return (f"{self.name}: {self.done / 1e6:.1f} of {self.total / 1e6:.1f} MB, {rate / 1e6:.1f} MB/s{left}")
+        eta = self.eta()
+        left = f", ETA {eta:.0f} s" if eta is not None else ""
+        return (f"{self.name}: {self.done / 1e6:.1f} of {self.total / 1e6:.1f} MB, {self.rate() / 1e6:.1f} MB/s"
+                f"{left}")
+
+    def as_dict(self) -> dict[str, Any]:
+        """The download now, as the status routes show it."""
+        return {"file": self.name, "done": self.done, "total": self.total, "bytes_per_second": self.rate(),
+                "eta_seconds": self.eta()}
 
 
 def _listing(ref: HubRef) -> tuple[list[str], dict[str, int]] | None:
@@ -244,13 +258,14 @@ def _meter(transfer: Transfer) -> type:
 
 
 def fetch(ref: HubRef, mmproj_quant: str | None, report: Callable[[str], None] = lambda _: None,
-          ) -> tuple[str, str | None]:
+          watch: Callable[[Transfer], None] | None = None) -> tuple[str, str | None]:
     """Download (or find in the cache) the files serving `ref`; returns the model's path and the mmproj's.
 
     Args:
         ref: the repository and quant.
         mmproj_quant: the mmproj quant preferred; None: no mmproj.
         report: called from the download's thread with a progress line (bytes, rate, ETA) as bytes arrive.
+        watch: called once with the download's `Transfer`, whose counts then grow as bytes arrive.
 
     Raises:
         HubError: one line for the user.
@@ -266,6 +281,8 @@ def fetch(ref: HubRef, mmproj_quant: str | None, report: Callable[[str], None] =
     wanted = [*choice.parts, *([choice.mmproj] if choice.mmproj else [])]
     missing = [name for name in wanted if not isinstance(try_to_load_from_cache(ref.repo, name), str)]
     progress = Transfer(total=sum(sizes.get(name, 0) for name in missing), report=report)
+    if watch is not None:
+        watch(progress)
     _check_disk(ref, progress.total)
     paths = []
     for name in wanted:

@@ -9,28 +9,25 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from strata.models.hub import fetch, is_hub_model, parse_ref
+from strata.models.hub import Transfer, fetch, is_hub_model, parse_ref
 from strata.progress import Stage, with_progress
 
 if TYPE_CHECKING:
     from strata.config import Config
 
 
-async def resolve_config(config: Config, log: Callable[[str], None]) -> Config:
+async def resolve_config(config: Config, log: Callable[[str], None],
+                         watch: Callable[[Transfer], None] | None = None) -> Config:
     """`config` with an `hf:` model replaced by the downloaded file (and its mmproj, unless one is configured),
-    logging a progress line every few seconds while the download runs; each of `models` likewise.
+    logging a progress line every few seconds while the download runs. (Each of `models` is downloaded when a
+    request first names it: `strata.model_set`.)
+
+    Args:
+        watch: called with the download's `Transfer` (bytes, rate, ETA) once it starts.
 
     Raises:
         HubError: one line for the user (the repository, the quant, the disk or the network).
     """
-    if config.models:
-        entries = []
-        for entry in config.models:
-            if is_hub_model(entry.model):
-                resolved = await resolve_config(config.for_model(entry), log)
-                entry = dataclasses.replace(entry, model=resolved.model or "", mmproj=resolved.vision.mmproj)
-            entries.append(entry)
-        return dataclasses.replace(config, models=entries)
     if not is_hub_model(config.model):
         return config
     ref = parse_ref(config.model or "")
@@ -41,7 +38,7 @@ async def resolve_config(config: Config, log: Callable[[str], None]) -> Config:
         def report(line: str) -> None:
             stage.now = line
 
-        return await trio.to_thread.run_sync(fetch, ref, vision.hf_mmproj if wants_mmproj else None, report)
+        return await trio.to_thread.run_sync(fetch, ref, vision.hf_mmproj if wants_mmproj else None, report, watch)
 
     model, mmproj = await with_progress(log, f"downloading {ref}", work)
     log(f"{ref}: {model}" + (f" (mmproj {mmproj})" if mmproj else ""))
