@@ -31,7 +31,8 @@ class UnknownModel(LookupError):
     """A request named a model the server does not serve; `names` are the ones it does."""
 
     def __init__(self, name: str, names: list[str]):
-        super().__init__(f"the model {name!r} does not exist: this server serves {', '.join(names)}")
+        what = f"the model {name!r} does not exist" if name else "the request names no model"
+        super().__init__(f"{what}: this server serves {', '.join(names)}")
         self.name = name
         self.names = names
 

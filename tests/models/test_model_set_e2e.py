@@ -233,3 +233,17 @@ def test_a_model_that_fails_to_load_is_a_503_and_a_state(model_files, tmp_path):
     assert error.value.status_code == 503 and "the model broken failed to load" in str(error.value)
     assert listed["broken"]["state"] == "failed" and listed["broken"]["error"]
     assert healthy.choices[0].message.content
+
+
+def test_token_routes_take_the_named_model_or_the_first(model_files):
+    with live_server(two_models(model_files)) as server:
+        named = httpx.post(server.url + "/tokenize", json={"model": "beta", "content": "hi"})
+        assert states(server.url) == {"alpha": "not loaded", "beta": "loaded"}
+        unnamed = httpx.post(server.url + "/tokenize", json={"content": "hi"})  # llama.cpp's shape: no model
+        assert states(server.url) == {"alpha": "loaded", "beta": "loaded"}
+        unknown = httpx.post(server.url + "/detokenize", json={"model": "gamma", "tokens": [1]})
+        missing = httpx.post(server.url + "/v1/chat/completions", json={"messages": ask("Hi")})
+    assert named.json() == unnamed.json() and named.json()["tokens"]
+    assert unknown.status_code == 404 and "'gamma' does not exist" in unknown.json()["error"]["message"]
+    assert missing.status_code == 404 and missing.json()["error"]["message"] == \
+        "the request names no model: this server serves alpha, beta"

@@ -434,11 +434,14 @@ def _add_token_routes(app: Quart, state: _State) -> None:
 
     @asynccontextmanager
     async def loaded(body: Any) -> AsyncIterator[ServedModel]:
-        """The model a body names (a single-model server's only one), loaded and held for the block."""
+        """The model a body names (llama.cpp's token routes name none: then the first), loaded and held for the
+        block."""
         service = state.ready_service()
         if not service.ready:
             raise ApiError(503, "the model is not loaded", kind="server_error")
-        async with service.models.use(service.models.find(_model_named(body))) as model:
+        name = _model_named(body)
+        async with service.models.use(service.models.default if name is None else service.models.find(name)) \
+                as model:
             yield model
 
     @app.post("/tokenize")
