@@ -78,7 +78,13 @@ async def ask(client: httpx.AsyncClient, model: str, max_tokens: int) -> float:
 
 async def switch(files: dict[str, Path], threads: int, rounds: int) -> dict[str, Any]:
     config = two_models(files, threads, budget_for_one=True)
-    async with open_service(config, log=lambda line: None) as service, served(service) as (host, port), \
+    loads: list[float] = []  # each load's own time, as the service logs it ("loaded in 0.4 s")
+
+    def log(line: str) -> None:
+        if line.startswith("loaded in "):
+            loads.append(float(line.split()[2]))
+
+    async with open_service(config, log=log) as service, served(service) as (host, port), \
             httpx.AsyncClient(base_url=f"http://{host}:{port}", timeout=600) as client:
         await ask(client, "alpha", 1)  # alpha loaded, its prompt's first run done
         warm, cold = [], []
@@ -88,7 +94,7 @@ async def switch(files: dict[str, Path], threads: int, rounds: int) -> dict[str,
             cold.append(await ask(client, "alpha", 1))  # and back
             assert [model.state for model in service.models.models].count("loaded") == 1
         return {"warm_ms": 1e3 * statistics.median(warm), "switch_ms": 1e3 * statistics.median(cold),
-                "file_mb": files["alpha"].stat().st_size / 1e6}
+                "load_ms": 1e3 * statistics.median(loads[1:]), "file_mb": files["alpha"].stat().st_size / 1e6}
 
 
 # --- steps
@@ -195,7 +201,8 @@ def main() -> None:
         result = trio.run(switch, files, args.threads, args.rounds)
         print(f"| first token, model loaded (median of {args.rounds}) | {result['warm_ms']:.1f} ms |")
         print(f"| first token after a switch: the other unloaded, this one loaded ({result['file_mb']:.0f} MB file), "
-              f"median of {2 * args.rounds} | {result['switch_ms']:.1f} ms |")
+              f"median of {2 * args.rounds} | {result['switch_ms']:.1f} ms, of which the load (engine and "
+              f"tokenizer) {result['load_ms']:.1f} ms |")
     if "steps" in only:
         rates = trio.run(steps, files, args.threads, args.rounds, args.tokens)
         for name, what in (("alone", f"one stream alone, {args.tokens} tokens"),

@@ -1,7 +1,7 @@
-"""The service: a loaded model's lifetime (loading, its image encoder, closing) and the phases of a chat request
-(its prompt prepared, its answer's constraint compiled, a round generated on the engine's turn) as events. A
-response's rounds of MCP tool calls are `strata.mcp_tools.rounds`'; generated tokens become events in
-`strata.text.output`.
+"""The service: its models' lifetime (`strata.model_set`: loading, unloading, each one's image encoder) and the
+phases of a chat request on its model (its prompt prepared, its answer's constraint compiled, a round generated on
+the model's turn) as events. A response's rounds of MCP tool calls are `strata.mcp_tools.rounds`'; generated
+tokens become events in `strata.text.output`.
 
 Embedding it in a trio program::
 
