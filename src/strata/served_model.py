@@ -74,11 +74,12 @@ class ServedModel:
         template = template or tokenizer.chat_template
         if not template:
             raise ServiceUnavailable("the model has no chat template (tokenizer.chat_template)")
-        self.engine, self.tokenizer = engine, tokenizer
-        self.family = family_of(tokenizer)
-        self.grammars = Grammars(tokenizer, self.family, engine.n_vocab)
-        self.prompts = Prompts(tokenizer, self.family, template, engine.n_ctx, engine.n_vocab,
-                               self.config.limits.max_tokens)
+        if tokenizer is not self.tokenizer or self.prompts is None:  # else the text side kept from before an unload
+            self.tokenizer, self.family = tokenizer, family_of(tokenizer)
+            self.grammars = Grammars(tokenizer, self.family, engine.n_vocab)
+            self.prompts = Prompts(tokenizer, self.family, template, engine.n_ctx, engine.n_vocab,
+                                   self.config.limits.max_tokens)
+        self.engine = engine
         # as many slots as the engine has sequences (an engine passed in may have fewer than config.slots)
         self.turn = Turn(max_queued=self.config.limits.queue_length, slots=engine.n_seq)
         batcher = Batcher(engine, self.config.step_tokens, self.config.batch, self.config.step_slowdown)
@@ -148,7 +149,8 @@ class ServedModel:
                              mapped_weights=config.mapped_weights)
         try:
             stage.now = "tokenizer"
-            tokenizer = Tokenizer.from_gguf(config.model)
+            # A model loaded again keeps its text side (`unload`).
+            tokenizer = self.tokenizer or Tokenizer.from_gguf(config.model)
         except BaseException:
             engine.close()
             raise
@@ -192,14 +194,17 @@ class ServedModel:
     async def unload(self) -> None:
         """Free the model: its engine thread ended, its encoder stopped, its engine closed. Shielded: an unload
         begun always ends. (Invariant, kept by `strata.model_set`: no request held the model when its unload
-        began; one that names it since waits for the state "not loaded" and loads it again.)"""
+        began; one that names it since waits for the state "not loaded" and loads it again.)
+
+        The text side stays (tokenizer, family, prompts, and the answer grammars with their llguidance
+        tokenizer): tens of MB against the weights' and KV cache's hundreds, and rebuilt it costs the next load
+        half a second for a 151k-token vocabulary and the next constrained answer about two more."""
         self.state = "unloading"
         with trio.CancelScope(shield=True):
             if self.loop is not None:
                 await self.loop.close()
             await self._stop_vision()
-            engine, self.engine = self.engine, None
-            self.tokenizer = self.family = self.grammars = self.prompts = self.loop = None
+            engine, self.engine, self.loop = self.engine, None, None
             if engine is not None:
                 await trio.to_thread.run_sync(engine.close)
         self.state = "not loaded"

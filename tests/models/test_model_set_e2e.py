@@ -128,8 +128,12 @@ def test_an_unknown_model_is_a_404_in_each_dialect(model_files):
 def test_the_least_recently_used_model_is_unloaded_to_make_room(model_files, reference):
     config = two_models(model_files, models_memory=budget_for_one(model_files))
     with live_server(config) as server, openai.OpenAI(base_url=server.url + "/v1", api_key="unused") as client:
-        answers = [chat(client, name, "Hello there") for name in ("alpha", "beta", "alpha")]
+        answers = [chat(client, "alpha", "Hello there")]
+        alpha = server.service.models.find("alpha")
+        tokenizer = alpha.tokenizer
+        answers += [chat(client, name, "Hello there") for name in ("beta", "alpha")]
         assert states(server.url) == {"alpha": "loaded", "beta": "not loaded"}
+        assert alpha.tokenizer is tokenizer  # the text side kept through the unload
         models = server.service.models
         assert models.taken() <= models.budget
         metrics = httpx.get(server.url + "/metrics").text
