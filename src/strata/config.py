@@ -113,7 +113,7 @@ class McpConfig:
 class ModelEntry:
     """One of several models a server serves by name (the top-level `models` list): its file and names, and the
     engine keys a single model has at the top level; a key left out (None) is the top-level one. `mmproj` is its
-    image encoder (none when left out); the other `vision` keys are the top-level ones."""
+    image encoder (none when left out); `vision` holds the encoder keys that differ from the top-level ones."""
 
     name: str
     model: str
@@ -128,6 +128,7 @@ class ModelEntry:
     mapped_weights: bool | None = None
     step_tokens: int | None = None
     step_slowdown: float | None = None
+    vision: dict[str, Any] | None = None  # `vision` keys of this model's encoder (checked as the section's)
 
     @property
     def names(self) -> list[str]:
@@ -198,9 +199,9 @@ class Config:
         """The configuration one of `models` is served with: the top-level keys, with the entry's file, names,
         image encoder and engine keys."""
         given = {key: getattr(entry, key) for key in MODEL_ENTRY_KEYS if getattr(entry, key) is not None}
+        vision = dataclasses.replace(self.vision, **{**(entry.vision or {}), "mmproj": entry.mmproj})
         return dataclasses.replace(self, model=entry.model, model_alias=",".join(entry.names), models=[],
-                                   models_memory=None, vision=dataclasses.replace(self.vision, mmproj=entry.mmproj),
-                                   **given)
+                                   models_memory=None, vision=vision, **given)
 
 
 # --- validation
@@ -424,8 +425,17 @@ def _model_entry(data: Mapping[str, Any], key: str) -> ModelEntry:
     for required in ("name", "model"):
         if required not in data:
             raise _fail(f"{key}.{required}", "is required")
-    entry: ModelEntry = _build(ModelEntry, data, f"{key}.")
-    return entry
+    vision = data.get("vision")
+    if vision is not None:
+        if not isinstance(vision, Mapping):
+            raise _fail(f"{key}.vision", "must be an object")
+        if "mmproj" in vision:
+            raise _fail(f"{key}.vision.mmproj", 'is the entry\'s own "mmproj" key')
+        checked = _build(VisionConfig, vision, f"{key}.vision.")  # names a wrong key or value
+        vision = {name: getattr(checked, name) for name in vision}
+    entry: ModelEntry = _build(ModelEntry, {name: value for name, value in data.items() if name != "vision"},
+                               f"{key}.")
+    return dataclasses.replace(entry, vision=vision)
 
 
 # --- loading

@@ -100,6 +100,9 @@ def test_each_model_entry_is_the_top_level_config_with_its_own_keys():
         ("coder.gguf", "coder,code", 8192, 2, "int8")
     assert (coder.vision.mmproj, small.vision.mmproj, small.vision.threads) == (None, "small-mmproj.gguf", 3)
     assert (small.context, small.slots, small.models) == (2048, 4, [])
+    own = config_from_dict({"models": [{**TWO[1], "vision": {"threads": 1, "gpu": True}}], "vision": {"threads": 3}})
+    vision = own.for_model(own.models[0]).vision
+    assert (vision.mmproj, vision.threads, vision.gpu, own.vision.threads) == ("small-mmproj.gguf", 1, True, 3)
     assert config.model_files() == ["coder.gguf", "small.gguf"]
     hub = config_from_dict({"models": [*TWO, {"name": "hub", "model": "hf:owner/name:Q8_0"}]})
     assert hub.model_files() == ["coder.gguf", "small.gguf"]  # downloaded when first named, not checked at startup
@@ -124,6 +127,10 @@ def test_models_memory_takes_bytes_or_a_size(value, size):
     ({"models": [{"name": "a", "model": "hf:nobody"}]}, '"models[0].model"'),
     ({"model": "x.gguf", "models": TWO}, '"model" names one model'),
     ({"model_alias": "x", "models": TWO}, '"model_alias" names one model'),
+    ({"models": [{"name": "a", "model": "a.gguf", "vision": {"gpuu": True}}]}, 'unknown key "models[0].vision.gpuu"'),
+    ({"models": [{"name": "a", "model": "a.gguf", "vision": {"threads": "2"}}]}, '"models[0].vision.threads" must be'),
+    ({"models": [{"name": "a", "model": "a.gguf", "vision": {"mmproj": "m"}}]}, '"models[0].vision.mmproj" is the'),
+    ({"models": [{"name": "a", "model": "a.gguf", "vision": []}]}, '"models[0].vision" must be an object'),
     ({"models_memory": "lots"}, '"models_memory" must be a number of bytes or a size'),
     ({"models_memory": 0}, '"models_memory" must be at least 1 byte'),
 ])
