@@ -251,3 +251,42 @@ def test_token_routes_take_the_named_model_or_the_first(model_files):
     assert unknown.status_code == 404 and "'gamma' does not exist" in unknown.json()["error"]["message"]
     assert missing.status_code == 404 and missing.json()["error"]["message"] == \
         "the request names no model: this server serves alpha, beta"
+
+
+async def test_a_hang_up_while_its_model_loads_leaves_the_load_to_finish(model_files, reference, monkeypatch):
+    from strata.served_model import ServedModel
+
+    loading, release = threading.Event(), threading.Event()
+    load_blocking = ServedModel._load_blocking
+
+    def held_load(self: ServedModel, *args: Any) -> Any:  # in the load's worker thread
+        loading.set()
+        release.wait(30)
+        return load_blocking(self, *args)
+
+    monkeypatch.setattr(ServedModel, "_load_blocking", held_load)
+    with live_server(two_models(model_files)) as server:
+        service = server.service
+        beta = service.models.find("beta")
+        async with httpx.AsyncClient(base_url=server.url + "/v1", timeout=30) as client:
+            waiting = trio.CancelScope()
+
+            async def beta_request() -> None:
+                with waiting:  # leaving the client closes its connection: a hang-up
+                    async with httpx.AsyncClient(base_url=server.url + "/v1") as own:
+                        await own.post("/chat/completions", json={"model": "beta", "messages": ask("Hi")})
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(beta_request)
+                await wait_until(loading.is_set)
+                assert [progress.phase for progress in service.activity] == ["loading"]
+                waiting.cancel()
+                await wait_until(lambda: beta.users == 0 and len(service.activity) == 0)
+            assert beta.state == "loading"  # the load goes on for the next request
+            release.set()
+            await wait_until(lambda: beta.state == "loaded")
+            assert [(row.model, row.finish) for row in service.history.rows] == [("beta", "cancel")]
+            again = await client.post("/chat/completions", json={"model": "beta", "messages": ask("Hi"),
+                                                                  "max_tokens": MAX_TOKENS, "temperature": 0})
+    assert again.json()["choices"][0]["message"]["content"] == reference("beta", ask("Hi"))
+    assert beta.loads == 1  # loaded once, for both requests
