@@ -575,6 +575,8 @@ def test_several_models_are_picked_by_name_and_shown_on_the_monitor(random_model
         page.goto(served.url + "/monitor")
         page.get_by_test_id("models").locator("tr[data-model=second][data-state=loaded]").wait_for()
         assert page.get_by_test_id("models").locator("tr[data-model=first][data-state='not loaded']").count() == 1
+        assert "first, second" in page.get_by_test_id("engine").inner_text()
+        page.get_by_test_id("slots-busy").filter(has_text="0 of 2 busy").wait_for()  # second's 2 (first's unloaded)
         page.locator("[data-testid=recent] tr[data-finish]").first.wait_for()
         assert "second" in page.locator("[data-testid=recent] tr[data-finish]").first.inner_text()
         page.goto("about:blank")  # closes the status stream before the server stops

@@ -194,16 +194,21 @@ export function Monitor() {
 
   if (!status) return html`<main class="monitor"><p class="dim">${problem || "connecting…"}</p></main>`;
   const totals = status.totals;
-  const busySlots = status.slots.filter((slot) => slot.state !== "idle").length;
+  // With several models: every model's slots and queue together (each one's own in the models table).
+  const named = status.models.memory.named;
+  const slots = named ? status.models.data.flatMap((m) => m.slots) : status.slots;
+  const queued = named ? status.models.data.reduce((sum, m) => sum + m.queued, 0) : status.queued;
+  const busySlots = slots.filter((slot) => slot.state !== "idle").length;
   return html`<main class="monitor">
     ${problem && html`<div class="problem">${problem}</div>`}
     <section class="cards">
       <div class="card" data-testid="engine">
         <h3>Engine</h3>
         <dl class="facts">
-          <dt>model</dt><dd>${status.model}</dd>
-          <dt>slots</dt><dd data-testid="slots-busy">${busySlots} of ${status.slots.length} busy</dd>
-          <dt>queue</dt><dd data-testid="queued">${status.queued} waiting</dd>
+          <dt>${named ? "models" : "model"}</dt>
+          <dd>${named ? status.models.data.map((m) => m.name).join(", ") : status.model}</dd>
+          <dt>slots</dt><dd data-testid="slots-busy">${busySlots} of ${slots.length} busy</dd>
+          <dt>queue</dt><dd data-testid="queued">${queued} waiting</dd>
           <dt>requests</dt><dd>${finishedLine(totals)}</dd>
           <dt>tokens</dt>
           <dd>${`${totals.prompt_tokens} prompt, ${totals.reused_tokens} cached, ${totals.output_tokens} generated`}</dd>
@@ -215,7 +220,7 @@ export function Monitor() {
         <${Plot} samples=${samples.current} field="queued" label="queue" unit="waiting" />
       </div>
     </section>
-    ${status.models.memory.named
+    ${named
       ? html`<${Models} models=${status.models} />`
       : html`<h3>Slots</h3><${Slots} slots=${status.slots} />`}
     <h3>In flight</h3>

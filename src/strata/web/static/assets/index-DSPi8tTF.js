@@ -253,15 +253,16 @@ Please report this to https://github.com/markedjs/marked.`,e){let e=`<p>An error
     <dt>encoded</dt><dd>${e.encodes} (${e.cache_hits} from cache)</dd>
     <dt>threads</dt><dd>${e.threads??`–`} of ${e.cores} cores</dd>
     ${e.last_error&&W`<dt>error</dt><dd class="error">${e.last_error}</dd>`}
-  </dl>`}function zo(){let[e,t]=U(null),[n,r]=U(``),i=De([]),a=De({});if(Ee(()=>{let e=new AbortController;return(async()=>{for(;!e.signal.aborted;){try{let n=await Ge(`/v1/status/stream?interval=${Eo}`,{signal:e.signal});r(``);for await(let[,e]of qe(n)){for(let t of e.requests){let e=a.current[t.id]||=[];e[e.length-1]!==t.phase&&e.push(t.phase)}for(i.current.push({t:e.time,rate:e.decode_tokens_per_second,queued:e.queued});i.current.length&&i.current[0].t<e.time-To;)i.current.shift();t(e)}}catch(t){if(e.signal.aborted)return;r(`status stream: ${t.message}; retrying`)}await new Promise(e=>setTimeout(e,2e3))}})(),()=>e.abort()},[]),!e)return W`<main class="monitor"><p class="dim">${n||`connecting…`}</p></main>`;let o=e.totals,s=e.slots.filter(e=>e.state!==`idle`).length;return W`<main class="monitor">
+  </dl>`}function zo(){let[e,t]=U(null),[n,r]=U(``),i=De([]),a=De({});if(Ee(()=>{let e=new AbortController;return(async()=>{for(;!e.signal.aborted;){try{let n=await Ge(`/v1/status/stream?interval=${Eo}`,{signal:e.signal});r(``);for await(let[,e]of qe(n)){for(let t of e.requests){let e=a.current[t.id]||=[];e[e.length-1]!==t.phase&&e.push(t.phase)}for(i.current.push({t:e.time,rate:e.decode_tokens_per_second,queued:e.queued});i.current.length&&i.current[0].t<e.time-To;)i.current.shift();t(e)}}catch(t){if(e.signal.aborted)return;r(`status stream: ${t.message}; retrying`)}await new Promise(e=>setTimeout(e,2e3))}})(),()=>e.abort()},[]),!e)return W`<main class="monitor"><p class="dim">${n||`connecting…`}</p></main>`;let o=e.totals,s=e.models.memory.named,c=s?e.models.data.flatMap(e=>e.slots):e.slots,l=s?e.models.data.reduce((e,t)=>e+t.queued,0):e.queued,u=c.filter(e=>e.state!==`idle`).length;return W`<main class="monitor">
     ${n&&W`<div class="problem">${n}</div>`}
     <section class="cards">
       <div class="card" data-testid="engine">
         <h3>Engine</h3>
         <dl class="facts">
-          <dt>model</dt><dd>${e.model}</dd>
-          <dt>slots</dt><dd data-testid="slots-busy">${s} of ${e.slots.length} busy</dd>
-          <dt>queue</dt><dd data-testid="queued">${e.queued} waiting</dd>
+          <dt>${s?`models`:`model`}</dt>
+          <dd>${s?e.models.data.map(e=>e.name).join(`, `):e.model}</dd>
+          <dt>slots</dt><dd data-testid="slots-busy">${u} of ${c.length} busy</dd>
+          <dt>queue</dt><dd data-testid="queued">${l} waiting</dd>
           <dt>requests</dt><dd>${Ao(o)}</dd>
           <dt>tokens</dt>
           <dd>${`${o.prompt_tokens} prompt, ${o.reused_tokens} cached, ${o.output_tokens} generated`}</dd>
@@ -273,7 +274,7 @@ Please report this to https://github.com/markedjs/marked.`,e){let e=`<p>An error
         <${Do} samples=${i.current} field="queued" label="queue" unit="waiting" />
       </div>
     </section>
-    ${e.models.memory.named?W`<${Lo} models=${e.models} />`:W`<h3>Slots</h3><${No} slots=${e.slots} />`}
+    ${s?W`<${Lo} models=${e.models} />`:W`<h3>Slots</h3><${No} slots=${e.slots} />`}
     <h3>In flight</h3>
     <${Po} requests=${e.requests} trails=${a.current} />
     <h3>Recent</h3>
