@@ -77,8 +77,10 @@ def test_the_progress_line_gives_bytes_rate_and_eta():
     assert lines == ["m-Q8_0.gguf: 10.0 of 40.0 MB, 5.0 MB/s, ETA 6 s"]
     resumed = Transfer(total=40_000_000, report=lines.append, name="m-Q8_0.gguf", started=time.monotonic() - 2)
     resumed.advance(20_000_000, resumed=True)  # an interrupted download's bytes: not in the rate
-    resumed.advance(10_000_000)
-    assert lines[-1] == "m-Q8_0.gguf: 30.0 of 40.0 MB, 5.0 MB/s, ETA 2 s"
+    resumed.advance(10_000_000)  # within REPORT_EVERY of the last line: counted, not reported
+    assert len(lines) == 2 and resumed.line() == "m-Q8_0.gguf: 30.0 of 40.0 MB, 5.0 MB/s, ETA 2 s"
+    resumed.advance(10_000_000)  # the last bytes: reported at once
+    assert len(lines) == 3 and lines[-1].startswith("m-Q8_0.gguf: 40.0 of 40.0 MB")
 
 
 def test_under_another_asgi_server_an_hf_model_is_one_line():
