@@ -5,6 +5,7 @@ requests to both; the unknown model's 404 in both dialects; `/v1/models`, `/v1/s
 
 from __future__ import annotations
 
+import re
 import threading
 from pathlib import Path
 from typing import Any
@@ -290,3 +291,13 @@ async def test_a_hang_up_while_its_model_loads_leaves_the_load_to_finish(model_f
                                                                   "max_tokens": MAX_TOKENS, "temperature": 0})
     assert again.json()["choices"][0]["message"]["content"] == reference("beta", ask("Hi"))
     assert beta.loads == 1  # loaded once, for both requests
+
+
+def test_a_model_larger_than_the_budget_is_a_503_that_says_so(model_files):
+    with live_server(two_models(model_files, models_memory="1MiB")) as server:
+        reply = httpx.post(server.url + "/v1/chat/completions", json={"model": "alpha", "messages": ask("Hi")})
+        still = states(server.url)
+    assert reply.status_code == 503
+    assert re.fullmatch(r"the model alpha needs 0\.\d\d GiB, more than models_memory \(0\.00 GiB\)",
+                        reply.json()["error"]["message"])
+    assert still == {"alpha": "not loaded", "beta": "not loaded"}  # nothing loaded, nothing unloaded
