@@ -9,14 +9,16 @@ import numpy as np
 
 
 def rewrite(src: Path, dst: Path, *, drop: str = "", keys: dict | None = None, reshape: str = "",
-            replace: dict[str, np.ndarray] | None = None) -> Path:
+            replace: dict[str, np.ndarray] | None = None, split_max_tensors: int = 0) -> Path:
     """Copy a GGUF file, leaving out tensor `drop`, flattening tensor `reshape`, giving the tensors in `replace`
-    new data of their type (rows of bytes for a quantised one), and overriding string `keys`."""
+    new data of their type (rows of bytes for a quantised one), and overriding string `keys`; with
+    `split_max_tensors`, as a split model of that many tensors a part (`dst`'s stem `-0000K-of-0000N.gguf`, as
+    llama.cpp's `gguf-split` writes them): returns the first part."""
     reader = gguf.GGUFReader(src)
     keys = keys or {}
     replace = replace or {}
     arch = keys.get(gguf.Keys.General.ARCHITECTURE, reader.fields[gguf.Keys.General.ARCHITECTURE].contents())
-    writer = gguf.GGUFWriter(dst, arch)
+    writer = gguf.GGUFWriter(dst, arch, split_max_tensors=split_max_tensors)
     for key, f in reader.fields.items():
         if key.startswith("GGUF.") or key == gguf.Keys.General.ARCHITECTURE:
             continue
@@ -33,4 +35,5 @@ def rewrite(src: Path, dst: Path, *, drop: str = "", keys: dict | None = None, r
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return dst
+    parts = len(writer.tensors)
+    return dst if parts == 1 else dst.with_name(f"{dst.stem}-00001-of-{parts:05d}.gguf")

@@ -33,6 +33,13 @@ class FakeHub:
         self.cut = cut  # the first whole-file GET ends its connection after this many bytes (a network cut)
         self.requests: list[str] = []
         self.url = ""
+        self._etags: dict[tuple[str, str], str] = {}  # as the hub, computed once per file, not per request
+
+    def etag(self, repo: str, path: str) -> str:
+        key = (repo, path)
+        if key not in self._etags:
+            self._etags[key] = f'"{hashlib.sha256(self.repos[repo][path]).hexdigest()}"'
+        return self._etags[key]
 
 
 def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
@@ -60,7 +67,7 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             data = files[resolve.group(2)]
             if body:
                 time.sleep(hub.stall)
-            headers = {"X-Repo-Commit": COMMIT, "ETag": f'"{hashlib.sha256(data).hexdigest()}"'}
+            headers = {"X-Repo-Commit": COMMIT, "ETag": hub.etag(resolve.group(1), resolve.group(2))}
             start = re.fullmatch(r"bytes=(\d+)-", self.headers.get("Range", ""))
             if start and body:
                 offset = int(start.group(1))

@@ -17,9 +17,10 @@ from typing import Any, Literal
 
 from strata.history import HistoryRow
 
-# In order: tokenising and checking the request, fetching a picture, encoding it, waiting for the engine,
-# processing the prompt, generating.
-Phase = Literal["prepare", "download", "encoding", "queued", "prompt", "decode", "tool"]  # tool: an MCP call runs
+# In order: waiting for its model to load (a server of several models), tokenising and checking the request,
+# fetching a picture, encoding it, waiting for the engine, processing the prompt, generating.
+Phase = Literal["loading", "prepare", "download", "encoding", "queued", "prompt", "decode",
+                "tool"]  # tool: an MCP call runs
 
 
 @dataclass
@@ -43,6 +44,7 @@ class RequestProgress:
         return {
             "id": row.id,
             "route": row.route,
+            "model": row.model,
             "phase": self.phase,
             "slot": self.slot,
             "seconds": round(time.time() - row.start, 3),

@@ -160,6 +160,37 @@ class KvEventsConfig:
 
 
 @dataclass(frozen=True)
+class ModelEntry:
+    """One of several models a server serves by name (the top-level `models` list): its file and names, and the
+    engine keys a single model has at the top level; a key left out (None) is the top-level one. `mmproj` is its
+    image encoder (none when left out); `vision` holds the encoder keys that differ from the top-level ones."""
+
+    name: str
+    model: str
+    aliases: list[str] | None = None  # other names a request's `model` may use
+    mmproj: str | None = None
+    context: int | None = None
+    slots: int | None = None
+    threads: int | None = None
+    kv: str | None = None
+    kv_budget: float | None = None
+    batch: int | None = None
+    mapped_weights: bool | None = None
+    step_tokens: int | None = None
+    step_slowdown: float | None = None
+    vision: dict[str, Any] | None = None  # `vision` keys of this model's encoder (checked as the section's)
+
+    @property
+    def names(self) -> list[str]:
+        return [self.name, *(self.aliases or [])]
+
+
+# The keys a model entry shares with the top level, each one replacing the top-level value when given.
+MODEL_ENTRY_KEYS = ("context", "slots", "threads", "kv", "kv_budget", "batch", "mapped_weights", "step_tokens",
+                    "step_slowdown")
+
+
+@dataclass(frozen=True)
 class Config:
     model: str | None = None
     host: str = "127.0.0.1"
@@ -206,9 +237,37 @@ class Config:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     mcp_servers: dict[str, McpServerConfig] = field(default_factory=dict)
     kv_events: KvEventsConfig = field(default_factory=KvEventsConfig)
+    # Several models served by name (a request's `model` picks one), each loaded on first use; instead of `model`.
+    models: list[ModelEntry] = field(default_factory=list)
+    # Bytes the loaded models may take together (model files, mmproj files and KV caches), given as a number or
+    # as "12GiB" / "800MB": loading one more unloads the least recently used idle ones (None: no bound).
+    models_memory: int | None = None
 
     def __post_init__(self) -> None:
         _check(self)
+
+    def model_files(self) -> list[str | None]:
+        """The model files to check before serving: `model`, or each of `models`' but the "hf:" ones (downloaded
+        when a request first names them)."""
+        if not self.models:
+            return [self.model]
+        return [entry.model for entry in self.models if not entry.model.startswith("hf:")]
+
+    def for_model(self, entry: ModelEntry) -> Config:
+        """The configuration one of `models` is served with: the top-level keys, with the entry's file, names,
+        image encoder and engine keys."""
+        given = {key: getattr(entry, key) for key in MODEL_ENTRY_KEYS if getattr(entry, key) is not None}
+        vision = dataclasses.replace(self.vision, **{**(entry.vision or {}), "mmproj": entry.mmproj})
+        kv_disk = self.kv_disk
+        if kv_disk.path is not None:  # a directory of its own: each tier removes other models' blocks at startup
+            kv_disk = dataclasses.replace(kv_disk, path=os.path.join(kv_disk.path, _file_name(entry.names[0])))
+        return dataclasses.replace(self, model=entry.model, model_alias=",".join(entry.names), models=[],
+                                   models_memory=None, vision=vision, kv_disk=kv_disk, **given)
+
+
+def _file_name(name: str) -> str:
+    """A model's name as one directory name: characters other than letters, digits, '.', '_' and '-' become '_'."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", name).lstrip(".") or "_"
 
 
 # --- validation
@@ -233,6 +292,7 @@ def _check(config: Config) -> None:
     if config.kv_events.block_size < 1:
         raise _fail("kv_events.block_size", f"must be at least 1, got {config.kv_events.block_size}")
     _check_speculative(config.speculative)
+    _check_models(config)
 
 
 def _check_engine(config: Config) -> None:
@@ -316,6 +376,51 @@ def _check_speculative(speculative: SpeculativeConfig) -> None:
         raise _fail("speculative.max_ngram", f"must be at least min_ngram ({speculative.min_ngram})")
     if (speculative.source == "draft_model") != (speculative.draft_model is not None):
         raise _fail("speculative.draft_model", 'is needed with source "draft_model", and only then')
+
+
+def _check_models(config: Config) -> None:
+    """`models`: each entry well formed, every name and alias served once; not mixed with the one-model keys."""
+    if config.models_memory is not None and config.models_memory < 1:
+        raise _fail("models_memory", "must be at least 1 byte")
+    if not config.models:
+        return
+    for key in ("model", "model_alias"):
+        if getattr(config, key) is not None:
+            raise _fail(key, 'names one model: with "models", each entry names its own (leave this key out)')
+    if config.kv_events.endpoint is not None:
+        raise _fail("kv_events.endpoint", 'serves one model\'s prefix cache, as a router\'s replica does: not with '
+                    '"models" (run one server per model behind the router)')
+    seen: set[str] = set()
+    for index, entry in enumerate(config.models):
+        for name in entry.names:
+            if not name.strip() or name != name.strip():
+                raise _fail(f"models[{index}].name", "must be a non-empty name without surrounding spaces")
+            if name in seen:
+                raise _fail(f"models[{index}]", f"serves the name {name!r}, which another entry serves too")
+            seen.add(name)
+        try:
+            config.for_model(entry)  # the entry's keys pass the checks of the top-level ones
+        except ConfigError as error:
+            raise ConfigError(str(error).replace('config: "', f'config: "models[{index}].', 1)) from None
+
+
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(key: str, value: Any) -> int:
+    """A size as bytes: a number, or a string such as "12GiB", "800 MB" or "1.5GiB".
+
+    Raises:
+        ConfigError: naming `key`.
+    """
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    match = _SIZE.fullmatch(value.strip()) if isinstance(value, str) else None
+    if match is None:
+        raise _fail(key, f'must be a number of bytes or a size such as "12GiB", got {json.dumps(value)}')
+    return int(float(match[1]) * _SIZE_UNITS[(match[2] or "").lower()])
 
 
 def _check_mcp(config: Config) -> None:
@@ -410,9 +515,32 @@ def _build(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
                     raise _fail(f"{full}.{name}", "must be an object")
                 servers[name] = _build(McpServerConfig, server, f"{full}.{name}.")
             values[key] = servers
+        elif key == "models" and not prefix:
+            if not isinstance(value, list) or not all(isinstance(entry, Mapping) for entry in value):
+                raise _fail(full, "must be a list of objects (each a model: name, model, ...)")
+            values[key] = [_model_entry(entry, f"{full}[{index}]") for index, entry in enumerate(value)]
+        elif key == "models_memory" and not prefix:
+            values[key] = None if value is None else parse_bytes(full, value)
         else:
             values[key] = _coerce(full, hints[key], value)
     return cls(**values)
+
+
+def _model_entry(data: Mapping[str, Any], key: str) -> ModelEntry:
+    for required in ("name", "model"):
+        if required not in data:
+            raise _fail(f"{key}.{required}", "is required")
+    vision = data.get("vision")
+    if vision is not None:
+        if not isinstance(vision, Mapping):
+            raise _fail(f"{key}.vision", "must be an object")
+        if "mmproj" in vision:
+            raise _fail(f"{key}.vision.mmproj", 'is the entry\'s own "mmproj" key')
+        checked = _build(VisionConfig, vision, f"{key}.vision.")  # names a wrong key or value
+        vision = {name: getattr(checked, name) for name in vision}
+    entry: ModelEntry = _build(ModelEntry, {name: value for name, value in data.items() if name != "vision"},
+                               f"{key}.")
+    return dataclasses.replace(entry, vision=vision)
 
 
 # --- loading

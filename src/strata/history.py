@@ -15,6 +15,7 @@ class HistoryRow:
     id: str
     route: str
     start: float
+    model: str = ""  # the name of the model that answered (the first of its names)
     duration: float = 0.0
     finish: str = "cancel"
     prompt_tokens: int = 0
@@ -83,15 +84,18 @@ class Totals:
 
 
 class History:
-    """The last `size` finished requests and the totals over every request since startup."""
+    """The last `size` finished requests and the totals over every request since startup, of all models and of
+    each one."""
 
     def __init__(self, size: int):
         self.rows: deque[HistoryRow] = deque(maxlen=size)
         self.totals = Totals()
+        self.by_model: dict[str, Totals] = {}  # the totals of each model's requests
 
     def record(self, row: HistoryRow) -> None:
         self.rows.append(row)
         self.totals.add(row)
+        self.by_model.setdefault(row.model, Totals()).add(row)
 
     @property
     def last(self) -> HistoryRow | None:

@@ -1,7 +1,7 @@
-"""The service: a loaded model's lifetime (loading, its image encoder, closing) and the phases of a chat request
-(its prompt prepared, its answer's constraint compiled, a round generated on the engine's turn) as events. A
-response's rounds of MCP tool calls are `strata.mcp_tools.rounds`'; generated tokens become events in
-`strata.text.output`.
+"""The service: its models' lifetime (`strata.model_set`: loading, unloading, each one's image encoder) and the
+phases of a chat request on its model (its prompt prepared, its answer's constraint compiled, a round generated on
+the model's turn) as events. A response's rounds of MCP tool calls are `strata.mcp_tools.rounds`'; generated
+tokens become events in `strata.text.output`.
 
 Embedding it in a trio program::
 
@@ -18,11 +18,11 @@ Cancelling the caller's cancel scope stops a request in any phase, exactly like 
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -42,6 +42,7 @@ from strata.events import (
 from strata.history import History, HistoryRow
 from strata.kv_disk import KvDiskError, KvTier
 from strata.mcp_tools import McpRequestError, McpServers, Toolset, open_toolset, run_rounds
+from strata.model_set import ModelSet
 from strata.pictures.downloads import DownloadPolicy, download_client
 from strata.pictures.expand import marker_tokens
 from strata.pictures.sources import DOWNLOAD_TIMEOUT
@@ -52,18 +53,16 @@ from strata.pictures.staging import (
     PicturesUnavailable,
     picture_places,
 )
-from strata.progress import Stage, with_progress
 from strata.prompts import Prepared, Prompts, message_text, short
 from strata.request_errors import RequestError, ServiceUnavailable
-from strata.scheduling.batcher import Batcher, Job, salted
-from strata.scheduling.draft_model import DraftModel
+from strata.scheduling.batcher import Job, salted
 from strata.scheduling.drafts import speculation
 from strata.scheduling.engine_like import EngineLike
 from strata.scheduling.engine_loop import EngineLoop, EngineStartError, Exclusive, Stream
 from strata.scheduling.turn import QueueFull, Turn
+from strata.served_model import ServedModel
 from strata.shutdown import ShutdownCut, ShuttingDown
 from strata.text.constraints import GrammarError, GrammarLimits, Grammars, Guide, plan_constraint
-from strata.text.families import family_of
 from strata.text.family import ModelFamily
 from strata.text.output import LogprobNames, Output
 from strata.text.sampling import Sampler
@@ -81,44 +80,72 @@ GRAMMAR_THREADS = 2
 ENCODER_RETRY_AFTER = 5  # seconds: an encoder that crashed or hung is started again for the next picture
 
 
-
-
 class Service:
-    """A loaded model serving chat requests, up to `config.slots` generating at once (see `open_service`).
+    """The served models answering chat requests, each with its own slots (see `open_service`).
+
+    The model's parts (`engine`, `tokenizer`, `turn`, `loop`, `vision`, ...) are the first model's: a
+    single-model server's only one. A request's `model` names one of `models` (`strata.model_set`).
 
     Attributes:
-        turn: the FIFO of requests waiting for one of the engine's slots (`turn.busy`, `turn.queued`).
+        models: the served models, by name.
+        turn: the FIFO of requests waiting for one of the first model's slots (`turn.busy`, `turn.queued`).
         history: recent requests and totals.
         activity: every request in flight, with its phase and prompt progress.
     """
 
     def __init__(self, config: Config):
         self.config = config
-        self.turn = Turn(max_queued=config.limits.queue_length, slots=config.slots)
+        self.models = ModelSet.from_config(config)
         self.history = History(config.limits.history_size)
         self._generating: list[tuple[HistoryRow, Stream]] = []  # requests on a slot, in arrival order
         self.activity = Activity()
         self.stopping = trio.Event()  # set when the server starts shutting down: endless streams end
         self.cut = ShutdownCut()  # what is still running when the shutdown's time runs out ends with an error event
         self.downloads = Downloads(self.stopping)  # image URLs (open_service gives it its client)
-        self.model_names = model_names(config)  # the served name first, then the other aliases
+        self.model_names = self.models.default.names  # the served name first, then the other aliases
         self.model_name = self.model_names[0]
         self.started = time.time()
-        self.engine: Any = None  # an EngineLike once loaded
-        self.tokenizer: Any = None
-        self.family: ModelFamily | None = None  # the model's family, chosen from its vocabulary (attach)
-        self.grammars: Grammars | None = None  # the model's compiled answer grammars (constrained decoding)
-        self.prompts: Prompts | None = None  # the model's prompts (attach)
+        # Startup: a single-model server's model loaded (or failed); a server of several models is ready at once.
         self.load_error: BaseException | None = None
         self.loaded = trio.Event()
         self.nursery: trio.Nursery | None = None  # the service's long-lived nursery (open_service)
-        self.vision: VisionClient | VisionPool | None = None  # the image encoder(s), when the config has them
         self.mcp = McpServers(config.mcp_servers, config.mcp)  # the configured MCP servers (open_service starts them)
-        self.loop: EngineLoop | None = None  # the engine's batcher and its thread (attach)
-        self.kv_tier: KvTier | None = None  # the disk tier under the prefix cache (config.kv_disk)
-        self.kv_events: Publisher | None = None  # the prefix cache's KV event publisher, if configured (attach)
-        self.draft_model: DraftModel | None = None  # speculative decoding's draft model, when configured (load)
+        self.kv_events: Publisher | None = None  # the first model's KV event publisher, if configured (attach)
         self._compiling = trio.CapacityLimiter(GRAMMAR_THREADS)
+
+    # --- the first model's parts
+
+    @property
+    def engine(self) -> Any:
+        return self.models.default.engine
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.models.default.tokenizer
+
+    @property
+    def family(self) -> ModelFamily | None:
+        return self.models.default.family
+
+    @property
+    def grammars(self) -> Grammars | None:
+        return self.models.default.grammars
+
+    @property
+    def prompts(self) -> Prompts | None:
+        return self.models.default.prompts
+
+    @property
+    def turn(self) -> Turn:
+        return self.models.default.turn
+
+    @property
+    def loop(self) -> EngineLoop | None:
+        return self.models.default.loop
+
+    @property
+    def vision(self) -> VisionClient | VisionPool | None:
+        return self.models.default.vision
 
     @property
     def ready(self) -> bool:
@@ -128,165 +155,43 @@ class Service:
 
     def attach(self, engine: EngineLike, tokenizer: Any, template: str | None = None,
                kv_tier: KvTier | None = None) -> None:
-        """Serve with an engine and tokenizer that are already loaded (and the disk tier opened for it)."""
-        template = template or tokenizer.chat_template
-        if not template:
-            raise ServiceUnavailable("the model has no chat template (tokenizer.chat_template)")
-        self.engine, self.tokenizer = engine, tokenizer
-        self.family = family_of(tokenizer, template)
-        self.grammars = Grammars(tokenizer, self.family, engine.n_vocab)
-        self.prompts = Prompts(tokenizer, self.family, template, engine.n_ctx, engine.n_vocab,
-                               self.config.limits.max_tokens)
-        # as many slots as the engine has sequences (an engine passed in may have fewer than config.slots)
-        self.turn = Turn(max_queued=self.config.limits.queue_length, slots=engine.n_seq)
-        snapshots = self.config.snapshot_budget
-        self.kv_tier = kv_tier
-        self.loop = EngineLoop(Batcher(engine, self.config.step_tokens, self.config.batch, self.config.step_slowdown,
-                                       snapshot_bytes=None if snapshots is None else int(snapshots * 2**20),
-                                       tier=kv_tier))
-        if self.config.kv_events.endpoint is not None:
-            from strata.kv_events.publisher import publish_cache_events
-
-            self.kv_events = publish_cache_events(self.config.kv_events, self.loop.batcher)
+        """Serve with an engine and tokenizer that are already loaded (a single-model service; the disk tier
+        opened for it, if any)."""
+        self.models.default.attach(engine, tokenizer, template, kv_tier)
+        self._publish_cache_events()
         self.loaded.set()
 
-    def open_kv_tier(self, engine: EngineLike, log: Callable[[str], None] = print) -> KvTier | None:
-        """The configured disk tier for `engine`'s KV rows (blocking: it scans the directory), or None.
+    def _publish_cache_events(self) -> None:
+        """Start publishing the first model's prefix cache as KV events, if the config asks (`kv_events`: one
+        model per server, as a router's replica serves)."""
+        loop = self.models.default.loop
+        if self.config.kv_events.endpoint is not None and loop is not None:
+            from strata.kv_events.publisher import publish_cache_events
 
-        Raises:
-            KvDiskError: the directory cannot be used (another server holds it).
-        """
-        kv_disk = self.config.kv_disk
-        if kv_disk.path is None:
-            return None
-        if engine.recurrent:  # its blocks would need the recurrent state beside them, which the tier does not store
-            log(f"kv_disk: off: the {engine.arch} model has recurrent layers, whose state the disk tier does not "
-                "store yet")
-            return None
-        tier = KvTier(kv_disk.path, engine.kv_identity, kv_disk.max_bytes, engine.kv_position_bytes,
-                      kv_disk.block_tokens, log)
-        log(f"kv_disk: {kv_disk.path}: {len(tier.store)} blocks, {tier.store.bytes / 2**20:,.0f} MiB of "
-            f"{kv_disk.max_bytes / 2**20:,.0f} MiB")
-        return tier
-
-    def _attach_with_tier(self, engine: EngineLike, tokenizer: Any, tier: KvTier | None) -> None:
-        """`attach`, closing the tier if that fails (its threads and the directory's lock go with it)."""
-        try:
-            self.attach(engine, tokenizer, kv_tier=tier)
-        except BaseException:
-            if tier is not None:
-                tier.close()
-            raise
-
-    def close_kv_tier(self) -> None:
-        """Save every idle slot's blocks, write what is queued, and close the tier (blocking: a worker thread's
-        job at shutdown, once the engine thread has ended)."""
-        tier, self.kv_tier = self.kv_tier, None
-        if tier is None:
-            return
-        try:
-            if self.loop is not None and not self.loop.running:  # a step still running owns the slots
-                self.loop.batcher.save_all()
-        finally:
-            tier.close()
+            self.kv_events = publish_cache_events(self.config.kv_events, loop.batcher)
 
     async def load(self, log: Callable[[str], None] = print) -> None:
-        """Load the configured model in a worker thread; a failure is kept in `load_error` and re-raised."""
+        """Load the configured model in a worker thread (a single-model service); a failure is kept in
+        `load_error` and re-raised."""
+        assert self.nursery is not None
         try:
-            engine, tokenizer = await with_progress(
-                log, f"loading {self.config.model}",
-                lambda stage: trio.to_thread.run_sync(self._load_blocking, log, stage))
-            try:
-                await self.start_vision(engine, log)
-            except BaseException:
-                engine.close()
-                raise
-            try:
-                tier = await trio.to_thread.run_sync(self.open_kv_tier, engine, log)
-            except BaseException:
-                engine.close()
-                raise
-            self._attach_with_tier(engine, tokenizer, tier)
-            bands = f", output weight in bands {engine.prepared_bytes / 2**20:.0f} MiB" if engine.prepared_bytes else ""
-            copied = f", weights copied to huge pages {engine.copied_bytes / 2**20:.0f} MiB" if engine.copied_bytes \
-                else ""
-            log(f"model: {self.config.model} ({engine.arch}), context {engine.n_ctx}, threads {engine.threads}, "
-                f"backend {engine.backend}{bands}{copied}")
-            budget = "" if self.config.kv_budget is None else f" of a {self.config.kv_budget:g} MiB budget"
-            log(f"KV cache: {engine.n_seq} slots x {engine.n_ctx} positions ({self.config.kv}), "
-                f"{engine.kv_bytes / 2**20:.0f} MiB{budget}")
-            snapshots = self.loop.batcher.snapshots if self.loop is not None else None
-            if snapshots is not None:
-                log(f"recurrent state: {engine.state_bytes / 2**20:.1f} MiB a sequence; snapshots for prefix reuse: "
-                    f"{snapshots.capacity} ({snapshots.budget / 2**20:.0f} MiB)")
+            await self.models.default.load(self.nursery, log)
+            self._publish_cache_events()
         except BaseException as error:
             self.load_error = error
+            raise
+        finally:
             self.loaded.set()
-            raise
-
-    def _load_blocking(self, log: Callable[[str], None], stage: Stage) -> tuple[Any, Any]:
-        from strata.engine_cffi import Engine
-        from strata.text.tokenizer import Tokenizer
-
-        config = self.config
-        if not config.model:
-            raise ServiceUnavailable('no model configured (the "model" key or --model)')
-        size = os.path.getsize(config.model) if os.path.isfile(config.model) else 0
-        log(f"loading {config.model} ({size / 2**20:,.0f} MiB) ...")
-        started = time.perf_counter()
-        stage.now = "tensors and context"
-        budget = None if config.kv_budget is None else int(config.kv_budget * 2**20)
-        engine = Engine.load(config.model, n_ctx=config.context, threads=config.threads, kv=config.kv,
-                             n_batch=config.batch, n_seq=config.slots, kv_budget=budget,
-                             mapped_weights=config.mapped_weights, record_routing=config.record_routing)
-        try:
-            stage.now = "tokenizer"
-            tokenizer = Tokenizer.from_gguf(config.model)
-            if config.speculative.draft_model is not None:
-                stage.now = "draft model"
-                self.draft_model = DraftModel(self._load_draft_model(engine))
-        except BaseException:
-            engine.close()
-            raise
-        log(f"loaded in {time.perf_counter() - started:.1f} s")
-        return engine, tokenizer
-
-    def _load_draft_model(self, engine: Any) -> Any:
-        """The config's draft model on a context like the model's (as long, as many slots, its threads)."""
-        from strata.engine_cffi import Engine
-
-        config = self.config
-        path = config.speculative.draft_model
-        assert path is not None
-        draft = Engine.load(path, n_ctx=engine.n_ctx, threads=config.threads, kv=config.kv, n_batch=config.batch,
-                            n_seq=engine.n_seq)
-        if draft.n_vocab != engine.n_vocab:
-            draft.close()
-            raise ServiceUnavailable(f'speculative.draft_model: {path} has {draft.n_vocab} tokens, the model '
-                                     f'{engine.n_vocab}: a draft model needs the same vocabulary')
-        return draft
 
     async def start_vision(self, engine: EngineLike, log: Callable[[str], None] = print) -> None:
-        """Start the configured image encoder in the service's nursery (after the model, whose width its rows
-        must have).
+        """Start the configured image encoder of the first model in the service's nursery (after the model,
+        whose width its rows must have).
 
         Raises:
             VisionStartError: a local encoder that could not start, or whose rows do not fit the model.
         """
-        vision = self.config.vision
-        if not (vision.mmproj or vision.exe or vision.pool):
-            return
         assert self.nursery is not None
-        client = self.vision = (VisionPool(vision, engine_threads=engine.threads, log=log) if vision.pool
-                                else VisionClient(vision, engine_threads=engine.threads, log=log))
-        what = f"vision: starting the {client.mode()} encoder"
-        log(f"{what} ...")
-        nursery = self.nursery
-        await with_progress(log, what, lambda stage: nursery.start(client.run))
-        ready, n_embd = client.last_ready, engine.picture_width
-        if ready is not None and ready.n_embd != n_embd and not client.remote:
-            raise VisionStartError(f"the image encoder's rows are {ready.n_embd} wide and the model's embeddings "
-                                   f"{n_embd}: {vision.mmproj} was made for another model")
+        await self.models.default.start_vision(engine, self.nursery, log)
 
     async def wait_ready(self) -> None:
         """Wait until the model is loaded; raise `ServiceUnavailable` if loading failed."""
@@ -295,61 +200,63 @@ class Service:
             raise ServiceUnavailable(f"the model failed to load: {self.load_error}")
 
     def close(self) -> None:
-        if self.engine is not None:
-            self.engine.close()
-        if self.draft_model is not None:
-            self.draft_model.engine.close()
+        self.models.close_engines()
 
     # --- requests
 
     def render(self, request: ChatRequest) -> str:
-        """The prompt text of a request (the chat template applied to its messages and tools)."""
+        """The prompt text of a request to the first model (the chat template applied to its messages and
+        tools)."""
         assert self.prompts is not None, "render before the model is loaded"
         return self.prompts.render(request)
 
-    async def count_tokens(self, request: ChatRequest) -> int:
+    async def count_tokens(self, request: ChatRequest, model: str | None = None) -> int:
         """How many prompt tokens a request has, each picture counted as the rows its encoding takes: pictures
         are encoded to know that (cancellable like a chat request's, and cached for the request that follows).
 
-        Raises: what preparing the same chat request would (`RequestError`, `ServiceUnavailable`).
+        Raises: what preparing the same chat request would (`RequestError`, `ServiceUnavailable`,
+            `UnknownModel`).
         """
-        self._require_ready()
-        if request.mcp:
-            toolset = await self._toolset(request)
-            await toolset.aclose()
-            request = dataclasses.replace(request, tools=request.tools + toolset.functions())
-        request, pictures, rendered = await self._pictures(request)
-        prompts = self.prompts
-        assert prompts is not None
-        if rendered is None:
-            rendered = await trio.to_thread.run_sync(prompts.text_and_ids, request)
-        ids = rendered[1]
-        # each picture's pad becomes its rows, and its parts' markers when it is split into tiles
-        return len(ids) + sum(picture.n_tokens + marker_tokens(picture.grid, prompts.marker_ids) - 1
-                              for picture in pictures)
+        async with self.models.use(self.models.find(model)) as served:
+            self._require_ready(served)
+            if request.mcp:
+                toolset = await self._toolset(request)
+                await toolset.aclose()
+                request = dataclasses.replace(request, tools=request.tools + toolset.functions())
+            request, pictures, rendered = await self._pictures(served, request)
+            prompts = served.prompts
+            assert prompts is not None
+            if rendered is None:
+                rendered = await trio.to_thread.run_sync(prompts.text_and_ids, request)
+            ids = rendered[1]
+            # each picture's pad becomes its rows, and its parts' markers when it is split into tiles
+            return len(ids) + sum(picture.n_tokens + marker_tokens(picture.grid, prompts.marker_ids) - 1
+                                  for picture in pictures)
 
-    def _require_ready(self) -> None:
-        if not self.loaded.is_set():
-            raise ServiceUnavailable("the model is still loading")
-        if self.load_error is not None:
-            raise ServiceUnavailable(f"the model failed to load: {self.load_error}")
+    def _require_ready(self, model: ServedModel) -> None:
+        if not self.models.named:  # the single model: loaded at startup
+            if not self.loaded.is_set():
+                raise ServiceUnavailable("the model is still loading")
+            if self.load_error is not None:
+                raise ServiceUnavailable(f"the model failed to load: {self.load_error}")
+        assert model.ready, "a named model is loaded before its request's phases"
 
-    def _prepare(self, request: ChatRequest, pictures: list[Embedding],
+    def _prepare(self, model: ServedModel, request: ChatRequest, pictures: list[Embedding],
                  rendered: tuple[str, list[int]] | None = None, results: int = 0) -> Prepared:
         """The request's prompt with its pictures' rows, and its token caps (`strata.prompts`); its last
         `results` messages are tool results the model has not read yet, cut to fit the context."""
-        self._require_ready()
-        assert self.prompts is not None
-        return self.prompts.prepare(request, pictures, rendered, results)
+        self._require_ready(model)
+        assert model.prompts is not None
+        return model.prompts.prepare(request, pictures, rendered, results)
 
-    async def _guide(self, request: ChatRequest, prepared: Prepared) -> Guide | None:
+    async def _guide(self, model: ServedModel, request: ChatRequest, prepared: Prepared) -> Guide | None:
         """The constraint of a request's answer (format, tool choice), converted and compiled in a worker thread
         when the request sends a format or tools; None when the answer is free.
 
         Raises:
             RequestError: a schema or grammar that cannot be enforced (naming its field).
         """
-        grammars = self.grammars
+        grammars = model.grammars
         assert grammars is not None
         limits = GrammarLimits(self.config.limits.max_grammar_bytes, self.config.limits.max_grammar_rules)
         # A prefilled answer (past any reasoning) is the start of the constrained one.
@@ -375,7 +282,7 @@ class Service:
 
     # --- pictures
 
-    async def _pictures(self, request: ChatRequest, live: RequestProgress | None = None
+    async def _pictures(self, model: ServedModel, request: ChatRequest, live: RequestProgress | None = None
                         ) -> tuple[ChatRequest, list[Embedding], tuple[str, list[int]] | None]:
         """Encode the request's pictures, in prompt order, in the calling task (the request's: cancellable); see
         `strata.pictures.staging`. Before any encode, the prompt is rendered and tokenised (in a worker thread) to
@@ -391,20 +298,21 @@ class Service:
         counted: list[tuple[str, list[int]]] = []
 
         async def text_tokens(messages: list[dict[str, Any]]) -> int:
-            assert self.prompts is not None
-            text, ids = await trio.to_thread.run_sync(self.prompts.text_and_ids,
+            assert model.prompts is not None
+            text, ids = await trio.to_thread.run_sync(model.prompts.text_and_ids,
                                                       dataclasses.replace(request, messages=messages))
             counted.append((text, ids))
-            return len(ids) - ids.count(self.prompts.pad_id)
+            return len(ids) - ids.count(model.prompts.pad_id)
 
         try:
-            places = picture_places(request.messages, self.config.limits.max_pictures, self.vision is not None)
+            places = picture_places(request.messages, self.config.limits.max_pictures, model.vision is not None)
             if not places:
                 return request, [], None
-            self._require_ready()
-            assert self.vision is not None and self.loop is not None and self.prompts is not None
-            staging = PictureStaging(self.vision, self.downloads, Exclusive(self.loop, self.turn), self.engine.n_ctx,
-                                     self.engine.picture_width, self.prompts.marker_ids, text_tokens)
+            self._require_ready(model)
+            assert model.vision is not None and model.loop is not None and model.prompts is not None
+            staging = PictureStaging(model.vision, self.downloads, Exclusive(model.loop, model.turn),
+                                     model.engine.n_ctx, model.engine.picture_width, model.prompts.marker_ids,
+                                     text_tokens)
             messages, pictures = await staging.encode(request.messages, places, live)
         except PicturesRefused as error:
             raise RequestError(str(error), error.param, error.code) from None
@@ -412,35 +320,46 @@ class Service:
             raise ServiceUnavailable(str(error), retry_after=ENCODER_RETRY_AFTER) from None
         # The prompt counted has a placeholder for each picture staged: as many as were encoded, unless one was
         # omitted since (its text then differs).
-        pad_id = self.prompts.pad_id
+        pad_id = model.prompts.pad_id
         rendered = counted[0] if counted and counted[0][1].count(pad_id) == len(pictures) else None
         return dataclasses.replace(request, messages=messages), pictures, rendered
 
-    async def chat(self, request: ChatRequest, *, request_id: str | None = None) -> AsyncGenerator[Event, None]:
+    async def chat(self, request: ChatRequest, *, request_id: str | None = None,
+                   model: str | None = None) -> AsyncGenerator[Event, None]:
         """Generate the answer to `request` as events, ending with `Usage` and `Finish`.
 
         Close the iterator when done with it early (`contextlib.aclosing`): it holds the engine's turn between
         its events. Cancellation (the caller's cancel scope) is clean in every phase: while queued the request
         just leaves the queue; on the engine it raises the abort flag and waits for the engine thread to return.
 
+        Args:
+            model: the name of the model to answer (`models`); a single-model server's answers whatever it is.
+
         Raises:
+            UnknownModel: no served model has that name (raised before the first event).
             RequestError: the request does not fit this model.
-            ServiceUnavailable: the model is not loaded.
+            ServiceUnavailable: the model is not loaded, or failed to load.
             turn.QueueFull: too many requests are waiting.
         """
-        row = HistoryRow(id=request_id or uuid.uuid4().hex, route=request.route, start=time.time())
+        served = self.models.find(model)
+        row = HistoryRow(id=request_id or uuid.uuid4().hex, route=request.route, start=time.time(),
+                         model=served.name)
         started = time.perf_counter()
         with self.activity.track(row) as live:
             toolset: Toolset | None = None
             try:
-                if request.mcp:
-                    toolset = await self._toolset(request)
-                    request = dataclasses.replace(request, tools=request.tools + toolset.functions())
-                rounds = run_rounds(request, self._round, toolset, live, max_rounds=self.config.mcp.max_rounds,
-                                    sees_pictures=self._sees_pictures, cut=self.cut)
-                async with aclosing(rounds) as events:
-                    async for event in events:
-                        yield event
+                if served.state != "loaded" and self.models.named:
+                    live.phase = "loading"  # waiting for the model, and for the memory to load it
+                async with self.models.use(served):
+                    if request.mcp:
+                        toolset = await self._toolset(request)
+                        request = dataclasses.replace(request, tools=request.tools + toolset.functions())
+                    rounds = run_rounds(request, partial(self._round, served), toolset, live,
+                                        max_rounds=self.config.mcp.max_rounds,
+                                        sees_pictures=lambda: served.vision is not None, cut=self.cut)
+                    async with aclosing(rounds) as events:
+                        async for event in events:
+                            yield event
             except (trio.Cancelled, GeneratorExit):
                 row.finish = "cancel"
                 raise
@@ -467,62 +386,59 @@ class Service:
         except McpRequestError as error:
             raise RequestError(str(error), error.param) from None
 
-    def _sees_pictures(self) -> bool:
-        """Whether the model is given the pictures MCP tools return: it has an image encoder."""
-        return self.vision is not None
-
     @asynccontextmanager
-    async def _round(self, request: ChatRequest, live: RequestProgress,
+    async def _round(self, model: ServedModel, request: ChatRequest, live: RequestProgress,
                      results: int) -> AsyncIterator[AsyncIterator[Event]]:
         """One round of a response (`strata.mcp_tools.rounds.RoundEvents`): the request's pictures encoded, its
         prompt prepared (its last `results` tool results cut to fit) and its answer's constraint compiled, then
         the engine's turn held while the caller takes the generated events."""
         live.phase = "prepare"
-        request, pictures, rendered = await self._pictures(request, live)
+        request, pictures, rendered = await self._pictures(model, request, live)
         if pictures or not short(request):
-            prepared = await trio.to_thread.run_sync(self._prepare, request, pictures, rendered, results)
+            prepared = await trio.to_thread.run_sync(self._prepare, model, request, pictures, rendered, results)
         else:  # a worker thread's round trip would cost more than the work
-            prepared = self._prepare(request, pictures, rendered, results)
-        guide = await self._guide(request, prepared)
+            prepared = self._prepare(model, request, pictures, rendered, results)
+        guide = await self._guide(model, request, prepared)
         live.row.prompt_tokens += len(prepared.ids)  # the response's prompt: the earlier rounds' and this one
         live.phase = "queued"
-        async with self.turn.hold():
+        async with model.turn.hold():
             try:
-                async with aclosing(self._generate(request, prepared, live, guide)) as events:
+                async with aclosing(self._generate(model, request, prepared, live, guide)) as events:
                     yield events
             finally:
                 live.slot = None
 
-    async def _generate(self, request: ChatRequest, prepared: Prepared, live: RequestProgress,
+    async def _generate(self, model: ServedModel, request: ChatRequest, prepared: Prepared, live: RequestProgress,
                         guide: Guide | None) -> AsyncGenerator[Event, None]:
-        assert self.loop is not None
+        assert model.loop is not None
         self.cut.check()  # a request that got its turn after the shutdown's cut does not start
         row = live.row
         live.phase = "prompt"
         before = row.output_tokens  # tokens of earlier rounds of this response
-        sampler = Sampler(request.sampling, self.engine.n_vocab, mask=guide, logprobs=request.logprobs)
+        tokenizer = model.tokenizer
+        sampler = Sampler(request.sampling, model.engine.n_vocab, mask=guide, logprobs=request.logprobs)
         echo = request.completion is not None and request.completion.echo
-        spec = speculation(self.config.speculative, prepared.predicted, self.draft_model)
+        spec = speculation(model.config.speculative, prepared.predicted, model.draft_model)
         drafted_before, accepted_before = row.draft_tokens, row.accepted_tokens
-        job = Job(prepared.ids, sampler, prepared.max_tokens, self.tokenizer.eos_ids,
+        job = Job(prepared.ids, sampler, prepared.max_tokens, tokenizer.eos_ids,
                   keys=salted(prepared.prompt.keys, request.cache_salt),
                   spans=prepared.prompt.spans, tag=row.id, progress=live,
                   prompt_logprobs=request.logprobs if echo else None, turn_starts=prepared.turn_starts,
                   speculation=spec)
         # Everything this task can make before the job goes: the engine thread needs the GIL to start the job's
         # call, and gets it only once this task waits for the first token.
-        assert self.family is not None
-        output = Output(self.tokenizer, self.family, request, prepared.starts_in_reasoning)
-        names = LogprobNames(self.tokenizer.id_bytes)
+        assert model.family is not None
+        output = Output(tokenizer, model.family, request, prepared.starts_in_reasoning)
+        names = LogprobNames(tokenizer.id_bytes)
         finish: FinishReason | None = None
         reasoning_tokens = 0
-        stream = Stream(self.loop, job)
+        stream = Stream(model.loop, job)
         self._generating.append((row, stream))
         try:
             while finish is None:
                 tokens = await stream.next_tokens()
                 if live.phase == "prompt":
-                    for event in self._prompt_done(job, prepared.ids, names, echo):
+                    for event in self._prompt_done(tokenizer, job, prepared.ids, names, echo):
                         yield event
                 live.phase = "decode"
                 row.reused_tokens, row.prompt_seconds, row.decode_seconds = job.reused, *stream.seconds()
@@ -552,7 +468,7 @@ class Service:
                 await stream.stop()
             finally:
                 self._generating.remove((row, stream))
-        await self._check_answer(guide, finish, output.stopped)
+        await self._check_answer(model, guide, finish, output.stopped)
         for event in output.finish():
             yield event
         if finish == "stop" and output.n_tool_calls:
@@ -566,7 +482,8 @@ class Service:
                     accepted_prediction_tokens=accepted, rejected_prediction_tokens=rejected)
         yield Finish(finish, output.stop_sequence)
 
-    async def _check_answer(self, guide: Guide | None, finish: FinishReason, stopped: bool) -> None:
+    async def _check_answer(self, model: ServedModel, guide: Guide | None, finish: FinishReason,
+                            stopped: bool) -> None:
         """Invariant: a constrained answer that ended with an end-of-turn token (`finish` "stop", not `stopped` by
         a stop string) is what was asked, or the request fails with a 400 (an error event once streaming):
         llguidance giving up (on a schema no finite text satisfies) leaves only an end-of-turn token allowed, and
@@ -577,8 +494,8 @@ class Service:
         """
         if guide is None or finish != "stop" or stopped:
             return
-        assert self.grammars is not None
-        failure = await trio.to_thread.run_sync(self.grammars.answer_error, guide)
+        assert model.grammars is not None
+        failure = await trio.to_thread.run_sync(model.grammars.answer_error, guide)
         if failure is not None:
             param = guide.plan.parts[0][1] if guide.plan.parts else "tool_choice"
             raise RequestError(f"{param}: {failure}", param, code="constraint_failed")
@@ -596,21 +513,19 @@ class Service:
         return self._generating[0][0] if self._generating else None
 
     def slots(self) -> list[dict[str, Any]]:
-        """Each slot: its state ("idle", "prompt", "decode"), the request on it, and the positions it holds."""
-        if self.loop is None:
-            return []
-        return [{"slot": slot.seq, "request": None if slot.job is None else slot.job.tag,
-                 "state": "idle" if slot.job is None else "decode" if slot.job.decoding else "prompt",
-                 "cached_tokens": len(slot.keys)} for slot in self.loop.batcher.slots]
+        """The first model's slots: each one's state ("idle", "prompt", "decode"), the request on it, and the
+        positions it holds."""
+        return self.models.default.slots()
 
-    def _prompt_done(self, job: Job, ids: list[int], names: LogprobNames, echo: bool) -> list[Event]:
+    @staticmethod
+    def _prompt_done(tokenizer: Any, job: Job, ids: list[int], names: LogprobNames, echo: bool) -> list[Event]:
         """The events of a processed prompt: its size and what was cached, then (a completion's `echo`) the prompt
         itself, with its tokens' log-probabilities when asked."""
         events: list[Event] = [PromptProcessed(len(ids), job.reused)]
         if echo:
             if job.prompt_logprobs is not None:
                 events.append(PromptLogprobs(names.prompt_logprobs(ids, job.prompt_records)))
-            events.append(TextDelta(self.tokenizer.decode(ids)))
+            events.append(TextDelta(tokenizer.decode(ids)))
         return events
 
     def begin_shutdown(self, grace: float) -> None:
@@ -624,24 +539,15 @@ class Service:
             stream.interrupt()
 
     def engine_problem(self) -> OSError | None:
-        """Why the engine could not take a request now (no file descriptor or thread left to start its thread),
+        """Why an engine could not take a request now (no file descriptor or thread left to start its thread),
         or None."""
-        return None if self.loop is None else self.loop.start_problem()
+        return next((problem for model in self.models.models if (problem := model.engine_problem()) is not None),
+                    None)
 
     @property
     def engine_running(self) -> bool:
         """Whether an engine thread is running (until trio has seen its end)."""
-        return self.loop is not None and self.loop.periods > 0
-
-
-
-
-def model_names(config: Config) -> list[str]:
-    """The names the model is served as: the `model_alias` names, else the file's name."""
-    aliases = [name.strip() for name in (config.model_alias or "").split(",") if name.strip()]
-    if aliases:
-        return aliases
-    return [os.path.basename(config.model).removesuffix(".gguf") if config.model else "strata"]
+        return any(model.engine_running for model in self.models.models)
 
 
 @asynccontextmanager
@@ -655,7 +561,8 @@ async def open_service(
 ) -> AsyncIterator[Service]:
     """Open a `Service`: its long-lived nursery, the model loaded in a worker thread, then the image encoder when
     the config has one (a local encoder that cannot start raises `VisionStartError`; with `wait=False` it is kept
-    in `service.load_error` like a model that failed to load).
+    in `service.load_error` like a model that failed to load). With several models (`models`), none is loaded
+    here: each loads when a request first names it (`strata.model_set`).
 
     Args:
         config: the configuration (`config.model` is loaded unless `engine` is given).
@@ -676,10 +583,16 @@ async def open_service(
             service.mcp = McpServers(config.mcp_servers, config.mcp, log, policy)
             await service.mcp.start(nursery)
             try:
-                if engine is not None:
+                if service.models.named:  # each model loads when a request first names it
+                    assert engine is None, "a service of several models loads its own"
+                    service.models.nursery, service.models.log = nursery, log
+                    await trio.to_thread.run_sync(service.models.measure)
+                    service.loaded.set()
+                elif engine is not None:
                     await service.start_vision(engine, log)
-                    tier = await trio.to_thread.run_sync(service.open_kv_tier, engine, log)
-                    service._attach_with_tier(engine, tokenizer, tier)
+                    await service.models.default.attach_loaded(engine, tokenizer, log)
+                    service._publish_cache_events()
+                    service.loaded.set()
                 elif wait:
                     await service.load(log)
                 else:
@@ -690,12 +603,9 @@ async def open_service(
                 try:
                     yield service
                 finally:
-                    if service.loop is not None:
-                        await service.loop.close()
-                    if service.kv_events is not None:  # after the engine thread: nothing publishes any more
+                    await service.models.close()
+                    if service.kv_events is not None:  # after the engine threads: nothing publishes any more
                         service.kv_events.close()
-                    with trio.CancelScope(shield=True):
-                        await trio.to_thread.run_sync(service.close_kv_tier)
                     nursery.cancel_scope.cancel()
             nursery.cancel_scope.cancel()
     finally:

@@ -49,10 +49,15 @@ def test_without_a_quant_q4_k_m_else_the_first_file():
         choose_files(HubRef("o/m", None), ["README.md", "mmproj-F16.gguf"], None)
 
 
-def test_split_files_are_refused_naming_the_single_file_quants():
-    with pytest.raises(HubError, match=r"big/m-Q6_K-00001-of-00002.gguf is one part of a split model .* "
-                                       r"single-file quants there: BF16, Q4_0, Q4_K_M, q8_0"):
-        choose_files(HubRef("o/m", "Q6_K"), REPO, "F16")
+def test_a_split_model_comes_with_every_part_in_order():
+    choice = choose_files(HubRef("o/m", "Q6_K"), REPO[::-1], None)
+    assert choice.model == "big/m-Q6_K-00001-of-00002.gguf"
+    assert choice.parts == ("big/m-Q6_K-00001-of-00002.gguf", "big/m-Q6_K-00002-of-00002.gguf")
+    assert choose_files(HubRef("o/m", "Q8_0"), REPO, None).parts == ("m-q8_0.gguf",)
+    three = ["m-Q6_K-00001-of-00003.gguf", "m-Q6_K-00003-of-00003.gguf"]
+    with pytest.raises(HubError, match=r"^hf:o/m:Q6_K: the split model m-Q6_K-00001-of-00003.gguf lacks 1 of its 3 "
+                                       r"parts \(m-Q6_K-00002-of-00003.gguf\)$"):
+        choose_files(HubRef("o/m", "Q6_K"), three, None)
 
 
 def test_the_mmproj_beside_the_model_f16_unless_another_is_asked_for():
@@ -72,8 +77,10 @@ def test_the_progress_line_gives_bytes_rate_and_eta():
     assert lines == ["m-Q8_0.gguf: 10.0 of 40.0 MB, 5.0 MB/s, ETA 6 s"]
     resumed = Transfer(total=40_000_000, report=lines.append, name="m-Q8_0.gguf", started=time.monotonic() - 2)
     resumed.advance(20_000_000, resumed=True)  # an interrupted download's bytes: not in the rate
-    resumed.advance(10_000_000)
-    assert lines[-1] == "m-Q8_0.gguf: 30.0 of 40.0 MB, 5.0 MB/s, ETA 2 s"
+    resumed.advance(10_000_000)  # within REPORT_EVERY of the last line: counted, not reported
+    assert len(lines) == 2 and resumed.line() == "m-Q8_0.gguf: 30.0 of 40.0 MB, 5.0 MB/s, ETA 2 s"
+    resumed.advance(10_000_000)  # the last bytes: reported at once
+    assert len(lines) == 3 and lines[-1].startswith("m-Q8_0.gguf: 40.0 of 40.0 MB")
 
 
 def test_under_another_asgi_server_an_hf_model_is_one_line():

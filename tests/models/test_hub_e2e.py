@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import trio
 from conftest import server_config
+from gguf_rewrite import rewrite
 from hub_server import fake_hub
 
 from strata.models import hub
@@ -33,11 +34,13 @@ def hub_env(monkeypatch, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def repo(tiny_model: Path) -> dict[str, dict[str, bytes]]:
+def repo(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, bytes]]:
     data = tiny_model.read_bytes()
+    first = rewrite(tiny_model, tmp_path_factory.mktemp("split") / "tiny-Q4_0.gguf", split_max_tensors=12)
+    parts = {part.name: part.read_bytes() for part in sorted(first.parent.glob("tiny-Q4_0-*-of-*.gguf"))}
+    assert len(parts) > 1
     return {"owner/tiny-GGUF": {"README.md": b"tiny", "tiny-Q8_0.gguf": data, "tiny-F32.gguf": data + b"",
-                                "mmproj-tiny-BF16.gguf": b"bf16", "mmproj-tiny-F16.gguf": b"f16",
-                                "tiny-Q4_0-00001-of-00002.gguf": data, "tiny-Q4_0-00002-of-00002.gguf": b""}}
+                                "mmproj-tiny-BF16.gguf": b"bf16", "mmproj-tiny-F16.gguf": b"f16", **parts}}
 
 
 def test_one_file_and_its_mmproj_are_downloaded_with_progress(hub_env, repo, tiny_model):
@@ -87,12 +90,32 @@ def test_each_error_is_one_line(hub_env, repo, monkeypatch):
             fetch(HubRef("owner/nothing", None), None)
         with pytest.raises(HubError, match=r"no GGUF file for quant Q5_K_M \(there are: F32, Q4_0, Q8_0\)$"):
             fetch(HubRef("owner/tiny-GGUF", "Q5_K_M"), None)
-        with pytest.raises(HubError, match=r"split model .* single-file quants there: F32, Q8_0$"):
-            fetch(HubRef("owner/tiny-GGUF", "Q4_0"), None)
         monkeypatch.setattr(hub.shutil, "disk_usage", lambda _: type("Usage", (), {"free": 1000})())
         with pytest.raises(HubError, match=r"the download needs 0\.\d+ GB and .*hf-cache has 0\.00 GB free$"):
             fetch(HubRef("owner/tiny-GGUF", "F32"), "F16")
         assert not any("/resolve/" in request for request in server.requests)  # nothing was downloaded
+
+
+def test_a_split_model_is_downloaded_whole_and_loads_from_its_first_part(hub_env, repo, tiny_model):
+    from strata.engine_cffi import Engine
+    from strata.model_file import check_model_file
+
+    lines: list[str] = []
+    with fake_hub(repo) as server:
+        hub_env(server.url)
+        model, mmproj = fetch(HubRef("owner/tiny-GGUF", "Q4_0"), None, lines.append)
+    parts = sorted(name for name in repo["owner/tiny-GGUF"] if name.startswith("tiny-Q4_0-"))
+    assert Path(model).name == parts[0] and mmproj is None
+    assert sorted(path.name for path in Path(model).parent.glob("tiny-Q4_0-*")) == parts  # beside each other
+    assert {line.split(":")[0] for line in lines} == set(parts)  # the progress names each part
+    assert check_model_file(model) == "qwen3moe"
+    with Engine.load(model, n_ctx=32) as split, Engine.load(tiny_model, n_ctx=32) as whole:
+        assert (split.eval([1, 2, 3]) == whole.eval([1, 2, 3])).all()
+    broken = {"owner/broken": {name: data for name, data in repo["owner/tiny-GGUF"].items() if name != parts[-1]}}
+    with fake_hub(broken) as server:
+        hub_env(server.url)
+        with pytest.raises(HubError, match=rf"lacks 1 of its {len(parts)} parts \({parts[-1]}\)$"):
+            fetch(HubRef("owner/broken", "Q4_0"), None)
 
 
 async def test_the_config_names_the_downloaded_files(hub_env, repo):
@@ -138,14 +161,49 @@ async def test_a_slow_download_prints_progress_lines(hub_env, repo):
 
 
 def test_a_download_cut_by_the_network_resumes_where_it_stopped(hub_env, repo):
-    from huggingface_hub.constants import DOWNLOAD_CHUNK_SIZE
-
     data = repo["owner/tiny-GGUF"]["tiny-F32.gguf"]
-    assert len(data) > DOWNLOAD_CHUNK_SIZE + 1000  # the client writes whole chunks: one is kept
+    cut = len(data) // 2
     lines: list[str] = []
-    with fake_hub(repo, cut=DOWNLOAD_CHUNK_SIZE + 1000) as server:
+    with fake_hub(repo, cut=cut) as server:
         hub_env(server.url)
         model, _ = fetch(HubRef("owner/tiny-GGUF", "F32"), None, lines.append)
     assert Path(model).read_bytes() == data
-    assert f"GET /owner/tiny-GGUF/resolve/main/tiny-F32.gguf (bytes={DOWNLOAD_CHUNK_SIZE}-)" in server.requests
+    # Every byte written before the cut is kept (unchunked writes: `fetch`), so the resumed GET starts there.
+    resumed = [request for request in server.requests if "(bytes=" in request]
+    assert resumed == [f"GET /owner/tiny-GGUF/resolve/main/tiny-F32.gguf (bytes={cut}-)"]
     assert lines[-1].startswith(f"tiny-F32.gguf: {len(data) / 1e6:.1f} of {len(data) / 1e6:.1f} MB")
+
+
+async def test_a_named_hf_model_downloads_when_first_asked_for_with_its_progress_on_the_status(hub_env, repo,
+                                                                                              tiny_model):
+    import httpx
+    from conftest import live_server, wait_until
+
+    models = [{"name": "local", "model": str(tiny_model), "context": 64},
+              {"name": "hubbed", "model": "hf:owner/tiny-GGUF:Q8_0", "context": 64, "aliases": ["h"]}]
+    config = server_config(models=models, vision={"hf_mmproj": "none"})
+    with fake_hub(repo, stall=1.0) as hub_server, live_server(config) as server:
+        hub_env(hub_server.url)
+        assert not any("/resolve/" in request for request in hub_server.requests)  # nothing at startup
+        hubbed = server.service.models.find("hubbed")
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client, trio.open_nursery() as nursery:
+            answers: list[httpx.Response] = []
+
+            async def ask() -> None:
+                answers.append(await client.post("/v1/chat/completions", json={
+                    "model": "h", "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]}))
+
+            nursery.start_soon(ask)
+            await wait_until(lambda: hubbed.transfer is not None, timeout=10)
+            status = (await client.get("/v1/status")).json()["models"]["data"][1]
+            await wait_until(lambda: bool(answers), timeout=30)
+            listed = {entry["id"]: entry["state"] for entry in (await client.get("/v1/models")).json()["data"]}
+    assert status["state"] == "downloading"
+    download = status["download"]
+    assert download["file"] == "tiny-Q8_0.gguf"
+    assert download["total"] == len(repo["owner/tiny-GGUF"]["tiny-Q8_0.gguf"])
+    assert download["done"] <= download["total"] and "bytes_per_second" in download and "eta_seconds" in download
+    assert answers[0].status_code == 200 and answers[0].json()["model"] == "hubbed"
+    assert listed == {"local": "not loaded", "hubbed": "loaded"}
+    assert Path(hubbed.config.model or "").name == "tiny-Q8_0.gguf" and "hf-cache" in (hubbed.config.model or "")
+    assert hubbed.footprint > len(repo["owner/tiny-GGUF"]["tiny-Q8_0.gguf"])  # measured once downloaded

@@ -97,3 +97,58 @@ def test_every_flag_says_what_it_is_and_its_default():
     assert "(default: 4096)" in helps["context"] and "tokens" in helps["context"]
     assert "(default: 60.0)" in helps["limits.body_timeout"] and "seconds" in helps["limits.body_timeout"]
     assert all("config key" in text for key, text in helps.items() if key not in ("help", "config"))
+
+
+# --- several models
+
+
+TWO = [{"name": "coder", "model": "coder.gguf", "aliases": ["code"], "context": 8192, "slots": 2},
+       {"name": "small", "model": "small.gguf", "mmproj": "small-mmproj.gguf"}]
+
+
+def test_each_model_entry_is_the_top_level_config_with_its_own_keys():
+    config = config_from_dict({"models": TWO, "context": 2048, "kv": "int8", "vision": {"threads": 3},
+                               "models_memory": "12GiB"})
+    coder, small = (config.for_model(entry) for entry in config.models)
+    assert config.models_memory == 12 * 2**30
+    assert (coder.model, coder.model_alias, coder.context, coder.slots, coder.kv) == \
+        ("coder.gguf", "coder,code", 8192, 2, "int8")
+    assert (coder.vision.mmproj, small.vision.mmproj, small.vision.threads) == (None, "small-mmproj.gguf", 3)
+    assert (small.context, small.slots, small.models) == (2048, 4, [])
+    own = config_from_dict({"models": [{**TWO[1], "vision": {"threads": 1, "gpu": True}}], "vision": {"threads": 3}})
+    vision = own.for_model(own.models[0]).vision
+    assert (vision.mmproj, vision.threads, vision.gpu, own.vision.threads) == ("small-mmproj.gguf", 1, True, 3)
+    assert config.model_files() == ["coder.gguf", "small.gguf"]
+    hub = config_from_dict({"models": [*TWO, {"name": "hub", "model": "hf:owner/name:Q8_0"}]})
+    assert hub.model_files() == ["coder.gguf", "small.gguf"]  # downloaded when first named, not checked at startup
+
+
+@pytest.mark.parametrize(("value", "size"), [(1000, 1000), ("800MB", 800 * 10**6), ("1.5 GiB", 3 * 2**29),
+                                             ("64kib", 65536), ("10", 10)])
+def test_models_memory_takes_bytes_or_a_size(value, size):
+    assert config_from_dict({"models_memory": value}).models_memory == size
+
+
+@pytest.mark.parametrize(("data", "message"), [
+    ({"models": {"coder": {}}}, '"models" must be a list of objects'),
+    ({"models": [{"model": "a.gguf"}]}, '"models[0].name" is required'),
+    ({"models": [{"name": "a"}]}, '"models[0].model" is required'),
+    ({"models": [{"name": "a", "model": "a.gguf", "contxt": 1}]}, 'unknown key "models[0].contxt"'),
+    ({"models": [{"name": "a", "model": "a.gguf", "slots": 0}]}, '"models[0].slots" must be at least 1'),
+    ({"models": [{"name": "a", "model": "a.gguf", "kv": "q4"}]}, '"models[0].kv" must be one of'),
+    ({"models": [{"name": "a", "model": "a.gguf"}, {"name": "b", "model": "b.gguf", "aliases": ["a"]}]},
+     '"models[1]" serves the name \'a\''),
+    ({"models": [{"name": " a", "model": "a.gguf"}]}, '"models[0].name" must be a non-empty name'),
+    ({"models": [{"name": "a", "model": "hf:nobody"}]}, '"models[0].model"'),
+    ({"model": "x.gguf", "models": TWO}, '"model" names one model'),
+    ({"model_alias": "x", "models": TWO}, '"model_alias" names one model'),
+    ({"models": [{"name": "a", "model": "a.gguf", "vision": {"gpuu": True}}]}, 'unknown key "models[0].vision.gpuu"'),
+    ({"models": [{"name": "a", "model": "a.gguf", "vision": {"threads": "2"}}]}, '"models[0].vision.threads" must be'),
+    ({"models": [{"name": "a", "model": "a.gguf", "vision": {"mmproj": "m"}}]}, '"models[0].vision.mmproj" is the'),
+    ({"models": [{"name": "a", "model": "a.gguf", "vision": []}]}, '"models[0].vision" must be an object'),
+    ({"models_memory": "lots"}, '"models_memory" must be a number of bytes or a size'),
+    ({"models_memory": 0}, '"models_memory" must be at least 1 byte'),
+])
+def test_bad_model_entries_are_named(data, message):
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.").replace("[", r"\[").replace("]", r"\]")):
+        config_from_dict(data)

@@ -22,7 +22,7 @@ async def answer(config) -> tuple[str, object]:
     async with open_service(config, log=lambda line: None) as service:
         async with aclosing(service.chat(ASK)) as events:
             text = "".join([event.text async for event in events if isinstance(event, TextDelta)])
-        draft = service.draft_model
+        draft = service.models.default.draft_model
         return text, (service.history.last, draft)
 
 
@@ -43,4 +43,4 @@ def test_a_draft_model_of_another_vocabulary_stops_startup(tiny_model):
                            speculative={"source": "draft_model", "draft_model": str(tiny_model)})
     model = SuccessorEngine(n_ctx=64)  # 16 tokens
     with pytest.raises(ServiceUnavailable, match=r"speculative.draft_model: .* 16: a draft model needs the same voc"):
-        Service(config)._load_draft_model(model)
+        Service(config).models.default._load_draft_model(model)

@@ -16,6 +16,7 @@ import json
 import os
 import pathlib
 import queue
+import re
 import shutil
 import signal
 import subprocess
@@ -72,12 +73,13 @@ class Served:
 
 
 @contextmanager
-def strata_serve(*args: str) -> Iterator[Served]:
-    """`strata serve` in a process of its own on an ephemeral port; stopped with SIGINT (as Ctrl-C would)."""
+def strata_serve(*args: str, env: dict[str, str] | None = None) -> Iterator[Served]:
+    """`strata serve` in a process of its own on an ephemeral port (`env` added to its environment); stopped with
+    SIGINT (as Ctrl-C would)."""
     command = [str(pathlib.Path(sys.executable).parent / "strata"), "serve", "--host", "127.0.0.1", "--port", "0",
                "--limits.graceful-timeout", "1", *args]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                               env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
     lines: queue.SimpleQueue[str | None] = queue.SimpleQueue()
     served = Served("")
 
@@ -550,6 +552,58 @@ def test_the_monitor_shows_every_slot(three_slots: Served, page: Any) -> None:
             page.locator(f"[data-testid=requests] tr[data-request='{request_id}'][data-phase=decode]").wait_for()
     page.get_by_test_id("slots-busy").filter(has_text="0 of 3 busy").wait_for()
     page.goto("about:blank")  # closes the status stream before the server stops
+
+
+def test_several_models_are_picked_by_name_and_shown_on_the_monitor(random_model: pathlib.Path, page: Any,
+                                                                     tmp_path: pathlib.Path) -> None:
+    other = write_random_model(tmp_path / "other.gguf", arch="qwen3moe", size="tiny", dtype="f16", vocab="qwen",
+                               seed=1, n_embd=128)
+    models = [{"name": "first", "model": str(random_model), "slots": 1},
+              {"name": "second", "model": str(other), "aliases": ["2nd"], "slots": 2}]
+    with strata_serve("--models", json.dumps(models)) as served:
+        page.goto(served.url + "/monitor")
+        table = page.get_by_test_id("models")
+        table.locator("tr[data-model=first][data-state='not loaded']").wait_for()
+        table.locator("tr[data-model=second][data-state='not loaded']").wait_for()
+        page.goto(served.url + "/")
+        picker = page.get_by_test_id("model-picker")
+        picker.locator("option").nth(1).wait_for(state="attached")
+        assert picker.locator("option").all_inner_texts() == ["first (not loaded)", "second (not loaded)"]
+        picker.select_option("second")
+        settings(page, max_tokens="4")
+        finished(ask(page, "Hello"))
+        page.goto(served.url + "/monitor")
+        page.get_by_test_id("models").locator("tr[data-model=second][data-state=loaded]").wait_for()
+        assert page.get_by_test_id("models").locator("tr[data-model=first][data-state='not loaded']").count() == 1
+        assert "first, second" in page.get_by_test_id("engine").inner_text()
+        page.get_by_test_id("slots-busy").filter(has_text="0 of 2 busy").wait_for()  # second's 2 (first's unloaded)
+        page.locator("[data-testid=recent] tr[data-finish]").first.wait_for()
+        assert "second" in page.locator("[data-testid=recent] tr[data-finish]").first.inner_text()
+        page.goto("about:blank")  # closes the status stream before the server stops
+
+
+def test_the_monitor_shows_a_models_download(random_model: pathlib.Path, page: Any, tmp_path: pathlib.Path) -> None:
+    from hub_server import fake_hub
+
+    repo = {"owner/random-GGUF": {"random-Q8_0.gguf": random_model.read_bytes()}}
+    models = [{"name": "hubbed", "model": "hf:owner/random-GGUF:Q8_0", "slots": 1}]
+    with fake_hub(repo, stall=4.0) as hub, strata_serve("--models", json.dumps(models), env={
+            "HF_ENDPOINT": hub.url, "HF_HUB_CACHE": str(tmp_path / "hf-cache"), "HF_HUB_OFFLINE": "0"}) as served:
+        page.goto(served.url + "/monitor")
+        row = page.get_by_test_id("models").locator("tr[data-model=hubbed]")
+        row.and_(page.locator("[data-state='not loaded']")).wait_for()
+        replies: list[httpx.Response] = []
+        asking = threading.Thread(target=lambda: replies.append(httpx.post(
+            served.url + "/v1/chat/completions", timeout=60,
+            json={"model": "hubbed", "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]})))
+        asking.start()
+        download = row.get_by_test_id("download")
+        download.wait_for()
+        assert re.search(r"random-Q8_0\.gguf: 0\.0 of \d+\.\d MB, 0\.0 MB/s", download.inner_text())
+        asking.join(60)
+        assert replies[0].status_code == 200
+        row.and_(page.locator("[data-state=loaded]")).wait_for()
+        page.goto("about:blank")
 
 
 # --- the API key

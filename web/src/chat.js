@@ -201,6 +201,7 @@ export function Chat() {
   const [text, setText] = useState("");
   const [pictures, setPictures] = useState([]);
   const [model, setModel] = useState("");
+  const [models, setModels] = useState([]); // a server of several models: each one's name and state
   const [problem, setProblem] = useState("");
   const [showSettings, setShowSettings] = useState(false);
   const [noHistory, setNoHistory] = useState(false); // this browser cannot keep conversations: said once
@@ -216,8 +217,9 @@ export function Chat() {
       setConversations(stored);
       setCurrent(stored[0] || newConversation());
       try {
-        const models = await (await request("/v1/models")).json();
-        setModel(models.data[0]?.id || "");
+        const listed = (await (await request("/v1/models")).json()).data;
+        setModel(listed[0]?.id || "");
+        if (listed.some((entry) => entry.aliases)) setModels(listed); // several models, each picked by name
       } catch (error) {
         setProblem(error.message);
       }
@@ -369,7 +371,12 @@ export function Chat() {
     </aside>
     <section class="conversation">
       <header>
-        <span class="model">${model || "…"}</span>
+        ${models.length > 1
+          ? html`<select class="model" data-testid="model-picker" value=${model}
+              onChange=${(event) => setModel(event.target.value)}>
+              ${models.map((entry) => html`<option value=${entry.id}>${entry.id} (${entry.state})</option>`)}
+            </select>`
+          : html`<span class="model">${model || "…"}</span>`}
         <button class="plain" onClick=${() => setShowSettings(!showSettings)}>Settings</button>
       </header>
       ${showSettings &&

@@ -1,5 +1,6 @@
 // The monitor page: the engine live, from the server's status stream (/v1/status/stream): every slot, the queue,
-// every request in flight with its phase, the image encoder, the recent requests.
+// every request in flight with its phase, the image encoder, the recent requests; with several models, each
+// one's state and slots.
 import { useEffect, useRef, useState } from "preact/hooks";
 import { html } from "htm/preact";
 import { events, request } from "./api.js";
@@ -62,13 +63,13 @@ function Slots({ slots }) {
 
 function Requests({ requests, trails }) {
   return html`<table data-testid="requests">
-    <thead><tr><th>request</th><th>route</th><th>phase</th><th>slot</th><th>prompt</th><th>cached</th><th>out</th>
-      <th>tok/s</th><th>s</th><th>phases seen</th></tr></thead>
+    <thead><tr><th>request</th><th>model</th><th>route</th><th>phase</th><th>slot</th><th>prompt</th><th>cached</th>
+      <th>out</th><th>tok/s</th><th>s</th><th>phases seen</th></tr></thead>
     <tbody>
-      ${requests.length === 0 && html`<tr><td colspan="10" class="dim">no request in flight</td></tr>`}
+      ${requests.length === 0 && html`<tr><td colspan="11" class="dim">no request in flight</td></tr>`}
       ${requests.map(
         (r) => html`<tr data-request=${r.id} data-phase=${r.phase}>
-          <td class="mono">${short(r.id)}</td><td>${r.route}</td>
+          <td class="mono">${short(r.id)}</td><td>${r.model}</td><td>${r.route}</td>
           <td><span class="phase phase-${r.phase}">${r.phase}</span></td><td>${r.slot ?? "–"}</td>
           <td><${Progress} done=${r.prompt_done} total=${r.prompt_tokens} /></td>
           <td>${r.cached_tokens}</td><td>${r.output_tokens}</td><td>${rate(r.tokens_per_second)}</td>
@@ -82,12 +83,12 @@ function Requests({ requests, trails }) {
 
 function Recent({ rows, trails }) {
   return html`<table data-testid="recent">
-    <thead><tr><th>request</th><th>route</th><th>finish</th><th>prompt</th><th>cached</th><th>out</th>
+    <thead><tr><th>request</th><th>model</th><th>route</th><th>finish</th><th>prompt</th><th>cached</th><th>out</th>
       <th>tok/s</th><th>s</th><th>phases seen</th></tr></thead>
     <tbody>
       ${rows.map(
         (r) => html`<tr data-request=${r.id} data-finish=${r.finish}>
-          <td class="mono">${short(r.id)}</td><td>${r.route}</td>
+          <td class="mono">${short(r.id)}</td><td>${r.model}</td><td>${r.route}</td>
           <td><span class="finish finish-${r.finish}">${r.finish}</span></td>
           <td>${r.prompt_tokens}</td><td>${r.reused_tokens}</td><td>${r.output_tokens}</td>
           <td>${rate(r.tokens_per_second)}</td><td>${r.duration.toFixed(2)}</td>
@@ -96,6 +97,49 @@ function Recent({ rows, trails }) {
       )}
     </tbody>
   </table>`;
+}
+
+// An "hf:" model's download while it runs: the file, its bytes, the rate and the time left.
+function Download({ download: d }) {
+  const mb = (bytes) => (bytes / 1e6).toFixed(1);
+  return html`<span class="progress" data-testid="download">
+    <progress value=${d.done} max=${d.total || 1}></progress>
+    ${` ${d.file}: ${mb(d.done)} of ${mb(d.total)} MB, ${mb(d.bytes_per_second)} MB/s`}
+    ${d.eta_seconds !== null ? `, ETA ${Math.round(d.eta_seconds)} s` : ""}
+  </span>`;
+}
+
+// A server of several models: each one's state, what it takes of models_memory, its slots and queue, its totals.
+function Models({ models }) {
+  const memory = models.memory;
+  const gib = (bytes) => (bytes / 2 ** 30).toFixed(2);
+  return html`<section data-testid="models">
+    <h3>Models</h3>
+    <p class="dim">${memory.budget
+      ? `${gib(memory.taken)} of ${gib(memory.budget)} GiB of models_memory taken`
+      : `${gib(memory.taken)} GiB taken (no models_memory bound)`}</p>
+    <table>
+      <thead><tr><th>model</th><th>state</th><th>GiB</th><th>using</th><th>slots busy</th><th>queue</th>
+        <th>requests</th><th>generated</th></tr></thead>
+      <tbody>
+        ${models.data.map(
+          (m) => html`<tr data-model=${m.name} data-state=${m.state}>
+            <td>${m.name}${m.aliases.length ? html` <span class="dim">(${m.aliases.join(", ")})</span>` : ""}</td>
+            <td><span class="state state-${m.state.replace(" ", "-")}">${m.state}</span>
+              ${m.download && html` <${Download} download=${m.download} />`}
+              ${m.error && html` <span class="error">${m.error}</span>`}</td>
+            <td>${gib(m.footprint)}</td><td>${m.users}</td>
+            <td>${m.slots.filter((slot) => slot.state !== "idle").length} of ${m.slots.length}</td>
+            <td>${m.queued}</td><td>${m.totals ? m.totals.requests : 0}</td>
+            <td>${m.totals ? m.totals.output_tokens : 0}</td>
+          </tr>`,
+        )}
+      </tbody>
+    </table>
+    ${models.data
+      .filter((m) => m.slots.length)
+      .map((m) => html`<h4>${m.name}: slots</h4><${Slots} slots=${m.slots} />`)}
+  </section>`;
 }
 
 function Encoder({ vision }) {
@@ -150,16 +194,21 @@ export function Monitor() {
 
   if (!status) return html`<main class="monitor"><p class="dim">${problem || "connecting…"}</p></main>`;
   const totals = status.totals;
-  const busySlots = status.slots.filter((slot) => slot.state !== "idle").length;
+  // With several models: every model's slots and queue together (each one's own in the models table).
+  const named = status.models.memory.named;
+  const slots = named ? status.models.data.flatMap((m) => m.slots) : status.slots;
+  const queued = named ? status.models.data.reduce((sum, m) => sum + m.queued, 0) : status.queued;
+  const busySlots = slots.filter((slot) => slot.state !== "idle").length;
   return html`<main class="monitor">
     ${problem && html`<div class="problem">${problem}</div>`}
     <section class="cards">
       <div class="card" data-testid="engine">
         <h3>Engine</h3>
         <dl class="facts">
-          <dt>model</dt><dd>${status.model}</dd>
-          <dt>slots</dt><dd data-testid="slots-busy">${busySlots} of ${status.slots.length} busy</dd>
-          <dt>queue</dt><dd data-testid="queued">${status.queued} waiting</dd>
+          <dt>${named ? "models" : "model"}</dt>
+          <dd>${named ? status.models.data.map((m) => m.name).join(", ") : status.model}</dd>
+          <dt>slots</dt><dd data-testid="slots-busy">${busySlots} of ${slots.length} busy</dd>
+          <dt>queue</dt><dd data-testid="queued">${queued} waiting</dd>
           <dt>requests</dt><dd>${finishedLine(totals)}</dd>
           <dt>tokens</dt>
           <dd>${`${totals.prompt_tokens} prompt, ${totals.reused_tokens} cached, ${totals.output_tokens} generated`}</dd>
@@ -171,8 +220,9 @@ export function Monitor() {
         <${Plot} samples=${samples.current} field="queued" label="queue" unit="waiting" />
       </div>
     </section>
-    <h3>Slots</h3>
-    <${Slots} slots=${status.slots} />
+    ${named
+      ? html`<${Models} models=${status.models} />`
+      : html`<h3>Slots</h3><${Slots} slots=${status.slots} />`}
     <h3>In flight</h3>
     <${Requests} requests=${status.requests} trails=${trails.current} />
     <h3>Recent</h3>

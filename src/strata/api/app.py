@@ -15,7 +15,7 @@ import json
 import math
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from contextlib import aclosing
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +48,7 @@ from strata.config import Config, load_config
 from strata.events import ChatRequest, Event, Finish, PromptProcessed
 from strata.model_file import ModelFileError, check_model_file
 from strata.request_errors import RequestError
+from strata.served_model import ServedModel
 from strata.service import Service, open_service
 
 # Exceptions a failed ASGI send may raise, depending on the server.
@@ -164,7 +165,8 @@ def _check_model(config: Config, from_environment: bool) -> None:
     """A wrong model path, before the app is served: under another ASGI server's command line (the config from
     the environment), the same one line as `strata serve` prints, and the process ends; else `ModelFileError`."""
     try:
-        check_model_file(config.model)
+        for path in config.model_files():
+            check_model_file(path)
     except ModelFileError as error:
         if from_environment:
             raise SystemExit(f"error: {error}") from None
@@ -194,7 +196,7 @@ def create_app(service: Service | None = None, config: Config | None = None) -> 
         config = service.config
     elif config is None:
         config = load_config()
-    if service is None and not config.model:
+    if service is None and not config.model and not config.models:
         from strata.models import with_demo_model
 
         config = with_demo_model(config)  # as `strata serve` does: `{}` is a working config
@@ -337,11 +339,7 @@ def _add_info_routes(app: Quart, state: _State) -> None:
 
     @app.get("/v1/models")
     async def models() -> Response:
-        service = state.ready_service()
-        context = service.engine.n_ctx if service.ready else service.config.context
-        models = [{"id": name, "object": "model", "created": int(service.started), "owned_by": "strata",
-                   "context_length": context, "max_model_len": context} for name in service.model_names]
-        return _json({"object": "list", "data": models})
+        return _json({"object": "list", "data": status.model_list(state.ready_service())})
 
     @app.get("/v1/mcp")
     async def mcp_servers() -> Response:
@@ -427,44 +425,69 @@ def _add_chat_routes(app: Quart, state: _State) -> None:
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens() -> Response:
-        chat_request = anthropic.parse_count_tokens_request(await _json_body())
-        return _json(anthropic.render_count(await state.ready_service().count_tokens(chat_request)))
+        body = await _json_body()
+        chat_request = anthropic.parse_count_tokens_request(body)
+        count = await state.ready_service().count_tokens(chat_request, _model_named(body))
+        return _json(anthropic.render_count(count))
 
     @app.post("/v1/responses/input_tokens")
     async def input_tokens() -> Response:
-        chat_request = openai_responses.parse_count_request(await _json_body())
-        count = await state.ready_service().count_tokens(chat_request)
+        body = await _json_body()
+        chat_request = openai_responses.parse_count_request(body)
+        count = await state.ready_service().count_tokens(chat_request, _model_named(body))
         return _json({"object": "response.input_tokens", "input_tokens": count})
 
 
+def _model_named(body: Any) -> str | None:
+    """The model a request body names (its `model`), if it names one."""
+    name = body.get("model") if isinstance(body, dict) else None
+    return name if isinstance(name, str) else None
+
+
 def _add_token_routes(app: Quart, state: _State) -> None:
-    def loaded() -> Service:
+    limiter = trio.CapacityLimiter(tokens.TOKENIZE_THREADS)
+
+    @asynccontextmanager
+    async def loaded(body: Any) -> AsyncIterator[ServedModel]:
+        """The model a body names (llama.cpp's token routes name none: then the first), loaded and held for the
+        block."""
         service = state.ready_service()
         if not service.ready:
             raise ApiError(503, "the model is not loaded", kind="server_error")
-        return service
-
-    limiter = trio.CapacityLimiter(tokens.TOKENIZE_THREADS)
+        name = _model_named(body)
+        async with service.models.use(service.models.default if name is None else service.models.find(name)) \
+                as model:
+            yield model
 
     @app.post("/tokenize")
     async def tokenize() -> Response:
-        return _json(await tokens.tokenize(loaded(), await _json_body(), limiter))
+        body = await _json_body()
+        async with loaded(body) as model:
+            return _json(await tokens.tokenize(model, body, limiter))
 
     @app.post("/detokenize")
     async def detokenize() -> Response:
-        return _json(await tokens.detokenize(loaded(), await _json_body(), limiter))
+        body = await _json_body()
+        async with loaded(body) as model:
+            return _json(await tokens.detokenize(model, body, limiter))
 
     @app.post("/v1/chat/completions/render")
     async def render_chat() -> Response:
-        return _json(await prompt_render.render_chat(loaded(), await _json_body(), limiter))
+        body = await _json_body()
+        async with loaded(body) as model:
+            return _json(await prompt_render.render_chat(model, body, limiter))
 
     @app.post("/v1/responses/render")
     async def render_responses() -> Response:
-        return _json(await prompt_render.render_responses(loaded(), await _json_body(), limiter))
+        body = await _json_body()
+        async with loaded(body) as model:
+            return _json(await prompt_render.render_responses(model, body, limiter))
 
     @app.post("/v1/completions/render")
     async def render_completions() -> Response:
-        return _json(await prompt_render.render_completions(loaded(), await _json_body(), limiter))
+        body = await _json_body()
+        async with loaded(body) as model:
+            return _json(await prompt_render.render_completions(model, body, limiter))
 
 
 def _chat_view(state: _State, dialect: _Dialect) -> Callable[[], Awaitable[Response]]:
@@ -475,9 +498,11 @@ def _chat_view(state: _State, dialect: _Dialect) -> Callable[[], Awaitable[Respo
         chat_request = _with_cache_salt(chat_request, data, state.config)
         service = state.ready_service()
         request_id = uuid.uuid4().hex[:24]
-        events = service.chat(chat_request, request_id=request_id)
+        name = _model_named(data)
+        model = service.models.find(name)  # an unknown name is a 404 before anything runs
+        events = service.chat(chat_request, request_id=request_id, model=name)
         streamed = isinstance(data, dict) and data.get("stream") is True
-        answer = _Answer(service.model_name, request_id, chat_request, data, streamed)
+        answer = _Answer(model.name, request_id, chat_request, data, streamed)
         if not streamed:
             async with aclosing(events):
                 generated = [event async for event in events]

@@ -65,12 +65,15 @@ def as_api_error(exc: BaseException) -> ApiError:
     """The HTTP error an exception means, whatever part of the server raised it."""
     from werkzeug.exceptions import HTTPException
 
+    from strata.model_set import UnknownModel
     from strata.request_errors import RequestError, ServiceUnavailable
     from strata.scheduling.turn import QueueFull
     from strata.shutdown import ShuttingDown
 
     if isinstance(exc, ApiError):
         return exc
+    if isinstance(exc, UnknownModel):
+        return ApiError(404, str(exc), param="model", code="model_not_found")
     if isinstance(exc, RequestError):
         return ApiError(400, str(exc), param=exc.param, code=exc.code)
     if isinstance(exc, ServiceUnavailable):

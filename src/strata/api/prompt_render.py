@@ -24,11 +24,11 @@ from strata.events import ChatRequest
 from strata.prompts import short
 
 
-async def render_chat(service: Any, body: Any, limiter: trio.CapacityLimiter) -> dict[str, Any]:
+async def render_chat(model: Any, body: Any, limiter: trio.CapacityLimiter) -> dict[str, Any]:
     """A chat completions body to `{"request_id", "token_ids", "model", "sampling_params", "stream"}`.
 
     Args:
-        service: a loaded `strata.service.Service`.
+        model: the loaded `strata.served_model.ServedModel` the body names (or the first).
         limiter: the worker threads of the app's token routes.
 
     Raises:
@@ -36,10 +36,10 @@ async def render_chat(service: Any, body: Any, limiter: trio.CapacityLimiter) ->
         RequestError: a prompt the chat route would refuse (too long for the context, a bad template argument).
     """
     request = openai_chat.parse_request(body)
-    return await _generate_request(service, request, body, f"chatcmpl-{uuid.uuid4().hex}", limiter)
+    return await _generate_request(model, request, body, f"chatcmpl-{uuid.uuid4().hex}", limiter)
 
 
-async def render_responses(service: Any, body: Any, limiter: trio.CapacityLimiter) -> dict[str, Any]:
+async def render_responses(model: Any, body: Any, limiter: trio.CapacityLimiter) -> dict[str, Any]:
     """A Responses body to a `GenerateRequest`, as `render_chat`.
 
     Raises:
@@ -47,10 +47,10 @@ async def render_responses(service: Any, body: Any, limiter: trio.CapacityLimite
         RequestError: a prompt the Responses route would refuse.
     """
     request = openai_responses.parse_request(body)
-    return await _generate_request(service, request, body, f"resp_{uuid.uuid4().hex}", limiter)
+    return await _generate_request(model, request, body, f"resp_{uuid.uuid4().hex}", limiter)
 
 
-async def render_completions(service: Any, body: Any, limiter: trio.CapacityLimiter) -> list[dict[str, Any]]:
+async def render_completions(model: Any, body: Any, limiter: trio.CapacityLimiter) -> list[dict[str, Any]]:
     """A completions body to one `GenerateRequest` per prompt (`prompt` may list several, as vLLM's allows).
 
     Raises:
@@ -63,19 +63,19 @@ async def render_completions(service: Any, body: Any, limiter: trio.CapacityLimi
     if isinstance(prompt, list) and not prompt:
         raise bad_request("prompt", "must not be empty")
     bodies = [{**body, "prompt": one} for one in prompt] if several else [body]
-    return [await _generate_request(service, openai_completions.parse_request(one), one,
+    return [await _generate_request(model, openai_completions.parse_request(one), one,
                                     f"cmpl-{uuid.uuid4().hex}", limiter) for one in bodies]
 
 
-async def _generate_request(service: Any, request: ChatRequest, body: Any, request_id: str,
+async def _generate_request(model: Any, request: ChatRequest, body: Any, request_id: str,
                             limiter: trio.CapacityLimiter) -> dict[str, Any]:
-    prompts = service.prompts
+    prompts = model.prompts
     if short(request):
         _, ids = prompts.text_and_ids(request)
     else:
         _, ids = await trio.to_thread.run_sync(prompts.text_and_ids, request, limiter=limiter)
     sampling = dataclasses.asdict(request.sampling)
     sampling["logit_bias"] = dict(request.sampling.logit_bias)
-    return {"request_id": request_id, "token_ids": ids, "model": service.model_name,
+    return {"request_id": request_id, "token_ids": ids, "model": model.name,
             "sampling_params": {**sampling, "max_tokens": request.max_tokens, "stop": request.stop},
             "stream": isinstance(body, dict) and body.get("stream") is True}

@@ -50,7 +50,8 @@ async def serve(
         # (a tensor missing, too little memory) ends serving once loading has failed. An "hf:" model is
         # downloaded first (or found in the cache).
         config = await resolve_config(config, log)
-        check_model_file(config.model)
+        for path in config.model_files():
+            check_model_file(path)
         sockets = bind_sockets(listen_addresses(config.host, config.port))
     except (HubError, ModelFileError, ListenError) as error:
         log(f"error: {error}")
@@ -83,7 +84,7 @@ async def _serve(config: Config, sockets: list[socket.socket], handle_signals: b
             failed = True
             stop.set()
         else:
-            log(f"serving {service.model_name} on {', '.join(binds)}")
+            log(f"serving {', '.join(service.models.names)} on {', '.join(binds)}")
 
     async with trio.open_nursery() as nursery:
         if handle_signals:

@@ -18,6 +18,8 @@ import strata
 from strata.api import sse
 from strata.api.errors import ApiError
 from strata.api.vllm_metrics import VllmMetrics
+from strata.history import Totals
+from strata.served_model import ServedModel
 from strata.service import Service
 
 STREAM_RETRY_AFTER = 5  # seconds a client refused a status stream is asked to wait
@@ -60,17 +62,70 @@ def server_status(service: Service) -> dict[str, Any]:
             "kv": config.kv,
         },
         "vision": {"state": "not available", "mmproj": config.vision.mmproj},
-        "kv_disk": service.kv_tier.status() if service.kv_tier is not None else None,
+        "kv_disk": None if service.models.default.kv_tier is None else service.models.default.kv_tier.status(),
         "kv_events": service.kv_events.status() if service.kv_events is not None else None,
         "totals": service.history.totals.as_dict(),
         "last": None if last is None else last.as_dict(),
+        "models": models_status(service),
         **status(service),
     }
 
 
 def vision_status(service: Service) -> dict[str, Any]:
-    vision = service.vision
+    return _vision(service.models.default)
+
+
+def _vision(model: ServedModel) -> dict[str, Any]:
+    vision = model.vision
     return vision.status() if vision is not None else {"mode": "off", "state": "off", "available": False}
+
+
+def model_list(service: Service) -> list[dict[str, Any]]:
+    """`/v1/models`: a single-model server's names (each alias its own entry, as OpenAI lists models), or each
+    of several models with its aliases and state ("loaded", "loading", "not loaded", "unloading", "failed")."""
+    created = int(service.started)
+    if not service.models.named:
+        model = service.models.default
+        context = model.engine.n_ctx if service.ready else model.config.context
+        return [{"id": name, "object": "model", "created": created, "owned_by": "strata",
+                 "context_length": context, "max_model_len": context, "state": model.state}
+                for name in model.names]
+    listed = []
+    for model in service.models.models:
+        context = model.engine.n_ctx if model.ready else model.config.context
+        entry = {"id": model.name, "object": "model", "created": created, "owned_by": "strata",
+                 "context_length": context, "max_model_len": context, "aliases": model.names[1:],
+                 "state": model.state}
+        if model.state == "failed":
+            entry["error"] = str(model.load_error)
+        listed.append(entry)
+    return listed
+
+
+def models_status(service: Service) -> dict[str, Any]:
+    """Every model: its names, state (an "hf:" model's download while it runs: bytes, rate, ETA), slots and queue,
+    encoder and totals, and the memory budget they share."""
+    models = service.models
+    totals = service.history.by_model
+    return {
+        "memory": {"budget": models.budget, "taken": models.taken(), "named": models.named},
+        "data": [{
+            "name": model.name,
+            "aliases": model.names[1:],
+            "state": model.state,
+            "download": None if model.transfer is None else model.transfer.as_dict(),
+            "error": None if model.load_error is None else str(model.load_error),
+            "file": model.config.model,
+            "footprint": model.footprint,
+            "users": model.users,
+            "context": model.engine.n_ctx if model.ready else model.config.context,
+            "busy": model.turn.busy,
+            "queued": model.turn.queued,
+            "slots": model.slots(),
+            "vision": _vision(model),
+            "totals": totals[model.name].as_dict() if model.name in totals else None,
+        } for model in models.models],
+    }
 
 
 def live_status(service: Service, recent: int = 20) -> dict[str, Any]:
@@ -87,6 +142,7 @@ def live_status(service: Service, recent: int = 20) -> dict[str, Any]:
         "vision": vision_status(service),
         "totals": service.history.totals.as_dict(),
         "recent": [row.as_dict() for row in list(reversed(service.history.rows))[:recent]],
+        "models": models_status(service),
     }
 
 
@@ -167,49 +223,64 @@ def history(service: Service) -> dict[str, Any]:
 
 
 class _ServiceCollector:
-    """Prometheus metrics computed from the service at scrape time (nothing to update on the request path)."""
+    """Prometheus metrics computed from the service at scrape time (nothing to update on the request path). With
+    several models (`models`), every metric has a `model` label: each model's requests, tokens, queue and slots,
+    and its state (`strata_model_loaded`, `strata_model_footprint_bytes`)."""
 
     def __init__(self, service: Service):
         self._service = service
 
     def collect(self) -> Iterator[Metric]:
         service = self._service
-        totals = service.history.totals
-        requests = CounterMetricFamily("strata_requests", "Finished requests by finish reason.", labels=["finish"])
-        for finish in ("stop", "length", "tool_calls", "cancel", "error", "refused", "unavailable"):
-            requests.add_metric([finish], totals.finishes.get(finish, 0))
-        yield requests
-        tokens = CounterMetricFamily("strata_tokens", "Tokens by kind.", labels=["kind"])
-        tokens.add_metric(["prompt"], totals.prompt_tokens)
-        tokens.add_metric(["reused"], totals.reused_tokens)
-        tokens.add_metric(["generated"], totals.output_tokens)
-        yield tokens
+        named = service.models.named
+        label = ["model"] if named else []
+        per_model = [(([model.name] if named else []), model) for model in service.models.models]
+        totals = [(values, service.history.by_model.get(model.name) if named else service.history.totals)
+                  for values, model in per_model]
+        requests = CounterMetricFamily("strata_requests", "Finished requests by finish reason.",
+                                       labels=["finish", *label])
+        tokens = CounterMetricFamily("strata_tokens", "Tokens by kind.", labels=["kind", *label])
+        prompt = CounterMetricFamily("strata_prompt_seconds", "Time spent processing prompts.", labels=label)
+        decode = CounterMetricFamily("strata_decode_seconds", "Time spent generating tokens.", labels=label)
         sources = CounterMetricFamily("strata_prompt_tokens", "Prompt tokens by where their KV rows came from: a "
                                       "slot's cache (ram), the disk tier (disk), or computed (a miss).",
-                                      labels=["source"])
-        sources.add_metric(["ram"], totals.reused_tokens - totals.disk_tokens)
-        sources.add_metric(["disk"], totals.disk_tokens)
-        sources.add_metric(["computed"], totals.prompt_tokens - totals.reused_tokens)
-        yield sources
+                                      labels=["source", *label])
         drafts = CounterMetricFamily("strata_draft_tokens", "Speculative decoding's draft tokens, verified and "
-                                     "accepted (finished requests).", labels=["outcome"])
-        drafts.add_metric(["verified"], totals.draft_tokens)
-        drafts.add_metric(["accepted"], totals.accepted_tokens)
-        yield drafts
-        yield CounterMetricFamily("strata_prompt_seconds", "Time spent processing prompts.",
-                                  value=totals.prompt_seconds)
-        yield CounterMetricFamily("strata_decode_seconds", "Time spent generating tokens.",
-                                  value=totals.decode_seconds)
-        yield GaugeMetricFamily("strata_queue_length", "Requests waiting for the engine.",
-                                value=service.turn.queued)
-        yield GaugeMetricFamily("strata_busy", "1 while a request holds a slot (or the engine is held whole).",
-                                value=int(service.turn.busy))
-        slots = service.slots()
-        yield GaugeMetricFamily("strata_slots", "Sequences the engine holds at once.", value=len(slots))
-        yield GaugeMetricFamily("strata_slots_busy", "Slots with a request generating on them.",
-                                value=sum(slot["state"] != "idle" for slot in slots))
-        yield GaugeMetricFamily("strata_batch_tokens", "Tokens in the last engine step (all its sequences).",
-                                value=service.loop.batcher.last_batch if service.loop is not None else 0)
+                                     "accepted (finished requests).", labels=["outcome", *label])
+        for values, total in totals:
+            total = total or Totals()
+            for finish in ("stop", "length", "tool_calls", "cancel", "error", "refused", "unavailable"):
+                requests.add_metric([finish, *values], total.finishes.get(finish, 0))
+            tokens.add_metric(["prompt", *values], total.prompt_tokens)
+            tokens.add_metric(["reused", *values], total.reused_tokens)
+            tokens.add_metric(["generated", *values], total.output_tokens)
+            prompt.add_metric(values, total.prompt_seconds)
+            decode.add_metric(values, total.decode_seconds)
+            sources.add_metric(["ram", *values], total.reused_tokens - total.disk_tokens)
+            sources.add_metric(["disk", *values], total.disk_tokens)
+            sources.add_metric(["computed", *values], total.prompt_tokens - total.reused_tokens)
+            drafts.add_metric(["verified", *values], total.draft_tokens)
+            drafts.add_metric(["accepted", *values], total.accepted_tokens)
+        yield from (requests, tokens, sources, drafts, prompt, decode)
+        gauges = {
+            "strata_queue_length": ("Requests waiting for the engine.", lambda m: m.turn.queued),
+            "strata_busy": ("1 while a request holds a slot (or the engine is held whole).",
+                            lambda m: int(m.turn.busy)),
+            "strata_slots": ("Sequences the engine holds at once.", lambda m: len(m.slots())),
+            "strata_slots_busy": ("Slots with a request generating on them.",
+                                  lambda m: sum(slot["state"] != "idle" for slot in m.slots())),
+            "strata_batch_tokens": ("Tokens in the last engine step (all its sequences).",
+                                    lambda m: m.loop.batcher.last_batch if m.loop is not None else 0),
+        }
+        if named:
+            gauges["strata_model_loaded"] = ("1 while the model is loaded.", lambda m: int(m.ready))
+            gauges["strata_model_footprint_bytes"] = ("What the model takes loaded, as models_memory counts it.",
+                                                      lambda m: m.footprint)
+        for name, (text, read) in gauges.items():
+            gauge = GaugeMetricFamily(name, text, labels=label)
+            for values, model in per_model:
+                gauge.add_metric(values, read(model))
+            yield gauge
 
 
 def metrics_registry(service: Service) -> CollectorRegistry:

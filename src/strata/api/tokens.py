@@ -15,7 +15,7 @@ from strata.prompts import INLINE_PROMPT_CHARS
 TOKENIZE_THREADS = 2  # requests tokenised or detokenised at once, each in a worker thread
 
 
-async def tokenize(service: Any, body: Any, limiter: trio.CapacityLimiter) -> dict[str, Any]:
+async def tokenize(model: Any, body: Any, limiter: trio.CapacityLimiter) -> dict[str, Any]:
     """`{"content": str, "add_special": bool, "parse_special": bool, "with_pieces": bool}` to `{"tokens": [...]}`:
     ids, or with pieces `{"id": id, "piece": text}` (the piece as a list of bytes when it is not valid UTF-8
     on its own, as llama.cpp does).
@@ -24,7 +24,7 @@ async def tokenize(service: Any, body: Any, limiter: trio.CapacityLimiter) -> di
     tokens' text (`<|im_end|>`) as those tokens.
 
     Args:
-        service: a loaded `strata.service.Service` (its tokenizer, prompt tokens and context).
+        model: a loaded model (`strata.served_model.ServedModel`: its tokenizer, prompt tokens and context).
         limiter: the worker threads of the app's token routes (`TOKENIZE_THREADS`).
 
     Raises:
@@ -36,13 +36,13 @@ async def tokenize(service: Any, body: Any, limiter: trio.CapacityLimiter) -> di
     add_special = get(body, "add_special", bool, "add_special")
     with_pieces = get(body, "with_pieces", bool, "with_pieces")
     try:
-        service.prompts.tokens.check_length([content], service.engine.n_ctx)
+        model.prompts.tokens.check_length([content], model.engine.n_ctx)
     except ValueError as error:
         raise bad_request("content", str(error)) from None
 
     def run() -> dict[str, Any]:
-        tokenizer = service.tokenizer
-        ids = service.prompts.tokens.encode_text(content, special=special)
+        tokenizer = model.tokenizer
+        ids = model.prompts.tokens.encode_text(content, special=special)
         if add_special and tokenizer.bos_id is not None:
             ids = [tokenizer.bos_id, *ids]
         if not with_pieces:
@@ -54,7 +54,7 @@ async def tokenize(service: Any, body: Any, limiter: trio.CapacityLimiter) -> di
     return await trio.to_thread.run_sync(run, limiter=limiter)
 
 
-async def detokenize(service: Any, body: Any, limiter: trio.CapacityLimiter) -> dict[str, Any]:
+async def detokenize(model: Any, body: Any, limiter: trio.CapacityLimiter) -> dict[str, Any]:
     """`{"tokens": [id, ...]}` to `{"content": text}` (special tokens as their text); at most a context's worth.
 
     Raises:
@@ -62,10 +62,10 @@ async def detokenize(service: Any, body: Any, limiter: trio.CapacityLimiter) -> 
     """
     body = check_type(body, dict, "body")
     ids = get(body, "tokens", list, "tokens", required=True)
-    n_ctx = service.engine.n_ctx
+    n_ctx = model.engine.n_ctx
     if len(ids) > n_ctx:
         raise bad_request("tokens", f"has {len(ids)} tokens; the context holds {n_ctx}")
-    tokenizer = service.tokenizer
+    tokenizer = model.tokenizer
     for i, token in enumerate(ids):
         check_type(token, int, f"tokens[{i}]")
         if not 0 <= token < tokenizer.n_vocab:

@@ -34,6 +34,10 @@ HELP = {
                      "multiple of their own step",
     "web": "serve the chat page (/) and the monitor (/monitor)",
     "model_alias": "the served model name(s), comma-separated; the first is reported",
+    "models": 'several models served by name instead of "model", as a JSON list of {"name", "model", "aliases", '
+              '"mmproj", "context", "slots", "vision": {...}, ...}; each loads when a request first names it',
+    "models_memory": 'bytes the loaded models may take together (files and KV caches), e.g. "12GiB": the least '
+                     "recently used idle ones are unloaded to make room (default: no bound)",
     "cors_origins": 'browser origins allowed to call the API, as a JSON list ("*": any)',
     "sampling.temperature": "default temperature for requests that send none",
     "sampling.top_k": "default top-k (tokens)",

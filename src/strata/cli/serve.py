@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    if not config.model:
+    if not config.model and not config.models:
         config = with_demo_model(config)
         print(f"no model given: serving the demo model {config.model} (docs/DEMO_MODEL.md)")
     try:

@@ -4,7 +4,8 @@ The `huggingface_hub` client does the transfer, so its cache (`HF_HOME`, `HF_HUB
 (`HF_HUB_OFFLINE=1`), its token (`HF_TOKEN`) and its resumable downloads are the user's usual ones. The file for a
 quant is chosen as llama.cpp's `-hf` and the hub's own GGUF manifest choose it: the first GGUF file whose path has
 the quant followed by `.` or `-` (case-insensitive; and, unlike llama.cpp, as a word of its own: F16 is not BF16);
-with no quant, Q4_K_M, else the first GGUF file. An `mmproj`
+with no quant, Q4_K_M, else the first GGUF file. A model split into several files (`-00001-of-0000N`) comes whole:
+every part, into the same folder, where the engine reads them from the first (`strata.gguf_file`). An `mmproj`
 file beside it is taken too, the one of the preferred quant (F16 unless configured) when there are several.
 
 A second start needs no network: when the hub cannot be reached (or offline mode is on), the files come from the
@@ -45,10 +46,12 @@ class HubRef:
 
 @dataclass(frozen=True)
 class HubChoice:
-    """The repository's files to fetch: the model and, when there is one, its mmproj."""
+    """The repository's files to fetch: the model (a split model's first part) and, when there is one, its mmproj;
+    `parts` are all the model's files (a split model's every part, in order)."""
 
     model: str
     mmproj: str | None
+    parts: tuple[str, ...] = ()
 
 
 def parse_ref(text: str) -> HubRef:
@@ -92,7 +95,7 @@ def choose_files(ref: HubRef, names: list[str], mmproj_quant: str | None) -> Hub
         mmproj_quant: the mmproj quant preferred when there are several; None: no mmproj.
 
     Raises:
-        HubError: no GGUF file for the quant (naming the quants there are), or the quant comes in split files.
+        HubError: no GGUF file for the quant (naming the quants there are), or a split model with a part missing.
     """
     ggufs = sorted(name for name in names if name.lower().endswith(".gguf"))
     models = [name for name in ggufs if "mmproj" not in Path(name).name.lower()]
@@ -106,11 +109,28 @@ def choose_files(ref: HubRef, names: list[str], mmproj_quant: str | None) -> Hub
     if not found:
         raise HubError(f"{ref}: no GGUF file for quant {ref.quant} (there are: {', '.join(quants)})")
     model = found[0]
-    if SPLIT_PART.search(model):
-        whole = sorted({quant_of(name) for name in models if not SPLIT_PART.search(name)})
-        raise HubError(f"{ref}: {model} is one part of a split model (-00001-of-0000N), which Strata cannot load "
-                       f"yet; single-file quants there: {', '.join(whole) or 'none'}")
-    return HubChoice(model, _choose_mmproj(ggufs, model, mmproj_quant))
+    parts = _split_parts(ref, model, set(names))
+    return HubChoice(parts[0], _choose_mmproj(ggufs, parts[0], mmproj_quant), parts)
+
+
+def _split_parts(ref: HubRef, model: str, names: set[str]) -> tuple[str, ...]:
+    """The files of `model`: itself, or every part of the split model it is a part of (`-0000K-of-0000N`, as
+    llama.cpp's `gguf-split` names them), in order.
+
+    Raises:
+        HubError: a part is missing.
+    """
+    match = SPLIT_PART.search(model)
+    if match is None:
+        return (model,)
+    count = int(match[2])
+    stem = model[:match.start()]
+    parts = tuple(f"{stem}-{no:05d}-of-{count:05d}.gguf" for no in range(1, count + 1))
+    missing = [part for part in parts if part not in names]
+    if missing:
+        raise HubError(f"{ref}: the split model {parts[0]} lacks {len(missing)} of its {count} parts "
+                       f"({', '.join(missing)})")
+    return parts
 
 
 def _choose_mmproj(ggufs: list[str], model: str, quant: str | None) -> str | None:
@@ -136,17 +156,39 @@ class Transfer:
     resumed: int = 0  # of `done`: bytes an interrupted download had left in the cache (not in the rate)
     started: float = dataclasses.field(default_factory=time.monotonic)
     name: str = ""
+    reported: float = 0.0  # when `report` last had a line
+
+    REPORT_EVERY = 0.1  # seconds: a download's reads (64 KiB each) come far more often than a line is wanted
 
     def advance(self, n: int, resumed: bool = False) -> None:
+        """Count `n` more bytes; the line goes to `report` for a new file, its last bytes, and every
+        `REPORT_EVERY` seconds between."""
         self.done += n
         self.resumed += n if resumed else 0
-        self.report(self.line())
+        now = time.monotonic()
+        if n == 0 or resumed or self.done >= self.total or now - self.reported >= self.REPORT_EVERY:
+            self.reported = now
+            self.report(self.line())
+
+    def rate(self) -> float:
+        """Bytes a second so far (the resumed ones left out)."""
+        return (self.done - self.resumed) / max(time.monotonic() - self.started, 1e-3)
+
+    def eta(self) -> float | None:
+        """Seconds left at the rate so far; None before any byte came."""
+        rate = self.rate()
+        return (self.total - self.done) / rate if rate > 0 and self.total > self.done else None
 
     def line(self) -> str:
-        elapsed = max(time.monotonic() - self.started, 1e-3)
-        rate = (self.done - self.resumed) / elapsed
-        left = f", ETA {(self.total - self.done) / rate:.0f} s" if rate > 0 and self.total > self.done else ""
-        return (f"{self.name}: {self.done / 1e6:.1f} of {self.total / 1e6:.1f} MB, {rate / 1e6:.1f} MB/s{left}")
+        eta = self.eta()
+        left = f", ETA {eta:.0f} s" if eta is not None else ""
+        return (f"{self.name}: {self.done / 1e6:.1f} of {self.total / 1e6:.1f} MB, {self.rate() / 1e6:.1f} MB/s"
+                f"{left}")
+
+    def as_dict(self) -> dict[str, Any]:
+        """The download now, as the status routes show it."""
+        return {"file": self.name, "done": self.done, "total": self.total, "bytes_per_second": self.rate(),
+                "eta_seconds": self.eta()}
 
 
 def _listing(ref: HubRef) -> tuple[list[str], dict[str, int]] | None:
@@ -224,28 +266,36 @@ def _meter(transfer: Transfer) -> type:
 
 
 def fetch(ref: HubRef, mmproj_quant: str | None, report: Callable[[str], None] = lambda _: None,
-          ) -> tuple[str, str | None]:
+          watch: Callable[[Transfer], None] | None = None) -> tuple[str, str | None]:
     """Download (or find in the cache) the files serving `ref`; returns the model's path and the mmproj's.
 
     Args:
         ref: the repository and quant.
         mmproj_quant: the mmproj quant preferred; None: no mmproj.
         report: called from the download's thread with a progress line (bytes, rate, ETA) as bytes arrive.
+        watch: called once with the download's `Transfer`, whose counts then grow as bytes arrive.
 
     Raises:
         HubError: one line for the user.
     """
-    from huggingface_hub import hf_hub_download, try_to_load_from_cache
+    from huggingface_hub import constants, hf_hub_download, try_to_load_from_cache
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
+    # The client gathers each download's reads into 10 MB pieces before writing them (`iter_bytes(chunk_size)`):
+    # growing and copying a fresh 10 MB buffer each time, it took 2-3 times curl's CPU a megabyte and ran at
+    # 0.3-0.6x curl's rate here; unchunked, every read is written as it comes, at curl's rate (bench/models.py).
+    # A resumed download then keeps every byte written before the cut, not only whole pieces.
+    constants.DOWNLOAD_CHUNK_SIZE = None  # type: ignore[assignment]  # typed int; `iter_bytes` takes None
     listing = _listing(ref)
     if listing is None:
         return _from_cache(ref, mmproj_quant)
     names, sizes = listing
     choice = choose_files(ref, names, mmproj_quant)
-    wanted = [name for name in (choice.model, choice.mmproj) if name]
+    wanted = [*choice.parts, *([choice.mmproj] if choice.mmproj else [])]
     missing = [name for name in wanted if not isinstance(try_to_load_from_cache(ref.repo, name), str)]
     progress = Transfer(total=sum(sizes.get(name, 0) for name in missing), report=report)
+    if watch is not None:
+        watch(progress)
     _check_disk(ref, progress.total)
     paths = []
     for name in wanted:
@@ -255,5 +305,5 @@ def fetch(ref: HubRef, mmproj_quant: str | None, report: Callable[[str], None] =
             paths.append(hf_hub_download(ref.repo, name, tqdm_class=_meter(progress)))
         except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as error:
             raise HubError(f"{ref}: downloading {name} failed ({error}); run again to resume") from None
-    return paths[0], paths[1] if len(paths) > 1 else None
+    return paths[0], paths[-1] if choice.mmproj else None
 
