@@ -155,3 +155,30 @@ def test_a_job_dropped_mid_call_leaves_its_slot_resuming_from_a_snapshot() -> No
     again = job(SYSTEM + [7, 8, 9, 10, 11, 12], turn_starts=TURN)
     run(batcher, again)
     assert again.reused == len(SYSTEM) and engine.loads == [(0, len(SYSTEM))]
+
+
+def test_a_soak_of_branches_and_hang_ups_keeps_the_snapshots_within_budget_and_true() -> None:
+    import random
+
+    rng = random.Random(30)
+    engine = RecurrentEngine(n_ctx=96, n_seq=3)
+    batcher = Batcher(engine, step_tokens=8, snapshot_bytes=5 * RecurrentEngine.state_bytes)
+    systems = [[rng.randrange(1, N_VOCAB) for _ in range(12)] for _ in range(2)]
+    running: list[Job] = []
+    for _ in range(300):
+        while batcher.free_slots and rng.random() < 0.6:
+            prompt = rng.choice(systems) + [rng.randrange(1, N_VOCAB) for _ in range(rng.randrange(1, 20))]
+            starts = (12, 12 + rng.randrange(1, 6))
+            running.append(Job(prompt, Sampler(GREEDY, N_VOCAB), rng.randrange(1, 10), set(), turn_starts=starts))
+            batcher.add(running[-1])
+        if running and rng.random() < 0.15:
+            batcher.cancel(rng.choice(running))
+        batcher.step()  # the fake fails any eval from a state that does not sum up its cache
+        assert all(j.error is None for j in running), [j.error for j in running]
+        running = [j for j in running if j.finish is None]
+        snaps = batcher.snapshots
+        assert snaps is not None and snaps.held_bytes <= snaps.budget
+        for slot in batcher.slots:  # a snapshot is of a position the slot still holds, and equals its prefix
+            for p in snaps.positions(slot.seq):
+                assert p <= len(slot.keys) and list(snaps.take(slot.seq, p)) == engine.caches[slot.seq][:p]
+    assert engine.loads and snaps.evicted > 0  # resumed from snapshots, and ran out of room for some
