@@ -149,8 +149,10 @@ class Service:
             log(f"model: {self.config.model} ({engine.arch}), context {engine.n_ctx}, threads {engine.threads}, "
                 f"backend {engine.backend}{bands}{copied}")
             budget = "" if self.config.kv_budget is None else f" of a {self.config.kv_budget:g} MiB budget"
+            state = f", recurrent state {engine.n_seq} x {engine.state_bytes / 2**20:.1f} MiB" if engine.recurrent \
+                else ""
             log(f"KV cache: {engine.n_seq} slots x {engine.n_ctx} positions ({self.config.kv}), "
-                f"{engine.kv_bytes / 2**20:.0f} MiB{budget}")
+                f"{engine.kv_bytes / 2**20:.0f} MiB{budget}{state}")
         except BaseException as error:
             self.load_error = error
             self.loaded.set()
