@@ -27,6 +27,14 @@ class FakeEngine:
     threads = 1
     n_batch = 256
     cpu_seconds = staticmethod(time.process_time)
+    recurrent = False  # a transformer: every prefix of a sequence is reusable
+    state_bytes = 0
+
+    def save_state(self, seq: int = 0) -> bytes:
+        return b""
+
+    def load_state(self, seq: int, data: bytes) -> None:
+        pass
 
     def sample_rows(self, rows: Sequence[np.ndarray], settings: Sequence[SamplingParams], u: Sequence[float]
                     ) -> list[int]:
@@ -214,6 +222,42 @@ class SuccessorEngine(FakeEngine):
         self.flags.discard(seq)
 
 
+class RecurrentSuccessorEngine(SuccessorEngine):
+    """A `SuccessorEngine` that keeps the C engine's contract for a recurrent model: a sequence cut back (`keep` or
+    `copy_prefix` to fewer positions than it holds) has an invalid state, and an eval of it raises `EngineError`
+    until keep(0) or `load_state`."""
+
+    recurrent = True
+    state_bytes = 8
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.invalid: set[int] = set()
+
+    def eval_batch(self, items: Sequence[BatchItem], notify_fd: int = -1) -> list[np.ndarray]:
+        cut = sorted(item.seq for item in items if item.seq in self.invalid)
+        if cut:
+            raise EngineError(f"sequence {cut[0]}'s recurrent state was cut back")
+        return super().eval_batch(items, notify_fd)
+
+    def keep(self, n: int, seq: int = 0) -> None:
+        if n == 0:
+            self.invalid.discard(seq)
+        elif n < self.seq_n_past(seq):
+            self.invalid.add(seq)
+        super().keep(n, seq)
+
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        if n < self.seq_n_past(src) and n > 0:
+            self.invalid.add(dst)
+        else:
+            self.invalid.discard(dst)
+        super().copy_prefix(src, dst, n)
+
+    def load_state(self, seq: int, data: bytes) -> None:
+        self.invalid.discard(seq)
+
+
 class TimedEngine(SuccessorEngine):
     """A SuccessorEngine on a clock of its own: a call takes `decode` seconds plus `per_token(position)` for each
     token of the sequences in `prompting`."""
@@ -282,6 +326,20 @@ class RecordingEngine:
         self.batches.append([item.seq for item in items])
         self.calls += [(list(item.tokens), list(item.embeds or [])) for item in items]
         return self._engine.eval_batch(items, notify_fd=notify_fd)
+
+    @property
+    def recurrent(self) -> bool:
+        return self._engine.recurrent
+
+    @property
+    def state_bytes(self) -> int:
+        return self._engine.state_bytes
+
+    def save_state(self, seq: int = 0) -> bytes:
+        return self._engine.save_state(seq)
+
+    def load_state(self, seq: int, data: bytes) -> None:
+        self._engine.load_state(seq, data)
 
     def seq_n_past(self, seq: int) -> int:
         return self._engine.seq_n_past(seq)

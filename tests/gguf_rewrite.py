@@ -9,9 +9,10 @@ import numpy as np
 
 
 def rewrite(src: Path, dst: Path, *, drop: str = "", keys: dict | None = None, reshape: str = "",
-            replace: dict[str, np.ndarray] | None = None) -> Path:
+            replace: dict[str, np.ndarray] | None = None, add: dict[str, np.ndarray] | None = None) -> Path:
     """Copy a GGUF file, leaving out tensor `drop`, flattening tensor `reshape`, giving the tensors in `replace`
-    new data of their type (rows of bytes for a quantised one), and overriding string `keys`."""
+    new data of their type (rows of bytes for a quantised one), overriding (or adding) string `keys`, and adding
+    the float32 tensors in `add`."""
     reader = gguf.GGUFReader(src)
     keys = keys or {}
     replace = replace or {}
@@ -25,10 +26,14 @@ def rewrite(src: Path, dst: Path, *, drop: str = "", keys: dict | None = None, r
             continue
         sub_type = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(key, f.contents(), f.types[0], sub_type)
+    for key in keys.keys() - reader.fields.keys():
+        writer.add_string(key, keys[key])
     for t in reader.tensors:
         if t.name != drop:
             data = np.asarray(replace.get(t.name, t.data))
             writer.add_tensor(t.name, data.reshape(-1) if t.name == reshape else data, raw_dtype=t.tensor_type)
+    for name, array in (add or {}).items():
+        writer.add_tensor(name, np.asarray(array, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

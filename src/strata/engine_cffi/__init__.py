@@ -149,7 +149,7 @@ def _model_params(file: GGUFFile, table: _TensorTable, keep: list[Any]) -> Any:
         raise EngineError(f"token_embd has shape {embd_shape}, expected [n_embd, n_vocab]")
     p.n_vocab = embd_shape[1]
     try:
-        _set_hparams(p, key)
+        _set_hparams(p, arch, key)
     except (TypeError, ValueError, OverflowError) as exc:  # a key of the wrong type or range
         raise EngineError(f"bad hyper-parameter in the GGUF metadata: {exc}") from exc
     if arch in _HYBRID:
@@ -192,7 +192,7 @@ def _set_hybrid_hparams(p: Any, arch: str, metadata: dict[str, Any], key: Any, k
     p.n_ff_shexp = key("expert_shared_feed_forward_length")
 
 
-def _set_hparams(p: Any, key: Any) -> None:
+def _set_hparams(p: Any, arch: str, key: Any) -> None:
     """Fill the hyper-parameters of `p`; key(name, default) reads `{arch}.name`."""
     p.n_ctx_train, p.n_embd, p.n_layer = key("context_length"), key("embedding_length"), key("block_count")
     p.n_head, p.n_head_kv = key("attention.head_count"), key("attention.head_count_kv", key("attention.head_count"))
@@ -206,6 +206,9 @@ def _set_hparams(p: Any, key: Any) -> None:
     p.rope_sections = sections + [0] * (4 - len(sections))
     p.n_deepstack = key("n_deepstack_layers")
     p.n_rot = key("rope.dimension_count", p.head_dim)  # the leading dimensions of a head RoPE turns
+    if p.n_rot != p.head_dim and arch not in _HYBRID:
+        raise EngineError(f"rope.dimension_count {p.n_rot} differs from the head size {p.head_dim} (partial RoPE is "
+                          f"not supported for {arch})")
     scaling = key("rope.scaling.type", "none")
     if scaling != "none":  # Llama 3's "llama3" scaling writes no type: its factors are the rope_freqs tensor
         raise EngineError(f"unsupported rope.scaling.type {scaling!r} (the engine runs unscaled RoPE and Llama 3's "

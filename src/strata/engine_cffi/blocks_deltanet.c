@@ -11,6 +11,7 @@
  * written once per chunk, the work in blocked products. Then o = rmsnorm(o) * w * silu(z) per head (the gated
  * RMS norm) and x += o @ Wout. The team's units are (sequence, v head) pairs. */
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "blocks.h"
@@ -18,11 +19,14 @@
 #define CHUNK 64          /* tokens of the chunked form's blocks */
 #define CONV_CHANNELS 64  /* channels per unit of the convolution */
 
-/* Floats of a thread's scratch for one head's chunk (engine.c allocates n_threads of them). */
-size_t deltanet_work_floats(const strata_model *m) {
-    size_t dk = m->hp.ssm_d_state, dv = dk;  // q, k, v, o rows and g, beta; then W, A, QK and gc (chunk_step)
+/* Floats of the scratch for one head's chunk of heads of size dk. */
+static size_t work_floats(size_t dk) {
+    size_t dv = dk;  // q, k, v, o rows and g, beta; then W, A, QK and gc (chunk_step)
     return 3 * CHUNK * dk + 2 * CHUNK * dv + 2 * CHUNK + CHUNK * dk + 2 * CHUNK * CHUNK + CHUNK + 2 * dv;
 }
+
+/* Floats of a thread's scratch (engine.c allocates n_threads of them). */
+size_t deltanet_work_floats(const strata_model *m) { return work_floats((size_t)m->hp.ssm_d_state); }
 
 static float silu(float x) { return x / (1.0f + expf(-x)); }
 
@@ -235,4 +239,39 @@ void block_deltanet(const team *tm, strata_context *c, int il, int n_tok) {
     block_poll_aborts(tm, c, 1, n_tok);  // read before the feed-forward
     linear1(tm, c, c->dn_out, n_tok, &L->ssm_out, c->xb);
     add_rows(tm, c->x, c->xb, n_tok, p->n_embd);
+}
+
+// --- the rule alone, for tests
+
+strata_status strata_delta_rule(const float *q, const float *k, const float *v, const float *g, const float *beta,
+                                int n_tok, int n_k_heads, int n_v_heads, int head_dim, int chunked, float *state,
+                                float *out) {
+    if (n_tok <= 0 || n_k_heads <= 0 || n_v_heads % n_k_heads != 0 || head_dim <= 0)
+        return engine_fail(STRATA_ERR_INVALID_ARG, "delta rule of %d tokens, %d q/k and %d v heads of %d", n_tok,
+                           n_k_heads, n_v_heads, head_dim);
+    const int dk = head_dim, dv = head_dim;
+    float *work = malloc(sizeof(float) * work_floats((size_t)dk));
+    if (!work) return engine_fail(STRATA_ERR_NOMEM, "out of memory");
+    for (int h = 0; h < n_v_heads; h++) {
+        float *S = state + (size_t)h * dk * dv, *Q = work, *Kr = Q + CHUNK * dk, *V = Kr + CHUNK * dk;
+        float *O = V + CHUNK * dv, *gh = O + CHUNK * dv, *bh = gh + CHUNK, *rest = bh + CHUNK;
+        const int kh = h % n_k_heads;
+        for (int c0 = 0; c0 < n_tok; c0 += chunked ? CHUNK : 1) {
+            int len = !chunked ? 1 : n_tok - c0 < CHUNK ? n_tok - c0 : CHUNK;
+            for (int i = 0; i < len; i++) {
+                size_t t = (size_t)(c0 + i);
+                memcpy(Q + (size_t)i * dk, q + (t * n_k_heads + kh) * dk, sizeof(float) * dk);
+                memcpy(Kr + (size_t)i * dk, k + (t * n_k_heads + kh) * dk, sizeof(float) * dk);
+                memcpy(V + (size_t)i * dv, v + (t * n_v_heads + h) * dv, sizeof(float) * dv);
+                gh[i] = g[t * n_v_heads + h];
+                bh[i] = beta[t * n_v_heads + h];
+            }
+            if (chunked) chunk_step(S, len, dk, dv, Q, Kr, V, gh, bh, O, dv, rest);
+            else recurrent_step(S, Q, Kr, V, gh[0], bh[0], dk, dv, O, rest);
+            for (int i = 0; i < len; i++)
+                memcpy(out + ((size_t)(c0 + i) * n_v_heads + h) * dv, O + (size_t)i * dv, sizeof(float) * dv);
+        }
+    }
+    free(work);
+    return STRATA_OK;
 }

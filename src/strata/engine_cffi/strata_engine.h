@@ -82,6 +82,15 @@ int strata_bands_amx(int min_tokens);
 strata_status strata_matmul_naive(int type, const void *w, long long n_rows, long long n_cols,
                                   const float *x, long long n_tok, float *y);
 
+/* The gated delta rule of the engine's Gated DeltaNet layers, alone (for tests): n_tok tokens of one sequence,
+ * q and k (n_tok, n_k_heads, head_dim) as the rule reads them (L2-normed, q also by 1/sqrt(head_dim)), v (n_tok,
+ * n_v_heads, head_dim), g (the decay's log) and beta (n_tok, n_v_heads); v head h reads q/k head h % n_k_heads.
+ * state (n_v_heads, head_dim, head_dim) is taken on in place; out (n_tok, n_v_heads, head_dim). chunked: 1 for
+ * the chunked form (blocks of 64 tokens, as a prompt takes it), 0 for the recurrent form token by token. */
+strata_status strata_delta_rule(const float *q, const float *k, const float *v, const float *g, const float *beta,
+                                int n_tok, int n_k_heads, int n_v_heads, int head_dim, int chunked, float *state,
+                                float *out);
+
 /* --- engine: a model built from a tensor table, a context (several sequences), the forward pass
  * The caller owns the tensor data (a memory-mapped GGUF file) and must keep it mapped until strata_model_free:
  * the model keeps pointers into it, except for the weights it lays out again (strata_model_prepared_bytes) and

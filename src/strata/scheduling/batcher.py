@@ -268,7 +268,9 @@ class Batcher:
             slot = min(idle, key=lambda s: (len(s.keys) > 0, s.used))
         reused = shared(slot)
         donor = max(self.slots, key=shared)
-        if shared(donor) > reused:
+        if self.engine.recurrent:
+            reused = self._reuse_whole_cache(slot, shared)
+        elif shared(donor) > reused:
             reused = shared(donor)
             self.engine.copy_prefix(donor.seq, slot.seq, reused)
         elif reused < self.engine.seq_n_past(slot.seq):
@@ -282,6 +284,19 @@ class Batcher:
         if job.progress is not None:
             job.progress.slot = slot.seq
             job.progress.prompt_progress(reused, cached=reused)
+
+    def _reuse_whole_cache(self, slot: _Slot, shared: Callable[[_Slot], int]) -> int:
+        """A recurrent model's state cannot be cut back to a shorter prefix: reuse a cache only where the prompt
+        continues all of it (the slot's own, or the longest such one of another slot, copied with its state);
+        otherwise the slot starts empty. The positions reused."""
+        whole = [s for s in self.slots if 0 < self.engine.seq_n_past(s.seq) == shared(s)]
+        if not whole:
+            self.engine.keep(0, seq=slot.seq)
+            return 0
+        best = max(whole, key=lambda s: (shared(s), s is slot))
+        if best is not slot:
+            self.engine.copy_prefix(best.seq, slot.seq, shared(best))
+        return shared(best)
 
     def cancel(self, job: Job) -> None:
         """Stop `job` (any thread): an engine call in flight drops its sequence within one layer; the job leaves
