@@ -31,10 +31,12 @@ MODELS = {"qwen35moe": (Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM, MOE),
           "qwen35": (Qwen3_5TextConfig, Qwen3_5ForCausalLM, DENSE)}
 
 
-def checkpoint(arch: str, n_layer: int, interval: int, seed: int = 0) -> torch.nn.Module:
-    """A random model of `arch` whose every `interval`-th layer is full attention, the others Gated DeltaNet."""
+def checkpoint(arch: str, n_layer: int, interval: int, tied: bool = False, seed: int = 0) -> torch.nn.Module:
+    """A random model of `arch` whose every `interval`-th layer is full attention, the others Gated DeltaNet; with
+    `tied`, the output weight is the embeddings' (half the file: the vocabulary is Qwen's 151,936 tokens)."""
     config_class, model_class, extra = MODELS[arch]
-    config = config_class(**TEXT, **extra, num_hidden_layers=n_layer, full_attention_interval=interval)
+    config = config_class(**TEXT, **extra, num_hidden_layers=n_layer, full_attention_interval=interval,
+                          tie_word_embeddings=tied)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = model_class(config)

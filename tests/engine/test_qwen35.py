@@ -18,6 +18,8 @@ length and interval; the split prompts agree to ~1e-6.
 from __future__ import annotations
 
 import pathlib
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -31,9 +33,11 @@ from strata.engine_cffi import BatchItem, Engine, EngineError
 
 TOLERANCE = 1e-3  # max |engine - transformers| / std(transformers logits), the issue's bound
 SPLITS_AGREE = 1e-4  # the same prompt in calls of other sizes: float rounding of the two forms
-# (arch, full-attention interval, with an MTP block); the layer counts make both kinds of layer appear twice
-FAST = [("qwen35moe", 2, True), ("qwen35", 4, False)]
-SLOW = [("qwen35moe", 4, False), ("qwen35", 2, True)]
+# (arch, full-attention interval, with an MTP block, tied embeddings); 4 layers: both kinds appear
+FAST = [("qwen35moe", 2, True, True), ("qwen35", 4, False, True)]
+SLOW = [("qwen35moe", 4, False, False), ("qwen35", 2, True, False)]
+Spec = tuple[str, int, bool, bool]
+EMBEDDINGS = ("token_embd.weight", "output.weight")
 
 
 # --- the rule alone
@@ -89,8 +93,8 @@ def test_the_rule_matches_its_reference(chunked: bool, lengths: list[int]) -> No
     ref_state, ours = state.copy(), state.astype(np.float32)
     for n in lengths:  # calls after calls: the state carries on
         inputs = rule_inputs(rng, n)
-        want, ref_state = reference_rule(*inputs, ref_state)
-        got, ours = engine_rule(*inputs, ours, chunked)
+        want, ref_state = reference_rule(*inputs, state=ref_state)
+        got, ours = engine_rule(*inputs, state=ours, chunked=chunked)
         assert np.abs(got - want).max() <= 1e-5 * max(1.0, np.abs(want).max())
     assert np.abs(ours - ref_state).max() <= 1e-5 * max(1.0, np.abs(ref_state).max())
 
@@ -99,8 +103,8 @@ def test_the_chunked_form_equals_the_recurrent_form() -> None:
     rng = np.random.default_rng(7)
     inputs = rule_inputs(rng, 150)
     state = np.zeros((4, 16, 16))
-    chunked, s_chunked = engine_rule(*inputs, state, True)
-    recurrent, s_recurrent = engine_rule(*inputs, state, False)
+    chunked, s_chunked = engine_rule(*inputs, state=state, chunked=True)
+    recurrent, s_recurrent = engine_rule(*inputs, state=state, chunked=False)
     np.testing.assert_allclose(chunked, recurrent, rtol=0, atol=1e-5)
     np.testing.assert_allclose(s_chunked, s_recurrent, rtol=0, atol=1e-5)
 
@@ -108,31 +112,38 @@ def test_the_chunked_form_equals_the_recurrent_form() -> None:
 # --- whole models against transformers
 
 
-def _converted(request: pytest.FixtureRequest, factory: pytest.TempPathFactory, tokenizer_dir: pathlib.Path
-               ) -> tuple[torch.nn.Module, pathlib.Path, str]:
-    arch, interval, mtp = request.param
-    model = checkpoint(arch, n_layer=4, interval=interval)
-    path = convert_checkpoint(model, factory.mktemp(f"{arch}-{interval}"), tokenizer_dir, mtp=mtp)
-    return model, path, arch
-
-
-@pytest.fixture(scope="module", params=FAST, ids=[f"{a}-every{i}{'-mtp' if m else ''}" for a, i, m in FAST])
-def converted(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
-              qwen_tokenizer_dir: pathlib.Path) -> tuple[torch.nn.Module, pathlib.Path, str]:
-    return _converted(request, tmp_path_factory, qwen_tokenizer_dir)
-
-
-@pytest.fixture(scope="module", params=SLOW, ids=[f"{a}-every{i}{'-mtp' if m else ''}" for a, i, m in SLOW])
-def converted_slow(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
-                   qwen_tokenizer_dir: pathlib.Path) -> tuple[torch.nn.Module, pathlib.Path, str]:
-    return _converted(request, tmp_path_factory, qwen_tokenizer_dir)
+def _name(spec: Spec) -> str:
+    arch, interval, mtp, tied = spec
+    return f"{arch}-every{interval}{'-mtp' if mtp else ''}{'-tied' if tied else ''}"
 
 
 @pytest.fixture(scope="module")
-def moe_file(tmp_path_factory: pytest.TempPathFactory, qwen_tokenizer_dir: pathlib.Path) -> pathlib.Path:
-    """The MoE model of FAST again, for the tests of the state (one file, whatever FAST's order)."""
-    model = checkpoint("qwen35moe", n_layer=4, interval=2)
-    return convert_checkpoint(model, tmp_path_factory.mktemp("qwen35moe-state"), qwen_tokenizer_dir)
+def files(tmp_path_factory: pytest.TempPathFactory, qwen_tokenizer_dir: pathlib.Path
+          ) -> Callable[[Spec], tuple[torch.nn.Module, pathlib.Path]]:
+    """The checkpoint of a spec and its converted file, made once for the module."""
+    made: dict[Spec, tuple[torch.nn.Module, pathlib.Path]] = {}
+
+    def get(spec: Spec) -> tuple[torch.nn.Module, pathlib.Path]:
+        if spec not in made:
+            arch, interval, mtp, tied = spec
+            model = checkpoint(arch, n_layer=4, interval=interval, tied=tied)
+            made[spec] = model, convert_checkpoint(model, tmp_path_factory.mktemp(_name(spec)), qwen_tokenizer_dir,
+                                                   mtp=mtp)
+        return made[spec]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def moe_file(files: Callable[[Spec], tuple[torch.nn.Module, pathlib.Path]]) -> pathlib.Path:
+    """The MoE file of FAST, for the tests of the state."""
+    return files(FAST[0])[1]
+
+
+def _field(reader: GGUFReader, key: str) -> Any:
+    field = reader.get_field(key)
+    assert field is not None, key
+    return field.contents()
 
 
 def _tokens(n: int, seed: int) -> list[int]:
@@ -163,30 +174,34 @@ def _check_against_transformers(model: torch.nn.Module, path: pathlib.Path) -> N
         assert _distance(np.concatenate(rows), _reference(model, tokens)) <= TOLERANCE
 
 
-def test_logits_match_transformers(converted: tuple[torch.nn.Module, pathlib.Path, str]) -> None:
-    model, path, arch = converted
-    assert GGUFReader(path).get_field("general.architecture").contents() == arch
+@pytest.mark.parametrize("spec", FAST, ids=_name)
+def test_logits_match_transformers(files: Callable[[Spec], tuple[torch.nn.Module, pathlib.Path]], spec: Spec
+                                   ) -> None:
+    model, path = files(spec)
+    assert _field(GGUFReader(path), "general.architecture") == spec[0]
     _check_against_transformers(model, path)
 
 
 @pytest.mark.slow
-def test_logits_match_transformers_other_patterns(converted_slow: tuple[torch.nn.Module, pathlib.Path, str]) -> None:
-    model, path, _ = converted_slow
-    _check_against_transformers(model, path)
+@pytest.mark.parametrize("spec", SLOW, ids=_name)
+def test_logits_match_transformers_other_patterns(files: Callable[[Spec], tuple[torch.nn.Module, pathlib.Path]],
+                                                  spec: Spec) -> None:
+    _check_against_transformers(*files(spec))
 
 
-def test_the_mtp_block_is_loaded_and_left_out_of_the_pass(converted: tuple[torch.nn.Module, pathlib.Path, str]
-                                                          ) -> None:
-    _, path, arch = converted
+@pytest.mark.parametrize("spec", FAST, ids=_name)
+def test_the_mtp_block_is_loaded_and_left_out_of_the_pass(
+        files: Callable[[Spec], tuple[torch.nn.Module, pathlib.Path]], spec: Spec) -> None:
+    path, arch = files(spec)[1], spec[0]
     reader = GGUFReader(path)
     nextn = reader.get_field(f"{arch}.nextn_predict_layers")
-    blocks = reader.get_field(f"{arch}.block_count").contents()
+    blocks = _field(reader, f"{arch}.block_count")
     names = {t.name for t in reader.tensors}
     if nextn is None:  # converted with --no-mtp
         assert not any("nextn" in name for name in names)
         return
     assert nextn.contents() == 1 and f"blk.{blocks - 1}.nextn.eh_proj.weight" in names
-    broken = rewrite(path, path.with_name("bad-mtp.gguf"), drop=f"blk.{blocks - 1}.nextn.eh_proj.weight")
+    broken = _small_copy(path, path.with_name("bad-mtp.gguf"), drop=f"blk.{blocks - 1}.nextn.eh_proj.weight")
     with pytest.raises(EngineError, match=f"^missing tensor blk.{blocks - 1}.nextn.eh_proj$"):
         Engine.load(broken, n_ctx=64)  # the block is read, not skipped
 
@@ -266,14 +281,21 @@ def test_a_cut_state_is_refused_until_loaded_or_cleared(moe_file: pathlib.Path) 
 # --- the file
 
 
+def _small_copy(path: pathlib.Path, out: pathlib.Path, **change: Any) -> pathlib.Path:
+    """A copy of `path` with `change` (`gguf_rewrite.rewrite`'s) and the first 512 rows of the embeddings (and of
+    the output weight) only: quick to write, and the engine reads no more."""
+    rows = {t.name: np.asarray(t.data)[:512] for t in GGUFReader(path).tensors if t.name in EMBEDDINGS}
+    return rewrite(path, out, replace=rows, **change)
+
+
 def test_an_unknown_tensor_is_refused(moe_file: pathlib.Path, tmp_path: pathlib.Path) -> None:
-    path = rewrite(moe_file, tmp_path / "bias.gguf", add={"blk.0.attn_qkv.bias": np.zeros(128, np.float32)})
+    path = _small_copy(moe_file, tmp_path / "bias.gguf", add={"blk.0.attn_qkv.bias": np.zeros(128, np.float32)})
     with pytest.raises(EngineError, match=r"^tensor blk.0.attn_qkv.bias is not part of qwen35moe as this engine "
                                           r"runs it \(refused: it would change the model's output unseen\)$"):
         Engine.load(path, n_ctx=64)
 
 
 def test_an_unknown_key_is_refused(moe_file: pathlib.Path, tmp_path: pathlib.Path) -> None:
-    path = rewrite(moe_file, tmp_path / "key.gguf", keys={"qwen35moe.attention.sliding_window": "128"})
+    path = _small_copy(moe_file, tmp_path / "key.gguf", keys={"qwen35moe.attention.sliding_window": "128"})
     with pytest.raises(EngineError, match=r"^unknown key qwen35moe.attention.sliding_window in a qwen35moe file"):
         Engine.load(path, n_ctx=64)

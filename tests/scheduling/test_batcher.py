@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 import pytest
-from fakes import N_VOCAB, SuccessorEngine, TimedEngine
+from fakes import N_VOCAB, RecurrentSuccessorEngine, SuccessorEngine, TimedEngine
 
 from strata.scheduling.batcher import Batcher, Job, generate
 from strata.text.prompt import render_chat
@@ -285,6 +285,26 @@ def test_a_prefix_held_by_a_busy_slot_is_copied() -> None:
     run(batcher, side := job([4, 4, 4, 4, 4, 2]))
     assert engine.copies == [(main.seq, side.seq, 5)] and side.reused == 5
     assert main.finish is None
+
+
+def test_on_a_recurrent_engine_only_a_whole_cache_is_reused() -> None:
+    """A recurrent model's state cannot be cut back (the fake refuses an eval of a cut sequence, as the engine
+    does): a prompt that continues a slot's whole cache reuses it, another slot's whole cache is copied with its
+    state, and a shorter shared prefix is not reused: the slot starts empty."""
+    engine = RecurrentSuccessorEngine(n_seq=2)
+    batcher = Batcher(engine)
+    run(batcher, first := job([4, 4, 4, 4], max_tokens=2))  # slot 0 holds 4, 4, 4, 4, 5 (its answer's first token)
+    held = list(engine.caches[first.seq])
+    run(batcher, turn := job([*held, 7, 7]))  # the next turn continues all of it
+    assert turn.seq == first.seq and turn.reused == len(held)
+    held = list(engine.caches[first.seq])
+    batcher.add(busy := job([*held[:6], 9, 9], max_tokens=30))  # 6 of the 7 held: a transformer would reuse them
+    assert busy.reused == 0 and engine.seq_n_past(busy.seq) == 0
+    batcher.step()
+    prompt = list(engine.caches[busy.seq])
+    run(batcher, side := job([*prompt, 2]))  # the busy slot's whole cache, copied with its state
+    assert engine.copies == [(busy.seq, side.seq, len(prompt))] and side.reused == len(prompt)
+    assert busy.finish is None and not engine.invalid
 
 
 def test_cancel_frees_the_slot_at_the_next_step_and_the_others_go_on() -> None:
