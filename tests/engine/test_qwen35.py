@@ -30,6 +30,7 @@ from qwen35_checkpoints import checkpoint, convert_checkpoint
 from strata.engine_cffi._engine import ffi, lib
 
 from strata.engine_cffi import BatchItem, Engine, EngineError
+from strata.gguf_file import GGUFFile
 
 TOLERANCE = 1e-3  # max |engine - transformers| / std(transformers logits), the issue's bound
 SPLITS_AGREE = 1e-4  # the same prompt in calls of other sizes: float rounding of the two forms
@@ -140,12 +141,6 @@ def moe_file(files: Callable[[Spec], tuple[torch.nn.Module, pathlib.Path]]) -> p
     return files(FAST[0])[1]
 
 
-def _field(reader: GGUFReader, key: str) -> Any:
-    field = reader.get_field(key)
-    assert field is not None, key
-    return field.contents()
-
-
 def _tokens(n: int, seed: int) -> list[int]:
     return [int(t) for t in np.random.default_rng(seed).integers(0, 151000, n)]
 
@@ -178,7 +173,8 @@ def _check_against_transformers(model: torch.nn.Module, path: pathlib.Path) -> N
 def test_logits_match_transformers(files: Callable[[Spec], tuple[torch.nn.Module, pathlib.Path]], spec: Spec
                                    ) -> None:
     model, path = files(spec)
-    assert _field(GGUFReader(path), "general.architecture") == spec[0]
+    with GGUFFile(path) as file:
+        assert file.metadata["general.architecture"] == spec[0]
     _check_against_transformers(model, path)
 
 
@@ -189,21 +185,23 @@ def test_logits_match_transformers_other_patterns(files: Callable[[Spec], tuple[
     _check_against_transformers(*files(spec))
 
 
-@pytest.mark.parametrize("spec", FAST, ids=_name)
-def test_the_mtp_block_is_loaded_and_left_out_of_the_pass(
-        files: Callable[[Spec], tuple[torch.nn.Module, pathlib.Path]], spec: Spec) -> None:
-    path, arch = files(spec)[1], spec[0]
-    reader = GGUFReader(path)
-    nextn = reader.get_field(f"{arch}.nextn_predict_layers")
-    blocks = _field(reader, f"{arch}.block_count")
-    names = {t.name for t in reader.tensors}
-    if nextn is None:  # converted with --no-mtp
-        assert not any("nextn" in name for name in names)
-        return
-    assert nextn.contents() == 1 and f"blk.{blocks - 1}.nextn.eh_proj.weight" in names
-    broken = _small_copy(path, path.with_name("bad-mtp.gguf"), drop=f"blk.{blocks - 1}.nextn.eh_proj.weight")
+def test_the_mtp_block_is_loaded_and_kept(moe_file: pathlib.Path, moe_reader: GGUFReader, tmp_path: pathlib.Path
+                                         ) -> None:
+    with GGUFFile(moe_file) as file:
+        blocks, nextn = file.metadata["qwen35moe.block_count"], file.metadata["qwen35moe.nextn_predict_layers"]
+        names = {t.name for t in file.tensors}
+    assert nextn == 1 and f"blk.{blocks - 1}.nextn.eh_proj.weight" in names
+    broken = _small_copy(moe_reader, tmp_path / "bad-mtp.gguf", drop=f"blk.{blocks - 1}.nextn.eh_proj.weight")
     with pytest.raises(EngineError, match=f"^missing tensor blk.{blocks - 1}.nextn.eh_proj$"):
         Engine.load(broken, n_ctx=64)  # the block is read, not skipped
+
+
+def test_a_file_without_mtp_blocks_loads(files: Callable[[Spec], tuple[torch.nn.Module, pathlib.Path]]) -> None:
+    with GGUFFile(files(FAST[1])[1]) as file:
+        assert "qwen35.nextn_predict_layers" not in file.metadata
+        assert not any("nextn" in t.name for t in file.tensors)
+    with Engine.load(files(FAST[1])[1], n_ctx=64) as engine:
+        assert engine.arch == "qwen35" and engine.recurrent
 
 
 # --- the recurrent state
@@ -281,21 +279,26 @@ def test_a_cut_state_is_refused_until_loaded_or_cleared(moe_file: pathlib.Path) 
 # --- the file
 
 
-def _small_copy(path: pathlib.Path, out: pathlib.Path, **change: Any) -> pathlib.Path:
-    """A copy of `path` with `change` (`gguf_rewrite.rewrite`'s) and the first 512 rows of the embeddings (and of
-    the output weight) only: quick to write, and the engine reads no more."""
-    rows = {t.name: np.asarray(t.data)[:512] for t in GGUFReader(path).tensors if t.name in EMBEDDINGS}
-    return rewrite(path, out, replace=rows, **change)
+def _small_copy(reader: GGUFReader, out: pathlib.Path, **change: Any) -> pathlib.Path:
+    """A copy of a parsed file with `change` (`gguf_rewrite.rewrite`'s), without its tokenizer and with the first
+    512 rows of the embeddings (and of the output weight) only: quick to write, and the engine reads no more."""
+    rows = {t.name: np.asarray(t.data)[:512] for t in reader.tensors if t.name in EMBEDDINGS}
+    return rewrite(reader, out, replace=rows, drop_keys="tokenizer.", **change)
 
 
-def test_an_unknown_tensor_is_refused(moe_file: pathlib.Path, tmp_path: pathlib.Path) -> None:
-    path = _small_copy(moe_file, tmp_path / "bias.gguf", add={"blk.0.attn_qkv.bias": np.zeros(128, np.float32)})
+@pytest.fixture(scope="module")
+def moe_reader(moe_file: pathlib.Path) -> GGUFReader:
+    return GGUFReader(moe_file)
+
+
+def test_an_unknown_tensor_is_refused(moe_reader: GGUFReader, tmp_path: pathlib.Path) -> None:
+    path = _small_copy(moe_reader, tmp_path / "bias.gguf", add={"blk.0.attn_qkv.bias": np.zeros(128, np.float32)})
     with pytest.raises(EngineError, match=r"^tensor blk.0.attn_qkv.bias is not part of qwen35moe as this engine "
                                           r"runs it \(refused: it would change the model's output unseen\)$"):
         Engine.load(path, n_ctx=64)
 
 
-def test_an_unknown_key_is_refused(moe_file: pathlib.Path, tmp_path: pathlib.Path) -> None:
-    path = _small_copy(moe_file, tmp_path / "key.gguf", keys={"qwen35moe.attention.sliding_window": "128"})
+def test_an_unknown_key_is_refused(moe_reader: GGUFReader, tmp_path: pathlib.Path) -> None:
+    path = _small_copy(moe_reader, tmp_path / "key.gguf", keys={"qwen35moe.attention.sliding_window": "128"})
     with pytest.raises(EngineError, match=r"^unknown key qwen35moe.attention.sliding_window in a qwen35moe file"):
         Engine.load(path, n_ctx=64)
