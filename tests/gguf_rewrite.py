@@ -10,11 +10,11 @@ import numpy as np
 
 def rewrite(src: Path | gguf.GGUFReader, dst: Path, *, drop: str = "", keys: dict | None = None, reshape: str = "",
             replace: dict[str, np.ndarray] | None = None, add: dict[str, np.ndarray] | None = None,
-            drop_keys: str = "") -> Path:
+            drop_keys: str = "", dequantised: bool = False) -> Path:
     """Copy a GGUF file (or one a reader has parsed: a 150k-token vocabulary takes seconds to parse), leaving out
     tensor `drop` and the keys starting with `drop_keys`, flattening tensor `reshape`, giving the tensors in
     `replace` new data of their type (rows of bytes for a quantised one), overriding (or adding) string `keys`, and
-    adding the float32 tensors in `add`."""
+    adding the float32 tensors in `add`; `dequantised`: every tensor as float32 (its values as `gguf` reads them)."""
     reader = src if isinstance(src, gguf.GGUFReader) else gguf.GGUFReader(src)
     keys = keys or {}
     replace = replace or {}
@@ -32,7 +32,10 @@ def rewrite(src: Path | gguf.GGUFReader, dst: Path, *, drop: str = "", keys: dic
     for key in keys.keys() - reader.fields.keys():
         writer.add_string(key, keys[key])
     for t in reader.tensors:
-        if t.name != drop:
+        if t.name != drop and dequantised:
+            values = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
+            writer.add_tensor(t.name, values.reshape(tuple(int(n) for n in reversed(t.shape))))
+        elif t.name != drop:
             data = np.asarray(replace.get(t.name, t.data))
             writer.add_tensor(t.name, data.reshape(-1) if t.name == reshape else data, raw_dtype=t.tensor_type)
     for name, array in (add or {}).items():
