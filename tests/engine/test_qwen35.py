@@ -276,6 +276,15 @@ def test_a_cut_state_is_refused_until_loaded_or_cleared(moe_file: pathlib.Path) 
         np.testing.assert_array_equal(engine.eval(tokens), first)
 
 
+def test_the_kv_budget_counts_each_slots_recurrent_state(moe_file: pathlib.Path) -> None:
+    with Engine.load(moe_file, n_ctx=64, n_seq=2) as engine:
+        need = engine.kv_bytes + 2 * engine.state_bytes  # the attention layers' rows, and a state per slot
+        assert engine.kv_bytes == 2 * 2 * 64 * 2 * 2 * 32 * 2  # K and V, 2 attention layers of 2 heads of 32, f16
+    Engine.load(moe_file, n_ctx=64, n_seq=2, kv_budget=need).close()  # the budget's arithmetic is the engine's
+    with pytest.raises(EngineError, match=r"with 0.0 MiB of recurrent state per slot needs 0.1 MiB, over the KV"):
+        Engine.load(moe_file, n_ctx=64, n_seq=2, kv_budget=need - 1)
+
+
 # --- the file
 
 

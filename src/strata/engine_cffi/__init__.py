@@ -229,18 +229,31 @@ def attention_layers(params: Any) -> int:
     return sum(1 for il in range(params.n_layer) if not params.recurrent_layers[il])
 
 
+def recurrent_state_bytes(params: Any) -> int:
+    """One sequence's recurrent state (`strata_state_bytes`): per recurrent layer, (conv_kernel - 1) rows of the
+    convolution's channels and the delta rule's (v heads, head size, head size), float32."""
+    n_rec = int(params.n_layer) - attention_layers(params)
+    if n_rec == 0:
+        return 0
+    conv_dim = 2 * params.ssm_n_group * params.ssm_d_state + params.ssm_d_inner
+    return 4 * n_rec * ((params.ssm_d_conv - 1) * conv_dim + params.ssm_dt_rank * params.ssm_d_state ** 2)
+
+
 def _check_kv_budget(params: Any, n_ctx: int, n_seq: int, kv: str, budget: int) -> None:
-    """Refuse, before allocating anything, a KV cache larger than `budget` bytes, naming what would fit."""
+    """Refuse, before allocating anything, a KV cache (with a hybrid model's recurrent state per slot) larger than
+    `budget` bytes, naming what would fit."""
     shape = (attention_layers(params), params.n_head_kv, params.head_dim)
-    need = kv_cache_bytes(*shape, n_ctx, n_seq, kv)
+    state = recurrent_state_bytes(params)
+    need = kv_cache_bytes(*shape, n_ctx, n_seq, kv) + n_seq * state
     if need <= budget:
         return
-    per_slot = kv_cache_bytes(*shape, n_ctx, 1, kv)
+    per_slot = kv_cache_bytes(*shape, n_ctx, 1, kv) + state
     slots = budget // per_slot
-    positions = budget // kv_cache_bytes(*shape, 1, n_seq, kv)
-    raise EngineError(f"the KV cache of {n_seq} slots x {n_ctx} positions ({kv}) needs {need / 2**20:,.1f} MiB, "
-                      f"over the KV budget of {budget / 2**20:,.1f} MiB: {slots} slots of {n_ctx} positions fit, or "
-                      f"{n_seq} slots of {positions} positions")
+    positions = max(0, budget - n_seq * state) // max(1, kv_cache_bytes(*shape, 1, n_seq, kv))
+    with_state = f" with {state / 2**20:,.1f} MiB of recurrent state per slot" if state else ""
+    raise EngineError(f"the KV cache of {n_seq} slots x {n_ctx} positions ({kv}){with_state} needs "
+                      f"{need / 2**20:,.1f} MiB, over the KV budget of {budget / 2**20:,.1f} MiB: {slots} slots of "
+                      f"{n_ctx} positions fit, or {n_seq} slots of {positions} positions")
 
 
 class Engine:
