@@ -19,10 +19,11 @@
 #define CHUNK 64          /* tokens of the chunked form's blocks */
 #define CONV_CHANNELS 64  /* channels per unit of the convolution */
 
-/* Floats of the scratch for one head's chunk of heads of size dk. */
+/* Floats of the scratch for one head's chunk, heads of dk values: q, k, v, o rows and g, beta (head_of_sequence),
+ * then chunk_step's W rows, A, QK and gc; the recurrent step's 2 dv fit in the first of them. */
 static size_t work_floats(size_t dk) {
-    size_t dv = dk;  // q, k, v, o rows and g, beta; then W, A, QK and gc (chunk_step)
-    return 3 * CHUNK * dk + 2 * CHUNK * dv + 2 * CHUNK + CHUNK * dk + 2 * CHUNK * CHUNK + CHUNK + 2 * dv;
+    size_t dv = dk;
+    return 2 * CHUNK * dk + 2 * CHUNK * dv + 2 * CHUNK + CHUNK * dk + 2 * CHUNK * CHUNK + CHUNK;
 }
 
 /* Floats of a thread's scratch (engine.c allocates n_threads of them). */
