@@ -233,6 +233,24 @@ def test_a_sequence_in_a_batch_equals_it_alone(moe_file: pathlib.Path) -> None:
         np.testing.assert_array_equal(steps[s], alone[2 * s + 1])
 
 
+def test_a_decode_step_beside_a_prompt_equals_both_alone(moe_file: pathlib.Path) -> None:
+    """The batcher's usual step: one sequence's decode token (the recurrent form) and another's prompt chunk (the
+    chunked form) in one call."""
+    first, second, more = _tokens(30, 1), _tokens(10, 2), _tokens(80, 3)
+    with Engine.load(moe_file, n_ctx=256, threads=2, kv="f32", n_seq=2, n_batch=256) as engine:
+        engine.eval(first, seq=0)
+        engine.eval(second, seq=1)
+        mixed = engine.eval_batch([BatchItem(0, [5], logits="all"), BatchItem(1, more, logits="all")])
+        engine.keep(0, seq=0)
+        engine.keep(0, seq=1)
+        engine.eval(first, seq=0)
+        alone = [engine.eval([5], seq=0)[None]]
+        engine.eval(second, seq=1)
+        alone.append(engine.eval(more, seq=1, all_logits=True))
+    for got, want in zip(mixed, alone, strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
 def test_resuming_from_a_saved_state_equals_processing_from_scratch(moe_file: pathlib.Path) -> None:
     head, tail = _tokens(90, 4), _tokens(20, 5)
     with Engine.load(moe_file, n_ctx=256, threads=2, kv="f32", n_seq=2) as engine:
