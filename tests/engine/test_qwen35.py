@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from engine_helpers import abort_mid_prefill
 from gguf import GGUFReader
 from gguf_rewrite import rewrite
 from qwen35_checkpoints import checkpoint, convert_checkpoint
@@ -276,6 +277,18 @@ def test_a_whole_copy_takes_the_state_with_it(moe_file: pathlib.Path) -> None:
         engine.eval(head, seq=0)
         engine.copy_prefix(0, 1, len(head))
         np.testing.assert_array_equal(engine.eval(tail, seq=1), engine.eval(tail, seq=0))
+
+
+def test_an_aborted_sequence_is_cleared_and_usable(moe_file: pathlib.Path) -> None:
+    """Its state took in part of a chunk that its cache did not: the engine clears it rather than keep a state
+    that belongs to no position."""
+    prompt = _tokens(300, 9)
+    with Engine.load(moe_file, n_ctx=512, threads=2, kv="f32", n_batch=8) as engine:
+        abort_mid_prefill(engine, prompt)
+        assert engine.n_past == 0
+        again = engine.eval(prompt[:20], all_logits=True)
+        engine.keep(0)
+        np.testing.assert_array_equal(again, engine.eval(prompt[:20], all_logits=True))
 
 
 def test_a_cut_state_is_refused_until_loaded_or_cleared(moe_file: pathlib.Path) -> None:
