@@ -29,6 +29,14 @@ class FakeEngine:
     recurrent = False
     state_bytes = 0
     cpu_seconds = staticmethod(time.process_time)
+    recurrent = False  # a transformer: every prefix of a sequence is reusable
+    state_bytes = 0
+
+    def save_state(self, seq: int = 0) -> bytes:
+        return b""
+
+    def load_state(self, seq: int, data: bytes) -> None:
+        pass
 
     def save_state(self, seq: int) -> bytes:
         raise EngineError("no recurrent state")
@@ -385,6 +393,20 @@ class RecordingEngine:
         self.batches.append([item.seq for item in items])
         self.calls += [(list(item.tokens), list(item.embeds or [])) for item in items]
         return self._engine.eval_batch(items, notify_fd=notify_fd)
+
+    @property
+    def recurrent(self) -> bool:
+        return self._engine.recurrent
+
+    @property
+    def state_bytes(self) -> int:
+        return self._engine.state_bytes
+
+    def save_state(self, seq: int = 0) -> bytes:
+        return self._engine.save_state(seq)
+
+    def load_state(self, seq: int, data: bytes) -> None:
+        self._engine.load_state(seq, data)
 
     def seq_n_past(self, seq: int) -> int:
         return self._engine.seq_n_past(seq)

@@ -338,3 +338,14 @@ def test_odd_head_shapes_decode_match_transformers(tmp_path: pathlib.Path, kv: s
         expected = reference(torch.tensor([prompt])).logits[0, 29:].numpy()
     for row, want in zip(got, expected, strict=True):
         assert_same(row, want, tol=tol)
+
+
+def test_a_transformer_has_no_recurrent_state_and_keeps_any_prefix(models: dict[str, pathlib.Path]) -> None:
+    with Engine.load(models["moe"], n_ctx=64, n_seq=2) as engine:
+        assert not engine.recurrent and engine.state_bytes == 0
+        engine.eval(list(range(10)))
+        assert engine.save_state(0) == b""
+        engine.load_state(1, b"")  # nothing to set
+        engine.keep(4)  # any prefix stays usable
+        engine.copy_prefix(0, 1, 2)
+        assert engine.eval([7], seq=0).shape == engine.eval([7], seq=1).shape == (engine.n_vocab,)

@@ -41,7 +41,8 @@ def test_an_lfm2_text_file_names_its_architecture(tmp_path: pathlib.Path) -> Non
     # LFM2 stores head_count_kv per layer (0 for its convolution layers): reading it as ours would fail obscurely
     path = _write(tmp_path / "lfm2.gguf", "lfm2", block_count=4, embedding_length=64,
                   attention__head_count_kv=[0, 0, 2, 0])
-    expected = r"^unsupported architecture 'lfm2' \(this engine runs qwen3moe, qwen3, llama, qwen3vl, qwen3vlmoe\)$"
+    expected = (r"^unsupported architecture 'lfm2' \(this engine runs qwen3moe, qwen3, llama, qwen3vl, qwen3vlmoe, "
+                r"qwen35, qwen35moe\)$")
     with pytest.raises(EngineError, match=expected):
         Engine.load(path)
 
@@ -67,7 +68,7 @@ def test_partial_rope_is_refused(tmp_path: pathlib.Path) -> None:
 
 @pytest.mark.parametrize(("arch", "keys", "message"), [
     ("qwen3", {"rope__dimension_sections": [8, 4, 4, 0]}, "rope.dimension_sections on qwen3, whose RoPE has one axis"),
-    ("qwen3vl", {"rope__dimension_sections": [8, 8, 8, 0]}, r"expected three sections of at most head_dim / 2 = 16"),
+    ("qwen3vl", {"rope__dimension_sections": [8, 8, 8, 0]}, r"expected three sections of at most n_rot / 2 = 16"),
     ("qwen3vl", {"rope__dimension_sections": [8, 4, 4, 0, 0]}, "rope.dimension_sections has 5 values"),
     ("qwen3vl", {"n_deepstack_layers": 3}, "n_deepstack_layers 3 on qwen3vl with 1 layers"),
     ("qwen3", {"n_deepstack_layers": 1}, "n_deepstack_layers 1 on qwen3"),

@@ -22,7 +22,17 @@ from strata.pictures.rows import PictureRows
 __all__ = ["BatchItem", "Engine", "EngineAborted", "EngineError", "PictureRows", "crc32c"]
 
 # The architectures the C forward pass runs (its own table, ARCHS in archs.c, has their traits and layers).
-SUPPORTED_ARCHITECTURES = ("qwen3moe", "qwen3", "llama", "qwen3vl", "qwen3vlmoe")
+SUPPORTED_ARCHITECTURES = ("qwen3moe", "qwen3", "llama", "qwen3vl", "qwen3vlmoe", "qwen35", "qwen35moe")
+# Hybrid architectures (Gated DeltaNet layers with a recurrent state between attention ones), and every
+# `{arch}.` key the engine reads or knows to leave the maths alone: any other is refused, naming it.
+_HYBRID = ("qwen35", "qwen35moe")
+_HYBRID_KEYS = frozenset({
+    "block_count", "context_length", "embedding_length", "feed_forward_length", "attention.head_count",
+    "attention.head_count_kv", "attention.key_length", "attention.value_length", "attention.layer_norm_rms_epsilon",
+    "rope.freq_base", "rope.dimension_count", "rope.dimension_sections", "expert_count", "expert_used_count",
+    "expert_feed_forward_length", "expert_shared_feed_forward_length", "ssm.conv_kernel", "ssm.state_size",
+    "ssm.group_count", "ssm.time_step_rank", "ssm.inner_size", "attention.recurrent_layers",
+    "full_attention_interval", "nextn_predict_layers", "vocab_size"})
 _KV_TYPES = {"f32": lib.STRATA_KV_F32, "f16": lib.STRATA_KV_F16, "int8": lib.STRATA_KV_INT8}
 _INT32 = np.iinfo(np.int32)
 KV_LAYOUT = 1  # the layout of exported positions (kv_rows.c): a change makes every stored block another's
@@ -141,14 +151,50 @@ def _model_params(file: GGUFFile, table: _TensorTable, keep: list[Any]) -> Any:
         raise EngineError(f"token_embd has shape {embd_shape}, expected [n_embd, n_vocab]")
     p.n_vocab = embd_shape[1]
     try:
-        _set_hparams(p, key)
+        _set_hparams(p, arch, key)
     except (TypeError, ValueError, OverflowError) as exc:  # a key of the wrong type or range
         raise EngineError(f"bad hyper-parameter in the GGUF metadata: {exc}") from exc
+    if arch in _HYBRID:
+        _set_hybrid_hparams(p, arch, file.metadata, key, keep)
     p.tensors, p.n_tensors = table.array, table.count
     return p
 
 
-def _set_hparams(p: Any, key: Any) -> None:
+def _set_hybrid_hparams(p: Any, arch: str, metadata: dict[str, Any], key: Any, keep: list[Any]) -> None:
+    """Qwen3.5's keys: the Gated DeltaNet's sizes, which layers are recurrent, the shared expert, the MTP blocks
+    (counted in block_count, after the layers the forward pass runs). A key the engine does not know is refused."""
+    unknown = sorted(k for k in metadata if k.startswith(f"{arch}.") and k[len(arch) + 1:] not in _HYBRID_KEYS)
+    if unknown:
+        raise EngineError(f"unknown key {unknown[0]} in a {arch} file (refused: it may change the model's maths)")
+    if key("attention.value_length", p.head_dim) != p.head_dim:
+        raise EngineError(f"attention.value_length {key('attention.value_length')} differs from key_length "
+                          f"{p.head_dim}")
+    p.n_nextn = key("nextn_predict_layers")
+    n_all = p.n_layer
+    p.n_layer = n_all - p.n_nextn
+    if p.n_layer <= 0:
+        raise EngineError(f"block_count {n_all} leaves no layer besides {p.n_nextn} MTP blocks")
+    flags = key("attention.recurrent_layers", None)
+    if flags is None:
+        interval = key("full_attention_interval", 4)
+        if interval <= 0:
+            raise EngineError(f"full_attention_interval {interval} must be positive")
+        recurrent = [(il + 1) % interval != 0 for il in range(p.n_layer)]
+    else:
+        recurrent = [bool(f) for f in flags]
+        if len(recurrent) != n_all or any(recurrent[p.n_layer:]):
+            raise EngineError(f"attention.recurrent_layers has {len(recurrent)} entries, expected block_count "
+                              f"{n_all} with the MTP blocks not recurrent")
+    layers = ffi.new("int[]", [int(r) for r in recurrent[: p.n_layer]])
+    keep.append(layers)
+    p.recurrent_layers = layers
+    p.ssm_d_conv, p.ssm_d_state = key("ssm.conv_kernel"), key("ssm.state_size")
+    p.ssm_n_group, p.ssm_dt_rank = key("ssm.group_count"), key("ssm.time_step_rank")
+    p.ssm_d_inner = key("ssm.inner_size")
+    p.n_ff_shexp = key("expert_shared_feed_forward_length")
+
+
+def _set_hparams(p: Any, arch: str, key: Any) -> None:
     """Fill the hyper-parameters of `p`; key(name, default) reads `{arch}.name`."""
     p.n_ctx_train, p.n_embd, p.n_layer = key("context_length"), key("embedding_length"), key("block_count")
     p.n_head, p.n_head_kv = key("attention.head_count"), key("attention.head_count_kv", key("attention.head_count"))
@@ -161,10 +207,10 @@ def _set_hparams(p: Any, key: Any) -> None:
         raise EngineError(f"rope.dimension_sections has {len(sections)} values, expected at most 4")
     p.rope_sections = sections + [0] * (4 - len(sections))
     p.n_deepstack = key("n_deepstack_layers")
-    rope_dim = key("rope.dimension_count", p.head_dim)
-    if rope_dim != p.head_dim:
-        raise EngineError(f"rope.dimension_count {rope_dim} differs from the head size {p.head_dim} (partial RoPE is "
-                          "not supported)")
+    p.n_rot = key("rope.dimension_count", p.head_dim)  # the leading dimensions of a head RoPE turns
+    if p.n_rot != p.head_dim and arch not in _HYBRID:
+        raise EngineError(f"rope.dimension_count {p.n_rot} differs from the head size {p.head_dim} (partial RoPE is "
+                          f"not supported for {arch})")
     scaling = key("rope.scaling.type", "none")
     if scaling != "none":  # Llama 3's "llama3" scaling writes no type: its factors are the rope_freqs tensor
         raise EngineError(f"unsupported rope.scaling.type {scaling!r} (the engine runs unscaled RoPE and Llama 3's "
@@ -185,18 +231,38 @@ def kv_cache_bytes(n_layer: int, n_head_kv: int, head_dim: int, n_ctx: int, n_se
     return 2 * rows * (head_dim * {"f32": 4, "f16": 2, "int8": 1}[kv] + (4 if kv == "int8" else 0))
 
 
+def attention_layers(params: Any) -> int:
+    """The layers with KV rows: every layer but a hybrid model's recurrent ones."""
+    if params.recurrent_layers == ffi.NULL:
+        return int(params.n_layer)
+    return sum(1 for il in range(params.n_layer) if not params.recurrent_layers[il])
+
+
+def recurrent_state_bytes(params: Any) -> int:
+    """One sequence's recurrent state (`strata_state_bytes`): per recurrent layer, (conv_kernel - 1) rows of the
+    convolution's channels and the delta rule's (v heads, head size, head size), float32."""
+    n_rec = int(params.n_layer) - attention_layers(params)
+    if n_rec == 0:
+        return 0
+    conv_dim = 2 * params.ssm_n_group * params.ssm_d_state + params.ssm_d_inner
+    return 4 * n_rec * ((params.ssm_d_conv - 1) * conv_dim + params.ssm_dt_rank * params.ssm_d_state ** 2)
+
+
 def _check_kv_budget(params: Any, n_ctx: int, n_seq: int, kv: str, budget: int) -> None:
-    """Refuse, before allocating anything, a KV cache larger than `budget` bytes, naming what would fit."""
-    shape = (params.n_layer, params.n_head_kv, params.head_dim)
-    need = kv_cache_bytes(*shape, n_ctx, n_seq, kv)
+    """Refuse, before allocating anything, a KV cache (with a hybrid model's recurrent state per slot) larger than
+    `budget` bytes, naming what would fit."""
+    shape = (attention_layers(params), params.n_head_kv, params.head_dim)
+    state = recurrent_state_bytes(params)
+    need = kv_cache_bytes(*shape, n_ctx, n_seq, kv) + n_seq * state
     if need <= budget:
         return
-    per_slot = kv_cache_bytes(*shape, n_ctx, 1, kv)
+    per_slot = kv_cache_bytes(*shape, n_ctx, 1, kv) + state
     slots = budget // per_slot
-    positions = budget // kv_cache_bytes(*shape, 1, n_seq, kv)
-    raise EngineError(f"the KV cache of {n_seq} slots x {n_ctx} positions ({kv}) needs {need / 2**20:,.1f} MiB, "
-                      f"over the KV budget of {budget / 2**20:,.1f} MiB: {slots} slots of {n_ctx} positions fit, or "
-                      f"{n_seq} slots of {positions} positions")
+    positions = max(0, budget - n_seq * state) // max(1, kv_cache_bytes(*shape, 1, n_seq, kv))
+    with_state = f" with {state / 2**20:,.1f} MiB of recurrent state per slot" if state else ""
+    raise EngineError(f"the KV cache of {n_seq} slots x {n_ctx} positions ({kv}){with_state} needs "
+                      f"{need / 2**20:,.1f} MiB, over the KV budget of {budget / 2**20:,.1f} MiB: {slots} slots of "
+                      f"{n_ctx} positions fit, or {n_seq} slots of {positions} positions")
 
 
 class Engine:
@@ -220,6 +286,10 @@ class Engine:
         self.n_seq: int = lib.strata_n_seq(ctx)
         self.n_batch: int = n_batch
         self.kv_bytes: int = lib.strata_kv_bytes(ctx)  # the KV cache of every sequence, allocated once
+        # one sequence's recurrent state (every recurrent layer's conv rows and delta-rule state; 0 without), and
+        # whether the model has one: its sequences cannot be cut back to an arbitrary prefix
+        self.state_bytes: int = lib.strata_state_bytes(ctx)
+        self.recurrent: bool = self.state_bytes > 0
         # weights laid out again at load (the output weight's bands) and copied (mapped_weights off): memory
         # beyond the mapped file
         self.prepared_bytes: int = lib.strata_model_prepared_bytes(model)
@@ -475,27 +545,30 @@ class Engine:
         return np.concatenate(rows), at, np.concatenate(grid)
 
     def keep(self, n: int, seq: int = 0) -> None:
-        """Truncate sequence `seq` to its first n positions; keep(0) clears it."""
+        """Truncate sequence `seq` to its first n positions; keep(0) clears it. A recurrent model's state cannot be
+        cut back: n below what the sequence holds leaves it invalid, and an eval of the sequence fails until
+        `load_state` or keep(0)."""
         _check(lib.strata_keep(self._live_ctx(), int(seq), int(n)))
 
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
-        """Sequence `dst` = the first n positions of sequence `src` (copied KV rows: no forward pass)."""
+        """Sequence `dst` = the first n positions of sequence `src` (copied KV rows: no forward pass). A recurrent
+        model's state goes with them when n is all `src` holds; a shorter n leaves `dst`'s state invalid (as
+        `keep` does)."""
         _check(lib.strata_copy_prefix(self._live_ctx(), int(src), int(dst), int(n)))
 
-    @property
-    def recurrent(self) -> bool:
-        """Whether the model has recurrent layers: none of the architectures this engine runs has."""
-        return False
+    def save_state(self, seq: int = 0) -> bytes:
+        """Sequence `seq`'s recurrent state as it is at its n_past (`state_bytes` bytes; empty for a model
+        without recurrent layers)."""
+        buf = bytearray(self.state_bytes)
+        _check(lib.strata_state_save(self._live_ctx(), int(seq), ffi.from_buffer(buf)))
+        return bytes(buf)
 
-    @property
-    def state_bytes(self) -> int:
-        return 0
-
-    def save_state(self, seq: int) -> bytes:
-        raise EngineError("this model has no recurrent state")
-
-    def load_state(self, seq: int, state: bytes) -> None:
-        raise EngineError("this model has no recurrent state")
+    def load_state(self, seq: int, data: bytes) -> None:
+        """Set sequence `seq`'s recurrent state to `data` (from `save_state`), which must belong at its current
+        n_past (after `keep` or `copy_prefix` to that n); the state is valid again."""
+        if len(data) != self.state_bytes:
+            raise EngineError(f"a state of {len(data)} bytes; this model's is {self.state_bytes}")
+        _check(lib.strata_state_load(self._live_ctx(), int(seq), ffi.from_buffer(data or b"\0")))
 
     def export_kv(self, seq: int, first: int, n: int) -> np.ndarray:
         """Positions [first, first + n) of sequence `seq` as bytes (uint8, n x `kv_position_bytes`): their K and V

@@ -9,12 +9,15 @@
 // --- the table
 
 static const arch ARCHS[] = {
-    {"qwen3moe", ROPE_NEOX, 1, 1, 0, qwen3moe_layer},
-    {"qwen3", ROPE_NEOX, 1, 0, 0, qwen3_layer},
-    {"llama", ROPE_NORMAL, 0, 0, 0, llama_layer},
+    {"qwen3moe", ROPE_NEOX, 1, 1, 0, qwen3moe_layer, transformer_load},
+    {"qwen3", ROPE_NEOX, 1, 0, 0, qwen3_layer, transformer_load},
+    {"llama", ROPE_NORMAL, 0, 0, 0, llama_layer, transformer_load},
     /* Qwen3-VL's text side: Qwen3 with multi-axis RoPE over pictures and deepstack rows */
-    {"qwen3vl", ROPE_NEOX, 1, 0, 1, qwen3_layer},
-    {"qwen3vlmoe", ROPE_NEOX, 1, 1, 1, qwen3moe_layer},
+    {"qwen3vl", ROPE_NEOX, 1, 0, 1, qwen3_layer, transformer_load},
+    {"qwen3vlmoe", ROPE_NEOX, 1, 1, 1, qwen3moe_layer, transformer_load},
+    /* Qwen3.5 / Qwen3.6: Gated DeltaNet layers between gated attention ones, partial multi-axis RoPE */
+    {"qwen35", ROPE_NEOX, 1, 0, 1, qwen35_layer, qwen35_load},
+    {"qwen35moe", ROPE_NEOX, 1, 1, 1, qwen35_layer, qwen35_load},
 };
 #define N_ARCHS ((int)(sizeof ARCHS / sizeof ARCHS[0]))
 

@@ -123,16 +123,14 @@ static void weighted_rows(const strata_context *c, size_t base, const float *wa,
 // on this thread's share of the tokens only (share(tm, n_tok)): a step on the same share may follow them at once,
 // since each thread then reads only rows it wrote itself)
 
-/* out (n,) = x / sqrt(mean(x^2) + eps) * w */
-static void rmsnorm(float *out, const float *x, const float *w, int64_t n, float eps) {
+void rmsnorm(float *out, const float *x, const float *w, int64_t n, float eps) {
     float ss = 0.0f;
     for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
     float s = 1.0f / sqrtf(ss / n + eps);
     for (int64_t i = 0; i < n; i++) out[i] = x[i] * s * w[i];
 }
 
-/* out rows (n_tok, n) = rmsnorm of x rows, this thread's share of them; no barrier. */
-static void rmsnorm_rows(const team *tm, float *out, const float *x, const float *w, int n_tok, int64_t n,
+void rmsnorm_rows(const team *tm, float *out, const float *x, const float *w, int n_tok, int64_t n,
                          float eps) {
     range r = share(tm, n_tok);
     for (int64_t t = r.lo; t < r.hi; t++) rmsnorm(out + t * n, x + t * n, w, n, eps);
@@ -183,9 +181,7 @@ static void products(const team *tm, int n_w, const matrix *const *ws, float *co
     team_sync(tm);
 }
 
-/* ys[i] (n_tok, ws[i].n_out) = x (n_tok, n_in) @ ws[i]^T for weights reading the same input: x is converted
- * once per run of weights sharing a partner type. */
-static void linear(const team *tm, strata_context *c, const float *x, int n_tok, int n_w, const matrix *const *ws,
+void linear(const team *tm, strata_context *c, const float *x, int n_tok, int n_w, const matrix *const *ws,
                    float *const *ys) {
     for (int first = 0, last; first < n_w; first = last) {
         int vdt = ws[first]->vec_dot_type;
@@ -195,15 +191,15 @@ static void linear(const team *tm, strata_context *c, const float *x, int n_tok,
     }
 }
 
-static void linear1(const team *tm, strata_context *c, const float *x, int n_tok, const matrix *w, float *y) {
+void linear1(const team *tm, strata_context *c, const float *x, int n_tok, const matrix *w, float *y) {
     linear(tm, c, x, n_tok, 1, &w, &y);
 }
 
-/* Rotate pairs of x (head_dim) by the angles whose cos and sin are given (head_dim / 2 each): pairs (2i, 2i+1)
- * or, NEOX, (i, i + head_dim/2). */
-static void rope(float *x, int hd, const float *cs, const float *sn, rope_mode mode) {
-    for (int i = 0; i < hd / 2; i++) {
-        int a = mode == ROPE_NEOX ? i : 2 * i, b = mode == ROPE_NEOX ? i + hd / 2 : 2 * i + 1;
+/* Rotate pairs of x's first n_rot values by the angles whose cos and sin are given (n_rot / 2 each): pairs
+ * (2i, 2i+1) or, NEOX, (i, i + n_rot/2); the rest of the head is left as it is (partial RoPE). */
+static void rope(float *x, int n_rot, const float *cs, const float *sn, rope_mode mode) {
+    for (int i = 0; i < n_rot / 2; i++) {
+        int a = mode == ROPE_NEOX ? i : 2 * i, b = mode == ROPE_NEOX ? i + n_rot / 2 : 2 * i + 1;
         float x0 = x[a], x1 = x[b];
         x[a] = x0 * cs[i] - x1 * sn[i];
         x[b] = x0 * sn[i] + x1 * cs[i];
@@ -214,13 +210,13 @@ static void rope(float *x, int hd, const float *cs, const float *sn, rope_mode m
  * rows go into its sequence's cache at its position. */
 static void rope_and_cache(const team *tm, strata_context *c, const layer_weights *L, int il, int n_tok) {
     const strata_model *m = c->model;
-    int hd = m->hp.head_dim, nh = m->hp.n_head, nkv = m->hp.n_head_kv;
+    int hd = m->hp.head_dim, nh = m->hp.n_head, nkv = m->hp.n_head_kv, n_rot = m->n_rot;
     range r = share(tm, n_tok);
     for (int t = (int)r.lo; t < r.hi; t++) {
         int pos = c->chunk_pos[t];
         const int *rope_pos = c->chunk_rope + 3 * t;  // (t, h, w): all pos with one axis
-        float cs[hd / 2], sn[hd / 2];  // angle (pair i's component) * inv_freq[i], shared by every head
-        for (int i = 0; i < hd / 2; i++) {
+        float cs[n_rot / 2], sn[n_rot / 2];  // angle (pair i's component) * inv_freq[i], shared by every head
+        for (int i = 0; i < n_rot / 2; i++) {
             float theta = rope_pos[m->rope_axis[i]] * m->inv_freq[i];
             cs[i] = cosf(theta);
             sn[i] = sinf(theta);
@@ -228,7 +224,7 @@ static void rope_and_cache(const team *tm, strata_context *c, const layer_weight
         for (int h = 0; h < nh + nkv; h++) {
             float *x = h < nh ? c->q + ((size_t)t * nh + h) * hd : c->k + ((size_t)t * nkv + h - nh) * hd;
             if (m->has_qk_norm) rmsnorm(x, x, h < nh ? L->q_norm : L->k_norm, hd, m->hp.rms_eps);
-            rope(x, hd, cs, sn, m->rope);
+            rope(x, n_rot, cs, sn, m->rope);
         }
         for (int h = 0; h < nkv; h++) {
             size_t idx = kv_base(c, c->chunk_seq[t], il, h) + pos, src = ((size_t)t * nkv + h) * hd;
@@ -375,8 +371,7 @@ static void attention(const team *tm, strata_context *c, int il, int n_tok) {
     team_sync(tm);
 }
 
-/* x += y, row by row, this thread's share; no barrier. */
-static void add_rows(const team *tm, float *x, const float *y, int n_tok, int64_t n) {
+void add_rows(const team *tm, float *x, const float *y, int n_tok, int64_t n) {
     range r = share(tm, n_tok);
     for (int64_t t = r.lo; t < r.hi; t++)
         for (int64_t i = 0; i < n; i++) x[t * n + i] += y[t * n + i];
@@ -419,19 +414,44 @@ void block_poll_aborts(const team *tm, strata_context *c, int slot, int n_tok) {
 
 // --- transformer blocks
 
+/* Gated attention: q rows = the query halves of qg's heads (each head's query, then its gate); this thread's
+ * share of the tokens, no barrier. */
+static void split_gated_queries(const team *tm, strata_context *c, int n_tok) {
+    int hd = c->model->hp.head_dim, nh = c->model->hp.n_head;
+    range r = share(tm, n_tok);
+    for (int64_t t = r.lo; t < r.hi; t++)
+        for (int h = 0; h < nh; h++)
+            memcpy(c->q + ((size_t)t * nh + h) * hd, c->qg + ((size_t)t * nh + h) * 2 * hd, sizeof(float) * hd);
+}
+
+/* Gated attention: att *= sigmoid(each head's gate), this thread's share of the tokens; no barrier. */
+static void gate_attention(const team *tm, strata_context *c, int n_tok) {
+    int hd = c->model->hp.head_dim, nh = c->model->hp.n_head;
+    range r = share(tm, n_tok);
+    for (int64_t t = r.lo; t < r.hi; t++)
+        for (int h = 0; h < nh; h++) {
+            float *o = c->att + ((size_t)t * nh + h) * hd;
+            const float *g = c->qg + ((size_t)t * nh + h) * 2 * hd + hd;
+            for (int i = 0; i < hd; i++) o[i] /= 1.0f + expf(-g[i]);
+        }
+}
+
 void block_attention(const team *tm, strata_context *c, int il, int n_tok) {
-    const strata_model_params *p = &c->model->hp;
-    const layer_weights *L = &c->model->layers[il];
-    // xb = rmsnorm(x); q, k, v = xb @ Wq, Wk, Wv
+    const strata_model *m = c->model;
+    const strata_model_params *p = &m->hp;
+    const layer_weights *L = &m->layers[il];
+    // xb = rmsnorm(x); q, k, v = xb @ Wq, Wk, Wv (Qwen3.5: q with each head's output gate)
     rmsnorm_rows(tm, c->xb, c->x, L->attn_norm, n_tok, p->n_embd, p->rms_eps);
     const matrix *ws[3] = {&L->wq, &L->wk, &L->wv};
-    float *ys[3] = {c->q, c->k, c->v};
+    float *ys[3] = {m->gated_attn ? c->qg : c->q, c->k, c->v};
     linear(tm, c, c->xb, n_tok, 3, ws, ys);
+    if (m->gated_attn) split_gated_queries(tm, c, n_tok);  // rope_and_cache goes on with the same share
     // q, k = rope(qk_norm(q, k)); cache k, v at the chunk's positions
     rope_and_cache(tm, c, L, il, n_tok);
     // att = softmax(q k^T / sqrt(head_dim)) v over positions <= each token's; x += att @ Wo
     attention(tm, c, il, n_tok);
     block_poll_aborts(tm, c, 1, n_tok);  // read before the feed-forward
+    if (m->gated_attn) gate_attention(tm, c, n_tok);  // the product's conversion goes on with the same share
     linear1(tm, c, c->att, n_tok, &L->wo, c->xb);
     add_rows(tm, c->x, c->xb, n_tok, p->n_embd);
 }
@@ -588,12 +608,32 @@ static void record_routing(strata_context *c, int il, int n_tok) {
     c->route_used += need;
 }
 
+/* Qwen3.5's shared expert, beside the routed ones: shexp_out = SwiGLU(xb) through its weights, shexp_gate = the
+ * logit of its gate (xb . w). */
+static void shared_expert(const team *tm, strata_context *c, const layer_weights *L, int n_tok) {
+    const strata_model_params *p = &c->model->hp;
+    range r = share(tm, n_tok);
+    for (int64_t t = r.lo; t < r.hi; t++) {
+        const float *x = c->xb + t * p->n_embd;
+        float dot = 0.0f;
+        for (int64_t i = 0; i < p->n_embd; i++) dot += x[i] * L->gate_inp_shexp[i];
+        c->shexp_gate[t] = dot;
+    }
+    const matrix *ws[2] = {&L->gate_shexp, &L->up_shexp};
+    float *ys[2] = {c->hb, c->hb2};
+    linear(tm, c, c->xb, n_tok, 2, ws, ys);
+    swiglu_rows(tm, c->hb, c->hb2, n_tok, p->n_ff_shexp);
+    linear1(tm, c, c->hb, n_tok, &L->down_shexp, c->shexp_out);
+}
+
 void block_moe_ffn(const team *tm, strata_context *c, int il, int n_tok) {
     const strata_model_params *p = &c->model->hp;
     const layer_weights *L = &c->model->layers[il];
-    int k = p->n_expert_used, n_slots = n_tok * k;
-    // xb = rmsnorm(x); router logits = xb @ Wr; each token picks its top-k experts
+    int k = p->n_expert_used, n_slots = n_tok * k, shexp = L->gate_shexp.data != NULL;
+    // xb = rmsnorm(x); the shared expert where the model has one; router logits = xb @ Wr; each token picks its
+    // top-k experts
     rmsnorm_rows(tm, c->xb, c->x, L->ffn_norm, n_tok, p->n_embd, p->rms_eps);
+    if (shexp) shared_expert(tm, c, L, n_tok);
     linear1(tm, c, c->xb, n_tok, &L->router, c->router);
     if (tm->ith == 0) {  // no barrier of its own: only gather_slots reads the routing, past the next one
         route_tokens(c, n_tok);
@@ -608,14 +648,20 @@ void block_moe_ffn(const team *tm, strata_context *c, int il, int n_tok) {
     const matrix *down = &L->down_exps;
     expert_products(tm, c, 1, &down, &c->moe_out, c->xq_slots, stride, c->n_tasks_up, c->n_tasks_down,
                     c->task_rows[1]);
-    // x += sum over the token's choices of weight * moe_out[slot]
+    // x += sum over the token's choices of weight * moe_out[slot] (+ sigmoid(gate) * the shared expert's output)
     range r = share(tm, n_tok);
-    for (int64_t t = r.lo; t < r.hi; t++)
+    for (int64_t t = r.lo; t < r.hi; t++) {
+        float *x = c->x + t * p->n_embd;
         for (int j = 0; j < k; j++) {
             const float *y = c->moe_out + (size_t)c->slot_of[t * k + j] * p->n_embd;
             float w = c->choice_weight[t * k + j];
-            for (int64_t i = 0; i < p->n_embd; i++) c->x[t * p->n_embd + i] += w * y[i];
-        }  // no barrier: the next step on x works on the same share
+            for (int64_t i = 0; i < p->n_embd; i++) x[i] += w * y[i];
+        }
+        if (shexp) {
+            const float *y = c->shexp_out + t * p->n_embd, w = 1.0f / (1.0f + expf(-c->shexp_gate[t]));
+            for (int64_t i = 0; i < p->n_embd; i++) x[i] += w * y[i];
+        }
+    }  // no barrier: the next step on x works on the same share
 }
 
 // --- a chunk's ends: embeddings in, logits out

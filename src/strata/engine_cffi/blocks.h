@@ -24,19 +24,39 @@ static inline int team_next(const team *tm) { return strata_pool_next(tm->pool);
 /* The answer of the last poll of `slot`; after a barrier that follows it, every thread reads the same. */
 static inline int team_stopped(const strata_context *c, int slot) { return c->stop_at[slot]; }
 
+// --- shared steps (blocks.c)
+
+/* out (n,) = x / sqrt(mean(x^2) + eps) * w */
+void rmsnorm(float *out, const float *x, const float *w, int64_t n, float eps);
+/* out rows (n_tok, n) = rmsnorm of x rows, this thread's share of them; no barrier. */
+void rmsnorm_rows(const team *tm, float *out, const float *x, const float *w, int n_tok, int64_t n, float eps);
+/* ys[i] (n_tok, ws[i].n_out) = x (n_tok, n_in) @ ws[i]^T for weights reading the same input: x is converted
+ * once per run of weights sharing a partner type. Ends at a barrier. */
+void linear(const team *tm, strata_context *c, const float *x, int n_tok, int n_w, const matrix *const *ws,
+            float *const *ys);
+void linear1(const team *tm, strata_context *c, const float *x, int n_tok, const matrix *w, float *y);
+/* x += y, row by row, this thread's share; no barrier. */
+void add_rows(const team *tm, float *x, const float *y, int n_tok, int64_t n);
+
 // --- blocks
 
 /* Thread 0 polls the abort flags of the chunk's sequences into stop_at[slot] (read with team_stopped). */
 void block_poll_aborts(const team *tm, strata_context *c, int slot, int n_tok);
 
-/* x += attention(rmsnorm(x)) @ Wo, q and k heads normed (where the model has it) and turned by RoPE, k and v
- * rows cached at the chunk's positions. */
+/* x += attention(rmsnorm(x)) @ Wo, q and k heads normed (where the model has it) and turned by RoPE (the first
+ * n_rot values of each), k and v rows cached at the chunk's positions; with gated attention (Qwen3.5) each head's
+ * output times the sigmoid of its gate. */
 void block_attention(const team *tm, strata_context *c, int il, int n_tok);
+
+/* x += the Gated DeltaNet of rmsnorm(x) (blocks_deltanet.c), each sequence's conv and delta-rule state carried
+ * on; polls the abort flags into slot 1 as block_attention does. */
+void block_deltanet(const team *tm, strata_context *c, int il, int n_tok);
 
 /* x += SwiGLU(rmsnorm(x)) through the layer's dense weights. */
 void block_dense_ffn(const team *tm, strata_context *c, int il, int n_tok);
 
-/* x += the router's top-k experts' SwiGLU of rmsnorm(x), weighted; no barrier at its end (this thread's share). */
+/* x += the router's top-k experts' SwiGLU of rmsnorm(x), weighted, and the gated shared expert's where the model
+ * has one; no barrier at its end (this thread's share). */
 void block_moe_ffn(const team *tm, strata_context *c, int il, int n_tok);
 
 /* x rows = token embeddings, or the caller's rows; this thread's share, no barrier. */

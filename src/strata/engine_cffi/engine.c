@@ -35,13 +35,39 @@ static size_t kv_elem_bytes(int kv_type) {
     return kv_type == STRATA_KV_F32 ? 4 : kv_type == STRATA_KV_F16 ? 2 : 1;
 }
 
+/* The recurrent layers' state of every sequence (zero: an empty sequence's) and the DeltaNet's scratch. */
+static int alloc_recurrent(strata_context *c) {
+    const strata_model *m = c->model;
+    const strata_model_params *p = &m->hp;
+    int64_t B = c->n_batch;
+    c->state_floats = (size_t)m->n_rec_layer * (m->conv_state_floats + m->ssm_state_floats);
+    c->state_valid = malloc(sizeof(int) * c->n_seq);
+    c->seq_tokens = malloc(sizeof(int) * B);
+    c->seq_first = malloc(sizeof(int) * (c->n_seq + 1));
+    c->chunk_seqs = malloc(sizeof(int) * c->n_seq);
+    if (!c->state_valid || !c->seq_tokens || !c->seq_first || !c->chunk_seqs) return 0;
+    for (int s = 0; s < c->n_seq; s++) c->state_valid[s] = 1;
+    if (!m->n_rec_layer) return 1;
+    c->rec_state = calloc((size_t)c->n_seq * c->state_floats, sizeof(float));
+    c->dn_qkv = malloc(sizeof(float) * B * m->conv_dim);
+    c->dn_conv = malloc(sizeof(float) * B * m->conv_dim);
+    c->dn_z = malloc(sizeof(float) * B * p->ssm_d_inner);
+    c->dn_out = malloc(sizeof(float) * B * p->ssm_d_inner);
+    c->dn_alpha = malloc(sizeof(float) * B * p->ssm_dt_rank);
+    c->dn_beta = malloc(sizeof(float) * B * p->ssm_dt_rank);
+    c->dn_work_floats = deltanet_work_floats(m);
+    c->dn_work = malloc(sizeof(float) * c->n_threads * c->dn_work_floats);
+    return c->rec_state && c->dn_qkv && c->dn_conv && c->dn_z && c->dn_out && c->dn_alpha && c->dn_beta &&
+           c->dn_work;
+}
+
 static strata_status alloc_context(strata_context *c) {
     const strata_model_params *p = &c->model->hp;
     int64_t kv_dim = (int64_t)p->n_head_kv * p->head_dim, q_dim = (int64_t)p->n_head * p->head_dim;
     int64_t B = c->n_batch, k_used = c->model->is_moe ? p->n_expert_used : 1;
-    int64_t n_ff_max = c->model->is_moe ? p->n_ff_exp : p->n_ff;
-    int64_t widest = max64(max64(p->n_embd, q_dim), n_ff_max);
-    size_t cache_vals = (size_t)c->n_seq * p->n_layer * c->n_ctx * kv_dim;
+    int64_t n_ff_max = max64(c->model->is_moe ? p->n_ff_exp : p->n_ff, p->n_ff_shexp);  // per slot
+    int64_t widest = max64(max64(max64(p->n_embd, q_dim), n_ff_max), p->ssm_d_inner);  // a product's input
+    size_t cache_vals = (size_t)c->n_seq * c->model->n_kv_layer * c->n_ctx * kv_dim;
     c->act_row_max = sizeof(float) * widest;  // f32 is the widest activation type
     c->k_cache = malloc(cache_vals * c->kv_elem);
     c->v_cache = malloc(cache_vals * c->kv_elem);
@@ -56,13 +82,18 @@ static strata_status alloc_context(strata_context *c) {
     c->v = malloc(sizeof(float) * B * kv_dim);
     c->att = malloc(sizeof(float) * B * q_dim);
     c->scores = malloc(sizeof(float) * c->n_threads * (p->n_head / p->n_head_kv) * c->n_ctx);
-    c->hb = malloc(sizeof(float) * B * k_used * n_ff_max);
+    c->hb = malloc(sizeof(float) * B * k_used * n_ff_max);  // k_used * n_ff_exp or the shared expert's n_ff_shexp
     c->hb2 = malloc(sizeof(float) * B * k_used * n_ff_max);
     c->xq = malloc(c->act_row_max * B * k_used);
     c->n_past = calloc(c->n_seq, sizeof(int));
     c->abort_flag = calloc(c->n_seq, sizeof(atomic_int));
     c->dropped = calloc(c->n_seq, sizeof(int));
     c->chunk_rope = malloc(sizeof(int) * 3 * B);
+    if (c->model->gated_attn) c->qg = malloc(sizeof(float) * B * 2 * q_dim);
+    if (p->n_ff_shexp > 0) {
+        c->shexp_out = malloc(sizeof(float) * B * p->n_embd);
+        c->shexp_gate = malloc(sizeof(float) * B);
+    }
     if (c->model->mrope) {
         c->rope_t = malloc(sizeof(int) * c->n_seq * c->n_ctx);
         c->rope_next = malloc(sizeof(int) * c->n_seq * c->n_ctx);
@@ -71,7 +102,8 @@ static strata_status alloc_context(strata_context *c) {
     int ok = c->k_cache && c->v_cache && c->x && c->xb && c->q && c->k && c->v && c->att && c->scores &&
              c->hb && c->hb2 && c->xq && (c->kv_type != STRATA_KV_INT8 || (c->k_scale && c->v_scale)) &&
              c->n_past && c->abort_flag && c->dropped && c->chunk_rope &&
-             (!c->model->mrope || (c->rope_t && c->rope_next));
+             (!c->model->mrope || (c->rope_t && c->rope_next)) && (!c->model->gated_attn || c->qg) &&
+             (p->n_ff_shexp <= 0 || (c->shexp_out && c->shexp_gate)) && alloc_recurrent(c);
     for (size_t i = 0; i < sizeof chunk / sizeof chunk[0]; i++) ok = ok && (*chunk[i] = malloc(sizeof(int) * B));
     for (int s = 0; ok && s < c->n_seq; s++) atomic_init(&c->abort_flag[s], 0);
     if (c->model->is_moe) {
@@ -137,7 +169,10 @@ void strata_context_free(strata_context *c) {
                     c->scores, c->hb, c->hb2, c->moe_out, c->router, c->xq, c->xq_slots, c->slot_of,
                     c->choice_weight, c->slot_token, c->expert_start, c->expert_count, c->tasks, c->n_past,
                     (void *)c->abort_flag, c->dropped, c->chunk_token, c->chunk_seq, c->chunk_pos, c->chunk_embd,
-                    c->chunk_out, c->chunk_rope, c->rope_t, c->rope_next, c->draw_work, c->draw_idx};
+                    c->chunk_out, c->chunk_rope, c->rope_t, c->rope_next, c->draw_work, c->draw_idx,
+                    c->rec_state, c->state_valid, c->qg, c->shexp_out, c->shexp_gate, c->dn_qkv, c->dn_conv,
+                    c->dn_z, c->dn_alpha, c->dn_beta, c->dn_out, c->dn_work, c->seq_tokens, c->seq_first,
+                    c->chunk_seqs};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
     free(c);
 }
@@ -148,8 +183,16 @@ int strata_n_ctx(const strata_context *c) { return c->n_ctx; }
 
 size_t strata_kv_bytes(const strata_context *c) {
     const strata_model_params *p = &c->model->hp;
-    size_t rows = (size_t)c->n_seq * p->n_layer * p->n_head_kv * c->n_ctx;  // of head_dim values, K and V each
+    size_t rows = (size_t)c->n_seq * c->model->n_kv_layer * p->n_head_kv * c->n_ctx;  // of head_dim values, K and V
     return 2 * rows * (p->head_dim * c->kv_elem + (c->kv_type == STRATA_KV_INT8 ? sizeof(float) : 0));
+}
+
+size_t strata_state_bytes(const strata_context *c) { return sizeof(float) * c->state_floats; }
+
+/* Sequence seq's recurrent state = an empty sequence's (zero), valid. */
+static void clear_state(strata_context *c, int seq) {
+    if (c->state_floats) memset(c->rec_state + (size_t)seq * c->state_floats, 0, strata_state_bytes(c));
+    c->state_valid[seq] = 1;
 }
 
 static strata_status check_seq(const strata_context *c, int seq) {
@@ -165,7 +208,28 @@ strata_status strata_keep(strata_context *c, int seq, int n) {
     if (st != STRATA_OK) return st;
     if (n < 0 || n > c->n_past[seq])
         return engine_fail(STRATA_ERR_INVALID_ARG, "keep(%d): sequence %d holds %d positions", n, seq, c->n_past[seq]);
+    if (n == 0) clear_state(c, seq);
+    else if (n < c->n_past[seq] && c->state_floats) c->state_valid[seq] = 0;  // the state cannot be cut back
     c->n_past[seq] = n;  // the rows past n are overwritten by the next eval
+    return STRATA_OK;
+}
+
+// --- recurrent state
+
+strata_status strata_state_save(const strata_context *c, int seq, void *buf) {
+    strata_status st = check_seq(c, seq);
+    if (st != STRATA_OK) return st;
+    if (!c->state_valid[seq])
+        return engine_fail(STRATA_ERR_INVALID_ARG, "sequence %d: its recurrent state was cut back; nothing to save", seq);
+    if (c->state_floats) memcpy(buf, c->rec_state + (size_t)seq * c->state_floats, strata_state_bytes(c));
+    return STRATA_OK;
+}
+
+strata_status strata_state_load(strata_context *c, int seq, const void *buf) {
+    strata_status st = check_seq(c, seq);
+    if (st != STRATA_OK) return st;
+    if (c->state_floats) memcpy(c->rec_state + (size_t)seq * c->state_floats, buf, strata_state_bytes(c));
+    c->state_valid[seq] = 1;
     return STRATA_OK;
 }
 
@@ -240,7 +304,7 @@ strata_status strata_copy_prefix(strata_context *c, int src, int dst, int n) {
     const strata_model_params *p = &c->model->hp;
     size_t row = p->head_dim * c->kv_elem;
     for (int il = 0; il < p->n_layer; il++)
-        for (int h = 0; h < p->n_head_kv; h++) {
+        for (int h = 0; !c->model->recurrent[il] && h < p->n_head_kv; h++) {
             size_t from = kv_base(c, src, il, h), to = kv_base(c, dst, il, h);
             memcpy((char *)c->k_cache + to * row, (const char *)c->k_cache + from * row, n * row);
             memcpy((char *)c->v_cache + to * row, (const char *)c->v_cache + from * row, n * row);
@@ -252,6 +316,16 @@ strata_status strata_copy_prefix(strata_context *c, int src, int dst, int n) {
     if (c->model->mrope) {
         memcpy(c->rope_t + (size_t)dst * c->n_ctx, c->rope_t + (size_t)src * c->n_ctx, sizeof(int) * n);
         memcpy(c->rope_next + (size_t)dst * c->n_ctx, c->rope_next + (size_t)src * c->n_ctx, sizeof(int) * n);
+    }
+    if (n == 0) {
+        clear_state(c, dst);
+    } else if (n == c->n_past[src]) {  // the state at n is src's own
+        if (c->state_floats)
+            memcpy(c->rec_state + (size_t)dst * c->state_floats, c->rec_state + (size_t)src * c->state_floats,
+                   strata_state_bytes(c));
+        c->state_valid[dst] = c->state_valid[src];
+    } else if (c->state_floats) {
+        c->state_valid[dst] = 0;
     }
     c->n_past[dst] = n;
     return STRATA_OK;
@@ -286,13 +360,8 @@ static void forward_job(int ith, int nth, void *arg) {
     block_poll_aborts(&tm, c, 0, j->n_tok);
     team_sync(&tm);
     int stop = 0;
-    for (int il = 0; !(stop = team_stopped(c, 0)) && il < m->hp.n_layer; il++) {
-        block_attention(&tm, c, il, j->n_tok);
-        if ((stop = team_stopped(c, 1))) break;
-        if (m->is_moe) block_moe_ffn(&tm, c, il, j->n_tok);
-        else block_dense_ffn(&tm, c, il, j->n_tok);
-        if (il < m->hp.n_deepstack) block_add_deepstack(&tm, c, j->embd_rows, il, j->n_tok);
-    }
+    for (int il = 0; !(stop = team_stopped(c, 0)) && il < m->hp.n_layer; il++)
+        if ((stop = m->layer(&tm, c, il, j->embd_rows, j->n_tok))) break;
     if (!stop) {
         team_sync(&tm);  // the output's runs of tokens need not be this thread's share of x
         if (ith == 0) c->output_t0 = now_ms();
@@ -342,11 +411,31 @@ static strata_status check_batch(const strata_context *c, const strata_batch *b,
         else if (next[s]++ >= c->n_ctx)
             st = engine_fail(STRATA_ERR_CONTEXT_FULL, "sequence %d: %d positions held + the call's exceed the context of %d",
                       s, c->n_past[s], c->n_ctx);
+        else if (!c->state_valid[s])
+            st = engine_fail(STRATA_ERR_INVALID_ARG, "token %d: sequence %d's recurrent state was cut back (keep or "
+                             "copy_prefix to fewer positions than it held): load a saved state or keep(0)", t, s);
         else if (embd_at[t] < 0 && (b->tokens[t] < 0 || b->tokens[t] >= c->model->hp.n_vocab))
             st = engine_fail(STRATA_ERR_INVALID_ARG, "token id %d out of range [0, %d)", b->tokens[t], c->model->hp.n_vocab);
     }
     memset(c->dropped, 0, sizeof(int) * c->n_seq);
     return st;
+}
+
+/* The chunk's tokens grouped by sequence, each sequence's in order (its positions'): seq_first, seq_tokens and
+ * the list of the chunk's sequences. */
+static void group_by_sequence(strata_context *c, int n_tok) {
+    memset(c->seq_first, 0, sizeof(int) * (c->n_seq + 1));
+    for (int t = 0; t < n_tok; t++) c->seq_first[c->chunk_seq[t] + 1]++;
+    c->n_chunk_seqs = 0;
+    for (int s = 0; s < c->n_seq; s++) {
+        if (c->seq_first[s + 1]) c->chunk_seqs[c->n_chunk_seqs++] = s;
+        c->seq_first[s + 1] += c->seq_first[s];
+    }
+    for (int q = 0; q < c->n_chunk_seqs; q++) {
+        int s = c->chunk_seqs[q], at = c->seq_first[s];
+        for (int t = 0; t < n_tok; t++)
+            if (c->chunk_seq[t] == s) c->seq_tokens[at++] = t;
+    }
 }
 
 /* rope (n_tokens, 3) = each token's RoPE position (t, h, w), by the rules of strata_batch; with multi-axis RoPE
@@ -407,6 +496,7 @@ strata_status strata_eval_batch(strata_context *c, const strata_batch *b) {
             c->chunk_out[n++] = want ? out - 1 : -1;
         }
         if (n == 0) break;
+        group_by_sequence(c, n);
         chunk_job job = {c, b->embd_rows, n, b->logits};
         strata_pool_run(c->pool, forward_job, &job);
         if (!c->stop) c->timings.output_ms += now_ms() - c->output_t0;
@@ -419,6 +509,9 @@ strata_status strata_eval_batch(strata_context *c, const strata_batch *b) {
     for (int s = 0; s < c->n_seq; s++) {
         n_dropped += c->dropped[s];
         if (b->seq_dropped) b->seq_dropped[s] = c->dropped[s];
+        // its state took in part of a chunk its cache did not: invalid until a snapshot is loaded or keep(0); the
+        // finished chunks' KV rows stay, so a snapshot at any position before n_past resumes it
+        if (c->dropped[s] && c->state_floats) c->state_valid[s] = 0;
     }
     memset(c->dropped, 0, sizeof(int) * c->n_seq);
     free(embd_at);

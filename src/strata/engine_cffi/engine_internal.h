@@ -1,8 +1,9 @@
 /* engine_internal.h — what the engine's files share, not seen by cffi: a view of a weight, a layer's weights, the
  * model, the context, a thread's part of a job, and the table of architectures (archs.c). The files: engine.c
- * (context, batch step, public API), model_load.c (tensor table, hyper-parameters, weight copy), blocks.c (norms,
- * RoPE, attention, the feed-forwards, embeddings and output), archs.c and one arch_<family>.c per family's
- * layer. */
+ * (context, batch step, public API), model_load.c (tensor table, hyper-parameters, weight copy, the transformer
+ * layers' tensors), blocks.c (norms, RoPE, attention, the feed-forwards, embeddings and output), blocks_deltanet.c
+ * (the Gated DeltaNet layer and its recurrent state), archs.c and one arch_<family>.c per family's layer (and its
+ * tensors where they are its own). */
 #ifndef STRATA_ENGINE_INTERNAL_H
 #define STRATA_ENGINE_INTERNAL_H
 
@@ -66,6 +67,29 @@ typedef struct {
     matrix gate_exps;      // (n_expert, n_ff_exp, n_embd) MoE only
     matrix up_exps;        // (n_expert, n_ff_exp, n_embd) MoE only
     matrix down_exps;      // (n_expert, n_embd, n_ff_exp) MoE only
+    /* Qwen3.5 (qwen35, qwen35moe): wq's rows are each head's query then its output gate (n_head * head_dim * 2);
+     * ffn_norm is the file's post_attention_norm */
+    float *gate_inp_shexp; // (n_embd,) the shared expert's gate: sigmoid(x . w) scales its output
+    matrix gate_shexp;     // (n_ff_shexp, n_embd) shared expert
+    matrix up_shexp;       // (n_ff_shexp, n_embd)
+    matrix down_shexp;     // (n_embd, n_ff_shexp)
+    /* Gated DeltaNet layers (recurrent) instead of wq, wk, wv, wo */
+    matrix ssm_qkv;        // (2 * key_dim + value_dim, n_embd) attn_qkv: q, k, then v heads
+    matrix ssm_z;          // (value_dim, n_embd) attn_gate: the output norm's gate
+    matrix ssm_alpha;      // (n_v_heads, n_embd) the decay's input
+    matrix ssm_beta;       // (n_v_heads, n_embd) the write strength's input
+    float *ssm_conv;       // (conv_dim, d_conv) short causal convolution over q, k, v channels
+    float *ssm_a;          // (n_v_heads,) -exp(A_log): the decay rate
+    float *ssm_dt;         // (n_v_heads,) the decay's bias
+    float *ssm_norm;       // (head_v_dim,) the gated RMS norm
+    matrix ssm_out;        // (n_embd, value_dim)
+    /* MTP (nextn) blocks only: kept for speculative decoding, not run by the forward pass */
+    matrix nextn_eh_proj;  // (n_embd, 2 * n_embd)
+    float *nextn_enorm;    // (n_embd,)
+    float *nextn_hnorm;    // (n_embd,)
+    matrix nextn_embed;    // (n_vocab, n_embd) optional
+    matrix nextn_head;     // (n_vocab, n_embd) optional
+    float *nextn_head_norm; // (n_embd,) optional
 } layer_weights;
 
 // --- the team: every thread of the pool runs each building block, on its share of the rows
@@ -87,6 +111,9 @@ typedef enum { ROPE_NORMAL, ROPE_NEOX } rope_mode;  /* rotate adjacent pairs, or
  * n_deepstack)). */
 typedef int (*arch_layer_fn)(const team *tm, strata_context *c, int il, const float *embd_rows, int n_tok);
 
+/* Every layer's tensors (m->layers, allocated) from the file's table, each checked against the hyper-parameters. */
+typedef strata_status (*arch_load_fn)(strata_model *m, const strata_model_params *p);
+
 typedef struct {
     const char *name;      /* general.architecture */
     rope_mode rope;
@@ -94,7 +121,10 @@ typedef struct {
     int is_moe;            /* the feed-forward is a mixture of experts */
     int mrope;             /* positions have (t, h, w) components (multi-axis RoPE) */
     arch_layer_fn layer;
+    arch_load_fn load;
 } arch;
+
+size_t deltanet_work_floats(const strata_model *m);  /* a thread's scratch for the DeltaNet (blocks_deltanet.c) */
 
 const arch *arch_find(const char *name);  /* NULL for a name no row has */
 void arch_names(char *out, size_t n);     /* every row's name, ", " between them */
@@ -102,6 +132,19 @@ void arch_names(char *out, size_t n);     /* every row's name, ", " between them
 int qwen3_layer(const team *tm, strata_context *c, int il, const float *embd_rows, int n_tok);     // arch_qwen3.c
 int qwen3moe_layer(const team *tm, strata_context *c, int il, const float *embd_rows, int n_tok);  // arch_qwen3.c
 int llama_layer(const team *tm, strata_context *c, int il, const float *embd_rows, int n_tok);     // arch_llama.c
+int qwen35_layer(const team *tm, strata_context *c, int il, const float *embd_rows, int n_tok);    // arch_qwen35.c
+strata_status transformer_load(strata_model *m, const strata_model_params *p);                   // model_load.c
+strata_status qwen35_load(strata_model *m, const strata_model_params *p);                        // arch_qwen35.c
+
+// --- tensors from the file's table (model_load.c)
+
+/* The tensor `name` (printf-style, with the layer index) as a matrix of ne0 x ne1 (x ne2) (0: no such
+ * dimension); absent is an error unless optional. */
+strata_status load_matrix(const strata_model_params *p, matrix *w, int optional, int64_t ne0, int64_t ne1,
+                          int64_t ne2, const char *fmt, int il);
+/* A vector (n,) of any supported type, dequantised into a new f32 array; absent is an error unless optional. */
+strata_status load_vector(const strata_model_params *p, float **out, int optional, int64_t n, const char *fmt,
+                          int il);
 
 // --- model (model_load.c)
 
@@ -113,7 +156,9 @@ struct strata_model {
     int is_moe;
     int mrope;                 /* positions have (t, h, w) components (multi-axis RoPE) */
     arch_layer_fn layer;       /* its family's layer (archs.c) */
-    unsigned char *rope_axis;  // (head_dim / 2,) the component each frequency pair turns by (0 without mrope)
+    arch_load_fn load;         /* its family's tensors */
+    int n_rot;                 /* the leading dimensions of a head that RoPE turns (head_dim but for partial RoPE) */
+    unsigned char *rope_axis;  // (n_rot / 2,) the component each frequency pair turns by (0 without mrope)
     matrix tok_embd;           // (n_vocab, n_embd)
     matrix output;             // (n_vocab, n_embd): token_embd when the model ties them
     void *output_bands;        // output's rows in bands, built at load where the build has them for its type
@@ -121,8 +166,19 @@ struct strata_model {
     void *weights;             // the copy of the matrices decode reads whole (copy_weights), in huge pages
     size_t copied_bytes;       /* what weights holds */
     float *output_norm;        // (n_embd,)
-    float *inv_freq;           // (head_dim / 2,) rope frequencies, scaled (build_rope)
-    layer_weights *layers;     // (n_layer,)
+    float *inv_freq;           // (n_rot / 2,) rope frequencies, scaled (build_rope)
+    layer_weights *layers;     // (n_layer + n_nextn,): the forward pass's layers, then the MTP blocks
+    layer_weights *mtp;        /* layers + n_layer: the file's n_nextn MTP blocks (NULL without), for speculative
+                                * decoding; loaded and checked, not run */
+    /* hybrid models (Qwen3.5): which layers are Gated DeltaNet ones; KV rows exist for the others only */
+    int *recurrent;            // (n_layer,) 1 for a recurrent layer (all 0 for every other architecture)
+    int *kv_layer;             // (n_layer,) a layer's index among the attention layers (-1 for a recurrent one)
+    int *rec_layer;            // (n_layer,) a layer's index among the recurrent layers (-1 for an attention one)
+    int n_kv_layer, n_rec_layer;
+    int gated_attn;            /* attention's q rows carry an output gate per head (Qwen3.5) */
+    int64_t conv_dim;          /* DeltaNet: channels of the convolution: 2 * key_dim + value_dim */
+    size_t conv_state_floats;  /* per sequence and recurrent layer: (d_conv - 1) * conv_dim */
+    size_t ssm_state_floats;   /* per sequence and recurrent layer: n_v_heads * head_k_dim * head_v_dim */
 };
 
 // --- context: the sequences' KV cache and scratch for one chunk
@@ -137,12 +193,31 @@ struct strata_context {
     int stop;                      /* every sequence of the chunk was dropped: the chunk stopped */
     int stop_at[2];                /* the answers of the two alternating polls of the abort flags */
     strata_timings timings;
+    /* recurrent layers' state per sequence: strata_state_bytes's layout, conv rows then delta-rule states */
+    float *rec_state;              // (n_seq, state_floats)
+    size_t state_floats;           /* per sequence: n_rec_layer * (conv_state_floats + ssm_state_floats) */
+    int *state_valid;              // (n_seq,) 0 after a cut that the state cannot follow (strata_keep, copy_prefix)
+    float *qg;                     // (n_batch, n_head * head_dim * 2) gated attention: queries with their gates
+    float *shexp_out;              // (n_batch, n_embd) the shared expert's output
+    float *shexp_gate;             // (n_batch,) its gate's logit
+    float *dn_qkv;                 // (n_batch, conv_dim) DeltaNet: q, k, v channels before the convolution
+    float *dn_conv;                // (n_batch, conv_dim) after it (then q, k l2-normed)
+    float *dn_z;                   // (n_batch, value_dim)
+    float *dn_alpha;               // (n_batch, n_v_heads) the decay's input, then g, the decay's log
+    float *dn_beta;                // (n_batch, n_v_heads) the write strength's input, then beta
+    float *dn_out;                 // (n_batch, value_dim) delta rule's output, then gated-normed
+    float *dn_work;                // (n_threads, dn_work_floats) a thread's scratch for a head's chunk
+    size_t dn_work_floats;
+    int *seq_tokens;               // (n_batch,) the chunk's token indices grouped by sequence, in order
+    int *seq_first;                // (n_seq + 1,) sequence s's tokens are seq_tokens[seq_first[s] .. seq_first[s+1])
+    int *chunk_seqs;               // (n_seq,) the sequences with tokens in the chunk
+    int n_chunk_seqs;
     double output_t0;              /* when the current output projection began (ms) */
     size_t kv_elem;                /* bytes per cached value */
-    void *k_cache;                 // (n_seq, n_layer, n_head_kv, n_ctx, head_dim) of kv_type
-    void *v_cache;                 // (n_seq, n_layer, n_head_kv, n_ctx, head_dim) of kv_type
-    float *k_scale;                // (n_seq, n_layer, n_head_kv, n_ctx) int8 only
-    float *v_scale;                // (n_seq, n_layer, n_head_kv, n_ctx) int8 only
+    void *k_cache;                 // (n_seq, n_kv_layer, n_head_kv, n_ctx, head_dim) of kv_type
+    void *v_cache;                 // (n_seq, n_kv_layer, n_head_kv, n_ctx, head_dim) of kv_type
+    float *k_scale;                // (n_seq, n_kv_layer, n_head_kv, n_ctx) int8 only
+    float *v_scale;                // (n_seq, n_kv_layer, n_head_kv, n_ctx) int8 only
     /* multi-axis RoPE only: each cached position's t component, and 1 + its largest (where text goes on) */
     int *rope_t;                   // (n_seq, n_ctx)
     int *rope_next;                // (n_seq, n_ctx)
@@ -196,8 +271,16 @@ static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 /* Index of row (seq, il, kvh, position 0) in the cache, and of its int8 scale; position p is row base + p. A kv
  * head's positions are adjacent, so attention reads each head's rows as one sequential stream. */
 static inline size_t kv_base(const strata_context *c, int seq, int il, int kvh) {
-    const strata_model_params *p = &c->model->hp;
-    return (((size_t)seq * p->n_layer + il) * p->n_head_kv + kvh) * c->n_ctx;
+    const strata_model *m = c->model;
+    return (((size_t)seq * m->n_kv_layer + m->kv_layer[il]) * m->hp.n_head_kv + kvh) * c->n_ctx;
+}
+
+/* Sequence seq's state of recurrent layer il: its conv rows ((d_conv - 1) * conv_dim), then its delta-rule state
+ * (n_v_heads, head_k_dim, head_v_dim). */
+static inline float *rec_state_of(const strata_context *c, int seq, int il) {
+    const strata_model *m = c->model;
+    return c->rec_state + (size_t)seq * c->state_floats +
+           (size_t)m->rec_layer[il] * (m->conv_state_floats + m->ssm_state_floats);
 }
 
 #endif

@@ -53,9 +53,8 @@ static strata_status view_tensor(const strata_tensor_info *t, int64_t ne0, int64
     return STRATA_OK;
 }
 
-/* The tensor `name` (printf-style, with the layer index) as a matrix; absent is an error unless optional. */
-static strata_status get_matrix(const strata_model_params *p, matrix *w, int optional, int64_t ne0, int64_t ne1,
-                                int64_t ne2, const char *fmt, int il) {
+strata_status load_matrix(const strata_model_params *p, matrix *w, int optional, int64_t ne0, int64_t ne1,
+                          int64_t ne2, const char *fmt, int il) {
     char name[96];
     snprintf(name, sizeof name, fmt, il);
     const strata_tensor_info *t = find_tensor(p, name);
@@ -64,11 +63,11 @@ static strata_status get_matrix(const strata_model_params *p, matrix *w, int opt
     return view_tensor(t, ne0, ne1, ne2, w);
 }
 
-/* A norm weight (n,) of any supported type, dequantised into a new f32 array. */
-static strata_status get_vector(const strata_model_params *p, float **out, int64_t n, const char *fmt, int il) {
+strata_status load_vector(const strata_model_params *p, float **out, int optional, int64_t n, const char *fmt,
+                          int il) {
     matrix w;
-    strata_status st = get_matrix(p, &w, 0, n, 0, 0, fmt, il);
-    if (st != STRATA_OK) return st;
+    strata_status st = load_matrix(p, &w, optional, n, 0, 0, fmt, il);
+    if (st != STRATA_OK || !w.data) return st;
     *out = malloc(sizeof(float) * n);
     if (!*out) return engine_fail(STRATA_ERR_NOMEM, "out of memory");
     strata_dequantize_row_any(w.type, w.data, *out, n);
@@ -90,27 +89,35 @@ static strata_status build_layer(const strata_model *m, const strata_model_param
     int64_t E = p->n_embd, q_dim = (int64_t)p->n_head * p->head_dim, kv_dim = (int64_t)p->n_head_kv * p->head_dim;
     strata_status st;
 #define TRY(call) do { if ((st = (call)) != STRATA_OK) return st; } while (0)
-    TRY(get_vector(p, &L->attn_norm, E, "blk.%d.attn_norm", il));
-    TRY(get_matrix(p, &L->wq, 0, E, q_dim, 0, "blk.%d.attn_q", il));
-    TRY(get_matrix(p, &L->wk, 0, E, kv_dim, 0, "blk.%d.attn_k", il));
-    TRY(get_matrix(p, &L->wv, 0, E, kv_dim, 0, "blk.%d.attn_v", il));
-    TRY(get_matrix(p, &L->wo, 0, q_dim, E, 0, "blk.%d.attn_output", il));
+    TRY(load_vector(p, &L->attn_norm, 0, E, "blk.%d.attn_norm", il));
+    TRY(load_matrix(p, &L->wq, 0, E, q_dim, 0, "blk.%d.attn_q", il));
+    TRY(load_matrix(p, &L->wk, 0, E, kv_dim, 0, "blk.%d.attn_k", il));
+    TRY(load_matrix(p, &L->wv, 0, E, kv_dim, 0, "blk.%d.attn_v", il));
+    TRY(load_matrix(p, &L->wo, 0, q_dim, E, 0, "blk.%d.attn_output", il));
     if (m->has_qk_norm) {
-        TRY(get_vector(p, &L->q_norm, p->head_dim, "blk.%d.attn_q_norm", il));
-        TRY(get_vector(p, &L->k_norm, p->head_dim, "blk.%d.attn_k_norm", il));
+        TRY(load_vector(p, &L->q_norm, 0, p->head_dim, "blk.%d.attn_q_norm", il));
+        TRY(load_vector(p, &L->k_norm, 0, p->head_dim, "blk.%d.attn_k_norm", il));
     }
-    TRY(get_vector(p, &L->ffn_norm, E, "blk.%d.ffn_norm", il));
+    TRY(load_vector(p, &L->ffn_norm, 0, E, "blk.%d.ffn_norm", il));
     if (m->is_moe) {
-        TRY(get_matrix(p, &L->router, 0, E, p->n_expert, 0, "blk.%d.ffn_gate_inp", il));
-        TRY(get_matrix(p, &L->gate_exps, 0, E, p->n_ff_exp, p->n_expert, "blk.%d.ffn_gate_exps", il));
-        TRY(get_matrix(p, &L->up_exps, 0, E, p->n_ff_exp, p->n_expert, "blk.%d.ffn_up_exps", il));
-        TRY(get_matrix(p, &L->down_exps, 0, p->n_ff_exp, E, p->n_expert, "blk.%d.ffn_down_exps", il));
+        TRY(load_matrix(p, &L->router, 0, E, p->n_expert, 0, "blk.%d.ffn_gate_inp", il));
+        TRY(load_matrix(p, &L->gate_exps, 0, E, p->n_ff_exp, p->n_expert, "blk.%d.ffn_gate_exps", il));
+        TRY(load_matrix(p, &L->up_exps, 0, E, p->n_ff_exp, p->n_expert, "blk.%d.ffn_up_exps", il));
+        TRY(load_matrix(p, &L->down_exps, 0, p->n_ff_exp, E, p->n_expert, "blk.%d.ffn_down_exps", il));
     } else {
-        TRY(get_matrix(p, &L->ffn_gate, 0, E, p->n_ff, 0, "blk.%d.ffn_gate", il));
-        TRY(get_matrix(p, &L->ffn_up, 0, E, p->n_ff, 0, "blk.%d.ffn_up", il));
-        TRY(get_matrix(p, &L->ffn_down, 0, p->n_ff, E, 0, "blk.%d.ffn_down", il));
+        TRY(load_matrix(p, &L->ffn_gate, 0, E, p->n_ff, 0, "blk.%d.ffn_gate", il));
+        TRY(load_matrix(p, &L->ffn_up, 0, E, p->n_ff, 0, "blk.%d.ffn_up", il));
+        TRY(load_matrix(p, &L->ffn_down, 0, p->n_ff, E, 0, "blk.%d.ffn_down", il));
     }
 #undef TRY
+    return STRATA_OK;
+}
+
+strata_status transformer_load(strata_model *m, const strata_model_params *p) {
+    for (int il = 0; il < p->n_layer; il++) {
+        strata_status st = build_layer(m, p, il, &m->layers[il]);
+        if (st != STRATA_OK) return st;
+    }
     return STRATA_OK;
 }
 
@@ -128,22 +135,27 @@ static strata_status set_arch(strata_model *m, const char *name) {
     m->is_moe = a->is_moe;
     m->mrope = a->mrope;
     m->layer = a->layer;
+    m->load = a->load;
     snprintf(m->arch, sizeof m->arch, "%s", name);
     return STRATA_OK;
 }
 
-/* inv_freq[i] = rope_base^(-2i / head_dim) / rope_freqs[i]: the optional `rope_freqs` tensor (head_dim / 2
- * factors, which llama.cpp's converter writes for Llama 3.1's "llama3" scaling) divides each pair's frequency. */
+/* inv_freq[i] = rope_base^(-2i / n_rot) / rope_freqs[i]: the optional `rope_freqs` tensor (n_rot / 2 factors,
+ * which llama.cpp's converter writes for Llama 3.1's "llama3" scaling) divides each pair's frequency. */
 static strata_status build_rope(strata_model *m, const strata_model_params *p) {
-    int n = p->head_dim / 2;
+    m->n_rot = p->n_rot ? p->n_rot : p->head_dim;
+    if (m->n_rot < 2 || m->n_rot % 2 || m->n_rot > p->head_dim)
+        return engine_fail(STRATA_ERR_INVALID_ARG, "rope.dimension_count %d: expected an even number in [2, %d]",
+                           m->n_rot, p->head_dim);
+    int n = m->n_rot / 2;
     m->inv_freq = malloc(sizeof(float) * n);
     if (!m->inv_freq) return engine_fail(STRATA_ERR_NOMEM, "out of memory");
-    for (int i = 0; i < n; i++) m->inv_freq[i] = (float)(1.0 / pow(p->rope_base, (2.0 * i) / p->head_dim));
+    for (int i = 0; i < n; i++) m->inv_freq[i] = (float)(1.0 / pow(p->rope_base, (2.0 * i) / m->n_rot));
     const strata_tensor_info *t = find_tensor(p, "rope_freqs");
     if (!t) return STRATA_OK;
     if (t->type != STRATA_TYPE_F32 || t->n_dims != 1 || t->ne[0] != n ||
         t->n_bytes < (long long)(sizeof(float) * n))
-        return engine_fail(STRATA_ERR_INVALID_ARG, "tensor %s: expected %d F32 values (head_dim / 2)", t->name, n);
+        return engine_fail(STRATA_ERR_INVALID_ARG, "tensor %s: expected %d F32 values (n_rot / 2)", t->name, n);
     const float *factors = t->data;
     for (int i = 0; i < n; i++) {
         if (!(factors[i] > 0))
@@ -158,10 +170,10 @@ static strata_status build_rope(strata_model *m, const strata_model_params *p) {
  * t on the rest); and the deepstack count, which only those models have. */
 static strata_status build_mrope(strata_model *m, const strata_model_params *p) {
     const int *sec = p->rope_sections;
-    int n = p->head_dim / 2, any = sec[0] || sec[1] || sec[2] || sec[3];
+    int n = m->n_rot / 2, any = sec[0] || sec[1] || sec[2] || sec[3];
     if (sec[0] < 0 || sec[1] < 0 || sec[2] < 0 || sec[3] != 0 || sec[0] + sec[1] + sec[2] > n)
         return engine_fail(STRATA_ERR_UNSUPPORTED, "rope.dimension_sections [%d, %d, %d, %d]: expected three sections of "
-                    "at most head_dim / 2 = %d pairs in all, the fourth 0", sec[0], sec[1], sec[2], sec[3], n);
+                    "at most n_rot / 2 = %d pairs in all, the fourth 0", sec[0], sec[1], sec[2], sec[3], n);
     if (!m->mrope && any)
         return engine_fail(STRATA_ERR_UNSUPPORTED, "rope.dimension_sections on %s, whose RoPE has one axis", m->arch);
     if (p->n_deepstack < 0 || p->n_deepstack > p->n_layer || (!m->mrope && p->n_deepstack))
@@ -171,6 +183,23 @@ static strata_status build_mrope(strata_model *m, const strata_model_params *p) 
     if (!m->rope_axis) return engine_fail(STRATA_ERR_NOMEM, "out of memory");
     for (int i = 0; m->mrope && i < n; i++)
         m->rope_axis[i] = i % 3 == 1 && i < 3 * sec[1] ? 1 : i % 3 == 2 && i < 3 * sec[2] ? 2 : 0;
+    return STRATA_OK;
+}
+
+/* Which layers are recurrent (hybrid models name them; every other model has attention layers only), and each
+ * layer's index among its kind: the KV cache holds attention layers' rows, the recurrent state the others'. */
+static strata_status build_layer_kinds(strata_model *m, const strata_model_params *p) {
+    int n = p->n_layer;
+    m->recurrent = calloc(n, sizeof(int));
+    m->kv_layer = malloc(sizeof(int) * n);
+    m->rec_layer = malloc(sizeof(int) * n);
+    if (!m->recurrent || !m->kv_layer || !m->rec_layer) return engine_fail(STRATA_ERR_NOMEM, "out of memory");
+    if (p->n_nextn < 0) return engine_fail(STRATA_ERR_INVALID_ARG, "nextn_predict_layers %d is negative", p->n_nextn);
+    for (int il = 0; il < n; il++) {
+        m->recurrent[il] = p->recurrent_layers ? p->recurrent_layers[il] != 0 : 0;
+        m->kv_layer[il] = m->recurrent[il] ? -1 : m->n_kv_layer++;
+        m->rec_layer[il] = m->recurrent[il] ? m->n_rec_layer++ : -1;
+    }
     return STRATA_OK;
 }
 
@@ -209,7 +238,9 @@ static int streamed_matrices(strata_model *m, matrix **out) {
     for (int il = 0; il < m->hp.n_layer; il++) {
         layer_weights *L = &m->layers[il];
         matrix *ws[] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->ffn_gate, &L->ffn_up, &L->ffn_down, &L->router,
-                        &L->gate_exps, &L->up_exps, &L->down_exps};
+                        &L->gate_exps, &L->up_exps, &L->down_exps, &L->gate_shexp,
+                        &L->up_shexp, &L->down_shexp, &L->ssm_qkv, &L->ssm_z, &L->ssm_alpha, &L->ssm_beta,
+                        &L->ssm_out};
         for (size_t i = 0; i < sizeof ws / sizeof *ws; i++)
             if (ws[i]->data) out[n++] = ws[i];
     }
@@ -261,7 +292,7 @@ static void copy_units(int ith, int nth, void *arg) {
 }
 
 static strata_status copy_weights(strata_model *m, int n_threads) {
-    const size_t cap = (size_t)m->hp.n_layer * 11 + 1;
+    const size_t cap = (size_t)m->hp.n_layer * 20 + 1;  // streamed_matrices' per layer, and the output
     matrix **ws = malloc(sizeof(matrix *) * cap);
     char **dst = malloc(sizeof(char *) * cap);
     int *first_unit = malloc(sizeof(int) * (cap + 1));
@@ -309,22 +340,23 @@ static strata_status build_model(strata_model *m, const strata_model_params *p) 
     strata_status st;
     m->hp = *p;
     if ((st = set_arch(m, p->arch)) != STRATA_OK || (st = check_hparams(p)) != STRATA_OK ||
-        (st = check_moe_hparams(m)) != STRATA_OK || (st = build_mrope(m, p)) != STRATA_OK)
+        (st = check_moe_hparams(m)) != STRATA_OK || (st = build_rope(m, p)) != STRATA_OK ||
+        (st = build_mrope(m, p)) != STRATA_OK)
         return st;
     m->hp.arch = m->arch;
     m->hp.tensors = NULL;
     m->hp.n_tensors = 0;
-    if ((st = get_matrix(p, &m->tok_embd, 0, p->n_embd, p->n_vocab, 0, "token_embd", 0)) != STRATA_OK ||
-        (st = get_matrix(p, &m->output, 1, p->n_embd, p->n_vocab, 0, "output", 0)) != STRATA_OK ||
-        (st = get_vector(p, &m->output_norm, p->n_embd, "output_norm", 0)) != STRATA_OK)
+    if ((st = load_matrix(p, &m->tok_embd, 0, p->n_embd, p->n_vocab, 0, "token_embd", 0)) != STRATA_OK ||
+        (st = load_matrix(p, &m->output, 1, p->n_embd, p->n_vocab, 0, "output", 0)) != STRATA_OK ||
+        (st = load_vector(p, &m->output_norm, 0, p->n_embd, "output_norm", 0)) != STRATA_OK)
         return st;
     if (!m->output.data) m->output = m->tok_embd;  // tied embeddings
     if ((st = prepare_output(m)) != STRATA_OK) return st;
-    if ((st = build_rope(m, p)) != STRATA_OK) return st;
-    m->layers = calloc(p->n_layer, sizeof(layer_weights));
+    if ((st = build_layer_kinds(m, p)) != STRATA_OK) return st;
+    m->layers = calloc(p->n_layer + p->n_nextn, sizeof(layer_weights));
     if (!m->layers) return engine_fail(STRATA_ERR_NOMEM, "out of memory");
-    for (int il = 0; il < p->n_layer; il++)
-        if ((st = build_layer(m, p, il, &m->layers[il])) != STRATA_OK) return st;
+    m->mtp = p->n_nextn ? m->layers + p->n_layer : NULL;
+    if ((st = m->load(m, p)) != STRATA_OK) return st;
     return p->copy_weights ? copy_weights(m, p->load_threads) : STRATA_OK;
 }
 
@@ -349,9 +381,11 @@ size_t strata_model_copied_bytes(const strata_model *m) { return m->copied_bytes
 void strata_model_free(strata_model *m) {
     if (!m) return;
     if (m->layers)
-        for (int il = 0; il < m->hp.n_layer; il++) {
+        for (int il = 0; il < m->hp.n_layer + m->hp.n_nextn; il++) {
             layer_weights *L = &m->layers[il];
             free(L->attn_norm); free(L->q_norm); free(L->k_norm); free(L->ffn_norm);
+            free(L->gate_inp_shexp); free(L->ssm_conv); free(L->ssm_a); free(L->ssm_dt); free(L->ssm_norm);
+            free(L->nextn_enorm); free(L->nextn_hnorm); free(L->nextn_head_norm);
         }
     free(m->layers);
     free(m->output_norm);
@@ -359,5 +393,8 @@ void strata_model_free(strata_model *m) {
     free(m->weights);
     free(m->inv_freq);
     free(m->rope_axis);
+    free(m->recurrent);
+    free(m->kv_layer);
+    free(m->rec_layer);
     free(m);
 }

@@ -82,6 +82,15 @@ int strata_bands_amx(int min_tokens);
 strata_status strata_matmul_naive(int type, const void *w, long long n_rows, long long n_cols,
                                   const float *x, long long n_tok, float *y);
 
+/* The gated delta rule of the engine's Gated DeltaNet layers, alone (for tests): n_tok tokens of one sequence,
+ * q and k (n_tok, n_k_heads, head_dim) as the rule reads them (L2-normed, q also by 1/sqrt(head_dim)), v (n_tok,
+ * n_v_heads, head_dim), g (the decay's log) and beta (n_tok, n_v_heads); v head h reads q/k head h % n_k_heads.
+ * state (n_v_heads, head_dim, head_dim) is taken on in place; out (n_tok, n_v_heads, head_dim). chunked: 1 for
+ * the chunked form (blocks of 64 tokens, as a prompt takes it), 0 for the recurrent form token by token. */
+strata_status strata_delta_rule(const float *q, const float *k, const float *v, const float *g, const float *beta,
+                                int n_tok, int n_k_heads, int n_v_heads, int head_dim, int chunked, float *state,
+                                float *out);
+
 /* --- engine: a model built from a tensor table, a context (several sequences), the forward pass
  * The caller owns the tensor data (a memory-mapped GGUF file) and must keep it mapped until strata_model_free:
  * the model keeps pointers into it, except for the weights it lays out again (strata_model_prepared_bytes) and
@@ -106,11 +115,12 @@ typedef struct {
 
 /* Hyper-parameters, named after the GGUF metadata keys they come from. */
 typedef struct {
-    const char *arch;          /* general.architecture: "qwen3moe" | "qwen3" | "llama" */
+    const char *arch;          /* general.architecture: "qwen3moe" | "qwen3" | "llama" | "qwen3vl" | "qwen3vlmoe" |
+                                * "qwen35" | "qwen35moe" */
     int n_vocab;               /* rows of token_embd */
     int n_ctx_train;           /* {arch}.context_length */
     int n_embd;                /* {arch}.embedding_length */
-    int n_layer;               /* {arch}.block_count */
+    int n_layer;               /* {arch}.block_count, less n_nextn: the layers the forward pass runs */
     int n_head;                /* {arch}.attention.head_count */
     int n_head_kv;             /* {arch}.attention.head_count_kv */
     int head_dim;              /* {arch}.attention.key_length (= value_length) */
@@ -126,6 +136,18 @@ typedef struct {
                                 * unused and must be 0. All 0 (and for every other architecture): one axis. */
     int n_deepstack;           /* {arch}.n_deepstack_layers (qwen3vl, qwen3vlmoe): picture rows carry this many
                                 * extra n_embd slices, slice k added to the row's hidden state after layer k */
+    int n_rot;                 /* {arch}.rope.dimension_count: the leading dimensions of each head that RoPE turns
+                                * (pairs i and i + n_rot / 2 with NEOX); 0: head_dim */
+    /* Qwen3.5 / Qwen3.6 (qwen35, qwen35moe): Gated DeltaNet layers between gated attention ones */
+    const int *recurrent_layers; /* (n_layer,): 1 for a Gated DeltaNet layer ({arch}.attention.recurrent_layers, or
+                                  * all but every {arch}.full_attention_interval-th); NULL for other models */
+    int ssm_d_conv;            /* {arch}.ssm.conv_kernel: taps of the short causal convolution */
+    int ssm_d_state;           /* {arch}.ssm.state_size: the size of a DeltaNet q, k (and v) head */
+    int ssm_n_group;           /* {arch}.ssm.group_count: DeltaNet q/k heads */
+    int ssm_dt_rank;           /* {arch}.ssm.time_step_rank: DeltaNet v heads (a multiple of the q/k heads) */
+    int ssm_d_inner;           /* {arch}.ssm.inner_size: v heads x v head size */
+    int n_ff_shexp;            /* {arch}.expert_shared_feed_forward_length: the MoE's shared expert (0: none) */
+    int n_nextn;               /* {arch}.nextn_predict_layers: MTP blocks stored after the n_layer layers */
     const strata_tensor_info *tensors;
     int n_tensors;
     int copy_weights;          /* 1: copy the matrices a decode step reads whole (every layer's, and the output
@@ -163,13 +185,26 @@ void strata_context_free(strata_context *ctx);
 
 int strata_n_seq(const strata_context *ctx);
 int strata_n_ctx(const strata_context *ctx);
-/* Bytes of the KV cache of all sequences (allocated once, at strata_context_create). */
+/* Bytes of the KV cache of all sequences (allocated once, at strata_context_create): K and V rows of the
+ * attention layers only, for a hybrid model. */
 size_t strata_kv_bytes(const strata_context *ctx);
+/* Bytes of one sequence's recurrent state: every recurrent layer's convolution rows and delta-rule state, f32
+ * (0 for a model without recurrent layers). The context holds one per sequence, allocated with the KV cache. */
+size_t strata_state_bytes(const strata_context *ctx);
+/* buf (strata_state_bytes) = sequence seq's recurrent state as it is at its n_past. INVALID_ARG where the state is
+ * invalid (see strata_keep). */
+strata_status strata_state_save(const strata_context *ctx, int seq, void *buf);
+/* Sequence seq's recurrent state = buf, which the caller guarantees belongs at its current n_past (after
+ * strata_keep or strata_copy_prefix to that n); the state is valid again. */
+strata_status strata_state_load(strata_context *ctx, int seq, const void *buf);
 /* Positions sequence `seq` holds (-1 for a sequence out of range). */
 int strata_n_past(const strata_context *ctx, int seq);
-/* Truncate sequence `seq` to its first n positions (n <= its n_past); n = 0 clears it. */
+/* Truncate sequence `seq` to its first n positions (n <= its n_past); n = 0 clears it. A recurrent model's state
+ * cannot be cut back: n < n_past leaves it invalid, and an eval with tokens of the sequence fails (INVALID_ARG)
+ * until strata_state_load or strata_keep(seq, 0), which clears it. */
 strata_status strata_keep(strata_context *ctx, int seq, int n);
-/* Sequence dst = the first n positions of sequence src (a prompt prefix computed once, used by both). */
+/* Sequence dst = the first n positions of sequence src (a prompt prefix computed once, used by both). A recurrent
+ * model's state goes with it when n = src's n_past; a shorter n leaves dst's state invalid (see strata_keep). */
 strata_status strata_copy_prefix(strata_context *ctx, int src, int dst, int n);
 /* Raise sequence `seq`'s abort flag (any thread). The call in flight, or the next call that has tokens of `seq`,
  * drops the sequence at its next check (before each layer of a chunk) and lowers the flag; the call's other
@@ -211,7 +246,9 @@ typedef struct {
 } strata_batch;
 
 /* Evaluate a batch. A sequence whose abort flag is seen is dropped from the rest of the call: its chunks that
- * finished stay in its cache, the rest is not; its logits rows are undefined. Returns STRATA_ABORTED when any
+ * finished stay in its cache, the rest is not (a recurrent model's dropped sequence is cleared, n_past 0: its
+ * state had taken in part of the chunk); its logits rows are undefined. A sequence whose recurrent state is
+ * invalid (strata_keep) is refused: INVALID_ARG. Returns STRATA_ABORTED when any
  * sequence was dropped (seq_dropped says which; the others' positions and logits are complete). */
 strata_status strata_eval_batch(strata_context *ctx, const strata_batch *batch);
 

@@ -41,6 +41,18 @@ class EngineLike(Protocol):
     def eval_batch(self, items: Sequence[BatchItem], notify_fd: int = -1) -> list[np.ndarray]:
         """Per item, its logits rows; `EngineAborted` (with the results of the sequences not dropped) when
         `abort(seq)` stopped some sequence. `notify_fd`: an eventfd the call adds 1 to as it starts (-1: none)."""
+    @property
+    def recurrent(self) -> bool:
+        """The model has recurrent layers (Qwen3.5's Gated DeltaNet): a sequence's state cannot be cut back, so
+        `keep` or `copy_prefix` to fewer positions than the sequence holds leaves it unusable until `load_state`
+        or keep(0). False for a transformer, whose every prefix is reusable."""
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of one sequence's recurrent state (0 without recurrent layers)."""
+    def save_state(self, seq: int = 0) -> bytes:
+        """Sequence `seq`'s recurrent state at its n_past (empty without recurrent layers)."""
+    def load_state(self, seq: int, data: bytes) -> None:
+        """Set sequence `seq`'s recurrent state (from `save_state` at the position the sequence now holds)."""
     def seq_n_past(self, seq: int) -> int: ...
     def keep(self, n: int, seq: int = 0) -> None: ...
     def copy_prefix(self, src: int, dst: int, n: int) -> None: ...
