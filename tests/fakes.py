@@ -26,8 +26,6 @@ class FakeEngine:
     arch = backend = "scripted"
     threads = 1
     n_batch = 256
-    recurrent = False
-    state_bytes = 0
     cpu_seconds = staticmethod(time.process_time)
     recurrent = False  # a transformer: every prefix of a sequence is reusable
     state_bytes = 0
@@ -37,12 +35,6 @@ class FakeEngine:
 
     def load_state(self, seq: int, data: bytes) -> None:
         pass
-
-    def save_state(self, seq: int) -> bytes:
-        raise EngineError("no recurrent state")
-
-    def load_state(self, seq: int, state: bytes) -> None:
-        raise EngineError("no recurrent state")
 
     def sample_rows(self, rows: Sequence[np.ndarray], settings: Sequence[SamplingParams], u: Sequence[float]
                     ) -> list[int]:
@@ -314,15 +306,15 @@ class RecurrentEngine(SuccessorEngine):
         self.states[dst] = list(self.caches[src]) if n == len(self.caches[src]) else None
         super().copy_prefix(src, dst, n)
 
-    def save_state(self, seq: int) -> bytes:
+    def save_state(self, seq: int = 0) -> bytes:
         state = self.states[seq]
         assert state is not None
         return bytes(state)
 
-    def load_state(self, seq: int, state: bytes) -> None:
-        assert len(state) == len(self.caches[seq]), "a state loaded at another position"
-        self.loads.append((seq, len(state)))
-        self.states[seq] = list(state)
+    def load_state(self, seq: int, data: bytes) -> None:
+        assert len(data) == len(self.caches[seq]), "a state loaded at another position"
+        self.loads.append((seq, len(data)))
+        self.states[seq] = list(data)
 
 
 class TimedEngine(SuccessorEngine):
@@ -427,19 +419,6 @@ class RecordingEngine:
                     ) -> list[int]:
         return self._engine.sample_rows(rows, settings, u)
 
-    @property
-    def recurrent(self) -> bool:
-        return self._engine.recurrent
-
-    @property
-    def state_bytes(self) -> int:
-        return self._engine.state_bytes
-
-    def save_state(self, seq: int) -> bytes:
-        return self._engine.save_state(seq)
-
-    def load_state(self, seq: int, state: bytes) -> None:
-        self._engine.load_state(seq, state)
 
     def cpu_seconds(self) -> float:
         return self._engine.cpu_seconds()

@@ -72,16 +72,6 @@ class EngineLike(Protocol):
                     ) -> list[int]:
         """A token drawn from each row of logits, as `strata.text.sampling.draw` draws it (the arg-max where
         settings[i] is greedy): the draws of one step at once."""
-    @property
-    def recurrent(self) -> bool:
-        """Whether the model has recurrent layers (a hybrid): a sequence resumes only where it has their state."""
-    @property
-    def state_bytes(self) -> int:
-        """The bytes of one sequence's recurrent state (0 without recurrent layers)."""
-    def save_state(self, seq: int) -> bytes:
-        """Sequence `seq`'s recurrent state at its n_past."""
-    def load_state(self, seq: int, state: bytes) -> None:
-        """Set sequence `seq`'s recurrent state to one saved at its current n_past."""
     def cpu_seconds(self) -> float:
         """CPU seconds the engine's own threads have run (the clock the batcher times its steps by)."""
     def close(self) -> None: ...
