@@ -1,7 +1,7 @@
 """Engine speed: prompt processing and decode tokens/s, Strata beside llama.cpp, on the same GGUF files.
 
-    python bench/engine.py [--sizes small,medium] [--dtypes f16,q8_0,q4_k] [--threads 1,2]
-                           [--presets Q5_K_M,Q3_K_M,Q2_K,IQ4_XS,IQ4_NL,IQ3_S,MXFP4_MOE] [--repeat 3]
+    python bench/engine.py [--arch qwen3moe|qwen35moe|qwen35] [--sizes small,medium] [--dtypes f16,q8_0,q4_k]
+                           [--threads 1,2] [--presets Q5_K_M,Q3_K_M,Q2_K,IQ4_XS,IQ4_NL,IQ3_S,MXFP4_MOE] [--repeat 3]
 
 --presets (with llama-cpp-python) also runs files that llama.cpp's quantizer made from the F32 model, one per
 preset: the weight types users download.
@@ -115,25 +115,26 @@ def active_bytes_per_token(model: pathlib.Path) -> int:
     return int(n_bytes)
 
 
-def make_model(size: str, dtype: str) -> pathlib.Path:
+def make_model(arch: str, size: str, dtype: str) -> pathlib.Path:
     from strata.modelgen import write_random_model
 
-    path = OUT / f"qwen3moe-{size}-{dtype}.gguf"
+    path = OUT / f"{arch}-{size}-{dtype}.gguf"
     if not path.exists():
         OUT.mkdir(parents=True, exist_ok=True)
-        write_random_model(path, arch="qwen3moe", size=size, dtype=dtype, vocab="qwen", seed=0)
+        write_random_model(path, arch=arch, size=size, dtype=dtype, vocab="qwen", seed=0)
     return path
 
 
-def quantize_preset(size: str, preset: str) -> pathlib.Path:
+def quantize_preset(arch: str, size: str, preset: str) -> pathlib.Path:
     """The F32 model of `size` quantised by llama.cpp's `llama_model_quantize` to `preset` (e.g. Q5_K_M)."""
     import llama_cpp
 
-    path = OUT / f"qwen3moe-{size}-{preset.lower()}.gguf"
+    path = OUT / f"{arch}-{size}-{preset.lower()}.gguf"
     if not path.exists():
         params = llama_cpp.llama_model_quantize_default_params()
         params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{preset}")
-        if llama_cpp.llama_model_quantize(str(make_model(size, "f32")).encode(), str(path).encode(), params) != 0:
+        source = make_model(arch, size, "f32")
+        if llama_cpp.llama_model_quantize(str(source).encode(), str(path).encode(), params) != 0:
             raise RuntimeError(f"llama_model_quantize failed for {preset}")
     return path
 
@@ -171,6 +172,7 @@ def llama_cpp_available() -> bool:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", default="qwen3moe", choices=["qwen3moe", "qwen35moe", "qwen35"])
     parser.add_argument("--sizes", default="small,medium")
     parser.add_argument("--dtypes", default="f16,q8_0,q4_k")
     parser.add_argument("--threads", default="1,2", help="comma-separated thread counts")
@@ -202,8 +204,8 @@ def main() -> int:
     print(header)
     print("-" * len(header))
     for size in args.sizes.split(","):
-        models = [make_model(size, dtype) for dtype in args.dtypes.split(",") if dtype]
-        models += [quantize_preset(size, preset) for preset in args.presets.split(",") if preset]
+        models = [make_model(args.arch, size, dtype) for dtype in args.dtypes.split(",") if dtype]
+        models += [quantize_preset(args.arch, size, preset) for preset in args.presets.split(",") if preset]
         for model in models:
             file_mib = model.stat().st_size / 2**20
             for threads in thread_counts:
