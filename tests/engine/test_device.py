@@ -270,12 +270,19 @@ def test_check_driver_fails_a_kernel_outside_its_tolerance():
 # --- the CUDA sources
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None and not Path("/usr/local/cuda/bin/nvcc").exists(),
-                    reason="nvcc is not installed")
-def test_cuda_sources_compile_without_warnings(tmp_path):
+def build_engine_module():
     spec = importlib.util.spec_from_file_location("build_engine", ROOT / "build_engine.py")
     build = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(build)
+    return build
+
+
+needs_nvcc = pytest.mark.skipif(build_engine_module().find_nvcc() is None, reason="nvcc is not installed")
+
+
+@needs_nvcc
+def test_cuda_sources_compile_without_warnings(tmp_path):
+    build = build_engine_module()
     nvcc = build.find_nvcc()
     runs = [subprocess.Popen(build.nvcc_command(nvcc, src, tmp_path / f"{src.stem}.o", ["90"]),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -290,3 +297,28 @@ def test_cuda_sources_compile_without_warnings(tmp_path):
 def test_gpu_check_script_says_there_is_no_gpu():
     run = subprocess.run([ROOT / "scripts" / "gpu-check.sh", "--quick"], capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and "gpu-check: no NVIDIA GPU here" in run.stderr
+
+
+@pytest.fixture(scope="module")
+def cuda_decoders(tmp_path_factory):
+    """tests/engine/cuda_decoders.cu built for the host: the CUDA decoders run without a GPU."""
+    exe = tmp_path_factory.mktemp("decoders") / "cuda_decoders"
+    nvcc = build_engine_module().find_nvcc()
+    subprocess.run([nvcc, "-O2", "-std=c++17", "-Werror", "all-warnings", "-Xcompiler", "-Wall,-Wextra",
+                    f"-I{CUDA_DIR}", str(Path(__file__).with_name("cuda_decoders.cu")), "-o", str(exe)], check=True)
+    return exe
+
+
+@needs_nvcc
+@pytest.mark.parametrize("qtype", device_check.MATMUL_TYPES)
+def test_cuda_decoders_match_the_gguf_package(cuda_decoders, qtype):
+    """value_at (the reference kernels') bit for bit; the chunks of int8s and scales (the dp4a path's) within
+    float rounding of the scales' products."""
+    n_rows, n = 3, 768
+    w = device_check.random_weights(qtype, n_rows, n, np.random.default_rng(int(qtype)))
+    run = subprocess.run([cuda_decoders, str(int(qtype)), str(n_rows), str(n), str(w.shape[1])], input=w.tobytes(),
+                         capture_output=True, check=True, timeout=30)
+    by_value, by_chunk = np.frombuffer(run.stdout, np.float32).reshape(2, n_rows, n)
+    want = quants.dequantize(w, qtype).reshape(n_rows, n)
+    np.testing.assert_array_equal(by_value.view(np.uint32), want.view(np.uint32))
+    np.testing.assert_allclose(by_chunk, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
