@@ -254,7 +254,7 @@ def test_check_driver_prints_its_table_and_passes_on_the_host(capsys):
     assert device_check.main(["--device", "host", "--quick", "--runs", "1"]) == 0
     table = capsys.readouterr().out.splitlines()
     rows = [line for line in table if line.startswith("| ") and "kernel" not in line]
-    assert len(rows) == 2 * len(device_check.MATMUL_TYPES) + 1 + 3 + 3 + 1 + 1
+    assert len(rows) == 3 * len(device_check.MATMUL_TYPES) + 1 + 3 + 3 + 1 + 1
     assert all("| pass " in line for line in rows) and table[-1] == f"{len(rows)} of {len(rows)} cases pass"
 
 
@@ -313,12 +313,19 @@ def cuda_decoders(tmp_path_factory):
 @pytest.mark.parametrize("qtype", device_check.MATMUL_TYPES)
 def test_cuda_decoders_match_the_gguf_package(cuda_decoders, qtype):
     """value_at (the reference kernels') bit for bit; the chunks of int8s and scales (the dp4a path's) within
-    float rounding of the scales' products."""
-    n_rows, n = 3, 768
-    w = device_check.random_weights(qtype, n_rows, n, np.random.default_rng(int(qtype)))
-    run = subprocess.run([cuda_decoders, str(int(qtype)), str(n_rows), str(n), str(w.shape[1])], input=w.tobytes(),
-                         capture_output=True, check=True, timeout=30)
-    by_value, by_chunk = np.frombuffer(run.stdout, np.float32).reshape(2, n_rows, n)
+    float rounding of the scales' products; the dp4a product of a row within the quantisation bound of numpy's."""
+    n_rows, n = 5, 768
+    rng = np.random.default_rng(int(qtype))
+    w = device_check.random_weights(qtype, n_rows, n, rng)
+    x = device_check.lossless_activations(1, n, rng)  # the device's int8 blocks hold them exactly
+    run = subprocess.run([cuda_decoders, str(int(qtype)), str(n_rows), str(n), str(w.shape[1])],
+                         input=w.tobytes() + x.tobytes(), capture_output=True, check=True, timeout=30)
+    out = np.frombuffer(run.stdout, np.float32)
+    by_value, by_chunk = out[: 2 * n_rows * n].reshape(2, n_rows, n)
     want = quants.dequantize(w, qtype).reshape(n_rows, n)
     np.testing.assert_array_equal(by_value.view(np.uint32), want.view(np.uint32))
     np.testing.assert_allclose(by_chunk, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+    if device_check.ENGINE_ACT_BLOCK[qtype] is not None:  # quantised: the product as matmul_q8_kernel sums it
+        exact = x.astype(np.float64) @ want.astype(np.float64).T
+        err = np.abs(out[2 * n_rows * n:] - exact)
+        assert np.all(err <= device_check.RTOL * (np.abs(x) @ np.abs(want.astype(np.float64)).T)), err

@@ -6,6 +6,7 @@
 #pragma once
 #include <cuda_fp16.h>
 #include <stdint.h>
+#include <math.h>
 #include <string.h>
 #include "../strata_engine.h"
 
@@ -206,6 +207,43 @@ template <int T> HD int chunk_value(const uint8_t *b, int s, int j) {
     } else {  // IQ4_XS
         return kvalue_iq4nl(nibble32(b + iq4xs::qs + 16 * s, j));
     }
+}
+
+// --- the activations' side of the dp4a products
+
+/* The activations of a quantised product as 32-value int8 blocks (Q8_1's content: scale d = amax / 127, and
+ * s = d * the sum of the block's q, which the K-quants' mins take). */
+struct act_block {
+    float d, s;
+    int8_t q[32];
+};
+
+/* v / d rounded to the nearest integer, ties to even (0 for an all-zero block). */
+HD int act_quant(float v, float d) {
+#ifdef __CUDA_ARCH__
+    return d == 0.0f ? 0 : __float2int_rn(v / d);
+#else
+    return d == 0.0f ? 0 : (int)nearbyintf(v / d);
+#endif
+}
+
+/* c + the dot product of four packed int8s with four others. */
+HD int dot4(int32_t a, int32_t b, int c) {
+#ifdef __CUDA_ARCH__
+    return __dp4a(a, b, c);
+#else
+    for (int i = 0; i < 4; i++) c += (int8_t)(uint8_t)((uint32_t)a >> (8 * i)) * (int8_t)(uint8_t)((uint32_t)b >> (8 * i));
+    return c;
+#endif
+}
+
+/* sum_j value_j x_j over a chunk: d_x (d_lo sum_lo(q qx) + d_hi sum_hi(q qx)) - m s_x. */
+HD float chunk_dot(const chunk &k, const act_block &a) {
+    const int32_t *aq = (const int32_t *)a.q;
+    int lo = 0, hi = 0;
+    for (int i = 0; i < 4; i++) lo = dot4(k.q[i], aq[i], lo);
+    for (int i = 4; i < 8; i++) hi = dot4(k.q[i], aq[i], hi);
+    return a.d * (k.d_lo * (float)lo + k.d_hi * (float)hi) - k.m * a.s;
 }
 
 }  // namespace strata_cuda

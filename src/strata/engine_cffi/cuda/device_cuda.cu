@@ -6,9 +6,8 @@
 #include <stdio.h>
 #include <string.h>
 #include <cuda_runtime.h>
-#include "../strata_engine.h"
+#include "kernels.cuh"  // and through it strata_engine.h, which has no include guard
 #include "device_impl.h"
-#include "kernels.cuh"
 
 namespace {
 

@@ -3,6 +3,7 @@
  * and returns the launch's error. */
 #pragma once
 #include <cuda_runtime.h>
+#include "blocks.cuh"
 #include "device.h"
 
 namespace strata_cuda {
@@ -13,13 +14,6 @@ cudaError_t rope_ref(const strata_dev_rope_args *a, cudaStream_t stream);
 cudaError_t attention_ref(const strata_dev_attention_args *a, cudaStream_t stream);
 cudaError_t swiglu_ref(const strata_dev_swiglu_args *a, cudaStream_t stream);
 cudaError_t topk_ref(const strata_dev_topk_args *a, cudaStream_t stream);
-
-/* The activations of a quantised product as 32-value int8 blocks (Q8_1's content: scale d, and s = d * the sum of
- * the block's q, which the K-quants' mins take). */
-struct act_block {
-    float d, s;
-    int8_t q[32];
-};
 
 /* Bytes of scratch matmul needs (its activations quantised; 0 for F16 / BF16 weights). */
 size_t matmul_scratch_bytes(const strata_dev_matmul_args *a);

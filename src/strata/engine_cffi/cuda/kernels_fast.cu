@@ -29,8 +29,8 @@ __global__ void quantize_acts(const float *x, act_block *out, int64_t n_blocks) 
     int64_t b = blockIdx.x * (int64_t)(blockDim.x / WARP) + threadIdx.x / WARP;
     if (b >= n_blocks) return;
     int lane = threadIdx.x % WARP;
-    float v = x[b * 32 + lane], amax = warp_max(fabsf(v)), d = amax / 127.0f;
-    int q = amax == 0.0f ? 0 : __float2int_rn(v / d);
+    float v = x[b * 32 + lane], d = warp_max(fabsf(v)) / 127.0f;
+    int q = act_quant(v, d);
     out[b].q[lane] = (int8_t)q;
     float sum = warp_sum((float)q);
     if (lane == 0) {
@@ -56,14 +56,7 @@ __global__ void matmul_q8_kernel(const uint8_t *w, size_t row_bytes, int64_t n, 
 #pragma unroll
         for (int t = 0; t < TOKENS; t++) {
             if (t >= nt) break;
-            const act_block &a = xq[(t0 + t) * chunks + c];
-            const int32_t *aq = (const int32_t *)a.q;
-            int lo = 0, hi = 0;
-#pragma unroll
-            for (int i = 0; i < 4; i++) lo = __dp4a(k.q[i], aq[i], lo);
-#pragma unroll
-            for (int i = 4; i < 8; i++) hi = __dp4a(k.q[i], aq[i], hi);
-            acc[t] += a.d * (k.d_lo * (float)lo + k.d_hi * (float)hi) - k.m * a.s;
+            acc[t] += chunk_dot(k, xq[(t0 + t) * chunks + c]);
         }
     }
 #pragma unroll
