@@ -231,6 +231,15 @@ def test_bad_launches_name_what_is_wrong(dev):
         dev.launch("topk", n_tok=1, n_expert=32, k=40)
 
 
+def test_attention_on_the_host_checks_each_tokens_positions(dev):
+    case = device_check.attention_case(2, 4, 2, 32, 20, "f32", np.random.default_rng(4))
+    args = case.args(dev)
+    dev.upload(args["n_pos"], np.array([20, 21], np.int32))
+    with pytest.raises(DeviceError, match="attention: a token's n_pos is not in \\[1, n_ctx\\]"):
+        dev.launch("attention", **args)
+    device_check._free(dev, args)
+
+
 def test_unknown_kind_is_an_error_naming_it():
     with pytest.raises(DeviceError, match="device kind 'tpu': expected host or cuda"):
         Device("tpu")

@@ -234,11 +234,10 @@ static int check_matmul(strata_device *d, const strata_dev_matmul_args *a) {
     if (a->n <= 0 || a->n % tr->block_size || a->rows <= 0 || a->n_tok <= 0)
         return fail(d, STRATA_ERR_INVALID_ARG, "matmul: n %lld (a positive multiple of %lld), rows %lld, n_tok %lld",
                     (long long)a->n, (long long)tr->block_size, (long long)a->rows, (long long)a->n_tok);
-    if (a->row_bytes < tr->block_bytes * (size_t)(a->n / tr->block_size))
-        return fail(d, STRATA_ERR_INVALID_ARG, "matmul: row_bytes %zu is less than a row of %lld %s values",
-                    a->row_bytes, (long long)a->n, tr->name);
-    if (a->row_bytes % 2)  // the decoders read 16-bit fields
-        return fail(d, STRATA_ERR_INVALID_ARG, "matmul: row_bytes %zu is odd", a->row_bytes);
+    size_t packed = tr->block_bytes * (size_t)(a->n / tr->block_size);
+    if (a->row_bytes != packed)  // the host's kernels (the CPU engine's) take packed rows
+        return fail(d, STRATA_ERR_INVALID_ARG, "matmul: row_bytes %zu, where a row of %lld %s values is %zu",
+                    a->row_bytes, (long long)a->n, tr->name, packed);
     return STRATA_OK;
 }
 

@@ -30,7 +30,7 @@ typedef struct strata_device strata_device;
 /* --- kernel arguments (one struct per kernel; the "_ref" name of a kernel takes the same struct) */
 
 /* "matmul": y[t * rows + r] = dot(w row r, x row t). w: rows of `type` (strata weight type) with n elements
- * each, row_bytes apart; x: (n_tok, n) f32; y: (n_tok, rows) f32. */
+ * each, packed (row_bytes: a row's size, checked); x: (n_tok, n) f32; y: (n_tok, rows) f32. */
 typedef struct {
     int type;
     int64_t n, rows, n_tok;
@@ -63,7 +63,8 @@ typedef struct {
  * layout: k, v (n_seq, n_layer, n_head_kv, n_ctx, head_dim) of kv_type (STRATA_KV_F32, _F16 or _INT8 with
  * k_scale, v_scale (n_seq, n_layer, n_head_kv, n_ctx)). Token t attends to positions [0, n_pos[t]) of sequence
  * seq[t] in layer il: out (n_tok, n_head, head_dim) = softmax(q . K / sqrt(head_dim)) . V, query head h reading
- * kv head h / (n_head / n_head_kv). */
+ * kv head h / (n_head / n_head_kv). 1 <= n_pos[t] <= n_ctx (the host device checks it; the card cannot, as
+ * n_pos lies in device memory). A prompt chunk's causal attention is the same call, n_pos[t] = position + 1. */
 typedef struct {
     int n_tok, n_head, n_head_kv, head_dim, kv_type, n_layer, il, n_ctx;
     const float *q;              // (n_tok, n_head, head_dim)

@@ -3,6 +3,7 @@
  * the CPU engine's own (the products: strata_gemm_rows after quantising the activations as the engine does, and
  * the engine's naive reference for "matmul_ref") or C ports of the reference kernels (the rest). */
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -10,6 +11,7 @@
 #include "device_impl.h"
 
 typedef struct {
+    strata_dev_backend *be;  /* where a failure's reason goes (be->err) */
     double event_ms[STRATA_DEV_MAX_EVENTS];
     void *act;      // the activations of a product in its partner type (one token's row)
     size_t act_bytes;
@@ -21,17 +23,23 @@ static double now_ms(void) {
     return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
 }
 
+static int host_fail(host_device *h, int status, const char *why) {
+    snprintf(h->be->err, h->be->err_len, "%s", why);
+    return status;
+}
+
 // --- kernels
 
 static int matmul(host_device *h, const strata_dev_matmul_args *a, int reference) {
-    if (reference)
-        return strata_matmul_naive(a->type, a->w, a->rows, a->n, a->x, a->n_tok, a->y);
+    if (reference && strata_matmul_naive(a->type, a->w, a->rows, a->n, a->x, a->n_tok, a->y) != STRATA_OK)
+        return host_fail(h, STRATA_ERR_INVALID_ARG, strata_last_error());
+    if (reference) return STRATA_OK;
     int vdt = strata_traits(a->type)->vec_dot_type;
     const strata_type_traits *act = strata_traits(vdt);
     size_t bytes = act->block_bytes * (size_t)(a->n / act->block_size);
     if (bytes > h->act_bytes) {
         void *p = realloc(h->act, bytes);
-        if (!p) return STRATA_ERR_NOMEM;
+        if (!p) return host_fail(h, STRATA_ERR_NOMEM, "matmul: out of memory for the activations");
         h->act = p;
         h->act_bytes = bytes;
     }
@@ -77,10 +85,15 @@ static double kv_value(const strata_dev_attention_args *a, const void *cache, co
     return ((const int8_t *)cache)[i] * (double)scale[row];
 }
 
-static int attention(const strata_dev_attention_args *a) {
+static int attention(host_device *h, const strata_dev_attention_args *a) {
     int hd = a->head_dim, group = a->n_head / a->n_head_kv;
     double *scores = malloc(sizeof(double) * (a->n_ctx > 0 ? a->n_ctx : 1));
-    if (!scores) return STRATA_ERR_NOMEM;
+    if (!scores) return host_fail(h, STRATA_ERR_NOMEM, "attention: out of memory for the scores");
+    for (int t = 0; t < a->n_tok; t++)
+        if (a->n_pos[t] < 1 || a->n_pos[t] > a->n_ctx) {
+            free(scores);
+            return host_fail(h, STRATA_ERR_INVALID_ARG, "attention: a token's n_pos is not in [1, n_ctx]");
+        }
     for (int t = 0; t < a->n_tok; t++)
         for (int h = 0; h < a->n_head; h++) {
             const float *q = a->q + ((size_t)t * a->n_head + h) * hd;
@@ -135,7 +148,7 @@ static int launch(void *self, int stream, strata_dev_kernel kernel, int referenc
     case DEV_KERNEL_MATMUL: return matmul(self, args, reference);
     case DEV_KERNEL_RMS_NORM: rms_norm(args); return STRATA_OK;
     case DEV_KERNEL_ROPE: rope(args); return STRATA_OK;
-    case DEV_KERNEL_ATTENTION: return attention(args);
+    case DEV_KERNEL_ATTENTION: return attention(self, args);
     case DEV_KERNEL_SWIGLU: swiglu(args); return STRATA_OK;
     case DEV_KERNEL_TOPK: topk(args); return STRATA_OK;
     default: return STRATA_ERR_INVALID_ARG;
@@ -199,6 +212,7 @@ int strata_host_backend_open(strata_dev_backend *b, char *err, size_t err_len) {
         strncpy(err, "out of memory", err_len);
         return STRATA_ERR_NOMEM;
     }
+    h->be = b;
     *b = (strata_dev_backend){
         .self = h, .name = "host", .alloc = host_alloc, .free = host_free, .copy = host_copy,
         .memset = host_memset, .stream_create = host_nothing, .stream_sync = host_nothing,
