@@ -141,7 +141,7 @@ def test_attention_matches_numpy(dev, kv):
             p = np.exp(s - s.max())
             want = p @ vh / p.sum()
             assert np.all(np.abs(got[t, h] - want) <= 1e-5 * np.abs(vh).max())
-    device_check._free(dev, args)
+    device_check.free_args(dev, args)
 
 
 def test_swiglu_matches_numpy(dev):
@@ -237,7 +237,7 @@ def test_attention_on_the_host_checks_each_tokens_positions(dev):
     dev.upload(args["n_pos"], np.array([20, 21], np.int32))
     with pytest.raises(DeviceError, match="attention: a token's n_pos is not in \\[1, n_ctx\\]"):
         dev.launch("attention", **args)
-    device_check._free(dev, args)
+    device_check.free_args(dev, args)
 
 
 def test_unknown_kind_is_an_error_naming_it():

@@ -284,10 +284,11 @@ def _run(dev: Device, case: Case, name: str) -> np.ndarray:
         dev.launch(name, **args)
         return case.out(dev, args)
     finally:
-        _free(dev, args)
+        free_args(dev, args)
 
 
-def _free(dev: Device, args: dict[str, Any]) -> None:
+def free_args(dev: Device, args: dict[str, Any]) -> None:
+    """Free the device buffers among a case's launch arguments."""
     for value in args.values():
         if isinstance(value, dev.ffi.CData):
             dev.free(value)
@@ -306,10 +307,10 @@ def _timed(dev: Device, case: Case, runs: int) -> float:
         dev.event_sync(end)
         return dev.elapsed_ms(start, end) / 1e3 / runs
     finally:
-        _free(dev, args)
+        free_args(dev, args)
 
 
-def _within(case: Case, fast: np.ndarray, other: np.ndarray, reference: bool = False) -> bool:
+def within(case: Case, fast: np.ndarray, other: np.ndarray, reference: bool = False) -> bool:
     if case.exact is not None and not case.exact(fast, other):
         return False
     tolerance = case.ref_tolerance if reference and case.ref_tolerance else case.tolerance
@@ -319,7 +320,7 @@ def _within(case: Case, fast: np.ndarray, other: np.ndarray, reference: bool = F
 def check_case(dev: Device, cpu: Device, case: Case, runs: int) -> Row:
     fast, ref = _run(dev, case, case.kernel), _run(dev, case, case.kernel + "_ref")
     on_cpu = _run(cpu, case, case.kernel)
-    passed = _within(case, fast, ref, reference=True) and _within(case, fast, on_cpu)
+    passed = within(case, fast, ref, reference=True) and within(case, fast, on_cpu)
     seconds = _timed(dev, case, runs)
     gbps = case.nbytes / seconds / 1e9 if seconds > 0 else 0.0
     peak = gbps * 1e9 / dev.bandwidth if dev.bandwidth else 0.0
