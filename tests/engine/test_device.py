@@ -338,3 +338,22 @@ def test_cuda_decoders_match_the_gguf_package(cuda_decoders, qtype):
         exact = x.astype(np.float64) @ want.astype(np.float64).T
         err = np.abs(out[2 * n_rows * n:] - exact)
         assert np.all(err <= device_check.RTOL * (np.abs(x) @ np.abs(want.astype(np.float64)).T)), err
+
+
+def test_without_nvcc_the_build_finds_none(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "no-cuda"))
+    assert build_engine_module().find_nvcc() is None
+
+
+def cuda_device_opens() -> bool:
+    try:
+        Device("cuda").close()
+    except DeviceUnavailable:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not cuda_device_opens(), reason="no CUDA library or no GPU here")
+def test_cuda_kernels_match_their_references_and_the_cpu_engine(capsys):
+    assert device_check.main(["--device", "cuda", "--quick", "--runs", "1"]) == 0
