@@ -296,7 +296,7 @@ def test_cuda_sources_compile_without_warnings(tmp_path):
     runs = [subprocess.Popen(build.nvcc_command(nvcc, src, tmp_path / f"{src.stem}.o", ["90"]),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             for src in sorted(CUDA_DIR.glob("*.cu"))]
-    assert len(runs) == 3
+    assert runs  # the .cu files were found
     for run in runs:
         out, _ = run.communicate(timeout=300)
         assert run.returncode == 0 and out == "", out
