@@ -10,7 +10,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 say() { echo "serve.sh: $*"; }
 stamp_file=.venv/strata-build.stamp
-stamp=$(cat pyproject.toml setup.py build_engine.py src/strata/engine_cffi/*.[ch] | sha256sum | cut -d' ' -f1)
+stamp=$(cat pyproject.toml setup.py build_engine.py src/strata/engine_cffi/*.[ch] src/strata/engine_cffi/cuda/*.[ch] |
+        sha256sum | cut -d' ' -f1)
 if [ -x .venv/bin/strata ] && [ "$(cat "$stamp_file" 2>/dev/null)" = "$stamp" ]; then
     say "up to date (.venv); starting strata serve $*"
     . .venv/bin/activate

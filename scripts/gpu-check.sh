@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# On a machine with an NVIDIA GPU: build the engine and its CUDA library, then run every CUDA kernel against its
+# reference kernel and the CPU engine on realistic shapes (decode and prompt products of 2048x2048, 4096x11008 and
+# 11008x4096 weights, attention over 4096 positions, ...) and print one table: numerics, GB/s, and the fraction of
+# the card's memory bandwidth. Exits non-zero when a kernel is outside its tolerance (or nothing could run).
+#
+#   ./scripts/gpu-check.sh              the full shapes (a few minutes)
+#   ./scripts/gpu-check.sh --quick      the test suite's small shapes
+#
+# Python: the .venv of ./scripts/test.sh's set-up when there is one, else python3 with the project's dependencies
+# (cffi, numpy, gguf) already installed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+say() { echo "gpu-check: $*" >&2; }
+if [ -x .venv/bin/python ]; then
+    . .venv/bin/activate
+fi
+python=$(command -v python || command -v python3)
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+
+if ! nvidia-smi -L >&2; then
+    say "no NVIDIA GPU here (nvidia-smi failed)"
+    exit 2
+fi
+export PATH="$PATH:${CUDA_HOME:-/usr/local/cuda}/bin"
+if ! command -v nvcc >/dev/null; then
+    say "nvcc not found: the CUDA library cannot be built"
+    exit 2
+fi
+# the three architectures CI builds, and this card's own when it is none of them
+card=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d ' .')
+archs=86,89,90
+case ",$archs," in *",$card,"*) ;; *) archs="$archs,$card" ;; esac
+say "building the engine and libstrata_cuda.so (sm_${archs//,/, sm_})"
+started=$(date +%s)
+STRATA_CUDA_ARCHS=$archs "$python" build_engine.py
+say "built in $(( $(date +%s) - started )) s"
+exec "$python" -m strata.engine_cffi.device_check --device cuda "$@"

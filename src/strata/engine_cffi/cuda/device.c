@@ -1,0 +1,287 @@
+/* device.c — the device interface (device.h): checks its rules and keeps its accounts (memory against the
+ * budget, streams, recorded events), then calls the implementation: the host one, or the CUDA library loaded
+ * with dlopen when "cuda" is asked for. */
+#include <dlfcn.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include "../kernels.h"
+#include "device_impl.h"
+
+typedef struct {
+    void *p;
+    size_t bytes;
+} allocation;
+
+struct strata_device {
+    strata_dev_backend be;
+    void *library;                         /* the CUDA library's handle, NULL for the host */
+    size_t budget, used;
+    allocation *allocs;                    // (n_allocs,) live allocations
+    int n_allocs, cap_allocs;
+    int n_streams;                         /* streams 0 .. n_streams - 1 exist */
+    int n_events;                          /* events 0 .. n_events - 1 were recorded */
+    char err[256];
+};
+
+static const char *const KERNEL_NAMES[DEV_N_KERNELS] = {"matmul", "rms_norm", "rope", "attention", "swiglu",
+                                                        "topk"};
+
+static int fail(strata_device *d, int status, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(d->err, sizeof d->err, fmt, ap);
+    va_end(ap);
+    return status;
+}
+
+// --- open and close
+
+static int open_cuda(strata_device *d, const char *library, char *err, size_t err_len) {
+    if (!library) {
+        snprintf(err, err_len, "cuda: no CUDA library was built (nvcc was not found at build time)");
+        return STRATA_ERR_UNSUPPORTED;
+    }
+    d->library = dlopen(library, RTLD_NOW | RTLD_LOCAL);
+    if (!d->library) {
+        snprintf(err, err_len, "cuda: cannot load %s: %s", library, dlerror());
+        return STRATA_ERR_UNSUPPORTED;
+    }
+    strata_cuda_open_fn open = (strata_cuda_open_fn)dlsym(d->library, "strata_cuda_backend_open");
+    if (!open) {
+        snprintf(err, err_len, "cuda: %s has no strata_cuda_backend_open", library);
+        return STRATA_ERR_UNSUPPORTED;
+    }
+    return open(&d->be, err, err_len);
+}
+
+strata_device *strata_dev_open(const char *kind, const char *cuda_library, size_t budget, char *err,
+                               size_t err_len) {
+    strata_device *d = calloc(1, sizeof *d);
+    if (!d) {
+        snprintf(err, err_len, "out of memory");
+        return NULL;
+    }
+    int status;
+    if (strcmp(kind, "host") == 0) status = strata_host_backend_open(&d->be, err, err_len);
+    else if (strcmp(kind, "cuda") == 0) status = open_cuda(d, cuda_library, err, err_len);
+    else status = (snprintf(err, err_len, "device kind '%s': expected host or cuda", kind), STRATA_ERR_INVALID_ARG);
+    if (status == STRATA_OK && budget == 0) budget = d->be.free_memory ? d->be.free_memory : SIZE_MAX;
+    if (status == STRATA_OK && d->be.free_memory && budget > d->be.free_memory) {
+        snprintf(err, err_len, "budget %zu bytes is more than the device's free %zu", budget, d->be.free_memory);
+        d->be.close(d->be.self);
+        status = STRATA_ERR_INVALID_ARG;
+    }
+    if (status != STRATA_OK) {
+        if (d->library) dlclose(d->library);
+        free(d);
+        return NULL;
+    }
+    d->be.err = d->err;
+    d->be.err_len = sizeof d->err;
+    d->budget = budget;
+    d->n_streams = 1;
+    return d;
+}
+
+void strata_dev_close(strata_device *d) {
+    if (!d) return;
+    for (int i = 0; i < d->n_allocs; i++) d->be.free(d->be.self, d->allocs[i].p);
+    d->be.close(d->be.self);
+    if (d->library) dlclose(d->library);
+    free(d->allocs);
+    free(d);
+}
+
+const char *strata_dev_error(const strata_device *d) { return d->err; }
+const char *strata_dev_name(const strata_device *d) { return d->be.name; }
+double strata_dev_bandwidth(const strata_device *d) { return d->be.bandwidth; }
+
+// --- memory
+
+void *strata_dev_alloc(strata_device *d, size_t bytes) {
+    if (bytes == 0 || bytes > d->budget - d->used) {
+        fail(d, STRATA_ERR_NOMEM, "allocating %zu bytes: %zu of the budget's %zu are in use", bytes, d->used,
+             d->budget);
+        return NULL;
+    }
+    if (d->n_allocs == d->cap_allocs) {
+        int cap = d->cap_allocs ? 2 * d->cap_allocs : 64;
+        allocation *a = realloc(d->allocs, sizeof *a * cap);
+        if (!a) return fail(d, STRATA_ERR_NOMEM, "out of host memory"), NULL;
+        d->allocs = a;
+        d->cap_allocs = cap;
+    }
+    void *p = d->be.alloc(d->be.self, bytes);
+    if (!p) return fail(d, STRATA_ERR_NOMEM, "the device could not allocate %zu bytes", bytes), NULL;
+    d->allocs[d->n_allocs++] = (allocation){p, bytes};
+    d->used += bytes;
+    return p;
+}
+
+int strata_dev_free(strata_device *d, void *p) {
+    for (int i = 0; i < d->n_allocs; i++)
+        if (d->allocs[i].p == p) {
+            d->be.free(d->be.self, p);
+            d->used -= d->allocs[i].bytes;
+            d->allocs[i] = d->allocs[--d->n_allocs];
+            return STRATA_OK;
+        }
+    return fail(d, STRATA_ERR_INVALID_ARG, "freeing %p, which this device did not allocate (or freed already)", p);
+}
+
+size_t strata_dev_used(const strata_device *d) { return d->used; }
+size_t strata_dev_budget(const strata_device *d) { return d->budget; }
+
+/* Whether [p, p + bytes) lies inside one live allocation. */
+static int owned(const strata_device *d, const void *p, size_t bytes) {
+    for (int i = 0; i < d->n_allocs; i++) {
+        const char *a = d->allocs[i].p, *q = p;
+        if (q >= a && q <= a + d->allocs[i].bytes && bytes <= d->allocs[i].bytes - (size_t)(q - a)) return 1;
+    }
+    return 0;
+}
+
+static int check_stream(strata_device *d, int stream) {
+    if (stream < 0 || stream >= d->n_streams)
+        return fail(d, STRATA_ERR_INVALID_ARG, "stream %d does not exist (%d streams)", stream, d->n_streams);
+    return STRATA_OK;
+}
+
+static int copy(strata_device *d, int stream, void *dst, const void *src, size_t bytes, int direction) {
+    int status = check_stream(d, stream);
+    if (status) return status;
+    const void *dev = direction == DEV_TO_DEVICE ? dst : src;
+    if (!owned(d, dev, bytes))
+        return fail(d, STRATA_ERR_INVALID_ARG, "%zu bytes at %p are not inside one allocation of this device",
+                    bytes, dev);
+    return d->be.copy(d->be.self, stream, dst, src, bytes, direction);
+}
+
+int strata_dev_upload(strata_device *d, int stream, void *dst, const void *src, size_t bytes) {
+    return copy(d, stream, dst, src, bytes, DEV_TO_DEVICE);
+}
+
+int strata_dev_download(strata_device *d, int stream, void *dst, const void *src, size_t bytes) {
+    return copy(d, stream, dst, src, bytes, DEV_TO_HOST);
+}
+
+int strata_dev_memset(strata_device *d, int stream, void *dst, int value, size_t bytes) {
+    int status = check_stream(d, stream);
+    if (status) return status;
+    if (!owned(d, dst, bytes))
+        return fail(d, STRATA_ERR_INVALID_ARG, "%zu bytes at %p are not inside one allocation of this device",
+                    bytes, dst);
+    return d->be.memset(d->be.self, stream, dst, value, bytes);
+}
+
+// --- streams and events
+
+int strata_dev_stream_create(strata_device *d) {
+    if (d->n_streams == STRATA_DEV_MAX_STREAMS)
+        return fail(d, STRATA_ERR_INVALID_ARG, "no more than %d streams", STRATA_DEV_MAX_STREAMS), -1;
+    if (d->be.stream_create(d->be.self, d->n_streams)) return -1;
+    return d->n_streams++;
+}
+
+int strata_dev_stream_sync(strata_device *d, int stream) {
+    int status = check_stream(d, stream);
+    return status ? status : d->be.stream_sync(d->be.self, stream);
+}
+
+int strata_dev_event_record(strata_device *d, int stream) {
+    if (check_stream(d, stream)) return -1;
+    if (d->n_events == STRATA_DEV_MAX_EVENTS)
+        return fail(d, STRATA_ERR_INVALID_ARG, "no more than %d events", STRATA_DEV_MAX_EVENTS), -1;
+    if (d->be.event_record(d->be.self, d->n_events, stream)) return -1;
+    return d->n_events++;
+}
+
+static int check_event(strata_device *d, int event) {
+    if (event < 0 || event >= d->n_events)
+        return fail(d, STRATA_ERR_INVALID_ARG, "event %d was never recorded", event);
+    return STRATA_OK;
+}
+
+int strata_dev_stream_wait_event(strata_device *d, int stream, int event) {
+    int status = check_stream(d, stream);
+    if (!status) status = check_event(d, event);
+    return status ? status : d->be.stream_wait_event(d->be.self, stream, event);
+}
+
+int strata_dev_event_sync(strata_device *d, int event) {
+    int status = check_event(d, event);
+    return status ? status : d->be.event_sync(d->be.self, event);
+}
+
+double strata_dev_event_elapsed_ms(strata_device *d, int start, int end) {
+    if (check_event(d, start) || check_event(d, end)) return -1.0;
+    return d->be.event_elapsed_ms(d->be.self, start, end);
+}
+
+// --- kernels
+
+/* The weight types the products take (kernels_*.cu has a block decoder for each). */
+static const int MATMUL_TYPES[] = {STRATA_TYPE_F16, STRATA_TYPE_BF16, STRATA_TYPE_Q8_0, STRATA_TYPE_Q4_K,
+                                   STRATA_TYPE_Q5_K, STRATA_TYPE_Q6_K, STRATA_TYPE_IQ4_XS, STRATA_TYPE_MXFP4};
+
+static int check_matmul(strata_device *d, const strata_dev_matmul_args *a) {
+    int known = 0;
+    for (size_t i = 0; i < sizeof MATMUL_TYPES / sizeof *MATMUL_TYPES; i++) known |= MATMUL_TYPES[i] == a->type;
+    if (!known) return fail(d, STRATA_ERR_UNSUPPORTED, "matmul: weight type %d has no device kernel", a->type);
+    const strata_type_traits *tr = strata_traits(a->type);
+    if (a->n <= 0 || a->n % tr->block_size || a->rows <= 0 || a->n_tok <= 0)
+        return fail(d, STRATA_ERR_INVALID_ARG, "matmul: n %lld (a positive multiple of %lld), rows %lld, n_tok %lld",
+                    (long long)a->n, (long long)tr->block_size, (long long)a->rows, (long long)a->n_tok);
+    size_t packed = tr->block_bytes * (size_t)(a->n / tr->block_size);
+    if (a->row_bytes != packed)  // the host's kernels (the CPU engine's) take packed rows
+        return fail(d, STRATA_ERR_INVALID_ARG, "matmul: row_bytes %zu, where a row of %lld %s values is %zu",
+                    a->row_bytes, (long long)a->n, tr->name, packed);
+    return STRATA_OK;
+}
+
+/* What the kernels assume of their arguments (the fast attention kernel: whole warps over a head of at most
+ * 256 values; the fast top-k: one warp's choices). */
+static int check_args(strata_device *d, strata_dev_kernel k, const void *args) {
+    switch (k) {
+    case DEV_KERNEL_MATMUL: return check_matmul(d, args);
+    case DEV_KERNEL_ROPE: {
+        const strata_dev_rope_args *a = args;
+        if (a->head_dim <= 0 || a->head_dim % 2) return fail(d, STRATA_ERR_INVALID_ARG, "rope: head_dim %d is odd", a->head_dim);
+        return STRATA_OK;
+    }
+    case DEV_KERNEL_ATTENTION: {
+        const strata_dev_attention_args *a = args;
+        if (a->head_dim % 32 || a->head_dim <= 0 || a->head_dim > 256)
+            return fail(d, STRATA_ERR_UNSUPPORTED, "attention: head_dim %d (a multiple of 32 up to 256)", a->head_dim);
+        if (a->n_head_kv <= 0 || a->n_head % a->n_head_kv)
+            return fail(d, STRATA_ERR_INVALID_ARG, "attention: n_head %d is not a multiple of n_head_kv %d", a->n_head,
+                        a->n_head_kv);
+        if (a->kv_type < STRATA_KV_F32 || a->kv_type > STRATA_KV_INT8)
+            return fail(d, STRATA_ERR_INVALID_ARG, "attention: kv_type %d", a->kv_type);
+        return STRATA_OK;
+    }
+    case DEV_KERNEL_TOPK: {
+        const strata_dev_topk_args *a = args;
+        if (a->k <= 0 || a->k > a->n_expert || a->k > 32)
+            return fail(d, STRATA_ERR_INVALID_ARG, "topk: k %d (1 to 32, at most n_expert %d)", a->k, a->n_expert);
+        return STRATA_OK;
+    }
+    default: return STRATA_OK;
+    }
+}
+
+int strata_dev_launch(strata_device *d, int stream, const char *name, const void *args) {
+    int status = check_stream(d, stream);
+    if (status) return status;
+    size_t len = strlen(name);
+    int reference = len > 4 && strcmp(name + len - 4, "_ref") == 0;
+    for (int k = 0; k < DEV_N_KERNELS; k++)
+        if (strlen(KERNEL_NAMES[k]) == len - 4 * reference && strncmp(KERNEL_NAMES[k], name, len - 4 * reference) == 0)
+        {
+            status = check_args(d, (strata_dev_kernel)k, args);
+            return status ? status : d->be.launch(d->be.self, stream, (strata_dev_kernel)k, reference, args);
+        }
+    return fail(d, STRATA_ERR_INVALID_ARG, "no kernel named '%s'", name);
+}

@@ -1,0 +1,128 @@
+/* device.h — the device interface the GPU backend is written against: memory, streams and events, and the
+ * launch of each kernel by name. Two implementations sit behind it: "cuda" (device_cuda.cu, built by nvcc into
+ * its own shared library, loaded with dlopen only when asked for) and "host" (device_host.c: plain memory,
+ * synchronous streams, each kernel run by the CPU engine's own C kernel or a C port of the reference kernel).
+ *
+ * Rules, the same for both implementations (device.c checks them before the implementation sees a call):
+ *   - memory: every allocation counts against the budget given at open; one that would pass it fails with
+ *     STRATA_ERR_NOMEM and allocates nothing. Freeing a pointer this device did not allocate is an error.
+ *   - streams: stream 0 always exists; strata_dev_stream_create adds more (up to STRATA_DEV_MAX_STREAMS). Work on
+ *     one stream runs in the order it was queued; work on two streams is unordered unless an event joins them.
+ *   - events: strata_dev_event_record marks the point a stream has reached and returns the event's id; a
+ *     stream that waits on it (strata_dev_stream_wait_event) runs nothing queued after the wait before that
+ *     point. Waiting on an event that was never recorded is an error (it would wait on nothing).
+ *   - copies and memsets are queued on a stream like kernels; the host's buffer must stay valid until the
+ *     stream is synchronised. A kernel's arguments are read when it is queued.
+ * Pointers inside the argument structs are device pointers (host memory on the host device).
+ *
+ * This header is not part of strata_engine.h: the tests and the check driver reach it through the engine's
+ * shared library with their own cdef (its lines without a leading '#'). */
+#ifndef STRATA_DEVICE_H
+#define STRATA_DEVICE_H
+#include <stddef.h>
+#include <stdint.h>
+
+#define STRATA_DEV_MAX_STREAMS 8
+#define STRATA_DEV_MAX_EVENTS 4096
+
+typedef struct strata_device strata_device;
+
+/* --- kernel arguments (one struct per kernel; the "_ref" name of a kernel takes the same struct) */
+
+/* "matmul": y[t * rows + r] = dot(w row r, x row t). w: rows of `type` (strata weight type) with n elements
+ * each, packed (row_bytes: a row's size, checked); x: (n_tok, n) f32; y: (n_tok, rows) f32. */
+typedef struct {
+    int type;
+    int64_t n, rows, n_tok;
+    size_t row_bytes;
+    const void *w;
+    const float *x;
+    float *y;
+} strata_dev_matmul_args;
+
+/* "rms_norm": out row t = x row t / sqrt(mean(x row t ^ 2) + eps) * w. x, out: (n_tok, n); w: (n,). */
+typedef struct {
+    int64_t n, n_tok;
+    float eps;
+    const float *x, *w;
+    float *out;
+} strata_dev_rms_norm_args;
+
+/* "rope": x (n_tok, n_head, head_dim) turned in place. Pair i of a head turns by the angle
+ * pos[3 t + axis[i]] * inv_freq[i]; pairs are (2i, 2i + 1), or with neox (i, i + head_dim / 2). One axis: every
+ * axis[i] = 0; multi-section RoPE: axis[i] in {0, 1, 2} (the position's t, h, w component). */
+typedef struct {
+    int n_tok, n_head, head_dim, neox;
+    float *x;
+    const int *pos;              // (n_tok, 3)
+    const float *inv_freq;       // (head_dim / 2,)
+    const unsigned char *axis;   // (head_dim / 2,)
+} strata_dev_rope_args;
+
+/* "attention": decode attention of n_tok query tokens over their sequences' cached rows, in the CPU engine's
+ * layout: k, v (n_seq, n_layer, n_head_kv, n_ctx, head_dim) of kv_type (STRATA_KV_F32, _F16 or _INT8 with
+ * k_scale, v_scale (n_seq, n_layer, n_head_kv, n_ctx)). Token t attends to positions [0, n_pos[t]) of sequence
+ * seq[t] in layer il: out (n_tok, n_head, head_dim) = softmax(q . K / sqrt(head_dim)) . V, query head h reading
+ * kv head h / (n_head / n_head_kv). 1 <= n_pos[t] <= n_ctx (the host device checks it; the card cannot, as
+ * n_pos lies in device memory). A prompt chunk's causal attention is the same call, n_pos[t] = position + 1. */
+typedef struct {
+    int n_tok, n_head, n_head_kv, head_dim, kv_type, n_layer, il, n_ctx;
+    const float *q;              // (n_tok, n_head, head_dim)
+    const void *k, *v;
+    const float *k_scale, *v_scale;
+    const int *seq, *n_pos;      // (n_tok,)
+    float *out;
+} strata_dev_attention_args;
+
+/* "swiglu": out = silu(g) * u = g / (1 + e^-g) * u, over n values (out may be g). */
+typedef struct {
+    int64_t n;
+    const float *g, *u;
+    float *out;
+} strata_dev_swiglu_args;
+
+/* "topk": per token, softmax of its router logits (n_expert), the k most probable in descending order (the
+ * lower index wins a tie), their probabilities renormalised to sum to 1. ids, weights: (n_tok, k). */
+typedef struct {
+    int n_tok, n_expert, k;
+    const float *logits;         // (n_tok, n_expert)
+    int *ids;
+    float *weights;
+} strata_dev_topk_args;
+
+/* --- the interface. Functions returning int return a strata_status (0: STRATA_OK); on failure
+ * strata_dev_error says why. */
+
+/* Open the device `kind` ("host" or "cuda") with `budget` bytes of memory (0: the card's free memory, or
+ * unlimited on the host). cuda_library: the path of libstrata_cuda.so (NULL for the host). NULL on failure, with
+ * the reason in err (one line). */
+strata_device *strata_dev_open(const char *kind, const char *cuda_library, size_t budget, char *err, size_t err_len);
+void strata_dev_close(strata_device *d);
+const char *strata_dev_error(const strata_device *d);
+/* The device's name (the card's, or "host"), its memory bandwidth in bytes per second (0 unknown). */
+const char *strata_dev_name(const strata_device *d);
+double strata_dev_bandwidth(const strata_device *d);
+
+void *strata_dev_alloc(strata_device *d, size_t bytes);
+int strata_dev_free(strata_device *d, void *p);
+size_t strata_dev_used(const strata_device *d);
+size_t strata_dev_budget(const strata_device *d);
+
+int strata_dev_upload(strata_device *d, int stream, void *dst, const void *src, size_t bytes);
+int strata_dev_download(strata_device *d, int stream, void *dst, const void *src, size_t bytes);
+int strata_dev_memset(strata_device *d, int stream, void *dst, int value, size_t bytes);
+
+/* A new stream's id (> 0), or -1. */
+int strata_dev_stream_create(strata_device *d);
+int strata_dev_stream_sync(strata_device *d, int stream);
+/* An event marking what `stream` has queued so far: its id (>= 0), or -1. */
+int strata_dev_event_record(strata_device *d, int stream);
+int strata_dev_stream_wait_event(strata_device *d, int stream, int event);
+int strata_dev_event_sync(strata_device *d, int event);
+/* Wall time between two recorded events in milliseconds (after both completed), or a negative value. */
+double strata_dev_event_elapsed_ms(strata_device *d, int start, int end);
+
+/* Queue kernel `name` (see the argument structs above; "<name>_ref" runs the reference kernel) on `stream`. */
+int strata_dev_launch(strata_device *d, int stream, const char *name, const void *args);
+
+#endif

@@ -1,0 +1,223 @@
+/* device_host.c — the host implementation of the device interface: plain memory, streams that run each call
+ * as it is queued (so every ordering rule holds trivially), events that are timestamps, and kernels that are
+ * the CPU engine's own (the products: strata_gemm_rows after quantising the activations as the engine does, and
+ * the engine's naive reference for "matmul_ref") or C ports of the reference kernels (the rest). */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include "../kernels.h"
+#include "device_impl.h"
+
+typedef struct {
+    strata_dev_backend *be;  /* where a failure's reason goes (be->err) */
+    double event_ms[STRATA_DEV_MAX_EVENTS];
+    void *act;      // the activations of a product in its partner type (one token's row)
+    size_t act_bytes;
+} host_device;
+
+static double now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
+}
+
+static int host_fail(host_device *h, int status, const char *why) {
+    snprintf(h->be->err, h->be->err_len, "%s", why);
+    return status;
+}
+
+// --- kernels
+
+static int matmul(host_device *h, const strata_dev_matmul_args *a, int reference) {
+    if (reference && strata_matmul_naive(a->type, a->w, a->rows, a->n, a->x, a->n_tok, a->y) != STRATA_OK)
+        return host_fail(h, STRATA_ERR_INVALID_ARG, strata_last_error());
+    if (reference) return STRATA_OK;
+    int vdt = strata_traits(a->type)->vec_dot_type;
+    const strata_type_traits *act = strata_traits(vdt);
+    size_t bytes = act->block_bytes * (size_t)(a->n / act->block_size);
+    if (bytes > h->act_bytes) {
+        void *p = realloc(h->act, bytes);
+        if (!p) return host_fail(h, STRATA_ERR_NOMEM, "matmul: out of memory for the activations");
+        h->act = p;
+        h->act_bytes = bytes;
+    }
+    for (int64_t t = 0; t < a->n_tok; t++) {  // one token at a time: its row's result does not depend on the others
+        strata_quantize_row_any(vdt, a->x + t * a->n, h->act, a->n);
+        strata_gemm_rows(a->type, a->n, a->w, 0, a->rows, h->act, 1, a->y + t * a->rows, a->rows);
+    }
+    return STRATA_OK;
+}
+
+static void rms_norm(const strata_dev_rms_norm_args *a) {
+    for (int64_t t = 0; t < a->n_tok; t++) {
+        const float *x = a->x + t * a->n;
+        double ss = 0.0;
+        for (int64_t i = 0; i < a->n; i++) ss += (double)x[i] * x[i];
+        float s = (float)(1.0 / sqrt(ss / (double)a->n + a->eps));
+        for (int64_t i = 0; i < a->n; i++) a->out[t * a->n + i] = x[i] * s * a->w[i];
+    }
+}
+
+static void rope(const strata_dev_rope_args *a) {
+    int hd = a->head_dim;
+    for (int t = 0; t < a->n_tok; t++)
+        for (int h = 0; h < a->n_head; h++) {
+            float *x = a->x + ((size_t)t * a->n_head + h) * hd;
+            for (int i = 0; i < hd / 2; i++) {
+                float theta = (float)a->pos[3 * t + a->axis[i]] * a->inv_freq[i];
+                double c = cos(theta), s = sin(theta);
+                int p = a->neox ? i : 2 * i, q = a->neox ? i + hd / 2 : 2 * i + 1;
+                double x0 = x[p], x1 = x[q];
+                x[p] = (float)(x0 * c - x1 * s);
+                x[q] = (float)(x0 * s + x1 * c);
+            }
+        }
+}
+
+/* Element d of cached row `row` of the cache. */
+static double kv_value(const strata_dev_attention_args *a, const void *cache, const float *scale, size_t row,
+                       int d) {
+    size_t i = row * a->head_dim + d;
+    if (a->kv_type == STRATA_KV_F32) return ((const float *)cache)[i];
+    if (a->kv_type == STRATA_KV_F16) return strata_f16_to_f32(((const uint16_t *)cache)[i]);
+    return ((const int8_t *)cache)[i] * (double)scale[row];
+}
+
+static int attention(host_device *h, const strata_dev_attention_args *a) {
+    int hd = a->head_dim, group = a->n_head / a->n_head_kv;
+    double *scores = malloc(sizeof(double) * (a->n_ctx > 0 ? a->n_ctx : 1));
+    if (!scores) return host_fail(h, STRATA_ERR_NOMEM, "attention: out of memory for the scores");
+    for (int t = 0; t < a->n_tok; t++)
+        if (a->n_pos[t] < 1 || a->n_pos[t] > a->n_ctx) {
+            free(scores);
+            return host_fail(h, STRATA_ERR_INVALID_ARG, "attention: a token's n_pos is not in [1, n_ctx]");
+        }
+    for (int t = 0; t < a->n_tok; t++)
+        for (int h = 0; h < a->n_head; h++) {
+            const float *q = a->q + ((size_t)t * a->n_head + h) * hd;
+            size_t base = (((size_t)a->seq[t] * a->n_layer + a->il) * a->n_head_kv + h / group) * a->n_ctx;
+            double max = -INFINITY, sum = 0.0;
+            for (int p = 0; p < a->n_pos[t]; p++) {
+                double s = 0.0;
+                for (int d = 0; d < hd; d++) s += q[d] * kv_value(a, a->k, a->k_scale, base + p, d);
+                scores[p] = s / sqrt((double)hd);
+                max = scores[p] > max ? scores[p] : max;
+            }
+            for (int p = 0; p < a->n_pos[t]; p++) sum += scores[p] = exp(scores[p] - max);
+            float *out = a->out + ((size_t)t * a->n_head + h) * hd;
+            for (int d = 0; d < hd; d++) {
+                double acc = 0.0;
+                for (int p = 0; p < a->n_pos[t]; p++) acc += scores[p] * kv_value(a, a->v, a->v_scale, base + p, d);
+                out[d] = (float)(acc / sum);
+            }
+        }
+    free(scores);
+    return STRATA_OK;
+}
+
+static void swiglu(const strata_dev_swiglu_args *a) {
+    for (int64_t i = 0; i < a->n; i++) a->out[i] = (float)(a->g[i] / (1.0 + exp(-(double)a->g[i])) * a->u[i]);
+}
+
+static void topk(const strata_dev_topk_args *a) {
+    for (int t = 0; t < a->n_tok; t++) {
+        const float *l = a->logits + (size_t)t * a->n_expert;
+        int *ids = a->ids + t * a->k;
+        float max = -INFINITY;
+        double kept = 0.0;
+        for (int e = 0; e < a->n_expert; e++) max = l[e] > max ? l[e] : max;
+        for (int j = 0; j < a->k; j++) {  // softmax is monotonic: pick by logit, the lower index on a tie
+            int best = -1;
+            for (int e = 0; e < a->n_expert; e++) {
+                int taken = 0;
+                for (int i = 0; i < j; i++) taken |= ids[i] == e;
+                if (!taken && (best < 0 || l[e] > l[best])) best = e;
+            }
+            ids[j] = best;
+            kept += exp((double)l[best] - max);
+        }
+        for (int j = 0; j < a->k; j++) a->weights[t * a->k + j] = (float)(exp((double)l[ids[j]] - max) / kept);
+    }
+}
+
+static int launch(void *self, int stream, strata_dev_kernel kernel, int reference, const void *args) {
+    (void)stream;
+    switch (kernel) {
+    case DEV_KERNEL_MATMUL: return matmul(self, args, reference);
+    case DEV_KERNEL_RMS_NORM: rms_norm(args); return STRATA_OK;
+    case DEV_KERNEL_ROPE: rope(args); return STRATA_OK;
+    case DEV_KERNEL_ATTENTION: return attention(self, args);
+    case DEV_KERNEL_SWIGLU: swiglu(args); return STRATA_OK;
+    case DEV_KERNEL_TOPK: topk(args); return STRATA_OK;
+    default: return STRATA_ERR_INVALID_ARG;
+    }
+}
+
+// --- memory, streams and events: everything happens as it is queued
+
+static void *host_alloc(void *self, size_t bytes) {
+    (void)self;
+    return malloc(bytes);
+}
+
+static void host_free(void *self, void *p) {
+    (void)self;
+    free(p);
+}
+
+static int host_copy(void *self, int stream, void *dst, const void *src, size_t bytes, int direction) {
+    (void)self, (void)stream, (void)direction;
+    memcpy(dst, src, bytes);
+    return STRATA_OK;
+}
+
+static int host_memset(void *self, int stream, void *dst, int value, size_t bytes) {
+    (void)self, (void)stream;
+    memset(dst, value, bytes);
+    return STRATA_OK;
+}
+
+static int host_nothing(void *self, int stream) {
+    (void)self, (void)stream;
+    return STRATA_OK;
+}
+
+static int host_event_record(void *self, int event, int stream) {
+    (void)stream;
+    ((host_device *)self)->event_ms[event] = now_ms();
+    return STRATA_OK;
+}
+
+static int host_wait(void *self, int stream, int event) {
+    (void)self, (void)stream, (void)event;
+    return STRATA_OK;
+}
+
+static double host_elapsed(void *self, int start, int end) {
+    host_device *h = self;
+    return h->event_ms[end] - h->event_ms[start];
+}
+
+static void host_close(void *self) {
+    host_device *h = self;
+    free(h->act);
+    free(h);
+}
+
+int strata_host_backend_open(strata_dev_backend *b, char *err, size_t err_len) {
+    host_device *h = calloc(1, sizeof *h);
+    if (!h) {
+        strncpy(err, "out of memory", err_len);
+        return STRATA_ERR_NOMEM;
+    }
+    h->be = b;
+    *b = (strata_dev_backend){
+        .self = h, .name = "host", .alloc = host_alloc, .free = host_free, .copy = host_copy,
+        .memset = host_memset, .stream_create = host_nothing, .stream_sync = host_nothing,
+        .event_record = host_event_record, .stream_wait_event = host_wait, .event_sync = host_nothing,
+        .event_elapsed_ms = host_elapsed, .launch = launch, .close = host_close,
+    };
+    return STRATA_OK;
+}

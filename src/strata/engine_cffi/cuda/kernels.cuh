@@ -1,0 +1,27 @@
+/* kernels.cuh — the launchers of the device kernels (kernels_ref.cu: the reference kernels, one thread per
+ * output with plain loops, sums in double; kernels_fast.cu: the fast ones). Each queues its kernel on `stream`
+ * and returns the launch's error. */
+#pragma once
+#include <cuda_runtime.h>
+#include "blocks.cuh"
+#include "device.h"
+
+namespace strata_cuda {
+
+cudaError_t matmul_ref(const strata_dev_matmul_args *a, cudaStream_t stream);
+cudaError_t rms_norm_ref(const strata_dev_rms_norm_args *a, cudaStream_t stream);
+cudaError_t rope_ref(const strata_dev_rope_args *a, cudaStream_t stream);
+cudaError_t attention_ref(const strata_dev_attention_args *a, cudaStream_t stream);
+cudaError_t swiglu_ref(const strata_dev_swiglu_args *a, cudaStream_t stream);
+cudaError_t topk_ref(const strata_dev_topk_args *a, cudaStream_t stream);
+
+/* Bytes of scratch matmul needs (its activations quantised; 0 for F16 / BF16 weights). */
+size_t matmul_scratch_bytes(const strata_dev_matmul_args *a);
+cudaError_t matmul(const strata_dev_matmul_args *a, void *scratch, cudaStream_t stream);
+cudaError_t rms_norm(const strata_dev_rms_norm_args *a, cudaStream_t stream);
+cudaError_t rope(const strata_dev_rope_args *a, cudaStream_t stream);
+cudaError_t attention(const strata_dev_attention_args *a, cudaStream_t stream);
+cudaError_t swiglu(const strata_dev_swiglu_args *a, cudaStream_t stream);
+cudaError_t topk(const strata_dev_topk_args *a, cudaStream_t stream);
+
+}  // namespace strata_cuda

@@ -1,0 +1,296 @@
+/* kernels_fast.cu — the fast kernels. Products: a warp per weight row; quantised weights meet activations
+ * quantised to 32-value int8 blocks (act_block) in int8 dot products of four lanes (__dp4a), each warp holding
+ * up to TOKENS tokens' sums, so one pass over a row serves a group of tokens (matrix-matrix products are the same
+ * kernel over several groups); F16 / BF16 rows meet f32 activations. The rest: warp and block reductions, and
+ * attention with a running (online) softmax per warp. */
+#include <math.h>
+#include "blocks.cuh"
+#include "kernels.cuh"
+
+namespace strata_cuda {
+
+constexpr int WARP = 32, TOKENS = 8, ROWS_PER_BLOCK = 4;
+
+__device__ inline float warp_sum(float v) {
+#pragma unroll
+    for (int o = WARP / 2; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ inline float warp_max(float v) {
+#pragma unroll
+    for (int o = WARP / 2; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// --- activations to int8 blocks: a warp per block of 32, d = amax / 127, q = round(x / d)
+
+__global__ void quantize_acts(const float *x, act_block *out, int64_t n_blocks) {
+    int64_t b = blockIdx.x * (int64_t)(blockDim.x / WARP) + threadIdx.x / WARP;
+    if (b >= n_blocks) return;
+    int lane = threadIdx.x % WARP;
+    float v = x[b * 32 + lane], d = warp_max(fabsf(v)) / 127.0f;
+    int q = act_quant(v, d);
+    out[b].q[lane] = (int8_t)q;
+    float sum = warp_sum((float)q);
+    if (lane == 0) {
+        out[b].d = d;
+        out[b].s = d * sum;
+    }
+}
+
+// --- products
+
+/* y[t, r] for the rows of this block's warps and the tokens [t0, t0 + TOKENS) of this grid row. */
+template <int T>
+__global__ void matmul_q8_kernel(const uint8_t *w, size_t row_bytes, int64_t n, const act_block *xq, float *y,
+                                 int64_t rows, int64_t n_tok) {
+    int64_t r = blockIdx.x * (int64_t)ROWS_PER_BLOCK + threadIdx.x / WARP, t0 = blockIdx.y * (int64_t)TOKENS;
+    if (r >= rows) return;
+    int lane = threadIdx.x % WARP, nt = (int)min((int64_t)TOKENS, n_tok - t0);
+    int64_t chunks = n / 32;
+    const uint8_t *row = w + r * row_bytes;
+    float acc[TOKENS] = {};
+    for (int64_t c = lane; c < chunks; c += WARP) {
+        chunk k = chunk_at<T>(row, c);
+#pragma unroll
+        for (int t = 0; t < TOKENS; t++) {
+            if (t >= nt) break;
+            acc[t] += chunk_dot(k, xq[(t0 + t) * chunks + c]);
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < TOKENS; t++) {
+        if (t >= nt) break;
+        float v = warp_sum(acc[t]);
+        if (lane == 0) y[(t0 + t) * rows + r] = v;
+    }
+}
+
+/* F16 / BF16 rows against f32 activations: each lane takes pairs of values. */
+template <int T>
+__global__ void matmul_half_kernel(const uint8_t *w, size_t row_bytes, int64_t n, const float *x, float *y,
+                                   int64_t rows, int64_t n_tok) {
+    int64_t r = blockIdx.x * (int64_t)ROWS_PER_BLOCK + threadIdx.x / WARP, t0 = blockIdx.y * (int64_t)TOKENS;
+    if (r >= rows) return;
+    int lane = threadIdx.x % WARP, nt = (int)min((int64_t)TOKENS, n_tok - t0);
+    const uint8_t *row = w + r * row_bytes;
+    float acc[TOKENS] = {};
+    for (int64_t i = 2 * lane; i < n; i += 2 * WARP) {
+        float w0 = value_at<T>(row, i), w1 = i + 1 < n ? value_at<T>(row, i + 1) : 0.0f;
+#pragma unroll
+        for (int t = 0; t < TOKENS; t++) {
+            if (t >= nt) break;
+            const float *xt = x + (t0 + t) * n;
+            acc[t] += w0 * xt[i] + (i + 1 < n ? w1 * xt[i + 1] : 0.0f);
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < TOKENS; t++) {
+        if (t >= nt) break;
+        float v = warp_sum(acc[t]);
+        if (lane == 0) y[(t0 + t) * rows + r] = v;
+    }
+}
+
+static bool is_half(int type) { return type == STRATA_TYPE_F16 || type == STRATA_TYPE_BF16; }
+
+size_t matmul_scratch_bytes(const strata_dev_matmul_args *a) {
+    return is_half(a->type) ? 0 : sizeof(act_block) * (size_t)(a->n_tok * a->n / 32);
+}
+
+template <int T> static cudaError_t launch_matmul(const strata_dev_matmul_args *a, act_block *xq, cudaStream_t stream) {
+    dim3 grid((unsigned)((a->rows + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK), (unsigned)((a->n_tok + TOKENS - 1) / TOKENS));
+    const uint8_t *w = (const uint8_t *)a->w;
+    if constexpr (T == STRATA_TYPE_F16 || T == STRATA_TYPE_BF16) {
+        matmul_half_kernel<T><<<grid, ROWS_PER_BLOCK * WARP, 0, stream>>>(w, a->row_bytes, a->n, a->x, a->y, a->rows,
+                                                                          a->n_tok);
+    } else {
+        int64_t n_blocks = a->n_tok * a->n / 32;
+        quantize_acts<<<(unsigned)((n_blocks + 7) / 8), 8 * WARP, 0, stream>>>(a->x, xq, n_blocks);
+        matmul_q8_kernel<T><<<grid, ROWS_PER_BLOCK * WARP, 0, stream>>>(w, a->row_bytes, a->n, xq, a->y, a->rows,
+                                                                        a->n_tok);
+    }
+    return cudaGetLastError();
+}
+
+cudaError_t matmul(const strata_dev_matmul_args *a, void *scratch, cudaStream_t stream) {
+    act_block *xq = (act_block *)scratch;
+    switch (a->type) {
+    case STRATA_TYPE_F16: return launch_matmul<STRATA_TYPE_F16>(a, xq, stream);
+    case STRATA_TYPE_BF16: return launch_matmul<STRATA_TYPE_BF16>(a, xq, stream);
+    case STRATA_TYPE_Q8_0: return launch_matmul<STRATA_TYPE_Q8_0>(a, xq, stream);
+    case STRATA_TYPE_Q4_K: return launch_matmul<STRATA_TYPE_Q4_K>(a, xq, stream);
+    case STRATA_TYPE_Q5_K: return launch_matmul<STRATA_TYPE_Q5_K>(a, xq, stream);
+    case STRATA_TYPE_Q6_K: return launch_matmul<STRATA_TYPE_Q6_K>(a, xq, stream);
+    case STRATA_TYPE_IQ4_XS: return launch_matmul<STRATA_TYPE_IQ4_XS>(a, xq, stream);
+    case STRATA_TYPE_MXFP4: return launch_matmul<STRATA_TYPE_MXFP4>(a, xq, stream);
+    default: return cudaErrorInvalidValue;
+    }
+}
+
+// --- RMS norm: a block of 256 threads per row
+
+constexpr int NORM_THREADS = 256;
+
+__global__ void rms_norm_kernel(strata_dev_rms_norm_args a) {
+    __shared__ float part[NORM_THREADS / WARP];
+    const float *x = a.x + blockIdx.x * a.n;
+    float ss = 0.0f;
+    for (int64_t i = threadIdx.x; i < a.n; i += NORM_THREADS) ss += x[i] * x[i];
+    ss = warp_sum(ss);
+    if (threadIdx.x % WARP == 0) part[threadIdx.x / WARP] = ss;
+    __syncthreads();
+    ss = threadIdx.x < NORM_THREADS / WARP ? part[threadIdx.x] : 0.0f;
+    ss = warp_sum(ss);  // every warp sums the partial sums: all threads end with the total
+    float s = rsqrtf(ss / (float)a.n + a.eps);
+    for (int64_t i = threadIdx.x; i < a.n; i += NORM_THREADS) a.out[blockIdx.x * a.n + i] = x[i] * s * a.w[i];
+}
+
+cudaError_t rms_norm(const strata_dev_rms_norm_args *a, cudaStream_t stream) {
+    rms_norm_kernel<<<(unsigned)a->n_tok, NORM_THREADS, 0, stream>>>(*a);
+    return cudaGetLastError();
+}
+
+// --- RoPE: a thread per pair, the angle's sine and cosine together in f32
+
+__global__ void rope_kernel(strata_dev_rope_args a) {
+    int half = a.head_dim / 2;
+    int64_t o = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+    if (o >= (int64_t)a.n_tok * a.n_head * half) return;
+    int i = (int)(o % half), t = (int)(o / half / a.n_head);
+    float *x = a.x + o / half * a.head_dim, s, c;
+    sincosf((float)a.pos[3 * t + a.axis[i]] * a.inv_freq[i], &s, &c);
+    int p = a.neox ? i : 2 * i, q = a.neox ? i + half : 2 * i + 1;
+    float x0 = x[p], x1 = x[q];
+    x[p] = x0 * c - x1 * s;
+    x[q] = x0 * s + x1 * c;
+}
+
+cudaError_t rope(const strata_dev_rope_args *a, cudaStream_t stream) {
+    int64_t n = (int64_t)a->n_tok * a->n_head * (a->head_dim / 2);
+    rope_kernel<<<(unsigned)((n + 127) / 128), 128, 0, stream>>>(*a);
+    return cudaGetLastError();
+}
+
+// --- attention: a block per (token, head); each warp runs an online softmax over every ATT_WARPS-th position
+// (its running maximum m, sum l and weighted values acc), lane j holding values j, j + 32, ... of the head; the
+// warps' states are merged at the end.
+
+constexpr int ATT_WARPS = 4, MAX_PER_LANE = 256 / WARP;
+
+__device__ inline float kv_at(const strata_dev_attention_args &a, const void *cache, const float *scale, size_t row,
+                              int d) {
+    size_t i = row * a.head_dim + d;
+    if (a.kv_type == STRATA_KV_F32) return ((const float *)cache)[i];
+    if (a.kv_type == STRATA_KV_F16) return __half2float(((const __half *)cache)[i]);
+    return (float)((const int8_t *)cache)[i] * scale[row];
+}
+
+__global__ void attention_kernel(strata_dev_attention_args a) {
+    __shared__ float wm[ATT_WARPS], wl[ATT_WARPS], wacc[ATT_WARPS][256];
+    int t = blockIdx.x / a.n_head, h = blockIdx.x % a.n_head, warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    int per_lane = a.head_dim / WARP;
+    const float *q = a.q + ((size_t)t * a.n_head + h) * a.head_dim;
+    size_t base = (((size_t)a.seq[t] * a.n_layer + a.il) * a.n_head_kv + h / (a.n_head / a.n_head_kv)) * a.n_ctx;
+    float scale = rsqrtf((float)a.head_dim), qv[MAX_PER_LANE], acc[MAX_PER_LANE], m = -INFINITY, l = 0.0f;
+#pragma unroll
+    for (int j = 0; j < MAX_PER_LANE; j++) {
+        qv[j] = j < per_lane ? q[lane + WARP * j] * scale : 0.0f;
+        acc[j] = 0.0f;
+    }
+    for (int p = warp; p < a.n_pos[t]; p += ATT_WARPS) {
+        float s = 0.0f;
+#pragma unroll
+        for (int j = 0; j < MAX_PER_LANE; j++)
+            if (j < per_lane) s += qv[j] * kv_at(a, a.k, a.k_scale, base + p, lane + WARP * j);
+        s = warp_sum(s);
+        float m_new = fmaxf(m, s), old = __expf(m - m_new), e = __expf(s - m_new);
+        l = l * old + e;
+#pragma unroll
+        for (int j = 0; j < MAX_PER_LANE; j++)
+            if (j < per_lane) acc[j] = acc[j] * old + e * kv_at(a, a.v, a.v_scale, base + p, lane + WARP * j);
+        m = m_new;
+    }
+    if (lane == 0) {
+        wm[warp] = m;
+        wl[warp] = l;
+    }
+#pragma unroll
+    for (int j = 0; j < MAX_PER_LANE; j++)
+        if (j < per_lane) wacc[warp][lane + WARP * j] = acc[j];
+    __syncthreads();
+    // merge: out = sum_w e^(m_w - M) acc_w / sum_w e^(m_w - M) l_w (a warp with no positions has l = 0, m = -inf)
+    float big = -INFINITY, total = 0.0f;
+    for (int w = 0; w < ATT_WARPS; w++) big = fmaxf(big, wm[w]);
+    for (int w = 0; w < ATT_WARPS; w++) total += wl[w] == 0.0f ? 0.0f : __expf(wm[w] - big) * wl[w];
+    float *out = a.out + ((size_t)t * a.n_head + h) * a.head_dim;
+    for (int d = threadIdx.x; d < a.head_dim; d += blockDim.x) {
+        float v = 0.0f;
+        for (int w = 0; w < ATT_WARPS; w++)
+            if (wl[w] != 0.0f) v += __expf(wm[w] - big) * wacc[w][d];
+        out[d] = v / total;
+    }
+}
+
+cudaError_t attention(const strata_dev_attention_args *a, cudaStream_t stream) {
+    attention_kernel<<<(unsigned)(a->n_tok * a->n_head), ATT_WARPS * WARP, 0, stream>>>(*a);
+    return cudaGetLastError();
+}
+
+// --- SwiGLU
+
+__global__ void swiglu_kernel(strata_dev_swiglu_args a) {
+    int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+    if (i < a.n) {
+        float g = a.g[i];
+        a.out[i] = g / (1.0f + __expf(-g)) * a.u[i];
+    }
+}
+
+cudaError_t swiglu(const strata_dev_swiglu_args *a, cudaStream_t stream) {
+    swiglu_kernel<<<(unsigned)((a->n + 255) / 256), 256, 0, stream>>>(*a);
+    return cudaGetLastError();
+}
+
+// --- top-k: a warp per token; k rounds of a warp-wide arg-max over the experts not yet taken (the larger
+// logit, then the lower index), whose winner every lane then knows
+
+__global__ void topk_kernel(strata_dev_topk_args a) {
+    int t = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    if (t >= a.n_tok) return;
+    const float *l = a.logits + (size_t)t * a.n_expert;
+    float max = -INFINITY;
+    for (int e = lane; e < a.n_expert; e += WARP) max = fmaxf(max, l[e]);
+    max = warp_max(max);
+    int chosen[32];
+    float kept = 0.0f;
+    for (int j = 0; j < a.k; j++) {
+        float bv = -INFINITY;
+        int bi = -1;
+        for (int e = lane; e < a.n_expert; e += WARP) {
+            bool taken = false;
+            for (int i = 0; i < j; i++) taken |= chosen[i] == e;
+            if (!taken && (bi < 0 || l[e] > bv)) bv = l[e], bi = e;
+        }
+        for (int o = WARP / 2; o > 0; o /= 2) {
+            float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (oi >= 0 && (bi < 0 || ov > bv || (ov == bv && oi < bi))) bv = ov, bi = oi;
+        }
+        chosen[j] = bi;
+        kept += expf(bv - max);
+    }
+    if (lane == 0)
+        for (int j = 0; j < a.k; j++) {
+            a.ids[t * a.k + j] = chosen[j];
+            a.weights[t * a.k + j] = expf(l[chosen[j]] - max) / kept;
+        }
+}
+
+cudaError_t topk(const strata_dev_topk_args *a, cudaStream_t stream) {
+    topk_kernel<<<(unsigned)((a->n_tok + 3) / 4), 4 * WARP, 0, stream>>>(*a);
+    return cudaGetLastError();
+}
+
+}  // namespace strata_cuda

@@ -1,0 +1,161 @@
+/* kernels_ref.cu — the reference kernels: one thread per output, the maths written out as plain loops, sums in
+ * double. Slow and obviously right; the fast kernels and the CPU engine are checked against them. */
+#include <math.h>
+#include "blocks.cuh"
+#include "kernels.cuh"
+
+namespace strata_cuda {
+
+static int blocks_for(int64_t n, int threads) { return (int)((n + threads - 1) / threads); }
+
+// --- products: y[t, r] = sum_i value(w row r, i) * x[t, i]
+
+template <int T>
+__global__ void matmul_ref_kernel(const uint8_t *w, size_t row_bytes, int64_t n, const float *x, float *y,
+                                  int64_t rows, int64_t n_tok) {
+    int64_t o = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+    if (o >= rows * n_tok) return;
+    int64_t r = o % rows, t = o / rows;
+    const uint8_t *row = w + r * row_bytes;
+    double acc = 0.0;
+    for (int64_t i = 0; i < n; i++) acc += (double)value_at<T>(row, i) * x[t * n + i];
+    y[t * rows + r] = (float)acc;
+}
+
+template <int T> static cudaError_t launch_matmul_ref(const strata_dev_matmul_args *a, cudaStream_t stream) {
+    matmul_ref_kernel<T><<<blocks_for(a->rows * a->n_tok, 128), 128, 0, stream>>>(
+        (const uint8_t *)a->w, a->row_bytes, a->n, a->x, a->y, a->rows, a->n_tok);
+    return cudaGetLastError();
+}
+
+cudaError_t matmul_ref(const strata_dev_matmul_args *a, cudaStream_t stream) {
+    switch (a->type) {
+    case STRATA_TYPE_F16: return launch_matmul_ref<STRATA_TYPE_F16>(a, stream);
+    case STRATA_TYPE_BF16: return launch_matmul_ref<STRATA_TYPE_BF16>(a, stream);
+    case STRATA_TYPE_Q8_0: return launch_matmul_ref<STRATA_TYPE_Q8_0>(a, stream);
+    case STRATA_TYPE_Q4_K: return launch_matmul_ref<STRATA_TYPE_Q4_K>(a, stream);
+    case STRATA_TYPE_Q5_K: return launch_matmul_ref<STRATA_TYPE_Q5_K>(a, stream);
+    case STRATA_TYPE_Q6_K: return launch_matmul_ref<STRATA_TYPE_Q6_K>(a, stream);
+    case STRATA_TYPE_IQ4_XS: return launch_matmul_ref<STRATA_TYPE_IQ4_XS>(a, stream);
+    case STRATA_TYPE_MXFP4: return launch_matmul_ref<STRATA_TYPE_MXFP4>(a, stream);
+    default: return cudaErrorInvalidValue;
+    }
+}
+
+// --- RMS norm: one thread per row
+
+__global__ void rms_norm_ref_kernel(strata_dev_rms_norm_args a) {
+    int64_t t = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+    if (t >= a.n_tok) return;
+    const float *x = a.x + t * a.n;
+    double ss = 0.0;
+    for (int64_t i = 0; i < a.n; i++) ss += (double)x[i] * x[i];
+    float s = (float)(1.0 / sqrt(ss / (double)a.n + a.eps));
+    for (int64_t i = 0; i < a.n; i++) a.out[t * a.n + i] = x[i] * s * a.w[i];
+}
+
+cudaError_t rms_norm_ref(const strata_dev_rms_norm_args *a, cudaStream_t stream) {
+    rms_norm_ref_kernel<<<blocks_for(a->n_tok, 64), 64, 0, stream>>>(*a);
+    return cudaGetLastError();
+}
+
+// --- RoPE: one thread per rotated pair
+
+__global__ void rope_ref_kernel(strata_dev_rope_args a) {
+    int half = a.head_dim / 2;
+    int64_t o = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+    if (o >= (int64_t)a.n_tok * a.n_head * half) return;
+    int i = (int)(o % half), t = (int)(o / half / a.n_head);
+    float *x = a.x + o / half * a.head_dim;
+    float theta = (float)a.pos[3 * t + a.axis[i]] * a.inv_freq[i];
+    double c = cos((double)theta), s = sin((double)theta);
+    int p = a.neox ? i : 2 * i, q = a.neox ? i + half : 2 * i + 1;
+    double x0 = x[p], x1 = x[q];
+    x[p] = (float)(x0 * c - x1 * s);
+    x[q] = (float)(x0 * s + x1 * c);
+}
+
+cudaError_t rope_ref(const strata_dev_rope_args *a, cudaStream_t stream) {
+    rope_ref_kernel<<<blocks_for((int64_t)a->n_tok * a->n_head * (a->head_dim / 2), 128), 128, 0, stream>>>(*a);
+    return cudaGetLastError();
+}
+
+// --- attention: one thread per output value (token, head, d), three passes over the positions
+
+__device__ double kv_value(const strata_dev_attention_args &a, const void *cache, const float *scale, size_t row,
+                           int d) {
+    size_t i = row * a.head_dim + d;
+    if (a.kv_type == STRATA_KV_F32) return ((const float *)cache)[i];
+    if (a.kv_type == STRATA_KV_F16) return __half2float(((const __half *)cache)[i]);
+    return ((const int8_t *)cache)[i] * (double)scale[row];
+}
+
+__device__ double score(const strata_dev_attention_args &a, const float *q, size_t row) {
+    double s = 0.0;
+    for (int d = 0; d < a.head_dim; d++) s += q[d] * kv_value(a, a.k, a.k_scale, row, d);
+    return s / sqrt((double)a.head_dim);
+}
+
+__global__ void attention_ref_kernel(strata_dev_attention_args a) {
+    int64_t o = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+    if (o >= (int64_t)a.n_tok * a.n_head * a.head_dim) return;
+    int d = (int)(o % a.head_dim), h = (int)(o / a.head_dim % a.n_head), t = (int)(o / a.head_dim / a.n_head);
+    const float *q = a.q + ((size_t)t * a.n_head + h) * a.head_dim;
+    size_t base = (((size_t)a.seq[t] * a.n_layer + a.il) * a.n_head_kv + h / (a.n_head / a.n_head_kv)) * a.n_ctx;
+    double max = -INFINITY, sum = 0.0, acc = 0.0;
+    for (int p = 0; p < a.n_pos[t]; p++) max = fmax(max, score(a, q, base + p));
+    for (int p = 0; p < a.n_pos[t]; p++) {
+        double e = exp(score(a, q, base + p) - max);
+        sum += e;
+        acc += e * kv_value(a, a.v, a.v_scale, base + p, d);
+    }
+    a.out[o] = (float)(acc / sum);
+}
+
+cudaError_t attention_ref(const strata_dev_attention_args *a, cudaStream_t stream) {
+    attention_ref_kernel<<<blocks_for((int64_t)a->n_tok * a->n_head * a->head_dim, 128), 128, 0, stream>>>(*a);
+    return cudaGetLastError();
+}
+
+// --- SwiGLU: one thread per value
+
+__global__ void swiglu_ref_kernel(strata_dev_swiglu_args a) {
+    int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+    if (i < a.n) a.out[i] = (float)(a.g[i] / (1.0 + exp(-(double)a.g[i])) * a.u[i]);
+}
+
+cudaError_t swiglu_ref(const strata_dev_swiglu_args *a, cudaStream_t stream) {
+    swiglu_ref_kernel<<<blocks_for(a->n, 256), 256, 0, stream>>>(*a);
+    return cudaGetLastError();
+}
+
+// --- top-k routing: one thread per token, k passes of a linear search (softmax is monotonic: the k largest
+// logits are the k most probable experts)
+
+__global__ void topk_ref_kernel(strata_dev_topk_args a) {
+    int t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= a.n_tok) return;
+    const float *l = a.logits + (size_t)t * a.n_expert;
+    int *ids = a.ids + t * a.k;
+    float max = -INFINITY;
+    double kept = 0.0;
+    for (int e = 0; e < a.n_expert; e++) max = fmaxf(max, l[e]);
+    for (int j = 0; j < a.k; j++) {
+        int best = -1;
+        for (int e = 0; e < a.n_expert; e++) {
+            bool taken = false;
+            for (int i = 0; i < j; i++) taken |= ids[i] == e;
+            if (!taken && (best < 0 || l[e] > l[best])) best = e;
+        }
+        ids[j] = best;
+        kept += exp((double)l[best] - max);
+    }
+    for (int j = 0; j < a.k; j++) a.weights[t * a.k + j] = (float)(exp((double)l[ids[j]] - max) / kept);
+}
+
+cudaError_t topk_ref(const strata_dev_topk_args *a, cudaStream_t stream) {
+    topk_ref_kernel<<<blocks_for(a->n_tok, 64), 64, 0, stream>>>(*a);
+    return cudaGetLastError();
+}
+
+}  // namespace strata_cuda

@@ -1,0 +1,168 @@
+"""The device interface (`cuda/device.h`) from Python: memory, streams, events and kernel launches on the host
+device or, when `libstrata_cuda.so` was built and a GPU is there, the CUDA one.
+
+The interface lives in the engine's shared library but not in its cffi module (it is not part of
+`strata_engine.h`): this module parses `device.h` with its own cdef and opens the same library, as the kernel
+tests reach `kernels.h`.
+"""
+
+from __future__ import annotations
+
+import functools
+import pathlib
+import re
+from typing import Any
+
+import cffi  # type: ignore[import-untyped]
+import numpy as np
+
+import strata.engine_cffi._engine as engine_module
+
+HEADER = pathlib.Path(__file__).with_name("cuda") / "device.h"
+CUDA_LIBRARY = pathlib.Path(__file__).with_name("libstrata_cuda.so")
+KERNELS = ("matmul", "rms_norm", "rope", "attention", "swiglu", "topk")
+_CONSTANT = re.compile(r"#define \w+ \d+$")
+
+
+class DeviceError(RuntimeError):
+    """A call of the device interface failed; the message is the interface's reason."""
+
+
+class DeviceUnavailable(DeviceError):
+    """The device asked for cannot be opened here (no CUDA library built, no GPU): one line says why."""
+
+
+@functools.cache
+def interface() -> tuple[Any, Any]:
+    """The cffi FFI of device.h and the engine's library opened with it."""
+    ffi = cffi.FFI()
+    lines = HEADER.read_text().splitlines()
+    ffi.cdef("\n".join(line for line in lines if not line.startswith("#") or _CONSTANT.match(line)))
+    return ffi, ffi.dlopen(engine_module.__file__)
+
+
+class Device:
+    """An open device. Pointers it returns are cffi `void *` values (device addresses on a GPU)."""
+
+    def __init__(self, kind: str = "host", budget: int = 0) -> None:
+        """Open `kind` ("host" or "cuda") with `budget` bytes (0: the card's free memory, unlimited on the host).
+
+        Raises:
+            DeviceUnavailable: cuda was asked for and this build or machine has none.
+            DeviceError: anything else (an unknown kind, a budget over the card's memory).
+        """
+        self.ffi, self.lib = interface()
+        err = self.ffi.new("char[]", 512)
+        library = str(CUDA_LIBRARY).encode() if CUDA_LIBRARY.exists() else self.ffi.NULL
+        self._d = self.lib.strata_dev_open(kind.encode(), library, budget, err, len(err))
+        if self._d == self.ffi.NULL:
+            message = self.ffi.string(err).decode()
+            raise (DeviceUnavailable if kind == "cuda" else DeviceError)(message)
+        self.kind = kind
+        self.name = self.ffi.string(self.lib.strata_dev_name(self._d)).decode()
+        self.bandwidth = float(self.lib.strata_dev_bandwidth(self._d))  # bytes per second, 0 unknown
+
+    def close(self) -> None:
+        if self._d is not None:
+            self.lib.strata_dev_close(self._d)
+            self._d = None
+
+    def __enter__(self) -> Device:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check(self, status: int) -> None:
+        if status != 0:
+            raise DeviceError(self.ffi.string(self.lib.strata_dev_error(self._d)).decode())
+
+    # --- memory
+
+    @property
+    def used(self) -> int:
+        return int(self.lib.strata_dev_used(self._d))
+
+    @property
+    def budget(self) -> int:
+        return int(self.lib.strata_dev_budget(self._d))
+
+    def alloc(self, nbytes: int) -> Any:
+        p = self.lib.strata_dev_alloc(self._d, nbytes)
+        if p == self.ffi.NULL:
+            self._check(1)
+        return p
+
+    def free(self, p: Any) -> None:
+        self._check(self.lib.strata_dev_free(self._d, p))
+
+    def upload(self, dst: Any, array: np.ndarray, stream: int = 0) -> None:
+        self._check(self.lib.strata_dev_upload(self._d, stream, dst, self.ffi.from_buffer(array), array.nbytes))
+
+    def download(self, array: np.ndarray, src: Any, stream: int = 0) -> None:
+        self._check(self.lib.strata_dev_download(self._d, stream, self.ffi.from_buffer(array), src, array.nbytes))
+
+    def memset(self, dst: Any, value: int, nbytes: int, stream: int = 0) -> None:
+        self._check(self.lib.strata_dev_memset(self._d, stream, dst, value, nbytes))
+
+    def to_device(self, array: np.ndarray) -> Any:
+        """A new allocation holding a copy of `array` (stream 0, synchronised)."""
+        array = np.ascontiguousarray(array)
+        p = self.alloc(max(array.nbytes, 1))
+        self.upload(p, array)
+        self.sync()
+        return p
+
+    def to_host(self, p: Any, shape: tuple[int, ...], dtype: Any, stream: int = 0) -> np.ndarray:
+        out = np.empty(shape, dtype=dtype)
+        self.download(out, p, stream)
+        self.sync(stream)
+        return out
+
+    # --- streams and events
+
+    def stream(self) -> int:
+        s = self.lib.strata_dev_stream_create(self._d)
+        if s < 0:
+            self._check(1)
+        return int(s)
+
+    def sync(self, stream: int = 0) -> None:
+        self._check(self.lib.strata_dev_stream_sync(self._d, stream))
+
+    def record(self, stream: int = 0) -> int:
+        e = self.lib.strata_dev_event_record(self._d, stream)
+        if e < 0:
+            self._check(1)
+        return int(e)
+
+    def wait(self, stream: int, event: int) -> None:
+        self._check(self.lib.strata_dev_stream_wait_event(self._d, stream, event))
+
+    def event_sync(self, event: int) -> None:
+        self._check(self.lib.strata_dev_event_sync(self._d, event))
+
+    def elapsed_ms(self, start: int, end: int) -> float:
+        ms = float(self.lib.strata_dev_event_elapsed_ms(self._d, start, end))
+        if ms < 0:
+            self._check(1)
+        return ms
+
+    # --- kernels
+
+    def launch(self, name: str, stream: int = 0, **fields: Any) -> None:
+        """Queue kernel `name` ("matmul", ..., or "<name>_ref") with its argument struct's fields (device.h);
+        pointers may be any cffi pointer: each is cast to its field's type."""
+        kernel = name.removesuffix("_ref")
+        if kernel not in KERNELS:
+            raise DeviceError(f"no kernel named '{name}'")
+        struct = f"strata_dev_{kernel}_args"
+        types = dict(self.ffi.typeof(struct).fields)
+        unknown = sorted(set(fields) - set(types))
+        if unknown:
+            raise DeviceError(f"{name}: no argument named {', '.join(unknown)}")
+        args = self.ffi.new(f"{struct} *")
+        for field, value in fields.items():
+            ftype = types[field].type
+            setattr(args[0], field, self.ffi.cast(ftype, value) if ftype.kind == "pointer" else value)
+        self._check(self.lib.strata_dev_launch(self._d, stream, name.encode(), args))

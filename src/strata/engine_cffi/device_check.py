@@ -1,0 +1,378 @@
+"""Every device kernel against its reference kernel and the CPU engine, as one table (`scripts/gpu-check.sh`).
+
+For each case the fast kernel, the reference kernel ("<name>_ref") and the CPU engine's result (the host
+device's kernel: the engine's own product, or the C port of the reference) run on the same random inputs. A case
+passes when the fast kernel is within the stated tolerance of both:
+
+- products: the activations' quantisation bound of the kernel tests (tests/engine/test_kernels.py): each
+  activation moves by less than one step amax / 127 of its block, so |dy| <= sum_i |w_i| step_i, counted once for
+  the device's 32-value blocks and once for the CPU engine's own blocks (Q8_0's 32, Q8_K's 256), plus 1e-5 of
+  sum |w x| for float accumulation in another order; F16 / BF16 (activations kept f32): the 1e-5 alone. That
+  bound is a worst case, loose enough to hide a lost term; so each type also runs on "lossless" activations, which
+  both quantisers represent exactly (integers up to 127 times a power of two, 127 in every 32-block), where the
+  fast kernel must match the reference within the 1e-5 alone;
+- RMS norm, RoPE, SwiGLU: 1e-5 of the magnitude of the terms (|x| s |w|, |x0| + |x1|, |g u|);
+- attention: 1e-5 of the largest |v| its head reads;
+- top-k: the same experts in the same order, weights within 1e-5.
+
+GB/s is what the fast kernel moves (weights, inputs, outputs once) over its time by the device's events, the mean
+of a few runs after a warm-up; "of peak" divides by the card's memory bandwidth.
+
+    python -m strata.engine_cffi.device_check --device cuda      # the full shapes (on a GPU)
+    python -m strata.engine_cffi.device_check --device host --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, quants
+from gguf import GGMLQuantizationType as Q
+
+from strata.engine_cffi.device import Device, DeviceError
+from strata.modelgen.quants import random_blocks
+
+MATMUL_TYPES = (Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.MXFP4, Q.F16, Q.BF16)
+# The CPU engine's activation block for each type's products (None: f32 activations); the device's is 32.
+ENGINE_ACT_BLOCK = {Q.Q8_0: 32, Q.MXFP4: 32, Q.F16: None, Q.BF16: None} | dict.fromkeys(
+    (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS), 256)
+DEVICE_ACT_BLOCK = 32
+RTOL = 1e-5
+KV_TYPES = {"f32": 0, "f16": 1, "int8": 2}
+
+
+@dataclass(frozen=True)
+class Shapes:
+    matmul: tuple[tuple[int, int, int], ...]  # (rows, n, n_tok)
+    norm: tuple[int, int]                     # (n_tok, n)
+    rope: tuple[int, int, int]                # (n_tok, n_head, head_dim)
+    attention: tuple[int, int, int, int, int]  # (n_seq, n_head, n_head_kv, head_dim, n_ctx)
+    swiglu: int
+    topk: tuple[int, int, int]                # (n_tok, n_expert, k)
+
+
+FULL = Shapes(matmul=((2048, 2048, 1), (11008, 4096, 1), (4096, 11008, 1), (2048, 2048, 64)), norm=(64, 4096),
+              rope=(64, 32, 128), attention=(4, 32, 8, 128, 4096), swiglu=64 * 11008, topk=(64, 128, 8))
+QUICK = Shapes(matmul=((40, 512, 1), (24, 768, 9)), norm=(5, 256), rope=(3, 4, 64), attention=(2, 4, 2, 64, 48),
+               swiglu=1000, topk=(6, 32, 4))
+
+
+@dataclass(frozen=True)
+class Row:
+    kernel: str
+    type: str
+    shape: str
+    rel_ref: float   # max |fast - ref| / max |ref|
+    rel_cpu: float   # max |fast - cpu| / max |cpu|
+    passed: bool
+    gbps: float
+    peak: float      # gbps over the card's bandwidth, 0 unknown
+
+
+@dataclass
+class Case:
+    kernel: str
+    type: str
+    shape: str
+    args: Callable[[Device], dict[str, Any]]   # the launch's arguments on that device (its buffers made)
+    out: Callable[[Device, dict[str, Any]], np.ndarray]  # the result, read back
+    reset: Callable[[Device, dict[str, Any]], None]      # put in-place inputs back before a run
+    tolerance: Callable[[np.ndarray], np.ndarray]        # the allowed |fast - other| per value, given other
+    nbytes: int
+    exact: Callable[[np.ndarray, np.ndarray], bool] | None = None  # what must agree exactly (top-k's ids)
+    ref_tolerance: Callable[[np.ndarray], np.ndarray] | None = None  # against the reference, when tighter
+
+
+def _rel(a: np.ndarray, b: np.ndarray) -> float:
+    scale = float(np.max(np.abs(b))) or 1.0
+    return float(np.max(np.abs(a.astype(np.float64) - b))) / scale
+
+
+def _buffers(arrays: dict[str, np.ndarray], outputs: dict[str, tuple[tuple[int, ...], Any]]) -> Callable:
+    def make(dev: Device) -> dict[str, Any]:
+        made = {name: dev.to_device(a) for name, a in arrays.items()}
+        for name, (shape, dtype) in outputs.items():
+            made[name] = dev.alloc(int(np.prod(shape)) * np.dtype(dtype).itemsize)
+        return made
+    return make
+
+
+def _no_reset(dev: Device, args: dict[str, Any]) -> None:
+    return None
+
+
+# --- the cases
+
+
+def random_weights(qtype: Q, rows: int, n: int, rng: np.random.Generator) -> np.ndarray:
+    """(rows, row_bytes) uint8 weights of `qtype`."""
+    if qtype == Q.F16:
+        return rng.standard_normal((rows, n), dtype=np.float32).astype(np.float16).view(np.uint8)
+    if qtype in (Q.BF16, Q.Q8_0):
+        return quants.quantize(rng.standard_normal((rows, n), dtype=np.float32), qtype)
+    block, size = GGML_QUANT_SIZES[qtype]
+    return random_blocks(qtype, rows * n // block, rng).reshape(rows, n // block * size)
+
+
+def _act_bound(x: np.ndarray, aw: np.ndarray, block: int | None) -> np.ndarray:
+    if block is None:
+        return np.zeros((x.shape[0], aw.shape[0]))
+    amax = np.abs(x).reshape(x.shape[0], -1, block).max(axis=2)
+    return np.repeat(amax / 127.0, block, axis=1).astype(np.float64) @ aw.T
+
+
+def matmul_tolerance(qtype: Q, w: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """(n_tok, rows): what two products of w and x may differ by when each quantises x its own way."""
+    aw = np.abs(quants.dequantize(w, qtype).reshape(w.shape[0], x.shape[1]).astype(np.float64))
+    bound = RTOL * (np.abs(x.astype(np.float64)) @ aw.T) + 1e-30
+    if ENGINE_ACT_BLOCK[qtype] is not None:
+        bound += _act_bound(x, aw, DEVICE_ACT_BLOCK) + _act_bound(x, aw, ENGINE_ACT_BLOCK[qtype])
+    return bound
+
+
+def lossless_activations(n_tok: int, n: int, rng: np.random.Generator) -> np.ndarray:
+    """(n_tok, n) activations that 32- and 256-value int8 blocks hold exactly: per 256 values one power of two
+    times integers in [-127, 127], each 32 of them with a +-127."""
+    q = rng.integers(-127, 128, size=(n_tok * n // 32, 32))
+    q[:, 0] = rng.choice([-127, 127], size=q.shape[0])
+    scale = np.repeat(2.0 ** rng.integers(-8, 1, size=(n_tok * n // 256, 1)), 8, axis=0)
+    return (q * scale).astype(np.float32).reshape(n_tok, n)
+
+
+def matmul_case(qtype: Q, rows: int, n: int, n_tok: int, rng: np.random.Generator, lossless: bool = False) -> Case:
+    w = random_weights(qtype, rows, n, rng)
+    x = lossless_activations(n_tok, n, rng) if lossless else rng.standard_normal((n_tok, n), dtype=np.float32)
+    bound = matmul_tolerance(qtype, w, x)
+    fixed = dict(type=int(qtype), n=n, rows=rows, n_tok=n_tok, row_bytes=w.shape[1])
+    make = _buffers({"w": w, "x": x}, {"y": ((n_tok, rows), np.float32)})
+    exact_bound = None
+    if lossless:
+        aw = np.abs(quants.dequantize(w, qtype).reshape(rows, n).astype(np.float64))
+        tight = RTOL * (np.abs(x.astype(np.float64)) @ aw.T) + 1e-30
+        exact_bound = lambda _: tight  # noqa: E731
+    return Case("matmul", qtype.name, f"{rows}x{n} x{n_tok}" + (" lossless" if lossless else ""),
+                lambda dev: fixed | make(dev), lambda dev, a: dev.to_host(a["y"], (n_tok, rows), np.float32),
+                _no_reset, lambda _: bound, w.nbytes + x.nbytes + 4 * n_tok * rows, ref_tolerance=exact_bound)
+
+
+def rms_norm_case(n_tok: int, n: int, rng: np.random.Generator) -> Case:
+    x = (rng.standard_normal((n_tok, n)) * rng.uniform(0.1, 10, (n_tok, 1))).astype(np.float32)
+    w = rng.uniform(0.5, 1.5, n).astype(np.float32)
+    s = 1.0 / np.sqrt(np.mean(x.astype(np.float64) ** 2, axis=1, keepdims=True) + 1e-6)
+    bound = RTOL * np.abs(x * s * w) + 1e-30
+    make = _buffers({"x": x, "w": w}, {"out": ((n_tok, n), np.float32)})
+    return Case("rms_norm", "f32", f"{n_tok}x{n}", lambda dev: dict(n=n, n_tok=n_tok, eps=1e-6) | make(dev),
+                lambda dev, a: dev.to_host(a["out"], (n_tok, n), np.float32), _no_reset, lambda _: bound,
+                8 * n_tok * n + 4 * n)
+
+
+def rope_case(n_tok: int, n_head: int, hd: int, variant: str, rng: np.random.Generator) -> Case:
+    x = rng.standard_normal((n_tok, n_head, hd), dtype=np.float32)
+    pos = np.repeat(rng.integers(0, 4096, (n_tok, 1)), 3, axis=1).astype(np.int32)
+    axis = np.zeros(hd // 2, np.uint8)
+    if variant == "mrope":  # three sections, interleaved as Qwen3-VL's (h on pairs 1, 4, ..., w on 2, 5, ...)
+        pos[:, 1:] += rng.integers(0, 64, (n_tok, 2), dtype=np.int32)
+        axis = np.array([i % 3 if i < 3 * (hd // 8) else 0 for i in range(hd // 2)], np.uint8)
+    inv_freq = (1e6 ** (-np.arange(0, hd, 2) / hd)).astype(np.float32)
+    neox = variant != "normal"
+    a_idx = np.arange(hd // 2) if neox else 2 * np.arange(hd // 2)
+    b_idx = a_idx + hd // 2 if neox else a_idx + 1
+    pair = np.abs(x[..., a_idx]) + np.abs(x[..., b_idx])
+    bound = np.zeros_like(x, dtype=np.float64)
+    bound[..., a_idx], bound[..., b_idx] = RTOL * pair, RTOL * pair
+    make = _buffers({"x": x, "pos": pos, "inv_freq": inv_freq, "axis": axis}, {})
+    fixed = dict(n_tok=n_tok, n_head=n_head, head_dim=hd, neox=int(neox))
+
+    def reset(dev: Device, a: dict[str, Any]) -> None:  # RoPE turns x in place
+        dev.upload(a["x"], x)
+        dev.sync()
+
+    return Case("rope", variant, f"{n_tok}x{n_head}x{hd}", lambda dev: fixed | make(dev),
+                lambda dev, a: dev.to_host(a["x"], x.shape, np.float32), reset, lambda _: bound, 8 * x.size)
+
+
+def attention_case(n_seq: int, n_head: int, n_kv: int, hd: int, n_ctx: int, kv: str,
+                   rng: np.random.Generator) -> Case:
+    """Decode: one query token per sequence over the positions it holds, in layer 1 of a 2-layer cache."""
+    n_layer, il = 2, 1
+    shape = (n_seq, n_layer, n_kv, n_ctx, hd)
+    k32, v32 = (rng.standard_normal(shape, dtype=np.float32) for _ in range(2))
+    k_scale = v_scale = np.ones(shape[:-1], np.float32)
+    k: np.ndarray
+    v: np.ndarray
+    if kv == "f16":
+        k, v = k32.astype(np.float16), v32.astype(np.float16)
+        vmax = np.abs(v.astype(np.float32))
+    elif kv == "int8":
+        k_scale, v_scale = (np.abs(a).max(axis=-1) / 127 for a in (k32, v32))
+        k, v = (np.round(a / s[..., None]).astype(np.int8) for a, s in ((k32, k_scale), (v32, v_scale)))
+        vmax = np.abs(v * v_scale[..., None])
+    else:
+        k, v, vmax = k32, v32, np.abs(v32)
+    q = rng.standard_normal((n_seq, n_head, hd), dtype=np.float32)
+    seq = np.arange(n_seq, dtype=np.int32)[::-1].copy()
+    n_pos = rng.integers(1, n_ctx + 1, n_seq).astype(np.int32)
+    n_pos[0] = n_ctx
+    group = n_head // n_kv
+    bound = np.empty((n_seq, n_head, hd))
+    for t in range(n_seq):
+        for h in range(n_head):
+            bound[t, h] = RTOL * vmax[seq[t], il, h // group, : n_pos[t]].max()
+    make = _buffers({"q": q, "k": k, "v": v, "k_scale": k_scale, "v_scale": v_scale, "seq": seq, "n_pos": n_pos},
+                    {"out": (q.shape, np.float32)})
+    fixed = dict(n_tok=n_seq, n_head=n_head, n_head_kv=n_kv, head_dim=hd, kv_type=KV_TYPES[kv], n_layer=n_layer,
+                 il=il, n_ctx=n_ctx)
+    read = int(n_pos.sum()) * n_kv * hd * k.itemsize * 2  # each token's K and V rows of every kv head, once
+    return Case("attention", f"kv {kv}", f"{n_seq}x{n_head}/{n_kv}x{hd} ctx {n_ctx}", lambda dev: fixed | make(dev),
+                lambda dev, a: dev.to_host(a["out"], q.shape, np.float32), _no_reset, lambda _: bound,
+                read + 8 * q.size)
+
+
+def swiglu_case(n: int, rng: np.random.Generator) -> Case:
+    g = (rng.standard_normal(n) * 4).astype(np.float32)
+    u = rng.standard_normal(n, dtype=np.float32)
+    bound = RTOL * np.abs(g.astype(np.float64) * u) + 1e-30
+    make = _buffers({"g": g, "u": u}, {"out": ((n,), np.float32)})
+    return Case("swiglu", "f32", f"{n}", lambda dev: dict(n=n) | make(dev),
+                lambda dev, a: dev.to_host(a["out"], (n,), np.float32), _no_reset, lambda _: bound, 12 * n)
+
+
+def topk_case(n_tok: int, n_expert: int, k: int, rng: np.random.Generator) -> Case:
+    logits = (rng.standard_normal((n_tok, n_expert)) * 2).astype(np.float32)
+    make = _buffers({"logits": logits}, {"ids": ((n_tok, k), np.int32), "weights": ((n_tok, k), np.float32)})
+
+    def out(dev: Device, a: dict[str, Any]) -> np.ndarray:  # ids then weights, side by side
+        ids = dev.to_host(a["ids"], (n_tok, k), np.int32)
+        return np.concatenate([ids.astype(np.float32), dev.to_host(a["weights"], (n_tok, k), np.float32)], axis=1)
+
+    def same_ids(a: np.ndarray, b: np.ndarray) -> bool:
+        return bool(np.array_equal(a[:, :k], b[:, :k]))
+
+    bound = np.concatenate([np.zeros((n_tok, k)), np.full((n_tok, k), RTOL)], axis=1)
+    return Case("topk", f"{n_expert} experts", f"{n_tok} x top-{k}",
+                lambda dev: dict(n_tok=n_tok, n_expert=n_expert, k=k) | make(dev), out, _no_reset,
+                lambda _: bound, logits.nbytes + 8 * n_tok * k, exact=same_ids)
+
+
+def cases(shapes: Shapes, rng: np.random.Generator) -> Iterator[Case]:
+    """The cases, made one at a time (the full shapes' inputs take hundreds of MB each)."""
+    for qtype in MATMUL_TYPES:
+        for rows, n, n_tok in shapes.matmul:
+            yield matmul_case(qtype, rows, n, n_tok, rng)
+        yield matmul_case(qtype, *shapes.matmul[0], rng, lossless=True)
+    yield rms_norm_case(*shapes.norm, rng)
+    for variant in ("normal", "neox", "mrope"):
+        yield rope_case(*shapes.rope, variant, rng)
+    for kv in KV_TYPES:
+        yield attention_case(*shapes.attention, kv, rng)
+    yield swiglu_case(shapes.swiglu, rng)
+    yield topk_case(*shapes.topk, rng)
+
+
+# --- running a case
+
+
+def _run(dev: Device, case: Case, name: str) -> np.ndarray:
+    args = case.args(dev)
+    try:
+        dev.launch(name, **args)
+        return case.out(dev, args)
+    finally:
+        free_args(dev, args)
+
+
+def free_args(dev: Device, args: dict[str, Any]) -> None:
+    """Free the device buffers among a case's launch arguments."""
+    for value in args.values():
+        if isinstance(value, dev.ffi.CData):
+            dev.free(value)
+
+
+def _timed(dev: Device, case: Case, runs: int) -> float:
+    """Seconds per run of the fast kernel, the mean of `runs` after one warm-up."""
+    args = case.args(dev)
+    try:
+        case.reset(dev, args)
+        dev.launch(case.kernel, **args)
+        start = dev.record()
+        for _ in range(runs):
+            dev.launch(case.kernel, **args)
+        end = dev.record()
+        dev.event_sync(end)
+        return dev.elapsed_ms(start, end) / 1e3 / runs
+    finally:
+        free_args(dev, args)
+
+
+def within(case: Case, fast: np.ndarray, other: np.ndarray, reference: bool = False) -> bool:
+    if case.exact is not None and not case.exact(fast, other):
+        return False
+    tolerance = case.ref_tolerance if reference and case.ref_tolerance else case.tolerance
+    return bool(np.all(np.abs(fast.astype(np.float64) - other) <= tolerance(other)))
+
+
+def check_case(dev: Device, cpu: Device, case: Case, runs: int) -> Row:
+    fast, ref = _run(dev, case, case.kernel), _run(dev, case, case.kernel + "_ref")
+    on_cpu = _run(cpu, case, case.kernel)
+    passed = within(case, fast, ref, reference=True) and within(case, fast, on_cpu)
+    seconds = _timed(dev, case, runs)
+    gbps = case.nbytes / seconds / 1e9 if seconds > 0 else 0.0
+    peak = gbps * 1e9 / dev.bandwidth if dev.bandwidth else 0.0
+    return Row(case.kernel, case.type, case.shape, _rel(fast, ref), _rel(fast, on_cpu), passed, gbps, peak)
+
+
+def format_table(rows: list[Row], device: str, bandwidth: float) -> str:
+    peak = f"{bandwidth / 1e9:.0f} GB/s" if bandwidth else "unknown"
+    lines = [f"device: {device} (memory bandwidth {peak})",
+             f"| {'kernel':<9} | {'type':<12} | {'shape':<24} | {'rel err vs ref':>14} | {'rel err vs CPU':>14} "
+             f"| {'result':<6} | {'GB/s':>8} | {'of peak':>7} |",
+             f"|{'-' * 11}|{'-' * 14}|{'-' * 26}|{'-' * 16}|{'-' * 16}|{'-' * 8}|{'-' * 10}|{'-' * 9}|"]
+    for r in rows:
+        frac = f"{100 * r.peak:.0f}%" if r.peak else "-"
+        lines.append(f"| {r.kernel:<9} | {r.type:<12} | {r.shape:<24} | {r.rel_ref:>14.2e} | {r.rel_cpu:>14.2e} "
+                     f"| {'pass' if r.passed else 'FAIL':<6} | {r.gbps:>8.1f} | {frac:>7} |")
+    failed = sum(not r.passed for r in rows)
+    lines.append(f"{len(rows) - failed} of {len(rows)} cases pass" + (f", {failed} FAIL" if failed else ""))
+    return "\n".join(lines)
+
+
+def run_checks(dev: Device, cpu: Device, shapes: Shapes, runs: int, seed: int = 0,
+               progress: Callable[[Row], None] | None = None) -> list[Row]:
+    rows = []
+    for case in cases(shapes, np.random.default_rng(seed)):
+        rows.append(check_case(dev, cpu, case, runs))
+        if progress:
+            progress(rows[-1])
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m strata.engine_cffi.device_check",
+                                     description="Every device kernel against its reference and the CPU engine.")
+    parser.add_argument("--device", choices=("cuda", "host"), default="cuda")
+    parser.add_argument("--quick", action="store_true", help="small shapes (the test suite's)")
+    parser.add_argument("--runs", type=int, default=10, help="timed runs of each fast kernel")
+    args = parser.parse_args(argv)
+    try:
+        dev = Device(args.device)
+    except DeviceError as exc:
+        print(f"device_check: {exc}", file=sys.stderr)
+        return 2
+    started = time.monotonic()
+    with dev, Device("host") as cpu:
+        rows = run_checks(dev, cpu, QUICK if args.quick else FULL, args.runs,
+                          progress=lambda r: print(f"  {r.kernel} {r.type} {r.shape}: "
+                                                   f"{'pass' if r.passed else 'FAIL'}", file=sys.stderr))
+        print(format_table(rows, dev.name, dev.bandwidth))
+    print(f"({time.monotonic() - started:.0f} s)", file=sys.stderr)
+    return 0 if all(r.passed for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
