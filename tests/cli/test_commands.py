@@ -25,8 +25,8 @@ def wrong_models(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         (folder / "missing.gguf", "no such file"),
         (folder, "a directory, not a GGUF model file"),
         (text, "not a GGUF file"),
-        (mamba, "unsupported architecture 'mamba' (this engine runs qwen3moe, qwen3, llama, qwen3vl, qwen3vlmoe, qwen35, "
-                "qwen35moe)"),
+        (mamba, "unsupported architecture 'mamba' (this engine runs qwen3moe, qwen3, llama, qwen3vl, qwen3vlmoe, "
+                "qwen35, qwen35moe)"),
     ]
 
 
