@@ -459,35 +459,23 @@ def _add_token_routes(app: Quart, state: _State) -> None:
                 as model:
             yield model
 
-    @app.post("/tokenize")
-    async def tokenize() -> Response:
-        body = await _json_body()
-        async with loaded(body) as model:
-            return _json(await tokens.tokenize(model, body, limiter))
+    def on_model(answer: Callable[[ServedModel, Any, trio.CapacityLimiter], Awaitable[Any]]
+                 ) -> Callable[[], Awaitable[Response]]:
+        """A route that answers a JSON body with `answer(model, body, limiter)`, the model held meanwhile."""
 
-    @app.post("/detokenize")
-    async def detokenize() -> Response:
-        body = await _json_body()
-        async with loaded(body) as model:
-            return _json(await tokens.detokenize(model, body, limiter))
+        async def view() -> Response:
+            body = await _json_body()
+            async with loaded(body) as model:
+                return _json(await answer(model, body, limiter))
 
-    @app.post("/v1/chat/completions/render")
-    async def render_chat() -> Response:
-        body = await _json_body()
-        async with loaded(body) as model:
-            return _json(await prompt_render.render_chat(model, body, limiter))
+        return view
 
-    @app.post("/v1/responses/render")
-    async def render_responses() -> Response:
-        body = await _json_body()
-        async with loaded(body) as model:
-            return _json(await prompt_render.render_responses(model, body, limiter))
-
-    @app.post("/v1/completions/render")
-    async def render_completions() -> Response:
-        body = await _json_body()
-        async with loaded(body) as model:
-            return _json(await prompt_render.render_completions(model, body, limiter))
+    routes = {"/tokenize": tokens.tokenize, "/detokenize": tokens.detokenize,
+              "/v1/chat/completions/render": prompt_render.render_chat,
+              "/v1/responses/render": prompt_render.render_responses,
+              "/v1/completions/render": prompt_render.render_completions}
+    for path, answer in routes.items():
+        app.add_url_rule(path, endpoint=path, view_func=on_model(answer), methods=["POST"])
 
 
 def _chat_view(state: _State, dialect: _Dialect) -> Callable[[], Awaitable[Response]]:
