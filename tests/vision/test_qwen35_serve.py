@@ -156,7 +156,8 @@ def _ask(url: str) -> tuple[str, int]:
 def served(converted: tuple) -> tuple:
     """The question through an in-process server whose engine records its calls: the answer, the prompt ids and
     picture rows the engine got (in two calls, the second from the assistant's turn), and the checkpoint's greedy
-    answer to those ids with the picture's pixels."""
+    answer to those ids with the picture's pixels. Asked again, the server restores the recurrent state after the
+    picture and evaluates the assistant's turn alone: the same answer."""
     model, text, mmproj = converted
     tokenizer = Tokenizer.from_gguf(text)
     config = server_config(model=str(text), context=512, vision={"mmproj": str(mmproj), "threads": 1})
@@ -164,6 +165,8 @@ def served(converted: tuple) -> tuple:
         engine = RecordingEngine(real)
         with live_server(config, engine, tokenizer) as server:
             answer, n_prompt = _ask(server.url)
+            n_calls = len(engine.calls)
+            again = _ask(server.url)  # from the snapshot at the end of the user's turn, picture included
         width = real.picture_width
     prompt, embeds = [], []  # the prompt comes in calls: a snapshot of the recurrent state ends the user's turn
     for tokens, spans in engine.calls:
@@ -171,6 +174,8 @@ def served(converted: tuple) -> tuple:
             break
         embeds += [(len(prompt) + index, rows) for index, rows in spans]
         prompt += tokens
+    assert again == (answer, n_prompt)
+    assert engine.calls[n_calls][0] == prompt[len(engine.calls[0][0]):]  # the second asking: the assistant's turn
     expected, gaps = _greedy_reference(model, prompt, _pixels(mmproj))
     n = next((i + 1 for i, gap in enumerate(gaps) if gap < TIE), len(gaps))  # up to the first near-tie
     assert n >= MIN_COMPARED, f"the reference's top logits are nearly tied at step {n - 1}: {gaps}"
