@@ -52,7 +52,7 @@ pytestmark = pytest.mark.timeout(600)
 
 PATCH, MERGE, N_TEXT = 16, 2, 64
 MAX_TOKENS = 8  # answer tokens
-TIE, MIN_COMPARED = 1e-3, 4  # TIE: 7x the most two logits can move, each off by the engine's error (<= 7e-5)
+TIE, MIN_COMPARED = 1e-3, 4  # TIE: 7x what the engine's logits error (<= 7e-5 here) can do to a gap
 PICTURE = noise_png(160, 96, seed=7)  # 10 x 6 patches, 5 x 3 merged tokens: no resize, not square
 
 # DeltaNet x3, gated attention, then the layer that becomes the MTP block; head_dim 64 with a quarter rotated:
@@ -88,7 +88,7 @@ def _checkpoint(arch: str) -> torch.nn.Module:
                 param.normal_(0, 0.1)
             elif "embed_tokens" in name or "pos_embed" in name:
                 param.normal_(0, 1)
-            else:  # 1 / sqrt(fan-in); packed experts (experts, n_out, n_in)
+            else:  # 1 / sqrt(fan-in); packed experts (experts, n_out, n_in), conv kernels (channels, 1, 4)
                 param.normal_(0, param.shape[-1] ** -0.5 if param.ndim == 3 else param[0].numel() ** -0.5)
     return model.float().eval()
 
