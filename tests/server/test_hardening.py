@@ -202,3 +202,25 @@ def test_status_key_guards_history_and_metrics(tokenizer):
     with live_server(both, ScriptedEngine(tokenizer, tokenizer.encode("ok")), tokenizer) as live:
         assert httpx.get(live.url + "/v1/history", headers={"x-api-key": "k"}, timeout=30).status_code == 200
         assert httpx.get(live.url + "/v1/models", headers={"x-api-key": "s3cret"}, timeout=30).status_code == 401
+
+
+def test_a_job_the_batcher_cannot_start_fails_alone_and_the_next_one_runs(tokenizer):
+    """A bug in the cache's bookkeeping (here: the engine's first answer about a sequence raises) fails the request
+    it met with a 500, instead of leaving it waiting for tokens that never come; the next request is served."""
+
+    class FirstLookFails(ScriptedEngine):
+        failed = False
+
+        def seq_n_past(self, seq: int) -> int:
+            if not self.failed:
+                self.failed = True
+                raise RuntimeError("a bug in the cache bookkeeping")
+            return super().seq_n_past(seq)
+
+    engine = FirstLookFails(tokenizer, tokenizer.encode("fine"), n_ctx=512)
+    with live_server(server_config(), engine, tokenizer) as live:
+        chat = json.dumps(request_for("/v1/chat/completions", "hi")).encode()
+        first = post(live, "/v1/chat/completions", chat)
+        assert engine.failed and first.status_code == 500, first.text
+        second = post(live, "/v1/chat/completions", chat)
+        assert second.status_code == 200 and second.json()["choices"][0]["message"]["content"] == "fine"

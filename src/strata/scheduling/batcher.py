@@ -24,6 +24,7 @@ The engine is an `EngineLike` (`strata.engine_cffi.Engine`, or a test's scripted
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import statistics
 import threading
@@ -364,11 +365,15 @@ class Batcher:
         reused = shared(slot)
         held = slot.keys
         donor = max(self.slots, key=shared)
-        if shared(donor) > reused:
-            reused = shared(donor)
-            self._copy(donor, slot, reused)
-        elif reused < self.engine.seq_n_past(slot.seq) or not slot.live:
-            self._cut(slot, reused)
+        try:
+            if shared(donor) > reused:
+                reused = shared(donor)
+                self._copy(donor, slot, reused)
+            elif reused < self.engine.seq_n_past(slot.seq) or not slot.live:
+                self._cut(slot, reused)
+        except BaseException:  # the slot starts over rather than hold a cache its keys do not describe
+            self._clear(slot)
+            raise
         slot.keys = job.keys[:reused]
         slot.job, slot.used, slot.portable = job, next(self._clock), job.portable_keys
         job.seq, job.reused = slot.seq, reused
@@ -451,6 +456,15 @@ class Batcher:
             if not (donor.live and n == len(donor.keys)):  # copy_prefix copied the state at the donor's end
                 self.engine.load_state(slot.seq, self.snapshots.take(donor.seq, n))
             slot.live = True
+
+    def _clear(self, slot: _Slot) -> None:
+        """Empty the slot (its cache, its snapshots), as far as the engine lets it."""
+        slot.keys, slot.live = [], True
+        if self.snapshots is not None:
+            self.snapshots.clear(slot.seq)
+        with contextlib.suppress(Exception):
+            self.engine.keep(0, seq=slot.seq)
+        self._announce(slot, 0)
 
     def _cut(self, slot: _Slot, n: int) -> None:
         """Cut the slot back to its first `n` positions (on a recurrent engine, to its snapshot there)."""

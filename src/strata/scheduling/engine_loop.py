@@ -166,7 +166,12 @@ class EngineLoop:
                     continue
                 idle_until = None
                 for stream in arrived:  # under the lock: cancel() finds a job either in the inbox or here
-                    self.batcher.add(stream.job)
+                    try:
+                        self.batcher.add(stream.job)
+                    except Exception as error:  # noqa: BLE001 - a job that cannot start fails alone (a bug)
+                        stream.job.error, stream.job.finish = error, "error"
+                        relay.put(partial(_wake_all, [stream]))
+                        continue
                     self._streams[stream.job] = stream
             # The next call carries the wake-ups queued, if any: a call that wakes trio for nothing (a prompt's)
             # shares the cores with the loop's turn for nothing.
