@@ -14,7 +14,6 @@ largest, and at least `MIN_COMPARED` must be.
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import pathlib
@@ -25,7 +24,6 @@ import subprocess
 import sys
 
 import numpy as np
-import openai
 import pytest
 import torch
 from conftest import live_server, server_config
@@ -43,17 +41,14 @@ from strata.engine_cffi import Engine, PictureRows
 from strata.modelgen.vocab import ENDOFTEXT
 from strata.modelgen.writer import chat_template
 from strata.text.tokenizer import Tokenizer
-from strata.vision.load import open_encoder
-from strata.vision.preprocess import load_image, preprocess, token_budget
 
-from .conftest import noise_png, qwen_patches
+from .conftest import qwen_patches
+from .picture_question import MERGE, PATCH, ask, encoder_pixels, greedy_reference
 
 pytestmark = pytest.mark.timeout(600)
 
-PATCH, MERGE, N_TEXT = 16, 2, 64
-MAX_TOKENS = 8  # answer tokens
+N_TEXT = 64
 TIE, MIN_COMPARED = 1e-3, 4  # TIE: 7x what the engine's logits error (<= 7e-5 here) can do to a gap
-PICTURE = noise_png(160, 96, seed=7)  # 10 x 6 patches, 5 x 3 merged tokens: no resize, not square
 
 # DeltaNet x3, gated attention, then the layer that becomes the MTP block; head_dim 64 with a quarter rotated:
 # 8 frequency pairs in sections (t, h, w) = (4, 2, 2), interleaved
@@ -113,45 +108,6 @@ def converted(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     return model, text, mmproj
 
 
-def _pixels(mmproj: pathlib.Path) -> np.ndarray:
-    """The picture as the encoder process sees it: normalised (3, H, W) at its token grid."""
-    hp = open_encoder(mmproj, threads=1).hp
-    min_tokens, max_tokens = token_budget(hp)
-    return preprocess(load_image(PICTURE), hp, max_tokens, min_tokens).pixels
-
-
-def _greedy_reference(model: torch.nn.Module, ids: list[int], pixels: np.ndarray
-                      ) -> tuple[list[int], list[float]]:
-    """The checkpoint's greedy tokens after `ids` (the picture's pads expanded) and each step's gap between its top
-    two logits relative to the largest, from full forward passes with the pixels patched as Qwen's processor does."""
-    _, height, width = pixels.shape
-    patches = torch.from_numpy(qwen_patches(pixels, PATCH, MERGE))
-    grid = torch.tensor([[1, height // PATCH, width // PATCH]])
-    tokens, gaps = list(ids), []
-    for _ in range(MAX_TOKENS):
-        input_ids = torch.tensor([tokens])
-        with torch.no_grad():
-            logits = model(input_ids=input_ids, pixel_values=patches, image_grid_thw=grid,
-                           mm_token_type_ids=(input_ids == model.config.image_token_id).int()).logits[0, -1]
-        top = torch.topk(logits, 2).values
-        gaps.append(float((top[0] - top[1]) / logits.abs().max()))
-        tokens.append(int(logits.argmax()))
-    return tokens[len(ids):], gaps
-
-
-QUESTION = [{"role": "user", "content": [
-    {"type": "text", "text": "What is in the picture?"},
-    {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(PICTURE).decode()}}]}]
-
-
-def _ask(url: str) -> tuple[str, int]:
-    """The greedy answer and the prompt's token count, through the openai client."""
-    with openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120) as client:
-        reply = client.chat.completions.create(model="m", max_tokens=MAX_TOKENS, temperature=0,
-                                               reasoning_effort="none", messages=QUESTION)
-    return reply.choices[0].message.content or "", reply.usage.prompt_tokens
-
-
 @pytest.fixture(scope="module")
 def served(converted: tuple) -> tuple:
     """The question through an in-process server whose engine records its calls: the answer, the prompt ids and
@@ -164,9 +120,9 @@ def served(converted: tuple) -> tuple:
     with Engine.load(text, n_ctx=512, threads=2) as real:
         engine = RecordingEngine(real)
         with live_server(config, engine, tokenizer) as server:
-            answer, n_prompt = _ask(server.url)
+            answer, n_prompt = ask(server.url)
             n_calls = len(engine.calls)
-            again = _ask(server.url)  # from the snapshot at the end of the user's turn, picture included
+            again = ask(server.url)  # from the snapshot at the end of the user's turn, picture included
         width = real.picture_width
     prompt, embeds = [], []  # the prompt comes in calls: a snapshot of the recurrent state ends the user's turn
     for tokens, spans in engine.calls:
@@ -176,7 +132,7 @@ def served(converted: tuple) -> tuple:
         prompt += tokens
     assert again == (answer, n_prompt)
     assert engine.calls[n_calls][0] == prompt[len(engine.calls[0][0]):]  # the second asking: the assistant's turn
-    expected, gaps = _greedy_reference(model, prompt, _pixels(mmproj))
+    expected, gaps = greedy_reference(model, prompt, encoder_pixels(mmproj))
     n = next((i + 1 for i, gap in enumerate(gaps) if gap < TIE), len(gaps))  # up to the first near-tie
     assert n >= MIN_COMPARED, f"the reference's top logits are nearly tied at step {n - 1}: {gaps}"
     return tokenizer, answer, n_prompt, prompt, embeds, width, tokenizer.decode(expected[:n])
@@ -203,7 +159,7 @@ def test_the_engines_logits_match_the_checkpoints(converted: tuple, served: tupl
     with Engine.load(text, n_ctx=512, threads=2, kv="f32") as engine:
         flat = engine.eval(prompt, embeds=[(index, np.asarray(rows)) for index, rows in embeds], all_logits=True)
     input_ids = torch.tensor([prompt])
-    _, height, width = (pixels := _pixels(mmproj)).shape
+    _, height, width = (pixels := encoder_pixels(mmproj)).shape
     with torch.no_grad():
         expected = model(input_ids=input_ids, pixel_values=torch.from_numpy(qwen_patches(pixels, PATCH, MERGE)),
                          image_grid_thw=torch.tensor([[1, height // PATCH, width // PATCH]]),
@@ -230,7 +186,7 @@ def test_strata_serve_answers_it_too(converted: tuple, served: tuple) -> None:
             line = process.stdout.readline()
             assert line, f"strata serve ended: {lines}"
             lines.append(line)
-        answer, n_prompt = _ask(found.group(1))
+        answer, n_prompt = ask(found.group(1))
     finally:
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=30)
@@ -246,9 +202,9 @@ def test_strata_serve_answers_it_too(converted: tuple, served: tuple) -> None:
 def test_the_answer_needs_the_picture(converted: tuple) -> None:
     """The same prompt with other pixels gets another answer: the comparison above sees the picture."""
     model, _, mmproj = converted
-    pixels = _pixels(mmproj)
+    pixels = encoder_pixels(mmproj)
     image_id = model.config.image_token_id
     ids = [151644, 872, 198, 151652, *[image_id] * 15, 151653, 151645, 198, 151644, 77091, 198]
-    first, _ = _greedy_reference(model, ids, pixels)
-    other, _ = _greedy_reference(model, ids, np.ascontiguousarray(pixels[:, ::-1, :]))
+    first, _ = greedy_reference(model, ids, pixels)
+    other, _ = greedy_reference(model, ids, np.ascontiguousarray(pixels[:, ::-1, :]))
     assert first != other

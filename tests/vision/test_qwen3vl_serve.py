@@ -12,7 +12,6 @@ the first step whose top two logits are closer than `TIE` of the largest, and at
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import pathlib
@@ -23,7 +22,6 @@ import subprocess
 import sys
 
 import numpy as np
-import openai
 import pytest
 import torch
 from conftest import live_server, server_config
@@ -40,17 +38,13 @@ import strata
 from strata.engine_cffi import Engine, PictureRows
 from strata.modelgen.writer import chat_template
 from strata.text.tokenizer import Tokenizer
-from strata.vision.load import open_encoder
-from strata.vision.preprocess import load_image, preprocess, token_budget
 
-from .conftest import noise_png
+from .picture_question import MERGE, PATCH, ask, encoder_pixels, greedy_reference
 
 pytestmark = pytest.mark.timeout(600)
 
-PATCH, MERGE, N_TEXT = 16, 2, 64
-MAX_TOKENS = 8  # answer tokens
+N_TEXT = 64
 TIE, MIN_COMPARED = 2e-5, 4  # TIE: 30x the engine's logits error against transformers (~6e-7)
-PICTURE = noise_png(160, 96, seed=7)  # 10 x 6 patches, 5 x 3 merged tokens: no resize, not square
 
 
 _MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "decoder_sparse_step": 1}
@@ -104,48 +98,6 @@ def converted(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     return model, text, mmproj
 
 
-def _pixels(mmproj: pathlib.Path) -> np.ndarray:
-    """The picture as the encoder process sees it: normalised (3, H, W) at its token grid."""
-    hp = open_encoder(mmproj, threads=1).hp
-    min_tokens, max_tokens = token_budget(hp)
-    return preprocess(load_image(PICTURE), hp, max_tokens, min_tokens).pixels
-
-
-def _greedy_reference(model: torch.nn.Module, ids: list[int], pixels: np.ndarray
-                      ) -> tuple[list[int], list[float]]:
-    """The checkpoint's greedy tokens after `ids` (the picture's pads expanded) and each step's gap between its top
-    two logits relative to the largest, from full forward passes with the pixels patched as Qwen's processor does
-    (both frames of a temporal patch, patches grouped by 2x2 merge window)."""
-    _, height, width = pixels.shape
-    gy, gx = height // PATCH, width // PATCH
-    frames = np.stack([pixels, pixels])
-    patches = frames.reshape(2, 3, gy // MERGE, MERGE, PATCH, gx // MERGE, MERGE, PATCH)
-    patches = torch.from_numpy(np.ascontiguousarray(patches.transpose(2, 5, 3, 6, 1, 0, 4, 7).reshape(gy * gx, -1)))
-    tokens, gaps = list(ids), []
-    for _ in range(MAX_TOKENS):
-        input_ids = torch.tensor([tokens])
-        with torch.no_grad():
-            logits = model(input_ids=input_ids, pixel_values=patches, image_grid_thw=torch.tensor([[1, gy, gx]]),
-                           mm_token_type_ids=(input_ids == model.config.image_token_id).int()).logits[0, -1]
-        top = torch.topk(logits, 2).values
-        gaps.append(float((top[0] - top[1]) / logits.abs().max()))
-        tokens.append(int(logits.argmax()))
-    return tokens[len(ids):], gaps
-
-
-QUESTION = [{"role": "user", "content": [
-    {"type": "text", "text": "What is in the picture?"},
-    {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(PICTURE).decode()}}]}]
-
-
-def _ask(url: str) -> tuple[str, int]:
-    """The greedy answer and the prompt's token count, through the openai client."""
-    with openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120) as client:
-        reply = client.chat.completions.create(model="m", max_tokens=MAX_TOKENS, temperature=0,
-                                               reasoning_effort="none", messages=QUESTION)
-    return reply.choices[0].message.content or "", reply.usage.prompt_tokens
-
-
 @pytest.fixture(scope="module")
 def served(converted: tuple) -> tuple:
     """The question through an in-process server whose engine records its calls: the answer, the prompt ids and
@@ -156,10 +108,10 @@ def served(converted: tuple) -> tuple:
     with Engine.load(text, n_ctx=512, threads=2) as real:
         engine = RecordingEngine(real)
         with live_server(config, engine, tokenizer) as server:
-            answer, n_prompt = _ask(server.url)
+            answer, n_prompt = ask(server.url)
         width = real.picture_width
     prompt, embeds = engine.calls[0]
-    expected, gaps = _greedy_reference(model, prompt, _pixels(mmproj))
+    expected, gaps = greedy_reference(model, prompt, encoder_pixels(mmproj))
     n = next((i + 1 for i, gap in enumerate(gaps) if gap < TIE), len(gaps))  # up to the first near-tie
     assert n >= MIN_COMPARED, f"the reference's top logits are nearly tied at step {n - 1}: {gaps}"
     return tokenizer, answer, n_prompt, prompt, embeds, width, tokenizer.decode(expected[:n])
@@ -191,7 +143,7 @@ def test_strata_serve_answers_it_too(converted: tuple, served: tuple) -> None:
             line = process.stdout.readline()
             assert line, f"strata serve ended: {lines}"
             lines.append(line)
-        answer, n_prompt = _ask(found.group(1))
+        answer, n_prompt = ask(found.group(1))
     finally:
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=30)
@@ -203,10 +155,10 @@ def test_strata_serve_answers_it_too(converted: tuple, served: tuple) -> None:
 def test_the_answer_needs_the_picture(converted: tuple) -> None:
     """The same prompt with other pixels gets another answer: the comparison above sees the picture."""
     model, _, mmproj = converted
-    pixels = _pixels(mmproj)
+    pixels = encoder_pixels(mmproj)
     image_id = model.config.image_token_id
     ids = [151644, 872, 198, 151652, *[image_id] * 15, 151653, 151645, 198, 151644, 77091, 198]
-    first, _ = _greedy_reference(model, ids, pixels)
-    other, _ = _greedy_reference(model, ids, np.ascontiguousarray(pixels[:, ::-1, :]))
+    first, _ = greedy_reference(model, ids, pixels)
+    other, _ = greedy_reference(model, ids, np.ascontiguousarray(pixels[:, ::-1, :]))
     assert first != other
 
