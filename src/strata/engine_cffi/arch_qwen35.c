@@ -121,10 +121,7 @@ static strata_status load_block(const strata_model *m, const strata_model_params
         TRY(load_vector(p, &L->k_norm, 0, hd, "blk.%d.attn_k_norm", il));
     }
     if (m->is_moe) {
-        TRY(load_matrix(p, &L->router, 0, E, p->n_expert, 0, "blk.%d.ffn_gate_inp", il));
-        TRY(load_matrix(p, &L->gate_exps, 0, E, p->n_ff_exp, p->n_expert, "blk.%d.ffn_gate_exps", il));
-        TRY(load_matrix(p, &L->up_exps, 0, E, p->n_ff_exp, p->n_expert, "blk.%d.ffn_up_exps", il));
-        TRY(load_matrix(p, &L->down_exps, 0, p->n_ff_exp, E, p->n_expert, "blk.%d.ffn_down_exps", il));
+        TRY(load_routed_experts(p, L, il));
         TRY(load_vector(p, &L->gate_inp_shexp, 0, E, "blk.%d.ffn_gate_inp_shexp", il));
         TRY(load_matrix(p, &L->gate_shexp, 0, E, p->n_ff_shexp, 0, "blk.%d.ffn_gate_shexp", il));
         TRY(load_matrix(p, &L->up_shexp, 0, E, p->n_ff_shexp, 0, "blk.%d.ffn_up_shexp", il));

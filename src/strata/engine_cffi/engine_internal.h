@@ -145,6 +145,8 @@ strata_status load_matrix(const strata_model_params *p, matrix *w, int optional,
 /* A vector (n,) of any supported type, dequantised into a new f32 array; absent is an error unless optional. */
 strata_status load_vector(const strata_model_params *p, float **out, int optional, int64_t n, const char *fmt,
                           int il);
+/* Layer il's router and routed experts (ffn_gate_inp, ffn_{gate,up,down}_exps), for every MoE family. */
+strata_status load_routed_experts(const strata_model_params *p, layer_weights *L, int il);
 
 // --- model (model_load.c)
 

@@ -85,10 +85,20 @@ static strata_status check_hparams(const strata_model_params *p) {
     return STRATA_OK;
 }
 
+#define TRY(call) do { if ((st = (call)) != STRATA_OK) return st; } while (0)
+
+strata_status load_routed_experts(const strata_model_params *p, layer_weights *L, int il) {
+    strata_status st;
+    int64_t E = p->n_embd;
+    TRY(load_matrix(p, &L->router, 0, E, p->n_expert, 0, "blk.%d.ffn_gate_inp", il));
+    TRY(load_matrix(p, &L->gate_exps, 0, E, p->n_ff_exp, p->n_expert, "blk.%d.ffn_gate_exps", il));
+    TRY(load_matrix(p, &L->up_exps, 0, E, p->n_ff_exp, p->n_expert, "blk.%d.ffn_up_exps", il));
+    return load_matrix(p, &L->down_exps, 0, p->n_ff_exp, E, p->n_expert, "blk.%d.ffn_down_exps", il);
+}
+
 static strata_status build_layer(const strata_model *m, const strata_model_params *p, int il, layer_weights *L) {
     int64_t E = p->n_embd, q_dim = (int64_t)p->n_head * p->head_dim, kv_dim = (int64_t)p->n_head_kv * p->head_dim;
     strata_status st;
-#define TRY(call) do { if ((st = (call)) != STRATA_OK) return st; } while (0)
     TRY(load_vector(p, &L->attn_norm, 0, E, "blk.%d.attn_norm", il));
     TRY(load_matrix(p, &L->wq, 0, E, q_dim, 0, "blk.%d.attn_q", il));
     TRY(load_matrix(p, &L->wk, 0, E, kv_dim, 0, "blk.%d.attn_k", il));
@@ -100,10 +110,7 @@ static strata_status build_layer(const strata_model *m, const strata_model_param
     }
     TRY(load_vector(p, &L->ffn_norm, 0, E, "blk.%d.ffn_norm", il));
     if (m->is_moe) {
-        TRY(load_matrix(p, &L->router, 0, E, p->n_expert, 0, "blk.%d.ffn_gate_inp", il));
-        TRY(load_matrix(p, &L->gate_exps, 0, E, p->n_ff_exp, p->n_expert, "blk.%d.ffn_gate_exps", il));
-        TRY(load_matrix(p, &L->up_exps, 0, E, p->n_ff_exp, p->n_expert, "blk.%d.ffn_up_exps", il));
-        TRY(load_matrix(p, &L->down_exps, 0, p->n_ff_exp, E, p->n_expert, "blk.%d.ffn_down_exps", il));
+        TRY(load_routed_experts(p, L, il));
     } else {
         TRY(load_matrix(p, &L->ffn_gate, 0, E, p->n_ff, 0, "blk.%d.ffn_gate", il));
         TRY(load_matrix(p, &L->ffn_up, 0, E, p->n_ff, 0, "blk.%d.ffn_up", il));
