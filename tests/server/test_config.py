@@ -148,7 +148,18 @@ def test_models_memory_takes_bytes_or_a_size(value, size):
     ({"models": [{"name": "a", "model": "a.gguf", "vision": []}]}, '"models[0].vision" must be an object'),
     ({"models_memory": "lots"}, '"models_memory" must be a number of bytes or a size'),
     ({"models_memory": 0}, '"models_memory" must be at least 1 byte'),
+    ({"models": TWO, "kv_events": {"endpoint": "tcp://*:5557"}}, '"kv_events.endpoint" serves one model'),
 ])
 def test_bad_model_entries_are_named(data, message):
     with pytest.raises(ConfigError, match=message.replace(".", r"\.").replace("[", r"\[").replace("]", r"\]")):
         config_from_dict(data)
+
+
+def test_several_models_keep_their_disk_blocks_in_directories_of_their_own(tmp_path):
+    """Each model's tier removes another model's blocks at startup: one directory each, named after the model."""
+    config = config_from_dict({"models": [*TWO, {"name": "org/odd name", "model": "c.gguf"}],
+                               "kv_disk": {"path": str(tmp_path)}})
+    paths = [config.for_model(entry).kv_disk.path for entry in config.models]
+    assert paths == [str(tmp_path / "coder"), str(tmp_path / "small"), str(tmp_path / "org_odd_name")]
+    plain = config_from_dict({"models": TWO})
+    assert plain.for_model(plain.models[0]).kv_disk.path is None
