@@ -274,9 +274,9 @@ class MarkovEngine(SuccessorEngine):
 
 class RecurrentEngine(SuccessorEngine):
     """A SuccessorEngine with a recurrent state per sequence, held to the C engine's rules: the state is every
-    token the sequence has taken; `keep` to fewer positions, and `copy_prefix` of fewer than the source holds,
-    leave it invalid until `load_state`; an eval of a sequence whose state does not sum up exactly its cache fails.
-    `loads` records every (seq, n_past) a state was loaded at."""
+    token the sequence has taken; `keep` to fewer positions, `copy_prefix` of fewer than the source holds, and
+    `import_kv` of some positions leave it invalid until `load_state`; an eval of a sequence whose state does not
+    sum up exactly its cache fails. `loads` records every (seq, n_past) a state was loaded at."""
 
     recurrent = True
     state_bytes = 1000
@@ -305,6 +305,11 @@ class RecurrentEngine(SuccessorEngine):
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
         self.states[dst] = list(self.caches[src]) if n == len(self.caches[src]) else None
         super().copy_prefix(src, dst, n)
+
+    def import_kv(self, seq: int, first: int, data: Any) -> None:
+        super().import_kv(seq, first, data)
+        if len(memoryview(data)):  # rows without their state
+            self.states[seq] = None
 
     def save_state(self, seq: int = 0) -> bytes:
         state = self.states[seq]

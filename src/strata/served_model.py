@@ -105,14 +105,11 @@ class ServedModel:
         kv_disk = self.config.kv_disk
         if kv_disk.path is None:
             return None
-        if engine.recurrent:  # its blocks would need the recurrent state beside them, which the tier does not store
-            log(f"kv_disk: off: the {engine.arch} model has recurrent layers, whose state the disk tier does not "
-                "store yet")
-            return None
         tier = KvTier(kv_disk.path, engine.kv_identity, kv_disk.max_bytes, engine.kv_position_bytes,
                       kv_disk.block_tokens, log)
-        log(f"kv_disk: {kv_disk.path}: {len(tier.store)} blocks, {tier.store.bytes / 2**20:,.0f} MiB of "
-            f"{kv_disk.max_bytes / 2**20:,.0f} MiB")
+        records = f", {tier.store.states} state records" if engine.recurrent else ""
+        log(f"kv_disk: {kv_disk.path}: {len(tier.store) - tier.store.states} blocks{records}, "
+            f"{tier.store.bytes / 2**20:,.0f} MiB of {kv_disk.max_bytes / 2**20:,.0f} MiB")
         return tier
 
     async def attach_loaded(self, engine: EngineLike, tokenizer: Any, log: Callable[[str], None]) -> None:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from strata.engine_cffi import Engine, EngineError, PictureRows, crc32c
-from strata.modelgen import write_random_model
+from strata.modelgen import hparams_for, write_random_model
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +126,28 @@ def test_import_checks_where_it_lands(model: pathlib.Path) -> None:
         with pytest.raises(EngineError, match="of 32"):
             engine.import_kv(1, 8, np.concatenate([block] * 4))  # past the context
         assert engine.seq_n_past(1) == 8
+
+
+def test_a_hybrid_model_s_rows_are_its_attention_layers_and_its_state_goes_with_them(tmp_path: pathlib.Path) -> None:
+    """A qwen35moe model (one attention layer in four): a position's bytes are its attention layer's rows only;
+    positions imported leave the recurrent state invalid until the state saved there is loaded, and then the
+    sequence continues bit for bit."""
+    model = write_random_model(tmp_path / "hybrid.gguf", arch="qwen35moe", size="tiny", dtype="f32")
+    hp = hparams_for("qwen35moe", "tiny")
+    prompt, rest = _tokens(32, 8), _tokens(6, 9)
+    with Engine.load(model, n_ctx=64, threads=2, n_batch=16, kv="f16", n_seq=2) as engine:
+        attention_layers = hp.n_layer - sum(hp.recurrent_layers())
+        rope_ints = 2 * 4  # each position's multi-axis RoPE components
+        assert engine.kv_position_bytes == 2 * attention_layers * hp.n_head_kv * hp.head_dim * 2 + rope_ints
+        engine.eval(prompt, seq=0)
+        rows, state = engine.export_kv(0, 0, 32), engine.save_state(0)
+        evaluated = engine.eval(rest, all_logits=True, seq=0)
+        engine.import_kv(1, 0, rows)
+        with pytest.raises(EngineError, match="recurrent state was cut back"):
+            engine.eval(rest, seq=1)
+        engine.load_state(1, state)
+        imported = engine.eval(rest, all_logits=True, seq=1)
+    np.testing.assert_array_equal(imported, evaluated)
 
 
 def test_crc32c_is_castagnoli_s() -> None:

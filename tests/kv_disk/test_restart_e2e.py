@@ -1,5 +1,6 @@
 """A server restarted on the same `kv_disk` directory answers the same conversation from the disk tier: the
-official client's `cached_tokens` counts the tokens read back, and the status and metrics routes show them."""
+official client's `cached_tokens` counts the tokens read back, and the status and metrics routes show them; a
+hybrid model's server resumes from the recurrent state stored beside the blocks."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 from conftest import live_server, server_config
 
 from strata.kv_disk import KvDiskError
+from strata.modelgen import write_random_model
 
 # about 600 tokens with the tiny model's byte vocabulary
 MESSAGES = [{"role": "system", "content": "You are a careful assistant. " * 20},
@@ -49,3 +51,24 @@ def test_a_second_server_on_the_directory_is_refused(tiny_model: Path, tmp_path:
     assert refused.group_contains(KvDiskError, match="in use by another server")
     with live_server(config):  # the first one's lock went with it
         pass
+
+
+def test_a_hybrid_model_answers_a_restart_from_its_stored_state(tmp_path: Path) -> None:
+    """A Qwen3.5-type model (recurrent layers): the turn after a restart resumes from a state record beside the
+    blocks, and its answer is the one the first server gave."""
+    model = write_random_model(tmp_path / "hybrid.gguf", arch="qwen35moe", size="tiny", dtype="f32", vocab="bytes",
+                               seed=0)
+    config = server_config(model=str(model), context=1024, kv_disk={"path": str(tmp_path / "kv"), "block_tokens": 64})
+    with live_server(config) as server:
+        text, prompt_tokens, cached = _ask(server.url)
+        assert cached == 0
+    with live_server(config) as server:
+        again, _, cached = _ask(server.url)
+        status = httpx.get(server.url + "/v1/status").json()
+    assert again == text
+    # from the state at the prompt's last message boundary, where the assistant's turn opens (13 tokens before
+    # its end with this vocabulary): 10 blocks, then the record with the rows past them
+    assert cached == prompt_tokens - 13
+    disk = status["kv_disk"]
+    assert disk["read_blocks"] == cached // 64 + 1 and disk["state_records"] >= 2
+    assert status["last"]["disk_tokens"] == cached

@@ -37,8 +37,8 @@ def test_blocks_survive_a_restart(tmp_path: Path) -> None:
     # the blocks are prompts' KV: the directory and its files are the owner's only
     assert (tmp_path / "kv").stat().st_mode & 0o777 == 0o700
     assert {f.stat().st_mode & 0o777 for f in (tmp_path / "kv").iterdir()} == {0o600}
-    first, payload = again.get(_name(1))
-    assert (first, bytes(payload)) == (8, _payload(1))
+    first, payload, state = again.get(_name(1))
+    assert (first, bytes(payload), bytes(state)) == (8, _payload(1), b"")
     again.close()
 
 
@@ -80,6 +80,30 @@ def test_the_byte_budget_holds_least_recently_used_first(tmp_path: Path) -> None
     smaller = BlockStore(tmp_path, IDENTITY, 2 * block)  # a smaller budget at startup drops the oldest
     assert [i for i in range(4) if _name(i) in smaller] == [0, 3]
     smaller.close()
+
+
+def test_state_records_are_indexed_by_position_and_share_the_budget(tmp_path: Path) -> None:
+    """A hybrid model's state record (rows from its block's start, then a state) survives a restart with the
+    position its state belongs at, counts in the byte budget, and is evicted by the LRU order as a block is."""
+    block, record = HEADER_BYTES + 1000, HEADER_BYTES + 300 + 2000
+    store = BlockStore(tmp_path, IDENTITY, 2 * block + record)
+    store.put(_name(0), 0, 8, _payload(0))
+    store.put(_name(5), 8, 3, _payload(5, 300), state=_payload(6, 2000))  # the state at position 11
+    store.put(_name(1), 8, 8, _payload(1))
+    assert store.states == 1 and store.state_ends(0, 11) == [11] and store.state_ends(11, 100) == []
+    store.close()
+    again = BlockStore(tmp_path, IDENTITY, 2 * block + record)
+    assert again.states == 1 and again.state_ends(0, 100) == [11] and again.bytes == 2 * block + record
+    first, payload, state = again.get(_name(5))
+    assert (first, bytes(payload), bytes(state)) == (8, _payload(5, 300), _payload(6, 2000))
+    again.put(_name(2), 16, 8, _payload(2))  # over the budget: block 0, the least recently used, goes
+    assert _name(0) not in again and again.states == 1
+    again.put(_name(3), 24, 8, _payload(3))  # then block 1 (the record was read after it)
+    assert _name(1) not in again and again.states == 1
+    again.put(_name(4), 32, 8, _payload(4))  # then the record
+    assert _name(5) not in again and again.states == 0 and again.state_ends(0, 100) == []
+    assert again.bytes == 3 * block == sum(f.stat().st_size for f in tmp_path.glob("*.kvb"))
+    again.close()
 
 
 def test_blocks_a_slot_used_again_are_kept_longest(tmp_path: Path) -> None:

@@ -579,7 +579,8 @@ class Engine:
 
     def import_kv(self, seq: int, first: int, data: Any) -> None:
         """Append positions exported by `export_kv` from position `first` (bytes, or a buffer of them) to sequence
-        `seq`, which holds exactly `first` positions: its cache continues as if they had been evaluated."""
+        `seq`, which holds exactly `first` positions: its cache continues as if they had been evaluated (a recurrent
+        model's state is invalid then until `load_state`)."""
         view = memoryview(data).cast("B")
         n, rest = divmod(len(view), self.kv_position_bytes)
         if rest:

@@ -1,7 +1,9 @@
 /* kv_rows.c — a sequence's cached positions as bytes, out of the context and back in: what a KV tier under the
  * prefix cache (a directory of blocks, `strata.kv_disk`) stores. The bytes of n positions [first, first + n):
- * for each layer and KV head, its K rows then its V rows (n x head_dim values of the cache's type each); with an
- * int8 cache, for each layer and KV head, the K scales then the V scales (n floats each); with multi-axis RoPE,
+ * for each attention layer (a hybrid model's recurrent layers have no rows: their state is saved whole, by
+ * strata_state_save) and KV head, its K rows then its V rows (n x head_dim values of the cache's type each); with
+ * an int8 cache, for each attention layer and KV head, the K scales then the V scales (n floats each); with
+ * multi-axis RoPE,
  * the n positions' t components then their "next" values (ints). Each part is one memcpy of adjacent rows: a KV
  * head's positions are adjacent in the cache (kv_base). The layout depends on n: bytes exported with n are
  * imported with the same n, at the same first position (the RoPE components are absolute). */
@@ -15,7 +17,7 @@
 
 size_t strata_kv_position_bytes(const strata_context *c) {
     const strata_model_params *p = &c->model->hp;
-    size_t heads = (size_t)p->n_layer * p->n_head_kv;
+    size_t heads = (size_t)c->model->n_kv_layer * p->n_head_kv;
     size_t bytes = 2 * heads * p->head_dim * c->kv_elem;
     if (c->kv_type == STRATA_KV_INT8) bytes += 2 * heads * sizeof(float);
     if (c->model->mrope) bytes += 2 * sizeof(int);
@@ -28,7 +30,7 @@ static void move_rows(strata_context *c, int seq, int first, int n, char *buf, i
     const strata_model_params *p = &c->model->hp;
     size_t row = p->head_dim * c->kv_elem, run = (size_t)n * row;
     for (int il = 0; il < p->n_layer; il++)
-        for (int h = 0; h < p->n_head_kv; h++) {
+        for (int h = 0; h < p->n_head_kv && c->model->kv_layer[il] >= 0; h++) {
             size_t at = (kv_base(c, seq, il, h) + first) * row;
             char *k = (char *)c->k_cache + at, *v = (char *)c->v_cache + at;
             if (to_cache) memcpy(k, buf, run), memcpy(v, buf + run, run);
@@ -38,7 +40,7 @@ static void move_rows(strata_context *c, int seq, int first, int n, char *buf, i
     if (c->kv_type == STRATA_KV_INT8) {
         size_t run_scales = sizeof(float) * n;
         for (int il = 0; il < p->n_layer; il++)
-            for (int h = 0; h < p->n_head_kv; h++) {
+            for (int h = 0; h < p->n_head_kv && c->model->kv_layer[il] >= 0; h++) {
                 size_t at = kv_base(c, seq, il, h) + first;
                 float *ks = c->k_scale + at, *vs = c->v_scale + at;
                 if (to_cache) memcpy(ks, buf, run_scales), memcpy(vs, buf + run_scales, run_scales);
@@ -71,6 +73,7 @@ strata_status strata_kv_import(strata_context *c, int seq, int first, int n, con
         return engine_fail(STRATA_ERR_INVALID_ARG, "import of positions [%d, %d): sequence %d continues at %d of %d",
                            first, first + n, seq, c->n_past[seq], c->n_ctx);
     move_rows(c, seq, first, n, (char *)buf, 1);
+    if (n > 0 && c->state_floats) c->state_valid[seq] = 0;  // the rows came without a state: strata_state_load
     c->n_past[seq] = first + n;
     return STRATA_OK;
 }

@@ -285,14 +285,15 @@ long long strata_routing_used(const strata_context *ctx);
 
 /* --- a sequence's cached positions as bytes (kv_rows.c): what the disk tier under the prefix cache stores */
 
-/* Bytes of one position across every layer: K and V rows of each KV head, their int8 scales, and with multi-axis
+/* Bytes of one position across every attention layer (a recurrent layer has no rows): K and V rows of each KV head, their int8 scales, and with multi-axis
  * RoPE its (t, next) components. n positions take n times this. */
 size_t strata_kv_position_bytes(const strata_context *ctx);
 /* Copy positions [first, first + n) of sequence `seq` (all of them held) into buf (n x strata_kv_position_bytes
  * bytes, laid out per layer and KV head: see kv_rows.c). */
 strata_status strata_kv_export(strata_context *ctx, int seq, int first, int n, void *buf);
 /* Append the n positions in buf, exported with the same n from position `first`, to sequence `seq`, which must
- * hold exactly `first` positions; its n_past becomes first + n. Nothing is computed. */
+ * hold exactly `first` positions; its n_past becomes first + n. Nothing is computed. A hybrid model's recurrent
+ * state is then invalid, as after a cut (strata_keep), until strata_state_load sets the state at first + n. */
 strata_status strata_kv_import(strata_context *ctx, int seq, int first, int n, const void *buf);
 /* CRC-32C of n bytes, continued from crc (0 to start): the disk tier's checksum of a block. */
 uint32_t strata_crc32c(const void *data, size_t n, uint32_t crc);

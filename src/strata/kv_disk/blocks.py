@@ -6,6 +6,9 @@ first key), and block 0 continues from the hash of the model's KV identity (`Eng
 the KV type, the rows' layout). A name thus stands for the whole prefix up to the end of its block under one model
 and KV type, as vLLM's and SGLang's prefix caches name theirs. A router that places a request where its prefix is
 cached computes the same function.
+
+A hybrid model's recurrent state at a position P (`state_name`) is named by the name of the last whole block
+before P, P, and the keys from that block's end to P: the whole prefix up to P again, at any position.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import numpy as np
 # last partial block (at most 255 positions) is recomputed.
 BLOCK_TOKENS = 256
 _SCHEME = b"strata-kv-blocks/1"
+_STATE_SCHEME = b"strata-kv-state/1"
 
 
 def block_hashes(identity: str, keys: Sequence[Hashable], block_tokens: int = BLOCK_TOKENS,
@@ -33,11 +37,28 @@ def block_hashes(identity: str, keys: Sequence[Hashable], block_tokens: int = BL
         start: the names of the first blocks, already computed for these keys: the chain continues after them.
     """
     names = list(start)
-    previous = names[-1] if names else hashlib.sha256(_SCHEME + identity.encode()).digest()
+    previous = names[-1] if names else _chain_start(identity)
     for first in range(len(names) * block_tokens, len(keys) - block_tokens + 1, block_tokens):
         previous = hashlib.sha256(previous + _keys_bytes(keys[first:first + block_tokens])).digest()
         names.append(previous)
     return names
+
+
+def state_name(identity: str, keys: Sequence[Hashable], position: int, names: Sequence[bytes],
+               block_tokens: int = BLOCK_TOKENS) -> bytes:
+    """The name of the recurrent state after keys[:position] (a 32-byte sha256 digest).
+
+    Args:
+        names: the block names of `keys` (`block_hashes`), at least the position // block_tokens first.
+    """
+    whole = position // block_tokens
+    previous = names[whole - 1] if whole else _chain_start(identity)
+    tail = _keys_bytes(keys[whole * block_tokens:position])
+    return hashlib.sha256(_STATE_SCHEME + previous + struct.pack("<Q", position) + tail).digest()
+
+
+def _chain_start(identity: str) -> bytes:
+    return hashlib.sha256(_SCHEME + identity.encode()).digest()
 
 
 def _keys_bytes(keys: Sequence[Hashable]) -> bytes:

@@ -1,5 +1,5 @@
-"""`BlockReader`: a job's blocks read from the store on a thread of its own, handed to the engine thread as they
-come (`Load`).
+"""`BlockReader`: a job's blocks (and a hybrid model's state record after them) read from the store on a thread of
+its own, handed to the engine thread as they come (`Load`).
 
 The engine thread imports each block as soon as it is read (a memcpy) and waits for the next only when no other
 job has work; a job that goes (a hang-up) cancels its load, and the reader stops at the next block. A block that
@@ -18,17 +18,17 @@ from strata.kv_disk.store import BlockStore
 
 
 class Load:
-    """One job's consecutive blocks: `take()` what has been read, in order."""
+    """One job's consecutive blocks (then maybe a state record): `take()` what has been read, in order."""
 
     def __init__(self, names: list[bytes], arrived: threading.Event):
         self.names = names
-        self._ready: collections.deque[tuple[int, memoryview]] = collections.deque()
+        self._ready: collections.deque[tuple[int, memoryview, memoryview]] = collections.deque()
         self._arrived = arrived
         self.cancelled = False
         self.ended = False  # the reader is done with it: every block read, or it stopped early
 
-    def take(self) -> list[tuple[int, memoryview]]:
-        """The blocks read since the last call, in order: (first position, payload)."""
+    def take(self) -> list[tuple[int, memoryview, memoryview]]:
+        """The files read since the last call, in order: (first position, payload, state: empty for a block)."""
         taken = []
         while self._ready:
             taken.append(self._ready.popleft())
@@ -42,8 +42,8 @@ class Load:
     def cancel(self) -> None:
         self.cancelled = True
 
-    def deliver(self, first: int, payload: memoryview) -> None:
-        self._ready.append((first, payload))
+    def deliver(self, first: int, payload: memoryview, state: memoryview) -> None:
+        self._ready.append((first, payload, state))
         self._arrived.set()
 
     def end(self) -> None:
@@ -108,7 +108,7 @@ class BlockReader:
                 ahead += sizes[-1]
             started = time.perf_counter()
             try:
-                first, payload = self.store.get(name)
+                first, payload, state = self.store.get(name)
             except (OSError, KeyError) as error:  # KeyError: evicted since the lookup, an ordinary miss
                 if not isinstance(error, KeyError):
                     self.failed += 1
@@ -117,8 +117,8 @@ class BlockReader:
                 return i
             self.seconds += time.perf_counter() - started
             self.blocks += 1
-            self.bytes += len(payload)
+            self.bytes += len(payload) + len(state)
             ahead -= sizes[i]
-            load.deliver(first, payload)
+            load.deliver(first, payload, state)
         load.end()
         return len(load.names)

@@ -1,4 +1,5 @@
-"""The directory of KV blocks: one file per block, an index of them in memory, LRU by bytes, a lock.
+"""The directory of KV blocks: one file per block or state record, an index of them in memory, LRU by bytes, a
+lock.
 
 A block's file, `<name in hex>.kvb`, is a header then the payload:
 
@@ -6,9 +7,12 @@ A block's file, `<name in hex>.kvb`, is a header then the payload:
     first position (u32), positions (u32), payload bytes (u64), state bytes (u64), CRC-32C of payload and state
     (u32), zeros to 128 bytes
 
-The payload is the block's exported rows (`Engine.export_kv`). The state bytes, after it, are reserved for the
-recurrent state of a hybrid model at the block's end (none is written yet: 0). A file is written under a temporary
-name and renamed, so a reader sees a whole file or none.
+The payload is the block's exported rows (`Engine.export_kv`), and a block has no state bytes. A hybrid model's
+state record (named by `blocks.state_name`) is a file of the same form: its payload is the rows from the start of
+the block its position falls in up to that position (none at a block's end), its state bytes the recurrent state
+there (`Engine.save_state`); the positions its header names end where the state belongs. Records and blocks share
+the budget, the LRU order and every check below. A file is written under a temporary name and renamed, so a
+reader sees a whole file or none.
 
 At startup the index is rebuilt from the headers: a file of another identity (model file, KV type, layout) or
 format, with a bad header, or whose size is not what its header says (truncated), is removed. The payload's
@@ -72,6 +76,8 @@ class BlockStore:
                               "server a directory of its own") from None
         self._lock = threading.Lock()
         self._index: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # file bytes, least recent first
+        self._state_ends: dict[bytes, int] = {}  # the state records' names -> the positions their states belong at
+        self._ends: collections.Counter[int] = collections.Counter()  # those positions, counted
         self.bytes = 0
         self.removed = 0  # files removed at startup or on reading: another identity, truncated, corrupt
         try:
@@ -92,17 +98,17 @@ class BlockStore:
                 continue
             if not entry.name.endswith(SUFFIX):
                 continue
-            size = self._checked_size(Path(entry.path))
-            if size is None:
+            checked = self._checked(Path(entry.path))
+            if checked is None:
                 self._remove_file(Path(entry.path), bad=True)
                 continue
-            found.append((entry.stat().st_mtime_ns, bytes.fromhex(entry.name[:-len(SUFFIX)]), size))
-        for _, name, size in sorted(found, key=lambda row: row[0]):
-            self._index[name] = size
-            self.bytes += size
+            found.append((entry.stat().st_mtime_ns, bytes.fromhex(entry.name[:-len(SUFFIX)]), *checked))
+        for _, name, size, end in sorted(found, key=lambda row: row[0]):
+            self._add(name, size, end)
 
-    def _checked_size(self, file: Path) -> int | None:
-        """The file's size, if its header is ours and says that size; else None."""
+    def _checked(self, file: Path) -> tuple[int, int | None] | None:
+        """The file's size and, for a state record, the position its state belongs at, if its header is ours and
+        says that size; else None."""
         try:
             with open(file, "rb") as f:
                 header = f.read(HEADER_BYTES)
@@ -111,18 +117,47 @@ class BlockStore:
             return None
         if len(header) < HEADER_BYTES:
             return None
-        magic, version, identity, name, _, _, payload, state, _ = _HEADER.unpack_from(header)
+        magic, version, identity, name, first, n, payload, state, _ = _HEADER.unpack_from(header)
         if (magic, version, identity) != (MAGIC, VERSION, self._identity) or name.hex() + SUFFIX != file.name:
             return None
         if size != HEADER_BYTES + payload + state:
             return None
-        return size
+        return size, first + n if state else None
+
+    def _add(self, name: bytes, size: int, end: int | None) -> None:
+        """Index a file (the caller holds the lock, or the constructor runs)."""
+        self._index[name] = size
+        self.bytes += size
+        if end is not None:
+            self._state_ends[name] = end
+            self._ends[end] += 1
+
+    def _pop(self, name: bytes) -> None:
+        """Unindex a file (the caller holds the lock)."""
+        size = self._index.pop(name, None)
+        if size is not None:
+            self.bytes -= size
+        end = self._state_ends.pop(name, None)
+        if end is not None:
+            self._ends[end] -= 1
+            if not self._ends[end]:
+                del self._ends[end]
 
     def __contains__(self, name: bytes) -> bool:
         return name in self._index
 
     def __len__(self) -> int:
         return len(self._index)
+
+    @property
+    def states(self) -> int:
+        """How many of the files are state records."""
+        return len(self._state_ends)
+
+    def state_ends(self, after: int, limit: int) -> list[int]:
+        """The positions in (after, limit] that some state record's state belongs at, decreasing."""
+        with self._lock:
+            return sorted((end for end in self._ends if after < end <= limit), reverse=True)
 
     def present(self, names: list[bytes], start: int = 0) -> int:
         """How many of names[start:] are stored, consecutively from start."""
@@ -135,8 +170,8 @@ class BlockStore:
     # --- blocks
 
     def put(self, name: bytes, first: int, n: int, payload: bytes | memoryview, state: bytes = b"") -> None:
-        """Store a block (then drop the least recently used ones beyond `max_bytes`; a block larger than that is
-        not stored).
+        """Store a block, or with `state` a state record (then drop the least recently used files beyond
+        `max_bytes`; a file larger than that is not stored).
 
         Raises:
             OSError: the write failed (a full disk: ENOSPC); nothing of it is left.
@@ -159,12 +194,11 @@ class BlockStore:
             self._remove_file(temporary)
             raise
         with self._lock:
-            self._index[name] = size
-            self.bytes += size
+            self._add(name, size, first + n if state else None)
         self._evict()
 
-    def get(self, name: bytes) -> tuple[int, memoryview]:
-        """(first position, payload) of a stored block, now the most recently used.
+    def get(self, name: bytes) -> tuple[int, memoryview, memoryview]:
+        """(first position, payload, state) of a stored block or state record, now the most recently used.
 
         Raises:
             KeyError: not stored.
@@ -191,7 +225,7 @@ class BlockStore:
         if crc32c(body) != crc or len(body) != payload + state:
             self._drop(name, file)
             raise CorruptBlock(f"{file.name}: its bytes do not match its checksum")
-        return first, body[:payload]
+        return first, body[:payload], body[payload:]
 
     def touch(self, names: list[bytes]) -> list[bytes]:
         """Make stored blocks the most recently used (a slot that holds them in memory just used them); returns
@@ -235,15 +269,13 @@ class BlockStore:
             with self._lock:
                 if self.bytes <= self.max_bytes or not self._index:
                     return
-                name, size = self._index.popitem(last=False)
-                self.bytes -= size
+                name = next(iter(self._index))
+                self._pop(name)
             self._remove_file(self.path / (name.hex() + SUFFIX))
 
     def _forget(self, name: bytes) -> None:
         with self._lock:
-            size = self._index.pop(name, None)
-            if size is not None:
-                self.bytes -= size
+            self._pop(name)
 
     def _drop(self, name: bytes, file: Path) -> None:
         self._forget(name)

@@ -1,4 +1,5 @@
-"""`BlockWriter`: blocks written to the store on a thread of its own, from a queue bounded by bytes.
+"""`BlockWriter`: blocks (and state records) written to the store on a thread of its own, from a queue bounded by
+bytes.
 
 The engine thread offers a block after exporting it; when the queue holds `max_bytes` already, the offer is
 refused (the caller exports nothing more) and the block is not saved: a step never waits for the disk. A write
@@ -18,7 +19,7 @@ from strata.kv_disk.store import BlockStore
 class BlockWriter:
     def __init__(self, store: BlockStore, max_bytes: int, log: Callable[[str], None] = print):
         self.store, self.max_bytes, self._log = store, max_bytes, log
-        self._queue: collections.deque[tuple[bytes, int, int, memoryview]] = collections.deque()
+        self._queue: collections.deque[tuple[bytes, int, int, memoryview, bytes]] = collections.deque()
         self._touched: list[bytes] = []  # stored blocks used again, whose files' times to move
         self._cond = threading.Condition()
         self.queued_bytes = 0
@@ -45,15 +46,16 @@ class BlockWriter:
         """An empty queue takes any block: one larger than the queue is written alone."""
         return self.queued_bytes + n_bytes <= self.max_bytes or not self.queued_bytes
 
-    def offer(self, name: bytes, first: int, n: int, payload: memoryview) -> bool:
-        """Queue a block for writing; False (and `dropped` counts it) when the queue has no room."""
+    def offer(self, name: bytes, first: int, n: int, payload: memoryview, state: bytes = b"") -> bool:
+        """Queue a block (with `state`, a state record) for writing; False (and `dropped` counts it) when the queue
+        has no room."""
         with self._cond:
-            if self._closing or not self._fits(len(payload)):
+            if self._closing or not self._fits(len(payload) + len(state)):
                 self.dropped += 1
                 return False
-            self._queue.append((name, first, n, payload))
+            self._queue.append((name, first, n, payload, state))
             self._queued_names.add(name)
-            self.queued_bytes += len(payload)
+            self.queued_bytes += len(payload) + len(state)
             self._cond.notify_all()
             return True
 
@@ -88,9 +90,9 @@ class BlockWriter:
             with self._cond:
                 if not self._queue:
                     continue
-                name, first, n, payload = self._queue[0]
+                name, first, n, payload, state = self._queue[0]
             try:
-                self.store.put(name, first, n, payload)
+                self.store.put(name, first, n, payload, state)
             except OSError as error:
                 self.failed += 1
                 if not self._failing:
@@ -104,5 +106,5 @@ class BlockWriter:
             with self._cond:
                 self._queue.popleft()
                 self._queued_names.discard(name)
-                self.queued_bytes -= len(payload)
+                self.queued_bytes -= len(payload) + len(state)
                 self._cond.notify_all()

@@ -13,7 +13,8 @@ A hybrid model's slot (a recurrent engine) resumes only where it has its recurre
 holds, or at a snapshot (`strata.scheduling.snapshots`) taken where a later request is likely to branch off.
 With a disk tier (`strata.kv_disk.KvTier`), the stored blocks that extend that prefix are read on the tier's
 reader thread and imported as they come, while the other jobs step on; a job leaving its slot saves the slot's
-blocks.
+blocks (and a hybrid model's slot its recurrent states: at its end and at its snapshots, each a state record that
+a job resumes from after reading the blocks before it).
 
 A decoding job with a `Speculation` (`strata.scheduling.drafts`) also sends a draft in its step, and keeps the
 part of it that its own draws confirm (`_verify`), so one step may give it several tokens; the positions of the
@@ -25,6 +26,7 @@ The engine is an `EngineLike` (`strata.engine_cffi.Engine`, or a test's scripted
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import statistics
 import threading
@@ -309,8 +311,6 @@ class Batcher:
     def __init__(self, engine: EngineLike, step_tokens: int = 64, n_batch: int | None = None,
                  slowdown: float | None = 1.6, clock: Callable[[], float] | None = None,
                  snapshot_bytes: int | None = None, tier: KvTier | None = None):
-        if tier is not None and engine.recurrent:
-            raise ValueError("the disk tier does not store a recurrent model's state")
         self.engine = engine
         self.tier = tier
         self.n_batch = n_batch if n_batch is not None else engine.n_batch
@@ -391,21 +391,30 @@ class Batcher:
 
     def _read_stored(self, job: Job, slot: _Slot, n_keep: int) -> None:
         """Start reading the stored blocks that extend the job's cached prefix: the consecutive ones from the
-        block where that prefix ends (the slot is cut back to that block's start, at most a block's positions)."""
+        block where that prefix ends (the slot is cut back to that block's start, at most a block's positions).
+        A recurrent engine's slot reads them up to the longest position with a stored state record, then the
+        record (`KvTier.resumable`)."""
         tier = self.tier
         assert tier is not None
         block = tier.block_tokens
         first = job.reused // block
-        if (first + 1) * block > n_keep:  # no whole block of the prompt past the cached prefix
+        if self.snapshots is None and (first + 1) * block > n_keep:  # no whole block past the cached prefix
             return
-        job.block_names = tier.names(job.keys[:n_keep])
-        count = tier.stored(job.block_names, first)
-        if not count:
+        job.block_names = names = tier.names(job.keys[:n_keep])
+        if self.snapshots is None:
+            load = names[first:first + tier.stored(names, first)]
+        else:
+            end = tier.resumable(job.keys, names, first, job.reused, n_keep)
+            load = names[first:end // block] + [tier.state_name(job.keys, end, names)] if end else []
+        if not load:
             return
         self.engine.keep(first * block, seq=slot.seq)
+        if self.snapshots is not None:
+            self.snapshots.truncate(slot.seq, first * block)
+            slot.live = False  # until the record's state is loaded
         del slot.keys[first * block:]
         job.reused = first * block
-        job.loading = tier.read(job.block_names[:first + count], first)
+        job.loading = tier.read(load)
 
     def _import_read(self) -> None:
         """Import the blocks read for the jobs waiting for them (a memcpy each, on this thread)."""
@@ -413,11 +422,15 @@ class Batcher:
             load = job.loading
             if load is None:
                 continue
-            for first, payload in load.take():
+            slot = self.slots[job.seq]
+            for first, payload, state in load.take():
                 before = self.engine.seq_n_past(job.seq)
                 try:
                     self.engine.import_kv(job.seq, first, payload)
-                except EngineError:  # a block that is not where the sequence continues: the rest is computed
+                    if state:
+                        self.engine.load_state(job.seq, bytes(state))
+                        slot.live = True
+                except EngineError:  # a block not where the sequence continues, a state of another size: computed
                     load.cancel()
                     break
                 added = self.engine.seq_n_past(job.seq) - before
@@ -425,13 +438,21 @@ class Batcher:
                 job.disk_tokens += added
             if load.finished or load.cancelled:
                 job.loading = None
+                if self.snapshots is not None and not slot.live:  # the state record never came
+                    self._resume_held(job, slot)
             n_past = self.engine.seq_n_past(job.seq)
-            slot = self.slots[job.seq]
             held = len(slot.keys)
             _track(slot.keys, job, n_past)
             self._announce(slot, held)
             if job.progress is not None:
                 job.progress.prompt_progress(n_past, cached=n_past)
+
+    def _resume_held(self, job: Job, slot: _Slot) -> None:
+        """Cut the job's slot back to its last snapshot (or to nothing): the blocks read past it have no state."""
+        assert self.snapshots is not None
+        self._cut(slot, self.snapshots.best(slot.seq, self.engine.seq_n_past(slot.seq)))
+        job.reused, job.disk_tokens = self.engine.seq_n_past(slot.seq), 0
+        job.snapshot_at = snapshot_points(job.turn_starts, job.n_prompt, job.reused)
 
     def _announce(self, slot: _Slot, kept: int) -> None:
         """Tell the observer what the slot holds now (its first `kept` positions unchanged)."""
@@ -710,7 +731,8 @@ class Batcher:
             job.loading.cancel()
             job.loading = None
         if self.tier is not None and job.portable_keys and finish != "error":
-            self._save(slot, job.block_names)
+            # a cancelled call may have left a recurrent state half-way: only its snapshots are saved then
+            self._save(slot, job.block_names, slot.live and finish != "cancel")
         slot.job, slot.used = None, next(self._clock)
         if finish in ("cancel", "error"):  # a call cut short may have left a recurrent state half-way
             slot.live = self.snapshots is None
@@ -721,15 +743,23 @@ class Batcher:
             self.engine.clear_abort(job.seq)
             job.finish = finish
 
-    def _save(self, slot: _Slot, known: list[bytes]) -> None:
+    def _save(self, slot: _Slot, known: list[bytes], live: bool, wait: bool = False) -> None:
         """Queue the slot's whole blocks that the disk tier lacks (`known`: names of its first blocks, when
-        computed already)."""
+        computed already); on a recurrent engine, then its state records: at its end when `live` (its state is
+        that of its end), and at its snapshots, the latest first."""
         tier = self.tier
         assert tier is not None
-        n_past = self.engine.seq_n_past(slot.seq)
+        seq = slot.seq
+        n_past = self.engine.seq_n_past(seq)
         del slot.keys[n_past:]  # a call cut short may have left keys past what the cache holds
-        start = known[:n_past // tier.block_tokens]
-        tier.save(self.engine, slot.seq, tier.names(slot.keys, start))
+        names = tier.names(slot.keys, known[:n_past // tier.block_tokens])
+        tier.save(self.engine, seq, names, wait)
+        snapshots = self.snapshots
+        if snapshots is not None:
+            states = [(n_past, functools.partial(self.engine.save_state, seq))] if live else []
+            states += [(p, functools.partial(snapshots.take, seq, p)) for p in reversed(snapshots.positions(seq))
+                       if p != n_past]
+            tier.save_states(self.engine, seq, slot.keys, names, states, wait)
 
     def save_all(self) -> None:
         """Save every idle slot's blocks, waiting for the writer's room: a clean shutdown, with no step running."""
@@ -737,7 +767,7 @@ class Batcher:
             return
         for slot in self.slots:
             if slot.job is None and slot.portable and slot.keys and self.engine.seq_n_past(slot.seq) == len(slot.keys):
-                self.tier.save(self.engine, slot.seq, self.tier.names(slot.keys), wait=True)
+                self._save(slot, [], slot.live, wait=True)
 
 
 def _track(keys: list[Hashable], job: Job, n_past: int) -> None:
