@@ -1,4 +1,5 @@
-"""The disk tier under the prefix cache (`kv_disk`), on the generated small Q8_0 qwen3moe:
+"""The disk tier under the prefix cache (`kv_disk`), on the generated small Q8_0 qwen3moe (or, with `--arch
+qwen35moe`, the hybrid Qwen3.5 one, whose slots resume from the recurrent states stored beside the blocks):
 
 - **Restart.** A 6,000-token agent prompt is answered (16 greedy tokens) by a batcher with the tier; its blocks
   are saved as the job leaves and written at the tier's close. The block files are then dropped from the page
@@ -14,10 +15,12 @@
   over the positions the conversation's last turn left in a cache (its prompt and answer). RAM only (the slots'
   prefix cache) against RAM with the disk tier, side by side.
 
+Each prompt's last message (the user's, after the system prompt and the tools) is its last `USER` tokens: a
+hybrid model's slot snapshots its state where that message starts, and resumes there after a restart.
 The batcher is driven directly, as the engine thread drives it (no HTTP): the figures are the tier's.
 
-    python bench/kv_disk.py [--model bench/out/qwen3moe-small-q8_0.gguf] [--threads 2] [--prompt 6000]
-                            [--turns 3] [--block 256] [--only restart]
+    python bench/kv_disk.py [--arch qwen3moe|qwen35moe] [--model bench/out/ARCH-small-q8_0.gguf] [--threads 2]
+                            [--prompt 6000] [--turns 3] [--block 256] [--only restart]
 """
 
 from __future__ import annotations
@@ -39,8 +42,9 @@ from strata.kv_disk import KvTier
 from strata.scheduling.batcher import Batcher, Job
 from strata.text.sampling import Sampler, SamplingParams
 
-SMALL_MODEL = Path(__file__).parent / "out" / "qwen3moe-small-q8_0.gguf"
+OUT = Path(__file__).parent / "out"
 ANSWER = 16
+USER = 64
 TOOL_OUTPUT = 150
 CONVERSATIONS, SLOTS = 8, 2
 
@@ -66,7 +70,8 @@ def drop_from_page_cache(directory: Path, files: list[Path] | None = None) -> in
 
 def answer(batcher: Batcher, prompt: list[int]) -> tuple[Job, float]:
     """Answer `prompt` greedily; (the job, seconds to its first token)."""
-    job = Job(prompt, Sampler(SamplingParams(temperature=0), batcher.engine.n_vocab), ANSWER, set())
+    job = Job(prompt, Sampler(SamplingParams(temperature=0), batcher.engine.n_vocab), ANSWER, set(),
+              turn_starts=[0, len(prompt) - USER])
     started = time.perf_counter()
     batcher.add(job)
     job.loaded = started  # type: ignore[attr-defined]  # when its blocks were all imported (the bench's note)
@@ -108,7 +113,7 @@ def restart(args: argparse.Namespace, directory: Path, rounds: int = 3) -> dict[
     rates = read_rates(args, directory, identity, position_bytes, prompt)
     return {"prompt": len(prompt), "with": statistics.median(with_tier), "without": statistics.median(without),
             "reading": statistics.median(reading), "rounds": list(zip(with_tier, without, strict=True)),
-            "disk_tokens": warm.disk_tokens, "blocks": read["read_blocks"], "file_bytes": file_bytes,
+            "disk_tokens": warm.disk_tokens, "files": read["read_blocks"], "file_bytes": file_bytes,
             "rates": rates}
 
 
@@ -135,10 +140,10 @@ def read_rates(args: argparse.Namespace, directory: Path, identity: str, positio
         rates[kind].append(got / (time.perf_counter() - started))
 
     def by_tier() -> int:
-        got, load = 0, tier.read(names, 0)
+        got, load = 0, tier.read(names)
         while not load.finished:
             tier.wait(0.01)
-            got += sum(len(payload) for _, payload in load.take())
+            got += sum(len(payload) for _, payload, _ in load.take())
         return got
 
     def by_files() -> int:
@@ -197,7 +202,9 @@ def cpu_name() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=Path, default=SMALL_MODEL)
+    parser.add_argument("--arch", choices=["qwen3moe", "qwen35moe"], default="qwen3moe",
+                        help="the default model's architecture")
+    parser.add_argument("--model", type=Path, default=None, help="default: bench/out/ARCH-small-q8_0.gguf")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prompt", type=int, default=6000)
     parser.add_argument("--turns", type=int, default=3)
@@ -206,16 +213,18 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=None, help="where the block files go (default: a temporary "
                         "directory under the bench's out/, on the disk the repository is on)")
     args = parser.parse_args()
+    args.model = args.model or OUT / f"{args.arch}-small-q8_0.gguf"
     if not args.model.is_file():
-        sys.exit(f"no model at {args.model}: strata make-model --arch qwen3moe --size small --dtype q8_0 "
+        sys.exit(f"no model at {args.model}: strata make-model --arch {args.arch} --size small --dtype q8_0 "
                  f"--vocab qwen --out {args.model}")
     base = args.dir or args.model.parent
     print(f"{cpu_name()}, {os.cpu_count()} CPUs, {args.threads} engine threads; blocks of {args.block} positions")
     with tempfile.TemporaryDirectory(dir=base) as one, tempfile.TemporaryDirectory(dir=base) as two:
         r = restart(args, Path(one))
         print(f"restart, a {r['prompt']}-token prompt: first token {r['with']:.3f} s with the tier "
-              f"({r['disk_tokens']} tokens in {r['blocks']} blocks read, {r['file_bytes'] / 2**20:.1f} MiB, in "
-              f"{r['reading']:.3f} s), {r['without']:.3f} s without: {r['with'] / r['without']:.3f}x (medians of 3; "
+              f"({r['disk_tokens']} tokens in {r['files']} files read (blocks, and a hybrid's state record), "
+              f"{r['file_bytes'] / 2**20:.1f} MiB stored, in {r['reading']:.3f} s), {r['without']:.3f} s without: "
+              f"{r['with'] / r['without']:.3f}x (medians of 3; "
               "each round " + ", ".join(f"{a:.3f}/{b:.3f}" for a, b in r["rounds"]) + "); the same answers")
         rates = r["rates"]
         tier_rates = rates["tier"]
