@@ -13,9 +13,11 @@ import numpy as np
 import pytest
 from fakes import N_VOCAB, RecurrentEngine, SuccessorEngine
 
+from strata.config import SpeculativeConfig
 from strata.kv_disk import KvTier
 from strata.kv_disk.store import BlockStore
 from strata.scheduling.batcher import Batcher, Job
+from strata.scheduling.drafts import speculation
 from strata.text.sampling import Sampler, SamplingParams
 
 BLOCK = 8
@@ -203,3 +205,17 @@ def test_the_live_state_goes_first_and_a_full_queue_drops_the_rest(tmp_path: Pat
     gate.set()
     tier.close()
     assert tier.store.state_ends(0, 100) == [42]
+
+
+def test_a_slot_stopped_inside_a_draft_stores_states_only_where_its_keys_reach(tmp_path: Path) -> None:
+    """A stop id inside an accepted draft ends the job before its sequence is rolled back: the state there is past
+    the keys the slot names, so it is not stored; the snapshot at the prompt's end is."""
+    engine = RecurrentEngine(n_ctx=100)
+    tier = _tier(tmp_path, engine)
+    job = _job([*range(16), 0, 1, 2], max_tokens=40, speculation=speculation(SpeculativeConfig(
+        source="lookup", adaptive=False, max_draft=4)))
+    job.stop_ids = {9}
+    _run(Batcher(engine, slowdown=None, tier=tier), job)
+    assert job.finish == "stop" and engine.loads  # rolled back to the state before its last step
+    tier.close()
+    assert tier.store.state_ends(0, 100) == [19]

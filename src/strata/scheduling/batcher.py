@@ -756,9 +756,11 @@ class Batcher:
         tier.save(self.engine, seq, names, wait)
         snapshots = self.snapshots
         if snapshots is not None:
+            held = len(slot.keys)
+            live = live and held == n_past  # short of n_past after a draft not rolled back yet: no keys to name it
             states = [(n_past, functools.partial(self.engine.save_state, seq))] if live else []
             states += [(p, functools.partial(snapshots.take, seq, p)) for p in reversed(snapshots.positions(seq))
-                       if p != n_past]
+                       if p <= held and not (live and p == n_past)]
             tier.save_states(self.engine, seq, slot.keys, names, states, wait)
 
     def save_all(self) -> None:
