@@ -84,7 +84,8 @@ def test_the_byte_budget_holds_least_recently_used_first(tmp_path: Path) -> None
 
 def test_state_records_are_indexed_by_position_and_share_the_budget(tmp_path: Path) -> None:
     """A hybrid model's state record (rows from its block's start, then a state) survives a restart with the
-    position its state belongs at, counts in the byte budget, and is evicted by the LRU order as a block is."""
+    position its state belongs at, counts in the byte budget, is evicted by the LRU order as a block is, and is
+    removed at startup under another identity."""
     block, record = HEADER_BYTES + 1000, HEADER_BYTES + 300 + 2000
     store = BlockStore(tmp_path, IDENTITY, 2 * block + record)
     store.put(_name(0), 0, 8, _payload(0))
@@ -103,7 +104,11 @@ def test_state_records_are_indexed_by_position_and_share_the_budget(tmp_path: Pa
     again.put(_name(4), 32, 8, _payload(4))  # then the record
     assert _name(5) not in again and again.states == 0 and again.state_ends(0, 100) == []
     assert again.bytes == 3 * block == sum(f.stat().st_size for f in tmp_path.glob("*.kvb"))
+    again.put(_name(6), 40, 2, _payload(6, 200), state=_payload(7, 500))
     again.close()
+    other = BlockStore(tmp_path, "model-b:f16:layout1", 10**6)  # another model: its records go with its blocks
+    assert len(other) == other.states == 0 and other.removed == 4 and not list(tmp_path.glob("*.kvb"))
+    other.close()
 
 
 def test_blocks_a_slot_used_again_are_kept_longest(tmp_path: Path) -> None:
