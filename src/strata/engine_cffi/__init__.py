@@ -593,6 +593,10 @@ class Engine:
         is no longer wanted."""
         _check(lib.strata_abort(self._live_ctx(), int(seq)))
 
+    def expert_counts(self) -> dict[str, int] | None:
+        """None: the CPU engine has no expert cache (`DeviceEngine` has)."""
+        return None
+
     def cpu_seconds(self) -> float:
         """CPU seconds this context's threads have run: the calling thread's (call it from the thread that
         evaluates) and the pool workers'. A step's work, without the process's other threads."""

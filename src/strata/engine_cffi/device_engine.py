@@ -95,8 +95,12 @@ class DeviceEngine(Engine):
             EngineError: what `Engine.load` raises; an architecture other than qwen3moe, a weight type the device
                 has no product for, or a device budget the dense part and the KV cache do not fit in.
         """
-        engine = cls.load(path, n_ctx=n_ctx, threads=threads, kv=kv, n_batch=n_batch, n_seq=n_seq,
-                          kv_budget=kv_budget, mapped_weights=True, record_routing=record_routing)
+        try:
+            engine = cls.load(path, n_ctx=n_ctx, threads=threads, kv=kv, n_batch=n_batch, n_seq=n_seq,
+                              kv_budget=kv_budget, mapped_weights=True, record_routing=record_routing)
+        except BaseException:
+            device.close()
+            raise
         try:
             engine._attach(device, capacity, uploads_per_step)
         except DeviceError as exc:
@@ -110,10 +114,9 @@ class DeviceEngine(Engine):
     # --- set-up
 
     def _attach(self, device: Device, capacity: int | None, uploads_per_step: float | None) -> None:
+        self.device, self.backend = device, device.kind  # closed with the engine from here on
         if self.arch not in ARCHITECTURES:
             raise EngineError(f"the {device.kind} device runs {', '.join(ARCHITECTURES)} models, not {self.arch}")
-        self.device, self.backend = device, device.kind
-        self._buffers: list[Any] = []
         self._n_past = [0] * self.n_seq
         self._aborted: set[int] = set()
         meta = self.metadata
@@ -150,14 +153,10 @@ class DeviceEngine(Engine):
         self._pool = concurrent.futures.ThreadPoolExecutor(self.threads, thread_name_prefix="strata-misses")
 
     def _put(self, array: np.ndarray) -> Any:
-        p = self.device.to_device(np.ascontiguousarray(array))
-        self._buffers.append(p)
-        return p
+        return self.device.to_device(np.ascontiguousarray(array))
 
     def _alloc(self, nbytes: int) -> Any:
-        p = self.device.alloc(max(nbytes, 1))
-        self._buffers.append(p)
-        return p
+        return self.device.alloc(max(nbytes, 1))
 
     def _tensor(self, name: str) -> TensorInfo:
         t = self._file.tensor(name)
@@ -257,9 +256,11 @@ class DeviceEngine(Engine):
         self._aborted.discard(seq)
 
     def expert_counts(self) -> dict[str, int]:
-        """The expert cache's capacity and its counts since the engine started (hits, misses, uploads)."""
-        c = self.slots.counts
-        return {"capacity": self.slots.capacity, "hits": c.hits, "misses": c.misses, "uploads": c.uploads}
+        """The expert cache's capacity (experts and bytes) and its counts since the engine started (hits,
+        misses, uploads)."""
+        c, slots = self.slots.counts, self.slots
+        return {"capacity": slots.capacity, "bytes": slots.capacity * slots.slot_bytes, "hits": c.hits,
+                "misses": c.misses, "uploads": c.uploads}
 
     # --- a call
 
@@ -435,12 +436,11 @@ class DeviceEngine(Engine):
         return y
 
     def close(self) -> None:
-        if getattr(self, "slots", None) is not None:
-            self._pool.shutdown()
-            self.slots.close()
-            for p in self._buffers:
-                self.device.free(p)
-            self._buffers = []
-            self.device.close()
-            del self.slots
+        """Close the CPU engine and the device (which frees every allocation on it). Idempotent."""
+        pool = self.__dict__.pop("_pool", None)
+        if pool is not None:
+            pool.shutdown()
+        device = self.__dict__.pop("device", None)
+        if device is not None:
+            device.close()
         super().close()

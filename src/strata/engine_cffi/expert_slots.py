@@ -40,7 +40,7 @@ class ExpertSlots:
     another (a slot is the largest layer's expert: a model may mix types from layer to layer).
 
     Args:
-        device: where the slots live (allocated as the cache fills, freed at `close`).
+        device: where the slots live (allocated as the cache fills, freed when the device closes).
         n_layer, n_expert: the model's MoE layers and experts per layer.
         capacity: experts held over all layers.
         expert_bytes: per layer, the (gate, up, down) bytes of one of its experts.
@@ -92,11 +92,3 @@ class ExpertSlots:
         for which, size in enumerate(self.expert_bytes[layer]):
             self.device.upload(at, self._expert_data(layer, expert, which), self._stream)
             at += size
-
-    def close(self) -> None:
-        """Free every slot (the device's memory)."""
-        self.device.sync(self._stream)
-        for slot in [*self._slot.values(), *self._free]:
-            self.device.free(slot)
-        self._slot.clear()
-        self._free.clear()
