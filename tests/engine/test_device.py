@@ -20,7 +20,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import quants
 from strata.engine_cffi._engine import ffi, lib
 
-from strata.engine_cffi import device_check
+from strata.engine_cffi import backend_check, device_check
 from strata.engine_cffi.device import Device, DeviceError, DeviceUnavailable, interface
 
 ROOT = Path(__file__).parents[2]
@@ -344,6 +344,14 @@ def test_check_driver_prints_its_table_and_passes_on_the_host(capsys):
     rows = [line for line in table if line.startswith("| ") and "kernel" not in line]
     assert len(rows) == 3 * len(device_check.MATMUL_TYPES) + 1 + 3 + 3 + 1 + 1 + 1 + 3
     assert all("| pass " in line for line in rows) and table[-1] == f"{len(rows)} of {len(rows)} cases pass"
+
+
+def test_backend_check_runs_the_forward_pass_on_the_host_and_passes(capsys):
+    """The script's second part (strata.engine_cffi.backend_check), on the host device."""
+    assert backend_check.main(["--device", "host", "--quick"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("(agree)") == 2 and out.splitlines()[-1] == "pass"
+    assert "qwen3moe tiny f16, expert cache 8 of 16 experts, tolerance 1e-05" in out
 
 
 def test_check_driver_fails_a_kernel_outside_its_tolerance():

@@ -637,7 +637,7 @@ class Engine:
             if self._routing is not None:
                 self._routing.close()
 
-    def __enter__(self) -> Engine:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
