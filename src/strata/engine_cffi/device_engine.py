@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -255,6 +256,11 @@ class DeviceEngine(Engine):
     def clear_abort(self, seq: int = 0) -> None:
         self._aborted.discard(seq)
 
+    def cpu_seconds(self) -> float:
+        """The clock the batcher times steps by: wall time here, as a step waits on the device and the misses'
+        threads, which the CPU engine's own clock does not see."""
+        return time.perf_counter()
+
     def expert_counts(self) -> dict[str, int]:
         """The expert cache's capacity (experts and bytes) and its counts since the engine started (hits,
         misses, uploads)."""
@@ -318,11 +324,11 @@ class DeviceEngine(Engine):
         """One forward pass over a chunk's tokens; the logits rows of those that want them."""
         n, a, dev = len(ids), self._a, self.device
         self.slots.begin_step()
-        dev.upload(a["x"], self._embeddings(ids, rows, embd_of))
-        dev.upload(a["seq"], seqs.astype(np.int32))
-        dev.upload(a["pos"], pos.astype(np.int32))
-        dev.upload(a["n_pos"], (pos + 1).astype(np.int32))
-        dev.upload(a["rope"], np.repeat(pos.astype(np.int32)[:, None], 3, axis=1))
+        pos32 = pos.astype(np.int32)
+        staged = {"x": self._embeddings(ids, rows, embd_of), "seq": seqs.astype(np.int32), "pos": pos32,
+                  "n_pos": pos32 + 1, "rope": np.repeat(pos32[:, None], 3, axis=1)}
+        for name, array in staged.items():  # the arrays live until the first layer's read-back synchronises
+            dev.upload(a[name], array)
         for il in range(self.n_layer):
             self._attention(il, n)
             self._moe(il, n, records, chunk)
@@ -399,9 +405,9 @@ class DeviceEngine(Engine):
         dev.upload(a["slot_x"], slot_x)
         for e in outcome.hits:
             self._hit(il, e, *at[e])
-        for e, future in zip(outcome.misses, misses, strict=True):
-            s0 = at[e][0]
-            dev.upload(dev.ffi.cast("char *", a["moe_out"]) + 4 * s0 * E, future.result())
+        miss_rows = [future.result() for future in misses]  # kept until the synchronisation below
+        for e, y in zip(outcome.misses, miss_rows, strict=True):
+            dev.upload(dev.ffi.cast("char *", a["moe_out"]) + 4 * at[e][0] * E, y)
         # x += sum over the token's choices of weight * its expert's row
         dev.upload(a["slot_of"], slot_of)
         self._launch("add_rows", n_tok=n, k=k, n=E, y=a["moe_out"], idx=a["slot_of"], weight=a["weights"], out=a["x"])
