@@ -18,9 +18,10 @@ A chunk of tokens (at most `n_batch`, the sequences' tokens in call order) goes 
 then the output norm and head for the tokens that want logits. The layer loop runs here, in Python: each kernel is
 one launch, and the policy (a Python class) is called once per layer.
 
-The rest of the engine's interface (sampling, the CPU clock, the checks of a call's items) is the CPU engine's,
-whose context this class extends; the positions each sequence holds are kept here, as the KV cache is the
-device's. Not built yet: `export_kv` / `import_kv` (the disk tier, KV events), recurrent and vision models.
+The rest of the engine's interface (sampling, the checks of a call's items) is the CPU engine's, whose context
+this class extends; the positions each sequence holds are kept here, as the KV cache is the device's. Not built
+yet: `export_kv` / `import_kv` (the disk tier), other architectures (Qwen3-VL's deepstack rows, Qwen3.5's
+recurrent layers, dense models).
 """
 
 from __future__ import annotations
@@ -36,17 +37,16 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 from gguf import quants
 
-from strata.engine_cffi import BatchItem, Engine, EngineAborted, EngineError, _item_logits
+from strata.engine_cffi import _KV_TYPES, BatchItem, Engine, EngineAborted, EngineError, _item_logits
 from strata.engine_cffi.device import Device, DeviceError
+from strata.engine_cffi.device_check import MATMUL_TYPES
 from strata.engine_cffi.expert_slots import UPLOADS_PER_STEP, ExpertSlots
 from strata.experts.trace import RECORD_HEAD
 from strata.gguf_file import TensorInfo
 
 ARCHITECTURES = ("qwen3moe",)
-# Weight types the device's products take (cuda/device.c's MATMUL_TYPES).
-DEVICE_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.MXFP4})
-KV_ELEM = {"f32": 4, "f16": 2, "int8": 1}
-KV_TYPE = {"f32": 0, "f16": 1, "int8": 2}
+DEVICE_TYPES = frozenset(MATMUL_TYPES)  # the weight types the device's products take
+KV_ELEM = {"f32": 4, "f16": 2, "int8": 1}  # bytes of a cached value
 RESERVE = 1 << 30  # of a card's free memory, left to the driver and other users when no budget is given
 
 
@@ -374,7 +374,7 @@ class DeviceEngine(Engine):
                          out=a[name])
             self._launch("rope", n_tok=n, n_head=heads, head_dim=hd, neox=1, x=a[name], pos=a["rope"],
                          inv_freq=self._inv_freq, axis=self._axis)
-        kv = dict(n_head_kv=self.n_head_kv, head_dim=hd, kv_type=KV_TYPE[self.kv_type], n_layer=self.n_layer, il=il,
+        kv = dict(n_head_kv=self.n_head_kv, head_dim=hd, kv_type=_KV_TYPES[self.kv_type], n_layer=self.n_layer, il=il,
                   n_ctx=self.n_ctx, k=self._k, v=self._v, k_scale=self._k_scale, v_scale=self._v_scale, seq=a["seq"])
         self._launch("kv_store", n_tok=n, k_in=a["k"], v_in=a["v"], pos=a["pos"], **kv)
         # att = softmax(q K^T / sqrt(hd)) V over each token's positions; x += att Wo
