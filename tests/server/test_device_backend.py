@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -16,8 +17,9 @@ from strata.service import open_service
 ASK = {"messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 12, "temperature": 0}
 
 
-def answer(url: str) -> str:
-    reply = httpx.post(url + "/v1/chat/completions", json=ASK, timeout=60)
+def answer(url: str, messages: list[dict[str, str]] | None = None) -> str:
+    reply = httpx.post(url + "/v1/chat/completions", json=ASK | ({"messages": messages} if messages else {}),
+                       timeout=60)
     reply.raise_for_status()
     return reply.json()["choices"][0]["message"]["content"]
 
@@ -38,6 +40,25 @@ def test_the_host_device_answers_as_the_cpu_engine_and_shows_its_expert_cache(ti
     for outcome, key in (("hit", "hits"), ("miss", "misses"), ("upload", "uploads")):
         assert float(samples[f'strata_expert_cache_experts_total{{outcome="{outcome}"}}']) == cache[key]
     assert float(samples["strata_expert_cache_bytes"]) == cache["bytes"]
+
+
+def test_concurrent_requests_and_a_reused_prefix_answer_as_on_the_cpu_engine(tiny_model):
+    """Several sequences decoding in one step, and a second turn whose prefix the slot's cache (or a copy of it to
+    another slot) supplies: the backend's positions, keep and copy_prefix."""
+    turns = [[{"role": "user", "content": text}] for text in ("Tell me a story.", "Name a colour.", "Count.")]
+    follow = turns[0] + [{"role": "assistant", "content": "Once"}, {"role": "user", "content": "Go on."}]
+
+    def answers(url: str) -> list[str]:
+        with ThreadPoolExecutor(3) as pool:
+            first = list(pool.map(lambda m: answer(url, m), turns))
+        return first + [answer(url, follow), answer(url, turns[1])]
+
+    with live_server(server_config(model=str(tiny_model), context=256, kv="f32", slots=3)) as cpu:
+        want = answers(cpu.url)
+    with live_server(server_config(model=str(tiny_model), context=256, kv="f32", slots=3, device="host")) as server:
+        assert answers(server.url) == want
+        status = httpx.get(server.url + "/v1/status").json()
+    assert status["totals"]["reused_tokens"] > 0
 
 
 async def test_the_cpu_engine_shows_no_expert_cache(tiny_model):
