@@ -321,9 +321,6 @@ def _check_engine(config: Config) -> None:
         raise _fail("device", f"must be one of {', '.join(DEVICES)}, got {config.device!r}")
     if config.gpu_memory is not None and not config.gpu_memory > 0:
         raise _fail("gpu_memory", f"must be positive (GiB), got {config.gpu_memory}")
-    if config.device != "cpu" and config.kv_disk.path is not None:
-        raise _fail("kv_disk.path", f"is not supported with device {config.device} yet (the GPU backend cannot "
-                    "export its KV rows)")
     if config.kv_budget is not None and not config.kv_budget > 0:
         raise _fail("kv_budget", f"must be positive (MiB), got {config.kv_budget}")
     if config.snapshot_budget is not None and not config.snapshot_budget >= 0:

@@ -146,3 +146,25 @@ def test_other_architectures_are_refused(tmp_path):
     path = write_random_model(tmp_path / "dense.gguf", arch="qwen3", size="tiny", dtype="f32", vocab="bytes")
     with pytest.raises(EngineError, match="the host device runs qwen3moe models, not qwen3"):
         DeviceEngine.open(path, Device("host"), **SHAPE)
+
+
+@pytest.mark.parametrize("kv", ["f16", "int8"])
+def test_exported_rows_continue_a_sequence_elsewhere(models, kv):
+    """export_kv in the CPU engine's layout, imported into another sequence of another engine on the device: the
+    next token's logits are the original's bits."""
+    prompt = list(range(30, 49))
+    with on_device(models["q8_0"], kv) as dev, on_device(models["q8_0"], kv) as other:
+        dev.eval(prompt)
+        data = dev.export_kv(0, 0, 12)
+        assert data.nbytes == 12 * dev.kv_position_bytes
+        other.import_kv(2, 0, data)
+        other.import_kv(2, 12, dev.export_kv(0, 12, 7))
+        assert other.seq_n_past(2) == 19
+        want = dev.eval([7])
+        np.testing.assert_array_equal(other.eval([7], seq=2), want)
+        with pytest.raises(EngineError, match="continues at 20"):
+            other.import_kv(2, 3, data)
+        with pytest.raises(EngineError, match="sequence 0 holds 20"):
+            dev.export_kv(0, 10, 11)
+    with Engine.load(models["q8_0"], kv=kv, mapped_weights=True, **SHAPE) as cpu:
+        assert cpu.kv_position_bytes == dev.kv_position_bytes and cpu.kv_identity + ":host" == dev.kv_identity

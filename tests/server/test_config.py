@@ -40,7 +40,6 @@ def test_defaults():
     ({"step_slowdown": 0.5}, '"step_slowdown" must be at least 1'),
     ({"device": "gpu"}, '"device" must be one of cpu, cuda, host'),
     ({"gpu_memory": 0}, '"gpu_memory" must be positive'),
-    ({"device": "cuda", "kv_disk": {"path": "/tmp/kv"}}, '"kv_disk.path" is not supported with device cuda yet'),
     ({"step_slowdown": float("nan")}, '"step_slowdown" must be at least 1'),
     ({"context": None}, '"context" must not be null'),
     ({"limits": []}, '"limits" must be an object'),

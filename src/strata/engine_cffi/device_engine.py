@@ -19,9 +19,9 @@ then the output norm and head for the tokens that want logits. The layer loop ru
 one launch, and the policy (a Python class) is called once per layer.
 
 The rest of the engine's interface (sampling, the checks of a call's items) is the CPU engine's, whose context
-this class extends; the positions each sequence holds are kept here, as the KV cache is the device's. Not built
-yet: `export_kv` / `import_kv` (the disk tier), other architectures (Qwen3-VL's deepstack rows, Qwen3.5's
-recurrent layers, dense models).
+this class extends; the positions each sequence holds are kept here, as the KV cache is the device's
+(`copy_prefix`, `export_kv` and `import_kv` move its rows through the host, in the CPU engine's layout). Not built
+yet: other architectures (Qwen3-VL's deepstack rows, Qwen3.5's recurrent layers, dense models).
 """
 
 from __future__ import annotations
@@ -116,6 +116,8 @@ class DeviceEngine(Engine):
 
     def _attach(self, device: Device, capacity: int | None, uploads_per_step: float | None) -> None:
         self.device, self.backend = device, device.kind  # closed with the engine from here on
+        # the cached rows' bits are the device's kernels': another backend's rows are not these
+        self.kv_identity = f"{self.kv_identity}:{device.kind}"
         if self.arch not in ARCHITECTURES:
             raise EngineError(f"the {device.kind} device runs {', '.join(ARCHITECTURES)} models, not {self.arch}")
         self._n_past = [0] * self.n_seq
@@ -226,28 +228,49 @@ class DeviceEngine(Engine):
         self._n_past[seq] = n
 
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
-        """Sequence `dst` = the first n positions of `src`: each (layer, kv head)'s rows through the host."""
-        if not 0 <= n <= self.seq_n_past(src) or not 0 <= dst < self.n_seq:
-            raise EngineError(f"copy {n} positions of sequence {src} to {dst}")
-        ffi, elem = self.device.ffi, KV_ELEM[self.kv_type]
-        per_seq = self.n_layer * self.n_head_kv
-        for cache, width in ((self._k, self.head_dim * elem), (self._v, self.head_dim * elem),
-                             (self._k_scale, 4), (self._v_scale, 4)):
-            if cache == ffi.NULL or n == 0:
-                continue
-            rows = np.empty(n * width, np.uint8)
-            for r in range(per_seq):
-                self.device.download(rows, ffi.cast("char *", cache) + ((src * per_seq + r) * self.n_ctx) * width)
-                self.device.sync()
-                self.device.upload(ffi.cast("char *", cache) + ((dst * per_seq + r) * self.n_ctx) * width, rows)
-        self.device.sync()
-        self._n_past[dst] = n
+        """Sequence `dst` = the first n positions of `src`: their rows through the host (the interface has no
+        copy between two places of the device)."""
+        self.seq_n_past(dst)
+        data = self.export_kv(src, 0, n)
+        self._n_past[dst] = 0
+        self.import_kv(dst, 0, data)
+
+    def _runs(self, seq: int, first: int, n: int) -> list[tuple[Any, int]]:
+        """The device's bytes of positions [first, first + n) of `seq` in `export_kv`'s order (kv_rows.c's layout:
+        per layer and KV head its K then V rows, then with int8 its K then V scales): (pointer, bytes) pairs."""
+        ffi, row = self.device.ffi, self.head_dim * KV_ELEM[self.kv_type]
+        heads = [((seq * self.n_layer + il) * self.n_head_kv + h) * self.n_ctx + first
+                 for il in range(self.n_layer) for h in range(self.n_head_kv)]
+        runs = [(ffi.cast("char *", cache) + base * row, n * row) for base in heads for cache in (self._k, self._v)]
+        if self.kv_type == "int8":
+            runs += [(ffi.cast("char *", cache) + base * 4, n * 4) for base in heads
+                     for cache in (self._k_scale, self._v_scale)]
+        return runs
 
     def export_kv(self, seq: int, first: int, n: int) -> np.ndarray:
-        raise EngineError(f"the {self.backend} device cannot export KV rows yet")
+        if first < 0 or n < 0 or first + n > self.seq_n_past(seq):
+            raise EngineError(f"export of positions [{first}, {first + n}): sequence {seq} holds "
+                              f"{self._n_past[seq]}")
+        buf = np.empty(n * self.kv_position_bytes, np.uint8)
+        at = 0
+        for ptr, size in self._runs(seq, first, n) if n else []:
+            self.device.download(buf[at:at + size], ptr)
+            at += size
+        self.device.sync()
+        return buf
 
     def import_kv(self, seq: int, first: int, data: Any) -> None:
-        raise EngineError(f"the {self.backend} device cannot import KV rows yet")
+        view = np.frombuffer(memoryview(data).cast("B"), np.uint8)
+        n, rest = divmod(len(view), self.kv_position_bytes)
+        if rest or first != self.seq_n_past(seq) or first + n > self.n_ctx:
+            raise EngineError(f"import of {len(view)} bytes at position {first}: sequence {seq} continues at "
+                              f"{self._n_past[seq]} of {self.n_ctx}, positions of {self.kv_position_bytes} bytes")
+        at = 0
+        for ptr, size in self._runs(seq, first, n) if n else []:
+            self.device.upload(ptr, view[at:at + size])
+            at += size
+        self.device.sync()  # the caller's buffer is read by now
+        self._n_past[seq] = first + n
 
     def abort(self, seq: int = 0) -> None:
         self.seq_n_past(seq)
