@@ -121,6 +121,7 @@ class DeviceEngine(Engine):
         if self.arch not in ARCHITECTURES:
             raise EngineError(f"the {device.kind} device runs {', '.join(ARCHITECTURES)} models, not {self.arch}")
         self._n_past = [0] * self.n_seq
+        self._in_flight: list[np.ndarray] = []  # host buffers queued copies read: kept until a synchronisation
         self._aborted: set[int] = set()
         meta = self.metadata
 
@@ -350,8 +351,9 @@ class DeviceEngine(Engine):
         pos32 = pos.astype(np.int32)
         staged = {"x": self._embeddings(ids, rows, embd_of), "seq": seqs.astype(np.int32), "pos": pos32,
                   "n_pos": pos32 + 1, "rope": np.repeat(pos32[:, None], 3, axis=1)}
-        for name, array in staged.items():  # the arrays live until the first layer's read-back synchronises
+        for name, array in staged.items():
             dev.upload(a[name], array)
+        self._in_flight = list(staged.values())  # host buffers the stream reads, kept until a synchronisation
         for il in range(self.n_layer):
             self._attention(il, n)
             self._moe(il, n, records, chunk)
@@ -359,6 +361,8 @@ class DeviceEngine(Engine):
         rows_wanted = np.flatnonzero(wants).astype(np.int32)
         m = len(rows_wanted)
         if m == 0:
+            dev.sync()
+            self._in_flight = []
             return np.empty((0, self.n_vocab), np.float32)
         E = self.n_embd
         dev.upload(a["rows"], rows_wanted)
@@ -366,7 +370,9 @@ class DeviceEngine(Engine):
         self._launch("add_rows", n_tok=m, k=1, n=E, y=a["x"], idx=a["rows"], out=a["slot_x"])
         self._launch("rms_norm", n=E, n_tok=m, eps=self.eps, x=a["slot_x"], w=self._output_norm, out=a["xb"])
         self._matmul(self._output, a["xb"], m, a["logits"])
-        return dev.to_host(a["logits"], (m, self.n_vocab), np.float32)
+        logits = dev.to_host(a["logits"], (m, self.n_vocab), np.float32)
+        self._in_flight = []
+        return logits
 
     def _embeddings(self, ids: np.ndarray, rows: np.ndarray, embd_of: np.ndarray) -> np.ndarray:
         """x rows: the token embeddings looked up in the mapped file, or the caller's rows."""
@@ -412,8 +418,11 @@ class DeviceEngine(Engine):
         self._matmul(L["ffn_gate_inp"], a["xb"], n, a["router"])
         self._launch("topk", n_tok=n, n_expert=self.n_expert, k=k, logits=a["router"], ids=a["ids"],
                      weights=a["weights"])
-        ids = dev.to_host(a["ids"], (n, k), np.int32)
-        xb = dev.to_host(a["xb"], (n, E), np.float32)
+        ids, xb = np.empty((n, k), np.int32), np.empty((n, E), np.float32)
+        dev.download(ids, a["ids"])
+        dev.download(xb, a["xb"])
+        dev.sync()
+        self._in_flight = []  # what the host gave the stream so far is read by now
         if self._routing is not None:
             records.append(np.concatenate([np.array([il, chunk, n], np.int32), ids.reshape(-1)]))
         # slots grouped by expert, ascending: expert e's tokens' rows, in token order
@@ -428,13 +437,15 @@ class DeviceEngine(Engine):
         dev.upload(a["slot_x"], slot_x)
         for e in outcome.hits:
             self._hit(il, e, *at[e])
-        miss_rows = [future.result() for future in misses]  # kept until the synchronisation below
+        miss_rows = [future.result() for future in misses]
         for e, y in zip(outcome.misses, miss_rows, strict=True):
             dev.upload(dev.ffi.cast("char *", a["moe_out"]) + 4 * at[e][0] * E, y)
         # x += sum over the token's choices of weight * its expert's row
         dev.upload(a["slot_of"], slot_of)
         self._launch("add_rows", n_tok=n, k=k, n=E, y=a["moe_out"], idx=a["slot_of"], weight=a["weights"], out=a["x"])
-        dev.sync()  # the host's rows (slot_x, the misses') are read by now
+        # no synchronisation: the next layer's attention queues behind this one; the host's rows live until the
+        # next read-back
+        self._in_flight = [slot_x, slot_of, *miss_rows]
 
     def _hit(self, il: int, e: int, s0: int, count: int) -> None:
         """Expert e's rows on the device, from its slot: moe_out = (silu(x Wg) * (x Wu)) Wd."""
