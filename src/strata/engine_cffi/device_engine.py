@@ -41,7 +41,6 @@ from strata.engine_cffi import _KV_TYPES, BatchItem, Engine, EngineAborted, Engi
 from strata.engine_cffi.device import Device, DeviceError
 from strata.engine_cffi.device_check import MATMUL_TYPES
 from strata.engine_cffi.expert_slots import UPLOADS_PER_STEP, ExpertSlots
-from strata.experts.trace import RECORD_HEAD
 from strata.gguf_file import TensorInfo
 
 ARCHITECTURES = ("qwen3moe",)
@@ -335,7 +334,7 @@ class DeviceEngine(Engine):
     def _write_routing(self, records: list[np.ndarray], n_chunks: int) -> None:
         """Append the call's records ([layer, chunk, n_tok, ids], as the CPU engine writes them) to the trace."""
         assert self._routing is not None
-        buffer = self._routing.buffer(sum(len(r) - RECORD_HEAD for r in records) // self.n_used, n_chunks)
+        buffer = self._routing.buffer(sum(int(r[2]) for r in records if r[0] == 0), n_chunks)  # the call's tokens
         flat = np.concatenate(records) if records else np.zeros(0, np.int32)
         buffer[:len(flat)] = flat
         self._routing.write(len(flat), n_chunks)
