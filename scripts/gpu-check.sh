@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# On a machine with an NVIDIA GPU: build the engine and its CUDA library, then run every CUDA kernel against its
-# reference kernel and the CPU engine on realistic shapes (decode and prompt products of 2048x2048, 4096x11008 and
-# 11008x4096 weights, attention over 4096 positions, ...) and print one table: numerics, GB/s, and the fraction of
-# the card's memory bandwidth. Exits non-zero when a kernel is outside its tolerance (or nothing could run).
+# On a machine with an NVIDIA GPU: build the engine and its CUDA library, then
+#   1. run every CUDA kernel against its reference kernel and the CPU engine on realistic shapes (decode and prompt
+#      products of 2048x2048, 4096x11008 and 11008x4096 weights, attention over 4096 positions, ...) and print one
+#      table: numerics, GB/s, and the fraction of the card's memory bandwidth (strata.engine_cffi.device_check);
+#   2. run the GPU backend's forward pass (qwen3moe, prompt chunks and decode of three sequences, an expert cache of
+#      half the experts) against the CPU engine on generated models (strata.engine_cffi.backend_check).
+# Exits non-zero when a kernel or the backend is outside its tolerance (or nothing could run).
 #
-#   ./scripts/gpu-check.sh              the full shapes (a few minutes)
-#   ./scripts/gpu-check.sh --quick      the test suite's small shapes
+#   ./scripts/gpu-check.sh              the full shapes and the small models (a few minutes)
+#   ./scripts/gpu-check.sh --quick      the test suite's small shapes and the tiny models
 #
 # Python: the .venv of ./scripts/test.sh's set-up when there is one, else python3 with the project's dependencies
 # (cffi, numpy, gguf) already installed.
@@ -35,4 +38,9 @@ say "building the engine and libstrata_cuda.so (sm_${archs//,/, sm_})"
 started=$(date +%s)
 STRATA_CUDA_ARCHS=$archs "$python" build_engine.py
 say "built in $(( $(date +%s) - started )) s"
-exec "$python" -m strata.engine_cffi.device_check --device cuda "$@"
+status=0
+"$python" -m strata.engine_cffi.device_check --device cuda "$@" || status=$?
+quick=()  # the kernel check's other flags (--runs) are its own
+for arg in "$@"; do [ "$arg" = --quick ] && quick=(--quick); done
+"$python" -m strata.engine_cffi.backend_check --device cuda ${quick[@]+"${quick[@]}"} || status=$?
+exit $status

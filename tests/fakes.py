@@ -36,6 +36,9 @@ class FakeEngine:
     def load_state(self, seq: int, data: bytes) -> None:
         pass
 
+    def expert_counts(self) -> dict[str, int] | None:
+        return None
+
     def sample_rows(self, rows: Sequence[np.ndarray], settings: Sequence[SamplingParams], u: Sequence[float]
                     ) -> list[int]:
         return [int(np.argmax(row)) if params.greedy else draw(row, params, x)
@@ -427,6 +430,9 @@ class RecordingEngine:
 
     def cpu_seconds(self) -> float:
         return self._engine.cpu_seconds()
+
+    def expert_counts(self) -> dict[str, int] | None:
+        return self._engine.expert_counts()
 
     @property
     def kv_identity(self) -> str:

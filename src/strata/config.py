@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, get_type_hints
 
 KV_TYPES = ("f32", "f16", "int8")
+DEVICES = ("cpu", "cuda", "host")
 CACHE_ISOLATION = ("shared", "api_key")
 
 
@@ -215,6 +216,14 @@ class Config:
     # A file the engine writes each MoE layer's chosen experts to, per token of every step (strata.experts.trace):
     # the traces the expert cache's policy is measured on. None: off.
     record_routing: str | None = None
+    # Where the forward pass runs: "cpu" (the CPU engine); "cuda" (the GPU backend, for qwen3moe models: attention,
+    # norms, router, output and the KV cache on the card, the routed experts cached there and the rest computed
+    # by the CPU; without a CUDA build or a GPU the CPU engine runs, and startup says why in one line); "host" (the
+    # GPU backend on the host device: the test device, for running the backend's code path without a GPU).
+    device: str = "cpu"
+    # GiB the GPU backend may take on its device: the dense weights, the KV cache, then the expert cache in what
+    # is left. None: the card's free memory less 1 GiB (on the host device: every expert).
+    gpu_memory: float | None = None
     web: bool = True  # the chat page (/) and the monitor (/monitor)
     model_alias: str | None = None  # the served model name(s), comma-separated; the first is reported
     cors_origins: list[str] | None = None  # browser origins allowed to call the API ("*": any); None: no CORS
@@ -308,6 +317,10 @@ def _check_engine(config: Config) -> None:
             raise _fail(key, "must be at least 1")
     if config.threads is not None and config.threads < 1:
         raise _fail("threads", "must be at least 1")
+    if config.device not in DEVICES:
+        raise _fail("device", f"must be one of {', '.join(DEVICES)}, got {config.device!r}")
+    if config.gpu_memory is not None and not config.gpu_memory > 0:
+        raise _fail("gpu_memory", f"must be positive (GiB), got {config.gpu_memory}")
     if config.kv_budget is not None and not config.kv_budget > 0:
         raise _fail("kv_budget", f"must be positive (MiB), got {config.kv_budget}")
     if config.snapshot_budget is not None and not config.snapshot_budget >= 0:

@@ -197,9 +197,11 @@ class ServedModel:
         started = time.perf_counter()
         stage.now = "tensors and context"
         budget = None if config.kv_budget is None else int(config.kv_budget * 2**20)
-        engine = Engine.load(config.model, n_ctx=config.context, threads=config.threads, kv=config.kv,
-                             n_batch=config.batch, n_seq=config.slots, kv_budget=budget,
-                             mapped_weights=config.mapped_weights, record_routing=config.record_routing)
+        engine = self._on_device(budget, log) if config.device != "cpu" else None
+        if engine is None:
+            engine = Engine.load(config.model, n_ctx=config.context, threads=config.threads, kv=config.kv,
+                                 n_batch=config.batch, n_seq=config.slots, kv_budget=budget,
+                                 mapped_weights=config.mapped_weights, record_routing=config.record_routing)
         try:
             stage.now = "tokenizer"
             # A model loaded again keeps its text side (`unload`).
@@ -212,6 +214,32 @@ class ServedModel:
             raise
         log(f"loaded in {time.perf_counter() - started:.1f} s")
         return engine, tokenizer
+
+    def _on_device(self, kv_budget: int | None, log: Callable[[str], None]) -> Any:
+        """The model on the GPU backend (`device` cuda, or host for tests), or None where it cannot run there (no
+        CUDA build or GPU, an architecture it does not run): the CPU engine then, said in one line."""
+        from strata.engine_cffi.device import DeviceUnavailable
+        from strata.engine_cffi.device_engine import ARCHITECTURES, DeviceEngine, open_device
+        from strata.gguf_file import read_metadata
+
+        config = self.config
+        assert config.model is not None
+        arch = read_metadata(config.model).get("general.architecture")
+        if arch not in ARCHITECTURES:
+            log(f"device {config.device}: the GPU backend runs {', '.join(ARCHITECTURES)} models, not {arch}; "
+                "running on the CPU")
+            return None
+        try:
+            device = open_device(config.device, None if config.gpu_memory is None else int(config.gpu_memory * 2**30))
+        except DeviceUnavailable as exc:
+            log(f"device {config.device} unavailable ({exc}); running on the CPU")
+            return None
+        engine = DeviceEngine.open(config.model, device, n_ctx=config.context, threads=config.threads, kv=config.kv,
+                                   n_batch=config.batch, n_seq=config.slots, kv_budget=kv_budget,
+                                   record_routing=config.record_routing)
+        cache = engine.expert_counts()
+        log(f"expert cache: {cache['capacity']} experts, {cache['bytes'] / 2**30:.2f} GiB")
+        return engine
 
     def _load_draft_model(self, engine: Any) -> Any:
         """The config's draft model on a context like the model's (as long, as many slots, its threads)."""

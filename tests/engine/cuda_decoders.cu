@@ -30,7 +30,7 @@ static void decode(const uint8_t *rows, long n_rows, long n, size_t row_bytes, c
     for (long r = 0; r < n_rows; r++) {
         const uint8_t *row = rows + r * row_bytes;
         for (long i = 0; i < n; i++) by_value[r * n + i] = value_at<T>(row, i);
-        if constexpr (T == STRATA_TYPE_F16 || T == STRATA_TYPE_BF16) {
+        if constexpr (T == STRATA_TYPE_F32 || T == STRATA_TYPE_F16 || T == STRATA_TYPE_BF16) {
             for (long i = 0; i < n; i++) by_chunk[r * n + i] = by_value[r * n + i];
         } else {
             std::vector<act_block> xq = quantize(x, n);
@@ -58,6 +58,7 @@ int main(int argc, char **argv) {
     if (fread(x.data(), sizeof(float), n, stdin) != (size_t)n) return 3;
     const uint8_t *w = rows.data();
     switch (type) {
+    case STRATA_TYPE_F32: decode<STRATA_TYPE_F32>(w, n_rows, n, row_bytes, x.data(), by_value.data(), by_chunk.data(), y.data()); break;
     case STRATA_TYPE_F16: decode<STRATA_TYPE_F16>(w, n_rows, n, row_bytes, x.data(), by_value.data(), by_chunk.data(), y.data()); break;
     case STRATA_TYPE_BF16: decode<STRATA_TYPE_BF16>(w, n_rows, n, row_bytes, x.data(), by_value.data(), by_chunk.data(), y.data()); break;
     case STRATA_TYPE_Q8_0: decode<STRATA_TYPE_Q8_0>(w, n_rows, n, row_bytes, x.data(), by_value.data(), by_chunk.data(), y.data()); break;

@@ -20,7 +20,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import quants
 from strata.engine_cffi._engine import ffi, lib
 
-from strata.engine_cffi import device_check
+from strata.engine_cffi import backend_check, device_check
 from strata.engine_cffi.device import Device, DeviceError, DeviceUnavailable, interface
 
 ROOT = Path(__file__).parents[2]
@@ -166,6 +166,85 @@ def test_topk_picks_the_most_probable_in_order_and_renormalises(dev):
     np.testing.assert_allclose(weights, chosen / chosen.sum(axis=1, keepdims=True), rtol=1e-6)
 
 
+def test_add_rows_mixes_each_tokens_experts_and_adds_a_residual(dev):
+    rng = np.random.default_rng(5)
+    out0 = rng.standard_normal((3, 40), dtype=np.float32)
+    y = rng.standard_normal((6, 40), dtype=np.float32)
+    idx = np.array([4, 0, 5, 2, 1, 3], np.int32)
+    weight = rng.uniform(0, 1, 6).astype(np.float32)
+    out = out0.copy()
+    ptrs = {k: dev.to_device(v) for k, v in {"out": out0, "y": y, "idx": idx, "weight": weight}.items()}
+    dev.launch("add_rows", n_tok=3, k=2, n=40, **ptrs)
+    for t in range(3):  # the token's choices one after another, in f32 (the compiler may fuse each step)
+        for j in range(2):
+            out[t] += weight[2 * t + j] * y[idx[2 * t + j]]
+    got = dev.to_host(ptrs["out"], out.shape, np.float32)
+    np.testing.assert_allclose(got, out, rtol=0, atol=1e-6 * np.abs(out).max())
+    dev.launch("add_rows", n_tok=3, k=1, n=40, y=ptrs["y"], out=ptrs["out"])  # a residual: row t of y, weight 1
+    np.testing.assert_array_equal(dev.to_host(ptrs["out"], out.shape, np.float32), got + y[:3])
+    for p in ptrs.values():
+        dev.free(p)
+
+
+@pytest.mark.parametrize("kv", ["f32", "f16", "int8"])
+def test_kv_store_writes_the_cpu_engines_rows(dev, kv):
+    """The rows a token's k and v become in the cache: f32 as they are, f16 rounded to nearest, int8 with
+    max|row| / 127 as the scale; only the token's rows change."""
+    case = device_check.kv_store_case(2, 2, 32, 6, kv, np.random.default_rng(6))
+    args = case.args(dev)
+    dev.launch("kv_store", **args)
+    elem = {"f32": 4, "f16": 2, "int8": 1}[kv]
+    rows = 2 * 2 * 2 * 6
+    got = {n: dev.to_host(args[n], (rows * 32 * elem,), np.uint8) for n in ("k", "v")}
+    scales = {n: dev.to_host(args[n], (rows,), np.float32) for n in ("k_scale", "v_scale")}
+    k_in = dev.to_host(args["k_in"], (2, 2, 32), np.float32)
+    seq, pos = dev.to_host(args["seq"], (2,), np.int32), dev.to_host(args["pos"], (2,), np.int32)
+    want = np.zeros((2, 2, 2, 6, 32), {"f32": np.float32, "f16": np.float16, "int8": np.int8}[kv])
+    want_scale = np.zeros((2, 2, 2, 6), np.float32)
+    for t in range(2):
+        row = k_in[t]
+        if kv == "int8":
+            want_scale[seq[t], 1, :, pos[t]] = np.abs(row).max(axis=1) / np.float32(127)
+            inv = np.float32(1) / want_scale[seq[t], 1, :, pos[t]]
+            want[seq[t], 1, :, pos[t]] = np.rint(row * inv[:, None])
+        else:
+            want[seq[t], 1, :, pos[t]] = row
+    np.testing.assert_array_equal(got["k"], want.reshape(-1).view(np.uint8))
+    np.testing.assert_array_equal(scales["k_scale"], want_scale.reshape(-1))
+    assert got["v"].any() and not np.array_equal(got["v"], got["k"])
+    device_check.free_args(dev, args)
+
+
+def test_a_miss_on_the_cpu_gives_the_bits_of_a_hit_on_the_host_device(dev):
+    """strata_host_expert_ffn (the CPU's side of a step) against the same expert through the host device's
+    kernels, and numpy."""
+    rng = np.random.default_rng(7)
+    E, F, n_tok = 256, 512, 3
+    gate, up = (device_check.random_weights(Q.Q4_K, F, E, rng) for _ in range(2))
+    down = device_check.random_weights(Q.Q8_0, E, F, rng)
+    x = rng.standard_normal((n_tok, E), dtype=np.float32)
+    dffi, dlib = interface()
+    y = np.empty((n_tok, E), np.float32)
+    assert dlib.strata_host_expert_ffn(int(Q.Q4_K), dffi.from_buffer(gate), int(Q.Q4_K), dffi.from_buffer(up),
+                                       int(Q.Q8_0), dffi.from_buffer(down), E, F, dffi.from_buffer("float[]", x),
+                                       n_tok, dffi.from_buffer("float[]", y)) == 0
+    p = {k: dev.to_device(v) for k, v in {"gate": gate, "up": up, "down": down, "x": x}.items()}
+    hb, hb2, out = dev.alloc(4 * n_tok * F), dev.alloc(4 * n_tok * F), dev.alloc(4 * n_tok * E)
+    dev.launch("matmul", type=int(Q.Q4_K), n=E, rows=F, n_tok=n_tok, row_bytes=gate.shape[1], w=p["gate"], x=p["x"],
+               y=hb)
+    dev.launch("matmul", type=int(Q.Q4_K), n=E, rows=F, n_tok=n_tok, row_bytes=up.shape[1], w=p["up"], x=p["x"], y=hb2)
+    dev.launch("swiglu", n=n_tok * F, g=hb, u=hb2, out=hb)
+    dev.launch("matmul", type=int(Q.Q8_0), n=F, rows=E, n_tok=n_tok, row_bytes=down.shape[1], w=p["down"], x=hb, y=out)
+    np.testing.assert_array_equal(dev.to_host(out, (n_tok, E), np.float32), y)
+    w = {k: quants.dequantize(v, t).reshape(r, c).astype(np.float64)
+         for k, v, t, r, c in (("g", gate, Q.Q4_K, F, E), ("u", up, Q.Q4_K, F, E), ("d", down, Q.Q8_0, E, F))}
+    g = x @ w["g"].T
+    want = (g / (1 + np.exp(-g)) * (x @ w["u"].T)) @ w["d"].T
+    assert np.max(np.abs(y - want)) <= 0.05 * np.max(np.abs(want))  # the activations' int8 blocks
+    for q in [*p.values(), hb, hb2, out]:
+        dev.free(q)
+
+
 # --- bookkeeping
 
 
@@ -263,8 +342,16 @@ def test_check_driver_prints_its_table_and_passes_on_the_host(capsys):
     assert device_check.main(["--device", "host", "--quick", "--runs", "1"]) == 0
     table = capsys.readouterr().out.splitlines()
     rows = [line for line in table if line.startswith("| ") and "kernel" not in line]
-    assert len(rows) == 3 * len(device_check.MATMUL_TYPES) + 1 + 3 + 3 + 1 + 1
+    assert len(rows) == 3 * len(device_check.MATMUL_TYPES) + 1 + 3 + 3 + 1 + 1 + 1 + 3
     assert all("| pass " in line for line in rows) and table[-1] == f"{len(rows)} of {len(rows)} cases pass"
+
+
+def test_backend_check_runs_the_forward_pass_on_the_host_and_passes(capsys):
+    """The script's second part (strata.engine_cffi.backend_check), on the host device."""
+    assert backend_check.main(["--device", "host", "--quick"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("(agree)") == 2 and out.splitlines()[-1] == "pass"
+    assert "qwen3moe tiny f16, expert cache 8 of 16 experts, tolerance 1e-05" in out
 
 
 def test_check_driver_fails_a_kernel_outside_its_tolerance():

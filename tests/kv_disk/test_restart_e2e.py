@@ -27,8 +27,10 @@ def _ask(url: str) -> tuple[str, int, int]:
     return reply.choices[0].message.content or "", usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens or 0
 
 
-def test_cached_tokens_after_a_restart(tiny_model: Path, tmp_path: Path) -> None:
-    config = server_config(model=str(tiny_model), context=1024, kv_disk={"path": str(tmp_path), "block_tokens": 64})
+@pytest.mark.parametrize("device", ["cpu", "host"])
+def test_cached_tokens_after_a_restart(tiny_model: Path, tmp_path: Path, device: str) -> None:
+    config = server_config(model=str(tiny_model), context=1024, device=device,
+                           kv_disk={"path": str(tmp_path), "block_tokens": 64})
     with live_server(config) as server:
         text, prompt_tokens, cached = _ask(server.url)
         assert cached == 0

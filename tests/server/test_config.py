@@ -38,6 +38,8 @@ def test_defaults():
     ({"threads": 0}, '"threads" must be at least 1'),
     ({"threads": True}, '"threads" must be int'),
     ({"step_slowdown": 0.5}, '"step_slowdown" must be at least 1'),
+    ({"device": "gpu"}, '"device" must be one of cpu, cuda, host'),
+    ({"gpu_memory": 0}, '"gpu_memory" must be positive'),
     ({"step_slowdown": float("nan")}, '"step_slowdown" must be at least 1'),
     ({"context": None}, '"context" must not be null'),
     ({"limits": []}, '"limits" must be an object'),

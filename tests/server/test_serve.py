@@ -357,3 +357,18 @@ def test_a_gpu_encoder_on_a_build_without_cuda_names_the_users_flag():
     assert "error: the image encoder did not start: this build of strata-vision has no CUDA backend; set " \
            "vision.gpu to false (--vision.gpu false) to encode on the CPU" in output
     assert "--gpu to" not in output and "Traceback" not in output
+
+
+def test_strata_serve_runs_the_gpu_backend_on_the_host_device(tiny_model):
+    command = [sys.executable, "-m", "strata.cli", "serve", "--model", str(tiny_model), "--port", "0", "--threads",
+               "1", "--device", "host", "--gpu-memory", "0.25"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env=environment())
+    try:
+        _, lines = wait_for_line(process, r"serving \S+ on (http://\S+)")
+        startup = "".join(lines)
+        assert "backend host" in startup
+        assert re.search(r"^expert cache: \d+ experts, \d+\.\d\d GiB$", startup, re.MULTILINE)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.communicate(timeout=30)

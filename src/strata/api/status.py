@@ -60,6 +60,8 @@ def server_status(service: Service) -> dict[str, Any]:
             "backend": engine.backend if engine is not None else None,
             "threads": engine.threads if engine is not None else config.threads,
             "kv": config.kv,
+            # the GPU backend's expert cache: capacity, bytes, hits, misses, uploads (None on the CPU engine)
+            "expert_cache": engine.expert_counts() if engine is not None else None,
         },
         "vision": {"state": "not available", "mmproj": config.vision.mmproj},
         "kv_disk": None if service.models.default.kv_tier is None else service.models.default.kv_tier.status(),
@@ -262,6 +264,7 @@ class _ServiceCollector:
             drafts.add_metric(["verified", *values], total.draft_tokens)
             drafts.add_metric(["accepted", *values], total.accepted_tokens)
         yield from (requests, tokens, sources, drafts, prompt, decode)
+        yield from _expert_cache_metrics(per_model, label)
         gauges = {
             "strata_queue_length": ("Requests waiting for the engine.", lambda m: m.turn.queued),
             "strata_busy": ("1 while a request holds a slot (or the engine is held whole).",
@@ -281,6 +284,23 @@ class _ServiceCollector:
             for values, model in per_model:
                 gauge.add_metric(values, read(model))
             yield gauge
+
+
+def _expert_cache_metrics(per_model: list[tuple[list[str], ServedModel]], label: list[str]) -> Iterator[Metric]:
+    """The GPU backend's expert cache, for the loaded models that have one."""
+    counts = [(values, model.engine.expert_counts()) for values, model in per_model if model.ready]
+    counts = [(values, c) for values, c in counts if c is not None]
+    if not counts:
+        return
+    experts = CounterMetricFamily("strata_expert_cache_experts", "The GPU backend's routed experts by layer-step: "
+                                  "computed from the device's expert cache (hit) or by the CPU (miss), and those "
+                                  "uploaded to the cache (upload).", labels=["outcome", *label])
+    size = GaugeMetricFamily("strata_expert_cache_bytes", "Device memory the expert cache may fill.", labels=label)
+    for values, c in counts:
+        for outcome, key in (("hit", "hits"), ("miss", "misses"), ("upload", "uploads")):
+            experts.add_metric([outcome, *values], c[key])
+        size.add_metric(values, c["bytes"])
+    yield from (experts, size)
 
 
 def metrics_registry(service: Service) -> CollectorRegistry:

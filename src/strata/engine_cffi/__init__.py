@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import pathlib
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 
@@ -304,7 +304,7 @@ class Engine:
     @classmethod
     def load(cls, path: str | os.PathLike[str], n_ctx: int = 4096, threads: int | None = None, kv: str = "f16",
              n_batch: int = 256, n_seq: int = 1, kv_budget: int | None = None,
-             mapped_weights: bool = False, record_routing: str | os.PathLike[str] | None = None) -> Engine:
+             mapped_weights: bool = False, record_routing: str | os.PathLike[str] | None = None) -> Self:
         """Map a GGUF model and create its context: `n_seq` sequences of `n_ctx` positions each.
 
         Args:
@@ -501,7 +501,7 @@ class Engine:
             if n == 0:
                 raise EngineError(f"sequence {item.seq}: no tokens")
             ids.extend(item.tokens)
-            past = lib.strata_n_past(ctx, item.seq)
+            past = self.seq_n_past(item.seq)
             seqs.extend([item.seq] * n)
             pos.extend(range(past, past + n))
             if item.logits == "all":
@@ -594,6 +594,10 @@ class Engine:
         is no longer wanted."""
         _check(lib.strata_abort(self._live_ctx(), int(seq)))
 
+    def expert_counts(self) -> dict[str, int] | None:
+        """None: the CPU engine has no expert cache (`DeviceEngine` has)."""
+        return None
+
     def cpu_seconds(self) -> float:
         """CPU seconds this context's threads have run: the calling thread's (call it from the thread that
         evaluates) and the pool workers'. A step's work, without the process's other threads."""
@@ -634,7 +638,7 @@ class Engine:
             if self._routing is not None:
                 self._routing.close()
 
-    def __enter__(self) -> Engine:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc_info: object) -> None:

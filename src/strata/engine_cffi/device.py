@@ -20,7 +20,7 @@ import strata.engine_cffi._engine as engine_module
 
 HEADER = pathlib.Path(__file__).with_name("cuda") / "device.h"
 CUDA_LIBRARY = pathlib.Path(__file__).with_name("libstrata_cuda.so")
-KERNELS = ("matmul", "rms_norm", "rope", "attention", "swiglu", "topk")
+KERNELS = ("matmul", "rms_norm", "rope", "attention", "swiglu", "topk", "add_rows", "kv_store")
 _CONSTANT = re.compile(r"#define \w+ \d+$")
 
 
@@ -153,16 +153,26 @@ class Device:
     def launch(self, name: str, stream: int = 0, **fields: Any) -> None:
         """Queue kernel `name` ("matmul", ..., or "<name>_ref") with its argument struct's fields (device.h);
         pointers may be any cffi pointer: each is cast to its field's type."""
-        kernel = name.removesuffix("_ref")
-        if kernel not in KERNELS:
-            raise DeviceError(f"no kernel named '{name}'")
-        struct = f"strata_dev_{kernel}_args"
-        types = dict(self.ffi.typeof(struct).fields)
-        unknown = sorted(set(fields) - set(types))
+        struct, pointers = _argument_struct(name)
+        unknown = sorted(set(fields) - set(pointers))
         if unknown:
             raise DeviceError(f"{name}: no argument named {', '.join(unknown)}")
-        args = self.ffi.new(f"{struct} *")
+        args = self.ffi.new(struct)
+        a = args[0]
         for field, value in fields.items():
-            ftype = types[field].type
-            setattr(args[0], field, self.ffi.cast(ftype, value) if ftype.kind == "pointer" else value)
+            ftype = pointers[field]
+            setattr(a, field, value if ftype is None else self.ffi.cast(ftype, value))
         self._check(self.lib.strata_dev_launch(self._d, stream, name.encode(), args))
+
+
+@functools.cache
+def _argument_struct(name: str) -> tuple[str, dict[str, Any]]:
+    """Kernel `name`'s argument struct ("strata_dev_<kernel>_args *") and its fields: each pointer field's type,
+    None for the others (a launch looks them up once per kernel, not once per call)."""
+    kernel = name.removesuffix("_ref")
+    if kernel not in KERNELS:
+        raise DeviceError(f"no kernel named '{name}'")
+    struct = f"strata_dev_{kernel}_args"
+    ffi = interface()[0]
+    return f"{struct} *", {field: f.type if f.type.kind == "pointer" else None
+                           for field, f in ffi.typeof(struct).fields}

@@ -13,6 +13,8 @@ passes when the fast kernel is within the stated tolerance of both:
   fast kernel must match the reference within the 1e-5 alone;
 - RMS norm, RoPE, SwiGLU: 1e-5 of the magnitude of the terms (|x| s |w|, |x0| + |x1|, |g u|);
 - attention: 1e-5 of the largest |v| its head reads;
+- KV rows stored: the CPU engine's bits (f32, f16 and int8 rows and their scales);
+- rows added: 1e-5 of the sum of the terms' magnitudes;
 - top-k: the same experts in the same order, weights within 1e-5.
 
 GB/s is what the fast kernel moves (weights, inputs, outputs once) over its time by the device's events, the mean
@@ -38,9 +40,9 @@ from gguf import GGMLQuantizationType as Q
 from strata.engine_cffi.device import Device, DeviceError
 from strata.modelgen.quants import random_blocks
 
-MATMUL_TYPES = (Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.MXFP4, Q.F16, Q.BF16)
+MATMUL_TYPES = (Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.MXFP4, Q.F32, Q.F16, Q.BF16)
 # The CPU engine's activation block for each type's products (None: f32 activations); the device's is 32.
-ENGINE_ACT_BLOCK = {Q.Q8_0: 32, Q.MXFP4: 32, Q.F16: None, Q.BF16: None} | dict.fromkeys(
+ENGINE_ACT_BLOCK = {Q.Q8_0: 32, Q.MXFP4: 32, Q.F32: None, Q.F16: None, Q.BF16: None} | dict.fromkeys(
     (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS), 256)
 DEVICE_ACT_BLOCK = 32
 RTOL = 1e-5
@@ -55,12 +57,14 @@ class Shapes:
     attention: tuple[int, int, int, int, int]  # (n_seq, n_head, n_head_kv, head_dim, n_ctx)
     swiglu: int
     topk: tuple[int, int, int]                # (n_tok, n_expert, k)
+    add_rows: tuple[int, int, int]            # (n_tok, k, n)
 
 
 FULL = Shapes(matmul=((2048, 2048, 1), (11008, 4096, 1), (4096, 11008, 1), (2048, 2048, 64)), norm=(64, 4096),
-              rope=(64, 32, 128), attention=(4, 32, 8, 128, 4096), swiglu=64 * 11008, topk=(64, 128, 8))
+              rope=(64, 32, 128), attention=(4, 32, 8, 128, 4096), swiglu=64 * 11008, topk=(64, 128, 8),
+              add_rows=(64, 8, 4096))
 QUICK = Shapes(matmul=((40, 512, 1), (24, 768, 9)), norm=(5, 256), rope=(3, 4, 64), attention=(2, 4, 2, 64, 48),
-               swiglu=1000, topk=(6, 32, 4))
+               swiglu=1000, topk=(6, 32, 4), add_rows=(5, 3, 300))
 
 
 @dataclass(frozen=True)
@@ -112,8 +116,9 @@ def _no_reset(dev: Device, args: dict[str, Any]) -> None:
 
 def random_weights(qtype: Q, rows: int, n: int, rng: np.random.Generator) -> np.ndarray:
     """(rows, row_bytes) uint8 weights of `qtype`."""
-    if qtype == Q.F16:
-        return rng.standard_normal((rows, n), dtype=np.float32).astype(np.float16).view(np.uint8)
+    if qtype in (Q.F32, Q.F16):
+        dtype = np.float32 if qtype == Q.F32 else np.float16
+        return rng.standard_normal((rows, n), dtype=np.float32).astype(dtype).view(np.uint8)
     if qtype in (Q.BF16, Q.Q8_0):
         return quants.quantize(rng.standard_normal((rows, n), dtype=np.float32), qtype)
     block, size = GGML_QUANT_SIZES[qtype]
@@ -260,6 +265,57 @@ def topk_case(n_tok: int, n_expert: int, k: int, rng: np.random.Generator) -> Ca
                 lambda _: bound, logits.nbytes + 8 * n_tok * k, exact=same_ids)
 
 
+def add_rows_case(n_tok: int, k: int, n: int, rng: np.random.Generator) -> Case:
+    """A token's k experts mixed into its row: out += sum_j weight * y[idx] over slots in a shuffled order."""
+    out0 = rng.standard_normal((n_tok, n), dtype=np.float32)
+    y = rng.standard_normal((n_tok * k, n), dtype=np.float32)
+    idx = rng.permutation(n_tok * k).astype(np.int32)
+    weight = rng.uniform(0, 1, n_tok * k).astype(np.float32)
+    terms = np.abs(out0.astype(np.float64)) + (np.abs(weight[:, None] * y[idx])).reshape(n_tok, k, n).sum(axis=1)
+    bound = RTOL * terms + 1e-30
+    make = _buffers({"out": out0, "y": y, "idx": idx, "weight": weight}, {})
+
+    def reset(dev: Device, a: dict[str, Any]) -> None:  # it adds into out
+        dev.upload(a["out"], out0)
+        dev.sync()
+
+    return Case("add_rows", "f32", f"{n_tok}x{k}x{n}", lambda dev: dict(n_tok=n_tok, k=k, n=n) | make(dev),
+                lambda dev, a: dev.to_host(a["out"], (n_tok, n), np.float32), reset, lambda _: bound,
+                8 * out0.size + 4 * out0.size * k)
+
+
+def kv_store_case(n_seq: int, n_kv: int, hd: int, n_ctx: int, kv: str, rng: np.random.Generator) -> Case:
+    """One token per sequence stored at a random position of layer 1 of a 2-layer cache; the whole cache (and
+    the scales) read back, as raw bytes: every implementation must give the CPU engine's bits."""
+    n_layer, rows = 2, n_seq * 2 * n_kv * n_ctx
+    elem = {"f32": 4, "f16": 2, "int8": 1}[kv]
+    k_in, v_in = (rng.standard_normal((n_seq, n_kv, hd), dtype=np.float32) * 3 for _ in range(2))
+    seq = np.arange(n_seq, dtype=np.int32)[::-1].copy()
+    pos = rng.integers(0, n_ctx, n_seq).astype(np.int32)
+    make = _buffers({"k_in": k_in, "v_in": v_in, "seq": seq, "pos": pos},
+                    {"k": ((rows * hd * elem,), np.uint8), "v": ((rows * hd * elem,), np.uint8),
+                     "k_scale": ((rows,), np.float32), "v_scale": ((rows,), np.float32)})
+    fixed = dict(n_tok=n_seq, n_head_kv=n_kv, head_dim=hd, kv_type=KV_TYPES[kv], n_layer=n_layer, il=1, n_ctx=n_ctx)
+
+    def reset(dev: Device, a: dict[str, Any]) -> None:  # rows it does not write stay zero
+        for name in ("k", "v", "k_scale", "v_scale"):
+            dev.memset(a[name], 0, (rows * hd * elem) if name in ("k", "v") else 4 * rows)
+        dev.sync()
+
+    def args(dev: Device) -> dict[str, Any]:
+        made = fixed | make(dev)
+        reset(dev, made)
+        return made
+
+    def out(dev: Device, a: dict[str, Any]) -> np.ndarray:
+        parts = [dev.to_host(a[name], (rows * hd * elem,), np.uint8) for name in ("k", "v")]
+        scales = [dev.to_host(a[name], (rows,), np.float32).view(np.uint8) for name in ("k_scale", "v_scale")]
+        return np.concatenate(parts + scales).astype(np.float32)
+
+    return Case("kv_store", f"kv {kv}", f"{n_seq}x{n_kv}x{hd}", args, out, reset,
+                lambda other: np.zeros(other.shape), 2 * k_in.nbytes + 2 * n_seq * n_kv * hd * elem)
+
+
 def cases(shapes: Shapes, rng: np.random.Generator) -> Iterator[Case]:
     """The cases, made one at a time (the full shapes' inputs take hundreds of MB each)."""
     for qtype in MATMUL_TYPES:
@@ -273,6 +329,10 @@ def cases(shapes: Shapes, rng: np.random.Generator) -> Iterator[Case]:
         yield attention_case(*shapes.attention, kv, rng)
     yield swiglu_case(shapes.swiglu, rng)
     yield topk_case(*shapes.topk, rng)
+    yield add_rows_case(*shapes.add_rows, rng)
+    n_seq, _, n_kv, hd, n_ctx = shapes.attention
+    for kv in KV_TYPES:  # the whole cache is compared: a short one
+        yield kv_store_case(n_seq, n_kv, hd, min(n_ctx, 64), kv, rng)
 
 
 # --- running a case

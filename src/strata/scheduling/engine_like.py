@@ -72,6 +72,10 @@ class EngineLike(Protocol):
                     ) -> list[int]:
         """A token drawn from each row of logits, as `strata.text.sampling.draw` draws it (the arg-max where
         settings[i] is greedy): the draws of one step at once."""
+    def expert_counts(self) -> dict[str, int] | None:
+        """The GPU backend's expert cache: its capacity (experts) and bytes, and the routed experts of its
+        layer-steps since loading computed on the device (hits) and by the CPU (misses), and uploaded; None
+        without one (the CPU engine)."""
     def cpu_seconds(self) -> float:
         """CPU seconds the engine's own threads have run (the clock the batcher times its steps by)."""
     def close(self) -> None: ...

@@ -67,6 +67,7 @@ HD float bits_to_float(uint32_t bits) {
 
 /* Bytes per block and values per block of each weight type the products take. */
 template <int T> struct block_geometry;
+template <> struct block_geometry<STRATA_TYPE_F32> { static constexpr int bytes = 4, values = 1; };
 template <> struct block_geometry<STRATA_TYPE_F16> { static constexpr int bytes = 2, values = 1; };
 template <> struct block_geometry<STRATA_TYPE_BF16> { static constexpr int bytes = 2, values = 1; };
 template <> struct block_geometry<STRATA_TYPE_Q8_0> { static constexpr int bytes = 34, values = QK; };
@@ -112,7 +113,9 @@ namespace iq4xs { constexpr int d = 0, scales_h = 2, scales_l = 4, qs = 8; }
 template <int T> HD float value_at(const uint8_t *row, int64_t i) {
     const uint8_t *b = row + (i / block_geometry<T>::values) * block_geometry<T>::bytes;
     int e = (int)(i % block_geometry<T>::values);
-    if constexpr (T == STRATA_TYPE_F16) {
+    if constexpr (T == STRATA_TYPE_F32) {
+        return bits_to_float((uint32_t)u16_at(b) | (uint32_t)u16_at(b + 2) << 16);
+    } else if constexpr (T == STRATA_TYPE_F16) {
         return f16_at(b);
     } else if constexpr (T == STRATA_TYPE_BF16) {
         return bf16_at(b);

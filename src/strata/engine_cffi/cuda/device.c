@@ -26,7 +26,7 @@ struct strata_device {
 };
 
 static const char *const KERNEL_NAMES[DEV_N_KERNELS] = {"matmul", "rms_norm", "rope", "attention", "swiglu",
-                                                        "topk"};
+                                                        "topk", "add_rows", "kv_store"};
 
 static int fail(strata_device *d, int status, const char *fmt, ...) {
     va_list ap;
@@ -223,7 +223,7 @@ double strata_dev_event_elapsed_ms(strata_device *d, int start, int end) {
 // --- kernels
 
 /* The weight types the products take (kernels_*.cu has a block decoder for each). */
-static const int MATMUL_TYPES[] = {STRATA_TYPE_F16, STRATA_TYPE_BF16, STRATA_TYPE_Q8_0, STRATA_TYPE_Q4_K,
+static const int MATMUL_TYPES[] = {STRATA_TYPE_F32, STRATA_TYPE_F16, STRATA_TYPE_BF16, STRATA_TYPE_Q8_0, STRATA_TYPE_Q4_K,
                                    STRATA_TYPE_Q5_K, STRATA_TYPE_Q6_K, STRATA_TYPE_IQ4_XS, STRATA_TYPE_MXFP4};
 
 static int check_matmul(strata_device *d, const strata_dev_matmul_args *a) {
@@ -260,6 +260,20 @@ static int check_args(strata_device *d, strata_dev_kernel k, const void *args) {
                         a->n_head_kv);
         if (a->kv_type < STRATA_KV_F32 || a->kv_type > STRATA_KV_INT8)
             return fail(d, STRATA_ERR_INVALID_ARG, "attention: kv_type %d", a->kv_type);
+        return STRATA_OK;
+    }
+    case DEV_KERNEL_KV_STORE: {
+        const strata_dev_kv_store_args *a = args;
+        if (a->kv_type < STRATA_KV_F32 || a->kv_type > STRATA_KV_INT8)
+            return fail(d, STRATA_ERR_INVALID_ARG, "kv_store: kv_type %d", a->kv_type);
+        if (a->head_dim <= 0 || a->il < 0 || a->il >= a->n_layer)
+            return fail(d, STRATA_ERR_INVALID_ARG, "kv_store: head_dim %d, layer %d of %d", a->head_dim, a->il,
+                        a->n_layer);
+        return STRATA_OK;
+    }
+    case DEV_KERNEL_ADD_ROWS: {
+        const strata_dev_add_rows_args *a = args;
+        if (a->k < 1) return fail(d, STRATA_ERR_INVALID_ARG, "add_rows: k %d (at least 1)", a->k);
         return STRATA_OK;
     }
     case DEV_KERNEL_TOPK: {

@@ -30,7 +30,8 @@ typedef struct strata_device strata_device;
 /* --- kernel arguments (one struct per kernel; the "_ref" name of a kernel takes the same struct) */
 
 /* "matmul": y[t * rows + r] = dot(w row r, x row t). w: rows of `type` (strata weight type) with n elements
- * each, packed (row_bytes: a row's size, checked); x: (n_tok, n) f32; y: (n_tok, rows) f32. */
+ * each, packed (row_bytes: a row's size, checked); x: (n_tok, n) f32; y: (n_tok, rows) f32. F32, F16 and BF16
+ * rows meet f32 activations; the quantised types, activations quantised in blocks. */
 typedef struct {
     int type;
     int64_t n, rows, n_tok;
@@ -90,6 +91,29 @@ typedef struct {
     float *weights;
 } strata_dev_topk_args;
 
+/* "add_rows": out row t (n) += sum over j < k of weight[t k + j] * y row idx[t k + j]: a residual (k = 1,
+ * idx and weight NULL: y row t, weight 1) or the mixture of a token's k experts (their output rows by slot, the
+ * router's weights). out: (n_tok, n); y: rows of n; idx, weight: (n_tok, k) or NULL (row t k + j, weight 1). */
+typedef struct {
+    int n_tok, k;
+    int64_t n;
+    const float *y;
+    const int *idx;
+    const float *weight;
+    float *out;
+} strata_dev_add_rows_args;
+
+/* "kv_store": the k and v rows of n_tok tokens into layer il of the cache in attention's layout, token t's at
+ * position pos[t] of sequence seq[t], converted as the CPU engine stores them: f16 rounded to nearest, int8 with
+ * scale = max|row| / 127 and values rounded to nearest even. k_in, v_in: (n_tok, n_head_kv, head_dim) f32. */
+typedef struct {
+    int n_tok, n_head_kv, head_dim, kv_type, n_layer, il, n_ctx;
+    const float *k_in, *v_in;
+    void *k, *v;
+    float *k_scale, *v_scale;    // int8 only
+    const int *seq, *pos;        // (n_tok,)
+} strata_dev_kv_store_args;
+
 /* --- the interface. Functions returning int return a strata_status (0: STRATA_OK); on failure
  * strata_dev_error says why. */
 
@@ -124,5 +148,14 @@ double strata_dev_event_elapsed_ms(strata_device *d, int start, int end);
 
 /* Queue kernel `name` (see the argument structs above; "<name>_ref" runs the reference kernel) on `stream`. */
 int strata_dev_launch(strata_device *d, int stream, const char *name, const void *args);
+
+/* --- the host's side of a step: a routed expert computed by the CPU (a miss of the expert cache)
+ * y (n_tok, n_embd) = (silu(x Wg^T) * (x Wu^T)) Wd^T for x (n_tok, n_embd) f32 rows, each product the CPU
+ * engine's (activations converted per token as the host device's "matmul" does) and the SwiGLU the host device's,
+ * so that a miss gives the bits a hit gives on the host device. gate, up: (n_ff, n_embd) rows of their types;
+ * down: (n_embd, n_ff). Thread-safe (the caller's threads each take experts); 0 or a strata_status, with the
+ * reason in strata_last_error. */
+int strata_host_expert_ffn(int gate_type, const void *gate, int up_type, const void *up, int down_type,
+                           const void *down, int64_t n_embd, int64_t n_ff, const float *x, int n_tok, float *y);
 
 #endif

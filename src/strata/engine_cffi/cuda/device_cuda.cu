@@ -134,6 +134,16 @@ int cuda_launch(void *self, int stream, strata_dev_kernel kernel, int reference,
         e = reference ? k::topk_ref(a, s) : k::topk(a, s);
         break;
     }
+    case DEV_KERNEL_ADD_ROWS: {
+        auto a = (const strata_dev_add_rows_args *)args;
+        e = reference ? k::add_rows_ref(a, s) : k::add_rows(a, s);
+        break;
+    }
+    case DEV_KERNEL_KV_STORE: {
+        auto a = (const strata_dev_kv_store_args *)args;
+        e = reference ? k::kv_store_ref(a, s) : k::kv_store(a, s);
+        break;
+    }
     default: break;
     }
     return check(c, e, "kernel launch");

@@ -7,7 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-#include "../kernels.h"
+#include "../engine_internal.h"
 #include "device_impl.h"
 
 typedef struct {
@@ -30,23 +30,36 @@ static int host_fail(host_device *h, int status, const char *why) {
 
 // --- kernels
 
+/* y (n_tok, rows) = w rows . x rows by the CPU engine's product, each token's activations converted to the
+ * weight's partner type as the engine converts them (one token at a time: a row's result does not depend on
+ * the others). act: scratch of the converted row's bytes at least. */
+static void engine_product(int type, const void *w, int64_t rows, int64_t n, const float *x, int64_t n_tok,
+                           float *y, void *act) {
+    int vdt = strata_traits(type)->vec_dot_type;
+    for (int64_t t = 0; t < n_tok; t++) {
+        strata_quantize_row_any(vdt, x + t * n, act, n);
+        strata_gemm_rows(type, n, w, 0, rows, act, 1, y + t * rows, rows);
+    }
+}
+
+/* Bytes of one row of n activations in the partner type of `type`. */
+static size_t act_bytes(int type, int64_t n) {
+    const strata_type_traits *act = strata_traits(strata_traits(type)->vec_dot_type);
+    return act->block_bytes * (size_t)(n / act->block_size);
+}
+
 static int matmul(host_device *h, const strata_dev_matmul_args *a, int reference) {
     if (reference && strata_matmul_naive(a->type, a->w, a->rows, a->n, a->x, a->n_tok, a->y) != STRATA_OK)
         return host_fail(h, STRATA_ERR_INVALID_ARG, strata_last_error());
     if (reference) return STRATA_OK;
-    int vdt = strata_traits(a->type)->vec_dot_type;
-    const strata_type_traits *act = strata_traits(vdt);
-    size_t bytes = act->block_bytes * (size_t)(a->n / act->block_size);
+    size_t bytes = act_bytes(a->type, a->n);
     if (bytes > h->act_bytes) {
         void *p = realloc(h->act, bytes);
         if (!p) return host_fail(h, STRATA_ERR_NOMEM, "matmul: out of memory for the activations");
         h->act = p;
         h->act_bytes = bytes;
     }
-    for (int64_t t = 0; t < a->n_tok; t++) {  // one token at a time: its row's result does not depend on the others
-        strata_quantize_row_any(vdt, a->x + t * a->n, h->act, a->n);
-        strata_gemm_rows(a->type, a->n, a->w, 0, a->rows, h->act, 1, a->y + t * a->rows, a->rows);
-    }
+    engine_product(a->type, a->w, a->rows, a->n, a->x, a->n_tok, a->y, h->act);
     return STRATA_OK;
 }
 
@@ -117,8 +130,51 @@ static int attention(host_device *h, const strata_dev_attention_args *a) {
     return STRATA_OK;
 }
 
+/* silu(g) * u in double, rounded once. */
+static inline float silu_mul(float g, float u) { return (float)(g / (1.0 + exp(-(double)g)) * u); }
+
 static void swiglu(const strata_dev_swiglu_args *a) {
-    for (int64_t i = 0; i < a->n; i++) a->out[i] = (float)(a->g[i] / (1.0 + exp(-(double)a->g[i])) * a->u[i]);
+    for (int64_t i = 0; i < a->n; i++) a->out[i] = silu_mul(a->g[i], a->u[i]);
+}
+
+static void add_rows(const strata_dev_add_rows_args *a) {
+    for (int t = 0; t < a->n_tok; t++)
+        for (int j = 0; j < a->k; j++) {
+            int at = t * a->k + j;
+            const float *y = a->y + (size_t)(a->idx ? a->idx[at] : at) * a->n;
+            float w = a->weight ? a->weight[at] : 1.0f, *out = a->out + (size_t)t * a->n;
+            for (int64_t i = 0; i < a->n; i++) out[i] += w * y[i];
+        }
+}
+
+/* One row (head_dim) into cache row idx, as the CPU engine's kv_store converts it. */
+static void store_row(const strata_dev_kv_store_args *a, void *cache, float *scales, size_t idx, const float *src) {
+    int hd = a->head_dim;
+    if (a->kv_type == STRATA_KV_F32) {
+        memcpy((float *)cache + idx * hd, src, sizeof(float) * hd);
+    } else if (a->kv_type == STRATA_KV_F16) {
+        for (int i = 0; i < hd; i++) ((uint16_t *)cache)[idx * hd + i] = strata_f32_to_f16(src[i]);
+    } else {
+        float amax = 0.0f;
+        for (int i = 0; i < hd; i++) amax = fmaxf(amax, fabsf(src[i]));
+        float scale = amax / 127.0f, inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+        for (int i = 0; i < hd; i++) ((int8_t *)cache)[idx * hd + i] = (int8_t)lrintf(src[i] * inv);
+        scales[idx] = scale;
+    }
+}
+
+static int kv_store(host_device *h, const strata_dev_kv_store_args *a) {
+    for (int t = 0; t < a->n_tok; t++)
+        if (a->pos[t] < 0 || a->pos[t] >= a->n_ctx)
+            return host_fail(h, STRATA_ERR_INVALID_ARG, "kv_store: a token's position is not in [0, n_ctx)");
+    for (int t = 0; t < a->n_tok; t++)
+        for (int kvh = 0; kvh < a->n_head_kv; kvh++) {
+            size_t idx = (((size_t)a->seq[t] * a->n_layer + a->il) * a->n_head_kv + kvh) * a->n_ctx + a->pos[t];
+            size_t src = ((size_t)t * a->n_head_kv + kvh) * a->head_dim;
+            store_row(a, a->k, a->k_scale, idx, a->k_in + src);
+            store_row(a, a->v, a->v_scale, idx, a->v_in + src);
+        }
+    return STRATA_OK;
 }
 
 static void topk(const strata_dev_topk_args *a) {
@@ -151,6 +207,8 @@ static int launch(void *self, int stream, strata_dev_kernel kernel, int referenc
     case DEV_KERNEL_ATTENTION: return attention(self, args);
     case DEV_KERNEL_SWIGLU: swiglu(args); return STRATA_OK;
     case DEV_KERNEL_TOPK: topk(args); return STRATA_OK;
+    case DEV_KERNEL_ADD_ROWS: add_rows(args); return STRATA_OK;
+    case DEV_KERNEL_KV_STORE: return kv_store(self, args);
     default: return STRATA_ERR_INVALID_ARG;
     }
 }
@@ -219,5 +277,27 @@ int strata_host_backend_open(strata_dev_backend *b, char *err, size_t err_len) {
         .event_record = host_event_record, .stream_wait_event = host_wait, .event_sync = host_nothing,
         .event_elapsed_ms = host_elapsed, .launch = launch, .close = host_close,
     };
+    return STRATA_OK;
+}
+
+// --- a miss: a routed expert on the CPU
+
+int strata_host_expert_ffn(int gate_type, const void *gate, int up_type, const void *up, int down_type,
+                           const void *down, int64_t n_embd, int64_t n_ff, const float *x, int n_tok, float *y) {
+    size_t act = act_bytes(gate_type, n_embd);
+    act = act > act_bytes(up_type, n_embd) ? act : act_bytes(up_type, n_embd);
+    act = act > act_bytes(down_type, n_ff) ? act : act_bytes(down_type, n_ff);
+    float *g = malloc(sizeof(float) * n_tok * n_ff), *u = malloc(sizeof(float) * n_tok * n_ff);
+    void *xq = malloc(act);
+    if (!g || !u || !xq) {
+        free(g), free(u), free(xq);
+        return engine_fail(STRATA_ERR_NOMEM, "out of memory for an expert of %d tokens", n_tok);
+    }
+    // g = x Wg^T, u = x Wu^T; g = silu(g) * u; y = g Wd^T
+    engine_product(gate_type, gate, n_ff, n_embd, x, n_tok, g, xq);
+    engine_product(up_type, up, n_ff, n_embd, x, n_tok, u, xq);
+    for (int64_t i = 0; i < n_tok * n_ff; i++) g[i] = silu_mul(g[i], u[i]);
+    engine_product(down_type, down, n_embd, n_ff, g, n_tok, y, xq);
+    free(g), free(u), free(xq);
     return STRATA_OK;
 }

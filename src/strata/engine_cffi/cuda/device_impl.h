@@ -15,6 +15,8 @@ typedef enum {
     DEV_KERNEL_ATTENTION,
     DEV_KERNEL_SWIGLU,
     DEV_KERNEL_TOPK,
+    DEV_KERNEL_ADD_ROWS,
+    DEV_KERNEL_KV_STORE,
     DEV_N_KERNELS
 } strata_dev_kernel;
 

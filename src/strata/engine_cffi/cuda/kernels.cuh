@@ -14,8 +14,10 @@ cudaError_t rope_ref(const strata_dev_rope_args *a, cudaStream_t stream);
 cudaError_t attention_ref(const strata_dev_attention_args *a, cudaStream_t stream);
 cudaError_t swiglu_ref(const strata_dev_swiglu_args *a, cudaStream_t stream);
 cudaError_t topk_ref(const strata_dev_topk_args *a, cudaStream_t stream);
+cudaError_t add_rows_ref(const strata_dev_add_rows_args *a, cudaStream_t stream);
+cudaError_t kv_store_ref(const strata_dev_kv_store_args *a, cudaStream_t stream);
 
-/* Bytes of scratch matmul needs (its activations quantised; 0 for F16 / BF16 weights). */
+/* Bytes of scratch matmul needs (its activations quantised; 0 for F32, F16 and BF16 weights). */
 size_t matmul_scratch_bytes(const strata_dev_matmul_args *a);
 cudaError_t matmul(const strata_dev_matmul_args *a, void *scratch, cudaStream_t stream);
 cudaError_t rms_norm(const strata_dev_rms_norm_args *a, cudaStream_t stream);
@@ -23,5 +25,7 @@ cudaError_t rope(const strata_dev_rope_args *a, cudaStream_t stream);
 cudaError_t attention(const strata_dev_attention_args *a, cudaStream_t stream);
 cudaError_t swiglu(const strata_dev_swiglu_args *a, cudaStream_t stream);
 cudaError_t topk(const strata_dev_topk_args *a, cudaStream_t stream);
+cudaError_t add_rows(const strata_dev_add_rows_args *a, cudaStream_t stream);
+cudaError_t kv_store(const strata_dev_kv_store_args *a, cudaStream_t stream);
 
 }  // namespace strata_cuda

@@ -1,7 +1,7 @@
 /* kernels_fast.cu — the fast kernels. Products: a warp per weight row; quantised weights meet activations
  * quantised to 32-value int8 blocks (act_block) in int8 dot products of four lanes (__dp4a), each warp holding
  * up to TOKENS tokens' sums, so one pass over a row serves a group of tokens (matrix-matrix products are the same
- * kernel over several groups); F16 / BF16 rows meet f32 activations. The rest: warp and block reductions, and
+ * kernel over several groups); F32, F16 and BF16 rows meet f32 activations. The rest: warp and block reductions, and
  * attention with a running (online) softmax per warp. */
 #include <math.h>
 #include "blocks.cuh"
@@ -67,7 +67,7 @@ __global__ void matmul_q8_kernel(const uint8_t *w, size_t row_bytes, int64_t n, 
     }
 }
 
-/* F16 / BF16 rows against f32 activations: each lane takes pairs of values. */
+/* F32 / F16 / BF16 rows against f32 activations: each lane takes pairs of values. */
 template <int T>
 __global__ void matmul_half_kernel(const uint8_t *w, size_t row_bytes, int64_t n, const float *x, float *y,
                                    int64_t rows, int64_t n_tok) {
@@ -93,16 +93,18 @@ __global__ void matmul_half_kernel(const uint8_t *w, size_t row_bytes, int64_t n
     }
 }
 
-static bool is_half(int type) { return type == STRATA_TYPE_F16 || type == STRATA_TYPE_BF16; }
+static bool is_float(int type) {
+    return type == STRATA_TYPE_F32 || type == STRATA_TYPE_F16 || type == STRATA_TYPE_BF16;
+}
 
 size_t matmul_scratch_bytes(const strata_dev_matmul_args *a) {
-    return is_half(a->type) ? 0 : sizeof(act_block) * (size_t)(a->n_tok * a->n / 32);
+    return is_float(a->type) ? 0 : sizeof(act_block) * (size_t)(a->n_tok * a->n / 32);
 }
 
 template <int T> static cudaError_t launch_matmul(const strata_dev_matmul_args *a, act_block *xq, cudaStream_t stream) {
     dim3 grid((unsigned)((a->rows + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK), (unsigned)((a->n_tok + TOKENS - 1) / TOKENS));
     const uint8_t *w = (const uint8_t *)a->w;
-    if constexpr (T == STRATA_TYPE_F16 || T == STRATA_TYPE_BF16) {
+    if constexpr (T == STRATA_TYPE_F32 || T == STRATA_TYPE_F16 || T == STRATA_TYPE_BF16) {
         matmul_half_kernel<T><<<grid, ROWS_PER_BLOCK * WARP, 0, stream>>>(w, a->row_bytes, a->n, a->x, a->y, a->rows,
                                                                           a->n_tok);
     } else {
@@ -117,6 +119,7 @@ template <int T> static cudaError_t launch_matmul(const strata_dev_matmul_args *
 cudaError_t matmul(const strata_dev_matmul_args *a, void *scratch, cudaStream_t stream) {
     act_block *xq = (act_block *)scratch;
     switch (a->type) {
+    case STRATA_TYPE_F32: return launch_matmul<STRATA_TYPE_F32>(a, xq, stream);
     case STRATA_TYPE_F16: return launch_matmul<STRATA_TYPE_F16>(a, xq, stream);
     case STRATA_TYPE_BF16: return launch_matmul<STRATA_TYPE_BF16>(a, xq, stream);
     case STRATA_TYPE_Q8_0: return launch_matmul<STRATA_TYPE_Q8_0>(a, xq, stream);
@@ -290,6 +293,57 @@ __global__ void topk_kernel(strata_dev_topk_args a) {
 
 cudaError_t topk(const strata_dev_topk_args *a, cudaStream_t stream) {
     topk_kernel<<<(unsigned)((a->n_tok + 3) / 4), 4 * WARP, 0, stream>>>(*a);
+    return cudaGetLastError();
+}
+
+// --- rows added (a residual, a token's experts mixed): a thread per value
+
+__global__ void add_rows_kernel(strata_dev_add_rows_args a) {
+    int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x, t = blockIdx.y;
+    if (i >= a.n) return;
+    float acc = a.out[t * a.n + i];
+    for (int j = 0; j < a.k; j++) {
+        int64_t at = t * a.k + j;
+        acc += (a.weight ? a.weight[at] : 1.0f) * a.y[(a.idx ? a.idx[at] : at) * a.n + i];
+    }
+    a.out[t * a.n + i] = acc;
+}
+
+cudaError_t add_rows(const strata_dev_add_rows_args *a, cudaStream_t stream) {
+    add_rows_kernel<<<dim3((unsigned)((a->n + 255) / 256), (unsigned)a->n_tok), 256, 0, stream>>>(*a);
+    return cudaGetLastError();
+}
+
+// --- KV rows into the cache: a warp per (token, kv head) row, K then V
+
+__device__ void store_row_warp(const strata_dev_kv_store_args &a, void *cache, float *scales, size_t idx,
+                               const float *src, int lane) {
+    int hd = a.head_dim;
+    if (a.kv_type == STRATA_KV_F32) {
+        for (int i = lane; i < hd; i += WARP) ((float *)cache)[idx * hd + i] = src[i];
+    } else if (a.kv_type == STRATA_KV_F16) {
+        for (int i = lane; i < hd; i += WARP) ((__half *)cache)[idx * hd + i] = __float2half_rn(src[i]);
+    } else {
+        float amax = 0.0f;
+        for (int i = lane; i < hd; i += WARP) amax = fmaxf(amax, fabsf(src[i]));
+        float scale = warp_max(amax) / 127.0f, inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+        for (int i = lane; i < hd; i += WARP) ((int8_t *)cache)[idx * hd + i] = (int8_t)__float2int_rn(src[i] * inv);
+        if (lane == 0) scales[idx] = scale;
+    }
+}
+
+__global__ void kv_store_kernel(strata_dev_kv_store_args a) {
+    int64_t r = blockIdx.x * (int64_t)(blockDim.x / WARP) + threadIdx.x / WARP;  // token t's kv head h: t * n_kv + h
+    if (r >= (int64_t)a.n_tok * a.n_head_kv) return;
+    int t = (int)(r / a.n_head_kv), kvh = (int)(r % a.n_head_kv), lane = threadIdx.x % WARP;
+    size_t idx = (((size_t)a.seq[t] * a.n_layer + a.il) * a.n_head_kv + kvh) * a.n_ctx + a.pos[t];
+    store_row_warp(a, a.k, a.k_scale, idx, a.k_in + r * a.head_dim, lane);
+    store_row_warp(a, a.v, a.v_scale, idx, a.v_in + r * a.head_dim, lane);
+}
+
+cudaError_t kv_store(const strata_dev_kv_store_args *a, cudaStream_t stream) {
+    int64_t rows = (int64_t)a->n_tok * a->n_head_kv;
+    kv_store_kernel<<<(unsigned)((rows + 3) / 4), 4 * WARP, 0, stream>>>(*a);
     return cudaGetLastError();
 }
 

@@ -30,6 +30,7 @@ template <int T> static cudaError_t launch_matmul_ref(const strata_dev_matmul_ar
 
 cudaError_t matmul_ref(const strata_dev_matmul_args *a, cudaStream_t stream) {
     switch (a->type) {
+    case STRATA_TYPE_F32: return launch_matmul_ref<STRATA_TYPE_F32>(a, stream);
     case STRATA_TYPE_F16: return launch_matmul_ref<STRATA_TYPE_F16>(a, stream);
     case STRATA_TYPE_BF16: return launch_matmul_ref<STRATA_TYPE_BF16>(a, stream);
     case STRATA_TYPE_Q8_0: return launch_matmul_ref<STRATA_TYPE_Q8_0>(a, stream);
@@ -155,6 +156,55 @@ __global__ void topk_ref_kernel(strata_dev_topk_args a) {
 
 cudaError_t topk_ref(const strata_dev_topk_args *a, cudaStream_t stream) {
     topk_ref_kernel<<<blocks_for(a->n_tok, 64), 64, 0, stream>>>(*a);
+    return cudaGetLastError();
+}
+
+// --- rows added: one thread per output value, the terms summed in double
+
+__global__ void add_rows_ref_kernel(strata_dev_add_rows_args a) {
+    int64_t o = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+    if (o >= a.n_tok * a.n) return;
+    int64_t t = o / a.n, i = o % a.n;
+    double acc = a.out[o];
+    for (int j = 0; j < a.k; j++) {
+        int64_t at = t * a.k + j;
+        acc += (double)(a.weight ? a.weight[at] : 1.0f) * a.y[(a.idx ? a.idx[at] : at) * a.n + i];
+    }
+    a.out[o] = (float)acc;
+}
+
+cudaError_t add_rows_ref(const strata_dev_add_rows_args *a, cudaStream_t stream) {
+    add_rows_ref_kernel<<<blocks_for(a->n_tok * a->n, 128), 128, 0, stream>>>(*a);
+    return cudaGetLastError();
+}
+
+// --- KV rows into the cache: one thread per (token, kv head) row
+
+__device__ void store_row_ref(const strata_dev_kv_store_args &a, void *cache, float *scales, size_t idx,
+                              const float *src) {
+    int hd = a.head_dim;
+    float amax = 0.0f;
+    for (int i = 0; i < hd; i++) amax = fmaxf(amax, fabsf(src[i]));
+    float scale = amax / 127.0f, inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+    for (int i = 0; i < hd; i++) {
+        if (a.kv_type == STRATA_KV_F32) ((float *)cache)[idx * hd + i] = src[i];
+        else if (a.kv_type == STRATA_KV_F16) ((__half *)cache)[idx * hd + i] = __float2half_rn(src[i]);
+        else ((int8_t *)cache)[idx * hd + i] = (int8_t)__float2int_rn(src[i] * inv);
+    }
+    if (a.kv_type == STRATA_KV_INT8) scales[idx] = scale;
+}
+
+__global__ void kv_store_ref_kernel(strata_dev_kv_store_args a) {
+    int64_t r = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+    if (r >= (int64_t)a.n_tok * a.n_head_kv) return;
+    int t = (int)(r / a.n_head_kv), kvh = (int)(r % a.n_head_kv);
+    size_t idx = (((size_t)a.seq[t] * a.n_layer + a.il) * a.n_head_kv + kvh) * a.n_ctx + a.pos[t];
+    store_row_ref(a, a.k, a.k_scale, idx, a.k_in + r * a.head_dim);
+    store_row_ref(a, a.v, a.v_scale, idx, a.v_in + r * a.head_dim);
+}
+
+cudaError_t kv_store_ref(const strata_dev_kv_store_args *a, cudaStream_t stream) {
+    kv_store_ref_kernel<<<blocks_for((int64_t)a->n_tok * a->n_head_kv, 64), 64, 0, stream>>>(*a);
     return cudaGetLastError();
 }
 

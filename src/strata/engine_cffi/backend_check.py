@@ -1,0 +1,119 @@
+"""The device backend's forward pass against the CPU engine on generated qwen3moe models (`scripts/gpu-check.sh`).
+
+A prompt in chunks beside two short ones, then decode steps of the three sequences at once, on the CPU engine and
+on the device backend with an expert cache of half the experts (so that both hits and misses run), f32 KV caches.
+Printed per call: the largest logit difference over the largest logit, and whether the greedy tokens agree; the
+expert cache's counts beside the simulator's on the routing the backend recorded; the wall time of each side.
+
+Two models. F16 weights, whose products on both sides take f32 activations: the backend must be within the
+device's tolerance of the CPU engine (host: 1e-5, the host device's double-precision norms, RoPE and attention;
+cuda: 1e-3, float sums in other orders over every layer). Q4_K weights, whose products quantise the activations
+(the CPU engine in Q8_K's 256-value blocks, a card in 32-value ones): a last-bit difference moves an activation
+by a step, and a random model amplifies that over its layers, so the differences are printed beside the CPU
+engine's own between an f32 and an f16 KV cache, for scale, without a bound. The check passes when the F16
+model is within tolerance and both models' counts are the simulator's.
+
+    python -m strata.engine_cffi.backend_check --device cuda     # the small models (on a GPU)
+    python -m strata.engine_cffi.backend_check --device host --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from strata.engine_cffi import BatchItem, Engine
+from strata.engine_cffi.device import DeviceUnavailable
+from strata.engine_cffi.device_engine import DeviceEngine, open_device
+from strata.engine_cffi.expert_slots import UPLOADS_PER_STEP
+from strata.experts.simulate import AdaptiveLrfuCache, replay
+from strata.experts.trace import read_trace
+from strata.gguf_file import read_metadata
+from strata.modelgen.writer import write_random_model
+
+TOLERANCE = {"host": 1e-5, "cuda": 1e-3}
+
+
+def calls(prompt: int, steps: int) -> list[list[BatchItem]]:
+    """A prompt of `prompt` tokens in chunks beside a short one, then `steps` decode steps of three sequences."""
+    first = [BatchItem(0, [(7 * i) % 200 + 40 for i in range(prompt)], logits="last"),
+             BatchItem(1, [5, 6, 7]), BatchItem(2, [70])]
+    return [first] + [[BatchItem(s, [(11 * n + 3 * s) % 200 + 40]) for s in range(3)] for n in range(steps)]
+
+
+def run(engine: Engine, work: list[list[BatchItem]]) -> tuple[list[np.ndarray], float]:
+    """Each call's logits rows (stacked) and the seconds all the calls took."""
+    started = time.perf_counter()
+    out = [np.concatenate([rows.copy() for rows in engine.eval_batch(call)]) for call in work]
+    return out, time.perf_counter() - started
+
+
+def rel_diffs(got: list[np.ndarray], want: list[np.ndarray]) -> list[float]:
+    return [float(np.max(np.abs(g - w)) / np.max(np.abs(w))) for g, w in zip(got, want, strict=True)]
+
+
+def check_model(kind: str, dtype: str, quick: bool, folder: Path) -> bool:
+    size = "tiny" if quick else "small"
+    prompt, steps = (150, 6) if quick else (400, 32)
+    path = write_random_model(folder / f"{size}-{dtype}.gguf", arch="qwen3moe", size=size, dtype=dtype,
+                              vocab="bytes")
+    work, trace = calls(prompt, steps), folder / f"{dtype}.trace"
+    meta = read_metadata(path)
+    n_layer, n_expert = int(meta["qwen3moe.block_count"]), int(meta["qwen3moe.expert_count"])
+    capacity = n_layer * n_expert // 2
+    cpu_runs = {}
+    for kv in ("f32", "f16"):
+        with Engine.load(path, n_ctx=512, n_batch=64, n_seq=3, kv=kv, mapped_weights=True) as cpu:
+            cpu_runs[kv] = run(cpu, work)
+    (want, cpu_s), spread = cpu_runs["f32"], rel_diffs(cpu_runs["f16"][0], cpu_runs["f32"][0])
+    with DeviceEngine.open(path, open_device(kind, None), n_ctx=512, n_batch=64, n_seq=3, kv="f32",
+                           record_routing=trace, capacity=capacity) as dev:
+        got, dev_s = run(dev, work)
+        counts, name = dev.expert_counts(), dev.device.name
+    strict = dtype == "f16"
+    print(f"\nbackend check: {name}, qwen3moe {size} {dtype}, expert cache {capacity} of {n_layer * n_expert} "
+          f"experts" + (f", tolerance {TOLERANCE[kind]:g}" if strict else ", no bound (see the docstring)"))
+    print("| call | tokens | max diff / max logit | the CPU engine's f16 vs f32 KV | greedy |")
+    print("|---|---|---|---|---|")
+    passed = True
+    for i, (rel, ref, g, w, call) in enumerate(zip(rel_diffs(got, want), spread, got, want, work, strict=True)):
+        same = bool(np.array_equal(g.argmax(axis=-1), w.argmax(axis=-1)))
+        passed &= not strict or rel <= TOLERANCE[kind]
+        print(f"| {i} | {sum(len(item.tokens) for item in call)} | {rel:.2e} | {ref:.2e} | "
+              f"{'same' if same else 'differs'} |")
+    stats = replay(read_trace(trace), AdaptiveLrfuCache(n_layer, n_expert, capacity, uploads_per_step=UPLOADS_PER_STEP))
+    agree = (stats.hits, stats.misses, stats.uploads) == (counts["hits"], counts["misses"], counts["uploads"])
+    passed &= agree
+    print(f"expert cache: {counts['hits']} hits, {counts['misses']} misses, {counts['uploads']} uploads; the "
+          f"simulator: {stats.hits}, {stats.misses}, {stats.uploads} ({'agree' if agree else 'DISAGREE'})")
+    print(f"wall time: CPU engine {cpu_s:.2f} s, device backend {dev_s:.2f} s")
+    return passed
+
+
+def check(kind: str, quick: bool, folder: Path) -> bool:
+    results = [check_model(kind, dtype, quick, folder) for dtype in ("f16", "q4_k")]  # both run, whatever the first
+    passed = all(results)
+    print("pass" if passed else "FAIL")
+    return passed
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=("host", "cuda"), default="cuda")
+    parser.add_argument("--quick", action="store_true", help="the tiny model and a short run")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="strata-backend-check-") as folder:
+        try:
+            return 0 if check(args.device, args.quick, Path(folder)) else 1
+        except DeviceUnavailable as exc:
+            print(f"backend check: {exc}", file=sys.stderr)
+            return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,485 @@
+"""The device backend: a `qwen3moe` model's forward pass through the device interface (`cuda/device.h`), with the
+routed experts split between the device's expert cache (hits) and the CPU (misses).
+
+What lives on the device: every layer's attention and norm weights, the router, the output norm and projection,
+the sequences' KV cache (the CPU engine's layout) and the step's activations. What stays in RAM: the mapped file,
+from which the token embeddings are looked up and the misses computed; the experts the policy keeps are copied
+into the device's slots (`expert_slots`).
+
+A chunk of tokens (at most `n_batch`, the sequences' tokens in call order) goes through each layer as:
+
+    xb = rmsnorm(x); q, k, v = xb Wq, Wk, Wv; q, k = rope(rmsnorm(q), rmsnorm(k)) per head; cache k, v
+    att = attention over each token's positions; x += att Wo
+    xb = rmsnorm(x); router logits = xb Wr; top-k per token -> the host (ids, weights) with xb
+    each distinct expert: a hit runs gate, up, SwiGLU, down on the device over its tokens' rows; a miss runs the
+    same on the CPU's threads (strata_host_expert_ffn, from the mapped file) and its rows are uploaded
+    x += the router's weights times the experts' rows (add_rows, on the device)
+
+then the output norm and head for the tokens that want logits. The layer loop runs here, in Python: each kernel is
+one launch, and the policy (a Python class) is called once per layer.
+
+The rest of the engine's interface (sampling, the checks of a call's items) is the CPU engine's, whose context
+this class extends; the positions each sequence holds are kept here, as the KV cache is the device's
+(`copy_prefix`, `export_kv` and `import_kv` move its rows through the host, in the CPU engine's layout). Not built
+yet: other architectures (Qwen3-VL's deepstack rows, Qwen3.5's recurrent layers, dense models).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+from gguf import quants
+
+from strata.engine_cffi import _KV_TYPES, BatchItem, Engine, EngineAborted, EngineError, _item_logits
+from strata.engine_cffi.device import Device, DeviceError
+from strata.engine_cffi.device_check import MATMUL_TYPES
+from strata.engine_cffi.expert_slots import UPLOADS_PER_STEP, ExpertSlots
+from strata.gguf_file import TensorInfo
+
+ARCHITECTURES = ("qwen3moe",)
+DEVICE_TYPES = frozenset(MATMUL_TYPES)  # the weight types the device's products take
+KV_ELEM = {"f32": 4, "f16": 2, "int8": 1}  # bytes of a cached value
+RESERVE = 1 << 30  # of a card's free memory, left to the driver and other users when no budget is given
+
+
+def open_device(kind: str, budget: int | None) -> Device:
+    """Open device `kind` with `budget` bytes; None: a card's free memory less `RESERVE` (unlimited on the host).
+
+    Raises:
+        DeviceUnavailable: cuda, and no CUDA library was built or no GPU is there (one line says which).
+    """
+    if budget is not None or kind != "cuda":
+        return Device(kind, budget or 0)
+    with Device(kind) as probe:
+        free = probe.budget
+    return Device(kind, max(free - RESERVE, 1))
+
+
+@dataclass(frozen=True)
+class Matrix:
+    """A weight on the device: its type, shape and row size."""
+
+    ptr: Any
+    type: int
+    n_in: int
+    n_out: int
+    row_bytes: int
+
+
+class DeviceEngine(Engine):
+    """A CPU engine whose forward pass runs on `device` (see the module's docstring). Make one with `open`."""
+
+    device: Device
+    slots: ExpertSlots
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str], device: Device, n_ctx: int = 4096, threads: int | None = None,
+             kv: str = "f16", n_batch: int = 256, n_seq: int = 1, kv_budget: int | None = None,
+             record_routing: str | os.PathLike[str] | None = None, capacity: int | None = None,
+             uploads_per_step: float | None = UPLOADS_PER_STEP) -> DeviceEngine:
+        """Load the model as `Engine.load` does (the weights read where the file is mapped), then put its dense
+        part and the KV cache on `device` (which the engine closes with itself) and give what its budget leaves
+        to the expert cache.
+
+        Args:
+            capacity: the most experts the cache holds (None: as many as the device's budget leaves room for).
+            uploads_per_step: the policy's bound on the uploads a step starts (None: no bound).
+        Raises:
+            EngineError: what `Engine.load` raises; an architecture other than qwen3moe, a weight type the device
+                has no product for, or a device budget the dense part and the KV cache do not fit in.
+        """
+        try:
+            engine = cls.load(path, n_ctx=n_ctx, threads=threads, kv=kv, n_batch=n_batch, n_seq=n_seq,
+                              kv_budget=kv_budget, mapped_weights=True, record_routing=record_routing)
+        except BaseException:
+            device.close()
+            raise
+        try:
+            engine._attach(device, capacity, uploads_per_step)
+        except DeviceError as exc:
+            engine.close()
+            raise EngineError(f"the {device.kind} device: {exc}") from None
+        except BaseException:
+            engine.close()
+            raise
+        return engine
+
+    # --- set-up
+
+    def _attach(self, device: Device, capacity: int | None, uploads_per_step: float | None) -> None:
+        self.device, self.backend = device, device.kind  # closed with the engine from here on
+        # the cached rows' bits are the device's kernels': another backend's rows are not these
+        self.kv_identity = f"{self.kv_identity}:{device.kind}"
+        if self.arch not in ARCHITECTURES:
+            raise EngineError(f"the {device.kind} device runs {', '.join(ARCHITECTURES)} models, not {self.arch}")
+        self._n_past = [0] * self.n_seq
+        self._in_flight: list[np.ndarray] = []  # host buffers queued copies read: kept until a synchronisation
+        self._aborted: set[int] = set()
+        meta = self.metadata
+
+        def key(name: str, default: float = 0) -> Any:
+            return meta.get(f"{self.arch}.{name}", default)
+
+        self.n_layer, self.n_head = int(key("block_count")), int(key("attention.head_count"))
+        self.n_head_kv = int(key("attention.head_count_kv", self.n_head))
+        self.head_dim = int(key("attention.key_length", self.n_embd // self.n_head))
+        self.n_expert, self.n_used = int(key("expert_count")), int(key("expert_used_count"))
+        self.n_ff = int(key("expert_feed_forward_length"))
+        self.eps = float(key("attention.layer_norm_rms_epsilon", 1e-6))
+        base = float(key("rope.freq_base", 10000.0))
+        half = np.arange(self.head_dim // 2, dtype=np.float64)
+        inv_freq = (1.0 / base ** (2.0 * half / self.head_dim)).astype(np.float32)  # as the engine's build_rope
+        self._inv_freq, self._axis = self._put(inv_freq), self._put(np.zeros(self.head_dim // 2, np.uint8))
+        self._layers = [self._layer_weights(il) for il in range(self.n_layer)]
+        self._output_norm = self._put(self._vector("output_norm"))
+        self._output = self._matrix("output" if self._file.tensor("output") else "token_embd")  # tied: the embeddings
+        self._alloc_kv()
+        self._alloc_activations()
+        self._experts = [(self._tensor(f"blk.{il}.ffn_gate_exps"), self._tensor(f"blk.{il}.ffn_up_exps"),
+                          self._tensor(f"blk.{il}.ffn_down_exps")) for il in range(self.n_layer)]
+        expert_bytes = [(g.n_bytes // self.n_expert, u.n_bytes // self.n_expert, d.n_bytes // self.n_expert)
+                        for g, u, d in self._experts]
+        free = device.budget - device.used
+        slot = max(sum(sizes) for sizes in expert_bytes)
+        fits = max(0, min(self.n_layer * self.n_expert, free // slot))
+        capacity = fits if capacity is None else min(capacity, fits)
+        self._upload_stream = device.stream()
+        self.slots = ExpertSlots(device, self.n_layer, self.n_expert, capacity, expert_bytes, self._expert_data,
+                                 self._upload_stream, uploads_per_step)
+        self._pool = concurrent.futures.ThreadPoolExecutor(self.threads, thread_name_prefix="strata-misses")
+
+    def _put(self, array: np.ndarray) -> Any:
+        return self.device.to_device(np.ascontiguousarray(array))
+
+    def _alloc(self, nbytes: int) -> Any:
+        return self.device.alloc(max(nbytes, 1))
+
+    def _tensor(self, name: str) -> TensorInfo:
+        t = self._file.tensor(name)
+        if t is None:
+            raise EngineError(f"missing tensor {name}")
+        return t
+
+    def _vector(self, name: str) -> np.ndarray:
+        t = self._tensor(name)
+        data = self._file.data(t)
+        if t.type == Q.F32:
+            return data.view(np.float32)
+        return np.asarray(quants.dequantize(data, Q(t.type)), np.float32).reshape(-1)
+
+    def _matrix(self, name: str) -> Matrix:
+        t = self._tensor(name)
+        if t.type not in DEVICE_TYPES:
+            raise EngineError(f"tensor {name}: the device has no product for type {Q(t.type).name}")
+        return Matrix(self._put(self._file.data(t)), t.type, t.shape[0], t.shape[1], t.n_bytes // t.shape[1])
+
+    def _layer_weights(self, il: int) -> dict[str, Any]:
+        vectors = {n: self._put(self._vector(f"blk.{il}.{n}")) for n in ("attn_norm", "attn_q_norm", "attn_k_norm",
+                                                                       "ffn_norm")}
+        matrices = {n: self._matrix(f"blk.{il}.{n}") for n in ("attn_q", "attn_k", "attn_v", "attn_output",
+                                                                "ffn_gate_inp")}
+        for w in ("gate", "up", "down"):
+            t = self._tensor(f"blk.{il}.ffn_{w}_exps")
+            if t.type not in DEVICE_TYPES:
+                raise EngineError(f"tensor {t.name}: the device has no product for type {Q(t.type).name}")
+        return vectors | matrices
+
+    def _alloc_kv(self) -> None:
+        kv = self.kv_type
+        self._kv_rows = self.n_seq * self.n_layer * self.n_head_kv * self.n_ctx
+        self._k = self._alloc(self._kv_rows * self.head_dim * KV_ELEM[kv])
+        self._v = self._alloc(self._kv_rows * self.head_dim * KV_ELEM[kv])
+        null = self.device.ffi.NULL
+        self._k_scale = self._alloc(4 * self._kv_rows) if kv == "int8" else null
+        self._v_scale = self._alloc(4 * self._kv_rows) if kv == "int8" else null
+
+    def _alloc_activations(self) -> None:
+        B, E, k = self.n_batch, self.n_embd, self.n_used
+        q_dim, kv_dim = self.n_head * self.head_dim, self.n_head_kv * self.head_dim
+        sizes = dict(x=B * E, xb=B * E, q=B * q_dim, k=B * kv_dim, v=B * kv_dim, att=B * q_dim,
+                     router=B * self.n_expert, weights=B * k, moe_out=B * k * E, slot_x=B * k * E,
+                     hb=B * k * self.n_ff, hb2=B * k * self.n_ff, logits=B * self.n_vocab)
+        self._a = {name: self._alloc(4 * n) for name, n in sizes.items()}
+        for name, n in dict(ids=B * k, slot_of=B * k, seq=B, pos=B, n_pos=B, rope=3 * B, rows=B).items():
+            self._a[name] = self._alloc(4 * n)
+
+    def _expert_data(self, layer: int, expert: int, which: int) -> np.ndarray:
+        t = self._experts[layer][which]
+        size = t.n_bytes // self.n_expert
+        return self._file.data(t)[expert * size:(expert + 1) * size]
+
+    # --- the positions each sequence holds (the KV cache is the device's)
+
+    def seq_n_past(self, seq: int) -> int:
+        if not 0 <= seq < self.n_seq:
+            raise EngineError(f"sequence {seq} outside [0, {self.n_seq})")
+        return self._n_past[seq]
+
+    def keep(self, n: int, seq: int = 0) -> None:
+        if not 0 <= n <= self.seq_n_past(seq):
+            raise EngineError(f"keep {n} of sequence {seq}, which holds {self._n_past[seq]} positions")
+        self._n_past[seq] = n
+
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Sequence `dst` = the first n positions of `src`: their rows through the host (the interface has no
+        copy between two places of the device)."""
+        self.seq_n_past(dst)
+        data = self.export_kv(src, 0, n)
+        self._n_past[dst] = 0
+        self.import_kv(dst, 0, data)
+
+    def _runs(self, seq: int, first: int, n: int) -> list[tuple[Any, int]]:
+        """The device's bytes of positions [first, first + n) of `seq` in `export_kv`'s order (kv_rows.c's layout:
+        per layer and KV head its K then V rows, then with int8 its K then V scales): (pointer, bytes) pairs."""
+        ffi, row = self.device.ffi, self.head_dim * KV_ELEM[self.kv_type]
+        heads = [((seq * self.n_layer + il) * self.n_head_kv + h) * self.n_ctx + first
+                 for il in range(self.n_layer) for h in range(self.n_head_kv)]
+        runs = [(ffi.cast("char *", cache) + base * row, n * row) for base in heads for cache in (self._k, self._v)]
+        if self.kv_type == "int8":
+            runs += [(ffi.cast("char *", cache) + base * 4, n * 4) for base in heads
+                     for cache in (self._k_scale, self._v_scale)]
+        return runs
+
+    def export_kv(self, seq: int, first: int, n: int) -> np.ndarray:
+        if first < 0 or n < 0 or first + n > self.seq_n_past(seq):
+            raise EngineError(f"export of positions [{first}, {first + n}): sequence {seq} holds "
+                              f"{self._n_past[seq]}")
+        buf = np.empty(n * self.kv_position_bytes, np.uint8)
+        at = 0
+        for ptr, size in self._runs(seq, first, n) if n else []:
+            self.device.download(buf[at:at + size], ptr)
+            at += size
+        self.device.sync()
+        return buf
+
+    def import_kv(self, seq: int, first: int, data: Any) -> None:
+        view = np.frombuffer(memoryview(data).cast("B"), np.uint8)
+        n, rest = divmod(len(view), self.kv_position_bytes)
+        if rest or first != self.seq_n_past(seq) or first + n > self.n_ctx:
+            raise EngineError(f"import of {len(view)} bytes at position {first}: sequence {seq} continues at "
+                              f"{self._n_past[seq]} of {self.n_ctx}, positions of {self.kv_position_bytes} bytes")
+        at = 0
+        for ptr, size in self._runs(seq, first, n) if n else []:
+            self.device.upload(ptr, view[at:at + size])
+            at += size
+        self.device.sync()  # the caller's buffer is read by now
+        self._n_past[seq] = first + n
+
+    def abort(self, seq: int = 0) -> None:
+        self.seq_n_past(seq)
+        self._aborted.add(seq)
+
+    def clear_abort(self, seq: int = 0) -> None:
+        self._aborted.discard(seq)
+
+    def cpu_seconds(self) -> float:
+        """The clock the batcher times steps by: wall time here, as a step waits on the device and the misses'
+        threads, which the CPU engine's own clock does not see."""
+        return time.perf_counter()
+
+    def expert_counts(self) -> dict[str, int]:
+        """The expert cache's capacity (experts and bytes) and its counts since the engine started (hits,
+        misses, uploads)."""
+        c, slots = self.slots.counts, self.slots
+        return {"capacity": slots.capacity, "bytes": slots.capacity * slots.slot_bytes, "hits": c.hits,
+                "misses": c.misses, "uploads": c.uploads}
+
+    # --- a call
+
+    def eval_batch(self, items: Sequence[BatchItem], notify_fd: int = -1) -> list[np.ndarray]:
+        if notify_fd >= 0:
+            os.eventfd_write(notify_fd, 1)
+        if not items:
+            raise EngineError("eval needs at least one token")
+        ids, seqs, pos, outs, rows, index, _grid = self._batch_arrays(self._live_ctx(), items)
+        if ids.min() < 0 or ids.max() >= self.n_vocab:
+            raise EngineError(f"token id out of range [0, {self.n_vocab})")
+        for s in set(seqs.tolist()):
+            if self._n_past[s] + int((seqs == s).sum()) > self.n_ctx:
+                raise EngineError(f"sequence {s}: context full ({self.n_ctx} positions)")
+        embd_of = np.full(len(ids), -1, np.int64)
+        embd_of[index] = np.arange(len(index))
+        logits = np.empty((len(outs), self.n_vocab), np.float32)
+        want = np.full(len(ids), -1, np.int64)
+        want[outs] = np.arange(len(outs))
+        dropped: set[int] = set()
+        records: list[np.ndarray] = []  # the routing record's, when on
+        n_chunks = 0
+        for start in range(0, len(ids), self.n_batch):
+            dropped |= {s for s in self._aborted if s in set(seqs.tolist())}
+            take = np.arange(start, min(start + self.n_batch, len(ids)))
+            take = take[~np.isin(seqs[take], list(dropped))]
+            if len(take):
+                chunk_logits = self._chunk(ids[take], seqs[take], pos[take], rows, embd_of[take], want[take] >= 0,
+                                           records, n_chunks)
+                n_chunks += 1
+                logits[want[take][want[take] >= 0]] = chunk_logits
+                for s in set(seqs[take].tolist()):
+                    self._n_past[s] = int(pos[take][seqs[take] == s].max()) + 1
+        if self._routing is not None:
+            self._write_routing(records, n_chunks)
+        self._aborted -= dropped
+        results = _item_logits(items, logits, frozenset(dropped))
+        if dropped:
+            raise EngineAborted("aborted", frozenset(dropped), results)
+        return results  # type: ignore[return-value]  # no None without a dropped sequence
+
+    def _write_routing(self, records: list[np.ndarray], n_chunks: int) -> None:
+        """Append the call's records ([layer, chunk, n_tok, ids], as the CPU engine writes them) to the trace."""
+        assert self._routing is not None
+        buffer = self._routing.buffer(sum(int(r[2]) for r in records if r[0] == 0), n_chunks)  # the call's tokens
+        flat = np.concatenate(records) if records else np.zeros(0, np.int32)
+        buffer[:len(flat)] = flat
+        self._routing.write(len(flat), n_chunks)
+
+    def _launch(self, name: str, **fields: Any) -> None:
+        self.device.launch(name, **fields)
+
+    def _chunk(self, ids: np.ndarray, seqs: np.ndarray, pos: np.ndarray, rows: np.ndarray, embd_of: np.ndarray,
+               wants: np.ndarray, records: list[np.ndarray], chunk: int) -> np.ndarray:
+        """One forward pass over a chunk's tokens; the logits rows of those that want them."""
+        n, a, dev = len(ids), self._a, self.device
+        self.slots.begin_step()
+        pos32 = pos.astype(np.int32)
+        staged = {"x": self._embeddings(ids, rows, embd_of), "seq": seqs.astype(np.int32), "pos": pos32,
+                  "n_pos": pos32 + 1, "rope": np.repeat(pos32[:, None], 3, axis=1)}
+        for name, array in staged.items():
+            dev.upload(a[name], array)
+        self._in_flight = list(staged.values())  # host buffers the stream reads, kept until a synchronisation
+        for il in range(self.n_layer):
+            self._attention(il, n)
+            self._moe(il, n, records, chunk)
+        # logits = rmsnorm(x rows that want them) @ Woutput
+        rows_wanted = np.flatnonzero(wants).astype(np.int32)
+        m = len(rows_wanted)
+        if m == 0:
+            dev.sync()
+            self._in_flight = []
+            return np.empty((0, self.n_vocab), np.float32)
+        E = self.n_embd
+        dev.upload(a["rows"], rows_wanted)
+        dev.memset(a["slot_x"], 0, 4 * m * E)
+        self._launch("add_rows", n_tok=m, k=1, n=E, y=a["x"], idx=a["rows"], out=a["slot_x"])
+        self._launch("rms_norm", n=E, n_tok=m, eps=self.eps, x=a["slot_x"], w=self._output_norm, out=a["xb"])
+        self._matmul(self._output, a["xb"], m, a["logits"])
+        logits = dev.to_host(a["logits"], (m, self.n_vocab), np.float32)
+        self._in_flight = []
+        return logits
+
+    def _embeddings(self, ids: np.ndarray, rows: np.ndarray, embd_of: np.ndarray) -> np.ndarray:
+        """x rows: the token embeddings looked up in the mapped file, or the caller's rows."""
+        t = self._tensor("token_embd")
+        data, row_bytes = self._file.data(t), t.n_bytes // t.shape[1]
+        x = np.empty((len(ids), self.n_embd), np.float32)
+        for i, (token, j) in enumerate(zip(ids.tolist(), embd_of.tolist(), strict=True)):
+            if j >= 0:
+                x[i] = rows[j, :self.n_embd]
+                continue
+            row = data[token * row_bytes:(token + 1) * row_bytes]
+            x[i] = row.view(np.float32) if t.type == Q.F32 else quants.dequantize(row, Q(t.type)).reshape(-1)
+        return x
+
+    def _matmul(self, w: Matrix, x: Any, n_tok: int, y: Any, ptr: Any = None) -> None:
+        self._launch("matmul", type=int(w.type), n=w.n_in, rows=w.n_out, n_tok=n_tok, row_bytes=w.row_bytes,
+                     w=w.ptr if ptr is None else ptr, x=x, y=y)
+
+    def _attention(self, il: int, n: int) -> None:
+        L, a, E, hd = self._layers[il], self._a, self.n_embd, self.head_dim
+        # xb = rmsnorm(x); q, k, v = xb Wq, Wk, Wv
+        self._launch("rms_norm", n=E, n_tok=n, eps=self.eps, x=a["x"], w=L["attn_norm"], out=a["xb"])
+        for name, out in (("attn_q", "q"), ("attn_k", "k"), ("attn_v", "v")):
+            self._matmul(L[name], a["xb"], n, a[out])
+        # q, k heads = rope(rmsnorm(head)); k, v rows into the cache at the tokens' positions
+        for name, heads in (("q", self.n_head), ("k", self.n_head_kv)):
+            self._launch("rms_norm", n=hd, n_tok=n * heads, eps=self.eps, x=a[name], w=L[f"attn_{name}_norm"],
+                         out=a[name])
+            self._launch("rope", n_tok=n, n_head=heads, head_dim=hd, neox=1, x=a[name], pos=a["rope"],
+                         inv_freq=self._inv_freq, axis=self._axis)
+        kv = dict(n_head_kv=self.n_head_kv, head_dim=hd, kv_type=_KV_TYPES[self.kv_type], n_layer=self.n_layer, il=il,
+                  n_ctx=self.n_ctx, k=self._k, v=self._v, k_scale=self._k_scale, v_scale=self._v_scale, seq=a["seq"])
+        self._launch("kv_store", n_tok=n, k_in=a["k"], v_in=a["v"], pos=a["pos"], **kv)
+        # att = softmax(q K^T / sqrt(hd)) V over each token's positions; x += att Wo
+        self._launch("attention", n_tok=n, n_head=self.n_head, q=a["q"], n_pos=a["n_pos"], out=a["att"], **kv)
+        self._matmul(L["attn_output"], a["att"], n, a["xb"])
+        self._launch("add_rows", n_tok=n, k=1, n=E, y=a["xb"], out=a["x"])
+
+    def _moe(self, il: int, n: int, records: list[np.ndarray], chunk: int) -> None:
+        L, a, dev, E, k = self._layers[il], self._a, self.device, self.n_embd, self.n_used
+        # xb = rmsnorm(x); each token's top-k experts and their weights, to the host with xb
+        self._launch("rms_norm", n=E, n_tok=n, eps=self.eps, x=a["x"], w=L["ffn_norm"], out=a["xb"])
+        self._matmul(L["ffn_gate_inp"], a["xb"], n, a["router"])
+        self._launch("topk", n_tok=n, n_expert=self.n_expert, k=k, logits=a["router"], ids=a["ids"],
+                     weights=a["weights"])
+        ids, xb = np.empty((n, k), np.int32), np.empty((n, E), np.float32)
+        dev.download(ids, a["ids"])
+        dev.download(xb, a["xb"])
+        dev.sync()
+        self._in_flight = []  # what the host gave the stream so far is read by now
+        if self._routing is not None:
+            records.append(np.concatenate([np.array([il, chunk, n], np.int32), ids.reshape(-1)]))
+        # slots grouped by expert, ascending: expert e's tokens' rows, in token order
+        order = np.argsort(ids.reshape(-1), kind="stable")
+        slot_of = np.empty(n * k, np.int32)
+        slot_of[order] = np.arange(n * k, dtype=np.int32)
+        experts, first, count = np.unique(ids.reshape(-1)[order], return_index=True, return_counts=True)
+        slot_x = xb[order // k]  # (n k, E): each slot's token row
+        outcome = self.slots.step(il, experts.tolist())
+        at = {int(e): (int(f), int(c)) for e, f, c in zip(experts, first, count, strict=True)}
+        misses = [self._pool.submit(self._miss, il, e, slot_x[at[e][0]:at[e][0] + at[e][1]]) for e in outcome.misses]
+        dev.upload(a["slot_x"], slot_x)
+        for e in outcome.hits:
+            self._hit(il, e, *at[e])
+        miss_rows = [future.result() for future in misses]
+        for e, y in zip(outcome.misses, miss_rows, strict=True):
+            dev.upload(dev.ffi.cast("char *", a["moe_out"]) + 4 * at[e][0] * E, y)
+        # x += sum over the token's choices of weight * its expert's row
+        dev.upload(a["slot_of"], slot_of)
+        self._launch("add_rows", n_tok=n, k=k, n=E, y=a["moe_out"], idx=a["slot_of"], weight=a["weights"], out=a["x"])
+        # no synchronisation: the next layer's attention queues behind this one; the host's rows live until the
+        # next read-back
+        self._in_flight = [slot_x, slot_of, *miss_rows]
+
+    def _hit(self, il: int, e: int, s0: int, count: int) -> None:
+        """Expert e's rows on the device, from its slot: moe_out = (silu(x Wg) * (x Wu)) Wd."""
+        a, ffi, E, F = self._a, self.device.ffi, self.n_embd, self.n_ff
+        gate, up, down = self._experts[il]
+        ptrs = self.slots.matrices(il, e)
+        x, y = ffi.cast("char *", a["slot_x"]) + 4 * s0 * E, ffi.cast("char *", a["moe_out"]) + 4 * s0 * E
+        hb, hb2 = ffi.cast("char *", a["hb"]) + 4 * s0 * F, ffi.cast("char *", a["hb2"]) + 4 * s0 * F
+        for t, ptr, out in ((gate, ptrs[0], hb), (up, ptrs[1], hb2)):
+            self._launch("matmul", type=t.type, n=E, rows=F, n_tok=count, row_bytes=t.n_bytes // (F * self.n_expert),
+                         w=ptr, x=x, y=out)
+        self._launch("swiglu", n=count * F, g=hb, u=hb2, out=hb)
+        self._launch("matmul", type=down.type, n=F, rows=E, n_tok=count,
+                     row_bytes=down.n_bytes // (E * self.n_expert), w=ptrs[2], x=hb, y=y)
+
+    def _miss(self, il: int, e: int, x: np.ndarray) -> np.ndarray:
+        """Expert e's rows on the CPU, from the mapped file (a thread of the pool)."""
+        ffi, lib = self.device.ffi, self.device.lib
+        gate, up, down = (self._expert_data(il, e, w) for w in range(3))
+        types = [t.type for t in self._experts[il]]
+        x = np.ascontiguousarray(x)
+        y = np.empty((len(x), self.n_embd), np.float32)
+        status = lib.strata_host_expert_ffn(types[0], ffi.from_buffer(gate), types[1], ffi.from_buffer(up), types[2],
+                                            ffi.from_buffer(down), self.n_embd, self.n_ff,
+                                            ffi.from_buffer("float[]", x), len(x), ffi.from_buffer("float[]", y))
+        if status != 0:
+            raise EngineError(f"layer {il}, expert {e} on the CPU: status {status}")
+        return y
+
+    def close(self) -> None:
+        """Close the CPU engine and the device (which frees every allocation on it). Idempotent."""
+        pool = self.__dict__.pop("_pool", None)
+        if pool is not None:
+            pool.shutdown()
+        device = self.__dict__.pop("device", None)
+        if device is not None:
+            device.close()
+        super().close()

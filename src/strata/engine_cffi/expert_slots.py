@@ -1,0 +1,94 @@
+"""The expert cache of the device backend: the routed experts held in device memory, which the policy
+(`strata.experts.AdaptiveLrfuCache`, the simulator's class itself) chooses step by step.
+
+Each step (a forward pass of the backend), layer by layer, the backend tells `step` the distinct experts the layer's
+tokens chose; the experts held are hits (computed on the device from their slot), the rest misses (computed by the
+CPU from the mapped file). The policy then names misses to upload for later steps and the experts they evict: an
+upload copies the expert's three matrices into the evicted expert's slot, or a new one while the cache is filling,
+on the upload stream. The backend waits for that stream when the next step begins, so an expert is only ever
+computed from its slot a step after its upload was queued, and the compute stream never waits on the link.
+
+The counts (hits, misses, uploads) are those the simulator's `replay` counts on the same routing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from strata.engine_cffi.device import Device
+from strata.experts.simulate import AdaptiveLrfuCache, StepOutcome
+
+# Uploads a step may start, over all its layers: what the link moves during a decode step of a mid-sized MoE
+# without delaying it (the policy releases the budget evenly over the layers; see strata.experts.simulate).
+UPLOADS_PER_STEP = 4.0
+
+
+@dataclass
+class ExpertCounts:
+    """Layer-steps' experts since the backend started: computed on the device (hits) and by the CPU (misses),
+    and the uploads the policy started."""
+
+    hits: int = 0
+    misses: int = 0
+    uploads: int = 0
+
+
+class ExpertSlots:
+    """Up to `capacity` experts in device memory, each in a slot holding its gate, up and down matrices one after
+    another (a slot is the largest layer's expert: a model may mix types from layer to layer).
+
+    Args:
+        device: where the slots live (allocated as the cache fills, freed when the device closes).
+        n_layer, n_expert: the model's MoE layers and experts per layer.
+        capacity: experts held over all layers.
+        expert_bytes: per layer, the (gate, up, down) bytes of one of its experts.
+        expert_data: the host bytes of one of an expert's matrices: (layer, expert, which) -> a buffer (which: 0
+            gate, 1 up, 2 down).
+        upload_stream: the device stream the uploads go on.
+    """
+
+    def __init__(self, device: Device, n_layer: int, n_expert: int, capacity: int,
+                 expert_bytes: Sequence[tuple[int, int, int]],
+                 expert_data: Callable[[int, int, int], Any], upload_stream: int,
+                 uploads_per_step: float | None = UPLOADS_PER_STEP) -> None:
+        self.device, self.capacity = device, capacity
+        self.expert_bytes = list(expert_bytes)
+        self.slot_bytes = max(sum(sizes) for sizes in self.expert_bytes)
+        self._expert_data, self._stream = expert_data, upload_stream
+        self.policy = AdaptiveLrfuCache(n_layer, n_expert, capacity, uploads_per_step=uploads_per_step)
+        self.counts = ExpertCounts()
+        self._slot: dict[tuple[int, int], Any] = {}  # (layer, expert) -> its slot (a device pointer)
+        self._free: list[Any] = []  # slots of evicted experts, to be reused
+
+    def begin_step(self) -> None:
+        """Start a forward pass: the uploads queued by the last one are complete from here on."""
+        self.device.sync(self._stream)
+        self.policy.begin_step()
+
+    def step(self, layer: int, experts: Sequence[int]) -> StepOutcome:
+        """The layer needs `experts` (distinct): count them, and queue the uploads the policy starts."""
+        outcome = self.policy.step(layer, experts)
+        self.counts.hits += len(outcome.hits)
+        self.counts.misses += len(outcome.misses)
+        self.counts.uploads += len(outcome.uploads)
+        for key in outcome.evictions:
+            self._free.append(self._slot.pop(key))
+        for e in outcome.uploads:
+            self._upload(layer, e)
+        return outcome
+
+    def matrices(self, layer: int, expert: int) -> tuple[Any, Any, Any]:
+        """The device pointers of a held expert's gate, up and down matrices."""
+        base = self.device.ffi.cast("char *", self._slot[(layer, expert)])
+        gate, up, _ = self.expert_bytes[layer]
+        return base, base + gate, base + gate + up
+
+    def _upload(self, layer: int, expert: int) -> None:
+        slot = self._free.pop() if self._free else self.device.alloc(self.slot_bytes)
+        self._slot[(layer, expert)] = slot
+        at = self.device.ffi.cast("char *", slot)
+        for which, size in enumerate(self.expert_bytes[layer]):
+            self.device.upload(at, self._expert_data(layer, expert, which), self._stream)
+            at += size

@@ -1,0 +1,170 @@
+"""The device backend's forward pass (engine_cffi/device_engine.py) on the host device, against the CPU engine.
+
+On the host device the products are the CPU engine's own, so the backend differs from the engine only where the
+host device's other kernels (C ports of the reference kernels: norms, RoPE, attention and SwiGLU in double) round
+differently. With F32 and F16 weights, whose products take f32 activations, that is logits within `KV_TOLERANCE`
+of their largest magnitude and the same greedy tokens. Quantised weights quantise the activations too, which turns
+a last-bit difference into a quantisation step now and then (backend_check prints how far that goes); they are
+tested where the bits must be equal: hits (experts computed on the device from the cache's slots) and misses
+(computed by the CPU from the mapped file) give the same bits, so every split of the experts gives the same
+logits. And the expert cache counts what the simulator counts on the routing the backend recorded.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from strata.engine_cffi import BatchItem, Engine, EngineAborted, EngineError
+from strata.engine_cffi.device import Device
+from strata.engine_cffi.device_engine import DeviceEngine, open_device
+from strata.engine_cffi.expert_slots import UPLOADS_PER_STEP
+from strata.experts.simulate import AdaptiveLrfuCache, replay
+from strata.experts.trace import read_trace
+from strata.modelgen import write_random_model
+
+# A k or v value one rounding apart before the cache may land on the other side of the cache type's rounding: f32
+# keeps the last bits' difference; f16 moves by one step of 2^-11; int8 by one of its row's 127 steps.
+KV_TOLERANCE = {"f32": 1e-5, "f16": 1e-4, "int8": 1e-2}
+SHAPE = dict(n_ctx=64, threads=2, n_batch=8, n_seq=3)
+# a 20-token prompt in chunks of 8 beside another sequence's 3 tokens, then decode steps of every sequence
+CALLS = [[BatchItem(0, list(range(40, 60)), logits="all"), BatchItem(1, [5, 6, 7])],
+         [BatchItem(0, [9]), BatchItem(1, [11]), BatchItem(2, [70, 71], logits="all")],
+         [BatchItem(0, [90]), BatchItem(1, [12]), BatchItem(2, [13])],
+         [BatchItem(2, [14]), BatchItem(0, [91])]]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    out = tmp_path_factory.mktemp("device-models")
+    return {dtype: write_random_model(out / f"{dtype}.gguf", arch="qwen3moe", size="tiny", dtype=dtype,
+                                      vocab="bytes", seed=3)
+            for dtype in ("f32", "f16", "q8_0", "q4_k")}
+
+
+def run(engine: Engine, calls: list[list[BatchItem]] = CALLS) -> list[np.ndarray]:
+    return [rows.copy() for call in calls for rows in engine.eval_batch(call)]
+
+
+def on_device(path: Path, kv: str = "f32", **options) -> DeviceEngine:
+    return DeviceEngine.open(path, Device("host"), kv=kv, **SHAPE, **options)
+
+
+@pytest.mark.parametrize("dtype,kv", [("f32", "f32"), ("f16", "f16"), ("f32", "int8")])
+def test_prompt_chunks_and_decode_of_several_sequences_match_the_cpu_engine(models, dtype, kv):
+    with Engine.load(models[dtype], kv=kv, mapped_weights=True, **SHAPE) as cpu:
+        want = run(cpu)
+    with on_device(models[dtype], kv, capacity=6) as dev:
+        got = run(dev)
+        counts = dev.expert_counts()
+        assert [dev.seq_n_past(s) for s in range(3)] == [23, 5, 4]
+    assert counts["hits"] > 0 and counts["misses"] > 0 and counts["uploads"] > 0  # both sides of the split ran
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape
+        assert np.max(np.abs(g - w)) <= KV_TOLERANCE[kv] * np.max(np.abs(w))
+        np.testing.assert_array_equal(g.argmax(axis=-1), w.argmax(axis=-1))
+
+
+def test_hits_and_misses_give_the_same_bits(models):
+    results, counts = [], []
+    for capacity, uploads in ((0, None), (5, 2.0), (16, None)):  # all misses; a mixed split; all hits after a step
+        with on_device(models["q4_k"], capacity=capacity, uploads_per_step=uploads) as dev:
+            results.append(run(dev))
+            counts.append(dev.expert_counts())
+    assert counts[0]["hits"] == 0 and counts[1]["hits"] > 0 and counts[1]["misses"] > counts[2]["misses"] > 0
+    assert counts[2]["uploads"] == 16  # every expert of the 2 layers, in the first step
+    for other in results[1:]:
+        for a, b in zip(results[0], other, strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_the_backend_and_the_simulator_count_the_same_hits(models, tmp_path):
+    """A routing trace the backend recorded, replayed through the policy's class: the same hits, misses and
+    uploads as the backend counted; and the CPU engine records the same routing."""
+    with on_device(models["q8_0"], capacity=5, record_routing=tmp_path / "device.trace") as dev:
+        run(dev)
+        counts = dev.expert_counts()
+        n_layer, n_expert = dev.n_layer, dev.n_expert
+    with Engine.load(models["q8_0"], kv="f32", mapped_weights=True, record_routing=tmp_path / "cpu.trace",
+                     **SHAPE) as cpu:
+        run(cpu)
+    trace = read_trace(tmp_path / "device.trace")
+    cpu_trace = read_trace(tmp_path / "cpu.trace")
+    assert trace.n_steps == 6 and len(trace.records) == len(cpu_trace.records)
+    for a, b in zip(trace.records, cpu_trace.records, strict=True):
+        assert (a.step, a.layer) == (b.step, b.layer)
+        np.testing.assert_array_equal(a.experts, b.experts)
+    stats = replay(trace, AdaptiveLrfuCache(n_layer, n_expert, 5, uploads_per_step=UPLOADS_PER_STEP))
+    assert (stats.hits, stats.misses, stats.uploads) == (counts["hits"], counts["misses"], counts["uploads"])
+    assert stats.hits > 0
+
+
+def test_keep_and_copy_prefix_reuse_the_device_rows(models):
+    prompt = list(range(100, 112))
+    with Engine.load(models["f32"], kv="f16", mapped_weights=True, **SHAPE) as cpu:
+        cpu.eval(prompt)
+        cpu.copy_prefix(0, 2, 7)
+        cpu.keep(9, seq=0)
+        want = run(cpu, [[BatchItem(0, [5]), BatchItem(2, [6, 7])]])
+    with on_device(models["f32"], "f16") as dev:
+        dev.eval(prompt)
+        dev.copy_prefix(0, 2, 7)
+        dev.keep(9, seq=0)
+        assert (dev.seq_n_past(0), dev.seq_n_past(2)) == (9, 7)
+        got = run(dev, [[BatchItem(0, [5]), BatchItem(2, [6, 7])]])
+        with pytest.raises(EngineError, match="keep 11 of sequence 0"):
+            dev.keep(11, seq=0)
+    for g, w in zip(got, want, strict=True):
+        assert np.max(np.abs(g - w)) <= KV_TOLERANCE["f16"] * np.max(np.abs(w))
+
+
+def test_an_abort_drops_its_sequence_and_the_others_go_on(models):
+    with on_device(models["f32"]) as dev:
+        dev.abort(1)
+        with pytest.raises(EngineAborted) as info:
+            dev.eval_batch([BatchItem(0, [1, 2]), BatchItem(1, [3])])
+        assert info.value.dropped == {1} and info.value.results[1] is None
+        assert (dev.seq_n_past(0), dev.seq_n_past(1)) == (2, 0)
+        dev.eval_batch([BatchItem(1, [3])])  # the flag was consumed
+        assert dev.seq_n_past(1) == 1
+
+
+def test_what_the_budget_leaves_is_the_expert_cache(models):
+    with on_device(models["f32"]) as dev:
+        assert dev.expert_counts()["capacity"] == dev.n_layer * dev.n_expert  # the host's memory: every expert
+        dense = dev.device.used
+        slot = dev.slots.slot_bytes
+    with DeviceEngine.open(models["f32"], open_device("host", dense + 3 * slot + 7), **SHAPE) as dev:
+        assert dev.expert_counts()["capacity"] == 3
+    with pytest.raises(EngineError, match="the host device: allocating"):
+        DeviceEngine.open(models["f32"], open_device("host", dense // 2), **SHAPE)
+
+
+def test_other_architectures_are_refused(tmp_path):
+    path = write_random_model(tmp_path / "dense.gguf", arch="qwen3", size="tiny", dtype="f32", vocab="bytes")
+    with pytest.raises(EngineError, match="the host device runs qwen3moe models, not qwen3"):
+        DeviceEngine.open(path, Device("host"), **SHAPE)
+
+
+@pytest.mark.parametrize("kv", ["f16", "int8"])
+def test_exported_rows_continue_a_sequence_elsewhere(models, kv):
+    """export_kv in the CPU engine's layout, imported into another sequence of another engine on the device: the
+    next token's logits are the original's bits."""
+    prompt = list(range(30, 49))
+    with on_device(models["q8_0"], kv) as dev, on_device(models["q8_0"], kv) as other:
+        dev.eval(prompt)
+        data = dev.export_kv(0, 0, 12)
+        assert data.nbytes == 12 * dev.kv_position_bytes
+        other.import_kv(2, 0, data)
+        other.import_kv(2, 12, dev.export_kv(0, 12, 7))
+        assert other.seq_n_past(2) == 19
+        want = dev.eval([7])
+        np.testing.assert_array_equal(other.eval([7], seq=2), want)
+        with pytest.raises(EngineError, match="continues at 20"):
+            other.import_kv(2, 3, data)
+        with pytest.raises(EngineError, match="sequence 0 holds 20"):
+            dev.export_kv(0, 10, 11)
+    with Engine.load(models["q8_0"], kv=kv, mapped_weights=True, **SHAPE) as cpu:
+        assert cpu.kv_position_bytes == dev.kv_position_bytes and cpu.kv_identity + ":host" == dev.kv_identity

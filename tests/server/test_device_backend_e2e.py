@@ -1,0 +1,87 @@
+"""The GPU backend in the server (`device`): on the host device (the test device) it answers as the CPU engine
+does, through hypercorn, and shows its expert cache in /v1/status and /metrics; `device: cuda` where no GPU can
+be opened runs the CPU engine and says why in one startup line."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from conftest import live_server, server_config
+
+from strata.service import open_service
+
+ASK = {"messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 12, "temperature": 0}
+
+
+def answer(url: str, messages: list[dict[str, str]] | None = None) -> str:
+    reply = httpx.post(url + "/v1/chat/completions", json=ASK | ({"messages": messages} if messages else {}),
+                       timeout=60)
+    reply.raise_for_status()
+    return reply.json()["choices"][0]["message"]["content"]
+
+
+def test_the_host_device_answers_as_the_cpu_engine_and_shows_its_expert_cache(tiny_model):
+    with live_server(server_config(model=str(tiny_model), context=256, kv="f32")) as cpu:
+        want = answer(cpu.url)
+    config = server_config(model=str(tiny_model), context=256, kv="f32", device="host", gpu_memory=0.25)
+    with live_server(config) as server:
+        assert answer(server.url) == want
+        status = httpx.get(server.url + "/v1/status").json()
+        metrics = httpx.get(server.url + "/metrics").text
+    engine = status["engine"]
+    assert engine["backend"] == "host"
+    cache = engine["expert_cache"]
+    assert cache["capacity"] > 0 and cache["hits"] + cache["misses"] > 0 and cache["uploads"] > 0
+    samples = dict(line.rsplit(" ", 1) for line in metrics.splitlines() if not line.startswith("#"))
+    for outcome, key in (("hit", "hits"), ("miss", "misses"), ("upload", "uploads")):
+        assert float(samples[f'strata_expert_cache_experts_total{{outcome="{outcome}"}}']) == cache[key]
+    assert float(samples["strata_expert_cache_bytes"]) == cache["bytes"]
+
+
+def test_concurrent_requests_and_a_reused_prefix_answer_as_on_the_cpu_engine(tiny_model):
+    """Several sequences decoding in one step, and a second turn whose prefix the slot's cache (or a copy of it to
+    another slot) supplies: the backend's positions, keep and copy_prefix."""
+    turns = [[{"role": "user", "content": text}] for text in ("Tell me a story.", "Name a colour.", "Count.")]
+    follow = turns[0] + [{"role": "assistant", "content": "Once"}, {"role": "user", "content": "Go on."}]
+
+    def answers(url: str) -> list[str]:
+        with ThreadPoolExecutor(3) as pool:
+            first = list(pool.map(lambda m: answer(url, m), turns))
+        return first + [answer(url, follow), answer(url, turns[1])]
+
+    with live_server(server_config(model=str(tiny_model), context=256, kv="f32", slots=3)) as cpu:
+        want = answers(cpu.url)
+    with live_server(server_config(model=str(tiny_model), context=256, kv="f32", slots=3, device="host")) as server:
+        assert answers(server.url) == want
+        status = httpx.get(server.url + "/v1/status").json()
+    assert status["totals"]["reused_tokens"] > 0
+
+
+async def test_the_cpu_engine_shows_no_expert_cache(tiny_model):
+    async with open_service(server_config(model=str(tiny_model), context=256), log=lambda line: None) as service:
+        assert service.engine.expert_counts() is None
+
+
+async def test_the_host_device_says_what_its_expert_cache_holds(tiny_model):
+    lines: list[str] = []
+    config = server_config(model=str(tiny_model), context=256, device="host")
+    async with open_service(config, log=lines.append) as service:
+        capacity = service.engine.expert_counts()["capacity"]
+    assert any("backend host" in line for line in lines)
+    cache = [line for line in lines if line.startswith("expert cache: ")]
+    assert len(cache) == 1 and re.fullmatch(rf"expert cache: {capacity} experts, \d+\.\d\d GiB", cache[0])
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="a GPU machine: the backend would run")
+async def test_cuda_without_a_gpu_runs_the_cpu_engine_and_says_so_in_one_line(tiny_model):
+    lines: list[str] = []
+    config = server_config(model=str(tiny_model), context=256, device="cuda")
+    async with open_service(config, log=lines.append) as service:
+        assert service.engine.backend == "cpu"
+    said = [line for line in lines if line.startswith("device cuda")]
+    assert len(said) == 1 and said[0].endswith("; running on the CPU") and "\n" not in said[0]
+    assert not any(line.startswith("expert cache") for line in lines)
