@@ -27,13 +27,21 @@ class FakeHub:
     """The repositories served (`repos[repo][path] = bytes`), the URL, and the requests seen ("GET /path", with
     " (bytes=N-)" for a ranged one)."""
 
-    def __init__(self, repos: dict[str, dict[str, bytes]], stall: float = 0.0, cut: int | None = None) -> None:
+    def __init__(self, repos: dict[str, dict[str, bytes]], stall: float = 0.0, cut: int | None = None,
+                 hold: threading.Event | None = None) -> None:
         self.repos = repos
         self.stall = stall  # seconds a file's GET waits before its bytes (a slow download)
+        self.hold = hold  # set: a file's GET sends its bytes (a download that goes on until a test lets it end)
         self.cut = cut  # the first whole-file GET ends its connection after this many bytes (a network cut)
         self.requests: list[str] = []
         self.url = ""
         self._etags: dict[tuple[str, str], str] = {}  # as the hub, computed once per file, not per request
+
+    def before_bytes(self) -> None:
+        """What a file's GET waits for before it sends its bytes."""
+        time.sleep(self.stall)
+        if self.hold is not None:
+            self.hold.wait(60)
 
     def etag(self, repo: str, path: str) -> str:
         key = (repo, path)
@@ -66,7 +74,7 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                 return self._send(404, b"", {"X-Error-Code": "EntryNotFound" if resolve else "RepoNotFound"}, body)
             data = files[resolve.group(2)]
             if body:
-                time.sleep(hub.stall)
+                hub.before_bytes()
             headers = {"X-Repo-Commit": COMMIT, "ETag": hub.etag(resolve.group(1), resolve.group(2))}
             start = re.fullmatch(r"bytes=(\d+)-", self.headers.get("Range", ""))
             if start and body:
@@ -99,9 +107,10 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
 
 
 @contextmanager
-def fake_hub(repos: dict[str, dict[str, bytes]], stall: float = 0.0, cut: int | None = None) -> Iterator[FakeHub]:
+def fake_hub(repos: dict[str, dict[str, bytes]], stall: float = 0.0, cut: int | None = None,
+             hold: threading.Event | None = None) -> Iterator[FakeHub]:
     """Serve `repos` on a loopback port until the block ends."""
-    hub = FakeHub(repos, stall, cut)
+    hub = FakeHub(repos, stall, cut, hold)
     server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(hub))
     hub.url = f"http://127.0.0.1:{server.server_address[1]}"
     thread = threading.Thread(target=server.serve_forever, daemon=True)

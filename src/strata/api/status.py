@@ -61,7 +61,7 @@ def server_status(service: Service) -> dict[str, Any]:
             "threads": engine.threads if engine is not None else config.threads,
             "kv": config.kv,
         },
-        "vision": {"state": "not available", "mmproj": config.vision.mmproj},
+        "vision": {"state": "not available", "mmproj": service.models.default.config.vision.mmproj},
         "kv_disk": None if service.models.default.kv_tier is None else service.models.default.kv_tier.status(),
         "kv_events": service.kv_events.status() if service.kv_events is not None else None,
         "totals": service.history.totals.as_dict(),
