@@ -353,7 +353,7 @@ class Service:
         with self.activity.track(row) as live:
             toolset: Toolset | None = None
             try:
-                if served.state != "loaded" and self.models.named:
+                if self.models.named and self.models.waits(served):
                     live.phase = "loading"  # waiting for the model, and for the memory to load it
                 async with self.models.use(served):
                     if request.mcp:
