@@ -7,6 +7,9 @@ Routes (as `huggingface_hub` 2.x calls them):
   repository is a 404 with `X-Error-Code: RepoNotFound`.
 - `HEAD` and `GET /{owner}/{name}/resolve/{rev}/{path}`: the file, with `X-Repo-Commit`, `ETag` and
   `Content-Length`; a `Range: bytes=N-` GET (a resumed download) gets a 206 from byte N.
+
+`python tests/hub_server.py REPO NAME FILE [COPIES]` serves one file from a process of its own (for
+`bench/models.py`: the hub's side of a download then shares no interpreter with the client measured).
 """
 
 from __future__ import annotations
@@ -14,11 +17,13 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -122,3 +127,17 @@ def fake_hub(repos: dict[str, dict[str, bytes]], stall: float = 0.0, cut: int | 
         server.server_close()
         thread.join()
 
+
+
+def main(argv: list[str]) -> None:
+    """Serve FILE (its bytes repeated COPIES times) as NAME in REPO; print the URL, then serve until stdin closes."""
+    repo, name, path, *copies = argv
+    data = Path(path).read_bytes() * int(copies[0] if copies else 1)
+    with fake_hub({repo: {name: data}}) as hub:
+        hub.etag(repo, name)  # hashed before any request, as the hub stores it
+        print(hub.url, flush=True)
+        sys.stdin.read()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
