@@ -273,3 +273,34 @@ async def test_a_single_hf_model_downloads_while_the_server_listens_with_its_pro
     listening = next(i for i, line in enumerate(lines) if line.startswith("listening on "))
     downloaded = next(i for i, line in enumerate(lines) if line.startswith("hf:owner/tiny-GGUF:Q8_0: "))
     assert listening < downloaded < next(i for i, line in enumerate(lines) if line.startswith("serving tiny-Q8_0"))
+
+
+async def test_a_download_that_fails_once_the_server_listens_ends_serving_with_one_line(hub_env, repo):
+    import threading
+
+    import strata
+
+    hold = threading.Event()
+    config = server_config(model="hf:owner/tiny-GGUF:Q8_0", context=64, vision={"hf_mmproj": "none"})
+    lines: list[str] = []
+    exits: list[int] = []
+
+    async def serve() -> None:
+        exits.append(await strata.serve(config, log=lines.append))
+
+    with fake_hub(repo, hold=hold) as hub_server:
+        hub_env(hub_server.url)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(serve)
+            with trio.fail_after(30):
+                while not any(line.startswith("listening on ") for line in lines) or \
+                        not any(request.startswith("GET /owner/tiny-GGUF/resolve/") for request in hub_server.requests):
+                    await trio.sleep(0.02)
+            # The held GET ends its connection before its first byte, and the file is gone when the client resumes.
+            hub_server.cut, hub_server.repos = 0, {}
+            hold.set()
+    errors = [line for line in lines if line.startswith("error: ")]
+    assert len(errors) == 1 and re.fullmatch(r"error: hf:owner/tiny-GGUF:Q8_0: downloading tiny-Q8_0\.gguf failed "
+                                             r"\(404 Client Error\. Entry Not Found for url: \S+\); run again to "
+                                             r"resume", errors[0]), errors
+    assert exits == [1] and not any(line.startswith("serving ") for line in lines)

@@ -346,5 +346,6 @@ def fetch(ref: HubRef, mmproj_quant: str | None, report: Callable[[str], None] =
         try:
             paths.append(hf_hub_download(ref.repo, name, tqdm_class=_meter(progress)))
         except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as error:
-            raise HubError(f"{ref}: downloading {name} failed ({error}); run again to resume") from None
+            why = " ".join(str(error).split())  # the client's messages span lines
+            raise HubError(f"{ref}: downloading {name} failed ({why}); run again to resume") from None
     return paths[0], paths[-1] if choice.mmproj else None
