@@ -133,7 +133,7 @@ class ModelSet:
     def waits(self, model: ServedModel) -> bool:
         """Whether a request for `model` made now would wait: its model is not loaded, or it drains for a swap,
         or earlier requests for it wait in the line."""
-        return model.state != "loaded" or self._draining(model) or self.waiting(model) > 0
+        return model.state != "loaded" or self.draining(model) or self.waiting(model) > 0
 
     def waiting(self, model: ServedModel) -> int:
         """Requests in the line for memory that want `model`."""
@@ -225,7 +225,7 @@ class ModelSet:
         """No request holds `model` (those that named it, if any, all wait in the line)."""
         return model.users == self.waiting(model)
 
-    def _draining(self, model: ServedModel) -> bool:
+    def draining(self, model: ServedModel) -> bool:
         """The line's head will unload `model` once it is idle: a new request for it waits in the line."""
         return any(model in waiter.victims for waiter in self._line)
 

@@ -109,9 +109,12 @@ function Download({ download: d }) {
   </span>`;
 }
 
-// A model's state, with its download while one runs and the error of a load that failed.
+// A model's state, whether it drains for a swap and how many wait for memory to use it, its download while
+// one runs, and the error of a load that failed.
 function ModelState({ model: m }) {
   return html`<span class="state state-${m.state.replace(" ", "-")}" data-testid="model-state">${m.state}</span>
+    ${m.draining && html` <span class="dim" data-testid="draining">draining for a swap</span>`}
+    ${m.waiting > 0 && html` <span class="dim">${m.waiting} waiting for memory</span>`}
     ${m.download && html` <${Download} download=${m.download} />`}
     ${m.error && html` <span class="error">${m.error}</span>`}`;
 }

@@ -103,8 +103,9 @@ def model_list(service: Service) -> list[dict[str, Any]]:
 
 
 def models_status(service: Service) -> dict[str, Any]:
-    """Every model: its names, state (an "hf:" model's download while it runs: bytes, rate, ETA), slots and queue,
-    encoder and totals, and the memory budget they share."""
+    """Every model: its names, state (an "hf:" model's download while it runs: bytes, rate, ETA), its requests
+    (`users`: those that named it; `waiting`: those of them in the line for memory; `draining`: the line's head
+    unloads it once idle), slots and queue, encoder and totals, and the memory budget they share."""
     models = service.models
     totals = service.history.by_model
     return {
@@ -118,6 +119,8 @@ def models_status(service: Service) -> dict[str, Any]:
             "file": model.config.model,
             "footprint": model.footprint,
             "users": model.users,
+            "waiting": models.waiting(model),
+            "draining": models.draining(model),
             "context": model.engine.n_ctx if model.ready else model.config.context,
             "busy": model.turn.busy,
             "queued": model.turn.queued,

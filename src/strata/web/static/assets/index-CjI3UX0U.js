@@ -226,6 +226,8 @@ Please report this to https://github.com/markedjs/marked.`,e){let e=`<p>An error
     ${` ${e.file}: ${t(e.done)} of ${t(e.total)} MB, ${t(e.bytes_per_second)} MB/s`}
     ${e.eta_seconds===null?``:`, ETA ${Math.round(e.eta_seconds)} s`}
   </span>`}function Lo({model:e}){return W`<span class="state state-${e.state.replace(` `,`-`)}" data-testid="model-state">${e.state}</span>
+    ${e.draining&&W` <span class="dim" data-testid="draining">draining for a swap</span>`}
+    ${e.waiting>0&&W` <span class="dim">${e.waiting} waiting for memory</span>`}
     ${e.download&&W` <${Io} download=${e.download} />`}
     ${e.error&&W` <span class="error">${e.error}</span>`}`}function Ro({models:e}){let t=e.memory,n=e=>(e/2**30).toFixed(2);return W`<section data-testid="models">
     <h3>Models</h3>
