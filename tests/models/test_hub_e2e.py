@@ -304,3 +304,25 @@ async def test_a_download_that_fails_once_the_server_listens_ends_serving_with_o
                                              r"\(404 Client Error\. Entry Not Found for url: \S+\); run again to "
                                              r"resume", errors[0]), errors
     assert exits == [1] and not any(line.startswith("serving ") for line in lines)
+
+
+async def test_a_shutdown_during_the_download_does_not_wait_for_it(hub_env, repo):
+    import threading
+
+    import strata
+
+    hold = threading.Event()
+    config = server_config(model="hf:owner/tiny-GGUF:Q8_0", context=64, vision={"hf_mmproj": "none"})
+    lines: list[str] = []
+    with fake_hub(repo, hold=hold) as hub_server:
+        hub_env(hub_server.url)
+        stop = trio.Event()
+        with trio.fail_after(30):  # the held GET would keep a server that waited for it going for a minute
+            async with trio.open_nursery() as nursery:
+                await nursery.start(lambda task_status: strata.serve(
+                    config, shutdown_trigger=stop.wait, log=lines.append, task_status=task_status))
+                while not any(request.startswith("GET /owner/tiny-GGUF/resolve/") for request in hub_server.requests):
+                    await trio.sleep(0.02)
+                stop.set()
+        assert not hold.is_set() and not any(line.startswith("error") for line in lines)
+        hold.set()  # the abandoned download ends in its own thread

@@ -80,8 +80,12 @@ async def _serve(config: Config, sockets: list[socket.socket], handle_signals: b
     failed = False
 
     async def watch_loading(service: Any) -> None:
+        """Stop serving when the model fails to load. It runs beside the service, not in hypercorn's nursery:
+        a shutdown during the download or the load goes on without waiting for either."""
         nonlocal failed
         await service.loaded.wait()
+        if stop.is_set():
+            return  # shutting down: a download or load cut short is no failure
         if service.load_error is not None:
             failed = True
             stop.set()
@@ -114,7 +118,7 @@ async def _serve(config: Config, sockets: list[socket.socket], handle_signals: b
                         failed = True
                     else:
                         log(f"listening on {', '.join(binds)}")
-                        server_nursery.start_soon(watch_loading, service)
+                        nursery.start_soon(watch_loading, service)
                         if task_status is not None:
                             task_status.started(binds)
         nursery.cancel_scope.cancel()

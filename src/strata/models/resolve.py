@@ -38,7 +38,10 @@ async def resolve_config(config: Config, log: Callable[[str], None],
         def report(line: str) -> None:
             stage.now = line
 
-        return await trio.to_thread.run_sync(fetch, ref, _mmproj_quant(vision), report, watch)
+        # Abandoned when cancelled (a shutdown during the download): the client cannot be interrupted, and the
+        # process ends without waiting for it; what it wrote stays in the cache for the next start to resume.
+        return await trio.to_thread.run_sync(fetch, ref, _mmproj_quant(vision), report, watch,
+                                             abandon_on_cancel=True)
 
     model, mmproj = await with_progress(log, f"downloading {ref}", work)
     log(f"{ref}: {model}" + (f" (mmproj {mmproj})" if mmproj else ""))
