@@ -39,7 +39,8 @@ async def resolve_config(config: Config, log: Callable[[str], None],
             stage.now = line
 
         # Abandoned when cancelled (a shutdown during the download): the client cannot be interrupted, and the
-        # process ends without waiting for it; what it wrote stays in the cache for the next start to resume.
+        # process ends without waiting for it (the client's partial file is its own: the next start downloads
+        # that file again).
         return await trio.to_thread.run_sync(fetch, ref, _mmproj_quant(vision), report, watch,
                                              abandon_on_cancel=True)
 
