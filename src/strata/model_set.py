@@ -113,8 +113,8 @@ class ModelSet:
 
     @asynccontextmanager
     async def use(self, model: ServedModel) -> AsyncIterator[ServedModel]:
-        """Hold `model` for a request: loaded first if need be (models named by the `models` key), and never
-        unloaded while held.
+        """Hold `model` for a request: loaded first if need be (models named by the `models` key), after the
+        requests that waited for memory before it (the module's docstring), and never unloaded while held.
 
         Raises:
             ServiceUnavailable: the model failed to load, or cannot fit `models_memory` at all.
