@@ -6,9 +6,9 @@
 - **steps**: two models decoding at once, one stream each, each model's engine on its own threads (what the server
   does) or their engine calls serialised by one lock, against one stream alone: the tokens a second the cores
   give in each arrangement, and the process's CPU time a token (what spinning on contended cores would waste);
-- **download**: a model file from the local hub server (`tests/hub_server.py`) through `huggingface_hub` (what
-  `--hf` runs, `strata.models.hub.fetch`: the listing, the file's metadata, the transfer into the cache), against
-  `curl` of the same URL; after one untimed fetch (the client's imports and session).
+- **download**: a model file from the local hub server (`tests/hub_server.py`, in a process of its own) through
+  `huggingface_hub` (what `--hf` runs, `strata.models.hub.fetch`: the listing, the file's metadata, the transfer
+  into the cache), against `curl` of the same URL; after one untimed fetch (the client's imports and session).
 
 The two models are the generated `qwen3moe` of `--size` in Q8_0 with Qwen's vocabulary, from two seeds, written to
 `bench/out/` on first use.
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -158,41 +159,56 @@ async def steps(files: dict[str, Path], threads: int, rounds: int, tokens: int) 
 
 def download(path: Path, rounds: int, size_mb: int) -> dict[str, Any]:
     """MB/s of `fetch` and of curl for the model file, or one of about `size_mb` MB (the model file repeated),
-    alternated round by round."""
-    sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
-    from hub_server import fake_hub
+    alternated round by round. The hub runs in a process of its own, as a real hub does: in the client's, its
+    writes waited for the interpreter the client's reads hold, which curl's never did."""
     from huggingface_hub import constants
 
     from strata.models.hub import fetch, parse_ref
 
-    data = path.read_bytes()
-    data *= max(1, round(size_mb * 1e6 / len(data)))  # 0: the file as it is
+    copies = max(1, round(size_mb * 1e6 / path.stat().st_size))  # 0: the file as it is
+    size = path.stat().st_size * copies
     name = "bench-Q8_0.gguf"
     hub_mbps, curl_mbps = [], []
-    with fake_hub({"bench/models": {name: data}}) as hub, tempfile.TemporaryDirectory() as scratch:
-        constants.ENDPOINT = hub.url  # as HF_ENDPOINT does when the client is imported
-        constants.HUGGINGFACE_CO_URL_TEMPLATE = hub.url + "/{repo_id}/resolve/{revision}/{filename}"
+    hub_cpu, curl_cpu = [], []  # ms of CPU a MB: the client's (the hub's is not counted), curl's
+    hub_server = Path(__file__).parent.parent / "tests" / "hub_server.py"
+    with subprocess.Popen([sys.executable, str(hub_server), "bench/models", name, str(path), str(copies)],
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) as hub, \
+            tempfile.TemporaryDirectory() as scratch:
+        assert hub.stdout is not None and hub.stdin is not None
+        hub_url = hub.stdout.readline().strip()
+        constants.ENDPOINT = hub_url  # as HF_ENDPOINT does when the client is imported
+        constants.HUGGINGFACE_CO_URL_TEMPLATE = hub_url + "/{repo_id}/resolve/{revision}/{filename}"
         constants.HF_HUB_OFFLINE = False
-        url = f"{hub.url}/bench/models/resolve/main/{name}"
+        url = f"{hub_url}/bench/models/resolve/main/{name}"
         # Once untimed: the client's modules are imported on first use (about a second), and its session made.
         constants.HF_HUB_CACHE = os.path.join(scratch, "warm-up")
         fetch(parse_ref("hf:bench/models:Q8_0"), None)
         shutil.rmtree(constants.HF_HUB_CACHE)
         for round_ in range(rounds):
             constants.HF_HUB_CACHE = cache = os.path.join(scratch, f"cache-{round_}")
-            started = time.perf_counter()
+            started, clock = time.perf_counter(), time.process_time()
             fetched, _ = fetch(parse_ref("hf:bench/models:Q8_0"), None)
-            hub_mbps.append(len(data) / (time.perf_counter() - started) / 1e6)
-            assert Path(fetched).stat().st_size == len(data)
+            hub_mbps.append(size / (time.perf_counter() - started) / 1e6)
+            hub_cpu.append((time.process_time() - clock) / size * 1e9)
+            assert Path(fetched).stat().st_size == size
             shutil.rmtree(cache)
             target = os.path.join(scratch, "curl.gguf")
-            started = time.perf_counter()
+            started, clock = time.perf_counter(), _children_cpu()
             subprocess.run(["curl", "-sS", "-o", target, url], check=True)
-            curl_mbps.append(len(data) / (time.perf_counter() - started) / 1e6)
+            curl_mbps.append(size / (time.perf_counter() - started) / 1e6)
+            curl_cpu.append((_children_cpu() - clock) / size * 1e9)
             os.remove(target)
+        hub.stdin.close()
     hub_rate, curl_rate = statistics.median(hub_mbps), statistics.median(curl_mbps)
-    return {"mb": len(data) / 1e6, "hub_mbps": hub_rate, "curl_mbps": curl_rate, "ratio": hub_rate / curl_rate,
-            "ratios": [round(a / b, 3) for a, b in zip(hub_mbps, curl_mbps, strict=True)]}
+    return {"mb": size / 1e6, "hub_mbps": hub_rate, "curl_mbps": curl_rate, "ratio": hub_rate / curl_rate,
+            "ratios": [round(a / b, 3) for a, b in zip(hub_mbps, curl_mbps, strict=True)],
+            "hub_cpu": statistics.median(hub_cpu), "curl_cpu": statistics.median(curl_cpu)}
+
+
+def _children_cpu() -> float:
+    """Seconds of CPU the finished child processes took (curl's)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def main() -> None:
@@ -225,7 +241,8 @@ def main() -> None:
         result = download(files["alpha"], args.rounds, args.download_mb)
         print(f"| download of {result['mb']:.0f} MB from the local hub: huggingface_hub / curl (median of "
               f"{args.rounds}) | {result['hub_mbps']:.0f} / {result['curl_mbps']:.0f} MB/s = "
-              f"{result['ratio']:.2f}x (rounds {result['ratios']}) |")
+              f"{result['ratio']:.2f}x (rounds {result['ratios']}); CPU {result['hub_cpu']:.2f} / "
+              f"{result['curl_cpu']:.2f} ms a MB |")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,9 @@ Routes (as `huggingface_hub` 2.x calls them):
   repository is a 404 with `X-Error-Code: RepoNotFound`.
 - `HEAD` and `GET /{owner}/{name}/resolve/{rev}/{path}`: the file, with `X-Repo-Commit`, `ETag` and
   `Content-Length`; a `Range: bytes=N-` GET (a resumed download) gets a 206 from byte N.
+
+`python tests/hub_server.py REPO NAME FILE [COPIES]` serves one file from a process of its own (for
+`bench/models.py`: the hub's side of a download then shares no interpreter with the client measured).
 """
 
 from __future__ import annotations
@@ -14,11 +17,13 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -27,13 +32,21 @@ class FakeHub:
     """The repositories served (`repos[repo][path] = bytes`), the URL, and the requests seen ("GET /path", with
     " (bytes=N-)" for a ranged one)."""
 
-    def __init__(self, repos: dict[str, dict[str, bytes]], stall: float = 0.0, cut: int | None = None) -> None:
+    def __init__(self, repos: dict[str, dict[str, bytes]], stall: float = 0.0, cut: int | None = None,
+                 hold: threading.Event | None = None) -> None:
         self.repos = repos
         self.stall = stall  # seconds a file's GET waits before its bytes (a slow download)
+        self.hold = hold  # set: a file's GET sends its bytes (a download that goes on until a test lets it end)
         self.cut = cut  # the first whole-file GET ends its connection after this many bytes (a network cut)
         self.requests: list[str] = []
         self.url = ""
         self._etags: dict[tuple[str, str], str] = {}  # as the hub, computed once per file, not per request
+
+    def before_bytes(self) -> None:
+        """What a file's GET waits for before it sends its bytes."""
+        time.sleep(self.stall)
+        if self.hold is not None:
+            self.hold.wait(60)
 
     def etag(self, repo: str, path: str) -> str:
         key = (repo, path)
@@ -66,7 +79,7 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                 return self._send(404, b"", {"X-Error-Code": "EntryNotFound" if resolve else "RepoNotFound"}, body)
             data = files[resolve.group(2)]
             if body:
-                time.sleep(hub.stall)
+                hub.before_bytes()
             headers = {"X-Repo-Commit": COMMIT, "ETag": hub.etag(resolve.group(1), resolve.group(2))}
             start = re.fullmatch(r"bytes=(\d+)-", self.headers.get("Range", ""))
             if start and body:
@@ -99,9 +112,10 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
 
 
 @contextmanager
-def fake_hub(repos: dict[str, dict[str, bytes]], stall: float = 0.0, cut: int | None = None) -> Iterator[FakeHub]:
+def fake_hub(repos: dict[str, dict[str, bytes]], stall: float = 0.0, cut: int | None = None,
+             hold: threading.Event | None = None) -> Iterator[FakeHub]:
     """Serve `repos` on a loopback port until the block ends."""
-    hub = FakeHub(repos, stall, cut)
+    hub = FakeHub(repos, stall, cut, hold)
     server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(hub))
     hub.url = f"http://127.0.0.1:{server.server_address[1]}"
     thread = threading.Thread(target=server.serve_forever, daemon=True)
@@ -113,3 +127,17 @@ def fake_hub(repos: dict[str, dict[str, bytes]], stall: float = 0.0, cut: int | 
         server.server_close()
         thread.join()
 
+
+
+def main(argv: list[str]) -> None:
+    """Serve FILE (its bytes repeated COPIES times) as NAME in REPO; print the URL, then serve until stdin closes."""
+    repo, name, path, *copies = argv
+    data = Path(path).read_bytes() * int(copies[0] if copies else 1)
+    with fake_hub({repo: {name: data}}) as hub:
+        hub.etag(repo, name)  # hashed before any request, as the hub stores it
+        print(hub.url, flush=True)
+        sys.stdin.read()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -256,11 +256,10 @@ class Config:
         _check(self)
 
     def model_files(self) -> list[str | None]:
-        """The model files to check before serving: `model`, or each of `models`' but the "hf:" ones (downloaded
-        when a request first names them)."""
-        if not self.models:
-            return [self.model]
-        return [entry.model for entry in self.models if not entry.model.startswith("hf:")]
+        """The model files to check before serving: `model`, or each of `models`', but the "hf:" ones (downloaded
+        once the server listens)."""
+        models = [entry.model for entry in self.models] if self.models else [self.model]
+        return [model for model in models if not (model or "").startswith("hf:")]
 
     def for_model(self, entry: ModelEntry) -> Config:
         """The configuration one of `models` is served with: the top-level keys, with the entry's file, names,

@@ -7,6 +7,13 @@ moment it names it until its answer ends; a request whose model must wait for me
 checkpoint: its hang-up cancels the wait, like any other phase) and never holds anything meanwhile. The load
 itself runs in the service's nursery, not in the request's task: a request that hangs up while its model loads
 leaves the load to finish for the next one.
+
+Fairness: swaps happen in arrival order. A request whose model is not loaded joins one line (`_Waiter`); only the
+line's head makes room, choosing the models to unload (idle ones first, then the least recently used) and
+keeping that choice. From then on those models drain: the requests using them finish, and a new request for one
+of them joins the line behind the head instead of starting, so a stream of requests for a busy model cannot
+starve a request waiting to swap it out. A request for a loaded model that no waiter needs unloaded starts at
+once.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 
 import trio
 
@@ -37,6 +45,16 @@ class UnknownModel(LookupError):
         self.names = names
 
 
+@dataclass(eq=False)
+class _Waiter:
+    """A place in the line for memory: a request's, whose model must be loaded (or, drained, loaded again), or a
+    download's load task's (`room`), whose model's size is known only once downloaded."""
+
+    model: ServedModel
+    room: bool = False
+    victims: list[ServedModel] = field(default_factory=list)  # the models the head unloads as they go idle
+
+
 class ModelSet:
     """The served models, by name.
 
@@ -53,6 +71,7 @@ class ModelSet:
         self.budget = budget
         self._by_name = {name: model for model in models for name in model.names}
         self._changed = trio.Event()  # set (and replaced) when a model's state or users change
+        self._line: list[_Waiter] = []  # those waiting for memory, in arrival order (the module's docstring)
         self.nursery: trio.Nursery | None = None  # where loads and unloads run (the service's)
         self.log: Callable[[str], None] = print
 
@@ -94,8 +113,8 @@ class ModelSet:
 
     @asynccontextmanager
     async def use(self, model: ServedModel) -> AsyncIterator[ServedModel]:
-        """Hold `model` for a request: loaded first if need be (models named by the `models` key), and never
-        unloaded while held.
+        """Hold `model` for a request: loaded first if need be (models named by the `models` key), after the
+        requests that waited for memory before it (the module's docstring), and never unloaded while held.
 
         Raises:
             ServiceUnavailable: the model failed to load, or cannot fit `models_memory` at all.
@@ -111,42 +130,109 @@ class ModelSet:
             model.last_used = time.monotonic()
             self._change()
 
-    async def _loaded(self, model: ServedModel) -> None:
-        """Wait until `model` is loaded, loading it (after unloading idle ones to make room) when it is not."""
-        attempt = None  # the load this request waits for
-        while model.state != "loaded":
-            if model.state == "failed" and attempt == model.loads:
-                raise ServiceUnavailable(f"the model {model.name} failed to load: {model.load_error}",
-                                         retry_after=LOAD_RETRY_AFTER)
-            if model.state in ("not loaded", "failed") and self._make_room(model):
-                self._start_load(model)
-            if model.state in ("downloading", "loading"):
-                attempt = model.loads
-            await self._changed.wait()
+    def waits(self, model: ServedModel) -> bool:
+        """Whether a request for `model` made now would wait: its model is not loaded, or it drains for a swap,
+        or earlier requests for it wait in the line."""
+        return model.state != "loaded" or self.draining(model) or self.waiting(model) > 0
 
-    def _make_room(self, model: ServedModel) -> bool:
-        """Whether `model` fits now; if not, unload idle models, least recently used first, until it will (their
-        unloads run in the service's nursery: the caller waits for them).
+    def waiting(self, model: ServedModel) -> int:
+        """Requests in the line for memory that want `model`."""
+        return sum(1 for waiter in self._line if waiter.model is model and not waiter.room)
+
+    async def _loaded(self, model: ServedModel) -> None:
+        """Wait until `model` is loaded and this request's turn in the line has come (at once when the model is
+        loaded and no waiter needs it unloaded)."""
+        if not self.waits(model):
+            return
+        waiter = _Waiter(model)
+        self._line.append(waiter)
+        attempt = None  # the load this request waits for
+        try:
+            while model.state != "loaded" or waiter in self._line:
+                if model.state == "failed" and attempt == model.loads:
+                    raise ServiceUnavailable(f"the model {model.name} failed to load: {model.load_error}",
+                                             retry_after=LOAD_RETRY_AFTER)
+                if self._line and self._line[0] is waiter:
+                    self._serve_head(waiter)
+                if model.state in ("downloading", "loading"):
+                    attempt = model.loads
+                if model.state != "loaded" or waiter in self._line:
+                    await self._changed.wait()
+        finally:
+            self._leave(waiter)
+
+    async def _room(self, model: ServedModel) -> None:
+        """Wait for the room to load `model`, a downloaded model measured only now. Its load had its turn when it
+        began: it waits at the head of the line (behind it, a waiter could wait for the memory it takes)."""
+        waiter = _Waiter(model, room=True)
+        self._line.insert(0, waiter)
+        try:
+            while waiter in self._line:
+                if self._line and self._line[0] is waiter:
+                    self._serve_head(waiter)
+                if waiter in self._line:
+                    await self._changed.wait()
+        finally:
+            self._leave(waiter)
+
+    def _serve_head(self, waiter: _Waiter) -> None:
+        """The line's head: it leaves when its model is loaded or being loaded, or once room is made for it (its
+        victims unloaded as they go idle), starting the load.
 
         Raises:
             ServiceUnavailable: the model alone is over the budget.
         """
+        model = waiter.model
+        if not waiter.room and model.state in ("loaded", "downloading", "loading"):
+            self._leave(waiter)
+        elif model.state != "unloading" and self._make_room(waiter):
+            self._leave(waiter)
+            if not waiter.room:
+                self._start_load(model)
+
+    def _make_room(self, waiter: _Waiter) -> bool:
+        """Whether `waiter`'s model fits now; if not, choose the models to unload until it will (idle ones first,
+        then the least recently used; a choice kept until the waiter leaves) and start the unload of those that
+        are idle (their unloads run in the service's nursery: the waiter waits for them).
+
+        Raises:
+            ServiceUnavailable: the model alone is over the budget.
+        """
+        model = waiter.model
         if self.budget is None:
             return True
         if model.footprint > self.budget:
             raise ServiceUnavailable(f"the model {model.name} needs {model.footprint / 2**30:,.2f} GiB, more than "
                                      f"models_memory ({self.budget / 2**30:,.2f} GiB)")
-        taken = self.taken(besides=model)
-        if taken + model.footprint <= self.budget:
+        need = self.taken(besides=model) + model.footprint - self.budget
+        if need <= 0:
             return True
-        idle = sorted((other for other in self.models if other.state == "loaded" and other.users == 0),
-                      key=lambda other: other.last_used)
-        for victim in idle:
-            if taken + model.footprint <= self.budget:
+        need -= sum(victim.footprint for victim in waiter.victims if victim.state in ("loaded", "unloading"))
+        others = sorted((other for other in self.models
+                         if other.state == "loaded" and other is not model and other not in waiter.victims),
+                        key=lambda other: (not self._idle(other), other.last_used))
+        for other in others:
+            if need <= 0:
                 break
-            self._start_unload(victim)
-            taken -= victim.footprint
+            waiter.victims.append(other)
+            need -= other.footprint
+        for victim in waiter.victims:
+            if victim.state == "loaded" and self._idle(victim):
+                self._start_unload(victim)
         return False
+
+    def _idle(self, model: ServedModel) -> bool:
+        """No request holds `model` (those that named it, if any, all wait in the line)."""
+        return model.users == self.waiting(model)
+
+    def draining(self, model: ServedModel) -> bool:
+        """The line's head will unload `model` once it is idle: a new request for it waits in the line."""
+        return any(model in waiter.victims for waiter in self._line)
+
+    def _leave(self, waiter: _Waiter) -> None:
+        if waiter in self._line:
+            self._line.remove(waiter)
+            self._change()
 
     def taken(self, besides: ServedModel | None = None) -> int:
         """The bytes the loaded models take (and those loading or unloading), `besides` left out."""
@@ -167,8 +253,7 @@ class ModelSet:
                 await model.download(self.log)
                 model.footprint = await trio.to_thread.run_sync(footprint, model.config)
                 model.state = "loading"
-                while not self._make_room(model):
-                    await self._changed.wait()
+                await self._room(model)
             await model.load(self.nursery, self.log)
         except Exception as error:  # noqa: BLE001 - kept in model.load_error for its requests and /v1/models
             model.state, model.load_error = "failed", error

@@ -144,13 +144,16 @@ class ServedModel:
         Raises:
             HubError: one line: the repository, the quant, the disk or the network.
         """
-        self.state = "downloading"
+        self.state, self.load_error = "downloading", None
 
         def watch(transfer: Transfer) -> None:
             self.transfer = transfer
 
         try:
             self.config = await resolve_config(self.config, log, watch)
+        except BaseException as error:
+            self.state, self.load_error = "failed", error
+            raise
         finally:
             self.transfer = None
 

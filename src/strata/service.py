@@ -43,6 +43,7 @@ from strata.history import History, HistoryRow
 from strata.kv_disk import KvDiskError, KvTier
 from strata.mcp_tools import McpRequestError, McpServers, Toolset, open_toolset, run_rounds
 from strata.model_set import ModelSet
+from strata.models.hub import HubError, is_hub_model
 from strata.pictures.downloads import DownloadPolicy, download_client
 from strata.pictures.expand import marker_tokens
 from strata.pictures.sources import DOWNLOAD_TIMEOUT
@@ -171,11 +172,14 @@ class Service:
             self.kv_events = publish_cache_events(self.config.kv_events, loop.batcher)
 
     async def load(self, log: Callable[[str], None] = print) -> None:
-        """Load the configured model in a worker thread (a single-model service); a failure is kept in
-        `load_error` and re-raised."""
+        """Load the configured model in a worker thread (a single-model service), an "hf:" one downloaded first
+        (its `transfer` on the status routes meanwhile); a failure is kept in `load_error` and re-raised."""
         assert self.nursery is not None
+        model = self.models.default
         try:
-            await self.models.default.load(self.nursery, log)
+            if is_hub_model(model.config.model):
+                await model.download(log)
+            await model.load(self.nursery, log)
             self._publish_cache_events()
         except BaseException as error:
             self.load_error = error
@@ -236,7 +240,8 @@ class Service:
     def _require_ready(self, model: ServedModel) -> None:
         if not self.models.named:  # the single model: loaded at startup
             if not self.loaded.is_set():
-                raise ServiceUnavailable("the model is still loading")
+                raise ServiceUnavailable("the model is still downloading" if model.state == "downloading"
+                                         else "the model is still loading")
             if self.load_error is not None:
                 raise ServiceUnavailable(f"the model failed to load: {self.load_error}")
         assert model.ready, "a named model is loaded before its request's phases"
@@ -348,7 +353,7 @@ class Service:
         with self.activity.track(row) as live:
             toolset: Toolset | None = None
             try:
-                if served.state != "loaded" and self.models.named:
+                if self.models.named and self.models.waits(served):
                     live.phase = "loading"  # waiting for the model, and for the memory to load it
                 async with self.models.use(served):
                     if request.mcp:
@@ -619,7 +624,7 @@ async def _load_quietly(service: Service, log: Callable[[str], None]) -> None:
     """Background loading: the failure is kept in `service.load_error` for whoever waits."""
     try:
         await service.load(log)
-    except (VisionStartError, KvDiskError) as error:
+    except (VisionStartError, KvDiskError, HubError) as error:
         log(f"error: {error}")
     except Exception as error:  # noqa: BLE001 - reported through service.load_error
         log(f"error: the model failed to load: {error}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -207,3 +208,121 @@ async def test_a_named_hf_model_downloads_when_first_asked_for_with_its_progress
     assert listed == {"local": "not loaded", "hubbed": "loaded"}
     assert Path(hubbed.config.model or "").name == "tiny-Q8_0.gguf" and "hf-cache" in (hubbed.config.model or "")
     assert hubbed.footprint > len(repo["owner/tiny-GGUF"]["tiny-Q8_0.gguf"])  # measured once downloaded
+
+
+def first_snapshot(url: str) -> dict[str, Any]:
+    """The first event of the live status stream the monitor page reads."""
+    import json
+
+    import httpx
+
+    with httpx.stream("GET", url + "/v1/status/stream", timeout=30) as reply:
+        for line in reply.iter_lines():
+            if line.startswith("data: "):
+                return dict(json.loads(line.removeprefix("data: ")))
+    raise AssertionError("the status stream ended before its first event")
+
+
+async def test_a_single_hf_model_downloads_while_the_server_listens_with_its_progress_on_the_status(
+        hub_env, repo):
+    import threading
+
+    import httpx
+
+    import strata
+
+    hold = threading.Event()
+    config = server_config(model="hf:owner/tiny-GGUF:Q8_0", context=64, threads=1, vision={"hf_mmproj": "none"})
+    lines: list[str] = []
+    with fake_hub(repo, hold=hold) as hub_server:
+        hub_env(hub_server.url)
+        stop = trio.Event()
+        async with trio.open_nursery() as nursery:
+            binds = await nursery.start(lambda task_status: strata.serve(
+                config, shutdown_trigger=stop.wait, log=lines.append, task_status=task_status))
+            async with httpx.AsyncClient(base_url=binds[0], timeout=60) as client:
+                # The file's bytes are held back: the server listens, the download runs.
+                with trio.fail_after(30):
+                    while not (await client.get("/v1/status")).json()["models"]["data"][0]["download"]:
+                        await trio.sleep(0.02)
+                status = (await client.get("/v1/status")).json()
+                live = await trio.to_thread.run_sync(first_snapshot, binds[0])  # what the monitor reads
+                live_health, health = await client.get("/health/live"), await client.get("/health")
+                listed = (await client.get("/v1/models")).json()["data"]
+                early = await client.post("/v1/chat/completions", json={
+                    "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]})
+                hold.set()
+                with trio.fail_after(60):
+                    while (await client.get("/health")).status_code != 200:
+                        await trio.sleep(0.05)
+                answer = await client.post("/v1/chat/completions", json={
+                    "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]})
+                after = (await client.get("/v1/status")).json()["models"]["data"][0]
+            stop.set()
+    model = status["models"]["data"][0]
+    assert (status["model"], status["loaded"], model["state"]) == ("tiny-Q8_0", False, "downloading")
+    size = len(repo["owner/tiny-GGUF"]["tiny-Q8_0.gguf"])
+    assert model["download"]["file"] == "tiny-Q8_0.gguf" and model["download"]["total"] == size
+    assert live["models"]["data"][0]["download"]["file"] == "tiny-Q8_0.gguf"
+    assert live_health.status_code == 200
+    assert health.status_code == 503 and health.json() == {"status": "downloading"}
+    assert [(entry["id"], entry["state"]) for entry in listed] == [("tiny-Q8_0", "downloading")]
+    assert early.status_code == 503 and early.json()["error"]["message"] == "the model is still downloading"
+    assert answer.status_code == 200 and answer.json()["model"] == "tiny-Q8_0"
+    assert (after["state"], after["download"]) == ("loaded", None) and "hf-cache" in after["file"]
+    listening = next(i for i, line in enumerate(lines) if line.startswith("listening on "))
+    downloaded = next(i for i, line in enumerate(lines) if line.startswith("hf:owner/tiny-GGUF:Q8_0: "))
+    assert listening < downloaded < next(i for i, line in enumerate(lines) if line.startswith("serving tiny-Q8_0"))
+
+
+async def test_a_download_that_fails_once_the_server_listens_ends_serving_with_one_line(hub_env, repo):
+    import threading
+
+    import strata
+
+    hold = threading.Event()
+    config = server_config(model="hf:owner/tiny-GGUF:Q8_0", context=64, vision={"hf_mmproj": "none"})
+    lines: list[str] = []
+    exits: list[int] = []
+
+    async def serve() -> None:
+        exits.append(await strata.serve(config, log=lines.append))
+
+    with fake_hub(repo, hold=hold) as hub_server:
+        hub_env(hub_server.url)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(serve)
+            with trio.fail_after(30):
+                while not any(line.startswith("listening on ") for line in lines) or \
+                        not any(request.startswith("GET /owner/tiny-GGUF/resolve/") for request in hub_server.requests):
+                    await trio.sleep(0.02)
+            # The held GET ends its connection before its first byte, and the file is gone when the client resumes.
+            hub_server.cut, hub_server.repos = 0, {}
+            hold.set()
+    errors = [line for line in lines if line.startswith("error: ")]
+    assert len(errors) == 1 and re.fullmatch(r"error: hf:owner/tiny-GGUF:Q8_0: downloading tiny-Q8_0\.gguf failed "
+                                             r"\(404 Client Error\. Entry Not Found for url: \S+\); run again to "
+                                             r"resume", errors[0]), errors
+    assert exits == [1] and not any(line.startswith("serving ") for line in lines)
+
+
+async def test_a_shutdown_during_the_download_does_not_wait_for_it(hub_env, repo):
+    import threading
+
+    import strata
+
+    hold = threading.Event()
+    config = server_config(model="hf:owner/tiny-GGUF:Q8_0", context=64, vision={"hf_mmproj": "none"})
+    lines: list[str] = []
+    with fake_hub(repo, hold=hold) as hub_server:
+        hub_env(hub_server.url)
+        stop = trio.Event()
+        with trio.fail_after(30):  # the held GET would keep a server that waited for it going for a minute
+            async with trio.open_nursery() as nursery:
+                await nursery.start(lambda task_status: strata.serve(
+                    config, shutdown_trigger=stop.wait, log=lines.append, task_status=task_status))
+                while not any(request.startswith("GET /owner/tiny-GGUF/resolve/") for request in hub_server.requests):
+                    await trio.sleep(0.02)
+                stop.set()
+        assert not hold.is_set() and not any(line.startswith("error") for line in lines)
+        hold.set()  # the abandoned download ends in its own thread

@@ -189,12 +189,20 @@ async def test_a_hang_up_while_waiting_for_a_swap_leaves_nothing_behind(model_fi
                 nursery.start_soon(beta_request)
                 await wait_until(lambda: any(progress.phase == "loading" for progress in service.activity))
                 assert (alpha.state, beta.state, beta.users) == ("loaded", "not loaded", 1)
-                waiting.cancel()  # the beta client hangs up while it waits
-                await wait_until(lambda: beta.users == 0 and len(service.activity) == 1)
+                # A new alpha request does not start while beta's waits for alpha's memory: it waits behind it.
+                nursery.start_soon(alpha_request)
+                await wait_until(lambda: [progress.phase for progress in service.activity].count("loading") == 2)
+                shown = {entry["name"]: entry for entry in (await client.get("/status")).json()["models"]["data"]}
+                assert [(shown[name]["draining"], shown[name]["waiting"], shown[name]["users"])
+                        for name in ("alpha", "beta")] == [(True, 1, 2), (False, 1, 1)]
+                waiting.cancel()  # the beta client hangs up while it waits: the drain it began ends
+                await wait_until(lambda: beta.users == 0 and not service.models.waits(alpha))
                 assert (alpha.state, beta.state) == ("loaded", "not loaded")  # no swap for a client that left
+                shown = {entry["name"]: entry for entry in (await client.get("/status")).json()["models"]["data"]}
+                assert (shown["alpha"]["draining"], shown["alpha"]["waiting"]) == (False, 0)
                 release.set()
-            assert answers[0].json()["choices"][0]["message"]["content"] == \
-                reference("alpha", ask("Tell me a story."))
+            assert [answer.json()["choices"][0]["message"]["content"] for answer in answers] == \
+                [reference("alpha", ask("Tell me a story."))] * 2
             await wait_until(lambda: alpha.users == 0 and len(service.activity) == 0)
             finishes = [(row.model, row.finish) for row in service.history.rows]
             assert ("beta", "cancel") in finishes

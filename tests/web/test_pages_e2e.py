@@ -73,9 +73,10 @@ class Served:
 
 
 @contextmanager
-def strata_serve(*args: str, env: dict[str, str] | None = None) -> Iterator[Served]:
-    """`strata serve` in a process of its own on an ephemeral port (`env` added to its environment); stopped with
-    SIGINT (as Ctrl-C would)."""
+def strata_serve(*args: str, env: dict[str, str] | None = None, ready: str = "serving ") -> Iterator[Served]:
+    """`strata serve` in a process of its own on an ephemeral port (`env` added to its environment), from its line
+    that starts with `ready` (the model loaded; "listening on ": before it is); stopped with SIGINT (as Ctrl-C
+    would)."""
     command = [str(pathlib.Path(sys.executable).parent / "strata"), "serve", "--host", "127.0.0.1", "--port", "0",
                "--limits.graceful-timeout", "1", *args]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -97,7 +98,7 @@ def strata_serve(*args: str, env: dict[str, str] | None = None) -> Iterator[Serv
         while not served.url:
             line = lines.get(timeout=max(deadline - time.monotonic(), 0.1))
             assert line is not None, "strata serve ended:\n" + "\n".join(served.lines)
-            if line.startswith("serving "):
+            if line.startswith(ready):
                 served.url = line.split(" on ")[-1].strip()
         yield served
     finally:
@@ -603,6 +604,28 @@ def test_the_monitor_shows_a_models_download(random_model: pathlib.Path, page: A
         asking.join(60)
         assert replies[0].status_code == 200
         row.and_(page.locator("[data-state=loaded]")).wait_for()
+        page.goto("about:blank")
+
+
+def test_the_monitor_shows_a_single_models_download(random_model: pathlib.Path, page: Any,
+                                                   tmp_path: pathlib.Path) -> None:
+    from hub_server import fake_hub
+
+    repo = {"owner/random-GGUF": {"random-Q8_0.gguf": random_model.read_bytes()}}
+    hold = threading.Event()  # the file's bytes wait until the page has shown the download
+    with fake_hub(repo, hold=hold) as hub, strata_serve("--hf", "owner/random-GGUF:Q8_0", "--slots", "1", env={
+            "HF_ENDPOINT": hub.url, "HF_HUB_CACHE": str(tmp_path / "hf-cache"), "HF_HUB_OFFLINE": "0"},
+            ready="listening on ") as served:
+        page.goto(served.url + "/monitor")
+        engine = page.get_by_test_id("engine")
+        engine.get_by_test_id("model-state").filter(has_text="downloading").wait_for()
+        download = engine.get_by_test_id("download")
+        download.wait_for()
+        assert re.search(r"random-Q8_0\.gguf: 0\.0 of \d+\.\d MB, 0\.0 MB/s", download.inner_text())
+        assert "random-Q8_0" in engine.inner_text()
+        hold.set()
+        engine.get_by_test_id("model-state").filter(has_text="loaded").wait_for()
+        assert download.count() == 0
         page.goto("about:blank")
 
 

@@ -1,6 +1,6 @@
 // The monitor page: the engine live, from the server's status stream (/v1/status/stream): every slot, the queue,
 // every request in flight with its phase, the image encoder, the recent requests; with several models, each
-// one's state and slots.
+// one's state and slots; a single model's state (and its download, an "hf:" model's) beside its name.
 import { useEffect, useRef, useState } from "preact/hooks";
 import { html } from "htm/preact";
 import { events, request } from "./api.js";
@@ -109,6 +109,16 @@ function Download({ download: d }) {
   </span>`;
 }
 
+// A model's state, whether it drains for a swap and how many wait for memory to use it, its download while
+// one runs, and the error of a load that failed.
+function ModelState({ model: m }) {
+  return html`<span class="state state-${m.state.replace(" ", "-")}" data-testid="model-state">${m.state}</span>
+    ${m.draining && html` <span class="dim" data-testid="draining">draining for a swap</span>`}
+    ${m.waiting > 0 && html` <span class="dim">${m.waiting} waiting for memory</span>`}
+    ${m.download && html` <${Download} download=${m.download} />`}
+    ${m.error && html` <span class="error">${m.error}</span>`}`;
+}
+
 // A server of several models: each one's state, what it takes of models_memory, its slots and queue, its totals.
 function Models({ models }) {
   const memory = models.memory;
@@ -125,9 +135,7 @@ function Models({ models }) {
         ${models.data.map(
           (m) => html`<tr data-model=${m.name} data-state=${m.state}>
             <td>${m.name}${m.aliases.length ? html` <span class="dim">(${m.aliases.join(", ")})</span>` : ""}</td>
-            <td><span class="state state-${m.state.replace(" ", "-")}">${m.state}</span>
-              ${m.download && html` <${Download} download=${m.download} />`}
-              ${m.error && html` <span class="error">${m.error}</span>`}</td>
+            <td><${ModelState} model=${m} /></td>
             <td>${gib(m.footprint)}</td><td>${m.users}</td>
             <td>${m.slots.filter((slot) => slot.state !== "idle").length} of ${m.slots.length}</td>
             <td>${m.queued}</td><td>${m.totals ? m.totals.requests : 0}</td>
@@ -206,7 +214,8 @@ export function Monitor() {
         <h3>Engine</h3>
         <dl class="facts">
           <dt>${named ? "models" : "model"}</dt>
-          <dd>${named ? status.models.data.map((m) => m.name).join(", ") : status.model}</dd>
+          <dd>${named ? status.models.data.map((m) => m.name).join(", ") : html`${status.model}
+            <${ModelState} model=${status.models.data[0]} />`}</dd>
           <dt>slots</dt><dd data-testid="slots-busy">${busySlots} of ${slots.length} busy</dd>
           <dt>queue</dt><dd data-testid="queued">${queued} waiting</dd>
           <dt>requests</dt><dd>${finishedLine(totals)}</dd>

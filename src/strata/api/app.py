@@ -330,7 +330,8 @@ def _add_info_routes(app: Quart, state: _State) -> None:
             return _json({"status": "ok"})
         if service is not None and service.load_error is not None:
             return _json({"status": "error", "error": str(service.load_error)}, 503)
-        return _json({"status": "loading"}, 503)
+        downloading = service is not None and service.models.default.state == "downloading"
+        return _json({"status": "downloading" if downloading else "loading"}, 503)
 
     @app.get("/health/live")
     async def live() -> Response:

@@ -26,9 +26,11 @@ async def serve(
 ) -> int:
     """Load `config.model` and serve the HTTP API until shutdown; return the exit status.
 
-    The model file is checked first (`strata.model_file`), then the listening sockets are bound: a wrong path or
-    an address that cannot be used ends startup with one line, before the model starts loading. The server
-    listens while the model loads (`/health` answers 503 until it is loaded).
+    The model file is checked first (`strata.model_file`; an "hf:" model's repository, quant, files and free disk:
+    `strata.models.resolve.check_config`), then the listening sockets are bound: a wrong path, a missing
+    repository or quant, or an address that cannot be used ends startup with one line, before the model starts
+    loading. The server listens while an "hf:" model downloads and while the model loads (`/health` answers 503
+    until it is loaded; `/v1/status` and the monitor show the download).
     Shutdown — SIGINT or SIGTERM with `handle_signals`, `shutdown_trigger` returning, or the model failing to load —
     stops accepting connections and gives in-flight requests `limits.graceful_timeout` seconds before they are
     cancelled. A second signal during shutdown cancels them at once ("stop now"); later ones are ignored, so no
@@ -43,13 +45,13 @@ async def serve(
     """
     from strata.model_file import ModelFileError, check_model_file
     from strata.models.hub import HubError
-    from strata.models.resolve import resolve_config
+    from strata.models.resolve import check_config
 
     try:
         # A wrong model path is one line before anything listens; a file that passes and still fails to load
-        # (a tensor missing, too little memory) ends serving once loading has failed. An "hf:" model is
-        # downloaded first (or found in the cache).
-        config = await resolve_config(config, log)
+        # (a tensor missing, too little memory) ends serving once loading has failed. An "hf:" model is checked
+        # against the hub (or the cache) here, and downloaded while the server listens.
+        config = await check_config(config)
         for path in config.model_files():
             check_model_file(path)
         sockets = bind_sockets(listen_addresses(config.host, config.port))
@@ -78,8 +80,12 @@ async def _serve(config: Config, sockets: list[socket.socket], handle_signals: b
     failed = False
 
     async def watch_loading(service: Any) -> None:
+        """Stop serving when the model fails to load. It runs beside the service, not in hypercorn's nursery:
+        a shutdown during the download or the load goes on without waiting for either."""
         nonlocal failed
         await service.loaded.wait()
+        if stop.is_set():
+            return  # shutting down: a download or load cut short is no failure
         if service.load_error is not None:
             failed = True
             stop.set()
@@ -112,7 +118,7 @@ async def _serve(config: Config, sockets: list[socket.socket], handle_signals: b
                         failed = True
                     else:
                         log(f"listening on {', '.join(binds)}")
-                        server_nursery.start_soon(watch_loading, service)
+                        nursery.start_soon(watch_loading, service)
                         if task_status is not None:
                             task_status.started(binds)
         nursery.cancel_scope.cancel()

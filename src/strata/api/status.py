@@ -63,7 +63,7 @@ def server_status(service: Service) -> dict[str, Any]:
             # the GPU backend's expert cache: capacity, bytes, hits, misses, uploads (None on the CPU engine)
             "expert_cache": engine.expert_counts() if engine is not None else None,
         },
-        "vision": {"state": "not available", "mmproj": config.vision.mmproj},
+        "vision": {"state": "not available", "mmproj": service.models.default.config.vision.mmproj},
         "kv_disk": None if service.models.default.kv_tier is None else service.models.default.kv_tier.status(),
         "kv_events": service.kv_events.status() if service.kv_events is not None else None,
         "totals": service.history.totals.as_dict(),
@@ -105,8 +105,9 @@ def model_list(service: Service) -> list[dict[str, Any]]:
 
 
 def models_status(service: Service) -> dict[str, Any]:
-    """Every model: its names, state (an "hf:" model's download while it runs: bytes, rate, ETA), slots and queue,
-    encoder and totals, and the memory budget they share."""
+    """Every model: its names, state (an "hf:" model's download while it runs: bytes, rate, ETA), its requests
+    (`users`: those that named it; `waiting`: those of them in the line for memory; `draining`: the line's head
+    unloads it once idle), slots and queue, encoder and totals, and the memory budget they share."""
     models = service.models
     totals = service.history.by_model
     return {
@@ -120,6 +121,8 @@ def models_status(service: Service) -> dict[str, Any]:
             "file": model.config.model,
             "footprint": model.footprint,
             "users": model.users,
+            "waiting": models.waiting(model),
+            "draining": models.draining(model),
             "context": model.engine.n_ctx if model.ready else model.config.context,
             "busy": model.turn.busy,
             "queued": model.turn.queued,

@@ -9,7 +9,8 @@ every part, into the same folder, where the engine reads them from the first (`s
 file beside it is taken too, the one of the preferred quant (F16 unless configured) when there are several.
 
 A second start needs no network: when the hub cannot be reached (or offline mode is on), the files come from the
-cache. Everything that goes wrong is one `HubError` line, before anything listens.
+cache. Everything that goes wrong is one `HubError` line: `plan` finds every error but a transfer's before
+`strata serve` listens; the transfer itself runs while it does (`strata.models.resolve`).
 """
 
 from __future__ import annotations
@@ -229,13 +230,17 @@ def _cached_snapshot(repo: str) -> Path | None:
     return snapshot if snapshot.is_dir() else None
 
 
-def _from_cache(ref: HubRef, mmproj_quant: str | None) -> tuple[str, str | None]:
+def _from_cache(ref: HubRef, mmproj_quant: str | None) -> tuple[Path, HubChoice]:
+    """The cache's snapshot of the repository and the files in it that serve `ref`.
+
+    Raises:
+        HubError: nothing of the repository is cached, or not the files for `ref`.
+    """
     snapshot = _cached_snapshot(ref.repo)
     if snapshot is None:
         raise HubError(f"{ref}: the hub cannot be reached and nothing of the repository is cached")
     names = [path.relative_to(snapshot).as_posix() for path in snapshot.rglob("*") if path.is_file()]
-    choice = choose_files(ref, names, mmproj_quant)
-    return str(snapshot / choice.model), str(snapshot / choice.mmproj) if choice.mmproj else None
+    return snapshot, choose_files(ref, names, mmproj_quant)
 
 
 def _check_disk(ref: HubRef, needed: int) -> None:
@@ -265,6 +270,47 @@ def _meter(transfer: Transfer) -> type:
     return Meter
 
 
+@dataclass(frozen=True)
+class HubPlan:
+    """What serving `ref` takes: its files (`choice`), and of them those the cache lacks with their sizes
+    (`missing`); or, when the hub was not asked (offline mode, no network), the cache's `snapshot` holding them."""
+
+    ref: HubRef
+    choice: HubChoice
+    missing: dict[str, int]
+    snapshot: Path | None = None
+
+    @property
+    def model_name(self) -> str:
+        """The model file's name (a split model's first part), as a local file's names the model it serves."""
+        return Path(self.choice.model).name
+
+
+def plan(ref: HubRef, mmproj_quant: str | None) -> HubPlan:
+    """The files serving `ref`, asked of the hub (or found in the cache when it cannot be reached), and the disk
+    checked for those the cache lacks: every error `fetch` can raise before its transfer, in one listing request.
+
+    Raises:
+        HubError: one line for the user.
+    """
+    from huggingface_hub import try_to_load_from_cache
+
+    listing = _listing(ref)
+    if listing is None:
+        snapshot, choice = _from_cache(ref, mmproj_quant)
+        return HubPlan(ref, choice, {}, snapshot)
+    names, sizes = listing
+    choice = choose_files(ref, names, mmproj_quant)
+    missing = {name: sizes.get(name, 0) for name in _wanted(choice)
+               if not isinstance(try_to_load_from_cache(ref.repo, name), str)}
+    _check_disk(ref, sum(missing.values()))
+    return HubPlan(ref, choice, missing)
+
+
+def _wanted(choice: HubChoice) -> list[str]:
+    return [*choice.parts, *([choice.mmproj] if choice.mmproj else [])]
+
+
 def fetch(ref: HubRef, mmproj_quant: str | None, report: Callable[[str], None] = lambda _: None,
           watch: Callable[[Transfer], None] | None = None) -> tuple[str, str | None]:
     """Download (or find in the cache) the files serving `ref`; returns the model's path and the mmproj's.
@@ -278,7 +324,7 @@ def fetch(ref: HubRef, mmproj_quant: str | None, report: Callable[[str], None] =
     Raises:
         HubError: one line for the user.
     """
-    from huggingface_hub import constants, hf_hub_download, try_to_load_from_cache
+    from huggingface_hub import constants, hf_hub_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     # The client gathers each download's reads into 10 MB pieces before writing them (`iter_bytes(chunk_size)`):
@@ -286,24 +332,20 @@ def fetch(ref: HubRef, mmproj_quant: str | None, report: Callable[[str], None] =
     # 0.3-0.6x curl's rate here; unchunked, every read is written as it comes, at curl's rate (bench/models.py).
     # A resumed download then keeps every byte written before the cut, not only whole pieces.
     constants.DOWNLOAD_CHUNK_SIZE = None  # type: ignore[assignment]  # typed int; `iter_bytes` takes None
-    listing = _listing(ref)
-    if listing is None:
-        return _from_cache(ref, mmproj_quant)
-    names, sizes = listing
-    choice = choose_files(ref, names, mmproj_quant)
-    wanted = [*choice.parts, *([choice.mmproj] if choice.mmproj else [])]
-    missing = [name for name in wanted if not isinstance(try_to_load_from_cache(ref.repo, name), str)]
-    progress = Transfer(total=sum(sizes.get(name, 0) for name in missing), report=report)
+    planned = plan(ref, mmproj_quant)
+    choice = planned.choice
+    if planned.snapshot is not None:
+        return str(planned.snapshot / choice.model), str(planned.snapshot / choice.mmproj) if choice.mmproj else None
+    progress = Transfer(total=sum(planned.missing.values()), report=report)
     if watch is not None:
         watch(progress)
-    _check_disk(ref, progress.total)
     paths = []
-    for name in wanted:
+    for name in _wanted(choice):
         progress.name = name
         progress.advance(0)  # the line names the file before its first bytes arrive
         try:
             paths.append(hf_hub_download(ref.repo, name, tqdm_class=_meter(progress)))
         except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as error:
-            raise HubError(f"{ref}: downloading {name} failed ({error}); run again to resume") from None
+            why = " ".join(str(error).split())  # the client's messages span lines
+            raise HubError(f"{ref}: downloading {name} failed ({why}); run again to resume") from None
     return paths[0], paths[-1] if choice.mmproj else None
-

@@ -225,7 +225,11 @@ Please report this to https://github.com/markedjs/marked.`,e){let e=`<p>An error
     <progress value=${e.done} max=${e.total||1}></progress>
     ${` ${e.file}: ${t(e.done)} of ${t(e.total)} MB, ${t(e.bytes_per_second)} MB/s`}
     ${e.eta_seconds===null?``:`, ETA ${Math.round(e.eta_seconds)} s`}
-  </span>`}function Lo({models:e}){let t=e.memory,n=e=>(e/2**30).toFixed(2);return W`<section data-testid="models">
+  </span>`}function Lo({model:e}){return W`<span class="state state-${e.state.replace(` `,`-`)}" data-testid="model-state">${e.state}</span>
+    ${e.draining&&W` <span class="dim" data-testid="draining">draining for a swap</span>`}
+    ${e.waiting>0&&W` <span class="dim">${e.waiting} waiting for memory</span>`}
+    ${e.download&&W` <${Io} download=${e.download} />`}
+    ${e.error&&W` <span class="error">${e.error}</span>`}`}function Ro({models:e}){let t=e.memory,n=e=>(e/2**30).toFixed(2);return W`<section data-testid="models">
     <h3>Models</h3>
     <p class="dim">${t.budget?`${n(t.taken)} of ${n(t.budget)} GiB of models_memory taken`:`${n(t.taken)} GiB taken (no models_memory bound)`}</p>
     <table>
@@ -234,9 +238,7 @@ Please report this to https://github.com/markedjs/marked.`,e){let e=`<p>An error
       <tbody>
         ${e.data.map(e=>W`<tr data-model=${e.name} data-state=${e.state}>
             <td>${e.name}${e.aliases.length?W` <span class="dim">(${e.aliases.join(`, `)})</span>`:``}</td>
-            <td><span class="state state-${e.state.replace(` `,`-`)}">${e.state}</span>
-              ${e.download&&W` <${Io} download=${e.download} />`}
-              ${e.error&&W` <span class="error">${e.error}</span>`}</td>
+            <td><${Lo} model=${e} /></td>
             <td>${n(e.footprint)}</td><td>${e.users}</td>
             <td>${e.slots.filter(e=>e.state!==`idle`).length} of ${e.slots.length}</td>
             <td>${e.queued}</td><td>${e.totals?e.totals.requests:0}</td>
@@ -245,7 +247,7 @@ Please report this to https://github.com/markedjs/marked.`,e){let e=`<p>An error
       </tbody>
     </table>
     ${e.data.filter(e=>e.slots.length).map(e=>W`<h4>${e.name}: slots</h4><${No} slots=${e.slots} />`)}
-  </section>`}function Ro({vision:e}){if(!e||e.mode===`off`)return W`<p class="dim">no image encoder configured</p>`;let t=e.job;return W`<dl class="facts" data-testid="encoder">
+  </section>`}function zo({vision:e}){if(!e||e.mode===`off`)return W`<p class="dim">no image encoder configured</p>`;let t=e.job;return W`<dl class="facts" data-testid="encoder">
     <dt>mode</dt><dd>${e.mode}${e.cuda?` (CUDA)`:``}</dd>
     <dt>state</dt><dd><span class="state state-${e.state}">${e.state}</span></dd>
     <dt>job</dt><dd>${t?`encoding ${(t.bytes/1024).toFixed(0)} kB for ${ko(t.started)} s`:`none`}</dd>
@@ -253,14 +255,15 @@ Please report this to https://github.com/markedjs/marked.`,e){let e=`<p>An error
     <dt>encoded</dt><dd>${e.encodes} (${e.cache_hits} from cache)</dd>
     <dt>threads</dt><dd>${e.threads??`–`} of ${e.cores} cores</dd>
     ${e.last_error&&W`<dt>error</dt><dd class="error">${e.last_error}</dd>`}
-  </dl>`}function zo(){let[e,t]=U(null),[n,r]=U(``),i=De([]),a=De({});if(Ee(()=>{let e=new AbortController;return(async()=>{for(;!e.signal.aborted;){try{let n=await Ge(`/v1/status/stream?interval=${Eo}`,{signal:e.signal});r(``);for await(let[,e]of qe(n)){for(let t of e.requests){let e=a.current[t.id]||=[];e[e.length-1]!==t.phase&&e.push(t.phase)}for(i.current.push({t:e.time,rate:e.decode_tokens_per_second,queued:e.queued});i.current.length&&i.current[0].t<e.time-To;)i.current.shift();t(e)}}catch(t){if(e.signal.aborted)return;r(`status stream: ${t.message}; retrying`)}await new Promise(e=>setTimeout(e,2e3))}})(),()=>e.abort()},[]),!e)return W`<main class="monitor"><p class="dim">${n||`connecting…`}</p></main>`;let o=e.totals,s=e.models.memory.named,c=s?e.models.data.flatMap(e=>e.slots):e.slots,l=s?e.models.data.reduce((e,t)=>e+t.queued,0):e.queued,u=c.filter(e=>e.state!==`idle`).length;return W`<main class="monitor">
+  </dl>`}function Bo(){let[e,t]=U(null),[n,r]=U(``),i=De([]),a=De({});if(Ee(()=>{let e=new AbortController;return(async()=>{for(;!e.signal.aborted;){try{let n=await Ge(`/v1/status/stream?interval=${Eo}`,{signal:e.signal});r(``);for await(let[,e]of qe(n)){for(let t of e.requests){let e=a.current[t.id]||=[];e[e.length-1]!==t.phase&&e.push(t.phase)}for(i.current.push({t:e.time,rate:e.decode_tokens_per_second,queued:e.queued});i.current.length&&i.current[0].t<e.time-To;)i.current.shift();t(e)}}catch(t){if(e.signal.aborted)return;r(`status stream: ${t.message}; retrying`)}await new Promise(e=>setTimeout(e,2e3))}})(),()=>e.abort()},[]),!e)return W`<main class="monitor"><p class="dim">${n||`connecting…`}</p></main>`;let o=e.totals,s=e.models.memory.named,c=s?e.models.data.flatMap(e=>e.slots):e.slots,l=s?e.models.data.reduce((e,t)=>e+t.queued,0):e.queued,u=c.filter(e=>e.state!==`idle`).length;return W`<main class="monitor">
     ${n&&W`<div class="problem">${n}</div>`}
     <section class="cards">
       <div class="card" data-testid="engine">
         <h3>Engine</h3>
         <dl class="facts">
           <dt>${s?`models`:`model`}</dt>
-          <dd>${s?e.models.data.map(e=>e.name).join(`, `):e.model}</dd>
+          <dd>${s?e.models.data.map(e=>e.name).join(`, `):W`${e.model}
+            <${Lo} model=${e.models.data[0]} />`}</dd>
           <dt>slots</dt><dd data-testid="slots-busy">${u} of ${c.length} busy</dd>
           <dt>queue</dt><dd data-testid="queued">${l} waiting</dd>
           <dt>requests</dt><dd>${Ao(o)}</dd>
@@ -268,18 +271,18 @@ Please report this to https://github.com/markedjs/marked.`,e){let e=`<p>An error
           <dd>${`${o.prompt_tokens} prompt, ${o.reused_tokens} cached, ${o.output_tokens} generated`}</dd>
         </dl>
       </div>
-      <div class="card"><h3>Image encoder</h3><${Ro} vision=${e.vision} /></div>
+      <div class="card"><h3>Image encoder</h3><${zo} vision=${e.vision} /></div>
       <div class="card plots">
         <${Do} samples=${i.current} field="rate" label="decode" unit="tok/s" />
         <${Do} samples=${i.current} field="queued" label="queue" unit="waiting" />
       </div>
     </section>
-    ${s?W`<${Lo} models=${e.models} />`:W`<h3>Slots</h3><${No} slots=${e.slots} />`}
+    ${s?W`<${Ro} models=${e.models} />`:W`<h3>Slots</h3><${No} slots=${e.slots} />`}
     <h3>In flight</h3>
     <${Po} requests=${e.requests} trails=${a.current} />
     <h3>Recent</h3>
     <${Fo} rows=${e.recent} trails=${a.current} />
-  </main>`}function Bo({ask:e}){let[t,n]=U(``);return W`<div class="overlay">
+  </main>`}function Vo({ask:e}){let[t,n]=U(``);return W`<div class="overlay">
     <form class="dialog" data-testid="key-dialog" onSubmit=${n=>{n.preventDefault(),t.trim()&&e.resolve(t.trim())}}>
       <h2>API key</h2>
       <p>This server needs an API key (the monitor also takes its status key). It is kept in this browser and
@@ -288,12 +291,12 @@ Please report this to https://github.com/markedjs/marked.`,e){let e=`<p>An error
              onInput=${e=>n(e.target.value)} />
       <button type="submit">Use this key</button>
     </form>
-  </div>`}function Vo(){let[e,t]=U(null);Ee(()=>{Ue(()=>new Promise(e=>t({resolve:n=>(t(null),e(n))})))},[]);let n=location.pathname.replace(/\/+$/,``)===`/monitor`?`monitor`:`chat`;return W`<div class="app">
+  </div>`}function Ho(){let[e,t]=U(null);Ee(()=>{Ue(()=>new Promise(e=>t({resolve:n=>(t(null),e(n))})))},[]);let n=location.pathname.replace(/\/+$/,``)===`/monitor`?`monitor`:`chat`;return W`<div class="app">
     <nav class="top">
       <span class="brand">Strata</span>
       <a href="/" class=${n===`chat`?`active`:``}>Chat</a>
       <a href="/monitor" class=${n===`monitor`?`active`:``}>Monitor</a>
     </nav>
-    ${n===`monitor`?W`<${zo} />`:W`<${wo} />`}
-    ${e&&W`<${Bo} ask=${e} />`}
-  </div>`}fe(W`<${Vo} />`,document.getElementById(`app`));
+    ${n===`monitor`?W`<${Bo} />`:W`<${wo} />`}
+    ${e&&W`<${Vo} ask=${e} />`}
+  </div>`}fe(W`<${Ho} />`,document.getElementById(`app`));
