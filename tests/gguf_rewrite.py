@@ -10,11 +10,13 @@ import numpy as np
 
 def rewrite(src: Path | gguf.GGUFReader, dst: Path, *, drop: str = "", keys: dict | None = None, reshape: str = "",
             replace: dict[str, np.ndarray] | None = None, add: dict[str, np.ndarray] | None = None,
-            drop_keys: str = "", dequantised: bool = False, split_max_tensors: int = 0) -> Path:
+            drop_keys: str = "", dequantised: bool | frozenset[gguf.GGMLQuantizationType] = False,
+            split_max_tensors: int = 0) -> Path:
     """Copy a GGUF file (or one a reader has parsed: a 150k-token vocabulary takes seconds to parse), leaving out
     tensor `drop` and the keys starting with `drop_keys`, flattening tensor `reshape`, giving the tensors in
     `replace` new data of their type (rows of bytes for a quantised one), overriding (or adding) string `keys`, and
-    adding the float32 tensors in `add`; `dequantised`: every tensor as float32 (its values as `gguf` reads them);
+    adding the float32 tensors in `add`; `dequantised`: every tensor as float32 (its values as `gguf` reads them),
+    or those of the types it lists;
     with `split_max_tensors`, as a split model of that many tensors a part (`dst`'s stem `-0000K-of-0000N.gguf`, as
     llama.cpp's `gguf-split` writes them): returns the first part."""
     reader = src if isinstance(src, gguf.GGUFReader) else gguf.GGUFReader(src)
@@ -34,7 +36,8 @@ def rewrite(src: Path | gguf.GGUFReader, dst: Path, *, drop: str = "", keys: dic
     for key in keys.keys() - reader.fields.keys():
         writer.add_string(key, keys[key])
     for t in reader.tensors:
-        if t.name != drop and dequantised:
+        as_f32 = dequantised is True or (not isinstance(dequantised, bool) and t.tensor_type in dequantised)
+        if t.name != drop and as_f32:
             values = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
             writer.add_tensor(t.name, values.reshape(tuple(int(n) for n in reversed(t.shape))))
         elif t.name != drop:
