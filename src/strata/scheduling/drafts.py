@@ -153,8 +153,8 @@ class VerifyCost:
     tokens read that the step's own tokens (one a decoding job) do not.
 
     A step computes each expert its tokens route to once, for all of them, so on a CPU MoE a draft token costs
-    mostly the experts it adds (`bench/verify_cost.py`, small Q8_0 qwen3moe: 0.035 ms an expert read against
-    0.10 ms a token's own rows, a token adding up to 24 reads). The experts k draft tokens add are not counted
+    mostly the experts it adds (`bench/verify_cost.py`, small Q8_0 qwen3moe: 0.024 ms an expert read against
+    0.23 ms a token's own rows, a token adding up to 24 reads). The experts k draft tokens add are not counted
     per step; `routing` = (MoE layers, experts a layer, experts a token uses) gives their expectation for tokens
     routed independently, beside n tokens of the step's jobs: L * E * ((1 - K/E)^n - (1 - K/E)^(n + k)). It grows
     less with each draft token as the layers' experts are all read, and less in a crowded step, whose own tokens
