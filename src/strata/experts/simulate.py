@@ -14,8 +14,9 @@ The policies: `LruCache` and `LfuCache` (the classic baselines), `StaticCache` (
 frequent experts of another trace), `LrfuCache` (each expert's uses decay by half every `half_life` steps, the sum
 scoring recency and frequency at once, and a miss is admitted only when its score beats the score of the expert
 it would evict, so a one-off choice cannot push out an expert in steady use), and ours, `AdaptiveLrfuCache`: LRFU
-with the half-life of whichever shadow LRFU cache has hit most lately. The CUDA backend runs these classes as they
-are; `replay` measures them here.
+with the half-life of the shadow LRFU cache that has hit most lately, by a clear lead, optionally starting from a
+prior placement that a static shadow keeps in the running. The CUDA backend runs these classes as they are;
+`replay` measures them here.
 """
 
 from __future__ import annotations
