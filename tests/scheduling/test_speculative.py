@@ -291,6 +291,8 @@ def test_the_verification_cost_is_fitted_with_its_experts() -> None:
     assert two.per_token == 0.0 and two.per_expert > 0
     one = VerifyCost.fit([(1, 2, 0.003)], routing)
     assert one.seconds(2) == pytest.approx(0.003) and one.fixed == one.per_token == 0.0
+    every = VerifyCost.fit([(1, 2, 0.003)], (1, 2, 2))  # both experts read by every token: a line
+    assert every.routing is None and every.per_token == pytest.approx(0.0015)
 
 
 def test_long_drafts_are_priced_by_the_experts_they_add() -> None:

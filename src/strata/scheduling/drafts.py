@@ -185,6 +185,8 @@ class VerifyCost:
         negative. With `routing`, three numbers of drafts or more separate a token's cost from its experts'; with
         fewer, the experts carry it all (most of it on a CPU MoE, and their curve does not overprice long drafts,
         so they get tried and measured)."""
+        if routing is not None and cls(0.0, 0.0, 0.0, routing).new_experts(1) <= 0:
+            routing = None  # every token reads every expert: drafts add none
         ks = np.array([k for _, k, _ in points], float)
         added = np.array([a for _, _, a in points], float)
         shape = cls(0.0, 0.0, 0.0, routing)
@@ -194,8 +196,8 @@ class VerifyCost:
             {"per_expert": experts} if routing is not None else {"per_token": ks})
         if distinct < 2:
             name, x = next(iter(columns.items()))
-            return cls(0.0, **{"per_token": 0.0, "per_expert": 0.0, name: statistics.median(added / x)},
-                       routing=routing)
+            unit = float(statistics.median(added / x))
+            return cls(0.0, unit if name == "per_token" else 0.0, unit if name == "per_expert" else 0.0, routing)
         while True:
             design = np.stack([np.ones_like(ks), *columns.values()], axis=1)
             solved = np.linalg.lstsq(design, added, rcond=None)[0]
