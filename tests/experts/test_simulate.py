@@ -175,6 +175,36 @@ def test_adaptive_lrfu_takes_a_short_half_life_where_routing_moves() -> None:
     assert stats.hits >= lru.hits > frequency.hits
 
 
+def test_adaptive_lrfu_starts_with_its_prior_and_keeps_it_where_it_is_best() -> None:
+    # the prior holds 0 from the first step (loaded, not uploaded); no one-off outscores it, so nothing moves
+    trace = stable_then_one_offs(400)
+    cache = AdaptiveLrfuCache(1, 400, capacity=1, prior=[(0, 0)])
+    assert cache.held == [{0}] and cache.following_prior and cache.half_life == float("inf")
+    stats = replay(trace, cache)
+    assert (stats.hits, stats.uploads) == (100, 0) and cache.following_prior
+    assert replay(trace, AdaptiveLrfuCache(1, 400, capacity=1)).hits < 100  # without: it learns 0 by missing it
+
+
+def test_adaptive_lrfu_leaves_a_prior_that_routing_has_left() -> None:
+    # the prior is the first pair of experts; from step 40 on the pairs move and a short half-life takes over
+    trace = rotating(400)
+    cache = AdaptiveLrfuCache(1, 64, capacity=2, prior=[(0, 0), (0, 1)])
+    stats = replay(trace, cache, measure_from=200)
+    assert not cache.following_prior and cache.half_life <= 8
+    assert stats.hits >= replay(trace, LruCache(1, 64, capacity=2), measure_from=200).hits
+
+
+def test_a_switch_needs_a_shadow_clearly_ahead() -> None:
+    # merits within switch_z standard deviations of the followed shadow's leave the choice alone
+    cache = AdaptiveLrfuCache(1, 8, capacity=1, half_lives=(1.0, 2.0), switch_z=1.0)
+    cache.chosen, cache.merit[:] = 0, [100.0, 110.0, 0.0]  # 10 < sqrt(210): noise
+    cache.begin_step()
+    assert cache.chosen == 0
+    cache.merit[:] = [100.0, 130.0, 0.0]  # 30 > sqrt(230)
+    cache.begin_step()
+    assert cache.chosen == 1
+
+
 def test_pace_sets_each_steps_budget_from_its_misses() -> None:
     seen = []
 
@@ -217,3 +247,5 @@ def test_bad_arguments_are_named() -> None:
         LruCache(1, 8, -1)
     with pytest.raises(ValueError, match="positive window"):
         AdaptiveLrfuCache(1, 8, 1, window=0)
+    with pytest.raises(ValueError, match="a prior of 2 experts does not fit a capacity of 1"):
+        AdaptiveLrfuCache(1, 8, 1, prior=[(0, 1), (0, 2)])

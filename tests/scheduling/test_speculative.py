@@ -20,6 +20,7 @@ from strata.scheduling.drafts import (
     Prediction,
     PromptLookup,
     Speculation,
+    VerifyCost,
     speculation,
 )
 from strata.text.sampling import Sampler, SamplingParams
@@ -244,27 +245,69 @@ def test_the_draft_length_follows_acceptance_cost_and_the_batch() -> None:
     for _ in range(40):
         spec.judge([1, 2, 3, 4], 3, [1, 2, 3, 7])  # three in four accepted
     assert spec.rate == pytest.approx(0.75, abs=0.01)
-    cheap = (0.0, 0.0005)
+    cheap = VerifyCost(0.0, 0.0005)
 
-    def tokens_per_second(k: int, n: int, costs: tuple[float, float]) -> float:  # the step's, as choose weighs it
+    def tokens_per_second(k: int, n: int, costs: VerifyCost) -> float:  # the step's, as choose weighs it
         gained = sum(spec.rate ** i for i in range(1, k + 1))
-        return (n + gained) / (0.010 + (costs[0] + costs[1] * k if k else 0.0))
+        return (n + gained) / (0.010 + costs.seconds(k))
 
     long = spec.choose(1, step_s=0.010, costs=cheap)
     assert long == max(range(9), key=lambda k: tokens_per_second(k, 1, cheap)) and long >= 4
     assert spec.choose(4, step_s=0.010, costs=cheap) < long  # a crowded batch
-    assert spec.choose(1, step_s=0.010, costs=(0.0, 0.002)) < long  # dear draft tokens
-    assert spec.choose(1, step_s=0.010, costs=(0.006, 0.0)) == 8  # a dear verification, then drafts for free
-    assert spec.choose(4, step_s=0.010, costs=(0.02, 0.0)) == 0  # a verification dearer than it gains
+    assert spec.choose(1, step_s=0.010, costs=VerifyCost(0.0, 0.002)) < long  # dear draft tokens
+    assert spec.choose(1, step_s=0.010, costs=VerifyCost(0.006, 0.0)) == 8  # a dear verification, then drafts for free
+    assert spec.choose(4, step_s=0.010, costs=VerifyCost(0.02, 0.0)) == 0  # a verification dearer than it gains
     for _ in range(100):
         spec.judge([1, 2, 3], 0, [7])
-    usual = (0.001, 0.0005)  # a verification's own cost beside its tokens'
+    usual = VerifyCost(0.001, 0.0005)  # a verification's own cost beside its tokens'
     assert spec.rate < 0.1 and spec.choose(1, step_s=0.010, costs=usual) == 0  # off where drafts are wrong
     history = [5, 6, 7, 8, 5, 6, 7]
     for _ in range(80):  # off: a shadow guess each step, judged against the drawn token
         assert spec.draft(history, 0, 0) == []
         spec.judge([], 0, [8])
     assert spec.choose(1, step_s=0.010, costs=usual) > 0  # back on: the text repeats
+
+
+def test_the_experts_drafts_add_grow_less_with_each_token() -> None:
+    shape = VerifyCost(0.0, 0.0, 1.0, routing=(6, 16, 4))  # the small qwen3moe: 6 layers, top-4 of 16
+    added = [shape.new_experts(k) for k in range(9)]
+    assert added[0] == 0.0 and added[1] == pytest.approx(6 * 16 * (0.75 - 0.75 ** 2))  # 18 of a token's 24
+    steps = np.diff(added)
+    assert (steps > 0).all() and (np.diff(steps) < 0).all() and added[-1] < 6 * (16 - 4)
+    assert shape.new_experts(4, n=4) < shape.new_experts(4)  # four jobs' tokens read most experts already
+    assert VerifyCost(0.001, 0.0005).new_experts(8) == 0.0  # no routing: the line
+
+
+def test_the_verification_cost_is_fitted_with_its_experts() -> None:
+    routing = (6, 16, 4)
+    truth = VerifyCost(0.0003, 0.00023, 0.000024, routing)  # about bench/verify_cost.py's small qwen3moe
+    points = [(n, k, truth.seconds(k, n)) for k in (1, 2, 3, 4, 8) for n in (1, 2, 4)]
+    fitted = VerifyCost.fit(points, routing)
+    assert (fitted.fixed, fitted.per_token, fitted.per_expert) == pytest.approx((0.0003, 0.00023, 0.000024))
+    line = VerifyCost.fit(points)  # without routing: a line, which cannot follow the experts' curve
+    assert line.per_expert == 0.0
+    assert line.seconds(5) < truth.seconds(5) - 0.0003 and line.seconds(5, n=4) > truth.seconds(5, n=4) + 0.0003
+    two = VerifyCost.fit([(1, k, truth.seconds(k)) for k in (1, 2)], routing)  # too few to part tokens from experts
+    assert two.per_token == 0.0 and two.per_expert > 0
+    one = VerifyCost.fit([(1, 2, 0.003)], routing)
+    assert one.seconds(2) == pytest.approx(0.003) and one.fixed == one.per_token == 0.0
+    every = VerifyCost.fit([(1, 2, 0.003)], (1, 2, 2))  # both experts read by every token: a line
+    assert every.routing is None and every.per_token == pytest.approx(0.0015)
+
+
+def test_long_drafts_are_priced_by_the_experts_they_add() -> None:
+    # measured at one and two draft tokens, a line prices eight at eight times the first's slope; the experts'
+    # curve, which the true cost follows, knows that the eighth adds few experts: the length that pays is longer
+    routing = (6, 16, 4)
+    truth = VerifyCost(0.0, 0.0, 0.00035, routing)
+    spec = Speculation(PromptLookup(), max_draft=8)
+    for _ in range(60):
+        spec.judge([1, 2, 3, 4], 3, [1, 2, 3, 7])
+    measured = [(1, k, truth.seconds(k)) for k in (1, 2)]
+    line, experts = VerifyCost.fit(measured), VerifyCost.fit(measured, routing)
+    best = max(range(9), key=lambda k: (1 + sum(spec.rate ** i for i in range(1, k + 1))) / (0.010 + truth.seconds(k)))
+    assert spec.choose(1, step_s=0.010, costs=experts) == best
+    assert spec.choose(1, step_s=0.010, costs=line) < best
 
 
 def test_adaptive_speculation_stops_drafting_free_text() -> None:
@@ -285,10 +328,10 @@ def test_the_step_budget_measures_what_drafts_cost_against_the_plain_step() -> N
     budget.record(2, 0, 0.010)
     assert not budget.wants_plain_step(2) and budget.draft_costs() is None
     budget.record(2, 0, 0.014, drafts=8)
-    assert budget.draft_costs() == pytest.approx((0.0, 0.0005))  # one number of drafts: all of it per token
+    assert budget.draft_costs() == VerifyCost(0.0, pytest.approx(0.0005))  # one number of drafts: per token
     for drafts in (1, 2, 4, 8) * 8:
         budget.record(2, 0, 0.010 + 0.002 + 0.0005 * drafts, drafts=drafts)
-    assert budget.draft_costs() == pytest.approx((0.002, 0.0005))  # the verification's own, and a token's
+    assert budget.draft_costs() == VerifyCost(pytest.approx(0.002), pytest.approx(0.0005))  # its own, a token's
     assert budget.decode_seconds(2) == pytest.approx(0.010)  # steps with drafts are not decode-only
     assert budget.wants_plain_step(2)  # after VERIFY_REFRESH steps with drafts: re-measure the reference
 

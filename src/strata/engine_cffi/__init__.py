@@ -280,6 +280,10 @@ class Engine:
         self.arch: str = ffi.string(params.arch).decode()
         self.n_vocab: int = params.n_vocab
         self.n_embd: int = params.n_embd
+        # (MoE layers, experts a layer, experts a token uses), None without routed experts: what a step's
+        # draft tokens may add to the experts it reads (`strata.scheduling.drafts.VerifyCost`)
+        self.expert_routing: tuple[int, int, int] | None = (
+            (params.n_layer, params.n_expert, params.n_expert_used) if params.n_expert > 0 else None)
         # the width of a picture's rows: the embedding, then Qwen3-VL's deepstack slices
         self.picture_width: int = params.n_embd * (1 + params.n_deepstack)
         self.n_ctx, self.threads, self.backend = n_ctx, threads, "cpu"

@@ -14,8 +14,9 @@ The policies: `LruCache` and `LfuCache` (the classic baselines), `StaticCache` (
 frequent experts of another trace), `LrfuCache` (each expert's uses decay by half every `half_life` steps, the sum
 scoring recency and frequency at once, and a miss is admitted only when its score beats the score of the expert
 it would evict, so a one-off choice cannot push out an expert in steady use), and ours, `AdaptiveLrfuCache`: LRFU
-with the half-life of whichever shadow LRFU cache has hit most lately. The CUDA backend runs these classes as they
-are; `replay` measures them here.
+with the half-life of the shadow LRFU cache that has hit most lately, by a clear lead, optionally starting from a
+prior placement that a static shadow keeps in the running. The CUDA backend runs these classes as they are;
+`replay` measures them here.
 """
 
 from __future__ import annotations
@@ -214,52 +215,83 @@ class LrfuCache(ExpertCache):
 class AdaptiveLrfuCache(ExpertCache):
     """Ours: LRFU whose half-life follows the routing. A shadow LRFU cache per half-life in `half_lives` (expert
     ids only: no memory behind them) runs on the same steps under the same budgets; the cache evicts and admits by
-    the scores of the shadow with the most hits lately (decaying by half every `window` steps). A model whose hot
-    experts stay hot takes a long half-life (frequency: a placement learned as it runs); one whose routing moves
-    with the text takes a short one (recency)."""
+    the scores of the shadow it follows. A model whose hot experts stay hot takes a long half-life (frequency: a
+    placement learned as it runs); one whose routing moves with the text takes a short one (recency).
+
+    Each shadow's hits are counted, decaying by half every `window` steps, and the cache follows another shadow
+    only when its count beats the followed one's by `switch_z` standard deviations (hits as Poisson counts,
+    sqrt(a + b)): near-equal shadows trade places on noise, and each change of scores costs uploads and hits.
+
+    prior: a placement learned beforehand, e.g. `most_frequent` of a routing trace recorded on the same workload
+    (at most `capacity` experts). The cache starts holding it (uploaded at load) and following it; a static shadow
+    of it competes with the LRFU shadows, and while the cache follows it, its members come first, then the longest
+    half-life's scores. Where routing has a lasting hot set the prior is the best placement there is and the cache
+    keeps it; where routing moves, an LRFU shadow outscores it within a few steps.
+    """
 
     HALF_LIVES = (0.5, 2.0, 8.0, 32.0, 128.0, 1024.0)
 
     def __init__(self, n_layer: int, n_expert: int, capacity: int, per_layer: bool = False,
                  uploads_per_step: float | None = None, half_lives: Sequence[float] = HALF_LIVES,
-                 window: float = 256.0) -> None:
+                 window: float = 256.0, prior: Iterable[Key] = (), switch_z: float = 0.5) -> None:
         if not half_lives or not window > 0:
             raise ValueError(f"need half-lives and a positive window, got {half_lives} and {window}")
         super().__init__(n_layer, n_expert, capacity, per_layer, uploads_per_step)
         self.shadows = [LrfuCache(n_layer, n_expert, capacity, per_layer, uploads_per_step, h) for h in half_lives]
-        self.merit = np.zeros(len(half_lives))  # each shadow's hits, decayed
+        self._longest = max(self.shadows, key=lambda shadow: shadow.half_life)
+        self.prior = StaticCache(n_layer, n_expert, prior)
+        if max(len(h) for h in self.prior.held) > capacity if per_layer else self.prior.size() > capacity:
+            raise ValueError(f"a prior of {self.prior.size()} experts does not fit a capacity of {capacity}")
+        self._in_prior = np.zeros((n_layer, n_expert), bool)
+        for layer, held in enumerate(self.prior.held):
+            self._in_prior[layer, sorted(held)] = True
+            self.held[layer] |= held
+        self.switch_z = switch_z
+        self.merit = np.zeros(len(half_lives) + 1)  # each shadow's hits, decayed; the prior's last
         self._keep = 2.0 ** (-1.0 / window)
-        self.chosen = len(half_lives) // 2  # the shadow whose scores the cache uses
+        self.chosen = len(half_lives) if self.prior.size() else len(half_lives) // 2  # the shadow followed
+
+    @property
+    def following_prior(self) -> bool:
+        return self.chosen == len(self.shadows)
 
     @property
     def half_life(self) -> float:
-        return self.shadows[self.chosen].half_life
+        """The followed shadow's half-life; infinite while the cache follows its prior."""
+        return math.inf if self.following_prior else self.shadows[self.chosen].half_life
 
     def begin_step(self) -> None:
         super().begin_step()
         self.merit *= self._keep
-        self.chosen = int(np.argmax(self.merit)) if self.merit.any() else self.chosen
+        best, followed = self.merit[int(np.argmax(self.merit))], self.merit[self.chosen]
+        if best - followed > self.switch_z * math.sqrt(best + followed):
+            self.chosen = int(np.argmax(self.merit))
         for shadow in self.shadows:
             shadow.uploads_per_step = self.uploads_per_step  # a budget paced step by step applies to them too
             shadow.begin_step()
+        self.prior.begin_step()
 
     def step(self, layer: int, experts: Iterable[int]) -> StepOutcome:
         needed = list(experts)
         for i, shadow in enumerate(self.shadows):  # they touch the experts: their scores are up to date
             self.merit[i] += len(shadow.step(layer, needed).hits)
+        if self.prior.size():
+            self.merit[-1] += len(self.prior.step(layer, needed).hits)
         return super().step(layer, needed)
 
-    def _scores(self) -> np.ndarray:
-        return self.shadows[self.chosen].scores
+    def _score(self, key: Key) -> tuple[float, float]:
+        if self.following_prior:
+            return (float(self._in_prior[key]), float(self._longest.scores[key]))
+        return (float(self.shadows[self.chosen].scores[key]), 0.0)
 
     def _candidates(self, layer: int, misses: Sequence[int]) -> Sequence[int]:
-        return sorted(misses, key=lambda e: -self._scores()[layer, e])
+        return sorted(misses, key=lambda e: self._score((layer, e)), reverse=True)
 
     def _admit(self, key: Key, victim: Key) -> bool:
-        return bool(self._scores()[key] > self._scores()[victim])
+        return self._score(key) > self._score(victim)
 
     def _priority(self, key: Key) -> tuple[float, ...]:
-        return (float(self._scores()[key]), key[0])
+        return (*self._score(key), key[0])
 
 
 # --- replay

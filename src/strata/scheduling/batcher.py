@@ -42,7 +42,7 @@ from strata.engine_cffi import BatchItem, EngineAborted, EngineError
 from strata.kv_disk.reader import Load
 from strata.kv_disk.tier import KvTier
 from strata.pictures.expand import embeds_from
-from strata.scheduling.drafts import Speculation
+from strata.scheduling.drafts import Speculation, VerifyCost
 from strata.scheduling.engine_like import EngineLike
 from strata.scheduling.snapshots import Snapshots, snapshot_points
 from strata.text.sampling import Sampler, log_probabilities
@@ -214,10 +214,12 @@ class StepBudget:
     DECODE_WINDOW = 5  # decode-only steps are rare while a prompt joins: the reference follows a change in 3
     VERIFY_REFRESH = 32  # steps with drafts between two decode-only ones (their reference)
 
-    def __init__(self, slowdown: float, clock: Callable[[], float] = time.process_time, refresh: int | None = 32):
+    def __init__(self, slowdown: float, clock: Callable[[], float] = time.process_time, refresh: int | None = 32,
+                 routing: tuple[int, int, int] | None = None):
         if slowdown < 1:
             raise ValueError(f"slowdown must be at least 1, not {slowdown}")
         self.slowdown, self.clock, self.refresh = slowdown, clock, refresh
+        self.routing = routing  # (MoE layers, experts a layer, experts a token uses): what drafts' experts cost
         self._decode: dict[int, deque[float]] = {}  # decoding jobs -> seconds of their last decode-only steps
         self._mixed_steps: deque[tuple[int, int, float]] = deque(maxlen=self.WINDOW)  # (n, prompt, seconds)
         self._last_chunk = 0
@@ -237,23 +239,13 @@ class StepBudget:
                  if (step := self.decode_seconds(n)) is not None]
         return statistics.median(added) if added else None
 
-    def draft_costs(self) -> tuple[float, float] | None:
-        """What drafts add to a step of decoding jobs (speculative decoding): (seconds a step with drafts adds
-        whatever their number, seconds each draft token adds), measured against the decode-only step as it is
-        now: the least-squares line through the recent steps' added seconds against their draft tokens (all of
-        it per token while those steps had one number of drafts); None before any."""
-        points = [(drafts, max(seconds - step, 0.0)) for n, drafts, seconds in self._verify_steps
+    def draft_costs(self) -> VerifyCost | None:
+        """What drafts add to a step of decoding jobs (speculative decoding), measured against the decode-only
+        step as it is now: `VerifyCost.fit` through the recent steps' added seconds against their draft tokens,
+        with the model's routing shape where it has experts; None before any."""
+        points = [(n, drafts, max(seconds - step, 0.0)) for n, drafts, seconds in self._verify_steps
                   if (step := self.decode_seconds(n)) is not None]
-        if not points:
-            return None
-        if len({drafts for drafts, _ in points}) < 2:
-            return 0.0, statistics.median(added / drafts for drafts, added in points)
-        mean_drafts = statistics.fmean(drafts for drafts, _ in points)
-        mean_added = statistics.fmean(added for _, added in points)
-        slope = (sum((d - mean_drafts) * (a - mean_added) for d, a in points)
-                 / sum((d - mean_drafts) ** 2 for d, _ in points))
-        slope = max(slope, 0.0)
-        return max(mean_added - slope * mean_drafts, 0.0), slope
+        return VerifyCost.fit(points, self.routing) if points else None
 
     def wants_plain_step(self, n: int) -> bool:
         """Whether the next step of `n` decoding jobs should carry no drafts: their decode-only step, the
@@ -318,7 +310,9 @@ class Batcher:
         self.jobs: list[Job] = []  # in arrival order: earlier prompts get the step budget first
         self.step_tokens = max(1, step_tokens)
         clock = clock or engine.cpu_seconds
-        self.budget = None if slowdown is None else StepBudget(slowdown, clock)
+        # an engine of a mixture of experts says how it routes (`Engine.expert_routing`); a scripted one need not
+        routing = getattr(engine, "expert_routing", None)
+        self.budget = None if slowdown is None else StepBudget(slowdown, clock, routing=routing)
         # an eventfd every engine call adds 1 to as it starts (-1: none): see `strata.scheduling.engine_loop.Relay`
         self.notify_fd = -1
         self.last_batch = 0  # tokens in the last step

@@ -36,8 +36,12 @@ the verification what pays.
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
+
+import numpy as np
 
 from strata.config import SpeculativeConfig
 
@@ -142,18 +146,82 @@ class Prediction:
         return draft if draft else self.fallback.propose(history, n_prompt, n, seq)
 
 
+@dataclass(frozen=True)
+class VerifyCost:
+    """What k draft tokens add to a step of decoding jobs, in seconds: `fixed` for a step with drafts at all
+    (every row's logits), `per_token` for each draft token, and `per_expert` for each routed expert the draft
+    tokens read that the step's own tokens (one a decoding job) do not.
+
+    A step computes each expert its tokens route to once, for all of them, so on a CPU MoE a draft token costs
+    mostly the experts it adds (`bench/verify_cost.py`, small Q8_0 qwen3moe: 0.024 ms an expert read against
+    0.23 ms a token's own rows, a token adding up to 24 reads). The experts k draft tokens add are not counted
+    per step; `routing` = (MoE layers, experts a layer, experts a token uses) gives their expectation for tokens
+    routed independently, beside n tokens of the step's jobs: L * E * ((1 - K/E)^n - (1 - K/E)^(n + k)). It grows
+    less with each draft token as the layers' experts are all read, and less in a crowded step, whose own tokens
+    read most of them already; tokens that route alike show in a smaller fitted `per_expert`. Without `routing`
+    (a dense model, or one of unknown shape) the cost is the line fixed + per_token * k.
+    """
+
+    fixed: float
+    per_token: float
+    per_expert: float = 0.0
+    routing: tuple[int, int, int] | None = None
+
+    def new_experts(self, k: int, n: int = 1) -> float:
+        """Expert reads k draft tokens add to a step of n tokens, expected for independently routed tokens."""
+        if self.routing is None:
+            return 0.0
+        n_layer, n_expert, n_used = self.routing
+        miss = 1.0 - n_used / n_expert  # the chance that a token leaves a given expert of a layer unread
+        return n_layer * n_expert * (miss ** n - miss ** (n + k))
+
+    def seconds(self, k: int, n: int = 1) -> float:
+        """What k draft tokens add to a step of n decoding jobs."""
+        return self.fixed + self.per_token * k + self.per_expert * self.new_experts(k, n) if k > 0 else 0.0
+
+    @classmethod
+    def fit(cls, points: Sequence[tuple[int, int, float]], routing: tuple[int, int, int] | None = None) -> VerifyCost:
+        """The least-squares cost through measured steps' (decoding jobs, draft tokens, seconds added), no term
+        negative. With `routing`, three numbers of drafts or more separate a token's cost from its experts'; with
+        fewer, the experts carry it all (most of it on a CPU MoE, and their curve does not overprice long drafts,
+        so they get tried and measured)."""
+        if routing is not None and cls(0.0, 0.0, 0.0, routing).new_experts(1) <= 0:
+            routing = None  # every token reads every expert: drafts add none
+        ks = np.array([k for _, k, _ in points], float)
+        added = np.array([a for _, _, a in points], float)
+        shape = cls(0.0, 0.0, 0.0, routing)
+        experts = np.array([shape.new_experts(k, n) for n, k, _ in points])
+        distinct = len(set(ks.tolist()))
+        columns = {"per_token": ks, "per_expert": experts} if routing is not None and distinct >= 3 else (
+            {"per_expert": experts} if routing is not None else {"per_token": ks})
+        if distinct < 2:
+            name, x = next(iter(columns.items()))
+            unit = float(statistics.median(added / x))
+            return cls(0.0, unit if name == "per_token" else 0.0, unit if name == "per_expert" else 0.0, routing)
+        while True:
+            design = np.stack([np.ones_like(ks), *columns.values()], axis=1)
+            solved = np.linalg.lstsq(design, added, rcond=None)[0]
+            terms = dict(zip(columns, solved[1:].tolist(), strict=True))
+            negative = [name for name, value in terms.items() if value < 0]
+            if not negative or len(columns) == 1:
+                break
+            del columns[negative[0]]
+        terms = {name: max(value, 0.0) for name, value in terms.items()}
+        return cls(max(float(solved[0]), 0.0), terms.get("per_token", 0.0), terms.get("per_expert", 0.0), routing)
+
+
 class Speculation:
     """One job's speculative decoding: its drafter, how long its drafts are, and what they achieved.
 
     The draft length follows a cost model. A draft token at depth i (after i - 1 accepted ones) yields a token with
     probability a^i, a the job's acceptance rate per token, so k drafts give the job 1 + a + ... + a^k tokens; a
-    step with drafts costs the measured seconds a step with drafts adds (drawing every row, the rows' logits)
-    plus those of each draft token, and every job of the step waits that long. The job takes the k that gives the
-    step of `n` decoding jobs the most tokens per second: many while its drafts are right and verifying is cheap,
-    fewer in a crowded batch (its extra tokens weigh less beside the other n - 1 jobs' while all of them wait for
-    its drafts), none where they are mostly wrong. Then it keeps guessing one token a step without sending it (a
-    shadow draft, checked against the token the step draws): the acceptance rate stays measured, and drafting
-    resumes when the text turns repetitive.
+    step with k drafts costs what the batcher measured such steps to add (`VerifyCost`: the verification's own,
+    each draft token's, and the experts they add), and every job of the step waits that long. The job takes the
+    k that gives the step of `n` decoding jobs the most tokens per second: many while its drafts are right and
+    verifying is cheap, fewer in a crowded batch (its extra tokens weigh less beside the other n - 1 jobs' while
+    all of them wait for its drafts), none where they are mostly wrong. Then it keeps guessing one token a step
+    without sending it (a shadow draft, checked against the token the step draws): the acceptance rate stays
+    measured, and drafting resumes when the text turns repetitive.
 
     Until the batcher has measured what a draft token costs, drafts are one token long (a batcher without a step
     budget never measures it). The acceptance rate is (accepted + 1) / (judged + 2) over draft tokens, with their
@@ -183,21 +251,20 @@ class Speculation:
         """The estimated acceptance rate of the next draft token."""
         return (self._accepted + 1.0) / (self._judged + 2.0)
 
-    def choose(self, n_decoding: int, step_s: float | None, costs: tuple[float, float] | None) -> int:
+    def choose(self, n_decoding: int, step_s: float | None, costs: VerifyCost | None) -> int:
         """The draft length that pays in a step of `n_decoding` jobs, at `step_s` seconds for their step without
-        drafts, and `costs` (seconds a step with drafts adds, and each draft token) for drafts (None: not
-        measured yet)."""
+        drafts, and `costs` for drafts (None: not measured yet)."""
         if not self.adaptive:
             self.length = self.max_draft
             return self.length
         measured = bool(step_s) and costs is not None
         step = step_s if step_s else 1.0
-        fixed, per_token = costs if step_s and costs is not None else (0.0, self.PRIOR_DRAFT_COST * step)
+        cost = costs if step_s and costs is not None else VerifyCost(0.0, self.PRIOR_DRAFT_COST * step)
         a, expected = self.rate, 1.0
         best, best_rate = 0, n_decoding / step
         for k in range(1, (self.max_draft if measured else 1) + 1):
             expected += a ** k  # the job's tokens from a step with k drafts
-            rate = (n_decoding + expected - 1.0) / (step + fixed + per_token * k)
+            rate = (n_decoding + expected - 1.0) / (step + cost.seconds(k, n_decoding))
             if rate > best_rate:
                 best, best_rate = k, rate
         self.length = best
