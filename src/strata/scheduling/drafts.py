@@ -16,19 +16,20 @@ Sources, behind `Drafter`:
 - `Prediction`: the client's own guess of the answer (OpenAI's Predicted Outputs, `prediction` on the chat
   route), tokenised: drafts continue it where the answer so far is its prefix, else after an n-gram match of the
   answer's last tokens in it; the prompt lookup takes over where it has no match.
+- `Mtp`: the model's own MTP block (the `nextn` layer of Qwen3.5 files), which the engine runs beside the model
+  (`Engine.mtp_draft`): from the hidden state of the answer's last evaluated token and the embedding of its next
+  one, the block's greedy guess of the token after, chained on its own hidden state for several. It guesses free
+  text too, where the lookup has nothing; the lookup takes over where it has no hidden state to start from.
 
-Both are deterministic: the draft's distribution is one token with probability 1, so the standard accept/reject
+All are deterministic: the draft's distribution is one token with probability 1, so the standard accept/reject
 rule (accept draft token x with probability min(1, p(x) / q(x)), else draw from p with x removed and
 renormalised) is the same as drawing the token from p as without speculation and keeping the draft while the draw
 equals it. The batcher does exactly that, with the job's own sampler, so the output's distribution is the
 model's own, a seeded request draws the same tokens with speculation on and off, and masks, penalties and
 log-probabilities apply to every drafted position as to an ordinary one.
 
-A separate small model of the same vocabulary is a third source (`strata.scheduling.draft_model.DraftModel`):
-drafted greedily on a context of its own, its q is one-hot too. A model's own draft heads (the MTP layers of
-Qwen3.5 files) fit the same interface: a `Drafter` built with the engine, whose `propose(..., seq)` reads the
-draft the engine computed for sequence `seq` in its last step (from the hidden state of its last accepted token
-and the embedding of the next), or runs the heads then; chained heads give several tokens.
+A separate small model of the same vocabulary is another source (`strata.scheduling.draft_model.DraftModel`):
+drafted greedily on a context of its own, its q is one-hot too.
 
 `Speculation` is one job's controller: it asks its drafter for as many tokens as pay (`length`) and learns from
 the verification what pays.
@@ -38,6 +39,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Protocol
+
+import numpy as np
 
 from strata.config import SpeculativeConfig
 
@@ -141,6 +144,35 @@ class Prediction:
         self.from_prediction = len(draft)
         return draft if draft else self.fallback.propose(history, n_prompt, n, seq)
 
+    @property
+    def followed(self) -> bool:
+        """The answer so far is the prediction's prefix, or the last draft came from the prediction."""
+        return self._aligned >= 0 or self.from_prediction > 0
+
+
+class MtpEngine(Protocol):
+    """An engine that runs its model's MTP block (`strata.engine_cffi.Engine` loaded with `mtp`)."""
+
+    def mtp_draft(self, seqs: Sequence[int], pos: Sequence[int], tokens: Sequence[int], n_draft: int,
+                  logits: bool = False) -> tuple[np.ndarray, np.ndarray | None]: ...
+
+
+class Mtp:
+    """Drafts of the model's MTP block, which the engine runs beside the model: greedy and chained, from the
+    hidden state of the job's last evaluated token (held by the engine for the last positions each sequence
+    evaluated, so also after a rollback) and its next token; `fallback` where the block has no draft."""
+
+    def __init__(self, engine: MtpEngine, fallback: Drafter):
+        self.engine, self.fallback = engine, fallback
+
+    def propose(self, history: Sequence[int], n_prompt: int, n: int, seq: int = 0) -> list[int]:
+        if len(history) >= 2:
+            drafts, _ = self.engine.mtp_draft([seq], [len(history) - 1], [history[-1]], n)
+            draft = [int(t) for t in drafts[0] if t >= 0]
+            if draft:
+                return draft
+        return self.fallback.propose(history, n_prompt, n, seq)
+
 
 class Speculation:
     """One job's speculative decoding: its drafter, how long its drafts are, and what they achieved.
@@ -156,9 +188,12 @@ class Speculation:
     resumes when the text turns repetitive.
 
     Until the batcher has measured what a draft token costs, drafts are one token long (a batcher without a step
-    budget never measures it). The acceptance rate is (accepted + 1) / (judged + 2) over draft tokens, with their
-    counts decaying by `DECAY` at each step that judges one: it follows a change of the text within a few dozen
-    tokens.
+    budget never measures it). A client's prediction drafts at least `MIN_PREDICTED` tokens while the answer
+    follows it and the acceptance rate stays at `PREDICTED_RATE` or above: the client said what the answer is,
+    and step costs measured on a noisy clock must not talk the job out of an exact prediction.
+
+    The acceptance rate is (accepted + 1) / (judged + 2) over draft tokens, with their counts decaying by `DECAY`
+    at each step that judges one: it follows a change of the text within a few dozen tokens.
 
     Args:
         drafter: where the drafts come from.
@@ -168,6 +203,8 @@ class Speculation:
 
     DECAY = 0.95
     PRIOR_DRAFT_COST = 0.15  # a draft token's cost, as a share of the plain step, before it is measured
+    MIN_PREDICTED = 4
+    PREDICTED_RATE = 0.5  # the prior's rate: a prediction drafts from its first step
 
     def __init__(self, drafter: Drafter, max_draft: int, adaptive: bool = True):
         self.drafter, self.max_draft, self.adaptive = drafter, max_draft, adaptive
@@ -200,6 +237,8 @@ class Speculation:
             rate = (n_decoding + expected - 1.0) / (step + fixed + per_token * k)
             if rate > best_rate:
                 best, best_rate = k, rate
+        if isinstance(self.drafter, Prediction) and self.drafter.followed and self.rate >= self.PREDICTED_RATE:
+            best = max(best, min(self.MIN_PREDICTED, self.max_draft))
         self.length = best
         return best
 
@@ -236,17 +275,22 @@ class Speculation:
 
 
 def speculation(config: SpeculativeConfig, predicted: Sequence[int] | None = None,
-                draft_model: Drafter | None = None) -> Speculation | None:
+                draft_model: Drafter | None = None, mtp: MtpEngine | None = None) -> Speculation | None:
     """A job's speculation under `config`, drafting from `predicted` (the request's prediction, tokenised) where
-    the source allows, or from `draft_model` (the config's `draft_model`: a
-    `strata.scheduling.draft_model.DraftModel`); None with speculation off."""
+    the source allows, from `draft_model` (the config's `draft_model`: a
+    `strata.scheduling.draft_model.DraftModel`), or from the MTP block that `mtp` runs (an engine loaded with
+    it; the source "auto" drafts with it where the request sent no prediction); None with speculation off."""
     if config.source == "off":
         return None
     if config.source == "draft_model":
         if draft_model is None:
             raise ValueError("speculative.source is draft_model and no draft model is loaded")
         return Speculation(draft_model, config.max_draft, config.adaptive)
+    if config.source == "mtp" and mtp is None:
+        raise ValueError("speculative.source is mtp and the model runs no MTP block")
     drafter: Drafter = PromptLookup(config.min_ngram, config.max_ngram)
+    if mtp is not None and config.source in ("auto", "mtp"):
+        drafter = Mtp(mtp, drafter)
     if predicted and config.source == "auto":
         drafter = Prediction(predicted, drafter, config.min_ngram, config.max_ngram)
     return Speculation(drafter, config.max_draft, config.adaptive)
