@@ -15,11 +15,12 @@ Measured here (F32, f32 KV cache): ~1e-6 of the logits' std, as the trunk.
 from __future__ import annotations
 
 import pathlib
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 import torch
-from qwen35_checkpoints import checkpoint, convert_checkpoint, mtp_tensors
+from qwen35_checkpoints import mtp_tensors
 
 from strata.engine_cffi import BatchItem, Engine, EngineAborted, EngineError
 
@@ -28,10 +29,10 @@ N_DRAFT = 3
 
 
 @pytest.fixture(scope="module")
-def model_and_file(tmp_path_factory: pytest.TempPathFactory, qwen_tokenizer_dir: pathlib.Path
+def model_and_file(qwen35_files: Callable[[tuple[str, int, bool, bool]], tuple[torch.nn.Module, pathlib.Path]]
                    ) -> tuple[torch.nn.Module, pathlib.Path]:
-    model = checkpoint("qwen35moe", n_layer=4, interval=2, tied=True)
-    return model, convert_checkpoint(model, tmp_path_factory.mktemp("mtp"), qwen_tokenizer_dir, mtp=True)
+    """The fast tier's Qwen3.5 MoE checkpoint (tests/engine/test_qwen35.py), with its MTP block."""
+    return qwen35_files(("qwen35moe", 2, True, True))
 
 
 class Reference:
