@@ -492,6 +492,18 @@ def test_the_sources_with_an_mtp_block() -> None:
         speculation(SpeculativeConfig(source="mtp"))
 
 
+def test_the_mtp_block_guesses_every_few_quiet_steps_only() -> None:
+    """Where drafts do not pay, a job guesses a token without sending it (each step from the prompt lookup, which
+    costs nothing), every `shadow_every` steps from the MTP block (a guess runs it and the output product)."""
+    costs = (1.0, 1.0)  # no draft length pays
+    block = FixedMtp([7])
+    spec = Speculation(Mtp(block, PromptLookup()), 4)
+    for _ in range(16):
+        assert spec.choose(1, 1.0, costs) == 0 and spec.draft([1, 2, 3, 1, 2], 3, 0) == []
+        spec.judge([], 0, [9])
+    assert block.given == 16 // Mtp.shadow_every > 0
+
+
 def test_a_followed_prediction_drafts_its_minimum_where_the_costs_say_none() -> None:
     costs = (1.0, 1.0)  # a step with one draft costs three plain steps: no draft length pays
     predicted = speculation(ADAPTIVE, list(range(1, 20)))

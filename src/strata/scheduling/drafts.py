@@ -46,7 +46,14 @@ from strata.config import SpeculativeConfig
 
 
 class Drafter(Protocol):
-    """A source of drafts for one job."""
+    """A source of drafts for one job.
+
+    Attributes:
+        shadow_every: while drafts do not pay, `Speculation` guesses a token without sending it every this many
+            steps: 1 for a source whose guess costs next to nothing, more for one that runs a model for it.
+    """
+
+    shadow_every: int
 
     def propose(self, history: Sequence[int], n_prompt: int, n: int, seq: int = 0) -> list[int]:
         """Up to `n` tokens likely to follow `history` (the prompt, its first `n_prompt` tokens, then the answer
@@ -109,6 +116,8 @@ class NgramIndex:
 class PromptLookup:
     """Drafts copied from the prompt and the answer so far, after the longest match of the answer's tail."""
 
+    shadow_every = 1
+
     def __init__(self, min_ngram: int = 2, max_ngram: int = 12):
         self.index = NgramIndex(min_ngram, max_ngram)
 
@@ -124,6 +133,7 @@ class Prediction:
     def __init__(self, predicted: Sequence[int], fallback: Drafter, min_ngram: int = 2, max_ngram: int = 12):
         self.predicted = list(predicted)
         self.fallback = fallback
+        self.shadow_every = fallback.shadow_every  # its guesses are the fallback's once the answer has left it
         self.index = NgramIndex(min_ngram, max_ngram)  # built as drafts are asked for, in the engine thread
         self._aligned = 0  # answer tokens so far equal to the prediction's first ones (-1: it left the prefix)
         self.from_prediction = 0  # tokens of the last proposal taken from the prediction
@@ -160,7 +170,11 @@ class MtpEngine(Protocol):
 class Mtp:
     """Drafts of the model's MTP block, which the engine runs beside the model: greedy and chained, from the
     hidden state of the job's last evaluated token (held by the engine for the last positions each sequence
-    evaluated, so also after a rollback) and its next token; `fallback` where the block has no draft."""
+    evaluated, so also after a rollback) and its next token; `fallback` where the block has no draft. A guess
+    runs the block and the output product once (in a small model about half a plain step): a job whose drafts
+    do not pay guesses every `shadow_every` steps only."""
+
+    shadow_every = 8
 
     def __init__(self, engine: MtpEngine, fallback: Drafter):
         self.engine, self.fallback = engine, fallback
@@ -184,8 +198,8 @@ class Speculation:
     step of `n` decoding jobs the most tokens per second: many while its drafts are right and verifying is cheap,
     fewer in a crowded batch (its extra tokens weigh less beside the other n - 1 jobs' while all of them wait for
     its drafts), none where they are mostly wrong. Then it keeps guessing one token a step without sending it (a
-    shadow draft, checked against the token the step draws): the acceptance rate stays measured, and drafting
-    resumes when the text turns repetitive.
+    shadow draft, checked against the token the step draws; every `shadow_every` steps for a source that runs a
+    model to guess): the acceptance rate stays measured, and drafting resumes when the text turns repetitive.
 
     Until the batcher has measured what a draft token costs, drafts are one token long (a batcher without a step
     budget never measures it). A client's prediction drafts at least `MIN_PREDICTED` tokens while the answer
@@ -210,6 +224,7 @@ class Speculation:
         self.drafter, self.max_draft, self.adaptive = drafter, max_draft, adaptive
         self._accepted = self._judged = 0.0  # decayed counts
         self._shadow: int | None = None  # the token guessed without being sent, to check against the draw
+        self._quiet = 0  # steps without drafts since the last guess
         # totals, for the status and the history
         self.drafted = self.accepted = self.steps = 0  # draft tokens sent, kept, and the steps that sent some
         self.length = max_draft if not adaptive else 0  # the draft length last chosen
@@ -248,8 +263,11 @@ class Speculation:
         self._shadow = None
         if n <= 0:
             if self.adaptive and self.length == 0:
-                guess = self.drafter.propose(history, n_prompt, 1, seq)
-                self._shadow = guess[0] if guess else None
+                self._quiet += 1
+                if self._quiet >= self.drafter.shadow_every:
+                    self._quiet = 0
+                    guess = self.drafter.propose(history, n_prompt, 1, seq)
+                    self._shadow = guess[0] if guess else None
             return []
         return self.drafter.propose(history, n_prompt, n, seq)
 
