@@ -146,6 +146,30 @@ def test_a_recurrent_engine_restores_its_state_before_a_rejected_draft() -> None
     assert [call[0][1] for call in engine.calls[1:3]] == [[5, 9, 3, 4, 5], [5, 6]]
 
 
+class Wrong:
+    """Drafts that are always wrong: `token`s."""
+
+    shadow_every = 1
+
+    def __init__(self, token: int):
+        self.token = token
+
+    def propose(self, history: Sequence[int], n_prompt: int, n: int, seq: int = 0) -> list[int]:
+        return [self.token] * n
+
+
+def test_a_recurrent_engine_keeps_the_tokens_a_rollback_took_back_in_the_next_step() -> None:
+    """Every draft wrong: each rejected step's state is restored, and the next step evaluates the tokens it took
+    back without a draft, which keeps them; no step carries more than a token and a draft."""
+    prompt = [*range(6), 9, 3, 4]
+    plain, _ = answer(RecurrentEngine(n_ctx=100), prompt, None, 30)
+    engine = RecurrentEngine(n_ctx=100)
+    spec = Speculation(Wrong(0), 3, adaptive=False)
+    fast, _ = answer(engine, prompt, spec, 30, slowdown=None)
+    assert fast.tokens == plain.tokens and spec.accepted < spec.drafted
+    assert max(len(call[0][1]) for call in engine.calls[1:]) == 4  # taken back for ever, they grew a token a step
+
+
 class Forbid:
     """A token mask that bans `banned` and records the tokens it follows."""
 
