@@ -516,16 +516,23 @@ def test_the_sources_with_an_mtp_block() -> None:
         speculation(SpeculativeConfig(source="mtp"))
 
 
-def test_the_mtp_block_guesses_every_few_quiet_steps_only() -> None:
-    """Where drafts do not pay, a job guesses a token without sending it (each step from the prompt lookup, which
-    costs nothing), every `shadow_every` steps from the MTP block (a guess runs it and the output product)."""
+def test_the_mtp_block_guesses_ever_less_often_while_wrong() -> None:
+    """Where drafts do not pay, a job guesses a token without sending it: each step from the prompt lookup (it costs
+    nothing), from the MTP block (a guess runs it and the output product) every `shadow_every` steps, twice as far
+    apart after each wrong guess, and every `shadow_every` steps again after a right one."""
     costs = (1.0, 1.0)  # no draft length pays
     block = FixedMtp([7])
     spec = Speculation(Mtp(block, PromptLookup()), 4)
-    for _ in range(16):
+    every = Mtp.shadow_every
+    steps, guessed_at = every * (1 + 2 + 4) + 2 * every, []
+    for step in range(steps):
         assert spec.choose(1, 1.0, costs) == 0 and spec.draft([1, 2, 3, 1, 2], 3, 0) == []
-        spec.judge([], 0, [9])
-    assert block.given == 16 // Mtp.shadow_every > 0
+        if block.given > len(guessed_at):
+            guessed_at.append(step)
+        right = len(guessed_at) == 3 and guessed_at[-1] == step  # the third guess is right
+        spec.judge([], 0, [7 if right else 9])
+    gaps = [b - a for a, b in zip([-1, *guessed_at], guessed_at, strict=False)]
+    assert gaps == [every, 2 * every, 4 * every, every]
 
 
 def test_a_followed_prediction_drafts_its_minimum_where_the_costs_say_none() -> None:

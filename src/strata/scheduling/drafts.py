@@ -50,7 +50,9 @@ class Drafter(Protocol):
 
     Attributes:
         shadow_every: while drafts do not pay, `Speculation` guesses a token without sending it every this many
-            steps: 1 for a source whose guess costs next to nothing, more for one that runs a model for it.
+            steps: 1 for a source whose guess costs next to nothing; more for one that runs a model for it, whose
+            interval then doubles with each wrong guess (up to `Speculation.MAX_SHADOW_EVERY`) and comes back with
+            a right one.
     """
 
     shadow_every: int
@@ -172,7 +174,7 @@ class Mtp:
     hidden state of the job's last evaluated token (held by the engine for the last positions each sequence
     evaluated, so also after a rollback) and its next token; `fallback` where the block has no draft. A guess
     runs the block and the output product once (in a small model about half a plain step): a job whose drafts
-    do not pay guesses every `shadow_every` steps only."""
+    do not pay guesses every `shadow_every` steps, less often while it guesses wrong."""
 
     shadow_every = 8
 
@@ -199,7 +201,8 @@ class Speculation:
     fewer in a crowded batch (its extra tokens weigh less beside the other n - 1 jobs' while all of them wait for
     its drafts), none where they are mostly wrong. Then it keeps guessing one token a step without sending it (a
     shadow draft, checked against the token the step draws; every `shadow_every` steps for a source that runs a
-    model to guess): the acceptance rate stays measured, and drafting resumes when the text turns repetitive.
+    model to guess, twice as far apart after each wrong guess: where the model never guesses right its guesses
+    cost next to nothing): the acceptance rate stays measured, and drafting resumes when the text turns repetitive.
 
     Until the batcher has measured what a draft token costs, drafts are one token long (a batcher without a step
     budget never measures it). A client's prediction drafts at least `MIN_PREDICTED` tokens while the answer
@@ -219,12 +222,14 @@ class Speculation:
     PRIOR_DRAFT_COST = 0.15  # a draft token's cost, as a share of the plain step, before it is measured
     MIN_PREDICTED = 4
     PREDICTED_RATE = 0.5  # the prior's rate: a prediction drafts from its first step
+    MAX_SHADOW_EVERY = 128
 
     def __init__(self, drafter: Drafter, max_draft: int, adaptive: bool = True):
         self.drafter, self.max_draft, self.adaptive = drafter, max_draft, adaptive
         self._accepted = self._judged = 0.0  # decayed counts
         self._shadow: int | None = None  # the token guessed without being sent, to check against the draw
         self._quiet = 0  # steps without drafts since the last guess
+        self._shadow_every = drafter.shadow_every  # steps between guesses, now
         # totals, for the status and the history
         self.drafted = self.accepted = self.steps = 0  # draft tokens sent, kept, and the steps that sent some
         self.length = max_draft if not adaptive else 0  # the draft length last chosen
@@ -264,7 +269,7 @@ class Speculation:
         if n <= 0:
             if self.adaptive and self.length == 0:
                 self._quiet += 1
-                if self._quiet >= self.drafter.shadow_every:
+                if self._quiet >= self._shadow_every:
                     self._quiet = 0
                     guess = self.drafter.propose(history, n_prompt, 1, seq)
                     self._shadow = guess[0] if guess else None
@@ -283,7 +288,11 @@ class Speculation:
                 self.predicted_accepted += min(kept, self.drafter.from_prediction)
                 self.predicted_rejected += max(self.drafter.from_prediction - kept, 0)
         elif self._shadow is not None and drawn:
-            self._learn(int(drawn[0] == self._shadow), 1)
+            right = drawn[0] == self._shadow
+            self._learn(int(right), 1)
+            if self.drafter.shadow_every > 1:
+                self._shadow_every = self.drafter.shadow_every if right else min(2 * self._shadow_every,
+                                                                                 self.MAX_SHADOW_EVERY)
         self._shadow = None
 
     def _learn(self, accepted: int, judged: int) -> None:
