@@ -1,6 +1,6 @@
 """Speculative decoding: what a draft token costs the engine, and what drafts buy, side by side in one run.
 
-    python bench/speculative.py [--threads 2] [--repeat 3] [--parts steps,engine,http]
+    python bench/speculative.py [--threads 2] [--repeat 3] [--parts steps,engine,http,mtp]
 
 - steps: the engine alone, the small Q8_0 qwen3moe (`strata make-model --arch qwen3moe --size small --dtype q8_0`):
   the seconds of one step of one sequence that carries its token and k draft tokens, k = 0..16, the median of
@@ -14,6 +14,13 @@
   with a rename (also with the file as the request's `prediction`), at temperature 0, and a free chat sampled with
   a seed: decode tokens/s from the history rows (output tokens after the first over the decode seconds), each
   configuration in a server of its own. The demo model was not trained to edit: its answer is not the file.
+- mtp: the batcher on the small Q8_0 qwen35moe with its MTP block (`strata make-model --arch qwen35moe --size
+  small --dtype q8_0`), greedy, one stream and four: speculation off on an engine without the block, off on one
+  that runs it (what filling its rows costs every eval), the block's drafts (always 3 tokens) and adaptive,
+  each from the first decode step on; decode tokens/s and the acceptance rate, with the answers compared (four
+  streams' prompts are chunked by measured time, and a hybrid's prompt rounds by its chunks: reported only). Its
+  weights are random: the block is not trained to guess the trunk, so its drafts are about never right here, and
+  this measures what they cost.
 
 Rates are wall-clock and per CPU second of the engine's threads (which the load of other processes on a shared
 machine does not stretch); the table shows medians of `--repeat` runs.
@@ -38,7 +45,7 @@ sys.path.insert(0, str(ROOT / "src"))
 from strata.config import SpeculativeConfig, config_from_dict  # noqa: E402
 from strata.engine_cffi import BatchItem, Engine  # noqa: E402
 from strata.scheduling.batcher import Batcher, Job  # noqa: E402
-from strata.scheduling.drafts import speculation  # noqa: E402
+from strata.scheduling.drafts import Speculation, speculation  # noqa: E402
 from strata.text.sampling import Sampler, SamplingParams  # noqa: E402
 
 MODES = {"off": SpeculativeConfig(source="off"), "lookup": SpeculativeConfig(source="auto", adaptive=False),
@@ -46,13 +53,13 @@ MODES = {"off": SpeculativeConfig(source="off"), "lookup": SpeculativeConfig(sou
 GREEDY = SamplingParams(temperature=0.0)
 
 
-def small_model() -> pathlib.Path:
+def small_model(arch: str = "qwen3moe") -> pathlib.Path:
     from strata.modelgen import write_random_model
 
-    path = OUT / "qwen3moe-small-q8_0.gguf"
+    path = OUT / f"{arch}-small-q8_0.gguf"
     if not path.exists():
         OUT.mkdir(parents=True, exist_ok=True)
-        write_random_model(path, arch="qwen3moe", size="small", dtype="q8_0", vocab="qwen", seed=0)
+        write_random_model(path, arch=arch, size="small", dtype="q8_0", vocab="qwen", seed=0)
     return path
 
 
@@ -83,14 +90,18 @@ def step_costs(engine: Engine, ks: list[int], rounds: int, same: bool = False) -
 # --- engine: the batcher with each mode
 
 
-def run_jobs(engine: Engine, jobs: list[Job]) -> tuple[tuple[float, float], list[Job]]:
+def run_jobs(engine: Engine, jobs: list[Job], later: list[Speculation | None] | None = None
+             ) -> tuple[tuple[float, float], list[Job]]:
     """Decode tokens per second of the jobs together (tokens after each one's first, from the end of the last
-    prompt), of wall time and of the engine threads' CPU time (which other processes' load does not stretch)."""
+    prompt), of wall time and of the engine threads' CPU time (which other processes' load does not stretch).
+    `later`: each job's speculation from the end of the prompts on (their chunks then the same in every mode)."""
     batcher = Batcher(engine)
     for job in jobs:
         batcher.add(job)
     while any(not job.decoding for job in jobs):
         batcher.step()
+    for job, spec in zip(jobs, later or [], strict=False):
+        job.speculation = spec
     started, cpu = time.perf_counter(), engine.cpu_seconds()
     first = sum(len(job.tokens) for job in jobs)
     while batcher.jobs:
@@ -134,6 +145,49 @@ def engine_traces(engine: Engine, repeat: int, tokens: int) -> dict[str, dict[st
 def medians(results: dict[str, dict[str, list[tuple[float, float]]]]) -> dict[str, dict[str, tuple[float, float]]]:
     return {trace: {mode: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v))
                     for mode, v in modes.items()} for trace, modes in results.items()}
+
+
+# --- mtp: the model's MTP block
+
+MTP_MODES = {"off": SpeculativeConfig(source="off"), "off, block run": SpeculativeConfig(source="off"),
+             "mtp": SpeculativeConfig(source="mtp", adaptive=False, max_draft=3),
+             "mtp adaptive": SpeculativeConfig(source="mtp")}
+
+
+def mtp_traces(threads: int, repeat: int, tokens: int) -> tuple[dict[str, dict[str, tuple[float, float]]],
+                                                                 dict[str, float]]:
+    """Each mode's decode rates on one greedy stream and on four, and the drafts' acceptance rate."""
+    path = small_model("qwen35moe")
+    rng = np.random.default_rng(3)
+    prompts = [[int(t) for t in rng.integers(0, 151000, 200)] for _ in range(4)]
+    results: dict[str, dict[str, list[tuple[float, float]]]] = {}
+    answers: dict[str, list[list[int]]] = {}
+    drafted: dict[str, list[int]] = {}
+    with Engine.load(path, n_ctx=1024, threads=threads, n_seq=4) as plain, \
+            Engine.load(path, n_ctx=1024, threads=threads, n_seq=4, mtp=True) as block:
+        for _ in range(repeat):
+            for mode, config in MTP_MODES.items():
+                engine = plain if mode == "off" else block
+                for trace, batch in (("one stream, greedy", prompts[:1]), ("4 streams, greedy", prompts)):
+                    # Speculation from the first decode step on: a hybrid's prompt chunked otherwise (room taken by
+                    # drafts) rounds otherwise, which a near tie can turn into another greedy answer
+                    specs = [speculation(config, mtp=engine if engine.mtp else None) for _ in batch]
+                    rate, jobs = run_jobs(engine, [Job(p, Sampler(GREEDY, engine.n_vocab), tokens, set())
+                                                   for p in batch], later=specs)
+                    results.setdefault(trace, {}).setdefault(mode, []).append(rate)
+                    answers.setdefault(f"{trace} {mode}", [job.tokens for job in jobs])
+                    counts = drafted.setdefault(mode, [0, 0])
+                    for spec in specs:
+                        counts[0] += spec.accepted if spec else 0
+                        counts[1] += spec.drafted if spec else 0
+    # One stream's prompt is one chunk in every mode; four streams' prompts are chunked by measured time, which a
+    # hybrid's Gated DeltaNet rounds by (its chunked form), so their answers may part where two logits nearly tie
+    assert len({str(answers[f"one stream, greedy {mode}"]) for mode in MTP_MODES}) == 1, "the answers differ"
+    for mode in MTP_MODES:
+        same = answers[f"4 streams, greedy {mode}"] == answers["4 streams, greedy off"]
+        print(f"  4 streams, {mode}: answers {'the same as' if same else 'other than'} off's", flush=True)
+    acceptance = {mode: accepted / n for mode, (accepted, n) in drafted.items() if n}
+    return medians(results), acceptance
 
 
 # --- http: the demo model through the API
@@ -216,13 +270,14 @@ def http_traces(repeat: int, threads: int, max_tokens: int) -> dict[str, dict[st
     return medians(rates)
 
 
-def table(title: str, results: dict[str, dict[str, tuple[float, float]]]) -> str:
-    """Decode tokens/s (wall) and tokens per engine CPU second, each mode's ratio to off."""
-    lines = [f"| {title} | off: tok/s, per CPU s | lookup | adaptive |", "|---|---|---|---|"]
+def table(title: str, results: dict[str, dict[str, tuple[float, float]]],
+          others: tuple[str, ...] = ("lookup", "adaptive")) -> str:
+    """Decode tokens/s (wall) and tokens per engine CPU second, each other mode's ratio to off."""
+    lines = [f"| {title} | off: tok/s, per CPU s | {' | '.join(others)} |", "|---|---|" + "---|" * len(others)]
     for trace, modes in results.items():
         off = modes["off"]
         cells = [f"{off[0]:.0f}, {off[1]:.0f}"]
-        for mode in ("lookup", "adaptive"):
+        for mode in others:
             wall, cpu = modes[mode]
             cells.append(f"{wall:.0f} ({wall / off[0]:.2f}x), {cpu:.0f} ({cpu / off[1]:.2f}x)")
         lines.append(f"| {trace} | " + " | ".join(cells) + " |")
@@ -253,6 +308,10 @@ def main() -> None:
             if "engine" in parts:
                 print(table("small Q8_0 qwen3moe, batcher", engine_traces(engine, args.repeat, args.tokens)),
                       flush=True)
+    if "mtp" in parts:
+        rates, acceptance = mtp_traces(args.threads, args.repeat, args.tokens)
+        print(table("small Q8_0 qwen35moe with its MTP block, batcher", rates, tuple(MTP_MODES)[1:]), flush=True)
+        print("acceptance: " + ", ".join(f"{mode} {rate:.3f}" for mode, rate in acceptance.items()), flush=True)
     if "http" in parts:
         print(table("demo model, HTTP API", http_traces(args.repeat, args.threads, args.tokens)), flush=True)
     print(f"load average {os.getloadavg()[0]:.2f}")

@@ -41,6 +41,26 @@ def qwen_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def qwen35_files(tmp_path_factory: pytest.TempPathFactory, qwen_tokenizer_dir: Path) -> Any:
+    """(arch, full-attention interval, with an MTP block, tied embeddings) -> (the random checkpoint of 4 layers
+    in transformers, its file converted to GGUF F32 by llama.cpp's converter), each made once for the session
+    (`tests/engine/qwen35_checkpoints.py`)."""
+    from qwen35_checkpoints import checkpoint, convert_checkpoint
+
+    made: dict[tuple[str, int, bool, bool], tuple[Any, Path]] = {}
+
+    def get(spec: tuple[str, int, bool, bool]) -> tuple[Any, Path]:
+        if spec not in made:
+            arch, interval, mtp, tied = spec
+            model = checkpoint(arch, n_layer=4, interval=interval, tied=tied)
+            directory = tmp_path_factory.mktemp("-".join(str(part) for part in spec))
+            made[spec] = model, convert_checkpoint(model, directory, qwen_tokenizer_dir, mtp=mtp)
+        return made[spec]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def tokenizer(tiny_model: Path) -> Any:
     from strata.text.tokenizer import Tokenizer
 

@@ -124,7 +124,7 @@ class McpConfig:
     max_result_bytes: int = 4 * 1024 * 1024  # of one answer of a server: a tool result past it is cut, unread
 
 
-SPECULATIVE_SOURCES = ("auto", "lookup", "draft_model", "off")
+SPECULATIVE_SOURCES = ("auto", "lookup", "mtp", "draft_model", "off")
 
 
 @dataclass(frozen=True)
@@ -132,8 +132,11 @@ class SpeculativeConfig:
     """Speculative decoding (`strata.scheduling.drafts`): where decoding requests' drafts come from, and how long.
 
     Attributes:
-        source: "auto" (the request's `prediction` where it sent one, else prompt lookup), "lookup" (prompt lookup
-            only: a prediction is ignored), "draft_model" (`draft_model` drafts) or "off".
+        source: "auto" (the request's `prediction` where it sent one, else the model's MTP block where the file
+            has one, else prompt lookup), "lookup" (prompt lookup only: a prediction is ignored), "mtp" (the MTP
+            block, which the file must have; prompt lookup where it has no draft; a prediction is ignored),
+            "draft_model" (`draft_model` drafts) or "off". With "auto" and "mtp" and a file with an MTP block,
+            the engine runs the block beside the model: about a layer more per token, and a layer more of KV rows.
         max_draft: the most draft tokens a request adds to one engine step.
         adaptive: each request's draft length follows its measured acceptance and the measured cost of a draft
             token, down to none where drafts do not pay; false: `max_draft` whenever the source has that many.

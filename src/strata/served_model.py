@@ -22,6 +22,7 @@ from strata.prompts import Prompts
 from strata.request_errors import ServiceUnavailable
 from strata.scheduling.batcher import Batcher
 from strata.scheduling.draft_model import DraftModel
+from strata.scheduling.drafts import MtpEngine
 from strata.scheduling.engine_like import EngineLike
 from strata.scheduling.engine_loop import EngineLoop
 from strata.scheduling.turn import Turn
@@ -69,6 +70,7 @@ class ServedModel:
         self.vision: VisionClient | VisionPool | None = None  # its image encoder(s), when it has them
         self.kv_tier: KvTier | None = None  # the disk tier under its prefix cache (config.kv_disk)
         self.draft_model: DraftModel | None = None  # speculative decoding's draft model, when configured
+        self.mtp: MtpEngine | None = None  # the engine, when it runs the model's MTP block for drafts
         self._vision_scope: trio.CancelScope | None = None
 
     @property
@@ -204,8 +206,12 @@ class ServedModel:
         if engine is None:
             engine = Engine.load(config.model, n_ctx=config.context, threads=config.threads, kv=config.kv,
                                  n_batch=config.batch, n_seq=config.slots, kv_budget=budget,
-                                 mapped_weights=config.mapped_weights, record_routing=config.record_routing)
+                                 mapped_weights=config.mapped_weights, record_routing=config.record_routing,
+                                 mtp=None if config.speculative.source in ("auto", "mtp") else False)
         try:
+            if config.speculative.source == "mtp" and not engine.mtp:
+                raise ServiceUnavailable(f"speculative.source is mtp, and {config.model} has no MTP block")
+            self.mtp = engine if engine.mtp else None
             stage.now = "tokenizer"
             # A model loaded again keeps its text side (`unload`).
             tokenizer = self.tokenizer or Tokenizer.from_gguf(config.model)
@@ -261,7 +267,7 @@ class ServedModel:
 
     def _close_engines(self, engine: Any) -> None:
         """Close `engine` and the draft model (blocking: quick, their threads are idle)."""
-        draft, self.draft_model = self.draft_model, None
+        draft, self.draft_model, self.mtp = self.draft_model, None, None
         if draft is not None:
             draft.engine.close()
         if engine is not None:

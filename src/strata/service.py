@@ -423,7 +423,7 @@ class Service:
         tokenizer = model.tokenizer
         sampler = Sampler(request.sampling, model.engine.n_vocab, mask=guide, logprobs=request.logprobs)
         echo = request.completion is not None and request.completion.echo
-        spec = speculation(model.config.speculative, prepared.predicted, model.draft_model)
+        spec = speculation(model.config.speculative, prepared.predicted, model.draft_model, model.mtp)
         drafted_before, accepted_before = row.draft_tokens, row.accepted_tokens
         job = Job(prepared.ids, sampler, prepared.max_tokens, tokenizer.eos_ids,
                   keys=salted(prepared.prompt.keys, request.cache_salt),

@@ -55,9 +55,11 @@ def checkpoint(arch: str, n_layer: int, interval: int, tied: bool = False, seed:
     return model.float().eval()
 
 
-def _mtp_tensors(model: torch.nn.Module, rng: torch.Generator) -> dict[str, torch.Tensor]:
+def mtp_tensors(model: torch.nn.Module, seed: int = 1) -> dict[str, torch.Tensor]:
     """An MTP block as the published checkpoints name it: a full-attention decoder layer (a copy of the model's
-    last one, perturbed) with its own feed-forward, the projection of [embedding, hidden] and three norms."""
+    last one, perturbed) with its own feed-forward, the projection of [embedding, hidden] and three norms; the
+    same for the same model and seed."""
+    rng = torch.Generator().manual_seed(seed)
     config, n = model.config, model.config.hidden_size
     last = max(i for i, kind in enumerate(config.layer_types) if kind == "full_attention")
     prefix = f"model.layers.{last}."
@@ -80,7 +82,7 @@ def convert_checkpoint(model: torch.nn.Module, directory: pathlib.Path, tokenize
     if mtp:
         weights = hf / "model.safetensors"
         tensors = safetensors.torch.load_file(weights)
-        tensors.update({k: v.contiguous() for k, v in _mtp_tensors(model, torch.Generator().manual_seed(1)).items()})
+        tensors.update({k: v.contiguous() for k, v in mtp_tensors(model).items()})
         safetensors.torch.save_file(tensors, weights, metadata={"format": "pt"})
         config = json.loads((hf / "config.json").read_text())
         config["mtp_num_hidden_layers"] = 1

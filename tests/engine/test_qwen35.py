@@ -27,7 +27,6 @@ import torch
 from engine_helpers import abort_mid_prefill
 from gguf import GGUFReader
 from gguf_rewrite import rewrite
-from qwen35_checkpoints import checkpoint, convert_checkpoint
 from strata.engine_cffi._engine import ffi, lib
 
 from strata.engine_cffi import BatchItem, Engine, EngineError
@@ -121,20 +120,11 @@ def _name(spec: Spec) -> str:
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory: pytest.TempPathFactory, qwen_tokenizer_dir: pathlib.Path
+def files(qwen35_files: Callable[[Spec], tuple[torch.nn.Module, pathlib.Path]]
           ) -> Callable[[Spec], tuple[torch.nn.Module, pathlib.Path]]:
-    """The checkpoint of a spec and its converted file, made once for the module."""
-    made: dict[Spec, tuple[torch.nn.Module, pathlib.Path]] = {}
-
-    def get(spec: Spec) -> tuple[torch.nn.Module, pathlib.Path]:
-        if spec not in made:
-            arch, interval, mtp, tied = spec
-            model = checkpoint(arch, n_layer=4, interval=interval, tied=tied)
-            made[spec] = model, convert_checkpoint(model, tmp_path_factory.mktemp(_name(spec)), qwen_tokenizer_dir,
-                                                   mtp=mtp)
-        return made[spec]
-
-    return get
+    """The checkpoint of a spec and its converted file, made once for the session (the MTP block's tests read
+    the fast tier's too)."""
+    return qwen35_files
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,8 @@ from strata.config import ConfigError, SpeculativeConfig, config_from_dict
 from strata.engine_cffi import BatchItem
 from strata.scheduling.batcher import Batcher, Job, StepBudget
 from strata.scheduling.drafts import (
+    Mtp,
+    MtpEngine,
     NgramIndex,
     Prediction,
     PromptLookup,
@@ -143,6 +145,30 @@ def test_a_recurrent_engine_restores_its_state_before_a_rejected_draft() -> None
     assert engine.loads  # a rollback loaded the saved state
     assert spec is not None and 0 < spec.accepted < spec.drafted
     assert [call[0][1] for call in engine.calls[1:3]] == [[5, 9, 3, 4, 5], [5, 6]]
+
+
+class Wrong:
+    """Drafts that are always wrong: `token`s."""
+
+    shadow_every = 1
+
+    def __init__(self, token: int):
+        self.token = token
+
+    def propose(self, history: Sequence[int], n_prompt: int, n: int, seq: int = 0) -> list[int]:
+        return [self.token] * n
+
+
+def test_a_recurrent_engine_keeps_the_tokens_a_rollback_took_back_in_the_next_step() -> None:
+    """Every draft wrong: each rejected step's state is restored, and the next step evaluates the tokens it took
+    back without a draft, which keeps them; no step carries more than a token and a draft."""
+    prompt = [*range(6), 9, 3, 4]
+    plain, _ = answer(RecurrentEngine(n_ctx=100), prompt, None, 30)
+    engine = RecurrentEngine(n_ctx=100)
+    spec = Speculation(Wrong(0), 3, adaptive=False)
+    fast, _ = answer(engine, prompt, spec, 30, slowdown=None)
+    assert fast.tokens == plain.tokens and spec.accepted < spec.drafted
+    assert max(len(call[0][1]) for call in engine.calls[1:]) == 4  # taken back for ever, they grew a token a step
 
 
 class Forbid:
@@ -338,7 +364,7 @@ def test_the_step_budget_measures_what_drafts_cost_against_the_plain_step() -> N
 
 def test_speculative_config_names_a_bad_value() -> None:
     with pytest.raises(ConfigError, match='"speculative.source"'):
-        config_from_dict({"speculative": {"source": "mtp"}})
+        config_from_dict({"speculative": {"source": "eagle"}})
     with pytest.raises(ConfigError, match='"speculative.max_draft"'):
         config_from_dict({"speculative": {"max_draft": 0}})
     with pytest.raises(ConfigError, match='"speculative.max_ngram"'):
@@ -488,3 +514,120 @@ def test_a_recurrent_slot_stopped_inside_a_draft_serves_the_next_job_from_its_st
     while follow_up.finish is None:
         batcher.step()
     assert follow_up.tokens == [13, 14, 15, 0, 1]
+
+
+class FixedMtp:
+    """An engine's MTP block that always drafts `drafts` (then nothing: -1s), counting the drafts it gave."""
+
+    def __init__(self, drafts: list[int]):
+        self.drafts, self.given = drafts, 0
+
+    def mtp_draft(self, seqs: Sequence[int], pos: Sequence[int], tokens: Sequence[int], n_draft: int,
+                  logits: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
+        row = (self.drafts + [-1] * n_draft)[:n_draft]
+        self.given += sum(t >= 0 for t in row)
+        return np.array([row] * len(seqs), np.int32), None
+
+
+class CountingMtp:
+    """A real engine's MTP block, counting the drafts it gave."""
+
+    def __init__(self, engine: MtpEngine):
+        self.engine, self.given = engine, 0
+
+    def mtp_draft(self, seqs: Sequence[int], pos: Sequence[int], tokens: Sequence[int], n_draft: int,
+                  logits: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
+        drafts, rows = self.engine.mtp_draft(seqs, pos, tokens, n_draft, logits)
+        self.given += int((drafts >= 0).sum())
+        return drafts, rows
+
+
+def test_the_sources_with_an_mtp_block() -> None:
+    mtp = FixedMtp([7, 8])
+    auto = speculation(ADAPTIVE, mtp=mtp)
+    assert auto is not None and isinstance(auto.drafter, Mtp)
+    assert auto.drafter.propose([1, 2, 3], 2, 4) == [7, 8]
+    predicted = speculation(ADAPTIVE, [1, 2], mtp=mtp)  # a request's prediction first, the block after it
+    assert predicted is not None and isinstance(predicted.drafter, Prediction)
+    assert isinstance(predicted.drafter.fallback, Mtp)
+    assert isinstance(speculation(FIXED, mtp=mtp).drafter, PromptLookup)  # type: ignore[union-attr]
+    only = speculation(SpeculativeConfig(source="mtp"), [1, 2], mtp=mtp)
+    assert only is not None and isinstance(only.drafter, Mtp)
+    # no hidden state held for the job: the prompt lookup drafts
+    assert Mtp(FixedMtp([]), PromptLookup()).propose([1, 2, 3, 1, 2], 5, 2) == [3, 1]
+    with pytest.raises(ValueError, match="runs no MTP block"):
+        speculation(SpeculativeConfig(source="mtp"))
+
+
+def test_the_mtp_block_guesses_ever_less_often_while_wrong() -> None:
+    """Where drafts do not pay, a job guesses a token without sending it: each step from the prompt lookup (it costs
+    nothing), from the MTP block (a guess runs it and the output product) every `shadow_every` steps, twice as far
+    apart after each wrong guess, and every `shadow_every` steps again after a right one."""
+    costs = (1.0, 1.0)  # no draft length pays
+    block = FixedMtp([7])
+    spec = Speculation(Mtp(block, PromptLookup()), 4)
+    every = Mtp.shadow_every
+    steps, guessed_at = every * (1 + 2 + 4) + 2 * every, []
+    for step in range(steps):
+        assert spec.choose(1, 1.0, costs) == 0 and spec.draft([1, 2, 3, 1, 2], 3, 0) == []
+        if block.given > len(guessed_at):
+            guessed_at.append(step)
+        right = len(guessed_at) == 3 and guessed_at[-1] == step  # the third guess is right
+        spec.judge([], 0, [7 if right else 9])
+    gaps = [b - a for a, b in zip([-1, *guessed_at], guessed_at, strict=False)]
+    assert gaps == [every, 2 * every, 4 * every, every]
+
+
+def test_a_followed_prediction_drafts_its_minimum_where_the_costs_say_none() -> None:
+    costs = (1.0, 1.0)  # a step with one draft costs three plain steps: no draft length pays
+    predicted = speculation(ADAPTIVE, list(range(1, 20)))
+    lookup = speculation(ADAPTIVE)
+    assert predicted is not None and lookup is not None
+    assert predicted.choose(1, 1.0, costs) == Speculation.MIN_PREDICTED
+    assert lookup.choose(1, 1.0, costs) == 0
+    history = [5, 6]
+    assert predicted.draft(history, 2, 4) == [1, 2, 3, 4]
+    predicted.judge([1, 2, 3, 4], 4, [1, 2, 3, 4, 5])
+    assert predicted.choose(1, 1.0, costs) == Speculation.MIN_PREDICTED
+    for _ in range(8):  # its drafts rejected: the acceptance rate falls, and the costs decide again
+        predicted.judge([5, 6, 7, 8], 0, [9])
+    assert predicted.rate < Speculation.PREDICTED_RATE and predicted.choose(1, 1.0, costs) == 0
+
+
+def test_mtp_drafts_through_the_engine_give_each_job_its_greedy_answer(tmp_path) -> None:
+    """The C engine on a generated qwen35moe with its MTP block (random weights: its drafts mostly wrong): the
+    block's drafts, verified in the jobs' steps and rolled back through the recurrent state's snapshots, give the
+    answer decoded token by token, beside a job without drafts; every draft is the block's. Then the answer's
+    first tokens as a prediction before the block: accepted drafts too."""
+    from strata.engine_cffi import Engine
+    from strata.modelgen import write_random_model
+
+    path = write_random_model(tmp_path / "m.gguf", arch="qwen35moe", size="tiny", dtype="q8_0")
+    config = SpeculativeConfig(source="mtp", adaptive=False, max_draft=3)
+    with Engine.load(path, n_ctx=256, threads=1, n_seq=2, mtp=True) as engine:
+        assert engine.recurrent and engine.mtp
+        rng = np.random.default_rng(0)
+        prompts = [[int(t) for t in rng.integers(0, engine.n_vocab, n)] for n in (30, 20)]
+
+        def run(specs: list[Speculation | None]) -> list[list[int]]:
+            batcher = Batcher(engine, slowdown=None)
+            jobs = [Job(prompt, Sampler(GREEDY, engine.n_vocab), 24, set(), speculation=spec)
+                    for prompt, spec in zip(prompts, specs, strict=True)]
+            for job in jobs:
+                batcher.add(job)
+            while any(job.finish is None for job in jobs):
+                batcher.step()
+            for seq in range(engine.n_seq):
+                engine.keep(0, seq)
+            return [job.tokens for job in jobs]
+
+        plain = run([None, None])
+        block = CountingMtp(engine)
+        spec = speculation(config, mtp=block)
+        assert run([spec, None]) == plain
+        assert spec is not None and spec.drafted == block.given > 0
+        # the answer's first tokens as a prediction, then the block: accepted drafts move its hidden states on
+        given = block.given
+        spec = speculation(SpeculativeConfig(source="auto", adaptive=False, max_draft=3), plain[0][:12], mtp=block)
+        assert run([spec, None]) == plain
+        assert spec is not None and spec.accepted > 0 and block.given > given

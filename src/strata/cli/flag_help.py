@@ -84,8 +84,8 @@ HELP = {
     "mcp.max_schema_bytes": "bytes of one MCP tool's input schema as JSON (a larger one refuses the listing)",
     "mcp.max_result_bytes": "bytes of one answer of an MCP server read at most (a tool result is cut there, "
                             "saying so; a longer listing is refused)",
-    "speculative.source": "speculative decoding's drafts: auto (a request's prediction, else prompt lookup), "
-                          "lookup (prompt lookup only), draft_model or off",
+    "speculative.source": "speculative decoding's drafts: auto (a request's prediction, else the file's MTP "
+                          "block, else prompt lookup), lookup (prompt lookup only), mtp, draft_model or off",
     "speculative.draft_model": "small GGUF model of the same vocabulary that drafts (source draft_model)",
     "speculative.max_draft": "most draft tokens a request adds to one engine step",
     "speculative.adaptive": "draft lengths follow each request's acceptance and the measured step costs (false: "

@@ -248,10 +248,10 @@ def recurrent_state_bytes(params: Any) -> int:
     return 4 * n_rec * ((params.ssm_d_conv - 1) * conv_dim + params.ssm_dt_rank * params.ssm_d_state ** 2)
 
 
-def _check_kv_budget(params: Any, n_ctx: int, n_seq: int, kv: str, budget: int) -> None:
-    """Refuse, before allocating anything, a KV cache (with a hybrid model's recurrent state per slot) larger than
-    `budget` bytes, naming what would fit."""
-    shape = (attention_layers(params), params.n_head_kv, params.head_dim)
+def _check_kv_budget(params: Any, n_ctx: int, n_seq: int, kv: str, budget: int, mtp: bool) -> None:
+    """Refuse, before allocating anything, a KV cache (with a hybrid model's recurrent state per slot, and the MTP
+    block's rows with `mtp`) larger than `budget` bytes, naming what would fit."""
+    shape = (attention_layers(params) + int(mtp), params.n_head_kv, params.head_dim)
     state = recurrent_state_bytes(params)
     need = kv_cache_bytes(*shape, n_ctx, n_seq, kv) + n_seq * state
     if need <= budget:
@@ -275,7 +275,7 @@ class Engine:
     _ctx: Any = None  # the C context; None once closed, and in an engine whose construction failed (`__del__`)
 
     def __init__(self, file: GGUFFile, params: Any, model: Any, ctx: Any, keep: list[Any], n_ctx: int,
-                 threads: int, n_batch: int, kv_type: int) -> None:
+                 threads: int, n_batch: int, kv_type: int, mtp: bool = False) -> None:
         self._file, self._model, self._ctx, self._keep = file, model, ctx, keep
         self.arch: str = ffi.string(params.arch).decode()
         self.n_vocab: int = params.n_vocab
@@ -304,11 +304,14 @@ class Engine:
         # what names the bits of the cached rows: the model file, the KV type and the rows' layout
         self.kv_identity: str = f"{file.fingerprint()}:{self.kv_type}:layout{KV_LAYOUT}"
         self.kv_position_bytes: int = lib.strata_kv_position_bytes(ctx)
+        self.has_mtp: bool = params.n_nextn > 0  # the file has an MTP block
+        self.mtp: bool = bool(mtp)  # the context runs it: `mtp_draft`
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], n_ctx: int = 4096, threads: int | None = None, kv: str = "f16",
              n_batch: int = 256, n_seq: int = 1, kv_budget: int | None = None,
-             mapped_weights: bool = False, record_routing: str | os.PathLike[str] | None = None) -> Self:
+             mapped_weights: bool = False, record_routing: str | os.PathLike[str] | None = None,
+             mtp: bool | None = False) -> Self:
         """Map a GGUF model and create its context: `n_seq` sequences of `n_ctx` positions each.
 
         Args:
@@ -318,6 +321,9 @@ class Engine:
                 prompts, the same logits; the copy is memory the kernel cannot drop, as it can the file's pages).
             record_routing: a file to write the routing trace of every eval to (`strata.experts.trace`): each
                 MoE layer's chosen experts per token of each step.
+            mtp: run the model's MTP block beside every eval, for `mtp_draft` (speculative decoding's drafts): a
+                layer more of KV rows per slot, and about a layer's work more per token; None: where the file
+                has one.
 
         Raises:
             EngineError: missing, truncated or non-GGUF file; unsupported architecture or tensor type; a context
@@ -333,8 +339,9 @@ class Engine:
             params = _model_params(file, table, keep)
             params.copy_weights, params.load_threads = not mapped_weights, threads
             keep.append(params)
+            mtp = params.n_nextn > 0 if mtp is None else mtp
             if kv_budget is not None:
-                _check_kv_budget(params, n_ctx, n_seq, kv, kv_budget)
+                _check_kv_budget(params, n_ctx, n_seq, kv, kv_budget, mtp)
             model_out = ffi.new("strata_model **")
             _check(lib.strata_model_create(params, model_out))
         except BaseException:
@@ -342,7 +349,8 @@ class Engine:
             file.close()
             raise
         cparams = ffi.new("strata_context_params *", {"n_ctx": n_ctx, "n_seq": n_seq, "n_batch": n_batch,
-                                                      "n_threads": threads, "kv_type": _KV_TYPES[kv]})
+                                                      "n_threads": threads, "kv_type": _KV_TYPES[kv],
+                                                      "mtp": int(mtp)})
         ctx_out = ffi.new("strata_context **")
         status = lib.strata_context_create(model_out[0], cparams, ctx_out)
         if status != lib.STRATA_OK:
@@ -353,7 +361,8 @@ class Engine:
         if not mapped_weights:  # the model has its own copy of every tensor but the embeddings it looks up
             embeddings = file.tensor("token_embd")
             file.release(t for t in file.tensors if t is not embeddings)
-        engine = cls(file, params, model_out[0], ctx_out[0], keep, n_ctx, threads, min(n_batch, n_ctx), _KV_TYPES[kv])
+        engine = cls(file, params, model_out[0], ctx_out[0], keep, n_ctx, threads, min(n_batch, n_ctx), _KV_TYPES[kv],
+                     mtp)
         if record_routing is not None:
             try:
                 engine._record_routing(record_routing, params)
@@ -465,6 +474,28 @@ class Engine:
         if dropped:
             raise EngineAborted(ffi.string(lib.strata_last_error()).decode("utf-8", "replace"), dropped, results)
         return results  # type: ignore[return-value]  # no None without a dropped sequence
+
+    def mtp_draft(self, seqs: Sequence[int], pos: Sequence[int], tokens: Sequence[int], n_draft: int,
+                  logits: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
+        """Greedy drafts of the model's MTP block (an engine loaded with `mtp`): for each sequence `seqs[i]`, whose
+        history ends with `tokens[i]` at position `pos[i]` (not evaluated yet; position `pos[i] - 1` evaluated
+        by a recent eval), `n_draft` tokens likely to follow it, chained (see `strata_mtp_draft`).
+
+        Returns (drafts int32 (n, n_draft), -1s for a sequence whose hidden state is not held; with `logits`,
+        each draft's logits float32 (n, n_draft, n_vocab), else None).
+        Raises:
+            EngineError: no MTP block run, a sequence twice or out of range, drafts past the context.
+        """
+        ctx = self._live_ctx()
+        arrays = [np.ascontiguousarray(a, dtype=np.int32) for a in (seqs, pos, tokens)]
+        drafts = np.full((len(arrays[0]), max(n_draft, 0)), -1, np.int32)
+        rows = np.zeros((len(arrays[0]), n_draft, self.n_vocab), np.float32) if logits else None
+        if drafts.size == 0:
+            return drafts, rows
+        _check(lib.strata_mtp_draft(ctx, len(drafts), *(ffi.from_buffer("int[]", a) for a in arrays), int(n_draft),
+                                    ffi.from_buffer("int[]", drafts),
+                                    ffi.from_buffer("float[]", rows) if rows is not None else ffi.NULL))
+        return drafts, rows
 
     def _eval_recorded(self, ctx: Any, batch: Any) -> int:
         """strata_eval_batch with the routing record on, its records appended to the trace."""

@@ -5,8 +5,11 @@
  * h keeps a state S (head_k_dim x head_v_dim) and reads q/k head h % n_k_heads (the converter writes v heads
  * tiled over the k heads):
  *     S = exp(g) S;  S += k (beta (v - S^T k))^T;  o = S^T q
- * the gated delta rule. A sequence's single token takes that step (the recurrent form); several take it in chunks
- * of CHUNK tokens (the chunked form, as Hugging Face's torch_chunk_gated_delta_rule): within a chunk the updates
+ * the gated delta rule. A sequence's run of up to RECURRENT_RUN tokens (a decode step, and one verifying a
+ * speculative draft) takes that step token by token (the recurrent form): a draft's tokens are then computed as
+ * decode computes them, bit for bit, and greedy speculation keeps the answer of decode where two tokens' logits
+ * nearly tie (the chunked form rounds otherwise: a random Q8_0 qwen35moe's greedy answer changed at its 29th
+ * token, a margin of 0.7% of the logits' std). Longer runs take it in chunks of CHUNK tokens (the chunked form, as Hugging Face's torch_chunk_gated_delta_rule): within a chunk the updates
  * are solved at once by forward substitution over a unit lower-triangular system, and the state is read and
  * written once per chunk, the work in blocked products. Then o = rmsnorm(o) * w * silu(z) per head (the gated
  * RMS norm) and x += o @ Wout. The team's units are (sequence, v head) pairs. */
@@ -17,6 +20,7 @@
 #include "blocks.h"
 
 #define CHUNK 64          /* tokens of the chunked form's blocks */
+#define RECURRENT_RUN 16  /* a sequence's tokens in a chunk up to which the recurrent form takes them */
 #define CONV_CHANNELS 64  /* channels per unit of the convolution */
 
 /* Floats of the scratch for one head's chunk, heads of dk values: q, k, v, o rows and g, beta (head_of_sequence),
@@ -182,12 +186,14 @@ static void head_of_sequence(strata_context *c, const layer_weights *L, int il, 
     float *S = rec_state_of(c, s, il) + c->model->conv_state_floats + (size_t)h * dk * dv;
     const int first = c->seq_first[s], n = c->seq_first[s + 1] - first;
     const size_t q_at = (size_t)kh * dk, k_at = (size_t)(hk + kh) * dk, v_at = (size_t)2 * hk * dk + (size_t)h * dv;
-    if (n == 1) {
-        int t = c->seq_tokens[first];
-        const float *row = c->dn_conv + (size_t)t * C;
-        recurrent_step(S, row + q_at, row + k_at, row + v_at, c->dn_alpha[(size_t)t * hv + h],
-                       c->dn_beta[(size_t)t * hv + h], dk, dv,
-                       c->dn_out + (size_t)t * VD + (size_t)h * dv, work);
+    if (n <= RECURRENT_RUN) {
+        for (int i = first; i < first + n; i++) {
+            int t = c->seq_tokens[i];
+            const float *row = c->dn_conv + (size_t)t * C;
+            recurrent_step(S, row + q_at, row + k_at, row + v_at, c->dn_alpha[(size_t)t * hv + h],
+                           c->dn_beta[(size_t)t * hv + h], dk, dv,
+                           c->dn_out + (size_t)t * VD + (size_t)h * dv, work);
+        }
     } else {
         float *Q = work, *Kr = Q + CHUNK * dk, *V = Kr + CHUNK * dk, *O = V + CHUNK * dv, *g = O + CHUNK * dv;
         float *beta = g + CHUNK, *rest = beta + CHUNK;

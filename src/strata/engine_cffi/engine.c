@@ -67,7 +67,7 @@ static strata_status alloc_context(strata_context *c) {
     int64_t B = c->n_batch, k_used = c->model->is_moe ? p->n_expert_used : 1;
     int64_t n_ff_max = max64(c->model->is_moe ? p->n_ff_exp : p->n_ff, p->n_ff_shexp);  // per slot
     int64_t widest = max64(max64(max64(p->n_embd, q_dim), n_ff_max), p->ssm_d_inner);  // a product's input
-    size_t cache_vals = (size_t)c->n_seq * c->model->n_kv_layer * c->n_ctx * kv_dim;
+    size_t cache_vals = (size_t)c->n_seq * c->n_kv_layer * c->n_ctx * kv_dim;
     c->act_row_max = sizeof(float) * widest;  // f32 is the widest activation type
     c->k_cache = malloc(cache_vals * c->kv_elem);
     c->v_cache = malloc(cache_vals * c->kv_elem);
@@ -103,7 +103,8 @@ static strata_status alloc_context(strata_context *c) {
              c->hb && c->hb2 && c->xq && (c->kv_type != STRATA_KV_INT8 || (c->k_scale && c->v_scale)) &&
              c->n_past && c->abort_flag && c->dropped && c->chunk_rope &&
              (!c->model->mrope || (c->rope_t && c->rope_next)) && (!c->model->gated_attn || c->qg) &&
-             (p->n_ff_shexp <= 0 || (c->shexp_out && c->shexp_gate)) && alloc_recurrent(c);
+             (p->n_ff_shexp <= 0 || (c->shexp_out && c->shexp_gate)) && alloc_recurrent(c) &&
+             (!c->mtp || mtp_alloc(c));
     for (size_t i = 0; i < sizeof chunk / sizeof chunk[0]; i++) ok = ok && (*chunk[i] = malloc(sizeof(int) * B));
     for (int s = 0; ok && s < c->n_seq; s++) atomic_init(&c->abort_flag[s], 0);
     if (c->model->is_moe) {
@@ -133,6 +134,8 @@ static strata_status check_context_params(const strata_model *m, const strata_co
                     m->hp.n_ctx_train);
     if (p->kv_type != STRATA_KV_F32 && p->kv_type != STRATA_KV_F16 && p->kv_type != STRATA_KV_INT8)
         return engine_fail(STRATA_ERR_INVALID_ARG, "unknown KV cache type %d", p->kv_type);
+    if (p->mtp && !m->mtp)
+        return engine_fail(STRATA_ERR_INVALID_ARG, "mtp: the %s model has no MTP block", m->arch);
     return STRATA_OK;
 }
 
@@ -151,6 +154,8 @@ strata_status strata_context_create(const strata_model *model, const strata_cont
     c->n_threads = params->n_threads;
     c->kv_type = params->kv_type;
     c->kv_elem = kv_elem_bytes(params->kv_type);
+    c->mtp = params->mtp != 0;
+    c->n_kv_layer = model->n_kv_layer + c->mtp;
     c->pool = strata_pool_create(c->n_threads);
     if (!c->pool) st = engine_fail(STRATA_ERR_NOMEM, "could not start %d threads", c->n_threads);
     else st = alloc_context(c);
@@ -174,6 +179,7 @@ void strata_context_free(strata_context *c) {
                     c->dn_z, c->dn_alpha, c->dn_beta, c->dn_out, c->dn_work, c->seq_tokens, c->seq_first,
                     c->chunk_seqs};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
+    mtp_free(c);
     free(c);
 }
 
@@ -183,7 +189,7 @@ int strata_n_ctx(const strata_context *c) { return c->n_ctx; }
 
 size_t strata_kv_bytes(const strata_context *c) {
     const strata_model_params *p = &c->model->hp;
-    size_t rows = (size_t)c->n_seq * c->model->n_kv_layer * p->n_head_kv * c->n_ctx;  // of head_dim values, K and V
+    size_t rows = (size_t)c->n_seq * c->n_kv_layer * p->n_head_kv * c->n_ctx;  // of head_dim values, K and V
     return 2 * rows * (p->head_dim * c->kv_elem + (c->kv_type == STRATA_KV_INT8 ? sizeof(float) : 0));
 }
 
@@ -303,8 +309,8 @@ strata_status strata_copy_prefix(strata_context *c, int src, int dst, int n) {
     if (src == dst) return strata_keep(c, dst, n);
     const strata_model_params *p = &c->model->hp;
     size_t row = p->head_dim * c->kv_elem;
-    for (int il = 0; il < p->n_layer; il++)
-        for (int h = 0; !c->model->recurrent[il] && h < p->n_head_kv; h++) {
+    for (int il = 0; il < p->n_layer + c->mtp; il++)  // the trunk's attention layers, then the MTP block's
+        for (int h = 0; (il >= p->n_layer || !c->model->recurrent[il]) && h < p->n_head_kv; h++) {
             size_t from = kv_base(c, src, il, h), to = kv_base(c, dst, il, h);
             memcpy((char *)c->k_cache + to * row, (const char *)c->k_cache + from * row, n * row);
             memcpy((char *)c->v_cache + to * row, (const char *)c->v_cache + from * row, n * row);
@@ -313,6 +319,7 @@ strata_status strata_copy_prefix(strata_context *c, int src, int dst, int n) {
                 memcpy(c->v_scale + to, c->v_scale + from, sizeof(float) * n);
             }
         }
+    if (c->mtp) mtp_copy_prefix(c, src, dst, n);
     if (c->model->mrope) {
         memcpy(c->rope_t + (size_t)dst * c->n_ctx, c->rope_t + (size_t)src * c->n_ctx, sizeof(int) * n);
         memcpy(c->rope_next + (size_t)dst * c->n_ctx, c->rope_next + (size_t)src * c->n_ctx, sizeof(int) * n);
@@ -350,7 +357,7 @@ typedef struct {
 
 /* Every thread's part of a chunk: embeddings, every layer (the abort flags polled before the end of its
  * attention and of its feed-forward, and the answer acted on after each: a long prompt's chunk spends about a
- * layer's time in each), logits. */
+ * layer's time in each), logits, and with mtp the MTP block over the chunk (mtp.c). */
 static void forward_job(int ith, int nth, void *arg) {
     const chunk_job *j = arg;
     strata_context *c = j->c;
@@ -366,6 +373,7 @@ static void forward_job(int ith, int nth, void *arg) {
         team_sync(&tm);  // the output's runs of tokens need not be this thread's share of x
         if (ith == 0) c->output_t0 = now_ms();
         block_output_logits(&tm, c, j->n_tok, j->logits);
+        if (c->mtp) mtp_fill(&tm, c, j->embd_rows, j->n_tok);
     }
     if (ith == 0) c->stop = stop;  // for the caller, once the job is done
 }

@@ -83,7 +83,7 @@ typedef struct {
     float *ssm_dt;         // (n_v_heads,) the decay's bias
     float *ssm_norm;       // (head_v_dim,) the gated RMS norm
     matrix ssm_out;        // (n_embd, value_dim)
-    /* MTP (nextn) blocks only: kept for speculative decoding, not run by the forward pass */
+    /* MTP (nextn) blocks only: speculative decoding's drafts (mtp.c), not run by the forward pass */
     matrix nextn_eh_proj;  // (n_embd, 2 * n_embd)
     float *nextn_enorm;    // (n_embd,)
     float *nextn_hnorm;    // (n_embd,)
@@ -125,6 +125,16 @@ typedef struct {
 } arch;
 
 size_t deltanet_work_floats(const strata_model *m);  /* a thread's scratch for the DeltaNet (blocks_deltanet.c) */
+
+// --- the MTP block (mtp.c), in a context with mtp
+
+int mtp_alloc(strata_context *c);  /* its buffers: 0 when out of memory */
+void mtp_free(strata_context *c);
+/* After the trunk's pass over a chunk: its hidden states kept, the MTP block run over the chunk's pairs (its KV
+ * rows up to the position before each sequence's last); every thread of the team. */
+void mtp_fill(const team *tm, strata_context *c, const float *embd_rows, int n_tok);
+/* dst's held hidden states of positions < n = src's (strata_copy_prefix). */
+void mtp_copy_prefix(strata_context *c, int src, int dst, int n);
 
 const arch *arch_find(const char *name);  /* NULL for a name no row has */
 void arch_names(char *out, size_t n);     /* every row's name, ", " between them */
@@ -171,10 +181,11 @@ struct strata_model {
     float *inv_freq;           // (n_rot / 2,) rope frequencies, scaled (build_rope)
     layer_weights *layers;     // (n_layer + n_nextn,): the forward pass's layers, then the MTP blocks
     layer_weights *mtp;        /* layers + n_layer: the file's n_nextn MTP blocks (NULL without), for speculative
-                                * decoding; loaded and checked, not run */
+                                * decoding: the first one runs in a context with mtp (mtp.c) */
     /* hybrid models (Qwen3.5): which layers are Gated DeltaNet ones; KV rows exist for the others only */
     int *recurrent;            // (n_layer,) 1 for a recurrent layer (all 0 for every other architecture)
-    int *kv_layer;             // (n_layer,) a layer's index among the attention layers (-1 for a recurrent one)
+    int *kv_layer;             // (n_layer + n_nextn,) a layer's index among the attention layers (-1 for a recurrent
+                               // one); the MTP blocks' follow the trunk's (their rows exist in a context with mtp)
     int *rec_layer;            // (n_layer,) a layer's index among the recurrent layers (-1 for an attention one)
     int n_kv_layer, n_rec_layer;
     int gated_attn;            /* attention's q rows carry an output gate per head (Qwen3.5) */
@@ -257,6 +268,28 @@ struct strata_context {
                                    // a block is task_rows rows, ROWS_PER_TASK or more
     int n_tasks_up, n_tasks_down;  /* tasks for the gate/up products, then for the down product */
     int64_t task_rows[2];          /* rows per gate/up task, per down task */
+    /* the MTP block (mtp.c), with mtp on: the trunk's recent post-norm hidden states per sequence, and the pairs
+     * (hidden state at position p, token at p + 1) the block runs on, at position p */
+    int mtp;
+    int n_kv_layer;                /* the KV cache's layers: the trunk's attention layers, then the MTP block's */
+    float *mtp_hidden;             // (n_seq, STRATA_MTP_HISTORY, n_embd) hidden state of position p at p % HISTORY
+    int *mtp_hidden_pos;           // (n_seq, STRATA_MTP_HISTORY) the position each row holds, or -1
+    int *mtp_hidden_rope;          // (n_seq, STRATA_MTP_HISTORY, 3) its RoPE position
+    int *mtp_prev;                 // (n_seq,) scratch: a sequence's last token so far in the chunk
+    float *mtp_h;                  // (n_batch, n_embd) the chunk's hidden states: output_norm(x)
+    float *mtp_in;                 // (n_batch, 2 * n_embd) a pair's [enorm(embedding), hnorm(hidden)]
+    const float **mtp_hrow;        // (n_batch,) a pair's hidden state (NULL: none held, zeros)
+    int *mtp_tok;                  // (n_batch,) a pair's token id
+    int *mtp_embd;                 // (n_batch,) the caller's embedding row replacing it, or -1
+    int *mtp_seq;                  // (n_batch,) a pair's sequence
+    int *mtp_pos;                  // (n_batch,) its position
+    int *mtp_rope;                 // (n_batch, 3) its RoPE position
+    int *mtp_row;                  // (n_batch,) a draft row's index in the caller's arrays
+    int *mtp_base;                 // (n_batch,) a draft row's RoPE position after pos - 1
+    float *mtp_g;                  // (n_batch, n_embd) a draft's hidden state: shared_head_norm(x)
+    float *mtp_logits;             // (n_batch, n_vocab) the drafts' logits
+    int *mtp_next;                 // (n_batch,) each row's draft
+    int mtp_n;                     /* pairs of the current step */
     /* the caller's routing record (strata_record_routing), NULL when off */
     int *route_rec;                // (route_cap,) records of [layer, chunk, n_tok, n_tok x n_expert_used ids]
     long long route_cap, route_used;  /* ints it holds, ints written (-1: a record did not fit) */
@@ -271,10 +304,11 @@ static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
 /* Index of row (seq, il, kvh, position 0) in the cache, and of its int8 scale; position p is row base + p. A kv
- * head's positions are adjacent, so attention reads each head's rows as one sequential stream. */
+ * head's positions are adjacent, so attention reads each head's rows as one sequential stream. il >= n_layer: the
+ * MTP block's rows (a context with mtp). */
 static inline size_t kv_base(const strata_context *c, int seq, int il, int kvh) {
     const strata_model *m = c->model;
-    return (((size_t)seq * m->n_kv_layer + m->kv_layer[il]) * m->hp.n_head_kv + kvh) * c->n_ctx;
+    return (((size_t)seq * c->n_kv_layer + m->kv_layer[il]) * m->hp.n_head_kv + kvh) * c->n_ctx;
 }
 
 /* Sequence seq's state of recurrent layer il: its conv rows ((d_conv - 1) * conv_dim), then its delta-rule state

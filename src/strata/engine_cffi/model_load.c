@@ -198,7 +198,7 @@ static strata_status build_mrope(strata_model *m, const strata_model_params *p) 
 static strata_status build_layer_kinds(strata_model *m, const strata_model_params *p) {
     int n = p->n_layer;
     m->recurrent = calloc(n, sizeof(int));
-    m->kv_layer = malloc(sizeof(int) * n);
+    m->kv_layer = malloc(sizeof(int) * (n + (p->n_nextn > 0 ? p->n_nextn : 0)));
     m->rec_layer = malloc(sizeof(int) * n);
     if (!m->recurrent || !m->kv_layer || !m->rec_layer) return engine_fail(STRATA_ERR_NOMEM, "out of memory");
     if (p->n_nextn < 0) return engine_fail(STRATA_ERR_INVALID_ARG, "nextn_predict_layers %d is negative", p->n_nextn);
@@ -207,6 +207,7 @@ static strata_status build_layer_kinds(strata_model *m, const strata_model_param
         m->kv_layer[il] = m->recurrent[il] ? -1 : m->n_kv_layer++;
         m->rec_layer[il] = m->recurrent[il] ? m->n_rec_layer++ : -1;
     }
+    for (int j = 0; j < p->n_nextn; j++) m->kv_layer[n + j] = m->n_kv_layer + j;
     return STRATA_OK;
 }
 

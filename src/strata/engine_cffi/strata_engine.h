@@ -176,6 +176,8 @@ typedef struct {
     int n_batch;           /* tokens per forward: a call's tokens run in chunks of n_batch */
     int n_threads;
     int kv_type;           /* STRATA_KV_* */
+    int mtp;               /* 1: every eval also runs the model's first MTP block over its tokens (its own KV rows,
+                            * the trunk's recent hidden states kept), for strata_mtp_draft; the model must have one */
 } strata_context_params;
 
 /* The model must outlive its contexts. */
@@ -251,6 +253,18 @@ typedef struct {
  * invalid (strata_keep) is refused: INVALID_ARG. Returns STRATA_ABORTED when any
  * sequence was dropped (seq_dropped says which; the others' positions and logits are complete). */
 strata_status strata_eval_batch(strata_context *ctx, const strata_batch *batch);
+
+/* Speculative decoding's drafts from the model's MTP block (a context created with mtp): for each of n sequences
+ * seqs[i], whose history ends with tokens[i] at position pos[i] (pos[i] - 1 evaluated by an earlier eval, with its
+ * hidden state among the last STRATA_MTP_HISTORY positions an eval computed for it), drafts (n, n_draft) = n_draft
+ * tokens chained greedily: the block reads the trunk's hidden state at pos[i] - 1 and tokens[i], then its own
+ * hidden state and its last draft. -1s for a sequence whose hidden state is not held. logits (n, n_draft,
+ * n_vocab), or NULL: each draft's logits. Writes the block's KV rows past pos[i] - 2 (scratch until an eval
+ * writes them); pos[i] + n_draft must be at most n_ctx + 1, n at most n_batch and the sequences distinct. An
+ * abort raised meanwhile is left for the next eval. */
+#define STRATA_MTP_HISTORY 64
+strata_status strata_mtp_draft(strata_context *ctx, int n, const int *seqs, const int *pos, const int *tokens,
+                               int n_draft, int *drafts, float *logits);
 
 typedef struct {
     int n_tokens;          /* tokens the last call processed */

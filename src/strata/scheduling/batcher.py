@@ -667,6 +667,11 @@ class Batcher:
         length = speculation.choose(n_decoding, budget.decode_seconds(n_decoding) if budget else None,
                                     budget.draft_costs() if budget else None)
         room = min(length, room, self.engine.n_ctx - n_past - len(tokens), job.budget - len(job.tokens) - 1)
+        if self.snapshots is not None and len(tokens) > 1:
+            # Invariant: tokens a recurrent engine's rollback took back are evaluated again without a draft, so this
+            # step keeps them: a draft rejected with them would take them back again, every step, while the step
+            # grew by a token each time.
+            room = 0
         draft = speculation.draft(job.history, job.n_prompt, max(room, 0), job.seq)[:max(room, 0)]
         state = self.engine.save_state(job.seq) if draft and self.snapshots is not None else None
         self._drafts[job] = _Planned(n_past, tokens + draft, draft, state, len(job.tokens))

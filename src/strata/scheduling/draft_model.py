@@ -23,6 +23,7 @@ class DraftModel:
     """
 
     CATCH_UP = 256
+    shadow_every = 1  # its context catches up with the job at each guess: the same work, spread over the steps
 
     def __init__(self, engine: EngineLike):
         self.engine = engine

@@ -16,19 +16,20 @@ Sources, behind `Drafter`:
 - `Prediction`: the client's own guess of the answer (OpenAI's Predicted Outputs, `prediction` on the chat
   route), tokenised: drafts continue it where the answer so far is its prefix, else after an n-gram match of the
   answer's last tokens in it; the prompt lookup takes over where it has no match.
+- `Mtp`: the model's own MTP block (the `nextn` layer of Qwen3.5 files), which the engine runs beside the model
+  (`Engine.mtp_draft`): from the hidden state of the answer's last evaluated token and the embedding of its next
+  one, the block's greedy guess of the token after, chained on its own hidden state for several. It guesses free
+  text too, where the lookup has nothing; the lookup takes over where it has no hidden state to start from.
 
-Both are deterministic: the draft's distribution is one token with probability 1, so the standard accept/reject
+All are deterministic: the draft's distribution is one token with probability 1, so the standard accept/reject
 rule (accept draft token x with probability min(1, p(x) / q(x)), else draw from p with x removed and
 renormalised) is the same as drawing the token from p as without speculation and keeping the draft while the draw
 equals it. The batcher does exactly that, with the job's own sampler, so the output's distribution is the
 model's own, a seeded request draws the same tokens with speculation on and off, and masks, penalties and
 log-probabilities apply to every drafted position as to an ordinary one.
 
-A separate small model of the same vocabulary is a third source (`strata.scheduling.draft_model.DraftModel`):
-drafted greedily on a context of its own, its q is one-hot too. A model's own draft heads (the MTP layers of
-Qwen3.5 files) fit the same interface: a `Drafter` built with the engine, whose `propose(..., seq)` reads the
-draft the engine computed for sequence `seq` in its last step (from the hidden state of its last accepted token
-and the embedding of the next), or runs the heads then; chained heads give several tokens.
+A separate small model of the same vocabulary is another source (`strata.scheduling.draft_model.DraftModel`):
+drafted greedily on a context of its own, its q is one-hot too.
 
 `Speculation` is one job's controller: it asks its drafter for as many tokens as pay (`length`) and learns from
 the verification what pays.
@@ -47,7 +48,16 @@ from strata.config import SpeculativeConfig
 
 
 class Drafter(Protocol):
-    """A source of drafts for one job."""
+    """A source of drafts for one job.
+
+    Attributes:
+        shadow_every: while drafts do not pay, `Speculation` guesses a token without sending it every this many
+            steps: 1 for a source whose guess costs next to nothing; more for one that runs a model for it, whose
+            interval then doubles with each wrong guess (up to `Speculation.MAX_SHADOW_EVERY`) and comes back with
+            a right one.
+    """
+
+    shadow_every: int
 
     def propose(self, history: Sequence[int], n_prompt: int, n: int, seq: int = 0) -> list[int]:
         """Up to `n` tokens likely to follow `history` (the prompt, its first `n_prompt` tokens, then the answer
@@ -110,6 +120,8 @@ class NgramIndex:
 class PromptLookup:
     """Drafts copied from the prompt and the answer so far, after the longest match of the answer's tail."""
 
+    shadow_every = 1
+
     def __init__(self, min_ngram: int = 2, max_ngram: int = 12):
         self.index = NgramIndex(min_ngram, max_ngram)
 
@@ -125,6 +137,7 @@ class Prediction:
     def __init__(self, predicted: Sequence[int], fallback: Drafter, min_ngram: int = 2, max_ngram: int = 12):
         self.predicted = list(predicted)
         self.fallback = fallback
+        self.shadow_every = fallback.shadow_every  # its guesses are the fallback's once the answer has left it
         self.index = NgramIndex(min_ngram, max_ngram)  # built as drafts are asked for, in the engine thread
         self._aligned = 0  # answer tokens so far equal to the prediction's first ones (-1: it left the prefix)
         self.from_prediction = 0  # tokens of the last proposal taken from the prediction
@@ -144,6 +157,39 @@ class Prediction:
         draft = self.predicted[start:start + n] if start >= 0 else []
         self.from_prediction = len(draft)
         return draft if draft else self.fallback.propose(history, n_prompt, n, seq)
+
+    @property
+    def followed(self) -> bool:
+        """The answer so far is the prediction's prefix, or the last draft came from the prediction."""
+        return self._aligned >= 0 or self.from_prediction > 0
+
+
+class MtpEngine(Protocol):
+    """An engine that runs its model's MTP block (`strata.engine_cffi.Engine` loaded with `mtp`)."""
+
+    def mtp_draft(self, seqs: Sequence[int], pos: Sequence[int], tokens: Sequence[int], n_draft: int,
+                  logits: bool = False) -> tuple[np.ndarray, np.ndarray | None]: ...
+
+
+class Mtp:
+    """Drafts of the model's MTP block, which the engine runs beside the model: greedy and chained, from the
+    hidden state of the job's last evaluated token (held by the engine for the last positions each sequence
+    evaluated, so also after a rollback) and its next token; `fallback` where the block has no draft. A guess
+    runs the block and the output product once (in a small model about half a plain step): a job whose drafts
+    do not pay guesses every `shadow_every` steps, less often while it guesses wrong."""
+
+    shadow_every = 8
+
+    def __init__(self, engine: MtpEngine, fallback: Drafter):
+        self.engine, self.fallback = engine, fallback
+
+    def propose(self, history: Sequence[int], n_prompt: int, n: int, seq: int = 0) -> list[int]:
+        if len(history) >= 2:
+            drafts, _ = self.engine.mtp_draft([seq], [len(history) - 1], [history[-1]], n)
+            draft = [int(t) for t in drafts[0] if t >= 0]
+            if draft:
+                return draft
+        return self.fallback.propose(history, n_prompt, n, seq)
 
 
 @dataclass(frozen=True)
@@ -220,13 +266,18 @@ class Speculation:
     k that gives the step of `n` decoding jobs the most tokens per second: many while its drafts are right and
     verifying is cheap, fewer in a crowded batch (its extra tokens weigh less beside the other n - 1 jobs' while
     all of them wait for its drafts), none where they are mostly wrong. Then it keeps guessing one token a step
-    without sending it (a shadow draft, checked against the token the step draws): the acceptance rate stays
-    measured, and drafting resumes when the text turns repetitive.
+    without sending it (a shadow draft, checked against the token the step draws; every `shadow_every` steps for a
+    source that runs a model to guess, twice as far apart after each wrong guess: where the model never guesses
+    right its guesses cost next to nothing): the acceptance rate stays measured, and drafting resumes when the text
+    turns repetitive.
 
     Until the batcher has measured what a draft token costs, drafts are one token long (a batcher without a step
-    budget never measures it). The acceptance rate is (accepted + 1) / (judged + 2) over draft tokens, with their
-    counts decaying by `DECAY` at each step that judges one: it follows a change of the text within a few dozen
-    tokens.
+    budget never measures it). A client's prediction drafts at least `MIN_PREDICTED` tokens while the answer
+    follows it and the acceptance rate stays at `PREDICTED_RATE` or above: the client said what the answer is,
+    and step costs measured on a noisy clock must not talk the job out of an exact prediction.
+
+    The acceptance rate is (accepted + 1) / (judged + 2) over draft tokens, with their counts decaying by `DECAY`
+    at each step that judges one: it follows a change of the text within a few dozen tokens.
 
     Args:
         drafter: where the drafts come from.
@@ -236,11 +287,16 @@ class Speculation:
 
     DECAY = 0.95
     PRIOR_DRAFT_COST = 0.15  # a draft token's cost, as a share of the plain step, before it is measured
+    MIN_PREDICTED = 4
+    PREDICTED_RATE = 0.5  # the prior's rate: a prediction drafts from its first step
+    MAX_SHADOW_EVERY = 128
 
     def __init__(self, drafter: Drafter, max_draft: int, adaptive: bool = True):
         self.drafter, self.max_draft, self.adaptive = drafter, max_draft, adaptive
         self._accepted = self._judged = 0.0  # decayed counts
         self._shadow: int | None = None  # the token guessed without being sent, to check against the draw
+        self._quiet = 0  # steps without drafts since the last guess
+        self._shadow_every = drafter.shadow_every  # steps between guesses, now
         # totals, for the status and the history
         self.drafted = self.accepted = self.steps = 0  # draft tokens sent, kept, and the steps that sent some
         self.length = max_draft if not adaptive else 0  # the draft length last chosen
@@ -267,6 +323,8 @@ class Speculation:
             rate = (n_decoding + expected - 1.0) / (step + cost.seconds(k, n_decoding))
             if rate > best_rate:
                 best, best_rate = k, rate
+        if isinstance(self.drafter, Prediction) and self.drafter.followed and self.rate >= self.PREDICTED_RATE:
+            best = max(best, min(self.MIN_PREDICTED, self.max_draft))
         self.length = best
         return best
 
@@ -276,8 +334,11 @@ class Speculation:
         self._shadow = None
         if n <= 0:
             if self.adaptive and self.length == 0:
-                guess = self.drafter.propose(history, n_prompt, 1, seq)
-                self._shadow = guess[0] if guess else None
+                self._quiet += 1
+                if self._quiet >= self._shadow_every:
+                    self._quiet = 0
+                    guess = self.drafter.propose(history, n_prompt, 1, seq)
+                    self._shadow = guess[0] if guess else None
             return []
         return self.drafter.propose(history, n_prompt, n, seq)
 
@@ -293,7 +354,11 @@ class Speculation:
                 self.predicted_accepted += min(kept, self.drafter.from_prediction)
                 self.predicted_rejected += max(self.drafter.from_prediction - kept, 0)
         elif self._shadow is not None and drawn:
-            self._learn(int(drawn[0] == self._shadow), 1)
+            right = drawn[0] == self._shadow
+            self._learn(int(right), 1)
+            if self.drafter.shadow_every > 1:
+                self._shadow_every = self.drafter.shadow_every if right else min(2 * self._shadow_every,
+                                                                                 self.MAX_SHADOW_EVERY)
         self._shadow = None
 
     def _learn(self, accepted: int, judged: int) -> None:
@@ -303,17 +368,22 @@ class Speculation:
 
 
 def speculation(config: SpeculativeConfig, predicted: Sequence[int] | None = None,
-                draft_model: Drafter | None = None) -> Speculation | None:
+                draft_model: Drafter | None = None, mtp: MtpEngine | None = None) -> Speculation | None:
     """A job's speculation under `config`, drafting from `predicted` (the request's prediction, tokenised) where
-    the source allows, or from `draft_model` (the config's `draft_model`: a
-    `strata.scheduling.draft_model.DraftModel`); None with speculation off."""
+    the source allows, from `draft_model` (the config's `draft_model`: a
+    `strata.scheduling.draft_model.DraftModel`), or from the MTP block that `mtp` runs (an engine loaded with
+    it; the source "auto" drafts with it where the request sent no prediction); None with speculation off."""
     if config.source == "off":
         return None
     if config.source == "draft_model":
         if draft_model is None:
             raise ValueError("speculative.source is draft_model and no draft model is loaded")
         return Speculation(draft_model, config.max_draft, config.adaptive)
+    if config.source == "mtp" and mtp is None:
+        raise ValueError("speculative.source is mtp and the model runs no MTP block")
     drafter: Drafter = PromptLookup(config.min_ngram, config.max_ngram)
+    if mtp is not None and config.source in ("auto", "mtp"):
+        drafter = Mtp(mtp, drafter)
     if predicted and config.source == "auto":
         drafter = Prediction(predicted, drafter, config.min_ngram, config.max_ngram)
     return Speculation(drafter, config.max_draft, config.adaptive)

@@ -1,0 +1,283 @@
+/* mtp.c — the model's MTP block (multi-token prediction; Qwen3.5's nextn block) as speculative decoding's draft
+ * source. For a position p the block reads a pair: the trunk's final hidden state h_p and the token x_{p+1}
+ * that followed it; it predicts x_{p+2}:
+ *   u = eh_proj([enorm(embed(x_{p+1})), hnorm(h_p)])     the embedding first, as Qwen's checkpoints concatenate
+ *   u += attention(rmsnorm(u)) at position p, over the block's own KV rows of positions <= p
+ *   u += feed-forward(rmsnorm(u))                         the block's own experts and shared expert (or dense)
+ *   g = shared_head_norm(u); logits = g @ head            the block's head, else the model's output matrix
+ * h_p is the trunk's hidden state after the output norm: the one the model's own head scores, which is what
+ * Qwen3.5's block is fed by vLLM (qwen3_next_mtp) and llama.cpp (after its PR 24025). Drafts chain: the next
+ * pair is (g, the draft), one position on.
+ * The block attends over pairs of every earlier position, so each eval fills its rows for the chunk's tokens
+ * (mtp_fill: the pair of position p once x_{p+1} is in), and keeps the chunk's hidden states of each sequence's
+ * last STRATA_MTP_HISTORY positions: the next pair, and a draft after a rollback of up to that many positions,
+ * read them there. Rows and hidden states past the verified history are scratch that the next eval overwrites,
+ * so a wrong draft never reaches the block's view of the history. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "blocks.h"
+
+#define HIST STRATA_MTP_HISTORY
+
+// --- the context's buffers
+
+int mtp_alloc(strata_context *c) {
+    const strata_model_params *p = &c->model->hp;
+    size_t E = p->n_embd, B = c->n_batch, S = c->n_seq;
+    c->mtp_hidden = malloc(sizeof(float) * S * HIST * E);
+    c->mtp_hidden_pos = malloc(sizeof(int) * S * HIST);
+    c->mtp_hidden_rope = malloc(sizeof(int) * S * HIST * 3);
+    c->mtp_prev = malloc(sizeof(int) * S);
+    c->mtp_h = malloc(sizeof(float) * B * E);
+    c->mtp_in = malloc(sizeof(float) * B * 2 * E);
+    c->mtp_hrow = malloc(sizeof(float *) * B);
+    c->mtp_rope = malloc(sizeof(int) * B * 3);
+    c->mtp_g = malloc(sizeof(float) * B * E);
+    c->mtp_logits = malloc(sizeof(float) * B * p->n_vocab);
+    int **ints[] = {&c->mtp_tok, &c->mtp_embd, &c->mtp_seq, &c->mtp_pos, &c->mtp_row, &c->mtp_base, &c->mtp_next};
+    int ok = c->mtp_hidden && c->mtp_hidden_pos && c->mtp_hidden_rope && c->mtp_prev && c->mtp_h && c->mtp_in &&
+             c->mtp_hrow && c->mtp_rope && c->mtp_g && c->mtp_logits;
+    for (size_t i = 0; i < sizeof ints / sizeof ints[0]; i++) ok = ok && (*ints[i] = malloc(sizeof(int) * B));
+    for (size_t i = 0; ok && i < S * HIST; i++) c->mtp_hidden_pos[i] = -1;
+    return ok;
+}
+
+void mtp_free(strata_context *c) {
+    void *bufs[] = {c->mtp_hidden, c->mtp_hidden_pos, c->mtp_hidden_rope, c->mtp_prev, c->mtp_h, c->mtp_in,
+                    (void *)c->mtp_hrow, c->mtp_rope, c->mtp_g, c->mtp_logits, c->mtp_tok, c->mtp_embd,
+                    c->mtp_seq, c->mtp_pos, c->mtp_row, c->mtp_base, c->mtp_next};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
+}
+
+/* The held hidden-state row of (seq, position) and its RoPE position, or NULL where it is not held. */
+static const float *held(const strata_context *c, int seq, int pos, const int **rope) {
+    size_t at = (size_t)seq * HIST + pos % HIST;
+    if (pos < 0 || c->mtp_hidden_pos[at] != pos) return NULL;
+    *rope = c->mtp_hidden_rope + 3 * at;
+    return c->mtp_hidden + at * c->model->hp.n_embd;
+}
+
+void mtp_copy_prefix(strata_context *c, int src, int dst, int n) {
+    size_t E = c->model->hp.n_embd;
+    for (int i = 0; i < HIST; i++) {
+        size_t from = (size_t)src * HIST + i, to = (size_t)dst * HIST + i;
+        int pos = c->mtp_hidden_pos[from];
+        c->mtp_hidden_pos[to] = pos >= 0 && pos < n ? pos : -1;
+        if (c->mtp_hidden_pos[to] < 0) continue;
+        memcpy(c->mtp_hidden + to * E, c->mtp_hidden + from * E, sizeof(float) * E);
+        memcpy(c->mtp_hidden_rope + 3 * to, c->mtp_hidden_rope + 3 * from, sizeof(int) * 3);
+    }
+}
+
+// --- the block over a set of pairs
+
+/* mtp_in rows (n) = [enorm(the pair's token embedding, or the caller's row), hnorm(its hidden state)]. */
+static void pair_inputs(const team *tm, strata_context *c, const float *embd_rows, int n) {
+    const strata_model *m = c->model;
+    const layer_weights *L = m->mtp;
+    const matrix *embd = L->nextn_embed.data ? &L->nextn_embed : &m->tok_embd;
+    int64_t E = m->hp.n_embd, W = E * (1 + m->hp.n_deepstack);
+    float eps = m->hp.rms_eps;
+    range r = share(tm, n);
+    for (int64_t t = r.lo; t < r.hi; t++) {
+        float *e = c->mtp_in + t * 2 * E, *h = e + E;
+        if (c->mtp_embd[t] >= 0)
+            memcpy(e, embd_rows + (size_t)c->mtp_embd[t] * W, sizeof(float) * E);
+        else
+            strata_dequantize_row_any(embd->type, (const char *)embd->data + (size_t)c->mtp_tok[t] * embd->row_bytes,
+                                      e, E);
+        rmsnorm(e, e, L->nextn_enorm, E, eps);
+        if (c->mtp_hrow[t]) rmsnorm(h, c->mtp_hrow[t], L->nextn_hnorm, E, eps);
+        else memset(h, 0, sizeof(float) * E);
+    }
+    team_sync(tm);
+}
+
+static void swap_ints(int **a, int **b) {
+    int *t = *a;
+    *a = *b;
+    *b = t;
+}
+
+/* x rows (n) = the block over the pairs of mtp_in: eh_proj, attention at the pairs' positions (the chunk's arrays
+ * point at the pairs meanwhile; the block's routing is not recorded), the feed-forward. */
+static void run_block(const team *tm, strata_context *c, int n) {
+    const strata_model *m = c->model;
+    int il = m->hp.n_layer;
+    int *routing = c->route_rec;  // thread 0's, the one that records
+    linear1(tm, c, c->mtp_in, n, &m->mtp->nextn_eh_proj, c->x);
+    if (tm->ith == 0) {
+        swap_ints(&c->chunk_seq, &c->mtp_seq);
+        swap_ints(&c->chunk_pos, &c->mtp_pos);
+        swap_ints(&c->chunk_rope, &c->mtp_rope);
+        c->route_rec = NULL;
+    }
+    team_sync(tm);
+    block_attention(tm, c, il, n);
+    if (m->is_moe) block_moe_ffn(tm, c, il, n);
+    else block_dense_ffn(tm, c, il, n);
+    team_sync(tm);
+    if (tm->ith == 0) {
+        swap_ints(&c->chunk_seq, &c->mtp_seq);
+        swap_ints(&c->chunk_pos, &c->mtp_pos);
+        swap_ints(&c->chunk_rope, &c->mtp_rope);
+        c->route_rec = routing;
+    }
+    team_sync(tm);
+}
+
+// --- an eval's chunk: the pairs its tokens complete
+
+/* The chunk's pairs (thread 0): token t at position p > 0 completes the pair of p - 1, whose hidden state is the
+ * chunk's own (its sequence's previous token in the chunk) or held from an earlier eval. */
+static void plan_fill(strata_context *c, int n_tok) {
+    int n = 0;
+    for (int s = 0; s < c->n_seq; s++) c->mtp_prev[s] = -1;
+    for (int t = 0; t < n_tok; t++) {
+        int s = c->chunk_seq[t], pos = c->chunk_pos[t], prev = c->mtp_prev[s];
+        c->mtp_prev[s] = t;
+        if (pos == 0) continue;
+        const int *rope = NULL;
+        c->mtp_hrow[n] = prev >= 0 ? c->mtp_h + (size_t)prev * c->model->hp.n_embd : held(c, s, pos - 1, &rope);
+        if (prev >= 0) rope = c->chunk_rope + 3 * prev;
+        for (int a = 0; a < 3; a++) c->mtp_rope[3 * n + a] = rope ? rope[a] : pos - 1;
+        c->mtp_tok[n] = c->chunk_token[t];
+        c->mtp_embd[n] = c->chunk_embd[t];
+        c->mtp_seq[n] = s;
+        c->mtp_pos[n++] = pos - 1;
+    }
+    c->mtp_n = n;
+}
+
+/* The chunk's hidden states of each sequence's last HIST positions go where the pairs and drafts read them. */
+static void keep_hidden(const team *tm, strata_context *c, int n_tok) {
+    size_t E = c->model->hp.n_embd;
+    range r = share(tm, n_tok);
+    for (int64_t t = r.lo; t < r.hi; t++) {
+        int s = c->chunk_seq[t], pos = c->chunk_pos[t];
+        int last = c->chunk_pos[c->seq_tokens[c->seq_first[s + 1] - 1]];
+        if (pos <= last - HIST) continue;
+        size_t at = (size_t)s * HIST + pos % HIST;
+        memcpy(c->mtp_hidden + at * E, c->mtp_h + t * E, sizeof(float) * E);
+        memcpy(c->mtp_hidden_rope + 3 * at, c->chunk_rope + 3 * t, sizeof(int) * 3);
+        c->mtp_hidden_pos[at] = pos;
+    }
+    team_sync(tm);
+}
+
+void mtp_fill(const team *tm, strata_context *c, const float *embd_rows, int n_tok) {
+    const strata_model *m = c->model;
+    // the chunk's hidden states: output_norm(x), as the output head reads them
+    rmsnorm_rows(tm, c->mtp_h, c->x, m->output_norm, n_tok, m->hp.n_embd, m->hp.rms_eps);
+    if (tm->ith == 0) plan_fill(c, n_tok);
+    team_sync(tm);
+    int n = c->mtp_n;
+    if (n > 0) pair_inputs(tm, c, embd_rows, n);  // before keep_hidden can overwrite a held row it reads
+    keep_hidden(tm, c, n_tok);
+    if (n > 0) run_block(tm, c, n);
+}
+
+// --- drafts
+
+typedef struct {
+    strata_context *c;
+    int n, n_draft;
+    const int *seqs, *pos, *tokens;
+    int *drafts;
+    float *logits;
+} draft_job;
+
+/* Step k's pairs (thread 0): each sequence with its hidden state held, at position pos - 1 + k: the trunk's hidden
+ * state and the caller's token first, then the last step's hidden state and draft. */
+static void plan_draft(strata_context *c, const draft_job *j, int k) {
+    int n = 0;
+    for (int i = 0; i < j->n; i++) {
+        int s = j->seqs[i], p = j->pos[i] - 1 + k;
+        const int *rope = NULL;
+        const float *h = k == 0 ? held(c, s, p, &rope) : NULL;
+        if (k == 0 && !h) continue;
+        if (k == 0) {
+            c->mtp_row[n] = i;
+            c->mtp_hrow[n] = h;
+            c->mtp_tok[n] = j->tokens[i];
+            int top = rope[0] > rope[1] ? rope[0] : rope[1];
+            c->mtp_base[n] = 1 + (top > rope[2] ? top : rope[2]);  // text after p goes on from there
+            for (int a = 0; a < 3; a++) c->mtp_rope[3 * n + a] = rope[a];
+        } else {
+            if (j->drafts[(size_t)i * j->n_draft] < 0) continue;
+            c->mtp_hrow[n] = c->mtp_g + (size_t)n * c->model->hp.n_embd;  // row n kept its index: same rows
+            c->mtp_tok[n] = c->mtp_next[n];
+            for (int a = 0; a < 3; a++) c->mtp_rope[3 * n + a] = c->mtp_base[n] + k - 1;
+        }
+        c->mtp_embd[n] = -1;
+        c->mtp_seq[n] = s;
+        c->mtp_pos[n++] = p;
+    }
+    c->mtp_n = n;
+}
+
+/* Every thread's part of the drafts: per step, the block over the rows' pairs, their hidden states and logits,
+ * and each row's greedy draft. */
+static void draft_steps(int ith, int nth, void *arg) {
+    const draft_job *j = arg;
+    strata_context *c = j->c;
+    const strata_model *m = c->model;
+    const layer_weights *L = m->mtp;
+    const matrix *head = L->nextn_head.data ? &L->nextn_head : &m->output;
+    const float *head_norm = L->nextn_head_norm ? L->nextn_head_norm : m->output_norm;
+    int64_t E = m->hp.n_embd, V = m->hp.n_vocab;
+    team tm = {c->pool, ith, nth};
+    for (int k = 0; k < j->n_draft; k++) {
+        if (ith == 0) plan_draft(c, j, k);
+        team_sync(&tm);
+        int n = c->mtp_n;
+        if (n == 0) break;
+        pair_inputs(&tm, c, NULL, n);
+        run_block(&tm, c, n);
+        // g = shared_head_norm(x): the draft's hidden state, read by the next step; logits = g @ head
+        rmsnorm_rows(&tm, c->mtp_g, c->x, head_norm, n, E, m->hp.rms_eps);
+        team_sync(&tm);
+        linear1(&tm, c, c->mtp_g, n, head, c->mtp_logits);
+        range r = share(&tm, n);
+        for (int64_t i = r.lo; i < r.hi; i++) {
+            const float *row = c->mtp_logits + i * V;
+            int at = c->mtp_row[i];
+            c->mtp_next[i] = strata_argmax(row, (int)V);
+            j->drafts[(size_t)at * j->n_draft + k] = c->mtp_next[i];
+            if (j->logits) memcpy(j->logits + ((size_t)at * j->n_draft + k) * V, row, sizeof(float) * V);
+        }
+        team_sync(&tm);
+    }
+}
+
+strata_status strata_mtp_draft(strata_context *c, int n, const int *seqs, const int *pos, const int *tokens,
+                               int n_draft, int *drafts, float *logits) {
+    if (!c->mtp) return engine_fail(STRATA_ERR_INVALID_ARG, "mtp_draft: the context runs no MTP block");
+    if (n < 0 || n > c->n_batch || n_draft < 0 || (n > 0 && (!seqs || !pos || !tokens || !drafts)))
+        return engine_fail(STRATA_ERR_INVALID_ARG, "mtp_draft: %d sequences (at most n_batch, %d), %d drafts each",
+                           n, c->n_batch, n_draft);
+    for (int i = 0; i < n; i++) {
+        if (seqs[i] < 0 || seqs[i] >= c->n_seq)
+            return engine_fail(STRATA_ERR_INVALID_ARG, "mtp_draft: sequence %d outside [0, %d)", seqs[i], c->n_seq);
+        if (pos[i] < 1 || pos[i] + n_draft > c->n_ctx + 1)
+            return engine_fail(STRATA_ERR_INVALID_ARG, "mtp_draft: %d drafts after position %d exceed the context "
+                               "of %d", n_draft, pos[i], c->n_ctx);
+        if (tokens[i] < 0 || tokens[i] >= c->model->hp.n_vocab)
+            return engine_fail(STRATA_ERR_INVALID_ARG, "token id %d out of range [0, %d)", tokens[i],
+                               c->model->hp.n_vocab);
+        for (int e = 0; e < i; e++)
+            if (seqs[e] == seqs[i]) return engine_fail(STRATA_ERR_INVALID_ARG, "mtp_draft: sequence %d twice", seqs[i]);
+        for (int k = 0; k < n_draft; k++) drafts[(size_t)i * n_draft + k] = -1;
+    }
+    if (n == 0 || n_draft == 0) return STRATA_OK;
+    draft_job job = {c, n, n_draft, seqs, pos, tokens, drafts, logits};
+    strata_pool_run(c->pool, draft_steps, &job);
+    for (int s = 0; s < c->n_seq; s++)  // the block's polls took these flags: the next eval acts on them
+        if (c->dropped[s]) {
+            atomic_store(&c->abort_flag[s], 1);
+            c->dropped[s] = 0;
+        }
+    return STRATA_OK;
+}

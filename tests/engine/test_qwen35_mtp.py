@@ -1,0 +1,147 @@
+"""The MTP block of a Qwen3.5 file as a draft source (`Engine.mtp_draft`, `strata_mtp_draft`).
+
+- Numerics: the engine's drafts' logits against a reference in torch built independently of the engine: the
+  trunk's final hidden states from transformers' checkpoint, then [enorm(embedding), hnorm(hidden)] through the
+  block's projection, then transformers' own Qwen3.5 decoder layer (gated attention and the MoE) with the block's
+  weights, its norm and the model's head; chained on the block's own hidden state and draft. A prompt fed in two
+  calls and chunks, then a decode step: the block's KV rows of every earlier position are the eval's.
+- A sequence's drafts are the same beside another sequence, after a rejected draft was rolled back (its hidden
+  states and the block's rows past the history are scratch), and in a copy of its prefix.
+- An abort raised meanwhile is left for the next eval; a context without the block refuses drafts.
+
+Measured here (F32, f32 KV cache): ~1e-6 of the logits' std, as the trunk.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import torch
+from qwen35_checkpoints import mtp_tensors
+
+from strata.engine_cffi import BatchItem, Engine, EngineAborted, EngineError
+
+TOLERANCE = 1e-3  # max |engine - reference| / std(reference logits), as the trunk's tests
+N_DRAFT = 3
+
+
+@pytest.fixture(scope="module")
+def model_and_file(qwen35_files: Callable[[tuple[str, int, bool, bool]], tuple[torch.nn.Module, pathlib.Path]]
+                   ) -> tuple[torch.nn.Module, pathlib.Path]:
+    """The fast tier's Qwen3.5 MoE checkpoint (tests/engine/test_qwen35.py), with its MTP block."""
+    return qwen35_files(("qwen35moe", 2, True, True))
+
+
+class Reference:
+    """The MTP block in torch: transformers' decoder layer class (one full-attention layer) with the block's
+    weights, and the projection and norms around it written out here."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        weights = mtp_tensors(model)
+        config = model.config.__class__(**{**model.config.to_dict(), "num_hidden_layers": 1,
+                                           "layer_types": ["full_attention"]})
+        config._attn_implementation = "eager"
+        self.block = model.__class__(config).float().eval()
+        state = {f"model.layers.0.{name.removeprefix('mtp.layers.0.')}": w for name, w in weights.items()
+                 if name.startswith("mtp.layers.0.")}
+        state["model.norm.weight"] = weights["mtp.norm.weight"]
+        missing = self.block.load_state_dict(state, strict=False).missing_keys
+        assert set(missing) <= {"model.embed_tokens.weight", "lm_head.weight"}
+        norm = type(model.model.norm)
+        self.enorm, self.hnorm = norm(config.hidden_size, config.rms_norm_eps), norm(config.hidden_size,
+                                                                                      config.rms_norm_eps)
+        with torch.no_grad():
+            self.enorm.weight.copy_(weights["mtp.pre_fc_norm_embedding.weight"])
+            self.hnorm.weight.copy_(weights["mtp.pre_fc_norm_hidden.weight"])
+        self.fc = weights["mtp.fc.weight"]
+
+    @torch.no_grad()
+    def drafts(self, tokens: list[int], token: int, chain: list[int]) -> np.ndarray:
+        """The logits of each draft after `tokens` then `token`, chained on `chain` (the drafts taken)."""
+        hidden = list(self.model.model(torch.tensor([tokens])).last_hidden_state[0])  # after the output norm
+        followers = tokens[1:] + [token]
+        out = []
+        for draft in [None, *chain]:
+            if draft is not None:
+                followers.append(draft)
+            embed = self.model.model.embed_tokens(torch.tensor(followers))
+            pairs = torch.cat([self.enorm(embed), self.hnorm(torch.stack(hidden))], dim=-1) @ self.fc.T
+            g = self.block.model(inputs_embeds=pairs[None]).last_hidden_state[0, -1]  # its norm: shared_head_norm
+            hidden.append(g)
+            out.append(self.model.lm_head(g).numpy())
+        return np.stack(out)
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(0, 151000, n)]
+
+
+def _distance(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.abs(got - want).max() / want.std())
+
+
+def test_drafts_match_the_reference(model_and_file: tuple[torch.nn.Module, pathlib.Path]) -> None:
+    model, path = model_and_file
+    prompt, (decoded, token) = _tokens(40, 1), _tokens(2, 2)
+    with Engine.load(path, n_ctx=256, threads=2, kv="f32", n_batch=16, mtp=True) as engine:
+        assert engine.has_mtp and engine.mtp
+        engine.eval(prompt[:25])  # two calls, chunks of 16: held hidden states between them
+        engine.eval(prompt[25:])
+        engine.eval([decoded])
+        drafts, logits = engine.mtp_draft([0], [41], [token], N_DRAFT, logits=True)
+    assert logits is not None and (drafts[0] == logits[0].argmax(-1)).all()
+    want = Reference(model).drafts(prompt + [decoded], token, [int(t) for t in drafts[0][:-1]])
+    assert _distance(logits[0], want) <= TOLERANCE
+
+
+def test_drafts_beside_another_sequence_and_after_a_rollback(model_and_file: tuple[torch.nn.Module, pathlib.Path]
+                                                              ) -> None:
+    path = model_and_file[1]
+    prompt, other, (x, token), wrong = _tokens(30, 3), _tokens(20, 4), _tokens(2, 5), _tokens(3, 6)
+    with Engine.load(path, n_ctx=128, threads=2, kv="f32", n_batch=64, n_seq=3, mtp=True) as engine:
+        engine.eval(prompt + [x], seq=0)
+        alone = engine.mtp_draft([0], [31], [token], N_DRAFT, logits=True)
+        # beside another sequence's prompt, and after a draft that was verified and rejected
+        engine.eval_batch([BatchItem(1, prompt, None, "last"), BatchItem(2, other, None, "last")])
+        engine.eval_batch([BatchItem(1, [x, *wrong], None, "all"), BatchItem(2, [token], None, "last")])
+        engine.keep(31, seq=1)
+        both = engine.mtp_draft([2, 1], [21, 31], [x, token], N_DRAFT, logits=True)
+    assert alone[1] is not None and both[1] is not None
+    assert (both[0][1] == alone[0][0]).all()
+    assert _distance(both[1][1], alone[1][0]) <= TOLERANCE
+
+
+def test_a_copied_prefix_drafts_as_its_source(model_and_file: tuple[torch.nn.Module, pathlib.Path]) -> None:
+    with Engine.load(model_and_file[1], n_ctx=64, threads=2, kv="f32", n_seq=2, mtp=True) as engine:
+        engine.eval(_tokens(20, 9))
+        engine.copy_prefix(0, 1, 20)  # the block's rows and the held hidden states go along
+        drafts, logits = engine.mtp_draft([0, 1], [20, 20], [5, 5], N_DRAFT, logits=True)
+    assert logits is not None and (drafts[0] == drafts[1]).all() and (logits[0] == logits[1]).all()
+
+
+def test_an_abort_meanwhile_is_left_for_the_next_eval(model_and_file: tuple[torch.nn.Module, pathlib.Path]) -> None:
+    with Engine.load(model_and_file[1], n_ctx=64, threads=2, kv="f32", mtp=True) as engine:
+        engine.eval(_tokens(10, 7))
+        engine.abort()
+        drafts, _ = engine.mtp_draft([0], [10], [5], N_DRAFT)
+        assert (drafts >= 0).all()
+        with pytest.raises(EngineAborted):
+            engine.eval([5])
+
+
+def test_drafts_need_the_block_and_its_hidden_state(model_and_file: tuple[torch.nn.Module, pathlib.Path]) -> None:
+    path = model_and_file[1]
+    with Engine.load(path, n_ctx=64, threads=2) as engine:
+        assert engine.has_mtp and not engine.mtp
+        with pytest.raises(EngineError, match="runs no MTP block"):
+            engine.mtp_draft([0], [1], [5], 2)
+    with Engine.load(path, n_ctx=64, threads=2, mtp=True) as engine:
+        drafts, _ = engine.mtp_draft([0], [3], [5], 2)  # nothing evaluated: no hidden state held
+        assert (drafts == -1).all()
+        engine.eval(_tokens(3, 8))
+        with pytest.raises(EngineError, match="exceed the context"):
+            engine.mtp_draft([0], [3], [5], 63)
