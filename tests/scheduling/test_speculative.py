@@ -563,7 +563,7 @@ def test_the_mtp_block_guesses_ever_less_often_while_wrong() -> None:
     """Where drafts do not pay, a job guesses a token without sending it: each step from the prompt lookup (it costs
     nothing), from the MTP block (a guess runs it and the output product) every `shadow_every` steps, twice as far
     apart after each wrong guess, and every `shadow_every` steps again after a right one."""
-    costs = (1.0, 1.0)  # no draft length pays
+    costs = VerifyCost(1.0, 1.0)  # no draft length pays
     block = FixedMtp([7])
     spec = Speculation(Mtp(block, PromptLookup()), 4)
     every = Mtp.shadow_every
@@ -579,7 +579,7 @@ def test_the_mtp_block_guesses_ever_less_often_while_wrong() -> None:
 
 
 def test_a_followed_prediction_drafts_its_minimum_where_the_costs_say_none() -> None:
-    costs = (1.0, 1.0)  # a step with one draft costs three plain steps: no draft length pays
+    costs = VerifyCost(1.0, 1.0)  # a step with one draft costs three plain steps: no draft length pays
     predicted = speculation(ADAPTIVE, list(range(1, 20)))
     lookup = speculation(ADAPTIVE)
     assert predicted is not None and lookup is not None

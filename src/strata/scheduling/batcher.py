@@ -42,7 +42,7 @@ from strata.engine_cffi import BatchItem, EngineAborted, EngineError
 from strata.kv_disk.reader import Load
 from strata.kv_disk.tier import KvTier
 from strata.pictures.expand import embeds_from
-from strata.scheduling.drafts import Speculation, VerifyCost
+from strata.scheduling.drafts import MtpAsk, Speculation, VerifyCost, draft_together
 from strata.scheduling.engine_like import EngineLike
 from strata.scheduling.snapshots import Snapshots, snapshot_points
 from strata.text.sampling import Sampler, log_probabilities
@@ -628,13 +628,20 @@ class Batcher:
         decoding = [job for job in self.jobs if job.decoding]
         room = self.step_tokens - len(decoding)  # for drafts, then prompt chunks
         plain = self.budget is not None and self.budget.wants_plain_step(len(decoding))
+        steps = []
         for job in decoding:
             n_past = self.engine.seq_n_past(job.seq)
             tokens = job.history[n_past:]  # its last token (and, on a recurrent engine, accepted ones again)
-            draft = self._draft(job, n_past, tokens, len(decoding), 0 if plain else room)
+            length = self._draft_length(job, n_past, tokens, len(decoding))  # chosen also in a plain step
+            steps.append((job, n_past, tokens, 0 if plain else length))
+        asks = self._run_blocks(steps, room)
+        for job, n_past, tokens, length in steps:
+            draft = self._draft(job, n_past, tokens, min(length, room))
             room -= len(draft)
             items.append(BatchItem(job.seq, tokens + draft, None, "all" if draft else "last"))
             work.append(job)
+        for ask in asks:
+            ask.drafter.forget()
         budget = room if decoding else self.n_batch
         # A short prompt (a side request, a parallel one) joins within the token cap at once; only a prompt
         # longer than that, which would hold the streams for many steps, is cut by time.
@@ -657,21 +664,38 @@ class Batcher:
         self.last_batch = sum(len(item.tokens) for item in items)
         return items, work, len(decoding)
 
-    def _draft(self, job: Job, n_past: int, tokens: list[int], n_decoding: int, room: int) -> list[int]:
-        """The draft the job's step verifies (at most `room` tokens, within its context and its token budget),
-        planned for `_advance` with what a rollback needs (a recurrent engine's state before it)."""
+    def _draft_length(self, job: Job, n_past: int, tokens: list[int], n_decoding: int) -> int:
+        """The most draft tokens the job's step may carry before the step's room: the length its speculation
+        chooses, within its context and its token budget."""
         speculation = job.speculation
         if speculation is None:
-            return []
+            return 0
         budget = self.budget
         length = speculation.choose(n_decoding, budget.decode_seconds(n_decoding) if budget else None,
                                     budget.draft_costs() if budget else None)
-        room = min(length, room, self.engine.n_ctx - n_past - len(tokens), job.budget - len(job.tokens) - 1)
         if self.snapshots is not None and len(tokens) > 1:
             # Invariant: tokens a recurrent engine's rollback took back are evaluated again without a draft, so this
             # step keeps them: a draft rejected with them would take them back again, every step, while the step
             # grew by a token each time.
-            room = 0
+            return 0
+        return min(length, self.engine.n_ctx - n_past - len(tokens), job.budget - len(job.tokens) - 1)
+
+    def _run_blocks(self, steps: list[tuple[Job, int, list[int], int]], room: int) -> list[MtpAsk]:
+        """Run the MTP block once for the drafts and shadow guesses the step's jobs (job, n_past, tokens, draft
+        length) will ask of it, each for as many tokens as it may draft with all of the step's `room`
+        (`draft_together`); returns the asks, whose drafts the jobs not drafting after all leave."""
+        asks = [ask for job, _, _, length in steps if job.speculation is not None and (
+            ask := job.speculation.block_ask(job.history, job.n_prompt, max(min(length, room), 0), job.seq))]
+        if asks:
+            draft_together(asks, self.engine.n_ctx)
+        return asks
+
+    def _draft(self, job: Job, n_past: int, tokens: list[int], room: int) -> list[int]:
+        """The draft the job's step verifies (at most `room` tokens: `_draft_length` within the step's room),
+        planned for `_advance` with what a rollback needs (a recurrent engine's state before it)."""
+        speculation = job.speculation
+        if speculation is None:
+            return []
         draft = speculation.draft(job.history, job.n_prompt, max(room, 0), job.seq)[:max(room, 0)]
         state = self.engine.save_state(job.seq) if draft and self.snapshots is not None else None
         self._drafts[job] = _Planned(n_past, tokens + draft, draft, state, len(job.tokens))

@@ -143,6 +143,12 @@ class Prediction:
         self.from_prediction = 0  # tokens of the last proposal taken from the prediction
 
     def propose(self, history: Sequence[int], n_prompt: int, n: int, seq: int = 0) -> list[int]:
+        draft = self.own(history, n_prompt, n)
+        self.from_prediction = len(draft)
+        return draft if draft else self.fallback.propose(history, n_prompt, n, seq)
+
+    def own(self, history: Sequence[int], n_prompt: int, n: int) -> list[int]:
+        """The prediction's own draft of `n` tokens at most for `history`; [] where `propose` asks the fallback."""
         answer = history[n_prompt:]
         while 0 <= self._aligned < len(answer):
             if self._aligned < len(self.predicted) and answer[self._aligned] == self.predicted[self._aligned]:
@@ -154,9 +160,7 @@ class Prediction:
         else:
             self.index.extend(self.predicted)
             start, _ = self.index.match(self.predicted, answer)
-        draft = self.predicted[start:start + n] if start >= 0 else []
-        self.from_prediction = len(draft)
-        return draft if draft else self.fallback.propose(history, n_prompt, n, seq)
+        return self.predicted[start:start + n] if start >= 0 else []
 
     @property
     def followed(self) -> bool:
@@ -176,20 +180,63 @@ class Mtp:
     hidden state of the job's last evaluated token (held by the engine for the last positions each sequence
     evaluated, so also after a rollback) and its next token; `fallback` where the block has no draft. A guess
     runs the block and the output product once (in a small model about half a plain step): a job whose drafts
-    do not pay guesses every `shadow_every` steps, less often while it guesses wrong."""
+    do not pay guesses every `shadow_every` steps, less often while it guesses wrong. The batcher runs the block
+    for all of a step's jobs in one call (`draft_together`) before they propose."""
 
     shadow_every = 8
 
     def __init__(self, engine: MtpEngine, fallback: Drafter):
         self.engine, self.fallback = engine, fallback
+        self._ready: tuple[int, int, np.ndarray] | None = None  # `draft_together`'s: (position, token, drafts)
 
     def propose(self, history: Sequence[int], n_prompt: int, n: int, seq: int = 0) -> list[int]:
+        ready, self._ready = self._ready, None
         if len(history) >= 2:
-            drafts, _ = self.engine.mtp_draft([seq], [len(history) - 1], [history[-1]], n)
-            draft = [int(t) for t in drafts[0] if t >= 0]
+            pos, token = len(history) - 1, history[-1]
+            if ready is not None and ready[:2] == (pos, token) and len(ready[2]) >= n:
+                row = ready[2][:n]  # a chain's first n drafts are the drafts of n
+            else:
+                row = self.engine.mtp_draft([seq], [pos], [token], n)[0][0]
+            draft = [int(t) for t in row if t >= 0]
             if draft:
                 return draft
         return self.fallback.propose(history, n_prompt, n, seq)
+
+    def take(self, history: Sequence[int], drafts: np.ndarray) -> None:
+        """`drafts` (the block's for `history`, run with other jobs') are the next `propose`'s for `history`."""
+        self._ready = (len(history) - 1, history[-1], drafts)
+
+    def forget(self) -> None:
+        """Drop drafts `propose` did not take: the block's held hidden states move on with the next eval."""
+        self._ready = None
+
+
+@dataclass(frozen=True)
+class MtpAsk:
+    """A job's call of the MTP block in a step: its drafter, sequence and history, and the drafts it asks for."""
+
+    drafter: Mtp
+    seq: int
+    history: Sequence[int]
+    n: int
+
+
+def draft_together(asks: Sequence[MtpAsk], n_ctx: int) -> None:
+    """Run the MTP block once for several jobs (once per engine) of a context of `n_ctx` positions: each job's
+    chain as long as the longest asked, one pass over the block's weights and the output matrix per chained
+    position for all of them; each drafter's next `propose` for its history takes its first `n` (the drafts it
+    gets alone). A job whose chain that long would pass the context's end is left to its own call."""
+    by_engine: dict[int, list[MtpAsk]] = {}
+    for ask in asks:
+        by_engine.setdefault(id(ask.drafter.engine), []).append(ask)
+    for group in by_engine.values():
+        n_draft = max(ask.n for ask in group)
+        group = [ask for ask in group if len(ask.history) - 1 + n_draft <= n_ctx + 1]
+        drafts, _ = group[0].drafter.engine.mtp_draft([ask.seq for ask in group],
+                                                      [len(ask.history) - 1 for ask in group],
+                                                      [ask.history[-1] for ask in group], n_draft)
+        for ask, row in zip(group, drafts, strict=True):
+            ask.drafter.take(ask.history, row)
 
 
 @dataclass(frozen=True)
@@ -332,15 +379,32 @@ class Speculation:
         """The draft to send for the job on sequence `seq` (`n` tokens at most: `choose`'s length within what the
         step has room for); with a length of 0, a shadow guess kept for `judge` instead."""
         self._shadow = None
+        asked = self._asks(n)
         if n <= 0:
             if self.adaptive and self.length == 0:
-                self._quiet += 1
-                if self._quiet >= self._shadow_every:
-                    self._quiet = 0
-                    guess = self.drafter.propose(history, n_prompt, 1, seq)
-                    self._shadow = guess[0] if guess else None
+                self._quiet = 0 if asked else self._quiet + 1
+            if asked:
+                guess = self.drafter.propose(history, n_prompt, asked, seq)
+                self._shadow = guess[0] if guess else None
             return []
         return self.drafter.propose(history, n_prompt, n, seq)
+
+    def _asks(self, n: int) -> int:
+        """The tokens `draft(..., n)` asks its drafter for: `n`, 1 for a shadow guess that is due, else 0."""
+        if n > 0:
+            return n
+        return int(self.adaptive and self.length == 0 and self._quiet + 1 >= self._shadow_every)
+
+    def block_ask(self, history: Sequence[int], n_prompt: int, n: int, seq: int) -> MtpAsk | None:
+        """The MTP block's call that `draft(history, n_prompt, n, seq)` makes; None where it makes none."""
+        asked, drafter = self._asks(n), self.drafter
+        if isinstance(drafter, Prediction):
+            if asked and drafter.own(history, n_prompt, asked):
+                return None
+            drafter = drafter.fallback
+        if not asked or not isinstance(drafter, Mtp) or len(history) < 2:
+            return None
+        return MtpAsk(drafter, seq, history, asked)
 
     def judge(self, draft: Sequence[int], kept: int, drawn: Sequence[int]) -> None:
         """The step's outcome: `kept` tokens of `draft` were accepted; `drawn` the tokens the step gave the job."""
