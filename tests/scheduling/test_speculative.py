@@ -23,6 +23,7 @@ from strata.scheduling.drafts import (
     PromptLookup,
     Speculation,
     VerifyCost,
+    draft_together,
     speculation,
 )
 from strata.text.sampling import Sampler, SamplingParams
@@ -631,3 +632,82 @@ def test_mtp_drafts_through_the_engine_give_each_job_its_greedy_answer(tmp_path)
         spec = speculation(SpeculativeConfig(source="auto", adaptive=False, max_draft=3), plain[0][:12], mtp=block)
         assert run([spec, None]) == plain
         assert spec is not None and spec.accepted > 0 and block.given > given
+
+
+class BatchCheckingMtp:
+    """A real engine's MTP block that checks each call's drafts against each sequence's drafts alone (the whole
+    chain, and its first token asked for alone), and records the sequences of each call."""
+
+    def __init__(self, engine: MtpEngine):
+        self.engine, self.calls = engine, []
+
+    def mtp_draft(self, seqs: Sequence[int], pos: Sequence[int], tokens: Sequence[int], n_draft: int,
+                  logits: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
+        drafts, rows = self.engine.mtp_draft(seqs, pos, tokens, n_draft, logits)
+        for i, seq in enumerate(seqs):
+            alone, _ = self.engine.mtp_draft([seq], [pos[i]], [tokens[i]], n_draft)
+            first, _ = self.engine.mtp_draft([seq], [pos[i]], [tokens[i]], 1)
+            assert (alone[0] == drafts[i]).all() and first[0][0] == drafts[i][0]
+        self.calls.append(list(seqs))
+        return drafts, rows
+
+
+def test_a_step_drafts_for_all_its_mtp_jobs_in_one_call(tmp_path) -> None:
+    """Four streams with the MTP block's drafts of 1 to 3 tokens (a step's call chains as far as the longest):
+    one call of the block a step, for every job, each job's drafts bit-identical to its drafts alone; the answers
+    those of decoding without drafts."""
+    from strata.engine_cffi import Engine
+    from strata.modelgen import write_random_model
+
+    path = write_random_model(tmp_path / "m.gguf", arch="qwen35moe", size="tiny", dtype="q8_0")
+    with Engine.load(path, n_ctx=256, threads=1, n_seq=4, mtp=True) as engine:
+        rng = np.random.default_rng(1)
+        prompts = [[int(t) for t in rng.integers(0, engine.n_vocab, n)] for n in (30, 20, 16, 12)]
+
+        def run(specs: list[Speculation | None]) -> tuple[list[list[int]], int]:
+            batcher = Batcher(engine, slowdown=None)
+            jobs = [Job(prompt, Sampler(GREEDY, engine.n_vocab), 16, set(), speculation=spec)
+                    for prompt, spec in zip(prompts, specs, strict=True)]
+            for job in jobs:
+                batcher.add(job)
+            calls = []  # the block's calls in each step
+            while any(job.finish is None for job in jobs):
+                before = len(block.calls)
+                batcher.step()
+                calls.append(len(block.calls) - before)
+            for seq in range(engine.n_seq):
+                engine.keep(0, seq)
+            return [job.tokens for job in jobs], calls
+
+        block = BatchCheckingMtp(engine)
+        plain, _ = run([None] * 4)
+        specs = [speculation(SpeculativeConfig(source="mtp", adaptive=False, max_draft=n), mtp=block)
+                 for n in (1, 2, 3, 3)]
+        answers, calls = run(specs)
+    assert answers == plain
+    assert max(calls) == 1 and max(len(seqs) for seqs in block.calls) == 4
+    assert all(spec is not None and spec.drafted > 0 for spec in specs)
+
+
+def test_a_jobs_ask_of_the_mtp_block_is_the_call_its_draft_makes() -> None:
+    """`block_ask` names the block's call of the job's next `draft` (which the batcher runs with other jobs'):
+    a shadow guess only on the steps it is due, none where a followed prediction drafts, and the drafts the call
+    gave are the draft's."""
+    costs = VerifyCost(1.0, 1.0)  # no draft length pays: shadow guesses only
+    block = FixedMtp([7])
+    spec = Speculation(Mtp(block, PromptLookup()), 4)
+    history = [1, 2, 3, 1, 2]
+    for _ in range(3 * Mtp.shadow_every):
+        assert spec.choose(1, 1.0, costs) == 0
+        ask, given = spec.block_ask(history, 3, 0, 0), block.given
+        spec.draft(history, 3, 0)
+        assert (ask is not None) == (block.given > given)
+        spec.judge([], 0, [9])
+    predicted = speculation(ADAPTIVE, [5, 6, 7], mtp=block)
+    assert predicted is not None and predicted.block_ask([1, 2, 5], 2, 2, 0) is None
+    assert predicted.draft([1, 2, 5], 2, 2) == [6, 7]
+    ask = predicted.block_ask([1, 2, 5, 8], 2, 2, 0)  # the answer left the prediction: the block drafts
+    assert ask is not None and ask.n == 2
+    draft_together([ask], 100)
+    given = block.given
+    assert predicted.draft([1, 2, 5, 8], 2, 2) == [7] and block.given == given  # taken from the joint call
