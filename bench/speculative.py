@@ -20,7 +20,8 @@
   each from the first decode step on; decode tokens/s and the acceptance rate, with the answers compared (four
   streams' prompts are chunked by measured time, and a hybrid's prompt rounds by its chunks: reported only). Its
   weights are random: the block is not trained to guess the trunk, so its drafts are about never right here, and
-  this measures what they cost.
+  this measures what they cost. Then the block's draft calls alone: 1 and 3 drafts for one sequence, for four in
+  a call each, and for four in one call (the batcher's, one a step), the median of many.
 
 Rates are wall-clock and per CPU second of the engine's threads (which the load of other processes on a shared
 machine does not stretch); the table shows medians of `--repeat` runs.
@@ -190,6 +191,29 @@ def mtp_traces(threads: int, repeat: int, tokens: int) -> tuple[dict[str, dict[s
     return medians(results), acceptance
 
 
+def mtp_call_costs(threads: int, rounds: int) -> dict[tuple[int, str], tuple[float, float]]:
+    """The block's draft calls after four 200-token prompts: (drafts, how) -> median seconds, wall and CPU, for one
+    sequence, four in a call each, and four in one call."""
+    rng = np.random.default_rng(3)
+    prompts = [[int(t) for t in rng.integers(0, 151000, 200)] for _ in range(4)]
+    costs: dict[tuple[int, str], tuple[float, float]] = {}
+    with Engine.load(small_model("qwen35moe"), n_ctx=1024, threads=threads, n_seq=4, mtp=True) as engine:
+        engine.eval_batch([BatchItem(seq, prompt, None, "last") for seq, prompt in enumerate(prompts)])
+        calls = {"one sequence": [[0]], "4 sequences, a call each": [[0], [1], [2], [3]],
+                 "4 sequences, one call": [[0, 1, 2, 3]]}
+        for n_draft in (1, 3):
+            for how, groups in calls.items():
+                walls, cpus = [], []
+                for _ in range(rounds):
+                    wall, cpu = time.perf_counter(), engine.cpu_seconds()
+                    for seqs in groups:
+                        engine.mtp_draft(seqs, [200] * len(seqs), [5] * len(seqs), n_draft)
+                    walls.append(time.perf_counter() - wall)
+                    cpus.append(engine.cpu_seconds() - cpu)
+                costs[n_draft, how] = statistics.median(walls), statistics.median(cpus)
+    return costs
+
+
 # --- http: the demo model through the API
 
 
@@ -312,6 +336,9 @@ def main() -> None:
         rates, acceptance = mtp_traces(args.threads, args.repeat, args.tokens)
         print(table("small Q8_0 qwen35moe with its MTP block, batcher", rates, tuple(MTP_MODES)[1:]), flush=True)
         print("acceptance: " + ", ".join(f"{mode} {rate:.3f}" for mode, rate in acceptance.items()), flush=True)
+        print("| the block's drafts | ms | CPU ms |\n|---|---|---|")
+        for (n_draft, how), (wall, cpu) in mtp_call_costs(args.threads, 20 * args.repeat).items():
+            print(f"| {n_draft}, {how} | {wall * 1e3:.2f} | {cpu * 1e3:.2f} |", flush=True)
     if "http" in parts:
         print(table("demo model, HTTP API", http_traces(args.repeat, args.threads, args.tokens)), flush=True)
     print(f"load average {os.getloadavg()[0]:.2f}")
