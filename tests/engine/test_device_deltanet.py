@@ -76,6 +76,19 @@ def test_l2_norm_normalises_each_head_in_place_and_leaves_the_rest(dev):
     np.testing.assert_array_equal(arrays["x"][:, 32:], x[:, 32:])
 
 
+def test_dn_gates_match_numpy_on_both_sides_of_softplus_threshold(dev):
+    rng = np.random.default_rng(3)
+    alpha = np.array([[-30, -3, 0, 5, 19.5, 25]], np.float32)
+    beta = np.array([[-20, -1, 0, 0.5, 3, 30]], np.float32)
+    a, dt_bias = -rng.uniform(0.1, 10, 6).astype(np.float32), np.full(6, 0.25, np.float32)
+    arrays = {"alpha": alpha.copy(), "beta": beta.copy(), "a": a, "dt_bias": dt_bias}
+    launch(dev, "dn_gates", arrays, n_tok=1, n_head=6)
+    x = alpha.astype(np.float64) + dt_bias
+    g = a * np.where(x > 20, x, np.log1p(np.exp(np.minimum(x, 20))))
+    assert np.all(np.abs(arrays["alpha"] - g) <= 1e-6 * np.abs(g) + 1e-30)
+    assert np.all(np.abs(arrays["beta"] - 1 / (1 + np.exp(-beta.astype(np.float64)))) <= 1e-7)
+
+
 def test_gated_rms_norm_matches_numpy(dev):
     rng = np.random.default_rng(2)
     x = (rng.standard_normal((6, 32)) * [[0.01], [1], [30], [1e3], [1], [1]]).astype(np.float32)

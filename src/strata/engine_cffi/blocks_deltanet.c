@@ -82,6 +82,15 @@ void deltanet_l2norm(float *x, int n, float scale) {
     for (int i = 0; i < n; i++) x[i] *= f;
 }
 
+/* A token's gates per v head, in place: alpha -> g = a softplus(alpha + dt_bias) (the decay's log), b -> beta =
+ * sigmoid(b) (the write strength). */
+void deltanet_gates(float *alpha, float *beta, const float *a, const float *dt_bias, int n_heads) {
+    for (int h = 0; h < n_heads; h++) {
+        alpha[h] = a[h] * softplus(alpha[h] + dt_bias[h]);
+        beta[h] = 1.0f / (1.0f + expf(-beta[h]));
+    }
+}
+
 /* Per token, this thread's share: q, k heads L2-normed (q by 1/sqrt(head size) too); alpha -> g (the decay's
  * log, in place), b -> beta (in place). No barrier. */
 static void gates_and_norms(const team *tm, strata_context *c, const layer_weights *L, int n_tok) {
@@ -96,10 +105,7 @@ static void gates_and_norms(const team *tm, strata_context *c, const layer_weigh
             deltanet_l2norm(row + (size_t)h * dk, dk, q_scale);
             deltanet_l2norm(row + (size_t)(hk + h) * dk, dk, 1.0f);
         }
-        for (int h = 0; h < hv; h++) {
-            alpha[h] = L->ssm_a[h] * softplus(alpha[h] + L->ssm_dt[h]);
-            beta[h] = 1.0f / (1.0f + expf(-beta[h]));
-        }
+        deltanet_gates(alpha, beta, L->ssm_a, L->ssm_dt, hv);
     }
 }
 

@@ -17,7 +17,8 @@ passes when the fast kernel is within the stated tolerance of both:
 - rows added: 1e-5 of the sum of the terms' magnitudes;
 - top-k: the same experts in the same order, weights within 1e-5;
 - DeltaNet: the convolution within 1e-5 of sum_j |w_j| times the largest |x|, its conv state exactly (copied
-  inputs); L2 norm within 1e-5 of the scale; the gated RMS norm within 1e-5 of each value's magnitude; the delta
+  inputs); L2 norm within 1e-5 of the scale; the gates within 1e-5 of |a| (1 + |alpha + dt_bias|), beta within
+  1e-6; the gated RMS norm within 1e-5 of each value's magnitude; the delta
   rule (outputs and the state after it) within 1e-5 of the largest |value| (at least 1), decode (one token per
   sequence) and a prompt (sequences of ragged lengths, crossing the host's 64-token chunks: the CPU engine's
   chunked form against the card's token loop, two orders of the same sums).
@@ -376,6 +377,24 @@ def l2_norm_case(n_tok: int, n_head: int, hd: int, rng: np.random.Generator) -> 
                 lambda _: bound, 4 * n_tok * n_head * hd)
 
 
+def dn_gates_case(n_tok: int, n_head: int, rng: np.random.Generator) -> Case:
+    """alpha + dt_bias across softplus's threshold of 20; g and beta read back side by side."""
+    alpha = (rng.standard_normal((n_tok, n_head)) * 12).astype(np.float32)
+    beta = (rng.standard_normal((n_tok, n_head)) * 4).astype(np.float32)
+    a = -rng.uniform(0.1, 10, n_head).astype(np.float32)
+    dt_bias = rng.standard_normal(n_head).astype(np.float32)
+    g_bound = RTOL * np.abs(a) * (1 + np.abs(alpha.astype(np.float64) + dt_bias))
+    bound = np.concatenate([g_bound, np.full(beta.shape, 1e-6)], axis=1)
+    arrays = {"alpha": alpha, "beta": beta, "a": a, "dt_bias": dt_bias}
+
+    def out(dev: Device, a: dict[str, Any]) -> np.ndarray:
+        return np.concatenate([dev.to_host(a[n], alpha.shape, np.float32) for n in ("alpha", "beta")], axis=1)
+
+    return Case("dn_gates", "f32", f"{n_tok}x{n_head}", lambda dev: dict(n_tok=n_tok, n_head=n_head) |
+                _buffers(arrays, {})(dev), out, _in_place(arrays, ("alpha", "beta")), lambda _: bound,
+                16 * alpha.size)
+
+
 def delta_rule_inputs(n_tok: int, hk: int, hv: int, hd: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
     """q, k, v rows hv * hd wide (q and k heads in the first hk * hd), q and k heads L2-normed (q by 1/sqrt(hd)
     too) as the layer hands them over; decays and strengths of the models' range (g = -a softplus(.) < 0,
@@ -433,6 +452,7 @@ def deltanet_cases(shapes: Shapes, rng: np.random.Generator) -> Iterator[Case]:
     yield dn_conv_case(decode, (2 * hk + hv) * hd, rng)
     yield dn_conv_case(shapes.prompt, (2 * hk + hv) * hd, rng)
     yield l2_norm_case(n_seq, hk, hd, rng)
+    yield dn_gates_case(max(n_seq, sum(shapes.prompt)), hv, rng)
     yield delta_rule_case(decode, hk, hv, hd, rng)
     yield delta_rule_case(shapes.prompt, hk, hv, hd, rng)
     yield gated_rms_norm_case(n_seq * hv, hd, rng)

@@ -130,6 +130,7 @@ size_t deltanet_head_floats(size_t head_dim);
 void deltanet_conv_channel(const float *w, int d_conv, float *state, const float *in, float *out, size_t stride,
                            const int *tokens, int n);
 void deltanet_l2norm(float *x, int n, float scale);
+void deltanet_gates(float *alpha, float *beta, const float *a, const float *dt_bias, int n_heads);
 void deltanet_head(float *S, int n, int head_dim, const float *q, const float *k, size_t qk_stride, const float *v,
                    size_t v_stride, const float *g, const float *beta, size_t gb_stride, float *out, size_t out_stride,
                    int chunked, float *work);

@@ -27,7 +27,7 @@ struct strata_device {
 
 static const char *const KERNEL_NAMES[DEV_N_KERNELS] = {"matmul", "rms_norm", "rope", "attention", "swiglu",
                                                         "topk", "add_rows", "kv_store", "dn_conv", "l2_norm",
-                                                        "delta_rule", "gated_rms_norm"};
+                                                        "dn_gates", "delta_rule", "gated_rms_norm"};
 
 static int fail(strata_device *d, int status, const char *fmt, ...) {
     va_list ap;

@@ -141,6 +141,15 @@ typedef struct {
     float *x;
 } strata_dev_l2_norm_args;
 
+/* "dn_gates": each token's gates per v head, in place: alpha -> g = a softplus(alpha + dt_bias) (the decay's log;
+ * a < 0), beta -> sigmoid(beta) (the write strength; beta holds the projection b). alpha, beta: (n_tok, n_head);
+ * a, dt_bias: (n_head,). softplus(x) is x above 20, as torch's. */
+typedef struct {
+    int n_tok, n_head;
+    float *alpha, *beta;
+    const float *a, *dt_bias;
+} strata_dev_dn_gates_args;
+
 /* "delta_rule": the gated delta rule per (sequence, v head), heads of head_dim (= d_k = d_v) values. For each
  * token in order, on v head h's state S (head_dim x head_dim, row-major, at state + seq[s] state_stride +
  * h head_dim^2), reading q and k head h % n_k_heads:

@@ -154,6 +154,11 @@ int cuda_launch(void *self, int stream, strata_dev_kernel kernel, int reference,
         e = reference ? k::l2_norm_ref(a, s) : k::l2_norm(a, s);
         break;
     }
+    case DEV_KERNEL_DN_GATES: {
+        auto a = (const strata_dev_dn_gates_args *)args;
+        e = reference ? k::dn_gates_ref(a, s) : k::dn_gates(a, s);
+        break;
+    }
     case DEV_KERNEL_DELTA_RULE: {
         auto a = (const strata_dev_delta_rule_args *)args;
         e = reference ? k::delta_rule_ref(a, s) : k::delta_rule(a, s);

@@ -228,6 +228,12 @@ static void l2_norm(const strata_dev_l2_norm_args *a) {
             deltanet_l2norm(a->x + t * a->row_stride + (size_t)j * a->head_dim, a->head_dim, a->scale);
 }
 
+static void dn_gates(const strata_dev_dn_gates_args *a) {
+    for (int t = 0; t < a->n_tok; t++)
+        deltanet_gates(a->alpha + (size_t)t * a->n_head, a->beta + (size_t)t * a->n_head, a->a, a->dt_bias,
+                       a->n_head);
+}
+
 /* Per (sequence, v head): one token by the recurrent step, more in chunks (the CPU engine's choice). */
 static int delta_rule(host_device *h, const strata_dev_delta_rule_args *a) {
     const int d = a->head_dim, hv = a->n_v_heads;
@@ -265,6 +271,7 @@ static int launch(void *self, int stream, strata_dev_kernel kernel, int referenc
     case DEV_KERNEL_KV_STORE: return kv_store(self, args);
     case DEV_KERNEL_DN_CONV: return dn_conv(self, args);
     case DEV_KERNEL_L2_NORM: l2_norm(args); return STRATA_OK;
+    case DEV_KERNEL_DN_GATES: dn_gates(args); return STRATA_OK;
     case DEV_KERNEL_DELTA_RULE: return delta_rule(self, args);
     case DEV_KERNEL_GATED_RMS_NORM: gated_rms_norm(args); return STRATA_OK;
     default: return STRATA_ERR_INVALID_ARG;

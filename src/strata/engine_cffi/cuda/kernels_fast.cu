@@ -403,6 +403,22 @@ cudaError_t l2_norm(const strata_dev_l2_norm_args *a, cudaStream_t stream) {
     return cudaGetLastError();
 }
 
+/* The gates: a thread per (token, v head) */
+__global__ void dn_gates_kernel(strata_dev_dn_gates_args a) {
+    int64_t o = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+    if (o >= (int64_t)a.n_tok * a.n_head) return;
+    int h = (int)(o % a.n_head);
+    float x = a.alpha[o] + a.dt_bias[h];
+    a.alpha[o] = a.a[h] * (x > 20.0f ? x : log1pf(expf(x)));
+    a.beta[o] = 1.0f / (1.0f + expf(-a.beta[o]));
+}
+
+cudaError_t dn_gates(const strata_dev_dn_gates_args *a, cudaStream_t stream) {
+    int64_t n = (int64_t)a->n_tok * a->n_head;
+    dn_gates_kernel<<<(unsigned)((n + 127) / 128), 128, 0, stream>>>(*a);
+    return cudaGetLastError();
+}
+
 /* The delta rule: a block per (sequence, v head), a thread per column j of its state, held in registers for the
  * sequence's tokens (read and written once per launch); each token's q and k rows in shared memory. A column's
  * update needs only that column (S^T k and S^T q are per column), so the threads never exchange partial sums.

@@ -252,6 +252,21 @@ cudaError_t l2_norm_ref(const strata_dev_l2_norm_args *a, cudaStream_t stream) {
     return cudaGetLastError();
 }
 
+/* The gates: one thread per (token, v head), in double */
+__global__ void dn_gates_ref_kernel(strata_dev_dn_gates_args a) {
+    int64_t o = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+    if (o >= (int64_t)a.n_tok * a.n_head) return;
+    int h = (int)(o % a.n_head);
+    double x = (double)a.alpha[o] + a.dt_bias[h];
+    a.alpha[o] = (float)(a.a[h] * (x > 20.0 ? x : log1p(exp(x))));
+    a.beta[o] = (float)(1.0 / (1.0 + exp(-(double)a.beta[o])));
+}
+
+cudaError_t dn_gates_ref(const strata_dev_dn_gates_args *a, cudaStream_t stream) {
+    dn_gates_ref_kernel<<<blocks_for((int64_t)a->n_tok * a->n_head, 128), 128, 0, stream>>>(*a);
+    return cudaGetLastError();
+}
+
 /* The delta rule by its recurrent form, token by token: one thread per (sequence, v head, column j of the state),
  * as a column's update reads only that column (S^T k and S^T q are per column) */
 __global__ void delta_rule_ref_kernel(strata_dev_delta_rule_args a) {
