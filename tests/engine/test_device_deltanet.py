@@ -159,3 +159,16 @@ def test_delta_rule_refuses_heads_the_fast_kernel_cannot_hold(dev):
     args = dict(n_seq=1, n_k_heads=1, n_v_heads=1, head_dim=256, row_stride=256, state_stride=256 * 256)
     with pytest.raises(device_check.DeviceError, match="head_dim 256"):
         dev.launch("delta_rule", **args)
+
+
+@pytest.mark.parametrize("name", ["dn_conv", "delta_rule"])
+def test_the_host_checks_the_sequences_rows(dev, name):
+    """seq_first lies in device memory, where only the host device can check it."""
+    bad = {"seq_first": np.array([0, 3, 2], np.int32), "seq": np.array([0, 1], np.int32)}
+    ptrs = {k: dev.to_device(v) for k, v in bad.items()}
+    fixed = (dict(n_seq=2, d_conv=4, channels=8, state_stride=24) if name == "dn_conv" else
+             dict(n_seq=2, n_k_heads=1, n_v_heads=1, head_dim=8, row_stride=8, state_stride=64))
+    with pytest.raises(device_check.DeviceError, match="seq_first must start at 0 and never decrease"):
+        dev.launch(name, **fixed, **ptrs)
+    for p in ptrs.values():
+        dev.free(p)

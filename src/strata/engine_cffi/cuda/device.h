@@ -116,9 +116,9 @@ typedef struct {
 
 /* --- Gated DeltaNet (Qwen3.5's recurrent layers; blocks_deltanet.c has the maths). The tokens of a chunk come
  * grouped by sequence: sequence s's are rows seq_first[s] .. seq_first[s + 1] - 1, in order (seq_first:
- * (n_seq + 1,), seq_first[0] = 0), and its recurrent state is slot seq[s] (seq: (n_seq,)) of a state array whose
- * slots lie state_stride floats apart (so the CPU engine's layout, a sequence's conv state then its delta-rule
- * state per layer, can be used as it is). */
+ * (n_seq + 1,), starting at 0, never decreasing: the host device checks it, the card cannot), and its recurrent
+ * state is slot seq[s] (seq: (n_seq,)) of a state array whose slots lie state_stride floats apart (so the CPU
+ * engine's layout, a sequence's conv state then its delta-rule state per layer, can be used as it is). */
 
 /* "dn_conv": the short causal convolution. out row t (channels) = silu(sum_j w[ch, j] win[j]) where win is the
  * d_conv last inputs of channel ch up to and including x row t's; a slot's conv state (channels, d_conv - 1)

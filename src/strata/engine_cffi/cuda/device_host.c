@@ -208,7 +208,19 @@ static int *iota(int n) {
     return v;
 }
 
+/* Whether seq_first (n_seq + 1) starts at 0 and never goes down (the card cannot check it: it lies in device
+ * memory). */
+static int check_sequences(host_device *h, const char *kernel, const int *seq_first, int n_seq) {
+    int ok = seq_first[0] == 0;
+    for (int s = 0; s < n_seq; s++) ok &= seq_first[s + 1] >= seq_first[s];
+    if (ok) return STRATA_OK;
+    char why[96];
+    snprintf(why, sizeof why, "%s: seq_first must start at 0 and never decrease", kernel);
+    return host_fail(h, STRATA_ERR_INVALID_ARG, why);
+}
+
 static int dn_conv(host_device *h, const strata_dev_dn_conv_args *a) {
+    if (check_sequences(h, "dn_conv", a->seq_first, a->n_seq)) return STRATA_ERR_INVALID_ARG;
     int *tokens = iota(a->seq_first[a->n_seq]);
     if (!tokens) return host_fail(h, STRATA_ERR_NOMEM, "dn_conv: out of memory");
     for (int s = 0; s < a->n_seq; s++) {
@@ -236,6 +248,7 @@ static void dn_gates(const strata_dev_dn_gates_args *a) {
 
 /* Per (sequence, v head): one token by the recurrent step, more in chunks (the CPU engine's choice). */
 static int delta_rule(host_device *h, const strata_dev_delta_rule_args *a) {
+    if (check_sequences(h, "delta_rule", a->seq_first, a->n_seq)) return STRATA_ERR_INVALID_ARG;
     const int d = a->head_dim, hv = a->n_v_heads;
     float *work = malloc(sizeof(float) * deltanet_head_floats((size_t)d));
     if (!work) return host_fail(h, STRATA_ERR_NOMEM, "delta_rule: out of memory");
