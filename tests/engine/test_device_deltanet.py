@@ -172,3 +172,16 @@ def test_the_host_checks_the_sequences_rows(dev, name):
         dev.launch(name, **fixed, **ptrs)
     for p in ptrs.values():
         dev.free(p)
+
+
+@pytest.mark.parametrize("name,fields,says", [
+    ("dn_conv", dict(n_seq=1, d_conv=4, channels=8, state_stride=23), "state_stride 23 is less than"),
+    ("delta_rule", dict(n_seq=1, n_k_heads=1, n_v_heads=2, head_dim=8, row_stride=8, state_stride=128),
+     "row_stride 8"),
+    ("delta_rule", dict(n_seq=1, n_k_heads=1, n_v_heads=2, head_dim=8, row_stride=16, state_stride=127),
+     "state_stride 127"),
+    ("l2_norm", dict(n_tok=1, n_head=2, head_dim=8, row_stride=15), "rows 15 apart"),
+])
+def test_strides_that_would_overlap_are_refused(dev, name, fields, says):
+    with pytest.raises(device_check.DeviceError, match=says):
+        dev.launch(name, **fields)

@@ -289,6 +289,9 @@ static int check_args(strata_device *d, strata_dev_kernel k, const void *args) {
         if (a->d_conv < 2 || a->d_conv > 8 || a->channels <= 0 || a->n_seq <= 0)
             return fail(d, STRATA_ERR_INVALID_ARG, "dn_conv: d_conv %d (2 to 8), channels %lld, n_seq %d", a->d_conv,
                         (long long)a->channels, a->n_seq);
+        if (a->state_stride < a->channels * (a->d_conv - 1))
+            return fail(d, STRATA_ERR_INVALID_ARG, "dn_conv: state_stride %lld is less than a conv state's %lld",
+                        (long long)a->state_stride, (long long)(a->channels * (a->d_conv - 1)));
         return STRATA_OK;
     }
     case DEV_KERNEL_DELTA_RULE: {
@@ -298,6 +301,19 @@ static int check_args(strata_device *d, strata_dev_kernel k, const void *args) {
             return fail(d, STRATA_ERR_INVALID_ARG,
                         "delta_rule: head_dim %d (up to 128), %d v heads over %d q/k heads, n_seq %d", a->head_dim,
                         a->n_v_heads, a->n_k_heads, a->n_seq);
+        int64_t width = (int64_t)a->n_v_heads * a->head_dim;
+        if (a->row_stride < width || a->state_stride < width * a->head_dim)
+            return fail(d, STRATA_ERR_INVALID_ARG,
+                        "delta_rule: row_stride %lld, state_stride %lld (at least %lld, %lld)",
+                        (long long)a->row_stride, (long long)a->state_stride, (long long)width,
+                        (long long)(width * a->head_dim));
+        return STRATA_OK;
+    }
+    case DEV_KERNEL_L2_NORM: {
+        const strata_dev_l2_norm_args *a = args;
+        if (a->head_dim <= 0 || a->row_stride < (int64_t)a->n_head * a->head_dim)
+            return fail(d, STRATA_ERR_INVALID_ARG, "l2_norm: %d heads of %d in rows %lld apart", a->n_head,
+                        a->head_dim, (long long)a->row_stride);
         return STRATA_OK;
     }
     default: return STRATA_OK;

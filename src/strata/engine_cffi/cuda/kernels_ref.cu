@@ -302,7 +302,8 @@ __global__ void gated_rms_norm_ref_kernel(strata_dev_gated_rms_norm_args a) {
     double ss = 0.0;
     for (int64_t i = 0; i < a.n; i++) ss += (double)x[i] * x[i];
     double f = 1.0 / sqrt(ss / (double)a.n + a.eps);
-    for (int64_t i = 0; i < a.n; i++) a.out[r * a.n + i] = (float)(x[i] * f * a.w[i] * (z[i] / (1.0 + exp(-(double)z[i]))));
+    for (int64_t i = 0; i < a.n; i++)
+        a.out[r * a.n + i] = (float)(x[i] * f * a.w[i] * (z[i] / (1.0 + exp(-(double)z[i]))));
 }
 
 cudaError_t gated_rms_norm_ref(const strata_dev_gated_rms_norm_args *a, cudaStream_t stream) {
