@@ -11,7 +11,8 @@ passes when the fast kernel is within the stated tolerance of both:
   bound is a worst case, loose enough to hide a lost term; so each type also runs on "lossless" activations, which
   both quantisers represent exactly (integers up to 127 times a power of two, 127 in every 32-block), where the
   fast kernel must match the reference within the 1e-5 alone;
-- RMS norm, RoPE, SwiGLU: 1e-5 of the magnitude of the terms (|x| s |w|, |x0| + |x1|, |g u|);
+- RMS norm, RoPE, SwiGLU: 1e-5 of the magnitude of the terms (|x| s |w|, |x0| + |x1|, |g u|; RoPE's unturned
+  values exactly);
 - attention: 1e-5 of the largest |v| its head reads;
 - KV rows stored: the CPU engine's bits (f32, f16 and int8 rows and their scales);
 - rows added: 1e-5 of the sum of the terms' magnitudes;
@@ -188,21 +189,24 @@ def rms_norm_case(n_tok: int, n: int, rng: np.random.Generator) -> Case:
 
 
 def rope_case(n_tok: int, n_head: int, hd: int, variant: str, rng: np.random.Generator) -> Case:
+    """variant: normal (adjacent pairs), neox, mrope (NEOX, three sections), partial (NEOX on a quarter of each
+    head, as Qwen3.5's attention: the rest must come back as it was)."""
     x = rng.standard_normal((n_tok, n_head, hd), dtype=np.float32)
     pos = np.repeat(rng.integers(0, 4096, (n_tok, 1)), 3, axis=1).astype(np.int32)
-    axis = np.zeros(hd // 2, np.uint8)
+    rot = hd // 4 if variant == "partial" else hd
+    axis = np.zeros(rot // 2, np.uint8)
     if variant == "mrope":  # three sections, interleaved as Qwen3-VL's (h on pairs 1, 4, ..., w on 2, 5, ...)
         pos[:, 1:] += rng.integers(0, 64, (n_tok, 2), dtype=np.int32)
         axis = np.array([i % 3 if i < 3 * (hd // 8) else 0 for i in range(hd // 2)], np.uint8)
-    inv_freq = (1e6 ** (-np.arange(0, hd, 2) / hd)).astype(np.float32)
+    inv_freq = (1e6 ** (-np.arange(0, rot, 2) / rot)).astype(np.float32)
     neox = variant != "normal"
-    a_idx = np.arange(hd // 2) if neox else 2 * np.arange(hd // 2)
-    b_idx = a_idx + hd // 2 if neox else a_idx + 1
+    a_idx = np.arange(rot // 2) if neox else 2 * np.arange(rot // 2)
+    b_idx = a_idx + rot // 2 if neox else a_idx + 1
     pair = np.abs(x[..., a_idx]) + np.abs(x[..., b_idx])
     bound = np.zeros_like(x, dtype=np.float64)
     bound[..., a_idx], bound[..., b_idx] = RTOL * pair, RTOL * pair
     make = _buffers({"x": x, "pos": pos, "inv_freq": inv_freq, "axis": axis}, {})
-    fixed = dict(n_tok=n_tok, n_head=n_head, head_dim=hd, neox=int(neox))
+    fixed = dict(n_tok=n_tok, n_head=n_head, head_dim=hd, neox=int(neox), n_rot=rot)
 
     def reset(dev: Device, a: dict[str, Any]) -> None:  # RoPE turns x in place
         dev.upload(a["x"], x)
@@ -465,7 +469,7 @@ def cases(shapes: Shapes, rng: np.random.Generator) -> Iterator[Case]:
             yield matmul_case(qtype, rows, n, n_tok, rng)
         yield matmul_case(qtype, *shapes.matmul[0], rng, lossless=True)
     yield rms_norm_case(*shapes.norm, rng)
-    for variant in ("normal", "neox", "mrope"):
+    for variant in ("normal", "neox", "mrope", "partial"):
         yield rope_case(*shapes.rope, variant, rng)
     for kv in KV_TYPES:
         yield attention_case(*shapes.attention, kv, rng)

@@ -251,6 +251,8 @@ static int check_args(strata_device *d, strata_dev_kernel k, const void *args) {
     case DEV_KERNEL_ROPE: {
         const strata_dev_rope_args *a = args;
         if (a->head_dim <= 0 || a->head_dim % 2) return fail(d, STRATA_ERR_INVALID_ARG, "rope: head_dim %d is odd", a->head_dim);
+        if (a->n_rot < 0 || a->n_rot % 2 || a->n_rot > a->head_dim)
+            return fail(d, STRATA_ERR_INVALID_ARG, "rope: n_rot %d (even, at most head_dim %d)", a->n_rot, a->head_dim);
         return STRATA_OK;
     }
     case DEV_KERNEL_ATTENTION: {

@@ -49,15 +49,16 @@ typedef struct {
     float *out;
 } strata_dev_rms_norm_args;
 
-/* "rope": x (n_tok, n_head, head_dim) turned in place. Pair i of a head turns by the angle
- * pos[3 t + axis[i]] * inv_freq[i]; pairs are (2i, 2i + 1), or with neox (i, i + head_dim / 2). One axis: every
- * axis[i] = 0; multi-section RoPE: axis[i] in {0, 1, 2} (the position's t, h, w component). */
+/* "rope": x (n_tok, n_head, head_dim) turned in place, the first n_rot values of each head (0: all of them; the
+ * rest stay as they are: partial RoPE). Pair i turns by the angle pos[3 t + axis[i]] * inv_freq[i]; pairs are
+ * (2i, 2i + 1), or with neox (i, i + n_rot / 2). One axis: every axis[i] = 0; multi-section RoPE: axis[i] in
+ * {0, 1, 2} (the position's t, h, w component). */
 typedef struct {
-    int n_tok, n_head, head_dim, neox;
+    int n_tok, n_head, head_dim, neox, n_rot;
     float *x;
     const int *pos;              // (n_tok, 3)
-    const float *inv_freq;       // (head_dim / 2,)
-    const unsigned char *axis;   // (head_dim / 2,)
+    const float *inv_freq;       // (n_rot / 2,)
+    const unsigned char *axis;   // (n_rot / 2,)
 } strata_dev_rope_args;
 
 /* "attention": decode attention of n_tok query tokens over their sequences' cached rows, in the CPU engine's

@@ -75,14 +75,14 @@ static void rms_norm(const strata_dev_rms_norm_args *a) {
 }
 
 static void rope(const strata_dev_rope_args *a) {
-    int hd = a->head_dim;
+    int hd = a->head_dim, half = (a->n_rot ? a->n_rot : hd) / 2;
     for (int t = 0; t < a->n_tok; t++)
         for (int h = 0; h < a->n_head; h++) {
             float *x = a->x + ((size_t)t * a->n_head + h) * hd;
-            for (int i = 0; i < hd / 2; i++) {
+            for (int i = 0; i < half; i++) {
                 float theta = (float)a->pos[3 * t + a->axis[i]] * a->inv_freq[i];
                 double c = cos(theta), s = sin(theta);
-                int p = a->neox ? i : 2 * i, q = a->neox ? i + hd / 2 : 2 * i + 1;
+                int p = a->neox ? i : 2 * i, q = a->neox ? i + half : 2 * i + 1;
                 double x0 = x[p], x1 = x[q];
                 x[p] = (float)(x0 * c - x1 * s);
                 x[q] = (float)(x0 * s + x1 * c);

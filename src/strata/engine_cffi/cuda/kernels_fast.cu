@@ -159,7 +159,7 @@ cudaError_t rms_norm(const strata_dev_rms_norm_args *a, cudaStream_t stream) {
 // --- RoPE: a thread per pair, the angle's sine and cosine together in f32
 
 __global__ void rope_kernel(strata_dev_rope_args a) {
-    int half = a.head_dim / 2;
+    int half = (a.n_rot ? a.n_rot : a.head_dim) / 2;
     int64_t o = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
     if (o >= (int64_t)a.n_tok * a.n_head * half) return;
     int i = (int)(o % half), t = (int)(o / half / a.n_head);
@@ -172,7 +172,7 @@ __global__ void rope_kernel(strata_dev_rope_args a) {
 }
 
 cudaError_t rope(const strata_dev_rope_args *a, cudaStream_t stream) {
-    int64_t n = (int64_t)a->n_tok * a->n_head * (a->head_dim / 2);
+    int64_t n = (int64_t)a->n_tok * a->n_head * ((a->n_rot ? a->n_rot : a->head_dim) / 2);
     rope_kernel<<<(unsigned)((n + 127) / 128), 128, 0, stream>>>(*a);
     return cudaGetLastError();
 }

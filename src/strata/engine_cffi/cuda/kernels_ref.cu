@@ -63,7 +63,7 @@ cudaError_t rms_norm_ref(const strata_dev_rms_norm_args *a, cudaStream_t stream)
 // --- RoPE: one thread per rotated pair
 
 __global__ void rope_ref_kernel(strata_dev_rope_args a) {
-    int half = a.head_dim / 2;
+    int half = (a.n_rot ? a.n_rot : a.head_dim) / 2;
     int64_t o = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
     if (o >= (int64_t)a.n_tok * a.n_head * half) return;
     int i = (int)(o % half), t = (int)(o / half / a.n_head);
@@ -77,7 +77,8 @@ __global__ void rope_ref_kernel(strata_dev_rope_args a) {
 }
 
 cudaError_t rope_ref(const strata_dev_rope_args *a, cudaStream_t stream) {
-    rope_ref_kernel<<<blocks_for((int64_t)a->n_tok * a->n_head * (a->head_dim / 2), 128), 128, 0, stream>>>(*a);
+    int64_t pairs = (int64_t)a->n_tok * a->n_head * ((a->n_rot ? a->n_rot : a->head_dim) / 2);
+    rope_ref_kernel<<<blocks_for(pairs, 128), 128, 0, stream>>>(*a);
     return cudaGetLastError();
 }
 
