@@ -116,6 +116,27 @@ def test_rope_matches_numpy(dev, variant):
     assert not np.allclose(got, x)  # it turned
 
 
+def test_partial_rope_turns_the_first_n_rot_values_and_leaves_the_rest(dev):
+    """Qwen3.5's attention: NEOX pairs (i, i + n_rot / 2) over the first n_rot values of each head."""
+    rng = np.random.default_rng(8)
+    n_tok, n_head, hd, rot = 4, 2, 64, 16
+    x = rng.standard_normal((n_tok, n_head, hd), dtype=np.float32)
+    pos = rng.integers(0, 5000, (n_tok, 3)).astype(np.int32)
+    axis = np.zeros(rot // 2, np.uint8)
+    inv_freq = (1e4 ** (-np.arange(0, rot, 2) / rot)).astype(np.float32)
+    angles = (pos[:, axis].astype(np.float32) * inv_freq).astype(np.float64)
+    ptrs = {k: dev.to_device(v) for k, v in {"x": x, "pos": pos, "inv_freq": inv_freq, "axis": axis}.items()}
+    dev.launch("rope", n_tok=n_tok, n_head=n_head, head_dim=hd, neox=1, n_rot=rot, **ptrs)
+    got = dev.to_host(ptrs["x"], x.shape, np.float32)
+    want = rope_numpy(np.ascontiguousarray(x[..., :rot]), angles, neox=True)
+    assert np.max(np.abs(got[..., :rot] - want)) <= 1e-6 * np.max(np.abs(x))
+    np.testing.assert_array_equal(got[..., rot:], x[..., rot:])
+    with pytest.raises(DeviceError, match="n_rot 66"):
+        dev.launch("rope", n_tok=n_tok, n_head=n_head, head_dim=hd, neox=1, n_rot=66, **ptrs)
+    for p in ptrs.values():
+        dev.free(p)
+
+
 @pytest.mark.parametrize("kv", ["f32", "f16", "int8"])
 def test_attention_matches_numpy(dev, kv):
     rng = np.random.default_rng(2)
@@ -342,7 +363,7 @@ def test_check_driver_prints_its_table_and_passes_on_the_host(capsys):
     assert device_check.main(["--device", "host", "--quick", "--runs", "1"]) == 0
     table = capsys.readouterr().out.splitlines()
     rows = [line for line in table if line.startswith("| ") and "kernel" not in line]
-    assert len(rows) == 3 * len(device_check.MATMUL_TYPES) + 1 + 3 + 3 + 1 + 1 + 1 + 3
+    assert len(rows) == 3 * len(device_check.MATMUL_TYPES) + 1 + 4 + 3 + 1 + 1 + 1 + 3 + 7
     assert all("| pass " in line for line in rows) and table[-1] == f"{len(rows)} of {len(rows)} cases pass"
 
 

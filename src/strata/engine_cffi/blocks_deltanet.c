@@ -25,17 +25,36 @@
 
 /* Floats of the scratch for one head's chunk, heads of dk values: q, k, v, o rows and g, beta (head_of_sequence),
  * then chunk_step's W rows, A, QK and gc; the recurrent step's 2 dv fit in the first of them. */
-static size_t work_floats(size_t dk) {
+size_t deltanet_head_floats(size_t dk) {
     size_t dv = dk;
     return 2 * CHUNK * dk + 2 * CHUNK * dv + 2 * CHUNK + CHUNK * dk + 2 * CHUNK * CHUNK + CHUNK;
 }
 
 /* Floats of a thread's scratch (engine.c allocates n_threads of them). */
-size_t deltanet_work_floats(const strata_model *m) { return work_floats((size_t)m->hp.ssm_d_state); }
+size_t deltanet_work_floats(const strata_model *m) { return deltanet_head_floats((size_t)m->hp.ssm_d_state); }
 
 static float silu(float x) { return x / (1.0f + expf(-x)); }
 
 static float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }  // torch's threshold of 20
+
+/* One channel of the convolution over n tokens of a sequence: out[tokens[i] * stride] = silu(w . the last d_conv
+ * inputs) for in[tokens[i] * stride], in order, starting from state (the d_conv - 1 inputs before them, oldest
+ * first), which then takes the last ones. */
+void deltanet_conv_channel(const float *w, int d_conv, float *state, const float *in, float *out, size_t stride,
+                           const int *tokens, int n) {
+    const int K = d_conv;
+    float win[K];  // the last K inputs, oldest first
+    memcpy(win, state, sizeof(float) * (K - 1));
+    for (int i = 0; i < n; i++) {
+        size_t at = (size_t)tokens[i] * stride;
+        win[K - 1] = in[at];
+        float acc = 0.0f;
+        for (int j = 0; j < K; j++) acc += w[j] * win[j];
+        out[at] = silu(acc);
+        memmove(win, win + 1, sizeof(float) * (K - 1));
+    }
+    memcpy(state, win, sizeof(float) * (K - 1));
+}
 
 /* dn_conv rows = silu(causal convolution of dn_qkv rows), per sequence over its tokens in order, starting from its
  * conv state (the d_conv - 1 inputs before them, per channel oldest first), which then takes the last ones.
@@ -49,31 +68,31 @@ static void convolve(const team *tm, strata_context *c, const layer_weights *L, 
         for (int q = 0; q < c->n_chunk_seqs; q++) {
             int s = c->chunk_seqs[q];
             float *state = rec_state_of(c, s, il);  // (conv_dim, K - 1)
-            for (int64_t ch = ch0; ch < ch1; ch++) {
-                const float *w = L->ssm_conv + ch * K;
-                float win[K];  // the last K inputs, oldest first
-                memcpy(win, state + ch * (K - 1), sizeof(float) * (K - 1));
-                for (int i = c->seq_first[s]; i < c->seq_first[s + 1]; i++) {
-                    int t = c->seq_tokens[i];
-                    win[K - 1] = c->dn_qkv[(size_t)t * C + ch];
-                    float acc = 0.0f;
-                    for (int j = 0; j < K; j++) acc += w[j] * win[j];
-                    c->dn_conv[(size_t)t * C + ch] = silu(acc);
-                    memmove(win, win + 1, sizeof(float) * (K - 1));
-                }
-                memcpy(state + ch * (K - 1), win, sizeof(float) * (K - 1));
-            }
+            const int *tokens = c->seq_tokens + c->seq_first[s];
+            int n = c->seq_first[s + 1] - c->seq_first[s];
+            for (int64_t ch = ch0; ch < ch1; ch++)
+                deltanet_conv_channel(L->ssm_conv + ch * K, K, state + ch * (K - 1), c->dn_qkv + ch, c->dn_conv + ch,
+                                      C, tokens, n);
         }
     }
     team_sync(tm);
 }
 
 /* x *= scale / sqrt(sum(x^2) + 1e-6) over n values (Hugging Face's l2norm, whose epsilon is fixed). */
-static void l2norm(float *x, int n, float scale) {
+void deltanet_l2norm(float *x, int n, float scale) {
     float ss = 0.0f;
     for (int i = 0; i < n; i++) ss += x[i] * x[i];
     float f = scale / sqrtf(ss + 1e-6f);
     for (int i = 0; i < n; i++) x[i] *= f;
+}
+
+/* A token's gates per v head, in place: alpha -> g = a softplus(alpha + dt_bias) (the decay's log), b -> beta =
+ * sigmoid(b) (the write strength). */
+void deltanet_gates(float *alpha, float *beta, const float *a, const float *dt_bias, int n_heads) {
+    for (int h = 0; h < n_heads; h++) {
+        alpha[h] = a[h] * softplus(alpha[h] + dt_bias[h]);
+        beta[h] = 1.0f / (1.0f + expf(-beta[h]));
+    }
 }
 
 /* Per token, this thread's share: q, k heads L2-normed (q by 1/sqrt(head size) too); alpha -> g (the decay's
@@ -87,13 +106,10 @@ static void gates_and_norms(const team *tm, strata_context *c, const layer_weigh
     for (int64_t t = r.lo; t < r.hi; t++) {
         float *row = c->dn_conv + t * C, *alpha = c->dn_alpha + t * hv, *beta = c->dn_beta + t * hv;
         for (int h = 0; h < hk; h++) {
-            l2norm(row + (size_t)h * dk, dk, q_scale);
-            l2norm(row + (size_t)(hk + h) * dk, dk, 1.0f);
+            deltanet_l2norm(row + (size_t)h * dk, dk, q_scale);
+            deltanet_l2norm(row + (size_t)(hk + h) * dk, dk, 1.0f);
         }
-        for (int h = 0; h < hv; h++) {
-            alpha[h] = L->ssm_a[h] * softplus(alpha[h] + L->ssm_dt[h]);
-            beta[h] = 1.0f / (1.0f + expf(-beta[h]));
-        }
+        deltanet_gates(alpha, beta, L->ssm_a, L->ssm_dt, hv);
     }
 }
 
@@ -177,6 +193,15 @@ static void chunk_step(float *restrict S, int L, int dk, int dv, const float *Q,
     }
 }
 
+/* out = rmsnorm(x) * w * silu(z) over n values (out may be x): the gated RMS norm of a head's output. */
+void deltanet_gated_norm(float *out, const float *x, const float *z, const float *w, int n, float eps) {
+    rmsnorm(out, x, w, n, eps);
+    for (int i = 0; i < n; i++) out[i] *= silu(z[i]);
+}
+
+/* Whether a sequence's run of n tokens takes the chunked form (else the recurrent one, bit for bit as decode). */
+int deltanet_chunked(int n) { return n > RECURRENT_RUN; }
+
 /* Sequence s's tokens in this chunk through v head h: the rule on its state, then the gated RMS norm, into
  * dn_out. work: deltanet_work_floats. */
 static void head_of_sequence(strata_context *c, const layer_weights *L, int il, int s, int h, float *work) {
@@ -186,7 +211,7 @@ static void head_of_sequence(strata_context *c, const layer_weights *L, int il, 
     float *S = rec_state_of(c, s, il) + c->model->conv_state_floats + (size_t)h * dk * dv;
     const int first = c->seq_first[s], n = c->seq_first[s + 1] - first;
     const size_t q_at = (size_t)kh * dk, k_at = (size_t)(hk + kh) * dk, v_at = (size_t)2 * hk * dk + (size_t)h * dv;
-    if (n <= RECURRENT_RUN) {
+    if (!deltanet_chunked(n)) {
         for (int i = first; i < first + n; i++) {
             int t = c->seq_tokens[i];
             const float *row = c->dn_conv + (size_t)t * C;
@@ -218,9 +243,7 @@ static void head_of_sequence(strata_context *c, const layer_weights *L, int il, 
     for (int i = first; i < first + n; i++) {
         int t = c->seq_tokens[i];
         float *o = c->dn_out + (size_t)t * VD + (size_t)h * dv;
-        const float *z = c->dn_z + (size_t)t * VD + (size_t)h * dv;
-        rmsnorm(o, o, L->ssm_norm, dv, p->rms_eps);
-        for (int x = 0; x < dv; x++) o[x] *= silu(z[x]);
+        deltanet_gated_norm(o, o, c->dn_z + (size_t)t * VD + (size_t)h * dv, L->ssm_norm, dv, p->rms_eps);
     }
 }
 
@@ -248,6 +271,32 @@ void block_deltanet(const team *tm, strata_context *c, int il, int n_tok) {
     add_rows(tm, c->x, c->xb, n_tok, p->n_embd);
 }
 
+/* n tokens of one v head through the rule on S (head_dim x head_dim), by the recurrent form (chunked 0) or in
+ * chunks of CHUNK: token i's q and k rows at q, k + i qk_stride, its v row at v + i v_stride, its g and beta at
+ * [i gb_stride], its output row at out + i out_stride. work: deltanet_head_floats(head_dim). */
+void deltanet_head(float *S, int n, int head_dim, const float *q, const float *k, size_t qk_stride, const float *v,
+                   size_t v_stride, const float *g, const float *beta, size_t gb_stride, float *out, size_t out_stride,
+                   int chunked, float *work) {
+    const int dk = head_dim, dv = head_dim;
+    float *Q = work, *Kr = Q + CHUNK * dk, *V = Kr + CHUNK * dk, *O = V + CHUNK * dv, *gh = O + CHUNK * dv;
+    float *bh = gh + CHUNK, *rest = bh + CHUNK;
+    for (int c0 = 0; c0 < n; c0 += chunked ? CHUNK : 1) {
+        int len = !chunked ? 1 : n - c0 < CHUNK ? n - c0 : CHUNK;
+        for (int i = 0; i < len; i++) {
+            size_t t = (size_t)(c0 + i);
+            memcpy(Q + (size_t)i * dk, q + t * qk_stride, sizeof(float) * dk);
+            memcpy(Kr + (size_t)i * dk, k + t * qk_stride, sizeof(float) * dk);
+            memcpy(V + (size_t)i * dv, v + t * v_stride, sizeof(float) * dv);
+            gh[i] = g[t * gb_stride];
+            bh[i] = beta[t * gb_stride];
+        }
+        if (chunked) chunk_step(S, len, dk, dv, Q, Kr, V, gh, bh, O, dv, rest);
+        else recurrent_step(S, Q, Kr, V, gh[0], bh[0], dk, dv, O, rest);
+        for (int i = 0; i < len; i++)
+            memcpy(out + (size_t)(c0 + i) * out_stride, O + (size_t)i * dv, sizeof(float) * dv);
+    }
+}
+
 // --- the rule alone, for tests
 
 strata_status strata_delta_rule(const float *q, const float *k, const float *v, const float *g, const float *beta,
@@ -256,28 +305,14 @@ strata_status strata_delta_rule(const float *q, const float *k, const float *v, 
     if (n_tok <= 0 || n_k_heads <= 0 || n_v_heads % n_k_heads != 0 || head_dim <= 0)
         return engine_fail(STRATA_ERR_INVALID_ARG, "delta rule of %d tokens, %d q/k and %d v heads of %d", n_tok,
                            n_k_heads, n_v_heads, head_dim);
-    const int dk = head_dim, dv = head_dim;
-    float *work = malloc(sizeof(float) * work_floats((size_t)dk));
+    const int d = head_dim;
+    float *work = malloc(sizeof(float) * deltanet_head_floats(d));
     if (!work) return engine_fail(STRATA_ERR_NOMEM, "out of memory");
     for (int h = 0; h < n_v_heads; h++) {
-        float *S = state + (size_t)h * dk * dv, *Q = work, *Kr = Q + CHUNK * dk, *V = Kr + CHUNK * dk;
-        float *O = V + CHUNK * dv, *gh = O + CHUNK * dv, *bh = gh + CHUNK, *rest = bh + CHUNK;
-        const int kh = h % n_k_heads;
-        for (int c0 = 0; c0 < n_tok; c0 += chunked ? CHUNK : 1) {
-            int len = !chunked ? 1 : n_tok - c0 < CHUNK ? n_tok - c0 : CHUNK;
-            for (int i = 0; i < len; i++) {
-                size_t t = (size_t)(c0 + i);
-                memcpy(Q + (size_t)i * dk, q + (t * n_k_heads + kh) * dk, sizeof(float) * dk);
-                memcpy(Kr + (size_t)i * dk, k + (t * n_k_heads + kh) * dk, sizeof(float) * dk);
-                memcpy(V + (size_t)i * dv, v + (t * n_v_heads + h) * dv, sizeof(float) * dv);
-                gh[i] = g[t * n_v_heads + h];
-                bh[i] = beta[t * n_v_heads + h];
-            }
-            if (chunked) chunk_step(S, len, dk, dv, Q, Kr, V, gh, bh, O, dv, rest);
-            else recurrent_step(S, Q, Kr, V, gh[0], bh[0], dk, dv, O, rest);
-            for (int i = 0; i < len; i++)
-                memcpy(out + ((size_t)(c0 + i) * n_v_heads + h) * dv, O + (size_t)i * dv, sizeof(float) * dv);
-        }
+        size_t qk_at = (size_t)(h % n_k_heads) * d, v_at = (size_t)h * d;
+        deltanet_head(state + (size_t)h * d * d, n_tok, d, q + qk_at, k + qk_at, (size_t)n_k_heads * d, v + v_at,
+                      (size_t)n_v_heads * d, g + h, beta + h, (size_t)n_v_heads, out + v_at, (size_t)n_v_heads * d,
+                      chunked, work);
     }
     free(work);
     return STRATA_OK;

@@ -11,11 +11,18 @@ passes when the fast kernel is within the stated tolerance of both:
   bound is a worst case, loose enough to hide a lost term; so each type also runs on "lossless" activations, which
   both quantisers represent exactly (integers up to 127 times a power of two, 127 in every 32-block), where the
   fast kernel must match the reference within the 1e-5 alone;
-- RMS norm, RoPE, SwiGLU: 1e-5 of the magnitude of the terms (|x| s |w|, |x0| + |x1|, |g u|);
+- RMS norm, RoPE, SwiGLU: 1e-5 of the magnitude of the terms (|x| s |w|, |x0| + |x1|, |g u|; RoPE's unturned
+  values exactly);
 - attention: 1e-5 of the largest |v| its head reads;
 - KV rows stored: the CPU engine's bits (f32, f16 and int8 rows and their scales);
 - rows added: 1e-5 of the sum of the terms' magnitudes;
-- top-k: the same experts in the same order, weights within 1e-5.
+- top-k: the same experts in the same order, weights within 1e-5;
+- DeltaNet: the convolution within 1e-5 of sum_j |w_j| times the largest |x|, its conv state exactly (copied
+  inputs); L2 norm within 1e-5 of the scale; the gates within 1e-5 of |a| (1 + |alpha + dt_bias|), beta within
+  1e-6; the gated RMS norm within 1e-5 of each value's magnitude; the delta
+  rule (outputs and the state after it) within 1e-5 of the largest |value| (at least 1), decode (one token per
+  sequence) and a prompt (sequences of ragged lengths, crossing the host's 64-token chunks: the CPU engine's
+  chunked form against the card's token loop, two orders of the same sums).
 
 GB/s is what the fast kernel moves (weights, inputs, outputs once) over its time by the device's events, the mean
 of a few runs after a warm-up; "of peak" divides by the card's memory bandwidth.
@@ -46,6 +53,8 @@ ENGINE_ACT_BLOCK = {Q.Q8_0: 32, Q.MXFP4: 32, Q.F32: None, Q.F16: None, Q.BF16: N
     (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS), 256)
 DEVICE_ACT_BLOCK = 32
 RTOL = 1e-5
+RULE_RTOL = 1e-5  # the delta rule (the CPU engine measured 7e-7 over 300 tokens of 128-wide heads)
+D_CONV = 4
 KV_TYPES = {"f32": 0, "f16": 1, "int8": 2}
 
 
@@ -58,13 +67,15 @@ class Shapes:
     swiglu: int
     topk: tuple[int, int, int]                # (n_tok, n_expert, k)
     add_rows: tuple[int, int, int]            # (n_tok, k, n)
+    deltanet: tuple[int, int, int, int]       # (n_seq, n_k_heads, n_v_heads, head_dim), convolution of 4
+    prompt: tuple[int, ...]                   # the tokens of each sequence of a prompt chunk
 
 
 FULL = Shapes(matmul=((2048, 2048, 1), (11008, 4096, 1), (4096, 11008, 1), (2048, 2048, 64)), norm=(64, 4096),
               rope=(64, 32, 128), attention=(4, 32, 8, 128, 4096), swiglu=64 * 11008, topk=(64, 128, 8),
-              add_rows=(64, 8, 4096))
+              add_rows=(64, 8, 4096), deltanet=(16, 16, 32, 128), prompt=(300, 129, 64, 1))
 QUICK = Shapes(matmul=((40, 512, 1), (24, 768, 9)), norm=(5, 256), rope=(3, 4, 64), attention=(2, 4, 2, 64, 48),
-               swiglu=1000, topk=(6, 32, 4), add_rows=(5, 3, 300))
+               swiglu=1000, topk=(6, 32, 4), add_rows=(5, 3, 300), deltanet=(3, 2, 4, 32), prompt=(70, 5, 1))
 
 
 @dataclass(frozen=True)
@@ -178,21 +189,24 @@ def rms_norm_case(n_tok: int, n: int, rng: np.random.Generator) -> Case:
 
 
 def rope_case(n_tok: int, n_head: int, hd: int, variant: str, rng: np.random.Generator) -> Case:
+    """variant: normal (adjacent pairs), neox, mrope (NEOX, three sections), partial (NEOX on a quarter of each
+    head, as Qwen3.5's attention: the rest must come back as it was)."""
     x = rng.standard_normal((n_tok, n_head, hd), dtype=np.float32)
     pos = np.repeat(rng.integers(0, 4096, (n_tok, 1)), 3, axis=1).astype(np.int32)
-    axis = np.zeros(hd // 2, np.uint8)
+    rot = hd // 4 if variant == "partial" else hd
+    axis = np.zeros(rot // 2, np.uint8)
     if variant == "mrope":  # three sections, interleaved as Qwen3-VL's (h on pairs 1, 4, ..., w on 2, 5, ...)
         pos[:, 1:] += rng.integers(0, 64, (n_tok, 2), dtype=np.int32)
         axis = np.array([i % 3 if i < 3 * (hd // 8) else 0 for i in range(hd // 2)], np.uint8)
-    inv_freq = (1e6 ** (-np.arange(0, hd, 2) / hd)).astype(np.float32)
+    inv_freq = (1e6 ** (-np.arange(0, rot, 2) / rot)).astype(np.float32)
     neox = variant != "normal"
-    a_idx = np.arange(hd // 2) if neox else 2 * np.arange(hd // 2)
-    b_idx = a_idx + hd // 2 if neox else a_idx + 1
+    a_idx = np.arange(rot // 2) if neox else 2 * np.arange(rot // 2)
+    b_idx = a_idx + rot // 2 if neox else a_idx + 1
     pair = np.abs(x[..., a_idx]) + np.abs(x[..., b_idx])
     bound = np.zeros_like(x, dtype=np.float64)
     bound[..., a_idx], bound[..., b_idx] = RTOL * pair, RTOL * pair
     make = _buffers({"x": x, "pos": pos, "inv_freq": inv_freq, "axis": axis}, {})
-    fixed = dict(n_tok=n_tok, n_head=n_head, head_dim=hd, neox=int(neox))
+    fixed = dict(n_tok=n_tok, n_head=n_head, head_dim=hd, neox=int(neox), n_rot=rot)
 
     def reset(dev: Device, a: dict[str, Any]) -> None:  # RoPE turns x in place
         dev.upload(a["x"], x)
@@ -316,6 +330,138 @@ def kv_store_case(n_seq: int, n_kv: int, hd: int, n_ctx: int, kv: str, rng: np.r
                 lambda other: np.zeros(other.shape), 2 * k_in.nbytes + 2 * n_seq * n_kv * hd * elem)
 
 
+# --- Gated DeltaNet
+
+
+def _sequences(lengths: tuple[int, ...]) -> dict[str, np.ndarray]:
+    """seq_first for sequences of `lengths` tokens, their state slots in reverse order (slot != index)."""
+    first = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    return {"seq_first": first, "seq": np.arange(len(lengths), dtype=np.int32)[::-1].copy()}
+
+
+def _in_place(case_arrays: dict[str, np.ndarray], names: tuple[str, ...]) -> Callable[[Device, dict[str, Any]], None]:
+    def reset(dev: Device, a: dict[str, Any]) -> None:
+        for name in names:
+            dev.upload(a[name], case_arrays[name])
+        dev.sync()
+    return reset
+
+
+def dn_conv_case(lengths: tuple[int, ...], channels: int, rng: np.random.Generator) -> Case:
+    """The convolution of a chunk's sequences from their conv states, slots state_stride apart (a gap after each
+    state, as the CPU engine's delta-rule state follows it)."""
+    n_tok, n_seq, k = sum(lengths), len(lengths), D_CONV
+    stride = channels * (k - 1) + 5
+    arrays = {"x": rng.standard_normal((n_tok, channels), dtype=np.float32),
+              "w": rng.standard_normal((channels, k), dtype=np.float32) * 0.5,
+              "state": rng.standard_normal((n_seq, stride), dtype=np.float32)} | _sequences(lengths)
+    scale = RTOL * float(np.abs(arrays["w"]).sum(axis=1).max()) * float(max(np.abs(arrays["x"]).max(),
+                                                                           np.abs(arrays["state"]).max()))
+    bound = np.concatenate([np.full(n_tok * channels, scale), np.zeros(n_seq * stride)])
+    make = _buffers(arrays, {"out": ((n_tok, channels), np.float32)})
+    fixed = dict(n_seq=n_seq, d_conv=k, channels=channels, state_stride=stride)
+
+    def out(dev: Device, a: dict[str, Any]) -> np.ndarray:  # the outputs, then every slot's state
+        return np.concatenate([dev.to_host(a["out"], (n_tok * channels,), np.float32),
+                               dev.to_host(a["state"], (n_seq * stride,), np.float32)])
+
+    return Case("dn_conv", f"conv {k}", f"{n_seq} seqs {n_tok} tok x{channels}", lambda dev: fixed | make(dev), out,
+                _in_place(arrays, ("state",)), lambda _: bound, 8 * n_tok * channels + 8 * n_seq * stride)
+
+
+def l2_norm_case(n_tok: int, n_head: int, hd: int, rng: np.random.Generator) -> Case:
+    """The q heads of rows twice as wide (the k heads after them stay as they are), scaled by 1/sqrt(hd)."""
+    x = rng.standard_normal((n_tok, 2 * n_head * hd), dtype=np.float32) * 3
+    scale = 1.0 / np.sqrt(hd)
+    bound = np.full(x.size, RTOL * scale)
+    make = _buffers({"x": x}, {})
+    fixed = dict(n_tok=n_tok, n_head=n_head, head_dim=hd, row_stride=x.shape[1], scale=scale)
+    return Case("l2_norm", "f32", f"{n_tok}x{n_head}x{hd}", lambda dev: fixed | make(dev),
+                lambda dev, a: dev.to_host(a["x"], (x.size,), np.float32), _in_place({"x": x}, ("x",)),
+                lambda _: bound, 4 * n_tok * n_head * hd)
+
+
+def dn_gates_case(n_tok: int, n_head: int, rng: np.random.Generator) -> Case:
+    """alpha + dt_bias across softplus's threshold of 20; g and beta read back side by side."""
+    alpha = (rng.standard_normal((n_tok, n_head)) * 12).astype(np.float32)
+    beta = (rng.standard_normal((n_tok, n_head)) * 4).astype(np.float32)
+    a = -rng.uniform(0.1, 10, n_head).astype(np.float32)
+    dt_bias = rng.standard_normal(n_head).astype(np.float32)
+    g_bound = RTOL * np.abs(a) * (1 + np.abs(alpha.astype(np.float64) + dt_bias))
+    bound = np.concatenate([g_bound, np.full(beta.shape, 1e-6)], axis=1)
+    arrays = {"alpha": alpha, "beta": beta, "a": a, "dt_bias": dt_bias}
+
+    def out(dev: Device, a: dict[str, Any]) -> np.ndarray:
+        return np.concatenate([dev.to_host(a[n], alpha.shape, np.float32) for n in ("alpha", "beta")], axis=1)
+
+    return Case("dn_gates", "f32", f"{n_tok}x{n_head}", lambda dev: dict(n_tok=n_tok, n_head=n_head) |
+                _buffers(arrays, {})(dev), out, _in_place(arrays, ("alpha", "beta")), lambda _: bound,
+                16 * alpha.size)
+
+
+def delta_rule_inputs(n_tok: int, hk: int, hv: int, hd: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """q, k, v rows hv * hd wide (q and k heads in the first hk * hd), q and k heads L2-normed (q by 1/sqrt(hd)
+    too) as the layer hands them over; decays and strengths of the models' range (g = -a softplus(.) < 0,
+    beta = sigmoid(.))."""
+    width = hv * hd
+    rows = {}
+    for name in ("q", "k", "v"):
+        rows[name] = rng.standard_normal((n_tok, width), dtype=np.float32)
+    for name, scale in (("q", 1.0 / np.sqrt(hd)), ("k", 1.0)):
+        heads = rows[name][:, : hk * hd].reshape(n_tok, hk, hd)
+        heads *= scale / np.linalg.norm(heads, axis=-1, keepdims=True)
+        rows[name][:, : hk * hd] = heads.reshape(n_tok, hk * hd)
+    rows["g"] = -rng.uniform(0.001, 2.0, (n_tok, hv)).astype(np.float32)
+    rows["beta"] = rng.uniform(0.0, 1.0, (n_tok, hv)).astype(np.float32)
+    return rows
+
+
+def delta_rule_case(lengths: tuple[int, ...], hk: int, hv: int, hd: int, rng: np.random.Generator) -> Case:
+    """The rule over a chunk's sequences from states left by earlier tokens, slots state_stride apart."""
+    n_tok, n_seq = sum(lengths), len(lengths)
+    stride = hv * hd * hd + 3
+    arrays = delta_rule_inputs(n_tok, hk, hv, hd, rng) | _sequences(lengths)
+    arrays["state"] = (0.1 * rng.standard_normal((n_seq, stride))).astype(np.float32)
+    make = _buffers(arrays, {"out": ((n_tok, hv, hd), np.float32)})
+    fixed = dict(n_seq=n_seq, n_k_heads=hk, n_v_heads=hv, head_dim=hd, row_stride=hv * hd, state_stride=stride)
+
+    def out(dev: Device, a: dict[str, Any]) -> np.ndarray:  # the outputs, then every slot's state
+        return np.concatenate([dev.to_host(a["out"], (n_tok * hv * hd,), np.float32),
+                               dev.to_host(a["state"], (n_seq * stride,), np.float32)])
+
+    form = "decode" if n_tok == n_seq else "prompt"
+    return Case("delta_rule", form, f"{n_seq} seqs {n_tok} tok {hk}/{hv}x{hd}", lambda dev: fixed | make(dev), out,
+                _in_place(arrays, ("state",)),
+                lambda other: np.full(other.shape, RULE_RTOL * max(1.0, float(np.abs(other).max()))),
+                8 * n_seq * stride + 4 * n_tok * (4 * hv * hd + 2 * hv))
+
+
+def gated_rms_norm_case(n_rows: int, n: int, rng: np.random.Generator) -> Case:
+    x = (rng.standard_normal((n_rows, n)) * rng.uniform(0.1, 10, (n_rows, 1))).astype(np.float32)
+    z = (rng.standard_normal((n_rows, n)) * 3).astype(np.float32)
+    w = rng.uniform(0.5, 1.5, n).astype(np.float32)
+    x64, z64 = x.astype(np.float64), z.astype(np.float64)
+    s = 1.0 / np.sqrt(np.mean(x64**2, axis=1, keepdims=True) + 1e-6)
+    bound = RTOL * np.abs(x64 * s * w * z64 / (1 + np.exp(-z64))) + 1e-30
+    make = _buffers({"x": x, "z": z, "w": w}, {"out": ((n_rows, n), np.float32)})
+    return Case("gated_rms_norm", "f32", f"{n_rows}x{n}",
+                lambda dev: dict(n=n, n_rows=n_rows, eps=1e-6) | make(dev),
+                lambda dev, a: dev.to_host(a["out"], (n_rows, n), np.float32), _no_reset, lambda _: bound,
+                12 * n_rows * n + 4 * n)
+
+
+def deltanet_cases(shapes: Shapes, rng: np.random.Generator) -> Iterator[Case]:
+    n_seq, hk, hv, hd = shapes.deltanet
+    decode = (1,) * n_seq
+    yield dn_conv_case(decode, (2 * hk + hv) * hd, rng)
+    yield dn_conv_case(shapes.prompt, (2 * hk + hv) * hd, rng)
+    yield l2_norm_case(n_seq, hk, hd, rng)
+    yield dn_gates_case(max(n_seq, sum(shapes.prompt)), hv, rng)
+    yield delta_rule_case(decode, hk, hv, hd, rng)
+    yield delta_rule_case(shapes.prompt, hk, hv, hd, rng)
+    yield gated_rms_norm_case(n_seq * hv, hd, rng)
+
+
 def cases(shapes: Shapes, rng: np.random.Generator) -> Iterator[Case]:
     """The cases, made one at a time (the full shapes' inputs take hundreds of MB each)."""
     for qtype in MATMUL_TYPES:
@@ -323,7 +469,7 @@ def cases(shapes: Shapes, rng: np.random.Generator) -> Iterator[Case]:
             yield matmul_case(qtype, rows, n, n_tok, rng)
         yield matmul_case(qtype, *shapes.matmul[0], rng, lossless=True)
     yield rms_norm_case(*shapes.norm, rng)
-    for variant in ("normal", "neox", "mrope"):
+    for variant in ("normal", "neox", "mrope", "partial"):
         yield rope_case(*shapes.rope, variant, rng)
     for kv in KV_TYPES:
         yield attention_case(*shapes.attention, kv, rng)
@@ -333,6 +479,7 @@ def cases(shapes: Shapes, rng: np.random.Generator) -> Iterator[Case]:
     n_seq, _, n_kv, hd, n_ctx = shapes.attention
     for kv in KV_TYPES:  # the whole cache is compared: a short one
         yield kv_store_case(n_seq, n_kv, hd, min(n_ctx, 64), kv, rng)
+    yield from deltanet_cases(shapes, rng)
 
 
 # --- running a case
@@ -390,12 +537,12 @@ def check_case(dev: Device, cpu: Device, case: Case, runs: int) -> Row:
 def format_table(rows: list[Row], device: str, bandwidth: float) -> str:
     peak = f"{bandwidth / 1e9:.0f} GB/s" if bandwidth else "unknown"
     lines = [f"device: {device} (memory bandwidth {peak})",
-             f"| {'kernel':<9} | {'type':<12} | {'shape':<24} | {'rel err vs ref':>14} | {'rel err vs CPU':>14} "
+             f"| {'kernel':<14} | {'type':<12} | {'shape':<28} | {'rel err vs ref':>14} | {'rel err vs CPU':>14} "
              f"| {'result':<6} | {'GB/s':>8} | {'of peak':>7} |",
-             f"|{'-' * 11}|{'-' * 14}|{'-' * 26}|{'-' * 16}|{'-' * 16}|{'-' * 8}|{'-' * 10}|{'-' * 9}|"]
+             f"|{'-' * 16}|{'-' * 14}|{'-' * 30}|{'-' * 16}|{'-' * 16}|{'-' * 8}|{'-' * 10}|{'-' * 9}|"]
     for r in rows:
         frac = f"{100 * r.peak:.0f}%" if r.peak else "-"
-        lines.append(f"| {r.kernel:<9} | {r.type:<12} | {r.shape:<24} | {r.rel_ref:>14.2e} | {r.rel_cpu:>14.2e} "
+        lines.append(f"| {r.kernel:<14} | {r.type:<12} | {r.shape:<28} | {r.rel_ref:>14.2e} | {r.rel_cpu:>14.2e} "
                      f"| {'pass' if r.passed else 'FAIL':<6} | {r.gbps:>8.1f} | {frac:>7} |")
     failed = sum(not r.passed for r in rows)
     lines.append(f"{len(rows) - failed} of {len(rows)} cases pass" + (f", {failed} FAIL" if failed else ""))

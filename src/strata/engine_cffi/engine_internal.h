@@ -125,6 +125,17 @@ typedef struct {
 } arch;
 
 size_t deltanet_work_floats(const strata_model *m);  /* a thread's scratch for the DeltaNet (blocks_deltanet.c) */
+/* The DeltaNet's pieces (blocks_deltanet.c, where each is described), which the host device runs as its kernels. */
+size_t deltanet_head_floats(size_t head_dim);
+int deltanet_chunked(int n_tokens);
+void deltanet_conv_channel(const float *w, int d_conv, float *state, const float *in, float *out, size_t stride,
+                           const int *tokens, int n);
+void deltanet_l2norm(float *x, int n, float scale);
+void deltanet_gates(float *alpha, float *beta, const float *a, const float *dt_bias, int n_heads);
+void deltanet_head(float *S, int n, int head_dim, const float *q, const float *k, size_t qk_stride, const float *v,
+                   size_t v_stride, const float *g, const float *beta, size_t gb_stride, float *out, size_t out_stride,
+                   int chunked, float *work);
+void deltanet_gated_norm(float *out, const float *x, const float *z, const float *w, int n, float eps);
 
 // --- the MTP block (mtp.c), in a context with mtp
 

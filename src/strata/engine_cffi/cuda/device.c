@@ -26,7 +26,8 @@ struct strata_device {
 };
 
 static const char *const KERNEL_NAMES[DEV_N_KERNELS] = {"matmul", "rms_norm", "rope", "attention", "swiglu",
-                                                        "topk", "add_rows", "kv_store"};
+                                                        "topk", "add_rows", "kv_store", "dn_conv", "l2_norm",
+                                                        "dn_gates", "delta_rule", "gated_rms_norm"};
 
 static int fail(strata_device *d, int status, const char *fmt, ...) {
     va_list ap;
@@ -242,13 +243,16 @@ static int check_matmul(strata_device *d, const strata_dev_matmul_args *a) {
 }
 
 /* What the kernels assume of their arguments (the fast attention kernel: whole warps over a head of at most
- * 256 values; the fast top-k: one warp's choices). */
+ * 256 values; the fast top-k: one warp's choices; the convolution: a window of at most 8 in registers; the fast
+ * delta rule: a thread per column of a head's state, held in registers, at most 128). */
 static int check_args(strata_device *d, strata_dev_kernel k, const void *args) {
     switch (k) {
     case DEV_KERNEL_MATMUL: return check_matmul(d, args);
     case DEV_KERNEL_ROPE: {
         const strata_dev_rope_args *a = args;
         if (a->head_dim <= 0 || a->head_dim % 2) return fail(d, STRATA_ERR_INVALID_ARG, "rope: head_dim %d is odd", a->head_dim);
+        if (a->n_rot < 0 || a->n_rot % 2 || a->n_rot > a->head_dim)
+            return fail(d, STRATA_ERR_INVALID_ARG, "rope: n_rot %d (even, at most head_dim %d)", a->n_rot, a->head_dim);
         return STRATA_OK;
     }
     case DEV_KERNEL_ATTENTION: {
@@ -280,6 +284,38 @@ static int check_args(strata_device *d, strata_dev_kernel k, const void *args) {
         const strata_dev_topk_args *a = args;
         if (a->k <= 0 || a->k > a->n_expert || a->k > 32)
             return fail(d, STRATA_ERR_INVALID_ARG, "topk: k %d (1 to 32, at most n_expert %d)", a->k, a->n_expert);
+        return STRATA_OK;
+    }
+    case DEV_KERNEL_DN_CONV: {
+        const strata_dev_dn_conv_args *a = args;
+        if (a->d_conv < 2 || a->d_conv > 8 || a->channels <= 0 || a->n_seq <= 0)
+            return fail(d, STRATA_ERR_INVALID_ARG, "dn_conv: d_conv %d (2 to 8), channels %lld, n_seq %d", a->d_conv,
+                        (long long)a->channels, a->n_seq);
+        if (a->state_stride < a->channels * (a->d_conv - 1))
+            return fail(d, STRATA_ERR_INVALID_ARG, "dn_conv: state_stride %lld is less than a conv state's %lld",
+                        (long long)a->state_stride, (long long)(a->channels * (a->d_conv - 1)));
+        return STRATA_OK;
+    }
+    case DEV_KERNEL_DELTA_RULE: {
+        const strata_dev_delta_rule_args *a = args;
+        if (a->head_dim <= 0 || a->head_dim > 128 || a->n_seq <= 0 || a->n_k_heads <= 0 ||
+            a->n_v_heads % a->n_k_heads)
+            return fail(d, STRATA_ERR_INVALID_ARG,
+                        "delta_rule: head_dim %d (up to 128), %d v heads over %d q/k heads, n_seq %d", a->head_dim,
+                        a->n_v_heads, a->n_k_heads, a->n_seq);
+        int64_t width = (int64_t)a->n_v_heads * a->head_dim;
+        if (a->row_stride < width || a->state_stride < width * a->head_dim)
+            return fail(d, STRATA_ERR_INVALID_ARG,
+                        "delta_rule: row_stride %lld, state_stride %lld (at least %lld, %lld)",
+                        (long long)a->row_stride, (long long)a->state_stride, (long long)width,
+                        (long long)(width * a->head_dim));
+        return STRATA_OK;
+    }
+    case DEV_KERNEL_L2_NORM: {
+        const strata_dev_l2_norm_args *a = args;
+        if (a->head_dim <= 0 || a->row_stride < (int64_t)a->n_head * a->head_dim)
+            return fail(d, STRATA_ERR_INVALID_ARG, "l2_norm: %d heads of %d in rows %lld apart", a->n_head,
+                        a->head_dim, (long long)a->row_stride);
         return STRATA_OK;
     }
     default: return STRATA_OK;

@@ -49,15 +49,16 @@ typedef struct {
     float *out;
 } strata_dev_rms_norm_args;
 
-/* "rope": x (n_tok, n_head, head_dim) turned in place. Pair i of a head turns by the angle
- * pos[3 t + axis[i]] * inv_freq[i]; pairs are (2i, 2i + 1), or with neox (i, i + head_dim / 2). One axis: every
- * axis[i] = 0; multi-section RoPE: axis[i] in {0, 1, 2} (the position's t, h, w component). */
+/* "rope": x (n_tok, n_head, head_dim) turned in place, the first n_rot values of each head (0: all of them; the
+ * rest stay as they are: partial RoPE). Pair i turns by the angle pos[3 t + axis[i]] * inv_freq[i]; pairs are
+ * (2i, 2i + 1), or with neox (i, i + n_rot / 2). One axis: every axis[i] = 0; multi-section RoPE: axis[i] in
+ * {0, 1, 2} (the position's t, h, w component). */
 typedef struct {
-    int n_tok, n_head, head_dim, neox;
+    int n_tok, n_head, head_dim, neox, n_rot;
     float *x;
     const int *pos;              // (n_tok, 3)
-    const float *inv_freq;       // (head_dim / 2,)
-    const unsigned char *axis;   // (head_dim / 2,)
+    const float *inv_freq;       // (n_rot / 2,)
+    const unsigned char *axis;   // (n_rot / 2,)
 } strata_dev_rope_args;
 
 /* "attention": decode attention of n_tok query tokens over their sequences' cached rows, in the CPU engine's
@@ -113,6 +114,66 @@ typedef struct {
     float *k_scale, *v_scale;    // int8 only
     const int *seq, *pos;        // (n_tok,)
 } strata_dev_kv_store_args;
+
+/* --- Gated DeltaNet (Qwen3.5's recurrent layers; blocks_deltanet.c has the maths). The tokens of a chunk come
+ * grouped by sequence: sequence s's are rows seq_first[s] .. seq_first[s + 1] - 1, in order (seq_first:
+ * (n_seq + 1,), starting at 0, never decreasing: the host device checks it, the card cannot), and its recurrent
+ * state is slot seq[s] (seq: (n_seq,)) of a state array whose slots lie state_stride floats apart (so the CPU
+ * engine's layout, a sequence's conv state then its delta-rule state per layer, can be used as it is). */
+
+/* "dn_conv": the short causal convolution. out row t (channels) = silu(sum_j w[ch, j] win[j]) where win is the
+ * d_conv last inputs of channel ch up to and including x row t's; a slot's conv state (channels, d_conv - 1)
+ * holds, per channel oldest first, the inputs before the chunk, and after it the last d_conv - 1 inputs.
+ * x, out: (n_tok, channels); w: (channels, d_conv). */
+typedef struct {
+    int n_seq, d_conv;
+    int64_t channels, state_stride;
+    const float *x, *w;
+    float *state, *out;
+    const int *seq, *seq_first;
+} strata_dev_dn_conv_args;
+
+/* "l2_norm": in place, each head of head_dim values x *= scale / sqrt(sum(x^2) + 1e-6): n_head adjacent heads
+ * per token, tokens' rows row_stride floats apart (q or k heads inside the convolution's rows). */
+typedef struct {
+    int n_tok, n_head, head_dim;
+    int64_t row_stride;
+    float scale;
+    float *x;
+} strata_dev_l2_norm_args;
+
+/* "dn_gates": each token's gates per v head, in place: alpha -> g = a softplus(alpha + dt_bias) (the decay's log;
+ * a < 0), beta -> sigmoid(beta) (the write strength; beta holds the projection b). alpha, beta: (n_tok, n_head);
+ * a, dt_bias: (n_head,). softplus(x) is x above 20, as torch's. */
+typedef struct {
+    int n_tok, n_head;
+    float *alpha, *beta;
+    const float *a, *dt_bias;
+} strata_dev_dn_gates_args;
+
+/* "delta_rule": the gated delta rule per (sequence, v head), heads of head_dim (= d_k = d_v) values. For each
+ * token in order, on v head h's state S (head_dim x head_dim, row-major, at state + seq[s] state_stride +
+ * h head_dim^2), reading q and k head h % n_k_heads:
+ *     S = exp(g) S;  S += k (beta (v - S^T k))^T;  out = S^T q.
+ * q, k, v: token t's q head j at q + t row_stride + j head_dim (k, v likewise); g, beta: (n_tok, n_v_heads);
+ * out: (n_tok, n_v_heads, head_dim). The host device takes a sequence's single token by that step and several
+ * in chunks of 64 (the chunked form), as the CPU engine does. */
+typedef struct {
+    int n_seq, n_k_heads, n_v_heads, head_dim;
+    int64_t row_stride, state_stride;
+    const float *q, *k, *v, *g, *beta;
+    float *state, *out;
+    const int *seq, *seq_first;
+} strata_dev_delta_rule_args;
+
+/* "gated_rms_norm": out row r (n values) = x row r / sqrt(mean(x row r ^ 2) + eps) * w * silu(z row r), over
+ * n_rows rows (each token's v heads). x, z, out: (n_rows, n); w: (n,). out may be x. */
+typedef struct {
+    int64_t n, n_rows;
+    float eps;
+    const float *x, *z, *w;
+    float *out;
+} strata_dev_gated_rms_norm_args;
 
 /* --- the interface. Functions returning int return a strata_status (0: STRATA_OK); on failure
  * strata_dev_error says why. */

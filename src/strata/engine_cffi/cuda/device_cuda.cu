@@ -144,6 +144,31 @@ int cuda_launch(void *self, int stream, strata_dev_kernel kernel, int reference,
         e = reference ? k::kv_store_ref(a, s) : k::kv_store(a, s);
         break;
     }
+    case DEV_KERNEL_DN_CONV: {
+        auto a = (const strata_dev_dn_conv_args *)args;
+        e = reference ? k::dn_conv_ref(a, s) : k::dn_conv(a, s);
+        break;
+    }
+    case DEV_KERNEL_L2_NORM: {
+        auto a = (const strata_dev_l2_norm_args *)args;
+        e = reference ? k::l2_norm_ref(a, s) : k::l2_norm(a, s);
+        break;
+    }
+    case DEV_KERNEL_DN_GATES: {
+        auto a = (const strata_dev_dn_gates_args *)args;
+        e = reference ? k::dn_gates_ref(a, s) : k::dn_gates(a, s);
+        break;
+    }
+    case DEV_KERNEL_DELTA_RULE: {
+        auto a = (const strata_dev_delta_rule_args *)args;
+        e = reference ? k::delta_rule_ref(a, s) : k::delta_rule(a, s);
+        break;
+    }
+    case DEV_KERNEL_GATED_RMS_NORM: {
+        auto a = (const strata_dev_gated_rms_norm_args *)args;
+        e = reference ? k::gated_rms_norm_ref(a, s) : k::gated_rms_norm(a, s);
+        break;
+    }
     default: break;
     }
     return check(c, e, "kernel launch");

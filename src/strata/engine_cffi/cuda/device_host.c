@@ -1,7 +1,8 @@
 /* device_host.c — the host implementation of the device interface: plain memory, streams that run each call
  * as it is queued (so every ordering rule holds trivially), events that are timestamps, and kernels that are
  * the CPU engine's own (the products: strata_gemm_rows after quantising the activations as the engine does, and
- * the engine's naive reference for "matmul_ref") or C ports of the reference kernels (the rest). */
+ * the engine's naive reference for "matmul_ref"; the DeltaNet's pieces, blocks_deltanet.c's own code, so both names
+ * give the CPU engine's bits) or C ports of the reference kernels (the rest). */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -74,14 +75,14 @@ static void rms_norm(const strata_dev_rms_norm_args *a) {
 }
 
 static void rope(const strata_dev_rope_args *a) {
-    int hd = a->head_dim;
+    int hd = a->head_dim, half = (a->n_rot ? a->n_rot : hd) / 2;
     for (int t = 0; t < a->n_tok; t++)
         for (int h = 0; h < a->n_head; h++) {
             float *x = a->x + ((size_t)t * a->n_head + h) * hd;
-            for (int i = 0; i < hd / 2; i++) {
+            for (int i = 0; i < half; i++) {
                 float theta = (float)a->pos[3 * t + a->axis[i]] * a->inv_freq[i];
                 double c = cos(theta), s = sin(theta);
-                int p = a->neox ? i : 2 * i, q = a->neox ? i + hd / 2 : 2 * i + 1;
+                int p = a->neox ? i : 2 * i, q = a->neox ? i + half : 2 * i + 1;
                 double x0 = x[p], x1 = x[q];
                 x[p] = (float)(x0 * c - x1 * s);
                 x[q] = (float)(x0 * s + x1 * c);
@@ -198,6 +199,79 @@ static void topk(const strata_dev_topk_args *a) {
     }
 }
 
+// --- Gated DeltaNet: the CPU engine's own functions (blocks_deltanet.c), for "<name>" and "<name>_ref" alike
+
+/* 0 .. n - 1 (the convolution's token list: a sequence's rows are adjacent here), or NULL. */
+static int *iota(int n) {
+    int *v = malloc(sizeof(int) * (n > 0 ? n : 1));
+    for (int i = 0; v && i < n; i++) v[i] = i;
+    return v;
+}
+
+/* Whether seq_first (n_seq + 1) starts at 0 and never goes down (the card cannot check it: it lies in device
+ * memory). */
+static int check_sequences(host_device *h, const char *kernel, const int *seq_first, int n_seq) {
+    int ok = seq_first[0] == 0;
+    for (int s = 0; s < n_seq; s++) ok &= seq_first[s + 1] >= seq_first[s];
+    if (ok) return STRATA_OK;
+    char why[96];
+    snprintf(why, sizeof why, "%s: seq_first must start at 0 and never decrease", kernel);
+    return host_fail(h, STRATA_ERR_INVALID_ARG, why);
+}
+
+static int dn_conv(host_device *h, const strata_dev_dn_conv_args *a) {
+    if (check_sequences(h, "dn_conv", a->seq_first, a->n_seq)) return STRATA_ERR_INVALID_ARG;
+    int *tokens = iota(a->seq_first[a->n_seq]);
+    if (!tokens) return host_fail(h, STRATA_ERR_NOMEM, "dn_conv: out of memory");
+    for (int s = 0; s < a->n_seq; s++) {
+        float *state = a->state + (size_t)a->seq[s] * a->state_stride;
+        int first = a->seq_first[s];
+        for (int64_t ch = 0; ch < a->channels; ch++)
+            deltanet_conv_channel(a->w + ch * a->d_conv, a->d_conv, state + ch * (a->d_conv - 1), a->x + ch,
+                                  a->out + ch, (size_t)a->channels, tokens + first, a->seq_first[s + 1] - first);
+    }
+    free(tokens);
+    return STRATA_OK;
+}
+
+static void l2_norm(const strata_dev_l2_norm_args *a) {
+    for (int t = 0; t < a->n_tok; t++)
+        for (int j = 0; j < a->n_head; j++)
+            deltanet_l2norm(a->x + t * a->row_stride + (size_t)j * a->head_dim, a->head_dim, a->scale);
+}
+
+static void dn_gates(const strata_dev_dn_gates_args *a) {
+    for (int t = 0; t < a->n_tok; t++)
+        deltanet_gates(a->alpha + (size_t)t * a->n_head, a->beta + (size_t)t * a->n_head, a->a, a->dt_bias,
+                       a->n_head);
+}
+
+/* Per (sequence, v head): one token by the recurrent step, more in chunks (the CPU engine's choice). */
+static int delta_rule(host_device *h, const strata_dev_delta_rule_args *a) {
+    if (check_sequences(h, "delta_rule", a->seq_first, a->n_seq)) return STRATA_ERR_INVALID_ARG;
+    const int d = a->head_dim, hv = a->n_v_heads;
+    float *work = malloc(sizeof(float) * deltanet_head_floats((size_t)d));
+    if (!work) return host_fail(h, STRATA_ERR_NOMEM, "delta_rule: out of memory");
+    for (int s = 0; s < a->n_seq; s++) {
+        int first = a->seq_first[s], n = a->seq_first[s + 1] - first;
+        for (int j = 0; j < hv && n > 0; j++) {
+            size_t row = (size_t)first * a->row_stride, qk = row + (size_t)(j % a->n_k_heads) * d;
+            size_t gb = (size_t)first * hv + j;
+            deltanet_head(a->state + (size_t)a->seq[s] * a->state_stride + (size_t)j * d * d, n, d, a->q + qk,
+                          a->k + qk, (size_t)a->row_stride, a->v + row + (size_t)j * d, (size_t)a->row_stride,
+                          a->g + gb, a->beta + gb, (size_t)hv, a->out + gb * d, (size_t)hv * d, deltanet_chunked(n),
+                          work);
+        }
+    }
+    free(work);
+    return STRATA_OK;
+}
+
+static void gated_rms_norm(const strata_dev_gated_rms_norm_args *a) {
+    for (int64_t r = 0; r < a->n_rows; r++)
+        deltanet_gated_norm(a->out + r * a->n, a->x + r * a->n, a->z + r * a->n, a->w, (int)a->n, a->eps);
+}
+
 static int launch(void *self, int stream, strata_dev_kernel kernel, int reference, const void *args) {
     (void)stream;
     switch (kernel) {
@@ -209,6 +283,11 @@ static int launch(void *self, int stream, strata_dev_kernel kernel, int referenc
     case DEV_KERNEL_TOPK: topk(args); return STRATA_OK;
     case DEV_KERNEL_ADD_ROWS: add_rows(args); return STRATA_OK;
     case DEV_KERNEL_KV_STORE: return kv_store(self, args);
+    case DEV_KERNEL_DN_CONV: return dn_conv(self, args);
+    case DEV_KERNEL_L2_NORM: l2_norm(args); return STRATA_OK;
+    case DEV_KERNEL_DN_GATES: dn_gates(args); return STRATA_OK;
+    case DEV_KERNEL_DELTA_RULE: return delta_rule(self, args);
+    case DEV_KERNEL_GATED_RMS_NORM: gated_rms_norm(args); return STRATA_OK;
     default: return STRATA_ERR_INVALID_ARG;
     }
 }

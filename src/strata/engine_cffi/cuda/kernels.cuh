@@ -16,6 +16,11 @@ cudaError_t swiglu_ref(const strata_dev_swiglu_args *a, cudaStream_t stream);
 cudaError_t topk_ref(const strata_dev_topk_args *a, cudaStream_t stream);
 cudaError_t add_rows_ref(const strata_dev_add_rows_args *a, cudaStream_t stream);
 cudaError_t kv_store_ref(const strata_dev_kv_store_args *a, cudaStream_t stream);
+cudaError_t dn_conv_ref(const strata_dev_dn_conv_args *a, cudaStream_t stream);
+cudaError_t l2_norm_ref(const strata_dev_l2_norm_args *a, cudaStream_t stream);
+cudaError_t dn_gates_ref(const strata_dev_dn_gates_args *a, cudaStream_t stream);
+cudaError_t delta_rule_ref(const strata_dev_delta_rule_args *a, cudaStream_t stream);
+cudaError_t gated_rms_norm_ref(const strata_dev_gated_rms_norm_args *a, cudaStream_t stream);
 
 /* Bytes of scratch matmul needs (its activations quantised; 0 for F32, F16 and BF16 weights). */
 size_t matmul_scratch_bytes(const strata_dev_matmul_args *a);
@@ -27,5 +32,10 @@ cudaError_t swiglu(const strata_dev_swiglu_args *a, cudaStream_t stream);
 cudaError_t topk(const strata_dev_topk_args *a, cudaStream_t stream);
 cudaError_t add_rows(const strata_dev_add_rows_args *a, cudaStream_t stream);
 cudaError_t kv_store(const strata_dev_kv_store_args *a, cudaStream_t stream);
+cudaError_t dn_conv(const strata_dev_dn_conv_args *a, cudaStream_t stream);
+cudaError_t l2_norm(const strata_dev_l2_norm_args *a, cudaStream_t stream);
+cudaError_t dn_gates(const strata_dev_dn_gates_args *a, cudaStream_t stream);
+cudaError_t delta_rule(const strata_dev_delta_rule_args *a, cudaStream_t stream);
+cudaError_t gated_rms_norm(const strata_dev_gated_rms_norm_args *a, cudaStream_t stream);
 
 }  // namespace strata_cuda

@@ -1,8 +1,9 @@
 /* kernels_fast.cu — the fast kernels. Products: a warp per weight row; quantised weights meet activations
  * quantised to 32-value int8 blocks (act_block) in int8 dot products of four lanes (__dp4a), each warp holding
  * up to TOKENS tokens' sums, so one pass over a row serves a group of tokens (matrix-matrix products are the same
- * kernel over several groups); F32, F16 and BF16 rows meet f32 activations. The rest: warp and block reductions, and
- * attention with a running (online) softmax per warp. */
+ * kernel over several groups); F32, F16 and BF16 rows meet f32 activations. The rest: warp and block reductions,
+ * attention with a running (online) softmax per warp, and the Gated DeltaNet's pieces (the delta rule a token loop per
+ * (sequence, head), its state's columns in registers). */
 #include <math.h>
 #include "blocks.cuh"
 #include "kernels.cuh"
@@ -158,7 +159,7 @@ cudaError_t rms_norm(const strata_dev_rms_norm_args *a, cudaStream_t stream) {
 // --- RoPE: a thread per pair, the angle's sine and cosine together in f32
 
 __global__ void rope_kernel(strata_dev_rope_args a) {
-    int half = a.head_dim / 2;
+    int half = (a.n_rot ? a.n_rot : a.head_dim) / 2;
     int64_t o = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
     if (o >= (int64_t)a.n_tok * a.n_head * half) return;
     int i = (int)(o % half), t = (int)(o / half / a.n_head);
@@ -171,7 +172,7 @@ __global__ void rope_kernel(strata_dev_rope_args a) {
 }
 
 cudaError_t rope(const strata_dev_rope_args *a, cudaStream_t stream) {
-    int64_t n = (int64_t)a->n_tok * a->n_head * (a->head_dim / 2);
+    int64_t n = (int64_t)a->n_tok * a->n_head * ((a->n_rot ? a->n_rot : a->head_dim) / 2);
     rope_kernel<<<(unsigned)((n + 127) / 128), 128, 0, stream>>>(*a);
     return cudaGetLastError();
 }
@@ -344,6 +345,138 @@ __global__ void kv_store_kernel(strata_dev_kv_store_args a) {
 cudaError_t kv_store(const strata_dev_kv_store_args *a, cudaStream_t stream) {
     int64_t rows = (int64_t)a->n_tok * a->n_head_kv;
     kv_store_kernel<<<(unsigned)((rows + 3) / 4), 4 * WARP, 0, stream>>>(*a);
+    return cudaGetLastError();
+}
+
+// --- Gated DeltaNet
+
+/* The convolution: a thread per (sequence, channel), its window of d_conv <= 8 inputs in registers, sliding over
+ * the sequence's tokens (consecutive threads take consecutive channels: the rows are read coalesced) */
+constexpr int MAX_CONV = 8;
+
+__global__ void dn_conv_kernel(strata_dev_dn_conv_args a) {
+    int64_t ch = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+    int s = blockIdx.y, K = a.d_conv;
+    if (ch >= a.channels) return;
+    float *state = a.state + a.seq[s] * a.state_stride + ch * (K - 1), w[MAX_CONV], win[MAX_CONV];
+#pragma unroll
+    for (int i = 0; i < MAX_CONV; i++) {
+        w[i] = i < K ? a.w[ch * K + i] : 0.0f;
+        win[i] = i < K - 1 ? state[i] : 0.0f;  // win[K - 1] takes each token's own input
+    }
+    for (int t = a.seq_first[s]; t < a.seq_first[s + 1]; t++) {
+        float acc = 0.0f, in = a.x[t * a.channels + ch];
+#pragma unroll
+        for (int i = 0; i < MAX_CONV; i++) {
+            if (i == K - 1) win[i] = in;
+            if (i < K) acc += w[i] * win[i];
+        }
+        a.out[t * a.channels + ch] = acc / (1.0f + expf(-acc));
+#pragma unroll
+        for (int i = 0; i + 1 < MAX_CONV; i++)
+            if (i < K - 1) win[i] = win[i + 1];
+    }
+#pragma unroll
+    for (int i = 0; i < MAX_CONV; i++)
+        if (i < K - 1) state[i] = win[i];
+}
+
+cudaError_t dn_conv(const strata_dev_dn_conv_args *a, cudaStream_t stream) {
+    dn_conv_kernel<<<dim3((unsigned)((a->channels + 127) / 128), (unsigned)a->n_seq), 128, 0, stream>>>(*a);
+    return cudaGetLastError();
+}
+
+/* L2 norm: a warp per (token, head) */
+__global__ void l2_norm_kernel(strata_dev_l2_norm_args a) {
+    int64_t o = blockIdx.x * (int64_t)(blockDim.x / WARP) + threadIdx.x / WARP;
+    if (o >= (int64_t)a.n_tok * a.n_head) return;
+    int lane = threadIdx.x % WARP;
+    float *x = a.x + o / a.n_head * a.row_stride + o % a.n_head * a.head_dim, ss = 0.0f;
+    for (int i = lane; i < a.head_dim; i += WARP) ss += x[i] * x[i];
+    float f = a.scale * rsqrtf(warp_sum(ss) + 1e-6f);
+    for (int i = lane; i < a.head_dim; i += WARP) x[i] *= f;
+}
+
+cudaError_t l2_norm(const strata_dev_l2_norm_args *a, cudaStream_t stream) {
+    int64_t heads = (int64_t)a->n_tok * a->n_head;
+    l2_norm_kernel<<<(unsigned)((heads + 3) / 4), 4 * WARP, 0, stream>>>(*a);
+    return cudaGetLastError();
+}
+
+/* The gates: a thread per (token, v head) */
+__global__ void dn_gates_kernel(strata_dev_dn_gates_args a) {
+    int64_t o = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+    if (o >= (int64_t)a.n_tok * a.n_head) return;
+    int h = (int)(o % a.n_head);
+    float x = a.alpha[o] + a.dt_bias[h];
+    a.alpha[o] = a.a[h] * (x > 20.0f ? x : log1pf(expf(x)));
+    a.beta[o] = 1.0f / (1.0f + expf(-a.beta[o]));
+}
+
+cudaError_t dn_gates(const strata_dev_dn_gates_args *a, cudaStream_t stream) {
+    int64_t n = (int64_t)a->n_tok * a->n_head;
+    dn_gates_kernel<<<(unsigned)((n + 127) / 128), 128, 0, stream>>>(*a);
+    return cudaGetLastError();
+}
+
+/* The delta rule: a block per (sequence, v head), a thread per column j of its state, held in registers for the
+ * sequence's tokens (read and written once per launch); each token's q and k rows in shared memory. A column's
+ * update needs only that column (S^T k and S^T q are per column), so the threads never exchange partial sums.
+ * Prompt chunks take the same token loop (the chunked form's blocked products are not built on the card). */
+constexpr int MAX_HEAD = 128;
+
+__global__ void delta_rule_kernel(strata_dev_delta_rule_args a) {
+    __shared__ float qs[MAX_HEAD], ks[MAX_HEAD];
+    const int d = a.head_dim, hv = a.n_v_heads, j = threadIdx.x;
+    int s = blockIdx.x / hv, h = blockIdx.x % hv, kh = h % a.n_k_heads;
+    float *S = a.state + a.seq[s] * a.state_stride + (size_t)h * d * d + j, col[MAX_HEAD];
+#pragma unroll
+    for (int i = 0; i < MAX_HEAD; i++) col[i] = i < d ? S[i * d] : 0.0f;
+    for (int t = a.seq_first[s]; t < a.seq_first[s + 1]; t++) {
+        __syncthreads();  // the previous token's rows are read
+        qs[j] = a.q[t * a.row_stride + kh * d + j];
+        ks[j] = a.k[t * a.row_stride + kh * d + j];
+        __syncthreads();
+        float decay = expf(a.g[t * hv + h]), kv = 0.0f, out = 0.0f;
+#pragma unroll
+        for (int i = 0; i < MAX_HEAD; i++)
+            if (i < d) {
+                col[i] *= decay;
+                kv += col[i] * ks[i];
+            }
+        float delta = a.beta[t * hv + h] * (a.v[t * a.row_stride + h * d + j] - kv);
+#pragma unroll
+        for (int i = 0; i < MAX_HEAD; i++)
+            if (i < d) {
+                col[i] += ks[i] * delta;
+                out += col[i] * qs[i];
+            }
+        a.out[((size_t)t * hv + h) * d + j] = out;
+    }
+#pragma unroll
+    for (int i = 0; i < MAX_HEAD; i++)
+        if (i < d) S[i * d] = col[i];
+}
+
+cudaError_t delta_rule(const strata_dev_delta_rule_args *a, cudaStream_t stream) {
+    delta_rule_kernel<<<(unsigned)(a->n_seq * a->n_v_heads), (unsigned)a->head_dim, 0, stream>>>(*a);
+    return cudaGetLastError();
+}
+
+/* The gated RMS norm: a warp per row */
+__global__ void gated_rms_norm_kernel(strata_dev_gated_rms_norm_args a) {
+    int64_t r = blockIdx.x * (int64_t)(blockDim.x / WARP) + threadIdx.x / WARP;
+    if (r >= a.n_rows) return;
+    int lane = threadIdx.x % WARP;
+    const float *x = a.x + r * a.n, *z = a.z + r * a.n;
+    float ss = 0.0f;
+    for (int64_t i = lane; i < a.n; i += WARP) ss += x[i] * x[i];
+    float f = rsqrtf(warp_sum(ss) / (float)a.n + a.eps);
+    for (int64_t i = lane; i < a.n; i += WARP) a.out[r * a.n + i] = x[i] * f * a.w[i] * (z[i] / (1.0f + expf(-z[i])));
+}
+
+cudaError_t gated_rms_norm(const strata_dev_gated_rms_norm_args *a, cudaStream_t stream) {
+    gated_rms_norm_kernel<<<(unsigned)((a->n_rows + 3) / 4), 4 * WARP, 0, stream>>>(*a);
     return cudaGetLastError();
 }
 

@@ -63,7 +63,7 @@ cudaError_t rms_norm_ref(const strata_dev_rms_norm_args *a, cudaStream_t stream)
 // --- RoPE: one thread per rotated pair
 
 __global__ void rope_ref_kernel(strata_dev_rope_args a) {
-    int half = a.head_dim / 2;
+    int half = (a.n_rot ? a.n_rot : a.head_dim) / 2;
     int64_t o = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
     if (o >= (int64_t)a.n_tok * a.n_head * half) return;
     int i = (int)(o % half), t = (int)(o / half / a.n_head);
@@ -77,7 +77,8 @@ __global__ void rope_ref_kernel(strata_dev_rope_args a) {
 }
 
 cudaError_t rope_ref(const strata_dev_rope_args *a, cudaStream_t stream) {
-    rope_ref_kernel<<<blocks_for((int64_t)a->n_tok * a->n_head * (a->head_dim / 2), 128), 128, 0, stream>>>(*a);
+    int64_t pairs = (int64_t)a->n_tok * a->n_head * ((a->n_rot ? a->n_rot : a->head_dim) / 2);
+    rope_ref_kernel<<<blocks_for(pairs, 128), 128, 0, stream>>>(*a);
     return cudaGetLastError();
 }
 
@@ -205,6 +206,109 @@ __global__ void kv_store_ref_kernel(strata_dev_kv_store_args a) {
 
 cudaError_t kv_store_ref(const strata_dev_kv_store_args *a, cudaStream_t stream) {
     kv_store_ref_kernel<<<blocks_for((int64_t)a->n_tok * a->n_head_kv, 64), 64, 0, stream>>>(*a);
+    return cudaGetLastError();
+}
+
+// --- Gated DeltaNet
+
+/* The convolution: one thread per (sequence, channel), its outputs in order and then its state; input i of the
+ * window ending at the chunk's token j is the chunk's token j - (d_conv - 1) + i, or the state's before it. */
+__device__ float conv_input(const strata_dev_dn_conv_args &a, const float *state, int first, int src, int64_t ch) {
+    return src >= 0 ? a.x[(first + src) * a.channels + ch] : state[a.d_conv - 1 + src];
+}
+
+__global__ void dn_conv_ref_kernel(strata_dev_dn_conv_args a) {
+    int64_t o = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+    if (o >= a.n_seq * a.channels) return;
+    int s = (int)(o / a.channels), K = a.d_conv, first = a.seq_first[s], n = a.seq_first[s + 1] - first;
+    int64_t ch = o % a.channels;
+    float *state = a.state + a.seq[s] * a.state_stride + ch * (K - 1), last[8];
+    for (int j = 0; j < n; j++) {
+        double acc = 0.0;
+        for (int i = 0; i < K; i++) acc += (double)a.w[ch * K + i] * conv_input(a, state, first, j - (K - 1) + i, ch);
+        a.out[(first + j) * a.channels + ch] = (float)(acc / (1.0 + exp(-acc)));
+    }
+    for (int i = 0; i < K - 1; i++) last[i] = conv_input(a, state, first, n - (K - 1) + i, ch);
+    for (int i = 0; i < K - 1; i++) state[i] = last[i];
+}
+
+cudaError_t dn_conv_ref(const strata_dev_dn_conv_args *a, cudaStream_t stream) {
+    dn_conv_ref_kernel<<<blocks_for(a->n_seq * a->channels, 128), 128, 0, stream>>>(*a);
+    return cudaGetLastError();
+}
+
+/* L2 norm: one thread per (token, head) */
+__global__ void l2_norm_ref_kernel(strata_dev_l2_norm_args a) {
+    int64_t o = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+    if (o >= (int64_t)a.n_tok * a.n_head) return;
+    float *x = a.x + o / a.n_head * a.row_stride + o % a.n_head * a.head_dim;
+    double ss = 0.0;
+    for (int i = 0; i < a.head_dim; i++) ss += (double)x[i] * x[i];
+    double f = a.scale / sqrt(ss + 1e-6);
+    for (int i = 0; i < a.head_dim; i++) x[i] = (float)(x[i] * f);
+}
+
+cudaError_t l2_norm_ref(const strata_dev_l2_norm_args *a, cudaStream_t stream) {
+    l2_norm_ref_kernel<<<blocks_for((int64_t)a->n_tok * a->n_head, 64), 64, 0, stream>>>(*a);
+    return cudaGetLastError();
+}
+
+/* The gates: one thread per (token, v head), in double */
+__global__ void dn_gates_ref_kernel(strata_dev_dn_gates_args a) {
+    int64_t o = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+    if (o >= (int64_t)a.n_tok * a.n_head) return;
+    int h = (int)(o % a.n_head);
+    double x = (double)a.alpha[o] + a.dt_bias[h];
+    a.alpha[o] = (float)(a.a[h] * (x > 20.0 ? x : log1p(exp(x))));
+    a.beta[o] = (float)(1.0 / (1.0 + exp(-(double)a.beta[o])));
+}
+
+cudaError_t dn_gates_ref(const strata_dev_dn_gates_args *a, cudaStream_t stream) {
+    dn_gates_ref_kernel<<<blocks_for((int64_t)a->n_tok * a->n_head, 128), 128, 0, stream>>>(*a);
+    return cudaGetLastError();
+}
+
+/* The delta rule by its recurrent form, token by token: one thread per (sequence, v head, column j of the state),
+ * as a column's update reads only that column (S^T k and S^T q are per column) */
+__global__ void delta_rule_ref_kernel(strata_dev_delta_rule_args a) {
+    int64_t o = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+    const int d = a.head_dim, hv = a.n_v_heads;
+    if (o >= (int64_t)a.n_seq * hv * d) return;
+    int j = (int)(o % d), h = (int)(o / d % hv), s = (int)(o / d / hv), kh = h % a.n_k_heads;
+    float *S = a.state + a.seq[s] * a.state_stride + (size_t)h * d * d + j;  // column j: rows d apart
+    for (int t = a.seq_first[s]; t < a.seq_first[s + 1]; t++) {
+        const float *q = a.q + t * a.row_stride + kh * d, *k = a.k + t * a.row_stride + kh * d;
+        double decay = exp((double)a.g[t * hv + h]), kv = 0.0, out = 0.0;
+        for (int i = 0; i < d; i++) kv += decay * S[i * d] * k[i];
+        double delta = a.beta[t * hv + h] * (a.v[t * a.row_stride + h * d + j] - kv);
+        for (int i = 0; i < d; i++) {
+            double v = decay * S[i * d] + k[i] * delta;
+            S[i * d] = (float)v;
+            out += v * q[i];
+        }
+        a.out[((size_t)t * hv + h) * d + j] = (float)out;
+    }
+}
+
+cudaError_t delta_rule_ref(const strata_dev_delta_rule_args *a, cudaStream_t stream) {
+    delta_rule_ref_kernel<<<blocks_for((int64_t)a->n_seq * a->n_v_heads * a->head_dim, 128), 128, 0, stream>>>(*a);
+    return cudaGetLastError();
+}
+
+/* The gated RMS norm: one thread per row */
+__global__ void gated_rms_norm_ref_kernel(strata_dev_gated_rms_norm_args a) {
+    int64_t r = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+    if (r >= a.n_rows) return;
+    const float *x = a.x + r * a.n, *z = a.z + r * a.n;
+    double ss = 0.0;
+    for (int64_t i = 0; i < a.n; i++) ss += (double)x[i] * x[i];
+    double f = 1.0 / sqrt(ss / (double)a.n + a.eps);
+    for (int64_t i = 0; i < a.n; i++)
+        a.out[r * a.n + i] = (float)(x[i] * f * a.w[i] * (z[i] / (1.0 + exp(-(double)z[i]))));
+}
+
+cudaError_t gated_rms_norm_ref(const strata_dev_gated_rms_norm_args *a, cudaStream_t stream) {
+    gated_rms_norm_ref_kernel<<<blocks_for(a->n_rows, 64), 64, 0, stream>>>(*a);
     return cudaGetLastError();
 }
 
