@@ -20,8 +20,10 @@
   each from the first decode step on; decode tokens/s and the acceptance rate, with the answers compared (four
   streams' prompts are chunked by measured time, and a hybrid's prompt rounds by its chunks: reported only). Its
   weights are random: the block is not trained to guess the trunk, so its drafts are about never right here, and
-  this measures what they cost. Then the block's draft calls alone: 1 and 3 drafts for one sequence, for four in
-  a call each, and for four in one call (the batcher's, one a step), the median of many.
+  this measures what they cost. `--layers N` takes the small shape with N layers (every 4th full attention).
+  Then a 2,000-token prompt's time without the block and with it (what the fill costs a prompt), and the block's
+  draft calls alone: 1 and 3 drafts for one sequence, for four in a call each, and for four in one call (the
+  batcher's, one a step), the median of many.
 
 Rates are wall-clock and per CPU second of the engine's threads (which the load of other processes on a shared
 machine does not stretch); the table shows medians of `--repeat` runs.
@@ -54,13 +56,15 @@ MODES = {"off": SpeculativeConfig(source="off"), "lookup": SpeculativeConfig(sou
 GREEDY = SamplingParams(temperature=0.0)
 
 
-def small_model(arch: str = "qwen3moe") -> pathlib.Path:
+def small_model(arch: str = "qwen3moe", layers: int | None = None) -> pathlib.Path:
+    """The small Q8_0 model of `arch`, with `layers` layers in place of the table's where given."""
     from strata.modelgen import write_random_model
 
-    path = OUT / f"{arch}-small-q8_0.gguf"
+    path = OUT / f"{arch}-small{f'-{layers}l' if layers else ''}-q8_0.gguf"
     if not path.exists():
         OUT.mkdir(parents=True, exist_ok=True)
-        write_random_model(path, arch=arch, size="small", dtype="q8_0", vocab="qwen", seed=0)
+        write_random_model(path, arch=arch, size="small", dtype="q8_0", vocab="qwen", seed=0,
+                           **({"n_layer": layers} if layers else {}))
     return path
 
 
@@ -155,10 +159,9 @@ MTP_MODES = {"off": SpeculativeConfig(source="off"), "off, block run": Speculati
              "mtp adaptive": SpeculativeConfig(source="mtp")}
 
 
-def mtp_traces(threads: int, repeat: int, tokens: int) -> tuple[dict[str, dict[str, tuple[float, float]]],
-                                                                 dict[str, float]]:
+def mtp_traces(path: pathlib.Path, threads: int, repeat: int, tokens: int
+               ) -> tuple[dict[str, dict[str, tuple[float, float]]], dict[str, float]]:
     """Each mode's decode rates on one greedy stream and on four, and the drafts' acceptance rate."""
-    path = small_model("qwen35moe")
     rng = np.random.default_rng(3)
     prompts = [[int(t) for t in rng.integers(0, 151000, 200)] for _ in range(4)]
     results: dict[str, dict[str, list[tuple[float, float]]]] = {}
@@ -191,13 +194,31 @@ def mtp_traces(threads: int, repeat: int, tokens: int) -> tuple[dict[str, dict[s
     return medians(results), acceptance
 
 
-def mtp_call_costs(threads: int, rounds: int) -> dict[tuple[int, str], tuple[float, float]]:
+def mtp_prompt_costs(path: pathlib.Path, threads: int, repeat: int, n_prompt: int = 2000
+                     ) -> dict[str, tuple[float, float]]:
+    """Median seconds, wall and CPU, of one `n_prompt`-token prompt on an engine without the block and on one that
+    runs it (which fills the block's rows for every token), the two taking turns."""
+    prompt = [int(t) for t in np.random.default_rng(5).integers(0, 151000, n_prompt)]
+    times: dict[str, list[tuple[float, float]]] = {"off": [], "block run": []}
+    with Engine.load(path, n_ctx=n_prompt + 64, threads=threads) as plain, \
+            Engine.load(path, n_ctx=n_prompt + 64, threads=threads, mtp=True) as block:
+        for _ in range(repeat):
+            for name, engine in (("off", plain), ("block run", block)):
+                started, cpu = time.perf_counter(), engine.cpu_seconds()
+                engine.eval_batch([BatchItem(0, prompt, None, "last")])
+                times[name].append((time.perf_counter() - started, engine.cpu_seconds() - cpu))
+                engine.keep(0)
+    return {name: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v))
+            for name, v in times.items()}
+
+
+def mtp_call_costs(path: pathlib.Path, threads: int, rounds: int) -> dict[tuple[int, str], tuple[float, float]]:
     """The block's draft calls after four 200-token prompts: (drafts, how) -> median seconds, wall and CPU, for one
     sequence, four in a call each, and four in one call."""
     rng = np.random.default_rng(3)
     prompts = [[int(t) for t in rng.integers(0, 151000, 200)] for _ in range(4)]
     costs: dict[tuple[int, str], tuple[float, float]] = {}
-    with Engine.load(small_model("qwen35moe"), n_ctx=1024, threads=threads, n_seq=4, mtp=True) as engine:
+    with Engine.load(path, n_ctx=1024, threads=threads, n_seq=4, mtp=True) as engine:
         engine.eval_batch([BatchItem(seq, prompt, None, "last") for seq, prompt in enumerate(prompts)])
         calls = {"one sequence": [[0]], "4 sequences, a call each": [[0], [1], [2], [3]],
                  "4 sequences, one call": [[0, 1, 2, 3]]}
@@ -314,6 +335,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=256, help="tokens each answer generates")
     parser.add_argument("--parts", default="steps,engine,http")
+    parser.add_argument("--layers", type=int, help="mtp: the qwen35moe's layers in place of the small one's 8 (every "
+                        "4th full attention, as Qwen3.5)")
     args = parser.parse_args()
     parts = args.parts.split(",")
     print(f"load average {os.getloadavg()[0]:.2f}, {args.threads} engine threads", flush=True)
@@ -333,11 +356,17 @@ def main() -> None:
                 print(table("small Q8_0 qwen3moe, batcher", engine_traces(engine, args.repeat, args.tokens)),
                       flush=True)
     if "mtp" in parts:
-        rates, acceptance = mtp_traces(args.threads, args.repeat, args.tokens)
-        print(table("small Q8_0 qwen35moe with its MTP block, batcher", rates, tuple(MTP_MODES)[1:]), flush=True)
+        path = small_model("qwen35moe", args.layers)
+        name = f"small Q8_0 qwen35moe{f', {args.layers} layers,' if args.layers else ''} with its MTP block"
+        rates, acceptance = mtp_traces(path, args.threads, args.repeat, args.tokens)
+        print(table(f"{name}, batcher", rates, tuple(MTP_MODES)[1:]), flush=True)
         print("acceptance: " + ", ".join(f"{mode} {rate:.3f}" for mode, rate in acceptance.items()), flush=True)
+        prompt = mtp_prompt_costs(path, args.threads, args.repeat)
+        (wall0, cpu0), (wall, cpu) = prompt["off"], prompt["block run"]
+        print(f"| 2,000-token prompt | off: s, CPU s | block run |\n|---|---|---|\n| {name} | {wall0:.2f}, "
+              f"{cpu0:.2f} | {wall:.2f} ({wall / wall0:.3f}x), {cpu:.2f} ({cpu / cpu0:.3f}x) |", flush=True)
         print("| the block's drafts | ms | CPU ms |\n|---|---|---|")
-        for (n_draft, how), (wall, cpu) in mtp_call_costs(args.threads, 20 * args.repeat).items():
+        for (n_draft, how), (wall, cpu) in mtp_call_costs(path, args.threads, 20 * args.repeat).items():
             print(f"| {n_draft}, {how} | {wall * 1e3:.2f} | {cpu * 1e3:.2f} |", flush=True)
     if "http" in parts:
         print(table("demo model, HTTP API", http_traces(args.repeat, args.threads, args.tokens)), flush=True)
