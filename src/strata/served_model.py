@@ -37,6 +37,12 @@ from strata.vision.pool import VisionPool
 ModelState = Literal["not loaded", "downloading", "loading", "loaded", "unloading", "failed"]
 
 
+def _mib(n_bytes: int) -> str:
+    """Bytes in MiB for a startup line: a tenth of a MiB, or two figures below one (a tiny model's state)."""
+    mib = n_bytes / 2**20
+    return f"{mib:,.1f}" if mib >= 1 else f"{mib:.2g}"
+
+
 class ServedModel:
     """A model the service serves under `names` (the first is the one answers report), with its own `config`
     (the top-level keys, or a `models` entry's: `Config.for_model`).
@@ -184,8 +190,8 @@ class ServedModel:
                 f"{engine.kv_bytes / 2**20:.0f} MiB{budget}")
             snapshots = self.loop.batcher.snapshots if self.loop is not None else None
             if snapshots is not None:
-                log(f"recurrent state: {engine.state_bytes / 2**20:.1f} MiB a sequence; snapshots for prefix reuse: "
-                    f"{snapshots.capacity} ({snapshots.budget / 2**20:.0f} MiB)")
+                log(f"recurrent state: {_mib(engine.state_bytes)} MiB a sequence; snapshots for prefix reuse: "
+                    f"{snapshots.capacity} ({_mib(snapshots.budget)} MiB)")
         except BaseException as error:
             self.state, self.load_error = "failed", error
             raise
