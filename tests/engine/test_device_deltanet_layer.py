@@ -22,6 +22,8 @@ from qwen35_checkpoints import checkpoint, convert_checkpoint
 from strata.engine_cffi import Engine, device_check
 from strata.engine_cffi.device import Device
 
+pytestmark = pytest.mark.slow  # a checkpoint converted and a layer run through each kernel: 15 s
+
 PROMPT = 70  # tokens: a 64-token chunk and a part of one
 
 
