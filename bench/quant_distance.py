@@ -37,33 +37,10 @@ from gguf import GGMLQuantizationType, GGUFReader  # noqa: E402
 from gguf_rewrite import rewrite  # noqa: E402
 from llama_cpp_convert import qwen_tokenizer  # noqa: E402
 from llama_cpp_quantize import quantize  # noqa: E402
+from logit_distance import llama_cpp, median_distance, ours  # noqa: E402
 from qwen35_checkpoints import checkpoint, convert_checkpoint  # noqa: E402
 
-from strata.engine_cffi import Engine  # noqa: E402
-
 N_TOKENS = 300
-
-
-def ours(path: pathlib.Path, tokens: list[int]) -> np.ndarray:
-    with Engine.load(path, n_ctx=512, threads=2, kv="f32", n_batch=512) as engine:
-        return engine.eval(tokens, all_logits=True)
-
-
-def llama_cpp(path: pathlib.Path, tokens: list[int]) -> np.ndarray:
-    import llama_cpp
-
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=512, n_batch=512, n_ubatch=512, n_threads=2,
-                          n_threads_batch=2, type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32,
-                          logits_all=True, verbose=False)
-    try:
-        llm.eval(tokens)
-        return np.array(llm.scores[: len(tokens)], dtype=np.float32)
-    finally:
-        llm.close()
-
-
-def median_distance(got: np.ndarray, exact: np.ndarray) -> float:
-    return float(np.median(np.abs(got - exact).max(axis=-1) / exact.std()))
 
 
 # the weight types whose products ggml rounds otherwise than our engine (see above)

@@ -38,43 +38,22 @@ import torch
 from gguf import GGUFReader
 from gguf_rewrite import rewrite
 from llama_cpp_quantize import quantize
+from logit_distance import llama_cpp, median_distance, ours
 from qwen35_checkpoints import checkpoint, convert_checkpoint
 
-from strata.engine_cffi import Engine
-
 SLACK = 1.1
-
-
-def _ours(path: pathlib.Path, tokens: list[int]) -> np.ndarray:
-    with Engine.load(path, n_ctx=512, threads=2, kv="f32", n_batch=512) as engine:
-        return engine.eval(tokens, all_logits=True)
-
-
-def _llama_cpp(path: pathlib.Path, tokens: list[int]) -> np.ndarray:
-    llama_cpp = pytest.importorskip("llama_cpp")
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=512, n_batch=512, n_ubatch=512, n_threads=2,
-                          n_threads_batch=2, type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32,
-                          logits_all=True, verbose=False)
-    try:
-        llm.eval(tokens)
-        return np.array(llm.scores[: len(tokens)], dtype=np.float32)
-    finally:
-        llm.close()
-
-
-def _median_distance(got: np.ndarray, exact: np.ndarray) -> float:
-    return float(np.median(np.abs(got - exact).max(axis=-1) / exact.std()))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["qwen35moe", "qwen35"])
 def test_quantised_files_are_no_farther_from_their_exact_maths_than_llama_cpp(
         arch: str, tmp_path: pathlib.Path, qwen_tokenizer_dir: pathlib.Path) -> None:
+    pytest.importorskip("llama_cpp")
     model: torch.nn.Module = checkpoint(arch, n_layer=4, interval=2)
     source = convert_checkpoint(model, tmp_path, qwen_tokenizer_dir)
     tokens = [int(t) for t in np.random.default_rng(5).integers(0, 151000, 300)]
     for preset in ("Q8_0", "Q4_K_M", "IQ4_XS"):
         path = quantize(source, tmp_path / f"{preset}.gguf", preset)
-        exact = _ours(rewrite(GGUFReader(path), tmp_path / f"{preset}-f32.gguf", dequantised=True), tokens)
-        ours, theirs = _median_distance(_ours(path, tokens), exact), _median_distance(_llama_cpp(path, tokens), exact)
-        assert ours <= SLACK * theirs, f"{arch} {preset}: ours {ours:.3g}, llama.cpp {theirs:.3g}"
+        exact = ours(rewrite(GGUFReader(path), tmp_path / f"{preset}-f32.gguf", dequantised=True), tokens)
+        mine, theirs = median_distance(ours(path, tokens), exact), median_distance(llama_cpp(path, tokens), exact)
+        assert mine <= SLACK * theirs, f"{arch} {preset}: ours {mine:.3g}, llama.cpp {theirs:.3g}"
