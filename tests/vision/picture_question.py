@@ -1,17 +1,24 @@
 """What the end-to-end picture tests of Qwen-style models (Qwen3-VL, Qwen3.5) share: one picture question asked
-through the openai client, the picture as the encoder process sees it, and the checkpoint's own greedy answer.
+through the openai client (of a server in the process, or of a `strata serve` command), the picture as the encoder
+process sees it, and the checkpoint's own greedy answer.
 
 Both tests use the same picture, patch size, merge size and answer length (the constants below)."""
 
 from __future__ import annotations
 
 import base64
+import os
 import pathlib
+import re
+import signal
+import subprocess
+import sys
 
 import numpy as np
 import openai
 import torch
 
+import strata
 from strata.vision.load import open_encoder
 from strata.vision.preprocess import load_image, preprocess, token_budget
 
@@ -31,6 +38,30 @@ def ask(url: str) -> tuple[str, int]:
         reply = client.chat.completions.create(model="m", max_tokens=MAX_TOKENS, temperature=0,
                                                reasoning_effort="none", messages=QUESTION)
     return reply.choices[0].message.content or "", reply.usage.prompt_tokens
+
+
+def ask_strata_serve(text: pathlib.Path, mmproj: pathlib.Path) -> tuple[str, int, str]:
+    """`ask` of a `strata serve` command on the two files (its own engine and encoder process), and its startup
+    lines up to the one that names its address."""
+    command = [sys.executable, "-m", "strata.cli", "serve", "--model", str(text), "--vision.mmproj", str(mmproj),
+               "--vision.threads", "1", "--threads", "2", "--context", "512", "--port", "0"]
+    env = {key: value for key, value in os.environ.items() if not key.startswith("STRATA_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(pathlib.Path(strata.__file__).parents[1]),
+                                                      env.get("PYTHONPATH")]))
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    assert process.stdout is not None
+    try:
+        lines: list[str] = []
+        while not (found := re.search(r"serving \S+ on (http://\S+)", lines[-1] if lines else "")):
+            line = process.stdout.readline()
+            assert line, f"strata serve ended: {lines}"
+            lines.append(line)
+        answer, n_prompt = ask(found.group(1))
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=30)
+        process.stdout.close()
+    return answer, n_prompt, "".join(lines)
 
 
 def encoder_pixels(mmproj: pathlib.Path) -> np.ndarray:

@@ -15,13 +15,9 @@ largest, and at least `MIN_COMPARED` must be.
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import re
 import shutil
-import signal
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -36,14 +32,13 @@ from transformers import (
     Qwen3_5MoeForConditionalGeneration,
 )
 
-import strata
 from strata.engine_cffi import Engine, PictureRows
 from strata.modelgen.vocab import ENDOFTEXT
 from strata.modelgen.writer import chat_template
 from strata.text.tokenizer import Tokenizer
 
 from .conftest import qwen_patches
-from .picture_question import MERGE, PATCH, ask, encoder_pixels, greedy_reference
+from .picture_question import MERGE, PATCH, ask, ask_strata_serve, encoder_pixels, greedy_reference
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -174,24 +169,7 @@ def test_strata_serve_answers_it_too(converted: tuple, served: tuple) -> None:
     startup lines that name the recurrent state and its snapshots."""
     _, text, mmproj = converted
     *_, prompt, _, _, expected = served
-    command = [sys.executable, "-m", "strata.cli", "serve", "--model", str(text), "--vision.mmproj", str(mmproj),
-               "--vision.threads", "1", "--threads", "2", "--context", "512", "--port", "0"]
-    env = {key: value for key, value in os.environ.items() if not key.startswith("STRATA_")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(pathlib.Path(strata.__file__).parents[1]),
-                                                      env.get("PYTHONPATH")]))
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    try:
-        lines: list[str] = []
-        while not (found := re.search(r"serving \S+ on (http://\S+)", lines[-1] if lines else "")):
-            line = process.stdout.readline()
-            assert line, f"strata serve ended: {lines}"
-            lines.append(line)
-        answer, n_prompt = ask(found.group(1))
-    finally:
-        process.send_signal(signal.SIGTERM)
-        process.wait(timeout=30)
-        process.stdout.close()
-    startup = "".join(lines)
+    answer, n_prompt, startup = ask_strata_serve(text, mmproj)
     assert f"model: {text} ({text.stem})" in startup, startup  # the files are named after their architecture
     state = re.search(r"recurrent state: ([\d.]+) MiB a sequence; snapshots for prefix reuse: \d+", startup)
     assert state and float(state.group(1)) > 0, startup  # a tiny model's state is a fraction of a MiB, not 0.0

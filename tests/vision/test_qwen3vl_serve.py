@@ -13,13 +13,8 @@ the first step whose top two logits are closer than `TIE` of the largest, and at
 from __future__ import annotations
 
 import json
-import os
 import pathlib
-import re
 import shutil
-import signal
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -34,12 +29,11 @@ from transformers import (
     Qwen3VLMoeForConditionalGeneration,
 )
 
-import strata
 from strata.engine_cffi import Engine, PictureRows
 from strata.modelgen.writer import chat_template
 from strata.text.tokenizer import Tokenizer
 
-from .picture_question import MERGE, PATCH, ask, encoder_pixels, greedy_reference
+from .picture_question import MERGE, PATCH, ask, ask_strata_serve, encoder_pixels, greedy_reference
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -131,23 +125,7 @@ def test_strata_serve_answers_it_too(converted: tuple, served: tuple) -> None:
     """The `strata serve` command with the two files: the same answer (its own engine and encoder process)."""
     _, text, mmproj = converted
     *_, prompt, _, _, expected = served
-    command = [sys.executable, "-m", "strata.cli", "serve", "--model", str(text), "--vision.mmproj", str(mmproj),
-               "--vision.threads", "1", "--threads", "2", "--context", "512", "--port", "0"]
-    env = {key: value for key, value in os.environ.items() if not key.startswith("STRATA_")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(pathlib.Path(strata.__file__).parents[1]),
-                                                      env.get("PYTHONPATH")]))
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    try:
-        lines: list[str] = []
-        while not (found := re.search(r"serving \S+ on (http://\S+)", lines[-1] if lines else "")):
-            line = process.stdout.readline()
-            assert line, f"strata serve ended: {lines}"
-            lines.append(line)
-        answer, n_prompt = ask(found.group(1))
-    finally:
-        process.send_signal(signal.SIGTERM)
-        process.wait(timeout=30)
-        process.stdout.close()
+    answer, n_prompt, _ = ask_strata_serve(text, mmproj)
     assert answer.startswith(expected), (answer, expected)
     assert n_prompt == len(prompt)
 
