@@ -321,9 +321,9 @@ class Engine:
                 prompts, the same logits; the copy is memory the kernel cannot drop, as it can the file's pages).
             record_routing: a file to write the routing trace of every eval to (`strata.experts.trace`): each
                 MoE layer's chosen experts per token of each step.
-            mtp: run the model's MTP block beside every eval, for `mtp_draft` (speculative decoding's drafts): a
-                layer more of KV rows per slot, and about a layer's work more per token; None: where the file
-                has one.
+            mtp: run the model's MTP block for `mtp_draft` (speculative decoding's drafts): a layer more of KV
+                rows per slot, and about a layer's work more per token the block fills (lazily: the pairs a
+                draft needs, in one batched pass; see `mtp_fills`); None: where the file has one.
 
         Raises:
             EngineError: missing, truncated or non-GGUF file; unsupported architecture or tensor type; a context
@@ -496,6 +496,13 @@ class Engine:
                                     ffi.from_buffer("int[]", drafts),
                                     ffi.from_buffer("float[]", rows) if rows is not None else ffi.NULL))
         return drafts, rows
+
+    def mtp_fills(self) -> tuple[int, int]:
+        """(passes of the MTP block over evaluated pairs, the pairs they filled) since the engine was loaded. Evals
+        fill the block's rows lazily: a draft first fills what waits, in one pass (see `strata_mtp_counts`)."""
+        counts = ffi.new("strata_mtp_counts *")
+        lib.strata_mtp_get_counts(self._live_ctx(), counts)
+        return int(counts.fill_runs), int(counts.pairs)
 
     def _eval_recorded(self, ctx: Any, batch: Any) -> int:
         """strata_eval_batch with the routing record on, its records appended to the trace."""

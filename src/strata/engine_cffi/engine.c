@@ -217,6 +217,7 @@ strata_status strata_keep(strata_context *c, int seq, int n) {
     if (n == 0) clear_state(c, seq);
     else if (n < c->n_past[seq] && c->state_floats) c->state_valid[seq] = 0;  // the state cannot be cut back
     c->n_past[seq] = n;  // the rows past n are overwritten by the next eval
+    if (c->mtp) mtp_keep(c, seq, n);
     return STRATA_OK;
 }
 
@@ -357,7 +358,7 @@ typedef struct {
 
 /* Every thread's part of a chunk: embeddings, every layer (the abort flags polled before the end of its
  * attention and of its feed-forward, and the answer acted on after each: a long prompt's chunk spends about a
- * layer's time in each), logits, and with mtp the MTP block over the chunk (mtp.c). */
+ * layer's time in each), logits, and with mtp the chunk's hidden states kept for the MTP block (mtp.c). */
 static void forward_job(int ith, int nth, void *arg) {
     const chunk_job *j = arg;
     strata_context *c = j->c;
@@ -508,8 +509,11 @@ strata_status strata_eval_batch(strata_context *c, const strata_batch *b) {
         chunk_job job = {c, b->embd_rows, n, b->logits};
         strata_pool_run(c->pool, forward_job, &job);
         if (!c->stop) c->timings.output_ms += now_ms() - c->output_t0;
-        for (int i = 0; i < n; i++)  // a finished chunk joins the cache of each sequence not dropped
-            if (!c->dropped[c->chunk_seq[i]]) c->n_past[c->chunk_seq[i]] = c->chunk_pos[i] + 1;
+        for (int i = 0; i < n; i++) {  // a finished chunk joins the cache of each sequence not dropped
+            int seq = c->chunk_seq[i];
+            if (!c->dropped[seq]) c->n_past[seq] = c->chunk_pos[i] + 1;
+            else if (c->mtp) mtp_keep(c, seq, c->n_past[seq]);  // its pairs in the chunk wait for it again
+        }
         c->timings.n_tokens += n;
         c->timings.n_chunks++;
     }

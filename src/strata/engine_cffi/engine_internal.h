@@ -141,11 +141,16 @@ void deltanet_gated_norm(float *out, const float *x, const float *z, const float
 
 int mtp_alloc(strata_context *c);  /* its buffers: 0 when out of memory */
 void mtp_free(strata_context *c);
-/* After the trunk's pass over a chunk: its hidden states kept, the MTP block run over the chunk's pairs (its KV
- * rows up to the position before each sequence's last); every thread of the team. */
+/* After the trunk's pass over a chunk: its hidden states and tokens kept, and the MTP block run over its
+ * sequences' pending pairs where they could not wait for the next draft (mtp.c); every thread of the team. */
 void mtp_fill(const team *tm, strata_context *c, const float *embd_rows, int n_tok);
-/* dst's held hidden states of positions < n = src's (strata_copy_prefix). */
+/* dst's held hidden states and tokens of positions < n = src's, and its pending pairs (strata_copy_prefix). */
 void mtp_copy_prefix(strata_context *c, int src, int dst, int n);
+/* seq holds n positions now (strata_keep, or an eval that dropped it): no pair past them counts as filled. */
+void mtp_keep(strata_context *c, int seq, int n);
+/* seq's first n positions came without hidden states (strata_kv_import): their pairs count as filled, the block's
+ * rows there stale (which costs drafts their accuracy, never the answer). */
+void mtp_skip(strata_context *c, int seq, int n);
 
 const arch *arch_find(const char *name);  /* NULL for a name no row has */
 void arch_names(char *out, size_t n);     /* every row's name, ", " between them */
@@ -286,7 +291,10 @@ struct strata_context {
     float *mtp_hidden;             // (n_seq, STRATA_MTP_HISTORY, n_embd) hidden state of position p at p % HISTORY
     int *mtp_hidden_pos;           // (n_seq, STRATA_MTP_HISTORY) the position each row holds, or -1
     int *mtp_hidden_rope;          // (n_seq, STRATA_MTP_HISTORY, 3) its RoPE position
-    int *mtp_prev;                 // (n_seq,) scratch: a sequence's last token so far in the chunk
+    int *mtp_hidden_tok;           // (n_seq, STRATA_MTP_HISTORY) its token id (-1: an embedding row replaced it)
+    int *mtp_filled;               // (n_seq,) the block's rows hold the pairs of positions < this; later ones wait
+    int *mtp_upto;                 // (n_seq,) scratch: a fill's end, each sequence's pairs [mtp_filled, mtp_upto)
+    strata_mtp_counts mtp_counts;  /* the fills so far (strata_mtp_get_counts) */
     float *mtp_h;                  // (n_batch, n_embd) the chunk's hidden states: output_norm(x)
     float *mtp_in;                 // (n_batch, 2 * n_embd) a pair's [enorm(embedding), hnorm(hidden)]
     const float **mtp_hrow;        // (n_batch,) a pair's hidden state (NULL: none held, zeros)

@@ -8,11 +8,18 @@
  * h_p is the trunk's hidden state after the output norm: the one the model's own head scores, which is what
  * Qwen3.5's block is fed by vLLM (qwen3_next_mtp) and llama.cpp (after its PR 24025). Drafts chain: the next
  * pair is (g, the draft), one position on.
- * The block attends over pairs of every earlier position, so each eval fills its rows for the chunk's tokens
- * (mtp_fill: the pair of position p once x_{p+1} is in), and keeps the chunk's hidden states of each sequence's
- * last STRATA_MTP_HISTORY positions: the next pair, and a draft after a rollback of up to that many positions,
- * read them there. Rows and hidden states past the verified history are scratch that the next eval overwrites,
- * so a wrong draft never reaches the block's view of the history. */
+ * The block attends over pairs of every earlier position, so its rows must hold every pair of the verified history
+ * before a draft reads them. Filling them lazily: each eval keeps the chunk's hidden states and token ids of each
+ * sequence's last STRATA_MTP_HISTORY positions, and the pairs they complete wait there (mtp_filled: the first
+ * pair not in the rows) until a draft needs them, when strata_mtp_draft fills them first, all of them in one pass
+ * over the block's weights, n_batch at a time. An eval fills its sequences' pairs at once only where waiting
+ * would lose them: the chunk would push a pending pair's hidden state out of the held ones, or it brings
+ * embedding rows in place of tokens (the held history keeps token ids only). A sequence whose drafter is backed
+ * off costs a batched fill every HISTORY steps instead of one block run at every step. Rows and hidden states
+ * past the verified history are scratch that the next eval or fill overwrites, so a wrong draft never reaches
+ * the block's view of the history. */
+#include <assert.h>
+#include <limits.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -29,7 +36,9 @@ int mtp_alloc(strata_context *c) {
     c->mtp_hidden = malloc(sizeof(float) * S * HIST * E);
     c->mtp_hidden_pos = malloc(sizeof(int) * S * HIST);
     c->mtp_hidden_rope = malloc(sizeof(int) * S * HIST * 3);
-    c->mtp_prev = malloc(sizeof(int) * S);
+    c->mtp_hidden_tok = malloc(sizeof(int) * S * HIST);
+    c->mtp_filled = calloc(S, sizeof(int));
+    c->mtp_upto = malloc(sizeof(int) * S);
     c->mtp_h = malloc(sizeof(float) * B * E);
     c->mtp_in = malloc(sizeof(float) * B * 2 * E);
     c->mtp_hrow = malloc(sizeof(float *) * B);
@@ -37,26 +46,42 @@ int mtp_alloc(strata_context *c) {
     c->mtp_g = malloc(sizeof(float) * B * E);
     c->mtp_logits = malloc(sizeof(float) * B * p->n_vocab);
     int **ints[] = {&c->mtp_tok, &c->mtp_embd, &c->mtp_seq, &c->mtp_pos, &c->mtp_row, &c->mtp_base, &c->mtp_next};
-    int ok = c->mtp_hidden && c->mtp_hidden_pos && c->mtp_hidden_rope && c->mtp_prev && c->mtp_h && c->mtp_in &&
-             c->mtp_hrow && c->mtp_rope && c->mtp_g && c->mtp_logits;
+    int ok = c->mtp_hidden && c->mtp_hidden_pos && c->mtp_hidden_rope && c->mtp_hidden_tok && c->mtp_filled &&
+             c->mtp_upto && c->mtp_h && c->mtp_in && c->mtp_hrow && c->mtp_rope && c->mtp_g && c->mtp_logits;
     for (size_t i = 0; i < sizeof ints / sizeof ints[0]; i++) ok = ok && (*ints[i] = malloc(sizeof(int) * B));
     for (size_t i = 0; ok && i < S * HIST; i++) c->mtp_hidden_pos[i] = -1;
     return ok;
 }
 
 void mtp_free(strata_context *c) {
-    void *bufs[] = {c->mtp_hidden, c->mtp_hidden_pos, c->mtp_hidden_rope, c->mtp_prev, c->mtp_h, c->mtp_in,
+    void *bufs[] = {c->mtp_hidden, c->mtp_hidden_pos, c->mtp_hidden_rope, c->mtp_hidden_tok, c->mtp_filled,
+                    c->mtp_upto, c->mtp_h, c->mtp_in,
                     (void *)c->mtp_hrow, c->mtp_rope, c->mtp_g, c->mtp_logits, c->mtp_tok, c->mtp_embd,
                     c->mtp_seq, c->mtp_pos, c->mtp_row, c->mtp_base, c->mtp_next};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
 }
 
+/* The slot holding (seq, position) among the sequence's kept ones, or -1 where none does. */
+static long slot(const strata_context *c, int seq, int pos) {
+    size_t at = (size_t)seq * HIST + pos % HIST;
+    return pos >= 0 && c->mtp_hidden_pos[at] == pos ? (long)at : -1;
+}
+
 /* The held hidden-state row of (seq, position) and its RoPE position, or NULL where it is not held. */
 static const float *held(const strata_context *c, int seq, int pos, const int **rope) {
-    size_t at = (size_t)seq * HIST + pos % HIST;
-    if (pos < 0 || c->mtp_hidden_pos[at] != pos) return NULL;
+    long at = slot(c, seq, pos);
+    if (at < 0) return NULL;
     *rope = c->mtp_hidden_rope + 3 * at;
     return c->mtp_hidden + at * c->model->hp.n_embd;
+}
+
+void mtp_keep(strata_context *c, int seq, int n) {
+    int last = n > 0 ? n - 1 : 0;  // the pair of n - 1 waits for the token at n
+    if (c->mtp_filled[seq] > last) c->mtp_filled[seq] = last;
+}
+
+void mtp_skip(strata_context *c, int seq, int n) {
+    if (n > 0) c->mtp_filled[seq] = n - 1;
 }
 
 void mtp_copy_prefix(strata_context *c, int src, int dst, int n) {
@@ -68,8 +93,13 @@ void mtp_copy_prefix(strata_context *c, int src, int dst, int n) {
         if (c->mtp_hidden_pos[to] < 0) continue;
         memcpy(c->mtp_hidden + to * E, c->mtp_hidden + from * E, sizeof(float) * E);
         memcpy(c->mtp_hidden_rope + 3 * to, c->mtp_hidden_rope + 3 * from, sizeof(int) * 3);
+        c->mtp_hidden_tok[to] = c->mtp_hidden_tok[from];
     }
+    c->mtp_filled[dst] = c->mtp_filled[src];  // its pending pairs are held in the copy too
+    mtp_keep(c, dst, n);
 }
+
+void strata_mtp_get_counts(const strata_context *c, strata_mtp_counts *out) { *out = c->mtp_counts; }
 
 // --- the block over a set of pairs
 
@@ -128,30 +158,90 @@ static void run_block(const team *tm, strata_context *c, int n) {
     team_sync(tm);
 }
 
-// --- an eval's chunk: the pairs its tokens complete
+// --- filling the block's rows: the pending pairs of the verified history
 
-/* The chunk's pairs (thread 0): token t at position p > 0 completes the pair of p - 1, whose hidden state is the
- * chunk's own (its sequence's previous token in the chunk) or held from an earlier eval. */
-static void plan_fill(strata_context *c, int n_tok) {
-    int n = 0;
-    for (int s = 0; s < c->n_seq; s++) c->mtp_prev[s] = -1;
-    for (int t = 0; t < n_tok; t++) {
-        int s = c->chunk_seq[t], pos = c->chunk_pos[t], prev = c->mtp_prev[s];
-        c->mtp_prev[s] = t;
-        if (pos == 0) continue;
-        const int *rope = NULL;
-        c->mtp_hrow[n] = prev >= 0 ? c->mtp_h + (size_t)prev * c->model->hp.n_embd : held(c, s, pos - 1, &rope);
-        if (prev >= 0) rope = c->chunk_rope + 3 * prev;
-        for (int a = 0; a < 3; a++) c->mtp_rope[3 * n + a] = rope ? rope[a] : pos - 1;
+/* Position of sequence s's first token in the eval's chunk, or INT_MAX (none, or no chunk). */
+static int chunk_first(const strata_context *c, int chunk, int s) {
+    return chunk && c->seq_first[s] < c->seq_first[s + 1] ? c->chunk_pos[c->seq_tokens[c->seq_first[s]]] : INT_MAX;
+}
+
+/* Row n = the pair of (s, p): the hidden state at p and the token at p + 1, each the chunk's where `chunk` has
+ * that position, else held. A pending pair's token is held (a chunk with embedding rows fills its pairs at once);
+ * its hidden state is not only after an import (the rows came without it): zeros then, as the eager fill had. */
+static void add_pair(strata_context *c, int chunk, int s, int p, int n) {
+    size_t E = c->model->hp.n_embd;
+    int first = chunk_first(c, chunk, s);
+    const int *rope = NULL;
+    if (p >= first) {
+        int t = c->seq_tokens[c->seq_first[s] + p - first];
+        c->mtp_hrow[n] = c->mtp_h + (size_t)t * E;
+        rope = c->chunk_rope + 3 * t;
+    } else {
+        c->mtp_hrow[n] = held(c, s, p, &rope);
+    }
+    for (int a = 0; a < 3; a++) c->mtp_rope[3 * n + a] = rope ? rope[a] : p;
+    if (p + 1 >= first) {
+        int t = c->seq_tokens[c->seq_first[s] + p + 1 - first];
         c->mtp_tok[n] = c->chunk_token[t];
         c->mtp_embd[n] = c->chunk_embd[t];
-        c->mtp_seq[n] = s;
-        c->mtp_pos[n++] = pos - 1;
+    } else {
+        long tok = slot(c, s, p + 1);
+        assert(tok >= 0 && c->mtp_hidden_tok[tok] >= 0);
+        c->mtp_tok[n] = c->mtp_hidden_tok[tok];
+        c->mtp_embd[n] = -1;
+    }
+    c->mtp_seq[n] = s;
+    c->mtp_pos[n] = p;
+}
+
+/* Thread 0: the next pairs to fill, n_batch at most: each sequence's positions [mtp_filled, mtp_upto) in order,
+ * from the cursor (*s, *p) on. */
+static void plan_pairs(strata_context *c, int chunk, int *s, int *p) {
+    int n = 0;
+    while (n < c->n_batch && *s < c->n_seq) {
+        if (*p < c->mtp_upto[*s]) add_pair(c, chunk, *s, (*p)++, n++);
+        else if (++*s < c->n_seq) *p = c->mtp_filled[*s];
     }
     c->mtp_n = n;
 }
 
-/* The chunk's hidden states of each sequence's last HIST positions go where the pairs and drafts read them. */
+/* Every thread: the block over each sequence's pending pairs up to mtp_upto, n_batch at a time (each pass reads
+ * the block's weights once for all its rows); they are then filled. */
+static void fill_pending(const team *tm, strata_context *c, const float *embd_rows, int chunk) {
+    int s = 0, p = c->mtp_filled[0];  // thread 0's cursor
+    for (;;) {
+        if (tm->ith == 0) plan_pairs(c, chunk, &s, &p);
+        team_sync(tm);
+        int n = c->mtp_n;
+        if (n == 0) break;
+        pair_inputs(tm, c, embd_rows, n);
+        run_block(tm, c, n);
+        if (tm->ith == 0) {
+            c->mtp_counts.fill_runs++;
+            c->mtp_counts.pairs += n;
+        }
+    }
+    if (tm->ith == 0)
+        for (int q = 0; q < c->n_seq; q++)
+            if (c->mtp_upto[q] > c->mtp_filled[q]) c->mtp_filled[q] = c->mtp_upto[q];
+    team_sync(tm);
+}
+
+/* Thread 0: how far the chunk fills each of its sequences' pairs: all it completes where waiting would lose a
+ * pending one (the chunk keeps its sequence's last HIST positions: a pending pair's hidden state would fall out)
+ * or where it brings embedding rows (the kept history holds token ids only); else none. */
+static void plan_chunk(strata_context *c) {
+    for (int s = 0; s < c->n_seq; s++) c->mtp_upto[s] = c->mtp_filled[s];
+    for (int q = 0; q < c->n_chunk_seqs; q++) {
+        int s = c->chunk_seqs[q], lo = c->seq_first[s], hi = c->seq_first[s + 1];
+        int last = c->chunk_pos[c->seq_tokens[hi - 1]], now = c->mtp_filled[s] <= last - HIST;
+        for (int i = lo; i < hi && !now; i++) now = c->chunk_embd[c->seq_tokens[i]] >= 0;
+        if (now) c->mtp_upto[s] = last;
+    }
+}
+
+/* The chunk's hidden states and tokens of each sequence's last HIST positions go where the pairs and drafts read
+ * them. */
 static void keep_hidden(const team *tm, strata_context *c, int n_tok) {
     size_t E = c->model->hp.n_embd;
     range r = share(tm, n_tok);
@@ -163,6 +253,7 @@ static void keep_hidden(const team *tm, strata_context *c, int n_tok) {
         memcpy(c->mtp_hidden + at * E, c->mtp_h + t * E, sizeof(float) * E);
         memcpy(c->mtp_hidden_rope + 3 * at, c->chunk_rope + 3 * t, sizeof(int) * 3);
         c->mtp_hidden_pos[at] = pos;
+        c->mtp_hidden_tok[at] = c->chunk_embd[t] >= 0 ? -1 : c->chunk_token[t];
     }
     team_sync(tm);
 }
@@ -171,12 +262,10 @@ void mtp_fill(const team *tm, strata_context *c, const float *embd_rows, int n_t
     const strata_model *m = c->model;
     // the chunk's hidden states: output_norm(x), as the output head reads them
     rmsnorm_rows(tm, c->mtp_h, c->x, m->output_norm, n_tok, m->hp.n_embd, m->hp.rms_eps);
-    if (tm->ith == 0) plan_fill(c, n_tok);
+    if (tm->ith == 0) plan_chunk(c);
     team_sync(tm);
-    int n = c->mtp_n;
-    if (n > 0) pair_inputs(tm, c, embd_rows, n);  // before keep_hidden can overwrite a held row it reads
+    fill_pending(tm, c, embd_rows, 1);  // before keep_hidden overwrites a held row a pending pair reads
     keep_hidden(tm, c, n_tok);
-    if (n > 0) run_block(tm, c, n);
 }
 
 // --- drafts
@@ -229,6 +318,7 @@ static void draft_steps(int ith, int nth, void *arg) {
     const float *head_norm = L->nextn_head_norm ? L->nextn_head_norm : m->output_norm;
     int64_t E = m->hp.n_embd, V = m->hp.n_vocab;
     team tm = {c->pool, ith, nth};
+    fill_pending(&tm, c, NULL, 0);  // the rows of the history the drafts attend over
     for (int k = 0; k < j->n_draft; k++) {
         if (ith == 0) plan_draft(c, j, k);
         team_sync(&tm);
@@ -272,6 +362,11 @@ strata_status strata_mtp_draft(strata_context *c, int n, const int *seqs, const 
         for (int k = 0; k < n_draft; k++) drafts[(size_t)i * n_draft + k] = -1;
     }
     if (n == 0 || n_draft == 0) return STRATA_OK;
+    for (int s = 0; s < c->n_seq; s++) c->mtp_upto[s] = c->mtp_filled[s];
+    for (int i = 0; i < n; i++) {  // the pairs before pos[i] - 1 that the sequence's evals completed
+        int upto = pos[i] - 1 < c->n_past[seqs[i]] - 1 ? pos[i] - 1 : c->n_past[seqs[i]] - 1;
+        if (upto > c->mtp_upto[seqs[i]]) c->mtp_upto[seqs[i]] = upto;
+    }
     draft_job job = {c, n, n_draft, seqs, pos, tokens, drafts, logits};
     strata_pool_run(c->pool, draft_steps, &job);
     for (int s = 0; s < c->n_seq; s++)  // the block's polls took these flags: the next eval acts on them

@@ -176,8 +176,9 @@ typedef struct {
     int n_batch;           /* tokens per forward: a call's tokens run in chunks of n_batch */
     int n_threads;
     int kv_type;           /* STRATA_KV_* */
-    int mtp;               /* 1: every eval also runs the model's first MTP block over its tokens (its own KV rows,
-                            * the trunk's recent hidden states kept), for strata_mtp_draft; the model must have one */
+    int mtp;               /* 1: the context runs the model's first MTP block for strata_mtp_draft (its own KV rows,
+                            * filled for every evaluated pair before a draft reads them; the trunk's recent hidden
+                            * states kept); the model must have one */
 } strata_context_params;
 
 /* The model must outlive its contexts. */
@@ -259,12 +260,27 @@ strata_status strata_eval_batch(strata_context *ctx, const strata_batch *batch);
  * hidden state among the last STRATA_MTP_HISTORY positions an eval computed for it), drafts (n, n_draft) = n_draft
  * tokens chained greedily: the block reads the trunk's hidden state at pos[i] - 1 and tokens[i], then its own
  * hidden state and its last draft. -1s for a sequence whose hidden state is not held. logits (n, n_draft,
- * n_vocab), or NULL: each draft's logits. Writes the block's KV rows past pos[i] - 2 (scratch until an eval
- * writes them); pos[i] + n_draft must be at most n_ctx + 1, n at most n_batch and the sequences distinct. An
- * abort raised meanwhile is left for the next eval. */
-#define STRATA_MTP_HISTORY 64
+ * n_vocab), or NULL: each draft's logits. First fills the block's KV rows of the sequences' evaluated pairs that
+ * wait (evals fill them lazily: see strata_mtp_counts), all in one pass over its weights (n_batch rows at a
+ * time); then writes its rows past pos[i] - 2 (scratch until the next fill writes them); pos[i] + n_draft must
+ * be at most n_ctx + 1, n at most n_batch and the sequences distinct. An abort raised meanwhile is left for the
+ * next eval. */
+#define STRATA_MTP_HISTORY 128
 strata_status strata_mtp_draft(strata_context *ctx, int n, const int *seqs, const int *pos, const int *tokens,
                                int n_draft, int *drafts, float *logits);
+
+/* How often the MTP block filled its rows. An eval keeps its hidden states and tokens, and fills the pairs (the
+ * hidden state at p, the token at p + 1) it completes only where they could not wait: a chunk that would push a
+ * waiting pair's hidden state out of the last STRATA_MTP_HISTORY positions kept, or one with embedding rows;
+ * strata_mtp_draft fills the rest. So a sequence that drafts nothing costs one batched fill every
+ * STRATA_MTP_HISTORY positions, not a block run at every eval. */
+typedef struct {
+    long long fill_runs;   /* passes of the block over waiting pairs, each of up to n_batch rows */
+    long long pairs;       /* the pairs they filled */
+} strata_mtp_counts;
+
+/* The counts since the context was created. */
+void strata_mtp_get_counts(const strata_context *ctx, strata_mtp_counts *out);
 
 typedef struct {
     int n_tokens;          /* tokens the last call processed */
