@@ -7,6 +7,9 @@
   calls and chunks, then a decode step: the block's KV rows of every earlier position are the eval's.
 - A sequence's drafts are the same beside another sequence, after a rejected draft was rolled back (its hidden
   states and the block's rows past the history are scratch), and in a copy of its prefix.
+- The block's rows are filled lazily: evals without drafts run it not at all until the held history would lose a
+  pair (then once for all of them), a draft fills what waits in one pass, and its drafts are bit for bit those
+  of a block filled after every eval; an eval with embedding rows fills at once; imported rows draft.
 - An abort raised meanwhile is left for the next eval; a context without the block refuses drafts.
 
 Measured here (F32, f32 KV cache): ~1e-6 of the logits' std, as the trunk.
@@ -21,6 +24,7 @@ import numpy as np
 import pytest
 import torch
 from qwen35_checkpoints import mtp_tensors
+from strata.engine_cffi._engine import lib
 
 from strata.engine_cffi import BatchItem, Engine, EngineAborted, EngineError
 
@@ -121,6 +125,68 @@ def test_a_copied_prefix_drafts_as_its_source(model_and_file: tuple[torch.nn.Mod
         engine.copy_prefix(0, 1, 20)  # the block's rows and the held hidden states go along
         drafts, logits = engine.mtp_draft([0, 1], [20, 20], [5, 5], N_DRAFT, logits=True)
     assert logits is not None and (drafts[0] == drafts[1]).all() and (logits[0] == logits[1]).all()
+
+
+def _decode_then_draft(path: pathlib.Path, steps: list[int], draft_every_step: bool
+                       ) -> tuple[list[tuple[int, int]], np.ndarray]:
+    """The block's fill counts after a 30-token prompt and after each one-token eval of `steps` (with a draft
+    after every eval, or none), then the logits of 3 drafts at the end."""
+    with Engine.load(path, n_ctx=512, threads=2, kv="f32", n_batch=64, mtp=True) as engine:
+        engine.eval(_tokens(30, 10))
+        counts = [engine.mtp_fills()]
+        for i, token in enumerate(steps):
+            engine.eval([token])
+            if draft_every_step:
+                engine.mtp_draft([0], [31 + i], [5], 1)
+            counts.append(engine.mtp_fills())
+        logits = engine.mtp_draft([0], [30 + len(steps)], [7], N_DRAFT, logits=True)[1]
+        counts.append(engine.mtp_fills())
+    assert logits is not None
+    return counts, logits
+
+
+def test_evals_without_drafts_leave_the_fill_to_the_next_draft(model_and_file: tuple[torch.nn.Module, pathlib.Path]
+                                                               ) -> None:
+    steps = _tokens(40, 11)
+    lazy, lazy_logits = _decode_then_draft(model_and_file[1], steps, draft_every_step=False)
+    eager, eager_logits = _decode_then_draft(model_and_file[1], steps, draft_every_step=True)
+    assert lazy[:-1] == [(0, 0)] * 41  # no block run in any eval
+    assert lazy[-1] == (2, 69)  # the prompt's 29 pairs and the steps' 40 in one fill, 64 rows a pass
+    assert eager[1] == (1, 30) and eager[-1] == (40, 69)  # one pass a draft: the pairs its step completed
+    assert (lazy_logits == eager_logits).all()
+
+
+def test_pairs_the_held_history_would_lose_are_filled_at_the_eval(
+        model_and_file: tuple[torch.nn.Module, pathlib.Path]) -> None:
+    history = lib.STRATA_MTP_HISTORY
+    steps = _tokens(history + 20, 12)
+    lazy, lazy_logits = _decode_then_draft(model_and_file[1], steps, draft_every_step=False)
+    eager, eager_logits = _decode_then_draft(model_and_file[1], steps, draft_every_step=True)
+    # the eval at position `history` would push the pair of position 0 out: it fills all `history` pairs there
+    runs = [i for i in range(1, len(lazy) - 1) if lazy[i] != lazy[i - 1]]
+    assert runs == [history - 29] and lazy[runs[0]][1] == history
+    assert lazy[-1][1] == eager[-1][1] == 29 + len(steps)
+    assert (lazy_logits == eager_logits).all()
+
+
+def test_an_eval_with_embedding_rows_fills_at_once(model_and_file: tuple[torch.nn.Module, pathlib.Path]) -> None:
+    with Engine.load(model_and_file[1], n_ctx=64, threads=2, kv="f32", mtp=True) as engine:
+        rows = np.random.default_rng(13).standard_normal((4, engine.picture_width)).astype(np.float32)
+        engine.eval(_tokens(12, 13), embeds=[(3, rows)])  # the held history keeps no embedding rows
+        assert engine.mtp_fills() == (1, 11)
+        drafts, _ = engine.mtp_draft([0], [12], [5], N_DRAFT)
+        assert engine.mtp_fills() == (1, 11) and (drafts >= 0).all()
+
+
+def test_imported_rows_draft(model_and_file: tuple[torch.nn.Module, pathlib.Path]) -> None:
+    with Engine.load(model_and_file[1], n_ctx=64, threads=2, kv="f32", n_seq=2, mtp=True) as engine:
+        engine.eval(_tokens(20, 14))
+        rows, state = engine.export_kv(0, 0, 20), engine.save_state(0)
+        engine.import_kv(1, 0, rows)  # without hidden states: the block's rows there stay as they were
+        engine.load_state(1, state)
+        engine.eval([5], seq=1)
+        drafts, _ = engine.mtp_draft([1], [21], [6], N_DRAFT)
+        assert (drafts >= 0).all() and engine.mtp_fills() == (1, 1)  # the pair of position 19 alone
 
 
 def test_an_abort_meanwhile_is_left_for_the_next_eval(model_and_file: tuple[torch.nn.Module, pathlib.Path]) -> None:
