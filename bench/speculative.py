@@ -16,8 +16,9 @@
   configuration in a server of its own. The demo model was not trained to edit: its answer is not the file.
 - mtp: the batcher on the small Q8_0 qwen35moe with its MTP block (`strata make-model --arch qwen35moe --size
   small --dtype q8_0`), greedy, one stream and four: speculation off on an engine without the block, off on one
-  that runs it (what filling its rows costs every eval), the block's drafts (always 3 tokens) and adaptive,
-  each from the first decode step on; decode tokens/s and the acceptance rate, with the answers compared (four
+  that runs it (what keeping its rows filled costs: lazily, in batches), the block's drafts (always 3 tokens)
+  and adaptive, each from the first decode step on; decode tokens/s, the acceptance rate and the block's fills
+  (passes over its weights, and the pairs they filled), with the answers compared (four
   streams' prompts are chunked by measured time, and a hybrid's prompt rounds by its chunks: reported only). Its
   weights are random: the block is not trained to guess the trunk, so its drafts are about never right here, and
   this measures what they cost. `--layers N` takes the small shape with N layers (every 4th full attention).
@@ -160,13 +161,15 @@ MTP_MODES = {"off": SpeculativeConfig(source="off"), "off, block run": Speculati
 
 
 def mtp_traces(path: pathlib.Path, threads: int, repeat: int, tokens: int
-               ) -> tuple[dict[str, dict[str, tuple[float, float]]], dict[str, float]]:
-    """Each mode's decode rates on one greedy stream and on four, and the drafts' acceptance rate."""
+               ) -> tuple[dict[str, dict[str, tuple[float, float]]], dict[str, float], dict[str, list[int]]]:
+    """Each mode's decode rates on one greedy stream and on four, the drafts' acceptance rate, and the block's
+    fills over each mode's runs, prompts included: [passes, pairs]."""
     rng = np.random.default_rng(3)
     prompts = [[int(t) for t in rng.integers(0, 151000, 200)] for _ in range(4)]
     results: dict[str, dict[str, list[tuple[float, float]]]] = {}
     answers: dict[str, list[list[int]]] = {}
     drafted: dict[str, list[int]] = {}
+    fills: dict[str, list[int]] = {}
     with Engine.load(path, n_ctx=1024, threads=threads, n_seq=4) as plain, \
             Engine.load(path, n_ctx=1024, threads=threads, n_seq=4, mtp=True) as block:
         for _ in range(repeat):
@@ -176,8 +179,12 @@ def mtp_traces(path: pathlib.Path, threads: int, repeat: int, tokens: int
                     # Speculation from the first decode step on: a hybrid's prompt chunked otherwise (room taken by
                     # drafts) rounds otherwise, which a near tie can turn into another greedy answer
                     specs = [speculation(config, mtp=engine if engine.mtp else None) for _ in batch]
+                    before = engine.mtp_fills()
                     rate, jobs = run_jobs(engine, [Job(p, Sampler(GREEDY, engine.n_vocab), tokens, set())
                                                    for p in batch], later=specs)
+                    counts = fills.setdefault(mode, [0, 0])
+                    for i, (start, end) in enumerate(zip(before, engine.mtp_fills(), strict=True)):
+                        counts[i] += end - start
                     results.setdefault(trace, {}).setdefault(mode, []).append(rate)
                     answers.setdefault(f"{trace} {mode}", [job.tokens for job in jobs])
                     counts = drafted.setdefault(mode, [0, 0])
@@ -191,7 +198,7 @@ def mtp_traces(path: pathlib.Path, threads: int, repeat: int, tokens: int
         same = answers[f"4 streams, greedy {mode}"] == answers["4 streams, greedy off"]
         print(f"  4 streams, {mode}: answers {'the same as' if same else 'other than'} off's", flush=True)
     acceptance = {mode: accepted / n for mode, (accepted, n) in drafted.items() if n}
-    return medians(results), acceptance
+    return medians(results), acceptance, fills
 
 
 def mtp_prompt_costs(path: pathlib.Path, threads: int, repeat: int, n_prompt: int = 2000
@@ -358,9 +365,11 @@ def main() -> None:
     if "mtp" in parts:
         path = small_model("qwen35moe", args.layers)
         name = f"small Q8_0 qwen35moe{f', {args.layers} layers,' if args.layers else ''} with its MTP block"
-        rates, acceptance = mtp_traces(path, args.threads, args.repeat, args.tokens)
+        rates, acceptance, fills = mtp_traces(path, args.threads, args.repeat, args.tokens)
         print(table(f"{name}, batcher", rates, tuple(MTP_MODES)[1:]), flush=True)
         print("acceptance: " + ", ".join(f"{mode} {rate:.3f}" for mode, rate in acceptance.items()), flush=True)
+        print("the block's fills (passes, pairs; prompts included): " + ", ".join(
+            f"{mode} {passes}, {pairs}" for mode, (passes, pairs) in fills.items() if pairs), flush=True)
         prompt = mtp_prompt_costs(path, args.threads, args.repeat)
         (wall0, cpu0), (wall, cpu) = prompt["off"], prompt["block run"]
         print(f"| 2,000-token prompt | off: s, CPU s | block run |\n|---|---|---|\n| {name} | {wall0:.2f}, "

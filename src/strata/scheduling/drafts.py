@@ -179,9 +179,11 @@ class Mtp:
     """Drafts of the model's MTP block, which the engine runs beside the model: greedy and chained, from the
     hidden state of the job's last evaluated token (held by the engine for the last positions each sequence
     evaluated, so also after a rollback) and its next token; `fallback` where the block has no draft. A guess
-    runs the block and the output product once (in a small model about half a plain step): a job whose drafts
-    do not pay guesses every `shadow_every` steps, less often while it guesses wrong. The batcher runs the block
-    for all of a step's jobs in one call (`draft_together`) before they propose."""
+    runs the block and the output product once (in a small model about half a plain step), after one batched
+    pass that fills the block's rows for the tokens evaluated since the last (the engine fills them lazily: an
+    eval without a draft does not run the block): a job whose drafts do not pay guesses every `shadow_every`
+    steps, less often while it guesses wrong, and costs next to nothing between guesses. The batcher runs the
+    block for all of a step's jobs in one call (`draft_together`) before they propose."""
 
     shadow_every = 8
 
