@@ -136,7 +136,9 @@ class SpeculativeConfig:
             has one, else prompt lookup), "lookup" (prompt lookup only: a prediction is ignored), "mtp" (the MTP
             block, which the file must have; prompt lookup where it has no draft; a prediction is ignored),
             "draft_model" (`draft_model` drafts) or "off". With "auto" and "mtp" and a file with an MTP block,
-            the engine runs the block beside the model: about a layer more per token, and a layer more of KV rows.
+            the engine runs the block beside the model: a layer more of KV rows, and about a layer more per token
+            in a prompt; in decode, filling the block's rows waits for a draft and is batched then, so a request
+            whose drafts do not pay costs little more than without the block.
         max_draft: the most draft tokens a request adds to one engine step.
         adaptive: each request's draft length follows its measured acceptance and the measured cost of a draft
             token, down to none where drafts do not pay; false: `max_draft` whenever the source has that many.
