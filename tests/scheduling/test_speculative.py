@@ -531,15 +531,16 @@ class FixedMtp:
 
 
 class CountingMtp:
-    """A real engine's MTP block, counting the drafts it gave."""
+    """A real engine's MTP block, counting its calls and the drafts it gave."""
 
     def __init__(self, engine: MtpEngine):
-        self.engine, self.given = engine, 0
+        self.engine, self.given, self.calls = engine, 0, 0
 
     def mtp_draft(self, seqs: Sequence[int], pos: Sequence[int], tokens: Sequence[int], n_draft: int,
                   logits: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
         drafts, rows = self.engine.mtp_draft(seqs, pos, tokens, n_draft, logits)
         self.given += int((drafts >= 0).sum())
+        self.calls += 1
         return drafts, rows
 
 
@@ -632,6 +633,34 @@ def test_mtp_drafts_through_the_engine_give_each_job_its_greedy_answer(tmp_path)
         spec = speculation(SpeculativeConfig(source="auto", adaptive=False, max_draft=3), plain[0][:12], mtp=block)
         assert run([spec, None]) == plain
         assert spec is not None and spec.accepted > 0 and block.given > given
+
+
+def test_a_job_whose_mtp_guesses_are_wrong_runs_the_block_only_where_it_guesses(tmp_path) -> None:
+    """The C engine fills the MTP block's rows lazily: a job whose drafts do not pay (the block's weights are
+    random) soon drafts nothing and guesses ever less often, and the block fills its rows once per call, for
+    every token evaluated since, instead of at every step; the answer is the one decoded without the block."""
+    from strata.engine_cffi import Engine
+    from strata.modelgen import write_random_model
+
+    path = write_random_model(tmp_path / "m.gguf", arch="qwen35moe", size="tiny", dtype="q8_0")
+    prompt = [int(t) for t in np.random.default_rng(2).integers(0, 200, 30)]
+    answers = []
+    for mtp in (False, True):
+        with Engine.load(path, n_ctx=256, threads=1, mtp=mtp) as engine:
+            block = CountingMtp(engine)
+            batcher = Batcher(engine, slowdown=None)
+            job = Job(prompt, Sampler(GREEDY, engine.n_vocab), 90, set(),
+                      speculation=speculation(SpeculativeConfig(source="mtp"), mtp=block) if mtp else None)
+            batcher.add(job)
+            steps = 0
+            while job.finish is None:
+                batcher.step()
+                steps += 1
+            answers.append(job.tokens)
+            passes, pairs = engine.mtp_fills()
+    assert answers[0] == answers[1] and len(answers[0]) == 90
+    assert 0 < block.calls <= steps // 4  # it backed off
+    assert passes == block.calls and pairs <= len(prompt) + steps  # one pass a call, none in the other steps
 
 
 class BatchCheckingMtp:
