@@ -24,7 +24,8 @@
   this measures what they cost. `--layers N` takes the small shape with N layers (every 4th full attention).
   Then a 2,000-token prompt's time without the block and with it (what the fill costs a prompt), and the block's
   draft calls alone: 1 and 3 drafts for one sequence, for four in a call each, and for four in one call (the
-  batcher's, one a step), the median of many.
+  batcher's, one a step), and 1 draft after 1 to 64 one-token evals (the call first fills their pairs in one
+  pass: what the lazy fill costs a guess), the median of many.
 
 Rates are wall-clock and per CPU second of the engine's threads (which the load of other processes on a shared
 machine does not stretch); the table shows medians of `--repeat` runs.
@@ -221,7 +222,8 @@ def mtp_prompt_costs(path: pathlib.Path, threads: int, repeat: int, n_prompt: in
 
 def mtp_call_costs(path: pathlib.Path, threads: int, rounds: int) -> dict[tuple[int, str], tuple[float, float]]:
     """The block's draft calls after four 200-token prompts: (drafts, how) -> median seconds, wall and CPU, for one
-    sequence, four in a call each, and four in one call."""
+    sequence, four in a call each, and four in one call; then one draft of one sequence after k more tokens
+    evaluated one an eval (the call first fills the k pairs they completed, in one pass)."""
     rng = np.random.default_rng(3)
     prompts = [[int(t) for t in rng.integers(0, 151000, 200)] for _ in range(4)]
     costs: dict[tuple[int, str], tuple[float, float]] = {}
@@ -239,6 +241,19 @@ def mtp_call_costs(path: pathlib.Path, threads: int, rounds: int) -> dict[tuple[
                     walls.append(time.perf_counter() - wall)
                     cpus.append(engine.cpu_seconds() - cpu)
                 costs[n_draft, how] = statistics.median(walls), statistics.median(cpus)
+        state = engine.save_state(0)  # a hybrid's sequence goes back to 200 positions through it
+        for k in (1, 8, 32, 64):
+            walls, cpus = [], []
+            for _ in range(max(rounds // 4, 3)):
+                for token in rng.integers(0, 151000, k):
+                    engine.eval([int(token)])
+                wall, cpu = time.perf_counter(), engine.cpu_seconds()
+                engine.mtp_draft([0], [200 + k], [5], 1)
+                walls.append(time.perf_counter() - wall)
+                cpus.append(engine.cpu_seconds() - cpu)
+                engine.keep(200)
+                engine.load_state(0, state)
+            costs[1, f"one sequence, after {k} evals"] = statistics.median(walls), statistics.median(cpus)
     return costs
 
 
