@@ -22,7 +22,9 @@
   streams' prompts are chunked by measured time, and a hybrid's prompt rounds by its chunks: reported only). Its
   weights are random: the block is not trained to guess the trunk, so its drafts are about never right here, and
   this measures what they cost. `--layers N` takes the small shape with N layers (every 4th full attention).
-  Then a 2,000-token prompt's time without the block and with it (what the fill costs a prompt), and the block's
+  Then a one-token decode step without the block and with it, nothing drafted (runs of 128 steps: what keeping
+  the block's rows filled costs decode), a 2,000-token prompt's time without the block and with it (what the fill
+  costs a prompt), and the block's
   draft calls alone: 1 and 3 drafts for one sequence, for four in a call each, and for four in one call (the
   batcher's, one a step), and 1 draft after 1 to 64 one-token evals (the call first fills their pairs in one
   pass: what the lazy fill costs a guess), the median of many.
@@ -220,6 +222,34 @@ def mtp_prompt_costs(path: pathlib.Path, threads: int, repeat: int, n_prompt: in
             for name, v in times.items()}
 
 
+def mtp_step_costs(path: pathlib.Path, threads: int, rounds: int, steps: int = 128
+                   ) -> dict[str, tuple[float, float]]:
+    """Median seconds, wall and CPU, of a one-token decode step of one sequence after a 200-token prompt, on an
+    engine without the block and on one that runs it, no draft ever asked: runs of `steps` steps (each run as long
+    as the held history, so a lazy fill fills once a run, as decode does every 128 steps), the two engines
+    taking turns."""
+    prompt = [int(t) for t in np.random.default_rng(6).integers(0, 151000, 200)]
+    times: dict[str, list[tuple[float, float]]] = {"off": [], "block run": []}
+    with Engine.load(path, n_ctx=512, threads=threads) as plain, \
+            Engine.load(path, n_ctx=512, threads=threads, mtp=True) as block:
+        engines = {"off": plain, "block run": block}
+        states = {}
+        for name, engine in engines.items():
+            engine.eval(prompt)
+            states[name] = engine.save_state(0)
+        tokens = [int(t) for t in np.random.default_rng(7).integers(0, 151000, steps)]
+        for _ in range(rounds):
+            for name, engine in engines.items():
+                started, cpu = time.perf_counter(), engine.cpu_seconds()
+                for token in tokens:
+                    engine.eval([token])
+                times[name].append(((time.perf_counter() - started) / steps, (engine.cpu_seconds() - cpu) / steps))
+                engine.keep(len(prompt))
+                engine.load_state(0, states[name])
+    return {name: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v))
+            for name, v in times.items()}
+
+
 def mtp_call_costs(path: pathlib.Path, threads: int, rounds: int) -> dict[tuple[int, str], tuple[float, float]]:
     """The block's draft calls after four 200-token prompts: (drafts, how) -> median seconds, wall and CPU, for one
     sequence, four in a call each, and four in one call; then one draft of one sequence after k more tokens
@@ -385,6 +415,11 @@ def main() -> None:
         print("acceptance: " + ", ".join(f"{mode} {rate:.3f}" for mode, rate in acceptance.items()), flush=True)
         print("the block's fills (passes, pairs; prompts included): " + ", ".join(
             f"{mode} {passes}, {pairs}" for mode, (passes, pairs) in fills.items() if pairs), flush=True)
+        steps = mtp_step_costs(path, args.threads, 3 * args.repeat)
+        (wall0, cpu0), (wall, cpu) = steps["off"], steps["block run"]
+        print(f"| a decode step, nothing drafted | off: ms, CPU ms | block run |\n|---|---|---|\n| {name} | "
+              f"{wall0 * 1e3:.2f}, {cpu0 * 1e3:.2f} | {wall * 1e3:.2f} ({wall / wall0:.3f}x), {cpu * 1e3:.2f} "
+              f"({cpu / cpu0:.3f}x) |", flush=True)
         prompt = mtp_prompt_costs(path, args.threads, args.repeat)
         (wall0, cpu0), (wall, cpu) = prompt["off"], prompt["block run"]
         print(f"| 2,000-token prompt | off: s, CPU s | block run |\n|---|---|---|\n| {name} | {wall0:.2f}, "
