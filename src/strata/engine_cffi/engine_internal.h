@@ -309,6 +309,7 @@ struct strata_context {
     float *mtp_logits;             // (n_batch, n_vocab) the drafts' logits
     int *mtp_next;                 // (n_batch,) each row's draft
     int mtp_n;                     /* pairs of the current step */
+    int mtp_due;                   /* the eval's chunk has pairs to fill at once */
     /* the caller's routing record (strata_record_routing), NULL when off */
     int *route_rec;                // (route_cap,) records of [layer, chunk, n_tok, n_tok x n_expert_used ids]
     long long route_cap, route_used;  /* ints it holds, ints written (-1: a record did not fit) */

@@ -229,14 +229,19 @@ static void fill_pending(const team *tm, strata_context *c, const float *embd_ro
 
 /* Thread 0: how far the chunk fills each of its sequences' pairs: all it completes where waiting would lose a
  * pending one (the chunk keeps its sequence's last HIST positions: a pending pair's hidden state would fall out)
- * or where it brings embedding rows (the kept history holds token ids only); else none. */
+ * or where it brings embedding rows (the kept history holds token ids only); else none. mtp_due = whether any
+ * sequence has pairs to fill. */
 static void plan_chunk(strata_context *c) {
+    c->mtp_due = 0;
     for (int s = 0; s < c->n_seq; s++) c->mtp_upto[s] = c->mtp_filled[s];
     for (int q = 0; q < c->n_chunk_seqs; q++) {
         int s = c->chunk_seqs[q], lo = c->seq_first[s], hi = c->seq_first[s + 1];
         int last = c->chunk_pos[c->seq_tokens[hi - 1]], now = c->mtp_filled[s] <= last - HIST;
         for (int i = lo; i < hi && !now; i++) now = c->chunk_embd[c->seq_tokens[i]] >= 0;
-        if (now) c->mtp_upto[s] = last;
+        if (now && last > c->mtp_filled[s]) {
+            c->mtp_upto[s] = last;
+            c->mtp_due = 1;
+        }
     }
 }
 
@@ -264,7 +269,7 @@ void mtp_fill(const team *tm, strata_context *c, const float *embd_rows, int n_t
     rmsnorm_rows(tm, c->mtp_h, c->x, m->output_norm, n_tok, m->hp.n_embd, m->hp.rms_eps);
     if (tm->ith == 0) plan_chunk(c);
     team_sync(tm);
-    fill_pending(tm, c, embd_rows, 1);  // before keep_hidden overwrites a held row a pending pair reads
+    if (c->mtp_due) fill_pending(tm, c, embd_rows, 1);  // before keep_hidden overwrites a held row a pair reads
     keep_hidden(tm, c, n_tok);
 }
 
