@@ -144,7 +144,7 @@ def test_what_the_budget_leaves_is_the_expert_cache(models):
 
 def test_other_architectures_are_refused(tmp_path):
     path = write_random_model(tmp_path / "dense.gguf", arch="qwen3", size="tiny", dtype="f32", vocab="bytes")
-    with pytest.raises(EngineError, match="the host device runs qwen3moe models, not qwen3"):
+    with pytest.raises(EngineError, match="the host device runs qwen3moe, qwen35moe models, not qwen3"):
         DeviceEngine.open(path, Device("host"), **SHAPE)
 
 

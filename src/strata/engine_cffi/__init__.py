@@ -305,6 +305,10 @@ class Engine:
         self.kv_identity: str = f"{file.fingerprint()}:{self.kv_type}:layout{KV_LAYOUT}"
         self.kv_position_bytes: int = lib.strata_kv_position_bytes(ctx)
         self.has_mtp: bool = params.n_nextn > 0  # the file has an MTP block
+        # which layers are recurrent (a hybrid model's Gated DeltaNet ones; none elsewhere)
+        self.recurrent_layers: tuple[bool, ...] = (
+            () if params.recurrent_layers == ffi.NULL
+            else tuple(bool(params.recurrent_layers[il]) for il in range(params.n_layer)))
         self.mtp: bool = bool(mtp)  # the context runs it: `mtp_draft`
 
     @classmethod

@@ -1,27 +1,36 @@
-"""The device backend: a `qwen3moe` model's forward pass through the device interface (`cuda/device.h`), with the
-routed experts split between the device's expert cache (hits) and the CPU (misses).
+"""The device backend: a `qwen3moe` or `qwen35moe` model's forward pass through the device interface
+(`cuda/device.h`), with the routed experts split between the device's expert cache (hits) and the CPU (misses).
 
-What lives on the device: every layer's attention and norm weights, the router, the output norm and projection,
-the sequences' KV cache (the CPU engine's layout) and the step's activations. What stays in RAM: the mapped file,
+What lives on the device: every layer's attention (or Gated DeltaNet) and norm weights, the router and the shared
+expert, the output norm and projection, the sequences' KV cache (the CPU engine's layout: attention layers only),
+a hybrid model's recurrent state (`device_state`) and the step's activations. What stays in RAM: the mapped file,
 from which the token embeddings are looked up and the misses computed; the experts the policy keeps are copied
 into the device's slots (`expert_slots`).
 
-A chunk of tokens (at most `n_batch`, the sequences' tokens in call order) goes through each layer as:
+A chunk of tokens (at most `n_batch`, the sequences' tokens in call order, so each sequence's are adjacent) goes
+through each layer as:
 
-    xb = rmsnorm(x); q, k, v = xb Wq, Wk, Wv; q, k = rope(rmsnorm(q), rmsnorm(k)) per head; cache k, v
-    att = attention over each token's positions; x += att Wo
+    attention layer: xb = rmsnorm(x); q, k, v = xb Wq, Wk, Wv (qwen35moe: q with each head's gate beside it,
+    gathered out by add_rows); q, k = rope(rmsnorm(q), rmsnorm(k)) per head (the first n_rot values of a head);
+    cache k, v; att = attention over each token's positions (qwen35moe: times the sigmoid of its gate); x += att Wo
+    Gated DeltaNet layer (qwen35moe): xb = rmsnorm(x); qkv, z, alpha, beta = xb Wqkv, Wz, Walpha, Wbeta;
+    q, k, v = dn_conv(qkv) from each sequence's conv state; L2-normed q, k; the gates; o = the delta rule per
+    (sequence, v head) on its state; o = gated_rms_norm(o, z); x += o Wout
     xb = rmsnorm(x); router logits = xb Wr; top-k per token -> the host (ids, weights) with xb
     each distinct expert: a hit runs gate, up, SwiGLU, down on the device over its tokens' rows; a miss runs the
     same on the CPU's threads (strata_host_expert_ffn, from the mapped file) and its rows are uploaded
-    x += the router's weights times the experts' rows (add_rows, on the device)
+    x += the router's weights times the experts' rows (add_rows, on the device); qwen35moe: x += the shared
+    expert's SwiGLU of xb times the sigmoid of xb . its gate (on the device)
 
 then the output norm and head for the tokens that want logits. The layer loop runs here, in Python: each kernel is
 one launch, and the policy (a Python class) is called once per layer.
 
 The rest of the engine's interface (sampling, the checks of a call's items) is the CPU engine's, whose context
-this class extends; the positions each sequence holds are kept here, as the KV cache is the device's
-(`copy_prefix`, `export_kv` and `import_kv` move its rows through the host, in the CPU engine's layout). Not built
-yet: other architectures (Qwen3-VL's deepstack rows, Qwen3.5's recurrent layers, dense models).
+this class extends; the positions each sequence holds (and with multi-axis RoPE each position's RoPE components)
+are kept here, as the KV cache and the recurrent state are the device's (`copy_prefix`, `export_kv`,
+`import_kv`, `save_state` and `load_state` move them through the host, in the CPU engine's layouts). The model's
+MTP block, where the file has one, is not run: `mtp` is off. Not built yet: other architectures (Qwen3-VL's
+deepstack rows, dense models).
 """
 
 from __future__ import annotations
@@ -40,10 +49,13 @@ from gguf import quants
 from strata.engine_cffi import _KV_TYPES, BatchItem, Engine, EngineAborted, EngineError, _item_logits
 from strata.engine_cffi.device import Device, DeviceError
 from strata.engine_cffi.device_check import MATMUL_TYPES
+from strata.engine_cffi.device_state import RecurrentState
 from strata.engine_cffi.expert_slots import UPLOADS_PER_STEP, ExpertSlots
 from strata.gguf_file import TensorInfo
 
-ARCHITECTURES = ("qwen3moe",)
+ARCHITECTURES = ("qwen3moe", "qwen35moe")
+# Qwen3.5: Gated DeltaNet layers between gated attention ones, partial multi-axis RoPE, a gated shared expert
+HYBRID = ("qwen35moe",)
 DEVICE_TYPES = frozenset(MATMUL_TYPES)  # the weight types the device's products take
 KV_ELEM = {"f32": 4, "f16": 2, "int8": 1}  # bytes of a cached value
 RESERVE = 1 << 30  # of a card's free memory, left to the driver and other users when no budget is given
@@ -92,8 +104,9 @@ class DeviceEngine(Engine):
             capacity: the most experts the cache holds (None: as many as the device's budget leaves room for).
             uploads_per_step: the policy's bound on the uploads a step starts (None: no bound).
         Raises:
-            EngineError: what `Engine.load` raises; an architecture other than qwen3moe, a weight type the device
-                has no product for, or a device budget the dense part and the KV cache do not fit in.
+            EngineError: what `Engine.load` raises; an architecture other than qwen3moe and qwen35moe, a weight type
+                the device has no product for, or a device budget the dense part, the KV cache and the recurrent
+                state do not fit in.
         """
         try:
             engine = cls.load(path, n_ctx=n_ctx, threads=threads, kv=kv, n_batch=n_batch, n_seq=n_seq,
@@ -122,25 +135,33 @@ class DeviceEngine(Engine):
         self._n_past = [0] * self.n_seq
         self._in_flight: list[np.ndarray] = []  # host buffers queued copies read: kept until a synchronisation
         self._aborted: set[int] = set()
+        self.hybrid = self.arch in HYBRID
         meta = self.metadata
 
-        def key(name: str, default: float = 0) -> Any:
+        def key(name: str, default: Any = 0) -> Any:
             return meta.get(f"{self.arch}.{name}", default)
 
-        self.n_layer, self.n_head = int(key("block_count")), int(key("attention.head_count"))
+        self.n_layer = int(key("block_count")) - int(key("nextn_predict_layers"))  # the MTP blocks are not run
+        self.n_head = int(key("attention.head_count"))
         self.n_head_kv = int(key("attention.head_count_kv", self.n_head))
         self.head_dim = int(key("attention.key_length", self.n_embd // self.n_head))
         self.n_expert, self.n_used = int(key("expert_count")), int(key("expert_used_count"))
         self.n_ff = int(key("expert_feed_forward_length"))
+        self.n_ff_shexp = int(key("expert_shared_feed_forward_length"))
         self.eps = float(key("attention.layer_norm_rms_epsilon", 1e-6))
-        base = float(key("rope.freq_base", 10000.0))
-        half = np.arange(self.head_dim // 2, dtype=np.float64)
-        inv_freq = (1.0 / base ** (2.0 * half / self.head_dim)).astype(np.float32)  # as the engine's build_rope
-        self._inv_freq, self._axis = self._put(inv_freq), self._put(np.zeros(self.head_dim // 2, np.uint8))
+        self._recurrent = self.recurrent_layers or (False,) * self.n_layer
+        # each attention layer's place in the KV cache, each recurrent layer's in a sequence's state
+        self._kv_layer = np.cumsum([not r for r in self._recurrent]) - 1
+        self._rec_layer = np.cumsum(self._recurrent) - 1
+        self.n_kv_layer = self.n_layer - sum(self._recurrent)
+        self._rope_tables(key)
+        if self.hybrid:
+            self._deltanet_sizes(key)
         self._layers = [self._layer_weights(il) for il in range(self.n_layer)]
         self._output_norm = self._put(self._vector("output_norm"))
         self._output = self._matrix("output" if self._file.tensor("output") else "token_embd")  # tied: the embeddings
         self._alloc_kv()
+        self._state = RecurrentState(device, self.n_seq, self.state_bytes // 4)
         self._alloc_activations()
         self._experts = [(self._tensor(f"blk.{il}.ffn_gate_exps"), self._tensor(f"blk.{il}.ffn_up_exps"),
                           self._tensor(f"blk.{il}.ffn_down_exps")) for il in range(self.n_layer)]
@@ -154,6 +175,30 @@ class DeviceEngine(Engine):
         self.slots = ExpertSlots(device, self.n_layer, self.n_expert, capacity, expert_bytes, self._expert_data,
                                  self._upload_stream, uploads_per_step)
         self._pool = concurrent.futures.ThreadPoolExecutor(self.threads, thread_name_prefix="strata-misses")
+
+    def _rope_tables(self, key: Any) -> None:
+        """inv_freq of the first n_rot values of a head, and each pair's position axis (multi-axis RoPE: Qwen3-VL's
+        interleaving of the sections, as model_load.c's build_mrope); with multi-axis RoPE, each sequence's
+        positions' t components and the next text position after each, as the CPU engine keeps them."""
+        self.n_rot = int(key("rope.dimension_count", self.head_dim))
+        base = float(key("rope.freq_base", 10000.0))
+        half = np.arange(self.n_rot // 2, dtype=np.float64)
+        inv_freq = (1.0 / base ** (2.0 * half / self.n_rot)).astype(np.float32)  # as the engine's build_rope
+        sections = [int(n) for n in key("rope.dimension_sections", [])] + [0, 0, 0]
+        i = np.arange(self.n_rot // 2)
+        axis = np.where((i % 3 == 1) & (i < 3 * sections[1]), 1, np.where((i % 3 == 2) & (i < 3 * sections[2]), 2, 0))
+        self._inv_freq, self._axis = self._put(inv_freq), self._put(axis.astype(np.uint8))
+        self._mrope = self.hybrid  # the architectures' table (archs.c): Qwen3.5's RoPE has three axes
+        self._rope_t = np.zeros((self.n_seq, self.n_ctx), np.int32)
+        self._rope_next = np.zeros((self.n_seq, self.n_ctx), np.int32)
+
+    def _deltanet_sizes(self, key: Any) -> None:
+        self.d_conv, self.d_state = int(key("ssm.conv_kernel")), int(key("ssm.state_size"))
+        self.n_k_heads, self.n_v_heads = int(key("ssm.group_count")), int(key("ssm.time_step_rank"))
+        self.d_inner = int(key("ssm.inner_size"))
+        self.conv_dim = 2 * self.n_k_heads * self.d_state + self.d_inner
+        self.conv_floats = (self.d_conv - 1) * self.conv_dim
+        self.layer_state_floats = self.conv_floats + self.n_v_heads * self.d_state ** 2
 
     def _put(self, array: np.ndarray) -> Any:
         return self.device.to_device(np.ascontiguousarray(array))
@@ -181,19 +226,34 @@ class DeviceEngine(Engine):
         return Matrix(self._put(self._file.data(t)), t.type, t.shape[0], t.shape[1], t.n_bytes // t.shape[1])
 
     def _layer_weights(self, il: int) -> dict[str, Any]:
-        vectors = {n: self._put(self._vector(f"blk.{il}.{n}")) for n in ("attn_norm", "attn_q_norm", "attn_k_norm",
-                                                                       "ffn_norm")}
-        matrices = {n: self._matrix(f"blk.{il}.{n}") for n in ("attn_q", "attn_k", "attn_v", "attn_output",
-                                                                "ffn_gate_inp")}
+        """Layer il's weights on the device by their file names, and its norm before the feed-forward as
+        "ffn_norm" (Qwen3.5's post_attention_norm)."""
+        ffn_norm = "post_attention_norm" if self.hybrid else "ffn_norm"
+        vectors = ["attn_norm"]
+        matrices = ["ffn_gate_inp"]
+        if self._recurrent[il]:
+            vectors += ["ssm_conv1d", "ssm_a", "ssm_dt.bias", "ssm_norm"]
+            matrices += ["attn_qkv", "attn_gate", "ssm_alpha", "ssm_beta", "ssm_out"]
+        else:
+            vectors += ["attn_q_norm", "attn_k_norm"]
+            matrices += ["attn_q", "attn_k", "attn_v", "attn_output"]
+        if self.hybrid:
+            matrices += ["ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"]
+        weights = {n: self._put(self._vector(f"blk.{il}.{n}")) for n in vectors}
+        weights |= {n: self._matrix(f"blk.{il}.{n}") for n in matrices}
+        weights["ffn_norm"] = self._put(self._vector(f"blk.{il}.{ffn_norm}"))
+        if self.hybrid:  # the shared expert's gate: a product with one row
+            gate = self._vector(f"blk.{il}.ffn_gate_inp_shexp")
+            weights["ffn_gate_inp_shexp"] = Matrix(self._put(gate), Q.F32, self.n_embd, 1, 4 * self.n_embd)
         for w in ("gate", "up", "down"):
             t = self._tensor(f"blk.{il}.ffn_{w}_exps")
             if t.type not in DEVICE_TYPES:
                 raise EngineError(f"tensor {t.name}: the device has no product for type {Q(t.type).name}")
-        return vectors | matrices
+        return weights
 
     def _alloc_kv(self) -> None:
         kv = self.kv_type
-        self._kv_rows = self.n_seq * self.n_layer * self.n_head_kv * self.n_ctx
+        self._kv_rows = self.n_seq * self.n_kv_layer * self.n_head_kv * self.n_ctx
         self._k = self._alloc(self._kv_rows * self.head_dim * KV_ELEM[kv])
         self._v = self._alloc(self._kv_rows * self.head_dim * KV_ELEM[kv])
         null = self.device.ffi.NULL
@@ -206,16 +266,24 @@ class DeviceEngine(Engine):
         sizes = dict(x=B * E, xb=B * E, q=B * q_dim, k=B * kv_dim, v=B * kv_dim, att=B * q_dim,
                      router=B * self.n_expert, weights=B * k, moe_out=B * k * E, slot_x=B * k * E,
                      hb=B * k * self.n_ff, hb2=B * k * self.n_ff, logits=B * self.n_vocab)
-        self._a = {name: self._alloc(4 * n) for name, n in sizes.items()}
-        for name, n in dict(ids=B * k, slot_of=B * k, seq=B, pos=B, n_pos=B, rope=3 * B, rows=B).items():
-            self._a[name] = self._alloc(4 * n)
+        ints = dict(ids=B * k, slot_of=B * k, seq=B, pos=B, n_pos=B, rope=3 * B, rows=B)
+        if self.hybrid:  # gated attention's q and gates; the DeltaNet's rows; the shared expert's
+            VD, hv, F = self.d_inner, self.n_v_heads, self.n_ff_shexp
+            sizes |= dict(qg=2 * B * q_dim, dn_qkv=B * self.conv_dim, dn_conv=B * self.conv_dim, dn_z=B * VD,
+                          dn_alpha=B * hv, dn_beta=B * hv, dn_out=B * VD, sh_gate=B, sh_hb=B * F, sh_hb2=B * F,
+                          sh_out=B * E)
+            ints |= dict(q_rows=B * self.n_head, run_seq=B, run_first=B + 1)
+        self._a = {name: self._alloc(4 * n) for name, n in (sizes | ints).items()}
+        if self.hybrid:  # q head h of token t: row 2 (t n_head + h) of qg's head_dim-wide rows
+            self.device.upload(self._a["q_rows"], 2 * np.arange(B * self.n_head, dtype=np.int32))
+            self.device.sync()
 
     def _expert_data(self, layer: int, expert: int, which: int) -> np.ndarray:
         t = self._experts[layer][which]
         size = t.n_bytes // self.n_expert
         return self._file.data(t)[expert * size:(expert + 1) * size]
 
-    # --- the positions each sequence holds (the KV cache is the device's)
+    # --- the positions each sequence holds and its recurrent state (the KV cache and the state are the device's)
 
     def seq_n_past(self, seq: int) -> int:
         if not 0 <= seq < self.n_seq:
@@ -225,22 +293,43 @@ class DeviceEngine(Engine):
     def keep(self, n: int, seq: int = 0) -> None:
         if not 0 <= n <= self.seq_n_past(seq):
             raise EngineError(f"keep {n} of sequence {seq}, which holds {self._n_past[seq]} positions")
+        if n == 0:
+            self._state.clear(seq)
+        elif n < self._n_past[seq]:
+            self._state.cut(seq)  # the state cannot be cut back
         self._n_past[seq] = n
 
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
         """Sequence `dst` = the first n positions of `src`: their rows through the host (the interface has no
-        copy between two places of the device)."""
+        copy between two places of the device); a recurrent state goes with them when n is all `src` holds."""
         self.seq_n_past(dst)
+        if src == dst:
+            self.keep(n, dst)
+            return
+        whole = n == self.seq_n_past(src)
         data = self.export_kv(src, 0, n)
         self._n_past[dst] = 0
         self.import_kv(dst, 0, data)
+        if n == 0:
+            self._state.clear(dst)
+        elif whole:  # the state at n is src's own
+            self._state.copy(src, dst)
+
+    def save_state(self, seq: int = 0) -> bytes:
+        self.seq_n_past(seq)
+        return self._state.save(seq)
+
+    def load_state(self, seq: int, data: bytes) -> None:
+        self.seq_n_past(seq)
+        self._state.load(seq, data)
 
     def _runs(self, seq: int, first: int, n: int) -> list[tuple[Any, int]]:
         """The device's bytes of positions [first, first + n) of `seq` in `export_kv`'s order (kv_rows.c's layout:
-        per layer and KV head its K then V rows, then with int8 its K then V scales): (pointer, bytes) pairs."""
+        per attention layer and KV head its K then V rows, then with int8 its K then V scales): (pointer, bytes)
+        pairs."""
         ffi, row = self.device.ffi, self.head_dim * KV_ELEM[self.kv_type]
-        heads = [((seq * self.n_layer + il) * self.n_head_kv + h) * self.n_ctx + first
-                 for il in range(self.n_layer) for h in range(self.n_head_kv)]
+        heads = [((seq * self.n_kv_layer + il) * self.n_head_kv + h) * self.n_ctx + first
+                 for il in range(self.n_kv_layer) for h in range(self.n_head_kv)]
         runs = [(ffi.cast("char *", cache) + base * row, n * row) for base in heads for cache in (self._k, self._v)]
         if self.kv_type == "int8":
             runs += [(ffi.cast("char *", cache) + base * 4, n * 4) for base in heads
@@ -256,6 +345,9 @@ class DeviceEngine(Engine):
         for ptr, size in self._runs(seq, first, n) if n else []:
             self.device.download(buf[at:at + size], ptr)
             at += size
+        if self._mrope:  # then the positions' RoPE t components and their next text positions
+            ints = buf[at:].view(np.int32)
+            ints[:n], ints[n:] = self._rope_t[seq, first:first + n], self._rope_next[seq, first:first + n]
         self.device.sync()
         return buf
 
@@ -269,7 +361,12 @@ class DeviceEngine(Engine):
         for ptr, size in self._runs(seq, first, n) if n else []:
             self.device.upload(ptr, view[at:at + size])
             at += size
+        if self._mrope:
+            ints = view[at:].view(np.int32)
+            self._rope_t[seq, first:first + n], self._rope_next[seq, first:first + n] = ints[:n], ints[n:]
         self.device.sync()  # the caller's buffer is read by now
+        if n:
+            self._state.cut(seq)  # the rows came without a state: load_state
         self._n_past[seq] = first + n
 
     def abort(self, seq: int = 0) -> None:
@@ -298,14 +395,16 @@ class DeviceEngine(Engine):
             os.eventfd_write(notify_fd, 1)
         if not items:
             raise EngineError("eval needs at least one token")
-        ids, seqs, pos, outs, rows, index, _grid = self._batch_arrays(self._live_ctx(), items)
+        ids, seqs, pos, outs, rows, index, grid = self._batch_arrays(self._live_ctx(), items)
         if ids.min() < 0 or ids.max() >= self.n_vocab:
             raise EngineError(f"token id out of range [0, {self.n_vocab})")
         for s in set(seqs.tolist()):
             if self._n_past[s] + int((seqs == s).sum()) > self.n_ctx:
                 raise EngineError(f"sequence {s}: context full ({self.n_ctx} positions)")
+            self._state.check(s)
         embd_of = np.full(len(ids), -1, np.int64)
         embd_of[index] = np.arange(len(index))
+        rope = self._rope_positions(seqs, pos, embd_of, grid)
         logits = np.empty((len(outs), self.n_vocab), np.float32)
         want = np.full(len(ids), -1, np.int64)
         want[outs] = np.arange(len(outs))
@@ -317,8 +416,8 @@ class DeviceEngine(Engine):
             take = np.arange(start, min(start + self.n_batch, len(ids)))
             take = take[~np.isin(seqs[take], list(dropped))]
             if len(take):
-                chunk_logits = self._chunk(ids[take], seqs[take], pos[take], rows, embd_of[take], want[take] >= 0,
-                                           records, n_chunks)
+                chunk_logits = self._chunk(ids[take], seqs[take], pos[take], rope[take], rows, embd_of[take],
+                                           want[take] >= 0, records, n_chunks)
                 n_chunks += 1
                 logits[want[take][want[take] >= 0]] = chunk_logits
                 for s in set(seqs[take].tolist()):
@@ -331,6 +430,25 @@ class DeviceEngine(Engine):
             raise EngineAborted("aborted", frozenset(dropped), results)
         return results  # type: ignore[return-value]  # no None without a dropped sequence
 
+    def _rope_positions(self, seqs: np.ndarray, pos: np.ndarray, embd_of: np.ndarray, grid: np.ndarray) -> np.ndarray:
+        """Each token's RoPE position (t, h, w), as the CPU engine's rope_positions gives them: its position on
+        every axis, or with multi-axis RoPE the next text position after the sequence's last (a picture's rows at
+        their grid place from where the picture starts), each kept with its position (scratch past n_past until a
+        chunk takes it in)."""
+        if not self._mrope:
+            return np.repeat(pos.astype(np.int32)[:, None], 3, axis=1)
+        rope = np.empty((len(pos), 3), np.int32)
+        for t, (s, p, r) in enumerate(zip(seqs.tolist(), pos.tolist(), embd_of.tolist(), strict=True)):
+            text = int(self._rope_next[s, p - 1]) if p > 0 else 0
+            if r >= 0 and grid[r, 0] >= 0:
+                row, col = int(grid[r, 0]), int(grid[r, 1])
+                start = text if (row == 0 and col == 0) or p == 0 else int(self._rope_t[s, p - 1])
+                rope[t] = (start, start + row, start + col)
+            else:
+                rope[t] = text
+            self._rope_t[s, p], self._rope_next[s, p] = rope[t, 0], 1 + rope[t].max()
+        return rope
+
     def _write_routing(self, records: list[np.ndarray], n_chunks: int) -> None:
         """Append the call's records ([layer, chunk, n_tok, ids], as the CPU engine writes them) to the trace."""
         assert self._routing is not None
@@ -342,19 +460,27 @@ class DeviceEngine(Engine):
     def _launch(self, name: str, **fields: Any) -> None:
         self.device.launch(name, **fields)
 
-    def _chunk(self, ids: np.ndarray, seqs: np.ndarray, pos: np.ndarray, rows: np.ndarray, embd_of: np.ndarray,
-               wants: np.ndarray, records: list[np.ndarray], chunk: int) -> np.ndarray:
+    def _chunk(self, ids: np.ndarray, seqs: np.ndarray, pos: np.ndarray, rope: np.ndarray, rows: np.ndarray,
+               embd_of: np.ndarray, wants: np.ndarray, records: list[np.ndarray], chunk: int) -> np.ndarray:
         """One forward pass over a chunk's tokens; the logits rows of those that want them."""
         n, a, dev = len(ids), self._a, self.device
         self.slots.begin_step()
         pos32 = pos.astype(np.int32)
+        # the runs of each sequence's tokens (adjacent: a call has one item a sequence), for the recurrent layers
+        starts = np.flatnonzero(np.r_[True, seqs[1:] != seqs[:-1]])
+        self._n_runs = len(starts)
         staged = {"x": self._embeddings(ids, rows, embd_of), "seq": seqs.astype(np.int32), "pos": pos32,
-                  "n_pos": pos32 + 1, "rope": np.repeat(pos32[:, None], 3, axis=1)}
+                  "n_pos": pos32 + 1, "rope": np.ascontiguousarray(rope, np.int32)}
+        if self.hybrid:
+            staged |= {"run_seq": seqs[starts].astype(np.int32), "run_first": np.r_[starts, n].astype(np.int32)}
         for name, array in staged.items():
             dev.upload(a[name], array)
         self._in_flight = list(staged.values())  # host buffers the stream reads, kept until a synchronisation
         for il in range(self.n_layer):
-            self._attention(il, n)
+            if self._recurrent[il]:
+                self._deltanet(il, n)
+            else:
+                self._attention(il, n)
             self._moe(il, n, records, chunk)
         # logits = rmsnorm(x rows that want them) @ Woutput
         rows_wanted = np.flatnonzero(wants).astype(np.int32)
@@ -390,30 +516,88 @@ class DeviceEngine(Engine):
         self._launch("matmul", type=int(w.type), n=w.n_in, rows=w.n_out, n_tok=n_tok, row_bytes=w.row_bytes,
                      w=w.ptr if ptr is None else ptr, x=x, y=y)
 
+    def _floats(self, name: str, offset: int) -> Any:
+        """Activation buffer `name` from float `offset` on."""
+        return self.device.ffi.cast("float *", self._a[name]) + offset
+
     def _attention(self, il: int, n: int) -> None:
-        L, a, E, hd = self._layers[il], self._a, self.n_embd, self.head_dim
-        # xb = rmsnorm(x); q, k, v = xb Wq, Wk, Wv
+        L, a, E, hd, nh = self._layers[il], self._a, self.n_embd, self.head_dim, self.n_head
+        # xb = rmsnorm(x); q, k, v = xb Wq, Wk, Wv; gated attention's q rows gathered from its (query, gate) heads
         self._launch("rms_norm", n=E, n_tok=n, eps=self.eps, x=a["x"], w=L["attn_norm"], out=a["xb"])
-        for name, out in (("attn_q", "q"), ("attn_k", "k"), ("attn_v", "v")):
+        self._matmul(L["attn_q"], a["xb"], n, a["qg" if self.hybrid else "q"])
+        if self.hybrid:
+            self.device.memset(a["q"], 0, 4 * n * nh * hd)
+            self._launch("add_rows", n_tok=n * nh, k=1, n=hd, y=a["qg"], idx=a["q_rows"], out=a["q"])
+        for name, out in (("attn_k", "k"), ("attn_v", "v")):
             self._matmul(L[name], a["xb"], n, a[out])
-        # q, k heads = rope(rmsnorm(head)); k, v rows into the cache at the tokens' positions
-        for name, heads in (("q", self.n_head), ("k", self.n_head_kv)):
+        # q, k heads = rope(rmsnorm(head)) on their first n_rot values; k, v rows into the cache at the tokens'
+        # positions
+        for name, heads in (("q", nh), ("k", self.n_head_kv)):
             self._launch("rms_norm", n=hd, n_tok=n * heads, eps=self.eps, x=a[name], w=L[f"attn_{name}_norm"],
                          out=a[name])
-            self._launch("rope", n_tok=n, n_head=heads, head_dim=hd, neox=1, x=a[name], pos=a["rope"],
-                         inv_freq=self._inv_freq, axis=self._axis)
-        kv = dict(n_head_kv=self.n_head_kv, head_dim=hd, kv_type=_KV_TYPES[self.kv_type], n_layer=self.n_layer, il=il,
-                  n_ctx=self.n_ctx, k=self._k, v=self._v, k_scale=self._k_scale, v_scale=self._v_scale, seq=a["seq"])
+            self._launch("rope", n_tok=n, n_head=heads, head_dim=hd, neox=1, n_rot=self.n_rot, x=a[name],
+                         pos=a["rope"], inv_freq=self._inv_freq, axis=self._axis)
+        kv = dict(n_head_kv=self.n_head_kv, head_dim=hd, kv_type=_KV_TYPES[self.kv_type], n_layer=self.n_kv_layer,
+                  il=int(self._kv_layer[il]), n_ctx=self.n_ctx, k=self._k, v=self._v, k_scale=self._k_scale,
+                  v_scale=self._v_scale, seq=a["seq"])
         self._launch("kv_store", n_tok=n, k_in=a["k"], v_in=a["v"], pos=a["pos"], **kv)
-        # att = softmax(q K^T / sqrt(hd)) V over each token's positions; x += att Wo
-        self._launch("attention", n_tok=n, n_head=self.n_head, q=a["q"], n_pos=a["n_pos"], out=a["att"], **kv)
+        # att = softmax(q K^T / sqrt(hd)) V over each token's positions (times the sigmoid of each head's gate);
+        # x += att Wo
+        self._launch("attention", n_tok=n, n_head=nh, q=a["q"], n_pos=a["n_pos"], out=a["att"], **kv)
+        if self.hybrid:
+            self._launch("sigmoid_gate", n=hd, n_rows=n * nh, gate_stride=2 * hd, per_value=1,
+                         gate=self._floats("qg", hd), x=a["att"])
         self._matmul(L["attn_output"], a["att"], n, a["xb"])
         self._launch("add_rows", n_tok=n, k=1, n=E, y=a["xb"], out=a["x"])
 
+    def _deltanet(self, il: int, n: int) -> None:
+        """A Gated DeltaNet layer (blocks_deltanet.c's maths) on each run's sequence's state."""
+        L, a, E, d = self._layers[il], self._a, self.n_embd, self.d_state
+        hk, hv, C = self.n_k_heads, self.n_v_heads, self.conv_dim
+        # xb = rmsnorm(x); qkv, z, alpha, beta = xb Wqkv, Wz, Walpha, Wbeta
+        self._launch("rms_norm", n=E, n_tok=n, eps=self.eps, x=a["x"], w=L["attn_norm"], out=a["xb"])
+        for name, out in (("attn_qkv", "dn_qkv"), ("attn_gate", "dn_z"), ("ssm_alpha", "dn_alpha"),
+                          ("ssm_beta", "dn_beta")):
+            self._matmul(L[name], a["xb"], n, a[out])
+        # q, k, v = silu(conv(qkv)) from each sequence's conv state; L2-normed q (by 1/sqrt(d) too) and k heads;
+        # g and beta per v head
+        runs = dict(n_seq=self._n_runs, seq=a["run_seq"], seq_first=a["run_first"], state_stride=self._state.floats)
+        layer = int(self._rec_layer[il]) * self.layer_state_floats
+        self._launch("dn_conv", d_conv=self.d_conv, channels=C, x=a["dn_qkv"], w=L["ssm_conv1d"],
+                     state=self._state.at(0, layer), out=a["dn_conv"], **runs)
+        q_scale = float(np.float32(1.0) / np.sqrt(np.float32(d)))  # as the CPU engine's, in float
+        for offset, scale in ((0, q_scale), (hk * d, 1.0)):
+            self._launch("l2_norm", n_tok=n, n_head=hk, head_dim=d, row_stride=C, scale=scale,
+                         x=self._floats("dn_conv", offset))
+        self._launch("dn_gates", n_tok=n, n_head=hv, alpha=a["dn_alpha"], beta=a["dn_beta"], a=L["ssm_a"],
+                     dt_bias=L["ssm_dt.bias"])
+        # o = the gated delta rule per (sequence, v head); o = rmsnorm(o) w silu(z); x += o Wout
+        self._launch("delta_rule", n_k_heads=hk, n_v_heads=hv, head_dim=d, row_stride=C, q=a["dn_conv"],
+                     k=self._floats("dn_conv", hk * d), v=self._floats("dn_conv", 2 * hk * d), g=a["dn_alpha"],
+                     beta=a["dn_beta"], state=self._state.at(0, layer + self.conv_floats), out=a["dn_out"], **runs)
+        self._launch("gated_rms_norm", n=d, n_rows=n * hv, eps=self.eps, x=a["dn_out"], z=a["dn_z"], w=L["ssm_norm"],
+                     out=a["dn_out"])
+        self._matmul(L["ssm_out"], a["dn_out"], n, a["xb"])
+        self._launch("add_rows", n_tok=n, k=1, n=E, y=a["xb"], out=a["x"])
+
+    def _shared_expert(self, il: int, n: int) -> None:
+        """sh_out = SwiGLU(xb) through the shared expert, times the sigmoid of xb . its gate."""
+        L, a = self._layers[il], self._a
+        self._matmul(L["ffn_gate_inp_shexp"], a["xb"], n, a["sh_gate"])
+        self._matmul(L["ffn_gate_shexp"], a["xb"], n, a["sh_hb"])
+        self._matmul(L["ffn_up_shexp"], a["xb"], n, a["sh_hb2"])
+        self._launch("swiglu", n=n * self.n_ff_shexp, g=a["sh_hb"], u=a["sh_hb2"], out=a["sh_hb"])
+        self._matmul(L["ffn_down_shexp"], a["sh_hb"], n, a["sh_out"])
+        self._launch("sigmoid_gate", n=self.n_embd, n_rows=n, gate_stride=1, per_value=0, gate=a["sh_gate"],
+                     x=a["sh_out"])
+
     def _moe(self, il: int, n: int, records: list[np.ndarray], chunk: int) -> None:
         L, a, dev, E, k = self._layers[il], self._a, self.device, self.n_embd, self.n_used
-        # xb = rmsnorm(x); each token's top-k experts and their weights, to the host with xb
+        # xb = rmsnorm(x); the shared expert's rows where the model has one; each token's top-k experts and their
+        # weights, to the host with xb
         self._launch("rms_norm", n=E, n_tok=n, eps=self.eps, x=a["x"], w=L["ffn_norm"], out=a["xb"])
+        if self.hybrid:
+            self._shared_expert(il, n)
         self._matmul(L["ffn_gate_inp"], a["xb"], n, a["router"])
         self._launch("topk", n_tok=n, n_expert=self.n_expert, k=k, logits=a["router"], ids=a["ids"],
                      weights=a["weights"])
@@ -442,6 +626,8 @@ class DeviceEngine(Engine):
         # x += sum over the token's choices of weight * its expert's row
         dev.upload(a["slot_of"], slot_of)
         self._launch("add_rows", n_tok=n, k=k, n=E, y=a["moe_out"], idx=a["slot_of"], weight=a["weights"], out=a["x"])
+        if self.hybrid:  # x += the shared expert's gated rows
+            self._launch("add_rows", n_tok=n, k=1, n=E, y=a["sh_out"], out=a["x"])
         # no synchronisation: the next layer's attention queues behind this one; the host's rows live until the
         # next read-back
         self._in_flight = [slot_x, slot_of, *miss_rows]

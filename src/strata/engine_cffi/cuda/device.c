@@ -27,7 +27,8 @@ struct strata_device {
 
 static const char *const KERNEL_NAMES[DEV_N_KERNELS] = {"matmul", "rms_norm", "rope", "attention", "swiglu",
                                                         "topk", "add_rows", "kv_store", "dn_conv", "l2_norm",
-                                                        "dn_gates", "delta_rule", "gated_rms_norm"};
+                                                        "dn_gates", "delta_rule", "gated_rms_norm",
+                                                        "sigmoid_gate"};
 
 static int fail(strata_device *d, int status, const char *fmt, ...) {
     va_list ap;
@@ -316,6 +317,13 @@ static int check_args(strata_device *d, strata_dev_kernel k, const void *args) {
         if (a->head_dim <= 0 || a->row_stride < (int64_t)a->n_head * a->head_dim)
             return fail(d, STRATA_ERR_INVALID_ARG, "l2_norm: %d heads of %d in rows %lld apart", a->n_head,
                         a->head_dim, (long long)a->row_stride);
+        return STRATA_OK;
+    }
+    case DEV_KERNEL_SIGMOID_GATE: {
+        const strata_dev_sigmoid_gate_args *a = args;
+        if (a->n <= 0 || a->n_rows < 0 || a->gate_stride < (a->per_value ? a->n : 1))
+            return fail(d, STRATA_ERR_INVALID_ARG, "sigmoid_gate: n %lld, n_rows %lld, gate_stride %lld (at least %s)",
+                        (long long)a->n, (long long)a->n_rows, (long long)a->gate_stride, a->per_value ? "n" : "1");
         return STRATA_OK;
     }
     default: return STRATA_OK;

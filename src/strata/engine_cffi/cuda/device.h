@@ -175,6 +175,19 @@ typedef struct {
     float *out;
 } strata_dev_gated_rms_norm_args;
 
+/* --- Qwen3.5's gates (gated attention, the gated shared expert) */
+
+/* "sigmoid_gate": in place, x row r (n values) value i /= 1 + e^-g, g = gate[r gate_stride + i] with per_value
+ * (gated attention: each head's output by its gate, which the q projection gives beside the query: n_rows =
+ * tokens x heads, gate_stride = 2 head_dim) or gate[r gate_stride] without (one gate a row: the shared expert's
+ * output times the sigmoid of its gate's product, gate_stride 1). x: (n_rows, n). */
+typedef struct {
+    int64_t n, n_rows, gate_stride;
+    int per_value;
+    const float *gate;
+    float *x;
+} strata_dev_sigmoid_gate_args;
+
 /* --- the interface. Functions returning int return a strata_status (0: STRATA_OK); on failure
  * strata_dev_error says why. */
 

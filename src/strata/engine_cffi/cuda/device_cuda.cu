@@ -169,6 +169,11 @@ int cuda_launch(void *self, int stream, strata_dev_kernel kernel, int reference,
         e = reference ? k::gated_rms_norm_ref(a, s) : k::gated_rms_norm(a, s);
         break;
     }
+    case DEV_KERNEL_SIGMOID_GATE: {
+        auto a = (const strata_dev_sigmoid_gate_args *)args;
+        e = reference ? k::sigmoid_gate_ref(a, s) : k::sigmoid_gate(a, s);
+        break;
+    }
     default: break;
     }
     return check(c, e, "kernel launch");

@@ -272,6 +272,16 @@ static void gated_rms_norm(const strata_dev_gated_rms_norm_args *a) {
         deltanet_gated_norm(a->out + r * a->n, a->x + r * a->n, a->z + r * a->n, a->w, (int)a->n, a->eps);
 }
 
+/* x / (1 + e^-g) in double, rounded once (the reference kernel's port). */
+static void sigmoid_gate(const strata_dev_sigmoid_gate_args *a) {
+    for (int64_t r = 0; r < a->n_rows; r++)
+        for (int64_t i = 0; i < a->n; i++) {
+            float *x = a->x + r * a->n + i;
+            double g = a->gate[r * a->gate_stride + (a->per_value ? i : 0)];
+            *x = (float)(*x / (1.0 + exp(-g)));
+        }
+}
+
 static int launch(void *self, int stream, strata_dev_kernel kernel, int reference, const void *args) {
     (void)stream;
     switch (kernel) {
@@ -288,6 +298,7 @@ static int launch(void *self, int stream, strata_dev_kernel kernel, int referenc
     case DEV_KERNEL_DN_GATES: dn_gates(args); return STRATA_OK;
     case DEV_KERNEL_DELTA_RULE: return delta_rule(self, args);
     case DEV_KERNEL_GATED_RMS_NORM: gated_rms_norm(args); return STRATA_OK;
+    case DEV_KERNEL_SIGMOID_GATE: sigmoid_gate(args); return STRATA_OK;
     default: return STRATA_ERR_INVALID_ARG;
     }
 }

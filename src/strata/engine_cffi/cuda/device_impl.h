@@ -22,6 +22,7 @@ typedef enum {
     DEV_KERNEL_DN_GATES,
     DEV_KERNEL_DELTA_RULE,
     DEV_KERNEL_GATED_RMS_NORM,
+    DEV_KERNEL_SIGMOID_GATE,
     DEV_N_KERNELS
 } strata_dev_kernel;
 

@@ -38,4 +38,7 @@ cudaError_t dn_gates(const strata_dev_dn_gates_args *a, cudaStream_t stream);
 cudaError_t delta_rule(const strata_dev_delta_rule_args *a, cudaStream_t stream);
 cudaError_t gated_rms_norm(const strata_dev_gated_rms_norm_args *a, cudaStream_t stream);
 
+cudaError_t sigmoid_gate_ref(const strata_dev_sigmoid_gate_args *a, cudaStream_t stream);
+cudaError_t sigmoid_gate(const strata_dev_sigmoid_gate_args *a, cudaStream_t stream);
+
 }  // namespace strata_cuda

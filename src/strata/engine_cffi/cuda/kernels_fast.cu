@@ -480,4 +480,20 @@ cudaError_t gated_rms_norm(const strata_dev_gated_rms_norm_args *a, cudaStream_t
     return cudaGetLastError();
 }
 
+
+// --- Qwen3.5's gates: a thread per value, a row per block row
+
+__global__ void sigmoid_gate_kernel(strata_dev_sigmoid_gate_args a) {
+    int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x, r = blockIdx.y;
+    if (i >= a.n) return;
+    float g = a.gate[r * a.gate_stride + (a.per_value ? i : 0)];
+    a.x[r * a.n + i] /= 1.0f + expf(-g);
+}
+
+cudaError_t sigmoid_gate(const strata_dev_sigmoid_gate_args *a, cudaStream_t stream) {
+    if (a->n_rows == 0) return cudaSuccess;
+    sigmoid_gate_kernel<<<dim3((unsigned)((a->n + 255) / 256), (unsigned)a->n_rows), 256, 0, stream>>>(*a);
+    return cudaGetLastError();
+}
+
 }  // namespace strata_cuda

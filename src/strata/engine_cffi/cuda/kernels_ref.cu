@@ -312,4 +312,21 @@ cudaError_t gated_rms_norm_ref(const strata_dev_gated_rms_norm_args *a, cudaStre
     return cudaGetLastError();
 }
 
+
+// --- Qwen3.5's gates: one thread per value, in double
+
+__global__ void sigmoid_gate_ref_kernel(strata_dev_sigmoid_gate_args a) {
+    int64_t o = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+    if (o >= a.n_rows * a.n) return;
+    int64_t r = o / a.n, i = o % a.n;
+    double g = a.gate[r * a.gate_stride + (a.per_value ? i : 0)];
+    a.x[o] = (float)(a.x[o] / (1.0 + exp(-g)));
+}
+
+cudaError_t sigmoid_gate_ref(const strata_dev_sigmoid_gate_args *a, cudaStream_t stream) {
+    if (a->n_rows == 0) return cudaSuccess;
+    sigmoid_gate_ref_kernel<<<blocks_for(a->n_rows * a->n, 128), 128, 0, stream>>>(*a);
+    return cudaGetLastError();
+}
+
 }  // namespace strata_cuda
