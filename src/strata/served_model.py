@@ -216,7 +216,9 @@ class ServedModel:
                                  mtp=None if config.speculative.source in ("auto", "mtp") else False)
         try:
             if config.speculative.source == "mtp" and not engine.mtp:
-                raise ServiceUnavailable(f"speculative.source is mtp, and {config.model} has no MTP block")
+                raise ServiceUnavailable(
+                    f"speculative.source is mtp, and the {engine.backend} backend does not run {config.model}'s MTP "
+                    "block" if engine.has_mtp else f"speculative.source is mtp, and {config.model} has no MTP block")
             self.mtp = engine if engine.mtp else None
             stage.now = "tokenizer"
             # A model loaded again keeps its text side (`unload`).
@@ -254,6 +256,9 @@ class ServedModel:
                                    record_routing=config.record_routing)
         cache = engine.expert_counts()
         log(f"expert cache: {cache['capacity']} experts, {cache['bytes'] / 2**30:.2f} GiB")
+        if engine.has_mtp and config.speculative.source == "auto":
+            log(f"device {config.device}: the GPU backend does not run the model's MTP block; speculation drafts "
+                "without it (from the prompt's n-grams and the requests' predictions)")
         return engine
 
     def _load_draft_model(self, engine: Any) -> Any:
