@@ -207,6 +207,27 @@ def test_add_rows_mixes_each_tokens_experts_and_adds_a_residual(dev):
         dev.free(p)
 
 
+def test_sigmoid_gate_scales_by_each_values_gate_or_each_rows(dev):
+    """Gated attention: 3 rows of 4 values, their gates every other 4 values of rows of 8 (a head's query, then
+    its gate); the shared expert: one gate a row."""
+    rng = np.random.default_rng(8)
+    x = (rng.standard_normal((3, 4)) * 3).astype(np.float32)
+    qg = rng.standard_normal((3, 8)).astype(np.float32)
+    qg[0, 4:] = [-100, -20, 0, 30]
+    for per_value, gate, g in ((1, qg, qg[:, 4:]), (0, qg[:, 0].copy(), qg[:, :1])):
+        ptrs = {"x": dev.to_device(x), "gate": dev.to_device(gate)}
+        offset = 4 if per_value else 0
+        dev.launch("sigmoid_gate", n=4, n_rows=3, gate_stride=8 if per_value else 1, per_value=per_value,
+                   x=ptrs["x"], gate=dev.ffi.cast("float *", ptrs["gate"]) + offset)
+        want = x.astype(np.float64) / (1 + np.exp(-g.astype(np.float64)))
+        got = dev.to_host(ptrs["x"], x.shape, np.float32)
+        assert np.all(np.abs(got - want) <= 1e-7 * np.abs(want) + 1e-37)
+        for ptr in ptrs.values():
+            dev.free(ptr)
+    with pytest.raises(DeviceError, match="gate_stride 3 \\(at least n\\)"):
+        dev.launch("sigmoid_gate", n=4, n_rows=1, gate_stride=3, per_value=1)
+
+
 @pytest.mark.parametrize("kv", ["f32", "f16", "int8"])
 def test_kv_store_writes_the_cpu_engines_rows(dev, kv):
     """The rows a token's k and v become in the cache: f32 as they are, f16 rounded to nearest, int8 with
@@ -363,7 +384,7 @@ def test_check_driver_prints_its_table_and_passes_on_the_host(capsys):
     assert device_check.main(["--device", "host", "--quick", "--runs", "1"]) == 0
     table = capsys.readouterr().out.splitlines()
     rows = [line for line in table if line.startswith("| ") and "kernel" not in line]
-    assert len(rows) == 3 * len(device_check.MATMUL_TYPES) + 1 + 4 + 3 + 1 + 1 + 1 + 3 + 7
+    assert len(rows) == 3 * len(device_check.MATMUL_TYPES) + 1 + 4 + 3 + 1 + 1 + 1 + 3 + 7 + 2
     assert all("| pass " in line for line in rows) and table[-1] == f"{len(rows)} of {len(rows)} cases pass"
 
 
@@ -371,8 +392,9 @@ def test_backend_check_runs_the_forward_pass_on_the_host_and_passes(capsys):
     """The script's second part (strata.engine_cffi.backend_check), on the host device."""
     assert backend_check.main(["--device", "host", "--quick"]) == 0
     out = capsys.readouterr().out
-    assert out.count("(agree)") == 2 and out.splitlines()[-1] == "pass"
+    assert out.count("(agree)") == 4 and out.splitlines()[-1] == "pass"
     assert "qwen3moe tiny f16, expert cache 8 of 16 experts, tolerance 1e-05" in out
+    assert "qwen35moe tiny f16, expert cache 8 of 16 experts, tolerance 1e-05" in out
 
 
 def test_check_driver_fails_a_kernel_outside_its_tolerance():

@@ -22,7 +22,9 @@ passes when the fast kernel is within the stated tolerance of both:
   1e-6; the gated RMS norm within 1e-5 of each value's magnitude; the delta
   rule (outputs and the state after it) within 1e-5 of the largest |value| (at least 1), decode (one token per
   sequence) and a prompt (sequences of ragged lengths, crossing the host's 64-token chunks: the CPU engine's
-  chunked form against the card's token loop, two orders of the same sums).
+  chunked form against the card's token loop, two orders of the same sums);
+- Qwen3.5's gates (x / (1 + e^-g): gated attention's per value, the shared expert's per row): 1e-5 of each value's
+  magnitude.
 
 GB/s is what the fast kernel moves (weights, inputs, outputs once) over its time by the device's events, the mean
 of a few runs after a warm-up; "of peak" divides by the card's memory bandwidth.
@@ -450,6 +452,21 @@ def gated_rms_norm_case(n_rows: int, n: int, rng: np.random.Generator) -> Case:
                 12 * n_rows * n + 4 * n)
 
 
+def sigmoid_gate_case(n_rows: int, n: int, per_value: bool, rng: np.random.Generator) -> Case:
+    """Gated attention's (per value: each head's output by its gate, the gates every other head_dim values of a
+    row twice as wide) or the shared expert's (one gate a row)."""
+    gate_stride = 2 * n if per_value else 1
+    x = (rng.standard_normal((n_rows, n)) * 3).astype(np.float32)
+    gate = (rng.standard_normal(n_rows * gate_stride) * 4).astype(np.float32)
+    g = gate.reshape(n_rows, gate_stride)[:, :n] if per_value else gate[:, None]
+    bound = RTOL * np.abs(x / (1 + np.exp(-g.astype(np.float64)))) + 1e-30
+    make = _buffers({"x": x, "gate": gate}, {})
+    return Case("sigmoid_gate", "per value" if per_value else "per row", f"{n_rows}x{n}",
+                lambda dev: dict(n=n, n_rows=n_rows, gate_stride=gate_stride, per_value=int(per_value)) | make(dev),
+                lambda dev, a: dev.to_host(a["x"], (n_rows, n), np.float32), _in_place({"x": x}, ("x",)),
+                lambda _: bound, 8 * x.size + 4 * g.size)
+
+
 def deltanet_cases(shapes: Shapes, rng: np.random.Generator) -> Iterator[Case]:
     n_seq, hk, hv, hd = shapes.deltanet
     decode = (1,) * n_seq
@@ -480,6 +497,9 @@ def cases(shapes: Shapes, rng: np.random.Generator) -> Iterator[Case]:
     for kv in KV_TYPES:  # the whole cache is compared: a short one
         yield kv_store_case(n_seq, n_kv, hd, min(n_ctx, 64), kv, rng)
     yield from deltanet_cases(shapes, rng)
+    n_tok, n_head, hd = shapes.rope
+    yield sigmoid_gate_case(n_tok * n_head, hd, True, rng)
+    yield sigmoid_gate_case(*shapes.norm, False, rng)
 
 
 # --- running a case
