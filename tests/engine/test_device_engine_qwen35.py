@@ -25,10 +25,11 @@ from strata.modelgen import write_random_model
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
-    """Four layers (three Gated DeltaNet, one attention), 4 experts of which 2 a token, and an MTP block."""
+    """Four layers (Gated DeltaNet, attention, Gated DeltaNet, attention: each kind's layers have their places in
+    the KV cache and the state), 4 experts of which 2 a token, and an MTP block."""
     out = tmp_path_factory.mktemp("device-qwen35")
     return {dtype: write_random_model(out / f"{dtype}.gguf", arch="qwen35moe", size="tiny", dtype=dtype,
-                                      vocab="bytes", seed=3)
+                                      vocab="bytes", seed=3, full_attention_interval=2)
             for dtype in ("f32", "f16", "q4_k")}
 
 
@@ -48,7 +49,7 @@ def test_prompt_chunks_and_decode_of_several_sequences_match_the_cpu_engine(mode
         got, got_states = run(dev), states(dev)
         counts = dev.expert_counts()
         assert [dev.seq_n_past(s) for s in range(3)] == [23, 5, 4]
-        assert (dev.n_layer, dev.n_kv_layer, dev.has_mtp, dev.mtp) == (4, 1, True, False)  # the MTP block not run
+        assert (dev.n_layer, dev.n_kv_layer, dev.has_mtp, dev.mtp) == (4, 2, True, False)  # the MTP block not run
     assert counts["hits"] > 0 and counts["misses"] > 0 and counts["uploads"] > 0
     for g, w in zip(got, want, strict=True):
         assert g.shape == w.shape
