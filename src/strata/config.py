@@ -219,10 +219,11 @@ class Config:
     # A file the engine writes each MoE layer's chosen experts to, per token of every step (strata.experts.trace):
     # the traces the expert cache's policy is measured on. None: off.
     record_routing: str | None = None
-    # Where the forward pass runs: "cpu" (the CPU engine); "cuda" (the GPU backend, for qwen3moe models: attention,
-    # norms, router, output and the KV cache on the card, the routed experts cached there and the rest computed
-    # by the CPU; without a CUDA build or a GPU the CPU engine runs, and startup says why in one line); "host" (the
-    # GPU backend on the host device: the test device, for running the backend's code path without a GPU).
+    # Where the forward pass runs: "cpu" (the CPU engine); "cuda" (the GPU backend, for qwen3moe and qwen35moe
+    # models: attention or Gated DeltaNet, norms, router, shared expert, output, the KV cache and the recurrent state
+    # on the card, the routed experts cached there and the rest computed by the CPU; without a CUDA build or a GPU
+    # the CPU engine runs, and startup says why in one line); "host" (the GPU backend on the host device: the test
+    # device, for running the backend's code path without a GPU).
     device: str = "cpu"
     # GiB the GPU backend may take on its device: the dense weights, the KV cache, then the expert cache in what
     # is left. None: the card's free memory less 1 GiB (on the host device: every expert).
