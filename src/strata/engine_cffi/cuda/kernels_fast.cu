@@ -481,18 +481,19 @@ cudaError_t gated_rms_norm(const strata_dev_gated_rms_norm_args *a, cudaStream_t
 }
 
 
-// --- Qwen3.5's gates: a thread per value, a row per block row
+// --- Qwen3.5's gates: a thread per value (rows may pass a grid's 65535 in y: tokens x heads of a long chunk)
 
 __global__ void sigmoid_gate_kernel(strata_dev_sigmoid_gate_args a) {
-    int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x, r = blockIdx.y;
-    if (i >= a.n) return;
+    int64_t o = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+    if (o >= a.n_rows * a.n) return;
+    int64_t r = o / a.n, i = o % a.n;
     float g = a.gate[r * a.gate_stride + (a.per_value ? i : 0)];
-    a.x[r * a.n + i] /= 1.0f + expf(-g);
+    a.x[o] /= 1.0f + expf(-g);
 }
 
 cudaError_t sigmoid_gate(const strata_dev_sigmoid_gate_args *a, cudaStream_t stream) {
     if (a->n_rows == 0) return cudaSuccess;
-    sigmoid_gate_kernel<<<dim3((unsigned)((a->n + 255) / 256), (unsigned)a->n_rows), 256, 0, stream>>>(*a);
+    sigmoid_gate_kernel<<<(unsigned)((a->n_rows * a->n + 255) / 256), 256, 0, stream>>>(*a);
     return cudaGetLastError();
 }
 
