@@ -112,18 +112,23 @@ def test_a_saved_state_resumes_its_sequence_and_a_cut_one_is_refused(models):
 
 def test_a_picture_is_placed_by_its_grid_and_its_positions_travel_with_the_rows(models):
     """A picture's 12 rows (a grid 4 wide) in a prompt: multi-axis RoPE positions from the grid, text after it
-    from the picture's largest component, as on the CPU engine; exported and imported into another engine's
-    sequence (with the state), the next token's logits are the original's bits."""
+    from the picture's largest component, as on the CPU engine. Exported (KV rows and RoPE components) with the
+    state and imported into another engine's sequence on the device, the next token's logits are the original's
+    bits; imported into the CPU engine (the same layouts), within the tolerance of the device's."""
     rows = np.random.default_rng(5).standard_normal((12, 256)).astype(np.float32)
     ids = list(range(60, 80))
     items = [BatchItem(0, ids, embeds=[(3, PictureRows(rows, 4))], logits="all")]
     with Engine.load(models["f32"], kv="f32", mapped_weights=True, **SHAPE) as cpu:
-        want = [cpu.eval_batch(items)[0].copy(), cpu.eval([5])]
-    with on_device(models["f32"]) as dev, on_device(models["f32"]) as other:
-        got = [dev.eval_batch(items)[0].copy()]
-        other.import_kv(2, 0, dev.export_kv(0, 0, dev.n_past))
-        other.load_state(2, dev.save_state(0))
-        got.append(dev.eval([5]))
-        np.testing.assert_array_equal(other.eval([5], seq=2), got[1])
-    for g, w in zip(got, want, strict=True):
-        assert np.max(np.abs(g - w)) <= KV_TOLERANCE["f32"] * np.max(np.abs(w))
+        want = cpu.eval_batch(items)[0].copy()
+        with on_device(models["f32"]) as dev, on_device(models["f32"]) as other:
+            got = dev.eval_batch(items)[0].copy()
+            rows_out, state = dev.export_kv(0, 0, dev.n_past), dev.save_state(0)
+            other.import_kv(2, 0, rows_out)
+            other.load_state(2, state)
+            cpu.import_kv(1, 0, rows_out)
+            cpu.load_state(1, state)
+            after = dev.eval([5])
+            np.testing.assert_array_equal(other.eval([5], seq=2), after)
+        on_cpu = cpu.eval([5], seq=1)
+    assert np.max(np.abs(got - want)) <= KV_TOLERANCE["f32"] * np.max(np.abs(want))
+    assert np.max(np.abs(after - on_cpu)) <= KV_TOLERANCE["f32"] * np.max(np.abs(on_cpu))
