@@ -264,12 +264,15 @@ class DeviceEngine(Engine):
         self._n_past[seq] = n
 
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
-        """Sequence `dst` = the first n positions of `src`: their rows through the host (the interface has no
-        copy between two places of the device)."""
+        """Sequence `dst` = the first n positions of `src`: their rows copied on the device, a run per layer, KV
+        head and cache."""
+        if not 0 <= n <= self.seq_n_past(src):
+            raise EngineError(f"copy of {n} positions of sequence {src}, which holds {self._n_past[src]}")
         self.seq_n_past(dst)
-        data = self.export_kv(src, 0, n)
-        self._n_past[dst] = 0
-        self.import_kv(dst, 0, data)
+        if src != dst:
+            for (from_, size), (to, _) in zip(self._runs(src, 0, n), self._runs(dst, 0, n), strict=True):
+                self.device.copy(to, from_, size)
+        self._n_past[dst] = n
 
     def _runs(self, seq: int, first: int, n: int) -> list[tuple[Any, int]]:
         """The device's bytes of positions [first, first + n) of `seq` in `export_kv`'s order (kv_rows.c's layout:
