@@ -228,6 +228,10 @@ class Config:
     # GiB the GPU backend may take on its device: the dense weights, the KV cache, then the expert cache in what
     # is left. None: the card's free memory less 1 GiB (on the host device: every expert).
     gpu_memory: float | None = None
+    # A routing trace recorded earlier on the same model (record_routing): the GPU backend's expert cache starts
+    # holding the experts its steps used most, and keeps that placement while it hits as well as what it learns.
+    # It may name record_routing's own file: the trace is read before recording starts afresh. None: start empty.
+    expert_prior: str | None = None
     web: bool = True  # the chat page (/) and the monitor (/monitor)
     model_alias: str | None = None  # the served model name(s), comma-separated; the first is reported
     cors_origins: list[str] | None = None  # browser origins allowed to call the API ("*": any); None: no CORS

@@ -246,6 +246,7 @@ class ServedModel:
             log(f"device {config.device}: the GPU backend runs {', '.join(ARCHITECTURES)} models, not {arch}; "
                 "running on the CPU")
             return None
+        prior = self._expert_prior()  # before the device opens, and before recording truncates the same file
         try:
             device = open_device(config.device, None if config.gpu_memory is None else int(config.gpu_memory * 2**30))
         except DeviceUnavailable as exc:
@@ -253,13 +254,26 @@ class ServedModel:
             return None
         engine = DeviceEngine.open(config.model, device, n_ctx=config.context, threads=config.threads, kv=config.kv,
                                    n_batch=config.batch, n_seq=config.slots, kv_budget=kv_budget,
-                                   record_routing=config.record_routing)
+                                   record_routing=config.record_routing, prior=prior)
         cache = engine.expert_counts()
-        log(f"expert cache: {cache['capacity']} experts, {cache['bytes'] / 2**30:.2f} GiB")
+        log(f"expert cache: {cache['capacity']} experts, {cache['bytes'] / 2**30:.2f} GiB"
+            + (f", {cache['preloaded']} from the prior" if prior is not None else ""))
         if engine.has_mtp and config.speculative.source == "auto":
             log(f"device {config.device}: the GPU backend does not run the model's MTP block; speculation drafts "
                 "without it (from the prompt's n-grams and the requests' predictions)")
         return engine
+
+    def _expert_prior(self) -> Any:
+        """The config's `expert_prior` trace, read; None without one."""
+        from strata.experts.trace import TraceError, read_trace
+
+        path = self.config.expert_prior
+        if path is None:
+            return None
+        try:
+            return read_trace(path)
+        except (OSError, TraceError) as exc:
+            raise ServiceUnavailable(f"expert_prior: {exc}") from None
 
     def _load_draft_model(self, engine: Any) -> Any:
         """The config's draft model on a context like the model's (as long, as many slots, its threads)."""

@@ -314,6 +314,21 @@ def test_copies_must_stay_inside_one_allocation(dev):
     np.testing.assert_array_equal(dev.to_host(p, (16,), np.float32), [0] * 8 + list(range(8, 16)))
 
 
+def test_a_copy_on_the_device_moves_bytes_between_and_within_allocations(dev):
+    a, b = dev.alloc(64), dev.alloc(64)
+    dev.upload(a, np.arange(16, dtype=np.float32))
+    dev.copy(b, dev.ffi.cast("char *", a) + 16, 32)
+    dev.copy(dev.ffi.cast("char *", a) + 32, a, 32)  # within one allocation
+    np.testing.assert_array_equal(dev.to_host(b, (8,), np.float32), list(range(4, 12)))
+    np.testing.assert_array_equal(dev.to_host(a, (16,), np.float32), [*range(8), *range(8)])
+    with pytest.raises(DeviceError, match="overlaps itself"):
+        dev.copy(dev.ffi.cast("char *", a) + 8, a, 32)  # cudaMemcpyAsync's result would be undefined
+    host = np.zeros(16, np.float32)
+    for dst, src in ((b, dev.ffi.cast("char *", a) + 32), (dev.ffi.from_buffer(host), a)):
+        with pytest.raises(DeviceError, match="not inside one allocation"):
+            dev.copy(dst, src, 64)
+
+
 def test_streams_and_events_follow_their_rules(dev):
     streams = [dev.stream() for _ in range(7)]
     assert streams == list(range(1, 8))

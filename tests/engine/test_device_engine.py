@@ -22,7 +22,7 @@ from strata.engine_cffi.device import Device
 from strata.engine_cffi.device_engine import DeviceEngine, open_device
 from strata.engine_cffi.expert_slots import UPLOADS_PER_STEP
 from strata.experts.simulate import AdaptiveLrfuCache, replay
-from strata.experts.trace import read_trace
+from strata.experts.trace import RoutingTrace, TraceInfo, read_trace
 from strata.modelgen import write_random_model
 
 # A k or v value one rounding apart before the cache may land on the other side of the cache type's rounding: f32
@@ -83,7 +83,7 @@ def test_hits_and_misses_give_the_same_bits(models):
 def test_the_backend_and_the_simulator_count_the_same_hits(models, tmp_path):
     """A routing trace the backend recorded, replayed through the policy's class: the same hits, misses and
     uploads as the backend counted; and the CPU engine records the same routing."""
-    with on_device(models["q8_0"], capacity=5, record_routing=tmp_path / "device.trace") as dev:
+    with on_device(models["q8_0"], capacity=5, record_routing=tmp_path / "device.trace", paced=False) as dev:
         run(dev)
         counts = dev.expert_counts()
         n_layer, n_expert = dev.n_layer, dev.n_expert
@@ -168,3 +168,19 @@ def test_exported_rows_continue_a_sequence_elsewhere(models, kv):
             dev.export_kv(0, 10, 11)
     with Engine.load(models["q8_0"], kv=kv, mapped_weights=True, **SHAPE) as cpu:
         assert cpu.kv_position_bytes == dev.kv_position_bytes and cpu.kv_identity + ":host" == dev.kv_identity
+
+
+def test_a_prior_recorded_on_another_shape_is_refused(models):
+    other = RoutingTrace(TraceInfo("other", "qwen3moe", 2, 64, 2), [])
+    with pytest.raises(EngineError, match="recorded on a qwen3moe model of 2 layers of 64 experts"):
+        on_device(models["f32"], prior=other)
+
+
+def test_uploads_are_paced_by_the_link_rate_it_measured(models):
+    with on_device(models["q8_0"], capacity=5) as dev:
+        run(dev)
+        assert dev.slots.link_rate is not None and dev.slots.link_rate > 0
+        assert dev.slots.policy.uploads_per_step != UPLOADS_PER_STEP  # the misses' time set it
+    with on_device(models["q8_0"], capacity=5, paced=False) as dev:
+        run(dev)
+        assert dev.slots.link_rate is None and dev.slots.policy.uploads_per_step == UPLOADS_PER_STEP

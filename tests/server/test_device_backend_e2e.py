@@ -15,6 +15,8 @@ import httpx
 import pytest
 from conftest import live_server, server_config
 
+from strata.engine_cffi.device import Device
+from strata.engine_cffi.device_engine import DeviceEngine
 from strata.modelgen import write_random_model
 from strata.request_errors import ServiceUnavailable
 from strata.service import open_service
@@ -88,6 +90,36 @@ async def test_the_host_device_says_what_its_expert_cache_holds(tiny_model):
     assert any("backend host" in line for line in lines)
     cache = [line for line in lines if line.startswith("expert cache: ")]
     assert len(cache) == 1 and re.fullmatch(rf"expert cache: {capacity} experts, \d+\.\d\d GiB", cache[0])
+
+
+def test_a_restart_starts_its_expert_cache_from_the_routing_the_last_run_recorded(tiny_model, tmp_path):
+    """`expert_prior` naming record_routing's own file: each start holds the last run's most used experts (read
+    before recording starts afresh) and answers as without it."""
+    trace = tmp_path / "routing.trace"
+    shape = dict(model=str(tiny_model), context=256, kv="f32", device="host", record_routing=str(trace))
+    config = server_config(**shape)
+    with DeviceEngine.open(tiny_model, Device("host"), n_ctx=config.context, kv=config.kv, n_batch=config.batch,
+                           n_seq=config.slots, capacity=0) as engine:
+        dense, slot = engine.device.used, engine.slots.slot_bytes  # weights, KV cache, activations; one expert
+    with live_server(config) as server:
+        want = answer(server.url)
+    config = server_config(**shape, expert_prior=str(trace), gpu_memory=(dense + 4.5 * slot) / 2**30)
+    with live_server(config) as server:
+        cache = httpx.get(server.url + "/v1/status").json()["engine"]["expert_cache"]
+        assert cache["preloaded"] == cache["capacity"] == 4  # of the tiny model's 2 layers of 8 experts
+        assert answer(server.url) == want
+        cache = httpx.get(server.url + "/v1/status").json()["engine"]["expert_cache"]
+    assert cache["hits"] > 0
+
+
+async def test_an_expert_prior_that_is_not_a_routing_trace_is_a_startup_error(tiny_model, tmp_path):
+    bad = tmp_path / "not.trace"
+    bad.write_bytes(b"hello")
+    config = server_config(model=str(tiny_model), context=256, device="host", expert_prior=str(bad))
+    with pytest.raises(ExceptionGroup) as failed:  # the service's nursery's
+        async with open_service(config, log=lambda line: None):
+            pass
+    assert failed.group_contains(ServiceUnavailable, match=r"expert_prior: .*not a routing trace", depth=None)
 
 
 @pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="a GPU machine: the backend would run")

@@ -26,6 +26,8 @@ HELP = {
               "when there is no CUDA build or GPU); host runs the GPU backend on the host device, for tests",
     "gpu_memory": "GiB the GPU backend may take on the card: dense weights, KV cache, then the expert cache "
                   "(default: the free memory less 1 GiB)",
+    "expert_prior": "a routing trace recorded earlier on this model (--record-routing): the GPU backend's expert "
+                    "cache starts holding its most used experts",
     "slots": "requests generating at once (each keeps its KV cache of context positions while idle)",
     "kv_budget": "most MiB the KV cache of all slots may take (slots x context must fit; default: no bound)",
     "snapshot_budget": "most MiB a hybrid model's state snapshots may take, for prefix reuse (default: 4 per slot)",

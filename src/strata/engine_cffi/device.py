@@ -103,6 +103,10 @@ class Device:
     def download(self, array: np.ndarray, src: Any, stream: int = 0) -> None:
         self._check(self.lib.strata_dev_download(self._d, stream, self.ffi.from_buffer(array), src, array.nbytes))
 
+    def copy(self, dst: Any, src: Any, nbytes: int, stream: int = 0) -> None:
+        """Queue a copy of `nbytes` from one place of the device to another."""
+        self._check(self.lib.strata_dev_copy(self._d, stream, dst, src, nbytes))
+
     def memset(self, dst: Any, value: int, nbytes: int, stream: int = 0) -> None:
         self._check(self.lib.strata_dev_memset(self._d, stream, dst, value, nbytes))
 

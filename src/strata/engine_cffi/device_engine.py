@@ -51,6 +51,8 @@ from strata.engine_cffi.device import Device, DeviceError
 from strata.engine_cffi.device_check import MATMUL_TYPES
 from strata.engine_cffi.device_state import RecurrentState
 from strata.engine_cffi.expert_slots import UPLOADS_PER_STEP, ExpertSlots
+from strata.experts.simulate import Key, most_frequent
+from strata.experts.trace import RoutingTrace
 from strata.gguf_file import TensorInfo
 
 ARCHITECTURES = ("qwen3moe", "qwen35moe")
@@ -59,6 +61,7 @@ HYBRID = ("qwen35moe",)
 DEVICE_TYPES = frozenset(MATMUL_TYPES)  # the weight types the device's products take
 KV_ELEM = {"f32": 4, "f16": 2, "int8": 1}  # bytes of a cached value
 RESERVE = 1 << 30  # of a card's free memory, left to the driver and other users when no budget is given
+LINK_PROBE_BYTES = 8 << 20  # the upload timed to measure the link: long enough that a launch's latency is small
 
 
 def open_device(kind: str, budget: int | None) -> Device:
@@ -95,18 +98,24 @@ class DeviceEngine(Engine):
     def open(cls, path: str | os.PathLike[str], device: Device, n_ctx: int = 4096, threads: int | None = None,
              kv: str = "f16", n_batch: int = 256, n_seq: int = 1, kv_budget: int | None = None,
              record_routing: str | os.PathLike[str] | None = None, capacity: int | None = None,
-             uploads_per_step: float | None = UPLOADS_PER_STEP) -> DeviceEngine:
+             uploads_per_step: float | None = UPLOADS_PER_STEP, prior: RoutingTrace | None = None,
+             paced: bool = True) -> DeviceEngine:
         """Load the model as `Engine.load` does (the weights read where the file is mapped), then put its dense
         part and the KV cache on `device` (which the engine closes with itself) and give what its budget leaves
         to the expert cache.
 
         Args:
             capacity: the most experts the cache holds (None: as many as the device's budget leaves room for).
-            uploads_per_step: the policy's bound on the uploads a step starts (None: no bound).
+            uploads_per_step: the policy's bound on the uploads a step starts (None: no bound); when `paced`, the
+                bound until a step has had misses.
+            prior: a routing trace recorded earlier on this model: the cache starts holding its most frequent
+                experts (uploaded here).
+            paced: each step's upload bound follows the time the last step's misses took and the link's rate,
+                measured here (see `expert_slots`).
         Raises:
             EngineError: what `Engine.load` raises; an architecture other than qwen3moe and qwen35moe, a weight type
-                the device has no product for, or a device budget the dense part, the KV cache and the recurrent
-                state do not fit in.
+                the device has no product for, a device budget the dense part, the KV cache and the recurrent state
+                do not fit in, or a prior recorded on a model of another shape.
         """
         try:
             engine = cls.load(path, n_ctx=n_ctx, threads=threads, kv=kv, n_batch=n_batch, n_seq=n_seq,
@@ -115,7 +124,7 @@ class DeviceEngine(Engine):
             device.close()
             raise
         try:
-            engine._attach(device, capacity, uploads_per_step)
+            engine._attach(device, capacity, uploads_per_step, prior, paced)
         except DeviceError as exc:
             engine.close()
             raise EngineError(f"the {device.kind} device: {exc}") from None
@@ -126,7 +135,8 @@ class DeviceEngine(Engine):
 
     # --- set-up
 
-    def _attach(self, device: Device, capacity: int | None, uploads_per_step: float | None) -> None:
+    def _attach(self, device: Device, capacity: int | None, uploads_per_step: float | None,
+                prior: RoutingTrace | None, paced: bool) -> None:
         self.device, self.backend = device, device.kind  # closed with the engine from here on
         # the cached rows' bits are the device's kernels': another backend's rows are not these
         self.kv_identity = f"{self.kv_identity}:{device.kind}"
@@ -172,9 +182,34 @@ class DeviceEngine(Engine):
         fits = max(0, min(self.n_layer * self.n_expert, free // slot))
         capacity = fits if capacity is None else min(capacity, fits)
         self._upload_stream = device.stream()
+        link_rate = self._link_rate(slot) if paced and capacity else None
         self.slots = ExpertSlots(device, self.n_layer, self.n_expert, capacity, expert_bytes, self._expert_data,
-                                 self._upload_stream, uploads_per_step)
+                                 self._upload_stream, uploads_per_step, self._prior(prior, capacity), link_rate)
         self._pool = concurrent.futures.ThreadPoolExecutor(self.threads, thread_name_prefix="strata-misses")
+
+    def _prior(self, trace: RoutingTrace | None, capacity: int) -> list[Key]:
+        """The `capacity` experts the trace's steps used most; none without a trace."""
+        if trace is None:
+            return []
+        info = trace.info
+        if (info.arch, info.n_layer, info.n_expert) != (self.arch, self.n_layer, self.n_expert):
+            raise EngineError(f"the expert prior was recorded on a {info.arch} model of {info.n_layer} layers of "
+                              f"{info.n_expert} experts, not this {self.arch} of {self.n_layer} x {self.n_expert}")
+        return most_frequent(trace, capacity)
+
+    def _link_rate(self, slot: int) -> float:
+        """Bytes a second the upload stream moves from host memory: a probe of a few slots' size, timed by two
+        events (a server records no others: a device keeps a bounded number)."""
+        nbytes = min(max(slot, LINK_PROBE_BYTES), self.device.budget - self.device.used)
+        probe, scratch = np.zeros(nbytes, np.uint8), self.device.alloc(nbytes)
+        try:
+            start = self.device.record(self._upload_stream)
+            self.device.upload(scratch, probe, self._upload_stream)
+            end = self.device.record(self._upload_stream)
+            self.device.event_sync(end)
+            return nbytes / max(self.device.elapsed_ms(start, end) / 1e3, 1e-9)
+        finally:
+            self.device.free(scratch)
 
     def _rope_tables(self, key: Any) -> None:
         """inv_freq of the first n_rot values of a head, and each pair's position axis (multi-axis RoPE: Qwen3-VL's
@@ -300,20 +335,25 @@ class DeviceEngine(Engine):
         self._n_past[seq] = n
 
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
-        """Sequence `dst` = the first n positions of `src`: their rows through the host (the interface has no
-        copy between two places of the device); a recurrent state goes with them when n is all `src` holds."""
+        """Sequence `dst` = the first n positions of `src`: their rows copied on the device, a run per layer, KV
+        head and cache (with multi-axis RoPE, their positions' components too); a recurrent state goes with them
+        when n is all `src` holds, and a shorter n leaves `dst`'s state invalid (as `keep` does)."""
+        if not 0 <= n <= self.seq_n_past(src):
+            raise EngineError(f"copy of {n} positions of sequence {src}, which holds {self._n_past[src]}")
         self.seq_n_past(dst)
         if src == dst:
             self.keep(n, dst)
             return
-        whole = n == self.seq_n_past(src)
-        data = self.export_kv(src, 0, n)
-        self._n_past[dst] = 0
-        self.import_kv(dst, 0, data)
+        for (from_, size), (to, _) in zip(self._runs(src, 0, n), self._runs(dst, 0, n), strict=True):
+            self.device.copy(to, from_, size)
+        self._rope_t[dst, :n], self._rope_next[dst, :n] = self._rope_t[src, :n], self._rope_next[src, :n]
         if n == 0:
             self._state.clear(dst)
-        elif whole:  # the state at n is src's own
+        elif n == self._n_past[src]:  # the state at n is src's own
             self._state.copy(src, dst)
+        else:
+            self._state.cut(dst)
+        self._n_past[dst] = n
 
     def save_state(self, seq: int = 0) -> bytes:
         self.seq_n_past(seq)
@@ -386,7 +426,7 @@ class DeviceEngine(Engine):
         misses, uploads)."""
         c, slots = self.slots.counts, self.slots
         return {"capacity": slots.capacity, "bytes": slots.capacity * slots.slot_bytes, "hits": c.hits,
-                "misses": c.misses, "uploads": c.uploads}
+                "misses": c.misses, "uploads": c.uploads, "preloaded": c.preloaded}
 
     # --- a call
 
@@ -616,11 +656,14 @@ class DeviceEngine(Engine):
         slot_x = xb[order // k]  # (n k, E): each slot's token row
         outcome = self.slots.step(il, experts.tolist())
         at = {int(e): (int(f), int(c)) for e, f, c in zip(experts, first, count, strict=True)}
+        started = time.perf_counter()
         misses = [self._pool.submit(self._miss, il, e, slot_x[at[e][0]:at[e][0] + at[e][1]]) for e in outcome.misses]
         dev.upload(a["slot_x"], slot_x)
         for e in outcome.hits:
             self._hit(il, e, *at[e])
         miss_rows = [future.result() for future in misses]
+        if misses:
+            self.slots.misses_took(time.perf_counter() - started)
         for e, y in zip(outcome.misses, miss_rows, strict=True):
             dev.upload(dev.ffi.cast("char *", a["moe_out"]) + 4 * at[e][0] * E, y)
         # x += sum over the token's choices of weight * its expert's row

@@ -69,11 +69,7 @@ class RecurrentState:
         self.valid[seq] = True
 
     def copy(self, src: int, dst: int) -> None:
-        """Slot `dst` = slot `src`, and its validity (through the host: the interface has no copy between two
-        places of the device)."""
+        """Slot `dst` = slot `src` (a copy on the device), and its validity."""
         if self.floats:
-            row = np.empty(self.floats, np.float32)
-            self.device.download(row, self.at(src))
-            self.device.upload(self.at(dst), row)
-            self.device.sync()
+            self.device.copy(self.at(dst), self.at(src), 4 * self.floats)
         self.valid[dst] = self.valid[src]

@@ -158,7 +158,17 @@ static int copy(strata_device *d, int stream, void *dst, const void *src, size_t
     if (!owned(d, dev, bytes))
         return fail(d, STRATA_ERR_INVALID_ARG, "%zu bytes at %p are not inside one allocation of this device",
                     bytes, dev);
+    if (direction == DEV_ON_DEVICE && !owned(d, dst, bytes))
+        return fail(d, STRATA_ERR_INVALID_ARG, "%zu bytes at %p are not inside one allocation of this device",
+                    bytes, dst);
+    if (direction == DEV_ON_DEVICE && (const char *)dst < (const char *)src + bytes &&
+        (const char *)src < (const char *)dst + bytes)
+        return fail(d, STRATA_ERR_INVALID_ARG, "a copy of %zu bytes from %p to %p overlaps itself", bytes, src, dst);
     return d->be.copy(d->be.self, stream, dst, src, bytes, direction);
+}
+
+int strata_dev_copy(strata_device *d, int stream, void *dst, const void *src, size_t bytes) {
+    return copy(d, stream, dst, src, bytes, DEV_ON_DEVICE);
 }
 
 int strata_dev_upload(strata_device *d, int stream, void *dst, const void *src, size_t bytes) {

@@ -209,6 +209,8 @@ size_t strata_dev_budget(const strata_device *d);
 int strata_dev_upload(strata_device *d, int stream, void *dst, const void *src, size_t bytes);
 int strata_dev_download(strata_device *d, int stream, void *dst, const void *src, size_t bytes);
 int strata_dev_memset(strata_device *d, int stream, void *dst, int value, size_t bytes);
+/* A copy between two places of the device (both inside allocations, not overlapping). */
+int strata_dev_copy(strata_device *d, int stream, void *dst, const void *src, size_t bytes);
 
 /* A new stream's id (> 0), or -1. */
 int strata_dev_stream_create(strata_device *d);

@@ -38,7 +38,8 @@ void cuda_free(void *self, void *p) {
 
 int cuda_copy(void *self, int stream, void *dst, const void *src, size_t bytes, int direction) {
     cuda_device *c = (cuda_device *)self;
-    cudaMemcpyKind kind = direction == DEV_TO_DEVICE ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost;
+    cudaMemcpyKind kind = direction == DEV_TO_DEVICE ? cudaMemcpyHostToDevice
+                          : direction == DEV_TO_HOST ? cudaMemcpyDeviceToHost : cudaMemcpyDeviceToDevice;
     return check(c, cudaMemcpyAsync(dst, src, bytes, kind, c->streams[stream]), "cudaMemcpyAsync");
 }
 

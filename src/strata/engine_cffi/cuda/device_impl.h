@@ -26,7 +26,7 @@ typedef enum {
     DEV_N_KERNELS
 } strata_dev_kernel;
 
-enum { DEV_TO_DEVICE, DEV_TO_HOST };
+enum { DEV_TO_DEVICE, DEV_TO_HOST, DEV_ON_DEVICE };
 
 /* Each call returns 0 or a strata_status, with the reason written into err. Streams and events are the
  * interface's ids, already checked (a stream exists, an event was recorded). */
