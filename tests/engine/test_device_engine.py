@@ -184,3 +184,16 @@ def test_uploads_are_paced_by_the_link_rate_it_measured(models):
     with on_device(models["q8_0"], capacity=5, paced=False) as dev:
         run(dev)
         assert dev.slots.link_rate is None and dev.slots.policy.uploads_per_step == UPLOADS_PER_STEP
+
+
+def test_the_cpu_engines_context_holds_no_kv_cache_beside_the_devices(models):
+    """The backend keeps its KV cache on the device: the CPU engine's context under it holds one position, so a
+    long context costs host memory once, not twice."""
+    from strata.engine_cffi import lib
+
+    with on_device(models["f16"], "f16") as dev:
+        assert dev.n_ctx == SHAPE["n_ctx"] and dev.n_batch == SHAPE["n_batch"]
+        assert lib.strata_kv_bytes(dev._ctx) == dev.kv_position_bytes * dev.n_seq  # one position a sequence
+        assert dev.kv_bytes == dev.kv_position_bytes * dev.n_seq * dev.n_ctx
+    with pytest.raises(EngineError, match="context of 100000 positions is larger than the model's"):
+        DeviceEngine.open(models["f16"], Device("host"), n_ctx=100000)

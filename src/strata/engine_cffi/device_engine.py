@@ -119,7 +119,8 @@ class DeviceEngine(Engine):
         """
         try:
             engine = cls.load(path, n_ctx=n_ctx, threads=threads, kv=kv, n_batch=n_batch, n_seq=n_seq,
-                              kv_budget=kv_budget, mapped_weights=True, record_routing=record_routing)
+                              kv_budget=kv_budget, mapped_weights=True, record_routing=record_routing,
+                              host_cache=False)
         except BaseException:
             device.close()
             raise
@@ -294,6 +295,7 @@ class DeviceEngine(Engine):
         null = self.device.ffi.NULL
         self._k_scale = self._alloc(4 * self._kv_rows) if kv == "int8" else null
         self._v_scale = self._alloc(4 * self._kv_rows) if kv == "int8" else null
+        self.kv_bytes = 2 * self._kv_rows * (self.head_dim * KV_ELEM[kv] + (4 if kv == "int8" else 0))
 
     def _alloc_activations(self) -> None:
         B, E, k = self.n_batch, self.n_embd, self.n_used
