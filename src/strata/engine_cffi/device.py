@@ -158,6 +158,21 @@ class Device:
     def launch(self, name: str, stream: int = 0, **fields: Any) -> None:
         """Queue kernel `name` ("matmul", ..., or "<name>_ref") with its argument struct's fields (device.h);
         pointers may be any cffi pointer: each is cast to its field's type."""
+        self._check(self.lib.strata_dev_launch(self._d, stream, name.encode(), self.arguments(name, **fields)))
+
+    def launch_list(self, items: Any, n: int, stream: int = 0) -> None:
+        """Queue n launches at once: `items` points to n `strata_dev_launch_item`s (see `launch_list.LaunchList`)."""
+        self._check(self.lib.strata_dev_launch_list(self._d, stream, items, n))
+
+    def launch_experts(self, args: Any, slots: Any, first: np.ndarray, count: np.ndarray, stream: int = 0) -> None:
+        """Queue the expert cache's hits of a layer (`strata_dev_launch_experts`): `args` a
+        `strata_dev_experts_args *`, `slots` the hits' slots, `first` and `count` (int32) their rows."""
+        self._check(self.lib.strata_dev_launch_experts(self._d, stream, args, len(first), slots,
+                                                       self.ffi.from_buffer("int[]", first),
+                                                       self.ffi.from_buffer("int[]", count)))
+
+    def arguments(self, name: str, **fields: Any) -> Any:
+        """A new argument struct of kernel `name` (a cffi pointer to it) holding `fields`; the others zero."""
         struct, pointers = _argument_struct(name)
         unknown = sorted(set(fields) - set(pointers))
         if unknown:
@@ -167,7 +182,7 @@ class Device:
         for field, value in fields.items():
             ftype = pointers[field]
             setattr(a, field, value if ftype is None else self.ffi.cast(ftype, value))
-        self._check(self.lib.strata_dev_launch(self._d, stream, name.encode(), args))
+        return args
 
 
 @functools.cache

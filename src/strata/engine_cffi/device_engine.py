@@ -46,11 +46,12 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 from gguf import quants
 
-from strata.engine_cffi import _KV_TYPES, BatchItem, Engine, EngineAborted, EngineError, _item_logits
+from strata.engine_cffi import _KV_TYPES, BatchItem, Engine, EngineAborted, EngineError, _check, _item_logits
 from strata.engine_cffi.device import Device, DeviceError
 from strata.engine_cffi.device_check import MATMUL_TYPES
 from strata.engine_cffi.device_state import RecurrentState
 from strata.engine_cffi.expert_slots import UPLOADS_PER_STEP, ExpertSlots
+from strata.engine_cffi.launch_list import LaunchList, Size
 from strata.experts.simulate import Key, most_frequent
 from strata.experts.trace import RoutingTrace
 from strata.gguf_file import TensorInfo
@@ -62,6 +63,8 @@ DEVICE_TYPES = frozenset(MATMUL_TYPES)  # the weight types the device's products
 KV_ELEM = {"f32": 4, "f16": 2, "int8": 1}  # bytes of a cached value
 RESERVE = 1 << 30  # of a card's free memory, left to the driver and other users when no budget is given
 LINK_PROBE_BYTES = 8 << 20  # the upload timed to measure the link: long enough that a launch's latency is small
+# the sizes the launches follow: a chunk's tokens, its runs of a sequence's tokens, the rows that want logits
+N, RUNS, ROWS = Size("n"), Size("runs"), Size("m")
 
 
 def open_device(kind: str, budget: int | None) -> Device:
@@ -187,6 +190,7 @@ class DeviceEngine(Engine):
         self.slots = ExpertSlots(device, self.n_layer, self.n_expert, capacity, expert_bytes, self._expert_data,
                                  self._upload_stream, uploads_per_step, self._prior(prior, capacity), link_rate)
         self._pool = concurrent.futures.ThreadPoolExecutor(self.threads, thread_name_prefix="strata-misses")
+        self._build_launches()
 
     def _prior(self, trace: RoutingTrace | None, capacity: int) -> list[Key]:
         """The `capacity` experts the trace's steps used most; none without a trace."""
@@ -499,9 +503,6 @@ class DeviceEngine(Engine):
         buffer[:len(flat)] = flat
         self._routing.write(len(flat), n_chunks)
 
-    def _launch(self, name: str, **fields: Any) -> None:
-        self.device.launch(name, **fields)
-
     def _chunk(self, ids: np.ndarray, seqs: np.ndarray, pos: np.ndarray, rope: np.ndarray, rows: np.ndarray,
                embd_of: np.ndarray, wants: np.ndarray, records: list[np.ndarray], chunk: int) -> np.ndarray:
         """One forward pass over a chunk's tokens; the logits rows of those that want them."""
@@ -510,7 +511,6 @@ class DeviceEngine(Engine):
         pos32 = pos.astype(np.int32)
         # the runs of each sequence's tokens (adjacent: a call has one item a sequence), for the recurrent layers
         starts = np.flatnonzero(np.r_[True, seqs[1:] != seqs[:-1]])
-        self._n_runs = len(starts)
         staged = {"x": self._embeddings(ids, rows, embd_of), "seq": seqs.astype(np.int32), "pos": pos32,
                   "n_pos": pos32 + 1, "rope": np.ascontiguousarray(rope, np.int32)}
         if self.hybrid:
@@ -519,10 +519,7 @@ class DeviceEngine(Engine):
             dev.upload(a[name], array)
         self._in_flight = list(staged.values())  # host buffers the stream reads, kept until a synchronisation
         for il in range(self.n_layer):
-            if self._recurrent[il]:
-                self._deltanet(il, n)
-            else:
-                self._attention(il, n)
+            self._layers_launches[il].run(n=n, runs=len(starts))
             self._moe(il, n, records, chunk)
         # logits = rmsnorm(x rows that want them) @ Woutput
         rows_wanted = np.flatnonzero(wants).astype(np.int32)
@@ -531,12 +528,8 @@ class DeviceEngine(Engine):
             dev.sync()
             self._in_flight = []
             return np.empty((0, self.n_vocab), np.float32)
-        E = self.n_embd
         dev.upload(a["rows"], rows_wanted)
-        dev.memset(a["slot_x"], 0, 4 * m * E)
-        self._launch("add_rows", n_tok=m, k=1, n=E, y=a["x"], idx=a["rows"], out=a["slot_x"])
-        self._launch("rms_norm", n=E, n_tok=m, eps=self.eps, x=a["slot_x"], w=self._output_norm, out=a["xb"])
-        self._matmul(self._output, a["xb"], m, a["logits"])
+        self._output_launches.run(m=m)
         logits = dev.to_host(a["logits"], (m, self.n_vocab), np.float32)
         self._in_flight = []
         return logits
@@ -554,142 +547,175 @@ class DeviceEngine(Engine):
             x[i] = row.view(np.float32) if t.type == Q.F32 else quants.dequantize(row, Q(t.type)).reshape(-1)
         return x
 
-    def _matmul(self, w: Matrix, x: Any, n_tok: int, y: Any, ptr: Any = None) -> None:
-        self._launch("matmul", type=int(w.type), n=w.n_in, rows=w.n_out, n_tok=n_tok, row_bytes=w.row_bytes,
-                     w=w.ptr if ptr is None else ptr, x=x, y=y)
+    # --- the launches, built once: per layer up to the router's top-k, the experts' mix, the output
+
+    def _build_launches(self) -> None:
+        """Each layer's launches up to its router's top-k, the mix of a layer's experts into the residual (the same
+        for every layer), the output's, and each layer's hits' arguments (`strata_dev_launch_experts`)."""
+        a, E, ffi = self._a, self.n_embd, self.device.ffi
+        self._layers_launches = []
+        for il in range(self.n_layer):
+            out = LaunchList(self.device)
+            if self._recurrent[il]:
+                self._deltanet(out, il)
+            else:
+                self._attention(out, il)
+            self._router(out, il)
+            self._layers_launches.append(out)
+        # x += sum over the token's choices of weight * its expert's row (and the shared expert's gated rows)
+        self._mix = LaunchList(self.device)
+        self._mix.launch("add_rows", n_tok=N, k=self.n_used, n=E, y=a["moe_out"], idx=a["slot_of"],
+                         weight=a["weights"], out=a["x"])
+        if self.hybrid:
+            self._mix.launch("add_rows", n_tok=N, k=1, n=E, y=a["sh_out"], out=a["x"])
+        # the rows that want logits gathered, normed, through the output projection
+        self._output_launches = out = LaunchList(self.device)
+        out.memset(a["slot_x"], 4 * E * ROWS)
+        out.launch("add_rows", n_tok=ROWS, k=1, n=E, y=a["x"], idx=a["rows"], out=a["slot_x"])
+        out.launch("rms_norm", n=E, n_tok=ROWS, eps=self.eps, x=a["slot_x"], w=self._output_norm, out=a["xb"])
+        self._matmul(out, self._output, a["xb"], ROWS, a["logits"])
+        self._hit_args = [ffi.new("strata_dev_experts_args *", dict(
+            gate_type=g.type, up_type=u.type, down_type=d.type, n_embd=E, n_ff=self.n_ff, x=a["slot_x"],
+            hb=a["hb"], hb2=a["hb2"], y=a["moe_out"])) for g, u, d in self._experts]
+        # the host's side of a layer: the top-k's ids and the normed rows, and the slots grouped by expert
+        B, k = self.n_batch, self.n_used
+        self._host = dict(ids=np.empty((B, k), np.int32), xb=np.empty((B, E), np.float32),
+                          slot_x=np.empty((B * k, E), np.float32), slot_of=np.empty(B * k, np.int32),
+                          experts=np.empty(B * k, np.int32), first=np.empty(B * k, np.int32),
+                          count=np.empty(B * k, np.int32))
+        self._host_ptr = {name: ffi.from_buffer("int[]" if array.dtype == np.int32 else "float[]", array)
+                          for name, array in self._host.items()}
+        self._n_distinct = ffi.new("int *")
+
+    def _matmul(self, out: LaunchList, w: Matrix, x: Any, n_tok: Size, y: Any) -> None:
+        out.launch("matmul", type=int(w.type), n=w.n_in, rows=w.n_out, n_tok=n_tok, row_bytes=w.row_bytes, w=w.ptr,
+                   x=x, y=y)
 
     def _floats(self, name: str, offset: int) -> Any:
         """Activation buffer `name` from float `offset` on."""
         return self.device.ffi.cast("float *", self._a[name]) + offset
 
-    def _attention(self, il: int, n: int) -> None:
-        L, a, E, hd, nh = self._layers[il], self._a, self.n_embd, self.head_dim, self.n_head
+    def _attention(self, out: LaunchList, il: int) -> None:
+        L, a, E, hd, nh, n = self._layers[il], self._a, self.n_embd, self.head_dim, self.n_head, N
         # xb = rmsnorm(x); q, k, v = xb Wq, Wk, Wv; gated attention's q rows gathered from its (query, gate) heads
-        self._launch("rms_norm", n=E, n_tok=n, eps=self.eps, x=a["x"], w=L["attn_norm"], out=a["xb"])
-        self._matmul(L["attn_q"], a["xb"], n, a["qg" if self.hybrid else "q"])
+        out.launch("rms_norm", n=E, n_tok=n, eps=self.eps, x=a["x"], w=L["attn_norm"], out=a["xb"])
+        self._matmul(out, L["attn_q"], a["xb"], n, a["qg" if self.hybrid else "q"])
         if self.hybrid:
-            self.device.memset(a["q"], 0, 4 * n * nh * hd)
-            self._launch("add_rows", n_tok=n * nh, k=1, n=hd, y=a["qg"], idx=a["q_rows"], out=a["q"])
-        for name, out in (("attn_k", "k"), ("attn_v", "v")):
-            self._matmul(L[name], a["xb"], n, a[out])
+            out.memset(a["q"], 4 * n * nh * hd)
+            out.launch("add_rows", n_tok=n * nh, k=1, n=hd, y=a["qg"], idx=a["q_rows"], out=a["q"])
+        for name, rows in (("attn_k", "k"), ("attn_v", "v")):
+            self._matmul(out, L[name], a["xb"], n, a[rows])
         # q, k heads = rope(rmsnorm(head)) on their first n_rot values; k, v rows into the cache at the tokens'
         # positions
         for name, heads in (("q", nh), ("k", self.n_head_kv)):
-            self._launch("rms_norm", n=hd, n_tok=n * heads, eps=self.eps, x=a[name], w=L[f"attn_{name}_norm"],
-                         out=a[name])
-            self._launch("rope", n_tok=n, n_head=heads, head_dim=hd, neox=1, n_rot=self.n_rot, x=a[name],
-                         pos=a["rope"], inv_freq=self._inv_freq, axis=self._axis)
+            out.launch("rms_norm", n=hd, n_tok=n * heads, eps=self.eps, x=a[name], w=L[f"attn_{name}_norm"],
+                       out=a[name])
+            out.launch("rope", n_tok=n, n_head=heads, head_dim=hd, neox=1, n_rot=self.n_rot, x=a[name],
+                       pos=a["rope"], inv_freq=self._inv_freq, axis=self._axis)
         kv = dict(n_head_kv=self.n_head_kv, head_dim=hd, kv_type=_KV_TYPES[self.kv_type], n_layer=self.n_kv_layer,
                   il=int(self._kv_layer[il]), n_ctx=self.n_ctx, k=self._k, v=self._v, k_scale=self._k_scale,
                   v_scale=self._v_scale, seq=a["seq"])
-        self._launch("kv_store", n_tok=n, k_in=a["k"], v_in=a["v"], pos=a["pos"], **kv)
+        out.launch("kv_store", n_tok=n, k_in=a["k"], v_in=a["v"], pos=a["pos"], **kv)
         # att = softmax(q K^T / sqrt(hd)) V over each token's positions (times the sigmoid of each head's gate);
         # x += att Wo
-        self._launch("attention", n_tok=n, n_head=nh, q=a["q"], n_pos=a["n_pos"], out=a["att"], **kv)
+        out.launch("attention", n_tok=n, n_head=nh, q=a["q"], n_pos=a["n_pos"], out=a["att"], **kv)
         if self.hybrid:
-            self._launch("sigmoid_gate", n=hd, n_rows=n * nh, gate_stride=2 * hd, per_value=1,
-                         gate=self._floats("qg", hd), x=a["att"])
-        self._matmul(L["attn_output"], a["att"], n, a["xb"])
-        self._launch("add_rows", n_tok=n, k=1, n=E, y=a["xb"], out=a["x"])
+            out.launch("sigmoid_gate", n=hd, n_rows=n * nh, gate_stride=2 * hd, per_value=1,
+                       gate=self._floats("qg", hd), x=a["att"])
+        self._matmul(out, L["attn_output"], a["att"], n, a["xb"])
+        out.launch("add_rows", n_tok=n, k=1, n=E, y=a["xb"], out=a["x"])
 
-    def _deltanet(self, il: int, n: int) -> None:
+    def _deltanet(self, out: LaunchList, il: int) -> None:
         """A Gated DeltaNet layer (blocks_deltanet.c's maths) on each run's sequence's state."""
-        L, a, E, d = self._layers[il], self._a, self.n_embd, self.d_state
+        L, a, E, d, n = self._layers[il], self._a, self.n_embd, self.d_state, N
         hk, hv, C = self.n_k_heads, self.n_v_heads, self.conv_dim
         # xb = rmsnorm(x); qkv, z, alpha, beta = xb Wqkv, Wz, Walpha, Wbeta
-        self._launch("rms_norm", n=E, n_tok=n, eps=self.eps, x=a["x"], w=L["attn_norm"], out=a["xb"])
-        for name, out in (("attn_qkv", "dn_qkv"), ("attn_gate", "dn_z"), ("ssm_alpha", "dn_alpha"),
-                          ("ssm_beta", "dn_beta")):
-            self._matmul(L[name], a["xb"], n, a[out])
+        out.launch("rms_norm", n=E, n_tok=n, eps=self.eps, x=a["x"], w=L["attn_norm"], out=a["xb"])
+        for name, rows in (("attn_qkv", "dn_qkv"), ("attn_gate", "dn_z"), ("ssm_alpha", "dn_alpha"),
+                           ("ssm_beta", "dn_beta")):
+            self._matmul(out, L[name], a["xb"], n, a[rows])
         # q, k, v = silu(conv(qkv)) from each sequence's conv state; L2-normed q (by 1/sqrt(d) too) and k heads;
         # g and beta per v head
-        runs = dict(n_seq=self._n_runs, seq=a["run_seq"], seq_first=a["run_first"], state_stride=self._state.floats)
+        runs = dict(n_seq=RUNS, seq=a["run_seq"], seq_first=a["run_first"], state_stride=self._state.floats)
         layer = int(self._rec_layer[il]) * self.layer_state_floats
-        self._launch("dn_conv", d_conv=self.d_conv, channels=C, x=a["dn_qkv"], w=L["ssm_conv1d"],
-                     state=self._state.at(0, layer), out=a["dn_conv"], **runs)
+        out.launch("dn_conv", d_conv=self.d_conv, channels=C, x=a["dn_qkv"], w=L["ssm_conv1d"],
+                   state=self._state.at(0, layer), out=a["dn_conv"], **runs)
         q_scale = float(np.float32(1.0) / np.sqrt(np.float32(d)))  # as the CPU engine's, in float
         for offset, scale in ((0, q_scale), (hk * d, 1.0)):
-            self._launch("l2_norm", n_tok=n, n_head=hk, head_dim=d, row_stride=C, scale=scale,
-                         x=self._floats("dn_conv", offset))
-        self._launch("dn_gates", n_tok=n, n_head=hv, alpha=a["dn_alpha"], beta=a["dn_beta"], a=L["ssm_a"],
-                     dt_bias=L["ssm_dt.bias"])
+            out.launch("l2_norm", n_tok=n, n_head=hk, head_dim=d, row_stride=C, scale=scale,
+                       x=self._floats("dn_conv", offset))
+        out.launch("dn_gates", n_tok=n, n_head=hv, alpha=a["dn_alpha"], beta=a["dn_beta"], a=L["ssm_a"],
+                   dt_bias=L["ssm_dt.bias"])
         # o = the gated delta rule per (sequence, v head); o = rmsnorm(o) w silu(z); x += o Wout
-        self._launch("delta_rule", n_k_heads=hk, n_v_heads=hv, head_dim=d, row_stride=C, q=a["dn_conv"],
-                     k=self._floats("dn_conv", hk * d), v=self._floats("dn_conv", 2 * hk * d), g=a["dn_alpha"],
-                     beta=a["dn_beta"], state=self._state.at(0, layer + self.conv_floats), out=a["dn_out"], **runs)
-        self._launch("gated_rms_norm", n=d, n_rows=n * hv, eps=self.eps, x=a["dn_out"], z=a["dn_z"], w=L["ssm_norm"],
-                     out=a["dn_out"])
-        self._matmul(L["ssm_out"], a["dn_out"], n, a["xb"])
-        self._launch("add_rows", n_tok=n, k=1, n=E, y=a["xb"], out=a["x"])
+        out.launch("delta_rule", n_k_heads=hk, n_v_heads=hv, head_dim=d, row_stride=C, q=a["dn_conv"],
+                   k=self._floats("dn_conv", hk * d), v=self._floats("dn_conv", 2 * hk * d), g=a["dn_alpha"],
+                   beta=a["dn_beta"], state=self._state.at(0, layer + self.conv_floats), out=a["dn_out"], **runs)
+        out.launch("gated_rms_norm", n=d, n_rows=n * hv, eps=self.eps, x=a["dn_out"], z=a["dn_z"], w=L["ssm_norm"],
+                   out=a["dn_out"])
+        self._matmul(out, L["ssm_out"], a["dn_out"], n, a["xb"])
+        out.launch("add_rows", n_tok=n, k=1, n=E, y=a["xb"], out=a["x"])
 
-    def _shared_expert(self, il: int, n: int) -> None:
+    def _router(self, out: LaunchList, il: int) -> None:
+        """xb = rmsnorm(x); the shared expert's rows where the model has one; each token's top-k experts and their
+        weights (which the host reads back with xb)."""
+        L, a, n = self._layers[il], self._a, N
+        out.launch("rms_norm", n=self.n_embd, n_tok=n, eps=self.eps, x=a["x"], w=L["ffn_norm"], out=a["xb"])
+        if self.hybrid:
+            self._shared_expert(out, il)
+        self._matmul(out, L["ffn_gate_inp"], a["xb"], n, a["router"])
+        out.launch("topk", n_tok=n, n_expert=self.n_expert, k=self.n_used, logits=a["router"], ids=a["ids"],
+                   weights=a["weights"])
+
+    def _shared_expert(self, out: LaunchList, il: int) -> None:
         """sh_out = SwiGLU(xb) through the shared expert, times the sigmoid of xb . its gate."""
-        L, a = self._layers[il], self._a
-        self._matmul(L["ffn_gate_inp_shexp"], a["xb"], n, a["sh_gate"])
-        self._matmul(L["ffn_gate_shexp"], a["xb"], n, a["sh_hb"])
-        self._matmul(L["ffn_up_shexp"], a["xb"], n, a["sh_hb2"])
-        self._launch("swiglu", n=n * self.n_ff_shexp, g=a["sh_hb"], u=a["sh_hb2"], out=a["sh_hb"])
-        self._matmul(L["ffn_down_shexp"], a["sh_hb"], n, a["sh_out"])
-        self._launch("sigmoid_gate", n=self.n_embd, n_rows=n, gate_stride=1, per_value=0, gate=a["sh_gate"],
-                     x=a["sh_out"])
+        L, a, n = self._layers[il], self._a, N
+        self._matmul(out, L["ffn_gate_inp_shexp"], a["xb"], n, a["sh_gate"])
+        self._matmul(out, L["ffn_gate_shexp"], a["xb"], n, a["sh_hb"])
+        self._matmul(out, L["ffn_up_shexp"], a["xb"], n, a["sh_hb2"])
+        out.launch("swiglu", n=n * self.n_ff_shexp, g=a["sh_hb"], u=a["sh_hb2"], out=a["sh_hb"])
+        self._matmul(out, L["ffn_down_shexp"], a["sh_hb"], n, a["sh_out"])
+        out.launch("sigmoid_gate", n=self.n_embd, n_rows=n, gate_stride=1, per_value=0, gate=a["sh_gate"],
+                   x=a["sh_out"])
+
+    # --- a layer's experts
 
     def _moe(self, il: int, n: int, records: list[np.ndarray], chunk: int) -> None:
-        L, a, dev, E, k = self._layers[il], self._a, self.device, self.n_embd, self.n_used
-        # xb = rmsnorm(x); the shared expert's rows where the model has one; each token's top-k experts and their
-        # weights, to the host with xb
-        self._launch("rms_norm", n=E, n_tok=n, eps=self.eps, x=a["x"], w=L["ffn_norm"], out=a["xb"])
-        if self.hybrid:
-            self._shared_expert(il, n)
-        self._matmul(L["ffn_gate_inp"], a["xb"], n, a["router"])
-        self._launch("topk", n_tok=n, n_expert=self.n_expert, k=k, logits=a["router"], ids=a["ids"],
-                     weights=a["weights"])
-        ids, xb = np.empty((n, k), np.int32), np.empty((n, E), np.float32)
+        """The layer's top-k read back with xb; its slots grouped by expert; the hits on the device, the misses on
+        the CPU's threads; then the mix into the residual."""
+        a, dev, E, k, host, ptr = self._a, self.device, self.n_embd, self.n_used, self._host, self._host_ptr
+        ids = host["ids"][:n]
         dev.download(ids, a["ids"])
-        dev.download(xb, a["xb"])
+        dev.download(host["xb"][:n], a["xb"])
         dev.sync()
         self._in_flight = []  # what the host gave the stream so far is read by now
         if self._routing is not None:
             records.append(np.concatenate([np.array([il, chunk, n], np.int32), ids.reshape(-1)]))
-        # slots grouped by expert, ascending: expert e's tokens' rows, in token order
-        order = np.argsort(ids.reshape(-1), kind="stable")
-        slot_of = np.empty(n * k, np.int32)
-        slot_of[order] = np.arange(n * k, dtype=np.int32)
-        experts, first, count = np.unique(ids.reshape(-1)[order], return_index=True, return_counts=True)
-        slot_x = xb[order // k]  # (n k, E): each slot's token row
-        outcome = self.slots.step(il, experts.tolist())
-        at = {int(e): (int(f), int(c)) for e, f, c in zip(experts, first, count, strict=True)}
+        # slots grouped by expert, ascending: expert e's tokens' rows, in token order (slot_x)
+        _check(dev.lib.strata_host_group_slots(n, k, self.n_expert, ptr["ids"], ptr["xb"], E, ptr["slot_x"],
+                                               ptr["slot_of"], ptr["experts"], ptr["first"], ptr["count"],
+                                               self._n_distinct))
+        distinct = host["experts"][:self._n_distinct[0]].tolist()
+        outcome = self.slots.step(il, distinct)
+        place = {e: i for i, e in enumerate(distinct)}
+        first, count, slot_x = host["first"], host["count"], host["slot_x"]
         started = time.perf_counter()
-        misses = [self._pool.submit(self._miss, il, e, slot_x[at[e][0]:at[e][0] + at[e][1]]) for e in outcome.misses]
-        dev.upload(a["slot_x"], slot_x)
-        for e in outcome.hits:
-            self._hit(il, e, *at[e])
+        misses = [self._pool.submit(self._miss, il, e, slot_x[first[place[e]]:first[place[e]] + count[place[e]]])
+                  for e in outcome.misses]
+        dev.upload(a["slot_x"], slot_x[:n * k])
+        if outcome.hits:
+            hits = [place[e] for e in outcome.hits]
+            dev.launch_experts(self._hit_args[il], [self.slots.slot(il, e) for e in outcome.hits], first[hits],
+                               count[hits])
         miss_rows = [future.result() for future in misses]
         if misses:
             self.slots.misses_took(time.perf_counter() - started)
         for e, y in zip(outcome.misses, miss_rows, strict=True):
-            dev.upload(dev.ffi.cast("char *", a["moe_out"]) + 4 * at[e][0] * E, y)
-        # x += sum over the token's choices of weight * its expert's row
-        dev.upload(a["slot_of"], slot_of)
-        self._launch("add_rows", n_tok=n, k=k, n=E, y=a["moe_out"], idx=a["slot_of"], weight=a["weights"], out=a["x"])
-        if self.hybrid:  # x += the shared expert's gated rows
-            self._launch("add_rows", n_tok=n, k=1, n=E, y=a["sh_out"], out=a["x"])
+            dev.upload(dev.ffi.cast("char *", a["moe_out"]) + 4 * int(first[place[e]]) * E, y)
+        dev.upload(a["slot_of"], host["slot_of"][:n * k])
+        self._mix.run(n=n)
         # no synchronisation: the next layer's attention queues behind this one; the host's rows live until the
-        # next read-back
-        self._in_flight = [slot_x, slot_of, *miss_rows]
-
-    def _hit(self, il: int, e: int, s0: int, count: int) -> None:
-        """Expert e's rows on the device, from its slot: moe_out = (silu(x Wg) * (x Wu)) Wd."""
-        a, ffi, E, F = self._a, self.device.ffi, self.n_embd, self.n_ff
-        gate, up, down = self._experts[il]
-        ptrs = self.slots.matrices(il, e)
-        x, y = ffi.cast("char *", a["slot_x"]) + 4 * s0 * E, ffi.cast("char *", a["moe_out"]) + 4 * s0 * E
-        hb, hb2 = ffi.cast("char *", a["hb"]) + 4 * s0 * F, ffi.cast("char *", a["hb2"]) + 4 * s0 * F
-        for t, ptr, out in ((gate, ptrs[0], hb), (up, ptrs[1], hb2)):
-            self._launch("matmul", type=t.type, n=E, rows=F, n_tok=count, row_bytes=t.n_bytes // (F * self.n_expert),
-                         w=ptr, x=x, y=out)
-        self._launch("swiglu", n=count * F, g=hb, u=hb2, out=hb)
-        self._launch("matmul", type=down.type, n=F, rows=E, n_tok=count,
-                     row_bytes=down.n_bytes // (E * self.n_expert), w=ptrs[2], x=hb, y=y)
+        # next read-back (the buffers of `_host` are rewritten only after it)
+        self._in_flight = miss_rows
 
     def _miss(self, il: int, e: int, x: np.ndarray) -> np.ndarray:
         """Expert e's rows on the CPU, from the mapped file (a thread of the pool)."""

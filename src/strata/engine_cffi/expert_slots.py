@@ -110,6 +110,10 @@ class ExpertSlots:
             self._upload(layer, e)
         return outcome
 
+    def slot(self, layer: int, expert: int) -> Any:
+        """The device pointer of a held expert's slot (its gate, up and down matrices one after another)."""
+        return self._slot[(layer, expert)]
+
     def matrices(self, layer: int, expert: int) -> tuple[Any, Any, Any]:
         """The device pointers of a held expert's gate, up and down matrices."""
         base = self.device.ffi.cast("char *", self._slot[(layer, expert)])

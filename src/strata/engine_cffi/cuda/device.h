@@ -234,4 +234,41 @@ int strata_dev_launch(strata_device *d, int stream, const char *name, const void
 int strata_host_expert_ffn(int gate_type, const void *gate, int up_type, const void *up, int down_type,
                            const void *down, int64_t n_embd, int64_t n_ff, const float *x, int n_tok, float *y);
 
+/* --- launch lists: the GPU backend's layer loop, its argument structs built once and a run of launches queued by
+ * one call (each launch is the one strata_dev_launch makes: the same checks, the same implementation's launch) */
+
+/* One launch: a kernel's name as strata_dev_launch takes it, and its argument struct. */
+typedef struct {
+    const char *name;
+    const void *args;
+} strata_dev_launch_item;
+
+/* Queue items[0 .. n) on `stream` in order. Every item's name and arguments are checked before any is queued, so a
+ * list with a bad item queues nothing; the error names the item. */
+int strata_dev_launch_list(strata_device *d, int stream, const strata_dev_launch_item *items, int n);
+
+/* The expert cache's hits of a layer: for hit i, rows first[i] .. first[i] + count[i] - 1 of x (rows of n_embd)
+ * through the expert held at slot[i] (its gate, up and down matrices one after another, packed rows of their types:
+ * gate and up (n_ff, n_embd), down (n_embd, n_ff)): "matmul" gate into hb and up into hb2 (the same rows, of n_ff),
+ * "swiglu" into hb, "matmul" down into the same rows of y. Queued as those four launches a hit, hit by hit; every hit
+ * is checked before any is queued. */
+typedef struct {
+    int gate_type, up_type, down_type;
+    int64_t n_embd, n_ff;
+    const float *x;
+    float *hb, *hb2, *y;
+} strata_dev_experts_args;
+
+int strata_dev_launch_experts(strata_device *d, int stream, const strata_dev_experts_args *a, int n_hits,
+                              void *const *slot, const int *first, const int *count);
+
+/* The host's side of a layer: a chunk's (token, choice) slots grouped by expert, as blocks.c groups them. ids:
+ * (n_tok, k) experts in [0, n_expert). The slots in order of their expert, ascending, each expert's in token order;
+ * slot_of[t k + j]: slot (t, j)'s place in that order; x_out row i = x row (token of the i-th slot), rows of n
+ * floats; experts[0 .. *m): the distinct experts ascending, first[i], count[i] the run of expert i's slots in the
+ * order (each array n_tok k long at most). 0, or a strata_status with the reason in strata_last_error (an id outside
+ * [0, n_expert)). */
+int strata_host_group_slots(int n_tok, int k, int n_expert, const int *ids, const float *x, int64_t n, float *x_out,
+                            int *slot_of, int *experts, int *first, int *count, int *m);
+
 #endif

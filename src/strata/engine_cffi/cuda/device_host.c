@@ -391,3 +391,32 @@ int strata_host_expert_ffn(int gate_type, const void *gate, int up_type, const v
     free(g), free(u), free(xq);
     return STRATA_OK;
 }
+
+// --- a layer's slots grouped by expert (the host's side of a step)
+
+int strata_host_group_slots(int n_tok, int k, int n_expert, const int *ids, const float *x, int64_t n, float *x_out,
+                            int *slot_of, int *experts, int *first, int *count, int *m) {
+    int n_slots = n_tok * k, *start = calloc((size_t)n_expert + 1, sizeof *start);
+    if (!start) return engine_fail(STRATA_ERR_NOMEM, "out of memory for %d experts", n_expert);
+    for (int s = 0; s < n_slots; s++) {
+        if (ids[s] < 0 || ids[s] >= n_expert) {
+            free(start);
+            return engine_fail(STRATA_ERR_INVALID_ARG, "slot %d chose expert %d of %d", s, ids[s], n_expert);
+        }
+        start[ids[s] + 1]++;
+    }
+    // each expert's first place in the order (a counting sort: stable, so an expert's slots stay in token order)
+    *m = 0;
+    for (int e = 0; e < n_expert; e++) {
+        if (start[e + 1]) experts[*m] = e, first[*m] = start[e], count[(*m)++] = start[e + 1];
+        start[e + 1] += start[e];
+    }
+    // each slot to its place, its token's row with it
+    for (int s = 0; s < n_slots; s++) {
+        int at = start[ids[s]]++;
+        slot_of[s] = at;
+        memcpy(x_out + (int64_t)at * n, x + (int64_t)(s / k) * n, sizeof(float) * (size_t)n);
+    }
+    free(start);
+    return STRATA_OK;
+}
