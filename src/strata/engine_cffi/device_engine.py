@@ -22,8 +22,11 @@ through each layer as:
     x += the router's weights times the experts' rows (add_rows, on the device); qwen35moe: x += the shared
     expert's SwiGLU of xb times the sigmoid of xb . its gate (on the device)
 
-then the output norm and head for the tokens that want logits. The layer loop runs here, in Python: each kernel is
-one launch, and the policy (a Python class) is called once per layer.
+then the output norm and head for the tokens that want logits. The layer loop runs here, in Python, in a few calls
+a layer: each layer's launches up to the top-k are a `LaunchList` built at load (its pointers never change; the
+fields that follow the chunk's size are patched when it changes) and queued by one call, the slots are grouped by
+expert in C (`strata_host_group_slots`), the hits queued by one call (`strata_dev_launch_experts`), the mix by one
+more list; the policy (a Python class) is called once per layer, between the top-k's read-back and the hits.
 
 The rest of the engine's interface (sampling, the checks of a call's items) is the CPU engine's, whose context
 this class extends; the positions each sequence holds (and with multi-axis RoPE each position's RoPE components)
