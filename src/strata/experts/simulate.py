@@ -82,8 +82,8 @@ class ExpertCache:
         allow."""
         needed = sorted(set(experts))
         held = self.held[layer]
-        hits = tuple(e for e in needed if e in held)
-        misses = tuple(e for e in needed if e not in held)
+        hits = tuple([e for e in needed if e in held])
+        misses = tuple([e for e in needed if e not in held])
         self._touch_all(layer, needed)
         if not misses:  # nothing to upload (a decode step's common case: kept short, as the backend runs it)
             return StepOutcome(hits, misses, (), ())
@@ -264,6 +264,7 @@ class AdaptiveLrfuCache(ExpertCache):
         self.shadows = [LrfuCache(n_layer, n_expert, capacity, per_layer, uploads_per_step, h) for h in half_lives]
         self._longest = max(self.shadows, key=lambda shadow: shadow.half_life)
         self.prior = StaticCache(n_layer, n_expert, prior)
+        self._has_prior = self.prior.size() > 0  # a static placement: it never changes
         if max(len(h) for h in self.prior.held) > capacity if per_layer else self.prior.size() > capacity:
             raise ValueError(f"a prior of {self.prior.size()} experts does not fit a capacity of {capacity}")
         self._in_prior = np.zeros((n_layer, n_expert), bool)
@@ -299,7 +300,7 @@ class AdaptiveLrfuCache(ExpertCache):
         needed = list(experts)
         for i, shadow in enumerate(self.shadows):  # they touch the experts: their scores are up to date
             self.merit[i] += len(shadow.step(layer, needed).hits)
-        if self.prior.size():
+        if self._has_prior:
             self.merit[-1] += len(self.prior.step(layer, needed).hits)
         return super().step(layer, needed)
 
