@@ -201,3 +201,41 @@ def test_the_slots_grouped_by_expert_are_numpys_stable_sort():
             np.testing.assert_array_equal(got, want)
     with pytest.raises(EngineError, match="slot 3 chose expert 16 of 16"):
         group(np.array([[0, 1], [2, 16]], np.int32), np.zeros((2, 4), np.float32), 16)
+
+
+def test_a_layers_misses_on_a_pool_give_the_bits_of_each_expert_alone():
+    ffi, lib = interface()
+    rng = np.random.default_rng(6)
+    types = (Q.Q4_K, Q.Q4_K, Q.Q6_K)
+    experts = [[random_weights(t, rows, n, rng) for t, rows, n in zip(types, (F, F, E), (E, E, F), strict=True)]
+               for _ in range(5)]
+    x = rng.standard_normal((ROWS, E), dtype=np.float32)
+    rows = [(0, 3), (3, 1), (4, 2), (6, 1), (7, 1)]  # each expert's (first row, rows)
+    want = np.full((ROWS, E), np.nan, np.float32)
+    for (gate, up, down), (s0, n) in zip(experts, rows, strict=True):
+        _check(lib.strata_host_expert_ffn(int(types[0]), ffi.from_buffer(gate), int(types[1]), ffi.from_buffer(up),
+                                          int(types[2]), ffi.from_buffer(down), E, F,
+                                          ffi.from_buffer("float[]", x[s0:s0 + n]), n,
+                                          ffi.from_buffer("float[]", want[s0:s0 + n])))
+    pool = lib.strata_host_pool_create(3)
+    try:
+        got = np.full((ROWS, E), np.nan, np.float32)
+        args = ffi.new("strata_host_expert[]", len(experts))
+        alive = []
+        for a, (gate, up, down), (s0, n) in zip(args, experts, rows, strict=True):
+            alive += [ffi.from_buffer(w) for w in (gate, up, down)]
+            a.gate_type, a.up_type, a.down_type = (int(t) for t in types)
+            a.gate, a.up, a.down = alive[-3:]
+            a.x, a.n_tok, a.y = ffi.from_buffer("float[]", x) + s0 * E, n, ffi.from_buffer("float[]", got) + s0 * E
+        _check(lib.strata_host_experts_ffn(pool, E, F, args, len(experts)))
+        np.testing.assert_array_equal(got, want)
+        _check(lib.strata_host_experts_ffn(pool, E, F, args, 0))
+        args[3].down_type = 99  # no such type: that expert named, and nothing run
+        got[:] = np.nan
+        with pytest.raises(EngineError, match="misses: expert 3 of 5: weight types 12, 12, 99, 1 rows"):
+            _check(lib.strata_host_experts_ffn(pool, E, F, args, len(experts)))
+        assert np.isnan(got).all()
+        with pytest.raises(EngineError, match="misses: a pool and -1 experts"):
+            _check(lib.strata_host_experts_ffn(pool, E, F, args, -1))
+    finally:
+        lib.strata_host_pool_free(pool)

@@ -38,7 +38,6 @@ deepstack rows, dense models).
 
 from __future__ import annotations
 
-import concurrent.futures
 import os
 import time
 from collections.abc import Sequence
@@ -192,7 +191,9 @@ class DeviceEngine(Engine):
         link_rate = self._link_rate(slot) if paced and capacity else None
         self.slots = ExpertSlots(device, self.n_layer, self.n_expert, capacity, expert_bytes, self._expert_data,
                                  self._upload_stream, uploads_per_step, self._prior(prior, capacity), link_rate)
-        self._pool = concurrent.futures.ThreadPoolExecutor(self.threads, thread_name_prefix="strata-misses")
+        self._pool = device.lib.strata_host_pool_create(self.threads)  # the misses' threads, the caller's included
+        if self._pool == device.ffi.NULL:
+            raise EngineError(f"could not start {self.threads} threads for the expert cache's misses")
         self._build_launches()
 
     def _prior(self, trace: RoutingTrace | None, capacity: int) -> list[Key]:
@@ -585,10 +586,15 @@ class DeviceEngine(Engine):
         self._host = dict(ids=np.empty((B, k), np.int32), xb=np.empty((B, E), np.float32),
                           slot_x=np.empty((B * k, E), np.float32), slot_of=np.empty(B * k, np.int32),
                           experts=np.empty(B * k, np.int32), first=np.empty(B * k, np.int32),
-                          count=np.empty(B * k, np.int32))
+                          count=np.empty(B * k, np.int32), miss_y=np.empty((B * k, E), np.float32))
         self._host_ptr = {name: ffi.from_buffer("int[]" if array.dtype == np.int32 else "float[]", array)
                           for name, array in self._host.items()}
         self._n_distinct = ffi.new("int *")
+        # a layer's misses: each expert's matrices where the file is mapped (a tensor's base, an expert's bytes)
+        self._miss_args = ffi.new("strata_host_expert[]", B * k)
+        self._expert_types = [tuple(int(t.type) for t in tensors) for tensors in self._experts]
+        self._expert_mapped = [[(ffi.from_buffer(self._file.data(t)), t.n_bytes // self.n_expert) for t in tensors]
+                               for tensors in self._experts]
 
     def _matmul(self, out: LaunchList, w: Matrix, x: Any, n_tok: Size, y: Any) -> None:
         out.launch("matmul", type=int(w.type), n=w.n_in, rows=w.n_out, n_tok=n_tok, row_bytes=w.row_bytes, w=w.ptr,
@@ -701,44 +707,39 @@ class DeviceEngine(Engine):
         outcome = self.slots.step(il, distinct)
         place = {e: i for i, e in enumerate(distinct)}
         first, count, slot_x = host["first"], host["count"], host["slot_x"]
-        started = time.perf_counter()
-        misses = [self._pool.submit(self._miss, il, e, slot_x[first[place[e]]:first[place[e]] + count[place[e]]])
-                  for e in outcome.misses]
         dev.upload(a["slot_x"], slot_x[:n * k])
-        if outcome.hits:
+        if outcome.hits:  # queued: on a card they run while the CPU computes the misses
             hits = [place[e] for e in outcome.hits]
             dev.launch_experts(self._hit_args[il], [self.slots.slot(il, e) for e in outcome.hits], first[hits],
                                count[hits])
-        miss_rows = [future.result() for future in misses]
-        if misses:
+        if outcome.misses:  # on the CPU's threads, from the mapped file, into miss_y at the slots' rows
+            started = time.perf_counter()
+            self._misses(il, [(e, int(first[place[e]]), int(count[place[e]])) for e in outcome.misses])
             self.slots.misses_took(time.perf_counter() - started)
-        for e, y in zip(outcome.misses, miss_rows, strict=True):
-            dev.upload(dev.ffi.cast("char *", a["moe_out"]) + 4 * int(first[place[e]]) * E, y)
+            for e in outcome.misses:
+                s0, rows = int(first[place[e]]), int(count[place[e]])
+                dev.upload(dev.ffi.cast("char *", a["moe_out"]) + 4 * s0 * E, host["miss_y"][s0:s0 + rows])
         dev.upload(a["slot_of"], host["slot_of"][:n * k])
         self._mix.run(n=n)
         # no synchronisation: the next layer's attention queues behind this one; the host's rows live until the
         # next read-back (the buffers of `_host` are rewritten only after it)
-        self._in_flight = miss_rows
 
-    def _miss(self, il: int, e: int, x: np.ndarray) -> np.ndarray:
-        """Expert e's rows on the CPU, from the mapped file (a thread of the pool)."""
-        ffi, lib = self.device.ffi, self.device.lib
-        gate, up, down = (self._expert_data(il, e, w) for w in range(3))
-        types = [t.type for t in self._experts[il]]
-        x = np.ascontiguousarray(x)
-        y = np.empty((len(x), self.n_embd), np.float32)
-        status = lib.strata_host_expert_ffn(types[0], ffi.from_buffer(gate), types[1], ffi.from_buffer(up), types[2],
-                                            ffi.from_buffer(down), self.n_embd, self.n_ff,
-                                            ffi.from_buffer("float[]", x), len(x), ffi.from_buffer("float[]", y))
-        if status != 0:
-            raise EngineError(f"layer {il}, expert {e} on the CPU: status {status}")
-        return y
+    def _misses(self, il: int, misses: list[tuple[int, int, int]]) -> None:
+        """Each (expert, first slot, slots) of layer il on the CPU's threads at once (`strata_host_experts_ffn`):
+        slot_x's rows in, miss_y's out, the weights read where the file is mapped."""
+        E, ptr = self.n_embd, self._host_ptr
+        for j, (e, s0, rows) in enumerate(misses):
+            m = self._miss_args[j]
+            m.gate_type, m.up_type, m.down_type = self._expert_types[il]
+            m.gate, m.up, m.down = (base + e * size for base, size in self._expert_mapped[il])
+            m.x, m.n_tok, m.y = ptr["slot_x"] + s0 * E, rows, ptr["miss_y"] + s0 * E
+        _check(self.device.lib.strata_host_experts_ffn(self._pool, E, self.n_ff, self._miss_args, len(misses)))
 
     def close(self) -> None:
         """Close the CPU engine and the device (which frees every allocation on it). Idempotent."""
         pool = self.__dict__.pop("_pool", None)
         if pool is not None:
-            pool.shutdown()
+            self.device.lib.strata_host_pool_free(pool)
         device = self.__dict__.pop("device", None)
         if device is not None:
             device.close()

@@ -271,4 +271,25 @@ int strata_dev_launch_experts(strata_device *d, int stream, const strata_dev_exp
 int strata_host_group_slots(int n_tok, int k, int n_expert, const int *ids, const float *x, int64_t n, float *x_out,
                             int *slot_of, int *experts, int *first, int *count, int *m);
 
+/* A layer's misses on the CPU's threads at once: each expert's rows through strata_host_expert_ffn (its bits), the
+ * experts shared out over a pool's threads, the calling thread one of them (no interpreter between them: one call
+ * a layer where each miss was a task of a thread pool). x and y: expert i's n_tok rows in and out. */
+typedef struct {
+    int gate_type, up_type, down_type;
+    const void *gate, *up, *down;
+    const float *x;
+    int n_tok;
+    float *y;
+} strata_host_expert;
+
+typedef struct strata_pool strata_pool;
+
+/* A pool of n_threads threads (n_threads - 1 workers and the caller of strata_host_experts_ffn), or NULL. */
+strata_pool *strata_host_pool_create(int n_threads);
+void strata_host_pool_free(strata_pool *pool);
+/* Compute experts[0 .. n) (see strata_host_expert_ffn) on the pool; 0, or the first failure's strata_status with
+ * its reason in strata_last_error. One caller at a time. */
+int strata_host_experts_ffn(strata_pool *pool, int64_t n_embd, int64_t n_ff, const strata_host_expert *experts,
+                            int n);
+
 #endif

@@ -4,6 +4,7 @@
  * the engine's naive reference for "matmul_ref"; the DeltaNet's pieces, blocks_deltanet.c's own code, so both names
  * give the CPU engine's bits) or C ports of the reference kernels (the rest). */
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -419,4 +420,59 @@ int strata_host_group_slots(int n_tok, int k, int n_expert, const int *ids, cons
     }
     free(start);
     return STRATA_OK;
+}
+
+// --- a layer's misses on a pool of threads
+
+strata_pool *strata_host_pool_create(int n_threads) { return strata_pool_create(n_threads < 1 ? 1 : n_threads); }
+
+void strata_host_pool_free(strata_pool *pool) {
+    if (pool) strata_pool_free(pool);
+}
+
+typedef struct {
+    strata_pool *pool;
+    int64_t n_embd, n_ff;
+    const strata_host_expert *experts;
+    int n;
+    int status;                    /* the first failure's, under `lock` */
+    char reason[512];
+    pthread_mutex_t lock;
+} misses_job;
+
+static void misses(int ith, int nth, void *arg) {
+    (void)ith, (void)nth;
+    misses_job *j = arg;
+    for (int i; (i = strata_pool_next(j->pool)) < j->n;) {  // the pool's counter: the job's end resets it
+        const strata_host_expert *e = &j->experts[i];
+        int status = strata_host_expert_ffn(e->gate_type, e->gate, e->up_type, e->up, e->down_type, e->down,
+                                            j->n_embd, j->n_ff, e->x, e->n_tok, e->y);
+        if (status) {
+            pthread_mutex_lock(&j->lock);
+            if (!j->status) {  // the reason is this thread's own (strata_last_error is per thread)
+                j->status = status;
+                snprintf(j->reason, sizeof j->reason, "expert %d of %d: %s", i, j->n, strata_last_error());
+            }
+            pthread_mutex_unlock(&j->lock);
+        }
+    }
+}
+
+int strata_host_experts_ffn(strata_pool *pool, int64_t n_embd, int64_t n_ff, const strata_host_expert *experts,
+                            int n) {
+    if (!pool || n < 0 || (n > 0 && !experts))
+        return engine_fail(STRATA_ERR_INVALID_ARG, "misses: a pool and %d experts", n);
+    for (int i = 0; i < n; i++) {  // every expert checked before any runs
+        const strata_host_expert *e = &experts[i];
+        if (!strata_type_supported(e->gate_type) || !strata_type_supported(e->up_type) ||
+            !strata_type_supported(e->down_type) || e->n_tok < 1 || !e->x || !e->y || !e->gate || !e->up || !e->down)
+            return engine_fail(STRATA_ERR_INVALID_ARG, "misses: expert %d of %d: weight types %d, %d, %d, %d rows", i,
+                               n, e->gate_type, e->up_type, e->down_type, e->n_tok);
+    }
+    if (n == 0) return STRATA_OK;
+    misses_job job = {.pool = pool, .n_embd = n_embd, .n_ff = n_ff, .experts = experts, .n = n};
+    pthread_mutex_init(&job.lock, NULL);
+    strata_pool_run(pool, misses, &job);
+    pthread_mutex_destroy(&job.lock);
+    return job.status ? engine_fail(job.status, "%s", job.reason) : STRATA_OK;
 }
