@@ -9,16 +9,17 @@ a `qwen3moe` (16 layers, width 256, 64 experts top-8, Qwen3-30B-A3B's routing sh
 (16 layers, three Gated DeltaNet layers to one gated attention layer, 32 experts top-8 and a shared expert), Q8_0
 weights. Each is opened on the host device (`device: host`) with an expert cache holding every expert and no upload
 bound, so that after a few untimed steps every expert is a hit (a card's steady state: no CPU misses), and then
-`--steps` decode steps of `--seqs` sequences are timed.
+`--steps` decode steps of `--seqs` sequences are timed. `--cached 0.33` holds a third of the experts instead (no
+upload bound: the policy admits what beats its victim), so that misses run on the CPU.
 
 Each case runs twice in a process of its own per source tree (`--engine LABEL=DIR`: the `strata` package of that
 tree, e.g. a `git archive` of an earlier commit with its built engine): once plain (the step's wall time), once
-with the calls into C that run kernels timed (`strata_dev_launch`, `strata_dev_launch_list`, `strata_dev_upload`,
-`strata_dev_download`, `strata_dev_memset` and `strata_host_expert_ffn`: on the host device a call returns when
-its work is done). The host-side overhead is the plain run's step time less the timed run's time inside those
-calls, so the wrapper's own cost does not count; `CPU` is the same in the stepping thread's CPU time, which a busy
-machine's waits for a core do not inflate. Each round runs every case once, so a change in the machine's load hits
-all alike; the table shows medians over `--runs` rounds, per layer in microseconds. The logits of every step
+with the calls into C that run kernels or copies timed (`WORK_CALLS`: launches one by one, in lists and a layer's
+hits, copies, memsets, misses: on the host device a call returns when its work is done). The host-side overhead is
+the plain run's step time less the timed run's time inside those calls, so the wrapper's own cost does not count;
+`CPU` is the same in the stepping thread's CPU time, which a busy machine's waits for a core do not inflate. Each
+round runs every case once, so a change in the machine's load hits all alike; the table shows medians over
+`--runs` rounds, per layer in microseconds. The logits of every step
 (prompt, warm-up and timed) are hashed: the last line says whether every engine and run gave the same bits.
 """
 
@@ -41,9 +42,10 @@ MODELS = {
     "qwen3moe": dict(n_layer=16, n_expert=64, n_expert_used=8, n_ff_exp=128),
     "qwen35moe": dict(n_layer=16, n_expert=32, n_expert_used=8, n_ff_exp=128),
 }
+MODELS_EXPERTS = {arch: shape["n_layer"] * shape["n_expert"] for arch, shape in MODELS.items()}
 # the calls into the device's C side that do a kernel's or a copy's work (on the host device, synchronously)
-WORK_CALLS = ("strata_dev_launch", "strata_dev_launch_list", "strata_dev_upload", "strata_dev_download",
-              "strata_dev_memset", "strata_host_expert_ffn")
+WORK_CALLS = ("strata_dev_launch", "strata_dev_launch_list", "strata_dev_launch_experts", "strata_dev_upload",
+              "strata_dev_download", "strata_dev_memset", "strata_host_expert_ffn", "strata_host_experts_ffn")
 
 
 class TimedLibrary:
@@ -68,15 +70,16 @@ class TimedLibrary:
         return timed
 
 
-def worker(model: str, n_seq: int, steps: int, timed: bool) -> dict[str, Any]:
+def worker(model: str, n_seq: int, steps: int, timed: bool, cached: float) -> dict[str, Any]:
     """In the child: a 48-token prompt per sequence and 4 untimed steps (every expert uploaded), then `steps` decode
     steps of every sequence. Seconds a step, and with `timed` the seconds a step spent in the work calls."""
     from strata.engine_cffi import BatchItem
     from strata.engine_cffi.device import Device
     from strata.engine_cffi.device_engine import DeviceEngine
 
+    capacity = None if cached >= 1 else int(cached * MODELS_EXPERTS[pathlib.Path(model).stem])
     with DeviceEngine.open(model, Device("host"), n_ctx=256, threads=1, kv="f16", n_batch=32, n_seq=n_seq,
-                           uploads_per_step=None, paced=False) as engine:
+                           uploads_per_step=None, paced=False, capacity=capacity) as engine:
         digest = hashlib.sha256()
         logits = engine.eval_batch([BatchItem(s, [(40 + 7 * i + s) % 250 for i in range(48)]) for s in range(n_seq)])
         for step in range(4):
@@ -97,9 +100,10 @@ def worker(model: str, n_seq: int, steps: int, timed: bool) -> dict[str, Any]:
             "hit_share": counts["hits"] / max(1, counts["hits"] + counts["misses"])}
 
 
-def measure(src: str, model: str, n_seq: int, steps: int, timed: bool) -> dict[str, Any]:
+def measure(src: str, model: str, n_seq: int, steps: int, timed: bool, cached: float) -> dict[str, Any]:
     env = dict(os.environ, PYTHONPATH=src)
-    out = subprocess.run([sys.executable, __file__, "--worker", model, str(n_seq), str(steps), str(int(timed))],
+    out = subprocess.run([sys.executable, __file__, "--worker", model, str(n_seq), str(steps), str(int(timed)),
+                          str(cached)],
                          env=env, capture_output=True, text=True, check=True).stdout
     return json.loads(out.splitlines()[-1])
 
@@ -111,11 +115,13 @@ def main() -> None:
     ap.add_argument("--seqs", default="1,4")
     ap.add_argument("--engine", action="append", metavar="LABEL=DIR",
                     help="a source tree to measure (repeatable); default src=src (this tree)")
-    ap.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
+    ap.add_argument("--cached", type=float, default=1.0,
+                    help="the share of all experts the cache holds (1: every one, so every expert is a hit)")
+    ap.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        model, n_seq, steps, timed = args.worker
-        print(json.dumps(worker(model, int(n_seq), int(steps), timed == "1")))
+        model, n_seq, steps, timed, cached = args.worker
+        print(json.dumps(worker(model, int(n_seq), int(steps), timed == "1", float(cached))))
         return
     sys.path.insert(0, str(ROOT / "src"))
     from strata.modelgen import write_random_model
@@ -133,9 +139,10 @@ def main() -> None:
                 for label, src in engines:
                     for timed in (False, True):
                         results.setdefault((label, arch, n, timed), []).append(
-                            measure(src, paths[arch], n, args.steps, timed))
+                            measure(src, paths[arch], n, args.steps, timed, args.cached))
             print(f"round {run + 1} of {args.runs} done", file=sys.stderr, flush=True)
-    print(f"decode steps on the host device, every expert a hit; {args.steps} steps, medians of {args.runs} rounds, "
+    cache = "every expert a hit" if args.cached >= 1 else f"{args.cached:.0%} of the experts cached"
+    print(f"decode steps on the host device, {cache}; {args.steps} steps, medians of {args.runs} rounds, "
           f"load average {os.getloadavg()[0]:.1f}; microseconds per layer")
     print(f"{'engine':8} {'model':10} {'seqs':>4} {'step':>8} {'kernels':>8} {'overhead':>8} {'CPU':>8} {'hits':>6}")
     digests = set()
