@@ -17,8 +17,9 @@ through each layer as:
     q, k, v = dn_conv(qkv) from each sequence's conv state; L2-normed q, k; the gates; o = the delta rule per
     (sequence, v head) on its state; o = gated_rms_norm(o, z); x += o Wout
     xb = rmsnorm(x); router logits = xb Wr; top-k per token -> the host (ids, weights) with xb
-    each distinct expert: a hit runs gate, up, SwiGLU, down on the device over its tokens' rows; a miss runs the
-    same on the CPU's threads (strata_host_expert_ffn, from the mapped file) and its rows are uploaded
+    each distinct expert: a hit runs gate, up, SwiGLU, down on the device over its tokens' rows (queued first); a
+    miss runs the same on the CPU's threads meanwhile (strata_host_experts_ffn, from the mapped file, the layer's
+    misses in one call) and its rows are uploaded
     x += the router's weights times the experts' rows (add_rows, on the device); qwen35moe: x += the shared
     expert's SwiGLU of xb times the sigmoid of xb . its gate (on the device)
 
