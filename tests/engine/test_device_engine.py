@@ -177,6 +177,36 @@ def test_a_prior_recorded_on_another_shape_is_refused(models):
         on_device(models["f32"], prior=other)
 
 
+class CountingLibrary:
+    """The device's library with each function's calls counted."""
+
+    def __init__(self, lib) -> None:
+        self._lib, self.calls = lib, {}
+
+    def __getattr__(self, name: str):
+        function = getattr(self._lib, name)
+
+        def counted(*args):
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return function(*args)
+        return counted
+
+
+def test_a_layer_queues_its_launches_in_a_few_calls(models):
+    """No launch one by one in a step: per layer one list up to the top-k, the hits at once, the misses at once,
+    the mix; then the output's list."""
+    with on_device(models["q8_0"], capacity=5, paced=False) as dev:
+        run(dev, CALLS[:2])
+        counting = dev.device.lib = CountingLibrary(dev.device.lib)
+        dev.eval_batch([BatchItem(0, [92]), BatchItem(1, [13]), BatchItem(2, [15])])
+    calls, layers = counting.calls, dev.n_layer
+    assert "strata_dev_launch" not in calls and "strata_host_expert_ffn" not in calls
+    assert calls["strata_dev_launch_list"] == 2 * layers + 1  # each layer's and its mix, the output's
+    assert calls["strata_host_group_slots"] == layers
+    assert 0 < calls.get("strata_dev_launch_experts", 0) <= layers  # the step had hits
+    assert 0 < calls.get("strata_host_experts_ffn", 0) <= layers  # and misses
+
+
 def test_uploads_are_paced_by_the_link_rate_it_measured(models):
     with on_device(models["q8_0"], capacity=5) as dev:
         run(dev)
