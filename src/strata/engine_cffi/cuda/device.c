@@ -27,7 +27,8 @@ struct strata_device {
 
 static const char *const KERNEL_NAMES[DEV_N_KERNELS] = {"matmul", "rms_norm", "rope", "attention", "swiglu",
                                                         "topk", "add_rows", "kv_store", "dn_conv", "l2_norm",
-                                                        "dn_gates", "delta_rule", "gated_rms_norm"};
+                                                        "dn_gates", "delta_rule", "gated_rms_norm", "layer_norm",
+                                                        "gelu", "vit_attention"};
 
 static int fail(strata_device *d, int status, const char *fmt, ...) {
     va_list ap;
@@ -316,6 +317,13 @@ static int check_args(strata_device *d, strata_dev_kernel k, const void *args) {
         if (a->head_dim <= 0 || a->row_stride < (int64_t)a->n_head * a->head_dim)
             return fail(d, STRATA_ERR_INVALID_ARG, "l2_norm: %d heads of %d in rows %lld apart", a->n_head,
                         a->head_dim, (long long)a->row_stride);
+        return STRATA_OK;
+    }
+    case DEV_KERNEL_VIT_ATTENTION: {
+        const strata_dev_vit_attention_args *a = args;
+        if (a->head_dim <= 0 || a->head_dim > 256 || a->n_head <= 0 || a->n_tok <= 0)
+            return fail(d, STRATA_ERR_INVALID_ARG, "vit_attention: head_dim %d (up to 256), %d heads, %d tokens",
+                        a->head_dim, a->n_head, a->n_tok);
         return STRATA_OK;
     }
     default: return STRATA_OK;
