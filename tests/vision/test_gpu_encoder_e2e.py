@@ -19,6 +19,7 @@ from strata.engine_cffi.device import Device
 from strata.engine_cffi.device_engine import RESERVE, device_budget, open_device
 from strata.modelgen.mmproj import write_random_mmproj
 from strata.service import open_service
+from strata.vision import gpu_check
 from strata.vision.device_encoder import encoder_share
 
 from .conftest import SLOW_SHAPE, noise_png
@@ -94,3 +95,11 @@ def test_a_picture_on_the_gpu_encoder_takes_the_engines_turn_and_text_waits(tiny
         finally:
             thread.join(120)
         assert answered[0].status_code == 200, answered[0].text
+
+
+def test_the_gpu_checks_encoder_table_passes_on_the_host(capsys):
+    """`scripts/gpu-check.sh`'s third part (strata.vision.gpu_check), its quick form on the host device."""
+    assert gpu_check.main(["--device", "host", "--quick"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].startswith("strata-vision --gpu on host against the CPU encoder")
+    assert len(table) == 4 and table[3].startswith("| demo (F32)               |    63 |") and "| pass   |" in table[3]
