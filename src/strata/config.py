@@ -225,7 +225,8 @@ class Config:
     # GPU backend on the host device: the test device, for running the backend's code path without a GPU).
     device: str = "cpu"
     # GiB the GPU backend may take on its device: the dense weights, the KV cache, then the expert cache in what
-    # is left. None: the card's free memory less 1 GiB (on the host device: every expert).
+    # is left, less a local `vision.gpu` encoder's share (its weights and workspace). None: the card's free memory
+    # less 1 GiB (on the host device: every expert).
     gpu_memory: float | None = None
     web: bool = True  # the chat page (/) and the monitor (/monitor)
     model_alias: str | None = None  # the served model name(s), comma-separated; the first is reported

@@ -25,7 +25,7 @@ HELP = {
     "device": "where the forward pass runs: cpu, or cuda (the GPU backend, qwen3moe models; the CPU engine "
               "when there is no CUDA build or GPU); host runs the GPU backend on the host device, for tests",
     "gpu_memory": "GiB the GPU backend may take on the card: dense weights, KV cache, then the expert cache "
-                  "(default: the free memory less 1 GiB)",
+                  "(default: the free memory less 1 GiB), less a local vision.gpu encoder's share",
     "slots": "requests generating at once (each keeps its KV cache of context positions while idle)",
     "kv_budget": "most MiB the KV cache of all slots may take (slots x context must fit; default: no bound)",
     "snapshot_budget": "most MiB a hybrid model's state snapshots may take, for prefix reuse (default: 4 per slot)",
