@@ -116,6 +116,8 @@ def test_what_the_device_cannot_run_is_refused_at_start(tmp_path, monkeypatch):
                                                         n_layer=1), dtype="f32")
     with pytest.raises(DeviceError, match="attention heads of 288 values; the device's attention takes up to 256"):
         on_host(open_encoder(wide, 1))
+    with pytest.raises(DeviceError, match="pictures of up to 65536 patches; the device encoder takes up to 65535"):
+        on_host(open_encoder(DEMO_MMPROJ, 1), max_tokens=16384)
     monkeypatch.setattr(device_encoder, "DEVICE_TYPES", frozenset())
     with pytest.raises(DeviceError, match="weight type F32 has no device product"):
         on_host(open_encoder(DEMO_MMPROJ, 1))

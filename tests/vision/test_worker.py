@@ -221,6 +221,25 @@ def test_cancel_stops_a_running_encode_at_a_layer_boundary(start_worker, slow_mm
     assert worker.reply()[0].job_id == "next"
 
 
+def test_cancel_stops_an_encode_on_the_device_at_a_layer_boundary(start_worker, slow_mmproj: Path):
+    """`--gpu` (on the host device): the check before each of the twelve layers stops a running encode, and the
+    process is idle after its CANCELLED."""
+    worker = start_worker("--mmproj", slow_mmproj, "--threads", "1", "--max-tokens", "256", "--gpu", "--device",
+                          "host")
+    worker.ready()
+    started = worker.cpu_seconds()
+    worker.send(job("victim", noise_png(256, 256, 6)))  # 1024 patches: seconds on the host device
+    while worker.cpu_seconds() - started < 0.3:  # well into the encode
+        time.sleep(0.01)
+    worker.send(encode_request(Cancel("victim")))
+    assert worker.reply()[0] == Cancelled("victim")
+    before = worker.cpu_seconds()
+    time.sleep(0.5)
+    assert worker.cpu_seconds() - before < 0.1
+    worker.send(job("next", noise_png(32, 32)))
+    assert worker.reply()[0].job_id == "next"
+
+
 def test_an_id_in_use_is_refused_without_touching_its_job(start_worker, slow_mmproj: Path):
     worker = slow_worker(start_worker, slow_mmproj)
     worker.send(job("same", noise_png(256, 256, 5)) + job("same", noise_png(32, 32)))

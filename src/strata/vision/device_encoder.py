@@ -37,6 +37,7 @@ from strata.vision.preprocess import sizing, token_budget
 from strata.vision.protocol import Sizing
 
 LFM2_VL_MERGE_EPS = 1e-5  # LFM2-VL's projector LayerNorm is a default nn.LayerNorm
+MAX_PATCHES = 65535  # the card's add_rows takes a token per row of its grid (at most 65535 rows)
 
 
 def largest_part(rule: Sizing) -> int:
@@ -130,8 +131,8 @@ class DeviceEncoder:
         tokens: the most merged tokens of one picture part (`largest_part`).
 
     Raises:
-        DeviceError: a weight type the device has no product for, heads over 256 values, or a budget the weights
-            and workspace do not fit in.
+        DeviceError: a weight type the device has no product for, heads over 256 values, parts of more than
+            MAX_PATCHES patches, or a budget the weights and workspace do not fit in.
     """
 
     def __init__(self, encoder: Encoder, device: Device, tokens: int):
@@ -150,6 +151,9 @@ class DeviceEncoder:
         self.max_patches = tokens * self.hp.merge**2
         if self.hp.head_dim > 256:
             raise DeviceError(f"attention heads of {self.hp.head_dim} values; the device's attention takes up to 256")
+        if self.max_patches > MAX_PATCHES:
+            raise DeviceError(f"pictures of up to {self.max_patches} patches; the device encoder takes up to "
+                              f"{MAX_PATCHES} (lower --max-tokens)")
         for linear in encoder._linears():
             if linear.weight.type not in DEVICE_TYPES:
                 name = gguf.GGMLQuantizationType(linear.weight.type).name
