@@ -68,6 +68,15 @@ def test_the_demo_encoder_gives_the_cpu_encoders_rows():
     assert_rows_match(DEMO_MMPROJ, [(128, 128), (140, 100), (40, 300)])
 
 
+def test_an_lfm2_vl_encoder_gives_the_cpu_encoders_rows_tiles_included(tmp_path):
+    """LFM2-VL's variant: antialiased bilinear positions, the erf GELU and epsilon 1e-5 in the projector, and a
+    large picture split into 512-pixel tiles plus a thumbnail (the workspace holds a tile's 256 rows)."""
+    path = tmp_path / "lfm2-vl.gguf"
+    write_random_mmproj(path, N_EMBD_TEXT, VisionShape(image_size=64, patch_size=16, n_embd=32, n_ff=64, n_head=2,
+                                                       n_layer=2), dtype="f32", variant="lfm2-vl")
+    assert_rows_match(path, [(96, 80), (1100, 600)])
+
+
 @pytest.mark.parametrize("kind", ["qwen3vl", "qwen35"])
 def test_a_qwen_encoder_gives_the_cpu_encoders_rows(qwen_files, kind):
     """Fused QKV, the 2-D RoPE, the main merger and (Qwen3-VL) the deepstack mergers' rows after it."""
