@@ -140,13 +140,13 @@ class DeviceEncoder:
         self.device, self.ffi = device, device.ffi
         self._pending: list[np.ndarray] = []  # host arrays queued uploads read, kept until the next sync
         try:
-            self._load(encoder, tokens)
+            self._load(tokens)
         except BaseException:
             device.close()
             raise
         self.device_bytes = device.used
 
-    def _load(self, encoder: Encoder, tokens: int) -> None:
+    def _load(self, tokens: int) -> None:
         device = self.device
         self.max_patches = tokens * self.hp.merge**2
         if self.hp.head_dim > 256:
@@ -154,14 +154,15 @@ class DeviceEncoder:
         if self.max_patches > MAX_PATCHES:
             raise DeviceError(f"pictures of up to {self.max_patches} patches; the device encoder takes up to "
                               f"{MAX_PATCHES} (lower --max-tokens)")
-        for linear in encoder._linears():
-            if linear.weight.type not in DEVICE_TYPES:
+        weights = list(_weights(self.mmproj))
+        for linear in weights:
+            if isinstance(linear, Linear) and linear.weight.type not in DEVICE_TYPES:
                 name = gguf.GGMLQuantizationType(linear.weight.type).name
                 raise DeviceError(f"'{self.mmproj.path}': weight type {name} has no device product")
         self._qwen = isinstance(self.mmproj, qwen3vl.Qwen3VLMmproj)
         self._matrices: dict[int, _Matrix] = {}
         self._norms: dict[int, tuple[Any, Any]] = {}
-        for weight in _weights(self.mmproj):
+        for weight in weights:
             if isinstance(weight, Linear):
                 m = weight.weight
                 self._matrices[id(weight)] = _Matrix(self._put(m.data), self._put(weight.bias), m.type, m.n_cols,
