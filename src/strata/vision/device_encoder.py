@@ -87,7 +87,8 @@ def _weight_arrays(weight: Linear | Norm) -> tuple[np.ndarray, np.ndarray]:
 
 def workspace(mmproj: Mmproj | qwen3vl.Qwen3VLMmproj, tokens: int) -> dict[str, int]:
     """Bytes of each device buffer the encoder keeps beside its weights, for parts of up to `tokens` merged
-    tokens."""
+    tokens. Five of a patch row's width: the residual x; h, a normed copy, then the positions, the attention's
+    output or a branch's; q, k, v, of which q holds the merged tokens after a layer."""
     hp = mmproj.hparams
     patches, n = tokens * hp.merge**2, hp.n_embd
     if isinstance(mmproj, qwen3vl.Qwen3VLMmproj):
@@ -97,8 +98,8 @@ def workspace(mmproj: Mmproj | qwen3vl.Qwen3VLMmproj, tokens: int) -> dict[str, 
     else:
         n_out, hidden, extra = 1, mmproj.mm_up.weight.n_rows, {}
     f32 = 4 * patches
-    buffers = {"patches": f32 * 3 * hp.patch_size**2, "pos": f32 * n, "zeros": f32, "gather": f32}
-    buffers |= dict.fromkeys(("x", "h", "q", "k", "v", "att", "merged"), f32 * n)
+    buffers = {"patches": f32 * 3 * hp.patch_size**2, "zeros": f32, "gather": f32}
+    buffers |= dict.fromkeys(("x", "h", "q", "k", "v"), f32 * n)
     buffers |= {"up": f32 * hp.n_ff, "hidden": 4 * tokens * hidden, "rows": 4 * tokens * hp.n_proj * n_out}
     return buffers | extra
 
@@ -217,30 +218,30 @@ class DeviceEncoder:
         self.device.launch("gelu", n=n, erf=int(erf), x=x, out=x)
 
     def _merge(self, x: Any, n_patch: int) -> None:
-        """merged (n_patch / 4, 4 n) = each 2x2 square of x's patch rows, concatenated (the gather table is
-        uploaded per part)."""
+        """q, as (n_patch / 4, 4 n) merged tokens = each 2x2 square of x's patch rows, concatenated (the gather
+        table is uploaded per part)."""
         b = self._buf
-        self.device.memset(b["merged"], 0, 4 * n_patch * self.hp.n_embd)
-        self.device.launch("add_rows", n_tok=n_patch, k=1, n=self.hp.n_embd, y=x, idx=b["gather"], out=b["merged"])
+        self.device.memset(b["q"], 0, 4 * n_patch * self.hp.n_embd)
+        self.device.launch("add_rows", n_tok=n_patch, k=1, n=self.hp.n_embd, y=x, idx=b["gather"], out=b["q"])
 
     def _mlp(self, merged_norm: Norm | None, eps: float, fc1: Linear, fc2: Linear, out: Any, n_tok: int,
              erf: bool) -> None:
-        """out (n_tok, n_proj) = fc2(gelu(fc1(norm(merged)))): a projector, from the merged tokens."""
+        """out (n_tok, n_proj) = fc2(gelu(fc1(norm(merged)))): a projector, from the merged tokens in q."""
         b, width = self._buf, self.hp.merge**2 * self.hp.n_embd
         if merged_norm is not None:
-            self._norm(b["merged"], merged_norm, b["merged"], n_tok, width, eps)
+            self._norm(b["q"], merged_norm, b["q"], n_tok, width, eps)
         up, down = self._matrices[id(fc1)], self._matrices[id(fc2)]
-        self._linear(b["merged"], up, b["hidden"], n_tok)
+        self._linear(b["q"], up, b["hidden"], n_tok)
         self._gelu(b["hidden"], n_tok * up.n_out, erf)
         self._linear(b["hidden"], down, out, n_tok)
 
     def _attention(self, n_patch: int, o: Linear) -> None:
-        """x += o(attention(q, k, v))."""
+        """x += o(attention(q, k, v)): the attention's output in h (read by the projections already), o's in q."""
         b, hp = self._buf, self.hp
         self.device.launch("vit_attention", n_tok=n_patch, n_head=hp.n_head, head_dim=hp.head_dim, q=b["q"], k=b["k"],
-                           v=b["v"], out=b["att"])
-        self._linear(b["att"], self._matrices[id(o)], b["h"], n_patch)
-        self._add(b["h"], b["x"], n_patch, hp.n_embd)
+                           v=b["v"], out=b["h"])
+        self._linear(b["h"], self._matrices[id(o)], b["q"], n_patch)
+        self._add(b["q"], b["x"], n_patch, hp.n_embd)
 
     def _ffn(self, n_patch: int, ln2: Norm, up: Linear, down: Linear) -> None:
         """x += down(gelu(up(ln2(x)))), the tanh GELU."""
@@ -277,8 +278,8 @@ class DeviceEncoder:
             pos = qwen3vl.position_embeddings(self.mmproj.pos, hp.pos_side, gy, gx)
         else:
             pos = vit.position_embeddings(self.mmproj.pos, hp.pos_side, gy, gx, antialiased=hp.variant == "lfm2-vl")
-        self._upload("pos", pos)
-        self._add(b["pos"], b["x"], n_patch, hp.n_embd)
+        self._upload("h", pos)
+        self._add(b["h"], b["x"], n_patch, hp.n_embd)
         outputs = self._qwen_layers(gy, gx, cancelled) if self._qwen else self._lfm2_layers(n_patch, cancelled)
         rows = np.empty((len(outputs), tokens, hp.n_proj), np.float32)
         self.device.download(rows, b["rows"])
