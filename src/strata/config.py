@@ -226,7 +226,8 @@ class Config:
     # device, for running the backend's code path without a GPU).
     device: str = "cpu"
     # GiB the GPU backend may take on its device: the dense weights, the KV cache, then the expert cache in what
-    # is left. None: the card's free memory less 1 GiB (on the host device: every expert).
+    # is left, less a local `vision.gpu` encoder's share (its weights and workspace). None: the card's free memory
+    # less 1 GiB (on the host device: every expert).
     gpu_memory: float | None = None
     # A routing trace recorded earlier on the same model (record_routing): the GPU backend's expert cache starts
     # holding the experts its steps used most, and keeps that placement while it hits as well as what it learns.

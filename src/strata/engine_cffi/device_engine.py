@@ -70,17 +70,28 @@ LINK_PROBE_BYTES = 8 << 20  # the upload timed to measure the link: long enough 
 N, RUNS, ROWS = Size("n"), Size("runs"), Size("m")
 
 
-def open_device(kind: str, budget: int | None) -> Device:
-    """Open device `kind` with `budget` bytes; None: a card's free memory less `RESERVE` (unlimited on the host).
+def device_budget(free: int, gpu_memory: int | None, encoder_bytes: int) -> int:
+    """The backend's budget in bytes: `gpu_memory` when given, else the card's `free` memory less `RESERVE`; either
+    way less `encoder_bytes`, the share of a local GPU image encoder on the same card (at least 1: a budget the
+    dense part does not fit in is refused when the model is put on the device)."""
+    total = gpu_memory if gpu_memory is not None else free - RESERVE
+    return max(total - encoder_bytes, 1)
+
+
+def open_device(kind: str, budget: int | None, encoder_bytes: int = 0) -> Device:
+    """Open device `kind` with `budget` bytes (None: a card's free memory less `RESERVE`, unlimited on the host),
+    less a local GPU image encoder's `encoder_bytes` (`device_budget`).
 
     Raises:
         DeviceUnavailable: cuda, and no CUDA library was built or no GPU is there (one line says which).
     """
-    if budget is not None or kind != "cuda":
-        return Device(kind, budget or 0)
-    with Device(kind) as probe:
-        free = probe.budget
-    return Device(kind, max(free - RESERVE, 1))
+    if budget is None and kind != "cuda":
+        return Device(kind, 0)
+    free = 0
+    if budget is None:
+        with Device(kind) as probe:
+            free = probe.budget
+    return Device(kind, device_budget(free, budget, encoder_bytes))
 
 
 @dataclass(frozen=True)

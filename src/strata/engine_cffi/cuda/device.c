@@ -28,7 +28,7 @@ struct strata_device {
 static const char *const KERNEL_NAMES[DEV_N_KERNELS] = {"matmul", "rms_norm", "rope", "attention", "swiglu",
                                                         "topk", "add_rows", "kv_store", "dn_conv", "l2_norm",
                                                         "dn_gates", "delta_rule", "gated_rms_norm",
-                                                        "sigmoid_gate"};
+                                                        "sigmoid_gate", "layer_norm", "gelu", "vit_attention"};
 
 static int fail(strata_device *d, int status, const char *fmt, ...) {
     va_list ap;
@@ -339,6 +339,13 @@ static int check_args(strata_device *d, strata_dev_kernel k, const void *args) {
         if (a->n <= 0 || a->n_rows < 0 || a->gate_stride < (a->per_value ? a->n : 1))
             return fail(d, STRATA_ERR_INVALID_ARG, "sigmoid_gate: n %lld, n_rows %lld, gate_stride %lld (at least %s)",
                         (long long)a->n, (long long)a->n_rows, (long long)a->gate_stride, a->per_value ? "n" : "1");
+        return STRATA_OK;
+    }
+    case DEV_KERNEL_VIT_ATTENTION: {
+        const strata_dev_vit_attention_args *a = args;
+        if (a->head_dim <= 0 || a->head_dim > 256 || a->n_head <= 0 || a->n_tok <= 0)
+            return fail(d, STRATA_ERR_INVALID_ARG, "vit_attention: head_dim %d (up to 256), %d heads, %d tokens",
+                        a->head_dim, a->n_head, a->n_tok);
         return STRATA_OK;
     }
     default: return STRATA_OK;

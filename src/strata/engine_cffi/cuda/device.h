@@ -188,6 +188,35 @@ typedef struct {
     float *x;
 } strata_dev_sigmoid_gate_args;
 
+/* --- a vision encoder's pieces (the ViT of strata-vision --gpu) */
+
+/* "layer_norm": out row t = (x row t - mean) / sqrt(var + eps) * w + b, var the mean of the centred squares.
+ * x, out: (n_tok, n); w, b: (n,). out may be x. */
+typedef struct {
+    int64_t n, n_tok;
+    float eps;
+    const float *x, *w, *b;
+    float *out;
+} strata_dev_layer_norm_args;
+
+/* "gelu": out = gelu(x) over n values: with erf set the exact x / 2 (1 + erf(x / sqrt 2)), else the tanh
+ * approximation x / 2 (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))). out may be x. */
+typedef struct {
+    int64_t n;
+    int erf;
+    const float *x;
+    float *out;
+} strata_dev_gelu_args;
+
+/* "vit_attention": full (non-causal) attention over the n_tok patches of one picture, every token attending to
+ * every token: out = softmax(q . K / sqrt(head_dim)) . V per head. q, k, v, out: (n_tok, n_head, head_dim) f32;
+ * head_dim at most 256. */
+typedef struct {
+    int n_tok, n_head, head_dim;
+    const float *q, *k, *v;
+    float *out;
+} strata_dev_vit_attention_args;
+
 /* --- the interface. Functions returning int return a strata_status (0: STRATA_OK); on failure
  * strata_dev_error says why. */
 

@@ -175,6 +175,21 @@ int cuda_launch(void *self, int stream, strata_dev_kernel kernel, int reference,
         e = reference ? k::sigmoid_gate_ref(a, s) : k::sigmoid_gate(a, s);
         break;
     }
+    case DEV_KERNEL_LAYER_NORM: {
+        auto a = (const strata_dev_layer_norm_args *)args;
+        e = reference ? k::layer_norm_ref(a, s) : k::layer_norm(a, s);
+        break;
+    }
+    case DEV_KERNEL_GELU: {
+        auto a = (const strata_dev_gelu_args *)args;
+        e = reference ? k::gelu_ref(a, s) : k::gelu(a, s);
+        break;
+    }
+    case DEV_KERNEL_VIT_ATTENTION: {
+        auto a = (const strata_dev_vit_attention_args *)args;
+        e = reference ? k::vit_attention_ref(a, s) : k::vit_attention(a, s);
+        break;
+    }
     default: break;
     }
     return check(c, e, "kernel launch");

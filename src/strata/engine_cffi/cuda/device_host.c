@@ -283,6 +283,58 @@ static void sigmoid_gate(const strata_dev_sigmoid_gate_args *a) {
         }
 }
 
+// --- a vision encoder's pieces: C ports of the reference kernels, sums in double
+
+static void layer_norm(const strata_dev_layer_norm_args *a) {
+    for (int64_t t = 0; t < a->n_tok; t++) {
+        const float *x = a->x + t * a->n;
+        double mean = 0.0, var = 0.0;
+        for (int64_t i = 0; i < a->n; i++) mean += x[i];
+        mean /= (double)a->n;
+        for (int64_t i = 0; i < a->n; i++) var += (x[i] - mean) * (x[i] - mean);
+        double s = 1.0 / sqrt(var / (double)a->n + a->eps);
+        for (int64_t i = 0; i < a->n; i++) a->out[t * a->n + i] = (float)((x[i] - mean) * s * a->w[i] + a->b[i]);
+    }
+}
+
+/* 0.7978845608028654: sqrt(2 / pi) */
+static void gelu(const strata_dev_gelu_args *a) {
+    for (int64_t i = 0; i < a->n; i++) {
+        double x = a->x[i];
+        double g = a->erf ? 0.5 * x * (1.0 + erf(x / sqrt(2.0)))
+                          : 0.5 * x * (1.0 + tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)));
+        a->out[i] = (float)g;
+    }
+}
+
+static int vit_attention(host_device *h, const strata_dev_vit_attention_args *a) {
+    int n = a->n_tok, hd = a->head_dim;
+    size_t stride = (size_t)a->n_head * hd;
+    double *scores = malloc(sizeof(double) * n);
+    if (!scores) return host_fail(h, STRATA_ERR_NOMEM, "vit_attention: out of memory for the scores");
+    for (int t = 0; t < n; t++)
+        for (int hh = 0; hh < a->n_head; hh++) {
+            const float *q = a->q + t * stride + (size_t)hh * hd;
+            double max = -INFINITY, sum = 0.0;
+            for (int p = 0; p < n; p++) {
+                const float *k = a->k + p * stride + (size_t)hh * hd;
+                double s = 0.0;
+                for (int d = 0; d < hd; d++) s += (double)q[d] * k[d];
+                scores[p] = s / sqrt((double)hd);
+                max = scores[p] > max ? scores[p] : max;
+            }
+            for (int p = 0; p < n; p++) sum += scores[p] = exp(scores[p] - max);
+            float *out = a->out + t * stride + (size_t)hh * hd;
+            for (int d = 0; d < hd; d++) {
+                double acc = 0.0;
+                for (int p = 0; p < n; p++) acc += scores[p] * a->v[p * stride + (size_t)hh * hd + d];
+                out[d] = (float)(acc / sum);
+            }
+        }
+    free(scores);
+    return STRATA_OK;
+}
+
 static int launch(void *self, int stream, strata_dev_kernel kernel, int reference, const void *args) {
     (void)stream;
     switch (kernel) {
@@ -300,6 +352,9 @@ static int launch(void *self, int stream, strata_dev_kernel kernel, int referenc
     case DEV_KERNEL_DELTA_RULE: return delta_rule(self, args);
     case DEV_KERNEL_GATED_RMS_NORM: gated_rms_norm(args); return STRATA_OK;
     case DEV_KERNEL_SIGMOID_GATE: sigmoid_gate(args); return STRATA_OK;
+    case DEV_KERNEL_LAYER_NORM: layer_norm(args); return STRATA_OK;
+    case DEV_KERNEL_GELU: gelu(args); return STRATA_OK;
+    case DEV_KERNEL_VIT_ATTENTION: return vit_attention(self, args);
     default: return STRATA_ERR_INVALID_ARG;
     }
 }
