@@ -5,11 +5,13 @@
 #      convolution, norms and delta rule at Qwen3.5's head shapes, ...) and print one table: numerics, GB/s, and
 #      the fraction of the card's memory bandwidth (strata.engine_cffi.device_check);
 #   2. run the GPU backend's forward pass (qwen3moe, prompt chunks and decode of three sequences, an expert cache of
-#      half the experts) against the CPU engine on generated models (strata.engine_cffi.backend_check).
+#      half the experts) against the CPU engine on generated models (strata.engine_cffi.backend_check);
+#   3. encode a picture through the real `strata-vision --gpu` process and the CPU encoder, the demo encoder and a
+#      generated small one (1000 rows), and print their rows' difference and times (strata.vision.gpu_check).
 # Exits non-zero when a kernel or the backend is outside its tolerance (or nothing could run).
 #
 #   ./scripts/gpu-check.sh              the full shapes and the small models (a few minutes)
-#   ./scripts/gpu-check.sh --quick      the test suite's small shapes and the tiny models
+#   ./scripts/gpu-check.sh --quick      the test suite's small shapes, the tiny models and the demo encoder alone
 #
 # Python: the .venv of ./scripts/test.sh's set-up when there is one, else python3 with the project's dependencies
 # (cffi, numpy, gguf) already installed.
@@ -44,4 +46,5 @@ status=0
 quick=()  # the kernel check's other flags (--runs) are its own
 for arg in "$@"; do [ "$arg" = --quick ] && quick=(--quick); done
 "$python" -m strata.engine_cffi.backend_check --device cuda ${quick[@]+"${quick[@]}"} || status=$?
+"$python" -m strata.vision.gpu_check --device cuda ${quick[@]+"${quick[@]}"} || status=$?
 exit $status

@@ -221,14 +221,20 @@ class Config:
     # A file the engine writes each MoE layer's chosen experts to, per token of every step (strata.experts.trace):
     # the traces the expert cache's policy is measured on. None: off.
     record_routing: str | None = None
-    # Where the forward pass runs: "cpu" (the CPU engine); "cuda" (the GPU backend, for qwen3moe models: attention,
-    # norms, router, output and the KV cache on the card, the routed experts cached there and the rest computed
-    # by the CPU; without a CUDA build or a GPU the CPU engine runs, and startup says why in one line); "host" (the
-    # GPU backend on the host device: the test device, for running the backend's code path without a GPU).
+    # Where the forward pass runs: "cpu" (the CPU engine); "cuda" (the GPU backend, for qwen3moe and qwen35moe
+    # models: attention or Gated DeltaNet, norms, router, shared expert, output, the KV cache and the recurrent state
+    # on the card, the routed experts cached there and the rest computed by the CPU; without a CUDA build or a GPU
+    # the CPU engine runs, and startup says why in one line); "host" (the GPU backend on the host device: the test
+    # device, for running the backend's code path without a GPU).
     device: str = "cpu"
     # GiB the GPU backend may take on its device: the dense weights, the KV cache, then the expert cache in what
-    # is left. None: the card's free memory less 1 GiB (on the host device: every expert).
+    # is left, less a local `vision.gpu` encoder's share (its weights and workspace). None: the card's free memory
+    # less 1 GiB (on the host device: every expert).
     gpu_memory: float | None = None
+    # A routing trace recorded earlier on the same model (record_routing): the GPU backend's expert cache starts
+    # holding the experts its steps used most, and keeps that placement while it hits as well as what it learns.
+    # It may name record_routing's own file: the trace is read before recording starts afresh. None: start empty.
+    expert_prior: str | None = None
     web: bool = True  # the chat page (/) and the monitor (/monitor)
     model_alias: str | None = None  # the served model name(s), comma-separated; the first is reported
     cors_origins: list[str] | None = None  # browser origins allowed to call the API ("*": any); None: no CORS

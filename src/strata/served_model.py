@@ -216,7 +216,9 @@ class ServedModel:
                                  mtp=None if config.speculative.source in ("auto", "mtp") else False)
         try:
             if config.speculative.source == "mtp" and not engine.mtp:
-                raise ServiceUnavailable(f"speculative.source is mtp, and {config.model} has no MTP block")
+                raise ServiceUnavailable(
+                    f"speculative.source is mtp, and the {engine.backend} backend does not run {config.model}'s MTP "
+                    "block" if engine.has_mtp else f"speculative.source is mtp, and {config.model} has no MTP block")
             self.mtp = engine if engine.mtp else None
             stage.now = "tokenizer"
             # A model loaded again keeps its text side (`unload`).
@@ -244,17 +246,52 @@ class ServedModel:
             log(f"device {config.device}: the GPU backend runs {', '.join(ARCHITECTURES)} models, not {arch}; "
                 "running on the CPU")
             return None
+        prior = self._expert_prior()  # before the device opens, and before recording truncates the same file
+        share = self._vision_share()
         try:
-            device = open_device(config.device, None if config.gpu_memory is None else int(config.gpu_memory * 2**30))
+            device = open_device(config.device, None if config.gpu_memory is None else int(config.gpu_memory * 2**30),
+                                 share)
         except DeviceUnavailable as exc:
             log(f"device {config.device} unavailable ({exc}); running on the CPU")
             return None
         engine = DeviceEngine.open(config.model, device, n_ctx=config.context, threads=config.threads, kv=config.kv,
                                    n_batch=config.batch, n_seq=config.slots, kv_budget=kv_budget,
-                                   record_routing=config.record_routing)
+                                   record_routing=config.record_routing, prior=prior)
         cache = engine.expert_counts()
-        log(f"expert cache: {cache['capacity']} experts, {cache['bytes'] / 2**30:.2f} GiB")
+        left = f" ({share / 2**20:,.0f} MiB left to the GPU image encoder)" if share else ""
+        log(f"expert cache: {cache['capacity']} experts, {cache['bytes'] / 2**30:.2f} GiB"
+            + (f", {cache['preloaded']} from the prior" if prior is not None else "") + left)
+        if engine.has_mtp and config.speculative.source == "auto":
+            log(f"device {config.device}: the GPU backend does not run the model's MTP block; speculation drafts "
+                "without it (from the prompt's n-grams and the requests' predictions)")
         return engine
+
+    def _expert_prior(self) -> Any:
+        """The config's `expert_prior` trace, read; None without one."""
+        from strata.experts.trace import TraceError, read_trace
+
+        path = self.config.expert_prior
+        if path is None:
+            return None
+        try:
+            return read_trace(path)
+        except (OSError, TraceError) as exc:
+            raise ServiceUnavailable(f"expert_prior: {exc}") from None
+
+    def _vision_share(self) -> int:
+        """The device bytes a local GPU image encoder takes on the engine's card, from its mmproj file (its READY
+        reports the same as `device_bytes`); 0 for a CPU, remote or own-command encoder, or a file it cannot load
+        (the encoder's start says why)."""
+        from strata.vision.device_encoder import encoder_share
+        from strata.vision.mmproj import MmprojError
+
+        vision = self.config.vision
+        if not (vision.gpu and vision.mmproj) or vision.exe or vision.remote or vision.pool:
+            return 0
+        try:
+            return encoder_share(vision.mmproj, vision.min_tokens, vision.max_tokens)
+        except MmprojError:
+            return 0
 
     def _load_draft_model(self, engine: Any) -> Any:
         """The config's draft model on a context like the model's (as long, as many slots, its threads)."""
@@ -290,8 +327,10 @@ class ServedModel:
         vision = self.config.vision
         if not (vision.mmproj or vision.exe or vision.pool):
             return
+        gpu_device = "host" if self.config.device == "host" else "cuda"  # the test device runs both, as the card
         client = self.vision = (VisionPool(vision, engine_threads=engine.threads, log=log) if vision.pool
-                                else VisionClient(vision, engine_threads=engine.threads, log=log))
+                                else VisionClient(vision, engine_threads=engine.threads, log=log,
+                                                  gpu_device=gpu_device))
         what = f"vision: starting the {client.mode()} encoder"
         log(f"{what} ...")
         scope = self._vision_scope = trio.CancelScope()

@@ -207,6 +207,27 @@ def test_add_rows_mixes_each_tokens_experts_and_adds_a_residual(dev):
         dev.free(p)
 
 
+def test_sigmoid_gate_scales_by_each_values_gate_or_each_rows(dev):
+    """Gated attention: 3 rows of 4 values, their gates every other 4 values of rows of 8 (a head's query, then
+    its gate); the shared expert: one gate a row."""
+    rng = np.random.default_rng(8)
+    x = (rng.standard_normal((3, 4)) * 3).astype(np.float32)
+    qg = rng.standard_normal((3, 8)).astype(np.float32)
+    qg[0, 4:] = [-100, -20, 0, 30]
+    for per_value, gate, g in ((1, qg, qg[:, 4:]), (0, qg[:, 0].copy(), qg[:, :1])):
+        ptrs = {"x": dev.to_device(x), "gate": dev.to_device(gate)}
+        offset = 4 if per_value else 0
+        dev.launch("sigmoid_gate", n=4, n_rows=3, gate_stride=8 if per_value else 1, per_value=per_value,
+                   x=ptrs["x"], gate=dev.ffi.cast("float *", ptrs["gate"]) + offset)
+        want = x.astype(np.float64) / (1 + np.exp(-g.astype(np.float64)))
+        got = dev.to_host(ptrs["x"], x.shape, np.float32)
+        assert np.all(np.abs(got - want) <= 1e-7 * np.abs(want) + 1e-37)
+        for ptr in ptrs.values():
+            dev.free(ptr)
+    with pytest.raises(DeviceError, match="gate_stride 3 \\(at least n\\)"):
+        dev.launch("sigmoid_gate", n=4, n_rows=1, gate_stride=3, per_value=1)
+
+
 @pytest.mark.parametrize("kv", ["f32", "f16", "int8"])
 def test_kv_store_writes_the_cpu_engines_rows(dev, kv):
     """The rows a token's k and v become in the cache: f32 as they are, f16 rounded to nearest, int8 with
@@ -293,6 +314,21 @@ def test_copies_must_stay_inside_one_allocation(dev):
     np.testing.assert_array_equal(dev.to_host(p, (16,), np.float32), [0] * 8 + list(range(8, 16)))
 
 
+def test_a_copy_on_the_device_moves_bytes_between_and_within_allocations(dev):
+    a, b = dev.alloc(64), dev.alloc(64)
+    dev.upload(a, np.arange(16, dtype=np.float32))
+    dev.copy(b, dev.ffi.cast("char *", a) + 16, 32)
+    dev.copy(dev.ffi.cast("char *", a) + 32, a, 32)  # within one allocation
+    np.testing.assert_array_equal(dev.to_host(b, (8,), np.float32), list(range(4, 12)))
+    np.testing.assert_array_equal(dev.to_host(a, (16,), np.float32), [*range(8), *range(8)])
+    with pytest.raises(DeviceError, match="overlaps itself"):
+        dev.copy(dev.ffi.cast("char *", a) + 8, a, 32)  # cudaMemcpyAsync's result would be undefined
+    host = np.zeros(16, np.float32)
+    for dst, src in ((b, dev.ffi.cast("char *", a) + 32), (dev.ffi.from_buffer(host), a)):
+        with pytest.raises(DeviceError, match="not inside one allocation"):
+            dev.copy(dst, src, 64)
+
+
 def test_streams_and_events_follow_their_rules(dev):
     streams = [dev.stream() for _ in range(7)]
     assert streams == list(range(1, 8))
@@ -363,7 +399,7 @@ def test_check_driver_prints_its_table_and_passes_on_the_host(capsys):
     assert device_check.main(["--device", "host", "--quick", "--runs", "1"]) == 0
     table = capsys.readouterr().out.splitlines()
     rows = [line for line in table if line.startswith("| ") and "kernel" not in line]
-    assert len(rows) == 3 * len(device_check.MATMUL_TYPES) + 1 + 4 + 3 + 1 + 1 + 1 + 3 + 7
+    assert len(rows) == 3 * len(device_check.MATMUL_TYPES) + 1 + 4 + 3 + 1 + 1 + 1 + 3 + 7 + 2 + 1 + 2 + 2
     assert all("| pass " in line for line in rows) and table[-1] == f"{len(rows)} of {len(rows)} cases pass"
 
 
@@ -371,8 +407,9 @@ def test_backend_check_runs_the_forward_pass_on_the_host_and_passes(capsys):
     """The script's second part (strata.engine_cffi.backend_check), on the host device."""
     assert backend_check.main(["--device", "host", "--quick"]) == 0
     out = capsys.readouterr().out
-    assert out.count("(agree)") == 2 and out.splitlines()[-1] == "pass"
+    assert out.count("(agree)") == 4 and out.splitlines()[-1] == "pass"
     assert "qwen3moe tiny f16, expert cache 8 of 16 experts, tolerance 1e-05" in out
+    assert "qwen35moe tiny f16, expert cache 8 of 16 experts, tolerance 1e-05" in out
 
 
 def test_check_driver_fails_a_kernel_outside_its_tolerance():

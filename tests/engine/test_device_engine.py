@@ -22,7 +22,7 @@ from strata.engine_cffi.device import Device
 from strata.engine_cffi.device_engine import DeviceEngine, open_device
 from strata.engine_cffi.expert_slots import UPLOADS_PER_STEP
 from strata.experts.simulate import AdaptiveLrfuCache, replay
-from strata.experts.trace import read_trace
+from strata.experts.trace import RoutingTrace, TraceInfo, read_trace
 from strata.modelgen import write_random_model
 
 # A k or v value one rounding apart before the cache may land on the other side of the cache type's rounding: f32
@@ -70,7 +70,8 @@ def test_prompt_chunks_and_decode_of_several_sequences_match_the_cpu_engine(mode
 def test_hits_and_misses_give_the_same_bits(models):
     results, counts = [], []
     for capacity, uploads in ((0, None), (5, 2.0), (16, None)):  # all misses; a mixed split; all hits after a step
-        with on_device(models["q4_k"], capacity=capacity, uploads_per_step=uploads) as dev:
+        # the budgets as given, not paced by how long the misses took: the counts below do not depend on timing
+        with on_device(models["q4_k"], capacity=capacity, uploads_per_step=uploads, paced=False) as dev:
             results.append(run(dev))
             counts.append(dev.expert_counts())
     assert counts[0]["hits"] == 0 and counts[1]["hits"] > 0 and counts[1]["misses"] > counts[2]["misses"] > 0
@@ -83,7 +84,7 @@ def test_hits_and_misses_give_the_same_bits(models):
 def test_the_backend_and_the_simulator_count_the_same_hits(models, tmp_path):
     """A routing trace the backend recorded, replayed through the policy's class: the same hits, misses and
     uploads as the backend counted; and the CPU engine records the same routing."""
-    with on_device(models["q8_0"], capacity=5, record_routing=tmp_path / "device.trace") as dev:
+    with on_device(models["q8_0"], capacity=5, record_routing=tmp_path / "device.trace", paced=False) as dev:
         run(dev)
         counts = dev.expert_counts()
         n_layer, n_expert = dev.n_layer, dev.n_expert
@@ -144,7 +145,7 @@ def test_what_the_budget_leaves_is_the_expert_cache(models):
 
 def test_other_architectures_are_refused(tmp_path):
     path = write_random_model(tmp_path / "dense.gguf", arch="qwen3", size="tiny", dtype="f32", vocab="bytes")
-    with pytest.raises(EngineError, match="the host device runs qwen3moe models, not qwen3"):
+    with pytest.raises(EngineError, match="the host device runs qwen3moe, qwen35moe models, not qwen3"):
         DeviceEngine.open(path, Device("host"), **SHAPE)
 
 
@@ -168,3 +169,62 @@ def test_exported_rows_continue_a_sequence_elsewhere(models, kv):
             dev.export_kv(0, 10, 11)
     with Engine.load(models["q8_0"], kv=kv, mapped_weights=True, **SHAPE) as cpu:
         assert cpu.kv_position_bytes == dev.kv_position_bytes and cpu.kv_identity + ":host" == dev.kv_identity
+
+
+def test_a_prior_recorded_on_another_shape_is_refused(models):
+    other = RoutingTrace(TraceInfo("other", "qwen3moe", 2, 64, 2), [])
+    with pytest.raises(EngineError, match="recorded on a qwen3moe model of 2 layers of 64 experts"):
+        on_device(models["f32"], prior=other)
+
+
+class CountingLibrary:
+    """The device's library with each function's calls counted."""
+
+    def __init__(self, lib) -> None:
+        self._lib, self.calls = lib, {}
+
+    def __getattr__(self, name: str):
+        function = getattr(self._lib, name)
+
+        def counted(*args):
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return function(*args)
+        return counted
+
+
+def test_a_layer_queues_its_launches_in_a_few_calls(models):
+    """No launch one by one in a step: per layer one list up to the top-k, the hits at once, the misses at once,
+    the mix; then the output's list."""
+    with on_device(models["q8_0"], capacity=5, paced=False) as dev:
+        run(dev, CALLS[:2])
+        counting = dev.device.lib = CountingLibrary(dev.device.lib)
+        dev.eval_batch([BatchItem(0, [92]), BatchItem(1, [13]), BatchItem(2, [15])])
+    calls, layers = counting.calls, dev.n_layer
+    assert "strata_dev_launch" not in calls and "strata_host_expert_ffn" not in calls
+    assert calls["strata_dev_launch_list"] == 2 * layers + 1  # each layer's and its mix, the output's
+    assert calls["strata_host_group_slots"] == layers
+    assert 0 < calls.get("strata_dev_launch_experts", 0) <= layers  # the step had hits
+    assert 0 < calls.get("strata_host_experts_ffn", 0) <= layers  # and misses
+
+
+def test_uploads_are_paced_by_the_link_rate_it_measured(models):
+    with on_device(models["q8_0"], capacity=5) as dev:
+        run(dev)
+        assert dev.slots.link_rate is not None and dev.slots.link_rate > 0
+        assert dev.slots.policy.uploads_per_step != UPLOADS_PER_STEP  # the misses' time set it
+    with on_device(models["q8_0"], capacity=5, paced=False) as dev:
+        run(dev)
+        assert dev.slots.link_rate is None and dev.slots.policy.uploads_per_step == UPLOADS_PER_STEP
+
+
+def test_the_cpu_engines_context_holds_no_kv_cache_beside_the_devices(models):
+    """The backend keeps its KV cache on the device: the CPU engine's context under it holds one position, so a
+    long context costs host memory once, not twice."""
+    from strata.engine_cffi import lib
+
+    with on_device(models["f16"], "f16") as dev:
+        assert dev.n_ctx == SHAPE["n_ctx"] and dev.n_batch == SHAPE["n_batch"]
+        assert lib.strata_kv_bytes(dev._ctx) == dev.kv_position_bytes * dev.n_seq  # one position a sequence
+        assert dev.kv_bytes == dev.kv_position_bytes * dev.n_seq * dev.n_ctx
+    with pytest.raises(EngineError, match="context of 100000 positions is larger than the model's"):
+        DeviceEngine.open(models["f16"], Device("host"), n_ctx=100000)

@@ -5,10 +5,11 @@ its slot, through evictions and reused slots."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from strata.engine_cffi.device import Device
-from strata.engine_cffi.expert_slots import ExpertSlots
-from strata.experts.simulate import AdaptiveLrfuCache, replay
+from strata.engine_cffi.expert_slots import MIN_UPLOADS_PER_STEP, ExpertSlots
+from strata.experts.simulate import AdaptiveLrfuCache, most_frequent, replay
 from strata.experts.trace import LayerStep, RoutingTrace, TraceInfo
 
 N_LAYER, N_EXPERT, K = 3, 10, 2
@@ -50,3 +51,53 @@ def test_slots_count_as_the_simulator_and_hold_each_experts_bytes():
     stats = replay(trace, AdaptiveLrfuCache(N_LAYER, N_EXPERT, 7, uploads_per_step=2.0))
     assert (slots.counts.hits, slots.counts.misses, slots.counts.uploads) == (stats.hits, stats.misses, stats.uploads)
     assert stats.hits > 0 and stats.evictions > 0
+
+
+def test_paced_budget_follows_the_misses_time_as_the_simulators_pace():
+    """Each step may start as many uploads as the link moves in the time the last step's misses took: the same
+    budgets given to the simulator's `pace` count the same hits, misses and uploads."""
+    trace, slot = skewed_trace(60, seed=1), max(map(sum, SIZES))
+    link_rate = 2.0 * slot  # bytes a second: two uploads in a second of misses
+
+    def miss_seconds(step: int) -> float:
+        return (0.25, 1.0, 3.0, 0.0)[step % 4]
+
+    budgets, took = [], []
+    with Device("host") as dev:
+        slots = ExpertSlots(dev, N_LAYER, N_EXPERT, 7, SIZES, expert_bytes, dev.stream(), uploads_per_step=2.0,
+                            link_rate=link_rate)
+        for records in trace.steps():
+            slots.begin_step()
+            budgets.append(slots.policy.uploads_per_step)
+            took.append(0.0)
+            for record in records:
+                outcome = slots.step(record.layer, record.used().tolist())
+                if outcome.misses:
+                    slots.misses_took(miss_seconds(record.step) / N_LAYER)
+                    took[-1] += miss_seconds(record.step) / N_LAYER
+    assert budgets[0] == 2.0 and took[0] > 0
+    assert budgets[1:] == pytest.approx([max(MIN_UPLOADS_PER_STEP, 2.0 * t) for t in took[:-1]])
+    assert min(budgets) == MIN_UPLOADS_PER_STEP and max(budgets) > 2.0
+    paced = iter(budgets)
+    stats = replay(trace, AdaptiveLrfuCache(N_LAYER, N_EXPERT, 7, uploads_per_step=2.0), pace=lambda _: next(paced))
+    assert (slots.counts.hits, slots.counts.misses, slots.counts.uploads) == (stats.hits, stats.misses, stats.uploads)
+    fixed = replay(trace, AdaptiveLrfuCache(N_LAYER, N_EXPERT, 7, uploads_per_step=2.0))
+    assert stats.uploads != fixed.uploads  # the pace changed what was uploaded
+
+
+def test_a_prior_is_held_from_the_start():
+    trace = skewed_trace(40, seed=2)
+    prior = most_frequent(trace, 5)
+    with Device("host") as dev:
+        slots = ExpertSlots(dev, N_LAYER, N_EXPERT, 7, SIZES, expert_bytes, dev.stream(), prior=prior)
+        dev.sync(1)
+        assert slots.counts.preloaded == 5 and slots.counts.uploads == 0
+        for layer, e in prior:
+            for which, ptr in enumerate(slots.matrices(layer, e)):
+                np.testing.assert_array_equal(dev.to_host(ptr, (SIZES[layer][which],), np.uint8),
+                                              expert_bytes(layer, e, which))
+        first = trace.records[:N_LAYER]
+        slots.begin_step()
+        hits = sum(len(slots.step(r.layer, r.used().tolist()).hits) for r in first)
+    held = set(prior)
+    assert hits == sum(len({(r.layer, int(e)) for e in r.used()} & held) for r in first) > 0

@@ -143,6 +143,28 @@ def test_every_policy_keeps_its_capacity_and_upload_budget(policy: type[ExpertCa
     assert most == 3  # the budget was reached, not merely never tested
 
 
+@pytest.mark.parametrize("policy", [LruCache, LfuCache, LrfuCache, AdaptiveLrfuCache])
+def test_the_victim_is_the_first_held_key_of_the_least_priority(policy: type[ExpertCache]) -> None:
+    """The victim search over arrays finds what min() over each held key's priority tuple finds, ties included
+    (LRU's experts last used in the same step: the lower layer, then the first in the layer's set)."""
+    rng = np.random.default_rng(1)
+    cache = policy(4, 16, 24, uploads_per_step=None)
+    checked = 0
+    for _ in range(60):
+        cache.begin_step()
+        for il in range(4):
+            experts = sorted(set(rng.integers(0, 16, 3).tolist()))
+            keys = [(layer, e) for layer in range(4) for e in cache.held[layer]
+                    if not (layer == il and e in experts)]
+            if keys:
+                columns = cache._priorities(np.array([k[0] for k in keys]), np.array([k[1] for k in keys]))
+                want = min(keys, key=lambda k: tuple(column[keys.index(k)] for column in columns))
+                assert cache._victim(il, experts) == want
+                checked += 1
+            cache.step(il, experts)
+    assert checked > 100
+
+
 def stable_then_one_offs(n_steps: int) -> RoutingTrace:
     """One layer: expert 0 every fourth step, between them a new expert each time (1, 2, 3, ...)."""
     return one_layer(*[0 if s % 4 == 0 else s for s in range(n_steps)])

@@ -1,25 +1,41 @@
 """The GPU backend in the server (`device`): on the host device (the test device) it answers as the CPU engine
 does, through hypercorn, and shows its expert cache in /v1/status and /metrics; `device: cuda` where no GPU can
-be opened runs the CPU engine and says why in one startup line."""
+be opened, or with an architecture the backend does not run, runs the CPU engine and says why in one startup line.
+A Qwen3.5 MoE model (recurrent layers) answers as on the CPU engine, speculation's verify steps and their rolled
+back states included; its MTP block is not run on the backend, which one startup line says."""
 
 from __future__ import annotations
 
 import re
 import shutil
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import httpx
 import pytest
 from conftest import live_server, server_config
 
+from strata.engine_cffi.device import Device
+from strata.engine_cffi.device_engine import DeviceEngine
+from strata.modelgen import write_random_model
+from strata.request_errors import ServiceUnavailable
 from strata.service import open_service
 
 ASK = {"messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 12, "temperature": 0}
 
 
-def answer(url: str, messages: list[dict[str, str]] | None = None) -> str:
-    reply = httpx.post(url + "/v1/chat/completions", json=ASK | ({"messages": messages} if messages else {}),
-                       timeout=60)
+@pytest.fixture(scope="module")
+def qwen35_model(tmp_path_factory: pytest.TempPathFactory):
+    """A tiny random qwen35moe (F32, byte vocabulary) with its MTP block."""
+    return write_random_model(tmp_path_factory.mktemp("q35") / "q35.gguf", arch="qwen35moe", size="tiny",
+                              dtype="f32", seed=1)
+
+
+def answer(url: str, messages: list[dict[str, str]] | None = None, prediction: str | None = None, **ask: Any) -> str:
+    body = ASK | ({"messages": messages} if messages else {}) | ask
+    if prediction is not None:
+        body["prediction"] = {"type": "content", "content": prediction}
+    reply = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
     reply.raise_for_status()
     return reply.json()["choices"][0]["message"]["content"]
 
@@ -76,6 +92,36 @@ async def test_the_host_device_says_what_its_expert_cache_holds(tiny_model):
     assert len(cache) == 1 and re.fullmatch(rf"expert cache: {capacity} experts, \d+\.\d\d GiB", cache[0])
 
 
+def test_a_restart_starts_its_expert_cache_from_the_routing_the_last_run_recorded(tiny_model, tmp_path):
+    """`expert_prior` naming record_routing's own file: each start holds the last run's most used experts (read
+    before recording starts afresh) and answers as without it."""
+    trace = tmp_path / "routing.trace"
+    shape = dict(model=str(tiny_model), context=256, kv="f32", device="host", record_routing=str(trace))
+    config = server_config(**shape)
+    with DeviceEngine.open(tiny_model, Device("host"), n_ctx=config.context, kv=config.kv, n_batch=config.batch,
+                           n_seq=config.slots, capacity=0) as engine:
+        dense, slot = engine.device.used, engine.slots.slot_bytes  # weights, KV cache, activations; one expert
+    with live_server(config) as server:
+        want = answer(server.url)
+    config = server_config(**shape, expert_prior=str(trace), gpu_memory=(dense + 4.5 * slot) / 2**30)
+    with live_server(config) as server:
+        cache = httpx.get(server.url + "/v1/status").json()["engine"]["expert_cache"]
+        assert cache["preloaded"] == cache["capacity"] == 4  # of the tiny model's 2 layers of 8 experts
+        assert answer(server.url) == want
+        cache = httpx.get(server.url + "/v1/status").json()["engine"]["expert_cache"]
+    assert cache["hits"] > 0
+
+
+async def test_an_expert_prior_that_is_not_a_routing_trace_is_a_startup_error(tiny_model, tmp_path):
+    bad = tmp_path / "not.trace"
+    bad.write_bytes(b"hello")
+    config = server_config(model=str(tiny_model), context=256, device="host", expert_prior=str(bad))
+    with pytest.raises(ExceptionGroup) as failed:  # the service's nursery's
+        async with open_service(config, log=lambda line: None):
+            pass
+    assert failed.group_contains(ServiceUnavailable, match=r"expert_prior: .*not a routing trace", depth=None)
+
+
 @pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="a GPU machine: the backend would run")
 async def test_cuda_without_a_gpu_runs_the_cpu_engine_and_says_so_in_one_line(tiny_model):
     lines: list[str] = []
@@ -85,3 +131,47 @@ async def test_cuda_without_a_gpu_runs_the_cpu_engine_and_says_so_in_one_line(ti
     said = [line for line in lines if line.startswith("device cuda")]
     assert len(said) == 1 and said[0].endswith("; running on the CPU") and "\n" not in said[0]
     assert not any(line.startswith("expert cache") for line in lines)
+
+
+def test_a_qwen35moe_model_on_the_host_device_answers_as_the_cpu_engine(qwen35_model):
+    """Speculation on (source auto, without the MTP block): a prediction right at first and wrong later makes
+    verify steps of several tokens through the recurrent layers, and a refused draft's rolled-back state."""
+    ask = {"max_tokens": 24, "chat_template_kwargs": {"enable_thinking": False}}
+    with live_server(server_config(model=str(qwen35_model), context=256, kv="f32")) as cpu:
+        want = answer(cpu.url, **ask)
+    half = len(want) // 2
+    config = server_config(model=str(qwen35_model), context=256, kv="f32", device="host",
+                           speculative={"source": "auto", "adaptive": False})
+    with live_server(config) as server:
+        assert answer(server.url, prediction=want[:half] + "#" * half, **ask) == want
+        assert answer(server.url, **ask) == want  # again, from the prefix cache
+        status = httpx.get(server.url + "/v1/status").json()
+    assert status["engine"]["backend"] == "host" and status["engine"]["expert_cache"]["hits"] > 0
+    totals = status["totals"]
+    assert len(want) > 10 and 0 < totals["accepted_tokens"] < totals["draft_tokens"]
+    assert totals["reused_tokens"] > 0
+
+
+async def test_the_mtp_block_is_not_run_on_the_backend_and_one_line_says_so(qwen35_model):
+    lines: list[str] = []
+    config = server_config(model=str(qwen35_model), context=256, device="host", speculative={"source": "auto"})
+    async with open_service(config, log=lines.append) as service:
+        assert service.engine.has_mtp and not service.engine.mtp and service.models.default.mtp is None
+    said = [line for line in lines if "MTP" in line]
+    assert said == ["device host: the GPU backend does not run the model's MTP block; speculation drafts without it "
+                    "(from the prompt's n-grams and the requests' predictions)"]
+    config = server_config(model=str(qwen35_model), context=256, device="host", speculative={"source": "mtp"})
+    with pytest.raises(ExceptionGroup) as failed:  # the service's nursery's
+        async with open_service(config, log=lambda line: None):
+            pass
+    assert failed.group_contains(ServiceUnavailable, match=r"speculative.source is mtp, and the host backend does not "
+                                                            r"run .*q35.gguf's MTP block", depth=None)
+
+
+async def test_cuda_with_an_architecture_the_backend_does_not_run_says_which_it_runs(tmp_path):
+    dense = write_random_model(tmp_path / "dense.gguf", arch="qwen3", size="tiny", dtype="f32")
+    lines: list[str] = []
+    async with open_service(server_config(model=str(dense), context=64, device="cuda"), log=lines.append) as service:
+        assert service.engine.backend == "cpu"
+    assert [line for line in lines if line.startswith("device cuda")] == [
+        "device cuda: the GPU backend runs qwen3moe, qwen35moe models, not qwen3; running on the CPU"]

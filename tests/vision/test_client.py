@@ -56,6 +56,13 @@ def test_the_budget_flags_are_passed_only_when_configured():
     assert argv[argv.index("--max-tokens") + 1] == "256" and argv[argv.index("--min-tokens") + 1] == "16"
 
 
+def test_a_gpu_encoder_runs_on_the_servers_test_device_when_it_has_one():
+    gpu = VisionConfig(mmproj="v.gguf", gpu=True)
+    assert encoder_command(gpu, 1)[-1] == "--gpu"
+    assert encoder_command(gpu, 1, gpu_device="host")[-3:] == ["--gpu", "--device", "host"]
+    assert "--device" not in encoder_command(VisionConfig(mmproj="v.gguf"), 1, gpu_device="host")
+
+
 async def test_encode_matches_the_encoder_in_process(nursery, tiny_mmproj, tmp_path):
     client = await start(nursery, mmproj=str(tiny_mmproj), threads=1, max_tokens=64)
     picture = noise_png(96, 64, seed=3)

@@ -110,6 +110,17 @@ def test_ready_carries_the_sizing_rule_and_an_older_encoder_may_leave_it_out():
             parse_reply(b"READY 8 " + json.dumps(fields | {"sizing": bad}).encode())
 
 
+def test_a_gpu_encoder_reports_its_device_memory_and_others_leave_it_out():
+    caps = dataclasses.replace(CAPS, cuda=True, device_bytes=123 << 20)
+    line = encode_reply(Ready(8, caps))
+    fields = json.loads(line.split(b" ", 2)[2])
+    assert fields["device_bytes"] == 123 << 20 and parse_reply(line) == Ready(8, caps)
+    assert "device_bytes" not in json.loads(encode_reply(Ready(8, CAPS)).split(b" ", 2)[2])
+    for bad in (-1, 1.5, True, "1"):
+        with pytest.raises(ProtocolError, match="'device_bytes' is not a non-negative integer"):
+            parse_reply(b"READY 8 " + json.dumps(fields | {"device_bytes": bad}).encode())
+
+
 def test_ready_ignores_unknown_capabilities_and_checks_known_ones():
     fields = json.loads(encode_reply(Ready(8, CAPS)).split(b" ", 2)[2])
     assert parse_reply(b"READY 8 " + json.dumps(fields | {"future": [1]}).encode()) == Ready(8, CAPS)

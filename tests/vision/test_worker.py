@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 from strata.modelgen.mmproj import write_random_mmproj
+from strata.vision.device_encoder import encoder_share
 from strata.vision.encoder import Encoder
 from strata.vision.mmproj import Mmproj
 from strata.vision.preprocess import load_image, preprocess
@@ -219,6 +221,25 @@ def test_cancel_stops_a_running_encode_at_a_layer_boundary(start_worker, slow_mm
     assert worker.reply()[0].job_id == "next"
 
 
+def test_cancel_stops_an_encode_on_the_device_at_a_layer_boundary(start_worker, slow_mmproj: Path):
+    """`--gpu` (on the host device): the check before each of the twelve layers stops a running encode, and the
+    process is idle after its CANCELLED."""
+    worker = start_worker("--mmproj", slow_mmproj, "--threads", "1", "--max-tokens", "256", "--gpu", "--device",
+                          "host")
+    worker.ready()
+    started = worker.cpu_seconds()
+    worker.send(job("victim", noise_png(256, 256, 6)))  # 1024 patches: seconds on the host device
+    while worker.cpu_seconds() - started < 0.3:  # well into the encode
+        time.sleep(0.01)
+    worker.send(encode_request(Cancel("victim")))
+    assert worker.reply()[0] == Cancelled("victim")
+    before = worker.cpu_seconds()
+    time.sleep(0.5)
+    assert worker.cpu_seconds() - before < 0.1
+    worker.send(job("next", noise_png(32, 32)))
+    assert worker.reply()[0].job_id == "next"
+
+
 def test_an_id_in_use_is_refused_without_touching_its_job(start_worker, slow_mmproj: Path):
     worker = slow_worker(start_worker, slow_mmproj)
     worker.send(job("same", noise_png(256, 256, 5)) + job("same", noise_png(32, 32)))
@@ -269,11 +290,31 @@ def test_a_bad_mmproj_path_fails_naming_the_file(tmp_path: Path):
     assert result.returncode == 1 and f"'{not_gguf}'".encode() in result.stdout
 
 
-def test_gpu_fails_with_a_clear_message(tiny_mmproj: Path):
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="a GPU machine: --gpu would run")
+def test_gpu_without_a_gpu_fails_with_a_clear_message(tiny_mmproj: Path):
     result = run_worker("--mmproj", tiny_mmproj, "--gpu")
     assert result.returncode == 1
-    assert result.stdout.startswith(b"ERR gpu: ") and b"no CUDA backend" in result.stdout
-    assert "leave out --gpu" in result.stderr.decode()
+    line = result.stdout.decode()
+    assert line.startswith("ERR gpu: cuda: ") and line.endswith("; leave out --gpu to encode on the CPU\n")
+    assert line.count("\n") == 1 and "leave out --gpu" in result.stderr.decode()
+    assert run_worker("--mmproj", tiny_mmproj, "--device", "host").returncode == 2  # --device needs --gpu
+
+
+def test_the_gpu_encoder_on_the_host_device_says_it_holds_the_device_and_encodes(start_worker, tiny_mmproj: Path):
+    """`--gpu --device host`: the device encoder's code on the test device; READY says it holds the device (so a
+    server gives it the engine's turn) and how much memory it took there, and its rows are the CPU encoder's."""
+    worker = start_worker("--mmproj", tiny_mmproj, "--threads", "1", "--max-tokens", "64", "--gpu", "--device", "host")
+    caps = worker.ready().capabilities
+    assert caps.cuda and caps.device_bytes == encoder_share(tiny_mmproj, None, 64)
+    image = noise_png(72, 40, seed=44)
+    worker.send(job("g1", image))
+    reply, payload = worker.reply()
+    assert isinstance(reply, Result)
+    _, rows = parse_sve(payload)
+    want = in_process_rows(tiny_mmproj, image, 1, 64)
+    assert np.abs(rows - want).max() <= 1e-5 * np.abs(want).max()
+    worker.send(encode_request(Quit()))
+    assert worker.proc.wait(10) == 0
 
 
 def test_encode_command_writes_what_the_worker_returns(start_worker, tiny_mmproj: Path, tmp_path: Path):

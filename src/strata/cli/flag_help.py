@@ -22,10 +22,12 @@ HELP = {
                       "decode; for a model about the size of the RAM)",
     "record_routing": "write each MoE layer's chosen experts per token of every step to this file (a routing "
                       "trace for bench/expert_cache.py)",
-    "device": "where the forward pass runs: cpu, or cuda (the GPU backend, qwen3moe models; the CPU engine "
-              "when there is no CUDA build or GPU); host runs the GPU backend on the host device, for tests",
+    "device": "where the forward pass runs: cpu, or cuda (the GPU backend, qwen3moe and qwen35moe models; the CPU "
+              "engine when there is no CUDA build or GPU); host runs the GPU backend on the host device, for tests",
     "gpu_memory": "GiB the GPU backend may take on the card: dense weights, KV cache, then the expert cache "
-                  "(default: the free memory less 1 GiB)",
+                  "(default: the free memory less 1 GiB), less a local vision.gpu encoder's share",
+    "expert_prior": "a routing trace recorded earlier on this model (--record-routing): the GPU backend's expert "
+                    "cache starts holding its most used experts",
     "slots": "requests generating at once (each keeps its KV cache of context positions while idle)",
     "kv_budget": "most MiB the KV cache of all slots may take (slots x context must fit; default: no bound)",
     "snapshot_budget": "most MiB a hybrid model's state snapshots may take, for prefix reuse (default: 4 per slot)",

@@ -305,13 +305,17 @@ class Engine:
         self.kv_identity: str = f"{file.fingerprint()}:{self.kv_type}:layout{KV_LAYOUT}"
         self.kv_position_bytes: int = lib.strata_kv_position_bytes(ctx)
         self.has_mtp: bool = params.n_nextn > 0  # the file has an MTP block
+        # which layers are recurrent (a hybrid model's Gated DeltaNet ones; none elsewhere)
+        self.recurrent_layers: tuple[bool, ...] = (
+            () if params.recurrent_layers == ffi.NULL
+            else tuple(bool(params.recurrent_layers[il]) for il in range(params.n_layer)))
         self.mtp: bool = bool(mtp)  # the context runs it: `mtp_draft`
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], n_ctx: int = 4096, threads: int | None = None, kv: str = "f16",
              n_batch: int = 256, n_seq: int = 1, kv_budget: int | None = None,
              mapped_weights: bool = False, record_routing: str | os.PathLike[str] | None = None,
-             mtp: bool | None = False) -> Self:
+             mtp: bool | None = False, host_cache: bool = True) -> Self:
         """Map a GGUF model and create its context: `n_seq` sequences of `n_ctx` positions each.
 
         Args:
@@ -324,6 +328,10 @@ class Engine:
             mtp: run the model's MTP block for `mtp_draft` (speculative decoding's drafts): a layer more of KV
                 rows per slot, and about a layer's work more per token the block fills (lazily: the pairs a
                 draft needs, in one batched pass; see `mtp_fills`); None: where the file has one.
+            host_cache: allocate the context's KV cache and a batch's buffers for `n_ctx` and `n_batch`; False
+                for a subclass whose forward pass keeps them elsewhere (the GPU backend's device): the C context
+                then holds one position and one token, and `kv_bytes` is 0 until the subclass says (the checks
+                of `n_ctx` and `kv_budget` are made all the same).
 
         Raises:
             EngineError: missing, truncated or non-GGUF file; unsupported architecture or tensor type; a context
@@ -342,13 +350,16 @@ class Engine:
             mtp = params.n_nextn > 0 if mtp is None else mtp
             if kv_budget is not None:
                 _check_kv_budget(params, n_ctx, n_seq, kv, kv_budget, mtp)
+            if not host_cache and n_ctx > params.n_ctx_train:  # the C context's own check sees one position
+                raise EngineError(f"context of {n_ctx} positions is larger than the model's {params.n_ctx_train}")
             model_out = ffi.new("strata_model **")
             _check(lib.strata_model_create(params, model_out))
         except BaseException:
             keep = []
             file.close()
             raise
-        cparams = ffi.new("strata_context_params *", {"n_ctx": n_ctx, "n_seq": n_seq, "n_batch": n_batch,
+        on_host = (n_ctx, n_batch) if host_cache else (1, 1)
+        cparams = ffi.new("strata_context_params *", {"n_ctx": on_host[0], "n_seq": n_seq, "n_batch": on_host[1],
                                                       "n_threads": threads, "kv_type": _KV_TYPES[kv],
                                                       "mtp": int(mtp)})
         ctx_out = ffi.new("strata_context **")
@@ -363,6 +374,8 @@ class Engine:
             file.release(t for t in file.tensors if t is not embeddings)
         engine = cls(file, params, model_out[0], ctx_out[0], keep, n_ctx, threads, min(n_batch, n_ctx), _KV_TYPES[kv],
                      mtp)
+        if not host_cache:
+            engine.kv_bytes = 0
         if record_routing is not None:
             try:
                 engine._record_routing(record_routing, params)

@@ -1,17 +1,20 @@
-"""The device backend's forward pass against the CPU engine on generated qwen3moe models (`scripts/gpu-check.sh`).
+"""The device backend's forward pass against the CPU engine on generated qwen3moe and qwen35moe models
+(`scripts/gpu-check.sh`).
 
 A prompt in chunks beside two short ones, then decode steps of the three sequences at once, on the CPU engine and
 on the device backend with an expert cache of half the experts (so that both hits and misses run), f32 KV caches.
 Printed per call: the largest logit difference over the largest logit, and whether the greedy tokens agree; the
 expert cache's counts beside the simulator's on the routing the backend recorded; the wall time of each side.
 
-Two models. F16 weights, whose products on both sides take f32 activations: the backend must be within the
-device's tolerance of the CPU engine (host: 1e-5, the host device's double-precision norms, RoPE and attention;
-cuda: 1e-3, float sums in other orders over every layer). Q4_K weights, whose products quantise the activations
-(the CPU engine in Q8_K's 256-value blocks, a card in 32-value ones): a last-bit difference moves an activation
-by a step, and a random model amplifies that over its layers, so the differences are printed beside the CPU
-engine's own between an f32 and an f16 KV cache, for scale, without a bound. The check passes when the F16
-model is within tolerance and both models' counts are the simulator's.
+Two models of each architecture (qwen35moe: Gated DeltaNet layers with their recurrent state between gated
+attention ones, and a gated shared expert). F16 weights, whose products on both sides take f32 activations: the
+backend must be within the device's tolerance of the CPU engine (host: 1e-5, the host device's double-precision
+norms, RoPE and attention; cuda: 1e-3, float sums in other orders over every layer, and for qwen35moe's prompt the
+card's token loop of the delta rule against the CPU engine's chunked form). Q4_K weights, whose products
+quantise the activations (the CPU engine in Q8_K's 256-value blocks, a card in 32-value ones): a last-bit
+difference moves an activation by a step, and a random model amplifies that over its layers, so the differences
+are printed beside the CPU engine's own between an f32 and an f16 KV cache, for scale, without a bound. The check
+passes when the F16 models are within tolerance and every model's counts are the simulator's.
 
     python -m strata.engine_cffi.backend_check --device cuda     # the small models (on a GPU)
     python -m strata.engine_cffi.backend_check --device host --quick
@@ -57,14 +60,15 @@ def rel_diffs(got: list[np.ndarray], want: list[np.ndarray]) -> list[float]:
     return [float(np.max(np.abs(g - w)) / np.max(np.abs(w))) for g, w in zip(got, want, strict=True)]
 
 
-def check_model(kind: str, dtype: str, quick: bool, folder: Path) -> bool:
+def check_model(kind: str, arch: str, dtype: str, quick: bool, folder: Path) -> bool:
     size = "tiny" if quick else "small"
     prompt, steps = (150, 6) if quick else (400, 32)
-    path = write_random_model(folder / f"{size}-{dtype}.gguf", arch="qwen3moe", size=size, dtype=dtype,
+    path = write_random_model(folder / f"{arch}-{size}-{dtype}.gguf", arch=arch, size=size, dtype=dtype,
                               vocab="bytes")
-    work, trace = calls(prompt, steps), folder / f"{dtype}.trace"
+    work, trace = calls(prompt, steps), folder / f"{arch}-{dtype}.trace"
     meta = read_metadata(path)
-    n_layer, n_expert = int(meta["qwen3moe.block_count"]), int(meta["qwen3moe.expert_count"])
+    n_layer = int(meta[f"{arch}.block_count"]) - int(meta.get(f"{arch}.nextn_predict_layers", 0))  # MTP: not run
+    n_expert = int(meta[f"{arch}.expert_count"])
     capacity = n_layer * n_expert // 2
     cpu_runs = {}
     for kv in ("f32", "f16"):
@@ -72,11 +76,11 @@ def check_model(kind: str, dtype: str, quick: bool, folder: Path) -> bool:
             cpu_runs[kv] = run(cpu, work)
     (want, cpu_s), spread = cpu_runs["f32"], rel_diffs(cpu_runs["f16"][0], cpu_runs["f32"][0])
     with DeviceEngine.open(path, open_device(kind, None), n_ctx=512, n_batch=64, n_seq=3, kv="f32",
-                           record_routing=trace, capacity=capacity) as dev:
+                           record_routing=trace, capacity=capacity, paced=False) as dev:
         got, dev_s = run(dev, work)
         counts, name = dev.expert_counts(), dev.device.name
     strict = dtype == "f16"
-    print(f"\nbackend check: {name}, qwen3moe {size} {dtype}, expert cache {capacity} of {n_layer * n_expert} "
+    print(f"\nbackend check: {name}, {arch} {size} {dtype}, expert cache {capacity} of {n_layer * n_expert} "
           f"experts" + (f", tolerance {TOLERANCE[kind]:g}" if strict else ", no bound (see the docstring)"))
     print("| call | tokens | max diff / max logit | the CPU engine's f16 vs f32 KV | greedy |")
     print("|---|---|---|---|---|")
@@ -96,7 +100,8 @@ def check_model(kind: str, dtype: str, quick: bool, folder: Path) -> bool:
 
 
 def check(kind: str, quick: bool, folder: Path) -> bool:
-    results = [check_model(kind, dtype, quick, folder) for dtype in ("f16", "q4_k")]  # both run, whatever the first
+    results = [check_model(kind, arch, dtype, quick, folder)  # every one runs, whatever the first
+               for arch in ("qwen3moe", "qwen35moe") for dtype in ("f16", "q4_k")]
     passed = all(results)
     print("pass" if passed else "FAIL")
     return passed

@@ -21,7 +21,7 @@ import strata.engine_cffi._engine as engine_module
 HEADER = pathlib.Path(__file__).with_name("cuda") / "device.h"
 CUDA_LIBRARY = pathlib.Path(__file__).with_name("libstrata_cuda.so")
 KERNELS = ("matmul", "rms_norm", "rope", "attention", "swiglu", "topk", "add_rows", "kv_store", "dn_conv", "l2_norm",
-           "dn_gates", "delta_rule", "gated_rms_norm")
+           "dn_gates", "delta_rule", "gated_rms_norm", "sigmoid_gate", "layer_norm", "gelu", "vit_attention")
 _CONSTANT = re.compile(r"#define \w+ \d+$")
 
 
@@ -103,6 +103,10 @@ class Device:
     def download(self, array: np.ndarray, src: Any, stream: int = 0) -> None:
         self._check(self.lib.strata_dev_download(self._d, stream, self.ffi.from_buffer(array), src, array.nbytes))
 
+    def copy(self, dst: Any, src: Any, nbytes: int, stream: int = 0) -> None:
+        """Queue a copy of `nbytes` from one place of the device to another."""
+        self._check(self.lib.strata_dev_copy(self._d, stream, dst, src, nbytes))
+
     def memset(self, dst: Any, value: int, nbytes: int, stream: int = 0) -> None:
         self._check(self.lib.strata_dev_memset(self._d, stream, dst, value, nbytes))
 
@@ -154,6 +158,21 @@ class Device:
     def launch(self, name: str, stream: int = 0, **fields: Any) -> None:
         """Queue kernel `name` ("matmul", ..., or "<name>_ref") with its argument struct's fields (device.h);
         pointers may be any cffi pointer: each is cast to its field's type."""
+        self._check(self.lib.strata_dev_launch(self._d, stream, name.encode(), self.arguments(name, **fields)))
+
+    def launch_list(self, items: Any, n: int, stream: int = 0) -> None:
+        """Queue n launches at once: `items` points to n `strata_dev_launch_item`s (see `launch_list.LaunchList`)."""
+        self._check(self.lib.strata_dev_launch_list(self._d, stream, items, n))
+
+    def launch_experts(self, args: Any, slots: Any, first: np.ndarray, count: np.ndarray, stream: int = 0) -> None:
+        """Queue the expert cache's hits of a layer (`strata_dev_launch_experts`): `args` a
+        `strata_dev_experts_args *`, `slots` the hits' slots, `first` and `count` (int32) their rows."""
+        self._check(self.lib.strata_dev_launch_experts(self._d, stream, args, len(first), slots,
+                                                       self.ffi.from_buffer("int[]", first),
+                                                       self.ffi.from_buffer("int[]", count)))
+
+    def arguments(self, name: str, **fields: Any) -> Any:
+        """A new argument struct of kernel `name` (a cffi pointer to it) holding `fields`; the others zero."""
         struct, pointers = _argument_struct(name)
         unknown = sorted(set(fields) - set(pointers))
         if unknown:
@@ -163,7 +182,7 @@ class Device:
         for field, value in fields.items():
             ftype = pointers[field]
             setattr(a, field, value if ftype is None else self.ffi.cast(ftype, value))
-        self._check(self.lib.strata_dev_launch(self._d, stream, name.encode(), args))
+        return args
 
 
 @functools.cache

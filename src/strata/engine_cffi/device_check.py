@@ -22,7 +22,9 @@ passes when the fast kernel is within the stated tolerance of both:
   1e-6; the gated RMS norm within 1e-5 of each value's magnitude; the delta
   rule (outputs and the state after it) within 1e-5 of the largest |value| (at least 1), decode (one token per
   sequence) and a prompt (sequences of ragged lengths, crossing the host's 64-token chunks: the CPU engine's
-  chunked form against the card's token loop, two orders of the same sums).
+  chunked form against the card's token loop, two orders of the same sums);
+- Qwen3.5's gates (x / (1 + e^-g): gated attention's per value, the shared expert's per row): 1e-5 of each value's
+  magnitude.
 
 GB/s is what the fast kernel moves (weights, inputs, outputs once) over its time by the device's events, the mean
 of a few runs after a warm-up; "of peak" divides by the card's memory bandwidth.
@@ -450,6 +452,21 @@ def gated_rms_norm_case(n_rows: int, n: int, rng: np.random.Generator) -> Case:
                 12 * n_rows * n + 4 * n)
 
 
+def sigmoid_gate_case(n_rows: int, n: int, per_value: bool, rng: np.random.Generator) -> Case:
+    """Gated attention's (per value: each head's output by its gate, the gates every other head_dim values of a
+    row twice as wide) or the shared expert's (one gate a row)."""
+    gate_stride = 2 * n if per_value else 1
+    x = (rng.standard_normal((n_rows, n)) * 3).astype(np.float32)
+    gate = (rng.standard_normal(n_rows * gate_stride) * 4).astype(np.float32)
+    g = gate.reshape(n_rows, gate_stride)[:, :n] if per_value else gate[:, None]
+    bound = RTOL * np.abs(x / (1 + np.exp(-g.astype(np.float64)))) + 1e-30
+    make = _buffers({"x": x, "gate": gate}, {})
+    return Case("sigmoid_gate", "per value" if per_value else "per row", f"{n_rows}x{n}",
+                lambda dev: dict(n=n, n_rows=n_rows, gate_stride=gate_stride, per_value=int(per_value)) | make(dev),
+                lambda dev, a: dev.to_host(a["x"], (n_rows, n), np.float32), _in_place({"x": x}, ("x",)),
+                lambda _: bound, 8 * x.size + 4 * g.size)
+
+
 def deltanet_cases(shapes: Shapes, rng: np.random.Generator) -> Iterator[Case]:
     n_seq, hk, hv, hd = shapes.deltanet
     decode = (1,) * n_seq
@@ -460,6 +477,65 @@ def deltanet_cases(shapes: Shapes, rng: np.random.Generator) -> Iterator[Case]:
     yield delta_rule_case(decode, hk, hv, hd, rng)
     yield delta_rule_case(shapes.prompt, hk, hv, hd, rng)
     yield gated_rms_norm_case(n_seq * hv, hd, rng)
+
+
+# --- a vision encoder's pieces (strata-vision --gpu)
+
+
+@dataclass(frozen=True)
+class VisionShapes:
+    layer_norm: tuple[int, int]        # (n_tok, n)
+    gelu: int
+    vit_attention: tuple[tuple[int, int, int], ...]  # (n_tok, n_head, head_dim)
+
+
+# A SigLIP-so400m-sized tower (width 1152, 16 heads of 72, MLP 4304) on 1024 patches; the quick shapes cross the
+# fast attention kernel's tiles of 32 queries and keys and take heads that are not a multiple of 32.
+VISION_SHAPES = {FULL: VisionShapes(layer_norm=(1024, 1152), gelu=1024 * 4304, vit_attention=((1024, 16, 72),)),
+                 QUICK: VisionShapes(layer_norm=(5, 300), gelu=1000, vit_attention=((70, 2, 40), (33, 3, 16)))}
+
+
+def layer_norm_case(n_tok: int, n: int, rng: np.random.Generator) -> Case:
+    x = (rng.standard_normal((n_tok, n)) * rng.uniform(0.1, 10, (n_tok, 1)) + rng.uniform(-5, 5, (n_tok, 1)))
+    x = x.astype(np.float32)
+    w = rng.uniform(0.5, 1.5, n).astype(np.float32)
+    b = rng.standard_normal(n).astype(np.float32)
+    x64 = x.astype(np.float64)
+    s = 1.0 / np.sqrt(np.var(x64, axis=1, keepdims=True) + 1e-6)
+    # the mean is summed in f32: each value's error is of its row's largest |x| times s
+    bound = RTOL * (np.abs(x64).max(axis=1, keepdims=True) * s * np.abs(w) + np.abs(b)) + 1e-30
+    make = _buffers({"x": x, "w": w, "b": b}, {"out": ((n_tok, n), np.float32)})
+    return Case("layer_norm", "f32", f"{n_tok}x{n}", lambda dev: dict(n=n, n_tok=n_tok, eps=1e-6) | make(dev),
+                lambda dev, a: dev.to_host(a["out"], (n_tok, n), np.float32), _no_reset, lambda _: bound,
+                8 * n_tok * n + 8 * n)
+
+
+def gelu_case(n: int, erf: bool, rng: np.random.Generator) -> Case:
+    x = (rng.standard_normal(n) * 4).astype(np.float32)
+    bound = RTOL * np.abs(x.astype(np.float64)) + 1e-30
+    make = _buffers({"x": x}, {"out": ((n,), np.float32)})
+    return Case("gelu", "erf" if erf else "tanh", f"{n}", lambda dev: dict(n=n, erf=int(erf)) | make(dev),
+                lambda dev, a: dev.to_host(a["out"], (n,), np.float32), _no_reset, lambda _: bound, 8 * n)
+
+
+def vit_attention_case(n_tok: int, n_head: int, hd: int, rng: np.random.Generator) -> Case:
+    """Every patch attending to every patch; scores of order a few, as a trained tower's."""
+    q, k, v = (rng.standard_normal((n_tok, n_head, hd), dtype=np.float32) for _ in range(3))
+    q *= np.float32(2.0 / np.sqrt(np.sqrt(hd)))
+    bound = np.broadcast_to(RTOL * np.abs(v).max(axis=(0, 2))[None, :, None], q.shape)
+    make = _buffers({"q": q, "k": k, "v": v}, {"out": (q.shape, np.float32)})
+    return Case("vit_attention", "f32", f"{n_tok}x{n_head}x{hd}",
+                lambda dev: dict(n_tok=n_tok, n_head=n_head, head_dim=hd) | make(dev),
+                lambda dev, a: dev.to_host(a["out"], q.shape, np.float32), _no_reset, lambda _: bound,
+                16 * q.size)
+
+
+def vision_cases(shapes: VisionShapes, rng: np.random.Generator) -> Iterator[Case]:
+    yield layer_norm_case(*shapes.layer_norm, rng)
+    for erf in (False, True):
+        yield gelu_case(shapes.gelu, erf, rng)
+    for shape in shapes.vit_attention:
+        yield vit_attention_case(*shape, rng)
 
 
 def cases(shapes: Shapes, rng: np.random.Generator) -> Iterator[Case]:
@@ -480,6 +556,10 @@ def cases(shapes: Shapes, rng: np.random.Generator) -> Iterator[Case]:
     for kv in KV_TYPES:  # the whole cache is compared: a short one
         yield kv_store_case(n_seq, n_kv, hd, min(n_ctx, 64), kv, rng)
     yield from deltanet_cases(shapes, rng)
+    n_tok, n_head, hd = shapes.rope
+    yield sigmoid_gate_case(n_tok * n_head, hd, True, rng)
+    yield sigmoid_gate_case(*shapes.norm, False, rng)
+    yield from vision_cases(VISION_SHAPES[shapes], rng)
 
 
 # --- running a case

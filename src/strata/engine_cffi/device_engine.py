@@ -1,32 +1,44 @@
-"""The device backend: a `qwen3moe` model's forward pass through the device interface (`cuda/device.h`), with the
-routed experts split between the device's expert cache (hits) and the CPU (misses).
+"""The device backend: a `qwen3moe` or `qwen35moe` model's forward pass through the device interface
+(`cuda/device.h`), with the routed experts split between the device's expert cache (hits) and the CPU (misses).
 
-What lives on the device: every layer's attention and norm weights, the router, the output norm and projection,
-the sequences' KV cache (the CPU engine's layout) and the step's activations. What stays in RAM: the mapped file,
+What lives on the device: every layer's attention (or Gated DeltaNet) and norm weights, the router and the shared
+expert, the output norm and projection, the sequences' KV cache (the CPU engine's layout: attention layers only),
+a hybrid model's recurrent state (`device_state`) and the step's activations. What stays in RAM: the mapped file,
 from which the token embeddings are looked up and the misses computed; the experts the policy keeps are copied
 into the device's slots (`expert_slots`).
 
-A chunk of tokens (at most `n_batch`, the sequences' tokens in call order) goes through each layer as:
+A chunk of tokens (at most `n_batch`, the sequences' tokens in call order, so each sequence's are adjacent) goes
+through each layer as:
 
-    xb = rmsnorm(x); q, k, v = xb Wq, Wk, Wv; q, k = rope(rmsnorm(q), rmsnorm(k)) per head; cache k, v
-    att = attention over each token's positions; x += att Wo
+    attention layer: xb = rmsnorm(x); q, k, v = xb Wq, Wk, Wv (qwen35moe: q with each head's gate beside it,
+    gathered out by add_rows); q, k = rope(rmsnorm(q), rmsnorm(k)) per head (the first n_rot values of a head);
+    cache k, v; att = attention over each token's positions (qwen35moe: times the sigmoid of its gate); x += att Wo
+    Gated DeltaNet layer (qwen35moe): xb = rmsnorm(x); qkv, z, alpha, beta = xb Wqkv, Wz, Walpha, Wbeta;
+    q, k, v = dn_conv(qkv) from each sequence's conv state; L2-normed q, k; the gates; o = the delta rule per
+    (sequence, v head) on its state; o = gated_rms_norm(o, z); x += o Wout
     xb = rmsnorm(x); router logits = xb Wr; top-k per token -> the host (ids, weights) with xb
-    each distinct expert: a hit runs gate, up, SwiGLU, down on the device over its tokens' rows; a miss runs the
-    same on the CPU's threads (strata_host_expert_ffn, from the mapped file) and its rows are uploaded
-    x += the router's weights times the experts' rows (add_rows, on the device)
+    each distinct expert: a hit runs gate, up, SwiGLU, down on the device over its tokens' rows (queued first); a
+    miss runs the same on the CPU's threads meanwhile (strata_host_experts_ffn, from the mapped file, the layer's
+    misses in one call) and its rows are uploaded
+    x += the router's weights times the experts' rows (add_rows, on the device); qwen35moe: x += the shared
+    expert's SwiGLU of xb times the sigmoid of xb . its gate (on the device)
 
-then the output norm and head for the tokens that want logits. The layer loop runs here, in Python: each kernel is
-one launch, and the policy (a Python class) is called once per layer.
+then the output norm and head for the tokens that want logits. The layer loop runs here, in Python, in a few calls
+a layer: each layer's launches up to the top-k are a `LaunchList` built at load (its pointers never change; the
+fields that follow the chunk's size are patched when it changes) and queued by one call, the slots are grouped by
+expert in C (`strata_host_group_slots`), the hits queued by one call (`strata_dev_launch_experts`), the mix by one
+more list; the policy (a Python class) is called once per layer, between the top-k's read-back and the hits.
 
 The rest of the engine's interface (sampling, the checks of a call's items) is the CPU engine's, whose context
-this class extends; the positions each sequence holds are kept here, as the KV cache is the device's
-(`copy_prefix`, `export_kv` and `import_kv` move its rows through the host, in the CPU engine's layout). Not built
-yet: other architectures (Qwen3-VL's deepstack rows, Qwen3.5's recurrent layers, dense models).
+this class extends; the positions each sequence holds (and with multi-axis RoPE each position's RoPE components)
+are kept here, as the KV cache and the recurrent state are the device's (`copy_prefix`, `export_kv`,
+`import_kv`, `save_state` and `load_state` move them through the host, in the CPU engine's layouts). The model's
+MTP block, where the file has one, is not run: `mtp` is off. Not built yet: other architectures (Qwen3-VL's
+deepstack rows, dense models).
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import os
 import time
 from collections.abc import Sequence
@@ -37,29 +49,49 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 from gguf import quants
 
-from strata.engine_cffi import _KV_TYPES, BatchItem, Engine, EngineAborted, EngineError, _item_logits
+from strata.engine_cffi import _KV_TYPES, BatchItem, Engine, EngineAborted, EngineError, _check, _item_logits
 from strata.engine_cffi.device import Device, DeviceError
 from strata.engine_cffi.device_check import MATMUL_TYPES
+from strata.engine_cffi.device_state import RecurrentState
 from strata.engine_cffi.expert_slots import UPLOADS_PER_STEP, ExpertSlots
+from strata.engine_cffi.launch_list import LaunchList, Size
+from strata.experts.simulate import Key, most_frequent
+from strata.experts.trace import RoutingTrace
 from strata.gguf_file import TensorInfo
 
-ARCHITECTURES = ("qwen3moe",)
+ARCHITECTURES = ("qwen3moe", "qwen35moe")
+# Qwen3.5: Gated DeltaNet layers between gated attention ones, partial multi-axis RoPE, a gated shared expert
+HYBRID = ("qwen35moe",)
 DEVICE_TYPES = frozenset(MATMUL_TYPES)  # the weight types the device's products take
 KV_ELEM = {"f32": 4, "f16": 2, "int8": 1}  # bytes of a cached value
 RESERVE = 1 << 30  # of a card's free memory, left to the driver and other users when no budget is given
+LINK_PROBE_BYTES = 8 << 20  # the upload timed to measure the link: long enough that a launch's latency is small
+# the sizes the launches follow: a chunk's tokens, its runs of a sequence's tokens, the rows that want logits
+N, RUNS, ROWS = Size("n"), Size("runs"), Size("m")
 
 
-def open_device(kind: str, budget: int | None) -> Device:
-    """Open device `kind` with `budget` bytes; None: a card's free memory less `RESERVE` (unlimited on the host).
+def device_budget(free: int, gpu_memory: int | None, encoder_bytes: int) -> int:
+    """The backend's budget in bytes: `gpu_memory` when given, else the card's `free` memory less `RESERVE`; either
+    way less `encoder_bytes`, the share of a local GPU image encoder on the same card (at least 1: a budget the
+    dense part does not fit in is refused when the model is put on the device)."""
+    total = gpu_memory if gpu_memory is not None else free - RESERVE
+    return max(total - encoder_bytes, 1)
+
+
+def open_device(kind: str, budget: int | None, encoder_bytes: int = 0) -> Device:
+    """Open device `kind` with `budget` bytes (None: a card's free memory less `RESERVE`, unlimited on the host),
+    less a local GPU image encoder's `encoder_bytes` (`device_budget`).
 
     Raises:
         DeviceUnavailable: cuda, and no CUDA library was built or no GPU is there (one line says which).
     """
-    if budget is not None or kind != "cuda":
-        return Device(kind, budget or 0)
-    with Device(kind) as probe:
-        free = probe.budget
-    return Device(kind, max(free - RESERVE, 1))
+    if budget is None and kind != "cuda":
+        return Device(kind, 0)
+    free = 0
+    if budget is None:
+        with Device(kind) as probe:
+            free = probe.budget
+    return Device(kind, device_budget(free, budget, encoder_bytes))
 
 
 @dataclass(frozen=True)
@@ -83,26 +115,34 @@ class DeviceEngine(Engine):
     def open(cls, path: str | os.PathLike[str], device: Device, n_ctx: int = 4096, threads: int | None = None,
              kv: str = "f16", n_batch: int = 256, n_seq: int = 1, kv_budget: int | None = None,
              record_routing: str | os.PathLike[str] | None = None, capacity: int | None = None,
-             uploads_per_step: float | None = UPLOADS_PER_STEP) -> DeviceEngine:
+             uploads_per_step: float | None = UPLOADS_PER_STEP, prior: RoutingTrace | None = None,
+             paced: bool = True) -> DeviceEngine:
         """Load the model as `Engine.load` does (the weights read where the file is mapped), then put its dense
         part and the KV cache on `device` (which the engine closes with itself) and give what its budget leaves
         to the expert cache.
 
         Args:
             capacity: the most experts the cache holds (None: as many as the device's budget leaves room for).
-            uploads_per_step: the policy's bound on the uploads a step starts (None: no bound).
+            uploads_per_step: the policy's bound on the uploads a step starts (None: no bound); when `paced`, the
+                bound until a step has had misses.
+            prior: a routing trace recorded earlier on this model: the cache starts holding its most frequent
+                experts (uploaded here).
+            paced: each step's upload bound follows the time the last step's misses took and the link's rate,
+                measured here (see `expert_slots`).
         Raises:
-            EngineError: what `Engine.load` raises; an architecture other than qwen3moe, a weight type the device
-                has no product for, or a device budget the dense part and the KV cache do not fit in.
+            EngineError: what `Engine.load` raises; an architecture other than qwen3moe and qwen35moe, a weight type
+                the device has no product for, a device budget the dense part, the KV cache and the recurrent state
+                do not fit in, or a prior recorded on a model of another shape.
         """
         try:
             engine = cls.load(path, n_ctx=n_ctx, threads=threads, kv=kv, n_batch=n_batch, n_seq=n_seq,
-                              kv_budget=kv_budget, mapped_weights=True, record_routing=record_routing)
+                              kv_budget=kv_budget, mapped_weights=True, record_routing=record_routing,
+                              host_cache=False)
         except BaseException:
             device.close()
             raise
         try:
-            engine._attach(device, capacity, uploads_per_step)
+            engine._attach(device, capacity, uploads_per_step, prior, paced)
         except DeviceError as exc:
             engine.close()
             raise EngineError(f"the {device.kind} device: {exc}") from None
@@ -113,7 +153,8 @@ class DeviceEngine(Engine):
 
     # --- set-up
 
-    def _attach(self, device: Device, capacity: int | None, uploads_per_step: float | None) -> None:
+    def _attach(self, device: Device, capacity: int | None, uploads_per_step: float | None,
+                prior: RoutingTrace | None, paced: bool) -> None:
         self.device, self.backend = device, device.kind  # closed with the engine from here on
         # the cached rows' bits are the device's kernels': another backend's rows are not these
         self.kv_identity = f"{self.kv_identity}:{device.kind}"
@@ -122,25 +163,33 @@ class DeviceEngine(Engine):
         self._n_past = [0] * self.n_seq
         self._in_flight: list[np.ndarray] = []  # host buffers queued copies read: kept until a synchronisation
         self._aborted: set[int] = set()
+        self.hybrid = self.arch in HYBRID
         meta = self.metadata
 
-        def key(name: str, default: float = 0) -> Any:
+        def key(name: str, default: Any = 0) -> Any:
             return meta.get(f"{self.arch}.{name}", default)
 
-        self.n_layer, self.n_head = int(key("block_count")), int(key("attention.head_count"))
+        self.n_layer = int(key("block_count")) - int(key("nextn_predict_layers"))  # the MTP blocks are not run
+        self.n_head = int(key("attention.head_count"))
         self.n_head_kv = int(key("attention.head_count_kv", self.n_head))
         self.head_dim = int(key("attention.key_length", self.n_embd // self.n_head))
         self.n_expert, self.n_used = int(key("expert_count")), int(key("expert_used_count"))
         self.n_ff = int(key("expert_feed_forward_length"))
+        self.n_ff_shexp = int(key("expert_shared_feed_forward_length"))
         self.eps = float(key("attention.layer_norm_rms_epsilon", 1e-6))
-        base = float(key("rope.freq_base", 10000.0))
-        half = np.arange(self.head_dim // 2, dtype=np.float64)
-        inv_freq = (1.0 / base ** (2.0 * half / self.head_dim)).astype(np.float32)  # as the engine's build_rope
-        self._inv_freq, self._axis = self._put(inv_freq), self._put(np.zeros(self.head_dim // 2, np.uint8))
+        self._recurrent = self.recurrent_layers or (False,) * self.n_layer
+        # each attention layer's place in the KV cache, each recurrent layer's in a sequence's state
+        self._kv_layer = np.cumsum([not r for r in self._recurrent]) - 1
+        self._rec_layer = np.cumsum(self._recurrent) - 1
+        self.n_kv_layer = self.n_layer - sum(self._recurrent)
+        self._rope_tables(key)
+        if self.hybrid:
+            self._deltanet_sizes(key)
         self._layers = [self._layer_weights(il) for il in range(self.n_layer)]
         self._output_norm = self._put(self._vector("output_norm"))
         self._output = self._matrix("output" if self._file.tensor("output") else "token_embd")  # tied: the embeddings
         self._alloc_kv()
+        self._state = RecurrentState(device, self.n_seq, self.state_bytes // 4)
         self._alloc_activations()
         self._experts = [(self._tensor(f"blk.{il}.ffn_gate_exps"), self._tensor(f"blk.{il}.ffn_up_exps"),
                           self._tensor(f"blk.{il}.ffn_down_exps")) for il in range(self.n_layer)]
@@ -151,9 +200,61 @@ class DeviceEngine(Engine):
         fits = max(0, min(self.n_layer * self.n_expert, free // slot))
         capacity = fits if capacity is None else min(capacity, fits)
         self._upload_stream = device.stream()
+        link_rate = self._link_rate(slot) if paced and capacity else None
         self.slots = ExpertSlots(device, self.n_layer, self.n_expert, capacity, expert_bytes, self._expert_data,
-                                 self._upload_stream, uploads_per_step)
-        self._pool = concurrent.futures.ThreadPoolExecutor(self.threads, thread_name_prefix="strata-misses")
+                                 self._upload_stream, uploads_per_step, self._prior(prior, capacity), link_rate)
+        self._pool = device.lib.strata_host_pool_create(self.threads)  # the misses' threads, the caller's included
+        if self._pool == device.ffi.NULL:
+            raise EngineError(f"could not start {self.threads} threads for the expert cache's misses")
+        self._build_launches()
+
+    def _prior(self, trace: RoutingTrace | None, capacity: int) -> list[Key]:
+        """The `capacity` experts the trace's steps used most; none without a trace."""
+        if trace is None:
+            return []
+        info = trace.info
+        if (info.arch, info.n_layer, info.n_expert) != (self.arch, self.n_layer, self.n_expert):
+            raise EngineError(f"the expert prior was recorded on a {info.arch} model of {info.n_layer} layers of "
+                              f"{info.n_expert} experts, not this {self.arch} of {self.n_layer} x {self.n_expert}")
+        return most_frequent(trace, capacity)
+
+    def _link_rate(self, slot: int) -> float:
+        """Bytes a second the upload stream moves from host memory: a probe of a few slots' size, timed by two
+        events (a server records no others: a device keeps a bounded number)."""
+        nbytes = min(max(slot, LINK_PROBE_BYTES), self.device.budget - self.device.used)
+        probe, scratch = np.zeros(nbytes, np.uint8), self.device.alloc(nbytes)
+        try:
+            start = self.device.record(self._upload_stream)
+            self.device.upload(scratch, probe, self._upload_stream)
+            end = self.device.record(self._upload_stream)
+            self.device.event_sync(end)
+            return nbytes / max(self.device.elapsed_ms(start, end) / 1e3, 1e-9)
+        finally:
+            self.device.free(scratch)
+
+    def _rope_tables(self, key: Any) -> None:
+        """inv_freq of the first n_rot values of a head, and each pair's position axis (multi-axis RoPE: Qwen3-VL's
+        interleaving of the sections, as model_load.c's build_mrope); with multi-axis RoPE, each sequence's
+        positions' t components and the next text position after each, as the CPU engine keeps them."""
+        self.n_rot = int(key("rope.dimension_count", self.head_dim))
+        base = float(key("rope.freq_base", 10000.0))
+        half = np.arange(self.n_rot // 2, dtype=np.float64)
+        inv_freq = (1.0 / base ** (2.0 * half / self.n_rot)).astype(np.float32)  # as the engine's build_rope
+        sections = [int(n) for n in key("rope.dimension_sections", [])] + [0, 0, 0]
+        i = np.arange(self.n_rot // 2)
+        axis = np.where((i % 3 == 1) & (i < 3 * sections[1]), 1, np.where((i % 3 == 2) & (i < 3 * sections[2]), 2, 0))
+        self._inv_freq, self._axis = self._put(inv_freq), self._put(axis.astype(np.uint8))
+        self._mrope = self.hybrid  # the architectures' table (archs.c): Qwen3.5's RoPE has three axes
+        self._rope_t = np.zeros((self.n_seq, self.n_ctx), np.int32)
+        self._rope_next = np.zeros((self.n_seq, self.n_ctx), np.int32)
+
+    def _deltanet_sizes(self, key: Any) -> None:
+        self.d_conv, self.d_state = int(key("ssm.conv_kernel")), int(key("ssm.state_size"))
+        self.n_k_heads, self.n_v_heads = int(key("ssm.group_count")), int(key("ssm.time_step_rank"))
+        self.d_inner = int(key("ssm.inner_size"))
+        self.conv_dim = 2 * self.n_k_heads * self.d_state + self.d_inner
+        self.conv_floats = (self.d_conv - 1) * self.conv_dim
+        self.layer_state_floats = self.conv_floats + self.n_v_heads * self.d_state ** 2
 
     def _put(self, array: np.ndarray) -> Any:
         return self.device.to_device(np.ascontiguousarray(array))
@@ -181,24 +282,40 @@ class DeviceEngine(Engine):
         return Matrix(self._put(self._file.data(t)), t.type, t.shape[0], t.shape[1], t.n_bytes // t.shape[1])
 
     def _layer_weights(self, il: int) -> dict[str, Any]:
-        vectors = {n: self._put(self._vector(f"blk.{il}.{n}")) for n in ("attn_norm", "attn_q_norm", "attn_k_norm",
-                                                                       "ffn_norm")}
-        matrices = {n: self._matrix(f"blk.{il}.{n}") for n in ("attn_q", "attn_k", "attn_v", "attn_output",
-                                                                "ffn_gate_inp")}
+        """Layer il's weights on the device by their file names, and its norm before the feed-forward as
+        "ffn_norm" (Qwen3.5's post_attention_norm)."""
+        ffn_norm = "post_attention_norm" if self.hybrid else "ffn_norm"
+        vectors = ["attn_norm"]
+        matrices = ["ffn_gate_inp"]
+        if self._recurrent[il]:
+            vectors += ["ssm_conv1d", "ssm_a", "ssm_dt.bias", "ssm_norm"]
+            matrices += ["attn_qkv", "attn_gate", "ssm_alpha", "ssm_beta", "ssm_out"]
+        else:
+            vectors += ["attn_q_norm", "attn_k_norm"]
+            matrices += ["attn_q", "attn_k", "attn_v", "attn_output"]
+        if self.hybrid:
+            matrices += ["ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"]
+        weights = {n: self._put(self._vector(f"blk.{il}.{n}")) for n in vectors}
+        weights |= {n: self._matrix(f"blk.{il}.{n}") for n in matrices}
+        weights["ffn_norm"] = self._put(self._vector(f"blk.{il}.{ffn_norm}"))
+        if self.hybrid:  # the shared expert's gate: a product with one row
+            gate = self._vector(f"blk.{il}.ffn_gate_inp_shexp")
+            weights["ffn_gate_inp_shexp"] = Matrix(self._put(gate), Q.F32, self.n_embd, 1, 4 * self.n_embd)
         for w in ("gate", "up", "down"):
             t = self._tensor(f"blk.{il}.ffn_{w}_exps")
             if t.type not in DEVICE_TYPES:
                 raise EngineError(f"tensor {t.name}: the device has no product for type {Q(t.type).name}")
-        return vectors | matrices
+        return weights
 
     def _alloc_kv(self) -> None:
         kv = self.kv_type
-        self._kv_rows = self.n_seq * self.n_layer * self.n_head_kv * self.n_ctx
+        self._kv_rows = self.n_seq * self.n_kv_layer * self.n_head_kv * self.n_ctx
         self._k = self._alloc(self._kv_rows * self.head_dim * KV_ELEM[kv])
         self._v = self._alloc(self._kv_rows * self.head_dim * KV_ELEM[kv])
         null = self.device.ffi.NULL
         self._k_scale = self._alloc(4 * self._kv_rows) if kv == "int8" else null
         self._v_scale = self._alloc(4 * self._kv_rows) if kv == "int8" else null
+        self.kv_bytes = 2 * self._kv_rows * (self.head_dim * KV_ELEM[kv] + (4 if kv == "int8" else 0))
 
     def _alloc_activations(self) -> None:
         B, E, k = self.n_batch, self.n_embd, self.n_used
@@ -206,16 +323,24 @@ class DeviceEngine(Engine):
         sizes = dict(x=B * E, xb=B * E, q=B * q_dim, k=B * kv_dim, v=B * kv_dim, att=B * q_dim,
                      router=B * self.n_expert, weights=B * k, moe_out=B * k * E, slot_x=B * k * E,
                      hb=B * k * self.n_ff, hb2=B * k * self.n_ff, logits=B * self.n_vocab)
-        self._a = {name: self._alloc(4 * n) for name, n in sizes.items()}
-        for name, n in dict(ids=B * k, slot_of=B * k, seq=B, pos=B, n_pos=B, rope=3 * B, rows=B).items():
-            self._a[name] = self._alloc(4 * n)
+        ints = dict(ids=B * k, slot_of=B * k, seq=B, pos=B, n_pos=B, rope=3 * B, rows=B)
+        if self.hybrid:  # gated attention's q and gates; the DeltaNet's rows; the shared expert's
+            VD, hv, F = self.d_inner, self.n_v_heads, self.n_ff_shexp
+            sizes |= dict(qg=2 * B * q_dim, dn_qkv=B * self.conv_dim, dn_conv=B * self.conv_dim, dn_z=B * VD,
+                          dn_alpha=B * hv, dn_beta=B * hv, dn_out=B * VD, sh_gate=B, sh_hb=B * F, sh_hb2=B * F,
+                          sh_out=B * E)
+            ints |= dict(q_rows=B * self.n_head, run_seq=B, run_first=B + 1)
+        self._a = {name: self._alloc(4 * n) for name, n in (sizes | ints).items()}
+        if self.hybrid:  # q head h of token t: row 2 (t n_head + h) of qg's head_dim-wide rows
+            self.device.upload(self._a["q_rows"], 2 * np.arange(B * self.n_head, dtype=np.int32))
+            self.device.sync()
 
     def _expert_data(self, layer: int, expert: int, which: int) -> np.ndarray:
         t = self._experts[layer][which]
         size = t.n_bytes // self.n_expert
         return self._file.data(t)[expert * size:(expert + 1) * size]
 
-    # --- the positions each sequence holds (the KV cache is the device's)
+    # --- the positions each sequence holds and its recurrent state (the KV cache and the state are the device's)
 
     def seq_n_past(self, seq: int) -> int:
         if not 0 <= seq < self.n_seq:
@@ -225,22 +350,48 @@ class DeviceEngine(Engine):
     def keep(self, n: int, seq: int = 0) -> None:
         if not 0 <= n <= self.seq_n_past(seq):
             raise EngineError(f"keep {n} of sequence {seq}, which holds {self._n_past[seq]} positions")
+        if n == 0:
+            self._state.clear(seq)
+        elif n < self._n_past[seq]:
+            self._state.cut(seq)  # the state cannot be cut back
         self._n_past[seq] = n
 
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
-        """Sequence `dst` = the first n positions of `src`: their rows through the host (the interface has no
-        copy between two places of the device)."""
+        """Sequence `dst` = the first n positions of `src`: their rows copied on the device, a run per layer, KV
+        head and cache (with multi-axis RoPE, their positions' components too); a recurrent state goes with them
+        when n is all `src` holds, and a shorter n leaves `dst`'s state invalid (as `keep` does)."""
+        if not 0 <= n <= self.seq_n_past(src):
+            raise EngineError(f"copy of {n} positions of sequence {src}, which holds {self._n_past[src]}")
         self.seq_n_past(dst)
-        data = self.export_kv(src, 0, n)
-        self._n_past[dst] = 0
-        self.import_kv(dst, 0, data)
+        if src == dst:
+            self.keep(n, dst)
+            return
+        for (from_, size), (to, _) in zip(self._runs(src, 0, n), self._runs(dst, 0, n), strict=True):
+            self.device.copy(to, from_, size)
+        self._rope_t[dst, :n], self._rope_next[dst, :n] = self._rope_t[src, :n], self._rope_next[src, :n]
+        if n == 0:
+            self._state.clear(dst)
+        elif n == self._n_past[src]:  # the state at n is src's own
+            self._state.copy(src, dst)
+        else:
+            self._state.cut(dst)
+        self._n_past[dst] = n
+
+    def save_state(self, seq: int = 0) -> bytes:
+        self.seq_n_past(seq)
+        return self._state.save(seq)
+
+    def load_state(self, seq: int, data: bytes) -> None:
+        self.seq_n_past(seq)
+        self._state.load(seq, data)
 
     def _runs(self, seq: int, first: int, n: int) -> list[tuple[Any, int]]:
         """The device's bytes of positions [first, first + n) of `seq` in `export_kv`'s order (kv_rows.c's layout:
-        per layer and KV head its K then V rows, then with int8 its K then V scales): (pointer, bytes) pairs."""
+        per attention layer and KV head its K then V rows, then with int8 its K then V scales): (pointer, bytes)
+        pairs."""
         ffi, row = self.device.ffi, self.head_dim * KV_ELEM[self.kv_type]
-        heads = [((seq * self.n_layer + il) * self.n_head_kv + h) * self.n_ctx + first
-                 for il in range(self.n_layer) for h in range(self.n_head_kv)]
+        heads = [((seq * self.n_kv_layer + il) * self.n_head_kv + h) * self.n_ctx + first
+                 for il in range(self.n_kv_layer) for h in range(self.n_head_kv)]
         runs = [(ffi.cast("char *", cache) + base * row, n * row) for base in heads for cache in (self._k, self._v)]
         if self.kv_type == "int8":
             runs += [(ffi.cast("char *", cache) + base * 4, n * 4) for base in heads
@@ -256,6 +407,9 @@ class DeviceEngine(Engine):
         for ptr, size in self._runs(seq, first, n) if n else []:
             self.device.download(buf[at:at + size], ptr)
             at += size
+        if self._mrope:  # then the positions' RoPE t components and their next text positions
+            ints = buf[at:].view(np.int32)
+            ints[:n], ints[n:] = self._rope_t[seq, first:first + n], self._rope_next[seq, first:first + n]
         self.device.sync()
         return buf
 
@@ -269,7 +423,12 @@ class DeviceEngine(Engine):
         for ptr, size in self._runs(seq, first, n) if n else []:
             self.device.upload(ptr, view[at:at + size])
             at += size
+        if self._mrope:
+            ints = view[at:].view(np.int32)
+            self._rope_t[seq, first:first + n], self._rope_next[seq, first:first + n] = ints[:n], ints[n:]
         self.device.sync()  # the caller's buffer is read by now
+        if n:
+            self._state.cut(seq)  # the rows came without a state: load_state
         self._n_past[seq] = first + n
 
     def abort(self, seq: int = 0) -> None:
@@ -289,7 +448,7 @@ class DeviceEngine(Engine):
         misses, uploads)."""
         c, slots = self.slots.counts, self.slots
         return {"capacity": slots.capacity, "bytes": slots.capacity * slots.slot_bytes, "hits": c.hits,
-                "misses": c.misses, "uploads": c.uploads}
+                "misses": c.misses, "uploads": c.uploads, "preloaded": c.preloaded}
 
     # --- a call
 
@@ -298,14 +457,16 @@ class DeviceEngine(Engine):
             os.eventfd_write(notify_fd, 1)
         if not items:
             raise EngineError("eval needs at least one token")
-        ids, seqs, pos, outs, rows, index, _grid = self._batch_arrays(self._live_ctx(), items)
+        ids, seqs, pos, outs, rows, index, grid = self._batch_arrays(self._live_ctx(), items)
         if ids.min() < 0 or ids.max() >= self.n_vocab:
             raise EngineError(f"token id out of range [0, {self.n_vocab})")
         for s in set(seqs.tolist()):
             if self._n_past[s] + int((seqs == s).sum()) > self.n_ctx:
                 raise EngineError(f"sequence {s}: context full ({self.n_ctx} positions)")
+            self._state.check(s)
         embd_of = np.full(len(ids), -1, np.int64)
         embd_of[index] = np.arange(len(index))
+        rope = self._rope_positions(seqs, pos, embd_of, grid)
         logits = np.empty((len(outs), self.n_vocab), np.float32)
         want = np.full(len(ids), -1, np.int64)
         want[outs] = np.arange(len(outs))
@@ -317,8 +478,8 @@ class DeviceEngine(Engine):
             take = np.arange(start, min(start + self.n_batch, len(ids)))
             take = take[~np.isin(seqs[take], list(dropped))]
             if len(take):
-                chunk_logits = self._chunk(ids[take], seqs[take], pos[take], rows, embd_of[take], want[take] >= 0,
-                                           records, n_chunks)
+                chunk_logits = self._chunk(ids[take], seqs[take], pos[take], rope[take], rows, embd_of[take],
+                                           want[take] >= 0, records, n_chunks)
                 n_chunks += 1
                 logits[want[take][want[take] >= 0]] = chunk_logits
                 for s in set(seqs[take].tolist()):
@@ -331,6 +492,25 @@ class DeviceEngine(Engine):
             raise EngineAborted("aborted", frozenset(dropped), results)
         return results  # type: ignore[return-value]  # no None without a dropped sequence
 
+    def _rope_positions(self, seqs: np.ndarray, pos: np.ndarray, embd_of: np.ndarray, grid: np.ndarray) -> np.ndarray:
+        """Each token's RoPE position (t, h, w), as the CPU engine's rope_positions gives them: its position on
+        every axis, or with multi-axis RoPE the next text position after the sequence's last (a picture's rows at
+        their grid place from where the picture starts), each kept with its position (scratch past n_past until a
+        chunk takes it in)."""
+        if not self._mrope:
+            return np.repeat(pos.astype(np.int32)[:, None], 3, axis=1)
+        rope = np.empty((len(pos), 3), np.int32)
+        for t, (s, p, r) in enumerate(zip(seqs.tolist(), pos.tolist(), embd_of.tolist(), strict=True)):
+            text = int(self._rope_next[s, p - 1]) if p > 0 else 0
+            if r >= 0 and grid[r, 0] >= 0:
+                row, col = int(grid[r, 0]), int(grid[r, 1])
+                start = text if (row == 0 and col == 0) or p == 0 else int(self._rope_t[s, p - 1])
+                rope[t] = (start, start + row, start + col)
+            else:
+                rope[t] = text
+            self._rope_t[s, p], self._rope_next[s, p] = rope[t, 0], 1 + rope[t].max()
+        return rope
+
     def _write_routing(self, records: list[np.ndarray], n_chunks: int) -> None:
         """Append the call's records ([layer, chunk, n_tok, ids], as the CPU engine writes them) to the trace."""
         assert self._routing is not None
@@ -339,22 +519,23 @@ class DeviceEngine(Engine):
         buffer[:len(flat)] = flat
         self._routing.write(len(flat), n_chunks)
 
-    def _launch(self, name: str, **fields: Any) -> None:
-        self.device.launch(name, **fields)
-
-    def _chunk(self, ids: np.ndarray, seqs: np.ndarray, pos: np.ndarray, rows: np.ndarray, embd_of: np.ndarray,
-               wants: np.ndarray, records: list[np.ndarray], chunk: int) -> np.ndarray:
+    def _chunk(self, ids: np.ndarray, seqs: np.ndarray, pos: np.ndarray, rope: np.ndarray, rows: np.ndarray,
+               embd_of: np.ndarray, wants: np.ndarray, records: list[np.ndarray], chunk: int) -> np.ndarray:
         """One forward pass over a chunk's tokens; the logits rows of those that want them."""
         n, a, dev = len(ids), self._a, self.device
         self.slots.begin_step()
         pos32 = pos.astype(np.int32)
+        # the runs of each sequence's tokens (adjacent: a call has one item a sequence), for the recurrent layers
+        starts = np.flatnonzero(np.r_[True, seqs[1:] != seqs[:-1]])
         staged = {"x": self._embeddings(ids, rows, embd_of), "seq": seqs.astype(np.int32), "pos": pos32,
-                  "n_pos": pos32 + 1, "rope": np.repeat(pos32[:, None], 3, axis=1)}
+                  "n_pos": pos32 + 1, "rope": np.ascontiguousarray(rope, np.int32)}
+        if self.hybrid:
+            staged |= {"run_seq": seqs[starts].astype(np.int32), "run_first": np.r_[starts, n].astype(np.int32)}
         for name, array in staged.items():
             dev.upload(a[name], array)
         self._in_flight = list(staged.values())  # host buffers the stream reads, kept until a synchronisation
         for il in range(self.n_layer):
-            self._attention(il, n)
+            self._layers_launches[il].run(n=n, runs=len(starts))
             self._moe(il, n, records, chunk)
         # logits = rmsnorm(x rows that want them) @ Woutput
         rows_wanted = np.flatnonzero(wants).astype(np.int32)
@@ -363,12 +544,8 @@ class DeviceEngine(Engine):
             dev.sync()
             self._in_flight = []
             return np.empty((0, self.n_vocab), np.float32)
-        E = self.n_embd
         dev.upload(a["rows"], rows_wanted)
-        dev.memset(a["slot_x"], 0, 4 * m * E)
-        self._launch("add_rows", n_tok=m, k=1, n=E, y=a["x"], idx=a["rows"], out=a["slot_x"])
-        self._launch("rms_norm", n=E, n_tok=m, eps=self.eps, x=a["slot_x"], w=self._output_norm, out=a["xb"])
-        self._matmul(self._output, a["xb"], m, a["logits"])
+        self._output_launches.run(m=m)
         logits = dev.to_host(a["logits"], (m, self.n_vocab), np.float32)
         self._in_flight = []
         return logits
@@ -386,99 +563,195 @@ class DeviceEngine(Engine):
             x[i] = row.view(np.float32) if t.type == Q.F32 else quants.dequantize(row, Q(t.type)).reshape(-1)
         return x
 
-    def _matmul(self, w: Matrix, x: Any, n_tok: int, y: Any, ptr: Any = None) -> None:
-        self._launch("matmul", type=int(w.type), n=w.n_in, rows=w.n_out, n_tok=n_tok, row_bytes=w.row_bytes,
-                     w=w.ptr if ptr is None else ptr, x=x, y=y)
+    # --- the launches, built once: per layer up to the router's top-k, the experts' mix, the output
 
-    def _attention(self, il: int, n: int) -> None:
-        L, a, E, hd = self._layers[il], self._a, self.n_embd, self.head_dim
-        # xb = rmsnorm(x); q, k, v = xb Wq, Wk, Wv
-        self._launch("rms_norm", n=E, n_tok=n, eps=self.eps, x=a["x"], w=L["attn_norm"], out=a["xb"])
-        for name, out in (("attn_q", "q"), ("attn_k", "k"), ("attn_v", "v")):
-            self._matmul(L[name], a["xb"], n, a[out])
-        # q, k heads = rope(rmsnorm(head)); k, v rows into the cache at the tokens' positions
-        for name, heads in (("q", self.n_head), ("k", self.n_head_kv)):
-            self._launch("rms_norm", n=hd, n_tok=n * heads, eps=self.eps, x=a[name], w=L[f"attn_{name}_norm"],
-                         out=a[name])
-            self._launch("rope", n_tok=n, n_head=heads, head_dim=hd, neox=1, x=a[name], pos=a["rope"],
-                         inv_freq=self._inv_freq, axis=self._axis)
-        kv = dict(n_head_kv=self.n_head_kv, head_dim=hd, kv_type=_KV_TYPES[self.kv_type], n_layer=self.n_layer, il=il,
-                  n_ctx=self.n_ctx, k=self._k, v=self._v, k_scale=self._k_scale, v_scale=self._v_scale, seq=a["seq"])
-        self._launch("kv_store", n_tok=n, k_in=a["k"], v_in=a["v"], pos=a["pos"], **kv)
-        # att = softmax(q K^T / sqrt(hd)) V over each token's positions; x += att Wo
-        self._launch("attention", n_tok=n, n_head=self.n_head, q=a["q"], n_pos=a["n_pos"], out=a["att"], **kv)
-        self._matmul(L["attn_output"], a["att"], n, a["xb"])
-        self._launch("add_rows", n_tok=n, k=1, n=E, y=a["xb"], out=a["x"])
+    def _build_launches(self) -> None:
+        """Each layer's launches up to its router's top-k, the mix of a layer's experts into the residual (the same
+        for every layer), the output's, and each layer's hits' arguments (`strata_dev_launch_experts`)."""
+        a, E, ffi = self._a, self.n_embd, self.device.ffi
+        self._layers_launches = []
+        for il in range(self.n_layer):
+            out = LaunchList(self.device)
+            if self._recurrent[il]:
+                self._deltanet(out, il)
+            else:
+                self._attention(out, il)
+            self._router(out, il)
+            self._layers_launches.append(out)
+        # x += sum over the token's choices of weight * its expert's row (and the shared expert's gated rows)
+        self._mix = LaunchList(self.device)
+        self._mix.launch("add_rows", n_tok=N, k=self.n_used, n=E, y=a["moe_out"], idx=a["slot_of"],
+                         weight=a["weights"], out=a["x"])
+        if self.hybrid:
+            self._mix.launch("add_rows", n_tok=N, k=1, n=E, y=a["sh_out"], out=a["x"])
+        # the rows that want logits gathered, normed, through the output projection
+        self._output_launches = out = LaunchList(self.device)
+        out.memset(a["slot_x"], 4 * E * ROWS)
+        out.launch("add_rows", n_tok=ROWS, k=1, n=E, y=a["x"], idx=a["rows"], out=a["slot_x"])
+        out.launch("rms_norm", n=E, n_tok=ROWS, eps=self.eps, x=a["slot_x"], w=self._output_norm, out=a["xb"])
+        self._matmul(out, self._output, a["xb"], ROWS, a["logits"])
+        self._hit_args = [ffi.new("strata_dev_experts_args *", dict(
+            gate_type=g.type, up_type=u.type, down_type=d.type, n_embd=E, n_ff=self.n_ff, x=a["slot_x"],
+            hb=a["hb"], hb2=a["hb2"], y=a["moe_out"])) for g, u, d in self._experts]
+        # the host's side of a layer: the top-k's ids and the normed rows, and the slots grouped by expert
+        B, k = self.n_batch, self.n_used
+        self._host = dict(ids=np.empty((B, k), np.int32), xb=np.empty((B, E), np.float32),
+                          slot_x=np.empty((B * k, E), np.float32), slot_of=np.empty(B * k, np.int32),
+                          experts=np.empty(B * k, np.int32), first=np.empty(B * k, np.int32),
+                          count=np.empty(B * k, np.int32), miss_y=np.empty((B * k, E), np.float32))
+        self._host_ptr = {name: ffi.from_buffer("int[]" if array.dtype == np.int32 else "float[]", array)
+                          for name, array in self._host.items()}
+        self._n_distinct = ffi.new("int *")
+        # a layer's misses: each expert's matrices where the file is mapped (a tensor's base, an expert's bytes)
+        self._miss_args = ffi.new("strata_host_expert[]", B * k)
+        self._expert_types = [tuple(int(t.type) for t in tensors) for tensors in self._experts]
+        self._expert_mapped = [[(ffi.from_buffer(self._file.data(t)), t.n_bytes // self.n_expert) for t in tensors]
+                               for tensors in self._experts]
+
+    def _matmul(self, out: LaunchList, w: Matrix, x: Any, n_tok: Size, y: Any) -> None:
+        out.launch("matmul", type=int(w.type), n=w.n_in, rows=w.n_out, n_tok=n_tok, row_bytes=w.row_bytes, w=w.ptr,
+                   x=x, y=y)
+
+    def _floats(self, name: str, offset: int) -> Any:
+        """Activation buffer `name` from float `offset` on."""
+        return self.device.ffi.cast("float *", self._a[name]) + offset
+
+    def _attention(self, out: LaunchList, il: int) -> None:
+        L, a, E, hd, nh, n = self._layers[il], self._a, self.n_embd, self.head_dim, self.n_head, N
+        # xb = rmsnorm(x); q, k, v = xb Wq, Wk, Wv; gated attention's q rows gathered from its (query, gate) heads
+        out.launch("rms_norm", n=E, n_tok=n, eps=self.eps, x=a["x"], w=L["attn_norm"], out=a["xb"])
+        self._matmul(out, L["attn_q"], a["xb"], n, a["qg" if self.hybrid else "q"])
+        if self.hybrid:
+            out.memset(a["q"], 4 * n * nh * hd)
+            out.launch("add_rows", n_tok=n * nh, k=1, n=hd, y=a["qg"], idx=a["q_rows"], out=a["q"])
+        for name, rows in (("attn_k", "k"), ("attn_v", "v")):
+            self._matmul(out, L[name], a["xb"], n, a[rows])
+        # q, k heads = rope(rmsnorm(head)) on their first n_rot values; k, v rows into the cache at the tokens'
+        # positions
+        for name, heads in (("q", nh), ("k", self.n_head_kv)):
+            out.launch("rms_norm", n=hd, n_tok=n * heads, eps=self.eps, x=a[name], w=L[f"attn_{name}_norm"],
+                       out=a[name])
+            out.launch("rope", n_tok=n, n_head=heads, head_dim=hd, neox=1, n_rot=self.n_rot, x=a[name],
+                       pos=a["rope"], inv_freq=self._inv_freq, axis=self._axis)
+        kv = dict(n_head_kv=self.n_head_kv, head_dim=hd, kv_type=_KV_TYPES[self.kv_type], n_layer=self.n_kv_layer,
+                  il=int(self._kv_layer[il]), n_ctx=self.n_ctx, k=self._k, v=self._v, k_scale=self._k_scale,
+                  v_scale=self._v_scale, seq=a["seq"])
+        out.launch("kv_store", n_tok=n, k_in=a["k"], v_in=a["v"], pos=a["pos"], **kv)
+        # att = softmax(q K^T / sqrt(hd)) V over each token's positions (times the sigmoid of each head's gate);
+        # x += att Wo
+        out.launch("attention", n_tok=n, n_head=nh, q=a["q"], n_pos=a["n_pos"], out=a["att"], **kv)
+        if self.hybrid:
+            out.launch("sigmoid_gate", n=hd, n_rows=n * nh, gate_stride=2 * hd, per_value=1,
+                       gate=self._floats("qg", hd), x=a["att"])
+        self._matmul(out, L["attn_output"], a["att"], n, a["xb"])
+        out.launch("add_rows", n_tok=n, k=1, n=E, y=a["xb"], out=a["x"])
+
+    def _deltanet(self, out: LaunchList, il: int) -> None:
+        """A Gated DeltaNet layer (blocks_deltanet.c's maths) on each run's sequence's state."""
+        L, a, E, d, n = self._layers[il], self._a, self.n_embd, self.d_state, N
+        hk, hv, C = self.n_k_heads, self.n_v_heads, self.conv_dim
+        # xb = rmsnorm(x); qkv, z, alpha, beta = xb Wqkv, Wz, Walpha, Wbeta
+        out.launch("rms_norm", n=E, n_tok=n, eps=self.eps, x=a["x"], w=L["attn_norm"], out=a["xb"])
+        for name, rows in (("attn_qkv", "dn_qkv"), ("attn_gate", "dn_z"), ("ssm_alpha", "dn_alpha"),
+                           ("ssm_beta", "dn_beta")):
+            self._matmul(out, L[name], a["xb"], n, a[rows])
+        # q, k, v = silu(conv(qkv)) from each sequence's conv state; L2-normed q (by 1/sqrt(d) too) and k heads;
+        # g and beta per v head
+        runs = dict(n_seq=RUNS, seq=a["run_seq"], seq_first=a["run_first"], state_stride=self._state.floats)
+        layer = int(self._rec_layer[il]) * self.layer_state_floats
+        out.launch("dn_conv", d_conv=self.d_conv, channels=C, x=a["dn_qkv"], w=L["ssm_conv1d"],
+                   state=self._state.at(0, layer), out=a["dn_conv"], **runs)
+        q_scale = float(np.float32(1.0) / np.sqrt(np.float32(d)))  # as the CPU engine's, in float
+        for offset, scale in ((0, q_scale), (hk * d, 1.0)):
+            out.launch("l2_norm", n_tok=n, n_head=hk, head_dim=d, row_stride=C, scale=scale,
+                       x=self._floats("dn_conv", offset))
+        out.launch("dn_gates", n_tok=n, n_head=hv, alpha=a["dn_alpha"], beta=a["dn_beta"], a=L["ssm_a"],
+                   dt_bias=L["ssm_dt.bias"])
+        # o = the gated delta rule per (sequence, v head); o = rmsnorm(o) w silu(z); x += o Wout
+        out.launch("delta_rule", n_k_heads=hk, n_v_heads=hv, head_dim=d, row_stride=C, q=a["dn_conv"],
+                   k=self._floats("dn_conv", hk * d), v=self._floats("dn_conv", 2 * hk * d), g=a["dn_alpha"],
+                   beta=a["dn_beta"], state=self._state.at(0, layer + self.conv_floats), out=a["dn_out"], **runs)
+        out.launch("gated_rms_norm", n=d, n_rows=n * hv, eps=self.eps, x=a["dn_out"], z=a["dn_z"], w=L["ssm_norm"],
+                   out=a["dn_out"])
+        self._matmul(out, L["ssm_out"], a["dn_out"], n, a["xb"])
+        out.launch("add_rows", n_tok=n, k=1, n=E, y=a["xb"], out=a["x"])
+
+    def _router(self, out: LaunchList, il: int) -> None:
+        """xb = rmsnorm(x); the shared expert's rows where the model has one; each token's top-k experts and their
+        weights (which the host reads back with xb)."""
+        L, a, n = self._layers[il], self._a, N
+        out.launch("rms_norm", n=self.n_embd, n_tok=n, eps=self.eps, x=a["x"], w=L["ffn_norm"], out=a["xb"])
+        if self.hybrid:
+            self._shared_expert(out, il)
+        self._matmul(out, L["ffn_gate_inp"], a["xb"], n, a["router"])
+        out.launch("topk", n_tok=n, n_expert=self.n_expert, k=self.n_used, logits=a["router"], ids=a["ids"],
+                   weights=a["weights"])
+
+    def _shared_expert(self, out: LaunchList, il: int) -> None:
+        """sh_out = SwiGLU(xb) through the shared expert, times the sigmoid of xb . its gate."""
+        L, a, n = self._layers[il], self._a, N
+        self._matmul(out, L["ffn_gate_inp_shexp"], a["xb"], n, a["sh_gate"])
+        self._matmul(out, L["ffn_gate_shexp"], a["xb"], n, a["sh_hb"])
+        self._matmul(out, L["ffn_up_shexp"], a["xb"], n, a["sh_hb2"])
+        out.launch("swiglu", n=n * self.n_ff_shexp, g=a["sh_hb"], u=a["sh_hb2"], out=a["sh_hb"])
+        self._matmul(out, L["ffn_down_shexp"], a["sh_hb"], n, a["sh_out"])
+        out.launch("sigmoid_gate", n=self.n_embd, n_rows=n, gate_stride=1, per_value=0, gate=a["sh_gate"],
+                   x=a["sh_out"])
+
+    # --- a layer's experts
 
     def _moe(self, il: int, n: int, records: list[np.ndarray], chunk: int) -> None:
-        L, a, dev, E, k = self._layers[il], self._a, self.device, self.n_embd, self.n_used
-        # xb = rmsnorm(x); each token's top-k experts and their weights, to the host with xb
-        self._launch("rms_norm", n=E, n_tok=n, eps=self.eps, x=a["x"], w=L["ffn_norm"], out=a["xb"])
-        self._matmul(L["ffn_gate_inp"], a["xb"], n, a["router"])
-        self._launch("topk", n_tok=n, n_expert=self.n_expert, k=k, logits=a["router"], ids=a["ids"],
-                     weights=a["weights"])
-        ids, xb = np.empty((n, k), np.int32), np.empty((n, E), np.float32)
+        """The layer's top-k read back with xb; its slots grouped by expert; the hits on the device, the misses on
+        the CPU's threads; then the mix into the residual."""
+        a, dev, E, k, host, ptr = self._a, self.device, self.n_embd, self.n_used, self._host, self._host_ptr
+        ids = host["ids"][:n]
         dev.download(ids, a["ids"])
-        dev.download(xb, a["xb"])
+        dev.download(host["xb"][:n], a["xb"])
         dev.sync()
         self._in_flight = []  # what the host gave the stream so far is read by now
         if self._routing is not None:
             records.append(np.concatenate([np.array([il, chunk, n], np.int32), ids.reshape(-1)]))
-        # slots grouped by expert, ascending: expert e's tokens' rows, in token order
-        order = np.argsort(ids.reshape(-1), kind="stable")
-        slot_of = np.empty(n * k, np.int32)
-        slot_of[order] = np.arange(n * k, dtype=np.int32)
-        experts, first, count = np.unique(ids.reshape(-1)[order], return_index=True, return_counts=True)
-        slot_x = xb[order // k]  # (n k, E): each slot's token row
-        outcome = self.slots.step(il, experts.tolist())
-        at = {int(e): (int(f), int(c)) for e, f, c in zip(experts, first, count, strict=True)}
-        misses = [self._pool.submit(self._miss, il, e, slot_x[at[e][0]:at[e][0] + at[e][1]]) for e in outcome.misses]
-        dev.upload(a["slot_x"], slot_x)
-        for e in outcome.hits:
-            self._hit(il, e, *at[e])
-        miss_rows = [future.result() for future in misses]
-        for e, y in zip(outcome.misses, miss_rows, strict=True):
-            dev.upload(dev.ffi.cast("char *", a["moe_out"]) + 4 * at[e][0] * E, y)
-        # x += sum over the token's choices of weight * its expert's row
-        dev.upload(a["slot_of"], slot_of)
-        self._launch("add_rows", n_tok=n, k=k, n=E, y=a["moe_out"], idx=a["slot_of"], weight=a["weights"], out=a["x"])
+        # slots grouped by expert, ascending: expert e's tokens' rows, in token order (slot_x)
+        _check(dev.lib.strata_host_group_slots(n, k, self.n_expert, ptr["ids"], ptr["xb"], E, ptr["slot_x"],
+                                               ptr["slot_of"], ptr["experts"], ptr["first"], ptr["count"],
+                                               self._n_distinct))
+        distinct = host["experts"][:self._n_distinct[0]].tolist()
+        outcome = self.slots.step(il, distinct)
+        place = {e: i for i, e in enumerate(distinct)}
+        first, count, slot_x = host["first"], host["count"], host["slot_x"]
+        dev.upload(a["slot_x"], slot_x[:n * k])
+        if outcome.hits:  # queued: on a card they run while the CPU computes the misses
+            hits = [place[e] for e in outcome.hits]
+            dev.launch_experts(self._hit_args[il], [self.slots.slot(il, e) for e in outcome.hits], first[hits],
+                               count[hits])
+        if outcome.misses:  # on the CPU's threads, from the mapped file, into miss_y at the slots' rows
+            started = time.perf_counter()
+            self._misses(il, [(e, int(first[place[e]]), int(count[place[e]])) for e in outcome.misses])
+            self.slots.misses_took(time.perf_counter() - started)
+            for e in outcome.misses:
+                s0, rows = int(first[place[e]]), int(count[place[e]])
+                dev.upload(dev.ffi.cast("char *", a["moe_out"]) + 4 * s0 * E, host["miss_y"][s0:s0 + rows])
+        dev.upload(a["slot_of"], host["slot_of"][:n * k])
+        self._mix.run(n=n)
         # no synchronisation: the next layer's attention queues behind this one; the host's rows live until the
-        # next read-back
-        self._in_flight = [slot_x, slot_of, *miss_rows]
+        # next read-back (the buffers of `_host` are rewritten only after it)
 
-    def _hit(self, il: int, e: int, s0: int, count: int) -> None:
-        """Expert e's rows on the device, from its slot: moe_out = (silu(x Wg) * (x Wu)) Wd."""
-        a, ffi, E, F = self._a, self.device.ffi, self.n_embd, self.n_ff
-        gate, up, down = self._experts[il]
-        ptrs = self.slots.matrices(il, e)
-        x, y = ffi.cast("char *", a["slot_x"]) + 4 * s0 * E, ffi.cast("char *", a["moe_out"]) + 4 * s0 * E
-        hb, hb2 = ffi.cast("char *", a["hb"]) + 4 * s0 * F, ffi.cast("char *", a["hb2"]) + 4 * s0 * F
-        for t, ptr, out in ((gate, ptrs[0], hb), (up, ptrs[1], hb2)):
-            self._launch("matmul", type=t.type, n=E, rows=F, n_tok=count, row_bytes=t.n_bytes // (F * self.n_expert),
-                         w=ptr, x=x, y=out)
-        self._launch("swiglu", n=count * F, g=hb, u=hb2, out=hb)
-        self._launch("matmul", type=down.type, n=F, rows=E, n_tok=count,
-                     row_bytes=down.n_bytes // (E * self.n_expert), w=ptrs[2], x=hb, y=y)
-
-    def _miss(self, il: int, e: int, x: np.ndarray) -> np.ndarray:
-        """Expert e's rows on the CPU, from the mapped file (a thread of the pool)."""
-        ffi, lib = self.device.ffi, self.device.lib
-        gate, up, down = (self._expert_data(il, e, w) for w in range(3))
-        types = [t.type for t in self._experts[il]]
-        x = np.ascontiguousarray(x)
-        y = np.empty((len(x), self.n_embd), np.float32)
-        status = lib.strata_host_expert_ffn(types[0], ffi.from_buffer(gate), types[1], ffi.from_buffer(up), types[2],
-                                            ffi.from_buffer(down), self.n_embd, self.n_ff,
-                                            ffi.from_buffer("float[]", x), len(x), ffi.from_buffer("float[]", y))
-        if status != 0:
-            raise EngineError(f"layer {il}, expert {e} on the CPU: status {status}")
-        return y
+    def _misses(self, il: int, misses: list[tuple[int, int, int]]) -> None:
+        """Each (expert, first slot, slots) of layer il on the CPU's threads at once (`strata_host_experts_ffn`):
+        slot_x's rows in, miss_y's out, the weights read where the file is mapped."""
+        E, ptr = self.n_embd, self._host_ptr
+        for j, (e, s0, rows) in enumerate(misses):
+            m = self._miss_args[j]
+            m.gate_type, m.up_type, m.down_type = self._expert_types[il]
+            m.gate, m.up, m.down = (base + e * size for base, size in self._expert_mapped[il])
+            m.x, m.n_tok, m.y = ptr["slot_x"] + s0 * E, rows, ptr["miss_y"] + s0 * E
+        _check(self.device.lib.strata_host_experts_ffn(self._pool, E, self.n_ff, self._miss_args, len(misses)))
 
     def close(self) -> None:
         """Close the CPU engine and the device (which frees every allocation on it). Idempotent."""
         pool = self.__dict__.pop("_pool", None)
         if pool is not None:
-            pool.shutdown()
+            self.device.lib.strata_host_pool_free(pool)
         device = self.__dict__.pop("device", None)
         if device is not None:
             device.close()

@@ -8,7 +8,17 @@ upload copies the expert's three matrices into the evicted expert's slot, or a n
 on the upload stream. The backend waits for that stream when the next step begins, so an expert is only ever
 computed from its slot a step after its upload was queued, and the compute stream never waits on the link.
 
-The counts (hits, misses, uploads) are those the simulator's `replay` counts on the same routing.
+How many uploads a step may start is paced by the link: while the CPU computes a step's misses, the upload stream
+moves `link_rate` bytes a second, so the next step may start as many uploads as fit in the time this step's misses
+took (at least `MIN_UPLOADS_PER_STEP`, so a cache whose steps are all hits still takes in a new hot expert now and
+then). Until a step has had misses the budget is `uploads_per_step`. Without a link rate (None) the budget stays
+`uploads_per_step`, as the simulator's fixed budget.
+
+A prior (a placement learned from a routing trace recorded earlier, `strata.experts.simulate.most_frequent`) is
+uploaded when the slots are made: the cache starts holding it, as `AdaptiveLrfuCache` starts following it.
+
+The counts (hits, misses, uploads) are those the simulator's `replay` counts on the same routing; the prior's
+experts are counted apart (`preloaded`).
 """
 
 from __future__ import annotations
@@ -18,11 +28,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from strata.engine_cffi.device import Device
-from strata.experts.simulate import AdaptiveLrfuCache, StepOutcome
+from strata.experts.simulate import AdaptiveLrfuCache, Key, StepOutcome
 
 # Uploads a step may start, over all its layers: what the link moves during a decode step of a mid-sized MoE
 # without delaying it (the policy releases the budget evenly over the layers; see strata.experts.simulate).
 UPLOADS_PER_STEP = 4.0
+# The paced budget's floor: a step that kept the CPU busy for no time may still start an upload every fourth step.
+MIN_UPLOADS_PER_STEP = 0.25
 
 
 @dataclass
@@ -33,6 +45,7 @@ class ExpertCounts:
     hits: int = 0
     misses: int = 0
     uploads: int = 0
+    preloaded: int = 0  # the prior's experts, uploaded when the slots were made
 
 
 class ExpertSlots:
@@ -47,25 +60,43 @@ class ExpertSlots:
         expert_data: the host bytes of one of an expert's matrices: (layer, expert, which) -> a buffer (which: 0
             gate, 1 up, 2 down).
         upload_stream: the device stream the uploads go on.
+        uploads_per_step: the uploads a step may start (None: no bound); with a link rate, the budget until the
+            first step with misses.
+        prior: (layer, expert) pairs to hold from the start (at most `capacity`).
+        link_rate: bytes a second the upload stream moves (None: the budget is not paced).
     """
 
     def __init__(self, device: Device, n_layer: int, n_expert: int, capacity: int,
                  expert_bytes: Sequence[tuple[int, int, int]],
                  expert_data: Callable[[int, int, int], Any], upload_stream: int,
-                 uploads_per_step: float | None = UPLOADS_PER_STEP) -> None:
+                 uploads_per_step: float | None = UPLOADS_PER_STEP, prior: Sequence[Key] = (),
+                 link_rate: float | None = None) -> None:
         self.device, self.capacity = device, capacity
         self.expert_bytes = list(expert_bytes)
         self.slot_bytes = max(sum(sizes) for sizes in self.expert_bytes)
         self._expert_data, self._stream = expert_data, upload_stream
-        self.policy = AdaptiveLrfuCache(n_layer, n_expert, capacity, uploads_per_step=uploads_per_step)
-        self.counts = ExpertCounts()
+        self.policy = AdaptiveLrfuCache(n_layer, n_expert, capacity, uploads_per_step=uploads_per_step, prior=prior)
+        self.link_rate = link_rate
+        self.counts = ExpertCounts(preloaded=len(prior))
         self._slot: dict[tuple[int, int], Any] = {}  # (layer, expert) -> its slot (a device pointer)
         self._free: list[Any] = []  # slots of evicted experts, to be reused
+        self._miss_seconds: float | None = None  # what the current step's misses took, once it had some
+        for layer, expert in prior:
+            self._upload(layer, expert)
 
     def begin_step(self) -> None:
-        """Start a forward pass: the uploads queued by the last one are complete from here on."""
+        """Start a forward pass: the uploads queued by the last one are complete from here on, and this one may
+        start as many as the link moves in the time the last one's misses took."""
         self.device.sync(self._stream)
+        if self.link_rate is not None and self._miss_seconds is not None:
+            paced = self._miss_seconds * self.link_rate / self.slot_bytes
+            self.policy.uploads_per_step = max(MIN_UPLOADS_PER_STEP, paced)
+            self._miss_seconds = 0.0
         self.policy.begin_step()
+
+    def misses_took(self, seconds: float) -> None:
+        """A layer's misses kept the CPU busy for `seconds` of this step (the uploads it queued overlap them)."""
+        self._miss_seconds = (self._miss_seconds or 0.0) + seconds
 
     def step(self, layer: int, experts: Sequence[int]) -> StepOutcome:
         """The layer needs `experts` (distinct): count them, and queue the uploads the policy starts."""
@@ -78,6 +109,10 @@ class ExpertSlots:
         for e in outcome.uploads:
             self._upload(layer, e)
         return outcome
+
+    def slot(self, layer: int, expert: int) -> Any:
+        """The device pointer of a held expert's slot (its gate, up and down matrices one after another)."""
+        return self._slot[(layer, expert)]
 
     def matrices(self, layer: int, expert: int) -> tuple[Any, Any, Any]:
         """The device pointers of a held expert's gate, up and down matrices."""

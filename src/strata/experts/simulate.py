@@ -45,7 +45,7 @@ class StepOutcome:
 
 class ExpertCache:
     """The experts a cache of `capacity` holds and the bookkeeping every policy shares; a subclass says which
-    expert to evict (`_priority`: the lowest goes first) and which misses to admit.
+    expert to evict (`_priorities`: the lowest goes first) and which misses to admit.
 
     Args:
         n_layer, n_expert: the model's MoE layers and experts per layer.
@@ -82,10 +82,11 @@ class ExpertCache:
         allow."""
         needed = sorted(set(experts))
         held = self.held[layer]
-        hits = tuple(e for e in needed if e in held)
-        misses = tuple(e for e in needed if e not in held)
-        for e in needed:
-            self._touch(layer, e)
+        hits = tuple([e for e in needed if e in held])
+        misses = tuple([e for e in needed if e not in held])
+        self._touch_all(layer, needed)
+        if not misses:  # nothing to upload (a decode step's common case: kept short, as the backend runs it)
+            return StepOutcome(hits, misses, (), ())
         uploads: list[int] = []
         evictions: list[Key] = []
         for e in self._candidates(layer, misses):
@@ -116,12 +117,28 @@ class ExpertCache:
     def _victim(self, layer: int, protect: Sequence[int]) -> Key | None:
         """The held expert to evict (the lowest priority), not one of `protect` in `layer` (the step computes with
         those); None when there is none."""
-        layers = [layer] if self.per_layer else range(self.n_layer)
-        keys = [(il, e) for il in layers for e in self.held[il] if not (il == layer and e in protect)]
-        return min(keys, key=self._priority) if keys else None
+        layers = [layer] if self.per_layer else list(range(self.n_layer))
+        # the held keys layer by layer, each layer's in its set's order; the first of the least priority in that
+        # order, as min() over their priority tuples finds it, the tuples compared a column at a time over arrays
+        # (a cache holds thousands of experts)
+        parts = [np.fromiter(self.held[il], np.int64, len(self.held[il])) if il != layer else
+                 np.array([e for e in self.held[il] if e not in protect], np.int64) for il in layers]
+        at_layer, experts = np.repeat(np.array(layers, np.int64), [len(p) for p in parts]), np.concatenate(parts)
+        if not len(experts):
+            return None
+        candidates = np.arange(len(experts))
+        for column in self._priorities(at_layer, experts):
+            values = column[candidates]
+            candidates = candidates[values == values.min()]
+        return int(at_layer[candidates[0]]), int(experts[candidates[0]])
 
     def _touch(self, layer: int, expert: int) -> None:
         """The step uses the expert (held or not)."""
+
+    def _touch_all(self, layer: int, experts: Sequence[int]) -> None:
+        """The step uses these experts of `layer`, each once."""
+        for e in experts:
+            self._touch(layer, e)
 
     def _candidates(self, layer: int, misses: Sequence[int]) -> Sequence[int]:
         """The misses in the order they are considered for upload."""
@@ -131,7 +148,8 @@ class ExpertCache:
         """Whether the miss `key` may take the place of `victim`."""
         return True
 
-    def _priority(self, key: Key) -> tuple[float, ...]:
+    def _priorities(self, layers: np.ndarray, experts: np.ndarray) -> tuple[np.ndarray, ...]:
+        """The eviction priority of each (layer, expert): columns of a tuple compared in order, the lowest first."""
         raise NotImplementedError
 
 
@@ -146,8 +164,8 @@ class LruCache(ExpertCache):
     def _touch(self, layer: int, expert: int) -> None:
         self._last[layer, expert] = self.now
 
-    def _priority(self, key: Key) -> tuple[float, ...]:
-        return (float(self._last[key]), key[0])
+    def _priorities(self, layers: np.ndarray, experts: np.ndarray) -> tuple[np.ndarray, ...]:
+        return (self._last[layers, experts], layers)
 
 
 class LfuCache(ExpertCache):
@@ -164,8 +182,8 @@ class LfuCache(ExpertCache):
         self._count[layer, expert] += 1
         self._last[layer, expert] = self.now
 
-    def _priority(self, key: Key) -> tuple[float, ...]:
-        return (float(self._count[key]), float(self._last[key]), key[0])
+    def _priorities(self, layers: np.ndarray, experts: np.ndarray) -> tuple[np.ndarray, ...]:
+        return (self._count[layers, experts], self._last[layers, experts], layers)
 
 
 class StaticCache(ExpertCache):
@@ -177,8 +195,8 @@ class StaticCache(ExpertCache):
         for layer, e in keys:
             self.held[layer].add(e)
 
-    def _priority(self, key: Key) -> tuple[float, ...]:
-        return (0.0,)
+    def _priorities(self, layers: np.ndarray, experts: np.ndarray) -> tuple[np.ndarray, ...]:
+        return (np.zeros(len(layers)),)
 
 
 class LrfuCache(ExpertCache):
@@ -199,8 +217,14 @@ class LrfuCache(ExpertCache):
         self.scores = np.full((n_layer, n_expert), -math.inf)  # log2(score) + step / half_life
 
     def _touch(self, layer: int, expert: int) -> None:
-        now = self.now / self.half_life
-        self.scores[layer, expert] = now + math.log2(1.0 + 2.0 ** (self.scores[layer, expert] - now))
+        self._touch_all(layer, (expert,))
+
+    def _touch_all(self, layer: int, experts: Sequence[int]) -> None:
+        # in Python floats (the same libm pow and log2 numpy's scalars call), a layer's row at a time: the policy
+        # runs once per layer-step of the GPU backend, where numpy's per-scalar cost showed
+        now, row = self.now / self.half_life, self.scores[layer]
+        for e in experts:
+            row[e] = now + math.log2(1.0 + 2.0 ** (row.item(e) - now))
 
     def _candidates(self, layer: int, misses: Sequence[int]) -> Sequence[int]:
         return sorted(misses, key=lambda e: -self.scores[layer, e])
@@ -208,8 +232,8 @@ class LrfuCache(ExpertCache):
     def _admit(self, key: Key, victim: Key) -> bool:
         return bool(self.scores[key] > self.scores[victim])
 
-    def _priority(self, key: Key) -> tuple[float, ...]:
-        return (float(self.scores[key]), key[0])
+    def _priorities(self, layers: np.ndarray, experts: np.ndarray) -> tuple[np.ndarray, ...]:
+        return (self.scores[layers, experts], layers)
 
 
 class AdaptiveLrfuCache(ExpertCache):
@@ -240,6 +264,7 @@ class AdaptiveLrfuCache(ExpertCache):
         self.shadows = [LrfuCache(n_layer, n_expert, capacity, per_layer, uploads_per_step, h) for h in half_lives]
         self._longest = max(self.shadows, key=lambda shadow: shadow.half_life)
         self.prior = StaticCache(n_layer, n_expert, prior)
+        self._has_prior = self.prior.size() > 0  # a static placement: it never changes
         if max(len(h) for h in self.prior.held) > capacity if per_layer else self.prior.size() > capacity:
             raise ValueError(f"a prior of {self.prior.size()} experts does not fit a capacity of {capacity}")
         self._in_prior = np.zeros((n_layer, n_expert), bool)
@@ -275,7 +300,7 @@ class AdaptiveLrfuCache(ExpertCache):
         needed = list(experts)
         for i, shadow in enumerate(self.shadows):  # they touch the experts: their scores are up to date
             self.merit[i] += len(shadow.step(layer, needed).hits)
-        if self.prior.size():
+        if self._has_prior:
             self.merit[-1] += len(self.prior.step(layer, needed).hits)
         return super().step(layer, needed)
 
@@ -290,8 +315,10 @@ class AdaptiveLrfuCache(ExpertCache):
     def _admit(self, key: Key, victim: Key) -> bool:
         return self._score(key) > self._score(victim)
 
-    def _priority(self, key: Key) -> tuple[float, ...]:
-        return (*self._score(key), key[0])
+    def _priorities(self, layers: np.ndarray, experts: np.ndarray) -> tuple[np.ndarray, ...]:
+        if self.following_prior:
+            return (self._in_prior[layers, experts].astype(np.float64), self._longest.scores[layers, experts], layers)
+        return (self.shadows[self.chosen].scores[layers, experts], np.zeros(len(layers)), layers)
 
 
 # --- replay

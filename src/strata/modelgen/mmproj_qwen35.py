@@ -1,7 +1,8 @@
 """Qwen3.5/3.6's picture encoder as llama.cpp's converter writes it (`convert_hf_to_gguf.py --mmproj` on a
 `Qwen3_5ForConditionalGeneration` / `Qwen3_5MoeForConditionalGeneration`): projector type `qwen3vl_merger`, the
 tower of Qwen3-VL without its deepstack mergers (`clip.vision.is_deepstack_layers` all false). `strata.vision.qwen3vl`
-runs it.
+runs it. `write_random_qwen35_mmproj` also writes Qwen3-VL's tower, deepstack mergers included, when given their
+layers.
 
 Tensors: the patch embedding's two temporal kernels (`v.patch_embd.weight`, `.weight.1`) and bias, the learned
 positions, per block LayerNorms `ln1` / `ln2`, the fused `attn_qkv`, `attn_out`, `ffn_up` / `ffn_down`, then the
@@ -11,6 +12,7 @@ F16 file every matrix and the patch kernels are F16; positions, norms and biases
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 
@@ -41,10 +43,14 @@ def vision_hparams(shape: VisionShape, n_embd_text: int) -> VisionHParams:
 
 
 def write_random_qwen35_mmproj(path: str | os.PathLike[str], n_embd_text: int, size: str | VisionShape = "tiny",
-                               seed: int = 0, dtype: str = "f16") -> VisionHParams:
+                               seed: int = 0, dtype: str = "f16", deepstack: tuple[int, ...] = ()) -> VisionHParams:
     """Write a Qwen3.5 encoder with random weights (every linear layer scaled by 1/sqrt(fan_in), residual branches
-    by 1/sqrt(2 n_layer)); the same arguments write the same bytes. Returns the hyper-parameters written."""
-    hp = vision_hparams(SIZES[size] if isinstance(size, str) else size, n_embd_text)
+    by 1/sqrt(2 n_layer)); the same arguments write the same bytes. Returns the hyper-parameters written.
+
+    With `deepstack` layers it is Qwen3-VL's tower instead: each of those layers' outputs has its own merger
+    (`v.deepstack.L.*`: LayerNorm over the merged token, fc1, fc2), drawn after the rest."""
+    hp = dataclasses.replace(vision_hparams(SIZES[size] if isinstance(size, str) else size, n_embd_text),
+                             deepstack=deepstack)
     draw = TensorDraws(np.random.default_rng(seed), np.float32)
     n, p, merged = hp.n_embd, hp.patch_size, MERGE**2 * hp.n_embd
     branch_gain = 1.0 / np.sqrt(2 * hp.n_layer)
@@ -65,6 +71,10 @@ def write_random_qwen35_mmproj(path: str | os.PathLike[str], n_embd_text: int, s
     tensors |= draw.norm(_T.V_POST_NORM, n)
     tensors |= draw.linear(_T.V_MMPROJ, 0, merged, merged)
     tensors |= draw.linear(_T.V_MMPROJ, 2, hp.n_proj, merged)
+    for layer in deepstack:
+        tensors |= draw.norm(_T.V_DS_NORM, merged, layer)
+        tensors |= draw.linear(_T.V_DS_FC1, layer, merged, merged)
+        tensors |= draw.linear(_T.V_DS_FC2, layer, hp.n_proj, merged)
     name = f"strata random Qwen3.5 vision encoder ({size if isinstance(size, str) else 'custom'})"
     write_qwen35_mmproj(path, hp, tensors, dtype, name)
     return hp
@@ -119,6 +129,11 @@ def _shapes(hp: VisionHParams) -> dict[str, tuple[int, ...]]:
     norm(_T.V_POST_NORM)
     linear(_T.V_MMPROJ, 0, merged, merged)
     linear(_T.V_MMPROJ, 2, hp.n_proj, merged)
+    for layer in hp.deepstack:
+        for suffix in ("weight", "bias"):
+            shapes[tensor_name(_T.V_DS_NORM, suffix, layer)] = (merged,)
+        linear(_T.V_DS_FC1, layer, merged, merged)
+        linear(_T.V_DS_FC2, layer, hp.n_proj, merged)
     return shapes
 
 
@@ -141,5 +156,5 @@ def _add_metadata(writer: gguf.GGUFWriter, hp: VisionHParams, name: str, dtype: 
     writer.add_vision_use_gelu(True)
     writer.add_vision_spatial_merge_size(hp.merge)
     writer.add_vision_attention_layernorm_eps(hp.eps)
-    writer.add_vision_is_deepstack_layers([False] * hp.n_layer)
+    writer.add_vision_is_deepstack_layers([layer in hp.deepstack for layer in range(hp.n_layer)])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)

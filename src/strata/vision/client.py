@@ -38,6 +38,7 @@ from strata.pictures.cache import EmbeddingCache, content_hash
 from strata.pictures.sources import ImageInfo
 from strata.vision.preprocess import picture_grid
 from strata.vision.protocol import (
+    GPU_ADVICE,
     MAX_LINE_BYTES,
     Cancel,
     EncodeBytes,
@@ -122,8 +123,9 @@ def _worker_env() -> dict[str, str]:
     return env
 
 
-def encoder_command(config: Any, threads: int) -> list[str]:
-    """The encoder's argument list: `config.exe` verbatim when set, else the local `strata-vision` command."""
+def encoder_command(config: Any, threads: int, gpu_device: str = "cuda") -> list[str]:
+    """The encoder's argument list: `config.exe` verbatim when set, else the local `strata-vision` command (with
+    `config.gpu`, on `gpu_device`: cuda, or host, the test device the server's `device: host` runs on too)."""
     if config.exe:
         return list(config.exe)
     argv = [sys.executable, "-m", "strata.vision.worker", "--mmproj", str(config.mmproj), "--threads", str(threads)]
@@ -131,7 +133,9 @@ def encoder_command(config: Any, threads: int) -> list[str]:
         argv += ["--max-tokens", str(config.max_tokens)]
     if config.min_tokens is not None:
         argv += ["--min-tokens", str(config.min_tokens)]
-    return argv + (["--gpu"] if config.gpu else [])
+    if config.gpu:
+        argv += ["--gpu"] + (["--device", gpu_device] if gpu_device != "cuda" else [])
+    return argv
 
 
 async def _stop_group(process: trio.Process) -> None:
@@ -244,15 +248,16 @@ class VisionClient:
         engine_threads: the engine's threads, to size a CPU encoder's default thread count.
         log: where the startup line and state changes go.
         start_timeout: seconds to wait for READY (default: 15 for a remote encoder, 60 for a local one).
+        gpu_device: the device a local encoder with `config.gpu` runs on ("cuda", or "host" for tests).
     """
 
     def __init__(self, config: Any, *, engine_threads: int | None = None, log: Callable[[str], None] = print,
-                 start_timeout: float | None = None, cache: EmbeddingCache | None = None):
+                 start_timeout: float | None = None, cache: EmbeddingCache | None = None, gpu_device: str = "cuda"):
         self.config = config
         self.remote = bool(config.remote)
         self.threads = config.threads or default_threads(engine_threads)
         self.engine_threads = engine_threads
-        self.argv = encoder_command(config, self.threads)
+        self.argv = encoder_command(config, self.threads, gpu_device)
         self._env = None if config.exe else _worker_env()
         self.start_timeout = start_timeout or (REMOTE_START_TIMEOUT if self.remote else START_TIMEOUT)
         self.cache = cache if cache is not None else EmbeddingCache()
@@ -348,6 +353,7 @@ class VisionClient:
             "engine_threads": self.engine_threads,
             "cores": len(os.sched_getaffinity(0)),
             "takes_turn": self.cuda,
+            "device_bytes": caps.device_bytes if caps else None,
             "fingerprint": caps.fingerprint if caps else None,
             "last_error": self.last_error,
             "encodes": self.encodes,
@@ -501,8 +507,8 @@ class VisionClient:
         """Why the encoder refused to start, in the user's terms: the worker names its own `--gpu`, which the
         user typed only when `vision.exe` is their own command."""
         if reply.kind == "gpu" and not self.config.exe:
-            return ("this build of strata-vision has no CUDA backend; set vision.gpu to false "
-                    "(--vision.gpu false) to encode on the CPU")
+            reason = reply.detail.removesuffix(f"; {GPU_ADVICE}")
+            return f"{reason}; set vision.gpu to false (--vision.gpu false) to encode on the CPU"
         return reply.message
 
     async def _exit_reason(self, session: _Session) -> str:

@@ -148,6 +148,10 @@ class PictureGrid:
         return [*tiles, ("<|img_thumbnail|>", self.nx, self.ny)]
 
 
+# How a `strata-vision --gpu` that cannot run on the GPU ends its `ERR gpu:` startup line.
+GPU_ADVICE = "leave out --gpu to encode on the CPU"
+
+
 @dataclasses.dataclass(frozen=True)
 class Capabilities:
     """The JSON object on the READY line."""
@@ -160,6 +164,7 @@ class Capabilities:
     max_image_bytes: int = MAX_IMAGE_BYTES
     protocol: int = PROTOCOL_VERSION
     sizing: Sizing | None = None  # absent: the server counts every picture as max_tokens rows
+    device_bytes: int | None = None  # a GPU encoder's device memory (weights and workspace); absent otherwise
 
 
 @dataclasses.dataclass(frozen=True)
@@ -378,8 +383,9 @@ def encode_reply(reply: Reply) -> bytes:
     match reply:
         case Ready(n_embd, caps):
             fields = dataclasses.asdict(caps)
-            if caps.sizing is None:
-                del fields["sizing"]
+            for optional in ("sizing", "device_bytes"):
+                if fields[optional] is None:
+                    del fields[optional]
             text = json.dumps(fields, separators=(",", ":"), sort_keys=True)
             return _line("READY", str(n_embd), text)
         case Encoded(n_tokens, nx, ny, ms):
@@ -479,7 +485,10 @@ def _capabilities(fields: dict) -> Capabilities:
         if type(value) is not kind:
             raise ProtocolError(f"READY capability {name!r} is not a {kind.__name__}")
         values[name] = value
-    return Capabilities(**values, sizing=_sizing(fields.get("sizing")))
+    device_bytes = fields.get("device_bytes")
+    if device_bytes is not None and (type(device_bytes) is not int or device_bytes < 0):
+        raise ProtocolError("READY capability 'device_bytes' is not a non-negative integer")
+    return Capabilities(**values, sizing=_sizing(fields.get("sizing")), device_bytes=device_bytes)
 
 
 def _sizing(fields: Any) -> Sizing | None:

@@ -116,13 +116,28 @@ def bilinear_corner_weights(n_in: int, n_out: int) -> np.ndarray:
     return weights
 
 
+def position_embeddings(pos: np.ndarray, side: int, gy: int, gx: int) -> np.ndarray:
+    """The (side x side) grid of position embeddings resized to (gy x gx) bilinearly with the corners aligned:
+    float32 (gy * gx, n_embd)."""
+    n_embd = pos.shape[1]
+    grid = pos.reshape(side, side * n_embd).astype(np.float64)
+    rows = (bilinear_corner_weights(side, gy) @ grid).reshape(gy, side, n_embd)
+    return (bilinear_corner_weights(side, gx) @ rows).reshape(gy * gx, n_embd).astype(np.float32)
+
+
+def rope_frequencies(head_dim: int) -> np.ndarray:
+    """The 2-D RoPE's frequencies theta^(-4j / d), j < d/4, float64 (d/4,): each axis turns a quarter of a head's
+    pairs by them."""
+    return ROPE_THETA ** (-np.arange(0, head_dim // 2, 2, dtype=np.float64) / (head_dim // 2))
+
+
 def rope_2d(x: np.ndarray, gy: int, gx: int, n_head: int) -> np.ndarray:
     """Qwen3-VL's 2-D RoPE on q or k (gy * gx patches in row-major order, n_head * head_dim): pairs (i, i + d/2)
     rotate by row * f[i] for the first quarter of the head and by column * f[i - d/4] for the second, with
     f = theta^(-4j / d), j < d/4."""
     n, width = x.shape
     d = width // n_head
-    inv = ROPE_THETA ** (-np.arange(0, d // 2, 2, dtype=np.float64) / (d // 2))  # (d/4,)
+    inv = rope_frequencies(d)
     rows, cols = np.divmod(np.arange(n), gx)
     angles = np.concatenate([rows[:, None] * inv, cols[:, None] * inv], axis=1)  # (n, d/2)
     cos, sin = np.cos(angles).astype(np.float32)[:, None], np.sin(angles).astype(np.float32)[:, None]
@@ -156,10 +171,7 @@ class Qwen3VLEncoder(vit.Encoder):
             raise ValueError(f"picture {width}x{height} is not a multiple of {hp.unit} pixels per side")
         gy, gx = height // hp.patch_size, width // hp.patch_size
         x = self._linear(vit.patchify(pixels, hp.patch_size), m.patch, cancelled)
-        side = hp.pos_side
-        grid = m.pos.reshape(side, side * hp.n_embd).astype(np.float64)
-        rows = (bilinear_corner_weights(side, gy) @ grid).reshape(gy, side, hp.n_embd)
-        x += (bilinear_corner_weights(side, gx) @ rows).reshape(gy * gx, hp.n_embd).astype(np.float32)
+        x += position_embeddings(m.pos, hp.pos_side, gy, gx)
         outputs: list[np.ndarray] = []
         with vit._BLAS.limit(limits=1, user_api="blas"):
             for layer, block in enumerate(m.blocks):

@@ -1,7 +1,9 @@
 """`strata-vision`: the image encoder process.
 
-    strata-vision --mmproj F.gguf [--gpu] [--threads N] [--max-tokens N]
+    strata-vision --mmproj F.gguf [--gpu [--device cuda|host]] [--threads N] [--max-tokens N]
         Load the encoder, print READY, then serve the line protocol (strata.vision.protocol) on stdin/stdout.
+        --gpu runs it on the CUDA device (device_encoder.py); --device host runs that code on the host device, the
+        test device, and says it holds the device as the CUDA one does.
     strata-vision encode IMAGE --mmproj F.gguf --out X.sve [--threads N] [--max-tokens N]
         Encode one picture to an SVE1 file and print a JSON summary (with the encoder's fingerprint).
 
@@ -25,6 +27,8 @@ from typing import BinaryIO
 
 import numpy as np
 
+from strata.engine_cffi.device import Device, DeviceError
+from strata.vision.device_encoder import DeviceEncoder, part_tokens
 from strata.vision.encoder import EncodeCancelled, Encoder
 from strata.vision.load import open_encoder
 from strata.vision.mmproj import MmprojError
@@ -39,6 +43,7 @@ from strata.vision.preprocess import (
     token_budget,
 )
 from strata.vision.protocol import (
+    GPU_ADVICE,
     MAX_IMAGE_BYTES,
     MAX_LINE_BYTES,
     Cancel,
@@ -59,7 +64,7 @@ from strata.vision.protocol import (
     parse_request,
 )
 
-NO_CUDA = "this build of strata-vision has no CUDA backend; leave out --gpu to encode on the CPU"
+AnyEncoder = Encoder | DeviceEncoder
 
 
 @dataclasses.dataclass(eq=False)
@@ -80,7 +85,7 @@ class Server:
     when nobody is left to read it.
     """
 
-    def __init__(self, encoder: Encoder, max_tokens: int, stdin: BinaryIO, stdout: BinaryIO,
+    def __init__(self, encoder: AnyEncoder, max_tokens: int, stdin: BinaryIO, stdout: BinaryIO,
                  max_image_bytes: int = MAX_IMAGE_BYTES, max_pixels: int = DEFAULT_MAX_PIXELS, min_tokens: int = 1):
         self.encoder = encoder
         self.max_tokens = max_tokens
@@ -98,14 +103,16 @@ class Server:
 
     def ready(self) -> Ready:
         rule = sizing(self.encoder.hp, self.max_tokens, self.min_tokens)
+        on_device = isinstance(self.encoder, DeviceEncoder)
         caps = Capabilities(
-            cuda=False,
+            cuda=on_device,  # the device's context: an encode competes with the engine for the card
             threads=self.encoder.threads,
             max_tokens=most_rows(rule),  # a picture split into tiles takes more than the budget of its thumbnail
             fingerprint=self.encoder.mmproj.fingerprint,
             projector=self.encoder.hp.projector,
             max_image_bytes=self.max_image_bytes,
             sizing=rule,
+            device_bytes=self.encoder.device_bytes if isinstance(self.encoder, DeviceEncoder) else None,
         )
         return Ready(self.encoder.n_embd, caps)
 
@@ -263,7 +270,7 @@ class Server:
                 self._output_closed = True
 
 
-def encode_picture(encoder: Encoder, picture: Picture, cancelled: Callable[[], bool] = lambda: False) -> bytes:
+def encode_picture(encoder: AnyEncoder, picture: Picture, cancelled: Callable[[], bool] = lambda: False) -> bytes:
     """SVE bytes of a picture: each part (tile or whole) is encoded on its own, as the checkpoint sees them, and
     their rows follow one another."""
     rows = np.concatenate([encoder.encode(part, cancelled) for part in picture.parts])
@@ -310,21 +317,43 @@ def _load(args: argparse.Namespace) -> Encoder:
     return open_encoder(args.mmproj, args.threads)
 
 
+def _load_on_device(args: argparse.Namespace) -> DeviceEncoder:
+    """The encoder on `args.device`, its workspace sized for the largest part of a picture under its budget.
+
+    Raises:
+        DeviceError: the device cannot be opened here (DeviceUnavailable) or cannot run this file.
+        MmprojError: the file cannot be loaded.
+    """
+    device = Device(args.device)  # first: a machine without the device says so without loading the file
+    try:
+        encoder = _load(args)
+    except BaseException:
+        device.close()
+        raise
+    return DeviceEncoder(encoder, device, part_tokens(encoder.hp, args.min_tokens, args.max_tokens))
+
+
 def serve_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="strata-vision", description="The image encoder process.",
                                      epilog="Also: strata-vision encode IMAGE --mmproj F --out X.sve")
     _common_arguments(parser)
     parser.add_argument("--gpu", action="store_true", help="encode on the GPU (needs the CUDA backend)")
+    parser.add_argument("--device", choices=("cuda", "host"), default=None,
+                        help="with --gpu: the device (default cuda; host: the test device, the same code on the CPU)")
     parser.add_argument("--max-image-bytes", type=_positive, default=MAX_IMAGE_BYTES,
                         help=f"largest picture an in-band job may carry (default {MAX_IMAGE_BYTES})")
     args = parser.parse_args(argv)
+    if args.device is not None and not args.gpu:
+        parser.error("--device needs --gpu")
+    args.device = args.device or "cuda"
+    encoder: AnyEncoder
     try:
-        if args.gpu:
-            raise _StartupError("gpu", NO_CUDA)
         try:
-            encoder = _load(args)
+            encoder = _load_on_device(args) if args.gpu else _load(args)
         except MmprojError as exc:
             raise _StartupError("mmproj", str(exc)) from None
+        except DeviceError as exc:
+            raise _StartupError("gpu", f"{exc}; {GPU_ADVICE}") from None
     except _StartupError as exc:
         # The ERR line stands where READY would, so a client sees why; stderr gets the same for a person.
         sys.stdout.buffer.write(encode_reply(Failed(exc.kind, exc.detail)))

@@ -27,7 +27,8 @@ struct strata_device {
 
 static const char *const KERNEL_NAMES[DEV_N_KERNELS] = {"matmul", "rms_norm", "rope", "attention", "swiglu",
                                                         "topk", "add_rows", "kv_store", "dn_conv", "l2_norm",
-                                                        "dn_gates", "delta_rule", "gated_rms_norm"};
+                                                        "dn_gates", "delta_rule", "gated_rms_norm",
+                                                        "sigmoid_gate", "layer_norm", "gelu", "vit_attention"};
 
 static int fail(strata_device *d, int status, const char *fmt, ...) {
     va_list ap;
@@ -157,7 +158,17 @@ static int copy(strata_device *d, int stream, void *dst, const void *src, size_t
     if (!owned(d, dev, bytes))
         return fail(d, STRATA_ERR_INVALID_ARG, "%zu bytes at %p are not inside one allocation of this device",
                     bytes, dev);
+    if (direction == DEV_ON_DEVICE && !owned(d, dst, bytes))
+        return fail(d, STRATA_ERR_INVALID_ARG, "%zu bytes at %p are not inside one allocation of this device",
+                    bytes, dst);
+    if (direction == DEV_ON_DEVICE && (const char *)dst < (const char *)src + bytes &&
+        (const char *)src < (const char *)dst + bytes)
+        return fail(d, STRATA_ERR_INVALID_ARG, "a copy of %zu bytes from %p to %p overlaps itself", bytes, src, dst);
     return d->be.copy(d->be.self, stream, dst, src, bytes, direction);
+}
+
+int strata_dev_copy(strata_device *d, int stream, void *dst, const void *src, size_t bytes) {
+    return copy(d, stream, dst, src, bytes, DEV_ON_DEVICE);
 }
 
 int strata_dev_upload(strata_device *d, int stream, void *dst, const void *src, size_t bytes) {
@@ -227,10 +238,15 @@ double strata_dev_event_elapsed_ms(strata_device *d, int start, int end) {
 static const int MATMUL_TYPES[] = {STRATA_TYPE_F32, STRATA_TYPE_F16, STRATA_TYPE_BF16, STRATA_TYPE_Q8_0, STRATA_TYPE_Q4_K,
                                    STRATA_TYPE_Q5_K, STRATA_TYPE_Q6_K, STRATA_TYPE_IQ4_XS, STRATA_TYPE_MXFP4};
 
-static int check_matmul(strata_device *d, const strata_dev_matmul_args *a) {
+static int matmul_type(int type) {
     int known = 0;
-    for (size_t i = 0; i < sizeof MATMUL_TYPES / sizeof *MATMUL_TYPES; i++) known |= MATMUL_TYPES[i] == a->type;
-    if (!known) return fail(d, STRATA_ERR_UNSUPPORTED, "matmul: weight type %d has no device kernel", a->type);
+    for (size_t i = 0; i < sizeof MATMUL_TYPES / sizeof *MATMUL_TYPES; i++) known |= MATMUL_TYPES[i] == type;
+    return known;
+}
+
+static int check_matmul(strata_device *d, const strata_dev_matmul_args *a) {
+    if (!matmul_type(a->type))
+        return fail(d, STRATA_ERR_UNSUPPORTED, "matmul: weight type %d has no device kernel", a->type);
     const strata_type_traits *tr = strata_traits(a->type);
     if (a->n <= 0 || a->n % tr->block_size || a->rows <= 0 || a->n_tok <= 0)
         return fail(d, STRATA_ERR_INVALID_ARG, "matmul: n %lld (a positive multiple of %lld), rows %lld, n_tok %lld",
@@ -318,20 +334,121 @@ static int check_args(strata_device *d, strata_dev_kernel k, const void *args) {
                         a->head_dim, (long long)a->row_stride);
         return STRATA_OK;
     }
+    case DEV_KERNEL_SIGMOID_GATE: {
+        const strata_dev_sigmoid_gate_args *a = args;
+        if (a->n <= 0 || a->n_rows < 0 || a->gate_stride < (a->per_value ? a->n : 1))
+            return fail(d, STRATA_ERR_INVALID_ARG, "sigmoid_gate: n %lld, n_rows %lld, gate_stride %lld (at least %s)",
+                        (long long)a->n, (long long)a->n_rows, (long long)a->gate_stride, a->per_value ? "n" : "1");
+        return STRATA_OK;
+    }
+    case DEV_KERNEL_VIT_ATTENTION: {
+        const strata_dev_vit_attention_args *a = args;
+        if (a->head_dim <= 0 || a->head_dim > 256 || a->n_head <= 0 || a->n_tok <= 0)
+            return fail(d, STRATA_ERR_INVALID_ARG, "vit_attention: head_dim %d (up to 256), %d heads, %d tokens",
+                        a->head_dim, a->n_head, a->n_tok);
+        return STRATA_OK;
+    }
     default: return STRATA_OK;
     }
+}
+
+/* Kernel `name`'s number ("<name>_ref": the same, with *reference set), or -1. */
+static int find_kernel(const char *name, int *reference) {
+    size_t len = strlen(name);
+    *reference = len > 4 && strcmp(name + len - 4, "_ref") == 0;
+    for (int k = 0; k < DEV_N_KERNELS; k++)
+        if (strlen(KERNEL_NAMES[k]) == len - 4 * *reference && strncmp(KERNEL_NAMES[k], name, len - 4 * *reference) == 0)
+            return k;
+    return -1;
 }
 
 int strata_dev_launch(strata_device *d, int stream, const char *name, const void *args) {
     int status = check_stream(d, stream);
     if (status) return status;
-    size_t len = strlen(name);
-    int reference = len > 4 && strcmp(name + len - 4, "_ref") == 0;
-    for (int k = 0; k < DEV_N_KERNELS; k++)
-        if (strlen(KERNEL_NAMES[k]) == len - 4 * reference && strncmp(KERNEL_NAMES[k], name, len - 4 * reference) == 0)
-        {
-            status = check_args(d, (strata_dev_kernel)k, args);
-            return status ? status : d->be.launch(d->be.self, stream, (strata_dev_kernel)k, reference, args);
-        }
-    return fail(d, STRATA_ERR_INVALID_ARG, "no kernel named '%s'", name);
+    int reference, k = find_kernel(name, &reference);
+    if (k < 0) return fail(d, STRATA_ERR_INVALID_ARG, "no kernel named '%s'", name);
+    status = check_args(d, (strata_dev_kernel)k, args);
+    return status ? status : d->be.launch(d->be.self, stream, (strata_dev_kernel)k, reference, args);
+}
+
+// --- launch lists and the expert cache's hits (the backend's layer loop: a run of launches queued by one call)
+
+/* d->err prefixed with what failed (the item of a list, the hit of a layer). */
+static int fail_in(strata_device *d, int status, const char *what, int i) {
+    char reason[sizeof d->err];
+    memcpy(reason, d->err, sizeof reason);
+    return fail(d, status, "%s %d: %s", what, i, reason);
+}
+
+int strata_dev_launch_list(strata_device *d, int stream, const strata_dev_launch_item *items, int n) {
+    int status = check_stream(d, stream);
+    if (status) return status;
+    if (n < 0 || (n > 0 && !items)) return fail(d, STRATA_ERR_INVALID_ARG, "a launch list of %d items", n);
+    for (int i = 0; i < n; i++) {  // every item checked before any is queued
+        int reference, k = items[i].name ? find_kernel(items[i].name, &reference) : -1;
+        if (k < 0)
+            return fail(d, STRATA_ERR_INVALID_ARG, "launch list item %d: no kernel named '%s'", i,
+                        items[i].name ? items[i].name : "(null)");
+        if (!items[i].args) return fail(d, STRATA_ERR_INVALID_ARG, "launch list item %d: no arguments", i);
+        status = check_args(d, (strata_dev_kernel)k, items[i].args);
+        if (status) return fail_in(d, status, "launch list item", i);
+    }
+    for (int i = 0; i < n; i++) {
+        int reference, k = find_kernel(items[i].name, &reference);
+        status = d->be.launch(d->be.self, stream, (strata_dev_kernel)k, reference, items[i].args);
+        if (status) return fail_in(d, status, "launch list item", i);
+    }
+    return STRATA_OK;
+}
+
+/* Hit i's four launches: gate and up products into hb, hb2, their SwiGLU into hb, the down product into y. */
+typedef struct {
+    strata_dev_matmul_args gate, up, down;
+    strata_dev_swiglu_args swiglu;
+} expert_launches;
+
+static expert_launches expert_args(const strata_dev_experts_args *a, const void *slot, int first, int count) {
+    const strata_type_traits *g = strata_traits(a->gate_type), *u = strata_traits(a->up_type),
+                             *w = strata_traits(a->down_type);
+    size_t gate_row = g->block_bytes * (size_t)(a->n_embd / g->block_size),
+           up_row = u->block_bytes * (size_t)(a->n_embd / u->block_size),
+           down_row = w->block_bytes * (size_t)(a->n_ff / w->block_size);
+    const char *base = slot;
+    const void *up = base + gate_row * a->n_ff, *down = base + (gate_row + up_row) * a->n_ff;
+    float *hb = a->hb + (int64_t)first * a->n_ff, *hb2 = a->hb2 + (int64_t)first * a->n_ff;
+    return (expert_launches){
+        .gate = {a->gate_type, a->n_embd, a->n_ff, count, gate_row, slot, a->x + (int64_t)first * a->n_embd, hb},
+        .up = {a->up_type, a->n_embd, a->n_ff, count, up_row, up, a->x + (int64_t)first * a->n_embd, hb2},
+        .swiglu = {(int64_t)count * a->n_ff, hb, hb2, hb},
+        .down = {a->down_type, a->n_ff, a->n_embd, count, down_row, down, hb, a->y + (int64_t)first * a->n_embd},
+    };
+}
+
+int strata_dev_launch_experts(strata_device *d, int stream, const strata_dev_experts_args *a, int n_hits,
+                              void *const *slot, const int *first, const int *count) {
+    int status = check_stream(d, stream);
+    if (status) return status;
+    if (n_hits < 0 || (n_hits > 0 && (!slot || !first || !count)))
+        return fail(d, STRATA_ERR_INVALID_ARG, "launch_experts: %d hits", n_hits);
+    if (!matmul_type(a->gate_type) || !matmul_type(a->up_type) || !matmul_type(a->down_type))
+        return fail(d, STRATA_ERR_UNSUPPORTED, "launch_experts: weight types %d, %d, %d (one has no device kernel)",
+                    a->gate_type, a->up_type, a->down_type);
+    for (int i = 0; i < n_hits; i++) {  // every hit checked before any is queued
+        if (!slot[i] || first[i] < 0 || count[i] < 1)
+            return fail(d, STRATA_ERR_INVALID_ARG, "launch_experts: hit %d: slot %p, rows %d, count %d", i, slot[i],
+                        first[i], count[i]);
+        expert_launches e = expert_args(a, slot[i], first[i], count[i]);
+        if ((status = check_matmul(d, &e.gate)) || (status = check_matmul(d, &e.up)) ||
+            (status = check_matmul(d, &e.down)))
+            return fail_in(d, status, "launch_experts: hit", i);
+    }
+    for (int i = 0; i < n_hits; i++) {
+        expert_launches e = expert_args(a, slot[i], first[i], count[i]);
+        if ((status = d->be.launch(d->be.self, stream, DEV_KERNEL_MATMUL, 0, &e.gate)) ||
+            (status = d->be.launch(d->be.self, stream, DEV_KERNEL_MATMUL, 0, &e.up)) ||
+            (status = d->be.launch(d->be.self, stream, DEV_KERNEL_SWIGLU, 0, &e.swiglu)) ||
+            (status = d->be.launch(d->be.self, stream, DEV_KERNEL_MATMUL, 0, &e.down)))
+            return fail_in(d, status, "launch_experts: hit", i);
+    }
+    return STRATA_OK;
 }

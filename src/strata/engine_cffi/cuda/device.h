@@ -175,6 +175,48 @@ typedef struct {
     float *out;
 } strata_dev_gated_rms_norm_args;
 
+/* --- Qwen3.5's gates (gated attention, the gated shared expert) */
+
+/* "sigmoid_gate": in place, x row r (n values) value i /= 1 + e^-g, g = gate[r gate_stride + i] with per_value
+ * (gated attention: each head's output by its gate, which the q projection gives beside the query: n_rows =
+ * tokens x heads, gate_stride = 2 head_dim) or gate[r gate_stride] without (one gate a row: the shared expert's
+ * output times the sigmoid of its gate's product, gate_stride 1). x: (n_rows, n). */
+typedef struct {
+    int64_t n, n_rows, gate_stride;
+    int per_value;
+    const float *gate;
+    float *x;
+} strata_dev_sigmoid_gate_args;
+
+/* --- a vision encoder's pieces (the ViT of strata-vision --gpu) */
+
+/* "layer_norm": out row t = (x row t - mean) / sqrt(var + eps) * w + b, var the mean of the centred squares.
+ * x, out: (n_tok, n); w, b: (n,). out may be x. */
+typedef struct {
+    int64_t n, n_tok;
+    float eps;
+    const float *x, *w, *b;
+    float *out;
+} strata_dev_layer_norm_args;
+
+/* "gelu": out = gelu(x) over n values: with erf set the exact x / 2 (1 + erf(x / sqrt 2)), else the tanh
+ * approximation x / 2 (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))). out may be x. */
+typedef struct {
+    int64_t n;
+    int erf;
+    const float *x;
+    float *out;
+} strata_dev_gelu_args;
+
+/* "vit_attention": full (non-causal) attention over the n_tok patches of one picture, every token attending to
+ * every token: out = softmax(q . K / sqrt(head_dim)) . V per head. q, k, v, out: (n_tok, n_head, head_dim) f32;
+ * head_dim at most 256. */
+typedef struct {
+    int n_tok, n_head, head_dim;
+    const float *q, *k, *v;
+    float *out;
+} strata_dev_vit_attention_args;
+
 /* --- the interface. Functions returning int return a strata_status (0: STRATA_OK); on failure
  * strata_dev_error says why. */
 
@@ -196,6 +238,8 @@ size_t strata_dev_budget(const strata_device *d);
 int strata_dev_upload(strata_device *d, int stream, void *dst, const void *src, size_t bytes);
 int strata_dev_download(strata_device *d, int stream, void *dst, const void *src, size_t bytes);
 int strata_dev_memset(strata_device *d, int stream, void *dst, int value, size_t bytes);
+/* A copy between two places of the device (both inside allocations, not overlapping). */
+int strata_dev_copy(strata_device *d, int stream, void *dst, const void *src, size_t bytes);
 
 /* A new stream's id (> 0), or -1. */
 int strata_dev_stream_create(strata_device *d);
@@ -218,5 +262,63 @@ int strata_dev_launch(strata_device *d, int stream, const char *name, const void
  * reason in strata_last_error. */
 int strata_host_expert_ffn(int gate_type, const void *gate, int up_type, const void *up, int down_type,
                            const void *down, int64_t n_embd, int64_t n_ff, const float *x, int n_tok, float *y);
+
+/* --- launch lists: the GPU backend's layer loop, its argument structs built once and a run of launches queued by
+ * one call (each launch is the one strata_dev_launch makes: the same checks, the same implementation's launch) */
+
+/* One launch: a kernel's name as strata_dev_launch takes it, and its argument struct. */
+typedef struct {
+    const char *name;
+    const void *args;
+} strata_dev_launch_item;
+
+/* Queue items[0 .. n) on `stream` in order. Every item's name and arguments are checked before any is queued, so a
+ * list with a bad item queues nothing; the error names the item. */
+int strata_dev_launch_list(strata_device *d, int stream, const strata_dev_launch_item *items, int n);
+
+/* The expert cache's hits of a layer: for hit i, rows first[i] .. first[i] + count[i] - 1 of x (rows of n_embd)
+ * through the expert held at slot[i] (its gate, up and down matrices one after another, packed rows of their types:
+ * gate and up (n_ff, n_embd), down (n_embd, n_ff)): "matmul" gate into hb and up into hb2 (the same rows, of n_ff),
+ * "swiglu" into hb, "matmul" down into the same rows of y. Queued as those four launches a hit, hit by hit; every hit
+ * is checked before any is queued. */
+typedef struct {
+    int gate_type, up_type, down_type;
+    int64_t n_embd, n_ff;
+    const float *x;
+    float *hb, *hb2, *y;
+} strata_dev_experts_args;
+
+int strata_dev_launch_experts(strata_device *d, int stream, const strata_dev_experts_args *a, int n_hits,
+                              void *const *slot, const int *first, const int *count);
+
+/* The host's side of a layer: a chunk's (token, choice) slots grouped by expert, as blocks.c groups them. ids:
+ * (n_tok, k) experts in [0, n_expert). The slots in order of their expert, ascending, each expert's in token order;
+ * slot_of[t k + j]: slot (t, j)'s place in that order; x_out row i = x row (token of the i-th slot), rows of n
+ * floats; experts[0 .. *m): the distinct experts ascending, first[i], count[i] the run of expert i's slots in the
+ * order (each array n_tok k long at most). 0, or a strata_status with the reason in strata_last_error (an id outside
+ * [0, n_expert)). */
+int strata_host_group_slots(int n_tok, int k, int n_expert, const int *ids, const float *x, int64_t n, float *x_out,
+                            int *slot_of, int *experts, int *first, int *count, int *m);
+
+/* A layer's misses on the CPU's threads at once: each expert's rows through strata_host_expert_ffn (its bits), the
+ * experts shared out over a pool's threads, the calling thread one of them (no interpreter between them: one call
+ * a layer where each miss was a task of a thread pool). x and y: expert i's n_tok rows in and out. */
+typedef struct {
+    int gate_type, up_type, down_type;
+    const void *gate, *up, *down;
+    const float *x;
+    int n_tok;
+    float *y;
+} strata_host_expert;
+
+typedef struct strata_pool strata_pool;
+
+/* A pool of n_threads threads (n_threads - 1 workers and the caller of strata_host_experts_ffn), or NULL. */
+strata_pool *strata_host_pool_create(int n_threads);
+void strata_host_pool_free(strata_pool *pool);
+/* Compute experts[0 .. n) (see strata_host_expert_ffn) on the pool; 0, or the first failure's strata_status with
+ * its reason in strata_last_error. One caller at a time. */
+int strata_host_experts_ffn(strata_pool *pool, int64_t n_embd, int64_t n_ff, const strata_host_expert *experts,
+                            int n);
 
 #endif

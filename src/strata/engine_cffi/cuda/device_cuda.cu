@@ -38,7 +38,8 @@ void cuda_free(void *self, void *p) {
 
 int cuda_copy(void *self, int stream, void *dst, const void *src, size_t bytes, int direction) {
     cuda_device *c = (cuda_device *)self;
-    cudaMemcpyKind kind = direction == DEV_TO_DEVICE ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost;
+    cudaMemcpyKind kind = direction == DEV_TO_DEVICE ? cudaMemcpyHostToDevice
+                          : direction == DEV_TO_HOST ? cudaMemcpyDeviceToHost : cudaMemcpyDeviceToDevice;
     return check(c, cudaMemcpyAsync(dst, src, bytes, kind, c->streams[stream]), "cudaMemcpyAsync");
 }
 
@@ -167,6 +168,26 @@ int cuda_launch(void *self, int stream, strata_dev_kernel kernel, int reference,
     case DEV_KERNEL_GATED_RMS_NORM: {
         auto a = (const strata_dev_gated_rms_norm_args *)args;
         e = reference ? k::gated_rms_norm_ref(a, s) : k::gated_rms_norm(a, s);
+        break;
+    }
+    case DEV_KERNEL_SIGMOID_GATE: {
+        auto a = (const strata_dev_sigmoid_gate_args *)args;
+        e = reference ? k::sigmoid_gate_ref(a, s) : k::sigmoid_gate(a, s);
+        break;
+    }
+    case DEV_KERNEL_LAYER_NORM: {
+        auto a = (const strata_dev_layer_norm_args *)args;
+        e = reference ? k::layer_norm_ref(a, s) : k::layer_norm(a, s);
+        break;
+    }
+    case DEV_KERNEL_GELU: {
+        auto a = (const strata_dev_gelu_args *)args;
+        e = reference ? k::gelu_ref(a, s) : k::gelu(a, s);
+        break;
+    }
+    case DEV_KERNEL_VIT_ATTENTION: {
+        auto a = (const strata_dev_vit_attention_args *)args;
+        e = reference ? k::vit_attention_ref(a, s) : k::vit_attention(a, s);
         break;
     }
     default: break;

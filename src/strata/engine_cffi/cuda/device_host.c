@@ -4,6 +4,7 @@
  * the engine's naive reference for "matmul_ref"; the DeltaNet's pieces, blocks_deltanet.c's own code, so both names
  * give the CPU engine's bits) or C ports of the reference kernels (the rest). */
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -272,6 +273,68 @@ static void gated_rms_norm(const strata_dev_gated_rms_norm_args *a) {
         deltanet_gated_norm(a->out + r * a->n, a->x + r * a->n, a->z + r * a->n, a->w, (int)a->n, a->eps);
 }
 
+/* x / (1 + e^-g) in double, rounded once (the reference kernel's port). */
+static void sigmoid_gate(const strata_dev_sigmoid_gate_args *a) {
+    for (int64_t r = 0; r < a->n_rows; r++)
+        for (int64_t i = 0; i < a->n; i++) {
+            float *x = a->x + r * a->n + i;
+            double g = a->gate[r * a->gate_stride + (a->per_value ? i : 0)];
+            *x = (float)(*x / (1.0 + exp(-g)));
+        }
+}
+
+// --- a vision encoder's pieces: C ports of the reference kernels, sums in double
+
+static void layer_norm(const strata_dev_layer_norm_args *a) {
+    for (int64_t t = 0; t < a->n_tok; t++) {
+        const float *x = a->x + t * a->n;
+        double mean = 0.0, var = 0.0;
+        for (int64_t i = 0; i < a->n; i++) mean += x[i];
+        mean /= (double)a->n;
+        for (int64_t i = 0; i < a->n; i++) var += (x[i] - mean) * (x[i] - mean);
+        double s = 1.0 / sqrt(var / (double)a->n + a->eps);
+        for (int64_t i = 0; i < a->n; i++) a->out[t * a->n + i] = (float)((x[i] - mean) * s * a->w[i] + a->b[i]);
+    }
+}
+
+/* 0.7978845608028654: sqrt(2 / pi) */
+static void gelu(const strata_dev_gelu_args *a) {
+    for (int64_t i = 0; i < a->n; i++) {
+        double x = a->x[i];
+        double g = a->erf ? 0.5 * x * (1.0 + erf(x / sqrt(2.0)))
+                          : 0.5 * x * (1.0 + tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)));
+        a->out[i] = (float)g;
+    }
+}
+
+static int vit_attention(host_device *h, const strata_dev_vit_attention_args *a) {
+    int n = a->n_tok, hd = a->head_dim;
+    size_t stride = (size_t)a->n_head * hd;
+    double *scores = malloc(sizeof(double) * n);
+    if (!scores) return host_fail(h, STRATA_ERR_NOMEM, "vit_attention: out of memory for the scores");
+    for (int t = 0; t < n; t++)
+        for (int hh = 0; hh < a->n_head; hh++) {
+            const float *q = a->q + t * stride + (size_t)hh * hd;
+            double max = -INFINITY, sum = 0.0;
+            for (int p = 0; p < n; p++) {
+                const float *k = a->k + p * stride + (size_t)hh * hd;
+                double s = 0.0;
+                for (int d = 0; d < hd; d++) s += (double)q[d] * k[d];
+                scores[p] = s / sqrt((double)hd);
+                max = scores[p] > max ? scores[p] : max;
+            }
+            for (int p = 0; p < n; p++) sum += scores[p] = exp(scores[p] - max);
+            float *out = a->out + t * stride + (size_t)hh * hd;
+            for (int d = 0; d < hd; d++) {
+                double acc = 0.0;
+                for (int p = 0; p < n; p++) acc += scores[p] * a->v[p * stride + (size_t)hh * hd + d];
+                out[d] = (float)(acc / sum);
+            }
+        }
+    free(scores);
+    return STRATA_OK;
+}
+
 static int launch(void *self, int stream, strata_dev_kernel kernel, int reference, const void *args) {
     (void)stream;
     switch (kernel) {
@@ -288,6 +351,10 @@ static int launch(void *self, int stream, strata_dev_kernel kernel, int referenc
     case DEV_KERNEL_DN_GATES: dn_gates(args); return STRATA_OK;
     case DEV_KERNEL_DELTA_RULE: return delta_rule(self, args);
     case DEV_KERNEL_GATED_RMS_NORM: gated_rms_norm(args); return STRATA_OK;
+    case DEV_KERNEL_SIGMOID_GATE: sigmoid_gate(args); return STRATA_OK;
+    case DEV_KERNEL_LAYER_NORM: layer_norm(args); return STRATA_OK;
+    case DEV_KERNEL_GELU: gelu(args); return STRATA_OK;
+    case DEV_KERNEL_VIT_ATTENTION: return vit_attention(self, args);
     default: return STRATA_ERR_INVALID_ARG;
     }
 }
@@ -379,4 +446,88 @@ int strata_host_expert_ffn(int gate_type, const void *gate, int up_type, const v
     engine_product(down_type, down, n_embd, n_ff, g, n_tok, y, xq);
     free(g), free(u), free(xq);
     return STRATA_OK;
+}
+
+// --- a layer's slots grouped by expert (the host's side of a step)
+
+int strata_host_group_slots(int n_tok, int k, int n_expert, const int *ids, const float *x, int64_t n, float *x_out,
+                            int *slot_of, int *experts, int *first, int *count, int *m) {
+    int n_slots = n_tok * k, *start = calloc((size_t)n_expert + 1, sizeof *start);
+    if (!start) return engine_fail(STRATA_ERR_NOMEM, "out of memory for %d experts", n_expert);
+    for (int s = 0; s < n_slots; s++) {
+        if (ids[s] < 0 || ids[s] >= n_expert) {
+            free(start);
+            return engine_fail(STRATA_ERR_INVALID_ARG, "slot %d chose expert %d of %d", s, ids[s], n_expert);
+        }
+        start[ids[s] + 1]++;
+    }
+    // each expert's first place in the order (a counting sort: stable, so an expert's slots stay in token order)
+    *m = 0;
+    for (int e = 0; e < n_expert; e++) {
+        if (start[e + 1]) experts[*m] = e, first[*m] = start[e], count[(*m)++] = start[e + 1];
+        start[e + 1] += start[e];
+    }
+    // each slot to its place, its token's row with it
+    for (int s = 0; s < n_slots; s++) {
+        int at = start[ids[s]]++;
+        slot_of[s] = at;
+        memcpy(x_out + (int64_t)at * n, x + (int64_t)(s / k) * n, sizeof(float) * (size_t)n);
+    }
+    free(start);
+    return STRATA_OK;
+}
+
+// --- a layer's misses on a pool of threads
+
+strata_pool *strata_host_pool_create(int n_threads) { return strata_pool_create(n_threads < 1 ? 1 : n_threads); }
+
+void strata_host_pool_free(strata_pool *pool) {
+    if (pool) strata_pool_free(pool);
+}
+
+typedef struct {
+    strata_pool *pool;
+    int64_t n_embd, n_ff;
+    const strata_host_expert *experts;
+    int n;
+    int status;                    /* the first failure's, under `lock` */
+    char reason[512];
+    pthread_mutex_t lock;
+} misses_job;
+
+static void misses(int ith, int nth, void *arg) {
+    (void)ith, (void)nth;
+    misses_job *j = arg;
+    for (int i; (i = strata_pool_next(j->pool)) < j->n;) {  // the pool's counter: the job's end resets it
+        const strata_host_expert *e = &j->experts[i];
+        int status = strata_host_expert_ffn(e->gate_type, e->gate, e->up_type, e->up, e->down_type, e->down,
+                                            j->n_embd, j->n_ff, e->x, e->n_tok, e->y);
+        if (status) {
+            pthread_mutex_lock(&j->lock);
+            if (!j->status) {  // the reason is this thread's own (strata_last_error is per thread)
+                j->status = status;
+                snprintf(j->reason, sizeof j->reason, "expert %d of %d: %s", i, j->n, strata_last_error());
+            }
+            pthread_mutex_unlock(&j->lock);
+        }
+    }
+}
+
+int strata_host_experts_ffn(strata_pool *pool, int64_t n_embd, int64_t n_ff, const strata_host_expert *experts,
+                            int n) {
+    if (!pool || n < 0 || (n > 0 && !experts))
+        return engine_fail(STRATA_ERR_INVALID_ARG, "misses: a pool and %d experts", n);
+    for (int i = 0; i < n; i++) {  // every expert checked before any runs
+        const strata_host_expert *e = &experts[i];
+        if (!strata_type_supported(e->gate_type) || !strata_type_supported(e->up_type) ||
+            !strata_type_supported(e->down_type) || e->n_tok < 1 || !e->x || !e->y || !e->gate || !e->up || !e->down)
+            return engine_fail(STRATA_ERR_INVALID_ARG, "misses: expert %d of %d: weight types %d, %d, %d, %d rows", i,
+                               n, e->gate_type, e->up_type, e->down_type, e->n_tok);
+    }
+    if (n == 0) return STRATA_OK;
+    misses_job job = {.pool = pool, .n_embd = n_embd, .n_ff = n_ff, .experts = experts, .n = n};
+    pthread_mutex_init(&job.lock, NULL);
+    strata_pool_run(pool, misses, &job);
+    pthread_mutex_destroy(&job.lock);
+    return job.status ? engine_fail(job.status, "%s", job.reason) : STRATA_OK;
 }

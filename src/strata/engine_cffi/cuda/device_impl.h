@@ -22,10 +22,14 @@ typedef enum {
     DEV_KERNEL_DN_GATES,
     DEV_KERNEL_DELTA_RULE,
     DEV_KERNEL_GATED_RMS_NORM,
+    DEV_KERNEL_SIGMOID_GATE,
+    DEV_KERNEL_LAYER_NORM,
+    DEV_KERNEL_GELU,
+    DEV_KERNEL_VIT_ATTENTION,
     DEV_N_KERNELS
 } strata_dev_kernel;
 
-enum { DEV_TO_DEVICE, DEV_TO_HOST };
+enum { DEV_TO_DEVICE, DEV_TO_HOST, DEV_ON_DEVICE };
 
 /* Each call returns 0 or a strata_status, with the reason written into err. Streams and events are the
  * interface's ids, already checked (a stream exists, an event was recorded). */

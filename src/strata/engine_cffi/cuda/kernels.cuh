@@ -38,4 +38,14 @@ cudaError_t dn_gates(const strata_dev_dn_gates_args *a, cudaStream_t stream);
 cudaError_t delta_rule(const strata_dev_delta_rule_args *a, cudaStream_t stream);
 cudaError_t gated_rms_norm(const strata_dev_gated_rms_norm_args *a, cudaStream_t stream);
 
+cudaError_t sigmoid_gate_ref(const strata_dev_sigmoid_gate_args *a, cudaStream_t stream);
+cudaError_t sigmoid_gate(const strata_dev_sigmoid_gate_args *a, cudaStream_t stream);
+// a vision encoder's pieces
+cudaError_t layer_norm_ref(const strata_dev_layer_norm_args *a, cudaStream_t stream);
+cudaError_t gelu_ref(const strata_dev_gelu_args *a, cudaStream_t stream);
+cudaError_t vit_attention_ref(const strata_dev_vit_attention_args *a, cudaStream_t stream);
+cudaError_t layer_norm(const strata_dev_layer_norm_args *a, cudaStream_t stream);
+cudaError_t gelu(const strata_dev_gelu_args *a, cudaStream_t stream);
+cudaError_t vit_attention(const strata_dev_vit_attention_args *a, cudaStream_t stream);
+
 }  // namespace strata_cuda

@@ -480,4 +480,148 @@ cudaError_t gated_rms_norm(const strata_dev_gated_rms_norm_args *a, cudaStream_t
     return cudaGetLastError();
 }
 
+
+// --- Qwen3.5's gates: a thread per value (rows may pass a grid's 65535 in y: tokens x heads of a long chunk)
+
+__global__ void sigmoid_gate_kernel(strata_dev_sigmoid_gate_args a) {
+    int64_t o = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+    if (o >= a.n_rows * a.n) return;
+    int64_t r = o / a.n, i = o % a.n;
+    float g = a.gate[r * a.gate_stride + (a.per_value ? i : 0)];
+    a.x[o] /= 1.0f + expf(-g);
+}
+
+cudaError_t sigmoid_gate(const strata_dev_sigmoid_gate_args *a, cudaStream_t stream) {
+    if (a->n_rows == 0) return cudaSuccess;
+    sigmoid_gate_kernel<<<(unsigned)((a->n_rows * a->n + 255) / 256), 256, 0, stream>>>(*a);
+    return cudaGetLastError();
+}
+
+// --- a vision encoder's pieces
+
+/* The sum of v over a block of VIT_THREADS threads, known to every thread. */
+constexpr int VIT_THREADS = 256;
+
+__device__ float block_sum(float v) {
+    __shared__ float part[VIT_THREADS / WARP];
+    v = warp_sum(v);
+    __syncthreads();  // a previous call's partial sums are read
+    if (threadIdx.x % WARP == 0) part[threadIdx.x / WARP] = v;
+    __syncthreads();
+    return warp_sum(threadIdx.x % WARP < VIT_THREADS / WARP ? part[threadIdx.x % WARP] : 0.0f);
+}
+
+/* LayerNorm: a block per row; the mean, then the centred squares' mean (two passes over the row, as the
+ * reference, rather than E[x^2] - mean^2, which cancels) */
+__global__ void layer_norm_kernel(strata_dev_layer_norm_args a) {
+    const float *x = a.x + blockIdx.x * a.n;
+    float sum = 0.0f;
+    for (int64_t i = threadIdx.x; i < a.n; i += VIT_THREADS) sum += x[i];
+    float mean = block_sum(sum) / (float)a.n, sq = 0.0f;
+    for (int64_t i = threadIdx.x; i < a.n; i += VIT_THREADS) sq += (x[i] - mean) * (x[i] - mean);
+    float s = rsqrtf(block_sum(sq) / (float)a.n + a.eps);
+    for (int64_t i = threadIdx.x; i < a.n; i += VIT_THREADS)
+        a.out[blockIdx.x * a.n + i] = (x[i] - mean) * s * a.w[i] + a.b[i];
+}
+
+cudaError_t layer_norm(const strata_dev_layer_norm_args *a, cudaStream_t stream) {
+    layer_norm_kernel<<<(unsigned)a->n_tok, VIT_THREADS, 0, stream>>>(*a);
+    return cudaGetLastError();
+}
+
+/* GELU: a thread per value (0.7978845608f: sqrt(2 / pi)) */
+__global__ void gelu_kernel(strata_dev_gelu_args a) {
+    int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+    if (i >= a.n) return;
+    float x = a.x[i];
+    a.out[i] = a.erf ? 0.5f * x * (1.0f + erff(x * 0.70710678f))
+                     : 0.5f * x * (1.0f + tanhf(0.7978845608f * (x + 0.044715f * x * x * x)));
+}
+
+cudaError_t gelu(const strata_dev_gelu_args *a, cudaStream_t stream) {
+    gelu_kernel<<<(unsigned)((a->n + 255) / 256), 256, 0, stream>>>(*a);
+    return cudaGetLastError();
+}
+
+/* Full attention over a picture's patches, in tiles: a block per (VA_WARPS * VA_ROWS query rows, head), each warp
+ * holding VA_ROWS rows' online softmax (running maximum m, sum l, weighted values acc; lane j holds values j,
+ * j + 32, ... of a row). The block's queries stay in shared memory; the keys and values pass through it VA_KEYS
+ * tokens at a time, lane j scoring key j of the tile against each row (the key rows padded by one value, so the
+ * lanes read different banks), then every lane adding each key's weighted value row. */
+constexpr int VA_WARPS = 4, VA_ROWS = 8, VA_KEYS = 32, VA_PER_LANE = 256 / WARP;
+
+static size_t vit_attention_shared(int hd) {
+    return sizeof(float) * ((size_t)VA_WARPS * VA_ROWS * hd + (size_t)VA_KEYS * (hd + 1) + (size_t)VA_KEYS * hd);
+}
+
+__global__ void vit_attention_kernel(strata_dev_vit_attention_args a) {
+    extern __shared__ float sh[];
+    const int hd = a.head_dim, h = blockIdx.y, lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    const int q_rows = VA_WARPS * VA_ROWS, q0 = blockIdx.x * q_rows, per_lane = (hd + WARP - 1) / WARP;
+    const size_t stride = (size_t)a.n_head * hd;
+    float *qs = sh;                       // (q_rows, hd): the block's queries, scaled by 1 / sqrt(hd)
+    float *ks = qs + q_rows * hd;         // (VA_KEYS, hd + 1)
+    float *vs = ks + VA_KEYS * (hd + 1);  // (VA_KEYS, hd)
+    const float scale = rsqrtf((float)hd);
+    for (int i = threadIdx.x; i < q_rows * hd; i += blockDim.x) {
+        int r = i / hd, d = i % hd;
+        qs[i] = q0 + r < a.n_tok ? a.q[(q0 + r) * stride + h * hd + d] * scale : 0.0f;
+    }
+    float m[VA_ROWS], l[VA_ROWS], acc[VA_ROWS][VA_PER_LANE];
+#pragma unroll
+    for (int r = 0; r < VA_ROWS; r++) {
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+#pragma unroll
+        for (int u = 0; u < VA_PER_LANE; u++) acc[r][u] = 0.0f;
+    }
+    for (int k0 = 0; k0 < a.n_tok; k0 += VA_KEYS) {
+        const int nk = min(VA_KEYS, a.n_tok - k0);
+        __syncthreads();  // the previous tile is read (the first time: the queries are written)
+        for (int i = threadIdx.x; i < VA_KEYS * hd; i += blockDim.x) {
+            int j = i / hd, d = i % hd;
+            size_t src = (k0 + j) * stride + h * hd + d;
+            ks[j * (hd + 1) + d] = j < nk ? a.k[src] : 0.0f;
+            vs[j * hd + d] = j < nk ? a.v[src] : 0.0f;
+        }
+        __syncthreads();
+        const float *kr = ks + lane * (hd + 1);
+#pragma unroll
+        for (int r = 0; r < VA_ROWS; r++) {
+            const float *qr = qs + (warp * VA_ROWS + r) * hd;
+            float s = 0.0f;
+            for (int d = 0; d < hd; d++) s += qr[d] * kr[d];
+            s = lane < nk ? s : -INFINITY;
+            float m_new = fmaxf(m[r], warp_max(s)), p = expf(s - m_new), corr = expf(m[r] - m_new);
+            l[r] = l[r] * corr + warp_sum(p);
+#pragma unroll
+            for (int u = 0; u < VA_PER_LANE; u++) acc[r][u] *= corr;
+            for (int j = 0; j < nk; j++) {
+                float pj = __shfl_sync(0xffffffffu, p, j);
+#pragma unroll
+                for (int u = 0; u < VA_PER_LANE; u++)
+                    if (u < per_lane && lane + WARP * u < hd) acc[r][u] += pj * vs[j * hd + lane + WARP * u];
+            }
+            m[r] = m_new;
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < VA_ROWS; r++) {
+        int row = q0 + warp * VA_ROWS + r;
+        if (row >= a.n_tok) continue;
+#pragma unroll
+        for (int u = 0; u < VA_PER_LANE; u++)
+            if (u < per_lane && lane + WARP * u < hd) a.out[row * stride + h * hd + lane + WARP * u] = acc[r][u] / l[r];
+    }
+}
+
+cudaError_t vit_attention(const strata_dev_vit_attention_args *a, cudaStream_t stream) {
+    size_t shared = vit_attention_shared(a->head_dim);
+    cudaError_t e = cudaFuncSetAttribute(vit_attention_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shared);
+    if (e != cudaSuccess) return e;
+    dim3 grid((unsigned)((a->n_tok + VA_WARPS * VA_ROWS - 1) / (VA_WARPS * VA_ROWS)), (unsigned)a->n_head);
+    vit_attention_kernel<<<grid, VA_WARPS * WARP, shared, stream>>>(*a);
+    return cudaGetLastError();
+}
+
 }  // namespace strata_cuda

@@ -312,4 +312,84 @@ cudaError_t gated_rms_norm_ref(const strata_dev_gated_rms_norm_args *a, cudaStre
     return cudaGetLastError();
 }
 
+
+// --- Qwen3.5's gates: one thread per value, in double
+
+__global__ void sigmoid_gate_ref_kernel(strata_dev_sigmoid_gate_args a) {
+    int64_t o = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+    if (o >= a.n_rows * a.n) return;
+    int64_t r = o / a.n, i = o % a.n;
+    double g = a.gate[r * a.gate_stride + (a.per_value ? i : 0)];
+    a.x[o] = (float)(a.x[o] / (1.0 + exp(-g)));
+}
+
+cudaError_t sigmoid_gate_ref(const strata_dev_sigmoid_gate_args *a, cudaStream_t stream) {
+    if (a->n_rows == 0) return cudaSuccess;
+    sigmoid_gate_ref_kernel<<<blocks_for(a->n_rows * a->n, 128), 128, 0, stream>>>(*a);
+    return cudaGetLastError();
+}
+
+// --- a vision encoder's pieces
+
+/* LayerNorm: one thread per row, mean and variance in double */
+__global__ void layer_norm_ref_kernel(strata_dev_layer_norm_args a) {
+    int64_t t = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+    if (t >= a.n_tok) return;
+    const float *x = a.x + t * a.n;
+    double mean = 0.0, var = 0.0;
+    for (int64_t i = 0; i < a.n; i++) mean += x[i];
+    mean /= (double)a.n;
+    for (int64_t i = 0; i < a.n; i++) var += (x[i] - mean) * (x[i] - mean);
+    double s = 1.0 / sqrt(var / (double)a.n + a.eps);
+    for (int64_t i = 0; i < a.n; i++) a.out[t * a.n + i] = (float)((x[i] - mean) * s * a.w[i] + a.b[i]);
+}
+
+cudaError_t layer_norm_ref(const strata_dev_layer_norm_args *a, cudaStream_t stream) {
+    layer_norm_ref_kernel<<<blocks_for(a->n_tok, 64), 64, 0, stream>>>(*a);
+    return cudaGetLastError();
+}
+
+/* GELU: one thread per value, in double (0.7978845608028654: sqrt(2 / pi)) */
+__global__ void gelu_ref_kernel(strata_dev_gelu_args a) {
+    int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+    if (i >= a.n) return;
+    double x = a.x[i];
+    a.out[i] = (float)(a.erf ? 0.5 * x * (1.0 + erf(x / sqrt(2.0)))
+                             : 0.5 * x * (1.0 + tanh(0.7978845608028654 * (x + 0.044715 * x * x * x))));
+}
+
+cudaError_t gelu_ref(const strata_dev_gelu_args *a, cudaStream_t stream) {
+    gelu_ref_kernel<<<blocks_for(a->n, 256), 256, 0, stream>>>(*a);
+    return cudaGetLastError();
+}
+
+/* Full attention over a picture's patches: one thread per output value (token, head, d), three passes over the
+ * tokens (the maximum score, then the sum and the weighted values) */
+__device__ double vit_score(const strata_dev_vit_attention_args &a, const float *q, int p, int h) {
+    const float *k = a.k + ((size_t)p * a.n_head + h) * a.head_dim;
+    double s = 0.0;
+    for (int d = 0; d < a.head_dim; d++) s += (double)q[d] * k[d];
+    return s / sqrt((double)a.head_dim);
+}
+
+__global__ void vit_attention_ref_kernel(strata_dev_vit_attention_args a) {
+    int64_t o = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+    if (o >= (int64_t)a.n_tok * a.n_head * a.head_dim) return;
+    int d = (int)(o % a.head_dim), h = (int)(o / a.head_dim % a.n_head), t = (int)(o / a.head_dim / a.n_head);
+    const float *q = a.q + ((size_t)t * a.n_head + h) * a.head_dim;
+    double max = -INFINITY, sum = 0.0, acc = 0.0;
+    for (int p = 0; p < a.n_tok; p++) max = fmax(max, vit_score(a, q, p, h));
+    for (int p = 0; p < a.n_tok; p++) {
+        double e = exp(vit_score(a, q, p, h) - max);
+        sum += e;
+        acc += e * a.v[((size_t)p * a.n_head + h) * a.head_dim + d];
+    }
+    a.out[o] = (float)(acc / sum);
+}
+
+cudaError_t vit_attention_ref(const strata_dev_vit_attention_args *a, cudaStream_t stream) {
+    vit_attention_ref_kernel<<<blocks_for((int64_t)a->n_tok * a->n_head * a->head_dim, 128), 128, 0, stream>>>(*a);
+    return cudaGetLastError();
+}
+
 }  // namespace strata_cuda

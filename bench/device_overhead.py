@@ -1,0 +1,166 @@
+"""The device backend's host-side overhead per layer: a decode step on the host device, the kernels' own time apart
+from the Python around them, for one or more source trees side by side.
+
+    python bench/device_overhead.py [--steps 64] [--runs 5] [--seqs 1,4] [--engine new=src]
+                                    [--engine old=/path/to/an/older/src]
+
+Two generated models with many narrow layers (so that a layer's kernels take little time and the host's part shows):
+a `qwen3moe` (16 layers, width 256, 64 experts top-8, Qwen3-30B-A3B's routing shape scaled down) and a `qwen35moe`
+(16 layers, three Gated DeltaNet layers to one gated attention layer, 32 experts top-8 and a shared expert), Q8_0
+weights. Each is opened on the host device (`device: host`) with an expert cache holding every expert and no upload
+bound, so that after a few untimed steps every expert is a hit (a card's steady state: no CPU misses), and then
+`--steps` decode steps of `--seqs` sequences are timed. `--cached 0.33` holds a third of the experts instead (no
+upload bound: the policy admits what beats its victim), so that misses run on the CPU.
+
+Each case runs twice in a process of its own per source tree (`--engine LABEL=DIR`: the `strata` package of that
+tree, e.g. a `git archive` of an earlier commit with its built engine): once plain (the step's wall time), once
+with the calls into C that run kernels or copies timed (`WORK_CALLS`: launches one by one, in lists and a layer's
+hits, copies, memsets, misses: on the host device a call returns when its work is done). The host-side overhead is
+the plain run's step time less the timed run's time inside those calls, so the wrapper's own cost does not count;
+`CPU` is the same in the stepping thread's CPU time, which a busy machine's waits for a core do not inflate. Each
+round runs every case once, so a change in the machine's load hits all alike; the table shows medians over
+`--runs` rounds, per layer in microseconds. The logits of every step
+(prompt, warm-up and timed) are hashed: the last line says whether every engine and run gave the same bits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+MODELS = {
+    "qwen3moe": dict(n_layer=16, n_expert=64, n_expert_used=8, n_ff_exp=128),
+    "qwen35moe": dict(n_layer=16, n_expert=32, n_expert_used=8, n_ff_exp=128),
+}
+MODELS_EXPERTS = {arch: shape["n_layer"] * shape["n_expert"] for arch, shape in MODELS.items()}
+# the calls into the device's C side that do a kernel's or a copy's work (on the host device, synchronously)
+WORK_CALLS = ("strata_dev_launch", "strata_dev_launch_list", "strata_dev_launch_experts", "strata_dev_upload",
+              "strata_dev_download", "strata_dev_memset", "strata_host_expert_ffn", "strata_host_experts_ffn")
+
+
+class TimedLibrary:
+    """The device's library with its work calls timed: their wall seconds summed in `seconds`, the calling
+    thread's CPU seconds in them in `cpu`."""
+
+    def __init__(self, lib: Any) -> None:
+        self._lib, self.seconds, self.cpu = lib, 0.0, 0.0
+
+    def __getattr__(self, name: str) -> Any:
+        function = getattr(self._lib, name)
+        if name not in WORK_CALLS:
+            return function
+
+        def timed(*args: Any) -> Any:
+            started, cpu = time.perf_counter(), time.thread_time()
+            try:
+                return function(*args)
+            finally:
+                self.seconds += time.perf_counter() - started
+                self.cpu += time.thread_time() - cpu
+        return timed
+
+
+def worker(model: str, n_seq: int, steps: int, timed: bool, cached: float) -> dict[str, Any]:
+    """In the child: a 48-token prompt per sequence and 4 untimed steps (every expert uploaded), then `steps` decode
+    steps of every sequence. Seconds a step, and with `timed` the seconds a step spent in the work calls."""
+    from strata.engine_cffi import BatchItem
+    from strata.engine_cffi.device import Device
+    from strata.engine_cffi.device_engine import DeviceEngine
+
+    capacity = None if cached >= 1 else int(cached * MODELS_EXPERTS[pathlib.Path(model).stem])
+    with DeviceEngine.open(model, Device("host"), n_ctx=256, threads=1, kv="f16", n_batch=32, n_seq=n_seq,
+                           uploads_per_step=None, paced=False, capacity=capacity) as engine:
+        digest = hashlib.sha256()
+        logits = engine.eval_batch([BatchItem(s, [(40 + 7 * i + s) % 250 for i in range(48)]) for s in range(n_seq)])
+        for step in range(4):
+            logits += engine.eval_batch([BatchItem(s, [50 + step + s]) for s in range(n_seq)])
+        digest.update(b"".join(rows.tobytes() for rows in logits))
+        library, before = TimedLibrary(engine.device.lib), engine.expert_counts()
+        if timed:
+            engine.device.lib = library
+        started, cpu = time.perf_counter(), time.thread_time()
+        for step in range(steps):
+            logits = engine.eval_batch([BatchItem(s, [60 + (7 * step + s) % 150]) for s in range(n_seq)])
+            digest.update(b"".join(rows.tobytes() for rows in logits))
+        wall, cpu = time.perf_counter() - started, time.thread_time() - cpu
+        counts = {k: engine.expert_counts()[k] - before[k] for k in ("hits", "misses")}
+        layers = engine.n_layer
+    return {"step": wall / steps, "work": library.seconds / steps, "step_cpu": cpu / steps,
+            "work_cpu": library.cpu / steps, "layers": layers, "digest": digest.hexdigest(),
+            "hit_share": counts["hits"] / max(1, counts["hits"] + counts["misses"])}
+
+
+def measure(src: str, model: str, n_seq: int, steps: int, timed: bool, cached: float) -> dict[str, Any]:
+    env = dict(os.environ, PYTHONPATH=src)
+    out = subprocess.run([sys.executable, __file__, "--worker", model, str(n_seq), str(steps), str(int(timed)),
+                          str(cached)],
+                         env=env, capture_output=True, text=True, check=True).stdout
+    return json.loads(out.splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--seqs", default="1,4")
+    ap.add_argument("--engine", action="append", metavar="LABEL=DIR",
+                    help="a source tree to measure (repeatable); default src=src (this tree)")
+    ap.add_argument("--cached", type=float, default=1.0,
+                    help="the share of all experts the cache holds (1: every one, so every expert is a hit)")
+    ap.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        model, n_seq, steps, timed, cached = args.worker
+        print(json.dumps(worker(model, int(n_seq), int(steps), timed == "1", float(cached))))
+        return
+    sys.path.insert(0, str(ROOT / "src"))
+    from strata.modelgen import write_random_model
+
+    engines = [e.split("=", 1) for e in (args.engine or [f"src={ROOT / 'src'}"])]
+    seqs = [int(n) for n in args.seqs.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = {arch: str(write_random_model(pathlib.Path(tmp) / f"{arch}.gguf", arch=arch, size="tiny",
+                                              dtype="q8_0", seed=5, **shape))
+                 for arch, shape in MODELS.items()}
+        cases = [(arch, n) for arch in MODELS for n in seqs]
+        results: dict[tuple[str, str, int, bool], list[dict[str, Any]]] = {}
+        for run in range(args.runs):
+            for arch, n in cases:
+                for label, src in engines:
+                    for timed in (False, True):
+                        results.setdefault((label, arch, n, timed), []).append(
+                            measure(src, paths[arch], n, args.steps, timed, args.cached))
+            print(f"round {run + 1} of {args.runs} done", file=sys.stderr, flush=True)
+    cache = "every expert a hit" if args.cached >= 1 else f"{args.cached:.0%} of the experts cached"
+    print(f"decode steps on the host device, {cache}; {args.steps} steps, medians of {args.runs} rounds, "
+          f"load average {os.getloadavg()[0]:.1f}; microseconds per layer")
+    print(f"{'engine':8} {'model':10} {'seqs':>4} {'step':>8} {'kernels':>8} {'overhead':>8} {'CPU':>8} {'hits':>6}")
+    digests = set()
+    for arch, n in cases:
+        for label, _ in engines:
+            plain, timed_runs = results[label, arch, n, False], results[label, arch, n, True]
+            layers = plain[0]["layers"]
+
+            def median(runs: list[dict[str, Any]], key: str) -> float:
+                return statistics.median(r[key] for r in runs) / layers * 1e6  # noqa: B023 (used at once)
+            step, work = median(plain, "step"), median(timed_runs, "work")
+            cpu = median(plain, "step_cpu") - median(timed_runs, "work_cpu")
+            hits = statistics.median(r["hit_share"] for r in plain)
+            print(f"{label:8} {arch:10} {n:4d} {step:8.1f} {work:8.1f} {step - work:8.1f} {cpu:8.1f} {hits:6.1%}")
+            digests |= {(arch, n, r["digest"]) for r in plain + timed_runs}
+    same = len(digests) == len(cases)
+    print(f"logits of every engine and run {'bit-identical' if same else 'DIFFER'} for each model and sequence count")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""The device backend on a Qwen3.5 MoE model (`qwen35moe`: Gated DeltaNet layers between gated attention ones,
+partial multi-axis RoPE, a gated shared expert) on the host device, against the CPU engine.
+
+As for qwen3moe (test_device_engine.py): with F32 and F16 weights the logits are within the KV cache type's
+tolerance of the CPU engine's and the greedy tokens are the same; the recurrent state after the calls is the CPU
+engine's within the same tolerance; hits and misses give the same bits. Then the recurrent state's rules, the CPU
+engine's: saved and loaded it resumes a sequence bit for bit, a cut leaves it invalid until a load, a whole
+prefix copied takes it along; and a picture's rows, placed by their grid, with the positions' RoPE components
+exported and imported beside the KV rows.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_device_engine import KV_TOLERANCE, SHAPE, run
+
+from strata.engine_cffi import BatchItem, Engine, EngineError, PictureRows
+from strata.engine_cffi.device import Device
+from strata.engine_cffi.device_engine import DeviceEngine
+from strata.modelgen import write_random_model
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    """Four layers (Gated DeltaNet, attention, Gated DeltaNet, attention: each kind's layers have their places in
+    the KV cache and the state), 4 experts of which 2 a token, and an MTP block."""
+    out = tmp_path_factory.mktemp("device-qwen35")
+    return {dtype: write_random_model(out / f"{dtype}.gguf", arch="qwen35moe", size="tiny", dtype=dtype,
+                                      vocab="bytes", seed=3, full_attention_interval=2)
+            for dtype in ("f32", "f16", "q4_k")}
+
+
+def on_device(path: Path, kv: str = "f32", **options) -> DeviceEngine:
+    return DeviceEngine.open(path, Device("host"), kv=kv, **SHAPE, **options)
+
+
+def states(engine: Engine) -> np.ndarray:
+    return np.stack([np.frombuffer(engine.save_state(s), np.float32) for s in range(engine.n_seq)])
+
+
+@pytest.mark.parametrize("dtype,kv", [("f32", "f32"), ("f16", "f16"), ("f32", "int8")])
+def test_prompt_chunks_and_decode_of_several_sequences_match_the_cpu_engine(models, dtype, kv):
+    with Engine.load(models[dtype], kv=kv, mapped_weights=True, **SHAPE) as cpu:
+        want, want_states = run(cpu), states(cpu)
+    with on_device(models[dtype], kv, capacity=6) as dev:
+        got, got_states = run(dev), states(dev)
+        counts = dev.expert_counts()
+        assert [dev.seq_n_past(s) for s in range(3)] == [23, 5, 4]
+        assert (dev.n_layer, dev.n_kv_layer, dev.has_mtp, dev.mtp) == (4, 2, True, False)  # the MTP block not run
+    assert counts["hits"] > 0 and counts["misses"] > 0 and counts["uploads"] > 0
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape
+        assert np.max(np.abs(g - w)) <= KV_TOLERANCE[kv] * np.max(np.abs(w))
+        np.testing.assert_array_equal(g.argmax(axis=-1), w.argmax(axis=-1))
+    assert np.max(np.abs(got_states - want_states)) <= KV_TOLERANCE[kv] * np.max(np.abs(want_states))
+
+
+def test_hits_and_misses_give_the_same_bits(models):
+    results, counts = [], []
+    for capacity, uploads in ((0, None), (5, 2.0), (16, None)):  # all misses; a mixed split; all hits after a step
+        # the budgets as given, not paced by how long the misses took: the counts below do not depend on timing
+        with on_device(models["q4_k"], capacity=capacity, uploads_per_step=uploads, paced=False) as dev:
+            results.append(run(dev))
+            counts.append(dev.expert_counts())
+    assert counts[0]["hits"] == 0 and counts[1]["hits"] > 0 and counts[1]["misses"] > counts[2]["misses"] > 0
+    assert counts[2]["uploads"] == 16  # every expert of the 4 layers, in the first step
+    for other in results[1:]:
+        for a, b in zip(results[0], other, strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_a_saved_state_resumes_its_sequence_and_a_cut_one_is_refused(models):
+    prompt = list(range(100, 120))
+    with on_device(models["f32"]) as dev:
+        dev.eval(prompt)
+        saved, n = dev.save_state(0), dev.n_past
+        assert len(saved) == dev.state_bytes > 0
+        want = dev.eval([7, 8], all_logits=True)
+        dev.keep(n)  # a state cannot be cut back
+        with pytest.raises(EngineError, match="sequence 0's recurrent state was cut back"):
+            dev.eval([7])
+        with pytest.raises(EngineError, match="nothing to save"):
+            dev.save_state(0)
+        dev.load_state(0, saved)
+        np.testing.assert_array_equal(dev.eval([7, 8], all_logits=True), want)
+        with pytest.raises(EngineError, match="a state of 3 bytes"):
+            dev.load_state(0, b"abc")
+        # a whole prefix copied takes the state along; a shorter one leaves it invalid; keep(0) clears it
+        dev.copy_prefix(0, 1, dev.n_past)
+        np.testing.assert_array_equal(dev.eval([9], seq=1), dev.eval([9]))
+        dev.copy_prefix(0, 2, 5)
+        with pytest.raises(EngineError, match="sequence 2's recurrent state was cut back"):
+            dev.eval([9], seq=2)
+        dev.keep(0, seq=2)
+        fresh = dev.eval(prompt[:3], seq=2)
+        # rows imported come without a state: invalid until one is loaded
+        dev.keep(0, seq=1)
+        dev.import_kv(1, 0, dev.export_kv(2, 0, 3))
+        with pytest.raises(EngineError, match="sequence 1's recurrent state was cut back"):
+            dev.eval([9], seq=1)
+        dev.load_state(1, dev.save_state(2))
+        np.testing.assert_array_equal(dev.eval([9], seq=1), dev.eval([9], seq=2))
+    with Engine.load(models["f32"], kv="f32", mapped_weights=True, **SHAPE) as cpu:  # the same layout and values
+        cpu.eval(prompt)
+        cpu_state = np.frombuffer(cpu.save_state(0), np.float32)
+        assert np.max(np.abs(np.frombuffer(saved, np.float32) - cpu_state)) <= 1e-5 * np.max(np.abs(cpu_state))
+        cleared = cpu.eval(prompt[:3], seq=2)  # from an empty sequence's state
+        assert np.max(np.abs(fresh - cleared)) <= 1e-5 * np.max(np.abs(cleared))
+
+
+def test_a_picture_is_placed_by_its_grid_and_its_positions_travel_with_the_rows(models):
+    """A picture's 12 rows (a grid 4 wide) in a prompt: multi-axis RoPE positions from the grid, text after it
+    from the picture's largest component, as on the CPU engine. Exported (KV rows and RoPE components) with the
+    state and imported into another engine's sequence on the device, the next token's logits are the original's
+    bits; imported into the CPU engine (the same layouts), within the tolerance of the device's."""
+    rows = np.random.default_rng(5).standard_normal((12, 256)).astype(np.float32)
+    ids = list(range(60, 80))
+    items = [BatchItem(0, ids, embeds=[(3, PictureRows(rows, 4))], logits="all")]
+    with Engine.load(models["f32"], kv="f32", mapped_weights=True, **SHAPE) as cpu:
+        want = cpu.eval_batch(items)[0].copy()
+        with on_device(models["f32"]) as dev, on_device(models["f32"]) as other:
+            got = dev.eval_batch(items)[0].copy()
+            rows_out, state = dev.export_kv(0, 0, dev.n_past), dev.save_state(0)
+            other.import_kv(2, 0, rows_out)
+            other.load_state(2, state)
+            cpu.import_kv(1, 0, rows_out)
+            cpu.load_state(1, state)
+            after = dev.eval([5])
+            np.testing.assert_array_equal(other.eval([5], seq=2), after)
+        on_cpu = cpu.eval([5], seq=1)
+    assert np.max(np.abs(got - want)) <= KV_TOLERANCE["f32"] * np.max(np.abs(want))
+    assert np.max(np.abs(after - on_cpu)) <= KV_TOLERANCE["f32"] * np.max(np.abs(on_cpu))
