@@ -208,17 +208,15 @@ class ServedModel:
         started = time.perf_counter()
         stage.now = "tensors and context"
         budget = None if config.kv_budget is None else int(config.kv_budget * 2**20)
-        engine = self._on_device(budget, log) if config.device != "cpu" else None
+        mtp = None if config.speculative.source in ("auto", "mtp") else False  # None: where the file has one
+        engine = self._on_device(budget, mtp, log) if config.device != "cpu" else None
         if engine is None:
             engine = Engine.load(config.model, n_ctx=config.context, threads=config.threads, kv=config.kv,
                                  n_batch=config.batch, n_seq=config.slots, kv_budget=budget,
-                                 mapped_weights=config.mapped_weights, record_routing=config.record_routing,
-                                 mtp=None if config.speculative.source in ("auto", "mtp") else False)
+                                 mapped_weights=config.mapped_weights, record_routing=config.record_routing, mtp=mtp)
         try:
             if config.speculative.source == "mtp" and not engine.mtp:
-                raise ServiceUnavailable(
-                    f"speculative.source is mtp, and the {engine.backend} backend does not run {config.model}'s MTP "
-                    "block" if engine.has_mtp else f"speculative.source is mtp, and {config.model} has no MTP block")
+                raise ServiceUnavailable(f"speculative.source is mtp, and {config.model} has no MTP block")
             self.mtp = engine if engine.mtp else None
             stage.now = "tokenizer"
             # A model loaded again keeps its text side (`unload`).
@@ -232,9 +230,10 @@ class ServedModel:
         log(f"loaded in {time.perf_counter() - started:.1f} s")
         return engine, tokenizer
 
-    def _on_device(self, kv_budget: int | None, log: Callable[[str], None]) -> Any:
-        """The model on the GPU backend (`device` cuda, or host for tests), or None where it cannot run there (no
-        CUDA build or GPU, an architecture it does not run): the CPU engine then, said in one line."""
+    def _on_device(self, kv_budget: int | None, mtp: bool | None, log: Callable[[str], None]) -> Any:
+        """The model on the GPU backend (`device` cuda, or host for tests; running its MTP block as `mtp` says), or
+        None where it cannot run there (no CUDA build or GPU, an architecture it does not run): the CPU engine
+        then, said in one line."""
         from strata.engine_cffi.device import DeviceUnavailable
         from strata.engine_cffi.device_engine import ARCHITECTURES, DeviceEngine, open_device
         from strata.gguf_file import read_metadata
@@ -256,14 +255,11 @@ class ServedModel:
             return None
         engine = DeviceEngine.open(config.model, device, n_ctx=config.context, threads=config.threads, kv=config.kv,
                                    n_batch=config.batch, n_seq=config.slots, kv_budget=kv_budget,
-                                   record_routing=config.record_routing, prior=prior)
+                                   record_routing=config.record_routing, prior=prior, mtp=mtp)
         cache = engine.expert_counts()
         left = f" ({share / 2**20:,.0f} MiB left to the GPU image encoder)" if share else ""
         log(f"expert cache: {cache['capacity']} experts, {cache['bytes'] / 2**30:.2f} GiB"
             + (f", {cache['preloaded']} from the prior" if prior is not None else "") + left)
-        if engine.has_mtp and config.speculative.source == "auto":
-            log(f"device {config.device}: the GPU backend does not run the model's MTP block; speculation drafts "
-                "without it (from the prompt's n-grams and the requests' predictions)")
         return engine
 
     def _expert_prior(self) -> Any:

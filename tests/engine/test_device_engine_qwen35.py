@@ -133,3 +133,78 @@ def test_a_picture_is_placed_by_its_grid_and_its_positions_travel_with_the_rows(
         on_cpu = cpu.eval([5], seq=1)
     assert np.max(np.abs(got - want)) <= KV_TOLERANCE["f32"] * np.max(np.abs(want))
     assert np.max(np.abs(after - on_cpu)) <= KV_TOLERANCE["f32"] * np.max(np.abs(on_cpu))
+
+
+def drafting(engine: Engine) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The MTP block's drafts with their logits after: a prompt in chunks beside another sequence's (with a
+    picture's rows); a verify step's rollback (keep and the saved state); decode; rows and state imported into a
+    new sequence (whose last hidden state is not held: no drafts), then a token evaluated; a whole prefix
+    copied."""
+    picture = np.random.default_rng(5).standard_normal((6, 256)).astype(np.float32)
+    out = []
+
+    def draft(seqs: list[int], pos: list[int], tokens: list[int], n: int = 3) -> None:
+        drafts, logits = engine.mtp_draft(seqs, pos, tokens, n, logits=True)
+        assert logits is not None
+        out.append((drafts, logits))
+
+    engine.eval_batch([BatchItem(0, list(range(40, 60))),
+                       BatchItem(1, list(range(5, 15)), embeds=[(2, PictureRows(picture, 3))])])
+    draft([0, 1], [20, 10], [61, 8])
+    saved = engine.save_state(0)
+    engine.eval_batch([BatchItem(0, [61, 62, 63]), BatchItem(1, [8])])
+    engine.keep(20, 0)  # the verify step's drafts refused
+    engine.load_state(0, saved)
+    draft([0, 1], [20, 11], [64, 9])
+    engine.eval_batch([BatchItem(0, [64, 65])])
+    draft([0], [22], [66], 4)
+    engine.import_kv(2, 0, engine.export_kv(1, 0, 11))
+    engine.load_state(2, engine.save_state(1))
+    draft([2, 1], [11, 11], [9, 9])
+    engine.eval_batch([BatchItem(2, [9])])
+    draft([2, 1], [12, 11], [10, 9])
+    engine.keep(0, 2)
+    engine.copy_prefix(0, 2, 22)
+    engine.eval_batch([BatchItem(2, [30, 31])])
+    draft([2, 0], [24, 22], [32, 66], 2)
+    return out
+
+
+@pytest.mark.parametrize("kv", ["f32", "f16"])
+def test_mtp_drafts_match_the_cpu_engines(models, kv):
+    """The MTP block run on the device (its rows filled at each eval) drafts the CPU engine's tokens (its rows
+    filled lazily), their logits within the KV cache type's tolerance; a sequence with no hidden state held
+    drafts nothing on both. (The imported sequence's drafts after its eval are left out: the block's rows of the
+    imported positions are not filled, on either engine.)"""
+    with Engine.load(models["f32"], kv=kv, mapped_weights=True, mtp=True, **SHAPE) as cpu:
+        want = drafting(cpu)
+    with on_device(models["f32"], kv, capacity=6, mtp=True) as dev:
+        assert dev.mtp
+        got = drafting(dev)
+        passes, pairs = dev.mtp_fills()
+    # a pass a chunk (the first call's 30 tokens are 4 chunks of 8), a pair a token past position 0
+    assert passes == 4 + 4 and pairs == 20 - 1 + 10 - 1 + 4 + 2 + 1 + 2
+    got[4], want[4] = (tuple(a[1:] for a in drafts) for drafts in (got[4], want[4]))
+    for (got_drafts, got_logits), (want_drafts, want_logits) in zip(got, want, strict=True):
+        np.testing.assert_array_equal(got_drafts, want_drafts)
+        assert np.max(np.abs(got_logits - want_logits)) <= KV_TOLERANCE[kv] * np.max(np.abs(want_logits))
+    assert (got[3][0][0] == -1).all() and (got[3][0][1] >= 0).all()  # the import's sequence, then its source
+    assert all((drafts >= 0).all() for i, (drafts, _) in enumerate(got) if i != 3)
+
+
+def test_the_mtp_block_is_run_only_where_asked_and_the_file_has_one(models, tmp_path):
+    with on_device(models["f32"]) as dev:
+        assert dev.has_mtp and not dev.mtp and dev.mtp_fills() == (0, 0)
+        dev.eval([1, 2, 3])
+        with pytest.raises(EngineError, match="runs no MTP block"):
+            dev.mtp_draft([0], [3], [4], 2)
+    with on_device(models["f32"], mtp=None) as dev:
+        assert dev.mtp
+        dev.eval([1, 2, 3])
+        with pytest.raises(EngineError, match="sequence 0 twice"):
+            dev.mtp_draft([0, 0], [3, 3], [4, 4], 2)
+        with pytest.raises(EngineError, match="exceed the context"):
+            dev.mtp_draft([0], [3], [4], 64)
+    plain = write_random_model(tmp_path / "plain.gguf", arch="qwen3moe", size="tiny", dtype="f32", seed=3)
+    with pytest.raises(EngineError, match="has no MTP block"):
+        on_device(plain, mtp=True)

@@ -596,17 +596,23 @@ def test_a_followed_prediction_drafts_its_minimum_where_the_costs_say_none() -> 
     assert predicted.rate < Speculation.PREDICTED_RATE and predicted.choose(1, 1.0, costs) == 0
 
 
-def test_mtp_drafts_through_the_engine_give_each_job_its_greedy_answer(tmp_path) -> None:
-    """The C engine on a generated qwen35moe with its MTP block (random weights: its drafts mostly wrong): the
-    block's drafts, verified in the jobs' steps and rolled back through the recurrent state's snapshots, give the
-    answer decoded token by token, beside a job without drafts; every draft is the block's. Then the answer's
-    first tokens as a prediction before the block: accepted drafts too."""
+@pytest.mark.parametrize("backend", ["cpu", "host"])
+def test_mtp_drafts_through_the_engine_give_each_job_its_greedy_answer(tmp_path, backend: str) -> None:
+    """The C engine, or the device backend on the host device (the block run through the device interface), on a
+    generated qwen35moe with its MTP block (random weights: its drafts mostly wrong): the block's drafts, verified
+    in the jobs' steps and rolled back through the recurrent state's snapshots, give the answer decoded token by
+    token, beside a job without drafts; every draft is the block's. Then the answer's first tokens as a prediction
+    before the block: accepted drafts too."""
     from strata.engine_cffi import Engine
+    from strata.engine_cffi.device import Device
+    from strata.engine_cffi.device_engine import DeviceEngine
     from strata.modelgen import write_random_model
 
     path = write_random_model(tmp_path / "m.gguf", arch="qwen35moe", size="tiny", dtype="q8_0")
     config = SpeculativeConfig(source="mtp", adaptive=False, max_draft=3)
-    with Engine.load(path, n_ctx=256, threads=1, n_seq=2, mtp=True) as engine:
+    shape = dict(n_ctx=256, threads=1, n_seq=2, mtp=True)
+    with (Engine.load(path, **shape) if backend == "cpu"  # type: ignore[arg-type]
+          else DeviceEngine.open(path, Device("host"), **shape)) as engine:  # type: ignore[arg-type]
         assert engine.recurrent and engine.mtp
         rng = np.random.default_rng(0)
         prompts = [[int(t) for t in rng.integers(0, engine.n_vocab, n)] for n in (30, 20)]

@@ -2,7 +2,8 @@
 does, through hypercorn, and shows its expert cache in /v1/status and /metrics; `device: cuda` where no GPU can
 be opened, or with an architecture the backend does not run, runs the CPU engine and says why in one startup line.
 A Qwen3.5 MoE model (recurrent layers) answers as on the CPU engine, speculation's verify steps and their rolled
-back states included; its MTP block is not run on the backend, which one startup line says."""
+back states included; its MTP block runs on the backend where speculation may use it, its drafts verified to
+the same answer."""
 
 from __future__ import annotations
 
@@ -152,20 +153,31 @@ def test_a_qwen35moe_model_on_the_host_device_answers_as_the_cpu_engine(qwen35_m
     assert totals["reused_tokens"] > 0
 
 
-async def test_the_mtp_block_is_not_run_on_the_backend_and_one_line_says_so(qwen35_model):
+async def test_source_auto_runs_the_mtp_block_on_the_backend_without_a_line(qwen35_model):
     lines: list[str] = []
     config = server_config(model=str(qwen35_model), context=256, device="host", speculative={"source": "auto"})
     async with open_service(config, log=lines.append) as service:
+        assert service.engine.backend == "host" and service.engine.mtp
+        assert service.models.default.mtp is service.engine
+    assert not [line for line in lines if "MTP" in line]
+    config = server_config(model=str(qwen35_model), context=256, device="host", speculative={"source": "off"})
+    async with open_service(config, log=lambda line: None) as service:
         assert service.engine.has_mtp and not service.engine.mtp and service.models.default.mtp is None
-    said = [line for line in lines if "MTP" in line]
-    assert said == ["device host: the GPU backend does not run the model's MTP block; speculation drafts without it "
-                    "(from the prompt's n-grams and the requests' predictions)"]
-    config = server_config(model=str(qwen35_model), context=256, device="host", speculative={"source": "mtp"})
-    with pytest.raises(ExceptionGroup) as failed:  # the service's nursery's
-        async with open_service(config, log=lambda line: None):
-            pass
-    assert failed.group_contains(ServiceUnavailable, match=r"speculative.source is mtp, and the host backend does not "
-                                                            r"run .*q35.gguf's MTP block", depth=None)
+
+
+def test_a_chat_request_drafted_by_the_mtp_block_on_the_host_device_answers_as_the_cpu_engine(qwen35_model):
+    """Speculation's source mtp on the backend: every step's drafts are the block's, run through the device
+    interface; verified and rolled back, the answer is the CPU engine's without speculation."""
+    ask = {"max_tokens": 24, "chat_template_kwargs": {"enable_thinking": False}}
+    with live_server(server_config(model=str(qwen35_model), context=256, kv="f32")) as cpu:
+        want = answer(cpu.url, **ask)
+    config = server_config(model=str(qwen35_model), context=256, kv="f32", device="host",
+                           speculative={"source": "mtp", "adaptive": False})
+    with live_server(config) as server:
+        assert answer(server.url, **ask) == want
+        status = httpx.get(server.url + "/v1/status").json()
+    assert status["engine"]["backend"] == "host"
+    assert len(want) > 10 and status["totals"]["draft_tokens"] > 0
 
 
 async def test_cuda_with_an_architecture_the_backend_does_not_run_says_which_it_runs(tmp_path):

@@ -32,9 +32,17 @@ more list; the policy (a Python class) is called once per layer, between the top
 The rest of the engine's interface (sampling, the checks of a call's items) is the CPU engine's, whose context
 this class extends; the positions each sequence holds (and with multi-axis RoPE each position's RoPE components)
 are kept here, as the KV cache and the recurrent state are the device's (`copy_prefix`, `export_kv`,
-`import_kv`, `save_state` and `load_state` move them through the host, in the CPU engine's layouts). The model's
-MTP block, where the file has one, is not run: `mtp` is off. Not built yet: other architectures (Qwen3-VL's
-deepstack rows, dense models).
+`import_kv`, `save_state` and `load_state` move them through the host, in the CPU engine's layouts).
+
+With `mtp`, the model's MTP block (layer n_layer: `mtp_draft`, as the CPU engine's) runs with the same kernels:
+each chunk's hidden states (output_norm(x)) come back to the host, where each sequence's last 128 are held
+(`device_mtp`); the pairs the chunk completes (the hidden state at p, the token at p + 1) then go through the
+block at once: x = eh_proj([enorm(embedding), hnorm(hidden)]), its gated attention on its own KV rows, its
+router and shared expert on the device and its routed experts all on the CPU's threads (the expert cache holds
+the trunk's). A draft chains steps of the block and its head from the held hidden states. The fill is eager,
+not lazy as the CPU engine's: a pass is about one layer of a step here, and the block's rows then follow the
+trunk's (`keep`, `copy_prefix`, `import_kv` as the CPU engine's for the block's history). Not built yet: other
+architectures (Qwen3-VL's deepstack rows, dense models).
 """
 
 from __future__ import annotations
@@ -52,6 +60,7 @@ from gguf import quants
 from strata.engine_cffi import _KV_TYPES, BatchItem, Engine, EngineAborted, EngineError, _check, _item_logits
 from strata.engine_cffi.device import Device, DeviceError
 from strata.engine_cffi.device_check import MATMUL_TYPES
+from strata.engine_cffi.device_mtp import HiddenHistory
 from strata.engine_cffi.device_state import RecurrentState
 from strata.engine_cffi.expert_slots import UPLOADS_PER_STEP, ExpertSlots
 from strata.engine_cffi.launch_list import LaunchList, Size
@@ -116,7 +125,7 @@ class DeviceEngine(Engine):
              kv: str = "f16", n_batch: int = 256, n_seq: int = 1, kv_budget: int | None = None,
              record_routing: str | os.PathLike[str] | None = None, capacity: int | None = None,
              uploads_per_step: float | None = UPLOADS_PER_STEP, prior: RoutingTrace | None = None,
-             paced: bool = True) -> DeviceEngine:
+             paced: bool = True, mtp: bool | None = False) -> DeviceEngine:
         """Load the model as `Engine.load` does (the weights read where the file is mapped), then put its dense
         part and the KV cache on `device` (which the engine closes with itself) and give what its budget leaves
         to the expert cache.
@@ -129,10 +138,12 @@ class DeviceEngine(Engine):
                 experts (uploaded here).
             paced: each step's upload bound follows the time the last step's misses took and the link's rate,
                 measured here (see `expert_slots`).
+            mtp: run the model's MTP block on the device for `mtp_draft` (its own KV rows on the device, filled at
+                each eval); None: where the file has one.
         Raises:
             EngineError: what `Engine.load` raises; an architecture other than qwen3moe and qwen35moe, a weight type
                 the device has no product for, a device budget the dense part, the KV cache and the recurrent state
-                do not fit in, or a prior recorded on a model of another shape.
+                do not fit in, a prior recorded on a model of another shape, or `mtp` on a file without the block.
         """
         try:
             engine = cls.load(path, n_ctx=n_ctx, threads=threads, kv=kv, n_batch=n_batch, n_seq=n_seq,
@@ -142,7 +153,7 @@ class DeviceEngine(Engine):
             device.close()
             raise
         try:
-            engine._attach(device, capacity, uploads_per_step, prior, paced)
+            engine._attach(device, capacity, uploads_per_step, prior, paced, mtp)
         except DeviceError as exc:
             engine.close()
             raise EngineError(f"the {device.kind} device: {exc}") from None
@@ -154,7 +165,7 @@ class DeviceEngine(Engine):
     # --- set-up
 
     def _attach(self, device: Device, capacity: int | None, uploads_per_step: float | None,
-                prior: RoutingTrace | None, paced: bool) -> None:
+                prior: RoutingTrace | None, paced: bool, mtp: bool | None) -> None:
         self.device, self.backend = device, device.kind  # closed with the engine from here on
         # the cached rows' bits are the device's kernels': another backend's rows are not these
         self.kv_identity = f"{self.kv_identity}:{device.kind}"
@@ -169,7 +180,11 @@ class DeviceEngine(Engine):
         def key(name: str, default: Any = 0) -> Any:
             return meta.get(f"{self.arch}.{name}", default)
 
-        self.n_layer = int(key("block_count")) - int(key("nextn_predict_layers"))  # the MTP blocks are not run
+        self.n_layer = int(key("block_count")) - int(key("nextn_predict_layers"))  # the MTP block is layer n_layer
+        if mtp and not self.has_mtp:
+            raise EngineError(f"mtp: the {self.arch} model has no MTP block")
+        self.mtp = self.has_mtp if mtp is None else bool(mtp)
+        self._mtp_counts = [0, 0]  # the MTP block's passes over evaluated pairs, the pairs
         self.n_head = int(key("attention.head_count"))
         self.n_head_kv = int(key("attention.head_count_kv", self.n_head))
         self.head_dim = int(key("attention.key_length", self.n_embd // self.n_head))
@@ -185,16 +200,19 @@ class DeviceEngine(Engine):
         self._rope_tables(key)
         if self.hybrid:
             self._deltanet_sizes(key)
-        self._layers = [self._layer_weights(il) for il in range(self.n_layer)]
+        self._layers = [self._layer_weights(il) for il in range(self.n_layer + self.mtp)]
         self._output_norm = self._put(self._vector("output_norm"))
         self._output = self._matrix("output" if self._file.tensor("output") else "token_embd")  # tied: the embeddings
+        if self.mtp:
+            self._mtp_weights()
         self._alloc_kv()
         self._state = RecurrentState(device, self.n_seq, self.state_bytes // 4)
         self._alloc_activations()
+        # the MTP block's routed experts (layer n_layer) are all computed by the CPU: the cache holds the trunk's
         self._experts = [(self._tensor(f"blk.{il}.ffn_gate_exps"), self._tensor(f"blk.{il}.ffn_up_exps"),
-                          self._tensor(f"blk.{il}.ffn_down_exps")) for il in range(self.n_layer)]
+                          self._tensor(f"blk.{il}.ffn_down_exps")) for il in range(self.n_layer + self.mtp)]
         expert_bytes = [(g.n_bytes // self.n_expert, u.n_bytes // self.n_expert, d.n_bytes // self.n_expert)
-                        for g, u, d in self._experts]
+                        for g, u, d in self._experts[:self.n_layer]]
         free = device.budget - device.used
         slot = max(sum(sizes) for sizes in expert_bytes)
         fits = max(0, min(self.n_layer * self.n_expert, free // slot))
@@ -287,7 +305,7 @@ class DeviceEngine(Engine):
         ffn_norm = "post_attention_norm" if self.hybrid else "ffn_norm"
         vectors = ["attn_norm"]
         matrices = ["ffn_gate_inp"]
-        if self._recurrent[il]:
+        if il < self.n_layer and self._recurrent[il]:
             vectors += ["ssm_conv1d", "ssm_a", "ssm_dt.bias", "ssm_norm"]
             matrices += ["attn_qkv", "attn_gate", "ssm_alpha", "ssm_beta", "ssm_out"]
         else:
@@ -307,15 +325,43 @@ class DeviceEngine(Engine):
                 raise EngineError(f"tensor {t.name}: the device has no product for type {Q(t.type).name}")
         return weights
 
+    def _mtp_weights(self) -> None:
+        """The MTP block's own tensors (its attention and feed-forward are layer n_layer's, in `_layers`): eh_proj,
+        the norms of its two inputs, its head's norm and matrix (else the model's) and the table its tokens are
+        looked up in (else the model's embeddings); the hidden states its pairs and drafts read."""
+        blk = f"blk.{self.n_layer}.nextn"
+
+        def has(name: str) -> bool:
+            return self._file.tensor(f"{blk}.{name}") is not None
+
+        self._eh_proj = self._matrix(f"{blk}.eh_proj")
+        self._enorm, self._hnorm = (self._put(self._vector(f"{blk}.{name}")) for name in ("enorm", "hnorm"))
+        self._head_norm = (self._put(self._vector(f"{blk}.shared_head_norm")) if has("shared_head_norm")
+                           else self._output_norm)
+        self._head = self._matrix(f"{blk}.shared_head_head") if has("shared_head_head") else self._output
+        self._mtp_table = f"{blk}.embed_tokens" if has("embed_tokens") else "token_embd"
+        self._history = HiddenHistory(self.n_seq, self.n_embd)
+
     def _alloc_kv(self) -> None:
-        kv = self.kv_type
+        """The trunk's KV cache (its attention layers), and with `mtp` the MTP block's (one layer) beside it,
+        zeroed: an import's positions are not filled there (as on the CPU engine, whose rows there stay as they
+        were) and drafts attend to them, so no NaN from an allocation's leftovers."""
         self._kv_rows = self.n_seq * self.n_kv_layer * self.n_head_kv * self.n_ctx
-        self._k = self._alloc(self._kv_rows * self.head_dim * KV_ELEM[kv])
-        self._v = self._alloc(self._kv_rows * self.head_dim * KV_ELEM[kv])
-        null = self.device.ffi.NULL
-        self._k_scale = self._alloc(4 * self._kv_rows) if kv == "int8" else null
-        self._v_scale = self._alloc(4 * self._kv_rows) if kv == "int8" else null
-        self.kv_bytes = 2 * self._kv_rows * (self.head_dim * KV_ELEM[kv] + (4 if kv == "int8" else 0))
+        self._k, self._v, self._k_scale, self._v_scale = self._kv_cache(self._kv_rows)
+        block_rows = self.n_seq * self.n_head_kv * self.n_ctx if self.mtp else 0
+        if self.mtp:
+            self._mtp_cache = self._kv_cache(block_rows, zeroed=True)
+        row = self.head_dim * KV_ELEM[self.kv_type] + (4 if self.kv_type == "int8" else 0)
+        self.kv_bytes = 2 * (self._kv_rows + block_rows) * row
+
+    def _kv_cache(self, rows: int, zeroed: bool = False) -> tuple[Any, Any, Any, Any]:
+        """K and V caches of `rows` rows of head_dim values, and with int8 their scales."""
+        sizes = [rows * self.head_dim * KV_ELEM[self.kv_type]] * 2 + [4 * rows if self.kv_type == "int8" else 0] * 2
+        k, v, k_scale, v_scale = (self._alloc(size) if size else self.device.ffi.NULL for size in sizes)
+        for ptr, size in zip((k, v, k_scale, v_scale), sizes, strict=True):
+            if zeroed and size:
+                self.device.memset(ptr, 0, size)
+        return k, v, k_scale, v_scale
 
     def _alloc_activations(self) -> None:
         B, E, k = self.n_batch, self.n_embd, self.n_used
@@ -330,10 +376,15 @@ class DeviceEngine(Engine):
                           dn_alpha=B * hv, dn_beta=B * hv, dn_out=B * VD, sh_gate=B, sh_hb=B * F, sh_hb2=B * F,
                           sh_out=B * E)
             ints |= dict(q_rows=B * self.n_head, run_seq=B, run_first=B + 1)
+        if self.mtp:  # the hidden states; the block's inputs: B embedding rows then B hidden ones, interleaved
+            sizes |= dict(mtp_h=B * E, mtp_raw=2 * B * E, mtp_pair=2 * B * E)
+            ints |= dict(mtp_idx=2 * B)
         self._a = {name: self._alloc(4 * n) for name, n in (sizes | ints).items()}
         if self.hybrid:  # q head h of token t: row 2 (t n_head + h) of qg's head_dim-wide rows
             self.device.upload(self._a["q_rows"], 2 * np.arange(B * self.n_head, dtype=np.int32))
-            self.device.sync()
+        if self.mtp:  # pair t's row of mtp_pair: [mtp_raw row t, mtp_raw row B + t]
+            self.device.upload(self._a["mtp_idx"], np.stack([np.arange(B), B + np.arange(B)], 1).astype(np.int32))
+        self.device.sync()
 
     def _expert_data(self, layer: int, expert: int, which: int) -> np.ndarray:
         t = self._experts[layer][which]
@@ -366,8 +417,11 @@ class DeviceEngine(Engine):
         if src == dst:
             self.keep(n, dst)
             return
-        for (from_, size), (to, _) in zip(self._runs(src, 0, n), self._runs(dst, 0, n), strict=True):
-            self.device.copy(to, from_, size)
+        for block in (False, True) if self.mtp else (False,):  # the MTP block's rows too: its history
+            for (from_, size), (to, _) in zip(self._runs(src, 0, n, block), self._runs(dst, 0, n, block), strict=True):
+                self.device.copy(to, from_, size)
+        if self.mtp:
+            self._history.copy_prefix(src, dst, n)
         self._rope_t[dst, :n], self._rope_next[dst, :n] = self._rope_t[src, :n], self._rope_next[src, :n]
         if n == 0:
             self._state.clear(dst)
@@ -385,17 +439,18 @@ class DeviceEngine(Engine):
         self.seq_n_past(seq)
         self._state.load(seq, data)
 
-    def _runs(self, seq: int, first: int, n: int) -> list[tuple[Any, int]]:
+    def _runs(self, seq: int, first: int, n: int, block: bool = False) -> list[tuple[Any, int]]:
         """The device's bytes of positions [first, first + n) of `seq` in `export_kv`'s order (kv_rows.c's layout:
         per attention layer and KV head its K then V rows, then with int8 its K then V scales): (pointer, bytes)
-        pairs."""
+        pairs; with `block`, those of the MTP block's cache (which no export carries, as the CPU engine's)."""
         ffi, row = self.device.ffi, self.head_dim * KV_ELEM[self.kv_type]
-        heads = [((seq * self.n_kv_layer + il) * self.n_head_kv + h) * self.n_ctx + first
-                 for il in range(self.n_kv_layer) for h in range(self.n_head_kv)]
-        runs = [(ffi.cast("char *", cache) + base * row, n * row) for base in heads for cache in (self._k, self._v)]
+        k, v, k_scale, v_scale = self._mtp_cache if block else (self._k, self._v, self._k_scale, self._v_scale)
+        n_layer = 1 if block else self.n_kv_layer
+        heads = [((seq * n_layer + il) * self.n_head_kv + h) * self.n_ctx + first
+                 for il in range(n_layer) for h in range(self.n_head_kv)]
+        runs = [(ffi.cast("char *", cache) + base * row, n * row) for base in heads for cache in (k, v)]
         if self.kv_type == "int8":
-            runs += [(ffi.cast("char *", cache) + base * 4, n * 4) for base in heads
-                     for cache in (self._k_scale, self._v_scale)]
+            runs += [(ffi.cast("char *", cache) + base * 4, n * 4) for base in heads for cache in (k_scale, v_scale)]
         return runs
 
     def export_kv(self, seq: int, first: int, n: int) -> np.ndarray:
@@ -537,22 +592,28 @@ class DeviceEngine(Engine):
         for il in range(self.n_layer):
             self._layers_launches[il].run(n=n, runs=len(starts))
             self._moe(il, n, records, chunk)
+        hidden = None
+        if self.mtp:  # the hidden states: output_norm(x), as the output head reads them
+            self._hidden_launches.run(n=n)
+            hidden = dev.to_host(a["mtp_h"], (n, self.n_embd), np.float32)
         # logits = rmsnorm(x rows that want them) @ Woutput
         rows_wanted = np.flatnonzero(wants).astype(np.int32)
         m = len(rows_wanted)
-        if m == 0:
-            dev.sync()
-            self._in_flight = []
-            return np.empty((0, self.n_vocab), np.float32)
-        dev.upload(a["rows"], rows_wanted)
-        self._output_launches.run(m=m)
-        logits = dev.to_host(a["logits"], (m, self.n_vocab), np.float32)
+        logits = np.empty((0, self.n_vocab), np.float32)
+        if m:
+            dev.upload(a["rows"], rows_wanted)
+            self._output_launches.run(m=m)
+            logits = dev.to_host(a["logits"], (m, self.n_vocab), np.float32)
+        dev.sync()
         self._in_flight = []
+        if hidden is not None:
+            self._mtp_fill(ids, seqs, pos, rope, rows, embd_of, hidden)
         return logits
 
-    def _embeddings(self, ids: np.ndarray, rows: np.ndarray, embd_of: np.ndarray) -> np.ndarray:
-        """x rows: the token embeddings looked up in the mapped file, or the caller's rows."""
-        t = self._tensor("token_embd")
+    def _embeddings(self, ids: np.ndarray, rows: np.ndarray, embd_of: np.ndarray,
+                    table: str = "token_embd") -> np.ndarray:
+        """x rows: the token embeddings looked up in the mapped file (`table`), or the caller's rows."""
+        t = self._tensor(table)
         data, row_bytes = self._file.data(t), t.n_bytes // t.shape[1]
         x = np.empty((len(ids), self.n_embd), np.float32)
         for i, (token, j) in enumerate(zip(ids.tolist(), embd_of.tolist(), strict=True)):
@@ -562,6 +623,109 @@ class DeviceEngine(Engine):
             row = data[token * row_bytes:(token + 1) * row_bytes]
             x[i] = row.view(np.float32) if t.type == Q.F32 else quants.dequantize(row, Q(t.type)).reshape(-1)
         return x
+
+    # --- the MTP block: its rows filled at each eval, drafts chained from the held hidden states
+
+    def _mtp_fill(self, ids: np.ndarray, seqs: np.ndarray, pos: np.ndarray, rope: np.ndarray, rows: np.ndarray,
+                  embd_of: np.ndarray, hidden: np.ndarray) -> None:
+        """The block over the pairs a chunk completes, then the chunk's hidden states held. A token at p > 0 completes
+        the pair of p - 1: the hidden state at p - 1 (the chunk's, else a held one: zeros where none is, after an
+        import) and that token (its embedding, or the caller's row). Eager, unlike the CPU engine's lazy fill: a
+        pass is about a layer's work on the device, and the rows then follow the trunk's (`keep` and
+        `copy_prefix` as the CPU engine's, an import's pairs not filled, as its own)."""
+        take = np.flatnonzero(pos > 0)
+        if len(take):
+            first = np.r_[True, seqs[1:] != seqs[:-1]]
+            h = np.zeros((len(take), self.n_embd), np.float32)
+            pair_rope = np.repeat((pos[take] - 1)[:, None], 3, axis=1).astype(np.int32)
+            inner = ~first[take]
+            h[inner], pair_rope[inner] = hidden[take[inner] - 1], rope[take[inner] - 1]
+            for j in np.flatnonzero(~inner).tolist():
+                s, p = int(seqs[take[j]]), int(pos[take[j]]) - 1
+                at = self._history.held(s, p)
+                if at is not None:
+                    h[j], pair_rope[j] = self._history.hidden[s, at], self._history.rope[s, at]
+            embd = self._embeddings(ids[take], rows, embd_of[take], self._mtp_table)
+            self._mtp_run(embd, h, seqs[take], pos[take] - 1, pair_rope)
+            self._mtp_counts[0] += 1
+            self._mtp_counts[1] += len(take)
+        self._history.keep(seqs, pos, hidden, rope, np.where(embd_of >= 0, -1, ids))
+
+    def _mtp_run(self, embd: np.ndarray, hidden: np.ndarray, seqs: np.ndarray, pos: np.ndarray,
+                 rope: np.ndarray) -> None:
+        """x rows = the block over the pairs (embedding row, hidden state) of sequences `seqs` at positions `pos`
+        (their K and V rows into the block's cache there)."""
+        n, a, dev, E = len(embd), self._a, self.device, self.n_embd
+        pos32 = pos.astype(np.int32)
+        staged = {"seq": seqs.astype(np.int32), "pos": pos32, "n_pos": pos32 + 1,
+                  "rope": np.ascontiguousarray(rope, np.int32)}
+        for name, array in staged.items():
+            dev.upload(a[name], array)
+        embd, hidden = np.ascontiguousarray(embd, np.float32), np.ascontiguousarray(hidden, np.float32)
+        dev.upload(a["mtp_raw"], embd)
+        dev.upload(self._floats("mtp_raw", self.n_batch * E), hidden)
+        self._in_flight = [embd, hidden, *staged.values()]
+        self._block_launches.run(n=n)
+        self._moe(self.n_layer, n, [], 0)
+
+    def mtp_draft(self, seqs: Sequence[int], pos: Sequence[int], tokens: Sequence[int], n_draft: int,
+                  logits: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
+        """`Engine.mtp_draft`, the block run on the device: per step, the pairs of the sequences whose hidden state
+        at `pos[i] - 1` is held (the held one and `tokens[i]` first, then the last step's g and draft), each
+        draft the argmax of the block's head."""
+        seq, at, token = (np.asarray(x, np.int32).reshape(-1) for x in (seqs, pos, tokens))
+        n = len(seq)
+        drafts = np.full((n, max(n_draft, 0)), -1, np.int32)
+        rows = np.zeros((n, n_draft, self.n_vocab), np.float32) if logits else None
+        if drafts.size == 0:
+            return drafts, rows
+        self._check_draft(seq, at, token, n_draft)
+        held = [(i, self._history.held(int(seq[i]), int(at[i]) - 1)) for i in range(n)]
+        live = np.array([i for i, row in held if row is not None], np.int64)
+        if not len(live):
+            return drafts, rows
+        rows_at = np.array([row for _, row in held if row is not None], np.int64)
+        h = self._history.hidden[seq[live], rows_at]
+        rope = self._history.rope[seq[live], rows_at]
+        base = 1 + rope.max(axis=1)  # text after the held position goes on from there
+        step_tokens = token[live]
+        none = np.full(len(live), -1, np.int64)
+        for k in range(n_draft):
+            if k:
+                rope = np.repeat((base + k - 1)[:, None], 3, axis=1)
+            embd = self._embeddings(step_tokens, np.empty((0, self.n_embd), np.float32), none, self._mtp_table)
+            self._mtp_run(embd, h, seq[live], at[live] - 1 + k, rope)
+            self._head_launches.run(n=len(live))
+            step_logits = self.device.to_host(self._a["logits"], (len(live), self.n_vocab), np.float32)
+            h = self.device.to_host(self._a["mtp_h"], (len(live), self.n_embd), np.float32)
+            self._in_flight = []
+            step_tokens = step_logits.argmax(axis=1).astype(np.int32)
+            drafts[live, k] = step_tokens
+            if rows is not None:
+                rows[live, k] = step_logits
+        return drafts, rows
+
+    def _check_draft(self, seqs: np.ndarray, pos: np.ndarray, tokens: np.ndarray, n_draft: int) -> None:
+        """strata_mtp_draft's checks of a call's arguments."""
+        if not self.mtp:
+            raise EngineError("mtp_draft: the context runs no MTP block")
+        if len(seqs) > self.n_batch or n_draft < 0:
+            raise EngineError(f"mtp_draft: {len(seqs)} sequences (at most n_batch, {self.n_batch}), {n_draft} drafts "
+                              "each")
+        for i, (s, p, t) in enumerate(zip(seqs.tolist(), pos.tolist(), tokens.tolist(), strict=True)):
+            if not 0 <= s < self.n_seq:
+                raise EngineError(f"mtp_draft: sequence {s} outside [0, {self.n_seq})")
+            if p < 1 or p + n_draft > self.n_ctx + 1:
+                raise EngineError(f"mtp_draft: {n_draft} drafts after position {p} exceed the context of {self.n_ctx}")
+            if not 0 <= t < self.n_vocab:
+                raise EngineError(f"token id {t} out of range [0, {self.n_vocab})")
+            if s in seqs[:i]:
+                raise EngineError(f"mtp_draft: sequence {s} twice")
+
+    def mtp_fills(self) -> tuple[int, int]:
+        """(passes of the MTP block over evaluated pairs, the pairs they filled): one pass a chunk that completes
+        pairs, as the fill is eager here."""
+        return self._mtp_counts[0], self._mtp_counts[1]
 
     # --- the launches, built once: per layer up to the router's top-k, the experts' mix, the output
 
@@ -590,6 +754,8 @@ class DeviceEngine(Engine):
         out.launch("add_rows", n_tok=ROWS, k=1, n=E, y=a["x"], idx=a["rows"], out=a["slot_x"])
         out.launch("rms_norm", n=E, n_tok=ROWS, eps=self.eps, x=a["slot_x"], w=self._output_norm, out=a["xb"])
         self._matmul(out, self._output, a["xb"], ROWS, a["logits"])
+        if self.mtp:
+            self._mtp_launches()
         self._hit_args = [ffi.new("strata_dev_experts_args *", dict(
             gate_type=g.type, up_type=u.type, down_type=d.type, n_embd=E, n_ff=self.n_ff, x=a["slot_x"],
             hb=a["hb"], hb2=a["hb2"], y=a["moe_out"])) for g, u, d in self._experts]
@@ -607,6 +773,26 @@ class DeviceEngine(Engine):
         self._expert_types = [tuple(int(t.type) for t in tensors) for tensors in self._experts]
         self._expert_mapped = [[(ffi.from_buffer(self._file.data(t)), t.n_bytes // self.n_expert) for t in tensors]
                                for tensors in self._experts]
+
+    def _mtp_launches(self) -> None:
+        """The MTP block's: the chunk's hidden states; the block over a set of pairs up to its router's top-k
+        (x = eh_proj([enorm(embedding), hnorm(hidden)]), then layer n_layer's attention on its own cache); its
+        head (g = head_norm(x) in mtp_h; logits = g Whead)."""
+        a, E, B, eps = self._a, self.n_embd, self.n_batch, self.eps
+        self._hidden_launches = out = LaunchList(self.device)
+        out.launch("rms_norm", n=E, n_tok=N, eps=eps, x=a["x"], w=self._output_norm, out=a["mtp_h"])
+        self._block_launches = out = LaunchList(self.device)
+        hidden = self._floats("mtp_raw", B * E)
+        out.launch("rms_norm", n=E, n_tok=N, eps=eps, x=a["mtp_raw"], w=self._enorm, out=a["mtp_raw"])
+        out.launch("rms_norm", n=E, n_tok=N, eps=eps, x=hidden, w=self._hnorm, out=hidden)
+        out.memset(a["mtp_pair"], 8 * E * N)
+        out.launch("add_rows", n_tok=2 * N, k=1, n=E, y=a["mtp_raw"], idx=a["mtp_idx"], out=a["mtp_pair"])
+        self._matmul(out, self._eh_proj, a["mtp_pair"], N, a["x"])
+        self._attention(out, self.n_layer)
+        self._router(out, self.n_layer)
+        self._head_launches = out = LaunchList(self.device)
+        out.launch("rms_norm", n=E, n_tok=N, eps=eps, x=a["x"], w=self._head_norm, out=a["mtp_h"])
+        self._matmul(out, self._head, a["mtp_h"], N, a["logits"])
 
     def _matmul(self, out: LaunchList, w: Matrix, x: Any, n_tok: Size, y: Any) -> None:
         out.launch("matmul", type=int(w.type), n=w.n_in, rows=w.n_out, n_tok=n_tok, row_bytes=w.row_bytes, w=w.ptr,
@@ -633,9 +819,13 @@ class DeviceEngine(Engine):
                        out=a[name])
             out.launch("rope", n_tok=n, n_head=heads, head_dim=hd, neox=1, n_rot=self.n_rot, x=a[name],
                        pos=a["rope"], inv_freq=self._inv_freq, axis=self._axis)
-        kv = dict(n_head_kv=self.n_head_kv, head_dim=hd, kv_type=_KV_TYPES[self.kv_type], n_layer=self.n_kv_layer,
-                  il=int(self._kv_layer[il]), n_ctx=self.n_ctx, k=self._k, v=self._v, k_scale=self._k_scale,
-                  v_scale=self._v_scale, seq=a["seq"])
+        # the trunk's cache, or the MTP block's (layer n_layer) own
+        k, v, k_scale, v_scale = ((self._k, self._v, self._k_scale, self._v_scale) if il < self.n_layer
+                                  else self._mtp_cache)
+        kv = dict(n_head_kv=self.n_head_kv, head_dim=hd, kv_type=_KV_TYPES[self.kv_type],
+                  n_layer=self.n_kv_layer if il < self.n_layer else 1,
+                  il=int(self._kv_layer[il]) if il < self.n_layer else 0, n_ctx=self.n_ctx, k=k, v=v, k_scale=k_scale,
+                  v_scale=v_scale, seq=a["seq"])
         out.launch("kv_store", n_tok=n, k_in=a["k"], v_in=a["v"], pos=a["pos"], **kv)
         # att = softmax(q K^T / sqrt(hd)) V over each token's positions (times the sigmoid of each head's gate);
         # x += att Wo
@@ -709,26 +899,31 @@ class DeviceEngine(Engine):
         dev.download(host["xb"][:n], a["xb"])
         dev.sync()
         self._in_flight = []  # what the host gave the stream so far is read by now
-        if self._routing is not None:
+        trunk = il < self.n_layer  # the MTP block's experts (layer n_layer) are all the CPU's, and not recorded
+        if self._routing is not None and trunk:
             records.append(np.concatenate([np.array([il, chunk, n], np.int32), ids.reshape(-1)]))
         # slots grouped by expert, ascending: expert e's tokens' rows, in token order (slot_x)
         _check(dev.lib.strata_host_group_slots(n, k, self.n_expert, ptr["ids"], ptr["xb"], E, ptr["slot_x"],
                                                ptr["slot_of"], ptr["experts"], ptr["first"], ptr["count"],
                                                self._n_distinct))
         distinct = host["experts"][:self._n_distinct[0]].tolist()
-        outcome = self.slots.step(il, distinct)
+        hits: tuple[int, ...] = ()
+        misses = tuple(distinct)
+        if trunk:
+            outcome = self.slots.step(il, distinct)
+            hits, misses = outcome.hits, outcome.misses
         place = {e: i for i, e in enumerate(distinct)}
         first, count, slot_x = host["first"], host["count"], host["slot_x"]
         dev.upload(a["slot_x"], slot_x[:n * k])
-        if outcome.hits:  # queued: on a card they run while the CPU computes the misses
-            hits = [place[e] for e in outcome.hits]
-            dev.launch_experts(self._hit_args[il], [self.slots.slot(il, e) for e in outcome.hits], first[hits],
-                               count[hits])
-        if outcome.misses:  # on the CPU's threads, from the mapped file, into miss_y at the slots' rows
+        if hits:  # queued: on a card they run while the CPU computes the misses
+            at = [place[e] for e in hits]
+            dev.launch_experts(self._hit_args[il], [self.slots.slot(il, e) for e in hits], first[at], count[at])
+        if misses:  # on the CPU's threads, from the mapped file, into miss_y at the slots' rows
             started = time.perf_counter()
-            self._misses(il, [(e, int(first[place[e]]), int(count[place[e]])) for e in outcome.misses])
-            self.slots.misses_took(time.perf_counter() - started)
-            for e in outcome.misses:
+            self._misses(il, [(e, int(first[place[e]]), int(count[place[e]])) for e in misses])
+            if trunk:
+                self.slots.misses_took(time.perf_counter() - started)
+            for e in misses:
                 s0, rows = int(first[place[e]]), int(count[place[e]])
                 dev.upload(dev.ffi.cast("char *", a["moe_out"]) + 4 * s0 * E, host["miss_y"][s0:s0 + rows])
         dev.upload(a["slot_of"], host["slot_of"][:n * k])
