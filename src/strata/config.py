@@ -138,7 +138,8 @@ class SpeculativeConfig:
             "draft_model" (`draft_model` drafts) or "off". With "auto" and "mtp" and a file with an MTP block,
             the engine runs the block beside the model: a layer more of KV rows, and about a layer more per token
             in a prompt; in decode, filling the block's rows waits for a draft and is batched then, so a request
-            whose drafts do not pay costs little more than without the block.
+            whose drafts do not pay costs little more than without the block (on the CPU engine; the GPU backend
+            fills them at every eval: a block pass a step).
         max_draft: the most draft tokens a request adds to one engine step.
         adaptive: each request's draft length follows its measured acceptance and the measured cost of a draft
             token, down to none where drafts do not pay; false: `max_draft` whenever the source has that many.
