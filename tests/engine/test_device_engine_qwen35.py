@@ -208,3 +208,14 @@ def test_the_mtp_block_is_run_only_where_asked_and_the_file_has_one(models, tmp_
     plain = write_random_model(tmp_path / "plain.gguf", arch="qwen3moe", size="tiny", dtype="f32", seed=3)
     with pytest.raises(EngineError, match="has no MTP block"):
         on_device(plain, mtp=True)
+
+
+def test_the_kv_budget_counts_the_mtp_blocks_rows(models):
+    with on_device(models["f32"]) as dev:
+        need = dev.kv_bytes + dev.n_seq * dev.state_bytes  # the trunk's rows and the recurrent state
+    with on_device(models["f32"], kv_budget=need) as dev:
+        assert not dev.mtp
+    with pytest.raises(EngineError, match="over the KV budget"):
+        on_device(models["f32"], kv_budget=need, mtp=True)
+    with on_device(models["f32"], kv_budget=need * 3 // 2, mtp=True) as dev:
+        assert dev.mtp and dev.kv_bytes > need - dev.n_seq * dev.state_bytes

@@ -330,8 +330,9 @@ class Engine:
                 draft needs, in one batched pass; see `mtp_fills`); None: where the file has one.
             host_cache: allocate the context's KV cache and a batch's buffers for `n_ctx` and `n_batch`; False
                 for a subclass whose forward pass keeps them elsewhere (the GPU backend's device): the C context
-                then holds one position and one token, and `kv_bytes` is 0 until the subclass says (the checks
-                of `n_ctx` and `kv_budget` are made all the same).
+                then holds one position and one token and no MTP block (the subclass runs it where `mtp` says),
+                and `kv_bytes` is 0 until the subclass says (the checks of `n_ctx` and `kv_budget`, the block's
+                rows included, are made all the same).
 
         Raises:
             EngineError: missing, truncated or non-GGUF file; unsupported architecture or tensor type; a context
@@ -361,7 +362,7 @@ class Engine:
         on_host = (n_ctx, n_batch) if host_cache else (1, 1)
         cparams = ffi.new("strata_context_params *", {"n_ctx": on_host[0], "n_seq": n_seq, "n_batch": on_host[1],
                                                       "n_threads": threads, "kv_type": _KV_TYPES[kv],
-                                                      "mtp": int(mtp)})
+                                                      "mtp": int(mtp and host_cache)})
         ctx_out = ffi.new("strata_context **")
         status = lib.strata_context_create(model_out[0], cparams, ctx_out)
         if status != lib.STRATA_OK:

@@ -147,13 +147,13 @@ class DeviceEngine(Engine):
         """
         try:
             engine = cls.load(path, n_ctx=n_ctx, threads=threads, kv=kv, n_batch=n_batch, n_seq=n_seq,
-                              kv_budget=kv_budget, mapped_weights=True, record_routing=record_routing,
+                              kv_budget=kv_budget, mapped_weights=True, record_routing=record_routing, mtp=mtp,
                               host_cache=False)
         except BaseException:
             device.close()
             raise
         try:
-            engine._attach(device, capacity, uploads_per_step, prior, paced, mtp)
+            engine._attach(device, capacity, uploads_per_step, prior, paced)
         except DeviceError as exc:
             engine.close()
             raise EngineError(f"the {device.kind} device: {exc}") from None
@@ -165,7 +165,7 @@ class DeviceEngine(Engine):
     # --- set-up
 
     def _attach(self, device: Device, capacity: int | None, uploads_per_step: float | None,
-                prior: RoutingTrace | None, paced: bool, mtp: bool | None) -> None:
+                prior: RoutingTrace | None, paced: bool) -> None:
         self.device, self.backend = device, device.kind  # closed with the engine from here on
         # the cached rows' bits are the device's kernels': another backend's rows are not these
         self.kv_identity = f"{self.kv_identity}:{device.kind}"
@@ -181,9 +181,8 @@ class DeviceEngine(Engine):
             return meta.get(f"{self.arch}.{name}", default)
 
         self.n_layer = int(key("block_count")) - int(key("nextn_predict_layers"))  # the MTP block is layer n_layer
-        if mtp and not self.has_mtp:
+        if self.mtp and not self.has_mtp:  # `load` resolved None; the C context runs no block here
             raise EngineError(f"mtp: the {self.arch} model has no MTP block")
-        self.mtp = self.has_mtp if mtp is None else bool(mtp)
         self._mtp_counts = [0, 0]  # the MTP block's passes over evaluated pairs, the pairs
         self.n_head = int(key("attention.head_count"))
         self.n_head_kv = int(key("attention.head_count_kv", self.n_head))
