@@ -135,8 +135,9 @@ async def test_cuda_without_a_gpu_runs_the_cpu_engine_and_says_so_in_one_line(ti
 
 
 def test_a_qwen35moe_model_on_the_host_device_answers_as_the_cpu_engine(qwen35_model):
-    """Speculation on (source auto, without the MTP block): a prediction right at first and wrong later makes
-    verify steps of several tokens through the recurrent layers, and a refused draft's rolled-back state."""
+    """Speculation on (source auto: the request's prediction, the MTP block on the device after it): a prediction
+    right at first and wrong later makes verify steps of several tokens through the recurrent layers, and a
+    refused draft's rolled-back state."""
     ask = {"max_tokens": 24, "chat_template_kwargs": {"enable_thinking": False}}
     with live_server(server_config(model=str(qwen35_model), context=256, kv="f32")) as cpu:
         want = answer(cpu.url, **ask)
