@@ -408,6 +408,7 @@ def test_backend_check_runs_the_forward_pass_on_the_host_and_passes(capsys):
     assert backend_check.main(["--device", "host", "--quick"]) == 0
     out = capsys.readouterr().out
     assert out.count("(agree)") == 4 and out.splitlines()[-1] == "pass"
+    assert out.count("MTP drafts (3 a sequence)") == 2  # the qwen35moe models' blocks, on both sides
     assert "qwen3moe tiny f16, expert cache 8 of 16 experts, tolerance 1e-05" in out
     assert "qwen35moe tiny f16, expert cache 8 of 16 experts, tolerance 1e-05" in out
 

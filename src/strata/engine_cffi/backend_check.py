@@ -4,7 +4,8 @@
 A prompt in chunks beside two short ones, then decode steps of the three sequences at once, on the CPU engine and
 on the device backend with an expert cache of half the experts (so that both hits and misses run), f32 KV caches.
 Printed per call: the largest logit difference over the largest logit, and whether the greedy tokens agree; the
-expert cache's counts beside the simulator's on the routing the backend recorded; the wall time of each side.
+expert cache's counts beside the simulator's on the routing the backend recorded; the wall time of each side. A
+qwen35moe's MTP block runs on both sides (`mtp`): after the calls, each sequence's drafts are compared the same way.
 
 Two models of each architecture (qwen35moe: Gated DeltaNet layers with their recurrent state between gated
 attention ones, and a gated shared expert). F16 weights, whose products on both sides take f32 activations: the
@@ -56,6 +57,14 @@ def run(engine: Engine, work: list[list[BatchItem]]) -> tuple[list[np.ndarray], 
     return out, time.perf_counter() - started
 
 
+def drafts(engine: Engine) -> np.ndarray:
+    """The MTP block's 3 drafts' logits (n_seq, 3, n_vocab) for each sequence, after a token 41 + its index."""
+    seqs = list(range(engine.n_seq))
+    _, logits = engine.mtp_draft(seqs, [engine.seq_n_past(s) for s in seqs], [41 + s for s in seqs], 3, logits=True)
+    assert logits is not None
+    return logits
+
+
 def rel_diffs(got: list[np.ndarray], want: list[np.ndarray]) -> list[float]:
     return [float(np.max(np.abs(g - w)) / np.max(np.abs(w))) for g, w in zip(got, want, strict=True)]
 
@@ -67,17 +76,21 @@ def check_model(kind: str, arch: str, dtype: str, quick: bool, folder: Path) -> 
                               vocab="bytes")
     work, trace = calls(prompt, steps), folder / f"{arch}-{dtype}.trace"
     meta = read_metadata(path)
-    n_layer = int(meta[f"{arch}.block_count"]) - int(meta.get(f"{arch}.nextn_predict_layers", 0))  # MTP: not run
+    n_nextn = int(meta.get(f"{arch}.nextn_predict_layers", 0))  # an MTP block: run on both sides
+    n_layer, mtp = int(meta[f"{arch}.block_count"]) - n_nextn, n_nextn > 0
     n_expert = int(meta[f"{arch}.expert_count"])
     capacity = n_layer * n_expert // 2
-    cpu_runs = {}
+    cpu_runs, want_drafts, got_drafts = {}, None, None
     for kv in ("f32", "f16"):
-        with Engine.load(path, n_ctx=512, n_batch=64, n_seq=3, kv=kv, mapped_weights=True) as cpu:
+        with Engine.load(path, n_ctx=512, n_batch=64, n_seq=3, kv=kv, mapped_weights=True,
+                         mtp=mtp and kv == "f32") as cpu:
             cpu_runs[kv] = run(cpu, work)
+            want_drafts = drafts(cpu) if cpu.mtp else want_drafts
     (want, cpu_s), spread = cpu_runs["f32"], rel_diffs(cpu_runs["f16"][0], cpu_runs["f32"][0])
     with DeviceEngine.open(path, open_device(kind, None), n_ctx=512, n_batch=64, n_seq=3, kv="f32",
-                           record_routing=trace, capacity=capacity, paced=False) as dev:
+                           record_routing=trace, capacity=capacity, paced=False, mtp=mtp) as dev:
         got, dev_s = run(dev, work)
+        got_drafts = drafts(dev) if mtp else None
         counts, name = dev.expert_counts(), dev.device.name
     strict = dtype == "f16"
     print(f"\nbackend check: {name}, {arch} {size} {dtype}, expert cache {capacity} of {n_layer * n_expert} "
@@ -90,6 +103,11 @@ def check_model(kind: str, arch: str, dtype: str, quick: bool, folder: Path) -> 
         passed &= not strict or rel <= TOLERANCE[kind]
         print(f"| {i} | {sum(len(item.tokens) for item in call)} | {rel:.2e} | {ref:.2e} | "
               f"{'same' if same else 'differs'} |")
+    if got_drafts is not None and want_drafts is not None:
+        rel = rel_diffs([got_drafts], [want_drafts])[0]
+        same = bool(np.array_equal(got_drafts.argmax(axis=-1), want_drafts.argmax(axis=-1)))
+        passed &= not strict or rel <= TOLERANCE[kind]
+        print(f"MTP drafts (3 a sequence): max diff / max logit {rel:.2e}, tokens {'same' if same else 'differ'}")
     stats = replay(read_trace(trace), AdaptiveLrfuCache(n_layer, n_expert, capacity, uploads_per_step=UPLOADS_PER_STEP))
     agree = (stats.hits, stats.misses, stats.uploads) == (counts["hits"], counts["misses"], counts["uploads"])
     passed &= agree
