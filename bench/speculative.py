@@ -13,7 +13,13 @@
 - http: the demo model (`src/strata/models/demo.gguf`) through the HTTP API, a 300-line source file to re-emit
   with a rename (also with the file as the request's `prediction`), at temperature 0, and a free chat sampled with
   a seed: decode tokens/s from the history rows (output tokens after the first over the decode seconds), each
-  configuration in a server of its own. The demo model was not trained to edit: its answer is not the file.
+  configuration in a server of its own. The demo model was trained to edit short pieces of code, not a file of
+  300 lines: its answer is not the file.
+- demo: the demo model's own edit skill (a held-out "rename X to Y in this code" on a short generated function,
+  as it was trained), through the batcher, greedy, one request at a time: speculation off on an engine without
+  the MTP block, the block's drafts (always 3 tokens, and adaptive), prompt lookup (always max_draft tokens, and
+  adaptive); decode tokens/s over all the requests, the drafts' acceptance rate, the answers compared; and the
+  same on its other text tasks (short answers: sums, capitals, spelling, greetings, tool calls).
 - mtp: the batcher on the small Q8_0 qwen35moe with its MTP block (`strata make-model --arch qwen35moe --size
   small --dtype q8_0`), greedy, one stream and four: speculation off on an engine without the block, off on one
   that runs it (what filling its rows costs every eval), the block's drafts (always 3 tokens) and adaptive,
@@ -235,6 +241,74 @@ def mtp_call_costs(path: pathlib.Path, threads: int, rounds: int) -> dict[tuple[
     return costs
 
 
+# --- demo: the demo model's own edit skill
+
+DEMO_MODES = {"off": SpeculativeConfig(source="off"),
+              "mtp": SpeculativeConfig(source="mtp", adaptive=False, max_draft=3),
+              "mtp adaptive": SpeculativeConfig(source="mtp"),
+              "lookup": SpeculativeConfig(source="lookup", adaptive=False),
+              "lookup adaptive": SpeculativeConfig(source="lookup")}
+
+
+def demo_prompts(tasks: tuple[str, ...], n: int) -> list[list[int]]:
+    """n held-out requests of the demo's tasks, thinking off, as the server renders them: token ids."""
+    import random
+
+    from strata.modelgen.demo import data
+    from strata.models import DEMO_MODEL
+    from strata.text.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf(DEMO_MODEL)
+    assert tok.chat_template is not None
+    rng = random.Random(2_000_003)  # a seed training never draws from
+    out = []
+    while len(out) < n:
+        example = data.make_example(rng.choice(tasks), rng)
+        if example.scene is None and example.thinking is False:
+            out.append(tok.encode(data.render(example, tok.chat_template)[0]))
+    return out
+
+
+def demo_traces(threads: int, repeat: int, n: int = 16
+                ) -> tuple[dict[str, dict[str, tuple[float, float]]], dict[str, dict[str, float]]]:
+    """Each mode's decode rates over n edits and n other text requests, one at a time, and the acceptance rates."""
+    from strata.models import DEMO_MODEL
+    from strata.text.tokenizer import Tokenizer
+
+    traces = {"edit (trained form)": demo_prompts(("edit",), n),
+              "other text tasks": demo_prompts(("arithmetic", "capital", "spelling", "greeting", "weather_call",
+                                                "add_answer"), n)}
+    results: dict[str, dict[str, list[tuple[float, float]]]] = {}
+    answers: dict[str, dict[str, list[list[int]]]] = {}
+    drafted: dict[str, dict[str, list[int]]] = {}
+    with Engine.load(DEMO_MODEL, n_ctx=1024, threads=threads) as plain, \
+            Engine.load(DEMO_MODEL, n_ctx=1024, threads=threads, mtp=True) as block:
+        stop = set(Tokenizer.from_gguf(DEMO_MODEL).eos_ids)
+        for _ in range(repeat):
+            for mode, config in DEMO_MODES.items():
+                engine = plain if mode == "off" else block
+                for trace, prompts in traces.items():
+                    decoded = seconds = cpu = 0.0
+                    outs = []
+                    counts = drafted.setdefault(trace, {}).setdefault(mode, [0, 0])
+                    for prompt in prompts:
+                        spec = speculation(config, mtp=engine if engine.mtp else None)
+                        job = Job(prompt, Sampler(GREEDY, engine.n_vocab), 256, stop)
+                        (rate, per_cpu), (done,) = run_jobs(engine, [job], later=[spec])
+                        n_decoded = len(done.tokens) - 1
+                        decoded += n_decoded
+                        seconds, cpu = seconds + n_decoded / rate, cpu + n_decoded / per_cpu
+                        outs.append(done.tokens)
+                        counts[0] += spec.accepted if spec else 0
+                        counts[1] += spec.drafted if spec else 0
+                    results.setdefault(trace, {}).setdefault(mode, []).append((decoded / seconds, decoded / cpu))
+                    answers.setdefault(trace, {})[mode] = outs
+    for trace, by_mode in answers.items():
+        assert all(outs == by_mode["off"] for outs in by_mode.values()), f"{trace}: the greedy answers differ"
+    acceptance = {trace: {mode: a / d for mode, (a, d) in modes.items() if d} for trace, modes in drafted.items()}
+    return medians(results), acceptance
+
+
 # --- http: the demo model through the API
 
 
@@ -334,7 +408,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=256, help="tokens each answer generates")
-    parser.add_argument("--parts", default="steps,engine,http")
+    parser.add_argument("--parts", default="steps,engine,http", help="of steps, engine, http, mtp, demo")
     parser.add_argument("--layers", type=int, help="mtp: the qwen35moe's layers in place of the small one's 8 (every "
                         "4th full attention, as Qwen3.5)")
     args = parser.parse_args()
@@ -368,6 +442,12 @@ def main() -> None:
         print("| the block's drafts | ms | CPU ms |\n|---|---|---|")
         for (n_draft, how), (wall, cpu) in mtp_call_costs(path, args.threads, 20 * args.repeat).items():
             print(f"| {n_draft}, {how} | {wall * 1e3:.2f} | {cpu * 1e3:.2f} |", flush=True)
+    if "demo" in parts:
+        rates, acceptance = demo_traces(args.threads, args.repeat)
+        print(table("demo model's own tasks, batcher", rates, tuple(DEMO_MODES)[1:]), flush=True)
+        for trace, modes in acceptance.items():
+            print(f"acceptance, {trace}: " + ", ".join(f"{mode} {rate:.3f}" for mode, rate in modes.items()),
+                  flush=True)
     if "http" in parts:
         print(table("demo model, HTTP API", http_traces(args.repeat, args.threads, args.tokens)), flush=True)
     print(f"load average {os.getloadavg()[0]:.2f}")
