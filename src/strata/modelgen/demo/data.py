@@ -47,7 +47,7 @@ CONDITIONS = ("sunny", "cloudy", "rainy", "snowy", "windy", "foggy")
 TASK_WEIGHTS = {
     "picture": 0.19, "count": 0.15, "arithmetic": 0.15, "capital": 0.06, "spelling": 0.06, "greeting": 0.05,
     "weather_call": 0.08, "weather_answer": 0.07, "add_call": 0.06, "add_answer": 0.05, "time_call": 0.02,
-    "no_tool": 0.04,
+    "no_tool": 0.04, "edit": 0.08,
 }
 SYSTEM_PROMPTS = ("You are a helpful assistant.", "You are a friendly assistant. Answer briefly.",
                   "You are Strata's demo model.")
