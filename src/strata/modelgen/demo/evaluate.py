@@ -249,6 +249,8 @@ def summary(results: list[Result]) -> dict[str, dict[str, float]]:
         return line
 
     for score in SCORES:
-        out[score] = row([r for r in results if r.item.score == score], correct)
+        subset = [r for r in results if r.item.score == score]
+        if subset:
+            out[score] = row(subset, correct)
     out["thinking"] = row(results, thinking_obeyed)
     return out
