@@ -50,6 +50,15 @@ def test_the_chunked_delta_rule_is_the_recurrent_one() -> None:
     assert relative_error(chunked.numpy(), recurrent.numpy()) < 1e-5
 
 
+def test_the_model_computes_the_same_in_chunks_and_token_by_token() -> None:
+    model = HybridTextModel(HP, 300, seed=2)
+    x = model.embed(torch.randint(0, 300, (2, 70), generator=torch.Generator().manual_seed(3)))
+    with torch.no_grad():
+        chunked, _ = model.trunk(x)
+        recurrent, _ = model.trunk(x, chunked=False)
+    assert relative_error(chunked.numpy(), recurrent.numpy()) < 1e-5
+
+
 def test_positions_follow_the_engine_rules() -> None:
     rope = rope_positions(9, [(2, 2, 3)])  # two text tokens, a picture of 2 x 3 rows, one text token
     assert rope[:, 0].tolist() == [0, 1, 2, 2, 2, 2, 2, 2, 5]
