@@ -13,7 +13,14 @@
 - http: the demo model (`src/strata/models/demo.gguf`) through the HTTP API, a 300-line source file to re-emit
   with a rename (also with the file as the request's `prediction`), at temperature 0, and a free chat sampled with
   a seed: decode tokens/s from the history rows (output tokens after the first over the decode seconds), each
-  configuration in a server of its own. The demo model was not trained to edit: its answer is not the file.
+  configuration in a server of its own. The shipped demo model was not trained to edit (the `qwen35moe` demo
+  learns short pieces of code, not a file of 300 lines): its answer is not the file.
+- demo: the demo model's own edit skill (a held-out "rename X to Y in this code" on a short generated function,
+  as the `qwen35moe` demo is trained), through the batcher, greedy, one request at a time: speculation off on an
+  engine without the MTP block, the block's drafts (always 3 tokens, and adaptive; where the file has the block:
+  `--demo-model` names the `qwen35moe` demo), prompt lookup (always max_draft tokens, and adaptive); decode
+  tokens/s over all the requests, the drafts' acceptance rate, the answers compared; and the same on its other
+  text tasks (short answers: sums, capitals, spelling, greetings, tool calls).
 - mtp: the batcher on the small Q8_0 qwen35moe with its MTP block (`strata make-model --arch qwen35moe --size
   small --dtype q8_0`), greedy, one stream and four: speculation off on an engine without the block, off on one
   that runs it (what keeping its rows filled costs: lazily, in batches), the block's drafts (always 3 tokens)
@@ -287,6 +294,74 @@ def mtp_call_costs(path: pathlib.Path, threads: int, rounds: int) -> dict[tuple[
     return costs
 
 
+# --- demo: the demo model's own edit skill
+
+DEMO_MODES = {"off": SpeculativeConfig(source="off"),
+              "mtp": SpeculativeConfig(source="mtp", adaptive=False, max_draft=3),
+              "mtp adaptive": SpeculativeConfig(source="mtp"),
+              "lookup": SpeculativeConfig(source="lookup", adaptive=False),
+              "lookup adaptive": SpeculativeConfig(source="lookup")}
+
+
+def demo_prompts(model: pathlib.Path, tasks: tuple[str, ...], n: int) -> list[list[int]]:
+    """n held-out requests of the demo's tasks, thinking off, as the server renders them: token ids."""
+    import random
+
+    from strata.modelgen.demo import data
+    from strata.text.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf(model)
+    assert tok.chat_template is not None
+    rng = random.Random(2_000_003)  # a seed training never draws from
+    out = []
+    while len(out) < n:
+        example = data.make_example(rng.choice(tasks), rng)
+        if example.scene is None and example.thinking is False:
+            out.append(tok.encode(data.render(example, tok.chat_template)[0]))
+    return out
+
+
+def demo_traces(model: pathlib.Path, threads: int, repeat: int, n: int = 16
+                ) -> tuple[dict[str, dict[str, tuple[float, float]]], dict[str, dict[str, float]]]:
+    """Each mode's decode rates over n edits and n other text requests, one at a time, and the acceptance rates
+    (the MTP modes where the file has the block)."""
+    from strata.text.tokenizer import Tokenizer
+
+    traces = {"edit (trained form)": demo_prompts(model, ("edit",), n),
+              "other text tasks": demo_prompts(model, ("arithmetic", "capital", "spelling", "greeting",
+                                                       "weather_call", "add_answer"), n)}
+    results: dict[str, dict[str, list[tuple[float, float]]]] = {}
+    answers: dict[str, dict[str, list[list[int]]]] = {}
+    drafted: dict[str, dict[str, list[int]]] = {}
+    with Engine.load(model, n_ctx=1024, threads=threads) as plain, \
+            Engine.load(model, n_ctx=1024, threads=threads, mtp=plain.has_mtp) as block:
+        stop = set(Tokenizer.from_gguf(model).eos_ids)
+        modes = {mode: config for mode, config in DEMO_MODES.items() if block.mtp or config.source != "mtp"}
+        for _ in range(repeat):
+            for mode, config in modes.items():
+                engine = plain if mode == "off" else block
+                for trace, prompts in traces.items():
+                    decoded = seconds = cpu = 0.0
+                    outs = []
+                    counts = drafted.setdefault(trace, {}).setdefault(mode, [0, 0])
+                    for prompt in prompts:
+                        spec = speculation(config, mtp=engine if engine.mtp else None)
+                        job = Job(prompt, Sampler(GREEDY, engine.n_vocab), 256, stop)
+                        (rate, per_cpu), (done,) = run_jobs(engine, [job], later=[spec])
+                        n_decoded = len(done.tokens) - 1
+                        decoded += n_decoded
+                        seconds, cpu = seconds + n_decoded / rate, cpu + n_decoded / per_cpu
+                        outs.append(done.tokens)
+                        counts[0] += spec.accepted if spec else 0
+                        counts[1] += spec.drafted if spec else 0
+                    results.setdefault(trace, {}).setdefault(mode, []).append((decoded / seconds, decoded / cpu))
+                    answers.setdefault(trace, {})[mode] = outs
+    for trace, by_mode in answers.items():
+        assert all(outs == by_mode["off"] for outs in by_mode.values()), f"{trace}: the greedy answers differ"
+    acceptance = {trace: {mode: a / d for mode, (a, d) in modes.items() if d} for trace, modes in drafted.items()}
+    return medians(results), acceptance
+
+
 # --- http: the demo model through the API
 
 
@@ -386,7 +461,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=256, help="tokens each answer generates")
-    parser.add_argument("--parts", default="steps,engine,http")
+    parser.add_argument("--parts", default="steps,engine,http", help="of steps, engine, http, mtp, demo")
+    parser.add_argument("--demo-model", type=pathlib.Path, help="demo: another demo model file than the shipped one")
     parser.add_argument("--layers", type=int, help="mtp: the qwen35moe's layers in place of the small one's 8 (every "
                         "4th full attention, as Qwen3.5)")
     args = parser.parse_args()
@@ -427,6 +503,14 @@ def main() -> None:
         print("| the block's drafts | ms | CPU ms |\n|---|---|---|")
         for (n_draft, how), (wall, cpu) in mtp_call_costs(path, args.threads, 20 * args.repeat).items():
             print(f"| {n_draft}, {how} | {wall * 1e3:.2f} | {cpu * 1e3:.2f} |", flush=True)
+    if "demo" in parts:
+        from strata.models import DEMO_MODEL
+
+        rates, acceptance = demo_traces(args.demo_model or DEMO_MODEL, args.threads, args.repeat)
+        print(table("demo model's own tasks, batcher", rates, tuple(rates["other text tasks"])[1:]), flush=True)
+        for trace, modes in acceptance.items():
+            print(f"acceptance, {trace}: " + ", ".join(f"{mode} {rate:.3f}" for mode, rate in modes.items()),
+                  flush=True)
     if "http" in parts:
         print(table("demo model, HTTP API", http_traces(args.repeat, args.threads, args.tokens)), flush=True)
     print(f"load average {os.getloadavg()[0]:.2f}")

@@ -205,7 +205,7 @@ def serve_script(tokenizer):
 # whole suite is the gate. Slow are the modules that start servers, processes or a browser, or build models with
 # torch or llama.cpp; every `*_e2e.py` module is slow too.
 SLOW_MODULES = frozenset({
-    "demo/test_readme.py", "demo/test_train.py", "demo/test_model.py", "demo/test_shipped.py",
+    "demo/test_readme.py", "demo/test_train.py", "demo/test_model.py", "demo/test_hybrid.py", "demo/test_shipped.py",
     "engine/test_llama3.py", "engine/test_qwen3vl_engine.py", "engine/test_engine_reference.py",
     "engine/test_llama_cpp_files.py",
     "mcp_tools/test_anthropic_mcp.py", "mcp_tools/test_responses_mcp.py", "mcp_tools/test_demo_mcp.py",

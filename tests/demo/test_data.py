@@ -1,10 +1,12 @@
 """The generated conversations: reproducible, rendered exactly as the server renders prompts, answers that are
 right by an independent reading of the question, pictures that show what their labels say."""
 
+import io
 import itertools
 import json
 import random
 import re
+import tokenize
 
 import pytest
 
@@ -67,3 +69,27 @@ def test_a_single_shape_is_drawn_in_its_colour_and_place(seed: int) -> None:
     place = data.describe(shape).split(" ", 3)[3]
     third = centre[0] * 3 // scene.width
     assert place == ("on the left.", "in the middle.", "on the right.")[third]
+
+
+def _renamed_by_tokens(code: str, old: str, new: str) -> str:
+    """code with every NAME token `old` written `new`, by Python's own tokenizer."""
+    tokens = [(t.type, new if t.type == tokenize.NAME and t.string == old else t.string)
+              for t in tokenize.generate_tokens(io.StringIO(code).readline)]
+    return tokenize.untokenize(tokens)
+
+
+@pytest.mark.parametrize("example", [data.make_example("edit", random.Random(seed)) for seed in range(60)],
+                         ids=lambda e: e.check["text"].split("(")[0])
+def test_edits_rename_every_use_of_the_name_and_nothing_else(example: data.Example) -> None:
+    question, answer = example.messages[-2]["content"], example.messages[-1]["content"]
+    old, new = re.search(r"(?:Rename|rename|Change the name) `?(\w+)`? to `?(\w+)`?", question).groups()
+    code = re.search(r"```python\n(.*?)\n```", question, re.DOTALL).group(1)
+    changed = re.fullmatch(r"```python\n(.*)\n```", answer, re.DOTALL).group(1)
+    compile(code, "<question>", "exec")
+    compile(changed, "<answer>", "exec")
+    assert re.search(rf"\b{old}\b", code) and not re.search(rf"\b{new}\b", code)
+    # untokenize spaces the tokens its own way: compare token by token
+    expected = _renamed_by_tokens(code, old, new)
+    assert [t.string for t in tokenize.generate_tokens(io.StringIO(changed).readline)] == \
+        [t.string for t in tokenize.generate_tokens(io.StringIO(expected).readline)]
+    assert changed.count("\n") == code.count("\n") and example.check == {"text": changed}

@@ -15,7 +15,7 @@ from strata.text.tokenizer import read_tokenizer_metadata
 from strata.vision.encoder import Encoder
 from strata.vision.mmproj import Mmproj
 
-CONFIG = train.SMALL
+CONFIG = train.SMALL_QWEN3MOE
 
 
 def relative_error(a: np.ndarray, b: np.ndarray) -> float:

@@ -16,14 +16,28 @@ from strata.vision.mmproj import read_hparams
 SHIPPED = pathlib.Path(str(importlib.resources.files("strata.models")))
 
 
-def test_training_twice_gives_the_same_files(tmp_path: pathlib.Path) -> None:
-    first = train.run(train.SMALL, tmp_path / "a", threads=1, log=False)
-    second = train.run(train.SMALL, tmp_path / "b", threads=1, log=False)
+@pytest.mark.parametrize("arch", train.ARCHS)
+def test_training_twice_gives_the_same_files(tmp_path: pathlib.Path, arch: str) -> None:
+    small = train.CONFIGS[arch, True]
+    first = train.run(small, tmp_path / "a", threads=1, log=False)
+    second = train.run(small, tmp_path / "b", threads=1, log=False)
     assert first["weights"] == second["weights"]
     assert first["weights"] == {name: export.weights_digest(tmp_path / "a" / name) for name in first["weights"]}
-    longer = train.run(dataclasses.replace(train.SMALL, steps=train.SMALL.steps + 1), tmp_path / "c", threads=1,
-                       log=False)
+    longer = train.run(dataclasses.replace(small, steps=small.steps + 1), tmp_path / "c", threads=1, log=False)
     assert longer["weights"]["demo.gguf"] != first["weights"]["demo.gguf"]
+
+
+def test_training_from_a_given_encoder_starts_from_that_file(tmp_path: pathlib.Path) -> None:
+    small = train.CONFIGS["qwen35moe", True]
+    encoder = tmp_path / "a" / "demo-mmproj.gguf"
+    train.run(small, tmp_path / "a", threads=1, log=False)
+    given = train.given_encoder(small, encoder)
+    assert given.encoder == export.weights_digest(encoder) and given.vision_steps == 0 and given.probe_steps > 0
+    first = train.run(given, tmp_path / "b", threads=1, log=False, encoder=encoder)
+    second = train.run(given, tmp_path / "c", threads=1, log=False, encoder=encoder)
+    assert first["weights"] == second["weights"] and first["config"]["encoder"] == given.encoder
+    with pytest.raises(ValueError, match="starts from the encoder file"):
+        train.run(given, tmp_path / "d", threads=1, log=False, encoder=tmp_path / "b" / "demo-mmproj.gguf")
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +57,7 @@ def test_the_shipped_text_model_has_the_configured_shape() -> None:
     # GGUF stores the epsilon as float32
     assert hp == dataclasses.replace(train.FULL.text, rms_eps=hp.rms_eps)
     assert hp.rms_eps == pytest.approx(train.FULL.text.rms_eps, rel=1e-7)
-    assert reader.fields["general.architecture"].contents() == "qwen3moe"
+    assert reader.fields["general.architecture"].contents() == train.SHIPPED_ARCH
     assert read_hparams(gguf.GGUFReader(SHIPPED / "demo-mmproj.gguf")) == train.FULL.vision
 
 

@@ -54,7 +54,9 @@ def test_make_model_demo_runs_the_training_script(tmp_path: pathlib.Path, monkey
     calls = []
     monkeypatch.setattr(train, "main", lambda argv: calls.append(argv) or 0)
     assert cli.run(parse(["--demo", "--out", str(tmp_path), "--threads", "2"])) == 0
-    assert calls == [["--out", str(tmp_path), "--threads", "2"]]
+    assert cli.run(parse(["--demo", "--out", str(tmp_path), "--encoder", "old.gguf"])) == 0
+    assert calls == [["--out", str(tmp_path), "--threads", "2"],
+                     ["--out", str(tmp_path), "--threads", "1", "--encoder", "old.gguf"]]
 
 
 def test_make_model_hybrid_with_another_interval_and_no_mtp(tmp_path: pathlib.Path,

@@ -25,9 +25,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--text-model", metavar="T.gguf", help="with --mmproj: the text model whose width it feeds")
     parser.add_argument("--demo", action="store_true",
                         help="train the demo model and its encoder into the directory --out (needs torch; "
-                             "about 40 minutes on two cores)")
-    parser.add_argument("--threads", type=int, default=2,
-                        help="with --demo: torch threads (the shipped files were trained on 2, reproducibly)")
+                             "an hour or more)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="with --demo: torch threads (results depend on it: demo.json records the shipped "
+                             "files')")
+    parser.add_argument("--encoder", metavar="MMPROJ.gguf",
+                        help="with --demo: the encoder file the demo's training starts from (the previous demo's "
+                             "demo-mmproj.gguf, docs/DEMO_MODEL.md)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -36,7 +40,8 @@ def run(args: argparse.Namespace) -> int:
     if args.demo:
         from strata.modelgen.demo import train
 
-        return train.main(["--out", args.out, "--threads", str(args.threads)])
+        return train.main(["--out", args.out, "--threads", str(args.threads)]
+                          + (["--encoder", args.encoder] if args.encoder else []))
     import time
 
     from strata.modelgen.hparams import hparams_for

@@ -414,7 +414,7 @@ def write_random_model(path: str | pathlib.Path, arch: str = "qwen3moe", size: s
 
 
 def write_model(path: str | os.PathLike[str], arch: str, hp: HParams, vocab: Vocab, weights: Mapping[str, np.ndarray],
-                dtype: str = "f32", name: str = "strata") -> pathlib.Path:
+                dtype: str = "f32", name: str = "strata", family: str | None = None) -> pathlib.Path:
     """Write a GGUF model with the given weights and return its path.
 
     Args:
@@ -427,6 +427,8 @@ def write_model(path: str | os.PathLike[str], arch: str, hp: HParams, vocab: Voc
             file stores (`hf_qwen35.gguf_weights_from_hf` makes them of a checkpoint's).
         dtype: as for `write_random_model`.
         name: `general.name`.
+        family: the chat template's and tokenizer keys' family, "qwen3" or "qwen35" (default: the arch's, as
+            `write_random_model` writes).
 
     Raises:
         ValueError: unknown arch or dtype, or weights missing, extra or of the wrong shape.
@@ -440,7 +442,7 @@ def write_model(path: str | os.PathLike[str], arch: str, hp: HParams, vocab: Voc
         details = ", ".join(f"{k} (expected {expected.get(k)}, given {given.get(k)})" for k in wrong[:5])
         raise ValueError(f"weights do not match the {arch} tensor table: {details}")
     return _write(pathlib.Path(path), arch, hp, vocab, dtype, name,
-                  lambda spec: encode_given(np.asarray(weights[spec.name], np.float32), spec))
+                  lambda spec: encode_given(np.asarray(weights[spec.name], np.float32), spec), family)
 
 
 def encode_given(w: np.ndarray, spec: TensorSpec) -> np.ndarray:
@@ -456,7 +458,7 @@ def _check_arch(arch: str) -> None:
 
 
 def _write(path: pathlib.Path, arch: str, hp: HParams, voc: Vocab, dtype: str, name: str,
-           encoded: Callable[[TensorSpec], np.ndarray]) -> pathlib.Path:
+           encoded: Callable[[TensorSpec], np.ndarray], family: str | None = None) -> pathlib.Path:
     """Write the file, asking `encoded` for each tensor's bytes in file order."""
     specs = tensor_specs(arch, hp, voc.n_vocab, dtype)
     writer = GGUFWriter(path, MODEL_ARCH_NAMES[_ARCH[arch]])
@@ -468,7 +470,7 @@ def _write(path: pathlib.Path, arch: str, hp: HParams, voc: Vocab, dtype: str, n
     if hybrid or dtype not in ("f32", "f16", "bf16"):
         writer.add_quantization_version(GGML_QUANT_VERSION)
     _add_hparams(writer, arch, hp, voc.n_vocab)
-    add_vocab(writer, voc, "qwen35" if hybrid else "qwen3")
+    add_vocab(writer, voc, family or ("qwen35" if hybrid else "qwen3"))
     # Tensor infos first, data streamed after: only one tensor is ever in memory.
     for spec in specs:
         shape = quants.byte_shape(spec.shape, spec.qtype)

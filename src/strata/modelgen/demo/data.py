@@ -12,6 +12,7 @@ import dataclasses
 import json
 import math
 import random
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -46,7 +47,7 @@ CONDITIONS = ("sunny", "cloudy", "rainy", "snowy", "windy", "foggy")
 TASK_WEIGHTS = {
     "picture": 0.19, "count": 0.15, "arithmetic": 0.15, "capital": 0.06, "spelling": 0.06, "greeting": 0.05,
     "weather_call": 0.08, "weather_answer": 0.07, "add_call": 0.06, "add_answer": 0.05, "time_call": 0.02,
-    "no_tool": 0.04,
+    "no_tool": 0.04, "edit": 0.08,
 }
 SYSTEM_PROMPTS = ("You are a helpful assistant.", "You are a friendly assistant. Answer briefly.",
                   "You are Strata's demo model.")
@@ -438,6 +439,57 @@ def _no_tool(rng: random.Random, thinking: bool) -> Example:
     return inner
 
 
+# --- edits: a short piece of code given back with one name changed
+
+IDENTIFIERS = ("count", "total", "items", "value", "result", "index", "name", "data", "size", "width", "height",
+               "price", "score", "limit", "step", "start", "offset", "label", "text", "line", "word", "key", "node",
+               "path", "user", "colour", "speed", "rate", "level", "amount", "first", "last", "delta", "factor")
+FUNCTIONS = ("compute", "update", "scale", "check", "clamp", "merge", "measure", "collect", "apply", "shift",
+             "average", "bound", "combine", "adjust", "summarise", "weigh")
+
+
+def code_snippet(rng: random.Random) -> str:
+    """A short Python function over a few names: arithmetic, a test or a loop, a return."""
+    names = rng.sample(IDENTIFIERS, 5)
+    params, local = names[:rng.randint(1, 3)], names[3]
+    lines = [f"def {rng.choice(FUNCTIONS)}({', '.join(params)}):"]
+    known = list(params)
+    for _ in range(rng.randint(2, 4)):
+        a, b = rng.choice(known), rng.choice([*known, str(rng.randint(1, 9))])
+        form = rng.random()
+        if form < 0.45:
+            lines.append(f"    {local} = {a} {rng.choice('+-*')} {b}")
+            known.append(local)
+        elif form < 0.75:
+            limit = rng.randint(1, 99)
+            lines += [f"    if {a} > {limit}:", f"        {a} = {limit}"]
+        else:
+            lines += [f"    for {names[4]} in range({a}):", f"        {a} = {a} + {names[4]}"]
+    lines.append(f"    return {rng.choice(known)}")
+    return "\n".join(lines)
+
+
+def rename(code: str, old: str, new: str) -> str:
+    """code with every whole name `old` written `new`."""
+    return re.sub(rf"\b{re.escape(old)}\b", new, code)
+
+
+def _edit(rng: random.Random, thinking: bool) -> Example:
+    code = code_snippet(rng)
+    names = sorted(set(re.findall(r"[a-z_]+", code)) - {"def", "if", "for", "in", "range", "return"})
+    old = rng.choice(names)
+    new = rng.choice([n for n in (*IDENTIFIERS, *FUNCTIONS) if n not in names])
+    block = f"```python\n{code}\n```"
+    question = rng.choice((f"Rename {old} to {new} in this code:\n\n{block}",
+                           f"In the code below, rename `{old}` to `{new}`.\n\n{block}",
+                           f"{block}\n\nRename {old} to {new}.",
+                           f"Change the name {old} to {new}:\n{block}"))
+    changed = rename(code, old, new)
+    reasoning = f"I write the code again with every {old} renamed to {new}."
+    return Example("edit", [_user(question), _reply(f"```python\n{changed}\n```", reasoning, thinking)], None,
+                   thinking, {"text": changed})
+
+
 _MAKERS: dict[str, Callable[[random.Random, bool], Example]] = {
     "picture": _picture, "count": _count, "arithmetic": _arithmetic, "capital": _capital, "spelling": _spelling,
     "greeting": _greeting,
@@ -445,7 +497,7 @@ _MAKERS: dict[str, Callable[[random.Random, bool], Example]] = {
     "weather_answer": lambda rng, thinking: _weather(rng, thinking, True),
     "add_call": lambda rng, thinking: _add(rng, thinking, False),
     "add_answer": lambda rng, thinking: _add(rng, thinking, True),
-    "time_call": _time, "no_tool": _no_tool,
+    "time_call": _time, "no_tool": _no_tool, "edit": _edit,
 }
 _HISTORY_TASKS = ("arithmetic", "capital", "greeting", "spelling")
 

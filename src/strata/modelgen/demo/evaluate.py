@@ -8,6 +8,7 @@ The held-out items come from the training generator with seeds training never us
   tool_call     a `<tool_call>` holding valid JSON with the right name and arguments
   tool_answer   after a tool's result, an answer quoting it
   facts         capitals, spelling and reversing, greetings
+  edit          a short piece of code given back with one name changed: exactly the expected code
   thinking      every item: a non-empty `<think>` section first when thinking is on, none when it is off
 """
 
@@ -29,8 +30,10 @@ import torch
 from strata.engine_cffi import Engine
 from strata.modelgen.demo import data
 from strata.modelgen.demo.export import read_text, read_vision
+from strata.modelgen.demo.hybrid import HybridTextModel, rope_positions
 from strata.modelgen.demo.model import TextModel, VisionModel
 from strata.modelgen.demo.train import IMAGE_PAD
+from strata.pictures.rows import PictureRows
 from strata.text.tokenizer import Tokenizer
 from strata.vision import protocol
 from strata.vision.preprocess import load_image, preprocess, token_budget
@@ -39,9 +42,9 @@ HELD_OUT_SEED = 1_000_003  # training draws its examples from seeds 0..10
 SCORES = {
     "colour_shape": ("picture",), "count": ("count",), "arithmetic": ("arithmetic",),
     "tool_call": ("weather_call", "add_call", "time_call"), "tool_answer": ("weather_answer", "add_answer"),
-    "facts": ("capital", "spelling", "greeting", "no_tool"),
+    "facts": ("capital", "spelling", "greeting", "no_tool"), "edit": ("edit",),
 }
-MAX_NEW_TOKENS = 64
+MAX_NEW_TOKENS = 192  # an edit's code with its think section
 
 
 @dataclasses.dataclass
@@ -51,12 +54,13 @@ class Item:
     picture: pathlib.Path | None  # PNG of the example's scene
 
 
-def held_out(n: int, workdir: pathlib.Path, seed: int = HELD_OUT_SEED) -> list[Item]:
-    """n items per score, pictures written as PNG files into `workdir`."""
+def held_out(n: int, workdir: pathlib.Path, seed: int = HELD_OUT_SEED,
+             sizes: dict[str, int] | None = None) -> list[Item]:
+    """n items per score (`sizes`: other numbers for some), pictures written as PNG files into `workdir`."""
     rng = random.Random(seed)
     items: list[Item] = []
     for score, tasks in SCORES.items():
-        while sum(item.score == score for item in items) < n:
+        while sum(item.score == score for item in items) < (sizes or {}).get(score, n):
             example = data.make_example(rng.choice(tasks), rng)
             if score == "colour_shape" and " " not in example.check["text"]:
                 continue  # a colour-only or shape-only question
@@ -116,7 +120,7 @@ def prompt_ids(item: Item, tok: Tokenizer, template: str) -> list[int]:
     return tok.encode(prompt)
 
 
-def expand(ids: list[int], pad: int, rows: np.ndarray | None) -> tuple[list[int], int]:
+def expand(ids: list[int], pad: int, rows: PictureRows | torch.Tensor | None) -> tuple[list[int], int]:
     """ids with the picture's pad token widened to its rows, and the index of the first row."""
     if rows is None:
         return ids, -1
@@ -137,15 +141,15 @@ class VisionProcess:
         if not ready.startswith("READY "):
             raise RuntimeError(f"strata-vision did not start: {ready.strip()}")
 
-    def encode(self, picture: pathlib.Path) -> np.ndarray:
+    def encode(self, picture: pathlib.Path) -> PictureRows:
         out = picture.with_suffix(".sve")
         self.stdin.write(f"ENC {json.dumps(os.fspath(picture))} {json.dumps(os.fspath(out))}\n".encode())
         self.stdin.flush()
         reply = self.stdout.readline().decode()
         if not reply.startswith("OK "):
             raise RuntimeError(f"strata-vision: {reply.strip()}")
-        _, rows = protocol.parse_sve(out.read_bytes())
-        return rows
+        header, rows = protocol.parse_sve(out.read_bytes())
+        return PictureRows(rows, header.nx)
 
     def close(self) -> None:
         self.stdin.write(b"QUIT\n")
@@ -171,22 +175,28 @@ def engine_runner(engine: Engine, vision: VisionProcess, tok: Tokenizer) -> Call
     return run
 
 
-def torch_runner(text: TextModel, vision: VisionModel, tok: Tokenizer,
+def torch_runner(text: TextModel | HybridTextModel, vision: VisionModel, tok: Tokenizer,
                  max_tokens: int | None) -> Callable[[list[int], Item], str]:
     pad = tok.require_id(IMAGE_PAD)
     min_tokens, max_tokens = token_budget(vision.hp, max_tokens=max_tokens)
 
     @torch.no_grad()
     def run(ids: list[int], item: Item) -> str:
-        rows = None
+        rows, grids = None, []
         if item.picture:
             picture = preprocess(load_image(item.picture), vision.hp, max_tokens, min_tokens)
             rows = vision(torch.from_numpy(picture.pixels[None]))[0]
+            unit = vision.hp.unit
+            grids = [(ids.index(pad), picture.pixels.shape[1] // unit, picture.pixels.shape[2] // unit)]
         ids, _ = expand(ids, pad, rows)
         out: list[int] = []
         while len(out) < MAX_NEW_TOKENS and (not out or out[-1] not in tok.eos_ids):
             tokens = torch.tensor([ids + out])
-            logits, _ = text(tokens, rows, tokens == pad if rows is not None else None)
+            mask = tokens == pad if rows is not None else None
+            if isinstance(text, HybridTextModel):  # positions as the engine gives a picture's rows
+                logits, _ = text(tokens, rows, mask, rope=rope_positions(tokens.shape[1], grids)[None])
+            else:
+                logits, _ = text(tokens, rows, mask)
             out.append(int(logits[0, -1].argmax()))
         return tok.decode(t for t in out if t not in tok.eos_ids)
 
@@ -239,6 +249,8 @@ def summary(results: list[Result]) -> dict[str, dict[str, float]]:
         return line
 
     for score in SCORES:
-        out[score] = row([r for r in results if r.item.score == score], correct)
+        subset = [r for r in results if r.item.score == score]
+        if subset:
+            out[score] = row(subset, correct)
     out["thinking"] = row(results, thinking_obeyed)
     return out

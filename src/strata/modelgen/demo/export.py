@@ -1,5 +1,6 @@
-"""The trained demo model as two GGUF files: the qwen3moe text model (through `strata.modelgen.writer`) and the
-lfm2 mmproj encoder, both float32 so the engine and the encoder compute exactly what was trained."""
+"""The trained demo model as two GGUF files: the text model, `qwen35moe` with its MTP block or `qwen3moe` (through
+`strata.modelgen.writer`, with Qwen3's chat template, which the demo is trained on), and the lfm2 mmproj encoder,
+both float32 so the engine and the encoder compute exactly what was trained."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import numpy as np
 import torch
 from gguf.quants import dequantize
 
+from strata.modelgen.demo.hybrid import HybridTextModel
 from strata.modelgen.demo.model import TextModel, VisionBlock, VisionModel
 from strata.modelgen.hparams import HParams
 from strata.modelgen.mmproj import add_vision_metadata
@@ -34,9 +36,10 @@ def _numpy(t: torch.Tensor) -> np.ndarray:
     return t.detach().to(torch.float32).numpy().copy()
 
 
-def write_text(path: str | os.PathLike[str], model: TextModel, vocab: Vocab) -> pathlib.Path:
+def write_text(path: str | os.PathLike[str], model: TextModel | HybridTextModel, vocab: Vocab) -> pathlib.Path:
     weights = {name: _numpy(t) for name, t in model.gguf_tensors().items()}
-    return write_model(path, "qwen3moe", model.hp, vocab, weights, dtype="f32", name=TEXT_NAME)
+    arch = "qwen35moe" if model.hp.hybrid else "qwen3moe"
+    return write_model(path, arch, model.hp, vocab, weights, dtype="f32", name=TEXT_NAME, family="qwen3")
 
 
 def vision_parameters(model: VisionModel) -> dict[str, torch.Tensor]:
@@ -82,26 +85,44 @@ def _file_tensors(reader: gguf.GGUFReader) -> dict[str, torch.Tensor]:
 
 def text_hparams(reader: gguf.GGUFReader) -> HParams:
     """The hyper-parameters a demo GGUF file stores."""
+    arch = reader.fields["general.architecture"].contents()
+
     def get(key: str) -> Any:
-        return reader.fields[key.format(arch="qwen3moe")].contents()
+        return reader.fields[key.format(arch=arch)].contents()
 
     def count(key: str) -> int:
         return int(get(key))
 
-    K, A = gguf.Keys.LLM, gguf.Keys.Attention
-    return HParams(n_layer=count(K.BLOCK_COUNT), n_embd=count(K.EMBEDDING_LENGTH), n_head=count(A.HEAD_COUNT),
-                   n_head_kv=count(A.HEAD_COUNT_KV), head_dim=count(A.KEY_LENGTH),
-                   n_ff=count(K.FEED_FORWARD_LENGTH), n_expert=count(K.EXPERT_COUNT),
-                   n_expert_used=count(K.EXPERT_USED_COUNT), n_ff_exp=count(K.EXPERT_FEED_FORWARD_LENGTH),
-                   n_ctx_train=count(K.CONTEXT_LENGTH), rope_base=float(get(gguf.Keys.Rope.FREQ_BASE)),
-                   rms_eps=float(get(A.LAYERNORM_RMS_EPS)))
+    K, A, S = gguf.Keys.LLM, gguf.Keys.Attention, gguf.Keys.SSM
+    common: dict[str, Any] = dict(
+        n_embd=count(K.EMBEDDING_LENGTH), n_head=count(A.HEAD_COUNT), n_head_kv=count(A.HEAD_COUNT_KV),
+        head_dim=count(A.KEY_LENGTH), n_expert=count(K.EXPERT_COUNT), n_expert_used=count(K.EXPERT_USED_COUNT),
+        n_ff_exp=count(K.EXPERT_FEED_FORWARD_LENGTH), n_ctx_train=count(K.CONTEXT_LENGTH),
+        rope_base=float(get(gguf.Keys.Rope.FREQ_BASE)), rms_eps=float(get(A.LAYERNORM_RMS_EPS)))
+    if arch == "qwen3moe":
+        return HParams(n_layer=count(K.BLOCK_COUNT), n_ff=count(K.FEED_FORWARD_LENGTH), **common)
+    n_nextn = count(K.NEXTN_PREDICT_LAYERS)
+    return HParams(n_layer=count(K.BLOCK_COUNT) - n_nextn, n_ff=0,
+                   n_ff_shexp=count(K.EXPERT_SHARED_FEED_FORWARD_LENGTH),
+                   full_attention_interval=count(K.FULL_ATTENTION_INTERVAL), ssm_conv_kernel=count(S.CONV_KERNEL),
+                   ssm_state_size=count(S.STATE_SIZE), ssm_group_count=count(S.GROUP_COUNT),
+                   ssm_time_step_rank=count(S.TIME_STEP_RANK), ssm_inner_size=count(S.INNER_SIZE),
+                   n_rot=count(gguf.Keys.Rope.DIMENSION_COUNT),
+                   rope_sections=tuple(int(n) for n in get(gguf.Keys.Rope.DIMENSION_SECTIONS)), n_nextn=n_nextn,
+                   **common)
 
 
-def read_text(path: str | os.PathLike[str]) -> TextModel:
+def read_text(path: str | os.PathLike[str]) -> TextModel | HybridTextModel:
     """The torch text model holding the weights of a demo GGUF file."""
     reader = gguf.GGUFReader(os.fspath(path))
     tensors = _file_tensors(reader)
-    model = TextModel(text_hparams(reader), tensors["token_embd.weight"].shape[0])
+    hp = text_hparams(reader)
+    n_vocab = tensors["token_embd.weight"].shape[0]
+    if hp.hybrid:
+        hybrid = HybridTextModel(hp, n_vocab)
+        hybrid.load_gguf(tensors)
+        return hybrid
+    model = TextModel(hp, n_vocab)
     with torch.no_grad():
         for name, param in model.gguf_tensors().items():
             param.copy_(tensors[name])

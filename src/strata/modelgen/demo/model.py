@@ -38,6 +38,31 @@ def _ones(n: int) -> nn.Parameter:
     return nn.Parameter(torch.ones(n))
 
 
+def routed_experts(h: torch.Tensor, gate_inp: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+                   down: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routed experts' output for h (N, n_embd) (router softmax, top k, the k weights renormalised, SwiGLU
+    experts) and the load-balancing loss of the routing."""
+    n_expert, n_embd = gate_inp.shape
+    probs = torch.softmax(h @ gate_inp.T, dim=-1)  # (N, n_expert)
+    top_p, top_e = probs.topk(k, dim=-1)
+    weight = top_p / top_p.sum(-1, keepdim=True)
+    # Gather the (token, choice) slots expert by expert, run each expert on its slots, scatter back.
+    flat = top_e.reshape(-1)
+    order = flat.argsort(stable=True)
+    counts = torch.bincount(flat, minlength=n_expert).tolist()
+    rows = h[order // k]
+    outs = []
+    for e, part in enumerate(rows.split(counts)):
+        if part.shape[0]:
+            hidden = F.silu(part @ gate[e].T) * (part @ up[e].T)
+            outs.append(hidden @ down[e].T)
+    slots = torch.empty_like(rows).index_copy(0, order, torch.cat(outs))
+    out = (slots.view(-1, k, n_embd) * weight.unsqueeze(-1)).sum(1)
+    share = torch.bincount(flat, minlength=n_expert).float() / flat.numel()
+    balance = n_expert * (share * probs.mean(0)).sum()
+    return out, balance
+
+
 class TextBlock(nn.Module):
     def __init__(self, hp: HParams, generator: torch.Generator) -> None:
         super().__init__()
@@ -72,26 +97,9 @@ class TextBlock(nn.Module):
 
     def moe(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The expert mixture of x (N, n_embd) and the load-balancing loss of its routing."""
-        hp = self.hp
-        h = rms_norm(x, self.ffn_norm, hp.rms_eps)
-        probs = torch.softmax(h @ self.ffn_gate_inp.T, dim=-1)  # (N, n_expert)
-        top_p, top_e = probs.topk(hp.n_expert_used, dim=-1)
-        weight = top_p / top_p.sum(-1, keepdim=True)
-        # Gather the (token, choice) slots expert by expert, run each expert on its slots, scatter back.
-        flat = top_e.reshape(-1)
-        order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=hp.n_expert).tolist()
-        rows = h[order // hp.n_expert_used]
-        outs = []
-        for e, part in enumerate(rows.split(counts)):
-            if part.shape[0]:
-                hidden = F.silu(part @ self.ffn_gate_exps[e].T) * (part @ self.ffn_up_exps[e].T)
-                outs.append(hidden @ self.ffn_down_exps[e].T)
-        slots = torch.empty_like(rows).index_copy(0, order, torch.cat(outs))
-        out = (slots.view(-1, hp.n_expert_used, hp.n_embd) * weight.unsqueeze(-1)).sum(1)
-        share = torch.bincount(flat, minlength=hp.n_expert).float() / flat.numel()
-        balance = hp.n_expert * (share * probs.mean(0)).sum()
-        return out, balance
+        h = rms_norm(x, self.ffn_norm, self.hp.rms_eps)
+        return routed_experts(h, self.ffn_gate_inp, self.ffn_gate_exps, self.ffn_up_exps, self.ffn_down_exps,
+                              self.hp.n_expert_used)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = x + self.attention(x, cos, sin)

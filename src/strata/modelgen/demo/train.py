@@ -1,17 +1,21 @@
 """Train the demo model from scratch and write `demo.gguf` and `demo-mmproj.gguf`.
 
-    python -m strata.modelgen.demo.train --out DIR [--threads N] [--small]
+    python -m strata.modelgen.demo.train --out DIR [--threads N] [--arch qwen35moe|qwen3moe] [--small]
+                                           [--encoder MMPROJ]
 
 Steps: generate the training text and train the BPE vocabulary on it; teach the vision encoder on its own what
-its pictures hold (a probe reads the shape, colour, place and counts from its rows); then train the text model and
-the encoder together on the answers of generated conversations (the loss covers only the tokens the assistant
-writes; pictures enter as the encoder's rows in place of the `<|image_pad|>` run; the probe's loss keeps the rows
-legible); then export. Everything is seeded: the same configuration and thread count give the same files.
+its pictures hold (a probe reads the shape, colour, place and counts from its rows), or, with `--encoder`, start
+from a trained encoder file and teach only the probe to read it; then train the text model and the encoder
+together on the answers of generated conversations (the loss covers only the tokens the assistant writes;
+pictures enter as the encoder's rows in place of the `<|image_pad|>` run; the probe's loss keeps the rows
+legible; a qwen35moe's MTP block learns beside the trunk to predict the token after next); then export.
+Everything is seeded: the same configuration and thread count give the same files.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -29,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from strata.modelgen.demo import bpe, data, export
+from strata.modelgen.demo.hybrid import HybridTextModel, rope_positions
 from strata.modelgen.demo.model import TextModel, VisionModel
 from strata.modelgen.hparams import HParams
 from strata.modelgen.vocab import Vocab
@@ -41,6 +46,8 @@ IMAGE_PAD = "<|image_pad|>"
 IGNORE = -100
 BALANCE_WEIGHT = 0.01  # load-balancing loss: keeps every expert in use without fighting the main loss
 PROBE_WEIGHT = 0.3  # the probe's share of the loss in joint training: keeps what the encoder learnt alone
+ARCHS = ("qwen35moe", "qwen3moe")
+PROBE_STEPS = 100  # batches for the probe alone to learn to read a given encoder
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +65,8 @@ class TrainConfig:
     vision_steps: int = 0  # batches of the encoder's own lessons, before joint training
     vision_batch: int = 64  # pictures per such batch
     vision_lr: float = 2e-3
+    encoder: str = ""  # the weights digest of the encoder file training starts from ("": the encoder's own lessons)
+    probe_steps: int = 0  # batches of pictures the probe alone learns from before joint training (a given encoder)
     task_weights: dict[str, float] = dataclasses.field(default_factory=lambda: dict(data.TASK_WEIGHTS))
 
 
@@ -75,17 +84,42 @@ def vision_hparams(n_proj: int, n_embd: int = 64, n_layer: int = 3, tokens: int 
 _TEXT = HParams(n_layer=4, n_embd=128, n_head=4, n_head_kv=2, head_dim=32, n_ff=384, n_expert=8, n_expert_used=2,
                 n_ff_exp=128, n_ctx_train=4096, rope_base=10_000.0, rms_eps=1e-6)
 # Training leans on the tasks that take longest to learn (pictures, counts, sums); tool use and the other text
-# tasks are learnt from fewer, longer conversations. The vocabulary is trained on the generator's own mix.
+# tasks are learnt from fewer, longer conversations. The vocabulary is trained on the generator's own mix of them.
 TRAIN_MIX = {"picture": 0.18, "count": 0.34, "arithmetic": 0.16, "capital": 0.04, "spelling": 0.05, "greeting": 0.03,
              "weather_call": 0.05, "weather_answer": 0.04, "add_call": 0.04, "add_answer": 0.03, "time_call": 0.02,
              "no_tool": 0.02}
-FULL = TrainConfig(text=_TEXT, vision=vision_hparams(_TEXT.n_embd), steps=7500, batch=32, lr=3e-3, warmup=200,
-                   task_weights=TRAIN_MIX, vision_steps=3500)
-# A variant small enough to train in seconds: the tests' check that training is reproducible and exports.
+FULL_QWEN3MOE = TrainConfig(text=_TEXT, vision=vision_hparams(_TEXT.n_embd), steps=7500, batch=32, lr=3e-3,
+                            warmup=200, task_weights=TRAIN_MIX, vision_steps=3500)
+# qwen35moe: Gated DeltaNet and gated attention layers in turn, so two layers attend: copying a prompt's text (an
+# edit) takes an attention layer that finds where the text was, after a layer whose short convolution has put
+# the token before into each position. A shared expert beside the routed ones, half of each head rotated, the
+# MTP block. Edits take 8 points of the mix, from the tasks learnt with most room.
+_HYBRID_TEXT = dataclasses.replace(_TEXT, n_ff=0, n_ff_shexp=128, full_attention_interval=2, ssm_conv_kernel=4,
+                                   ssm_state_size=32, ssm_group_count=2, ssm_time_step_rank=4, ssm_inner_size=128,
+                                   n_rot=16, rope_sections=(3, 3, 2, 0), n_nextn=1)
+HYBRID_MIX = TRAIN_MIX | {"picture": 0.15, "arithmetic": 0.14, "capital": 0.03, "weather_call": 0.04,
+                          "weather_answer": 0.03, "edit": 0.08}
+# Its encoder starts from the qwen3moe demo's (`--encoder`: the demo-mmproj.gguf of the previous model, whose
+# weights digest this is), the probe learning to read it in PROBE_STEPS batches; the joint phase as long as the
+# qwen3moe's needed to count 90% of the time.
+FULL_QWEN35MOE = TrainConfig(text=_HYBRID_TEXT, vision=vision_hparams(_TEXT.n_embd), steps=7500, batch=32, lr=3e-3,
+                             warmup=200, task_weights=HYBRID_MIX,
+                             encoder="sha256:26ef42f0ab7b202b545e1fcf267df599cac05a08227574424a6f99883b8215bf",
+                             probe_steps=PROBE_STEPS)
+FULL = FULL_QWEN3MOE  # the shipped model's
+# Variants small enough to train in seconds: the tests' check that training is reproducible and exports.
 _SMALL_TEXT = dataclasses.replace(_TEXT, n_layer=1, n_embd=64, n_head=2, n_head_kv=1, n_ff=192, n_expert=4,
                                   n_ff_exp=64)
-SMALL = TrainConfig(text=_SMALL_TEXT, vision=vision_hparams(_SMALL_TEXT.n_embd, n_embd=32, n_layer=1), steps=4,
-                    batch=4, lr=3e-3, warmup=2, vocab_examples=500, n_merges=128, vision_steps=2, vision_batch=4)
+SMALL_QWEN3MOE = TrainConfig(text=_SMALL_TEXT, vision=vision_hparams(_SMALL_TEXT.n_embd, n_embd=32, n_layer=1),
+                             steps=4, batch=4, lr=3e-3, warmup=2, vocab_examples=500, n_merges=128, vision_steps=2,
+                             vision_batch=4)
+_SMALL_HYBRID_TEXT = dataclasses.replace(_HYBRID_TEXT, n_layer=2, n_embd=64, n_head=2, n_head_kv=1, n_expert=4,
+                                         n_ff_exp=64, n_ff_shexp=64, ssm_state_size=16, ssm_group_count=1,
+                                         ssm_time_step_rank=2, ssm_inner_size=32, n_rot=8, rope_sections=(2, 1, 1, 0))
+SMALL_QWEN35MOE = dataclasses.replace(SMALL_QWEN3MOE, text=_SMALL_HYBRID_TEXT, task_weights=HYBRID_MIX)
+CONFIGS = {("qwen3moe", False): FULL_QWEN3MOE, ("qwen3moe", True): SMALL_QWEN3MOE,
+           ("qwen35moe", False): FULL_QWEN35MOE, ("qwen35moe", True): SMALL_QWEN35MOE}
+SHIPPED_ARCH = "qwen3moe"
 
 
 # --- data to tensors
@@ -97,6 +131,7 @@ class Encoded:
     n_prompt: int
     pictures: list[np.ndarray]  # normalised pixels (3, H, W), in prompt order
     scenes: list[data.Scene]  # what each picture shows
+    grids: list[tuple[int, int, int]]  # each picture's (first row's index in ids, rows, columns)
 
 
 def picture_pixels(scene: data.Scene, hp: VisionHParams, max_tokens: int) -> np.ndarray:
@@ -111,7 +146,7 @@ def encode(example: data.Example, tok: Tokenizer, template: str, hp: VisionHPara
     prompt, answer = data.render(example, template)
     pad = tok.require_id(IMAGE_PAD)
     unit = hp.unit
-    ids, pictures = [], []
+    ids, pictures, grids = [], [], []
     for i in tok.encode(prompt):
         if i != pad:
             ids.append(i)
@@ -119,9 +154,11 @@ def encode(example: data.Example, tok: Tokenizer, template: str, hp: VisionHPara
         assert example.scene is not None  # a prompt with a picture has its scene
         pixels = picture_pixels(example.scene, hp, max_tokens)
         pictures.append(pixels)
-        ids += [pad] * ((pixels.shape[1] // unit) * (pixels.shape[2] // unit))
+        ny, nx = pixels.shape[1] // unit, pixels.shape[2] // unit
+        grids.append((len(ids), ny, nx))
+        ids += [pad] * (ny * nx)
     scenes = [example.scene] * len(pictures) if example.scene is not None else []
-    return Encoded(ids + tok.encode(answer), len(ids), pictures, scenes)
+    return Encoded(ids + tok.encode(answer), len(ids), pictures, scenes, grids)
 
 
 def _picture_budget(rng: random.Random, hp: VisionHParams) -> int:
@@ -146,6 +183,7 @@ class Batch:
     tokens: torch.Tensor  # (B, T) ids, padded
     targets: torch.Tensor  # (B, T) the next id where it is an answer token, else IGNORE
     image_mask: torch.Tensor  # (B, T) true at picture rows
+    rope: torch.Tensor  # (B, T, 3) each token's RoPE position (t, h, w), as the engine gives a qwen35moe's
     pictures: list[np.ndarray]  # in row-major order of image_mask
     scenes: list[data.Scene]  # what each picture shows
     n_answer: int
@@ -155,11 +193,13 @@ def collate(items: Sequence[Encoded], pad_id: int, image_pad: int) -> Batch:
     length = max(len(item.ids) for item in items)
     tokens = torch.full((len(items), length), pad_id, dtype=torch.long)
     targets = torch.full((len(items), length), IGNORE, dtype=torch.long)
+    rope = torch.empty((len(items), length, 3), dtype=torch.long)
     for row, item in enumerate(items):
         ids = torch.tensor(item.ids)
         tokens[row, :len(ids)] = ids
         targets[row, item.n_prompt - 1:len(ids) - 1] = ids[item.n_prompt:]
-    return Batch(tokens, targets, tokens == image_pad, [p for item in items for p in item.pictures],
+        rope[row] = rope_positions(length, item.grids)
+    return Batch(tokens, targets, tokens == image_pad, rope, [p for item in items for p in item.pictures],
                  [s for item in items for s in item.scenes], int((targets != IGNORE).sum()))
 
 
@@ -277,23 +317,28 @@ def _optimizer(params: list[nn.Parameter], lr: float) -> torch.optim.Optimizer:
 
 
 def teach_vision(config: TrainConfig, vision: VisionModel, probe: Probe, log: bool = True) -> None:
-    """The encoder's own lessons: `vision_steps` batches of pictures, the probe's loss only."""
-    params = [*vision.parameters(), *probe.parameters()]
+    """The encoder's own lessons: `vision_steps` batches of pictures, the probe's loss only. With a given encoder
+    (`config.encoder`), `probe_steps` batches in which only the probe learns, reading the encoder as it is."""
+    given = bool(config.encoder)
+    steps = config.probe_steps if given else config.vision_steps
+    params = [*probe.parameters()] if given else [*vision.parameters(), *probe.parameters()]
     opt = _optimizer(params, config.vision_lr)
     batches = picture_batches(config)
     start, total = time.monotonic(), 0.0
-    for step in range(config.vision_steps):
+    for step in range(steps):
         pictures, scenes = next(batches)
         for group in opt.param_groups:
-            group["lr"] = _schedule(step, config.vision_steps, config.vision_lr, config.vision_steps // 20 + 1)
-        loss, accuracy = probe(picture_rows(vision, pictures), pictures, scenes)
+            group["lr"] = _schedule(step, steps, config.vision_lr, steps // 20 + 1)
+        with torch.no_grad() if given else contextlib.nullcontext():
+            rows = picture_rows(vision, pictures)
+        loss, accuracy = probe(rows, pictures, scenes)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         total += loss.item()
         if log and (step + 1) % 50 == 0:
-            print(f"vision step {step + 1}/{config.vision_steps} loss {total / 50:.4f} "
+            print(f"{'probe' if given else 'vision'} step {step + 1}/{steps} loss {total / 50:.4f} "
                   + " ".join(f"{k} {v:.2f}" for k, v in accuracy.items())
                   + f" {time.monotonic() - start:.0f}s", flush=True)
             total = 0.0
@@ -303,46 +348,67 @@ def teach_vision(config: TrainConfig, vision: VisionModel, probe: Probe, log: bo
 
 
 def build_vocab(config: TrainConfig) -> Vocab:
+    """The BPE trained on the generator's own mix (`data.TASK_WEIGHTS`) of the tasks the configuration trains."""
     template = chat_template()
-    texts = ("".join(data.render(ex, template)) for ex in itertools.islice(data.examples(config.seed + 7),
-                                                                           config.vocab_examples))
+    mix = {task: weight for task, weight in data.TASK_WEIGHTS.items() if task in config.task_weights}
+    texts = ("".join(data.render(ex, template))
+             for ex in itertools.islice(data.examples(config.seed + 7, mix), config.vocab_examples))
     return bpe.train_vocab(texts, config.n_merges)
 
 
-def train(config: TrainConfig, tok: Tokenizer, log: bool = True,
-          checkpoint: pathlib.Path | None = None) -> tuple[TextModel, VisionModel]:
-    """Train both models from their seeded initialisation: the encoder's own lessons, then `config.steps` batches
-    of conversations."""
+def train(config: TrainConfig, tok: Tokenizer, log: bool = True, checkpoint: pathlib.Path | None = None,
+          vision: VisionModel | None = None) -> tuple[TextModel | HybridTextModel, VisionModel]:
+    """Train both models from their seeded initialisation (the encoder: from `vision` where the configuration
+    names a given one): the encoder's own lessons, then `config.steps` batches of conversations."""
     torch.manual_seed(config.seed)
-    text = TextModel(config.text, tok.n_vocab, seed=config.seed)
-    vision = VisionModel(config.vision, seed=config.seed)
+    hybrid = config.text.hybrid
+    text = (HybridTextModel if hybrid else TextModel)(config.text, tok.n_vocab, seed=config.seed)
+    if vision is None:
+        vision = VisionModel(config.vision, seed=config.seed)
     probe = Probe(config.text.n_embd, config.vision.unit)
     teach_vision(config, vision, probe, log)
-    params = [*text.parameters(), *vision.parameters(), *probe.parameters()]
-    opt = _optimizer(params, config.lr)
+    # The MTP block learns from its own loss only (it reads the trunk's states, embeddings and head without
+    # training them), clipped on its own: the trunk trains as it would without it.
+    draft = [*text.mtp.parameters()] if isinstance(text, HybridTextModel) else []
+    params = [*(p for name, p in text.named_parameters() if not name.startswith("mtp.")), *vision.parameters(),
+              *probe.parameters()]
+    opt = _optimizer(params + draft, config.lr)
     batches = batch_stream(config, tok)
-    start, seen, total = time.monotonic(), 0, 0.0
+    start, seen, total, total_draft = time.monotonic(), 0, 0.0, 0.0
     for step in range(config.steps):
         batch = next(batches)
         lr = _schedule(step, config.steps, config.lr, config.warmup)
         for group in opt.param_groups:
             group["lr"] = lr
         rows = picture_rows(vision, batch.pictures)
-        logits, balance = text(batch.tokens, torch.cat(rows) if rows else None, batch.image_mask,
-                               select=batch.targets != IGNORE)
-        loss = F.cross_entropy(logits, batch.targets[batch.targets != IGNORE])
+        select = batch.targets != IGNORE
+        if isinstance(text, HybridTextModel):
+            x = text.embed(batch.tokens, torch.cat(rows) if rows else None, batch.image_mask)
+            hidden, balance = text.trunk(x, batch.rope)
+            logits = hidden[select] @ text.output.T
+            # the block's pair at p predicts the token at p + 2: the trunk's target at p + 1
+            drafts, draft_balance = text.draft_logits(hidden, x, batch.rope, select[:, 1:])
+            draft_loss = F.cross_entropy(drafts, batch.targets[:, 1:][select[:, 1:]])
+            total_draft += draft_loss.item()
+            balance = balance + draft_balance  # each router's own loss: the block's reads only its inputs
+        else:
+            logits, balance = text(batch.tokens, torch.cat(rows) if rows else None, batch.image_mask, select=select)
+        loss = F.cross_entropy(logits, batch.targets[select])
         read = probe(rows, batch.pictures, batch.scenes)[0] if rows else loss.new_zeros(())
-        (loss + BALANCE_WEIGHT * balance + PROBE_WEIGHT * read).backward()
+        (loss + BALANCE_WEIGHT * balance + PROBE_WEIGHT * read + (draft_loss if draft else 0.0)).backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
+        if draft:
+            torch.nn.utils.clip_grad_norm_(draft, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         seen += batch.tokens.numel()
         total += loss.item()
         if log and (step + 1) % 50 == 0:
-            print(f"step {step + 1}/{config.steps} loss {total / 50:.4f} probe {read.item():.3f} "
-                  f"balance {balance.item():.3f} lr {lr:.2e} {seen / (time.monotonic() - start):.0f} tok/s "
-                  f"{time.monotonic() - start:.0f}s", flush=True)
-            total = 0.0
+            print(f"step {step + 1}/{config.steps} loss {total / 50:.4f} "
+                  + (f"draft {total_draft / 50:.4f} " if draft else "")
+                  + f"probe {read.item():.3f} balance {balance.item():.3f} lr {lr:.2e} "
+                  f"{seen / (time.monotonic() - start):.0f} tok/s {time.monotonic() - start:.0f}s", flush=True)
+            total, total_draft = 0.0, 0.0
         if checkpoint and (step + 1) % 500 == 0:
             torch.save({"step": step + 1, "text": text.state_dict(), "vision": vision.state_dict()}, checkpoint)
     return text, vision
@@ -352,15 +418,27 @@ def config_record(config: TrainConfig) -> dict:
     return json.loads(json.dumps(dataclasses.asdict(config)))
 
 
-def run(config: TrainConfig, out: pathlib.Path, threads: int, log: bool = True) -> dict:
-    """Train with `config` on `threads` threads and write the two GGUF files and `demo.json` into `out`."""
+def run(config: TrainConfig, out: pathlib.Path, threads: int, log: bool = True,
+        encoder: pathlib.Path | None = None) -> dict:
+    """Train with `config` on `threads` threads and write the two GGUF files and `demo.json` into `out`; a
+    configuration that starts from a given encoder reads it from `encoder`.
+
+    Raises:
+        ValueError: the configuration names a given encoder and `encoder` is not that file.
+    """
+    vision = None
+    if config.encoder:
+        if encoder is None or export.weights_digest(encoder) != config.encoder:
+            raise ValueError(f"this configuration starts from the encoder file whose weights digest is "
+                             f"{config.encoder}; {encoder} is not it")
+        vision = export.read_vision(encoder)
     torch.set_num_threads(threads)
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     vocab = build_vocab(config)
     with tempfile.TemporaryDirectory() as scratch:
         tok = bpe.tokenizer_of(vocab, scratch)
-    text, vision = train(config, tok, log, checkpoint=out / "demo.ckpt" if log else None)
+    text, vision = train(config, tok, log, checkpoint=out / "demo.ckpt" if log else None, vision=vision)
     text_path = export.write_text(out / "demo.gguf", text, vocab)
     vision_path = export.write_vision(out / "demo-mmproj.gguf", vision)
     record = {
@@ -374,18 +452,32 @@ def run(config: TrainConfig, out: pathlib.Path, threads: int, log: bool = True) 
     return record
 
 
+def given_encoder(config: TrainConfig, path: pathlib.Path) -> TrainConfig:
+    """`config` starting from the encoder file at `path`: its own lessons skipped, PROBE_STEPS batches for the probe
+    to learn to read it."""
+    return dataclasses.replace(config, encoder=export.weights_digest(path), vision_steps=0,
+                               probe_steps=PROBE_STEPS if config.vision_steps >= PROBE_STEPS else config.vision_steps)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m strata.modelgen.demo.train", description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, type=pathlib.Path, help="directory for the model files")
-    parser.add_argument("--threads", type=int, default=2,
-                        help="torch threads: results depend on it; the shipped files were trained on 2")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads: results depend on it (demo.json records the shipped files'); one "
+                             "is fastest on a busy machine, where two threads wait on each other")
+    parser.add_argument("--arch", choices=ARCHS, default=SHIPPED_ARCH, help="the text model's architecture")
     parser.add_argument("--steps", type=int, default=None, help="override the number of training steps")
     parser.add_argument("--small", action="store_true", help="the seconds-long variant the tests train")
+    parser.add_argument("--encoder", type=pathlib.Path, default=None,
+                        help="start from this encoder file (an earlier demo-mmproj.gguf) instead of teaching one "
+                             "from scratch; the shipped configuration names the one it started from")
     args = parser.parse_args(argv)
-    config = SMALL if args.small else FULL
+    config = CONFIGS[args.arch, args.small]
+    if args.encoder is not None and not config.encoder:
+        config = given_encoder(config, args.encoder)
     if args.steps is not None:
         config = dataclasses.replace(config, steps=args.steps)
-    record = run(config, args.out, args.threads)
+    record = run(config, args.out, args.threads, encoder=args.encoder)
     print(json.dumps(record["weights"]))
     return 0
 
