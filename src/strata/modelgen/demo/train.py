@@ -462,9 +462,10 @@ def given_encoder(config: TrainConfig, path: pathlib.Path) -> TrainConfig:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m strata.modelgen.demo.train", description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, type=pathlib.Path, help="directory for the model files")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads: results depend on it (demo.json records the shipped files'); one "
-                             "is fastest on a busy machine, where two threads wait on each other")
+    parser.add_argument("--threads", type=int, default=2,
+                        help="torch threads: results depend on it (the shipped files were trained on the 2 "
+                             "demo.json records); one is fastest on a busy machine, where two threads wait on "
+                             "each other")
     parser.add_argument("--arch", choices=ARCHS, default=SHIPPED_ARCH, help="the text model's architecture")
     parser.add_argument("--steps", type=int, default=None, help="override the number of training steps")
     parser.add_argument("--small", action="store_true", help="the seconds-long variant the tests train")
