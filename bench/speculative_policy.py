@@ -8,9 +8,11 @@ guesses are about never right, so this is what adaptive speculation costs where 
 200-token random prompts: one stream and four. Each tree's batcher and drafts run in a child process of their
 own (`BASE/src`, then this tree's `src`), the two taking turns `--rounds` times; a child runs `--pairs` pairs of
 runs back to back, speculation off on an engine without the block, then adaptive ("mtp", from the first decode
-step on) on one with it. A pair's ratio (adaptive over off, per CPU second of the engine's threads and per wall
-second) cancels the load's slow drifts; the table gives the median over all pairs of each tree, with the draft
-tokens sent and the block's passes (`Engine.mtp_fills`) of each adaptive run. One engine thread by default: on
+step on) on one with it, then speculation off on that one ("block run": what keeping the block's rows filled
+costs, the floor of adaptive where no draft is ever sent). A pair's ratios (adaptive and block run over off, per
+CPU second of the engine's threads and per wall second) cancel the load's slow drifts; the table gives the
+medians over all pairs of each tree, with the draft tokens sent and the block's passes (`Engine.mtp_fills`) of
+each adaptive run. One engine thread by default: on
 a loaded 2-core host two threads' CPU time grows with a partner that lost its core.
 """
 
@@ -28,7 +30,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def child(src: str, layers: int, tokens: int, pairs: int, traces: list[str], threads: int) -> None:
-    """Print a JSON line: per trace, each pair's [wall ratio, CPU ratio, drafted, the block's passes]."""
+    """Print a JSON line: per trace, each pair's adaptive [wall ratio, CPU ratio, drafted, the block's passes] and
+    block run's [wall ratio, CPU ratio]."""
     sys.path.insert(0, src)  # the tree's strata, before the bench's own imports add this tree's
     import numpy as np
 
@@ -56,9 +59,11 @@ def child(src: str, layers: int, tokens: int, pairs: int, traces: list[str], thr
                 passes = block.mtp_fills()[0]
                 adaptive, _ = run_jobs(block, [Job(p, Sampler(GREEDY, block.n_vocab), tokens, set())
                                                for p in batch], later=list(specs))
+                passes = block.mtp_fills()[0] - passes
+                run, _ = run_jobs(block, [Job(p, Sampler(GREEDY, block.n_vocab), tokens, set()) for p in batch])
                 out.setdefault(trace, []).append([adaptive[0] / off[0], adaptive[1] / off[1],
-                                                  sum(spec.drafted for spec in specs if spec),
-                                                  block.mtp_fills()[0] - passes])
+                                                  sum(spec.drafted for spec in specs if spec), passes,
+                                                  run[0] / off[0], run[1] / off[1]])
     print(json.dumps(out), flush=True)
 
 
@@ -89,12 +94,13 @@ def main() -> None:
             for trace, pairs in result.items():
                 ratios.setdefault((trace, name), []).extend(pairs)
             print(f"  {name}: {result} (load average {os.getloadavg()[0]:.2f})", flush=True)
-    print(f"| {args.layers} layers, adaptive / off | per CPU s: median (pairs) | wall | drafted, passes a run |\n"
-          "|---|---|---|---|")
+    print(f"| {args.layers} layers, over off | adaptive per CPU s: median (pairs) | wall | drafted, passes a run | "
+          "block run per CPU s (wall) |\n|---|---|---|---|---|")
     for (trace, name), pairs in sorted(ratios.items()):
         cpu = sorted(round(p[1], 3) for p in pairs)
         print(f"| {trace} stream{'s' if trace != 'one' else ''}, {name} | {statistics.median(cpu):.3f}x ({cpu}) | "
-              f"{statistics.median(p[0] for p in pairs):.3f}x | {sorted({(int(p[2]), int(p[3])) for p in pairs})} |")
+              f"{statistics.median(p[0] for p in pairs):.3f}x | {sorted({(int(p[2]), int(p[3])) for p in pairs})} | "
+              f"{statistics.median(p[5] for p in pairs):.3f}x ({statistics.median(p[4] for p in pairs):.3f}x) |")
     print(f"load average {os.getloadavg()[0]:.2f}")
 
 
