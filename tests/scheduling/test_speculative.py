@@ -61,7 +61,8 @@ def test_greedy_answers_are_identical_with_and_without_drafts(sharp: float, conf
     spec = speculation(config)
     fast, fast_steps = answer(MarkovEngine(seed=2, sharp=sharp, n_ctx=200), PROMPT, spec)
     assert fast.tokens == plain.tokens and fast.finish == plain.finish == "length"
-    assert spec is not None and spec.accepted > 0 and spec.drafted > spec.accepted  # some right, some wrong
+    assert spec is not None and spec.accepted > 0
+    assert spec.drafted > spec.accepted or spec.adaptive  # some wrong (adaptive drafts only once a guess is right)
     assert fast_steps < plain_steps
 
 
@@ -268,6 +269,10 @@ def test_a_prediction_drafts_its_continuation_then_after_a_match_then_the_lookup
 
 def test_the_draft_length_follows_acceptance_cost_and_the_batch() -> None:
     spec = Speculation(PromptLookup(), max_draft=8)
+    assert spec.choose(1, step_s=None, costs=None) == 0  # no draft before the source was right once
+    history = [5, 6, 7, 8, 5, 6, 7]
+    assert spec.draft(history[:-1], 0, 0) == [] and spec.choose(1, step_s=None, costs=None) == 0
+    spec.judge([], 0, [7])  # its shadow guess was right
     assert spec.choose(1, step_s=None, costs=None) == 1  # unmeasured: one token, which measures the cost
     for _ in range(40):
         spec.judge([1, 2, 3, 4], 3, [1, 2, 3, 7])  # three in four accepted
@@ -288,7 +293,6 @@ def test_the_draft_length_follows_acceptance_cost_and_the_batch() -> None:
         spec.judge([1, 2, 3], 0, [7])
     usual = VerifyCost(0.001, 0.0005)  # a verification's own cost beside its tokens'
     assert spec.rate < 0.1 and spec.choose(1, step_s=0.010, costs=usual) == 0  # off where drafts are wrong
-    history = [5, 6, 7, 8, 5, 6, 7]
     for _ in range(80):  # off: a shadow guess each step, judged against the drawn token
         assert spec.draft(history, 0, 0) == []
         spec.judge([], 0, [8])
@@ -361,6 +365,8 @@ def test_the_step_budget_measures_what_drafts_cost_against_the_plain_step() -> N
     assert budget.draft_costs() == VerifyCost(pytest.approx(0.002), pytest.approx(0.0005))  # its own, a token's
     assert budget.decode_seconds(2) == pytest.approx(0.010)  # steps with drafts are not decode-only
     assert budget.wants_plain_step(2)  # after VERIFY_REFRESH steps with drafts: re-measure the reference
+    budget.record(2, 0, 0.011)  # the reference re-measured (median 10.5 ms): the costs against it
+    assert budget.draft_costs() == VerifyCost(pytest.approx(0.0015), pytest.approx(0.0005))
 
 
 def test_speculative_config_names_a_bad_value() -> None:
@@ -563,13 +569,15 @@ def test_the_sources_with_an_mtp_block() -> None:
 
 def test_the_mtp_block_guesses_ever_less_often_while_wrong() -> None:
     """Where drafts do not pay, a job guesses a token without sending it: each step from the prompt lookup (it costs
-    nothing), from the MTP block (a guess runs it and the output product) every `shadow_every` steps, twice as far
-    apart after each wrong guess, and every `shadow_every` steps again after a right one."""
+    nothing), from the MTP block (a guess runs it and the output product) at the first step, then `SHADOW_GROWTH`
+    times as far apart after each wrong guess (`shadow_every` steps after the first, at most `MAX_SHADOW_EVERY`),
+    and every `shadow_every` steps again after a right one."""
     costs = VerifyCost(1.0, 1.0)  # no draft length pays
     block = FixedMtp([7])
     spec = Speculation(Mtp(block, PromptLookup()), 4)
-    every = Mtp.shadow_every
-    steps, guessed_at = every * (1 + 2 + 4) + 2 * every, []
+    every, growth, most = Mtp.shadow_every, Speculation.SHADOW_GROWTH, Speculation.MAX_SHADOW_EVERY
+    gaps_wrong = [growth * every, min(growth ** 2 * every, most)]
+    steps, guessed_at = 1 + sum(gaps_wrong) + 2 * every, []
     for step in range(steps):
         assert spec.choose(1, 1.0, costs) == 0 and spec.draft([1, 2, 3, 1, 2], 3, 0) == []
         if block.given > len(guessed_at):
@@ -577,7 +585,7 @@ def test_the_mtp_block_guesses_ever_less_often_while_wrong() -> None:
         right = len(guessed_at) == 3 and guessed_at[-1] == step  # the third guess is right
         spec.judge([], 0, [7 if right else 9])
     gaps = [b - a for a, b in zip([-1, *guessed_at], guessed_at, strict=False)]
-    assert gaps == [every, 2 * every, 4 * every, every]
+    assert gaps == [1, *gaps_wrong, every]
 
 
 def test_a_followed_prediction_drafts_its_minimum_where_the_costs_say_none() -> None:
@@ -746,3 +754,36 @@ def test_a_jobs_ask_of_the_mtp_block_is_the_call_its_draft_makes() -> None:
     draft_together([ask], 100)
     given = block.given
     assert predicted.draft([1, 2, 5, 8], 2, 2) == [7] and block.given == given  # taken from the joint call
+
+
+class WrongModel(Wrong):
+    """Drafts that are always wrong, from a model (its guesses are dear): counts the tokens it was asked for."""
+
+    shadow_every = Mtp.shadow_every
+
+    def __init__(self, token: int):
+        super().__init__(token)
+        self.asked: list[int] = []
+
+    def propose(self, history: Sequence[int], n_prompt: int, n: int, seq: int = 0) -> list[int]:
+        self.asked.append(n)
+        return super().propose(history, n_prompt, n, seq)
+
+
+def test_adaptive_sends_no_draft_before_its_source_was_right() -> None:
+    """Free text where the source never guesses right: the adaptive job sends no draft at all (on a recurrent
+    engine a wrong one costs the state's save, its reload and the token evaluated again), only shadow guesses of one
+    token, from its first step on and ever further apart; the answer is the plain one."""
+    prompt = [*range(6), 9, 3, 4]
+    plain, _ = answer(RecurrentEngine(n_ctx=200), prompt, None, 100)
+    engine, wrong = RecurrentEngine(n_ctx=200), WrongModel(0)
+    spec = Speculation(wrong, 4)
+    fast, _ = answer(engine, prompt, spec, 100)
+    assert fast.tokens == plain.tokens
+    assert spec.drafted == 0 and not engine.loads and max(len(call[0][1]) for call in engine.calls[1:]) == 1
+    guesses, at, gap = 0, 0, WrongModel.shadow_every
+    while at < 100 - 1:  # the decode steps of the tokens after the prompt's
+        guesses += 1
+        gap = min(Speculation.SHADOW_GROWTH * gap, Speculation.MAX_SHADOW_EVERY)
+        at += gap
+    assert guesses > 1 and wrong.asked == [1] * guesses

@@ -226,6 +226,7 @@ class StepBudget:
         self._mixed = 0  # mixed steps since the last decode-only one
         self._verify_steps: deque[tuple[int, int, float]] = deque(maxlen=self.WINDOW)  # (n, drafts, seconds)
         self._verifies = 0  # steps with drafts since the last decode-only one
+        self._costs: tuple[VerifyCost | None] | None = None  # draft_costs' answer since the last record; None: stale
 
     def decode_seconds(self, n: int) -> float | None:
         """A decode-only step of `n` jobs, as measured (None before the first)."""
@@ -242,10 +243,13 @@ class StepBudget:
     def draft_costs(self) -> VerifyCost | None:
         """What drafts add to a step of decoding jobs (speculative decoding), measured against the decode-only
         step as it is now: `VerifyCost.fit` through the recent steps' added seconds against their draft tokens,
-        with the model's routing shape where it has experts; None before any."""
-        points = [(n, drafts, max(seconds - step, 0.0)) for n, drafts, seconds in self._verify_steps
-                  if (step := self.decode_seconds(n)) is not None]
-        return VerifyCost.fit(points, self.routing) if points else None
+        with the model's routing shape where it has experts; None before any. Fitted once between two recorded
+        steps: every decoding job's draft length asks for it, every step."""
+        if self._costs is None:
+            points = [(n, drafts, max(seconds - step, 0.0)) for n, drafts, seconds in self._verify_steps
+                      if (step := self.decode_seconds(n)) is not None]
+            self._costs = (VerifyCost.fit(points, self.routing) if points else None,)
+        return self._costs[0]
 
     def wants_plain_step(self, n: int) -> bool:
         """Whether the next step of `n` decoding jobs should carry no drafts: their decode-only step, the
@@ -270,6 +274,7 @@ class StepBudget:
         step with a prompt chunk, the draft tokens count as prompt tokens)."""
         if n <= 0:
             return
+        self._costs = None
         if drafts and not prompt:
             self._verify_steps.append((n, drafts, seconds))
             self._verifies += 1

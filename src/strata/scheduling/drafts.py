@@ -53,8 +53,8 @@ class Drafter(Protocol):
     Attributes:
         shadow_every: while drafts do not pay, `Speculation` guesses a token without sending it every this many
             steps: 1 for a source whose guess costs next to nothing; more for one that runs a model for it, whose
-            interval then doubles with each wrong guess (up to `Speculation.MAX_SHADOW_EVERY`) and comes back with
-            a right one.
+            interval then grows `Speculation.SHADOW_GROWTH` times with each wrong guess (up to
+            `Speculation.MAX_SHADOW_EVERY`) and comes back with a right one.
     """
 
     shadow_every: int
@@ -182,7 +182,7 @@ class Mtp:
     runs the block and the output product once (in a small model about half a plain step), after one batched
     pass that fills the block's rows for the tokens evaluated since the last (the engine fills them lazily: an
     eval without a draft does not run the block): a job whose drafts do not pay guesses every `shadow_every`
-    steps, less often while it guesses wrong, and costs next to nothing between guesses. The batcher runs the
+    steps, ever less often while it guesses wrong, and costs next to nothing between guesses. The batcher runs the
     block for all of a step's jobs in one call (`draft_together`) before they propose."""
 
     shadow_every = 8
@@ -316,12 +316,15 @@ class Speculation:
     verifying is cheap, fewer in a crowded batch (its extra tokens weigh less beside the other n - 1 jobs' while
     all of them wait for its drafts), none where they are mostly wrong. Then it keeps guessing one token a step
     without sending it (a shadow draft, checked against the token the step draws; every `shadow_every` steps for a
-    source that runs a model to guess, twice as far apart after each wrong guess: where the model never guesses
-    right its guesses cost next to nothing): the acceptance rate stays measured, and drafting resumes when the text
-    turns repetitive.
+    source that runs a model to guess, `SHADOW_GROWTH` times as far apart after each wrong guess: where the model
+    never guesses right its guesses cost next to nothing): the acceptance rate stays measured, and drafting resumes
+    when the text turns repetitive.
 
-    Until the batcher has measured what a draft token costs, drafts are one token long (a batcher without a step
-    budget never measures it). A client's prediction drafts at least `MIN_PREDICTED` tokens while the answer
+    A job sends no draft before its source has been right once: it starts with a shadow guess at its first step,
+    and one that is wrong costs the source's guess, not a verification (and on a recurrent engine the state's save,
+    reload and the token evaluated again) on free text where the source is never right. Until the batcher has
+    measured what a draft token costs, drafts are one token long (a batcher without a step budget never measures
+    it). A client's prediction is right from the start: it drafts at least `MIN_PREDICTED` tokens while the answer
     follows it and the acceptance rate stays at `PREDICTED_RATE` or above: the client said what the answer is,
     and step costs measured on a noisy clock must not talk the job out of an exact prediction.
 
@@ -339,13 +342,15 @@ class Speculation:
     MIN_PREDICTED = 4
     PREDICTED_RATE = 0.5  # the prior's rate: a prediction drafts from its first step
     MAX_SHADOW_EVERY = 128
+    SHADOW_GROWTH = 4  # a model source's guess interval, times this after each wrong guess
 
     def __init__(self, drafter: Drafter, max_draft: int, adaptive: bool = True):
         self.drafter, self.max_draft, self.adaptive = drafter, max_draft, adaptive
         self._accepted = self._judged = 0.0  # decayed counts
         self._shadow: int | None = None  # the token guessed without being sent, to check against the draw
-        self._quiet = 0  # steps without drafts since the last guess
+        self._quiet = drafter.shadow_every - 1  # steps without drafts since the last guess: the first step guesses
         self._shadow_every = drafter.shadow_every  # steps between guesses, now
+        self._proven = not adaptive or isinstance(drafter, Prediction)  # the source has been right once
         # totals, for the status and the history
         self.drafted = self.accepted = self.steps = 0  # draft tokens sent, kept, and the steps that sent some
         self.length = max_draft if not adaptive else 0  # the draft length last chosen
@@ -362,6 +367,9 @@ class Speculation:
         if not self.adaptive:
             self.length = self.max_draft
             return self.length
+        if not self._proven:
+            self.length = 0
+            return 0
         measured = bool(step_s) and costs is not None
         step = step_s if step_s else 1.0
         cost = costs if step_s and costs is not None else VerifyCost(0.0, self.PRIOR_DRAFT_COST * step)
@@ -413,6 +421,7 @@ class Speculation:
         if draft:
             rejected = int(kept < len(draft))
             self._learn(kept, kept + rejected)
+            self._proven = self._proven or kept > 0
             self.drafted += len(draft)
             self.accepted += kept
             self.steps += 1
@@ -422,9 +431,10 @@ class Speculation:
         elif self._shadow is not None and drawn:
             right = drawn[0] == self._shadow
             self._learn(int(right), 1)
+            self._proven = self._proven or right
             if self.drafter.shadow_every > 1:
-                self._shadow_every = self.drafter.shadow_every if right else min(2 * self._shadow_every,
-                                                                                 self.MAX_SHADOW_EVERY)
+                self._shadow_every = self.drafter.shadow_every if right else min(
+                    self.SHADOW_GROWTH * self._shadow_every, self.MAX_SHADOW_EVERY)
         self._shadow = None
 
     def _learn(self, accepted: int, judged: int) -> None:
