@@ -207,7 +207,7 @@ def serve_script(tokenizer):
 SLOW_MODULES = frozenset({
     "demo/test_readme.py", "demo/test_train.py", "demo/test_model.py", "demo/test_hybrid.py", "demo/test_shipped.py",
     "engine/test_llama3.py", "engine/test_qwen3vl_engine.py", "engine/test_engine_reference.py",
-    "engine/test_llama_cpp_files.py",
+    "engine/test_llama_cpp_files.py", "engine/test_qwen35.py",
     "mcp_tools/test_anthropic_mcp.py", "mcp_tools/test_responses_mcp.py", "mcp_tools/test_demo_mcp.py",
     "mcp_tools/test_shutdown_mcp.py", "mcp_tools/test_mcp_limits.py",
     "modelgen/test_writer.py", "modelgen/test_qwen35_convert.py",
