@@ -13,6 +13,7 @@ logits. And the expert cache counts what the simulator counts on the routing the
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -67,18 +68,24 @@ def test_prompt_chunks_and_decode_of_several_sequences_match_the_cpu_engine(mode
         np.testing.assert_array_equal(g.argmax(axis=-1), w.argmax(axis=-1))
 
 
-def test_hits_and_misses_give_the_same_bits(models):
+def check_hits_and_misses_give_the_same_bits(open_on_device: Any, path: Path, layers: int) -> None:
+    """All misses, a mixed split and all hits after a step (every one of the model's 16 experts, over `layers`
+    layers, uploaded in the first) give the same logits. The budgets are as given, not paced by how long the misses
+    took: the counts do not depend on timing."""
     results, counts = [], []
-    for capacity, uploads in ((0, None), (5, 2.0), (16, None)):  # all misses; a mixed split; all hits after a step
-        # the budgets as given, not paced by how long the misses took: the counts below do not depend on timing
-        with on_device(models["q4_k"], capacity=capacity, uploads_per_step=uploads, paced=False) as dev:
+    for capacity, uploads in ((0, None), (5, 2.0), (16, None)):
+        with open_on_device(path, capacity=capacity, uploads_per_step=uploads, paced=False) as dev:
             results.append(run(dev))
             counts.append(dev.expert_counts())
     assert counts[0]["hits"] == 0 and counts[1]["hits"] > 0 and counts[1]["misses"] > counts[2]["misses"] > 0
-    assert counts[2]["uploads"] == 16  # every expert of the 2 layers, in the first step
+    assert counts[2]["uploads"] == 16, f"every expert of the {layers} layers, in the first step"
     for other in results[1:]:
         for a, b in zip(results[0], other, strict=True):
             np.testing.assert_array_equal(a, b)
+
+
+def test_hits_and_misses_give_the_same_bits(models):
+    check_hits_and_misses_give_the_same_bits(on_device, models["q4_k"], layers=2)
 
 
 def test_the_backend_and_the_simulator_count_the_same_hits(models, tmp_path):

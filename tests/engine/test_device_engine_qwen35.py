@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_device_engine import KV_TOLERANCE, SHAPE, run
+from test_device_engine import KV_TOLERANCE, SHAPE, check_hits_and_misses_give_the_same_bits, run
 
 from strata.engine_cffi import BatchItem, Engine, EngineError, PictureRows
 from strata.engine_cffi.device import Device
@@ -59,17 +59,7 @@ def test_prompt_chunks_and_decode_of_several_sequences_match_the_cpu_engine(mode
 
 
 def test_hits_and_misses_give_the_same_bits(models):
-    results, counts = [], []
-    for capacity, uploads in ((0, None), (5, 2.0), (16, None)):  # all misses; a mixed split; all hits after a step
-        # the budgets as given, not paced by how long the misses took: the counts below do not depend on timing
-        with on_device(models["q4_k"], capacity=capacity, uploads_per_step=uploads, paced=False) as dev:
-            results.append(run(dev))
-            counts.append(dev.expert_counts())
-    assert counts[0]["hits"] == 0 and counts[1]["hits"] > 0 and counts[1]["misses"] > counts[2]["misses"] > 0
-    assert counts[2]["uploads"] == 16  # every expert of the 4 layers, in the first step
-    for other in results[1:]:
-        for a, b in zip(results[0], other, strict=True):
-            np.testing.assert_array_equal(a, b)
+    check_hits_and_misses_give_the_same_bits(on_device, models["q4_k"], layers=4)
 
 
 def test_a_saved_state_resumes_its_sequence_and_a_cut_one_is_refused(models):
