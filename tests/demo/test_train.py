@@ -40,6 +40,33 @@ def test_training_from_a_given_encoder_starts_from_that_file(tmp_path: pathlib.P
         train.run(given, tmp_path / "d", threads=1, log=False, encoder=tmp_path / "b" / "demo-mmproj.gguf")
 
 
+class Stopped(Exception):
+    pass
+
+
+def test_a_stopped_run_resumed_gives_the_same_files(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    small = dataclasses.replace(train.CONFIGS["qwen35moe", True], steps=5)
+    whole = train.run(small, tmp_path / "a", threads=1, log=False, checkpoint_every=None)
+    save = train.save_checkpoint
+    saved: list[int] = []
+
+    def save_then_stop(state: dict, path: pathlib.Path) -> None:
+        save(state, path)
+        saved.append(state["step"])
+        raise Stopped
+
+    monkeypatch.setattr(train, "save_checkpoint", save_then_stop)
+    with pytest.raises(Stopped):
+        train.run(small, tmp_path / "b", threads=1, log=False, checkpoint_every=2)
+    monkeypatch.setattr(train, "save_checkpoint", save)
+    assert saved == [2] and not (tmp_path / "b" / "demo.gguf").exists()
+    resumed = train.run(small, tmp_path / "b", threads=1, log=False, checkpoint_every=2, resume=True)
+    assert resumed["weights"] == whole["weights"]
+    other = dataclasses.replace(small, lr=small.lr / 2)
+    with pytest.raises(ValueError, match="another configuration"):
+        train.run(other, tmp_path / "b", threads=1, log=False, checkpoint_every=2, resume=True)
+
+
 @pytest.fixture(scope="module")
 def record() -> dict:
     return json.loads((SHIPPED / "demo.json").read_text())

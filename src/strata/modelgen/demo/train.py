@@ -356,17 +356,38 @@ def build_vocab(config: TrainConfig) -> Vocab:
     return bpe.train_vocab(texts, config.n_merges)
 
 
-def train(config: TrainConfig, tok: Tokenizer, log: bool = True, checkpoint: pathlib.Path | None = None,
-          vision: VisionModel | None = None) -> tuple[TextModel | HybridTextModel, VisionModel]:
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    """Where and how often the joint phase saves everything it needs to go on: the three models, the optimizer's
+    moments, torch's generator and the step. A run resumed from it writes the same files as one never stopped
+    (the conversations are a seeded stream, drawn again up to the step)."""
+
+    path: pathlib.Path
+    every: int = 500
+
+
+def save_checkpoint(state: dict, path: pathlib.Path) -> None:
+    """Write `state` beside `path` and rename it over it, so that a run stopped while saving keeps the last one."""
+    partial = path.with_name(path.name + ".partial")
+    torch.save(state, partial)
+    partial.replace(path)
+
+
+def train(config: TrainConfig, tok: Tokenizer, log: bool = True, checkpoint: Checkpoint | None = None,
+          vision: VisionModel | None = None, resume: bool = False) -> tuple[TextModel | HybridTextModel, VisionModel]:
     """Train both models from their seeded initialisation (the encoder: from `vision` where the configuration
-    names a given one): the encoder's own lessons, then `config.steps` batches of conversations."""
+    names a given one): the encoder's own lessons, then `config.steps` batches of conversations. With `resume`
+    and a saved `checkpoint`, the joint phase goes on from it instead."""
     torch.manual_seed(config.seed)
     hybrid = config.text.hybrid
     text = (HybridTextModel if hybrid else TextModel)(config.text, tok.n_vocab, seed=config.seed)
     if vision is None:
         vision = VisionModel(config.vision, seed=config.seed)
     probe = Probe(config.text.n_embd, config.vision.unit)
-    teach_vision(config, vision, probe, log)
+    saved = torch.load(checkpoint.path, weights_only=True) if resume and checkpoint and checkpoint.path.exists() \
+        else None
+    if saved is None:
+        teach_vision(config, vision, probe, log)
     # The MTP block learns from its own loss only (it reads the trunk's states, embeddings and head without
     # training them), clipped on its own: the trunk trains as it would without it.
     draft = [*text.mtp.parameters()] if isinstance(text, HybridTextModel) else []
@@ -374,8 +395,20 @@ def train(config: TrainConfig, tok: Tokenizer, log: bool = True, checkpoint: pat
               *probe.parameters()]
     opt = _optimizer(params + draft, config.lr)
     batches = batch_stream(config, tok)
+    first = 0
+    if saved is not None:
+        if saved["config"] != config_record(config):
+            raise ValueError(f"{checkpoint.path if checkpoint else ''} was saved by another configuration")
+        for model, key in ((text, "text"), (vision, "vision"), (probe, "probe"), (opt, "optimizer")):
+            model.load_state_dict(saved[key])
+        torch.set_rng_state(saved["rng"])
+        first = saved["step"]
+        for _ in range(first):
+            next(batches)
+        if log:
+            print(f"resumed at step {first}", flush=True)
     start, seen, total, total_draft = time.monotonic(), 0, 0.0, 0.0
-    for step in range(config.steps):
+    for step in range(first, config.steps):
         batch = next(batches)
         lr = _schedule(step, config.steps, config.lr, config.warmup)
         for group in opt.param_groups:
@@ -409,8 +442,10 @@ def train(config: TrainConfig, tok: Tokenizer, log: bool = True, checkpoint: pat
                   + f"probe {read.item():.3f} balance {balance.item():.3f} lr {lr:.2e} "
                   f"{seen / (time.monotonic() - start):.0f} tok/s {time.monotonic() - start:.0f}s", flush=True)
             total, total_draft = 0.0, 0.0
-        if checkpoint and (step + 1) % 500 == 0:
-            torch.save({"step": step + 1, "text": text.state_dict(), "vision": vision.state_dict()}, checkpoint)
+        if checkpoint and (step + 1) % checkpoint.every == 0:
+            save_checkpoint({"step": step + 1, "config": config_record(config), "text": text.state_dict(),
+                             "vision": vision.state_dict(), "probe": probe.state_dict(),
+                             "optimizer": opt.state_dict(), "rng": torch.get_rng_state()}, checkpoint.path)
     return text, vision
 
 
@@ -419,9 +454,11 @@ def config_record(config: TrainConfig) -> dict:
 
 
 def run(config: TrainConfig, out: pathlib.Path, threads: int, log: bool = True,
-        encoder: pathlib.Path | None = None) -> dict:
+        encoder: pathlib.Path | None = None, checkpoint_every: int | None = 500, resume: bool = False) -> dict:
     """Train with `config` on `threads` threads and write the two GGUF files and `demo.json` into `out`; a
-    configuration that starts from a given encoder reads it from `encoder`.
+    configuration that starts from a given encoder reads it from `encoder`. Every `checkpoint_every` joint steps
+    the state goes to `demo.ckpt` in `out` (None: never), which `resume` goes on from. `train_seconds` counts
+    this run's time only.
 
     Raises:
         ValueError: the configuration names a given encoder and `encoder` is not that file.
@@ -438,7 +475,8 @@ def run(config: TrainConfig, out: pathlib.Path, threads: int, log: bool = True,
     vocab = build_vocab(config)
     with tempfile.TemporaryDirectory() as scratch:
         tok = bpe.tokenizer_of(vocab, scratch)
-    text, vision = train(config, tok, log, checkpoint=out / "demo.ckpt" if log else None, vision=vision)
+    checkpoint = Checkpoint(out / "demo.ckpt", checkpoint_every) if checkpoint_every else None
+    text, vision = train(config, tok, log, checkpoint=checkpoint, vision=vision, resume=resume)
     text_path = export.write_text(out / "demo.gguf", text, vocab)
     vision_path = export.write_vision(out / "demo-mmproj.gguf", vision)
     record = {
@@ -472,13 +510,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--encoder", type=pathlib.Path, default=None,
                         help="start from this encoder file (an earlier demo-mmproj.gguf) instead of teaching one "
                              "from scratch; the shipped configuration names the one it started from")
+    parser.add_argument("--resume", action="store_true",
+                        help="go on from the last checkpoint in --out (demo.ckpt, saved every 500 joint steps) of "
+                             "the same configuration; the files are the same as an unstopped run's")
     args = parser.parse_args(argv)
     config = CONFIGS[args.arch, args.small]
     if args.encoder is not None and not config.encoder:
         config = given_encoder(config, args.encoder)
     if args.steps is not None:
         config = dataclasses.replace(config, steps=args.steps)
-    record = run(config, args.out, args.threads, encoder=args.encoder)
+    record = run(config, args.out, args.threads, encoder=args.encoder, resume=args.resume)
     print(json.dumps(record["weights"]))
     return 0
 
