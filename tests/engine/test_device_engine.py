@@ -225,13 +225,13 @@ def test_uploads_are_paced_by_the_link_rate_it_measured(models):
 
 
 def test_the_cpu_engines_context_holds_no_kv_cache_beside_the_devices(models):
-    """The backend keeps its KV cache on the device: the CPU engine's context under it holds one position, so a
-    long context costs host memory once, not twice."""
+    """The backend keeps its KV cache on the device: the CPU engine's context under it holds one sequence of one
+    position, so a long context costs host memory once, not twice."""
     from strata.engine_cffi import lib
 
     with on_device(models["f16"], "f16") as dev:
-        assert dev.n_ctx == SHAPE["n_ctx"] and dev.n_batch == SHAPE["n_batch"]
-        assert lib.strata_kv_bytes(dev._ctx) == dev.kv_position_bytes * dev.n_seq  # one position a sequence
+        assert dev.n_ctx == SHAPE["n_ctx"] and dev.n_batch == SHAPE["n_batch"] and dev.n_seq == SHAPE["n_seq"]
+        assert lib.strata_n_seq(dev._ctx) == 1 and lib.strata_kv_bytes(dev._ctx) == dev.kv_position_bytes
         assert dev.kv_bytes == dev.kv_position_bytes * dev.n_seq * dev.n_ctx
     with pytest.raises(EngineError, match="context of 100000 positions is larger than the model's"):
         DeviceEngine.open(models["f16"], Device("host"), n_ctx=100000)

@@ -101,6 +101,19 @@ def test_a_saved_state_resumes_its_sequence_and_a_cut_one_is_refused(models):
         assert np.max(np.abs(fresh - cleared)) <= 1e-5 * np.max(np.abs(cleared))
 
 
+def test_the_recurrent_states_are_the_devices_only(models):
+    """Each slot's recurrent state lives on the device (tens of MiB a slot in a large hybrid): the CPU engine's
+    context under the backend holds one sequence, whose state the backend never reads."""
+    from strata.engine_cffi import lib
+
+    with on_device(models["f32"]) as dev:
+        assert dev.n_seq == SHAPE["n_seq"] > 1 and lib.strata_n_seq(dev._ctx) == 1
+        assert dev.state_bytes > 0 and lib.strata_state_bytes(dev._ctx) == dev.state_bytes
+        for seq in range(dev.n_seq):  # every slot evaluates and keeps its own state
+            dev.eval_batch([BatchItem(seq, [seq + 1, 7, 9])])
+        assert len({dev.save_state(seq) for seq in range(dev.n_seq)}) == dev.n_seq
+
+
 def test_a_picture_is_placed_by_its_grid_and_its_positions_travel_with_the_rows(models):
     """A picture's 12 rows (a grid 4 wide) in a prompt: multi-axis RoPE positions from the grid, text after it
     from the picture's largest component, as on the CPU engine. Exported (KV rows and RoPE components) with the

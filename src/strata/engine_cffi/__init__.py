@@ -328,11 +328,12 @@ class Engine:
             mtp: run the model's MTP block for `mtp_draft` (speculative decoding's drafts): a layer more of KV
                 rows per slot, and about a layer's work more per token the block fills (lazily: the pairs a
                 draft needs, in one batched pass; see `mtp_fills`); None: where the file has one.
-            host_cache: allocate the context's KV cache and a batch's buffers for `n_ctx` and `n_batch`; False
-                for a subclass whose forward pass keeps them elsewhere (the GPU backend's device): the C context
-                then holds one position and one token and no MTP block (the subclass runs it where `mtp` says),
-                and `kv_bytes` is 0 until the subclass says (the checks of `n_ctx` and `kv_budget`, the block's
-                rows included, are made all the same).
+            host_cache: allocate the context's KV cache, recurrent states and a batch's buffers for `n_seq`,
+                `n_ctx` and `n_batch`; False for a subclass whose forward pass keeps them elsewhere (the GPU
+                backend's device): the C context then holds one sequence of one position, one token and no MTP
+                block (the subclass keeps the `n_seq` slots and runs the block where `mtp` says), and `kv_bytes`
+                is 0 until the subclass says (the checks of `n_ctx` and `kv_budget`, the block's rows and the
+                recurrent states included, are made all the same).
 
         Raises:
             EngineError: missing, truncated or non-GGUF file; unsupported architecture or tensor type; a context
@@ -359,8 +360,8 @@ class Engine:
             keep = []
             file.close()
             raise
-        on_host = (n_ctx, n_batch) if host_cache else (1, 1)
-        cparams = ffi.new("strata_context_params *", {"n_ctx": on_host[0], "n_seq": n_seq, "n_batch": on_host[1],
+        on_host = (n_ctx, n_seq, n_batch) if host_cache else (1, 1, 1)
+        cparams = ffi.new("strata_context_params *", {"n_ctx": on_host[0], "n_seq": on_host[1], "n_batch": on_host[2],
                                                       "n_threads": threads, "kv_type": _KV_TYPES[kv],
                                                       "mtp": int(mtp and host_cache)})
         ctx_out = ffi.new("strata_context **")
@@ -376,7 +377,7 @@ class Engine:
         engine = cls(file, params, model_out[0], ctx_out[0], keep, n_ctx, threads, min(n_batch, n_ctx), _KV_TYPES[kv],
                      mtp)
         if not host_cache:
-            engine.kv_bytes = 0
+            engine.kv_bytes, engine.n_seq = 0, n_seq
         if record_routing is not None:
             try:
                 engine._record_routing(record_routing, params)
