@@ -350,6 +350,14 @@ def test_streams_and_events_follow_their_rules(dev):
     dev.event_sync(done)
     assert dev.elapsed_ms(start, done) >= 0
     np.testing.assert_allclose(dev.to_host(pout, (64,), np.float32), x * x / (1 + np.exp(-x)), rtol=1e-6)
+    # an event recorded again marks the new point, and uses up no other id
+    dev.rerecord(1, uploaded)
+    dev.wait(2, uploaded)
+    assert dev.record(1) == done + 1
+    with pytest.raises(DeviceError, match="never recorded"):
+        dev.rerecord(1, done + 2)
+    with pytest.raises(DeviceError, match="stream 9 does not exist"):
+        dev.rerecord(9, uploaded)
 
 
 def test_bad_launches_name_what_is_wrong(dev):

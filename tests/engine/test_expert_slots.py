@@ -53,6 +53,75 @@ def test_slots_count_as_the_simulator_and_hold_each_experts_bytes():
     assert stats.hits > 0 and stats.evictions > 0
 
 
+class Recording:
+    """A device whose stream and event calls are logged in order, for the order they must keep."""
+
+    def __init__(self, device: Device) -> None:
+        self.device, self.log = device, []
+
+    def __getattr__(self, name: str):
+        return getattr(self.device, name)
+
+    def sync(self, stream: int = 0) -> None:
+        self.log.append(("sync", stream))
+        self.device.sync(stream)
+
+    def record(self, stream: int = 0) -> int:
+        event = self.device.record(stream)
+        self.log.append(("record", stream, event))
+        return event
+
+    def rerecord(self, stream: int, event: int) -> None:
+        self.log.append(("record", stream, event))
+        self.device.rerecord(stream, event)
+
+    def wait(self, stream: int, event: int) -> None:
+        self.log.append(("wait", stream, event))
+        self.device.wait(stream, event)
+
+
+def test_a_hit_waits_on_the_device_for_its_upload_and_the_host_never_waits():
+    """An upload is read a step later at the earliest: the compute stream waits on one event, re-recorded each
+    step, just before the first hit of an expert whose upload it marks; the host never waits for the link, and a
+    step that reads no such expert makes the compute stream wait for nothing."""
+    trace = skewed_trace(60, seed=3)
+    with Device("host") as host:
+        dev = Recording(host)
+        upload_stream = host.stream()
+        slots = ExpertSlots(dev, N_LAYER, N_EXPERT, 7, SIZES, expert_bytes, upload_stream, uploads_per_step=2.0,
+                            prior=most_frequent(trace, 3))
+        dev.log += [("uploaded", key) for key in most_frequent(trace, 3)]
+        for records in trace.steps():
+            slots.begin_step()
+            for record in records:
+                outcome = slots.step(record.layer, record.used().tolist())
+                dev.log += [("hit", (record.layer, e)) for e in outcome.hits]
+                dev.log += [("uploaded", (record.layer, e)) for e in outcome.uploads]
+                dev.log.append(("layer-step",))
+    assert ("sync", upload_stream) not in dev.log
+    events = {entry[2] for entry in dev.log if entry[0] in ("record", "wait")}
+    assert len(events) == 1  # one event for every step
+    queued, marked, waits, useful = set(), set(), 0, 0
+    for entry in dev.log:
+        if entry[0] == "uploaded":
+            queued.add(entry[1])
+        elif entry[0] == "record":
+            assert entry[1] == upload_stream
+            marked |= queued
+            queued = set()
+        elif entry[0] == "wait":
+            assert entry[1] == 0 and marked
+            waits, marked = waits + 1, set()
+        elif entry[0] == "hit":
+            assert entry[1] not in queued and entry[1] not in marked  # never read before its upload is waited for
+    for i, entry in enumerate(dev.log):  # each wait is for a hit of the same layer-step
+        if entry[0] == "wait":
+            rest = dev.log[i + 1:]
+            useful += any(e[0] == "hit" for e in rest[:rest.index(("layer-step",))])
+    assert waits == useful > 0
+    assert waits < sum(entry[0] == "record" for entry in dev.log)  # some steps read no arriving expert
+
+
 def test_paced_budget_follows_the_misses_time_as_the_simulators_pace():
     """Each step may start as many uploads as the link moves in the time the last step's misses took: the same
     budgets given to the simulator's `pace` count the same hits, misses and uploads."""

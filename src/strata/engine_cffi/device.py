@@ -141,6 +141,10 @@ class Device:
             self._check(1)
         return int(e)
 
+    def rerecord(self, stream: int, event: int) -> None:
+        """Move `event` (recorded before) to what `stream` has queued so far."""
+        self._check(self.lib.strata_dev_event_rerecord(self._d, stream, event))
+
     def wait(self, stream: int, event: int) -> None:
         self._check(self.lib.strata_dev_stream_wait_event(self._d, stream, event))
 

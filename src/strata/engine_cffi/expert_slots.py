@@ -5,8 +5,11 @@ Each step (a forward pass of the backend), layer by layer, the backend tells `st
 tokens chose; the experts held are hits (computed on the device from their slot), the rest misses (computed by the
 CPU from the mapped file). The policy then names misses to upload for later steps and the experts they evict: an
 upload copies the expert's three matrices into the evicted expert's slot, or a new one while the cache is filling,
-on the upload stream. The backend waits for that stream when the next step begins, so an expert is only ever
-computed from its slot a step after its upload was queued, and the compute stream never waits on the link.
+on the upload stream. An expert is only ever computed from its slot a step after its upload was queued: when the
+next step begins, an event marks the uploads queued so far (one event, recorded again each step), and the compute
+stream waits on it just before the first launch that reads one of them. The host never waits on the link, and the
+compute stream only where a step reads an expert whose upload may still be under way; with the link paced (below)
+it has arrived by then.
 
 How many uploads a step may start is paced by the link: while the CPU computes a step's misses, the upload stream
 moves `link_rate` bytes a second, so the next step may start as many uploads as fit in the time this step's misses
@@ -60,6 +63,7 @@ class ExpertSlots:
         expert_data: the host bytes of one of an expert's matrices: (layer, expert, which) -> a buffer (which: 0
             gate, 1 up, 2 down).
         upload_stream: the device stream the uploads go on.
+        compute_stream: the device stream that computes the hits, which waits for their uploads.
         uploads_per_step: the uploads a step may start (None: no bound); with a link rate, the budget until the
             first step with misses.
         prior: (layer, expert) pairs to hold from the start (at most `capacity`).
@@ -70,24 +74,34 @@ class ExpertSlots:
                  expert_bytes: Sequence[tuple[int, int, int]],
                  expert_data: Callable[[int, int, int], Any], upload_stream: int,
                  uploads_per_step: float | None = UPLOADS_PER_STEP, prior: Sequence[Key] = (),
-                 link_rate: float | None = None) -> None:
+                 link_rate: float | None = None, compute_stream: int = 0) -> None:
         self.device, self.capacity = device, capacity
         self.expert_bytes = list(expert_bytes)
         self.slot_bytes = max(sum(sizes) for sizes in self.expert_bytes)
-        self._expert_data, self._stream = expert_data, upload_stream
+        self._expert_data, self._stream, self._compute = expert_data, upload_stream, compute_stream
         self.policy = AdaptiveLrfuCache(n_layer, n_expert, capacity, uploads_per_step=uploads_per_step, prior=prior)
         self.link_rate = link_rate
         self.counts = ExpertCounts(preloaded=len(prior))
         self._slot: dict[tuple[int, int], Any] = {}  # (layer, expert) -> its slot (a device pointer)
         self._free: list[Any] = []  # slots of evicted experts, to be reused
         self._miss_seconds: float | None = None  # what the current step's misses took, once it had some
+        self._queued: set[Key] = set()  # experts whose uploads were queued since the event was last recorded
+        self._arriving: set[Key] = set()  # experts whose uploads the event marks, until the compute stream waits
+        self._uploaded: int | None = None  # the event: the uploads queued before this step began
         for layer, expert in prior:
             self._upload(layer, expert)
 
     def begin_step(self) -> None:
-        """Start a forward pass: the uploads queued by the last one are complete from here on, and this one may
-        start as many as the link moves in the time the last one's misses took."""
-        self.device.sync(self._stream)
+        """Start a forward pass: it may read the experts whose uploads the last one queued (the compute stream
+        waits for them before the first such read), and start as many uploads as the link moves in the time the
+        last one's misses took."""
+        if self._queued:
+            if self._uploaded is None:
+                self._uploaded = self.device.record(self._stream)
+            else:
+                self.device.rerecord(self._stream, self._uploaded)
+            self._arriving |= self._queued
+            self._queued = set()
         if self.link_rate is not None and self._miss_seconds is not None:
             paced = self._miss_seconds * self.link_rate / self.slot_bytes
             self.policy.uploads_per_step = max(MIN_UPLOADS_PER_STEP, paced)
@@ -101,11 +115,17 @@ class ExpertSlots:
     def step(self, layer: int, experts: Sequence[int]) -> StepOutcome:
         """The layer needs `experts` (distinct): count them, and queue the uploads the policy starts."""
         outcome = self.policy.step(layer, experts)
+        if self._arriving and any((layer, e) in self._arriving for e in outcome.hits):
+            assert self._uploaded is not None
+            self.device.wait(self._compute, self._uploaded)  # covers every upload the event marks
+            self._arriving = set()
         self.counts.hits += len(outcome.hits)
         self.counts.misses += len(outcome.misses)
         self.counts.uploads += len(outcome.uploads)
         for key in outcome.evictions:
             self._free.append(self._slot.pop(key))
+            self._arriving.discard(key)
+            self._queued.discard(key)
         for e in outcome.uploads:
             self._upload(layer, e)
         return outcome
@@ -123,6 +143,7 @@ class ExpertSlots:
     def _upload(self, layer: int, expert: int) -> None:
         slot = self._free.pop() if self._free else self.device.alloc(self.slot_bytes)
         self._slot[(layer, expert)] = slot
+        self._queued.add((layer, expert))
         at = self.device.ffi.cast("char *", slot)
         for which, size in enumerate(self.expert_bytes[layer]):
             self.device.upload(at, self._expert_data(layer, expert, which), self._stream)

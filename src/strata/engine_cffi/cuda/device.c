@@ -216,6 +216,12 @@ static int check_event(strata_device *d, int event) {
     return STRATA_OK;
 }
 
+int strata_dev_event_rerecord(strata_device *d, int stream, int event) {
+    int status = check_stream(d, stream);
+    if (!status) status = check_event(d, event);
+    return status ? status : d->be.event_record(d->be.self, event, stream);
+}
+
 int strata_dev_stream_wait_event(strata_device *d, int stream, int event) {
     int status = check_stream(d, stream);
     if (!status) status = check_event(d, event);

@@ -246,6 +246,10 @@ int strata_dev_stream_create(strata_device *d);
 int strata_dev_stream_sync(strata_device *d, int stream);
 /* An event marking what `stream` has queued so far: its id (>= 0), or -1. */
 int strata_dev_event_record(strata_device *d, int stream);
+/* Event `event` (recorded before) moved to what `stream` has queued so far: one event marks a recurring point (each
+ * step's uploads) without using up the device's bounded number of them. A wait queued earlier keeps the point it
+ * was queued for. */
+int strata_dev_event_rerecord(strata_device *d, int stream, int event);
 int strata_dev_stream_wait_event(strata_device *d, int stream, int event);
 int strata_dev_event_sync(strata_device *d, int event);
 /* Wall time between two recorded events in milliseconds (after both completed), or a negative value. */

@@ -60,7 +60,7 @@ int cuda_stream_sync(void *self, int stream) {
 
 int cuda_event_record(void *self, int event, int stream) {
     cuda_device *c = (cuda_device *)self;
-    int status = check(c, cudaEventCreate(&c->events[event]), "cudaEventCreate");
+    int status = c->events[event] ? 0 : check(c, cudaEventCreate(&c->events[event]), "cudaEventCreate");
     return status ? status : check(c, cudaEventRecord(c->events[event], c->streams[stream]), "cudaEventRecord");
 }
 
