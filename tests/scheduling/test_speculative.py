@@ -588,6 +588,55 @@ def test_the_mtp_block_guesses_ever_less_often_while_wrong() -> None:
     assert gaps == [1, *gaps_wrong, every]
 
 
+def test_a_right_block_whose_drafts_do_not_pay_guesses_ever_less_often() -> None:
+    """A block that guesses right but whose drafts cost more than they save (a model too small for its block to
+    pay): once the costs decline a source that has been right, each right guess moves the next as far away as a
+    wrong one would, so the block's passes stop costing the job."""
+    costs = VerifyCost(1.0, 1.0)  # no draft length pays
+    block = FixedMtp([7])
+    spec = Speculation(Mtp(block, PromptLookup()), 4)
+    every, growth, most = Mtp.shadow_every, Speculation.SHADOW_GROWTH, Speculation.MAX_SHADOW_EVERY
+    guessed_at: list[int] = []
+    for step in range(1 + every + growth * every + most + 1):
+        assert spec.choose(1, 1.0, costs) == 0 and spec.draft([1, 2, 3, 1, 2], 3, 0) == []
+        if block.given > len(guessed_at):
+            guessed_at.append(step)
+        spec.judge([], 0, [7])  # every guess right
+    gaps = [b - a for a, b in zip([-1, *guessed_at], guessed_at, strict=False)]
+    # the first right guess proves the source (no costs weighed yet); from then on the costs decline it
+    assert gaps == [1, every, growth * every, min(growth ** 2 * every, most)]
+    assert spec.rate > 0.7 and spec.drafted == 0
+
+
+class GuessClockEngine(SuccessorEngine):
+    """A successor engine with an MTP block that always guesses the successor; each guess's pass counts."""
+
+    def __init__(self, n_ctx: int):
+        super().__init__(n_ctx=n_ctx)
+        self.guesses = 0
+
+    def mtp_draft(self, seqs: Sequence[int], pos: Sequence[int], tokens: Sequence[int], n_draft: int,
+                  logits: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
+        self.guesses += 1
+        return np.array([[(t + 1 + i) % 16 for i in range(n_draft)] for t in tokens], np.int32), None
+
+
+def test_a_step_that_only_ran_the_block_for_guesses_does_not_set_the_plain_step() -> None:
+    """The plain step every draft's cost is measured against is timed on steps without the MTP block: a step
+    whose block ran for a shadow guess (here 40 ms, four plain steps) measures nothing. Counted in, it made
+    drafts that do not pay look free."""
+    engine = GuessClockEngine(n_ctx=200)
+    batcher = Batcher(engine, clock=lambda: 0.040 * engine.guesses + sum(
+        0.010 + 0.0005 * sum(len(tokens) for _, tokens, _ in call) for call in engine.calls))
+    spec = Speculation(Mtp(engine, PromptLookup()), 4)
+    job = Job([*range(16), 0, 1, 2], Sampler(GREEDY, engine.n_vocab), 24, set(), speculation=spec)
+    batcher.add(job)
+    while job.finish is None:
+        batcher.step()
+    assert engine.guesses > 0 and spec.drafted > 0
+    assert batcher.budget is not None and batcher.budget.decode_seconds(1) == pytest.approx(0.0105)
+
+
 def test_a_followed_prediction_drafts_its_minimum_where_the_costs_say_none() -> None:
     costs = VerifyCost(1.0, 1.0)  # a step with one draft costs three plain steps: no draft length pays
     predicted = speculation(ADAPTIVE, list(range(1, 20)))

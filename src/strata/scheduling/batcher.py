@@ -325,6 +325,7 @@ class Batcher:
         self._lock = threading.Lock()  # cancel() against the step's bookkeeping
         self._in_call: set[int] = set()  # sequences of the engine call in flight
         self._drafts: dict[Job, _Planned] = {}  # the speculating jobs of the step being run
+        self._guessed_only = False  # the step being run ran the MTP block for shadow guesses, and drafts none
         self.snapshots: Snapshots | None = None
         self.observer: CacheObserver | None = None  # told where the slots' cached keys change
         if engine.recurrent:
@@ -541,7 +542,7 @@ class Batcher:
             with self._lock:
                 self._in_call = set()
         changed = self._advance(work, rows, time.perf_counter())
-        if budget is not None and complete:  # a step cut short by an abort measures nothing
+        if budget is not None and complete and not self._guessed_only:  # nor does one cut short by an abort
             budget.record(n_decoding, self.last_batch - decode_tokens, budget.clock() - started,
                           drafts=decode_tokens - n_decoding)
         return changed
@@ -640,13 +641,19 @@ class Batcher:
             length = self._draft_length(job, n_past, tokens, len(decoding))  # chosen also in a plain step
             steps.append((job, n_past, tokens, 0 if plain else length))
         asks = self._run_blocks(steps, room)
+        drafted = False
         for job, n_past, tokens, length in steps:
             draft = self._draft(job, n_past, tokens, min(length, room))
             room -= len(draft)
+            drafted = drafted or bool(draft)
             items.append(BatchItem(job.seq, tokens + draft, None, "all" if draft else "last"))
             work.append(job)
         for ask in asks:
             ask.drafter.forget()
+        # Invariant: a step that ran the MTP block for shadow guesses only (its first guess fills the block's rows
+        # for the whole prompt) measures nothing: as a plain step it would set the reference every draft's cost
+        # is measured against too high, and drafts that do not pay would look free.
+        self._guessed_only = bool(asks) and not drafted
         budget = room if decoding else self.n_batch
         # A short prompt (a side request, a parallel one) joins within the token cap at once; only a prompt
         # longer than that, which would hold the streams for many steps, is cut by time.

@@ -317,8 +317,9 @@ class Speculation:
     all of them wait for its drafts), none where they are mostly wrong. Then it keeps guessing one token a step
     without sending it (a shadow draft, checked against the token the step draws; every `shadow_every` steps for a
     source that runs a model to guess, `SHADOW_GROWTH` times as far apart after each wrong guess: where the model
-    never guesses right its guesses cost next to nothing): the acceptance rate stays measured, and drafting resumes
-    when the text turns repetitive.
+    never guesses right its guesses cost next to nothing, and so where it guesses right but its drafts cost more
+    than they save: a model source too slow for the model it drafts for): the acceptance rate stays measured, and
+    drafting resumes when the text turns repetitive.
 
     A job sends no draft before its source has been right once: it starts with a shadow guess at its first step,
     and one that is wrong costs the source's guess, not a verification (and on a recurrent engine the state's save,
@@ -351,6 +352,7 @@ class Speculation:
         self._quiet = drafter.shadow_every - 1  # steps without drafts since the last guess: the first step guesses
         self._shadow_every = drafter.shadow_every  # steps between guesses, now
         self._proven = not adaptive or isinstance(drafter, Prediction)  # the source has been right once
+        self._declined = False  # the last length chosen was none although the source has been right: the costs
         # totals, for the status and the history
         self.drafted = self.accepted = self.steps = 0  # draft tokens sent, kept, and the steps that sent some
         self.length = max_draft if not adaptive else 0  # the draft length last chosen
@@ -367,6 +369,7 @@ class Speculation:
         if not self.adaptive:
             self.length = self.max_draft
             return self.length
+        self._declined = False
         if not self._proven:
             self.length = 0
             return 0
@@ -383,6 +386,7 @@ class Speculation:
         if isinstance(self.drafter, Prediction) and self.drafter.followed and self.rate >= self.PREDICTED_RATE:
             best = max(best, min(self.MIN_PREDICTED, self.max_draft))
         self.length = best
+        self._declined = measured and best == 0
         return best
 
     def draft(self, history: Sequence[int], n_prompt: int, n: int, seq: int = 0) -> list[int]:
@@ -432,8 +436,8 @@ class Speculation:
             right = drawn[0] == self._shadow
             self._learn(int(right), 1)
             self._proven = self._proven or right
-            if self.drafter.shadow_every > 1:
-                self._shadow_every = self.drafter.shadow_every if right else min(
+            if self.drafter.shadow_every > 1:  # a right guess that drafting does not pay for teaches little more
+                self._shadow_every = self.drafter.shadow_every if right and not self._declined else min(
                     self.SHADOW_GROWTH * self._shadow_every, self.MAX_SHADOW_EVERY)
         self._shadow = None
 
