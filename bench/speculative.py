@@ -16,7 +16,8 @@
   configuration in a server of its own. The shipped demo model was not trained to edit (the `qwen35moe` demo
   learns short pieces of code, not a file of 300 lines): its answer is not the file.
 - demo: the demo model's own edit skill (a held-out "rename X to Y in this code" on a short generated function,
-  as the `qwen35moe` demo is trained), through the batcher, greedy, one request at a time: speculation off on an
+  as the `qwen35moe` demo is trained), through one batcher per mode (as a server's, whose measured step costs
+  carry from request to request), greedy, one request at a time: speculation off on an
   engine without the MTP block, the block's drafts (always 3 tokens, and adaptive; where the file has the block:
   `--demo-model` names the `qwen35moe` demo), prompt lookup (always max_draft tokens, and adaptive); decode
   tokens/s over all the requests, the drafts' acceptance rate, the answers compared; and the same on its other
@@ -106,12 +107,14 @@ def step_costs(engine: Engine, ks: list[int], rounds: int, same: bool = False) -
 # --- engine: the batcher with each mode
 
 
-def run_jobs(engine: Engine, jobs: list[Job], later: list[Speculation | None] | None = None
-             ) -> tuple[tuple[float, float], list[Job]]:
+def run_jobs(engine: Engine, jobs: list[Job], later: list[Speculation | None] | None = None,
+             batcher: Batcher | None = None) -> tuple[tuple[float, float], list[Job]]:
     """Decode tokens per second of the jobs together (tokens after each one's first, from the end of the last
     prompt), of wall time and of the engine threads' CPU time (which other processes' load does not stretch).
-    `later`: each job's speculation from the end of the prompts on (their chunks then the same in every mode)."""
-    batcher = Batcher(engine)
+    `later`: each job's speculation from the end of the prompts on (their chunks then the same in every mode).
+    `batcher`: one that ran earlier requests (a server's, whose measured step costs carry over); default a new
+    one."""
+    batcher = batcher or Batcher(engine)
     for job in jobs:
         batcher.add(job)
     while any(not job.decoding for job in jobs):
@@ -340,6 +343,7 @@ def demo_traces(model: pathlib.Path, threads: int, repeat: int, n: int = 16
         for _ in range(repeat):
             for mode, config in modes.items():
                 engine = plain if mode == "off" else block
+                batcher = Batcher(engine)  # a server's: what it measured on one request holds for the next
                 for trace, prompts in traces.items():
                     decoded = seconds = cpu = 0.0
                     outs = []
@@ -347,7 +351,7 @@ def demo_traces(model: pathlib.Path, threads: int, repeat: int, n: int = 16
                     for prompt in prompts:
                         spec = speculation(config, mtp=engine if engine.mtp else None)
                         job = Job(prompt, Sampler(GREEDY, engine.n_vocab), 256, stop)
-                        (rate, per_cpu), (done,) = run_jobs(engine, [job], later=[spec])
+                        (rate, per_cpu), (done,) = run_jobs(engine, [job], later=[spec], batcher=batcher)
                         n_decoded = len(done.tokens) - 1
                         decoded += n_decoded
                         seconds, cpu = seconds + n_decoded / rate, cpu + n_decoded / per_cpu

@@ -369,6 +369,24 @@ def test_the_step_budget_measures_what_drafts_cost_against_the_plain_step() -> N
     assert budget.draft_costs() == VerifyCost(pytest.approx(0.0015), pytest.approx(0.0005))
 
 
+def test_measured_draft_costs_are_forgotten_after_some_steps() -> None:
+    """One verification timed while another process took the caches prices drafts out; since no job then drafts,
+    nothing would measure them again. After `VERIFY_MEMORY` steps the costs are unmeasured again, and a job whose
+    guesses are right drafts a token to measure them."""
+    budget = StepBudget(1.6, clock=lambda: 0.0)
+    budget.record(1, 0, 0.010)
+    budget.record(1, 0, 0.150, drafts=8)  # an outlier: 14 plain steps for 8 drafts
+    spec = Speculation(PromptLookup(), 8)
+    spec.judge([3, 4], 2, [3, 4, 5])  # its drafts right
+    assert spec.choose(1, budget.decode_seconds(1), budget.draft_costs()) == 0
+    for _ in range(StepBudget.VERIFY_MEMORY - 1):
+        budget.record(1, 0, 0.010)
+    assert budget.draft_costs() is not None
+    budget.record(1, 0, 0.010)
+    assert budget.draft_costs() is None
+    assert spec.choose(1, budget.decode_seconds(1), budget.draft_costs()) == 1
+
+
 def test_speculative_config_names_a_bad_value() -> None:
     with pytest.raises(ConfigError, match='"speculative.source"'):
         config_from_dict({"speculative": {"source": "eagle"}})
@@ -565,6 +583,21 @@ def test_the_sources_with_an_mtp_block() -> None:
     assert Mtp(FixedMtp([]), PromptLookup()).propose([1, 2, 3, 1, 2], 5, 2) == [3, 1]
     with pytest.raises(ValueError, match="runs no MTP block"):
         speculation(SpeculativeConfig(source="mtp"))
+
+
+def test_where_the_answer_repeats_a_long_run_the_lookup_drafts_instead_of_the_block() -> None:
+    """An edit re-emits the code it was given: where the answer's tail repeats `Mtp.REPEAT` tokens or more of the
+    prompt, the prompt lookup drafts (for nothing) and the block is not run; elsewhere the block drafts."""
+    block = FixedMtp([70, 71, 72])
+    spec = Speculation(Mtp(block, PromptLookup()), 3, adaptive=False)
+    prompt = [*range(20), 50]
+    copying = [*prompt, *range(Mtp.REPEAT)]  # the answer so far: the prompt's first REPEAT tokens again
+    assert spec.block_ask(copying, len(prompt), 3, 0) is None
+    assert spec.draft(copying, len(prompt), 3) == [Mtp.REPEAT, Mtp.REPEAT + 1, Mtp.REPEAT + 2]
+    assert block.given == 0
+    short = [*prompt, *range(Mtp.REPEAT - 1)]  # a shorter repeat: the block's guess
+    assert spec.block_ask(short, len(prompt), 3, 0) is not None
+    assert spec.draft(short, len(prompt), 3) == [70, 71, 72] and block.given == 3
 
 
 def test_the_mtp_block_guesses_ever_less_often_while_wrong() -> None:

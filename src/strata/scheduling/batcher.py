@@ -213,6 +213,10 @@ class StepBudget:
     WINDOW = 9
     DECODE_WINDOW = 5  # decode-only steps are rare while a prompt joins: the reference follows a change in 3
     VERIFY_REFRESH = 32  # steps with drafts between two decode-only ones (their reference)
+    # Steps a draft's measured cost counts for: costs too high (a step that lost its caches to another process)
+    # stop every draft, so no step would measure them again; forgotten, they leave jobs to draft a token and
+    # measure anew.
+    VERIFY_MEMORY = 64
 
     def __init__(self, slowdown: float, clock: Callable[[], float] = time.process_time, refresh: int | None = 32,
                  routing: tuple[int, int, int] | None = None):
@@ -224,7 +228,8 @@ class StepBudget:
         self._mixed_steps: deque[tuple[int, int, float]] = deque(maxlen=self.WINDOW)  # (n, prompt, seconds)
         self._last_chunk = 0
         self._mixed = 0  # mixed steps since the last decode-only one
-        self._verify_steps: deque[tuple[int, int, float]] = deque(maxlen=self.WINDOW)  # (n, drafts, seconds)
+        self._verify_steps: deque[tuple[int, int, float, int]] = deque(maxlen=self.WINDOW)  # (n, drafts, s, step)
+        self._steps = 0  # steps recorded
         self._verifies = 0  # steps with drafts since the last decode-only one
         self._costs: tuple[VerifyCost | None] | None = None  # draft_costs' answer since the last record; None: stale
 
@@ -243,11 +248,13 @@ class StepBudget:
     def draft_costs(self) -> VerifyCost | None:
         """What drafts add to a step of decoding jobs (speculative decoding), measured against the decode-only
         step as it is now: `VerifyCost.fit` through the recent steps' added seconds against their draft tokens,
-        with the model's routing shape where it has experts; None before any. Fitted once between two recorded
-        steps: every decoding job's draft length asks for it, every step."""
+        with the model's routing shape where it has experts, over those of the last `VERIFY_MEMORY` steps; None
+        without any. Fitted once between two recorded steps: every decoding job's draft length asks for it, every
+        step."""
         if self._costs is None:
-            points = [(n, drafts, max(seconds - step, 0.0)) for n, drafts, seconds in self._verify_steps
-                      if (step := self.decode_seconds(n)) is not None]
+            recent = self._steps - self.VERIFY_MEMORY
+            points = [(n, drafts, max(seconds - step, 0.0)) for n, drafts, seconds, at in self._verify_steps
+                      if at > recent and (step := self.decode_seconds(n)) is not None]
             self._costs = (VerifyCost.fit(points, self.routing) if points else None,)
         return self._costs[0]
 
@@ -275,8 +282,9 @@ class StepBudget:
         if n <= 0:
             return
         self._costs = None
+        self._steps += 1
         if drafts and not prompt:
-            self._verify_steps.append((n, drafts, seconds))
+            self._verify_steps.append((n, drafts, seconds, self._steps))
             self._verifies += 1
             return
         if not prompt:

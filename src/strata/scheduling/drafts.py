@@ -124,11 +124,20 @@ class PromptLookup:
 
     def __init__(self, min_ngram: int = 2, max_ngram: int = 12):
         self.index = NgramIndex(min_ngram, max_ngram)
+        self._last: tuple[int, int, int] | None = None  # (history's length, match's end, its length)
 
     def propose(self, history: Sequence[int], n_prompt: int, n: int, seq: int = 0) -> list[int]:
-        self.index.extend(history)
-        end, _ = self.index.match(history, history, before=len(history))
+        end, _ = self.match(history)
         return list(history[end:end + n]) if end >= 0 else []
+
+    def match(self, history: Sequence[int]) -> tuple[int, int]:
+        """(where the continuation starts, the match's length) of the longest match of the tail of `history` (a
+        job's, which only grows) earlier in it; (-1, 0) if none. Found once for each length of the history, once
+        all of it is indexed."""
+        if self._last is None or self._last[0] != len(history) or self.index.indexed <= len(history):
+            self.index.extend(history)
+            self._last = (len(history), *self.index.match(history, history, before=len(history)))
+        return self._last[1], self._last[2]
 
 
 class Prediction:
@@ -178,7 +187,8 @@ class MtpEngine(Protocol):
 class Mtp:
     """Drafts of the model's MTP block, which the engine runs beside the model: greedy and chained, from the
     hidden state of the job's last evaluated token (held by the engine for the last positions each sequence
-    evaluated, so also after a rollback) and its next token; `fallback` where the block has no draft. A guess
+    evaluated, so also after a rollback) and its next token; `fallback` (the prompt lookup) where the block has
+    no draft, and where the answer repeats a long run of the prompt or itself (`repeats`). A guess
     runs the block and the output product once (in a small model about half a plain step), after one batched
     pass that fills the block's rows for the tokens evaluated since the last (the engine fills them lazily: an
     eval without a draft does not run the block): a job whose drafts do not pay guesses every `shadow_every`
@@ -186,14 +196,21 @@ class Mtp:
     block for all of a step's jobs in one call (`draft_together`) before they propose."""
 
     shadow_every = 8
+    REPEAT = 6  # tokens of the answer's tail that, found earlier in the prompt or answer, make the lookup draft
 
     def __init__(self, engine: MtpEngine, fallback: Drafter):
         self.engine, self.fallback = engine, fallback
         self._ready: tuple[int, int, np.ndarray] | None = None  # `draft_together`'s: (position, token, drafts)
 
+    def repeats(self, history: Sequence[int]) -> bool:
+        """The answer's tail repeats `REPEAT` tokens or more of the prompt or the answer (an edit re-emitting the
+        code it was given): the prompt lookup (the fallback) drafts there, for nothing, where the block would cost a
+        pass a token."""
+        return isinstance(self.fallback, PromptLookup) and self.fallback.match(history)[1] >= self.REPEAT
+
     def propose(self, history: Sequence[int], n_prompt: int, n: int, seq: int = 0) -> list[int]:
         ready, self._ready = self._ready, None
-        if len(history) >= 2:
+        if len(history) >= 2 and not self.repeats(history):
             pos, token = len(history) - 1, history[-1]
             if ready is not None and ready[:2] == (pos, token) and len(ready[2]) >= n:
                 row = ready[2][:n]  # a chain's first n drafts are the drafts of n
@@ -416,7 +433,7 @@ class Speculation:
             if asked and drafter.own(history, n_prompt, asked):
                 return None
             drafter = drafter.fallback
-        if not asked or not isinstance(drafter, Mtp) or len(history) < 2:
+        if not asked or not isinstance(drafter, Mtp) or len(history) < 2 or drafter.repeats(history):
             return None
         return MtpAsk(drafter, seq, history, asked)
 
