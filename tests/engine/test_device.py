@@ -407,7 +407,8 @@ def test_check_driver_prints_its_table_and_passes_on_the_host(capsys):
     assert device_check.main(["--device", "host", "--quick", "--runs", "1"]) == 0
     table = capsys.readouterr().out.splitlines()
     rows = [line for line in table if line.startswith("| ") and "kernel" not in line]
-    assert len(rows) == 3 * len(device_check.MATMUL_TYPES) + 1 + 4 + 3 + 1 + 1 + 1 + 3 + 7 + 2 + 1 + 2 + 2
+    assert len(rows) == (3 * len(device_check.MATMUL_TYPES) + 1 + 4 + 3 + 1 + 1 + 1 + 3 + 7 + 2 + 1 + 2 + 2
+                         + 2 * (1 + len(device_check.MATMUL_TYPES)))  # the routed experts': grouping, products
     assert all("| pass " in line for line in rows) and table[-1] == f"{len(rows)} of {len(rows)} cases pass"
 
 
