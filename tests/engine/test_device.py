@@ -416,10 +416,12 @@ def test_backend_check_runs_the_forward_pass_on_the_host_and_passes(capsys):
     """The script's second part (strata.engine_cffi.backend_check), on the host device."""
     assert backend_check.main(["--device", "host", "--quick"]) == 0
     out = capsys.readouterr().out
-    assert out.count("(agree)") == 4 and out.splitlines()[-1] == "pass"
-    assert out.count("MTP drafts (3 a sequence)") == 2  # the qwen35moe models' blocks, on both sides
-    assert "qwen3moe tiny f16, expert cache 8 of 16 experts, tolerance 1e-05" in out
-    assert "qwen35moe tiny f16, expert cache 8 of 16 experts, tolerance 1e-05" in out
+    assert out.count("(agree)") == 8 and out.splitlines()[-1] == "pass"  # half the experts, then all (resident)
+    held = [line for line in out.splitlines() if line.startswith("every expert held: ")]
+    assert len(held) == 4 and all(" 0 misses, 0 uploads; " in line for line in held)
+    assert out.count("MTP drafts (3 a sequence)") == 4  # the qwen35moe models' blocks, on both sides, both runs
+    assert "qwen3moe tiny f16, expert cache 8 of 16 experts, then all of them (resident), tolerance 1e-05" in out
+    assert "qwen35moe tiny f16, expert cache 8 of 16 experts, then all of them (resident), tolerance 1e-05" in out
 
 
 def test_check_driver_fails_a_kernel_outside_its_tolerance():

@@ -29,6 +29,14 @@ fields that follow the chunk's size are patched when it changes) and queued by o
 expert in C (`strata_host_group_slots`), the hits queued by one call (`strata_dev_launch_experts`), the mix by one
 more list; the policy (a Python class) is called once per layer, between the top-k's read-back and the hits.
 
+Where the cache holds every routed expert (all uploaded at load: no miss, no upload can happen), a step is
+resident: its whole pass up to the output is one list, queued by one call (split only by memsets), each layer's
+experts grouped on the device (`moe_group`) and computed by one product launch per matrix over all of them
+(`moe_matmul`, the slots' pointers in a device table), and nothing comes back to the host before the step's end.
+Each layer's top-k ids have their own rows on the device; they come back once, with the logits, and the step's
+hits (each layer's distinct experts) and routing records are taken from them then. The policy is not stepped. The
+results are the per-layer path's bits on the host device (the same products over the same grouped rows).
+
 The rest of the engine's interface (sampling, the checks of a call's items) is the CPU engine's, whose context
 this class extends; the positions each sequence holds (and with multi-axis RoPE each position's RoPE components)
 are kept here, as the KV cache and the recurrent state are the device's (`copy_prefix`, `export_kv`,
