@@ -375,6 +375,27 @@ def test_bad_launches_name_what_is_wrong(dev):
         dev.launch("topk", n_tok=1, n_expert=32, k=40)
 
 
+def test_a_layers_expert_kernels_check_their_arguments_and_routing(dev):
+    """moe_group and moe_matmul refuse shapes they cannot run; on the host, an expert id outside [0, n_expert) and
+    an expert's run outside the rows (a card cannot check them: they lie in device memory)."""
+    with pytest.raises(DeviceError, match="moe_group: 2 tokens choosing 9 of 8 experts"):
+        dev.launch("moe_group", n_tok=2, k=9, n_expert=8, n=32)
+    with pytest.raises(DeviceError, match="moe_matmul: 8 experts, at most 0 of 4 rows each"):
+        dev.launch("moe_matmul", type=int(Q.Q8_0), n_expert=8, n=32, rows=1, max_rows=0, n_slots=4, row_bytes=34)
+    case = device_check.moe_group_case(2, 8, 2, 32, np.random.default_rng(5))
+    args = case.args(dev)
+    dev.upload(args["ids"], np.array([[1, 2], [8, 3]], np.int32))
+    with pytest.raises(DeviceError, match="slot 2 chose expert 8 of 8"):
+        dev.launch("moe_group", **args)
+    device_check.free_args(dev, args)
+    case = device_check.moe_matmul_case(Q.Q8_0, 2, 8, 2, 32, 4, np.random.default_rng(5))
+    args = case.args(dev)
+    dev.upload(args["first"], np.full(8, 4, np.int32))  # every run starts past the 4 rows
+    with pytest.raises(DeviceError, match=r"moe_matmul: an expert.s rows lie outside \[0, n_slots\)"):
+        dev.launch("moe_matmul", **args)
+    device_check.free_args(dev, args)
+
+
 def test_attention_on_the_host_checks_each_tokens_positions(dev):
     case = device_check.attention_case(2, 4, 2, 32, 20, "f32", np.random.default_rng(4))
     args = case.args(dev)

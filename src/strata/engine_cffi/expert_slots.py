@@ -18,7 +18,9 @@ then). Until a step has had misses the budget is `uploads_per_step`. Without a l
 `uploads_per_step`, as the simulator's fixed budget.
 
 A prior (a placement learned from a routing trace recorded earlier, `strata.experts.simulate.most_frequent`) is
-uploaded when the slots are made: the cache starts holding it, as `AdaptiveLrfuCache` starts following it.
+uploaded when the slots are made, its slots one allocation: the cache starts holding it, as `AdaptiveLrfuCache`
+starts following it. A cache that holds every expert is given them all as its prior; the backend's resident steps
+then count their hits with `count_held` and do not step the policy (nothing can be evicted or uploaded).
 
 The counts (hits, misses, uploads) are those the simulator's `replay` counts on the same routing; the prior's
 experts are counted apart (`preloaded`).
