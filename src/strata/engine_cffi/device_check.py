@@ -80,7 +80,7 @@ class Shapes:
 FULL = Shapes(matmul=((2048, 2048, 1), (11008, 4096, 1), (4096, 11008, 1), (2048, 2048, 64)), norm=(64, 4096),
               rope=(64, 32, 128), attention=(4, 32, 8, 128, 4096), swiglu=64 * 11008, topk=(64, 128, 8),
               add_rows=(64, 8, 4096), deltanet=(16, 16, 32, 128), prompt=(300, 129, 64, 1),
-              moe=((1, 128, 8, 2048, 768), (64, 128, 8, 2048, 768)))
+              moe=((1, 128, 8, 2048, 768), (64, 32, 8, 2048, 768)))
 QUICK = Shapes(matmul=((40, 512, 1), (24, 768, 9)), norm=(5, 256), rope=(3, 4, 64), attention=(2, 4, 2, 64, 48),
                swiglu=1000, topk=(6, 32, 4), add_rows=(5, 3, 300), deltanet=(3, 2, 4, 32), prompt=(70, 5, 1),
                moe=((1, 8, 2, 256, 40), (9, 8, 3, 256, 24)))
@@ -587,38 +587,37 @@ def moe_matmul_case(qtype: Q, n_tok: int, n_expert: int, k: int, n: int, rows: i
     (NULL for the experts no token chose, which must not be read). Within the products' bound of the reference,
     the CPU engine and numpy (float64 over the dequantised weights)."""
     _, _, first, count = routing(n_tok, n_expert, k, rng)
-    n_slots = n_tok * k
-    w = [random_weights(qtype, rows, n, rng) for _ in range(n_expert)]
-    row_bytes = w[0].shape[1]
+    n_slots, used = n_tok * k, np.flatnonzero(count).tolist()
+    w = {e: random_weights(qtype, rows, n, rng) for e in used}  # the others are never read: no slot
+    row_bytes = w[used[0]].shape[1]
     offset, table = 64 * row_bytes, 8 * n_expert  # an unused matrix of 64 rows before each expert's
     slot_bytes = offset + rows * row_bytes
     x = rng.standard_normal((n_slots, n), dtype=np.float32)
     bound = np.empty((n_slots, rows))
     want = np.empty((n_slots, rows))
-    for e in np.flatnonzero(count).tolist():
+    for e in used:
         run = slice(int(first[e]), int(first[e] + count[e]))
         bound[run] = matmul_tolerance(qtype, w[e], x[run])
         we = quants.dequantize(w[e], qtype).reshape(rows, n).astype(np.float64)
         want[run] = x[run].astype(np.float64) @ we.T
-    used = int(np.count_nonzero(count))
     fixed = dict(type=int(qtype), n_expert=n_expert, n=n, rows=rows, max_rows=n_tok, n_slots=n_slots,
                  row_bytes=row_bytes, offset=offset)
     make = _buffers({"first": first, "count": count, "x": x}, {"y": ((n_slots, rows), np.float32)})
 
     def args(dev: Device) -> dict[str, Any]:
-        """One allocation: the table of the slots' pointers, then the slots."""
-        block = dev.alloc(table + n_expert * slot_bytes)
+        """One allocation: the table of the slots' pointers, then the chosen experts' slots."""
+        block = dev.alloc(table + len(used) * slot_bytes)
+        at = {e: table + i * slot_bytes for i, e in enumerate(used)}
         base = int(dev.ffi.cast("uintptr_t", block))
-        pointers = np.array([base + table + e * slot_bytes if count[e] else 0 for e in range(n_expert)], np.uint64)
-        dev.upload(block, pointers)
-        for e in np.flatnonzero(count).tolist():
-            dev.upload(dev.ffi.cast("char *", block) + table + e * slot_bytes + offset, w[e])
+        dev.upload(block, np.array([base + at[e] if e in at else 0 for e in range(n_expert)], np.uint64))
+        for e in used:
+            dev.upload(dev.ffi.cast("char *", block) + at[e] + offset, w[e])
         dev.sync()
         return fixed | make(dev) | {"slots": block}
 
     return Case("moe_matmul", qtype.name, f"{rows}x{n} x{n_tok}x{k} of {n_expert}", args,
                 lambda dev, a: dev.to_host(a["y"], (n_slots, rows), np.float32), _no_reset, lambda _: bound,
-                used * rows * row_bytes + x.nbytes + 4 * n_slots * rows,
+                len(used) * rows * row_bytes + x.nbytes + 4 * n_slots * rows,
                 exact=lambda a, _: bool(np.all(np.abs(a - want) <= bound)))
 
 

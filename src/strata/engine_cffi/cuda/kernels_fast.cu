@@ -195,13 +195,16 @@ __global__ void moe_group_kernel(strata_dev_moe_group_args a) {
 }
 
 __global__ void gather_rows_kernel(strata_dev_moe_group_args a) {
-    int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x, s = blockIdx.y;
-    if (i < a.n) a.x_out[a.slot_of[s] * a.n + i] = a.x[s / a.k * a.n + i];
+    int64_t o = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+    if (o >= (int64_t)a.n_tok * a.k * a.n) return;
+    int64_t s = o / a.n, i = o % a.n;
+    a.x_out[a.slot_of[s] * a.n + i] = a.x[s / a.k * a.n + i];
 }
 
 cudaError_t moe_group(const strata_dev_moe_group_args *a, cudaStream_t stream) {
+    int64_t values = (int64_t)a->n_tok * a->k * a->n;
     moe_group_kernel<<<1, GROUP_THREADS, 0, stream>>>(*a);
-    gather_rows_kernel<<<dim3((unsigned)((a->n + 255) / 256), (unsigned)(a->n_tok * a->k)), 256, 0, stream>>>(*a);
+    gather_rows_kernel<<<(unsigned)((values + 255) / 256), 256, 0, stream>>>(*a);
     return cudaGetLastError();
 }
 

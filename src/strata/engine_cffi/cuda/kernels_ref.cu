@@ -382,7 +382,7 @@ cudaError_t vit_attention_ref(const strata_dev_vit_attention_args *a, cudaStream
 }
 
 // --- a layer's routed experts: the grouping by one thread (a counting sort), the rows gathered a thread per
-// value; each expert's product one thread per output, finding its expert by the runs
+// slot; each expert's product one thread per output, finding its expert by the runs
 
 __global__ void moe_group_ref_kernel(strata_dev_moe_group_args a) {
     int n_slots = a.n_tok * a.k;
@@ -400,15 +400,14 @@ __global__ void moe_group_ref_kernel(strata_dev_moe_group_args a) {
 }
 
 __global__ void gather_rows_ref_kernel(strata_dev_moe_group_args a) {
-    int64_t o = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
-    if (o >= (int64_t)a.n_tok * a.k * a.n) return;
-    int64_t s = o / a.n, i = o % a.n;
-    a.x_out[a.slot_of[s] * a.n + i] = a.x[s / a.k * a.n + i];
+    int64_t s = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+    if (s >= (int64_t)a.n_tok * a.k) return;
+    for (int64_t i = 0; i < a.n; i++) a.x_out[a.slot_of[s] * a.n + i] = a.x[s / a.k * a.n + i];
 }
 
 cudaError_t moe_group_ref(const strata_dev_moe_group_args *a, cudaStream_t stream) {
     moe_group_ref_kernel<<<1, 1, 0, stream>>>(*a);
-    gather_rows_ref_kernel<<<blocks_for((int64_t)a->n_tok * a->k * a->n, 128), 128, 0, stream>>>(*a);
+    gather_rows_ref_kernel<<<blocks_for((int64_t)a->n_tok * a->k, 64), 64, 0, stream>>>(*a);
     return cudaGetLastError();
 }
 
