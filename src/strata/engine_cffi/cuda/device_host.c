@@ -510,7 +510,7 @@ static int moe_group(host_device *h, const strata_dev_moe_group_args *a) {
 
 int strata_host_group_slots(int n_tok, int k, int n_expert, const int *ids, const float *x, int64_t n, float *x_out,
                             int *slot_of, int *experts, int *first, int *count, int *m) {
-    int *runs = malloc(sizeof *runs * 2 * (size_t)n_expert);
+    int *runs = malloc(sizeof *runs * (2 * (size_t)n_expert + 1));
     if (!runs) return engine_fail(STRATA_ERR_NOMEM, "out of memory for %d experts", n_expert);
     int status = group_slots(n_tok, k, n_expert, ids, x, n, x_out, slot_of, runs, runs + n_expert);
     *m = 0;
