@@ -2,7 +2,7 @@
 from the Python around them, for one or more source trees side by side.
 
     python bench/device_overhead.py [--steps 64] [--runs 5] [--seqs 1,4] [--engine new=src]
-                                    [--engine old=/path/to/an/older/src]
+                                    [--engine old=/path/to/an/older/src] [--modes layers,resident]
 
 Two generated models with many narrow layers (so that a layer's kernels take little time and the host's part shows):
 a `qwen3moe` (16 layers, width 256, 64 experts top-8, Qwen3-30B-A3B's routing shape scaled down) and a `qwen35moe`
@@ -10,7 +10,10 @@ a `qwen3moe` (16 layers, width 256, 64 experts top-8, Qwen3-30B-A3B's routing sh
 weights. Each is opened on the host device (`device: host`) with an expert cache holding every expert and no upload
 bound, so that after a few untimed steps every expert is a hit (a card's steady state: no CPU misses), and then
 `--steps` decode steps of `--seqs` sequences are timed. `--cached 0.33` holds a third of the experts instead (no
-upload bound: the policy admits what beats its victim), so that misses run on the CPU.
+upload bound: the policy admits what beats its victim), so that misses run on the CPU. `--modes layers,resident`
+runs each tree's engine both ways where the cache holds every expert: layer by layer (`resident=False`: each layer's
+routing read back, the policy stepped) and resident (the whole step queued at once, the experts on the device);
+`default` (the default) lets the engine choose, which an older tree needs.
 
 Each case runs twice in a process of its own per source tree (`--engine LABEL=DIR`: the `strata` package of that
 tree, e.g. a `git archive` of an earlier commit with its built engine): once plain (the step's wall time), once
@@ -70,7 +73,7 @@ class TimedLibrary:
         return timed
 
 
-def worker(model: str, n_seq: int, steps: int, timed: bool, cached: float) -> dict[str, Any]:
+def worker(model: str, n_seq: int, steps: int, timed: bool, cached: float, mode: str) -> dict[str, Any]:
     """In the child: a 48-token prompt per sequence and 4 untimed steps (every expert uploaded), then `steps` decode
     steps of every sequence. Seconds a step, and with `timed` the seconds a step spent in the work calls."""
     from strata.engine_cffi import BatchItem
@@ -78,8 +81,9 @@ def worker(model: str, n_seq: int, steps: int, timed: bool, cached: float) -> di
     from strata.engine_cffi.device_engine import DeviceEngine
 
     capacity = None if cached >= 1 else int(cached * MODELS_EXPERTS[pathlib.Path(model).stem])
+    options = {} if mode == "default" else {"resident": mode == "resident"}
     with DeviceEngine.open(model, Device("host"), n_ctx=256, threads=1, kv="f16", n_batch=32, n_seq=n_seq,
-                           uploads_per_step=None, paced=False, capacity=capacity) as engine:
+                           uploads_per_step=None, paced=False, capacity=capacity, **options) as engine:
         digest = hashlib.sha256()
         logits = engine.eval_batch([BatchItem(s, [(40 + 7 * i + s) % 250 for i in range(48)]) for s in range(n_seq)])
         for step in range(4):
@@ -100,10 +104,10 @@ def worker(model: str, n_seq: int, steps: int, timed: bool, cached: float) -> di
             "hit_share": counts["hits"] / max(1, counts["hits"] + counts["misses"])}
 
 
-def measure(src: str, model: str, n_seq: int, steps: int, timed: bool, cached: float) -> dict[str, Any]:
+def measure(src: str, model: str, n_seq: int, steps: int, timed: bool, cached: float, mode: str) -> dict[str, Any]:
     env = dict(os.environ, PYTHONPATH=src)
     out = subprocess.run([sys.executable, __file__, "--worker", model, str(n_seq), str(steps), str(int(timed)),
-                          str(cached)],
+                          str(cached), mode],
                          env=env, capture_output=True, text=True, check=True).stdout
     return json.loads(out.splitlines()[-1])
 
@@ -117,16 +121,20 @@ def main() -> None:
                     help="a source tree to measure (repeatable); default src=src (this tree)")
     ap.add_argument("--cached", type=float, default=1.0,
                     help="the share of all experts the cache holds (1: every one, so every expert is a hit)")
-    ap.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
+    ap.add_argument("--modes", default="default",
+                    help="comma-separated: layers (layer by layer), resident (the whole step queued), default")
+    ap.add_argument("--worker", nargs=6, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        model, n_seq, steps, timed, cached = args.worker
-        print(json.dumps(worker(model, int(n_seq), int(steps), timed == "1", float(cached))))
+        model, n_seq, steps, timed, cached, mode = args.worker
+        print(json.dumps(worker(model, int(n_seq), int(steps), timed == "1", float(cached), mode)))
         return
     sys.path.insert(0, str(ROOT / "src"))
     from strata.modelgen import write_random_model
 
-    engines = [e.split("=", 1) for e in (args.engine or [f"src={ROOT / 'src'}"])]
+    trees = [e.split("=", 1) for e in (args.engine or [f"src={ROOT / 'src'}"])]
+    modes = args.modes.split(",")
+    engines = [(label if mode == "default" else f"{label}/{mode}", src, mode) for label, src in trees for mode in modes]
     seqs = [int(n) for n in args.seqs.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         paths = {arch: str(write_random_model(pathlib.Path(tmp) / f"{arch}.gguf", arch=arch, size="tiny",
@@ -136,18 +144,20 @@ def main() -> None:
         results: dict[tuple[str, str, int, bool], list[dict[str, Any]]] = {}
         for run in range(args.runs):
             for arch, n in cases:
-                for label, src in engines:
+                for label, src, mode in engines:
                     for timed in (False, True):
                         results.setdefault((label, arch, n, timed), []).append(
-                            measure(src, paths[arch], n, args.steps, timed, args.cached))
+                            measure(src, paths[arch], n, args.steps, timed, args.cached, mode))
             print(f"round {run + 1} of {args.runs} done", file=sys.stderr, flush=True)
     cache = "every expert a hit" if args.cached >= 1 else f"{args.cached:.0%} of the experts cached"
     print(f"decode steps on the host device, {cache}; {args.steps} steps, medians of {args.runs} rounds, "
           f"load average {os.getloadavg()[0]:.1f}; microseconds per layer")
-    print(f"{'engine':8} {'model':10} {'seqs':>4} {'step':>8} {'kernels':>8} {'overhead':>8} {'CPU':>8} {'hits':>6}")
+    width = max(8, *(len(label) for label, _, _ in engines))
+    print(f"{'engine':{width}} {'model':10} {'seqs':>4} {'step':>8} {'kernels':>8} {'overhead':>8} {'CPU':>8} "
+          f"{'hits':>6}")
     digests = set()
     for arch, n in cases:
-        for label, _ in engines:
+        for label, _, _ in engines:
             plain, timed_runs = results[label, arch, n, False], results[label, arch, n, True]
             layers = plain[0]["layers"]
 
@@ -156,7 +166,7 @@ def main() -> None:
             step, work = median(plain, "step"), median(timed_runs, "work")
             cpu = median(plain, "step_cpu") - median(timed_runs, "work_cpu")
             hits = statistics.median(r["hit_share"] for r in plain)
-            print(f"{label:8} {arch:10} {n:4d} {step:8.1f} {work:8.1f} {step - work:8.1f} {cpu:8.1f} {hits:6.1%}")
+            print(f"{label:{width}} {arch:10} {n:4d} {step:8.1f} {work:8.1f} {step - work:8.1f} {cpu:8.1f} {hits:6.1%}")
             digests |= {(arch, n, r["digest"]) for r in plain + timed_runs}
     same = len(digests) == len(cases)
     print(f"logits of every engine and run {'bit-identical' if same else 'DIFFER'} for each model and sequence count")

@@ -5,7 +5,8 @@
 #      convolution, norms and delta rule at Qwen3.5's head shapes, ...) and print one table: numerics, GB/s, and
 #      the fraction of the card's memory bandwidth (strata.engine_cffi.device_check);
 #   2. run the GPU backend's forward pass (qwen3moe, prompt chunks and decode of three sequences, an expert cache of
-#      half the experts; qwen35moe with its MTP block's drafts) against the CPU engine on generated models
+#      half the experts, then every expert held: the model fully on the card, each step resident, queued at once;
+#      qwen35moe with its MTP block's drafts) against the CPU engine on generated models
 #      (strata.engine_cffi.backend_check);
 #   3. encode a picture through the real `strata-vision --gpu` process and the CPU encoder, the demo encoder and a
 #      generated small one (1000 rows), and print their rows' difference and times (strata.vision.gpu_check).

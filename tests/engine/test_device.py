@@ -375,6 +375,27 @@ def test_bad_launches_name_what_is_wrong(dev):
         dev.launch("topk", n_tok=1, n_expert=32, k=40)
 
 
+def test_a_layers_expert_kernels_check_their_arguments_and_routing(dev):
+    """moe_group and moe_matmul refuse shapes they cannot run; on the host, an expert id outside [0, n_expert) and
+    an expert's run outside the rows (a card cannot check them: they lie in device memory)."""
+    with pytest.raises(DeviceError, match="moe_group: 2 tokens choosing 9 of 8 experts"):
+        dev.launch("moe_group", n_tok=2, k=9, n_expert=8, n=32)
+    with pytest.raises(DeviceError, match="moe_matmul: 8 experts, at most 0 of 4 rows each"):
+        dev.launch("moe_matmul", type=int(Q.Q8_0), n_expert=8, n=32, rows=1, max_rows=0, n_slots=4, row_bytes=34)
+    case = device_check.moe_group_case(2, 8, 2, 32, np.random.default_rng(5))
+    args = case.args(dev)
+    dev.upload(args["ids"], np.array([[1, 2], [8, 3]], np.int32))
+    with pytest.raises(DeviceError, match="slot 2 chose expert 8 of 8"):
+        dev.launch("moe_group", **args)
+    device_check.free_args(dev, args)
+    case = device_check.moe_matmul_case(Q.Q8_0, 2, 8, 2, 32, 4, np.random.default_rng(5))
+    args = case.args(dev)
+    dev.upload(args["first"], np.full(8, 4, np.int32))  # every run starts past the 4 rows
+    with pytest.raises(DeviceError, match=r"moe_matmul: an expert.s rows lie outside \[0, n_slots\)"):
+        dev.launch("moe_matmul", **args)
+    device_check.free_args(dev, args)
+
+
 def test_attention_on_the_host_checks_each_tokens_positions(dev):
     case = device_check.attention_case(2, 4, 2, 32, 20, "f32", np.random.default_rng(4))
     args = case.args(dev)
@@ -407,7 +428,8 @@ def test_check_driver_prints_its_table_and_passes_on_the_host(capsys):
     assert device_check.main(["--device", "host", "--quick", "--runs", "1"]) == 0
     table = capsys.readouterr().out.splitlines()
     rows = [line for line in table if line.startswith("| ") and "kernel" not in line]
-    assert len(rows) == 3 * len(device_check.MATMUL_TYPES) + 1 + 4 + 3 + 1 + 1 + 1 + 3 + 7 + 2 + 1 + 2 + 2
+    assert len(rows) == (3 * len(device_check.MATMUL_TYPES) + 1 + 4 + 3 + 1 + 1 + 1 + 3 + 7 + 2 + 1 + 2 + 2
+                         + 2 * (1 + len(device_check.MATMUL_TYPES)))  # the routed experts': grouping, products
     assert all("| pass " in line for line in rows) and table[-1] == f"{len(rows)} of {len(rows)} cases pass"
 
 
@@ -415,10 +437,12 @@ def test_backend_check_runs_the_forward_pass_on_the_host_and_passes(capsys):
     """The script's second part (strata.engine_cffi.backend_check), on the host device."""
     assert backend_check.main(["--device", "host", "--quick"]) == 0
     out = capsys.readouterr().out
-    assert out.count("(agree)") == 4 and out.splitlines()[-1] == "pass"
-    assert out.count("MTP drafts (3 a sequence)") == 2  # the qwen35moe models' blocks, on both sides
-    assert "qwen3moe tiny f16, expert cache 8 of 16 experts, tolerance 1e-05" in out
-    assert "qwen35moe tiny f16, expert cache 8 of 16 experts, tolerance 1e-05" in out
+    assert out.count("(agree)") == 8 and out.splitlines()[-1] == "pass"  # half the experts, then all (resident)
+    held = [line for line in out.splitlines() if line.startswith("every expert held: ")]
+    assert len(held) == 4 and all(" 0 misses, 0 uploads; " in line for line in held)
+    assert out.count("MTP drafts (3 a sequence)") == 4  # the qwen35moe models' blocks, on both sides, both runs
+    assert "qwen3moe tiny f16, expert cache 8 of 16 experts, then all of them (resident), tolerance 1e-05" in out
+    assert "qwen35moe tiny f16, expert cache 8 of 16 experts, then all of them (resident), tolerance 1e-05" in out
 
 
 def test_check_driver_fails_a_kernel_outside_its_tolerance():

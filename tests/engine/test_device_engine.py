@@ -69,19 +69,58 @@ def test_prompt_chunks_and_decode_of_several_sequences_match_the_cpu_engine(mode
 
 
 def check_hits_and_misses_give_the_same_bits(open_on_device: Any, path: Path, layers: int) -> None:
-    """All misses, a mixed split and all hits after a step (every one of the model's 16 experts, over `layers`
-    layers, uploaded in the first) give the same logits. The budgets are as given, not paced by how long the misses
-    took: the counts do not depend on timing."""
+    """All misses, a mixed split, and every one of the model's 16 experts (over `layers` layers) held from the
+    start, layer by layer and resident (the whole step queued at once, the experts grouped and computed on the
+    device), give the same logits. The budgets are as given, not paced by how long the misses took: the counts do
+    not depend on timing. Held from the start, every expert of a layer-step is a hit, with no upload."""
     results, counts = [], []
-    for capacity, uploads in ((0, None), (5, 2.0), (16, None)):
-        with open_on_device(path, capacity=capacity, uploads_per_step=uploads, paced=False) as dev:
+    for capacity, uploads, resident in ((0, None, None), (5, 2.0, None), (16, None, False), (16, None, None)):
+        with open_on_device(path, capacity=capacity, uploads_per_step=uploads, paced=False, resident=resident) as dev:
+            assert dev.resident == (capacity == 16 and resident is None)
             results.append(run(dev))
             counts.append(dev.expert_counts())
-    assert counts[0]["hits"] == 0 and counts[1]["hits"] > 0 and counts[1]["misses"] > counts[2]["misses"] > 0
-    assert counts[2]["uploads"] == 16, f"every expert of the {layers} layers, in the first step"
+    assert counts[0]["hits"] == 0 and counts[1]["hits"] > 0 and counts[1]["misses"] > 0
+    assert counts[2] == counts[3] and counts[3]["hits"] > 0, f"every expert of the {layers} layers held"
+    assert (counts[3]["misses"], counts[3]["uploads"], counts[3]["preloaded"]) == (0, 0, 16)
     for other in results[1:]:
         for a, b in zip(results[0], other, strict=True):
             np.testing.assert_array_equal(a, b)
+
+
+def check_a_resident_step_reads_its_routing_back_once(open_on_device: Any, path: Path) -> None:
+    """A resident step records the routing the layer-by-layer path records, bit for bit, and counts the same hits;
+    it queues its whole pass in one list up to the output (a few where memsets split it) with no synchronisation
+    before the step's end, where the layer-by-layer path reads each layer's routing back."""
+    traces, calls = {}, {}
+    for resident in (False, True):
+        trace = path.with_suffix(f".{resident}.trace")
+        with open_on_device(path, record_routing=trace, resident=resident) as dev:
+            run(dev, CALLS[:2])
+            counting = dev.device.lib = CountingLibrary(dev.device.lib)
+            run(dev, CALLS[2:])
+            calls[resident], n_layer, memsets = counting.calls, dev.n_layer, dev.hybrid * dev.n_kv_layer
+        traces[resident] = read_trace(trace)
+    a, b = traces[False], traces[True]
+    assert a.n_steps == b.n_steps == 6 and len(a.records) == len(b.records) == 6 * n_layer
+    for x, y in zip(a.records, b.records, strict=True):
+        assert (x.step, x.layer) == (y.step, y.layer)
+        np.testing.assert_array_equal(x.experts, y.experts)
+    steps = len(CALLS[2:])  # one chunk each
+    assert calls[False]["strata_dev_stream_sync"] >= steps * n_layer  # a read-back a layer
+    assert calls[True]["strata_dev_stream_sync"] == steps  # the step's end: logits and routing with it
+    assert calls[True]["strata_dev_launch_list"] == steps * (2 + memsets)  # the pass (split by memsets), output
+    assert "strata_host_group_slots" not in calls[True] and "strata_dev_launch_experts" not in calls[True]
+
+
+def test_a_resident_step_reads_its_routing_back_once(models, tmp_path):
+    path = tmp_path / "q8_0.gguf"
+    path.symlink_to(models["q8_0"])
+    check_a_resident_step_reads_its_routing_back_once(on_device, path)
+
+
+def test_resident_needs_every_expert_held(models):
+    with pytest.raises(EngineError, match="resident: the expert cache holds 15 of the model's 16 routed experts"):
+        on_device(models["q8_0"], capacity=15, resident=True)
 
 
 def test_hits_and_misses_give_the_same_bits(models):
@@ -141,9 +180,10 @@ def test_an_abort_drops_its_sequence_and_the_others_go_on(models):
 
 def test_what_the_budget_leaves_is_the_expert_cache(models):
     with on_device(models["f32"]) as dev:
-        assert dev.expert_counts()["capacity"] == dev.n_layer * dev.n_expert  # the host's memory: every expert
-        dense = dev.device.used
+        every = dev.n_layer * dev.n_expert
+        assert dev.expert_counts()["capacity"] == every and dev.resident  # the host's memory: every expert
         slot = dev.slots.slot_bytes
+        dense = dev.device.used - every * slot  # the dense part and the slots' table, which any budget keeps
     with DeviceEngine.open(models["f32"], open_device("host", dense + 3 * slot + 7), **SHAPE) as dev:
         assert dev.expert_counts()["capacity"] == 3
     with pytest.raises(EngineError, match="the host device: allocating"):

@@ -15,7 +15,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_device_engine import KV_TOLERANCE, SHAPE, check_hits_and_misses_give_the_same_bits, run
+from test_device_engine import (
+    KV_TOLERANCE,
+    SHAPE,
+    check_a_resident_step_reads_its_routing_back_once,
+    check_hits_and_misses_give_the_same_bits,
+    run,
+)
 
 from strata.engine_cffi import BatchItem, Engine, EngineError, PictureRows
 from strata.engine_cffi.device import Device
@@ -60,6 +66,12 @@ def test_prompt_chunks_and_decode_of_several_sequences_match_the_cpu_engine(mode
 
 def test_hits_and_misses_give_the_same_bits(models):
     check_hits_and_misses_give_the_same_bits(on_device, models["q4_k"], layers=4)
+
+
+def test_a_resident_step_reads_its_routing_back_once(models, tmp_path):
+    path = tmp_path / "f32.gguf"
+    path.symlink_to(models["f32"])
+    check_a_resident_step_reads_its_routing_back_once(on_device, path)
 
 
 def test_a_saved_state_resumes_its_sequence_and_a_cut_one_is_refused(models):

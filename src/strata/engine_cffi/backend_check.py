@@ -2,9 +2,11 @@
 (`scripts/gpu-check.sh`).
 
 A prompt in chunks beside two short ones, then decode steps of the three sequences at once, on the CPU engine and
-on the device backend with an expert cache of half the experts (so that both hits and misses run), f32 KV caches.
-Printed per call: the largest logit difference over the largest logit, and whether the greedy tokens agree; the
-expert cache's counts beside the simulator's on the routing the backend recorded; the wall time of each side. A
+on the device backend twice, f32 KV caches: with an expert cache of half the experts (so that both hits and misses
+run, layer by layer), and with every expert held (the model fully on the card: each step resident, queued at once
+with the experts grouped and computed on the device; the run fails where it cannot take that path). Printed per
+call: the largest logit difference over the largest logit of each, and whether the greedy tokens agree; each run's
+expert cache counts beside the simulator's on the routing the backend recorded; the wall time of each. A
 qwen35moe's MTP block runs on both sides (`mtp`): after the calls, each sequence's drafts are compared the same way.
 
 Two models of each architecture (qwen35moe: Gated DeltaNet layers with their recurrent state between gated
@@ -27,6 +29,7 @@ import argparse
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -80,41 +83,70 @@ def check_model(kind: str, arch: str, dtype: str, quick: bool, folder: Path) -> 
     n_layer, mtp = int(meta[f"{arch}.block_count"]) - n_nextn, n_nextn > 0
     n_expert = int(meta[f"{arch}.expert_count"])
     capacity = n_layer * n_expert // 2
-    cpu_runs, want_drafts, got_drafts = {}, None, None
+    cpu_runs: dict[str, tuple[list[np.ndarray], float]] = {}
+    want_drafts = None
     for kv in ("f32", "f16"):
         with Engine.load(path, n_ctx=512, n_batch=64, n_seq=3, kv=kv, mapped_weights=True,
                          mtp=mtp and kv == "f32") as cpu:
             cpu_runs[kv] = run(cpu, work)
             want_drafts = drafts(cpu) if cpu.mtp else want_drafts
     (want, cpu_s), spread = cpu_runs["f32"], rel_diffs(cpu_runs["f16"][0], cpu_runs["f32"][0])
-    with DeviceEngine.open(path, open_device(kind, None), n_ctx=512, n_batch=64, n_seq=3, kv="f32",
-                           record_routing=trace, capacity=capacity, paced=False, mtp=mtp) as dev:
-        got, dev_s = run(dev, work)
-        got_drafts = drafts(dev) if mtp else None
-        counts, name = dev.expert_counts(), dev.device.name
+    every = n_layer * n_expert
+    half = device_run(kind, path, work, trace, capacity, False, mtp)
+    whole = device_run(kind, path, work, trace.with_suffix(".resident"), every, True, mtp)
     strict = dtype == "f16"
-    print(f"\nbackend check: {name}, {arch} {size} {dtype}, expert cache {capacity} of {n_layer * n_expert} "
-          f"experts" + (f", tolerance {TOLERANCE[kind]:g}" if strict else ", no bound (see the docstring)"))
-    print("| call | tokens | max diff / max logit | the CPU engine's f16 vs f32 KV | greedy |")
-    print("|---|---|---|---|---|")
+    print(f"\nbackend check: {half.name}, {arch} {size} {dtype}, expert cache {capacity} of {every} "
+          f"experts, then all of them (resident)" + (f", tolerance {TOLERANCE[kind]:g}" if strict
+                                                    else ", no bound (see the docstring)"))
+    print("| call | tokens | max diff / max logit | every expert held | the CPU engine's f16 vs f32 KV | greedy |")
+    print("|---|---|---|---|---|---|")
     passed = True
-    for i, (rel, ref, g, w, call) in enumerate(zip(rel_diffs(got, want), spread, got, want, work, strict=True)):
-        same = bool(np.array_equal(g.argmax(axis=-1), w.argmax(axis=-1)))
-        passed &= not strict or rel <= TOLERANCE[kind]
-        print(f"| {i} | {sum(len(item.tokens) for item in call)} | {rel:.2e} | {ref:.2e} | "
+    for i, (rel, rel_whole, ref, call) in enumerate(zip(rel_diffs(half.logits, want), rel_diffs(whole.logits, want),
+                                                        spread, work, strict=True)):
+        same = all(np.array_equal(got[i].argmax(axis=-1), want[i].argmax(axis=-1)) for got in (half.logits,
+                                                                                               whole.logits))
+        passed &= not strict or max(rel, rel_whole) <= TOLERANCE[kind]
+        print(f"| {i} | {sum(len(item.tokens) for item in call)} | {rel:.2e} | {rel_whole:.2e} | {ref:.2e} | "
               f"{'same' if same else 'differs'} |")
-    if got_drafts is not None and want_drafts is not None:
-        rel = rel_diffs([got_drafts], [want_drafts])[0]
-        same = bool(np.array_equal(got_drafts.argmax(axis=-1), want_drafts.argmax(axis=-1)))
-        passed &= not strict or rel <= TOLERANCE[kind]
-        print(f"MTP drafts (3 a sequence): max diff / max logit {rel:.2e}, tokens {'same' if same else 'differ'}")
-    stats = replay(read_trace(trace), AdaptiveLrfuCache(n_layer, n_expert, capacity, uploads_per_step=UPLOADS_PER_STEP))
-    agree = (stats.hits, stats.misses, stats.uploads) == (counts["hits"], counts["misses"], counts["uploads"])
-    passed &= agree
-    print(f"expert cache: {counts['hits']} hits, {counts['misses']} misses, {counts['uploads']} uploads; the "
-          f"simulator: {stats.hits}, {stats.misses}, {stats.uploads} ({'agree' if agree else 'DISAGREE'})")
-    print(f"wall time: CPU engine {cpu_s:.2f} s, device backend {dev_s:.2f} s")
+    for run_drafts, label in ((half.drafts, ""), (whole.drafts, ", every expert held")):
+        if run_drafts is not None and want_drafts is not None:
+            rel = rel_diffs([run_drafts], [want_drafts])[0]
+            same = bool(np.array_equal(run_drafts.argmax(axis=-1), want_drafts.argmax(axis=-1)))
+            passed &= not strict or rel <= TOLERANCE[kind]
+            print(f"MTP drafts (3 a sequence){label}: max diff / max logit {rel:.2e}, tokens "
+                  f"{'same' if same else 'differ'}")
+    held = [(il, e) for il in range(n_layer) for e in range(n_expert)]
+    policies = (AdaptiveLrfuCache(n_layer, n_expert, capacity, uploads_per_step=UPLOADS_PER_STEP),
+                AdaptiveLrfuCache(n_layer, n_expert, every, prior=held))
+    for result, cache, label in zip((half, whole), policies, ("expert cache", "every expert held"), strict=True):
+        stats, counts = replay(read_trace(result.trace), cache), result.counts
+        agree = (stats.hits, stats.misses, stats.uploads) == (counts["hits"], counts["misses"], counts["uploads"])
+        passed &= agree
+        print(f"{label}: {counts['hits']} hits, {counts['misses']} misses, {counts['uploads']} uploads; the "
+              f"simulator: {stats.hits}, {stats.misses}, {stats.uploads} ({'agree' if agree else 'DISAGREE'})")
+    print(f"wall time: CPU engine {cpu_s:.2f} s, device backend {half.seconds:.2f} s, every expert held "
+          f"{whole.seconds:.2f} s")
     return passed
+
+
+@dataclass
+class DeviceRun:
+    name: str
+    logits: list[np.ndarray]
+    seconds: float
+    drafts: np.ndarray | None
+    counts: dict[str, int]
+    trace: Path
+
+
+def device_run(kind: str, path: Path, work: list[list[BatchItem]], trace: Path, capacity: int, resident: bool,
+               mtp: bool) -> DeviceRun:
+    """The calls on the backend with an expert cache of `capacity` experts; `resident`: all of them, each step
+    queued at once (an error where the device cannot hold them)."""
+    with DeviceEngine.open(path, open_device(kind, None), n_ctx=512, n_batch=64, n_seq=3, kv="f32",
+                           record_routing=trace, capacity=capacity, paced=False, mtp=mtp, resident=resident) as dev:
+        got, seconds = run(dev, work)
+        return DeviceRun(dev.device.name, got, seconds, drafts(dev) if mtp else None, dev.expert_counts(), trace)
 
 
 def check(kind: str, quick: bool, folder: Path) -> bool:

@@ -24,7 +24,10 @@ passes when the fast kernel is within the stated tolerance of both:
   sequence) and a prompt (sequences of ragged lengths, crossing the host's 64-token chunks: the CPU engine's
   chunked form against the card's token loop, two orders of the same sums);
 - Qwen3.5's gates (x / (1 + e^-g): gated attention's per value, the shared expert's per row): 1e-5 of each value's
-  magnitude.
+  magnitude;
+- a layer's routed experts: the grouping by expert (each slot's place, each expert's run, the gathered rows)
+  equal to numpy's stable sort; the product over every expert's run in one launch within the products' bound of
+  the reference, the CPU engine and numpy (float64 over the dequantised weights), for every weight type.
 
 GB/s is what the fast kernel moves (weights, inputs, outputs once) over its time by the device's events, the mean
 of a few runs after a warm-up; "of peak" divides by the card's memory bandwidth.
@@ -71,13 +74,16 @@ class Shapes:
     add_rows: tuple[int, int, int]            # (n_tok, k, n)
     deltanet: tuple[int, int, int, int]       # (n_seq, n_k_heads, n_v_heads, head_dim), convolution of 4
     prompt: tuple[int, ...]                   # the tokens of each sequence of a prompt chunk
+    moe: tuple[tuple[int, int, int, int, int], ...]  # (n_tok, n_expert, k, n, rows): a layer's routed experts
 
 
 FULL = Shapes(matmul=((2048, 2048, 1), (11008, 4096, 1), (4096, 11008, 1), (2048, 2048, 64)), norm=(64, 4096),
               rope=(64, 32, 128), attention=(4, 32, 8, 128, 4096), swiglu=64 * 11008, topk=(64, 128, 8),
-              add_rows=(64, 8, 4096), deltanet=(16, 16, 32, 128), prompt=(300, 129, 64, 1))
+              add_rows=(64, 8, 4096), deltanet=(16, 16, 32, 128), prompt=(300, 129, 64, 1),
+              moe=((1, 128, 8, 2048, 768), (64, 32, 8, 2048, 768)))
 QUICK = Shapes(matmul=((40, 512, 1), (24, 768, 9)), norm=(5, 256), rope=(3, 4, 64), attention=(2, 4, 2, 64, 48),
-               swiglu=1000, topk=(6, 32, 4), add_rows=(5, 3, 300), deltanet=(3, 2, 4, 32), prompt=(70, 5, 1))
+               swiglu=1000, topk=(6, 32, 4), add_rows=(5, 3, 300), deltanet=(3, 2, 4, 32), prompt=(70, 5, 1),
+               moe=((1, 8, 2, 256, 40), (9, 8, 3, 256, 24)))
 
 
 @dataclass(frozen=True)
@@ -538,6 +544,83 @@ def vision_cases(shapes: VisionShapes, rng: np.random.Generator) -> Iterator[Cas
         yield vit_attention_case(*shape, rng)
 
 
+def routing(n_tok: int, n_expert: int, k: int, rng: np.random.Generator) -> tuple[np.ndarray, ...]:
+    """k distinct experts per token, and the grouping numpy gives them (a stable sort of the slots by expert):
+    ids (n_tok, k), slot_of (each slot's place), first and count (per expert)."""
+    ids = np.argsort(rng.random((n_tok, n_expert)), axis=1)[:, :k].astype(np.int32)
+    order = np.argsort(ids.reshape(-1), kind="stable")
+    slot_of = np.empty(n_tok * k, np.int32)
+    slot_of[order] = np.arange(n_tok * k)
+    count = np.bincount(ids.reshape(-1), minlength=n_expert).astype(np.int32)
+    first = (np.cumsum(count) - count).astype(np.int32)
+    return ids, slot_of, first, count
+
+
+def moe_group_case(n_tok: int, n_expert: int, k: int, n: int, rng: np.random.Generator) -> Case:
+    """A chunk's slots grouped by expert: the places, the runs and the gathered rows, each equal to numpy's."""
+    ids, slot_of, first, count = routing(n_tok, n_expert, k, rng)
+    x = rng.standard_normal((n_tok, n), dtype=np.float32)
+    x_out = np.empty((n_tok * k, n), np.float32)
+    x_out[slot_of] = np.repeat(x, k, axis=0)
+    want = np.concatenate([slot_of, first, count, x_out.reshape(-1)]).astype(np.float64)
+    outputs = {"x_out": ((n_tok * k, n), np.float32), "slot_of": ((n_tok * k,), np.int32),
+               "first": ((n_expert,), np.int32), "count": ((n_expert,), np.int32)}
+    make = _buffers({"ids": ids, "x": x}, outputs)
+
+    def out(dev: Device, a: dict[str, Any]) -> np.ndarray:
+        return np.concatenate([dev.to_host(a[name], shape, dtype).reshape(-1).astype(np.float64)
+                               for name, (shape, dtype) in (("slot_of", outputs["slot_of"]),
+                                                            ("first", outputs["first"]),
+                                                            ("count", outputs["count"]),
+                                                            ("x_out", outputs["x_out"]))])
+
+    return Case("moe_group", "i32", f"{n_tok}x{k} of {n_expert}, {n}",
+                lambda dev: dict(n_tok=n_tok, k=k, n_expert=n_expert, n=n) | make(dev), out, _no_reset,
+                lambda other: np.zeros(other.shape), 4 * (ids.size + x.size + x_out.size),
+                exact=lambda a, b: bool(np.array_equal(a, b) and np.array_equal(a, want)))
+
+
+def moe_matmul_case(qtype: Q, n_tok: int, n_expert: int, k: int, n: int, rows: int,
+                    rng: np.random.Generator) -> Case:
+    """Every expert's matrix times its run of the grouped rows, in one launch: the matrices at an offset into each
+    expert's slot (after another matrix, as up and down lie after gate), reached through a table of the slots
+    (NULL for the experts no token chose, which must not be read). Within the products' bound of the reference,
+    the CPU engine and numpy (float64 over the dequantised weights)."""
+    _, _, first, count = routing(n_tok, n_expert, k, rng)
+    n_slots, used = n_tok * k, np.flatnonzero(count).tolist()
+    w = {e: random_weights(qtype, rows, n, rng) for e in used}  # the others are never read: no slot
+    row_bytes = w[used[0]].shape[1]
+    offset, table = 64 * row_bytes, 8 * n_expert  # an unused matrix of 64 rows before each expert's
+    slot_bytes = offset + rows * row_bytes
+    x = rng.standard_normal((n_slots, n), dtype=np.float32)
+    bound = np.empty((n_slots, rows))
+    want = np.empty((n_slots, rows))
+    for e in used:
+        run = slice(int(first[e]), int(first[e] + count[e]))
+        bound[run] = matmul_tolerance(qtype, w[e], x[run])
+        we = quants.dequantize(w[e], qtype).reshape(rows, n).astype(np.float64)
+        want[run] = x[run].astype(np.float64) @ we.T
+    fixed = dict(type=int(qtype), n_expert=n_expert, n=n, rows=rows, max_rows=n_tok, n_slots=n_slots,
+                 row_bytes=row_bytes, offset=offset)
+    make = _buffers({"first": first, "count": count, "x": x}, {"y": ((n_slots, rows), np.float32)})
+
+    def args(dev: Device) -> dict[str, Any]:
+        """One allocation: the table of the slots' pointers, then the chosen experts' slots."""
+        block = dev.alloc(table + len(used) * slot_bytes)
+        at = {e: table + i * slot_bytes for i, e in enumerate(used)}
+        base = int(dev.ffi.cast("uintptr_t", block))
+        dev.upload(block, np.array([base + at[e] if e in at else 0 for e in range(n_expert)], np.uint64))
+        for e in used:
+            dev.upload(dev.ffi.cast("char *", block) + at[e] + offset, w[e])
+        dev.sync()
+        return fixed | make(dev) | {"slots": block}
+
+    return Case("moe_matmul", qtype.name, f"{rows}x{n} x{n_tok}x{k} of {n_expert}", args,
+                lambda dev, a: dev.to_host(a["y"], (n_slots, rows), np.float32), _no_reset, lambda _: bound,
+                len(used) * rows * row_bytes + x.nbytes + 4 * n_slots * rows,
+                exact=lambda a, _: bool(np.all(np.abs(a - want) <= bound)))
+
+
 def cases(shapes: Shapes, rng: np.random.Generator) -> Iterator[Case]:
     """The cases, made one at a time (the full shapes' inputs take hundreds of MB each)."""
     for qtype in MATMUL_TYPES:
@@ -560,6 +643,10 @@ def cases(shapes: Shapes, rng: np.random.Generator) -> Iterator[Case]:
     yield sigmoid_gate_case(n_tok * n_head, hd, True, rng)
     yield sigmoid_gate_case(*shapes.norm, False, rng)
     yield from vision_cases(VISION_SHAPES[shapes], rng)
+    for n_tok, n_expert, k, n, rows in shapes.moe:
+        yield moe_group_case(n_tok, n_expert, k, n, rng)
+        for qtype in MATMUL_TYPES:
+            yield moe_matmul_case(qtype, n_tok, n_expert, k, n, rows, rng)
 
 
 # --- running a case

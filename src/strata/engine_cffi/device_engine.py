@@ -29,6 +29,14 @@ fields that follow the chunk's size are patched when it changes) and queued by o
 expert in C (`strata_host_group_slots`), the hits queued by one call (`strata_dev_launch_experts`), the mix by one
 more list; the policy (a Python class) is called once per layer, between the top-k's read-back and the hits.
 
+Where the cache holds every routed expert (all uploaded at load: no miss, no upload can happen), a step is
+resident: its whole pass up to the output is one list, queued by one call (split only by memsets), each layer's
+experts grouped on the device (`moe_group`) and computed by one product launch per matrix over all of them
+(`moe_matmul`, the slots' pointers in a device table), and nothing comes back to the host before the step's end.
+Each layer's top-k ids have their own rows on the device; they come back once, with the logits, and the step's
+hits (each layer's distinct experts) and routing records are taken from them then. The policy is not stepped. The
+results are the per-layer path's bits on the host device (the same products over the same grouped rows).
+
 The rest of the engine's interface (sampling, the checks of a call's items) is the CPU engine's, whose context
 this class extends; the positions each sequence holds (and with multi-axis RoPE each position's RoPE components)
 are kept here, as the KV cache and the recurrent state are the device's (`copy_prefix`, `export_kv`,
@@ -125,7 +133,7 @@ class DeviceEngine(Engine):
              kv: str = "f16", n_batch: int = 256, n_seq: int = 1, kv_budget: int | None = None,
              record_routing: str | os.PathLike[str] | None = None, capacity: int | None = None,
              uploads_per_step: float | None = UPLOADS_PER_STEP, prior: RoutingTrace | None = None,
-             paced: bool = True, mtp: bool | None = False) -> DeviceEngine:
+             paced: bool = True, mtp: bool | None = False, resident: bool | None = None) -> DeviceEngine:
         """Load the model as `Engine.load` does (the weights read where the file is mapped), then put its dense
         part and the KV cache on `device` (which the engine closes with itself) and give what its budget leaves
         to the expert cache.
@@ -140,10 +148,14 @@ class DeviceEngine(Engine):
                 measured here (see `expert_slots`).
             mtp: run the model's MTP block on the device for `mtp_draft` (its own KV rows on the device, filled at
                 each eval); None: where the file has one.
+            resident: where the cache holds every routed expert (all uploaded here), queue a step's whole forward
+                pass at once, the experts grouped and computed on the device (None: so; False: layer by layer, as
+                a cache that holds some of them, each layer's routing read back).
         Raises:
             EngineError: what `Engine.load` raises; an architecture other than qwen3moe and qwen35moe, a weight type
                 the device has no product for, a device budget the dense part, the KV cache and the recurrent state
-                do not fit in, a prior recorded on a model of another shape, or `mtp` on a file without the block.
+                do not fit in, a prior recorded on a model of another shape, `mtp` on a file without the block, or
+                `resident` where the cache cannot hold every expert.
         """
         try:
             engine = cls.load(path, n_ctx=n_ctx, threads=threads, kv=kv, n_batch=n_batch, n_seq=n_seq,
@@ -153,7 +165,7 @@ class DeviceEngine(Engine):
             device.close()
             raise
         try:
-            engine._attach(device, capacity, uploads_per_step, prior, paced)
+            engine._attach(device, capacity, uploads_per_step, prior, paced, resident)
         except DeviceError as exc:
             engine.close()
             raise EngineError(f"the {device.kind} device: {exc}") from None
@@ -165,7 +177,7 @@ class DeviceEngine(Engine):
     # --- set-up
 
     def _attach(self, device: Device, capacity: int | None, uploads_per_step: float | None,
-                prior: RoutingTrace | None, paced: bool) -> None:
+                prior: RoutingTrace | None, paced: bool, resident: bool | None) -> None:
         self.device, self.backend = device, device.kind  # closed with the engine from here on
         # the cached rows' bits are the device's kernels': another backend's rows are not these
         self.kv_identity = f"{self.kv_identity}:{device.kind}"
@@ -212,18 +224,28 @@ class DeviceEngine(Engine):
                           self._tensor(f"blk.{il}.ffn_down_exps")) for il in range(self.n_layer + self.mtp)]
         expert_bytes = [(g.n_bytes // self.n_expert, u.n_bytes // self.n_expert, d.n_bytes // self.n_expert)
                         for g, u, d in self._experts[:self.n_layer]]
-        free = device.budget - device.used
+        every = self.n_layer * self.n_expert
+        free = device.budget - device.used - 8 * every  # less a resident step's table of the slots' pointers
         slot = max(sum(sizes) for sizes in expert_bytes)
-        fits = max(0, min(self.n_layer * self.n_expert, free // slot))
+        fits = max(0, min(every, free // slot))
         capacity = fits if capacity is None else min(capacity, fits)
+        if resident and capacity < every:
+            raise EngineError(f"resident: the expert cache holds {capacity} of the model's {every} routed experts")
+        self.resident = capacity == every and resident is not False
+        held = self._prior(prior, capacity)
+        if capacity == every:  # every expert held from the start: none is ever a miss
+            held = [(il, e) for il in range(self.n_layer) for e in range(self.n_expert)]
         self._upload_stream = device.stream()
         link_rate = self._link_rate(slot) if paced and capacity else None
         self.slots = ExpertSlots(device, self.n_layer, self.n_expert, capacity, expert_bytes, self._expert_data,
-                                 self._upload_stream, uploads_per_step, self._prior(prior, capacity), link_rate)
+                                 self._upload_stream, uploads_per_step, held, link_rate)
         self._pool = device.lib.strata_host_pool_create(self.threads)  # the misses' threads, the caller's included
         if self._pool == device.ffi.NULL:
             raise EngineError(f"could not start {self.threads} threads for the expert cache's misses")
         self._build_launches()
+        if self.resident:
+            self._build_resident_step()
+            device.sync(self._upload_stream)  # the experts are on the device before a step reads them
 
     def _prior(self, trace: RoutingTrace | None, capacity: int) -> list[Key]:
         """The `capacity` experts the trace's steps used most; none without a trace."""
@@ -368,7 +390,9 @@ class DeviceEngine(Engine):
         sizes = dict(x=B * E, xb=B * E, q=B * q_dim, k=B * kv_dim, v=B * kv_dim, att=B * q_dim,
                      router=B * self.n_expert, weights=B * k, moe_out=B * k * E, slot_x=B * k * E,
                      hb=B * k * self.n_ff, hb2=B * k * self.n_ff, logits=B * self.n_vocab)
-        ints = dict(ids=B * k, slot_of=B * k, seq=B, pos=B, n_pos=B, rope=3 * B, rows=B)
+        # each layer's top-k ids apart (a resident step reads them back once, after its last layer)
+        ints = dict(ids=(self.n_layer + self.mtp) * B * k, slot_of=B * k, seq=B, pos=B, n_pos=B, rope=3 * B, rows=B,
+                    moe_first=self.n_expert, moe_count=self.n_expert)
         if self.hybrid:  # gated attention's q and gates; the DeltaNet's rows; the shared expert's
             VD, hv, F = self.d_inner, self.n_v_heads, self.n_ff_shexp
             sizes |= dict(qg=2 * B * q_dim, dn_qkv=B * self.conv_dim, dn_conv=B * self.conv_dim, dn_z=B * VD,
@@ -577,7 +601,8 @@ class DeviceEngine(Engine):
                embd_of: np.ndarray, wants: np.ndarray, records: list[np.ndarray], chunk: int) -> np.ndarray:
         """One forward pass over a chunk's tokens; the logits rows of those that want them."""
         n, a, dev = len(ids), self._a, self.device
-        self.slots.begin_step()
+        if not self.resident:
+            self.slots.begin_step()
         pos32 = pos.astype(np.int32)
         # the runs of each sequence's tokens (adjacent: a call has one item a sequence), for the recurrent layers
         starts = np.flatnonzero(np.r_[True, seqs[1:] != seqs[:-1]])
@@ -588,7 +613,9 @@ class DeviceEngine(Engine):
         for name, array in staged.items():
             dev.upload(a[name], array)
         self._in_flight = list(staged.values())  # host buffers the stream reads, kept until a synchronisation
-        for il in range(self.n_layer):
+        if self.resident:  # the whole pass queued at once; its routing read after the step's synchronisation
+            self._step.run(n=n, runs=len(starts))
+        for il in range(0 if self.resident else self.n_layer):
             self._layers_launches[il].run(n=n, runs=len(starts))
             self._moe(il, n, records, chunk)
         hidden = None
@@ -598,16 +625,30 @@ class DeviceEngine(Engine):
         # logits = rmsnorm(x rows that want them) @ Woutput
         rows_wanted = np.flatnonzero(wants).astype(np.int32)
         m = len(rows_wanted)
-        logits = np.empty((0, self.n_vocab), np.float32)
+        logits = np.empty((m, self.n_vocab), np.float32)
         if m:
             dev.upload(a["rows"], rows_wanted)
             self._output_launches.run(m=m)
-            logits = dev.to_host(a["logits"], (m, self.n_vocab), np.float32)
-        dev.sync()
+            dev.download(logits, a["logits"])
+        if self.resident:
+            dev.download(self._step_ids, a["ids"])
+        dev.sync()  # the step's one synchronisation where it is resident
         self._in_flight = []
+        if self.resident:
+            self._count_resident(n, records, chunk)
         if hidden is not None:
             self._mtp_fill(ids, seqs, pos, rope, rows, embd_of, hidden)
         return logits
+
+    def _count_resident(self, n: int, records: list[np.ndarray], chunk: int) -> None:
+        """A resident step's routing, read back: each layer's distinct experts counted as hits, and with a routing
+        record its records as `_moe` writes them."""
+        ids = self._step_ids[:, :n].reshape(self.n_layer, n * self.n_used)
+        chosen = np.sort(ids, axis=1)
+        self.slots.count_held(self.n_layer + int(np.count_nonzero(chosen[:, 1:] != chosen[:, :-1])))
+        if self._routing is not None:
+            head = np.column_stack([np.arange(self.n_layer), np.full((self.n_layer, 2), (chunk, n))])
+            records.extend(np.concatenate([head.astype(np.int32), ids], axis=1))
 
     def _embeddings(self, ids: np.ndarray, rows: np.ndarray, embd_of: np.ndarray,
                     table: str = "token_embd") -> np.ndarray:
@@ -741,12 +782,8 @@ class DeviceEngine(Engine):
                 self._attention(out, il)
             self._router(out, il)
             self._layers_launches.append(out)
-        # x += sum over the token's choices of weight * its expert's row (and the shared expert's gated rows)
         self._mix = LaunchList(self.device)
-        self._mix.launch("add_rows", n_tok=N, k=self.n_used, n=E, y=a["moe_out"], idx=a["slot_of"],
-                         weight=a["weights"], out=a["x"])
-        if self.hybrid:
-            self._mix.launch("add_rows", n_tok=N, k=1, n=E, y=a["sh_out"], out=a["x"])
+        self._mix_launches(self._mix)
         # the rows that want logits gathered, normed, through the output projection
         self._output_launches = out = LaunchList(self.device)
         out.memset(a["slot_x"], 4 * E * ROWS)
@@ -772,6 +809,50 @@ class DeviceEngine(Engine):
         self._expert_types = [tuple(int(t.type) for t in tensors) for tensors in self._experts]
         self._expert_mapped = [[(ffi.from_buffer(self._file.data(t)), t.n_bytes // self.n_expert) for t in tensors]
                                for tensors in self._experts]
+
+    def _mix_launches(self, out: LaunchList) -> None:
+        """x += sum over the token's choices of weight * its expert's row (and the shared expert's gated rows)."""
+        a, E = self._a, self.n_embd
+        out.launch("add_rows", n_tok=N, k=self.n_used, n=E, y=a["moe_out"], idx=a["slot_of"], weight=a["weights"],
+                   out=a["x"])
+        if self.hybrid:
+            out.launch("add_rows", n_tok=N, k=1, n=E, y=a["sh_out"], out=a["x"])
+
+    def _build_resident_step(self) -> None:
+        """A step's whole forward pass up to the output as one list (split only by memsets): per layer its
+        launches up to the top-k, its experts (`_resident_experts`) and the mix; a table of every expert's slot on
+        the device, which the products read; and the host buffer the step's routing comes back to."""
+        ffi, B, k = self.device.ffi, self.n_batch, self.n_used
+        table = [int(ffi.cast("uintptr_t", self.slots.slot(il, e)))
+                 for il in range(self.n_layer) for e in range(self.n_expert)]
+        self._slot_table = self._put(np.array(table, np.uint64))
+        self._step = out = LaunchList(self.device)
+        for il in range(self.n_layer):
+            if self._recurrent[il]:
+                self._deltanet(out, il)
+            else:
+                self._attention(out, il)
+            self._router(out, il)
+            self._resident_experts(out, il)
+            self._mix_launches(out)
+        self._step_ids = np.empty((self.n_layer, B, k), np.int32)
+
+    def _resident_experts(self, out: LaunchList, il: int) -> None:
+        """Layer il's routed experts on the device, every one held: the slots grouped by expert (slot_x, slot_of,
+        each expert's run), then gate and up over every expert's run at once, SwiGLU, down into moe_out."""
+        a, E, F, k, ffi = self._a, self.n_embd, self.n_ff, self.n_used, self.device.ffi
+        out.launch("moe_group", n_tok=N, k=k, n_expert=self.n_expert, n=E, ids=self._ids(il), x=a["xb"],
+                   x_out=a["slot_x"], slot_of=a["slot_of"], first=a["moe_first"], count=a["moe_count"])
+        slots = ffi.cast("void **", self._slot_table) + il * self.n_expert
+        offset = 0
+        for tensor, n, rows, x, y in zip(self._experts[il], (E, E, F), (F, F, E), ("slot_x", "slot_x", "hb"),
+                                         ("hb", "hb2", "moe_out"), strict=True):
+            out.launch("moe_matmul", type=int(tensor.type), n_expert=self.n_expert, n=n, rows=rows, max_rows=N,
+                       n_slots=N * k, row_bytes=tensor.n_bytes // self.n_expert // rows, offset=offset,
+                       slots=slots, first=a["moe_first"], count=a["moe_count"], x=a[x], y=a[y])
+            offset += tensor.n_bytes // self.n_expert
+            if y == "hb2":
+                out.launch("swiglu", n=N * k * F, g=a["hb"], u=a["hb2"], out=a["hb"])
 
     def _mtp_launches(self) -> None:
         """The MTP block's: the chunk's hidden states; the block over a set of pairs up to its router's top-k
@@ -873,8 +954,12 @@ class DeviceEngine(Engine):
         if self.hybrid:
             self._shared_expert(out, il)
         self._matmul(out, L["ffn_gate_inp"], a["xb"], n, a["router"])
-        out.launch("topk", n_tok=n, n_expert=self.n_expert, k=self.n_used, logits=a["router"], ids=a["ids"],
+        out.launch("topk", n_tok=n, n_expert=self.n_expert, k=self.n_used, logits=a["router"], ids=self._ids(il),
                    weights=a["weights"])
+
+    def _ids(self, il: int) -> Any:
+        """Layer il's top-k ids on the device: (n_batch, k)."""
+        return self.device.ffi.cast("int *", self._a["ids"]) + il * self.n_batch * self.n_used
 
     def _shared_expert(self, out: LaunchList, il: int) -> None:
         """sh_out = SwiGLU(xb) through the shared expert, times the sigmoid of xb . its gate."""
@@ -894,7 +979,7 @@ class DeviceEngine(Engine):
         the CPU's threads; then the mix into the residual."""
         a, dev, E, k, host, ptr = self._a, self.device, self.n_embd, self.n_used, self._host, self._host_ptr
         ids = host["ids"][:n]
-        dev.download(ids, a["ids"])
+        dev.download(ids, self._ids(il))
         dev.download(host["xb"][:n], a["xb"])
         dev.sync()
         self._in_flight = []  # what the host gave the stream so far is read by now

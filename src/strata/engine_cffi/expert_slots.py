@@ -18,7 +18,9 @@ then). Until a step has had misses the budget is `uploads_per_step`. Without a l
 `uploads_per_step`, as the simulator's fixed budget.
 
 A prior (a placement learned from a routing trace recorded earlier, `strata.experts.simulate.most_frequent`) is
-uploaded when the slots are made: the cache starts holding it, as `AdaptiveLrfuCache` starts following it.
+uploaded when the slots are made, its slots one allocation: the cache starts holding it, as `AdaptiveLrfuCache`
+starts following it. A cache that holds every expert is given them all as its prior; the backend's resident steps
+then count their hits with `count_held` and do not step the policy (nothing can be evicted or uploaded).
 
 The counts (hits, misses, uploads) are those the simulator's `replay` counts on the same routing; the prior's
 experts are counted apart (`preloaded`).
@@ -88,8 +90,10 @@ class ExpertSlots:
         self._queued: set[Key] = set()  # experts whose uploads were queued since the event was last recorded
         self._arriving: set[Key] = set()  # experts whose uploads the event marks, until the compute stream waits
         self._uploaded: int | None = None  # the event: the uploads queued before this step began
-        for layer, expert in prior:
-            self._upload(layer, expert)
+        if prior:  # the prior's slots in one allocation (a device checks each copy against its allocations)
+            block = device.ffi.cast("char *", device.alloc(len(prior) * self.slot_bytes))
+            for i, (layer, expert) in enumerate(prior):
+                self._upload(layer, expert, block + i * self.slot_bytes)
 
     def begin_step(self) -> None:
         """Start a forward pass: it may read the experts whose uploads the last one queued (the compute stream
@@ -130,6 +134,11 @@ class ExpertSlots:
             self._upload(layer, e)
         return outcome
 
+    def count_held(self, experts: int) -> None:
+        """A step of a cache that holds every expert: `experts` distinct experts over its layer-steps, each a hit
+        (the policy is not stepped: nothing can be evicted or uploaded)."""
+        self.counts.hits += experts
+
     def slot(self, layer: int, expert: int) -> Any:
         """The device pointer of a held expert's slot (its gate, up and down matrices one after another)."""
         return self._slot[(layer, expert)]
@@ -140,8 +149,9 @@ class ExpertSlots:
         gate, up, _ = self.expert_bytes[layer]
         return base, base + gate, base + gate + up
 
-    def _upload(self, layer: int, expert: int) -> None:
-        slot = self._free.pop() if self._free else self.device.alloc(self.slot_bytes)
+    def _upload(self, layer: int, expert: int, slot: Any = None) -> None:
+        if slot is None:
+            slot = self._free.pop() if self._free else self.device.alloc(self.slot_bytes)
         self._slot[(layer, expert)] = slot
         self._queued.add((layer, expert))
         at = self.device.ffi.cast("char *", slot)

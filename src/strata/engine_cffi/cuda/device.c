@@ -28,7 +28,8 @@ struct strata_device {
 static const char *const KERNEL_NAMES[DEV_N_KERNELS] = {"matmul", "rms_norm", "rope", "attention", "swiglu",
                                                         "topk", "add_rows", "kv_store", "dn_conv", "l2_norm",
                                                         "dn_gates", "delta_rule", "gated_rms_norm",
-                                                        "sigmoid_gate", "layer_norm", "gelu", "vit_attention"};
+                                                        "sigmoid_gate", "layer_norm", "gelu", "vit_attention",
+                                                        "moe_group", "moe_matmul"};
 
 static int fail(strata_device *d, int status, const char *fmt, ...) {
     va_list ap;
@@ -353,6 +354,21 @@ static int check_args(strata_device *d, strata_dev_kernel k, const void *args) {
             return fail(d, STRATA_ERR_INVALID_ARG, "vit_attention: head_dim %d (up to 256), %d heads, %d tokens",
                         a->head_dim, a->n_head, a->n_tok);
         return STRATA_OK;
+    }
+    case DEV_KERNEL_MOE_GROUP: {
+        const strata_dev_moe_group_args *a = args;
+        if (a->n_tok < 1 || a->k < 1 || a->k > a->n_expert || a->n < 1)
+            return fail(d, STRATA_ERR_INVALID_ARG, "moe_group: %d tokens choosing %d of %d experts, rows of %lld",
+                        a->n_tok, a->k, a->n_expert, (long long)a->n);
+        return STRATA_OK;
+    }
+    case DEV_KERNEL_MOE_MATMUL: {  // each expert's product is a "matmul" of up to n_slots rows
+        const strata_dev_moe_matmul_args *a = args;
+        if (a->n_expert < 1 || a->max_rows < 1 || a->n_slots < a->max_rows || !a->slots || !a->first || !a->count)
+            return fail(d, STRATA_ERR_INVALID_ARG, "moe_matmul: %d experts, at most %lld of %lld rows each, tables %p",
+                        a->n_expert, (long long)a->max_rows, (long long)a->n_slots, (const void *)a->slots);
+        strata_dev_matmul_args m = {a->type, a->n, a->rows, a->n_slots, a->row_bytes, a->slots, a->x, a->y};
+        return check_matmul(d, &m);
     }
     default: return STRATA_OK;
     }

@@ -217,6 +217,39 @@ typedef struct {
     float *out;
 } strata_dev_vit_attention_args;
 
+/* --- a layer's routed experts on the device, all in one launch each (the expert cache holds every expert) */
+
+/* "moe_group": a chunk's (token, choice) slots grouped by expert, as strata_host_group_slots groups them (experts
+ * ascending, each expert's slots in token order). ids: (n_tok, k) experts, each in [0, n_expert) (the host device
+ * checks it; the card cannot, as ids lie in device memory). slot_of[t k + j]: slot (t, j)'s place in that order;
+ * x_out row i = x row (token of the i-th slot), rows of n floats; first[e], count[e]: the run of expert e's slots
+ * in the order (count 0, first where the run would begin, for an expert no token chose). */
+typedef struct {
+    int n_tok, k, n_expert;
+    int64_t n;
+    const int *ids;              // (n_tok, k)
+    const float *x;              // (n_tok, n)
+    float *x_out;                // (n_tok k, n)
+    int *slot_of;                // (n_tok k,)
+    int *first, *count;          // (n_expert,)
+} strata_dev_moe_group_args;
+
+/* "moe_matmul": every expert's "matmul" over its run of rows at once: y rows first[e] .. first[e] + count[e] - 1
+ * (rows of `rows`) = the matrix at slots[e] + offset (rows of `type`, n elements each, packed: row_bytes) times
+ * the same rows of x (rows of n). slots: (n_expert,) device pointers to the experts' slots (gate, up and down
+ * matrices one after another: offset picks one); an expert whose count is 0 is not read (its slot may be NULL).
+ * max_rows: the most rows an expert has (the chunk's tokens: a token chooses an expert once); n_slots: x's and
+ * y's rows (n_tok k). */
+typedef struct {
+    int type, n_expert;
+    int64_t n, rows, max_rows, n_slots;
+    size_t row_bytes, offset;
+    const void *const *slots;
+    const int *first, *count;    // (n_expert,)
+    const float *x;              // (n_slots, n)
+    float *y;                    // (n_slots, rows)
+} strata_dev_moe_matmul_args;
+
 /* --- the interface. Functions returning int return a strata_status (0: STRATA_OK); on failure
  * strata_dev_error says why. */
 

@@ -190,6 +190,23 @@ int cuda_launch(void *self, int stream, strata_dev_kernel kernel, int reference,
         e = reference ? k::vit_attention_ref(a, s) : k::vit_attention(a, s);
         break;
     }
+    case DEV_KERNEL_MOE_GROUP: {
+        auto a = (const strata_dev_moe_group_args *)args;
+        e = reference ? k::moe_group_ref(a, s) : k::moe_group(a, s);
+        break;
+    }
+    case DEV_KERNEL_MOE_MATMUL: {
+        auto a = (const strata_dev_moe_matmul_args *)args;
+        if (reference) {
+            e = k::moe_matmul_ref(a, s);
+            break;
+        }
+        size_t bytes = k::moe_matmul_scratch_bytes(a);
+        void *xq = bytes ? scratch(c, stream, bytes) : nullptr;
+        if (bytes && !xq) return STRATA_ERR_NOMEM;
+        e = k::moe_matmul(a, xq, s);
+        break;
+    }
     default: break;
     }
     return check(c, e, "kernel launch");

@@ -50,18 +50,38 @@ static size_t act_bytes(int type, int64_t n) {
     return act->block_bytes * (size_t)(n / act->block_size);
 }
 
-static int matmul(host_device *h, const strata_dev_matmul_args *a, int reference) {
-    if (reference && strata_matmul_naive(a->type, a->w, a->rows, a->n, a->x, a->n_tok, a->y) != STRATA_OK)
+/* y (n_tok, rows) = w rows . x rows: the engine's product, or its naive reference. */
+static int product(host_device *h, int type, const void *w, int64_t rows, int64_t n, const float *x, int64_t n_tok,
+                   float *y, int reference) {
+    if (reference && strata_matmul_naive(type, w, rows, n, x, n_tok, y) != STRATA_OK)
         return host_fail(h, STRATA_ERR_INVALID_ARG, strata_last_error());
     if (reference) return STRATA_OK;
-    size_t bytes = act_bytes(a->type, a->n);
+    size_t bytes = act_bytes(type, n);
     if (bytes > h->act_bytes) {
         void *p = realloc(h->act, bytes);
         if (!p) return host_fail(h, STRATA_ERR_NOMEM, "matmul: out of memory for the activations");
         h->act = p;
         h->act_bytes = bytes;
     }
-    engine_product(a->type, a->w, a->rows, a->n, a->x, a->n_tok, a->y, h->act);
+    engine_product(type, w, rows, n, x, n_tok, y, h->act);
+    return STRATA_OK;
+}
+
+static int matmul(host_device *h, const strata_dev_matmul_args *a, int reference) {
+    return product(h, a->type, a->w, a->rows, a->n, a->x, a->n_tok, a->y, reference);
+}
+
+/* Each expert with rows: its run's product, as a hit's "matmul" over the same rows (the same bits). */
+static int moe_matmul(host_device *h, const strata_dev_moe_matmul_args *a, int reference) {
+    for (int e = 0; e < a->n_expert; e++) {
+        if (a->count[e] == 0) continue;
+        if (a->count[e] < 0 || a->count[e] > a->max_rows || a->first[e] < 0 || a->first[e] + a->count[e] > a->n_slots)
+            return host_fail(h, STRATA_ERR_INVALID_ARG, "moe_matmul: an expert's rows lie outside [0, n_slots)");
+        const char *w = (const char *)a->slots[e] + a->offset;
+        int status = product(h, a->type, w, a->rows, a->n, a->x + (int64_t)a->first[e] * a->n, a->count[e],
+                             a->y + (int64_t)a->first[e] * a->rows, reference);
+        if (status) return status;
+    }
     return STRATA_OK;
 }
 
@@ -335,6 +355,8 @@ static int vit_attention(host_device *h, const strata_dev_vit_attention_args *a)
     return STRATA_OK;
 }
 
+static int moe_group(host_device *h, const strata_dev_moe_group_args *a);  // with the host's grouping, below
+
 static int launch(void *self, int stream, strata_dev_kernel kernel, int reference, const void *args) {
     (void)stream;
     switch (kernel) {
@@ -355,6 +377,8 @@ static int launch(void *self, int stream, strata_dev_kernel kernel, int referenc
     case DEV_KERNEL_LAYER_NORM: layer_norm(args); return STRATA_OK;
     case DEV_KERNEL_GELU: gelu(args); return STRATA_OK;
     case DEV_KERNEL_VIT_ATTENTION: return vit_attention(self, args);
+    case DEV_KERNEL_MOE_GROUP: return moe_group(self, args);
+    case DEV_KERNEL_MOE_MATMUL: return moe_matmul(self, args, reference);
     default: return STRATA_ERR_INVALID_ARG;
     }
 }
@@ -448,10 +472,12 @@ int strata_host_expert_ffn(int gate_type, const void *gate, int up_type, const v
     return STRATA_OK;
 }
 
-// --- a layer's slots grouped by expert (the host's side of a step)
+// --- a layer's slots grouped by expert (the host's side of a step, and the host device's "moe_group")
 
-int strata_host_group_slots(int n_tok, int k, int n_expert, const int *ids, const float *x, int64_t n, float *x_out,
-                            int *slot_of, int *experts, int *first, int *count, int *m) {
+/* The slots grouped as device.h's strata_host_group_slots says, each expert's run given by expert: first[e],
+ * count[e] (as "moe_group" gives them). */
+static int group_slots(int n_tok, int k, int n_expert, const int *ids, const float *x, int64_t n, float *x_out,
+                       int *slot_of, int *first, int *count) {
     int n_slots = n_tok * k, *start = calloc((size_t)n_expert + 1, sizeof *start);
     if (!start) return engine_fail(STRATA_ERR_NOMEM, "out of memory for %d experts", n_expert);
     for (int s = 0; s < n_slots; s++) {
@@ -462,9 +488,8 @@ int strata_host_group_slots(int n_tok, int k, int n_expert, const int *ids, cons
         start[ids[s] + 1]++;
     }
     // each expert's first place in the order (a counting sort: stable, so an expert's slots stay in token order)
-    *m = 0;
     for (int e = 0; e < n_expert; e++) {
-        if (start[e + 1]) experts[*m] = e, first[*m] = start[e], count[(*m)++] = start[e + 1];
+        first[e] = start[e], count[e] = start[e + 1];
         start[e + 1] += start[e];
     }
     // each slot to its place, its token's row with it
@@ -475,6 +500,24 @@ int strata_host_group_slots(int n_tok, int k, int n_expert, const int *ids, cons
     }
     free(start);
     return STRATA_OK;
+}
+
+static int moe_group(host_device *h, const strata_dev_moe_group_args *a) {
+    int status = group_slots(a->n_tok, a->k, a->n_expert, a->ids, a->x, a->n, a->x_out, a->slot_of, a->first,
+                             a->count);
+    return status ? host_fail(h, status, strata_last_error()) : STRATA_OK;
+}
+
+int strata_host_group_slots(int n_tok, int k, int n_expert, const int *ids, const float *x, int64_t n, float *x_out,
+                            int *slot_of, int *experts, int *first, int *count, int *m) {
+    int *runs = malloc(sizeof *runs * (2 * (size_t)n_expert + 1));
+    if (!runs) return engine_fail(STRATA_ERR_NOMEM, "out of memory for %d experts", n_expert);
+    int status = group_slots(n_tok, k, n_expert, ids, x, n, x_out, slot_of, runs, runs + n_expert);
+    *m = 0;
+    for (int e = 0; !status && e < n_expert; e++)  // the experts chosen, ascending
+        if (runs[n_expert + e]) experts[*m] = e, first[*m] = runs[e], count[(*m)++] = runs[n_expert + e];
+    free(runs);
+    return status;
 }
 
 // --- a layer's misses on a pool of threads

@@ -26,6 +26,8 @@ typedef enum {
     DEV_KERNEL_LAYER_NORM,
     DEV_KERNEL_GELU,
     DEV_KERNEL_VIT_ATTENTION,
+    DEV_KERNEL_MOE_GROUP,
+    DEV_KERNEL_MOE_MATMUL,
     DEV_N_KERNELS
 } strata_dev_kernel;
 

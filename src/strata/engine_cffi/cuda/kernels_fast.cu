@@ -42,47 +42,40 @@ __global__ void quantize_acts(const float *x, act_block *out, int64_t n_blocks) 
 
 // --- products
 
-/* y[t, r] for the rows of this block's warps and the tokens [t0, t0 + TOKENS) of this grid row. */
+/* One weight row against up to TOKENS tokens (nt of them): token t's activations at xq + t chunks (quantised
+ * blocks) or x + t n (f32), its sum written to y[t y_stride] by lane 0. The inner loop of "matmul" and of
+ * "moe_matmul" alike. */
 template <int T>
-__global__ void matmul_q8_kernel(const uint8_t *w, size_t row_bytes, int64_t n, const act_block *xq, float *y,
-                                 int64_t rows, int64_t n_tok) {
-    int64_t r = blockIdx.x * (int64_t)ROWS_PER_BLOCK + threadIdx.x / WARP, t0 = blockIdx.y * (int64_t)TOKENS;
-    if (r >= rows) return;
-    int lane = threadIdx.x % WARP, nt = (int)min((int64_t)TOKENS, n_tok - t0);
-    int64_t chunks = n / 32;
-    const uint8_t *row = w + r * row_bytes;
+__device__ inline void row_q8(const uint8_t *row, int64_t chunks, const act_block *xq, int nt, float *y,
+                              int64_t y_stride, int lane) {
     float acc[TOKENS] = {};
     for (int64_t c = lane; c < chunks; c += WARP) {
         chunk k = chunk_at<T>(row, c);
 #pragma unroll
         for (int t = 0; t < TOKENS; t++) {
             if (t >= nt) break;
-            acc[t] += chunk_dot(k, xq[(t0 + t) * chunks + c]);
+            acc[t] += chunk_dot(k, xq[t * chunks + c]);
         }
     }
 #pragma unroll
     for (int t = 0; t < TOKENS; t++) {
         if (t >= nt) break;
         float v = warp_sum(acc[t]);
-        if (lane == 0) y[(t0 + t) * rows + r] = v;
+        if (lane == 0) y[t * y_stride] = v;
     }
 }
 
 /* F32 / F16 / BF16 rows against f32 activations: each lane takes pairs of values. */
 template <int T>
-__global__ void matmul_half_kernel(const uint8_t *w, size_t row_bytes, int64_t n, const float *x, float *y,
-                                   int64_t rows, int64_t n_tok) {
-    int64_t r = blockIdx.x * (int64_t)ROWS_PER_BLOCK + threadIdx.x / WARP, t0 = blockIdx.y * (int64_t)TOKENS;
-    if (r >= rows) return;
-    int lane = threadIdx.x % WARP, nt = (int)min((int64_t)TOKENS, n_tok - t0);
-    const uint8_t *row = w + r * row_bytes;
+__device__ inline void row_half(const uint8_t *row, int64_t n, const float *x, int nt, float *y, int64_t y_stride,
+                                int lane) {
     float acc[TOKENS] = {};
     for (int64_t i = 2 * lane; i < n; i += 2 * WARP) {
         float w0 = value_at<T>(row, i), w1 = i + 1 < n ? value_at<T>(row, i + 1) : 0.0f;
 #pragma unroll
         for (int t = 0; t < TOKENS; t++) {
             if (t >= nt) break;
-            const float *xt = x + (t0 + t) * n;
+            const float *xt = x + t * n;
             acc[t] += w0 * xt[i] + (i + 1 < n ? w1 * xt[i + 1] : 0.0f);
         }
     }
@@ -90,47 +83,129 @@ __global__ void matmul_half_kernel(const uint8_t *w, size_t row_bytes, int64_t n
     for (int t = 0; t < TOKENS; t++) {
         if (t >= nt) break;
         float v = warp_sum(acc[t]);
-        if (lane == 0) y[(t0 + t) * rows + r] = v;
+        if (lane == 0) y[t * y_stride] = v;
     }
+}
+
+/* Row r (of this block's warps) times tokens [t0, t0 + nt) of x (or of its quantised blocks xq), into y (rows
+ * apart): the float types read x, the others xq. */
+template <int T>
+__device__ inline void row_product(const uint8_t *row, int64_t n, const float *x, const act_block *xq, int64_t t0,
+                                   int nt, float *y, int64_t rows) {
+    int lane = threadIdx.x % WARP;
+    if constexpr (T == STRATA_TYPE_F32 || T == STRATA_TYPE_F16 || T == STRATA_TYPE_BF16)
+        row_half<T>(row, n, x + t0 * n, nt, y, rows, lane);
+    else
+        row_q8<T>(row, n / 32, xq + t0 * (n / 32), nt, y, rows, lane);
+}
+
+/* y[t, r] for the rows of this block's warps and the tokens [t0, t0 + TOKENS) of this grid row. */
+template <int T>
+__global__ void matmul_kernel(const uint8_t *w, size_t row_bytes, int64_t n, const float *x, const act_block *xq,
+                              float *y, int64_t rows, int64_t n_tok) {
+    int64_t r = blockIdx.x * (int64_t)ROWS_PER_BLOCK + threadIdx.x / WARP, t0 = blockIdx.y * (int64_t)TOKENS;
+    if (r >= rows) return;
+    row_product<T>(w + r * row_bytes, n, x, xq, t0, (int)min((int64_t)TOKENS, n_tok - t0), y + t0 * rows + r, rows);
+}
+
+/* Every expert's rows at once: grid (row blocks, expert, passes of TOKENS rows); a block past its expert's rows
+ * (all of them, for an expert no token chose) exits at once. */
+template <int T>
+__global__ void moe_matmul_kernel(strata_dev_moe_matmul_args a, const act_block *xq) {
+    int e = blockIdx.y, count = a.count[e];
+    int64_t r = blockIdx.x * (int64_t)ROWS_PER_BLOCK + threadIdx.x / WARP, t0 = blockIdx.z * (int64_t)TOKENS;
+    if (t0 >= count || r >= a.rows) return;
+    const uint8_t *row = (const uint8_t *)a.slots[e] + a.offset + r * a.row_bytes;
+    int64_t s0 = a.first[e] + t0;
+    row_product<T>(row, a.n, a.x, xq, s0, (int)min((int64_t)TOKENS, count - t0), a.y + s0 * a.rows + r, a.rows);
 }
 
 static bool is_float(int type) {
     return type == STRATA_TYPE_F32 || type == STRATA_TYPE_F16 || type == STRATA_TYPE_BF16;
 }
 
-size_t matmul_scratch_bytes(const strata_dev_matmul_args *a) {
-    return is_float(a->type) ? 0 : sizeof(act_block) * (size_t)(a->n_tok * a->n / 32);
+static size_t act_scratch_bytes(int type, int64_t n_tok, int64_t n) {
+    return is_float(type) ? 0 : sizeof(act_block) * (size_t)(n_tok * n / 32);
+}
+
+size_t matmul_scratch_bytes(const strata_dev_matmul_args *a) { return act_scratch_bytes(a->type, a->n_tok, a->n); }
+
+size_t moe_matmul_scratch_bytes(const strata_dev_moe_matmul_args *a) {
+    return act_scratch_bytes(a->type, a->n_slots, a->n);
+}
+
+/* x's n_tok rows quantised into xq (32-value blocks), where the weights are quantised. */
+static void quantize(int type, const float *x, int64_t n_tok, int64_t n, act_block *xq, cudaStream_t stream) {
+    if (is_float(type)) return;
+    int64_t n_blocks = n_tok * n / 32;
+    quantize_acts<<<(unsigned)((n_blocks + 7) / 8), 8 * WARP, 0, stream>>>(x, xq, n_blocks);
 }
 
 template <int T> static cudaError_t launch_matmul(const strata_dev_matmul_args *a, act_block *xq, cudaStream_t stream) {
     dim3 grid((unsigned)((a->rows + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK), (unsigned)((a->n_tok + TOKENS - 1) / TOKENS));
-    const uint8_t *w = (const uint8_t *)a->w;
-    if constexpr (T == STRATA_TYPE_F32 || T == STRATA_TYPE_F16 || T == STRATA_TYPE_BF16) {
-        matmul_half_kernel<T><<<grid, ROWS_PER_BLOCK * WARP, 0, stream>>>(w, a->row_bytes, a->n, a->x, a->y, a->rows,
-                                                                          a->n_tok);
-    } else {
-        int64_t n_blocks = a->n_tok * a->n / 32;
-        quantize_acts<<<(unsigned)((n_blocks + 7) / 8), 8 * WARP, 0, stream>>>(a->x, xq, n_blocks);
-        matmul_q8_kernel<T><<<grid, ROWS_PER_BLOCK * WARP, 0, stream>>>(w, a->row_bytes, a->n, xq, a->y, a->rows,
-                                                                        a->n_tok);
-    }
+    quantize(T, a->x, a->n_tok, a->n, xq, stream);
+    matmul_kernel<T><<<grid, ROWS_PER_BLOCK * WARP, 0, stream>>>((const uint8_t *)a->w, a->row_bytes, a->n, a->x, xq,
+                                                                 a->y, a->rows, a->n_tok);
+    return cudaGetLastError();
+}
+
+template <int T>
+static cudaError_t launch_moe_matmul(const strata_dev_moe_matmul_args *a, act_block *xq, cudaStream_t stream) {
+    dim3 grid((unsigned)((a->rows + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK), (unsigned)a->n_expert,
+              (unsigned)((a->max_rows + TOKENS - 1) / TOKENS));
+    quantize(T, a->x, a->n_slots, a->n, xq, stream);
+    moe_matmul_kernel<T><<<grid, ROWS_PER_BLOCK * WARP, 0, stream>>>(*a, xq);
     return cudaGetLastError();
 }
 
 cudaError_t matmul(const strata_dev_matmul_args *a, void *scratch, cudaStream_t stream) {
-    act_block *xq = (act_block *)scratch;
-    switch (a->type) {
-    case STRATA_TYPE_F32: return launch_matmul<STRATA_TYPE_F32>(a, xq, stream);
-    case STRATA_TYPE_F16: return launch_matmul<STRATA_TYPE_F16>(a, xq, stream);
-    case STRATA_TYPE_BF16: return launch_matmul<STRATA_TYPE_BF16>(a, xq, stream);
-    case STRATA_TYPE_Q8_0: return launch_matmul<STRATA_TYPE_Q8_0>(a, xq, stream);
-    case STRATA_TYPE_Q4_K: return launch_matmul<STRATA_TYPE_Q4_K>(a, xq, stream);
-    case STRATA_TYPE_Q5_K: return launch_matmul<STRATA_TYPE_Q5_K>(a, xq, stream);
-    case STRATA_TYPE_Q6_K: return launch_matmul<STRATA_TYPE_Q6_K>(a, xq, stream);
-    case STRATA_TYPE_IQ4_XS: return launch_matmul<STRATA_TYPE_IQ4_XS>(a, xq, stream);
-    case STRATA_TYPE_MXFP4: return launch_matmul<STRATA_TYPE_MXFP4>(a, xq, stream);
-    default: return cudaErrorInvalidValue;
+    return by_type(a->type, [&](auto t) { return launch_matmul<decltype(t)::value>(a, (act_block *)scratch, stream); });
+}
+
+cudaError_t moe_matmul(const strata_dev_moe_matmul_args *a, void *scratch, cudaStream_t stream) {
+    return by_type(a->type,
+                   [&](auto t) { return launch_moe_matmul<decltype(t)::value>(a, (act_block *)scratch, stream); });
+}
+
+// --- a layer's slots grouped by expert: one block counts each expert's slots, places them (each expert's in
+// token order: a thread per expert scans the slots in order), then a thread per value gathers the rows
+
+constexpr int GROUP_THREADS = 256;
+
+__global__ void moe_group_kernel(strata_dev_moe_group_args a) {
+    int n_slots = a.n_tok * a.k;
+    for (int e = threadIdx.x; e < a.n_expert; e += GROUP_THREADS) {
+        int c = 0;
+        for (int s = 0; s < n_slots; s++) c += a.ids[s] == e;
+        a.count[e] = c;
     }
+    __syncthreads();
+    if (threadIdx.x == 0) {  // each expert's first place: the counts before it (n_expert is a few hundred at most)
+        for (int e = 0, at = 0; e < a.n_expert; e++) {
+            a.first[e] = at;
+            at += a.count[e];
+        }
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < a.n_expert; e += GROUP_THREADS) {
+        int at = a.first[e], end = at + a.count[e];
+        for (int s = 0; s < n_slots && at < end; s++)
+            if (a.ids[s] == e) a.slot_of[s] = at++;
+    }
+}
+
+__global__ void gather_rows_kernel(strata_dev_moe_group_args a) {
+    int64_t o = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+    if (o >= (int64_t)a.n_tok * a.k * a.n) return;
+    int64_t s = o / a.n, i = o % a.n;
+    a.x_out[a.slot_of[s] * a.n + i] = a.x[s / a.k * a.n + i];
+}
+
+cudaError_t moe_group(const strata_dev_moe_group_args *a, cudaStream_t stream) {
+    int64_t values = (int64_t)a->n_tok * a->k * a->n;
+    moe_group_kernel<<<1, GROUP_THREADS, 0, stream>>>(*a);
+    gather_rows_kernel<<<(unsigned)((values + 255) / 256), 256, 0, stream>>>(*a);
+    return cudaGetLastError();
 }
 
 // --- RMS norm: a block of 256 threads per row

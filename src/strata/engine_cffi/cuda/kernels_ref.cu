@@ -29,18 +29,7 @@ template <int T> static cudaError_t launch_matmul_ref(const strata_dev_matmul_ar
 }
 
 cudaError_t matmul_ref(const strata_dev_matmul_args *a, cudaStream_t stream) {
-    switch (a->type) {
-    case STRATA_TYPE_F32: return launch_matmul_ref<STRATA_TYPE_F32>(a, stream);
-    case STRATA_TYPE_F16: return launch_matmul_ref<STRATA_TYPE_F16>(a, stream);
-    case STRATA_TYPE_BF16: return launch_matmul_ref<STRATA_TYPE_BF16>(a, stream);
-    case STRATA_TYPE_Q8_0: return launch_matmul_ref<STRATA_TYPE_Q8_0>(a, stream);
-    case STRATA_TYPE_Q4_K: return launch_matmul_ref<STRATA_TYPE_Q4_K>(a, stream);
-    case STRATA_TYPE_Q5_K: return launch_matmul_ref<STRATA_TYPE_Q5_K>(a, stream);
-    case STRATA_TYPE_Q6_K: return launch_matmul_ref<STRATA_TYPE_Q6_K>(a, stream);
-    case STRATA_TYPE_IQ4_XS: return launch_matmul_ref<STRATA_TYPE_IQ4_XS>(a, stream);
-    case STRATA_TYPE_MXFP4: return launch_matmul_ref<STRATA_TYPE_MXFP4>(a, stream);
-    default: return cudaErrorInvalidValue;
-    }
+    return by_type(a->type, [&](auto t) { return launch_matmul_ref<decltype(t)::value>(a, stream); });
 }
 
 // --- RMS norm: one thread per row
@@ -390,6 +379,56 @@ __global__ void vit_attention_ref_kernel(strata_dev_vit_attention_args a) {
 cudaError_t vit_attention_ref(const strata_dev_vit_attention_args *a, cudaStream_t stream) {
     vit_attention_ref_kernel<<<blocks_for((int64_t)a->n_tok * a->n_head * a->head_dim, 128), 128, 0, stream>>>(*a);
     return cudaGetLastError();
+}
+
+// --- a layer's routed experts: the grouping by one thread (a counting sort), the rows gathered a thread per
+// slot; each expert's product one thread per output, finding its expert by the runs
+
+__global__ void moe_group_ref_kernel(strata_dev_moe_group_args a) {
+    int n_slots = a.n_tok * a.k;
+    for (int e = 0; e < a.n_expert; e++) a.count[e] = 0;
+    for (int s = 0; s < n_slots; s++) a.count[a.ids[s]]++;
+    for (int e = 0, at = 0; e < a.n_expert; e++) {
+        a.first[e] = at;
+        at += a.count[e];
+    }
+    for (int s = 0; s < n_slots; s++) {  // each expert's slots in token order: the slots before it of its expert
+        int before = 0;
+        for (int j = 0; j < s; j++) before += a.ids[j] == a.ids[s];
+        a.slot_of[s] = a.first[a.ids[s]] + before;
+    }
+}
+
+__global__ void gather_rows_ref_kernel(strata_dev_moe_group_args a) {
+    int64_t s = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+    if (s >= (int64_t)a.n_tok * a.k) return;
+    for (int64_t i = 0; i < a.n; i++) a.x_out[a.slot_of[s] * a.n + i] = a.x[s / a.k * a.n + i];
+}
+
+cudaError_t moe_group_ref(const strata_dev_moe_group_args *a, cudaStream_t stream) {
+    moe_group_ref_kernel<<<1, 1, 0, stream>>>(*a);
+    gather_rows_ref_kernel<<<blocks_for((int64_t)a->n_tok * a->k, 64), 64, 0, stream>>>(*a);
+    return cudaGetLastError();
+}
+
+template <int T> __global__ void moe_matmul_ref_kernel(strata_dev_moe_matmul_args a) {
+    int64_t o = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+    if (o >= a.n_slots * a.rows) return;
+    int64_t r = o % a.rows, s = o / a.rows;
+    for (int e = 0; e < a.n_expert; e++) {
+        if (s < a.first[e] || s >= a.first[e] + a.count[e]) continue;
+        const uint8_t *row = (const uint8_t *)a.slots[e] + a.offset + r * a.row_bytes;
+        double acc = 0.0;
+        for (int64_t i = 0; i < a.n; i++) acc += (double)value_at<T>(row, i) * a.x[s * a.n + i];
+        a.y[s * a.rows + r] = (float)acc;
+    }
+}
+
+cudaError_t moe_matmul_ref(const strata_dev_moe_matmul_args *a, cudaStream_t stream) {
+    return by_type(a->type, [&](auto t) {
+        moe_matmul_ref_kernel<decltype(t)::value><<<blocks_for(a->n_slots * a->rows, 128), 128, 0, stream>>>(*a);
+        return cudaGetLastError();
+    });
 }
 
 }  // namespace strata_cuda
