@@ -356,7 +356,10 @@ class Speculation:
     """
 
     DECAY = 0.95
-    PRIOR_DRAFT_COST = 0.15  # a draft token's cost, as a share of the plain step, before it is measured
+    # a draft token's cost, as a share of the plain step, before it is measured (again: `StepBudget.VERIFY_MEMORY`):
+    # a source right less often than this drafts nothing to measure it, as on free text, where every measuring draft
+    # of a recurrent model costs a step more when it is wrong
+    PRIOR_DRAFT_COST = 0.5
     MIN_PREDICTED = 4
     PREDICTED_RATE = 0.5  # the prior's rate: a prediction drafts from its first step
     MAX_SHADOW_EVERY = 128
