@@ -684,6 +684,24 @@ def _timed(dev: Device, case: Case, runs: int) -> float:
         free_args(dev, args)
 
 
+def copy_bandwidth(dev: Device, nbytes: int, runs: int = 5) -> float:
+    """Bytes a second that a copy of `nbytes` from one place of the device to another moves, each byte read once and
+    written once (2 nbytes a copy), timed by the device's events: the mean of `runs` after a warm-up."""
+    src, dst = dev.alloc(nbytes), dev.alloc(nbytes)
+    try:
+        dev.memset(src, 1, nbytes)
+        dev.copy(dst, src, nbytes)
+        start = dev.record()
+        for _ in range(runs):
+            dev.copy(dst, src, nbytes)
+        end = dev.record()
+        dev.event_sync(end)
+        return 2 * nbytes * runs / max(dev.elapsed_ms(start, end) / 1e3, 1e-9)
+    finally:
+        dev.free(src)
+        dev.free(dst)
+
+
 def within(case: Case, fast: np.ndarray, other: np.ndarray, reference: bool = False) -> bool:
     if case.exact is not None and not case.exact(fast, other):
         return False
