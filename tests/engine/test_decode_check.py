@@ -20,40 +20,47 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> decode_check.Report:
 
 def test_the_table_has_every_layout_at_one_and_four_sequences(report: decode_check.Report) -> None:
     lines = decode_check.format_table(report).splitlines()
-    assert lines[2].startswith("| layout | seqs | tok/s |") and len(lines) == 4 + 2 * len(decode_check.LAYOUTS)
-    for (layout, _), pair in zip(decode_check.LAYOUTS, np.reshape(lines[4:], (-1, 2)), strict=True):
-        assert [line.split(" | ")[:2] for line in pair] == [[f"| {layout}", "1"], [f"| {layout}", "4"]]
+    assert lines[2].startswith("| model | layout | seqs | tok/s |")
+    want = [[f"| {m.arch}", layout, n] for m in PLAN.models for layout, _ in decode_check.LAYOUTS for n in ("1", "4")]
+    assert [line.split(" | ")[:3] for line in lines[4:]] == want
     assert all(r.tok_s > 0 for r in report.rows) and report.bandwidth > 0
-    by_layout = {(r.layout, r.n_seq): r for r in report.rows}
+    by_layout = {(r.model, r.layout, r.n_seq): r for r in report.rows}
     (cpu, _), (resident, _), (capped, _), (none, _) = decode_check.LAYOUTS
-    for n_seq in (1, 4):
-        assert by_layout[cpu, n_seq].hit_rate is None and by_layout[cpu, n_seq].vs_cpu == 1.0
-        assert by_layout[resident, n_seq].hit_rate == 1.0 and by_layout[none, n_seq].hit_rate == 0.0
-        assert 0.0 < (by_layout[capped, n_seq].hit_rate or 0.0) < 1.0
-        with_bound = [r.layout for r in report.rows if r.n_seq == n_seq and r.of_bound is not None]
+    for arch, n_seq in ((m.arch, n) for m in PLAN.models for n in (1, 4)):
+        assert by_layout[arch, cpu, n_seq].hit_rate is None and by_layout[arch, cpu, n_seq].vs_cpu == 1.0
+        assert by_layout[arch, resident, n_seq].hit_rate == 1.0 and by_layout[arch, none, n_seq].hit_rate == 0.0
+        assert 0.0 < (by_layout[arch, capped, n_seq].hit_rate or 0.0) < 1.0
+        with_bound = [r.layout for r in report.rows if (r.model, r.n_seq) == (arch, n_seq) and r.of_bound is not None]
         assert with_bound == [resident]
 
 
-def test_a_steps_bytes_are_the_files_tensors(report: decode_check.Report) -> None:
-    """Every weight but the embeddings and the routed experts, k experts a layer for one sequence (between k and
-    4 k for four), and the f16 K and V rows each token attends to."""
-    hp = hparams_for("qwen3moe", PLAN.size, **PLAN.overrides)
-    tensors = GGUFReader(report.path).tensors
-    dense = sum(int(t.n_bytes) for t in tensors if "_exps" not in t.name and t.name != "token_embd.weight")
-    expert = sum(int(t.n_bytes) for t in tensors if "_exps" in t.name) // (hp.n_layer * hp.n_expert)
-    kv_row = 2 * hp.n_head_kv * hp.head_dim * 2 * hp.n_layer  # K and V, f16, every layer
+@pytest.mark.parametrize("index", range(len(PLAN.models)))
+def test_a_steps_bytes_are_the_files_tensors(report: decode_check.Report, index: int) -> None:
+    """Every weight of the layers a step runs but the embeddings and the routed experts, k experts a layer for one
+    sequence (between k and 4 k for four), the f16 K and V rows each token attends to in the attention layers, and
+    a hybrid's recurrent state read and written."""
+    model = PLAN.models[index]
+    hp = hparams_for(model.arch, model.size, **model.overrides)
+    tensors = GGUFReader(report.paths[index]).tensors
+    mtp = tuple(f"blk.{hp.n_layer + i}." for i in range(hp.n_nextn))
+    weights = {t.name: int(t.n_bytes) for t in tensors if not t.name.startswith(mtp)}
+    dense = sum(n for name, n in weights.items() if "_exps" not in name and name != "token_embd.weight")
+    expert = sum(n for name, n in weights.items() if "_exps" in name) // (hp.n_layer * hp.n_expert)
+    kv_row = 2 * hp.n_head_kv * hp.head_dim * 2 * (hp.n_layer - sum(hp.recurrent_layers()))  # K and V, f16
+    conv = 2 * hp.ssm_group_count * hp.ssm_state_size + hp.ssm_inner_size
+    state = 4 * sum(hp.recurrent_layers()) * ((hp.ssm_conv_kernel - 1) * conv
+                                              + hp.ssm_time_step_rank * hp.ssm_state_size ** 2)
 
-    def kv(positions: list[int]) -> int:
-        return sum(p + 1 for p in positions) * kv_row
+    def other(positions: list[int]) -> int:
+        return sum(p + 1 for p in positions) * kv_row + 2 * state * len(positions)
 
     first = PLAN.prompt + PLAN.warmup
-    one = [kv([first + i]) for i in range(PLAN.steps)]
-    want = dense + hp.n_layer * hp.n_expert_used * expert + np.mean(one)
+    want = dense + hp.n_layer * hp.n_expert_used * expert + np.mean([other([first + i]) for i in range(PLAN.steps)])
     resident = decode_check.LAYOUTS[1][0]
-    rows = {r.n_seq: r for r in report.rows if r.layout == resident}
+    rows = {r.n_seq: r for r in report.rows if (r.model, r.layout) == (model.arch, resident)}
     assert rows[1].step_bytes == pytest.approx(want, rel=1e-12)
     later = first + PLAN.steps + PLAN.warmup  # sequence 0 goes on; the others start after their prompts
-    four = np.mean([kv([later + i] + [first + i] * 3) for i in range(PLAN.steps)])
+    four = np.mean([other([later + i] + [first + i] * 3) for i in range(PLAN.steps)])
     fewest = dense + hp.n_layer * hp.n_expert_used * expert + four
     most = dense + hp.n_layer * min(4 * hp.n_expert_used, hp.n_expert) * expert + four
     assert fewest <= (rows[4].step_bytes or 0) <= most
@@ -63,5 +70,5 @@ def test_a_steps_bytes_are_the_files_tensors(report: decode_check.Report) -> Non
 def test_main_prints_the_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert decode_check.main(["--device", "host", "--quick"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("decode check: host, qwen3moe tiny q8_0")
-    assert out.count("\n| ") == 1 + 2 * len(decode_check.LAYOUTS)  # the header and the rows
+    assert out.startswith("decode check: host; qwen3moe tiny q8_0")
+    assert out.count("\n| ") == 1 + 2 * len(decode_check.LAYOUTS) * len(PLAN.models)  # the header and the rows

@@ -1,8 +1,8 @@
 """Decode speed of the device backend against the card's memory-bandwidth bound and the CPU engine, as one table
 (`scripts/gpu-check.sh`).
 
-A generated qwen3moe model (Q8_0) decodes greedily after a short prompt, one sequence and then four at once, in
-four layouts on the same machine:
+A generated qwen3moe model and a qwen35moe one (Q8_0) decode greedily after a short prompt, one sequence and then
+four at once, in four layouts on the same machine:
 
 - the CPU engine alone (`Engine.load`, every core);
 - every routed expert held on the card (`DeviceEngine.open(..., resident=True)`: each step queued at once);
@@ -14,14 +14,17 @@ four layouts on the same machine:
 Each layout runs `warmup` steps before its `steps` timed ones. The bound of a fully-on-card step is the bytes it
 must read over the card's bandwidth: every weight on the card but the routed experts (the token embeddings are
 looked up in RAM), the routed experts the step's tokens chose (each layer's distinct ones, from the routing the
-run recorded) and the KV rows its tokens attend to; activations are left out. The bandwidth is a device-to-device
+run recorded), the KV rows its tokens attend to and a hybrid's recurrent state (read and written); activations
+are left out. The bandwidth is a device-to-device
 copy's, measured here (`device_check.copy_bandwidth`: bytes read plus bytes written); the card's nominal one (its
 memory clock and bus width) is printed beside it. Figures are reported, not asserted: the check fails only on an
 error.
 
-The full model is a scaled-down Qwen3-MoE with wide layers (4 layers of width 4096, 12 experts of 3072, top-4:
-about 2.1 GB, some 0.8 GB read by a step of one sequence), so that a step on a card moves enough bytes to be
-bound by its memory rather than by its launches; `--quick` runs the tiny model on the host device in seconds.
+The full models have few wide layers, so that a step on a card moves enough bytes to be bound by its memory
+rather than by its launches: the qwen3moe 4 layers of width 4096 with 12 experts of 3072, top-4 (2009 MiB,
+785 MiB read by a step of one sequence); the qwen35moe 3 Gated DeltaNet layers and one of gated attention of
+width 4096, 12 experts of 1024, top-4, and a shared one, without an MTP block. `--quick` runs the tiny models
+on the host device in seconds.
 
     python -m strata.engine_cffi.decode_check --device cuda     # the full model (on a GPU)
     python -m strata.engine_cffi.decode_check --device host --quick
@@ -48,17 +51,29 @@ from strata.experts.trace import read_trace
 from strata.gguf_file import GGUFFile, read_metadata
 from strata.modelgen.writer import write_random_model
 
-ARCH, DTYPE, KV = "qwen3moe", "q8_0", "f16"
+DTYPE, KV = "q8_0", "f16"
 N_SEQ = 4  # the sequences of the second part of each run (the first decodes sequence 0 alone)
 N_BATCH = 64
 
 
 @dataclass(frozen=True)
-class Plan:
-    """The model and the run: `prompt` tokens a sequence, `warmup` untimed decode steps then `steps` timed ones."""
+class Model:
+    """A generated model: `write_random_model`'s architecture and size with `overrides`."""
 
+    arch: str
     size: str
-    overrides: dict[str, Any]
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+    def describe(self, path: Path) -> str:
+        shape = "".join(f", {k} {v}" for k, v in self.overrides.items())
+        return f"{self.arch} {self.size} {DTYPE} ({path.stat().st_size / 2**20:.0f} MiB{shape})"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The models and the run: `prompt` tokens a sequence, `warmup` untimed decode steps then `steps` timed ones."""
+
+    models: tuple[Model, ...]
     prompt: int
     warmup: int
     steps: int
@@ -69,9 +84,15 @@ class Plan:
         return self.prompt + 2 * (self.warmup + self.steps)
 
 
-FULL = Plan("medium", dict(n_layer=4, n_embd=4096, n_head=32, n_head_kv=8, head_dim=128, n_expert=12,
-                           n_expert_used=4, n_ff_exp=3072), prompt=32, warmup=16, steps=32, copy_bytes=1 << 30)
-QUICK = Plan("tiny", {}, prompt=8, warmup=4, steps=8, copy_bytes=8 << 20)
+# Wide layers, so that a step on a card reads enough bytes to be bound by the card's memory, not its launches; the
+# hybrid's experts are narrower, to keep the two models' writing within a minute. No MTP block: it does not run.
+FULL = Plan((Model("qwen3moe", "medium", dict(n_layer=4, n_embd=4096, n_head=32, n_head_kv=8, head_dim=128,
+                                               n_expert=12, n_expert_used=4, n_ff_exp=3072)),
+             Model("qwen35moe", "medium", dict(n_layer=4, n_embd=4096, n_expert=12, n_expert_used=4, n_ff_exp=1024,
+                                                n_ff_shexp=1024, n_nextn=0))),
+            prompt=32, warmup=16, steps=32, copy_bytes=1 << 30)
+QUICK = Plan((Model("qwen3moe", "tiny"), Model("qwen35moe", "tiny")), prompt=8, warmup=4, steps=8,
+             copy_bytes=8 << 20)
 # (name, capacity): None the CPU engine; -1 every expert, resident; 0 none; a fraction of every expert otherwise
 LAYOUTS: tuple[tuple[str, float | None], ...] = (
     ("CPU engine", None), ("every expert on the card", -1), ("a third of the experts cached", 1 / 3),
@@ -88,32 +109,43 @@ class ModelBytes:
     dense: int                # every weight on the card but the routed experts
     expert: tuple[int, ...]   # one routed expert (gate, up, down) of each layer
     kv_position: int          # one position's K and V rows of one layer (every KV head)
-    n_layer: int              # attention layers, each with its KV rows
+    kv_layers: int            # the attention layers, each with its KV rows
+    state: int                # one sequence's recurrent state (a hybrid's), read and written by each step
 
     def step(self, positions: Sequence[int], used: Sequence[int]) -> int:
-        """The bytes of a step whose tokens sit at `positions` (each attends to its own and those before it) and
-        whose layers chose `used[il]` distinct experts."""
-        kv_rows = sum(p + 1 for p in positions) * self.n_layer
-        return self.dense + sum(n * b for n, b in zip(used, self.expert, strict=True)) + kv_rows * self.kv_position
+        """The bytes of a decode step (a token a sequence) whose tokens sit at `positions` (each attends to its
+        own and those before it) and whose layers chose `used[il]` distinct experts."""
+        kv_rows = sum(p + 1 for p in positions) * self.kv_layers
+        experts = sum(n * b for n, b in zip(used, self.expert, strict=True))
+        return self.dense + experts + kv_rows * self.kv_position + 2 * self.state * len(positions)
 
 
-def model_bytes(path: Path, kv: str) -> ModelBytes:
+def trunk(meta: dict[str, Any], arch: str) -> tuple[int, int]:
+    """The layers a step runs (an MTP block's are not) and the experts a layer has."""
+    return (int(meta[f"{arch}.block_count"]) - int(meta.get(f"{arch}.nextn_predict_layers", 0)),
+            int(meta[f"{arch}.expert_count"]))
+
+
+def model_bytes(path: Path, kv: str, state: int) -> ModelBytes:
+    """The parts of a step of the model in `path`, with a KV cache of type `kv` and `state` bytes of recurrent
+    state a sequence (the engine's `state_bytes`)."""
     with GGUFFile(path) as file:
         meta, sizes = file.metadata, {t.name: t.n_bytes for t in file.tensors}
+    arch = str(meta["general.architecture"])
+    n_layer, n_expert = trunk(meta, arch)
 
-    def key(name: str, default: Any = 0) -> int:
-        return int(meta.get(f"{ARCH}.{name}", default))
+    def key(name: str) -> int:
+        return int(meta[f"{arch}.{name}"])
 
-    n_layer, n_expert = key("block_count") - key("nextn_predict_layers"), key("expert_count")
-    head_kv = key("attention.head_count_kv") * key("attention.key_length", key("embedding_length")
-                                                    // key("attention.head_count"))
+    recurrent = list(meta.get(f"{arch}.attention.recurrent_layers", [False] * n_layer))[:n_layer]
+    head_kv = key("attention.head_count_kv") * key("attention.key_length")
     tied = "output.weight" not in sizes  # the head is the embeddings, read on the card
     routed = {name for name in sizes if name.endswith("_exps.weight")}
-    trunk = {name for name in sizes if not name.startswith("blk.") or int(name.split(".")[1]) < n_layer}
-    dense = sum(sizes[name] for name in trunk - routed if name != "token_embd.weight" or tied)
+    steps = {name for name in sizes if not name.startswith("blk.") or int(name.split(".")[1]) < n_layer}
+    dense = sum(sizes[name] for name in steps - routed if name != "token_embd.weight" or tied)
     expert = tuple(sum(sizes[f"blk.{il}.ffn_{m}_exps.weight"] for m in ("gate", "up", "down")) // n_expert
                    for il in range(n_layer))
-    return ModelBytes(dense, expert, 2 * head_kv * KV_ELEM[kv], n_layer)
+    return ModelBytes(dense, expert, 2 * head_kv * KV_ELEM[kv], n_layer - sum(map(bool, recurrent)), state)
 
 
 # --- timed decoding
@@ -165,6 +197,7 @@ def _counts(engine: Engine) -> dict[str, int]:
 
 @dataclass(frozen=True)
 class Row:
+    model: str                # the architecture
     layout: str
     n_seq: int
     tok_s: float
@@ -179,69 +212,77 @@ class Row:
 @dataclass(frozen=True)
 class Report:
     device: str
-    path: Path        # the generated model
-    model: str
-    bandwidth: float  # bytes a second, a device-to-device copy's
-    nominal: float    # the card's memory clock times its bus width (0 unknown)
+    paths: list[Path]   # the generated models
+    models: list[str]   # each one described
+    bandwidth: float    # bytes a second, a device-to-device copy's
+    nominal: float      # the card's memory clock times its bus width (0 unknown)
     rows: list[Row]
 
 
 def run(kind: str, plan: Plan, folder: Path) -> Report:
-    """Generate the model, measure the copy bandwidth, time every layout (see the module's docstring).
+    """Measure the copy bandwidth, then generate each model and time every layout (see the module's docstring).
 
     Raises:
         DeviceUnavailable: cuda, and no CUDA library was built or no GPU is there.
     """
-    path = write_random_model(folder / f"{ARCH}-{plan.size}-{DTYPE}.gguf", arch=ARCH, size=plan.size, dtype=DTYPE,
-                              vocab="bytes", **plan.overrides)
     with Device(kind) as dev:
         name, nominal, bandwidth = dev.name, dev.bandwidth, copy_bandwidth(dev, plan.copy_bytes)
-    sizes = model_bytes(path, KV)
-    every = sizes.n_layer * int(read_metadata(path)[f"{ARCH}.expert_count"])
+    paths, rows = [], []
+    for model in plan.models:
+        paths.append(write_random_model(folder / f"{model.arch}-{model.size}-{DTYPE}.gguf", arch=model.arch,
+                                        size=model.size, dtype=DTYPE, vocab="bytes", **model.overrides))
+        rows += run_model(kind, model.arch, paths[-1], plan, bandwidth, folder)
+    return Report(name, paths, [m.describe(p) for m, p in zip(plan.models, paths, strict=True)], bandwidth, nominal,
+                  rows)
+
+
+def run_model(kind: str, arch: str, path: Path, plan: Plan, bandwidth: float, folder: Path) -> list[Row]:
+    """Every layout's rows for the model in `path`."""
+    n_layer, n_expert = trunk(read_metadata(path), arch)
     rows: list[Row] = []
     cpu_tok_s: dict[int, float] = {}
     for layout, share in LAYOUTS:
-        trace = folder / "routing.trace" if share == -1 else None
+        trace = folder / f"{arch}.trace" if share == -1 else None
         if share is None:
             engine: Engine = Engine.load(path, n_ctx=plan.n_ctx, n_batch=N_BATCH, n_seq=N_SEQ, kv=KV)
         else:
-            capacity = every if share == -1 else int(every * share)
+            capacity = n_layer * n_expert if share == -1 else int(n_layer * n_expert * share)
             engine = DeviceEngine.open(path, open_device(kind, None), n_ctx=plan.n_ctx, n_batch=N_BATCH, n_seq=N_SEQ,
                                        kv=KV, record_routing=trace, capacity=capacity, resident=share == -1 or None)
         with engine:
             parts = decode(engine, plan)
-        steps = read_trace(trace).steps() if trace else None
-        used = {group[0].step: [len(record.used()) for record in group] for group in steps} if steps else {}
+        used, sizes = {}, None
+        if trace:  # each step's distinct experts a layer, as the run chose them
+            used = {group[0].step: [len(record.used()) for record in group] for group in read_trace(trace).steps()}
+            sizes = model_bytes(path, KV, engine.state_bytes)
         for part in parts:
             tok_s = part.n_seq * plan.steps / part.seconds
             cpu_tok_s.setdefault(part.n_seq, tok_s)
             hits, misses = part.counts.get("hits", 0), part.counts.get("misses", 0)
             step_bytes = bound = None
-            if used:
+            if sizes:
                 step_bytes = float(np.mean([sizes.step(pos, used[part.first_step + i])
                                             for i, pos in enumerate(part.positions)]))
                 bound = part.n_seq * bandwidth / step_bytes
-            rows.append(Row(layout, part.n_seq, tok_s, 1e3 * part.seconds / plan.steps, tok_s / cpu_tok_s[part.n_seq],
-                            hits / (hits + misses) if part.counts else None, step_bytes, bound,
-                            tok_s / bound if bound else None))
-    size_mb = path.stat().st_size / 2**20
-    model = (f"{ARCH} {plan.size} {DTYPE} ({size_mb:.0f} MiB; " + ", ".join(f"{k} {v}" for k, v in
-                                                                          plan.overrides.items())).rstrip("; ") + ")"
-    return Report(name, path, model, bandwidth, nominal, rows)
+            rows.append(Row(arch, layout, part.n_seq, tok_s, 1e3 * part.seconds / plan.steps,
+                            tok_s / cpu_tok_s[part.n_seq], hits / (hits + misses) if part.counts else None,
+                            step_bytes, bound, tok_s / bound if bound else None))
+    return rows
 
 
 def format_table(report: Report) -> str:
     nominal = f"{report.nominal / 1e9:.0f} GB/s" if report.nominal else "unknown"
-    lines = [f"decode check: {report.device}, {report.model}, KV {KV}",
+    lines = [f"decode check: {report.device}; {'; '.join(report.models)}; KV {KV}",
              f"memory bandwidth {report.bandwidth / 1e9:.0f} GB/s by a device-to-device copy (nominal {nominal})",
-             "| layout | seqs | tok/s | ms/step | vs CPU engine | hit rate | MiB read/step | bound tok/s | of bound |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| model | layout | seqs | tok/s | ms/step | vs CPU engine | hit rate | MiB read/step | bound tok/s "
+             "| of bound |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
 
     def opt(value: float | None, fmt: str, scale: float = 1.0, unit: str = "") -> str:
         return "-" if value is None else format(value * scale, fmt) + unit
 
     for r in report.rows:
-        lines.append(f"| {r.layout} | {r.n_seq} | {r.tok_s:.1f} | {r.ms_step:.2f} | {r.vs_cpu:.2f}x | "
+        lines.append(f"| {r.model} | {r.layout} | {r.n_seq} | {r.tok_s:.1f} | {r.ms_step:.2f} | {r.vs_cpu:.2f}x | "
                      f"{opt(r.hit_rate, '.0f', 100, '%')} | {opt(r.step_bytes, '.1f', 2**-20)} | "
                      f"{opt(r.bound_tok_s, '.0f')} | {opt(r.of_bound, '.0f', 100, '%')} |")
     return "\n".join(lines)
@@ -251,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m strata.engine_cffi.decode_check",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("host", "cuda"), default="cuda")
-    parser.add_argument("--quick", action="store_true", help="the tiny model and a short run")
+    parser.add_argument("--quick", action="store_true", help="the tiny models and a short run")
     args = parser.parse_args(argv)
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="strata-decode-check-") as folder:
