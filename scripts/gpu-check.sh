@@ -8,18 +8,18 @@
 #      half the experts, then every expert held: the model fully on the card, each step resident, queued at once;
 #      qwen35moe with its MTP block's drafts) against the CPU engine on generated models
 #      (strata.engine_cffi.backend_check);
-#   3. time decode (one sequence, then four) of a generated qwen3moe model of about 2 GB (Q8_0) on the CPU engine
-#      alone, on the card with every expert held, with an expert cache of a third of the experts (paced uploads,
-#      warmed up) and with none (every routed expert on the CPU's threads: llama.cpp's --n-cpu-moe layout), and
-#      print one table: tok/s, each against the CPU engine, the cache's hit rate, and for the model fully on the
-#      card the bytes a step reads and the fraction of the bound those bytes set at the bandwidth of a
-#      device-to-device copy (strata.engine_cffi.decode_check; figures only, it fails only on an error);
+#   3. time decode (one sequence, then four) of generated qwen3moe and qwen35moe models (Q8_0, 2.0 and 0.8 GiB) on
+#      the CPU engine alone, on the card with every expert held, with an expert cache of a third of the experts
+#      (paced uploads, warmed up) and with none (every routed expert on the CPU's threads: llama.cpp's --n-cpu-moe
+#      layout), and print one table: tok/s, each against the CPU engine, the cache's hit rate, and for the models
+#      fully on the card the bytes a step reads and the fraction of the bound those bytes set at the bandwidth of
+#      a device-to-device copy (strata.engine_cffi.decode_check; figures only, it fails only on an error);
 #   4. encode a picture through the real `strata-vision --gpu` process and the CPU encoder, the demo encoder and a
 #      generated small one (1000 rows), and print their rows' difference and times (strata.vision.gpu_check).
 # Exits non-zero when a kernel or the backend is outside its tolerance (or nothing could run, or a check failed
 # with an error).
 #
-#   ./scripts/gpu-check.sh              the full shapes, the small models and the decode model (a few minutes)
+#   ./scripts/gpu-check.sh              the full shapes, the small models and the decode models (a few minutes)
 #   ./scripts/gpu-check.sh --quick      the test suite's small shapes, the tiny models and the demo encoder alone
 #
 # Python: the .venv of ./scripts/test.sh's set-up when there is one, else python3 with the project's dependencies
