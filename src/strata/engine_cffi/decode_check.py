@@ -15,10 +15,9 @@ Each layout runs `warmup` steps before its `steps` timed ones. The bound of a fu
 must read over the card's bandwidth: every weight on the card but the routed experts (the token embeddings are
 looked up in RAM), the routed experts the step's tokens chose (each layer's distinct ones, from the routing the
 run recorded), the KV rows its tokens attend to and a hybrid's recurrent state (read and written); activations
-are left out. The bandwidth is a device-to-device
-copy's, measured here (`device_check.copy_bandwidth`: bytes read plus bytes written); the card's nominal one (its
-memory clock and bus width) is printed beside it. Figures are reported, not asserted: the check fails only on an
-error.
+are left out. The bandwidth is a device-to-device copy's, measured here (`device_check.copy_bandwidth`: bytes
+read plus bytes written); the card's nominal one (its memory clock and bus width) is printed beside it. Figures
+are reported, not asserted: the check fails only on an error.
 
 The full models have few wide layers, so that a step on a card moves enough bytes to be bound by its memory
 rather than by its launches: the qwen3moe 4 layers of width 4096 with 12 experts of 3072, top-4 (2009 MiB,
@@ -26,7 +25,7 @@ rather than by its launches: the qwen3moe 4 layers of width 4096 with 12 experts
 width 4096, 12 experts of 1024, top-4, and a shared one, without an MTP block. `--quick` runs the tiny models
 on the host device in seconds.
 
-    python -m strata.engine_cffi.decode_check --device cuda     # the full model (on a GPU)
+    python -m strata.engine_cffi.decode_check --device cuda     # the full models (on a GPU)
     python -m strata.engine_cffi.decode_check --device host --quick
 """
 
@@ -141,8 +140,8 @@ def model_bytes(path: Path, kv: str, state: int) -> ModelBytes:
     head_kv = key("attention.head_count_kv") * key("attention.key_length")
     tied = "output.weight" not in sizes  # the head is the embeddings, read on the card
     routed = {name for name in sizes if name.endswith("_exps.weight")}
-    steps = {name for name in sizes if not name.startswith("blk.") or int(name.split(".")[1]) < n_layer}
-    dense = sum(sizes[name] for name in steps - routed if name != "token_embd.weight" or tied)
+    stepped = {name for name in sizes if not name.startswith("blk.") or int(name.split(".")[1]) < n_layer}
+    dense = sum(sizes[name] for name in stepped - routed if name != "token_embd.weight" or tied)
     expert = tuple(sum(sizes[f"blk.{il}.ffn_{m}_exps.weight"] for m in ("gate", "up", "down")) // n_expert
                    for il in range(n_layer))
     return ModelBytes(dense, expert, 2 * head_kv * KV_ELEM[kv], n_layer - sum(map(bool, recurrent)), state)
