@@ -228,8 +228,10 @@ def run(kind: str, plan: Plan, folder: Path) -> Report:
         name, nominal, bandwidth = dev.name, dev.bandwidth, copy_bandwidth(dev, plan.copy_bytes)
     paths, rows = [], []
     for model in plan.models:
+        started = time.monotonic()
         paths.append(write_random_model(folder / f"{model.arch}-{model.size}-{DTYPE}.gguf", arch=model.arch,
                                         size=model.size, dtype=DTYPE, vocab="bytes", **model.overrides))
+        print(f"  {model.arch}: written in {time.monotonic() - started:.0f} s", file=sys.stderr)
         rows += run_model(kind, model.arch, paths[-1], plan, bandwidth, folder)
     return Report(name, paths, [m.describe(p) for m, p in zip(plan.models, paths, strict=True)], bandwidth, nominal,
                   rows)
@@ -241,6 +243,7 @@ def run_model(kind: str, arch: str, path: Path, plan: Plan, bandwidth: float, fo
     rows: list[Row] = []
     cpu_tok_s: dict[int, float] = {}
     for layout, share in LAYOUTS:
+        started = time.monotonic()
         trace = folder / f"{arch}.trace" if share == -1 else None
         if share is None:
             engine: Engine = Engine.load(path, n_ctx=plan.n_ctx, n_batch=N_BATCH, n_seq=N_SEQ, kv=KV)
@@ -266,6 +269,8 @@ def run_model(kind: str, arch: str, path: Path, plan: Plan, bandwidth: float, fo
             rows.append(Row(arch, layout, part.n_seq, tok_s, 1e3 * part.seconds / plan.steps,
                             tok_s / cpu_tok_s[part.n_seq], hits / (hits + misses) if part.counts else None,
                             step_bytes, bound, tok_s / bound if bound else None))
+        print(f"  {arch}, {layout}: {' / '.join(f'{r.tok_s:.1f}' for r in rows[-len(parts):])} tok/s "
+              f"({time.monotonic() - started:.0f} s)", file=sys.stderr)
     return rows
 
 
