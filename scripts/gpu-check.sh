@@ -3,7 +3,8 @@
 #   1. run every CUDA kernel against its reference kernel and the CPU engine on realistic shapes (decode and prompt
 #      products of 2048x2048, 4096x11008 and 11008x4096 weights, attention over 4096 positions, the Gated DeltaNet's
 #      convolution, norms and delta rule at Qwen3.5's head shapes, ...) and print one table: numerics, GB/s, and
-#      the fraction of the card's memory bandwidth (strata.engine_cffi.device_check);
+#      the fraction of the card's nominal memory bandwidth, a device-to-device copy's in its header
+#      (strata.engine_cffi.device_check);
 #   2. run the GPU backend's forward pass (qwen3moe, prompt chunks and decode of three sequences, an expert cache of
 #      half the experts, then every expert held: the model fully on the card, each step resident, queued at once;
 #      qwen35moe with its MTP block's drafts) against the CPU engine on generated models

@@ -42,9 +42,8 @@ from typing import Any
 
 import numpy as np
 
-from strata.engine_cffi import BatchItem, Engine
+from strata.engine_cffi import BatchItem, Engine, device_check
 from strata.engine_cffi.device import Device, DeviceUnavailable
-from strata.engine_cffi.device_check import copy_bandwidth
 from strata.engine_cffi.device_engine import KV_ELEM, DeviceEngine, open_device
 from strata.experts.trace import read_trace
 from strata.gguf_file import GGUFFile, read_metadata
@@ -89,9 +88,9 @@ FULL = Plan((Model("qwen3moe", "medium", dict(n_layer=4, n_embd=4096, n_head=32,
                                                n_expert=12, n_expert_used=4, n_ff_exp=3072)),
              Model("qwen35moe", "medium", dict(n_layer=4, n_embd=4096, n_expert=12, n_expert_used=4, n_ff_exp=1024,
                                                 n_ff_shexp=1024, n_nextn=0))),
-            prompt=32, warmup=16, steps=32, copy_bytes=1 << 30)
+            prompt=32, warmup=16, steps=32, copy_bytes=device_check.FULL.copy)
 QUICK = Plan((Model("qwen3moe", "tiny"), Model("qwen35moe", "tiny")), prompt=8, warmup=4, steps=8,
-             copy_bytes=8 << 20)
+             copy_bytes=device_check.QUICK.copy)
 # (name, capacity): None the CPU engine; -1 every expert, resident; 0 none; a fraction of every expert otherwise
 LAYOUTS: tuple[tuple[str, float | None], ...] = (
     ("CPU engine", None), ("every expert on the card", -1), ("a third of the experts cached", 1 / 3),
@@ -225,7 +224,7 @@ def run(kind: str, plan: Plan, folder: Path) -> Report:
         DeviceUnavailable: cuda, and no CUDA library was built or no GPU is there.
     """
     with Device(kind) as dev:
-        name, nominal, bandwidth = dev.name, dev.bandwidth, copy_bandwidth(dev, plan.copy_bytes)
+        name, nominal, bandwidth = dev.name, dev.bandwidth, device_check.copy_bandwidth(dev, plan.copy_bytes)
     paths, rows = [], []
     for model in plan.models:
         started = time.monotonic()
