@@ -22,7 +22,8 @@ def test_the_table_has_every_layout_at_one_and_four_sequences(report: decode_che
     lines = decode_check.format_table(report).splitlines()
     assert lines[2].startswith("| model | layout | seqs | tok/s |")
     want = [[f"| {m.arch}", layout, n] for m in PLAN.models for layout, _ in decode_check.LAYOUTS for n in ("1", "4")]
-    assert [line.split(" | ")[:3] for line in lines[4:]] == want
+    assert [line.split(" | ")[:3] for line in lines[4:4 + len(want)]] == want
+    assert [line.split(":")[0] for line in lines[4 + len(want):]] == [f"{m.arch}, 1 / 4 sequences" for m in PLAN.models]
     assert all(r.tok_s > 0 for r in report.rows) and report.bandwidth > 0
     by_layout = {(r.model, r.layout, r.n_seq): r for r in report.rows}
     (cpu, _), (resident, _), (capped, _), (none, _) = decode_check.LAYOUTS
@@ -65,6 +66,16 @@ def test_a_steps_bytes_are_the_files_tensors(report: decode_check.Report, index:
     most = dense + hp.n_layer * min(4 * hp.n_expert_used, hp.n_expert) * expert + four
     assert fewest <= (rows[4].step_bytes or 0) <= most
     assert rows[4].bound_tok_s == pytest.approx(4 * report.bandwidth / (rows[4].step_bytes or 1))
+
+
+def test_the_goals_line_reads_the_issues_figures_off_the_rows() -> None:
+    names = [layout for layout, _ in decode_check.LAYOUTS]
+    tok_s = {names[0]: 10.0, names[1]: 50.0, names[2]: 15.0, names[3]: 12.0}
+    rows = [decode_check.Row("m", layout, n, tok_s[layout] * n, 1.0, tok_s[layout] / 10.0, None, None, None,
+                             0.5 + n / 10 if layout == names[1] else None) for layout in names for n in (1, 4)]
+    assert decode_check.goals(rows) == [
+        "m, 1 / 4 sequences: every expert on the card 60% / 90% of the bound (the issue's goal: >= 70%); a third "
+        "cached 1.50x / 1.50x the CPU engine's tok/s and 1.25x / 1.25x no cache's (goal: > 1x)"]
 
 
 def test_main_prints_the_table(capsys: pytest.CaptureFixture[str]) -> None:
