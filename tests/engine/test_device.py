@@ -10,6 +10,7 @@ the reference kernels, checked against numpy in float64 with the driver's tolera
 from __future__ import annotations
 
 import importlib.util
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -427,6 +428,7 @@ def test_cuda_without_a_library_or_a_gpu_says_so_in_one_line():
 def test_check_driver_prints_its_table_and_passes_on_the_host(capsys):
     assert device_check.main(["--device", "host", "--quick", "--runs", "1"]) == 0
     table = capsys.readouterr().out.splitlines()
+    assert re.fullmatch(r"device: host \(memory bandwidth unknown; a device-to-device copy [1-9]\d* GB/s\)", table[0])
     rows = [line for line in table if line.startswith("| ") and "kernel" not in line]
     assert len(rows) == (3 * len(device_check.MATMUL_TYPES) + 1 + 4 + 3 + 1 + 1 + 1 + 3 + 7 + 2 + 1 + 2 + 2
                          + 2 * (1 + len(device_check.MATMUL_TYPES)))  # the routed experts': grouping, products

@@ -98,7 +98,7 @@ def test_a_picture_on_the_gpu_encoder_takes_the_engines_turn_and_text_waits(tiny
 
 
 def test_the_gpu_checks_encoder_table_passes_on_the_host(capsys):
-    """`scripts/gpu-check.sh`'s third part (strata.vision.gpu_check), its quick form on the host device."""
+    """`scripts/gpu-check.sh`'s fourth part (strata.vision.gpu_check), its quick form on the host device."""
     assert gpu_check.main(["--device", "host", "--quick"]) == 0
     table = capsys.readouterr().out.splitlines()
     assert table[0].startswith("strata-vision --gpu on host against the CPU encoder")

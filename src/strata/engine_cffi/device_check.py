@@ -30,7 +30,9 @@ passes when the fast kernel is within the stated tolerance of both:
   the reference, the CPU engine and numpy (float64 over the dequantised weights), for every weight type.
 
 GB/s is what the fast kernel moves (weights, inputs, outputs once) over its time by the device's events, the mean
-of a few runs after a warm-up; "of peak" divides by the card's memory bandwidth.
+of a few runs after a warm-up; "of peak" divides by the card's nominal memory bandwidth (its memory clock times
+its bus width). The header gives beside it what a copy from one place of the device to another moves
+(`copy_bandwidth`: bytes read plus bytes written), the bandwidth a kernel can reach in practice.
 
     python -m strata.engine_cffi.device_check --device cuda      # the full shapes (on a GPU)
     python -m strata.engine_cffi.device_check --device host --quick
@@ -75,15 +77,16 @@ class Shapes:
     deltanet: tuple[int, int, int, int]       # (n_seq, n_k_heads, n_v_heads, head_dim), convolution of 4
     prompt: tuple[int, ...]                   # the tokens of each sequence of a prompt chunk
     moe: tuple[tuple[int, int, int, int, int], ...]  # (n_tok, n_expert, k, n, rows): a layer's routed experts
+    copy: int                                 # bytes of the copy that measures the bandwidth
 
 
 FULL = Shapes(matmul=((2048, 2048, 1), (11008, 4096, 1), (4096, 11008, 1), (2048, 2048, 64)), norm=(64, 4096),
               rope=(64, 32, 128), attention=(4, 32, 8, 128, 4096), swiglu=64 * 11008, topk=(64, 128, 8),
               add_rows=(64, 8, 4096), deltanet=(16, 16, 32, 128), prompt=(300, 129, 64, 1),
-              moe=((1, 128, 8, 2048, 768), (64, 32, 8, 2048, 768)))
+              moe=((1, 128, 8, 2048, 768), (64, 32, 8, 2048, 768)), copy=1 << 30)
 QUICK = Shapes(matmul=((40, 512, 1), (24, 768, 9)), norm=(5, 256), rope=(3, 4, 64), attention=(2, 4, 2, 64, 48),
                swiglu=1000, topk=(6, 32, 4), add_rows=(5, 3, 300), deltanet=(3, 2, 4, 32), prompt=(70, 5, 1),
-               moe=((1, 8, 2, 256, 40), (9, 8, 3, 256, 24)))
+               moe=((1, 8, 2, 256, 40), (9, 8, 3, 256, 24)), copy=8 << 20)
 
 
 @dataclass(frozen=True)
@@ -684,6 +687,24 @@ def _timed(dev: Device, case: Case, runs: int) -> float:
         free_args(dev, args)
 
 
+def copy_bandwidth(dev: Device, nbytes: int, runs: int = 5) -> float:
+    """Bytes a second that a copy of `nbytes` from one place of the device to another moves, each byte read once and
+    written once (2 nbytes a copy), timed by the device's events: the mean of `runs` after a warm-up."""
+    src, dst = dev.alloc(nbytes), dev.alloc(nbytes)
+    try:
+        dev.memset(src, 1, nbytes)
+        dev.copy(dst, src, nbytes)
+        start = dev.record()
+        for _ in range(runs):
+            dev.copy(dst, src, nbytes)
+        end = dev.record()
+        dev.event_sync(end)
+        return 2 * nbytes * runs / max(dev.elapsed_ms(start, end) / 1e3, 1e-9)
+    finally:
+        dev.free(src)
+        dev.free(dst)
+
+
 def within(case: Case, fast: np.ndarray, other: np.ndarray, reference: bool = False) -> bool:
     if case.exact is not None and not case.exact(fast, other):
         return False
@@ -701,9 +722,9 @@ def check_case(dev: Device, cpu: Device, case: Case, runs: int) -> Row:
     return Row(case.kernel, case.type, case.shape, _rel(fast, ref), _rel(fast, on_cpu), passed, gbps, peak)
 
 
-def format_table(rows: list[Row], device: str, bandwidth: float) -> str:
+def format_table(rows: list[Row], device: str, bandwidth: float, copied: float) -> str:
     peak = f"{bandwidth / 1e9:.0f} GB/s" if bandwidth else "unknown"
-    lines = [f"device: {device} (memory bandwidth {peak})",
+    lines = [f"device: {device} (memory bandwidth {peak}; a device-to-device copy {copied / 1e9:.0f} GB/s)",
              f"| {'kernel':<14} | {'type':<12} | {'shape':<28} | {'rel err vs ref':>14} | {'rel err vs CPU':>14} "
              f"| {'result':<6} | {'GB/s':>8} | {'of peak':>7} |",
              f"|{'-' * 16}|{'-' * 14}|{'-' * 30}|{'-' * 16}|{'-' * 16}|{'-' * 8}|{'-' * 10}|{'-' * 9}|"]
@@ -739,11 +760,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"device_check: {exc}", file=sys.stderr)
         return 2
     started = time.monotonic()
+    shapes = QUICK if args.quick else FULL
     with dev, Device("host") as cpu:
-        rows = run_checks(dev, cpu, QUICK if args.quick else FULL, args.runs,
+        rows = run_checks(dev, cpu, shapes, args.runs,
                           progress=lambda r: print(f"  {r.kernel} {r.type} {r.shape}: "
                                                    f"{'pass' if r.passed else 'FAIL'}", file=sys.stderr))
-        print(format_table(rows, dev.name, dev.bandwidth))
+        copied = copy_bandwidth(dev, shapes.copy)
+        print(format_table(rows, dev.name, dev.bandwidth, copied))
     print(f"({time.monotonic() - started:.0f} s)", file=sys.stderr)
     return 0 if all(r.passed for r in rows) else 1
 
