@@ -453,7 +453,7 @@ def test_check_driver_fails_a_kernel_outside_its_tolerance():
     with Device("host") as d1, Device("host") as d2:
         row = device_check.check_case(d1, d2, case, runs=1)
     assert not row.passed
-    assert "FAIL" in device_check.format_table([row], "host", 0.0)
+    assert "FAIL" in device_check.format_table([row], "host", 0.0, 0.0)
 
 
 # --- the CUDA sources
