@@ -13,8 +13,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
+from gguf_rewrite import rewrite
 from test_device_engine import (
     KV_TOLERANCE,
     SHAPE,
@@ -199,12 +201,36 @@ def test_mtp_drafts_match_the_cpu_engines(models, kv):
         passes, pairs = dev.mtp_fills()
     # a pass a chunk (the first call's 30 tokens are 4 chunks of 8), a pair a token past position 0
     assert passes == 4 + 4 and pairs == 20 - 1 + 10 - 1 + 4 + 2 + 1 + 2
+    assert_same_drafts(got, want, kv)
+    assert (got[3][0][0] == -1).all() and (got[3][0][1] >= 0).all()  # the import's sequence, then its source
+    assert all((drafts >= 0).all() for i, (drafts, _) in enumerate(got) if i != 3)
+
+
+def assert_same_drafts(got: list[tuple[np.ndarray, np.ndarray]], want: list[tuple[np.ndarray, np.ndarray]],
+                       kv: str) -> None:
+    """`drafting`'s drafts the same, their logits within the KV cache type's tolerance, but for the imported
+    sequence's after its eval (the block's rows of the imported positions are not filled, on either engine)."""
     got[4], want[4] = (tuple(a[1:] for a in drafts) for drafts in (got[4], want[4]))
     for (got_drafts, got_logits), (want_drafts, want_logits) in zip(got, want, strict=True):
         np.testing.assert_array_equal(got_drafts, want_drafts)
         assert np.max(np.abs(got_logits - want_logits)) <= KV_TOLERANCE[kv] * np.max(np.abs(want_logits))
-    assert (got[3][0][0] == -1).all() and (got[3][0][1] >= 0).all()  # the import's sequence, then its source
-    assert all((drafts >= 0).all() for i, (drafts, _) in enumerate(got) if i != 3)
+
+
+def test_the_mtp_blocks_own_token_table_is_looked_up(models, tmp_path):
+    """A file whose MTP block has its own token table (`nextn.embed_tokens`; here the model's rows in reverse
+    order): the device backend's drafts read it, as the CPU engine's do, and differ from those of the model's table."""
+    reader = gguf.GGUFReader(models["f32"])
+    embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    table = np.ascontiguousarray(np.asarray(embd.data, np.float32)[::-1])
+    path = rewrite(reader, tmp_path / "own-table.gguf", add={"blk.4.nextn.embed_tokens.weight": table})
+    with Engine.load(path, kv="f32", mapped_weights=True, mtp=True, **SHAPE) as cpu:
+        want = drafting(cpu)
+    with on_device(path, capacity=6, mtp=True) as dev:
+        got = drafting(dev)
+    with on_device(models["f32"], capacity=6, mtp=True) as dev:
+        shared = drafting(dev)
+    assert_same_drafts(got, want, "f32")
+    assert not all(np.array_equal(a[1], b[1]) for a, b in zip(got, shared, strict=True))
 
 
 def test_the_mtp_block_is_run_only_where_asked_and_the_file_has_one(models, tmp_path):

@@ -18,7 +18,8 @@ from gguf import GGML_QUANT_SIZES, quants
 from gguf import GGMLQuantizationType as Q
 from strata.engine_cffi._engine import ffi, lib
 
-from strata.modelgen.quants import random_blocks
+from strata.engine_cffi import EngineError, get_rows
+from strata.modelgen.quants import encode, random_blocks
 
 # Every weight type current quantisation presets produce.
 QUANT_32 = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.MXFP4]  # blocks of 32, dotted with Q8_0
@@ -134,6 +135,43 @@ def test_dequantize_every_finite_16_bit_pattern(qtype):
 def test_dequantize_f32_is_a_copy():
     x = np.random.default_rng(3).standard_normal(1000).astype(np.float32)
     assert_same_bits(dequantize(Q.F32, x.view(np.uint8), x.size), x)
+
+
+# --- rows of a table: the device backend's token embeddings (strata_get_rows)
+
+
+@pytest.mark.parametrize("qtype", WEIGHT_TYPES)
+def test_get_rows_bit_exact(qtype):
+    rng = np.random.default_rng(int(qtype) + 50)
+    n_rows, n_cols = 40, 512
+    w = random_weights(qtype, n_rows, n_cols, rng)
+    ids = np.array([7, 0, 39, 7, 12])  # any order, repeated, both ends
+    assert_same_bits(get_rows(qtype, w, n_rows, n_cols, ids), weights_f32(qtype, w, n_cols)[ids])
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q6_K])
+def test_get_rows_of_the_writers_encodings(qtype):
+    """The generated models' own encodings (strata.modelgen's quantisers), scales spread over decades."""
+    rng = np.random.default_rng(9)
+    x = (rng.standard_normal((16, 256)) * rng.uniform(0.01, 100, (16, 1))).astype(np.float32)
+    w = encode(x, qtype)
+    ids = np.arange(16)[::-1]
+    assert_same_bits(get_rows(qtype, w, 16, 256, ids), weights_f32(qtype, w, 256)[ids])
+
+
+def test_get_rows_refusals():
+    w = random_weights(Q.Q8_0, 4, 64, np.random.default_rng(1))
+    assert get_rows(Q.Q8_0, w, 4, 64, np.zeros(0, np.int32)).shape == (0, 64)
+    with pytest.raises(EngineError, match="id 4 \\(at 1\\) outside the table's 4 rows"):
+        get_rows(Q.Q8_0, w, 4, 64, np.array([0, 4]))
+    with pytest.raises(EngineError, match="id -1"):
+        get_rows(Q.Q8_0, w, 4, 64, np.array([-1]))
+    with pytest.raises(EngineError, match="bytes hold no 5 rows"):
+        get_rows(Q.Q8_0, w, 5, 64, np.array([0]))
+    with pytest.raises(EngineError, match="type 34 is not a weight type"):
+        get_rows(Q.TQ1_0, w, 1, 64, np.array([0]))
+    with pytest.raises(EngineError, match="4 rows of 48 q8_0 values"):
+        get_rows(Q.Q8_0, w, 4, 48, np.array([0]))
 
 
 # --- products

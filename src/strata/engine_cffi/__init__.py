@@ -19,7 +19,7 @@ from strata.experts.trace import RoutingRecorder, TraceInfo
 from strata.gguf_file import GGUFError, GGUFFile
 from strata.pictures.rows import PictureRows
 
-__all__ = ["BatchItem", "Engine", "EngineAborted", "EngineError", "PictureRows", "crc32c"]
+__all__ = ["BatchItem", "Engine", "EngineAborted", "EngineError", "PictureRows", "crc32c", "get_rows"]
 
 # The architectures the C forward pass runs (its own table, ARCHS in archs.c, has their traits and layers).
 SUPPORTED_ARCHITECTURES = ("qwen3moe", "qwen3", "llama", "qwen3vl", "qwen3vlmoe", "qwen35", "qwen35moe")
@@ -222,6 +222,24 @@ def crc32c(data: Any, crc: int = 0) -> int:
     SSE4.2 against zlib's crc32 at 0.6-3.7 GB/s here, on the disk tier's read path. Releases the GIL."""
     view = memoryview(data).cast("B")
     return int(lib.strata_crc32c(ffi.from_buffer(view), len(view), crc))
+
+
+def get_rows(qtype: int, data: Any, n_rows: int, n_cols: int, ids: np.ndarray) -> np.ndarray:
+    """Rows `ids` of a table of `n_rows` rows of `n_cols` values of GGML type `qtype` (its bytes `data`, e.g. a
+    mapped GGUF tensor), float32 (len(ids), n_cols): the engine's dequantisers, as its forward pass looks the token
+    embeddings up (`strata_get_rows`; the same bits as the gguf package's). Releases the GIL.
+
+    Raises:
+        EngineError: a type the engine does not read, a shape that does not fit it, or an id outside the table.
+    """
+    table = ffi.from_buffer(data)
+    if len(table) < n_rows * lib.strata_row_bytes(int(qtype), n_cols):
+        raise EngineError(f"get_rows: {len(table)} bytes hold no {n_rows} rows of {n_cols} values of type {qtype}")
+    ids32 = np.ascontiguousarray(ids, np.int32)
+    out = np.empty((len(ids32), n_cols), np.float32)
+    _check(lib.strata_get_rows(int(qtype), table, n_rows, n_cols, ffi.from_buffer("int[]", ids32), len(ids32),
+                               ffi.from_buffer("float[]", out)))
+    return out
 
 
 def kv_cache_bytes(n_layer: int, n_head_kv: int, head_dim: int, n_ctx: int, n_seq: int, kv: str) -> int:

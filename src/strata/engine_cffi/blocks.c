@@ -683,6 +683,25 @@ void block_embed(const team *tm, strata_context *c, const float *embd_rows, int 
     }  // no barrier: this thread's share
 }
 
+/* The caller's thread alone: a decode step's few rows take ~2 us, a 2,000-token prompt's 0.3 ms (Q8_0) to 6.7 ms
+ * (Q6_K) at width 2,048 (bench/embedding_lookup.py), small beside the step they feed. */
+strata_status strata_get_rows(int type, const void *w, long long n_rows, long long n_cols, const int *ids, int n_ids,
+                              float *out) {
+    if (!strata_type_supported(type)) return engine_fail(STRATA_ERR_UNSUPPORTED, "get_rows: type %d is not a weight "
+                                                         "type this engine reads", type);
+    size_t row_bytes = strata_row_bytes(type, n_cols);
+    if (!w || !ids || !out || n_rows < 0 || n_ids < 0 || n_cols <= 0 || !row_bytes)
+        return engine_fail(STRATA_ERR_INVALID_ARG, "get_rows: a table of %lld rows of %lld %s values, %d ids", n_rows,
+                           n_cols, strata_traits(type)->name, n_ids);
+    for (int i = 0; i < n_ids; i++)
+        if (ids[i] < 0 || ids[i] >= n_rows)
+            return engine_fail(STRATA_ERR_INVALID_ARG, "get_rows: id %d (at %d) outside the table's %lld rows", ids[i],
+                               i, n_rows);
+    for (int i = 0; i < n_ids; i++)  // each row as the forward pass's (block_embed)
+        strata_dequantize_row_any(type, (const char *)w + (size_t)ids[i] * row_bytes, out + (size_t)i * n_cols, n_cols);
+    return STRATA_OK;
+}
+
 /* After layer k < n_deepstack: x rows of the caller's rows += their slice k + 1 (Qwen3-VL's deepstack: the
  * vision tower's features of earlier layers, added to the picture positions' hidden states of the first layers). */
 void block_add_deepstack(const team *tm, strata_context *c, const float *embd_rows, int k, int n_tok) {

@@ -65,7 +65,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 from gguf import quants
 
-from strata.engine_cffi import _KV_TYPES, BatchItem, Engine, EngineAborted, EngineError, _check, _item_logits
+from strata.engine_cffi import _KV_TYPES, BatchItem, Engine, EngineAborted, EngineError, _check, _item_logits, get_rows
 from strata.engine_cffi.device import Device, DeviceError
 from strata.engine_cffi.device_check import MATMUL_TYPES
 from strata.engine_cffi.device_mtp import HiddenHistory
@@ -652,16 +652,15 @@ class DeviceEngine(Engine):
 
     def _embeddings(self, ids: np.ndarray, rows: np.ndarray, embd_of: np.ndarray,
                     table: str = "token_embd") -> np.ndarray:
-        """x rows: the token embeddings looked up in the mapped file (`table`), or the caller's rows."""
+        """x rows: the token embeddings looked up in the mapped file (`table`) by the engine's dequantisers (the
+        CPU engine's rows), or the caller's rows."""
         t = self._tensor(table)
-        data, row_bytes = self._file.data(t), t.n_bytes // t.shape[1]
+        own = embd_of < 0
+        looked = get_rows(t.type, self._file.data(t), t.shape[1], t.shape[0], ids[own])
+        if own.all():
+            return looked
         x = np.empty((len(ids), self.n_embd), np.float32)
-        for i, (token, j) in enumerate(zip(ids.tolist(), embd_of.tolist(), strict=True)):
-            if j >= 0:
-                x[i] = rows[j, :self.n_embd]
-                continue
-            row = data[token * row_bytes:(token + 1) * row_bytes]
-            x[i] = row.view(np.float32) if t.type == Q.F32 else quants.dequantize(row, Q(t.type)).reshape(-1)
+        x[own], x[~own] = looked, rows[embd_of[~own], :self.n_embd]
         return x
 
     # --- the MTP block: its rows filled at each eval, drafts chained from the held hidden states

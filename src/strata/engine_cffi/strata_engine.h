@@ -65,6 +65,11 @@ int strata_type_supported(int type);
 size_t strata_row_bytes(int type, long long n);
 /* dst[0..n) = the values of one row of `type`. */
 strata_status strata_dequantize_row(int type, const void *src, float *dst, long long n);
+/* out (n_ids, n_cols) = rows ids[0..n_ids) of the table w (n_rows, n_cols) of `type` (rows strata_row_bytes apart),
+ * in f32, each as strata_dequantize_row writes it: a model's token embeddings as its forward pass looks them up.
+ * INVALID_ARG names an id outside [0, n_rows) (nothing is written then). */
+strata_status strata_get_rows(int type, const void *w, long long n_rows, long long n_cols, const int *ids, int n_ids,
+                              float *out);
 /* y (n_tok, n_rows) = x (n_tok, n_cols) @ w^T, w (n_rows, n_cols) of `type`: the fast path, n_threads threads. */
 strata_status strata_matmul(int type, const void *w, long long n_rows, long long n_cols,
                             const float *x, long long n_tok, float *y, int n_threads);
