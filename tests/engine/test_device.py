@@ -430,7 +430,7 @@ def test_check_driver_prints_its_table_and_passes_on_the_host(capsys):
     table = capsys.readouterr().out.splitlines()
     assert re.fullmatch(r"device: host \(memory bandwidth unknown; a device-to-device copy [1-9]\d* GB/s\)", table[0])
     rows = [line for line in table if line.startswith("| ") and "kernel" not in line]
-    assert len(rows) == (3 * len(device_check.MATMUL_TYPES) + 1 + 4 + 3 + 1 + 1 + 1 + 3 + 7 + 2 + 1 + 2 + 2
+    assert len(rows) == (3 * len(device_check.MATMUL_TYPES) + 1 + 4 + 3 + 1 + 1 + 1 + 3 + 8 + 2 + 1 + 2 + 2
                          + 2 * (1 + len(device_check.MATMUL_TYPES)))  # the routed experts': grouping, products
     assert all("| pass " in line for line in rows) and table[-1] == f"{len(rows)} of {len(rows)} cases pass"
 

@@ -1,7 +1,8 @@
 """The device's Gated DeltaNet kernels (Qwen3.5's recurrent layers) on the host device: the short convolution with
-its conv state, the L2 norm of q/k heads, the gated delta rule and the gated RMS norm, against numpy in float64
-and, for the rule, against the CPU engine's own (`strata_delta_rule`) bit for bit: the host device runs
-blocks_deltanet.c's code, one token of a sequence by the recurrent step and more in 64-token chunks.
+its conv state, the L2 norm of q/k heads, the gated delta rule (its recurrent form, `delta_rule`, and its chunked
+one, `delta_rule_chunked`) and the gated RMS norm, against numpy in float64 and, for the rule, against the CPU
+engine's own (`strata_delta_rule`) bit for bit: the host device runs blocks_deltanet.c's code, token by token or in
+64-token chunks.
 
 Tolerances are the check driver's (device_check.py), which gpu-check.sh applies to the CUDA kernels.
 """
@@ -124,22 +125,27 @@ def engine_rule(q, k, v, g, beta, state: np.ndarray, chunked: bool) -> np.ndarra
     return out
 
 
-RECURRENT_RUN = 16  # blocks_deltanet.c: a sequence's run of up to this many tokens takes the recurrent form
+def test_the_engine_takes_runs_of_more_than_16_tokens_by_the_chunked_form():
+    """The CPU engine's choice of form per run (blocks_deltanet.c), which the device backend follows."""
+    assert [lib.strata_deltanet_chunked(n) for n in (1, 2, 16, 17, 64, 300)] == [0, 0, 0, 1, 1, 1]
 
 
-@pytest.mark.parametrize("lengths", [(1, 1, 1), (70, 1, 64, 5, 16, 17)])
-def test_delta_rule_gives_the_cpu_engines_bits_and_matches_numpy(dev, lengths):
+@pytest.mark.parametrize("kernel,lengths", [
+    ("delta_rule", (1, 1, 1)), ("delta_rule", (70, 1, 64, 5, 16, 17)),
+    # the chunked form across the 64-token chunks' edges, alone and two sequences of different lengths
+    *(("delta_rule_chunked", lengths) for lengths in ((1,), (63,), (64,), (65,), (200,), (65, 200)))])
+def test_delta_rule_gives_the_cpu_engines_bits_and_matches_numpy(dev, kernel, lengths):
     """A chunk's sequences from states left by earlier tokens: each sequence's outputs and state are the CPU
-    engine's (its recurrent step for runs of up to RECURRENT_RUN tokens, its chunked form for longer), within the
-    check's tolerance of the rule in float64, and the slots' gaps (state_stride) untouched."""
-    rng = np.random.default_rng(sum(lengths))
+    engine's (its recurrent step, or its chunked form for delta_rule_chunked), within the check's tolerance of the
+    rule in float64, and the slots' gaps (state_stride) untouched."""
+    rng = np.random.default_rng(sum(lengths) + len(kernel))
     hk, hv, d = 2, 4, 16
     n_tok, n_seq, stride = sum(lengths), len(lengths), hv * d * d + 3
     arrays = device_check.delta_rule_inputs(n_tok, hk, hv, d, rng) | sequences(lengths)
     state0 = (0.1 * rng.standard_normal((n_seq, stride))).astype(np.float32)
     arrays["state"] = state0.copy()
     arrays["out"] = np.zeros((n_tok, hv, d), np.float32)
-    launch(dev, "delta_rule", arrays, n_seq=n_seq, n_k_heads=hk, n_v_heads=hv, head_dim=d, row_stride=hv * d,
+    launch(dev, kernel, arrays, n_seq=n_seq, n_k_heads=hk, n_v_heads=hv, head_dim=d, row_stride=hv * d,
            state_stride=stride)
     first, seq = arrays["seq_first"], arrays["seq"]
     for s in range(n_seq):
@@ -148,7 +154,7 @@ def test_delta_rule_gives_the_cpu_engines_bits_and_matches_numpy(dev, lengths):
         q, k = q[:, :hk], k[:, :hk]
         g, beta = arrays["g"][rows], arrays["beta"][rows]
         ours = state0[seq[s], : hv * d * d].reshape(hv, d, d).copy()
-        want_out = engine_rule(q, k, v, g, beta, ours, chunked=lengths[s] > RECURRENT_RUN)
+        want_out = engine_rule(q, k, v, g, beta, ours, chunked=kernel == "delta_rule_chunked")
         np.testing.assert_array_equal(arrays["out"][rows], want_out)
         np.testing.assert_array_equal(arrays["state"][seq[s], : hv * d * d], ours.reshape(-1))
         np.testing.assert_array_equal(arrays["state"][seq[s], hv * d * d:], state0[seq[s], hv * d * d:])
@@ -158,20 +164,53 @@ def test_delta_rule_gives_the_cpu_engines_bits_and_matches_numpy(dev, lengths):
         assert np.max(np.abs(ours - S)) <= device_check.RULE_RTOL * max(1.0, np.abs(S).max())
 
 
-def test_delta_rule_refuses_heads_the_fast_kernel_cannot_hold(dev):
+@pytest.mark.parametrize("kernel", ["delta_rule", "delta_rule_chunked"])
+def test_a_run_without_a_slot_is_left_to_the_other_form(dev, kernel):
+    """A run whose slot is -1 is skipped (its outputs and its state as they were), so that the device backend splits
+    a chunk's runs between the two kernels (a decode step beside a prompt) as the CPU engine splits them: the two
+    launches together give each run what its form's launch alone gives."""
+    rng = np.random.default_rng(7)
+    lengths, hk, hv, d = (3, 40), 1, 2, 16  # the recurrent form's run, then the chunked form's
+    n_tok, stride = sum(lengths), hv * d * d
+    arrays = device_check.delta_rule_inputs(n_tok, hk, hv, d, rng) | sequences(lengths)
+    arrays["state"] = (0.1 * rng.standard_normal((2, stride))).astype(np.float32)
+    arrays["out"] = np.full((n_tok, hv, d), 7.0, np.float32)
+    fixed = dict(n_seq=2, n_k_heads=hk, n_v_heads=hv, head_dim=d, row_stride=hv * d, state_stride=stride)
+    forms = ("delta_rule", "delta_rule_chunked")
+    before, first = {name: a.copy() for name, a in arrays.items()}, arrays["seq_first"]
+    other = 1 - forms.index(kernel)  # the run this kernel skips
+
+    def slots(runs: list[int]) -> np.ndarray:
+        return np.where(np.isin(np.arange(2), runs), before["seq"], -1).astype(np.int32)
+
+    launch(dev, kernel, arrays | {"seq": slots([1 - other])}, **fixed)
+    skipped = slice(first[other], first[other + 1])
+    assert np.all(arrays["out"][skipped] == 7.0) and not np.any(np.delete(arrays["out"], skipped, axis=0) == 7.0)
+    np.testing.assert_array_equal(arrays["state"][before["seq"][other]], before["state"][before["seq"][other]])
+    launch(dev, forms[other], arrays | {"seq": slots([other])}, **fixed)
+    for run, form in enumerate(forms):
+        alone = {name: a.copy() for name, a in before.items()}
+        launch(dev, form, alone | {"seq": slots([run])}, **fixed)
+        rows, slot = slice(first[run], first[run + 1]), before["seq"][run]
+        np.testing.assert_array_equal(arrays["out"][rows], alone["out"][rows])
+        np.testing.assert_array_equal(arrays["state"][slot], alone["state"][slot])
+
+
+@pytest.mark.parametrize("kernel", ["delta_rule", "delta_rule_chunked"])
+def test_delta_rule_refuses_heads_the_fast_kernel_cannot_hold(dev, kernel):
     args = dict(n_seq=1, n_k_heads=1, n_v_heads=1, head_dim=256, row_stride=256, state_stride=256 * 256)
-    with pytest.raises(device_check.DeviceError, match="head_dim 256"):
-        dev.launch("delta_rule", **args)
+    with pytest.raises(device_check.DeviceError, match=f"{kernel}: head_dim 256"):
+        dev.launch(kernel, **args)
 
 
-@pytest.mark.parametrize("name", ["dn_conv", "delta_rule"])
+@pytest.mark.parametrize("name", ["dn_conv", "delta_rule", "delta_rule_chunked"])
 def test_the_host_checks_the_sequences_rows(dev, name):
     """seq_first lies in device memory, where only the host device can check it."""
     bad = {"seq_first": np.array([0, 3, 2], np.int32), "seq": np.array([0, 1], np.int32)}
     ptrs = {k: dev.to_device(v) for k, v in bad.items()}
     fixed = (dict(n_seq=2, d_conv=4, channels=8, state_stride=24) if name == "dn_conv" else
              dict(n_seq=2, n_k_heads=1, n_v_heads=1, head_dim=8, row_stride=8, state_stride=64))
-    with pytest.raises(device_check.DeviceError, match="seq_first must start at 0 and never decrease"):
+    with pytest.raises(device_check.DeviceError, match=f"{name}: seq_first must start at 0 and never decrease"):
         dev.launch(name, **fixed, **ptrs)
     for p in ptrs.values():
         dev.free(p)
@@ -183,6 +222,10 @@ def test_the_host_checks_the_sequences_rows(dev, name):
      "row_stride 8"),
     ("delta_rule", dict(n_seq=1, n_k_heads=1, n_v_heads=2, head_dim=8, row_stride=16, state_stride=127),
      "state_stride 127"),
+    ("delta_rule_chunked", dict(n_seq=1, n_k_heads=1, n_v_heads=2, head_dim=8, row_stride=8, state_stride=128),
+     "delta_rule_chunked: row_stride 8"),
+    ("delta_rule_chunked", dict(n_seq=1, n_k_heads=1, n_v_heads=2, head_dim=8, row_stride=16, state_stride=127),
+     "delta_rule_chunked: row_stride 16, state_stride 127"),
     ("l2_norm", dict(n_tok=1, n_head=2, head_dim=8, row_stride=15), "rows 15 apart"),
 ])
 def test_strides_that_would_overlap_are_refused(dev, name, fields, says):

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from gguf import GGUFReader
 from qwen35_checkpoints import checkpoint, convert_checkpoint
+from strata.engine_cffi._engine import lib
 
 from strata.engine_cffi import Engine, device_check
 from strata.engine_cffi.device import Device
@@ -79,7 +80,8 @@ class Layer0:
                    x=at(buf["conv"], hk * d))
         dev.launch("dn_gates", n_tok=n, n_head=self.hv, alpha=buf["ssm_alpha"], beta=buf["ssm_beta"],
                    a=w["ssm_a"], dt_bias=w["ssm_dt.bias"])
-        dev.launch("delta_rule", n_seq=1, n_k_heads=hk, n_v_heads=self.hv, head_dim=d, row_stride=self.C,
+        rule = "delta_rule_chunked" if lib.strata_deltanet_chunked(n) else "delta_rule"  # the CPU engine's choice
+        dev.launch(rule, n_seq=1, n_k_heads=hk, n_v_heads=self.hv, head_dim=d, row_stride=self.C,
                    state_stride=self.stride, q=buf["conv"], k=at(buf["conv"], hk * d), v=at(buf["conv"], 2 * hk * d),
                    g=buf["ssm_alpha"], beta=buf["ssm_beta"], state=at(self.state, self.conv_floats), out=buf["o"],
                    **seqs)

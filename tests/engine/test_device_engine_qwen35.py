@@ -66,6 +66,25 @@ def test_prompt_chunks_and_decode_of_several_sequences_match_the_cpu_engine(mode
     assert np.max(np.abs(got_states - want_states)) <= KV_TOLERANCE[kv] * np.max(np.abs(want_states))
 
 
+def test_a_long_prompt_run_beside_short_ones_matches_the_cpu_engine(models):
+    """Chunks of 64 whose runs take both forms of the delta rule: a prompt's runs of more than 16 tokens by the
+    chunked form (delta_rule_chunked, across its 64-token chunks) beside other sequences' short runs and decode
+    steps by the token loop, as the CPU engine chooses (strata_deltanet_chunked); the logits and the recurrent
+    state within the f32 cache's tolerance of the CPU engine's."""
+    shape = SHAPE | dict(n_ctx=160, n_batch=64)
+    calls = [[BatchItem(0, list(range(40, 140)), logits="all"), BatchItem(1, [5, 6, 7])],
+             [BatchItem(0, [9]), BatchItem(1, list(range(20, 60)), logits="all"), BatchItem(2, [70, 71])]]
+    with Engine.load(models["f32"], kv="f32", mapped_weights=True, **shape) as cpu:
+        want, want_states = run(cpu, calls), states(cpu)
+    with DeviceEngine.open(models["f32"], Device("host"), kv="f32", **shape) as dev:
+        got, got_states = run(dev, calls), states(dev)
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape
+        assert np.max(np.abs(g - w)) <= KV_TOLERANCE["f32"] * np.max(np.abs(w))
+        np.testing.assert_array_equal(g.argmax(axis=-1), w.argmax(axis=-1))
+    assert np.max(np.abs(got_states - want_states)) <= KV_TOLERANCE["f32"] * np.max(np.abs(want_states))
+
+
 def test_hits_and_misses_give_the_same_bits(models):
     check_hits_and_misses_give_the_same_bits(on_device, models["q4_k"], layers=4)
 

@@ -200,7 +200,7 @@ void deltanet_gated_norm(float *out, const float *x, const float *z, const float
 }
 
 /* Whether a sequence's run of n tokens takes the chunked form (else the recurrent one, bit for bit as decode). */
-int deltanet_chunked(int n) { return n > RECURRENT_RUN; }
+int strata_deltanet_chunked(int n_tok) { return n_tok > RECURRENT_RUN; }
 
 /* Sequence s's tokens in this chunk through v head h: the rule on its state, then the gated RMS norm, into
  * dn_out. work: deltanet_work_floats. */
@@ -211,7 +211,7 @@ static void head_of_sequence(strata_context *c, const layer_weights *L, int il, 
     float *S = rec_state_of(c, s, il) + c->model->conv_state_floats + (size_t)h * dk * dv;
     const int first = c->seq_first[s], n = c->seq_first[s + 1] - first;
     const size_t q_at = (size_t)kh * dk, k_at = (size_t)(hk + kh) * dk, v_at = (size_t)2 * hk * dk + (size_t)h * dv;
-    if (!deltanet_chunked(n)) {
+    if (!strata_deltanet_chunked(n)) {
         for (int i = first; i < first + n; i++) {
             int t = c->seq_tokens[i];
             const float *row = c->dn_conv + (size_t)t * C;

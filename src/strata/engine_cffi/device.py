@@ -21,8 +21,8 @@ import strata.engine_cffi._engine as engine_module
 HEADER = pathlib.Path(__file__).with_name("cuda") / "device.h"
 CUDA_LIBRARY = pathlib.Path(__file__).with_name("libstrata_cuda.so")
 KERNELS = ("matmul", "rms_norm", "rope", "attention", "swiglu", "topk", "add_rows", "kv_store", "dn_conv", "l2_norm",
-           "dn_gates", "delta_rule", "gated_rms_norm", "sigmoid_gate", "layer_norm", "gelu", "vit_attention",
-           "moe_group", "moe_matmul")
+           "dn_gates", "delta_rule", "delta_rule_chunked", "gated_rms_norm", "sigmoid_gate", "layer_norm", "gelu",
+           "vit_attention", "moe_group", "moe_matmul")
 _CONSTANT = re.compile(r"#define \w+ \d+$")
 
 

@@ -20,9 +20,11 @@ passes when the fast kernel is within the stated tolerance of both:
 - DeltaNet: the convolution within 1e-5 of sum_j |w_j| times the largest |x|, its conv state exactly (copied
   inputs); L2 norm within 1e-5 of the scale; the gates within 1e-5 of |a| (1 + |alpha + dt_bias|), beta within
   1e-6; the gated RMS norm within 1e-5 of each value's magnitude; the delta
-  rule (outputs and the state after it) within 1e-5 of the largest |value| (at least 1), decode (one token per
-  sequence) and a prompt (sequences of ragged lengths, crossing the host's 64-token chunks: the CPU engine's
-  chunked form against the card's token loop, two orders of the same sums);
+  rule (outputs and the state after it) within 1e-5 of the largest |value| (at least 1): its recurrent form
+  (`delta_rule`, the token loop) on decode (one token per sequence) and a prompt (sequences of ragged lengths), its
+  chunked form (`delta_rule_chunked`) on the prompt, whose lengths cross the 64-token chunks (the CPU engine's
+  chunked form and the reference's, in double, against the card's blocked products: the same sums in other
+  orders);
 - Qwen3.5's gates (x / (1 + e^-g): gated attention's per value, the shared expert's per row): 1e-5 of each value's
   magnitude;
 - a layer's routed experts: the grouping by expert (each slot's place, each expert's run, the gathered rows)
@@ -427,8 +429,10 @@ def delta_rule_inputs(n_tok: int, hk: int, hv: int, hd: int, rng: np.random.Gene
     return rows
 
 
-def delta_rule_case(lengths: tuple[int, ...], hk: int, hv: int, hd: int, rng: np.random.Generator) -> Case:
-    """The rule over a chunk's sequences from states left by earlier tokens, slots state_stride apart."""
+def delta_rule_case(lengths: tuple[int, ...], hk: int, hv: int, hd: int, rng: np.random.Generator,
+                    kernel: str = "delta_rule") -> Case:
+    """The rule (`kernel`: its recurrent form or its chunked one) over a chunk's sequences from states left by
+    earlier tokens, slots state_stride apart."""
     n_tok, n_seq = sum(lengths), len(lengths)
     stride = hv * hd * hd + 3
     arrays = delta_rule_inputs(n_tok, hk, hv, hd, rng) | _sequences(lengths)
@@ -441,7 +445,7 @@ def delta_rule_case(lengths: tuple[int, ...], hk: int, hv: int, hd: int, rng: np
                                dev.to_host(a["state"], (n_seq * stride,), np.float32)])
 
     form = "decode" if n_tok == n_seq else "prompt"
-    return Case("delta_rule", form, f"{n_seq} seqs {n_tok} tok {hk}/{hv}x{hd}", lambda dev: fixed | make(dev), out,
+    return Case(kernel, form, f"{n_seq} seqs {n_tok} tok {hk}/{hv}x{hd}", lambda dev: fixed | make(dev), out,
                 _in_place(arrays, ("state",)),
                 lambda other: np.full(other.shape, RULE_RTOL * max(1.0, float(np.abs(other).max()))),
                 8 * n_seq * stride + 4 * n_tok * (4 * hv * hd + 2 * hv))
@@ -485,6 +489,7 @@ def deltanet_cases(shapes: Shapes, rng: np.random.Generator) -> Iterator[Case]:
     yield dn_gates_case(max(n_seq, sum(shapes.prompt)), hv, rng)
     yield delta_rule_case(decode, hk, hv, hd, rng)
     yield delta_rule_case(shapes.prompt, hk, hv, hd, rng)
+    yield delta_rule_case(shapes.prompt, hk, hv, hd, rng, "delta_rule_chunked")
     yield gated_rms_norm_case(n_seq * hv, hd, rng)
 
 
@@ -725,12 +730,12 @@ def check_case(dev: Device, cpu: Device, case: Case, runs: int) -> Row:
 def format_table(rows: list[Row], device: str, bandwidth: float, copied: float) -> str:
     peak = f"{bandwidth / 1e9:.0f} GB/s" if bandwidth else "unknown"
     lines = [f"device: {device} (memory bandwidth {peak}; a device-to-device copy {copied / 1e9:.0f} GB/s)",
-             f"| {'kernel':<14} | {'type':<12} | {'shape':<28} | {'rel err vs ref':>14} | {'rel err vs CPU':>14} "
+             f"| {'kernel':<18} | {'type':<12} | {'shape':<28} | {'rel err vs ref':>14} | {'rel err vs CPU':>14} "
              f"| {'result':<6} | {'GB/s':>8} | {'of peak':>7} |",
-             f"|{'-' * 16}|{'-' * 14}|{'-' * 30}|{'-' * 16}|{'-' * 16}|{'-' * 8}|{'-' * 10}|{'-' * 9}|"]
+             f"|{'-' * 20}|{'-' * 14}|{'-' * 30}|{'-' * 16}|{'-' * 16}|{'-' * 8}|{'-' * 10}|{'-' * 9}|"]
     for r in rows:
         frac = f"{100 * r.peak:.0f}%" if r.peak else "-"
-        lines.append(f"| {r.kernel:<14} | {r.type:<12} | {r.shape:<28} | {r.rel_ref:>14.2e} | {r.rel_cpu:>14.2e} "
+        lines.append(f"| {r.kernel:<18} | {r.type:<12} | {r.shape:<28} | {r.rel_ref:>14.2e} | {r.rel_cpu:>14.2e} "
                      f"| {'pass' if r.passed else 'FAIL':<6} | {r.gbps:>8.1f} | {frac:>7} |")
     failed = sum(not r.passed for r in rows)
     lines.append(f"{len(rows) - failed} of {len(rows)} cases pass" + (f", {failed} FAIL" if failed else ""))

@@ -15,7 +15,8 @@ through each layer as:
     cache k, v; att = attention over each token's positions (qwen35moe: times the sigmoid of its gate); x += att Wo
     Gated DeltaNet layer (qwen35moe): xb = rmsnorm(x); qkv, z, alpha, beta = xb Wqkv, Wz, Walpha, Wbeta;
     q, k, v = dn_conv(qkv) from each sequence's conv state; L2-normed q, k; the gates; o = the delta rule per
-    (sequence, v head) on its state; o = gated_rms_norm(o, z); x += o Wout
+    (sequence, v head) on its state (a run of more than 16 tokens by the chunked form, `delta_rule_chunked`, the
+    rest token by token: the CPU engine's rule, strata_deltanet_chunked); o = gated_rms_norm(o, z); x += o Wout
     xb = rmsnorm(x); router logits = xb Wr; top-k per token -> the host (ids, weights) with xb
     each distinct expert: a hit runs gate, up, SwiGLU, down on the device over its tokens' rows (queued first); a
     miss runs the same on the CPU's threads meanwhile (strata_host_experts_ffn, from the mapped file, the layer's
@@ -66,6 +67,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import quants
 
 from strata.engine_cffi import _KV_TYPES, BatchItem, Engine, EngineAborted, EngineError, _check, _item_logits, get_rows
+from strata.engine_cffi._engine import lib
 from strata.engine_cffi.device import Device, DeviceError
 from strata.engine_cffi.device_check import MATMUL_TYPES
 from strata.engine_cffi.device_mtp import HiddenHistory
@@ -398,7 +400,7 @@ class DeviceEngine(Engine):
             sizes |= dict(qg=2 * B * q_dim, dn_qkv=B * self.conv_dim, dn_conv=B * self.conv_dim, dn_z=B * VD,
                           dn_alpha=B * hv, dn_beta=B * hv, dn_out=B * VD, sh_gate=B, sh_hb=B * F, sh_hb2=B * F,
                           sh_out=B * E)
-            ints |= dict(q_rows=B * self.n_head, run_seq=B, run_first=B + 1)
+            ints |= dict(q_rows=B * self.n_head, run_seq=B, run_first=B + 1, recurrent_seq=B, chunked_seq=B)
         if self.mtp:  # the hidden states; the block's inputs: B embedding rows then B hidden ones, interleaved
             sizes |= dict(mtp_h=B * E, mtp_raw=2 * B * E, mtp_pair=2 * B * E)
             ints |= dict(mtp_idx=2 * B)
@@ -608,8 +610,12 @@ class DeviceEngine(Engine):
         starts = np.flatnonzero(np.r_[True, seqs[1:] != seqs[:-1]])
         staged = {"x": self._embeddings(ids, rows, embd_of), "seq": seqs.astype(np.int32), "pos": pos32,
                   "n_pos": pos32 + 1, "rope": np.ascontiguousarray(rope, np.int32)}
-        if self.hybrid:
-            staged |= {"run_seq": seqs[starts].astype(np.int32), "run_first": np.r_[starts, n].astype(np.int32)}
+        if self.hybrid:  # the delta rule's form per run, the CPU engine's choice: the other form's slot is -1 (skipped)
+            run_seq, run_first = seqs[starts].astype(np.int32), np.r_[starts, n].astype(np.int32)
+            chunked = np.array([lib.strata_deltanet_chunked(int(m)) for m in np.diff(run_first)], bool)
+            staged |= {"run_seq": run_seq, "run_first": run_first,
+                       "recurrent_seq": np.where(chunked, -1, run_seq).astype(np.int32),
+                       "chunked_seq": np.where(chunked, run_seq, -1).astype(np.int32)}
         for name, array in staged.items():
             dev.upload(a[name], array)
         self._in_flight = list(staged.values())  # host buffers the stream reads, kept until a synchronisation
@@ -936,10 +942,14 @@ class DeviceEngine(Engine):
                        x=self._floats("dn_conv", offset))
         out.launch("dn_gates", n_tok=n, n_head=hv, alpha=a["dn_alpha"], beta=a["dn_beta"], a=L["ssm_a"],
                    dt_bias=L["ssm_dt.bias"])
-        # o = the gated delta rule per (sequence, v head); o = rmsnorm(o) w silu(z); x += o Wout
-        out.launch("delta_rule", n_k_heads=hk, n_v_heads=hv, head_dim=d, row_stride=C, q=a["dn_conv"],
-                   k=self._floats("dn_conv", hk * d), v=self._floats("dn_conv", 2 * hk * d), g=a["dn_alpha"],
-                   beta=a["dn_beta"], state=self._state.at(0, layer + self.conv_floats), out=a["dn_out"], **runs)
+        # o = the gated delta rule per (sequence, v head), each run by the recurrent form (decode, short runs) or
+        # the chunked one (a prompt's), as the CPU engine chooses; o = rmsnorm(o) w silu(z); x += o Wout
+        rule = dict(n_k_heads=hk, n_v_heads=hv, head_dim=d, row_stride=C, q=a["dn_conv"],
+                    k=self._floats("dn_conv", hk * d), v=self._floats("dn_conv", 2 * hk * d), g=a["dn_alpha"],
+                    beta=a["dn_beta"], state=self._state.at(0, layer + self.conv_floats), out=a["dn_out"],
+                    **(runs | dict(seq=a["recurrent_seq"])))
+        out.launch("delta_rule", **rule)
+        out.launch("delta_rule_chunked", **(rule | dict(seq=a["chunked_seq"])))
         out.launch("gated_rms_norm", n=d, n_rows=n * hv, eps=self.eps, x=a["dn_out"], z=a["dn_z"], w=L["ssm_norm"],
                    out=a["dn_out"])
         self._matmul(out, L["ssm_out"], a["dn_out"], n, a["xb"])

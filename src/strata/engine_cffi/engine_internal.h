@@ -127,7 +127,6 @@ typedef struct {
 size_t deltanet_work_floats(const strata_model *m);  /* a thread's scratch for the DeltaNet (blocks_deltanet.c) */
 /* The DeltaNet's pieces (blocks_deltanet.c, where each is described), which the host device runs as its kernels. */
 size_t deltanet_head_floats(size_t head_dim);
-int deltanet_chunked(int n_tokens);
 void deltanet_conv_channel(const float *w, int d_conv, float *state, const float *in, float *out, size_t stride,
                            const int *tokens, int n);
 void deltanet_l2norm(float *x, int n, float scale);

@@ -95,6 +95,9 @@ strata_status strata_matmul_naive(int type, const void *w, long long n_rows, lon
 strata_status strata_delta_rule(const float *q, const float *k, const float *v, const float *g, const float *beta,
                                 int n_tok, int n_k_heads, int n_v_heads, int head_dim, int chunked, float *state,
                                 float *out);
+/* Whether the engine takes a sequence's run of n_tok tokens in a chunk by the chunked form (1) or by the recurrent
+ * one token by token (0): the rule the device backend follows too. */
+int strata_deltanet_chunked(int n_tok);
 
 /* --- engine: a model built from a tensor table, a context (several sequences), the forward pass
  * The caller owns the tensor data (a memory-mapped GGUF file) and must keep it mapped until strata_model_free:

@@ -27,9 +27,9 @@ struct strata_device {
 
 static const char *const KERNEL_NAMES[DEV_N_KERNELS] = {"matmul", "rms_norm", "rope", "attention", "swiglu",
                                                         "topk", "add_rows", "kv_store", "dn_conv", "l2_norm",
-                                                        "dn_gates", "delta_rule", "gated_rms_norm",
-                                                        "sigmoid_gate", "layer_norm", "gelu", "vit_attention",
-                                                        "moe_group", "moe_matmul"};
+                                                        "dn_gates", "delta_rule", "delta_rule_chunked",
+                                                        "gated_rms_norm", "sigmoid_gate", "layer_norm", "gelu",
+                                                        "vit_attention", "moe_group", "moe_matmul"};
 
 static int fail(strata_device *d, int status, const char *fmt, ...) {
     va_list ap;
@@ -267,7 +267,7 @@ static int check_matmul(strata_device *d, const strata_dev_matmul_args *a) {
 
 /* What the kernels assume of their arguments (the fast attention kernel: whole warps over a head of at most
  * 256 values; the fast top-k: one warp's choices; the convolution: a window of at most 8 in registers; the fast
- * delta rule: a thread per column of a head's state, held in registers, at most 128). */
+ * delta rule, both forms: a thread per column of a head's state, held in registers, at most 128). */
 static int check_args(strata_device *d, strata_dev_kernel k, const void *args) {
     switch (k) {
     case DEV_KERNEL_MATMUL: return check_matmul(d, args);
@@ -319,18 +319,19 @@ static int check_args(strata_device *d, strata_dev_kernel k, const void *args) {
                         (long long)a->state_stride, (long long)(a->channels * (a->d_conv - 1)));
         return STRATA_OK;
     }
-    case DEV_KERNEL_DELTA_RULE: {
+    case DEV_KERNEL_DELTA_RULE:
+    case DEV_KERNEL_DELTA_RULE_CHUNKED: {
         const strata_dev_delta_rule_args *a = args;
+        const char *name = KERNEL_NAMES[k];
         if (a->head_dim <= 0 || a->head_dim > 128 || a->n_seq <= 0 || a->n_k_heads <= 0 ||
             a->n_v_heads % a->n_k_heads)
             return fail(d, STRATA_ERR_INVALID_ARG,
-                        "delta_rule: head_dim %d (up to 128), %d v heads over %d q/k heads, n_seq %d", a->head_dim,
+                        "%s: head_dim %d (up to 128), %d v heads over %d q/k heads, n_seq %d", name, a->head_dim,
                         a->n_v_heads, a->n_k_heads, a->n_seq);
         int64_t width = (int64_t)a->n_v_heads * a->head_dim;
         if (a->row_stride < width || a->state_stride < width * a->head_dim)
-            return fail(d, STRATA_ERR_INVALID_ARG,
-                        "delta_rule: row_stride %lld, state_stride %lld (at least %lld, %lld)",
-                        (long long)a->row_stride, (long long)a->state_stride, (long long)width,
+            return fail(d, STRATA_ERR_INVALID_ARG, "%s: row_stride %lld, state_stride %lld (at least %lld, %lld)",
+                        name, (long long)a->row_stride, (long long)a->state_stride, (long long)width,
                         (long long)(width * a->head_dim));
         return STRATA_OK;
     }

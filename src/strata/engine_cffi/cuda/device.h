@@ -151,13 +151,17 @@ typedef struct {
     const float *a, *dt_bias;
 } strata_dev_dn_gates_args;
 
-/* "delta_rule": the gated delta rule per (sequence, v head), heads of head_dim (= d_k = d_v) values. For each
- * token in order, on v head h's state S (head_dim x head_dim, row-major, at state + seq[s] state_stride +
- * h head_dim^2), reading q and k head h % n_k_heads:
+/* "delta_rule": the gated delta rule per (sequence, v head), heads of head_dim (= d_k = d_v) values, by its
+ * recurrent form: for each token in order, on v head h's state S (head_dim x head_dim, row-major, at state +
+ * seq[s] state_stride + h head_dim^2), reading q and k head h % n_k_heads:
  *     S = exp(g) S;  S += k (beta (v - S^T k))^T;  out = S^T q.
  * q, k, v: token t's q head j at q + t row_stride + j head_dim (k, v likewise); g, beta: (n_tok, n_v_heads);
- * out: (n_tok, n_v_heads, head_dim). The host device takes a sequence's single token by that step and several
- * in chunks of 64 (the chunked form), as the CPU engine does. */
+ * out: (n_tok, n_v_heads, head_dim). A run whose slot seq[s] is negative is skipped (its rows left as they are),
+ * so that a chunk's runs can be split between the two forms without moving rows.
+ * "delta_rule_chunked": the same rule and arguments by the chunked form (blocks_deltanet.c's chunk_step): a run's
+ * tokens in chunks of 64, within a chunk the updates from one unit lower-triangular solve and the state read and
+ * written once. The same sums in another order: the outputs and state agree with the recurrent form's to float
+ * rounding. The CPU engine takes a run by the chunked form where strata_deltanet_chunked(its tokens) says so. */
 typedef struct {
     int n_seq, n_k_heads, n_v_heads, head_dim;
     int64_t row_stride, state_stride;
@@ -165,6 +169,7 @@ typedef struct {
     float *state, *out;
     const int *seq, *seq_first;
 } strata_dev_delta_rule_args;
+typedef strata_dev_delta_rule_args strata_dev_delta_rule_chunked_args;
 
 /* "gated_rms_norm": out row r (n values) = x row r / sqrt(mean(x row r ^ 2) + eps) * w * silu(z row r), over
  * n_rows rows (each token's v heads). x, z, out: (n_rows, n); w: (n,). out may be x. */

@@ -165,6 +165,11 @@ int cuda_launch(void *self, int stream, strata_dev_kernel kernel, int reference,
         e = reference ? k::delta_rule_ref(a, s) : k::delta_rule(a, s);
         break;
     }
+    case DEV_KERNEL_DELTA_RULE_CHUNKED: {
+        auto a = (const strata_dev_delta_rule_args *)args;
+        e = reference ? k::delta_rule_chunked_ref(a, s) : k::delta_rule_chunked(a, s);
+        break;
+    }
     case DEV_KERNEL_GATED_RMS_NORM: {
         auto a = (const strata_dev_gated_rms_norm_args *)args;
         e = reference ? k::gated_rms_norm_ref(a, s) : k::gated_rms_norm(a, s);

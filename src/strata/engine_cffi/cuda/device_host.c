@@ -267,20 +267,21 @@ static void dn_gates(const strata_dev_dn_gates_args *a) {
                        a->n_head);
 }
 
-/* Per (sequence, v head): one token by the recurrent step, more in chunks (the CPU engine's choice). */
-static int delta_rule(host_device *h, const strata_dev_delta_rule_args *a) {
-    if (check_sequences(h, "delta_rule", a->seq_first, a->n_seq)) return STRATA_ERR_INVALID_ARG;
+/* Per (sequence, v head) with a slot: the recurrent form token by token (chunked 0) or the chunked form. */
+static int delta_rule(host_device *h, const strata_dev_delta_rule_args *a, int chunked) {
+    const char *name = chunked ? "delta_rule_chunked" : "delta_rule";
+    if (check_sequences(h, name, a->seq_first, a->n_seq)) return STRATA_ERR_INVALID_ARG;
     const int d = a->head_dim, hv = a->n_v_heads;
     float *work = malloc(sizeof(float) * deltanet_head_floats((size_t)d));
     if (!work) return host_fail(h, STRATA_ERR_NOMEM, "delta_rule: out of memory");
     for (int s = 0; s < a->n_seq; s++) {
         int first = a->seq_first[s], n = a->seq_first[s + 1] - first;
-        for (int j = 0; j < hv && n > 0; j++) {
+        for (int j = 0; j < hv && n > 0 && a->seq[s] >= 0; j++) {
             size_t row = (size_t)first * a->row_stride, qk = row + (size_t)(j % a->n_k_heads) * d;
             size_t gb = (size_t)first * hv + j;
             deltanet_head(a->state + (size_t)a->seq[s] * a->state_stride + (size_t)j * d * d, n, d, a->q + qk,
                           a->k + qk, (size_t)a->row_stride, a->v + row + (size_t)j * d, (size_t)a->row_stride,
-                          a->g + gb, a->beta + gb, (size_t)hv, a->out + gb * d, (size_t)hv * d, deltanet_chunked(n),
+                          a->g + gb, a->beta + gb, (size_t)hv, a->out + gb * d, (size_t)hv * d, chunked,
                           work);
         }
     }
@@ -371,7 +372,8 @@ static int launch(void *self, int stream, strata_dev_kernel kernel, int referenc
     case DEV_KERNEL_DN_CONV: return dn_conv(self, args);
     case DEV_KERNEL_L2_NORM: l2_norm(args); return STRATA_OK;
     case DEV_KERNEL_DN_GATES: dn_gates(args); return STRATA_OK;
-    case DEV_KERNEL_DELTA_RULE: return delta_rule(self, args);
+    case DEV_KERNEL_DELTA_RULE: return delta_rule(self, args, 0);
+    case DEV_KERNEL_DELTA_RULE_CHUNKED: return delta_rule(self, args, 1);
     case DEV_KERNEL_GATED_RMS_NORM: gated_rms_norm(args); return STRATA_OK;
     case DEV_KERNEL_SIGMOID_GATE: sigmoid_gate(args); return STRATA_OK;
     case DEV_KERNEL_LAYER_NORM: layer_norm(args); return STRATA_OK;

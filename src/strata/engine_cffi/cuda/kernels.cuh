@@ -27,6 +27,9 @@ template <typename F> cudaError_t by_type(int type, F &&f) {
 }
 
 cudaError_t matmul_ref(const strata_dev_matmul_args *a, cudaStream_t stream);
+/* Tokens of the delta rule's chunks in its chunked form (blocks_deltanet.c's CHUNK). */
+constexpr int DELTA_CHUNK = 64;
+
 cudaError_t rms_norm_ref(const strata_dev_rms_norm_args *a, cudaStream_t stream);
 cudaError_t rope_ref(const strata_dev_rope_args *a, cudaStream_t stream);
 cudaError_t attention_ref(const strata_dev_attention_args *a, cudaStream_t stream);
@@ -38,6 +41,7 @@ cudaError_t dn_conv_ref(const strata_dev_dn_conv_args *a, cudaStream_t stream);
 cudaError_t l2_norm_ref(const strata_dev_l2_norm_args *a, cudaStream_t stream);
 cudaError_t dn_gates_ref(const strata_dev_dn_gates_args *a, cudaStream_t stream);
 cudaError_t delta_rule_ref(const strata_dev_delta_rule_args *a, cudaStream_t stream);
+cudaError_t delta_rule_chunked_ref(const strata_dev_delta_rule_args *a, cudaStream_t stream);
 cudaError_t gated_rms_norm_ref(const strata_dev_gated_rms_norm_args *a, cudaStream_t stream);
 
 /* Bytes of scratch matmul needs (its activations quantised; 0 for F32, F16 and BF16 weights). */
@@ -54,6 +58,7 @@ cudaError_t dn_conv(const strata_dev_dn_conv_args *a, cudaStream_t stream);
 cudaError_t l2_norm(const strata_dev_l2_norm_args *a, cudaStream_t stream);
 cudaError_t dn_gates(const strata_dev_dn_gates_args *a, cudaStream_t stream);
 cudaError_t delta_rule(const strata_dev_delta_rule_args *a, cudaStream_t stream);
+cudaError_t delta_rule_chunked(const strata_dev_delta_rule_args *a, cudaStream_t stream);
 cudaError_t gated_rms_norm(const strata_dev_gated_rms_norm_args *a, cudaStream_t stream);
 
 cudaError_t sigmoid_gate_ref(const strata_dev_sigmoid_gate_args *a, cudaStream_t stream);

@@ -497,13 +497,14 @@ cudaError_t dn_gates(const strata_dev_dn_gates_args *a, cudaStream_t stream) {
 /* The delta rule: a block per (sequence, v head), a thread per column j of its state, held in registers for the
  * sequence's tokens (read and written once per launch); each token's q and k rows in shared memory. A column's
  * update needs only that column (S^T k and S^T q are per column), so the threads never exchange partial sums.
- * Prompt chunks take the same token loop (the chunked form's blocked products are not built on the card). */
+ * A run whose slot is negative is the chunked form's (delta_rule_chunked below). */
 constexpr int MAX_HEAD = 128;
 
 __global__ void delta_rule_kernel(strata_dev_delta_rule_args a) {
     __shared__ float qs[MAX_HEAD], ks[MAX_HEAD];
     const int d = a.head_dim, hv = a.n_v_heads, j = threadIdx.x;
     int s = blockIdx.x / hv, h = blockIdx.x % hv, kh = h % a.n_k_heads;
+    if (a.seq[s] < 0) return;
     float *S = a.state + a.seq[s] * a.state_stride + (size_t)h * d * d + j, col[MAX_HEAD];
 #pragma unroll
     for (int i = 0; i < MAX_HEAD; i++) col[i] = i < d ? S[i * d] : 0.0f;
@@ -535,6 +536,101 @@ __global__ void delta_rule_kernel(strata_dev_delta_rule_args a) {
 
 cudaError_t delta_rule(const strata_dev_delta_rule_args *a, cudaStream_t stream) {
     delta_rule_kernel<<<(unsigned)(a->n_seq * a->n_v_heads), (unsigned)a->head_dim, 0, stream>>>(*a);
+    return cudaGetLastError();
+}
+
+/* The delta rule by its chunked form (blocks_deltanet.c's chunk_step): a block per (sequence, v head), a thread per
+ * column j of its state, held in registers for the sequence's tokens as in the token loop. Per chunk of C tokens,
+ * in shared memory: the chunk's k rows, its q rows (whose place the corrected values u then take), the decays'
+ * running sum gc, beta, and one C x C matrix holding A[i][m] = beta_i (k_i . k_m) exp(gc_i - gc_m) below its
+ * diagonal and, transposed on and above it, QK[i][m] = (q_i . k_m) exp(gc_i - gc_m) (m <= i). After those
+ * products each column is on its own, as in the token loop: u solves (I + A) u = beta (v_j - exp(gc) K S_j) by
+ * forward substitution (the CPU engine's U - W S: W S = (I + A)^-1 beta exp(gc) K S), o_i = exp(gc_i) q_i . S_j +
+ * sum_{m <= i} QK[i][m] u_m, then S_j = exp(gc_last) S_j + sum_m exp(gc_last - gc_m) k_m u_m. Rows are head_dim + 1
+ * floats apart (the products' threads read different rows at the same column: no bank conflicts). */
+__host__ __device__ constexpr size_t delta_chunked_shared(int head_dim) {
+    constexpr size_t C = DELTA_CHUNK;
+    return sizeof(float) * (2 * C * (head_dim + 1) + C * C + 2 * C);
+}
+// 81 KiB at head_dim 128: over the default 48 KiB a block, within sm_86's and sm_89's 99 KiB and sm_90's 227 KiB
+static_assert(delta_chunked_shared(MAX_HEAD) <= 99 * 1024, "the chunked delta rule's shared memory fits sm_86");
+
+__global__ void delta_rule_chunked_kernel(strata_dev_delta_rule_args a) {
+    constexpr int C = DELTA_CHUNK;
+    extern __shared__ float shared[];
+    const int d = a.head_dim, P = d + 1, hv = a.n_v_heads, j = threadIdx.x;
+    int s = blockIdx.x / hv, h = blockIdx.x % hv, kh = h % a.n_k_heads;
+    if (a.seq[s] < 0) return;
+    float *ks = shared, *qu = ks + C * P, *aq = qu + C * P, *gc = aq + C * C, *beta = gc + C;
+    float *S = a.state + a.seq[s] * a.state_stride + (size_t)h * d * d + j, col[MAX_HEAD];
+#pragma unroll
+    for (int i = 0; i < MAX_HEAD; i++) col[i] = i < d ? S[i * d] : 0.0f;
+    for (int c0 = a.seq_first[s]; c0 < a.seq_first[s + 1]; c0 += C) {
+        const int L = min(C, a.seq_first[s + 1] - c0);
+        float *out = a.out + ((size_t)c0 * hv + h) * d + j;  // token c0 + i's at out[i hv d]
+        __syncthreads();  // the previous chunk's rows are read
+        for (int i = 0; i < L; i++) {
+            ks[i * P + j] = a.k[(c0 + i) * a.row_stride + kh * d + j];
+            qu[i * P + j] = a.q[(c0 + i) * a.row_stride + kh * d + j];
+        }
+        if (j == 0)
+            for (int i = 0; i < L; i++) {
+                gc[i] = a.g[(size_t)(c0 + i) * hv + h] + (i ? gc[i - 1] : 0.0f);
+                beta[i] = a.beta[(size_t)(c0 + i) * hv + h];
+            }
+        __syncthreads();
+        for (int e = j; e < L * L; e += d) {  // entry (i, m), m <= i: QK, and A below the diagonal
+            int i = e / L, m = e % L;
+            if (m > i) continue;
+            float qk = 0.0f, kk = 0.0f, w = expf(gc[i] - gc[m]);
+            for (int x = 0; x < d; x++) {
+                qk += qu[i * P + x] * ks[m * P + x];
+                kk += ks[i * P + x] * ks[m * P + x];
+            }
+            aq[m * C + i] = qk * w;
+            if (m < i) aq[i * C + m] = beta[i] * kk * w;
+        }
+        for (int i = 0; i < L; i++) {  // exp(gc_i) q_i . S_j, S as it was
+            float qs = 0.0f;
+#pragma unroll
+            for (int x = 0; x < MAX_HEAD; x++)
+                if (x < d) qs += qu[i * P + x] * col[x];
+            out[(size_t)i * hv * d] = expf(gc[i]) * qs;
+        }
+        __syncthreads();  // the q rows are read: u takes their place, column by column
+        for (int i = 0; i < L; i++) {
+            float kS = 0.0f;
+#pragma unroll
+            for (int x = 0; x < MAX_HEAD; x++)
+                if (x < d) kS += ks[i * P + x] * col[x];
+            float u = beta[i] * (a.v[(c0 + i) * a.row_stride + h * d + j] - expf(gc[i]) * kS);
+            for (int m = 0; m < i; m++) u -= aq[i * C + m] * qu[m * P + j];
+            qu[i * P + j] = u;
+            float o = out[(size_t)i * hv * d];
+            for (int m = 0; m <= i; m++) o += aq[m * C + i] * qu[m * P + j];
+            out[(size_t)i * hv * d] = o;
+        }
+        const float last = gc[L - 1], decay = expf(last);
+#pragma unroll
+        for (int x = 0; x < MAX_HEAD; x++) col[x] *= decay;
+        for (int m = 0; m < L; m++) {
+            float w = expf(last - gc[m]) * qu[m * P + j];
+#pragma unroll
+            for (int x = 0; x < MAX_HEAD; x++)
+                if (x < d) col[x] += ks[m * P + x] * w;
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < MAX_HEAD; i++)
+        if (i < d) S[i * d] = col[i];
+}
+
+cudaError_t delta_rule_chunked(const strata_dev_delta_rule_args *a, cudaStream_t stream) {
+    size_t shared = delta_chunked_shared(a->head_dim);
+    cudaError_t e = cudaFuncSetAttribute(delta_rule_chunked_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         (int)shared);
+    if (e != cudaSuccess) return e;
+    delta_rule_chunked_kernel<<<(unsigned)(a->n_seq * a->n_v_heads), (unsigned)a->head_dim, shared, stream>>>(*a);
     return cudaGetLastError();
 }
 

@@ -264,6 +264,7 @@ __global__ void delta_rule_ref_kernel(strata_dev_delta_rule_args a) {
     const int d = a.head_dim, hv = a.n_v_heads;
     if (o >= (int64_t)a.n_seq * hv * d) return;
     int j = (int)(o % d), h = (int)(o / d % hv), s = (int)(o / d / hv), kh = h % a.n_k_heads;
+    if (a.seq[s] < 0) return;  // a run the other form takes
     float *S = a.state + a.seq[s] * a.state_stride + (size_t)h * d * d + j;  // column j: rows d apart
     for (int t = a.seq_first[s]; t < a.seq_first[s + 1]; t++) {
         const float *q = a.q + t * a.row_stride + kh * d, *k = a.k + t * a.row_stride + kh * d;
@@ -281,6 +282,62 @@ __global__ void delta_rule_ref_kernel(strata_dev_delta_rule_args a) {
 
 cudaError_t delta_rule_ref(const strata_dev_delta_rule_args *a, cudaStream_t stream) {
     delta_rule_ref_kernel<<<blocks_for((int64_t)a->n_seq * a->n_v_heads * a->head_dim, 128), 128, 0, stream>>>(*a);
+    return cudaGetLastError();
+}
+
+/* The delta rule by its chunked form, in double: one thread per (sequence, v head, column j of the state), chunks
+ * of DELTA_CHUNK tokens. Within a chunk, gc the decays' running sum and A[i][m] = beta_i (k_i . k_m) exp(gc_i - gc_m)
+ * (m < i); the corrected values of column j solve (I + A) u = r, r_i = beta_i (v_ij - exp(gc_i) k_i . S_j) (the
+ * CPU engine's U - W S, whose W S is (I + A)^-1 of beta exp(gc) K S); then o_ij = exp(gc_i) q_i . S_j +
+ * sum_{m <= i} (q_i . k_m) exp(gc_i - gc_m) u_m and S_j = exp(gc_last) S_j + sum_m exp(gc_last - gc_m) k_m u_m.
+ * A column reads only its own column, as in the recurrent form; A's entries are recomputed where they are used. */
+__device__ double dot_rows(const float *x, const float *y, int d) {
+    double s = 0.0;
+    for (int i = 0; i < d; i++) s += (double)x[i] * y[i];
+    return s;
+}
+
+__global__ void delta_rule_chunked_ref_kernel(strata_dev_delta_rule_args a) {
+    int64_t o = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+    const int d = a.head_dim, hv = a.n_v_heads;
+    if (o >= (int64_t)a.n_seq * hv * d) return;
+    int j = (int)(o % d), h = (int)(o / d % hv), s = (int)(o / d / hv), kh = h % a.n_k_heads;
+    if (a.seq[s] < 0) return;  // a run the other form takes
+    float *S = a.state + a.seq[s] * a.state_stride + (size_t)h * d * d + j;  // column j: rows d apart
+    double gc[DELTA_CHUNK], u[DELTA_CHUNK];
+    for (int c0 = a.seq_first[s]; c0 < a.seq_first[s + 1]; c0 += DELTA_CHUNK) {
+        int L = min(DELTA_CHUNK, a.seq_first[s + 1] - c0);
+        const float *q = a.q + c0 * a.row_stride + kh * d, *k = a.k + c0 * a.row_stride + kh * d;
+        const float *v = a.v + c0 * a.row_stride + h * d + j, *g = a.g + (size_t)c0 * hv + h;
+        const float *beta = a.beta + (size_t)c0 * hv + h;
+        for (int i = 0; i < L; i++) gc[i] = g[(size_t)i * hv] + (i ? gc[i - 1] : 0.0);
+        for (int i = 0; i < L; i++) {  // u by forward substitution
+            double ks = 0.0;
+            for (int x = 0; x < d; x++) ks += (double)k[i * a.row_stride + x] * S[x * d];
+            u[i] = beta[(size_t)i * hv] * (v[i * a.row_stride] - exp(gc[i]) * ks);
+            for (int m = 0; m < i; m++)
+                u[i] -= beta[(size_t)i * hv] * dot_rows(k + i * a.row_stride, k + m * a.row_stride, d) *
+                        exp(gc[i] - gc[m]) * u[m];
+        }
+        for (int i = 0; i < L; i++) {  // the outputs, from S as it was
+            double out = 0.0;
+            for (int x = 0; x < d; x++) out += (double)q[i * a.row_stride + x] * S[x * d];
+            out *= exp(gc[i]);
+            for (int m = 0; m <= i; m++)
+                out += dot_rows(q + i * a.row_stride, k + m * a.row_stride, d) * exp(gc[i] - gc[m]) * u[m];
+            a.out[((size_t)(c0 + i) * hv + h) * d + j] = (float)out;
+        }
+        for (int x = 0; x < d; x++) {
+            double col = exp(gc[L - 1]) * S[x * d];
+            for (int m = 0; m < L; m++) col += exp(gc[L - 1] - gc[m]) * k[m * a.row_stride + x] * u[m];
+            S[x * d] = (float)col;
+        }
+    }
+}
+
+cudaError_t delta_rule_chunked_ref(const strata_dev_delta_rule_args *a, cudaStream_t stream) {
+    delta_rule_chunked_ref_kernel<<<blocks_for((int64_t)a->n_seq * a->n_v_heads * a->head_dim, 128), 128, 0,
+                                    stream>>>(*a);
     return cudaGetLastError();
 }
 
