@@ -387,6 +387,19 @@ def test_measured_draft_costs_are_forgotten_after_some_steps() -> None:
     assert spec.choose(1, budget.decode_seconds(1), budget.draft_costs()) == 1
 
 
+def test_on_a_recurrent_engine_a_draft_pays_for_the_tokens_a_rejection_takes_back() -> None:
+    """A rejected draft on a recurrent engine takes the tokens accepted before it back, and the next step evaluates
+    them again: at 30% acceptance a token a fifth of a step pays on a cache that cuts back (1.3 tokens for 1.2
+    steps) and not on a recurrent state (1.3 for 1.2 + 0.7 x 0.2)."""
+    spec = Speculation(PromptLookup(), 1)
+    for right in [True, False, False, True, False, False, False] * 10:  # 2 drafts right in 7
+        spec.judge([1], int(right), [1])
+    assert 0.25 < spec.rate < 0.35
+    costs = VerifyCost(0.0, 0.2)
+    assert spec.choose(1, 1.0, costs) == 1
+    assert spec.choose(1, 1.0, costs, recurrent=True) == 0
+
+
 def test_speculative_config_names_a_bad_value() -> None:
     with pytest.raises(ConfigError, match='"speculative.source"'):
         config_from_dict({"speculative": {"source": "eagle"}})

@@ -231,7 +231,9 @@ class StepBudget:
         self._verify_steps: deque[tuple[int, int, float, int]] = deque(maxlen=self.WINDOW)  # (n, drafts, s, step)
         self._steps = 0  # steps recorded
         self._verifies = 0  # steps with drafts since the last decode-only one
-        self._costs: tuple[VerifyCost | None] | None = None  # draft_costs' answer since the last record; None: stale
+        # draft_costs' answer and what it was fitted on: the verifications it counted and the reference's version
+        self._costs: tuple[tuple[tuple[int, ...], int], VerifyCost | None] | None = None
+        self._reference = 0  # bumped where a decode-only step re-measures the reference after drafts, or first
 
     def decode_seconds(self, n: int) -> float | None:
         """A decode-only step of `n` jobs, as measured (None before the first)."""
@@ -249,14 +251,16 @@ class StepBudget:
         """What drafts add to a step of decoding jobs (speculative decoding), measured against the decode-only
         step as it is now: `VerifyCost.fit` through the recent steps' added seconds against their draft tokens,
         with the model's routing shape where it has experts, over those of the last `VERIFY_MEMORY` steps; None
-        without any. Fitted once between two recorded steps: every decoding job's draft length asks for it, every
-        step."""
-        if self._costs is None:
-            recent = self._steps - self.VERIFY_MEMORY
+        without any. Fitted again only when a verification comes or goes, or the reference is re-measured after
+        drafts: every decoding job's draft length asks for it every step, and a fit costs about a tiny model's
+        step, while the reference's drift between two re-measurements moves it by noise."""
+        recent = self._steps - self.VERIFY_MEMORY
+        key = (tuple(at for *_, at in self._verify_steps if at > recent), self._reference)
+        if self._costs is None or self._costs[0] != key:
             points = [(n, drafts, max(seconds - step, 0.0)) for n, drafts, seconds, at in self._verify_steps
                       if at > recent and (step := self.decode_seconds(n)) is not None]
-            self._costs = (VerifyCost.fit(points, self.routing) if points else None,)
-        return self._costs[0]
+            self._costs = (key, VerifyCost.fit(points, self.routing) if points else None)
+        return self._costs[1]
 
     def wants_plain_step(self, n: int) -> bool:
         """Whether the next step of `n` decoding jobs should carry no drafts: their decode-only step, the
@@ -281,13 +285,14 @@ class StepBudget:
         step with a prompt chunk, the draft tokens count as prompt tokens)."""
         if n <= 0:
             return
-        self._costs = None
         self._steps += 1
         if drafts and not prompt:
             self._verify_steps.append((n, drafts, seconds, self._steps))
             self._verifies += 1
             return
         if not prompt:
+            if self._verifies or n not in self._decode:
+                self._reference += 1
             self._decode.setdefault(n, deque(maxlen=self.DECODE_WINDOW)).append(seconds)
             self._mixed = self._verifies = 0
             return
@@ -692,7 +697,7 @@ class Batcher:
             return 0
         budget = self.budget
         length = speculation.choose(n_decoding, budget.decode_seconds(n_decoding) if budget else None,
-                                    budget.draft_costs() if budget else None)
+                                    budget.draft_costs() if budget else None, recurrent=self.snapshots is not None)
         if self.snapshots is not None and len(tokens) > 1:
             # Invariant: tokens a recurrent engine's rollback took back are evaluated again without a draft, so this
             # step keeps them: a draft rejected with them would take them back again, every step, while the step

@@ -299,27 +299,53 @@ class VerifyCost:
         so they get tried and measured)."""
         if routing is not None and cls(0.0, 0.0, 0.0, routing).new_experts(1) <= 0:
             routing = None  # every token reads every expert: drafts add none
-        ks = np.array([k for _, k, _ in points], float)
-        added = np.array([a for _, _, a in points], float)
+        ks = [float(k) for _, k, _ in points]
+        added = [a for _, _, a in points]
         shape = cls(0.0, 0.0, 0.0, routing)
-        experts = np.array([shape.new_experts(k, n) for n, k, _ in points])
-        distinct = len(set(ks.tolist()))
+        experts = [shape.new_experts(k, n) for n, k, _ in points]
+        distinct = len(set(ks))
         columns = {"per_token": ks, "per_expert": experts} if routing is not None and distinct >= 3 else (
             {"per_expert": experts} if routing is not None else {"per_token": ks})
         if distinct < 2:
             name, x = next(iter(columns.items()))
-            unit = float(statistics.median(added / x))
+            unit = float(statistics.median(a / v for a, v in zip(added, x, strict=True)))
             return cls(0.0, unit if name == "per_token" else 0.0, unit if name == "per_expert" else 0.0, routing)
         while True:
-            design = np.stack([np.ones_like(ks), *columns.values()], axis=1)
-            solved = np.linalg.lstsq(design, added, rcond=None)[0]
-            terms = dict(zip(columns, solved[1:].tolist(), strict=True))
+            fixed, slopes = _least_squares(list(columns.values()), added)
+            terms = dict(zip(columns, slopes, strict=True))
             negative = [name for name, value in terms.items() if value < 0]
             if not negative or len(columns) == 1:
                 break
             del columns[negative[0]]
         terms = {name: max(value, 0.0) for name, value in terms.items()}
-        return cls(max(float(solved[0]), 0.0), terms.get("per_token", 0.0), terms.get("per_expert", 0.0), routing)
+        return cls(max(fixed, 0.0), terms.get("per_token", 0.0), terms.get("per_expert", 0.0), routing)
+
+
+def _least_squares(columns: list[list[float]], y: list[float]) -> tuple[float, list[float]]:
+    """(intercept, slopes) of the least-squares line or plane through y over one or two columns, in plain floats:
+    a fit of at most a window's few points runs every step a draft is measured, where numpy's call overhead cost as
+    much as a small model's step. Centred normal equations; a second column that the first explains (their
+    determinant vanishing) gets slope 0."""
+    m = len(y)
+    means = [sum(c) / m for c in columns]
+    y_mean = sum(y) / m
+    xs = [[v - mean for v in c] for c, mean in zip(columns, means, strict=True)]
+    yc = [v - y_mean for v in y]
+
+    def dot(a: list[float], b: list[float]) -> float:
+        return sum(u * v for u, v in zip(a, b, strict=True))
+
+    a11, b1 = dot(xs[0], xs[0]), dot(xs[0], yc)
+    if len(xs) == 1 or a11 <= 0:
+        slopes = [b1 / a11 if a11 > 0 else 0.0] + [0.0] * (len(xs) - 1)
+    else:
+        a12, a22, b2 = dot(xs[0], xs[1]), dot(xs[1], xs[1]), dot(xs[1], yc)
+        det = a11 * a22 - a12 * a12
+        if det <= 1e-12 * a11 * a22:
+            slopes = [b1 / a11, 0.0]
+        else:
+            slopes = [(b1 * a22 - b2 * a12) / det, (a11 * b2 - a12 * b1) / det]
+    return y_mean - dot(means, slopes), slopes
 
 
 class Speculation:
@@ -383,9 +409,13 @@ class Speculation:
         """The estimated acceptance rate of the next draft token."""
         return (self._accepted + 1.0) / (self._judged + 2.0)
 
-    def choose(self, n_decoding: int, step_s: float | None, costs: VerifyCost | None) -> int:
+    def choose(self, n_decoding: int, step_s: float | None, costs: VerifyCost | None,
+               recurrent: bool = False) -> int:
         """The draft length that pays in a step of `n_decoding` jobs, at `step_s` seconds for their step without
-        drafts, and `costs` for drafts (None: not measured yet)."""
+        drafts, and `costs` for drafts (None: not measured yet). On a `recurrent` engine a rejected draft takes the
+        tokens accepted before it back with it (the state is reloaded from before the draft), and the next step
+        evaluates them again with the step's own token: after j accepted, j + 1 tokens more, which the cost of k
+        drafts includes at the chance of each j."""
         if not self.adaptive:
             self.length = self.max_draft
             return self.length
@@ -398,9 +428,12 @@ class Speculation:
         cost = costs if step_s and costs is not None else VerifyCost(0.0, self.PRIOR_DRAFT_COST * step)
         a, expected = self.rate, 1.0
         best, best_rate = 0, n_decoding / step
+        again = 0.0  # the expected seconds of evaluating again what a rejection of k drafts takes back
         for k in range(1, (self.max_draft if measured else 1) + 1):
             expected += a ** k  # the job's tokens from a step with k drafts
-            rate = (n_decoding + expected - 1.0) / (step + cost.seconds(k, n_decoding))
+            if recurrent:  # the k-th draft rejected after k - 1 accepted: k tokens again
+                again += a ** (k - 1) * (1.0 - a) * (cost.seconds(k, n_decoding) - cost.fixed)
+            rate = (n_decoding + expected - 1.0) / (step + cost.seconds(k, n_decoding) + again)
             if rate > best_rate:
                 best, best_rate = k, rate
         if isinstance(self.drafter, Prediction) and self.drafter.followed and self.rate >= self.PREDICTED_RATE:
