@@ -56,7 +56,7 @@ def test_make_model_demo_runs_the_training_script(tmp_path: pathlib.Path, monkey
     assert cli.run(parse(["--demo", "--out", str(tmp_path), "--threads", "2"])) == 0
     assert cli.run(parse(["--demo", "--out", str(tmp_path), "--encoder", "old.gguf"])) == 0
     assert calls == [["--out", str(tmp_path), "--threads", "2"],
-                     ["--out", str(tmp_path), "--threads", "2", "--encoder", "old.gguf"]]
+                     ["--out", str(tmp_path), "--threads", "1", "--encoder", "old.gguf"]]  # the shipped files' count
 
 
 def test_make_model_hybrid_with_another_interval_and_no_mtp(tmp_path: pathlib.Path,

@@ -26,9 +26,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--demo", action="store_true",
                         help="train the demo model and its encoder into the directory --out (needs torch; "
                              "an hour or more)")
-    parser.add_argument("--threads", type=int, default=2,
+    parser.add_argument("--threads", type=int, default=1,
                         help="with --demo: torch threads (results depend on it: the shipped files were trained on "
-                             "the 2 demo.json records; on a busy machine 1 can be faster)")
+                             "the 1 demo.json records)")
     parser.add_argument("--encoder", metavar="MMPROJ.gguf",
                         help="with --demo: the encoder file the demo's training starts from (the previous demo's "
                              "demo-mmproj.gguf, docs/DEMO_MODEL.md)")
