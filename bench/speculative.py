@@ -37,6 +37,9 @@
   batcher's, one a step), and 1 draft after 1 to 64 one-token evals (the call first fills their pairs in one
   pass: what the lazy fill costs a guess), the median of many.
 
+The engines that run the block keep the server's `speculative.mtp_window` (`--mtp-window N`; 0: the block's
+whole history, every pair filled).
+
 Rates are wall-clock and per CPU second of the engine's threads (which the load of other processes on a shared
 machine does not stretch); the table shows medians of `--repeat` runs.
 """
@@ -168,6 +171,9 @@ def medians(results: dict[str, dict[str, list[tuple[float, float]]]]) -> dict[st
 
 # --- mtp: the model's MTP block
 
+# the engines' (`--mtp-window`): the server's by default (none in a tree before it, whose strata
+# bench/speculative_policy.py may run this module against)
+MTP_WINDOW = getattr(SpeculativeConfig(), "mtp_window", 0)
 MTP_MODES = {"off": SpeculativeConfig(source="off"), "off, block run": SpeculativeConfig(source="off"),
              "mtp": SpeculativeConfig(source="mtp", adaptive=False, max_draft=3),
              "mtp adaptive": SpeculativeConfig(source="mtp")}
@@ -184,7 +190,7 @@ def mtp_traces(path: pathlib.Path, threads: int, repeat: int, tokens: int
     drafted: dict[str, list[int]] = {}
     fills: dict[str, list[int]] = {}
     with Engine.load(path, n_ctx=1024, threads=threads, n_seq=4) as plain, \
-            Engine.load(path, n_ctx=1024, threads=threads, n_seq=4, mtp=True) as block:
+            Engine.load(path, n_ctx=1024, threads=threads, n_seq=4, mtp=True, mtp_window=MTP_WINDOW) as block:
         for _ in range(repeat):
             for mode, config in MTP_MODES.items():
                 engine = plain if mode == "off" else block
@@ -221,7 +227,7 @@ def mtp_prompt_costs(path: pathlib.Path, threads: int, repeat: int, n_prompt: in
     prompt = [int(t) for t in np.random.default_rng(5).integers(0, 151000, n_prompt)]
     times: dict[str, list[tuple[float, float]]] = {"off": [], "block run": []}
     with Engine.load(path, n_ctx=n_prompt + 64, threads=threads) as plain, \
-            Engine.load(path, n_ctx=n_prompt + 64, threads=threads, mtp=True) as block:
+            Engine.load(path, n_ctx=n_prompt + 64, threads=threads, mtp=True, mtp_window=MTP_WINDOW) as block:
         for _ in range(repeat):
             for name, engine in (("off", plain), ("block run", block)):
                 started, cpu = time.perf_counter(), engine.cpu_seconds()
@@ -241,7 +247,7 @@ def mtp_step_costs(path: pathlib.Path, threads: int, rounds: int, steps: int = 1
     prompt = [int(t) for t in np.random.default_rng(6).integers(0, 151000, 200)]
     times: dict[str, list[tuple[float, float]]] = {"off": [], "block run": []}
     with Engine.load(path, n_ctx=512, threads=threads) as plain, \
-            Engine.load(path, n_ctx=512, threads=threads, mtp=True) as block:
+            Engine.load(path, n_ctx=512, threads=threads, mtp=True, mtp_window=MTP_WINDOW) as block:
         engines = {"off": plain, "block run": block}
         states = {}
         for name, engine in engines.items():
@@ -267,7 +273,7 @@ def mtp_call_costs(path: pathlib.Path, threads: int, rounds: int) -> dict[tuple[
     rng = np.random.default_rng(3)
     prompts = [[int(t) for t in rng.integers(0, 151000, 200)] for _ in range(4)]
     costs: dict[tuple[int, str], tuple[float, float]] = {}
-    with Engine.load(path, n_ctx=1024, threads=threads, n_seq=4, mtp=True) as engine:
+    with Engine.load(path, n_ctx=1024, threads=threads, n_seq=4, mtp=True, mtp_window=MTP_WINDOW) as engine:
         engine.eval_batch([BatchItem(seq, prompt, None, "last") for seq, prompt in enumerate(prompts)])
         calls = {"one sequence": [[0]], "4 sequences, a call each": [[0], [1], [2], [3]],
                  "4 sequences, one call": [[0, 1, 2, 3]]}
@@ -337,7 +343,8 @@ def demo_traces(model: pathlib.Path, threads: int, repeat: int, n: int = 16
     answers: dict[str, dict[str, list[list[int]]]] = {}
     drafted: dict[str, dict[str, list[int]]] = {}
     with Engine.load(model, n_ctx=1024, threads=threads) as plain, \
-            Engine.load(model, n_ctx=1024, threads=threads, mtp=plain.has_mtp) as block:
+            Engine.load(model, n_ctx=1024, threads=threads, mtp=plain.has_mtp,
+                        mtp_window=MTP_WINDOW) as block:
         stop = set(Tokenizer.from_gguf(model).eos_ids)
         modes = {mode: config for mode, config in DEMO_MODES.items() if block.mtp or config.source != "mtp"}
         for _ in range(repeat):
@@ -393,7 +400,8 @@ async def http_trace(mode: str, edit: str, chat: list[dict[str, Any]], max_token
 
     config = config_from_dict({"model": str(DEMO_MODEL), "threads": threads, "context": 4096, "slots": 1,
                                "vision": {"exe": ["true"], "lazy_load": True},  # no encoder starts
-                               "speculative": {"source": MODES[mode].source, "adaptive": MODES[mode].adaptive}})
+                               "speculative": {"source": MODES[mode].source, "adaptive": MODES[mode].adaptive,
+                                               "mtp_window": MTP_WINDOW}})
     out: dict[str, Any] = {}
     async with open_service(config, log=lambda line: None) as service, served(service) as (host, port), \
             httpx.AsyncClient(base_url=f"http://{host}:{port}", timeout=600) as client:
@@ -466,10 +474,13 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=256, help="tokens each answer generates")
     parser.add_argument("--parts", default="steps,engine,http", help="of steps, engine, http, mtp, demo")
+    parser.add_argument("--mtp-window", type=int, default=MTP_WINDOW,
+                        help="the MTP block's window (`speculative.mtp_window`; 0: the whole history)")
     parser.add_argument("--demo-model", type=pathlib.Path, help="demo: another demo model file than the shipped one")
     parser.add_argument("--layers", type=int, help="mtp: the qwen35moe's layers in place of the small one's 8 (every "
                         "4th full attention, as Qwen3.5)")
     args = parser.parse_args()
+    globals()["MTP_WINDOW"] = args.mtp_window
     parts = args.parts.split(",")
     print(f"load average {os.getloadavg()[0]:.2f}, {args.threads} engine threads", flush=True)
     if "steps" in parts or "engine" in parts:

@@ -48,8 +48,10 @@ def child(src: str, layers: int, tokens: int, pairs: int, traces: list[str], thr
     prompts = [[int(t) for t in rng.integers(0, 151000, 200)] for _ in range(4)]
     out: dict[str, list[list[float]]] = {}
     path = small_model("qwen35moe", layers if layers != 8 else None)
+    # the block as the tree's server runs it (its `speculative.mtp_window`, in a tree that has one)
+    window = {"mtp_window": SpeculativeConfig().mtp_window} if hasattr(SpeculativeConfig, "mtp_window") else {}
     with Engine.load(path, n_ctx=1024, threads=threads, n_seq=4) as plain, \
-            Engine.load(path, n_ctx=1024, threads=threads, n_seq=4, mtp=True) as block:
+            Engine.load(path, n_ctx=1024, threads=threads, n_seq=4, mtp=True, **window) as block:
         for _ in range(pairs):
             for trace, batch in (("one", prompts[:1]), ("four", prompts)):
                 if trace not in traces:

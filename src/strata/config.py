@@ -140,6 +140,10 @@ class SpeculativeConfig:
             in a prompt; in decode, filling the block's rows waits for a draft and is batched then, so a request
             whose drafts do not pay costs little more than without the block (on the CPU engine; the GPU backend
             fills them at every eval: a block pass a step).
+        mtp_window: the MTP block's history on the CPU engine: it attends over the pairs filled since a request's
+            drafts last started, at least the last `mtp_window` (at most 128): a request whose drafts do not pay
+            costs no fill between its guesses, and a guess `mtp_window` pairs at most, whatever the prompt's length
+            (`Engine.load`'s `mtp_window`); 0: the whole history, every pair filled (the GPU backend's way).
         max_draft: the most draft tokens a request adds to one engine step.
         adaptive: each request's draft length follows its measured acceptance and the measured cost of a draft
             token, down to none where drafts do not pay; false: `max_draft` whenever the source has that many.
@@ -149,6 +153,7 @@ class SpeculativeConfig:
     """
 
     source: str = "auto"
+    mtp_window: int = 32
     max_draft: int = 8
     adaptive: bool = True
     min_ngram: int = 2
@@ -392,6 +397,8 @@ def _check_speculative(speculative: SpeculativeConfig) -> None:
     if speculative.source not in SPECULATIVE_SOURCES:
         raise _fail("speculative.source", f"must be one of {', '.join(SPECULATIVE_SOURCES)}, "
                                           f"got {speculative.source!r}")
+    if not 0 <= speculative.mtp_window <= 128:
+        raise _fail("speculative.mtp_window", f"must be 0..128, got {speculative.mtp_window}")
     if not 1 <= speculative.max_draft <= 64:
         raise _fail("speculative.max_draft", f"must be 1..64, got {speculative.max_draft}")
     if speculative.min_ngram < 1:

@@ -213,7 +213,8 @@ class ServedModel:
         if engine is None:
             engine = Engine.load(config.model, n_ctx=config.context, threads=config.threads, kv=config.kv,
                                  n_batch=config.batch, n_seq=config.slots, kv_budget=budget,
-                                 mapped_weights=config.mapped_weights, record_routing=config.record_routing, mtp=mtp)
+                                 mapped_weights=config.mapped_weights, record_routing=config.record_routing, mtp=mtp,
+                                 mtp_window=config.speculative.mtp_window)
         try:
             if config.speculative.source == "mtp" and not engine.mtp:
                 raise ServiceUnavailable(f"speculative.source is mtp, and {config.model} has no MTP block")

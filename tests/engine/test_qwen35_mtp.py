@@ -10,6 +10,9 @@
 - The block's rows are filled lazily: evals without drafts run it not at all until the held history would lose a
   pair (then once for all of them), a draft fills what waits in one pass, and its drafts are bit for bit those
   of a block filled after every eval; an eval with embedding rows fills at once; imported rows draft.
+- With a window (`mtp_window`): evals fill nothing, a draft fills the last N waiting pairs and attends over its
+  rows from there (against the reference over the same pairs), the history then grows while it drafts, and
+  follows a rollback, a copied prefix and an import.
 - An abort raised meanwhile is left for the next eval; a context without the block refuses drafts.
 
 Measured here (F32, f32 KV cache): ~1e-6 of the logits' std, as the trunk.
@@ -64,8 +67,9 @@ class Reference:
         self.fc = weights["mtp.fc.weight"]
 
     @torch.no_grad()
-    def drafts(self, tokens: list[int], token: int, chain: list[int]) -> np.ndarray:
-        """The logits of each draft after `tokens` then `token`, chained on `chain` (the drafts taken)."""
+    def drafts(self, tokens: list[int], token: int, chain: list[int], start: int = 0) -> np.ndarray:
+        """The logits of each draft after `tokens` then `token`, chained on `chain` (the drafts taken), the block
+        attending over the pairs of positions `start` on."""
         hidden = list(self.model.model(torch.tensor([tokens])).last_hidden_state[0])  # after the output norm
         followers = tokens[1:] + [token]
         out = []
@@ -74,7 +78,9 @@ class Reference:
                 followers.append(draft)
             embed = self.model.model.embed_tokens(torch.tensor(followers))
             pairs = torch.cat([self.enorm(embed), self.hnorm(torch.stack(hidden))], dim=-1) @ self.fc.T
-            g = self.block.model(inputs_embeds=pairs[None]).last_hidden_state[0, -1]  # its norm: shared_head_norm
+            positions = torch.arange(start, len(followers))[None]
+            g = self.block.model(inputs_embeds=pairs[None, start:],  # its norm: shared_head_norm
+                                 position_ids=positions).last_hidden_state[0, -1]
             hidden.append(g)
             out.append(self.model.lm_head(g).numpy())
         return np.stack(out)
@@ -211,3 +217,77 @@ def test_drafts_need_the_block_and_its_hidden_state(model_and_file: tuple[torch.
         engine.eval(_tokens(3, 8))
         with pytest.raises(EngineError, match="exceed the context"):
             engine.mtp_draft([0], [3], [5], 63)
+
+
+WINDOW = 8
+
+
+def test_a_window_drafts_from_the_last_pairs_and_its_history_grows(
+        model_and_file: tuple[torch.nn.Module, pathlib.Path]) -> None:
+    model, path = model_and_file
+    prompt, steps = _tokens(lib.STRATA_MTP_HISTORY + 20, 15), _tokens(3, 16)
+    reference = Reference(model)
+    with Engine.load(path, n_ctx=512, threads=2, kv="f32", n_batch=64, mtp=True, mtp_window=WINDOW) as engine:
+        engine.eval(prompt)  # longer than the held history: its pairs lapse, unfilled
+        assert engine.mtp_fills() == (0, 0)
+        n = len(prompt)
+        drafts, logits = engine.mtp_draft([0], [n], [steps[0]], N_DRAFT, logits=True)
+        assert engine.mtp_fills() == (1, WINDOW)  # the pairs of n - 1 - WINDOW .. n - 2
+        start = n - 1 - WINDOW
+        want = reference.drafts(prompt, steps[0], [int(t) for t in drafts[0][:-1]], start)
+        assert logits is not None and _distance(logits[0], want) <= TOLERANCE
+        engine.eval(steps[:2])  # drafting on: each draft fills what its evals completed, from the same start
+        drafts, logits = engine.mtp_draft([0], [n + 2], [steps[2]], N_DRAFT, logits=True)
+        assert engine.mtp_fills() == (2, WINDOW + 2)
+        want = reference.drafts(prompt + steps[:2], steps[2], [int(t) for t in drafts[0][:-1]], start)
+        assert logits is not None and _distance(logits[0], want) <= TOLERANCE
+
+
+def test_a_window_wider_than_the_history_drafts_as_the_whole_history(
+        model_and_file: tuple[torch.nn.Module, pathlib.Path]) -> None:
+    out = []
+    for window in (0, 64):
+        with Engine.load(model_and_file[1], n_ctx=128, threads=2, kv="f32", mtp=True, mtp_window=window) as engine:
+            engine.eval(_tokens(30, 17))
+            out.append((engine.mtp_draft([0], [30], [5], N_DRAFT, logits=True), engine.mtp_fills()))
+    (whole, whole_fills), (windowed, windowed_fills) = out
+    assert whole_fills == windowed_fills == (1, 29)
+    assert (whole[0] == windowed[0]).all() and (whole[1] == windowed[1]).all()
+
+
+def _window_logits(engine: Engine, seq: int, history: list[int], token: int, start: int,
+                   reference: Reference) -> float:
+    """The distance of the sequence's drafts after `history` and `token` from the reference over the pairs from
+    `start` on."""
+    drafts, logits = engine.mtp_draft([seq], [len(history)], [token], N_DRAFT, logits=True)
+    assert logits is not None
+    return _distance(logits[0], reference.drafts(history, token, [int(t) for t in drafts[0][:-1]], start))
+
+
+def test_a_windows_history_follows_a_copy_a_rollback_and_an_import(
+        model_and_file: tuple[torch.nn.Module, pathlib.Path]) -> None:
+    model, path = model_and_file
+    reference = Reference(model)
+    prompt, more = _tokens(40, 18), _tokens(4, 19)
+    start = 40 - 1 - WINDOW
+    with Engine.load(path, n_ctx=128, threads=2, kv="f32", n_seq=3, mtp=True, mtp_window=WINDOW) as engine:
+        engine.eval(prompt)
+        assert _window_logits(engine, 0, prompt, more[0], start, reference) <= TOLERANCE
+        engine.copy_prefix(0, 1, 40)  # the copy's history starts where its source's does
+        assert _window_logits(engine, 1, prompt, more[1], start, reference) <= TOLERANCE
+        # cut back before the history's start: it starts again at the last WINDOW pairs of what is kept
+        engine.keep(25)
+        assert _window_logits(engine, 0, prompt[:25], more[2], 25 - 1 - WINDOW, reference) <= TOLERANCE
+        rows, state = engine.export_kv(1, 0, 40), engine.save_state(1)
+        engine.import_kv(2, 0, rows)  # imported rows are not the window's history: it starts after them
+        engine.load_state(2, state)
+        engine.eval(more[:2], seq=2)
+        fills = engine.mtp_fills()
+        assert _window_logits(engine, 2, prompt + more[:2], more[2], 40, reference) <= TOLERANCE
+        assert engine.mtp_fills()[1] - fills[1] == 1  # the pair of 40: the first whose hidden state seq 2 computed
+
+
+def test_a_window_wider_than_the_held_history_is_refused(model_and_file: tuple[torch.nn.Module, pathlib.Path]
+                                                         ) -> None:
+    with pytest.raises(EngineError, match="mtp_window"):
+        Engine.load(model_and_file[1], n_ctx=64, threads=2, mtp=True, mtp_window=lib.STRATA_MTP_HISTORY + 1)

@@ -5,6 +5,7 @@ recurrent state never keep a rejected token."""
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
 from collections.abc import Sequence
 
@@ -624,14 +625,63 @@ def test_the_mtp_block_guesses_ever_less_often_while_wrong() -> None:
     every, growth, most = Mtp.shadow_every, Speculation.SHADOW_GROWTH, Speculation.MAX_SHADOW_EVERY
     gaps_wrong = [growth * every, min(growth ** 2 * every, most)]
     steps, guessed_at = 1 + sum(gaps_wrong) + 2 * every, []
-    for step in range(steps):
-        assert spec.choose(1, 1.0, costs) == 0 and spec.draft([1, 2, 3, 1, 2], 3, 0) == []
+    for step in range(steps):  # a guess at 1% of a step: the step count alone spaces them
+        assert spec.choose(1, 1.0, costs, guess_s=0.01) == 0 and spec.draft([1, 2, 3, 1, 2], 3, 0) == []
         if block.given > len(guessed_at):
             guessed_at.append(step)
         right = len(guessed_at) == 3 and guessed_at[-1] == step  # the third guess is right
         spec.judge([], 0, [7 if right else 9])
     gaps = [b - a for a, b in zip([-1, *guessed_at], guessed_at, strict=False)]
     assert gaps == [1, *gaps_wrong, every]
+
+
+@pytest.mark.parametrize("n", [1, 4])
+@pytest.mark.parametrize("guess_s", [None, 0.3, 6.0])
+def test_a_dear_guess_waits_until_it_costs_a_small_share_of_the_decode_time(guess_s: float | None, n: int) -> None:
+    """Where the block's guess is a large part of a step (the fill of its window of pairs in a small model), a
+    job's first guess waits until it costs at most `GUESS_SHARE` of its decode time so far (its share of steps of
+    n decoding jobs), and each later one of its decode time since the last: a short answer never pays for one.
+    Before the batcher measured a guess, it costs `PRIOR_GUESS_COST` of a step; the prompt lookup's guesses are
+    free, at every step."""
+    costs = VerifyCost(1.0, 1.0)  # no draft length pays
+    block = FixedMtp([7])
+    spec = Speculation(Mtp(block, PromptLookup()), 4)
+    share, cost = Speculation.GUESS_SHARE, Speculation.PRIOR_GUESS_COST if guess_s is None else guess_s
+    steps, guessed_at = 1000, []
+    for step in range(steps):
+        assert spec.choose(n, 1.0, costs, guess_s=guess_s) == 0 and spec.draft([1, 2, 3, 1, 2], 3, 0) == []
+        if block.given > len(guessed_at):
+            guessed_at.append(step)
+        spec.judge([], 0, [9])  # wrong
+    gaps = [b - a for a, b in zip([-1, *guessed_at], guessed_at, strict=False)]
+    affordable = math.ceil(cost * n / share - 1e-9)  # steps whose share of the decode time a guess is that of
+    waits = [affordable] + [max(min(Mtp.shadow_every * Speculation.SHADOW_GROWTH ** i, Speculation.MAX_SHADOW_EVERY),
+                                affordable) for i in range(1, len(gaps) + 1)]
+    assert gaps == waits[:-1] and sum(waits) > steps - 1
+    lookup = Speculation(PromptLookup(), 4)
+    for _ in range(5):
+        lookup.choose(n, 1.0, costs, guess_s=guess_s)
+        lookup.draft([1, 2, 3, 1, 2], 3, 0)
+        assert lookup._shadow is not None  # a guess at every step
+        lookup.judge([], 0, [9])
+
+
+def test_where_the_answer_repeats_the_prompt_the_guess_is_the_lookups_at_every_step() -> None:
+    """The guess where the answer repeats a run of the prompt is the lookup's, which costs nothing: made at every
+    step however dear the block's guess, and right, it proves the source (the lookup then drafts); the block is
+    not run, and a wrong one does not move the block's next guess away."""
+    block = FixedMtp([7])
+    spec = Speculation(Mtp(block, PromptLookup()), 4)
+    prompt = [*range(40), 99]
+    history = [*prompt, *range(Mtp.REPEAT)]  # the answer so far: the prompt's first REPEAT tokens again
+    for i in range(2):
+        assert spec.choose(1, 1.0, None, guess_s=50.0) == 0  # a block guess dearer than any decode time
+        assert spec.block_ask(history, len(prompt), 0, 0) is None and spec.draft(history, len(prompt), 0) == []
+        spec.judge([], 0, [1000 if i == 0 else Mtp.REPEAT + i])  # wrong, then the lookup's guesses are right
+        history.append(Mtp.REPEAT + i)
+    assert block.given == 0 and spec._shadow_every == Mtp.shadow_every
+    assert spec.choose(1, 1.0, None, guess_s=50.0) == 1  # proven: a draft of one token measures the costs
+    assert spec.draft(history, len(prompt), 1) == [Mtp.REPEAT + 2] and block.given == 0
 
 
 def test_a_right_block_whose_drafts_do_not_pay_guesses_ever_less_often() -> None:
@@ -644,7 +694,7 @@ def test_a_right_block_whose_drafts_do_not_pay_guesses_ever_less_often() -> None
     every, growth, most = Mtp.shadow_every, Speculation.SHADOW_GROWTH, Speculation.MAX_SHADOW_EVERY
     guessed_at: list[int] = []
     for step in range(1 + every + growth * every + most + 1):
-        assert spec.choose(1, 1.0, costs) == 0 and spec.draft([1, 2, 3, 1, 2], 3, 0) == []
+        assert spec.choose(1, 1.0, costs, guess_s=0.01) == 0 and spec.draft([1, 2, 3, 1, 2], 3, 0) == []
         if block.given > len(guessed_at):
             guessed_at.append(step)
         spec.judge([], 0, [7])  # every guess right
@@ -669,8 +719,8 @@ class GuessClockEngine(SuccessorEngine):
 
 def test_a_step_that_only_ran_the_block_for_guesses_does_not_set_the_plain_step() -> None:
     """The plain step every draft's cost is measured against is timed on steps without the MTP block: a step
-    whose block ran for a shadow guess (here 40 ms, four plain steps) measures nothing. Counted in, it made
-    drafts that do not pay look free."""
+    whose block ran for a shadow guess (here 40 ms, four plain steps) measures the guess only. Counted as a plain
+    step, it made drafts that do not pay look free."""
     engine = GuessClockEngine(n_ctx=200)
     batcher = Batcher(engine, clock=lambda: 0.040 * engine.guesses + sum(
         0.010 + 0.0005 * sum(len(tokens) for _, tokens, _ in call) for call in engine.calls))
@@ -681,6 +731,24 @@ def test_a_step_that_only_ran_the_block_for_guesses_does_not_set_the_plain_step(
         batcher.step()
     assert engine.guesses > 0 and spec.drafted > 0
     assert batcher.budget is not None and batcher.budget.decode_seconds(1) == pytest.approx(0.0105)
+    assert batcher.budget.guess_seconds() == pytest.approx(0.040)
+
+
+def test_the_step_budget_prices_the_mtp_blocks_calls_apart_from_the_verification() -> None:
+    """The MTP block's call before a step is timed alone: a guess's price from steps that ran it for guesses
+    only (which are not plain steps), a chained draft position's from steps with drafts, whose verification is
+    priced without it."""
+    budget = StepBudget(1.6)
+    assert budget.guess_seconds() is None and budget.block_token_seconds() is None
+    budget.record(2, 0, 0.010)
+    budget.record(2, 0, 0.016, block=0.006, guesses=2)  # two jobs' guesses in one pass of the block
+    budget.record(2, 5, 0.050, block=0.004, guesses=1)  # beside a prompt chunk: the block's call is its own
+    assert budget.guess_seconds() == pytest.approx(0.0035)
+    assert budget.decode_seconds(2) == pytest.approx(0.010) and budget.per_token_seconds() is None
+    budget.record(2, 0, 0.030, drafts=4, block=0.008, chained=4)  # a chain of 4 positions, then its verification
+    assert budget.block_token_seconds() == pytest.approx(0.002)
+    costs = budget.draft_costs()
+    assert costs is not None and costs.seconds(4, 2) == pytest.approx(0.012)  # 30 - 8 ms against the plain 10
 
 
 def test_a_followed_prediction_drafts_its_minimum_where_the_costs_say_none() -> None:

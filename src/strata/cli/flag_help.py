@@ -89,6 +89,8 @@ HELP = {
     "speculative.source": "speculative decoding's drafts: auto (a request's prediction, else the file's MTP "
                           "block, else prompt lookup), lookup (prompt lookup only), mtp, draft_model or off",
     "speculative.draft_model": "small GGUF model of the same vocabulary that drafts (source draft_model)",
+    "speculative.mtp_window": "pairs of the recent history the MTP block's drafts start from at least (0: the whole "
+                              "history, every pair filled; at most 128)",
     "speculative.max_draft": "most draft tokens a request adds to one engine step",
     "speculative.adaptive": "draft lengths follow each request's acceptance and the measured step costs (false: "
                             "always max_draft)",

@@ -333,7 +333,7 @@ class Engine:
     def load(cls, path: str | os.PathLike[str], n_ctx: int = 4096, threads: int | None = None, kv: str = "f16",
              n_batch: int = 256, n_seq: int = 1, kv_budget: int | None = None,
              mapped_weights: bool = False, record_routing: str | os.PathLike[str] | None = None,
-             mtp: bool | None = False, host_cache: bool = True) -> Self:
+             mtp: bool | None = False, mtp_window: int = 0, host_cache: bool = True) -> Self:
         """Map a GGUF model and create its context: `n_seq` sequences of `n_ctx` positions each.
 
         Args:
@@ -346,6 +346,11 @@ class Engine:
             mtp: run the model's MTP block for `mtp_draft` (speculative decoding's drafts): a layer more of KV
                 rows per slot, and about a layer's work more per token the block fills (lazily: the pairs a
                 draft needs, in one batched pass; see `mtp_fills`); None: where the file has one.
+            mtp_window: with `mtp`, 0: the block attends over each sequence's whole history (an eval fills the
+                pairs its kept hidden states would lose); N (at most 128, `STRATA_MTP_HISTORY`): over what it
+                filled since its drafts last started, the last N pairs at least: evals fill nothing, pairs not
+                drafted from lapse, and a draft fills the last N waiting at most (a backed-off sequence's guess
+                costs N pairs, not its whole prompt; drafts from the recent history only, verified as any).
             host_cache: allocate the context's KV cache, recurrent states and a batch's buffers for `n_seq`,
                 `n_ctx` and `n_batch`; False for a subclass whose forward pass keeps them elsewhere (the GPU
                 backend's device): the C context then holds one sequence of one position, one token and no MTP
@@ -381,7 +386,8 @@ class Engine:
         on_host = (n_ctx, n_seq, n_batch) if host_cache else (1, 1, 1)
         cparams = ffi.new("strata_context_params *", {"n_ctx": on_host[0], "n_seq": on_host[1], "n_batch": on_host[2],
                                                       "n_threads": threads, "kv_type": _KV_TYPES[kv],
-                                                      "mtp": int(mtp and host_cache)})
+                                                      "mtp": int(mtp and host_cache),
+                                                      "mtp_window": mtp_window if mtp and host_cache else 0})
         ctx_out = ffi.new("strata_context **")
         status = lib.strata_context_create(model_out[0], cparams, ctx_out)
         if status != lib.STRATA_OK:

@@ -353,7 +353,8 @@ static void attend_heads(strata_context *c, size_t base, const float *q, int n_q
     }
 }
 
-/* att = causal grouped-query attention of the chunk's queries over their sequences' caches. A task is a token
+/* att = causal grouped-query attention of the chunk's queries over their sequences' caches (from each sequence's
+ * attn_from where it is set: the MTP block's history). A task is a token
  * and some query heads of one kv head: the whole group, unless that leaves threads idle (decode), then halves of
  * it. */
 static void attention(const team *tm, strata_context *c, int il, int n_tok) {
@@ -365,8 +366,9 @@ static void attention(const team *tm, strata_context *c, int il, int n_tok) {
     for (int task; (task = team_next(tm)) < n_tok * tasks_per_token;) {
         int t = task / tasks_per_token, h0 = task % tasks_per_token * per;
         size_t off = ((size_t)t * nh + h0) * hd;
-        attend_heads(c, kv_base(c, c->chunk_seq[t], il, h0 / group), c->q + off, per, c->chunk_pos[t] + 1, scores,
-                     c->att + off);
+        int from = c->attn_from ? c->attn_from[c->chunk_seq[t]] : 0;
+        attend_heads(c, kv_base(c, c->chunk_seq[t], il, h0 / group) + from, c->q + off, per,
+                     c->chunk_pos[t] + 1 - from, scores, c->att + off);
     }
     team_sync(tm);
 }

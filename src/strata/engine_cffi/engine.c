@@ -136,6 +136,8 @@ static strata_status check_context_params(const strata_model *m, const strata_co
         return engine_fail(STRATA_ERR_INVALID_ARG, "unknown KV cache type %d", p->kv_type);
     if (p->mtp && !m->mtp)
         return engine_fail(STRATA_ERR_INVALID_ARG, "mtp: the %s model has no MTP block", m->arch);
+    if (p->mtp && (p->mtp_window < 0 || p->mtp_window > STRATA_MTP_HISTORY))
+        return engine_fail(STRATA_ERR_INVALID_ARG, "mtp_window %d outside [0, %d]", p->mtp_window, STRATA_MTP_HISTORY);
     return STRATA_OK;
 }
 
@@ -155,6 +157,7 @@ strata_status strata_context_create(const strata_model *model, const strata_cont
     c->kv_type = params->kv_type;
     c->kv_elem = kv_elem_bytes(params->kv_type);
     c->mtp = params->mtp != 0;
+    c->mtp_window = c->mtp ? params->mtp_window : 0;
     c->n_kv_layer = model->n_kv_layer + c->mtp;
     c->pool = strata_pool_create(c->n_threads);
     if (!c->pool) st = engine_fail(STRATA_ERR_NOMEM, "could not start %d threads", c->n_threads);

@@ -292,6 +292,9 @@ struct strata_context {
     int *mtp_hidden_rope;          // (n_seq, STRATA_MTP_HISTORY, 3) its RoPE position
     int *mtp_hidden_tok;           // (n_seq, STRATA_MTP_HISTORY) its token id (-1: an embedding row replaced it)
     int *mtp_filled;               // (n_seq,) the block's rows hold the pairs of positions < this; later ones wait
+    int *mtp_from;                 // (n_seq,) ... from this position on: the block attends over [from, p]
+    int mtp_window;                /* 0: the whole history; N: pairs lapse, a draft fills the last N (mtp.c) */
+    const int *attn_from;          /* (n_seq,) while the block runs: each sequence's first position attended */
     int *mtp_upto;                 // (n_seq,) scratch: a fill's end, each sequence's pairs [mtp_filled, mtp_upto)
     strata_mtp_counts mtp_counts;  /* the fills so far (strata_mtp_get_counts) */
     float *mtp_h;                  // (n_batch, n_embd) the chunk's hidden states: output_norm(x)

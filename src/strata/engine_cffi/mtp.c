@@ -15,8 +15,12 @@
  * over the block's weights, n_batch at a time. An eval fills its sequences' pairs at once only where waiting
  * would lose them: the chunk would push a pending pair's hidden state out of the held ones, or it brings
  * embedding rows in place of tokens (the held history keeps token ids only). A sequence whose drafter is backed
- * off costs a batched fill every HISTORY steps instead of one block run at every step. Rows and hidden states
- * past the verified history are scratch that the next eval or fill overwrites, so a wrong draft never reaches
+ * off costs a batched fill every HISTORY steps instead of one block run at every step. With a window (mtp_window
+ * N), the block's history starts where its drafts last started instead: no eval fills (pairs whose hidden states
+ * the kept ones lose lapse), a draft fills the last N waiting pairs at most, and the block attends over its rows
+ * from mtp_from on (a pair that lapsed or was skipped moves it up). Its drafts are then those of a block that saw
+ * the recent history only, verified as any: a backed-off sequence costs nothing between its guesses, and a guess
+ * N pairs at most however long its prompt. Rows and hidden states past the verified history are scratch that the next eval or fill overwrites, so a wrong draft never reaches
  * the block's view of the history. */
 #include <assert.h>
 #include <limits.h>
@@ -38,6 +42,7 @@ int mtp_alloc(strata_context *c) {
     c->mtp_hidden_rope = malloc(sizeof(int) * S * HIST * 3);
     c->mtp_hidden_tok = malloc(sizeof(int) * S * HIST);
     c->mtp_filled = calloc(S, sizeof(int));
+    c->mtp_from = calloc(S, sizeof(int));
     c->mtp_upto = malloc(sizeof(int) * S);
     c->mtp_h = malloc(sizeof(float) * B * E);
     c->mtp_in = malloc(sizeof(float) * B * 2 * E);
@@ -47,6 +52,7 @@ int mtp_alloc(strata_context *c) {
     c->mtp_logits = malloc(sizeof(float) * B * p->n_vocab);
     int **ints[] = {&c->mtp_tok, &c->mtp_embd, &c->mtp_seq, &c->mtp_pos, &c->mtp_row, &c->mtp_base, &c->mtp_next};
     int ok = c->mtp_hidden && c->mtp_hidden_pos && c->mtp_hidden_rope && c->mtp_hidden_tok && c->mtp_filled &&
+             c->mtp_from &&
              c->mtp_upto && c->mtp_h && c->mtp_in && c->mtp_hrow && c->mtp_rope && c->mtp_g && c->mtp_logits;
     for (size_t i = 0; i < sizeof ints / sizeof ints[0]; i++) ok = ok && (*ints[i] = malloc(sizeof(int) * B));
     for (size_t i = 0; ok && i < S * HIST; i++) c->mtp_hidden_pos[i] = -1;
@@ -54,7 +60,7 @@ int mtp_alloc(strata_context *c) {
 }
 
 void mtp_free(strata_context *c) {
-    void *bufs[] = {c->mtp_hidden, c->mtp_hidden_pos, c->mtp_hidden_rope, c->mtp_hidden_tok, c->mtp_filled,
+    void *bufs[] = {c->mtp_hidden, c->mtp_hidden_pos, c->mtp_hidden_rope, c->mtp_hidden_tok, c->mtp_filled, c->mtp_from,
                     c->mtp_upto, c->mtp_h, c->mtp_in,
                     (void *)c->mtp_hrow, c->mtp_rope, c->mtp_g, c->mtp_logits, c->mtp_tok, c->mtp_embd,
                     c->mtp_seq, c->mtp_pos, c->mtp_row, c->mtp_base, c->mtp_next};
@@ -75,13 +81,33 @@ static const float *held(const strata_context *c, int seq, int pos, const int **
     return c->mtp_hidden + at * c->model->hp.n_embd;
 }
 
+/* Sequence s's block history: rows [from, filled) filled, the pairs from filled on waiting. */
+static void set_history(strata_context *c, int s, int from, int filled) {
+    c->mtp_from[s] = from;
+    c->mtp_filled[s] = filled;
+}
+
+/* Whether the pair of (seq, p) can be filled from the held history: its hidden state and its token at p + 1. */
+static int pair_held(const strata_context *c, int seq, int p) {
+    const int *rope;
+    long tok = slot(c, seq, p + 1);
+    return held(c, seq, p, &rope) && tok >= 0 && c->mtp_hidden_tok[tok] >= 0;
+}
+
 void mtp_keep(strata_context *c, int seq, int n) {
     int last = n > 0 ? n - 1 : 0;  // the pair of n - 1 waits for the token at n
     if (c->mtp_filled[seq] > last) c->mtp_filled[seq] = last;
+    if (c->mtp_from[seq] <= c->mtp_filled[seq]) return;
+    // cut back past the start of a window's history: it starts again at the last pairs the held history has
+    int from = last;
+    while (from > 0 && last - from < c->mtp_window && pair_held(c, seq, from - 1)) from--;
+    set_history(c, seq, from, from);
 }
 
 void mtp_skip(strata_context *c, int seq, int n) {
-    if (n > 0) c->mtp_filled[seq] = n - 1;
+    // imported rows count as filled; with a window (rows before mtp_from never filled), none is known, and the
+    // history starts at the first pair whose hidden state an eval will compute
+    if (n > 0) set_history(c, seq, c->mtp_window ? n : c->mtp_from[seq], c->mtp_window ? n : n - 1);
 }
 
 void mtp_copy_prefix(strata_context *c, int src, int dst, int n) {
@@ -95,7 +121,7 @@ void mtp_copy_prefix(strata_context *c, int src, int dst, int n) {
         memcpy(c->mtp_hidden_rope + 3 * to, c->mtp_hidden_rope + 3 * from, sizeof(int) * 3);
         c->mtp_hidden_tok[to] = c->mtp_hidden_tok[from];
     }
-    c->mtp_filled[dst] = c->mtp_filled[src];  // its pending pairs are held in the copy too
+    set_history(c, dst, c->mtp_from[src], c->mtp_filled[src]);  // its pending pairs are held in the copy too
     mtp_keep(c, dst, n);
 }
 
@@ -143,6 +169,7 @@ static void run_block(const team *tm, strata_context *c, int n) {
         swap_ints(&c->chunk_pos, &c->mtp_pos);
         swap_ints(&c->chunk_rope, &c->mtp_rope);
         c->route_rec = NULL;
+        c->attn_from = c->mtp_from;
     }
     team_sync(tm);
     block_attention(tm, c, il, n);
@@ -154,6 +181,7 @@ static void run_block(const team *tm, strata_context *c, int n) {
         swap_ints(&c->chunk_pos, &c->mtp_pos);
         swap_ints(&c->chunk_rope, &c->mtp_rope);
         c->route_rec = routing;
+        c->attn_from = NULL;
     }
     team_sync(tm);
 }
@@ -229,16 +257,23 @@ static void fill_pending(const team *tm, strata_context *c, const float *embd_ro
 
 /* Thread 0: how far the chunk fills each of its sequences' pairs: all it completes where waiting would lose a
  * pending one (the chunk keeps its sequence's last HIST positions: a pending pair's hidden state would fall out)
- * or where it brings embedding rows (the kept history holds token ids only); else none. mtp_due = whether any
- * sequence has pairs to fill. */
+ * or where it brings embedding rows (the kept history holds token ids only); else none. With a window, the pairs
+ * waiting would lose lapse instead, and a chunk with embedding rows fills the last mtp_window it completes.
+ * mtp_due = whether any sequence has pairs to fill. */
 static void plan_chunk(strata_context *c) {
     c->mtp_due = 0;
     for (int s = 0; s < c->n_seq; s++) c->mtp_upto[s] = c->mtp_filled[s];
     for (int q = 0; q < c->n_chunk_seqs; q++) {
         int s = c->chunk_seqs[q], lo = c->seq_first[s], hi = c->seq_first[s + 1];
-        int last = c->chunk_pos[c->seq_tokens[hi - 1]], now = c->mtp_filled[s] <= last - HIST;
-        for (int i = lo; i < hi && !now; i++) now = c->chunk_embd[c->seq_tokens[i]] >= 0;
-        if (now && last > c->mtp_filled[s]) {
+        int last = c->chunk_pos[c->seq_tokens[hi - 1]], lose = c->mtp_filled[s] <= last - HIST, embd = 0;
+        for (int i = lo; i < hi && !embd; i++) embd = c->chunk_embd[c->seq_tokens[i]] >= 0;
+        if (c->mtp_window && !embd) {
+            if (lose) set_history(c, s, last - HIST + 1, last - HIST + 1);
+            continue;
+        }
+        if (c->mtp_window && last - c->mtp_filled[s] > c->mtp_window)
+            set_history(c, s, last - c->mtp_window, last - c->mtp_window);
+        if ((lose || embd) && last > c->mtp_filled[s]) {
             c->mtp_upto[s] = last;
             c->mtp_due = 1;
         }
@@ -371,6 +406,8 @@ strata_status strata_mtp_draft(strata_context *c, int n, const int *seqs, const 
     for (int i = 0; i < n; i++) {  // the pairs before pos[i] - 1 that the sequence's evals completed
         int upto = pos[i] - 1 < c->n_past[seqs[i]] - 1 ? pos[i] - 1 : c->n_past[seqs[i]] - 1;
         if (upto > c->mtp_upto[seqs[i]]) c->mtp_upto[seqs[i]] = upto;
+        int first = upto - c->mtp_window;  // with a window, the last mtp_window waiting pairs at most
+        if (c->mtp_window && first > c->mtp_filled[seqs[i]]) set_history(c, seqs[i], first, first);
     }
     draft_job job = {c, n, n_draft, seqs, pos, tokens, drafts, logits};
     strata_pool_run(c->pool, draft_steps, &job);

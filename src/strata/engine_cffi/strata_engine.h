@@ -187,6 +187,11 @@ typedef struct {
     int mtp;               /* 1: the context runs the model's first MTP block for strata_mtp_draft (its own KV rows,
                             * filled for every evaluated pair before a draft reads them; the trunk's recent hidden
                             * states kept); the model must have one */
+    int mtp_window;        /* with mtp: 0, the block attends over every pair of each sequence's history (an eval
+                            * fills the waiting pairs its kept hidden states would lose); N > 0, over the pairs
+                            * filled since its drafts last started, at least the last N: pairs the kept hidden
+                            * states lose lapse unfilled, and a draft fills the last N waiting pairs at most
+                            * (STRATA_MTP_HISTORY at most) */
 } strata_context_params;
 
 /* The model must outlive its contexts. */
@@ -270,7 +275,8 @@ strata_status strata_eval_batch(strata_context *ctx, const strata_batch *batch);
  * hidden state and its last draft. -1s for a sequence whose hidden state is not held. logits (n, n_draft,
  * n_vocab), or NULL: each draft's logits. First fills the block's KV rows of the sequences' evaluated pairs that
  * wait (evals fill them lazily: see strata_mtp_counts), all in one pass over its weights (n_batch rows at a
- * time); then writes its rows past pos[i] - 2 (scratch until the next fill writes them); pos[i] + n_draft must
+ * time; with mtp_window N, the last N of them, the block's history then starting there); then writes its rows past
+ * pos[i] - 2 (scratch until the next fill writes them); pos[i] + n_draft must
  * be at most n_ctx + 1, n at most n_batch and the sequences distinct. An abort raised meanwhile is left for the
  * next eval. */
 #define STRATA_MTP_HISTORY 128
@@ -281,7 +287,7 @@ strata_status strata_mtp_draft(strata_context *ctx, int n, const int *seqs, cons
  * hidden state at p, the token at p + 1) it completes only where they could not wait: a chunk that would push a
  * waiting pair's hidden state out of the last STRATA_MTP_HISTORY positions kept, or one with embedding rows;
  * strata_mtp_draft fills the rest. So a sequence that drafts nothing costs one batched fill every
- * STRATA_MTP_HISTORY positions, not a block run at every eval. */
+ * STRATA_MTP_HISTORY positions, not a block run at every eval; with mtp_window, nothing (its pairs lapse). */
 typedef struct {
     long long fill_runs;   /* passes of the block over waiting pairs, each of up to n_batch rows */
     long long pairs;       /* the pairs they filled */

@@ -180,6 +180,36 @@ class _Planned:
     kept: int = 0
 
 
+class _RecentMedian:
+    """The median of the last `size` values added, taken again only after one came (every step asks)."""
+
+    def __init__(self, size: int):
+        self._values: deque[float] = deque(maxlen=size)
+        self._median: float | None = None
+        self._stale = False
+
+    def add(self, value: float) -> None:
+        self._values.append(value)
+        self._stale = True
+
+    def median(self) -> float | None:
+        if self._stale:
+            self._median, self._stale = statistics.median(self._values), False
+        return self._median
+
+
+@dataclass(frozen=True)
+class _Prices:
+    """A step's measured costs, for its jobs' draft lengths (`Speculation.choose`): the decode-only step of
+    `n_decoding` jobs, what drafts add to it, a guess of the MTP block, and a token of the block's draft."""
+
+    n_decoding: int
+    step: float | None
+    drafts: VerifyCost | None
+    guess: float | None
+    block: float
+
+
 class StepBudget:
     """How many prompt tokens a step may carry beside one token of each of `n` decoding jobs, so that it takes
     at most `slowdown` times their decode-only step: a joining prompt slows the running streams by that factor
@@ -224,11 +254,14 @@ class StepBudget:
             raise ValueError(f"slowdown must be at least 1, not {slowdown}")
         self.slowdown, self.clock, self.refresh = slowdown, clock, refresh
         self.routing = routing  # (MoE layers, experts a layer, experts a token uses): what drafts' experts cost
-        self._decode: dict[int, deque[float]] = {}  # decoding jobs -> seconds of their last decode-only steps
+        self._decode: dict[int, _RecentMedian] = {}  # decoding jobs -> seconds of their last decode-only steps
         self._mixed_steps: deque[tuple[int, int, float]] = deque(maxlen=self.WINDOW)  # (n, prompt, seconds)
         self._last_chunk = 0
         self._mixed = 0  # mixed steps since the last decode-only one
         self._verify_steps: deque[tuple[int, int, float, int]] = deque(maxlen=self.WINDOW)  # (n, drafts, s, step)
+        # the MTP block's calls: seconds a guess (of steps that ran it for guesses only), and seconds a chained
+        # position (of steps with drafts)
+        self._guess, self._block_token = _RecentMedian(self.WINDOW), _RecentMedian(self.WINDOW)
         self._steps = 0  # steps recorded
         self._verifies = 0  # steps with drafts since the last decode-only one
         # draft_costs' answer and what it was fitted on: the verifications it counted and the reference's version
@@ -238,7 +271,7 @@ class StepBudget:
     def decode_seconds(self, n: int) -> float | None:
         """A decode-only step of `n` jobs, as measured (None before the first)."""
         times = self._decode.get(n)
-        return statistics.median(times) if times else None
+        return times.median() if times else None
 
     def per_token_seconds(self) -> float | None:
         """What a prompt token adds to a step with decoding jobs: computed against the decode-only steps as
@@ -262,6 +295,17 @@ class StepBudget:
             self._costs = (key, VerifyCost.fit(points, self.routing) if points else None)
         return self._costs[1]
 
+    def guess_seconds(self) -> float | None:
+        """What one job's guess costs: its share of the MTP block's call (the pass, and the pairs it fills
+        first), the median of the recent steps that ran the block for guesses only; None before one."""
+        return self._guess.median()
+
+    def block_token_seconds(self) -> float | None:
+        """What each token of a draft of the MTP block costs before its step: the block's call over the length
+        of its chain (a pass and the output product a position, and the pairs it fills first), the median of
+        the recent steps with drafts whose block ran; None before one."""
+        return self._block_token.median()
+
     def wants_plain_step(self, n: int) -> bool:
         """Whether the next step of `n` decoding jobs should carry no drafts: their decode-only step, the
         reference of every cost, is not measured yet, or not since `VERIFY_REFRESH` steps with drafts."""
@@ -280,11 +324,25 @@ class StepBudget:
             chunk = min(chunk, 2 * max(self._last_chunk, self.FIRST_CHUNK // 2))
         return max(1, min(chunk, cap))
 
-    def record(self, n: int, prompt: int, seconds: float, drafts: int = 0) -> None:
+    def record(self, n: int, prompt: int, seconds: float, drafts: int = 0, block: float = 0.0,
+               chained: int = 0, guesses: int = 0) -> None:
         """A step with `n` decoding jobs, `prompt` prompt tokens and `drafts` draft tokens took `seconds` (in a
-        step with a prompt chunk, the draft tokens count as prompt tokens)."""
+        step with a prompt chunk, the draft tokens count as prompt tokens), `block` of them in the MTP block's
+        call before it: `chained` positions of chained drafts, or shadow guesses of `guesses` jobs. The block's
+        seconds are priced apart (`block_token_seconds`, `guess_seconds`), not as the verification's."""
         if n <= 0:
             return
+        if block:
+            if drafts:
+                self._block_token.add(block / max(chained, 1))
+            else:
+                self._guess.add(block / max(guesses, 1))
+            seconds -= block
+            if not drafts:
+                # Invariant: a step whose block ran for guesses only is not a plain step, block or not: its
+                # first guess ran the pairs of a window first, and a plain step timed with them made drafts that
+                # do not pay look free (the reference every draft's cost is measured against).
+                return
         self._steps += 1
         if drafts and not prompt:
             self._verify_steps.append((n, drafts, seconds, self._steps))
@@ -293,7 +351,7 @@ class StepBudget:
         if not prompt:
             if self._verifies or n not in self._decode:
                 self._reference += 1
-            self._decode.setdefault(n, deque(maxlen=self.DECODE_WINDOW)).append(seconds)
+            self._decode.setdefault(n, _RecentMedian(self.DECODE_WINDOW)).add(seconds)
             self._mixed = self._verifies = 0
             return
         self._last_chunk = prompt
@@ -338,7 +396,7 @@ class Batcher:
         self._lock = threading.Lock()  # cancel() against the step's bookkeeping
         self._in_call: set[int] = set()  # sequences of the engine call in flight
         self._drafts: dict[Job, _Planned] = {}  # the speculating jobs of the step being run
-        self._guessed_only = False  # the step being run ran the MTP block for shadow guesses, and drafts none
+        self._block_call = (0.0, 0, 0)  # the step's MTP block call: seconds, chained positions, jobs guessing only
         self.snapshots: Snapshots | None = None
         self.observer: CacheObserver | None = None  # told where the slots' cached keys change
         if engine.recurrent:
@@ -555,9 +613,10 @@ class Batcher:
             with self._lock:
                 self._in_call = set()
         changed = self._advance(work, rows, time.perf_counter())
-        if budget is not None and complete and not self._guessed_only:  # nor does one cut short by an abort
+        if budget is not None and complete:  # a step cut short by an abort measures nothing
+            block, chained, guesses = self._block_call
             budget.record(n_decoding, self.last_batch - decode_tokens, budget.clock() - started,
-                          drafts=decode_tokens - n_decoding)
+                          drafts=decode_tokens - n_decoding, block=block, chained=chained, guesses=guesses)
         return changed
 
     def _advance(self, work: list[Job], rows: Sequence[np.ndarray | None], now: float) -> list[Job]:
@@ -647,13 +706,14 @@ class Batcher:
         decoding = [job for job in self.jobs if job.decoding]
         room = self.step_tokens - len(decoding)  # for drafts, then prompt chunks
         plain = self.budget is not None and self.budget.wants_plain_step(len(decoding))
+        prices = self._prices(len(decoding)) if any(job.speculation for job in decoding) else None
         steps = []
         for job in decoding:
             n_past = self.engine.seq_n_past(job.seq)
             tokens = job.history[n_past:]  # its last token (and, on a recurrent engine, accepted ones again)
-            length = self._draft_length(job, n_past, tokens, len(decoding))  # chosen also in a plain step
+            length = self._draft_length(job, n_past, tokens, prices)  # chosen also in a plain step
             steps.append((job, n_past, tokens, 0 if plain else length))
-        asks = self._run_blocks(steps, room)
+        asks, block = self._run_blocks(steps, room)
         drafted = False
         for job, n_past, tokens, length in steps:
             draft = self._draft(job, n_past, tokens, min(length, room))
@@ -663,10 +723,7 @@ class Batcher:
             work.append(job)
         for ask in asks:
             ask.drafter.forget()
-        # Invariant: a step that ran the MTP block for shadow guesses only (its first guess fills the block's rows
-        # for the whole prompt) measures nothing: as a plain step it would set the reference every draft's cost
-        # is measured against too high, and drafts that do not pay would look free.
-        self._guessed_only = bool(asks) and not drafted
+        self._block_call = (block, max((ask.n for ask in asks), default=0), 0 if drafted else len(asks))
         budget = room if decoding else self.n_batch
         # A short prompt (a side request, a parallel one) joins within the token cap at once; only a prompt
         # longer than that, which would hold the streams for many steps, is cut by time.
@@ -689,15 +746,25 @@ class Batcher:
         self.last_batch = sum(len(item.tokens) for item in items)
         return items, work, len(decoding)
 
-    def _draft_length(self, job: Job, n_past: int, tokens: list[int], n_decoding: int) -> int:
-        """The most draft tokens the job's step may carry before the step's room: the length its speculation
-        chooses, within its context and its token budget."""
-        speculation = job.speculation
-        if speculation is None:
-            return 0
+    def _prices(self, n_decoding: int) -> _Prices:
+        """What a step of `n_decoding` jobs, their drafts and the MTP block's calls cost, as measured."""
         budget = self.budget
-        length = speculation.choose(n_decoding, budget.decode_seconds(n_decoding) if budget else None,
-                                    budget.draft_costs() if budget else None, recurrent=self.snapshots is not None)
+        if budget is None:
+            return _Prices(n_decoding, None, None, None, 0.0)
+        guess = budget.guess_seconds()
+        # a draft of the MTP block pays for its chain before the step (a guess's price until one was measured)
+        return _Prices(n_decoding, budget.decode_seconds(n_decoding), budget.draft_costs(), guess,
+                       budget.block_token_seconds() or guess or 0.0)
+
+    def _draft_length(self, job: Job, n_past: int, tokens: list[int], prices: _Prices | None) -> int:
+        """The most draft tokens the job's step may carry before the step's room: the length its speculation
+        chooses at the step's `prices`, within its context and its token budget."""
+        speculation = job.speculation
+        if speculation is None or prices is None:
+            return 0
+        length = speculation.choose(prices.n_decoding, prices.step, prices.drafts, recurrent=self.snapshots is not None,
+                                    guess_s=prices.guess, block_s=prices.block if prices.block and
+                                    speculation.from_block(job.history, job.n_prompt) else 0.0)
         if self.snapshots is not None and len(tokens) > 1:
             # Invariant: tokens a recurrent engine's rollback took back are evaluated again without a draft, so this
             # step keeps them: a draft rejected with them would take them back again, every step, while the step
@@ -705,15 +772,19 @@ class Batcher:
             return 0
         return min(length, self.engine.n_ctx - n_past - len(tokens), job.budget - len(job.tokens) - 1)
 
-    def _run_blocks(self, steps: list[tuple[Job, int, list[int], int]], room: int) -> list[MtpAsk]:
+    def _run_blocks(self, steps: list[tuple[Job, int, list[int], int]], room: int) -> tuple[list[MtpAsk], float]:
         """Run the MTP block once for the drafts and shadow guesses the step's jobs (job, n_past, tokens, draft
         length) will ask of it, each for as many tokens as it may draft with all of the step's `room`
-        (`draft_together`); returns the asks, whose drafts the jobs not drafting after all leave."""
+        (`draft_together`); returns the asks, whose drafts the jobs not drafting after all leave, and the
+        seconds of the call (by the step budget's clock)."""
         asks = [ask for job, _, _, length in steps if job.speculation is not None and (
             ask := job.speculation.block_ask(job.history, job.n_prompt, max(min(length, room), 0), job.seq))]
-        if asks:
-            draft_together(asks, self.engine.n_ctx)
-        return asks
+        if not asks:
+            return asks, 0.0
+        clock = self.budget.clock if self.budget is not None else time.process_time
+        started = clock()
+        draft_together(asks, self.engine.n_ctx)
+        return asks, clock() - started
 
     def _draft(self, job: Job, n_past: int, tokens: list[int], room: int) -> list[int]:
         """The draft the job's step verifies (at most `room` tokens: `_draft_length` within the step's room),

@@ -37,6 +37,7 @@ the verification what pays.
 
 from __future__ import annotations
 
+import functools
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -291,6 +292,11 @@ class VerifyCost:
         """What k draft tokens add to a step of n decoding jobs."""
         return self.fixed + self.per_token * k + self.per_expert * self.new_experts(k, n) if k > 0 else 0.0
 
+    def table(self, n: int, k_max: int) -> tuple[float, ...]:
+        """`seconds(k, n)` for k = 1..k_max, computed once for each (costs, n, k_max): every speculating job's
+        draft length asks for it every step, and the costs change only where the batcher fits them again."""
+        return _seconds_table(self, n, k_max)
+
     @classmethod
     def fit(cls, points: Sequence[tuple[int, int, float]], routing: tuple[int, int, int] | None = None) -> VerifyCost:
         """The least-squares cost through measured steps' (decoding jobs, draft tokens, seconds added), no term
@@ -319,6 +325,11 @@ class VerifyCost:
             del columns[negative[0]]
         terms = {name: max(value, 0.0) for name, value in terms.items()}
         return cls(max(fixed, 0.0), terms.get("per_token", 0.0), terms.get("per_expert", 0.0), routing)
+
+
+@functools.lru_cache(maxsize=64)
+def _seconds_table(cost: VerifyCost, n: int, k_max: int) -> tuple[float, ...]:
+    return tuple(cost.seconds(k, n) for k in range(1, k_max + 1))
 
 
 def _least_squares(columns: list[list[float]], y: list[float]) -> tuple[float, list[float]]:
@@ -364,6 +375,13 @@ class Speculation:
     than they save: a model source too slow for the model it drafts for): the acceptance rate stays measured, and
     drafting resumes when the text turns repetitive.
 
+    A model source's guess also waits until it costs at most `GUESS_SHARE` of the job's decode time since the last
+    one (the first: since the job's first step; its share of each step, which n decoding jobs take together), at
+    the cost the batcher measured for a guess (`guess_s`: the job's share of the block's call, with the pairs it
+    fills first; `PRIOR_GUESS_COST` of a step before it has): where the block is a large
+    part of a small model's step, a short answer ends before its first guess, and a long one guesses ever less
+    often while the block is wrong; in a deep model a guess costs a fraction of a step and comes within a few.
+
     A job sends no draft before its source has been right once: it starts with a shadow guess at its first step,
     and one that is wrong costs the source's guess, not a verification (and on a recurrent engine the state's save,
     reload and the token evaluated again) on free text where the source is never right. Until the batcher has
@@ -390,6 +408,8 @@ class Speculation:
     PREDICTED_RATE = 0.5  # the prior's rate: a prediction drafts from its first step
     MAX_SHADOW_EVERY = 128
     SHADOW_GROWTH = 4  # a model source's guess interval, times this after each wrong guess
+    GUESS_SHARE = 0.01  # the most of the decode time a model source's guesses take
+    PRIOR_GUESS_COST = 0.5  # a model source's guess, as a share of the plain step, before the batcher measured one
 
     def __init__(self, drafter: Drafter, max_draft: int, adaptive: bool = True):
         self.drafter, self.max_draft, self.adaptive = drafter, max_draft, adaptive
@@ -397,6 +417,12 @@ class Speculation:
         self._shadow: int | None = None  # the token guessed without being sent, to check against the draw
         self._quiet = drafter.shadow_every - 1  # steps without drafts since the last guess: the first step guesses
         self._shadow_every = drafter.shadow_every  # steps between guesses, now
+        self._since = 0.0  # the job's decode seconds since the last guess (or its start): its share of the steps
+        self._block_guess = False  # the shadow guess is the MTP block's (not a free one)
+        self._free = (-1, False)  # `_free_guess`'s (history's length, answer)
+        self._step_s: float | None = None  # the job's share of `choose`'s plain step, and what a guess costs (None:
+        # not priced)
+        self._guess_s = 0.0
         self._proven = not adaptive or isinstance(drafter, Prediction)  # the source has been right once
         self._declined = False  # the last length chosen was none although the source has been right: the costs
         # totals, for the status and the history
@@ -410,15 +436,21 @@ class Speculation:
         return (self._accepted + 1.0) / (self._judged + 2.0)
 
     def choose(self, n_decoding: int, step_s: float | None, costs: VerifyCost | None,
-               recurrent: bool = False) -> int:
+               recurrent: bool = False, guess_s: float | None = None, block_s: float = 0.0) -> int:
         """The draft length that pays in a step of `n_decoding` jobs, at `step_s` seconds for their step without
-        drafts, and `costs` for drafts (None: not measured yet). On a `recurrent` engine a rejected draft takes the
+        drafts, and `costs` for drafts (None: not measured yet); `guess_s`: what a model source's guess costs, as
+        measured (None: not yet); `block_s`: what each token of the job's next draft costs before the step (the
+        MTP block's pass and output product, where the block drafts it; 0 where the lookup or a prediction
+        does). On a `recurrent` engine a rejected draft takes the
         tokens accepted before it back with it (the state is reloaded from before the draft), and the next step
         evaluates them again with the step's own token: after j accepted, j + 1 tokens more, which the cost of k
         drafts includes at the chance of each j."""
         if not self.adaptive:
             self.length = self.max_draft
             return self.length
+        self._step_s = step_s / n_decoding if step_s else None
+        if step_s:
+            self._guess_s = guess_s if guess_s is not None else self.PRIOR_GUESS_COST * step_s
         self._declined = False
         if not self._proven:
             self.length = 0
@@ -426,14 +458,15 @@ class Speculation:
         measured = bool(step_s) and costs is not None
         step = step_s if step_s else 1.0
         cost = costs if step_s and costs is not None else VerifyCost(0.0, self.PRIOR_DRAFT_COST * step)
-        a, expected = self.rate, 1.0
+        a, expected, reach = self.rate, 1.0, 1.0  # reach: a ** (k - 1), the chance the k-th draft is judged
         best, best_rate = 0, n_decoding / step
         again = 0.0  # the expected seconds of evaluating again what a rejection of k drafts takes back
-        for k in range(1, (self.max_draft if measured else 1) + 1):
-            expected += a ** k  # the job's tokens from a step with k drafts
+        for k, seconds in enumerate(cost.table(n_decoding, self.max_draft if measured else 1), 1):
+            expected += reach * a  # the job's tokens from a step with k drafts
             if recurrent:  # the k-th draft rejected after k - 1 accepted: k tokens again
-                again += a ** (k - 1) * (1.0 - a) * (cost.seconds(k, n_decoding) - cost.fixed)
-            rate = (n_decoding + expected - 1.0) / (step + cost.seconds(k, n_decoding) + again)
+                again += reach * (1.0 - a) * (seconds - cost.fixed)
+            reach *= a
+            rate = (n_decoding + expected - 1.0) / (step + seconds + block_s * k + again)
             if rate > best_rate:
                 best, best_rate = k, rate
         if isinstance(self.drafter, Prediction) and self.drafter.followed and self.rate >= self.PREDICTED_RATE:
@@ -446,25 +479,56 @@ class Speculation:
         """The draft to send for the job on sequence `seq` (`n` tokens at most: `choose`'s length within what the
         step has room for); with a length of 0, a shadow guess kept for `judge` instead."""
         self._shadow = None
-        asked = self._asks(n)
+        asked = self._asks(n, history, n_prompt)
         if n <= 0:
             if self.adaptive and self.length == 0:
                 self._quiet = 0 if asked else self._quiet + 1
+                self._since = 0.0 if asked else self._since + (self._step_s or 0.0)
             if asked:
+                self._block_guess = not self._free_guess(history, n_prompt)
                 guess = self.drafter.propose(history, n_prompt, asked, seq)
                 self._shadow = guess[0] if guess else None
             return []
         return self.drafter.propose(history, n_prompt, n, seq)
 
-    def _asks(self, n: int) -> int:
-        """The tokens `draft(..., n)` asks its drafter for: `n`, 1 for a shadow guess that is due, else 0."""
+    def _asks(self, n: int, history: Sequence[int], n_prompt: int) -> int:
+        """The tokens `draft(history, n_prompt, n)` asks its drafter for: `n`, 1 for a shadow guess that is due
+        (a free one at every step), else 0."""
         if n > 0:
             return n
-        return int(self.adaptive and self.length == 0 and self._quiet + 1 >= self._shadow_every)
+        if not self.adaptive or self.length:
+            return 0
+        return int(self._free_guess(history, n_prompt) or (self._quiet + 1 >= self._shadow_every and self._affords()))
+
+    def _free_guess(self, history: Sequence[int], n_prompt: int) -> bool:
+        """Whether the guess for `history` (a job's, which only grows) costs next to nothing: the prediction's
+        or the prompt lookup's, not the block's (where the answer repeats the prompt, `Mtp.repeats`). Found once
+        for each length of the history: a step asks two or three times."""
+        if self._free[0] != len(history):
+            drafter = self.drafter
+            if isinstance(drafter, Prediction) and drafter.own(history, n_prompt, 1):
+                free = True
+            else:
+                drafter = drafter.fallback if isinstance(drafter, Prediction) else drafter
+                free = drafter.shadow_every <= 1 or (isinstance(drafter, Mtp) and drafter.repeats(history))
+            self._free = (len(history), free)
+        return self._free[1]
+
+    def from_block(self, history: Sequence[int], n_prompt: int) -> bool:
+        """Whether the job's next draft or guess for `history` is the MTP block's (it runs the block first)."""
+        drafter = self.drafter.fallback if isinstance(self.drafter, Prediction) else self.drafter
+        return isinstance(drafter, Mtp) and not self._free_guess(history, n_prompt)
+
+    def _affords(self) -> bool:
+        """Whether a guess due by the step count is within `GUESS_SHARE` of the decode time since the last (one
+        not priced: always)."""
+        if self._step_s is None:
+            return True
+        return self._guess_s <= self.GUESS_SHARE * (self._since + self._step_s)
 
     def block_ask(self, history: Sequence[int], n_prompt: int, n: int, seq: int) -> MtpAsk | None:
         """The MTP block's call that `draft(history, n_prompt, n, seq)` makes; None where it makes none."""
-        asked, drafter = self._asks(n), self.drafter
+        asked, drafter = self._asks(n, history, n_prompt), self.drafter
         if isinstance(drafter, Prediction):
             if asked and drafter.own(history, n_prompt, asked):
                 return None
@@ -489,7 +553,7 @@ class Speculation:
             right = drawn[0] == self._shadow
             self._learn(int(right), 1)
             self._proven = self._proven or right
-            if self.drafter.shadow_every > 1:  # a right guess that drafting does not pay for teaches little more
+            if self._block_guess:  # a right guess that drafting does not pay for teaches little more
                 self._shadow_every = self.drafter.shadow_every if right and not self._declined else min(
                     self.SHADOW_GROWTH * self._shadow_every, self.MAX_SHADOW_EVERY)
         self._shadow = None
