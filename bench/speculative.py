@@ -22,6 +22,10 @@
   `--demo-model` names the `qwen35moe` demo), prompt lookup (always max_draft tokens, and adaptive); decode
   tokens/s over all the requests, the drafts' acceptance rate, the answers compared; and the same on its other
   text tasks (short answers: sums, capitals, spelling, greetings, tool calls).
+- demo-http: the demo's own requests (16 edits, 16 other short ones) one after another through a server with
+  speculation off and one with the default ("auto"), taking turns: the seconds of each trace's requests, whole
+  (prompts, answers and the HTTP stack; the fastest of three rounds after one to warm up, the median over
+  `--repeat`), with the answers compared.
 - mtp: the batcher on the small Q8_0 qwen35moe with its MTP block (`strata make-model --arch qwen35moe --size
   small --dtype q8_0`), greedy, one stream and four: speculation off on an engine without the block, off on one
   that runs it (what keeping its rows filled costs: lazily, in batches), the block's drafts (always 3 tokens)
@@ -47,6 +51,7 @@ machine does not stretch); the table shows medians of `--repeat` runs.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pathlib
 import statistics
@@ -454,6 +459,75 @@ def http_traces(repeat: int, threads: int, max_tokens: int) -> dict[str, dict[st
     return medians(rates)
 
 
+# --- demo-http: the demo model's own tasks through the API, whole requests
+
+
+def demo_requests(tasks: tuple[str, ...], n: int) -> list[dict[str, Any]]:
+    """n held-out chat requests of the demo's tasks (pictures and thinking left out), as a client sends them."""
+    import random
+
+    from strata.modelgen.demo import data
+
+    rng = random.Random(2_000_003)  # as demo_prompts: the same requests
+    out: list[dict[str, Any]] = []
+    while len(out) < n:
+        example = data.make_example(rng.choice(tasks), rng)
+        if example.scene is None and example.thinking is False:
+            messages = [m for m in example.messages if m["role"] != "assistant" or m is not example.messages[-1]]
+            out.append({"messages": messages} | ({"tools": example.tools} if example.tools else {}))
+    return out
+
+
+async def demo_http_trace(source: str, traces: dict[str, list[dict[str, Any]]], threads: int, rounds: int
+                          ) -> dict[str, tuple[float, list[str]]]:
+    """Each trace's requests one after another through a server whose speculation is `source`: the fastest
+    round's seconds (after one to warm up) and the answers."""
+    import httpx
+    from served import served
+
+    from strata.models import DEMO_MODEL
+    from strata.service import open_service
+
+    config = config_from_dict({"model": str(DEMO_MODEL), "threads": threads, "context": 4096, "slots": 1,
+                               "vision": {"exe": ["true"], "lazy_load": True},
+                               "speculative": {"source": source, "mtp_window": MTP_WINDOW}})
+    out = {}
+    async with open_service(config, log=lambda line: None) as service, served(service) as (host, port), \
+            httpx.AsyncClient(base_url=f"http://{host}:{port}", timeout=600) as client:
+        for name, requests in traces.items():
+            best, answers = float("inf"), []
+            for i in range(rounds + 1):
+                started, answers = time.perf_counter(), []
+                for body in requests:
+                    reply = (await client.post("/v1/chat/completions", json=body | {
+                        "temperature": 0, "max_tokens": 256, "reasoning_effort": "none"})).json()
+                    message = reply["choices"][0]["message"]
+                    calls = [call["function"] for call in message.get("tool_calls") or []]  # ids are random
+                    answers.append(json.dumps([message["content"], calls], sort_keys=True))
+                if i:
+                    best = min(best, time.perf_counter() - started)
+            out[name] = (best, answers)
+    return out
+
+
+def demo_http(threads: int, repeat: int) -> dict[str, dict[str, float]]:
+    """Seconds of each trace's 16 requests, speculation off against the default ("auto"), servers taking turns."""
+    import trio
+
+    traces = {"edit (trained form)": demo_requests(("edit",), 16),
+              "other text tasks": demo_requests(("arithmetic", "capital", "spelling", "greeting", "weather_call",
+                                                  "add_answer"), 16)}
+    seconds: dict[str, dict[str, list[float]]] = {}
+    answers: dict[str, set[str]] = {}
+    for _ in range(repeat):
+        for source in ("off", "auto"):
+            for name, (best, texts) in trio.run(demo_http_trace, source, traces, threads, 3).items():
+                seconds.setdefault(name, {}).setdefault(source, []).append(best)
+                answers.setdefault(name, set()).add("\n".join(texts))
+    assert all(len(texts) == 1 for texts in answers.values()), "the answers differ between off and auto"
+    return {name: {source: statistics.median(v) for source, v in by.items()} for name, by in seconds.items()}
+
+
 def table(title: str, results: dict[str, dict[str, tuple[float, float]]],
           others: tuple[str, ...] = ("lookup", "adaptive")) -> str:
     """Decode tokens/s (wall) and tokens per engine CPU second, each other mode's ratio to off."""
@@ -473,7 +547,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=256, help="tokens each answer generates")
-    parser.add_argument("--parts", default="steps,engine,http", help="of steps, engine, http, mtp, demo")
+    parser.add_argument("--parts", default="steps,engine,http", help="of steps, engine, http, mtp, demo, demo-http")
     parser.add_argument("--mtp-window", type=int, default=MTP_WINDOW,
                         help="the MTP block's window (`speculative.mtp_window`; 0: the whole history)")
     parser.add_argument("--demo-model", type=pathlib.Path, help="demo: another demo model file than the shipped one")
@@ -528,6 +602,10 @@ def main() -> None:
                   flush=True)
     if "http" in parts:
         print(table("demo model, HTTP API", http_traces(args.repeat, args.threads, args.tokens)), flush=True)
+    if "demo-http" in parts:
+        print("| the demo's 16 requests over HTTP, whole | off: ms | auto (the default): ms |\n|---|---|---|")
+        for name, by in demo_http(args.threads, args.repeat).items():
+            print(f"| {name} | {by['off'] * 1e3:.1f} | {by['auto'] * 1e3:.1f} ({by['off'] / by['auto']:.2f}x) |")
     print(f"load average {os.getloadavg()[0]:.2f}")
 
 

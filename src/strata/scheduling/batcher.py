@@ -34,7 +34,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Collection, Hashable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
 import numpy as np
 
@@ -198,10 +198,10 @@ class _RecentMedian:
         return self._median
 
 
-@dataclass(frozen=True)
-class _Prices:
+class _Prices(NamedTuple):
     """A step's measured costs, for its jobs' draft lengths (`Speculation.choose`): the decode-only step of
-    `n_decoding` jobs, what drafts add to it, a guess of the MTP block, and a token of the block's draft."""
+    `n_decoding` jobs, what drafts add to it, a guess of the MTP block, and a token of the block's draft (a tuple:
+    made every step)."""
 
     n_decoding: int
     step: float | None
