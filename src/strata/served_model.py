@@ -256,7 +256,8 @@ class ServedModel:
             return None
         engine = DeviceEngine.open(config.model, device, n_ctx=config.context, threads=config.threads, kv=config.kv,
                                    n_batch=config.batch, n_seq=config.slots, kv_budget=kv_budget,
-                                   record_routing=config.record_routing, prior=prior, mtp=mtp)
+                                   record_routing=config.record_routing, prior=prior, mtp=mtp,
+                                   mtp_window=config.speculative.mtp_window)
         cache = engine.expert_counts()
         left = f" ({share / 2**20:,.0f} MiB left to the GPU image encoder)" if share else ""
         log(f"expert cache: {cache['capacity']} experts, {cache['bytes'] / 2**30:.2f} GiB"

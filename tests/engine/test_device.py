@@ -156,9 +156,11 @@ def test_attention_matches_numpy(dev, kv):
         v *= dev.to_host(args["v_scale"], shape[:-1], np.float32)[..., None]
     q = dev.to_host(args["q"], (2, 4, hd), np.float32).astype(np.float64)
     seq, n_pos = dev.to_host(args["seq"], (2,), np.int32), dev.to_host(args["n_pos"], (2,), np.int32)
+    first = dev.to_host(args["first"], (2,), np.int32)
+    assert first[0] == 0 and first[1] == n_pos[1] // 2 > 0  # from the start, and a window's later start
     for t in range(2):
         for h in range(4):
-            kh, vh = k[seq[t], 1, h // 2, : n_pos[t]], v[seq[t], 1, h // 2, : n_pos[t]]
+            kh, vh = k[seq[t], 1, h // 2, first[t]:n_pos[t]], v[seq[t], 1, h // 2, first[t]:n_pos[t]]
             s = kh @ q[t, h] / np.sqrt(hd)
             p = np.exp(s - s.max())
             want = p @ vh / p.sum()
@@ -403,6 +405,10 @@ def test_attention_on_the_host_checks_each_tokens_positions(dev):
     dev.upload(args["n_pos"], np.array([20, 21], np.int32))
     with pytest.raises(DeviceError, match="attention: a token's n_pos is not in \\[1, n_ctx\\]"):
         dev.launch("attention", **args)
+    dev.upload(args["n_pos"], np.array([20, 6], np.int32))
+    dev.upload(args["first"], np.array([0, 6], np.int32))  # a window starting where the positions end
+    with pytest.raises(DeviceError, match="its first position not in \\[0, n_pos\\)"):
+        dev.launch("attention", **args)
     device_check.free_args(dev, args)
 
 
@@ -443,6 +449,7 @@ def test_backend_check_runs_the_forward_pass_on_the_host_and_passes(capsys):
     held = [line for line in out.splitlines() if line.startswith("every expert held: ")]
     assert len(held) == 4 and all(" 0 misses, 0 uploads; " in line for line in held)
     assert out.count("MTP drafts (3 a sequence)") == 4  # the qwen35moe models' blocks, on both sides, both runs
+    assert out.count(f"a window of {backend_check.WINDOW}:") == 2  # the second run's, the server's window
     assert "qwen3moe tiny f16, expert cache 8 of 16 experts, then all of them (resident), tolerance 1e-05" in out
     assert "qwen35moe tiny f16, expert cache 8 of 16 experts, then all of them (resident), tolerance 1e-05" in out
 

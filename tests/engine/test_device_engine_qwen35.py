@@ -225,6 +225,26 @@ def test_mtp_drafts_match_the_cpu_engines(models, kv):
     assert all((drafts >= 0).all() for i, (drafts, _) in enumerate(got) if i != 3)
 
 
+@pytest.mark.parametrize("window", [4, 16])
+def test_mtp_drafts_with_a_window_match_the_cpu_engines(models, window):
+    """With a window (`mtp_window`): no pass at an eval but the chunk with a picture's rows (its last `window`
+    pairs), each draft filling the last `window` waiting pairs first and the block attending from its history's
+    start, on both engines: the same drafts, their logits within the tolerance; the imported sequence's history
+    starts after its rows on both."""
+    with Engine.load(models["f32"], kv="f32", mapped_weights=True, mtp=True, mtp_window=window, **SHAPE) as cpu:
+        want = drafting(cpu)
+        cpu_fills = cpu.mtp_fills()
+    with on_device(models["f32"], "f32", capacity=6, mtp=True, mtp_window=window) as dev:
+        got = drafting(dev)
+        assert dev.mtp_fills()[1] == cpu_fills[1]  # the same pairs filled (passes: the C engine's n_batch rows)
+    for (got_drafts, got_logits), (want_drafts, want_logits) in zip(got, want, strict=True):
+        np.testing.assert_array_equal(got_drafts, want_drafts)
+        assert np.max(np.abs(got_logits - want_logits)) <= KV_TOLERANCE["f32"] * np.max(np.abs(want_logits))
+    with on_device(models["f32"], "f32", capacity=6, mtp=True) as dev:
+        whole = drafting(dev)
+    assert not all(np.array_equal(a[1], b[1]) for a, b in zip(got, whole, strict=True))  # the window tells
+
+
 def assert_same_drafts(got: list[tuple[np.ndarray, np.ndarray]], want: list[tuple[np.ndarray, np.ndarray]],
                        kv: str) -> None:
     """`drafting`'s drafts the same, their logits within the KV cache type's tolerance, but for the imported

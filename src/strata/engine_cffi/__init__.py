@@ -328,6 +328,7 @@ class Engine:
             () if params.recurrent_layers == ffi.NULL
             else tuple(bool(params.recurrent_layers[il]) for il in range(params.n_layer)))
         self.mtp: bool = bool(mtp)  # the context runs it: `mtp_draft`
+        self.mtp_window = 0  # its window (`load`'s `mtp_window`)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], n_ctx: int = 4096, threads: int | None = None, kv: str = "f16",
@@ -400,6 +401,7 @@ class Engine:
             file.release(t for t in file.tensors if t is not embeddings)
         engine = cls(file, params, model_out[0], ctx_out[0], keep, n_ctx, threads, min(n_batch, n_ctx), _KV_TYPES[kv],
                      mtp)
+        engine.mtp_window = mtp_window if mtp and host_cache else 0
         if not host_cache:
             engine.kv_bytes, engine.n_seq = 0, n_seq
         if record_routing is not None:

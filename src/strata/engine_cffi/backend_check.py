@@ -7,7 +7,8 @@ run, layer by layer), and with every expert held (the model fully on the card: e
 with the experts grouped and computed on the device; the run fails where it cannot take that path). Printed per
 call: the largest logit difference over the largest logit of each, and whether the greedy tokens agree; each run's
 expert cache counts beside the simulator's on the routing the backend recorded; the wall time of each. A
-qwen35moe's MTP block runs on both sides (`mtp`): after the calls, each sequence's drafts are compared the same way.
+qwen35moe's MTP block runs on both sides (`mtp`): after the calls, each sequence's drafts are compared the same way
+(the block's whole history in the first run, the server's window, `speculative.mtp_window`, in the second).
 
 Two models of each architecture (qwen35moe: Gated DeltaNet layers with their recurrent state between gated
 attention ones, and a gated shared expert). F16 weights, whose products on both sides take f32 activations: the
@@ -34,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
+from strata.config import SpeculativeConfig
 from strata.engine_cffi import BatchItem, Engine
 from strata.engine_cffi.device import DeviceUnavailable
 from strata.engine_cffi.device_engine import DeviceEngine, open_device
@@ -44,6 +46,7 @@ from strata.gguf_file import read_metadata
 from strata.modelgen.writer import write_random_model
 
 TOLERANCE = {"host": 1e-5, "cuda": 1e-3}
+WINDOW = SpeculativeConfig().mtp_window  # the MTP block's, in the second run (the server's)
 
 
 def calls(prompt: int, steps: int) -> list[list[BatchItem]]:
@@ -84,16 +87,22 @@ def check_model(kind: str, arch: str, dtype: str, quick: bool, folder: Path) -> 
     n_expert = int(meta[f"{arch}.expert_count"])
     capacity = n_layer * n_expert // 2
     cpu_runs: dict[str, tuple[list[np.ndarray], float]] = {}
-    want_drafts = None
-    for kv in ("f32", "f16"):
+    want_drafts: dict[int, np.ndarray] = {}  # by the block's window
+    for kv, window in (("f32", 0), ("f16", 0), ("f32", WINDOW)):
+        if window and not mtp:
+            continue
         with Engine.load(path, n_ctx=512, n_batch=64, n_seq=3, kv=kv, mapped_weights=True,
-                         mtp=mtp and kv == "f32") as cpu:
-            cpu_runs[kv] = run(cpu, work)
-            want_drafts = drafts(cpu) if cpu.mtp else want_drafts
+                         mtp=mtp and kv == "f32", mtp_window=window) as cpu:
+            if not window:
+                cpu_runs[kv] = run(cpu, work)
+            else:
+                run(cpu, work)
+            if cpu.mtp:
+                want_drafts[window] = drafts(cpu)
     (want, cpu_s), spread = cpu_runs["f32"], rel_diffs(cpu_runs["f16"][0], cpu_runs["f32"][0])
     every = n_layer * n_expert
-    half = device_run(kind, path, work, trace, capacity, False, mtp)
-    whole = device_run(kind, path, work, trace.with_suffix(".resident"), every, True, mtp)
+    half = device_run(kind, path, work, trace, capacity, False, mtp, 0)
+    whole = device_run(kind, path, work, trace.with_suffix(".resident"), every, True, mtp, WINDOW)
     strict = dtype == "f16"
     print(f"\nbackend check: {half.name}, {arch} {size} {dtype}, expert cache {capacity} of {every} "
           f"experts, then all of them (resident)" + (f", tolerance {TOLERANCE[kind]:g}" if strict
@@ -108,10 +117,11 @@ def check_model(kind: str, arch: str, dtype: str, quick: bool, folder: Path) -> 
         passed &= not strict or max(rel, rel_whole) <= TOLERANCE[kind]
         print(f"| {i} | {sum(len(item.tokens) for item in call)} | {rel:.2e} | {rel_whole:.2e} | {ref:.2e} | "
               f"{'same' if same else 'differs'} |")
-    for run_drafts, label in ((half.drafts, ""), (whole.drafts, ", every expert held")):
-        if run_drafts is not None and want_drafts is not None:
-            rel = rel_diffs([run_drafts], [want_drafts])[0]
-            same = bool(np.array_equal(run_drafts.argmax(axis=-1), want_drafts.argmax(axis=-1)))
+    for run_drafts, window, label in ((half.drafts, 0, ""),
+                                      (whole.drafts, WINDOW, f", every expert held, a window of {WINDOW}")):
+        if run_drafts is not None and window in want_drafts:
+            rel = rel_diffs([run_drafts], [want_drafts[window]])[0]
+            same = bool(np.array_equal(run_drafts.argmax(axis=-1), want_drafts[window].argmax(axis=-1)))
             passed &= not strict or rel <= TOLERANCE[kind]
             print(f"MTP drafts (3 a sequence){label}: max diff / max logit {rel:.2e}, tokens "
                   f"{'same' if same else 'differ'}")
@@ -140,11 +150,12 @@ class DeviceRun:
 
 
 def device_run(kind: str, path: Path, work: list[list[BatchItem]], trace: Path, capacity: int, resident: bool,
-               mtp: bool) -> DeviceRun:
+               mtp: bool, window: int) -> DeviceRun:
     """The calls on the backend with an expert cache of `capacity` experts; `resident`: all of them, each step
-    queued at once (an error where the device cannot hold them)."""
+    queued at once (an error where the device cannot hold them); the MTP block (`mtp`) with `window`."""
     with DeviceEngine.open(path, open_device(kind, None), n_ctx=512, n_batch=64, n_seq=3, kv="f32",
-                           record_routing=trace, capacity=capacity, paced=False, mtp=mtp, resident=resident) as dev:
+                           record_routing=trace, capacity=capacity, paced=False, mtp=mtp,
+                           mtp_window=window if mtp else 0, resident=resident) as dev:
         got, seconds = run(dev, work)
         return DeviceRun(dev.device.name, got, seconds, drafts(dev) if mtp else None, dev.expert_counts(), trace)
 

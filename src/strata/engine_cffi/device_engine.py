@@ -48,10 +48,13 @@ each chunk's hidden states (output_norm(x)) come back to the host, where each se
 (`device_mtp`); the pairs the chunk completes (the hidden state at p, the token at p + 1) then go through the
 block at once: x = eh_proj([enorm(embedding), hnorm(hidden)]), its gated attention on its own KV rows, its
 router and shared expert on the device and its routed experts all on the CPU's threads (the expert cache holds
-the trunk's). A draft chains steps of the block and its head from the held hidden states. The fill is eager,
-not lazy as the CPU engine's: a pass is about one layer of a step here, and the block's rows then follow the
-trunk's (`keep`, `copy_prefix`, `import_kv` as the CPU engine's for the block's history). Not built yet: other
-architectures (Qwen3-VL's deepstack rows, dense models).
+the trunk's). A draft chains steps of the block and its head from the held hidden states. Without a window the
+fill is eager, not lazy as the CPU engine's: a pass is about one layer of a step here, and the block's rows then
+follow the trunk's (`keep`, `copy_prefix`, `import_kv` as the CPU engine's for the block's history). With one
+(`mtp_window`, the server's `speculative.mtp_window`), as the CPU engine's: no eval fills but one bringing a
+picture's rows (its last N pairs), a draft fills the last N waiting pairs first, and the block's attention starts
+at each sequence's history's start (the kernel's `first`); `keep`, `copy_prefix` and `import_kv` move that start
+as mtp.c does. Not built yet: other architectures (Qwen3-VL's deepstack rows, dense models).
 """
 
 from __future__ import annotations
@@ -70,7 +73,7 @@ from strata.engine_cffi import _KV_TYPES, BatchItem, Engine, EngineAborted, Engi
 from strata.engine_cffi._engine import lib
 from strata.engine_cffi.device import Device, DeviceError
 from strata.engine_cffi.device_check import MATMUL_TYPES
-from strata.engine_cffi.device_mtp import HiddenHistory
+from strata.engine_cffi.device_mtp import MTP_HISTORY, HiddenHistory
 from strata.engine_cffi.device_state import RecurrentState
 from strata.engine_cffi.expert_slots import UPLOADS_PER_STEP, ExpertSlots
 from strata.engine_cffi.launch_list import LaunchList, Size
@@ -135,7 +138,8 @@ class DeviceEngine(Engine):
              kv: str = "f16", n_batch: int = 256, n_seq: int = 1, kv_budget: int | None = None,
              record_routing: str | os.PathLike[str] | None = None, capacity: int | None = None,
              uploads_per_step: float | None = UPLOADS_PER_STEP, prior: RoutingTrace | None = None,
-             paced: bool = True, mtp: bool | None = False, resident: bool | None = None) -> DeviceEngine:
+             paced: bool = True, mtp: bool | None = False, mtp_window: int = 0,
+             resident: bool | None = None) -> DeviceEngine:
         """Load the model as `Engine.load` does (the weights read where the file is mapped), then put its dense
         part and the KV cache on `device` (which the engine closes with itself) and give what its budget leaves
         to the expert cache.
@@ -150,6 +154,9 @@ class DeviceEngine(Engine):
                 measured here (see `expert_slots`).
             mtp: run the model's MTP block on the device for `mtp_draft` (its own KV rows on the device, filled at
                 each eval); None: where the file has one.
+            mtp_window: `Engine.load`'s: 0, the block's rows filled at each eval for every pair; N (at most
+                `MTP_HISTORY`), none filled at an eval, a draft filling the last N waiting pairs and the block
+                attending from the start of what it filled (the CPU engine's `mtp_window`, the same drafts).
             resident: where the cache holds every routed expert (all uploaded here), queue a step's whole forward
                 pass at once, the experts grouped and computed on the device (None: so; False: layer by layer, as
                 a cache that holds some of them, each layer's routing read back).
@@ -166,6 +173,10 @@ class DeviceEngine(Engine):
         except BaseException:
             device.close()
             raise
+        if not 0 <= mtp_window <= MTP_HISTORY:
+            engine.close()
+            raise EngineError(f"mtp_window {mtp_window} outside [0, {MTP_HISTORY}]")
+        engine.mtp_window = mtp_window if engine.mtp else 0
         try:
             engine._attach(device, capacity, uploads_per_step, prior, paced, resident)
         except DeviceError as exc:
@@ -198,6 +209,10 @@ class DeviceEngine(Engine):
         if self.mtp and not self.has_mtp:  # `load` resolved None; the C context runs no block here
             raise EngineError(f"mtp: the {self.arch} model has no MTP block")
         self._mtp_counts = [0, 0]  # the MTP block's passes over evaluated pairs, the pairs
+        # with a window: each sequence's block history, rows [from, filled) filled, the pairs from filled waiting
+        # (mtp.c's mtp_from and mtp_filled); without one, from stays 0 and every pair is filled at its eval
+        self._mtp_from = np.zeros(self.n_seq, np.int32)
+        self._mtp_filled = np.zeros(self.n_seq, np.int32)
         self.n_head = int(key("attention.head_count"))
         self.n_head_kv = int(key("attention.head_count_kv", self.n_head))
         self.head_dim = int(key("attention.key_length", self.n_embd // self.n_head))
@@ -403,7 +418,7 @@ class DeviceEngine(Engine):
             ints |= dict(q_rows=B * self.n_head, run_seq=B, run_first=B + 1, recurrent_seq=B, chunked_seq=B)
         if self.mtp:  # the hidden states; the block's inputs: B embedding rows then B hidden ones, interleaved
             sizes |= dict(mtp_h=B * E, mtp_raw=2 * B * E, mtp_pair=2 * B * E)
-            ints |= dict(mtp_idx=2 * B)
+            ints |= dict(mtp_idx=2 * B, mtp_first=B)
         self._a = {name: self._alloc(4 * n) for name, n in (sizes | ints).items()}
         if self.hybrid:  # q head h of token t: row 2 (t n_head + h) of qg's head_dim-wide rows
             self.device.upload(self._a["q_rows"], 2 * np.arange(B * self.n_head, dtype=np.int32))
@@ -431,6 +446,8 @@ class DeviceEngine(Engine):
         elif n < self._n_past[seq]:
             self._state.cut(seq)  # the state cannot be cut back
         self._n_past[seq] = n
+        if self.mtp_window:
+            self._mtp_keep(seq, n)
 
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
         """Sequence `dst` = the first n positions of `src`: their rows copied on the device, a run per layer, KV
@@ -447,6 +464,7 @@ class DeviceEngine(Engine):
                 self.device.copy(to, from_, size)
         if self.mtp:
             self._history.copy_prefix(src, dst, n)
+            self._set_history(dst, int(self._mtp_from[src]), int(self._mtp_filled[src]))
         self._rope_t[dst, :n], self._rope_next[dst, :n] = self._rope_t[src, :n], self._rope_next[src, :n]
         if n == 0:
             self._state.clear(dst)
@@ -510,6 +528,8 @@ class DeviceEngine(Engine):
         if n:
             self._state.cut(seq)  # the rows came without a state: load_state
         self._n_past[seq] = first + n
+        if self.mtp_window and n:  # imported rows are not the window's history: it starts after them
+            self._set_history(seq, first + n, first + n)
 
     def abort(self, seq: int = 0) -> None:
         self.seq_n_past(seq)
@@ -673,11 +693,16 @@ class DeviceEngine(Engine):
 
     def _mtp_fill(self, ids: np.ndarray, seqs: np.ndarray, pos: np.ndarray, rope: np.ndarray, rows: np.ndarray,
                   embd_of: np.ndarray, hidden: np.ndarray) -> None:
-        """The block over the pairs a chunk completes, then the chunk's hidden states held. A token at p > 0 completes
-        the pair of p - 1: the hidden state at p - 1 (the chunk's, else a held one: zeros where none is, after an
-        import) and that token (its embedding, or the caller's row). Eager, unlike the CPU engine's lazy fill: a
-        pass is about a layer's work on the device, and the rows then follow the trunk's (`keep` and
-        `copy_prefix` as the CPU engine's, an import's pairs not filled, as its own)."""
+        """Without a window, the block over the pairs a chunk completes, then the chunk's hidden states held. A
+        token at p > 0 completes the pair of p - 1: the hidden state at p - 1 (the chunk's, else a held one: zeros
+        where none is, after an import) and that token (its embedding, or the caller's row). Eager, unlike the CPU
+        engine's lazy fill: a pass is about a layer's work on the device, and the rows then follow the trunk's
+        (`keep` and `copy_prefix` as the CPU engine's, an import's pairs not filled, as its own). With a window,
+        `_mtp_window_eval` first."""
+        if self.mtp_window:
+            self._mtp_window_eval(ids, seqs, pos, rope, rows, embd_of, hidden)
+            self._history.keep(seqs, pos, hidden, rope, np.where(embd_of >= 0, -1, ids))
+            return
         take = np.flatnonzero(pos > 0)
         if len(take):
             first = np.r_[True, seqs[1:] != seqs[:-1]]
@@ -696,6 +721,78 @@ class DeviceEngine(Engine):
             self._mtp_counts[1] += len(take)
         self._history.keep(seqs, pos, hidden, rope, np.where(embd_of >= 0, -1, ids))
 
+    def _mtp_window_eval(self, ids: np.ndarray, seqs: np.ndarray, pos: np.ndarray, rope: np.ndarray,
+                         rows: np.ndarray, embd_of: np.ndarray, hidden: np.ndarray) -> None:
+        """With a window, a chunk fills no pair, as mtp.c's plan_chunk: a sequence's waiting pairs whose hidden
+        states the held history would lose lapse (its history starts after them), and one whose chunk brings
+        embedding rows (whose tokens the held history cannot give later) fills its last `mtp_window` pairs now."""
+        at = {(int(s), int(p)): t for t, (s, p) in enumerate(zip(seqs.tolist(), pos.tolist(), strict=True))}
+        pairs = []
+        for s in np.unique(seqs).tolist():
+            mine = seqs == s
+            last, filled = int(pos[mine].max()), int(self._mtp_filled[s])
+            if not (embd_of[mine] >= 0).any():
+                if filled <= last - MTP_HISTORY:
+                    self._set_history(s, last - MTP_HISTORY + 1, last - MTP_HISTORY + 1)
+                continue
+            if last - filled > self.mtp_window:
+                self._set_history(s, last - self.mtp_window, last - self.mtp_window)
+            pairs += [(s, p) for p in range(int(self._mtp_filled[s]), last)]
+            self._mtp_filled[s] = max(last, int(self._mtp_filled[s]))
+        if pairs:
+            self._fill_pairs(pairs, at, ids, rope, rows, embd_of, hidden)
+
+    def _fill_pairs(self, pairs: list[tuple[int, int]], at: dict[tuple[int, int], int], ids: np.ndarray,
+                    rope: np.ndarray, rows: np.ndarray, embd_of: np.ndarray, hidden: np.ndarray) -> None:
+        """The block over `pairs` (sequence, position p: the hidden state at p, the token at p + 1), each from the
+        chunk where `at` has its position (the chunk's index), else from the held history (zeros and p's RoPE
+        position for a hidden state not held, after an import), n_batch at a time."""
+        n = len(pairs)
+        h = np.zeros((n, self.n_embd), np.float32)
+        pair_rope = np.repeat(np.array([p for _, p in pairs], np.int32)[:, None], 3, axis=1)
+        tokens, token_rows = np.zeros(n, np.int32), np.full(n, -1, np.int64)
+        for j, (s, p) in enumerate(pairs):
+            t = at.get((s, p))
+            row = self._history.held(s, p) if t is None else None
+            if t is not None:
+                h[j], pair_rope[j] = hidden[t], rope[t]
+            elif row is not None:
+                h[j], pair_rope[j] = self._history.hidden[s, row], self._history.rope[s, row]
+            t = at.get((s, p + 1))
+            if t is not None:
+                tokens[j], token_rows[j] = ids[t], embd_of[t]
+            else:
+                row = self._history.held(s, p + 1)
+                assert row is not None and self._history.token[s, row] >= 0, "a waiting pair's token is held"
+                tokens[j] = self._history.token[s, row]
+        embd = self._embeddings(tokens, rows, token_rows, self._mtp_table)
+        seqs = np.array([s for s, _ in pairs], np.int64)
+        pos = np.array([p for _, p in pairs], np.int64)
+        for lo in range(0, n, self.n_batch):
+            hi = min(lo + self.n_batch, n)
+            self._mtp_run(embd[lo:hi], h[lo:hi], seqs[lo:hi], pos[lo:hi], pair_rope[lo:hi])
+            self._mtp_counts[0] += 1
+            self._mtp_counts[1] += hi - lo
+
+    def _set_history(self, seq: int, first: int, filled: int) -> None:
+        self._mtp_from[seq], self._mtp_filled[seq] = first, filled
+
+    def _mtp_keep(self, seq: int, n: int) -> None:
+        """With a window, the block's history of a sequence cut back to n positions, as mtp.c's mtp_keep: cut before
+        its start, it starts again at the last `mtp_window` pairs the held history has."""
+        last = max(n - 1, 0)
+        self._mtp_filled[seq] = min(int(self._mtp_filled[seq]), last)
+        if self._mtp_from[seq] <= self._mtp_filled[seq]:
+            return
+        first = last
+        while first > 0 and last - first < self.mtp_window and self._pair_held(seq, first - 1):
+            first -= 1
+        self._set_history(seq, first, first)
+
+    def _pair_held(self, seq: int, p: int) -> bool:
+        row = self._history.held(seq, p + 1)
+        return self._history.held(seq, p) is not None and row is not None and self._history.token[seq, row] >= 0
+
     def _mtp_run(self, embd: np.ndarray, hidden: np.ndarray, seqs: np.ndarray, pos: np.ndarray,
                  rope: np.ndarray) -> None:
         """x rows = the block over the pairs (embedding row, hidden state) of sequences `seqs` at positions `pos`
@@ -703,7 +800,7 @@ class DeviceEngine(Engine):
         n, a, dev, E = len(embd), self._a, self.device, self.n_embd
         pos32 = pos.astype(np.int32)
         staged = {"seq": seqs.astype(np.int32), "pos": pos32, "n_pos": pos32 + 1,
-                  "rope": np.ascontiguousarray(rope, np.int32)}
+                  "rope": np.ascontiguousarray(rope, np.int32), "mtp_first": self._mtp_from[seqs]}
         for name, array in staged.items():
             dev.upload(a[name], array)
         embd, hidden = np.ascontiguousarray(embd, np.float32), np.ascontiguousarray(hidden, np.float32)
@@ -725,6 +822,18 @@ class DeviceEngine(Engine):
         if drafts.size == 0:
             return drafts, rows
         self._check_draft(seq, at, token, n_draft)
+        if self.mtp_window:  # the waiting pairs the drafts attend over, the last mtp_window of each sequence's
+            pairs = []
+            for s, p in zip(seq.tolist(), at.tolist(), strict=True):
+                upto = min(p - 1, self._n_past[s] - 1)
+                if upto - self.mtp_window > self._mtp_filled[s]:
+                    self._set_history(s, upto - self.mtp_window, upto - self.mtp_window)
+                pairs += [(s, q) for q in range(int(self._mtp_filled[s]), upto)]
+                self._mtp_filled[s] = max(upto, int(self._mtp_filled[s]))
+            if pairs:
+                none = np.zeros(0, np.int32)
+                self._fill_pairs(pairs, {}, none, np.zeros((0, 3), np.int32), np.zeros((0, self.n_embd), np.float32),
+                                 none, np.zeros((0, self.n_embd), np.float32))
         held = [(i, self._history.held(int(seq[i]), int(at[i]) - 1)) for i in range(n)]
         live = np.array([i for i, row in held if row is not None], np.int64)
         if not len(live):
@@ -768,8 +877,9 @@ class DeviceEngine(Engine):
                 raise EngineError(f"mtp_draft: sequence {s} twice")
 
     def mtp_fills(self) -> tuple[int, int]:
-        """(passes of the MTP block over evaluated pairs, the pairs they filled): one pass a chunk that completes
-        pairs, as the fill is eager here."""
+        """(passes of the MTP block over evaluated pairs, the pairs they filled): without a window one pass a chunk
+        that completes pairs, as the fill is eager here; with one, a pass (of n_batch pairs at most) a draft with
+        pairs waiting."""
         return self._mtp_counts[0], self._mtp_counts[1]
 
     # --- the launches, built once: per layer up to the router's top-k, the experts' mix, the output
@@ -914,7 +1024,8 @@ class DeviceEngine(Engine):
         out.launch("kv_store", n_tok=n, k_in=a["k"], v_in=a["v"], pos=a["pos"], **kv)
         # att = softmax(q K^T / sqrt(hd)) V over each token's positions (times the sigmoid of each head's gate);
         # x += att Wo
-        out.launch("attention", n_tok=n, n_head=nh, q=a["q"], n_pos=a["n_pos"], out=a["att"], **kv)
+        first = {} if il < self.n_layer else {"first": a["mtp_first"]}  # the block's from its history's start
+        out.launch("attention", n_tok=n, n_head=nh, q=a["q"], n_pos=a["n_pos"], out=a["att"], **kv, **first)
         if self.hybrid:
             out.launch("sigmoid_gate", n=hd, n_rows=n * nh, gate_stride=2 * hd, per_value=1,
                        gate=self._floats("qg", hd), x=a["att"])

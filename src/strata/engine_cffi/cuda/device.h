@@ -63,16 +63,18 @@ typedef struct {
 
 /* "attention": decode attention of n_tok query tokens over their sequences' cached rows, in the CPU engine's
  * layout: k, v (n_seq, n_layer, n_head_kv, n_ctx, head_dim) of kv_type (STRATA_KV_F32, _F16 or _INT8 with
- * k_scale, v_scale (n_seq, n_layer, n_head_kv, n_ctx)). Token t attends to positions [0, n_pos[t]) of sequence
- * seq[t] in layer il: out (n_tok, n_head, head_dim) = softmax(q . K / sqrt(head_dim)) . V, query head h reading
- * kv head h / (n_head / n_head_kv). 1 <= n_pos[t] <= n_ctx (the host device checks it; the card cannot, as
- * n_pos lies in device memory). A prompt chunk's causal attention is the same call, n_pos[t] = position + 1. */
+ * k_scale, v_scale (n_seq, n_layer, n_head_kv, n_ctx)). Token t attends to positions [first[t], n_pos[t]) of
+ * sequence seq[t] in layer il (first NULL: from 0; the MTP block's window sets it): out (n_tok, n_head,
+ * head_dim) = softmax(q . K / sqrt(head_dim)) . V, query head h reading kv head h / (n_head / n_head_kv).
+ * 0 <= first[t] < n_pos[t] <= n_ctx (the host device checks it; the card cannot, as they lie in device memory).
+ * A prompt chunk's causal attention is the same call, n_pos[t] = position + 1. */
 typedef struct {
     int n_tok, n_head, n_head_kv, head_dim, kv_type, n_layer, il, n_ctx;
     const float *q;              // (n_tok, n_head, head_dim)
     const void *k, *v;
     const float *k_scale, *v_scale;
     const int *seq, *n_pos;      // (n_tok,)
+    const int *first;            // (n_tok,) or NULL
     float *out;
 } strata_dev_attention_args;
 

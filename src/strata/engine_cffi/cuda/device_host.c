@@ -125,26 +125,28 @@ static int attention(host_device *h, const strata_dev_attention_args *a) {
     double *scores = malloc(sizeof(double) * (a->n_ctx > 0 ? a->n_ctx : 1));
     if (!scores) return host_fail(h, STRATA_ERR_NOMEM, "attention: out of memory for the scores");
     for (int t = 0; t < a->n_tok; t++)
-        if (a->n_pos[t] < 1 || a->n_pos[t] > a->n_ctx) {
+        if (a->n_pos[t] < 1 || a->n_pos[t] > a->n_ctx || (a->first && (a->first[t] < 0 || a->first[t] >= a->n_pos[t]))) {
             free(scores);
-            return host_fail(h, STRATA_ERR_INVALID_ARG, "attention: a token's n_pos is not in [1, n_ctx]");
+            return host_fail(h, STRATA_ERR_INVALID_ARG, "attention: a token's n_pos is not in [1, n_ctx], or its "
+                             "first position not in [0, n_pos)");
         }
     for (int t = 0; t < a->n_tok; t++)
         for (int h = 0; h < a->n_head; h++) {
             const float *q = a->q + ((size_t)t * a->n_head + h) * hd;
             size_t base = (((size_t)a->seq[t] * a->n_layer + a->il) * a->n_head_kv + h / group) * a->n_ctx;
             double max = -INFINITY, sum = 0.0;
-            for (int p = 0; p < a->n_pos[t]; p++) {
+            int first = a->first ? a->first[t] : 0;
+            for (int p = first; p < a->n_pos[t]; p++) {
                 double s = 0.0;
                 for (int d = 0; d < hd; d++) s += q[d] * kv_value(a, a->k, a->k_scale, base + p, d);
                 scores[p] = s / sqrt((double)hd);
                 max = scores[p] > max ? scores[p] : max;
             }
-            for (int p = 0; p < a->n_pos[t]; p++) sum += scores[p] = exp(scores[p] - max);
+            for (int p = first; p < a->n_pos[t]; p++) sum += scores[p] = exp(scores[p] - max);
             float *out = a->out + ((size_t)t * a->n_head + h) * hd;
             for (int d = 0; d < hd; d++) {
                 double acc = 0.0;
-                for (int p = 0; p < a->n_pos[t]; p++) acc += scores[p] * kv_value(a, a->v, a->v_scale, base + p, d);
+                for (int p = first; p < a->n_pos[t]; p++) acc += scores[p] * kv_value(a, a->v, a->v_scale, base + p, d);
                 out[d] = (float)(acc / sum);
             }
         }

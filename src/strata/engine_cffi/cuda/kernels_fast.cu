@@ -278,7 +278,7 @@ __global__ void attention_kernel(strata_dev_attention_args a) {
         qv[j] = j < per_lane ? q[lane + WARP * j] * scale : 0.0f;
         acc[j] = 0.0f;
     }
-    for (int p = warp; p < a.n_pos[t]; p += ATT_WARPS) {
+    for (int p = (a.first ? a.first[t] : 0) + warp; p < a.n_pos[t]; p += ATT_WARPS) {
         float s = 0.0f;
 #pragma unroll
         for (int j = 0; j < MAX_PER_LANE; j++)

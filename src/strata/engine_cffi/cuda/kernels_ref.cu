@@ -94,8 +94,9 @@ __global__ void attention_ref_kernel(strata_dev_attention_args a) {
     const float *q = a.q + ((size_t)t * a.n_head + h) * a.head_dim;
     size_t base = (((size_t)a.seq[t] * a.n_layer + a.il) * a.n_head_kv + h / (a.n_head / a.n_head_kv)) * a.n_ctx;
     double max = -INFINITY, sum = 0.0, acc = 0.0;
-    for (int p = 0; p < a.n_pos[t]; p++) max = fmax(max, score(a, q, base + p));
-    for (int p = 0; p < a.n_pos[t]; p++) {
+    int first = a.first ? a.first[t] : 0;
+    for (int p = first; p < a.n_pos[t]; p++) max = fmax(max, score(a, q, base + p));
+    for (int p = first; p < a.n_pos[t]; p++) {
         double e = exp(score(a, q, base + p) - max);
         sum += e;
         acc += e * kv_value(a, a.v, a.v_scale, base + p, d);
