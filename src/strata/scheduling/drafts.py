@@ -192,8 +192,10 @@ class Mtp:
     no draft, and where the answer repeats a long run of the prompt or itself (`repeats`). A guess
     runs the block and the output product once (in a small model about half a plain step), after one batched
     pass that fills the block's rows for the tokens evaluated since the last (the engine fills them lazily: an
-    eval without a draft does not run the block): a job whose drafts do not pay guesses every `shadow_every`
-    steps, ever less often while it guesses wrong, and costs next to nothing between guesses. The batcher runs the
+    eval without a draft does not run the block; with the server's window, the last `mtp_window` of them): a job
+    whose drafts do not pay guesses every `shadow_every` steps at most, ever less often while it guesses wrong
+    and where its guess costs more than `Speculation.GUESS_SHARE` of its decode time, and costs next to nothing
+    between guesses. The batcher runs the
     block for all of a step's jobs in one call (`draft_together`) before they propose."""
 
     shadow_every = 8
