@@ -26,6 +26,11 @@
   speculation off and one with the default ("auto"), taking turns: the seconds of each trace's requests, whole
   (prompts, answers and the HTTP stack; the fastest of three rounds after one to warm up, the median over
   `--repeat`), with the answers compared.
+- rollback: a generated Q8_0 qwen35moe of the small width with Qwen3.5-35B-A3B's Gated DeltaNet shape (40
+  layers, 30 DeltaNet, 32 value heads of 128: a recurrent state of ~64 MiB a sequence, that model's): a step of one
+  token and 3 drafts with no state kept, with the state saved before it and loaded after its rollback (bytes
+  through Python), and with the engine's checkpoint restored (`checkpoint_state`, `restore_state`), the median of
+  `10 * --repeat`.
 - mtp: the batcher on the small Q8_0 qwen35moe with its MTP block (`strata make-model --arch qwen35moe --size
   small --dtype q8_0`), greedy, one stream and four: speculation off on an engine without the block, off on one
   that runs it (what keeping its rows filled costs: lazily, in batches), the block's drafts (always 3 tokens)
@@ -308,6 +313,58 @@ def mtp_call_costs(path: pathlib.Path, threads: int, rounds: int) -> dict[tuple[
     return costs
 
 
+# --- rollback: a hybrid's recurrent state kept for a draft's rollback
+
+# Qwen3.5-35B-A3B's Gated DeltaNet shape (40 layers, 3 of 4 DeltaNet: 16 key and 32 value heads of 128), on the
+# small model's width and experts: a state of that model's size per sequence
+DELTANET_35B = dict(n_layer=40, ssm_state_size=128, ssm_group_count=16, ssm_time_step_rank=32, ssm_inner_size=4096)
+
+
+def rollback_costs(threads: int, rounds: int) -> tuple[int, dict[str, tuple[float, float]]]:
+    """The state's bytes, and the median seconds (wall, the engine threads' CPU) of a step of one token and 3
+    drafts at ~200 positions: with no state kept (the drafts accepted, decode going on), with the state saved before
+    and loaded after a rollback (`save_state`, `load_state`), and with a checkpoint restored (`checkpoint_state`,
+    `restore_state`)."""
+    from strata.modelgen import write_random_model
+
+    path = OUT / "qwen35moe-small-deltanet35b-q8_0.gguf"
+    if not path.exists():
+        OUT.mkdir(parents=True, exist_ok=True)
+        write_random_model(path, arch="qwen35moe", size="small", dtype="q8_0", vocab="qwen", seed=0, **DELTANET_35B)
+    rng = np.random.default_rng(4)
+    times: dict[str, list[tuple[float, float]]] = {}
+    with Engine.load(path, n_ctx=512, threads=threads) as engine:
+        engine.eval([int(t) for t in rng.integers(0, 151000, 200)])
+        n = engine.n_past
+
+        def step() -> None:
+            engine.eval_batch([BatchItem(0, [int(t) for t in rng.integers(0, 151000, 4)], None, "all")])
+
+        def saved() -> None:
+            state = engine.save_state(0)
+            step()
+            engine.keep(n)
+            engine.load_state(0, state)
+
+        def checkpointed() -> None:
+            engine.checkpoint_state(0)
+            step()
+            engine.keep(n)
+            engine.restore_state(0)
+
+        base = engine.save_state(0)
+        for _ in range(rounds):
+            for mode, run in (("no state kept", step), ("saved and loaded", saved), ("checkpoint", checkpointed)):
+                started, cpu = time.perf_counter(), engine.cpu_seconds()
+                run()
+                times.setdefault(mode, []).append((time.perf_counter() - started, engine.cpu_seconds() - cpu))
+                engine.keep(n)
+                engine.load_state(0, base)
+        state_bytes = engine.state_bytes
+    return state_bytes, {mode: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v))
+                         for mode, v in times.items()}
+
+
 # --- demo: the demo model's own edit skill
 
 DEMO_MODES = {"off": SpeculativeConfig(source="off"),
@@ -547,7 +604,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=256, help="tokens each answer generates")
-    parser.add_argument("--parts", default="steps,engine,http", help="of steps, engine, http, mtp, demo, demo-http")
+    parser.add_argument("--parts", default="steps,engine,http",
+                        help="of steps, engine, http, mtp, demo, demo-http, rollback")
     parser.add_argument("--mtp-window", type=int, default=MTP_WINDOW,
                         help="the MTP block's window (`speculative.mtp_window`; 0: the whole history)")
     parser.add_argument("--demo-model", type=pathlib.Path, help="demo: another demo model file than the shipped one")
@@ -602,6 +660,12 @@ def main() -> None:
                   flush=True)
     if "http" in parts:
         print(table("demo model, HTTP API", http_traces(args.repeat, args.threads, args.tokens)), flush=True)
+    if "rollback" in parts:
+        size, costs = rollback_costs(args.threads, 10 * args.repeat)
+        base_wall, base_cpu = costs["no state kept"]
+        print(f"| a step of 1 + 3 tokens, state of {size / 2**20:.1f} MiB | ms | CPU ms |\n|---|---|---|")
+        for mode, (wall, cpu) in costs.items():
+            print(f"| {mode} | {wall * 1e3:.2f} ({wall / base_wall:.2f}x) | {cpu * 1e3:.2f} ({cpu / base_cpu:.2f}x) |")
     if "demo-http" in parts:
         print("| the demo's 16 requests over HTTP, whole | off: ms | auto (the default): ms |\n|---|---|---|")
         for name, by in demo_http(args.threads, args.repeat).items():

@@ -36,6 +36,12 @@ class FakeEngine:
     def load_state(self, seq: int, data: bytes) -> None:
         pass
 
+    def checkpoint_state(self, seq: int = 0) -> None:
+        pass
+
+    def restore_state(self, seq: int = 0) -> None:
+        pass
+
     def expert_counts(self) -> dict[str, int] | None:
         return None
 
@@ -288,6 +294,8 @@ class RecurrentEngine(SuccessorEngine):
         super().__init__(**kw)
         self.states: list[list[int] | None] = [[] for _ in range(self.n_seq)]
         self.loads: list[tuple[int, int]] = []
+        self.checkpoints: dict[int, list[int]] = {}
+        self.restores: list[tuple[int, int]] = []  # every (seq, n_past) a checkpoint was restored at
 
     def eval_batch(self, items: Sequence[BatchItem], notify_fd: int = -1) -> list[np.ndarray]:
         for item in items:
@@ -323,6 +331,17 @@ class RecurrentEngine(SuccessorEngine):
         assert len(data) == len(self.caches[seq]), "a state loaded at another position"
         self.loads.append((seq, len(data)))
         self.states[seq] = list(data)
+
+    def checkpoint_state(self, seq: int = 0) -> None:
+        state = self.states[seq]
+        assert state is not None
+        self.checkpoints[seq] = list(state)
+
+    def restore_state(self, seq: int = 0) -> None:
+        state = self.checkpoints.pop(seq)
+        assert len(state) == len(self.caches[seq]), "a checkpoint restored at another position"
+        self.restores.append((seq, len(state)))
+        self.states[seq] = state
 
 
 class TimedEngine(SuccessorEngine):
@@ -407,6 +426,12 @@ class RecordingEngine:
 
     def load_state(self, seq: int, data: bytes) -> None:
         self._engine.load_state(seq, data)
+
+    def checkpoint_state(self, seq: int = 0) -> None:
+        self._engine.checkpoint_state(seq)
+
+    def restore_state(self, seq: int = 0) -> None:
+        self._engine.restore_state(seq)
 
     def seq_n_past(self, seq: int) -> int:
         return self._engine.seq_n_past(seq)

@@ -289,6 +289,60 @@ def test_an_aborted_sequence_keeps_its_rows_and_resumes_from_a_snapshot(moe_file
         np.testing.assert_array_equal(engine.eval(prompt[8:20], all_logits=True), scratch)
 
 
+def test_a_checkpoint_restores_the_state_before_a_step(moe_file: pathlib.Path) -> None:
+    """A speculative step's rollback: a checkpoint before a step of several tokens (a decode token and its draft,
+    beside another sequence's step, in chunks of 4), a keep back and a restore give the state saved there bit for
+    bit, and the same logits after; twice in a row (the state and its spare changed places the first time)."""
+    head, step, other = _tokens(40, 10), _tokens(6, 11), _tokens(30, 12)
+    with Engine.load(moe_file, n_ctx=128, threads=2, kv="f32", n_batch=4, n_seq=2) as engine:
+        engine.eval(other, seq=1)
+        engine.eval(head, seq=0)
+        saved, other_saved = engine.save_state(0), engine.save_state(1)
+        want = engine.eval(step[:2], seq=0, all_logits=True)
+        engine.keep(len(head), seq=0)
+        engine.load_state(0, saved)
+        for _ in range(2):
+            engine.checkpoint_state(0)
+            engine.eval_batch([BatchItem(0, step, None, "all"), BatchItem(1, step[:1], None, "last")])
+            engine.keep(len(head), seq=0)  # the draft refused
+            engine.restore_state(0)
+            assert engine.save_state(0) == saved
+        np.testing.assert_array_equal(engine.eval(step[:2], seq=0, all_logits=True), want)
+        engine.keep(len(other), seq=1)  # the other sequence took no checkpoint: its state was not kept
+        with pytest.raises(EngineError, match="no checkpoint of its state there"):
+            engine.restore_state(1)
+        engine.load_state(1, other_saved)
+
+
+def test_a_checkpoint_is_refused_where_it_does_not_hold(moe_file: pathlib.Path) -> None:
+    tokens = _tokens(20, 13)
+    with Engine.load(moe_file, n_ctx=128, threads=2, kv="f32", n_seq=2) as engine:
+        engine.eval(tokens[:10])
+        engine.checkpoint_state(0)
+        with pytest.raises(EngineError, match="sequence 0 holds 10 positions: no checkpoint"):
+            engine.restore_state(0)  # not taken: no eval since
+        engine.eval(tokens[10:12])
+        with pytest.raises(EngineError, match="holds 12 positions: no checkpoint of its state there"):
+            engine.restore_state(0)  # not back at its position
+        saved = engine.save_state(0)
+        for end in (lambda: engine.load_state(0, saved),  # each ends it
+                    lambda: engine.copy_prefix(1, 0, 0),
+                    lambda: engine.keep(0)):
+            engine.keep(0)
+            engine.eval(tokens[:10])
+            engine.checkpoint_state(0)
+            engine.eval(tokens[10:12])
+            engine.keep(12)
+            end()
+            engine.keep(min(engine.n_past, 10))
+            with pytest.raises(EngineError, match="no checkpoint of its state there"):
+                engine.restore_state(0)
+        engine.eval(tokens[:10])
+        engine.keep(5)
+        with pytest.raises(EngineError, match="cut back; no checkpoint"):
+            engine.checkpoint_state(0)
+
+
 def test_a_cut_state_is_refused_until_loaded_or_cleared(moe_file: pathlib.Path) -> None:
     tokens = _tokens(40, 8)
     with Engine.load(moe_file, n_ctx=128, threads=2, kv="f32") as engine:

@@ -216,6 +216,6 @@ def test_a_slot_stopped_inside_a_draft_stores_states_only_where_its_keys_reach(t
         source="lookup", adaptive=False, max_draft=4)))
     job.stop_ids = {9}
     _run(Batcher(engine, slowdown=None, tier=tier), job)
-    assert job.finish == "stop" and engine.loads  # rolled back to the state before its last step
+    assert job.finish == "stop" and engine.restores  # rolled back to the state before its last step
     tier.close()
     assert tier.store.state_ends(0, 100) == [19]

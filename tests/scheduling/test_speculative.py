@@ -145,7 +145,7 @@ def test_a_recurrent_engine_restores_its_state_before_a_rejected_draft() -> None
     spec = speculation(FIXED)
     fast, _ = answer(engine, prompt, spec, 30, slowdown=None)
     assert fast.tokens == plain.tokens
-    assert engine.loads  # a rollback loaded the saved state
+    assert engine.restores and not engine.loads  # a rollback restored the checkpoint
     assert spec is not None and 0 < spec.accepted < spec.drafted
     assert [call[0][1] for call in engine.calls[1:3]] == [[5, 9, 3, 4, 5], [5, 6]]
 
@@ -943,7 +943,7 @@ def test_adaptive_sends_no_draft_before_its_source_was_right() -> None:
     spec = Speculation(wrong, 4)
     fast, _ = answer(engine, prompt, spec, 100)
     assert fast.tokens == plain.tokens
-    assert spec.drafted == 0 and not engine.loads and max(len(call[0][1]) for call in engine.calls[1:]) == 1
+    assert spec.drafted == 0 and not engine.restores and max(len(call[0][1]) for call in engine.calls[1:]) == 1
     guesses, at, gap = 0, 0, WrongModel.shadow_every
     while at < 100 - 1:  # the decode steps of the tokens after the prompt's
         guesses += 1

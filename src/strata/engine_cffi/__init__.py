@@ -646,6 +646,16 @@ class Engine:
         _check(lib.strata_state_save(self._live_ctx(), int(seq), ffi.from_buffer(buf)))
         return bytes(buf)
 
+    def checkpoint_state(self, seq: int = 0) -> None:
+        """Keep sequence `seq`'s recurrent state as it is now, at its n_past, for `restore_state` (the next eval
+        with its tokens copies each layer's state before changing it: `strata_state_checkpoint`)."""
+        _check(lib.strata_state_checkpoint(self._live_ctx(), int(seq)))
+
+    def restore_state(self, seq: int = 0) -> None:
+        """Sequence `seq`'s recurrent state = its checkpoint's, valid, after `keep` back to the position it was
+        taken at (no copy: `strata_state_restore`)."""
+        _check(lib.strata_state_restore(self._live_ctx(), int(seq)))
+
     def load_state(self, seq: int, data: bytes) -> None:
         """Set sequence `seq`'s recurrent state to `data` (from `save_state`), which must belong at its current
         n_past (after `keep` or `copy_prefix` to that n); the state is valid again."""

@@ -67,7 +67,9 @@ static void convolve(const team *tm, strata_context *c, const layer_weights *L, 
         int64_t ch0 = u * CONV_CHANNELS, ch1 = min64(ch0 + CONV_CHANNELS, C);
         for (int q = 0; q < c->n_chunk_seqs; q++) {
             int s = c->chunk_seqs[q];
-            float *state = rec_state_of(c, s, il);  // (conv_dim, K - 1)
+            float *state = rec_state_of(c, s, il), *spare = rec_spare_of(c, s, il);  // (conv_dim, K - 1)
+            if (spare)  // its checkpoint: the channels' rows as they were
+                memcpy(spare + ch0 * (K - 1), state + ch0 * (K - 1), sizeof(float) * (size_t)(ch1 - ch0) * (K - 1));
             const int *tokens = c->seq_tokens + c->seq_first[s];
             int n = c->seq_first[s + 1] - c->seq_first[s];
             for (int64_t ch = ch0; ch < ch1; ch++)
@@ -209,6 +211,9 @@ static void head_of_sequence(strata_context *c, const layer_weights *L, int il, 
     const int dk = p->ssm_d_state, dv = dk, hk = p->ssm_n_group, hv = p->ssm_dt_rank, kh = h % hk;
     const int64_t C = c->model->conv_dim, VD = p->ssm_d_inner;
     float *S = rec_state_of(c, s, il) + c->model->conv_state_floats + (size_t)h * dk * dv;
+    float *spare = rec_spare_of(c, s, il);
+    if (spare)  // its checkpoint: the head's state as it was, read here anyway (the copy costs its writes)
+        memcpy(spare + c->model->conv_state_floats + (size_t)h * dk * dv, S, sizeof(float) * dk * dv);
     const int first = c->seq_first[s], n = c->seq_first[s + 1] - first;
     const size_t q_at = (size_t)kh * dk, k_at = (size_t)(hk + kh) * dk, v_at = (size_t)2 * hk * dk + (size_t)h * dv;
     if (!strata_deltanet_chunked(n)) {

@@ -197,6 +197,7 @@ class DeviceEngine(Engine):
         if self.arch not in ARCHITECTURES:
             raise EngineError(f"the {device.kind} device runs {', '.join(ARCHITECTURES)} models, not {self.arch}")
         self._n_past = [0] * self.n_seq
+        self._checkpoints: dict[int, tuple[int, bytes]] = {}  # a sequence's (position, state): `checkpoint_state`
         self._in_flight: list[np.ndarray] = []  # host buffers queued copies read: kept until a synchronisation
         self._aborted: set[int] = set()
         self.hybrid = self.arch in HYBRID
@@ -480,6 +481,18 @@ class DeviceEngine(Engine):
 
     def load_state(self, seq: int, data: bytes) -> None:
         self.seq_n_past(seq)
+        self._state.load(seq, data)
+        self._checkpoints.pop(seq, None)
+
+    def checkpoint_state(self, seq: int = 0) -> None:
+        """`Engine.checkpoint_state`, as a copy of the state on the device kept here (the device's state is in
+        place: no cheaper way yet)."""
+        self._checkpoints[seq] = (self.seq_n_past(seq), self._state.save(seq))
+
+    def restore_state(self, seq: int = 0) -> None:
+        at, data = self._checkpoints.pop(seq, (-1, b""))
+        if at != self.seq_n_past(seq):
+            raise EngineError(f"sequence {seq} holds {self._n_past[seq]} positions: no checkpoint of its state there")
         self._state.load(seq, data)
 
     def _runs(self, seq: int, first: int, n: int, block: bool = False) -> list[tuple[Any, int]]:

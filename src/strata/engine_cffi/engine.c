@@ -45,10 +45,17 @@ static int alloc_recurrent(strata_context *c) {
     c->seq_tokens = malloc(sizeof(int) * B);
     c->seq_first = malloc(sizeof(int) * (c->n_seq + 1));
     c->chunk_seqs = malloc(sizeof(int) * c->n_seq);
-    if (!c->state_valid || !c->seq_tokens || !c->seq_first || !c->chunk_seqs) return 0;
+    c->rec_seq = calloc(c->n_seq, sizeof(float *));
+    c->rec_spare = calloc(c->n_seq, sizeof(float *));
+    c->ckpt = calloc(c->n_seq, 1);
+    c->ckpt_pos = calloc(c->n_seq, sizeof(int));
+    if (!c->state_valid || !c->seq_tokens || !c->seq_first || !c->chunk_seqs || !c->rec_seq || !c->rec_spare ||
+        !c->ckpt || !c->ckpt_pos)
+        return 0;
     for (int s = 0; s < c->n_seq; s++) c->state_valid[s] = 1;
     if (!m->n_rec_layer) return 1;
     c->rec_state = calloc((size_t)c->n_seq * c->state_floats, sizeof(float));
+    for (int s = 0; c->rec_state && s < c->n_seq; s++) c->rec_seq[s] = c->rec_state + (size_t)s * c->state_floats;
     c->dn_qkv = malloc(sizeof(float) * B * m->conv_dim);
     c->dn_conv = malloc(sizeof(float) * B * m->conv_dim);
     c->dn_z = malloc(sizeof(float) * B * p->ssm_d_inner);
@@ -180,7 +187,8 @@ void strata_context_free(strata_context *c) {
                     c->chunk_out, c->chunk_rope, c->rope_t, c->rope_next, c->draw_work, c->draw_idx,
                     c->rec_state, c->state_valid, c->qg, c->shexp_out, c->shexp_gate, c->dn_qkv, c->dn_conv,
                     c->dn_z, c->dn_alpha, c->dn_beta, c->dn_out, c->dn_work, c->seq_tokens, c->seq_first,
-                    c->chunk_seqs};
+                    c->chunk_seqs, (void *)c->rec_seq, c->rec_spare_block, (void *)c->rec_spare, c->ckpt,
+                    c->ckpt_pos};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
     mtp_free(c);
     free(c);
@@ -200,8 +208,9 @@ size_t strata_state_bytes(const strata_context *c) { return sizeof(float) * c->s
 
 /* Sequence seq's recurrent state = an empty sequence's (zero), valid. */
 static void clear_state(strata_context *c, int seq) {
-    if (c->state_floats) memset(c->rec_state + (size_t)seq * c->state_floats, 0, strata_state_bytes(c));
+    if (c->state_floats) memset(c->rec_seq[seq], 0, strata_state_bytes(c));
     c->state_valid[seq] = 1;
+    c->ckpt[seq] = CKPT_NONE;
 }
 
 static strata_status check_seq(const strata_context *c, int seq) {
@@ -231,15 +240,47 @@ strata_status strata_state_save(const strata_context *c, int seq, void *buf) {
     if (st != STRATA_OK) return st;
     if (!c->state_valid[seq])
         return engine_fail(STRATA_ERR_INVALID_ARG, "sequence %d: its recurrent state was cut back; nothing to save", seq);
-    if (c->state_floats) memcpy(buf, c->rec_state + (size_t)seq * c->state_floats, strata_state_bytes(c));
+    if (c->state_floats) memcpy(buf, c->rec_seq[seq], strata_state_bytes(c));
     return STRATA_OK;
 }
 
 strata_status strata_state_load(strata_context *c, int seq, const void *buf) {
     strata_status st = check_seq(c, seq);
     if (st != STRATA_OK) return st;
-    if (c->state_floats) memcpy(c->rec_state + (size_t)seq * c->state_floats, buf, strata_state_bytes(c));
+    if (c->state_floats) memcpy(c->rec_seq[seq], buf, strata_state_bytes(c));
     c->state_valid[seq] = 1;
+    c->ckpt[seq] = CKPT_NONE;
+    return STRATA_OK;
+}
+
+strata_status strata_state_checkpoint(strata_context *c, int seq) {
+    strata_status st = check_seq(c, seq);
+    if (st != STRATA_OK) return st;
+    if (!c->state_valid[seq])
+        return engine_fail(STRATA_ERR_INVALID_ARG, "sequence %d: its recurrent state was cut back; no checkpoint", seq);
+    if (!c->state_floats) return STRATA_OK;
+    if (!c->rec_spare_block) {  // the spares, at the first checkpoint: a context that drafts nothing has none
+        c->rec_spare_block = malloc(sizeof(float) * (size_t)c->n_seq * c->state_floats);
+        if (!c->rec_spare_block) return engine_fail(STRATA_ERR_NOMEM, "out of memory for the states' checkpoints");
+        for (int s = 0; s < c->n_seq; s++) c->rec_spare[s] = c->rec_spare_block + (size_t)s * c->state_floats;
+    }
+    c->ckpt[seq] = CKPT_DUE;
+    c->ckpt_pos[seq] = c->n_past[seq];
+    return STRATA_OK;
+}
+
+strata_status strata_state_restore(strata_context *c, int seq) {
+    strata_status st = check_seq(c, seq);
+    if (st != STRATA_OK) return st;
+    if (!c->state_floats) return STRATA_OK;
+    if (c->ckpt[seq] != CKPT_TAKEN || c->ckpt_pos[seq] != c->n_past[seq])
+        return engine_fail(STRATA_ERR_INVALID_ARG, "sequence %d holds %d positions: no checkpoint of its state there",
+                           seq, c->n_past[seq]);
+    float *state = c->rec_seq[seq];  // the spare holds the state at the checkpoint: the two change places
+    c->rec_seq[seq] = c->rec_spare[seq];
+    c->rec_spare[seq] = state;
+    c->state_valid[seq] = 1;
+    c->ckpt[seq] = CKPT_NONE;
     return STRATA_OK;
 }
 
@@ -331,13 +372,12 @@ strata_status strata_copy_prefix(strata_context *c, int src, int dst, int n) {
     if (n == 0) {
         clear_state(c, dst);
     } else if (n == c->n_past[src]) {  // the state at n is src's own
-        if (c->state_floats)
-            memcpy(c->rec_state + (size_t)dst * c->state_floats, c->rec_state + (size_t)src * c->state_floats,
-                   strata_state_bytes(c));
+        if (c->state_floats) memcpy(c->rec_seq[dst], c->rec_seq[src], strata_state_bytes(c));
         c->state_valid[dst] = c->state_valid[src];
     } else if (c->state_floats) {
         c->state_valid[dst] = 0;
     }
+    c->ckpt[dst] = CKPT_NONE;  // its checkpoint was of another history
     c->n_past[dst] = n;
     return STRATA_OK;
 }
@@ -516,6 +556,10 @@ strata_status strata_eval_batch(strata_context *c, const strata_batch *b) {
             int seq = c->chunk_seq[i];
             if (!c->dropped[seq]) c->n_past[seq] = c->chunk_pos[i] + 1;
             else if (c->mtp) mtp_keep(c, seq, c->n_past[seq]);  // its pairs in the chunk wait for it again
+        }
+        for (int q = 0; q < c->n_chunk_seqs; q++) {  // a due checkpoint is taken by its sequence's first chunk
+            int s = c->chunk_seqs[q];
+            if (c->ckpt[s] == CKPT_DUE) c->ckpt[s] = c->dropped[s] ? CKPT_NONE : CKPT_TAKEN;
         }
         c->timings.n_tokens += n;
         c->timings.n_chunks++;

@@ -222,7 +222,12 @@ struct strata_context {
     int stop_at[2];                /* the answers of the two alternating polls of the abort flags */
     strata_timings timings;
     /* recurrent layers' state per sequence: strata_state_bytes's layout, conv rows then delta-rule states */
-    float *rec_state;              // (n_seq, state_floats)
+    float *rec_state;              // (n_seq, state_floats): the states' first block
+    float **rec_seq;               // (n_seq,) each sequence's state (state_floats), in rec_state or rec_spare_block
+    float *rec_spare_block;        // (n_seq, state_floats), allocated at the first checkpoint (NULL before)
+    float **rec_spare;             // (n_seq,) each sequence's spare: its checkpoint (strata_state_checkpoint)
+    unsigned char *ckpt;           // (n_seq,) CKPT_*: the sequence's checkpoint
+    int *ckpt_pos;                 // (n_seq,) the position a taken checkpoint's state belongs at
     size_t state_floats;           /* per sequence: n_rec_layer * (conv_state_floats + ssm_state_floats) */
     int *state_valid;              // (n_seq,) 0 after a cut that the state cannot follow (strata_keep, copy_prefix)
     float *qg;                     // (n_batch, n_head * head_dim * 2) gated attention: queries with their gates
@@ -337,8 +342,19 @@ static inline size_t kv_base(const strata_context *c, int seq, int il, int kvh) 
  * (n_v_heads, head_k_dim, head_v_dim). */
 static inline float *rec_state_of(const strata_context *c, int seq, int il) {
     const strata_model *m = c->model;
-    return c->rec_state + (size_t)seq * c->state_floats +
-           (size_t)m->rec_layer[il] * (m->conv_state_floats + m->ssm_state_floats);
+    return c->rec_seq[seq] + (size_t)m->rec_layer[il] * (m->conv_state_floats + m->ssm_state_floats);
+}
+
+/* A sequence's checkpoint (strata_state_checkpoint): none; due (the next eval with its tokens copies each
+ * recurrent layer's state to the spare before changing it); taken (the spare holds its state at ckpt_pos). */
+enum { CKPT_NONE, CKPT_DUE, CKPT_TAKEN };
+
+/* Where layer il's state of a sequence whose checkpoint is due goes before the layer changes it; NULL where none
+ * is due. */
+static inline float *rec_spare_of(const strata_context *c, int seq, int il) {
+    if (c->ckpt[seq] != CKPT_DUE) return NULL;
+    const strata_model *m = c->model;
+    return c->rec_spare[seq] + (size_t)m->rec_layer[il] * (m->conv_state_floats + m->ssm_state_floats);
 }
 
 #endif

@@ -74,6 +74,7 @@ strata_status strata_kv_import(strata_context *c, int seq, int first, int n, con
                            first, first + n, seq, c->n_past[seq], c->n_ctx);
     move_rows(c, seq, first, n, (char *)buf, 1);
     if (n > 0 && c->state_floats) c->state_valid[seq] = 0;  // the rows came without a state: strata_state_load
+    if (n > 0) c->ckpt[seq] = CKPT_NONE;
     c->n_past[seq] = first + n;
     if (c->mtp) mtp_skip(c, seq, first + n);
     return STRATA_OK;

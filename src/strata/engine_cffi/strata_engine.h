@@ -213,6 +213,18 @@ strata_status strata_state_save(const strata_context *ctx, int seq, void *buf);
 /* Sequence seq's recurrent state = buf, which the caller guarantees belongs at its current n_past (after
  * strata_keep or strata_copy_prefix to that n); the state is valid again. */
 strata_status strata_state_load(strata_context *ctx, int seq, const void *buf);
+/* A checkpoint of sequence seq's recurrent state as it is now, at its n_past: the next eval with its tokens copies
+ * each recurrent layer's state to the sequence's spare before changing it (the layer reads it anyway: the copy
+ * costs its writes, spread over the layers and threads, against a save's and a load's whole passes), and
+ * strata_state_restore, after strata_keep back to that n_past, makes the spare the state again, valid (the two
+ * change places: no copy). For a speculative step's rollback. The spares, one state a sequence, are allocated at
+ * the first checkpoint (NOMEM where they cannot be). A later checkpoint replaces it; a load, a clear, an import,
+ * a copy into the sequence or a drop in that eval ends it. INVALID_ARG where the state is invalid. No-op without
+ * recurrent layers. */
+strata_status strata_state_checkpoint(strata_context *ctx, int seq);
+/* Sequence seq's recurrent state = its checkpoint's, valid; INVALID_ARG where no checkpoint was taken at the
+ * position it holds. */
+strata_status strata_state_restore(strata_context *ctx, int seq);
 /* Positions sequence `seq` holds (-1 for a sequence out of range). */
 int strata_n_past(const strata_context *ctx, int seq);
 /* Truncate sequence `seq` to its first n positions (n <= its n_past); n = 0 clears it. A recurrent model's state

@@ -169,13 +169,13 @@ class _Slot:
 @dataclass
 class _Planned:
     """A speculating job's part of a step: where its sequence was (`n_past`), what the step appends to it (`fed`:
-    its pending tokens, then `draft`), a recurrent engine's state at `n_past`, and the job's token count before;
-    `kept`: the draft tokens accepted."""
+    its pending tokens, then `draft`), whether a recurrent engine checkpointed its state at `n_past`, and the job's
+    token count before; `kept`: the draft tokens accepted."""
 
     n_past: int
     fed: list[int]
     draft: list[int]
-    state: bytes | None
+    checkpoint: bool
     tokens: int
     kept: int = 0
 
@@ -685,18 +685,18 @@ class Batcher:
 
     def _roll_back(self, job: Job, planned: _Planned) -> None:
         """Cut the job's sequence back to the positions that hold its history (the rejected draft's are gone); a
-        recurrent engine's back to where the draft started, with the state saved there: the accepted tokens are
-        evaluated again with the job's next step."""
+        recurrent engine's back to where the draft started, with the state checkpointed there: the accepted tokens
+        are evaluated again with the job's next step."""
         fed = planned.fed
         n_past = self.engine.seq_n_past(job.seq)
         valid = planned.n_past + common_prefix(fed, job.history[planned.n_past:planned.n_past + len(fed)])
         if n_past <= valid:
             return
-        if planned.state is None:
+        if not planned.checkpoint:
             self.engine.keep(valid, seq=job.seq)
         elif not job.stopping:  # a cancelled job's slot is marked not live as it leaves
             self.engine.keep(planned.n_past, seq=job.seq)
-            self.engine.load_state(job.seq, planned.state)
+            self.engine.restore_state(job.seq)
 
     def _plan(self) -> tuple[list[BatchItem], list[Job], int]:
         """This step's items: each decoding job's last token (and its draft: `_draft`), then prompt chunks in
@@ -793,8 +793,10 @@ class Batcher:
         if speculation is None:
             return []
         draft = speculation.draft(job.history, job.n_prompt, max(room, 0), job.seq)[:max(room, 0)]
-        state = self.engine.save_state(job.seq) if draft and self.snapshots is not None else None
-        self._drafts[job] = _Planned(n_past, tokens + draft, draft, state, len(job.tokens))
+        checkpoint = bool(draft) and self.snapshots is not None
+        if checkpoint:
+            self.engine.checkpoint_state(job.seq)
+        self._drafts[job] = _Planned(n_past, tokens + draft, draft, checkpoint, len(job.tokens))
         return draft
 
     def _sample(self, job: Job, logits: np.ndarray, now: float, draws: list[tuple[Job, np.ndarray, float]]) -> None:

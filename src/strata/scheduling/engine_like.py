@@ -53,6 +53,11 @@ class EngineLike(Protocol):
         """Sequence `seq`'s recurrent state at its n_past (empty without recurrent layers)."""
     def load_state(self, seq: int, data: bytes) -> None:
         """Set sequence `seq`'s recurrent state (from `save_state` at the position the sequence now holds)."""
+    def checkpoint_state(self, seq: int = 0) -> None:
+        """Keep sequence `seq`'s recurrent state at its n_past for `restore_state` (a speculative step's rollback:
+        cheaper than `save_state` and `load_state`)."""
+    def restore_state(self, seq: int = 0) -> None:
+        """Sequence `seq`'s recurrent state = its checkpoint's, after `keep` back to the position it was taken at."""
     def seq_n_past(self, seq: int) -> int: ...
     def keep(self, n: int, seq: int = 0) -> None: ...
     def copy_prefix(self, src: int, dst: int, n: int) -> None: ...
