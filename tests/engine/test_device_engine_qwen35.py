@@ -26,7 +26,7 @@ from test_device_engine import (
 )
 
 from strata.engine_cffi import BatchItem, Engine, EngineError, PictureRows
-from strata.engine_cffi.device import Device
+from strata.engine_cffi.device import Device, DeviceError
 from strata.engine_cffi.device_engine import DeviceEngine
 from strata.modelgen import write_random_model
 
@@ -132,6 +132,39 @@ def test_a_saved_state_resumes_its_sequence_and_a_cut_one_is_refused(models):
         assert np.max(np.abs(np.frombuffer(saved, np.float32) - cpu_state)) <= 1e-5 * np.max(np.abs(cpu_state))
         cleared = cpu.eval(prompt[:3], seq=2)  # from an empty sequence's state
         assert np.max(np.abs(fresh - cleared)) <= 1e-5 * np.max(np.abs(cleared))
+
+
+@pytest.mark.parametrize("room", [True, False])
+def test_a_checkpoint_restores_the_state_before_a_step(models, monkeypatch, room):
+    """A speculative step's rollback on the device backend: a checkpoint (a copy into the sequence's spare on the
+    device; where the device has no room for the spares, its bytes through the host), the step, a keep back and the
+    restore give the state as it was, and the same logits after; refused where it does not hold, as the CPU
+    engine's."""
+    prompt = list(range(100, 120))
+    with on_device(models["f32"]) as dev:
+        if not room:
+            def no_room(seq: int) -> None:
+                raise DeviceError("no room for the spares")
+            monkeypatch.setattr(dev._state, "checkpoint", no_room)
+        dev.eval(prompt)
+        saved, n = dev.save_state(0), dev.n_past
+        want = dev.eval([7, 8], all_logits=True)
+        dev.keep(n)
+        dev.load_state(0, saved)
+        for _ in range(2):
+            dev.checkpoint_state(0)
+            dev.eval([5, 6, 7, 8], all_logits=True)  # a token and its draft
+            dev.keep(n)
+            dev.restore_state(0)
+            assert dev.save_state(0) == saved
+        np.testing.assert_array_equal(dev.eval([7, 8], all_logits=True), want)
+        with pytest.raises(EngineError, match="no checkpoint of its state there"):
+            dev.restore_state(0)  # taken back already
+        dev.checkpoint_state(0)
+        dev.keep(0)  # a clear ends it
+        with pytest.raises(EngineError, match="no checkpoint of its state there"):
+            dev.restore_state(0)
+        assert (dev._state.spare is not None) == room
 
 
 def test_the_recurrent_states_are_the_devices_only(models):

@@ -197,7 +197,9 @@ class DeviceEngine(Engine):
         if self.arch not in ARCHITECTURES:
             raise EngineError(f"the {device.kind} device runs {', '.join(ARCHITECTURES)} models, not {self.arch}")
         self._n_past = [0] * self.n_seq
-        self._checkpoints: dict[int, tuple[int, bytes]] = {}  # a sequence's (position, state): `checkpoint_state`
+        # a sequence's checkpoint (`checkpoint_state`): its position, and its state's bytes where the device had no
+        # room for the spares (None: in its spare)
+        self._checkpoints: dict[int, tuple[int, bytes | None]] = {}
         self._in_flight: list[np.ndarray] = []  # host buffers queued copies read: kept until a synchronisation
         self._aborted: set[int] = set()
         self.hybrid = self.arch in HYBRID
@@ -444,6 +446,7 @@ class DeviceEngine(Engine):
             raise EngineError(f"keep {n} of sequence {seq}, which holds {self._n_past[seq]} positions")
         if n == 0:
             self._state.clear(seq)
+            self._checkpoints.pop(seq, None)
         elif n < self._n_past[seq]:
             self._state.cut(seq)  # the state cannot be cut back
         self._n_past[seq] = n
@@ -463,6 +466,7 @@ class DeviceEngine(Engine):
         for block in (False, True) if self.mtp else (False,):  # the MTP block's rows too: its history
             for (from_, size), (to, _) in zip(self._runs(src, 0, n, block), self._runs(dst, 0, n, block), strict=True):
                 self.device.copy(to, from_, size)
+        self._checkpoints.pop(dst, None)  # its checkpoint was of another history
         if self.mtp:
             self._history.copy_prefix(src, dst, n)
             self._set_history(dst, int(self._mtp_from[src]), int(self._mtp_filled[src]))
@@ -485,15 +489,25 @@ class DeviceEngine(Engine):
         self._checkpoints.pop(seq, None)
 
     def checkpoint_state(self, seq: int = 0) -> None:
-        """`Engine.checkpoint_state`, as a copy of the state on the device kept here (the device's state is in
-        place: no cheaper way yet)."""
-        self._checkpoints[seq] = (self.seq_n_past(seq), self._state.save(seq))
+        """`Engine.checkpoint_state`: a copy of the sequence's state into its spare on the device (where the device
+        has no room for the spares, its bytes through the host)."""
+        n = self.seq_n_past(seq)
+        if not self._state.valid[seq]:
+            raise EngineError(f"sequence {seq}: its recurrent state was cut back; no checkpoint")
+        try:
+            self._state.checkpoint(seq)
+            self._checkpoints[seq] = (n, None)
+        except DeviceError:
+            self._checkpoints[seq] = (n, self._state.save(seq))
 
     def restore_state(self, seq: int = 0) -> None:
-        at, data = self._checkpoints.pop(seq, (-1, b""))
+        at, data = self._checkpoints.pop(seq, (-1, None))
         if at != self.seq_n_past(seq):
             raise EngineError(f"sequence {seq} holds {self._n_past[seq]} positions: no checkpoint of its state there")
-        self._state.load(seq, data)
+        if data is None:
+            self._state.restore(seq)
+        else:
+            self._state.load(seq, data)
 
     def _runs(self, seq: int, first: int, n: int, block: bool = False) -> list[tuple[Any, int]]:
         """The device's bytes of positions [first, first + n) of `seq` in `export_kv`'s order (kv_rows.c's layout:
@@ -540,6 +554,7 @@ class DeviceEngine(Engine):
         self.device.sync()  # the caller's buffer is read by now
         if n:
             self._state.cut(seq)  # the rows came without a state: load_state
+            self._checkpoints.pop(seq, None)
         self._n_past[seq] = first + n
         if self.mtp_window and n:  # imported rows are not the window's history: it starts after them
             self._set_history(seq, first + n, first + n)

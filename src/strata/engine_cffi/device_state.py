@@ -24,10 +24,11 @@ class RecurrentState:
     `floats` 0 for a model without recurrent layers, whose every prefix stays valid."""
 
     def __init__(self, device: Device, n_seq: int, floats: int) -> None:
-        self.device, self.floats = device, floats
+        self.device, self.n_seq, self.floats = device, n_seq, floats
         self.base = device.alloc(max(4 * n_seq * floats, 1))
         device.memset(self.base, 0, max(4 * n_seq * floats, 1))
         self.valid = [True] * n_seq
+        self.spare: Any = None  # a slot's spare each, for `checkpoint` (allocated at the first)
 
     def at(self, seq: int, offset: int = 0) -> Any:
         """A device pointer to value `offset` of slot `seq`."""
@@ -67,6 +68,24 @@ class RecurrentState:
             self.device.upload(self.at(seq), np.frombuffer(data, np.float32))
             self.device.sync()  # the caller's bytes are read by now
         self.valid[seq] = True
+
+    def checkpoint(self, seq: int) -> None:
+        """Slot `seq`'s state kept in its spare for `restore`: a copy on the device, queued before the step that
+        changes the slot. The spares are allocated at the first (DeviceError where the device has no room)."""
+        if not self.floats:
+            return
+        if self.spare is None:
+            self.spare = self.device.alloc(4 * self.n_seq * self.floats)
+        self.device.copy(self._spare_at(seq), self.at(seq), 4 * self.floats)
+
+    def restore(self, seq: int) -> None:
+        """Slot `seq` = its spare (a copy on the device), valid."""
+        if self.floats:
+            self.device.copy(self.at(seq), self._spare_at(seq), 4 * self.floats)
+        self.valid[seq] = True
+
+    def _spare_at(self, seq: int) -> Any:
+        return self.device.ffi.cast("float *", self.spare) + seq * self.floats
 
     def copy(self, src: int, dst: int) -> None:
         """Slot `dst` = slot `src` (a copy on the device), and its validity."""
