@@ -768,13 +768,15 @@ class DeviceEngine(Engine):
             pairs += [(s, p) for p in range(int(self._mtp_filled[s]), last)]
             self._mtp_filled[s] = max(last, int(self._mtp_filled[s]))
         if pairs:
-            self._fill_pairs(pairs, at, ids, rope, rows, embd_of, hidden)
+            self._fill_pairs(pairs, (at, ids, rope, rows, embd_of, hidden))
 
-    def _fill_pairs(self, pairs: list[tuple[int, int]], at: dict[tuple[int, int], int], ids: np.ndarray,
-                    rope: np.ndarray, rows: np.ndarray, embd_of: np.ndarray, hidden: np.ndarray) -> None:
+    def _fill_pairs(self, pairs: list[tuple[int, int]], chunk: tuple[Any, ...] | None = None) -> None:
         """The block over `pairs` (sequence, position p: the hidden state at p, the token at p + 1), each from the
-        chunk where `at` has its position (the chunk's index), else from the held history (zeros and p's RoPE
-        position for a hidden state not held, after an import), n_batch at a time."""
+        chunk (at, ids, rope, rows, embd_of, hidden: `at` maps a position to its index there) where it has that
+        position, else from the held history (zeros and p's RoPE position for a hidden state not held, after an
+        import), n_batch at a time."""
+        at, ids, rope, rows, embd_of, hidden = chunk or ({}, None, None, np.empty((0, self.n_embd), np.float32),
+                                                         None, None)
         n = len(pairs)
         h = np.zeros((n, self.n_embd), np.float32)
         pair_rope = np.repeat(np.array([p for _, p in pairs], np.int32)[:, None], 3, axis=1)
@@ -859,9 +861,7 @@ class DeviceEngine(Engine):
                 pairs += [(s, q) for q in range(int(self._mtp_filled[s]), upto)]
                 self._mtp_filled[s] = max(upto, int(self._mtp_filled[s]))
             if pairs:
-                none = np.zeros(0, np.int32)
-                self._fill_pairs(pairs, {}, none, np.zeros((0, 3), np.int32), np.zeros((0, self.n_embd), np.float32),
-                                 none, np.zeros((0, self.n_embd), np.float32))
+                self._fill_pairs(pairs)
         held = [(i, self._history.held(int(seq[i]), int(at[i]) - 1)) for i in range(n)]
         live = np.array([i for i, row in held if row is not None], np.int64)
         if not len(live):
