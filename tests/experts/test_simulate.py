@@ -145,8 +145,8 @@ def test_every_policy_keeps_its_capacity_and_upload_budget(policy: type[ExpertCa
 
 @pytest.mark.parametrize("policy", [LruCache, LfuCache, LrfuCache, AdaptiveLrfuCache])
 def test_the_victim_is_the_first_held_key_of_the_least_priority(policy: type[ExpertCache]) -> None:
-    """The victim search over arrays finds what min() over each held key's priority tuple finds, ties included
-    (LRU's experts last used in the same step: the lower layer, then the first in the layer's set)."""
+    """The victim search over arrays finds what min() over each held key's priority tuple and then the key itself
+    finds, ties included (LRU's experts last used in the same step: the lower layer, then the lower expert)."""
     rng = np.random.default_rng(1)
     cache = policy(4, 16, 24, uploads_per_step=None)
     checked = 0
@@ -157,8 +157,8 @@ def test_the_victim_is_the_first_held_key_of_the_least_priority(policy: type[Exp
             keys = [(layer, e) for layer in range(4) for e in cache.held[layer]
                     if not (layer == il and e in experts)]
             if keys:
-                columns = cache._priorities(np.array([k[0] for k in keys]), np.array([k[1] for k in keys]))
-                want = min(keys, key=lambda k: tuple(column[keys.index(k)] for column in columns))
+                columns = cache._priorities()
+                want = min(keys, key=lambda k: (*(column[k] for column in columns), k))
                 assert cache._victim(il, experts) == want
                 checked += 1
             cache.step(il, experts)

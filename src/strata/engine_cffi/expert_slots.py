@@ -1,5 +1,6 @@
 """The expert cache of the device backend: the routed experts held in device memory, which the policy
-(`strata.experts.AdaptiveLrfuCache`, the simulator's class itself) chooses step by step.
+(`ExpertPolicy`: the decisions of the simulator's `strata.experts.simulate.AdaptiveLrfuCache`, made in C)
+chooses step by step.
 
 Each step (a forward pass of the backend), layer by layer, the backend tells `step` the distinct experts the layer's
 tokens chose; the experts held are hits (computed on the device from their slot), the rest misses (computed by the
@@ -33,7 +34,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from strata.engine_cffi.device import Device
-from strata.experts.simulate import AdaptiveLrfuCache, Key, StepOutcome
+from strata.engine_cffi.expert_policy import ExpertPolicy
+from strata.experts.simulate import Key, StepOutcome
 
 # Uploads a step may start, over all its layers: what the link moves during a decode step of a mid-sized MoE
 # without delaying it (the policy releases the budget evenly over the layers; see strata.experts.simulate).
@@ -81,7 +83,7 @@ class ExpertSlots:
         self.expert_bytes = list(expert_bytes)
         self.slot_bytes = max(sum(sizes) for sizes in self.expert_bytes)
         self._expert_data, self._stream, self._compute = expert_data, upload_stream, compute_stream
-        self.policy = AdaptiveLrfuCache(n_layer, n_expert, capacity, uploads_per_step=uploads_per_step, prior=prior)
+        self.policy = ExpertPolicy(n_layer, n_expert, capacity, uploads_per_step=uploads_per_step, prior=prior)
         self.link_rate = link_rate
         self.counts = ExpertCounts(preloaded=len(prior))
         self._slot: dict[tuple[int, int], Any] = {}  # (layer, expert) -> its slot (a device pointer)

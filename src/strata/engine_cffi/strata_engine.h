@@ -353,3 +353,27 @@ strata_status strata_kv_export(strata_context *ctx, int seq, int first, int n, v
 strata_status strata_kv_import(strata_context *ctx, int seq, int first, int n, const void *buf);
 /* CRC-32C of n bytes, continued from crc (0 to start): the disk tier's checksum of a block. */
 uint32_t strata_crc32c(const void *data, size_t n, uint32_t crc);
+
+/* --- the expert cache's replacement policy (expert_policy.c): strata.experts.simulate.AdaptiveLrfuCache's
+ * decisions with one budget over every layer, for the GPU backend's steps */
+
+typedef struct strata_expert_policy strata_expert_policy;
+/* A cache of `capacity` experts over n_layer x n_expert, one LRFU shadow per half-life (steps), their hits
+ * decayed by half every `window` steps, another shadow followed when its hits lead by switch_z standard
+ * deviations; it starts holding `prior` (n_prior distinct keys layer * n_expert + expert, at most capacity) and
+ * following it. NULL for a bad argument or no memory. */
+strata_expert_policy *strata_expert_policy_new(int n_layer, int n_expert, int capacity, const double *half_lives,
+                                               int n_half_lives, double window, double switch_z, const int *prior,
+                                               int n_prior);
+void strata_expert_policy_free(strata_expert_policy *p);
+/* The next step begins; it may start uploads_per_step uploads over its layers (< 0: no bound). */
+void strata_expert_policy_begin_step(strata_expert_policy *p, double uploads_per_step);
+/* The step needs experts[0..n) (any order, repeats allowed) in `layer`: hits and misses (ascending), the misses
+ * uploaded (in the order admitted) and the keys they evicted, each array room for n_expert; counts gets the four
+ * lengths. INVALID_ARG for a layer or an expert out of range. */
+strata_status strata_expert_policy_step(strata_expert_policy *p, int layer, const int *experts, int n,
+                                        int *hits, int *misses, int *uploads, int *evictions, int *counts);
+/* The shadow followed (0 .. n_half_lives - 1), n_half_lives while the prior is. */
+int strata_expert_policy_chosen(const strata_expert_policy *p);
+/* The keys held, ascending, into keys (room for n_layer x n_expert); returns how many. */
+int strata_expert_policy_held(const strata_expert_policy *p, int *keys);

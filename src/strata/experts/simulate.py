@@ -15,8 +15,9 @@ frequent experts of another trace), `LrfuCache` (each expert's uses decay by hal
 scoring recency and frequency at once, and a miss is admitted only when its score beats the score of the expert
 it would evict, so a one-off choice cannot push out an expert in steady use), and ours, `AdaptiveLrfuCache`: LRFU
 with the half-life of the shadow LRFU cache that has hit most lately, by a clear lead, optionally starting from a
-prior placement that a static shadow keeps in the running. The CUDA backend runs these classes as they are;
-`replay` measures them here.
+prior placement that a static shadow keeps in the running. The CUDA backend makes `AdaptiveLrfuCache`'s decisions
+in C (`strata.engine_cffi.expert_policy`, held to this class step by step by its tests); `replay` measures them
+here.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ class StepOutcome:
 
 class ExpertCache:
     """The experts a cache of `capacity` holds and the bookkeeping every policy shares; a subclass says which
-    expert to evict (`_priorities`: the lowest goes first) and which misses to admit.
+    expert to evict (`_priorities`: the lowest goes first, ties to the lower layer, then the lower expert) and which
+    misses to admit.
 
     Args:
         n_layer, n_expert: the model's MoE layers and experts per layer.
@@ -62,6 +64,7 @@ class ExpertCache:
         self.n_layer, self.n_expert, self.capacity, self.per_layer = n_layer, n_expert, capacity, per_layer
         self.uploads_per_step = uploads_per_step
         self.held: list[set[int]] = [set() for _ in range(n_layer)]
+        self._held = np.zeros((n_layer, n_expert), bool)  # `held` as a mask, which `_victim` reads
         self.now = -1  # the current step
         self._uploaded = 0  # by the current step so far
         self._credit = 0.0  # uploads the step may start in all, once every layer's share is released
@@ -96,9 +99,9 @@ class ExpertCache:
                 victim = self._victim(layer, protect=needed)
                 if victim is None or not self._admit((layer, e), victim):
                     continue
-                self.held[victim[0]].discard(victim[1])
+                self._release(*victim)
                 evictions.append(victim)
-            held.add(e)
+            self._hold(layer, e)
             uploads.append(e)
         self._uploaded += len(uploads)
         return StepOutcome(hits, misses, tuple(uploads), tuple(evictions))
@@ -114,23 +117,27 @@ class ExpertCache:
     def _full(self, layer: int) -> bool:
         return (len(self.held[layer]) if self.per_layer else self.size()) >= self.capacity
 
+    def _hold(self, layer: int, expert: int) -> None:
+        self.held[layer].add(expert)
+        self._held[layer, expert] = True
+
+    def _release(self, layer: int, expert: int) -> None:
+        self.held[layer].discard(expert)
+        self._held[layer, expert] = False
+
     def _victim(self, layer: int, protect: Sequence[int]) -> Key | None:
-        """The held expert to evict (the lowest priority), not one of `protect` in `layer` (the step computes with
-        those); None when there is none."""
-        layers = [layer] if self.per_layer else list(range(self.n_layer))
-        # the held keys layer by layer, each layer's in its set's order; the first of the least priority in that
-        # order, as min() over their priority tuples finds it, the tuples compared a column at a time over arrays
-        # (a cache holds thousands of experts)
-        parts = [np.fromiter(self.held[il], np.int64, len(self.held[il])) if il != layer else
-                 np.array([e for e in self.held[il] if e not in protect], np.int64) for il in layers]
-        at_layer, experts = np.repeat(np.array(layers, np.int64), [len(p) for p in parts]), np.concatenate(parts)
-        if not len(experts):
+        """The held expert to evict: the lowest priority, ties to the lower layer, then the lower expert; not one
+        of `protect` in `layer` (the step computes with those); None when there is none."""
+        rows = slice(layer, layer + 1) if self.per_layer else slice(None)
+        candidates = self._held[rows].copy()
+        candidates[layer - (rows.start or 0), list(protect)] = False
+        if not candidates.any():
             return None
-        candidates = np.arange(len(experts))
-        for column in self._priorities(at_layer, experts):
-            values = column[candidates]
-            candidates = candidates[values == values.min()]
-        return int(at_layer[candidates[0]]), int(experts[candidates[0]])
+        for column in self._priorities():
+            values = column[rows]
+            candidates &= values == values[candidates].min()
+        at = int(np.argmax(candidates))  # the first in row-major order
+        return (rows.start or 0) + at // self.n_expert, at % self.n_expert
 
     def _touch(self, layer: int, expert: int) -> None:
         """The step uses the expert (held or not)."""
@@ -148,8 +155,9 @@ class ExpertCache:
         """Whether the miss `key` may take the place of `victim`."""
         return True
 
-    def _priorities(self, layers: np.ndarray, experts: np.ndarray) -> tuple[np.ndarray, ...]:
-        """The eviction priority of each (layer, expert): columns of a tuple compared in order, the lowest first."""
+    def _priorities(self) -> tuple[np.ndarray, ...]:
+        """The eviction priority of every (layer, expert): arrays of shape (n_layer, n_expert), columns of a tuple
+        compared in order, the lowest first."""
         raise NotImplementedError
 
 
@@ -164,8 +172,8 @@ class LruCache(ExpertCache):
     def _touch(self, layer: int, expert: int) -> None:
         self._last[layer, expert] = self.now
 
-    def _priorities(self, layers: np.ndarray, experts: np.ndarray) -> tuple[np.ndarray, ...]:
-        return (self._last[layers, experts], layers)
+    def _priorities(self) -> tuple[np.ndarray, ...]:
+        return (self._last,)
 
 
 class LfuCache(ExpertCache):
@@ -182,8 +190,8 @@ class LfuCache(ExpertCache):
         self._count[layer, expert] += 1
         self._last[layer, expert] = self.now
 
-    def _priorities(self, layers: np.ndarray, experts: np.ndarray) -> tuple[np.ndarray, ...]:
-        return (self._count[layers, experts], self._last[layers, experts], layers)
+    def _priorities(self) -> tuple[np.ndarray, ...]:
+        return (self._count, self._last)
 
 
 class StaticCache(ExpertCache):
@@ -193,10 +201,10 @@ class StaticCache(ExpertCache):
         keys = sorted(set(placement))
         super().__init__(n_layer, n_expert, len(keys), uploads_per_step=0)
         for layer, e in keys:
-            self.held[layer].add(e)
+            self._hold(layer, e)
 
-    def _priorities(self, layers: np.ndarray, experts: np.ndarray) -> tuple[np.ndarray, ...]:
-        return (np.zeros(len(layers)),)
+    def _priorities(self) -> tuple[np.ndarray, ...]:
+        return (np.zeros((self.n_layer, self.n_expert)),)
 
 
 class LrfuCache(ExpertCache):
@@ -232,8 +240,8 @@ class LrfuCache(ExpertCache):
     def _admit(self, key: Key, victim: Key) -> bool:
         return bool(self.scores[key] > self.scores[victim])
 
-    def _priorities(self, layers: np.ndarray, experts: np.ndarray) -> tuple[np.ndarray, ...]:
-        return (self.scores[layers, experts], layers)
+    def _priorities(self) -> tuple[np.ndarray, ...]:
+        return (self.scores,)
 
 
 class AdaptiveLrfuCache(ExpertCache):
@@ -267,10 +275,11 @@ class AdaptiveLrfuCache(ExpertCache):
         self._has_prior = self.prior.size() > 0  # a static placement: it never changes
         if max(len(h) for h in self.prior.held) > capacity if per_layer else self.prior.size() > capacity:
             raise ValueError(f"a prior of {self.prior.size()} experts does not fit a capacity of {capacity}")
-        self._in_prior = np.zeros((n_layer, n_expert), bool)
+        self._in_prior = np.zeros((n_layer, n_expert))  # 1.0 for the prior's experts
         for layer, held in enumerate(self.prior.held):
-            self._in_prior[layer, sorted(held)] = True
-            self.held[layer] |= held
+            for e in sorted(held):
+                self._in_prior[layer, e] = 1.0
+                self._hold(layer, e)
         self.switch_z = switch_z
         self.merit = np.zeros(len(half_lives) + 1)  # each shadow's hits, decayed; the prior's last
         self._keep = 2.0 ** (-1.0 / window)
@@ -315,10 +324,10 @@ class AdaptiveLrfuCache(ExpertCache):
     def _admit(self, key: Key, victim: Key) -> bool:
         return self._score(key) > self._score(victim)
 
-    def _priorities(self, layers: np.ndarray, experts: np.ndarray) -> tuple[np.ndarray, ...]:
+    def _priorities(self) -> tuple[np.ndarray, ...]:
         if self.following_prior:
-            return (self._in_prior[layers, experts].astype(np.float64), self._longest.scores[layers, experts], layers)
-        return (self.shadows[self.chosen].scores[layers, experts], np.zeros(len(layers)), layers)
+            return (self._in_prior, self._longest.scores)
+        return (self.shadows[self.chosen].scores,)
 
 
 # --- replay
