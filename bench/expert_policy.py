@@ -56,7 +56,8 @@ def main() -> None:
     steps = routing(args.layers, args.experts, args.used, args.steps)
     capacity = int(args.share * args.layers * args.experts)
     print(f"{args.layers} layers x {args.experts} experts, top-{args.used}, capacity {capacity}, {args.steps} steps\n")
-    print("| uploads a step | uploads, evictions | reference: ms a step | C: ms a step | ratio |\n|---|---|---|---|---|")
+    print("| uploads a step | uploads, evictions | reference: ms a step | C: ms a step | ratio |")
+    print("|---|---|---|---|---|")
     for budget in (float(b) for b in args.budgets.split(",")):
         times: dict[str, list[float]] = {"reference": [], "c": []}
         for _ in range(args.rounds):
