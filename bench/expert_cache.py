@@ -1,6 +1,6 @@
 """Expert cache: the VRAM cache's policies replayed on recorded routing, and a modelled decode step.
 
-    python bench/expert_cache.py [--threads 2] [--tokens 64] [--repeats 5]
+    python bench/expert_cache.py [--threads 2] [--tokens 64] [--repeats 5] [--cpu-gbs GB/s]
 
 1. Records the routing (`Engine.load(record_routing=...)`) of two models over the same prompts, one request after
    another as a server runs them (chat, code, a rename edit, arithmetic, tool calls):
@@ -309,6 +309,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=64, help="tokens a prompt of the random model")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--cpu-gbs", type=float, default=None,
+                        help="the CPU's expert throughput the step model and the upload budgets use, in GB/s, "
+                             "instead of this host's as measured (which moves with its load): tables of two "
+                             "sittings or two trees compare only at the same value")
     args = parser.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
     cost = recording_cost(args.threads, args.repeats)
@@ -316,9 +320,10 @@ def main() -> None:
           f"{cost['on']:.1f} on ({cost['on'] / cost['off'] - 1:+.1%}); CPU a token {cost['off_cpu_ms']:.3f} ms off, "
           f"{cost['on_cpu_ms']:.3f} on ({cost['on_cpu_ms'] / cost['off_cpu_ms'] - 1:+.1%}); load average "
           f"{os.getloadavg()[0]:.1f}", flush=True)
-    cpu_gbs = cpu_expert_gbs(args.threads, args.repeats)
-    print(f"CPU expert throughput (Q4_K, 1 token, best of 1-{args.threads} threads): {cpu_gbs:.1f} GB/s; modelled "
-          f"CPU-only decode step {cpu_only_ms(cpu_gbs):.1f} ms", flush=True)
+    cpu_gbs = args.cpu_gbs or cpu_expert_gbs(args.threads, args.repeats)
+    print(f"CPU expert throughput (Q4_K, 1 token, best of 1-{args.threads} threads"
+          f"{', as given' if args.cpu_gbs else ''}): {cpu_gbs:.1f} GB/s; modelled CPU-only decode step "
+          f"{cpu_only_ms(cpu_gbs):.1f} ms", flush=True)
     results: dict[str, object] = {"recording": cost, "cpu_gbs": cpu_gbs, "cpu": _cpu_name()}
     with tempfile.TemporaryDirectory() as tmp:
         work = pathlib.Path(tmp)
