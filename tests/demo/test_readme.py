@@ -24,7 +24,7 @@ def demo():
 PRINTED = [
     ["The capital of France is Paris."],
     ["A red circle in the middle."],
-    ['{"country": "Italy", "capital": "Rome"}'],
+    ['{"capital": "Rome", "country": "Italy"}'],
     ['get_weather {"city": "Paris"}'],
     [],  # the embedded service: the demo model's greeting, whatever its words
 ]

@@ -67,31 +67,6 @@ def test_a_stopped_run_resumed_gives_the_same_files(tmp_path: pathlib.Path, monk
         train.run(other, tmp_path / "b", threads=1, log=False, checkpoint_every=2, resume=True)
 
 
-def test_a_polish_goes_on_from_the_main_phase_checkpoint(tmp_path: pathlib.Path) -> None:
-    main = dataclasses.replace(train.CONFIGS["qwen35moe", True], steps=3)
-    polished = dataclasses.replace(main, polish_steps=2, polish_weights={"spelling": 1.0})
-    whole = train.run(polished, tmp_path / "a", threads=1, log=False, checkpoint_every=None)
-    first = train.run(main, tmp_path / "b", threads=1, log=False, checkpoint_every=3)
-    assert first["weights"]["demo.gguf"] != whole["weights"]["demo.gguf"]
-    resumed = train.run(polished, tmp_path / "b", threads=1, log=False, checkpoint_every=3, resume=True)
-    assert resumed["weights"] == whole["weights"]
-    assert resumed["config"]["polish_steps"] == 2
-    # a checkpoint inside the polish serves a longer polish with the same weights, and no other
-    longer = dataclasses.replace(polished, polish_steps=3)
-    whole = train.run(longer, tmp_path / "c", threads=1, log=False, checkpoint_every=None)
-    train.run(polished, tmp_path / "d", threads=1, log=False, checkpoint_every=4)
-    other = dataclasses.replace(longer, polish_weights={"no_tool": 1.0})
-    with pytest.raises(ValueError, match="another configuration"):
-        train.run(other, tmp_path / "d", threads=1, log=False, checkpoint_every=4, resume=True)
-    assert train.run(longer, tmp_path / "d", threads=1, log=False, checkpoint_every=4, resume=True)["weights"] \
-        == whole["weights"]
-
-
-def test_the_polish_runs_at_the_schedule_last_rate() -> None:
-    assert train._schedule(99, 100, 1.0, 10) == pytest.approx(0.1, rel=1e-2)  # the decay ends there
-    assert train._schedule(100, 100, 1.0, 10) == train._schedule(150, 100, 1.0, 10) == pytest.approx(0.1)
-
-
 @pytest.fixture(scope="module")
 def record() -> dict:
     return json.loads((SHIPPED / "demo.json").read_text())

@@ -48,8 +48,6 @@ BALANCE_WEIGHT = 0.01  # load-balancing loss: keeps every expert in use without 
 PROBE_WEIGHT = 0.3  # the probe's share of the loss in joint training: keeps what the encoder learnt alone
 ARCHS = ("qwen35moe", "qwen3moe")
 PROBE_STEPS = 100  # batches for the probe alone to learn to read a given encoder
-POLISH_SEED = 8  # the polish's stream draws from seeds 8..10 above the configuration's
-_POLISH_FIELDS = ("polish_steps", "polish_weights")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,11 +68,6 @@ class TrainConfig:
     encoder: str = ""  # the weights digest of the encoder file training starts from ("": the encoder's own lessons)
     probe_steps: int = 0  # batches of pictures the probe alone learns from before joint training (a given encoder)
     task_weights: dict[str, float] = dataclasses.field(default_factory=lambda: dict(data.TASK_WEIGHTS))
-    # After `steps`, a polish: `polish_steps` more batches at the schedule's last rate, from a stream of their own
-    # drawn with `polish_weights` (empty: `task_weights`). Checkpoints up to `steps` serve any polish, and one in
-    # the polish a longer one with the same weights.
-    polish_steps: int = 0
-    polish_weights: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def vision_hparams(n_proj: int, n_embd: int = 64, n_layer: int = 3, tokens: int = 64) -> VisionHParams:
@@ -106,16 +99,13 @@ _HYBRID_TEXT = dataclasses.replace(_TEXT, n_ff=0, n_ff_shexp=128, full_attention
                                    n_rot=16, rope_sections=(3, 3, 2, 0), n_nextn=1)
 HYBRID_MIX = TRAIN_MIX | {"picture": 0.15, "arithmetic": 0.14, "capital": 0.03, "weather_call": 0.04,
                           "weather_answer": 0.03, "edit": 0.08}
-# The polish after the decay: twice the spelling and the questions asked with tools that need none, the tasks whose
-# few errors the decayed model still made.
-POLISH_MIX = HYBRID_MIX | {"spelling": 0.10, "no_tool": 0.04}
 # Its encoder starts from the qwen3moe demo's (`--encoder`: the demo-mmproj.gguf of the previous model, whose
 # weights digest this is), the probe learning to read it in PROBE_STEPS batches; the joint phase as long as the
 # qwen3moe's needed to count 90% of the time.
 FULL_QWEN35MOE = TrainConfig(text=_HYBRID_TEXT, vision=vision_hparams(_TEXT.n_embd), steps=7500, batch=32, lr=3e-3,
                              warmup=200, task_weights=HYBRID_MIX,
                              encoder="sha256:26ef42f0ab7b202b545e1fcf267df599cac05a08227574424a6f99883b8215bf",
-                             probe_steps=PROBE_STEPS, polish_steps=2000, polish_weights=POLISH_MIX)
+                             probe_steps=PROBE_STEPS)
 FULL = FULL_QWEN35MOE  # the shipped model's
 # Variants small enough to train in seconds: the tests' check that training is reproducible and exports.
 _SMALL_TEXT = dataclasses.replace(_TEXT, n_layer=1, n_embd=64, n_head=2, n_head_kv=1, n_ff=192, n_expert=4,
@@ -312,11 +302,9 @@ def picture_batches(config: TrainConfig) -> Iterator[tuple[list[np.ndarray], lis
 
 
 def _schedule(step: int, steps: int, lr: float, warmup: int) -> float:
-    """Linear warm-up, then a cosine decay to a tenth at `steps`, then a tenth."""
+    """Linear warm-up, then a cosine decay to a tenth."""
     if step < warmup:
         return lr * (step + 1) / warmup
-    if step >= steps:
-        return lr * 0.1
     progress = (step - warmup) / max(1, steps - warmup)
     return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
@@ -406,23 +394,22 @@ def train(config: TrainConfig, tok: Tokenizer, log: bool = True, checkpoint: Che
     params = [*(p for name, p in text.named_parameters() if not name.startswith("mtp.")), *vision.parameters(),
               *probe.parameters()]
     opt = _optimizer(params + draft, config.lr)
-    batches, polish = batch_stream(config, tok), batch_stream(polish_config(config), tok)
+    batches = batch_stream(config, tok)
     first = 0
     if saved is not None:
-        first = saved["step"]
-        if saved["config"] != checkpoint_record(config, first):
+        if saved["config"] != config_record(config):
             raise ValueError(f"{checkpoint.path if checkpoint else ''} was saved by another configuration")
         for model, key in ((text, "text"), (vision, "vision"), (probe, "probe"), (opt, "optimizer")):
             model.load_state_dict(saved[key])
         torch.set_rng_state(saved["rng"])
-        for step in range(first):
-            next(batches if step < config.steps else polish)
+        first = saved["step"]
+        for _ in range(first):
+            next(batches)
         if log:
             print(f"resumed at step {first}", flush=True)
     start, seen, total, total_draft = time.monotonic(), 0, 0.0, 0.0
-    steps = config.steps + config.polish_steps
-    for step in range(first, steps):
-        batch = next(batches if step < config.steps else polish)
+    for step in range(first, config.steps):
+        batch = next(batches)
         lr = _schedule(step, config.steps, config.lr, config.warmup)
         for group in opt.param_groups:
             group["lr"] = lr
@@ -450,13 +437,13 @@ def train(config: TrainConfig, tok: Tokenizer, log: bool = True, checkpoint: Che
         seen += batch.tokens.numel()
         total += loss.item()
         if log and (step + 1) % 50 == 0:
-            print(f"step {step + 1}/{steps} loss {total / 50:.4f} "
+            print(f"step {step + 1}/{config.steps} loss {total / 50:.4f} "
                   + (f"draft {total_draft / 50:.4f} " if draft else "")
                   + f"probe {read.item():.3f} balance {balance.item():.3f} lr {lr:.2e} "
                   f"{seen / (time.monotonic() - start):.0f} tok/s {time.monotonic() - start:.0f}s", flush=True)
             total, total_draft = 0.0, 0.0
         if checkpoint and (step + 1) % checkpoint.every == 0:
-            save_checkpoint({"step": step + 1, "config": checkpoint_record(config, step + 1), "text": text.state_dict(),
+            save_checkpoint({"step": step + 1, "config": config_record(config), "text": text.state_dict(),
                              "vision": vision.state_dict(), "probe": probe.state_dict(),
                              "optimizer": opt.state_dict(), "rng": torch.get_rng_state()}, checkpoint.path)
     return text, vision
@@ -464,21 +451,6 @@ def train(config: TrainConfig, tok: Tokenizer, log: bool = True, checkpoint: Che
 
 def config_record(config: TrainConfig) -> dict:
     return json.loads(json.dumps(dataclasses.asdict(config)))
-
-
-def checkpoint_record(config: TrainConfig, step: int) -> dict:
-    """The configuration a checkpoint after `step` joint steps carries: up to `steps`, without the polish, which
-    has not begun; in the polish, without its length (its rate is constant: a longer polish goes on from it)."""
-    record = config_record(config)
-    for name in _POLISH_FIELDS if step <= config.steps else ("polish_steps",):
-        del record[name]
-    return record
-
-
-def polish_config(config: TrainConfig) -> TrainConfig:
-    """The configuration the polish's batches are drawn with: its own seeds and mix."""
-    return dataclasses.replace(config, seed=config.seed + POLISH_SEED,
-                               task_weights=config.polish_weights or config.task_weights)
 
 
 def run(config: TrainConfig, out: pathlib.Path, threads: int, log: bool = True,
