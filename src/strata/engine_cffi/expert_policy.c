@@ -168,20 +168,19 @@ static void touch(strata_expert_policy *p, int s, int layer, const int *needed, 
 
 /* One cache's step in `layer` over the sorted distinct `needed`: its hits counted, its misses considered for
  * upload best-scored first within the budget, each evicting the least-priority expert when the cache is full
- * and admitted only when it outscores it. Returns the hits; fills the misses, uploads and evictions where asked. */
-static int cache_step(strata_expert_policy *p, ranking r, int layer, const int *needed, int n, int *out_misses,
-                      int *n_misses, int *out_uploads, int *n_uploads, int *out_evictions, int *n_evictions) {
+ * and admitted only when it outscores it. Returns the hits. With `out` (the main cache's step), fills its hits,
+ * misses, uploads and evicted keys, and their lengths in counts. */
+static int cache_step(strata_expert_policy *p, ranking r, int layer, const int *needed, int n, int *const *out,
+                      int *counts) {
     cache *c = cache_of(p, r);
     int base = layer * p->n_expert, hits = 0, m = 0;
     for (int i = 0; i < n; i++) {
-        if (c->held[base + needed[i]]) hits++;
-        else p->misses[m++] = needed[i];
+        if (!c->held[base + needed[i]]) p->misses[m++] = needed[i];
+        else if (out) out[0][hits++] = needed[i];
+        else hits++;
     }
     if (r.shadow >= 0) touch(p, r.shadow, layer, needed, n);
-    if (out_misses) {
-        memcpy(out_misses, p->misses, (size_t)m * sizeof(int));
-        *n_misses = m;
-    }
+    if (out) memcpy(out[1], p->misses, (size_t)m * sizeof(int));
     int up = 0, ev = 0;
     if (m) {
         /* best-scored first, a stable sort: equal scores keep the lower expert first */
@@ -201,17 +200,21 @@ static int cache_step(strata_expert_policy *p, ranking r, int layer, const int *
                 int v = victim(p, r, layer);
                 if (v < 0 || compare_scores(r, key, v) <= 0) continue;
                 release(p, r, v);
-                if (out_evictions) out_evictions[ev] = v;
+                if (out) out[3][ev] = v;
                 ev++;
             }
             hold(p, r, key);
-            if (out_uploads) out_uploads[up] = order[i];
+            if (out) out[2][up] = order[i];
             up++;
         }
     }
     c->uploaded += up;
-    if (n_uploads) *n_uploads = up;
-    if (n_evictions) *n_evictions = ev;
+    if (out) {
+        counts[0] = hits;
+        counts[1] = m;
+        counts[2] = up;
+        counts[3] = ev;
+    }
     return hits;
 }
 
@@ -330,22 +333,14 @@ strata_status strata_expert_policy_step(strata_expert_policy *p, int layer, cons
     for (int e = 0; e < p->n_expert; e++)
         if (p->protect[e]) p->needed[m++] = e;
     for (int s = 0; s < p->n_shadow; s++)
-        p->merit[s] += cache_step(p, (ranking){p, s}, layer, p->needed, m, NULL, NULL, NULL, NULL, NULL, NULL);
+        p->merit[s] += cache_step(p, (ranking){p, s}, layer, p->needed, m, NULL, NULL);
     if (p->has_prior) {
         int prior_hits = 0;
         for (int i = 0; i < m; i++) prior_hits += p->prior[base + p->needed[i]];
         p->merit[p->n_shadow] += prior_hits;
     }
-    int n_hits = 0;
-    for (int i = 0; i < m; i++)
-        if (p->main.held[base + p->needed[i]]) hits[n_hits++] = p->needed[i];
-    int n_misses, n_uploads, n_evictions;
-    cache_step(p, (ranking){p, -1}, layer, p->needed, m, misses, &n_misses, uploads, &n_uploads, evictions,
-               &n_evictions);
-    counts[0] = n_hits;
-    counts[1] = n_misses;
-    counts[2] = n_uploads;
-    counts[3] = n_evictions;
+    int *const out[4] = {hits, misses, uploads, evictions};
+    cache_step(p, (ranking){p, -1}, layer, p->needed, m, out, counts);
     return STRATA_OK;
 }
 
