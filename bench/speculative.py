@@ -22,6 +22,10 @@
   `--demo-model` names the `qwen35moe` demo), prompt lookup (always max_draft tokens, and adaptive); decode
   tokens/s over all the requests, the drafts' acceptance rate, the answers compared; and the same on its other
   text tasks (short answers: sums, capitals, spelling, greetings, tool calls).
+- overhead: the demo model on one engine with its MTP block, in process, each decode step of the batcher timed
+  outside the engine's calls (the scheduler's Python, speculation's included) and inside them, per mode (off,
+  the default, lookup adaptive): its 16 other text tasks (short greedy answers) and a sampled free chat; the
+  medians of `--repeat` rounds.
 - demo-http: the demo's own requests (16 edits, 16 other short ones) one after another through a server with
   speculation off and one with the default ("auto"), taking turns: the seconds of each trace's requests, whole
   (prompts, answers and the HTTP stack; the fastest of three rounds after one to warm up, the median over
@@ -435,6 +439,79 @@ def demo_traces(model: pathlib.Path, threads: int, repeat: int, n: int = 16
     return medians(results), acceptance
 
 
+OVERHEAD_MODES = {"off": SpeculativeConfig(source="off"), "auto": SpeculativeConfig(),
+                  "lookup adaptive": SpeculativeConfig(source="lookup")}
+
+
+def overhead_traces(threads: int, repeat: int) -> dict[str, dict[str, tuple[float, float, float]]]:
+    """Per decode step of the demo model, the stepping thread's microseconds outside the engine's calls (the
+    scheduler's and speculation's Python) and inside them, and the tokens a step gives, of each mode on one engine
+    with the MTP block: the demo's 16 other text tasks (greedy) and a sampled free chat (4 answers of 256 tokens,
+    end of turn banned); medians of `repeat` rounds, the modes taking turns."""
+    from strata.models import DEMO_MODEL
+    from strata.text.prompt import render_chat
+    from strata.text.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf(DEMO_MODEL)
+    assert tok.chat_template is not None
+    stop = set(tok.eos_ids)
+    chat = tok.encode(render_chat(tok.chat_template, [{"role": "user", "content": "Tell me about your day, and what "
+                                                       "you like to do on a long weekend."}], enable_thinking=False))
+    sampled = SamplingParams(temperature=1.0, seed=5, logit_bias=tuple((t, -100.0) for t in stop))
+    traces = {"other text tasks": (demo_prompts(DEMO_MODEL, ("arithmetic", "capital", "spelling", "greeting",
+                                                             "weather_call", "add_answer"), 16), GREEDY),
+              "free chat, sampled": ([chat] * 4, sampled)}
+    results: dict[str, dict[str, list[tuple[float, float, float]]]] = {}
+    with Engine.load(DEMO_MODEL, n_ctx=1024, threads=threads, mtp=True, mtp_window=MTP_WINDOW) as engine:
+        inside = [0.0]
+        evaluate = engine.eval_batch
+
+        def timed(items: list[BatchItem], notify_fd: int = -1) -> list[np.ndarray]:
+            started = time.perf_counter()
+            try:
+                return evaluate(items, notify_fd=notify_fd)
+            finally:
+                inside[0] += time.perf_counter() - started
+
+        engine.eval_batch = timed  # type: ignore[method-assign]
+        for _ in range(repeat):
+            for mode, config in OVERHEAD_MODES.items():
+                batcher = Batcher(engine)
+                for trace, (prompts, params) in traces.items():
+                    steps = tokens = 0
+                    outside = within = 0.0
+                    for prompt in prompts:
+                        job = Job(prompt, Sampler(params, engine.n_vocab), 256, stop)
+                        batcher.add(job)
+                        while not job.decoding:
+                            batcher.step()
+                        job.speculation = speculation(config, mtp=engine)
+                        first = len(job.tokens)
+                        while batcher.jobs:
+                            inside[0] = 0.0
+                            started = time.perf_counter()
+                            batcher.step()
+                            outside += time.perf_counter() - started - inside[0]
+                            within += inside[0]
+                            steps += 1
+                        tokens += len(job.tokens) - first
+                        for seq in range(engine.n_seq):
+                            engine.keep(0, seq)
+                    results.setdefault(trace, {}).setdefault(mode, []).append(
+                        (outside / steps * 1e6, within / steps * 1e6, tokens / steps))
+    return {trace: {mode: tuple(statistics.median(run[i] for run in runs) for i in range(3))  # type: ignore[misc]
+                    for mode, runs in modes.items()} for trace, modes in results.items()}
+
+
+def overhead_table(results: dict[str, dict[str, tuple[float, float, float]]]) -> str:
+    lines = ["| demo model, per decode step: µs outside the engine (inside), tokens | " + " | ".join(OVERHEAD_MODES)
+             + " |", "|---|" + "---|" * len(OVERHEAD_MODES)]
+    for trace, modes in results.items():
+        lines.append(f"| {trace} | " + " | ".join(f"{out:.1f} ({inside:.1f}), {tokens:.2f}"
+                                                  for out, inside, tokens in modes.values()) + " |")
+    return "\n".join(lines)
+
+
 # --- http: the demo model through the API
 
 
@@ -605,7 +682,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=256, help="tokens each answer generates")
     parser.add_argument("--parts", default="steps,engine,http",
-                        help="of steps, engine, http, mtp, demo, demo-http, rollback")
+                        help="of steps, engine, http, mtp, demo, demo-http, rollback, overhead")
     parser.add_argument("--mtp-window", type=int, default=MTP_WINDOW,
                         help="the MTP block's window (`speculative.mtp_window`; 0: the whole history)")
     parser.add_argument("--demo-model", type=pathlib.Path, help="demo: another demo model file than the shipped one")
@@ -658,6 +735,8 @@ def main() -> None:
         for trace, modes in acceptance.items():
             print(f"acceptance, {trace}: " + ", ".join(f"{mode} {rate:.3f}" for mode, rate in modes.items()),
                   flush=True)
+    if "overhead" in parts:
+        print(overhead_table(overhead_traces(args.threads, args.repeat)), flush=True)
     if "http" in parts:
         print(table("demo model, HTTP API", http_traces(args.repeat, args.threads, args.tokens)), flush=True)
     if "rollback" in parts:

@@ -370,6 +370,28 @@ def test_the_step_budget_measures_what_drafts_cost_against_the_plain_step() -> N
     assert budget.draft_costs() == VerifyCost(pytest.approx(0.0015), pytest.approx(0.0005))
 
 
+def test_a_full_window_of_verifications_is_fitted_again_every_few() -> None:
+    """A fit costs a fifth of a tiny model's step and every step asks for it: while the window of verifications is
+    filling each one is fitted at once, and then every `REFIT_EVERY` verifications."""
+    budget = StepBudget(1.6, clock=lambda: 0.0)
+    budget.record(1, 0, 0.010)
+    fits = []
+    for drafts in range(1, StepBudget.WINDOW + 1):  # the window fills: a new fit each time
+        budget.record(1, 0, 0.010 + 0.001 * drafts, drafts=drafts)
+        fits.append(budget.draft_costs())
+    assert len({id(costs) for costs in fits}) == StepBudget.WINDOW
+    assert fits[-1] == VerifyCost(pytest.approx(0.0), pytest.approx(0.001))
+    kept = 0
+    while True:  # the window full: the last fit serves until REFIT_EVERY verifications more have come
+        budget.record(1, 0, 0.010 + 0.003 * 4, drafts=4)  # drafts now three times as dear
+        costs = budget.draft_costs()
+        if costs is not fits[-1]:
+            break
+        kept += 1
+    assert 0 < kept < StepBudget.REFIT_EVERY
+    assert costs is not None and costs.seconds(4) > fits[-1].seconds(4)
+
+
 def test_measured_draft_costs_are_forgotten_after_some_steps() -> None:
     """One verification timed while another process took the caches prices drafts out; since no job then drafts,
     nothing would measure them again. After `VERIFY_MEMORY` steps the costs are unmeasured again, and a job whose

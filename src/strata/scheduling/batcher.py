@@ -247,6 +247,7 @@ class StepBudget:
     # stop every draft, so no step would measure them again; forgotten, they leave jobs to draft a token and
     # measure anew.
     VERIFY_MEMORY = 64
+    REFIT_EVERY = 3  # verifications in a full window between two fits of their cost (`draft_costs`)
 
     def __init__(self, slowdown: float, clock: Callable[[], float] = time.process_time, refresh: int | None = 32,
                  routing: tuple[int, int, int] | None = None):
@@ -264,8 +265,10 @@ class StepBudget:
         self._guess, self._block_token = _RecentMedian(self.WINDOW), _RecentMedian(self.WINDOW)
         self._steps = 0  # steps recorded
         self._verifies = 0  # steps with drafts since the last decode-only one
-        # draft_costs' answer and what it was fitted on: the verifications it counted and the reference's version
-        self._costs: tuple[tuple[tuple[int, ...], int], VerifyCost | None] | None = None
+        self._verify_count = 0  # steps with drafts recorded
+        # draft_costs' answer and what it was fitted on: the verifications it counted, the refit's count and the
+        # reference's version
+        self._costs: tuple[tuple[int, int, int], VerifyCost | None] | None = None
         self._reference = 0  # bumped where a decode-only step re-measures the reference after drafts, or first
 
     def decode_seconds(self, n: int) -> float | None:
@@ -284,13 +287,18 @@ class StepBudget:
         """What drafts add to a step of decoding jobs (speculative decoding), measured against the decode-only
         step as it is now: `VerifyCost.fit` through the recent steps' added seconds against their draft tokens,
         with the model's routing shape where it has experts, over those of the last `VERIFY_MEMORY` steps; None
-        without any. Fitted again only when a verification comes or goes, or the reference is re-measured after
-        drafts: every decoding job's draft length asks for it every step, and a fit costs about a tiny model's
-        step, while the reference's drift between two re-measurements moves it by noise."""
-        recent = self._steps - self.VERIFY_MEMORY
-        key = (tuple(at for *_, at in self._verify_steps if at > recent), self._reference)
+        without any. Fitted again only when the steps it counts change in number (a verification comes, or one
+        leaves the memory), every `REFIT_EVERY` verifications in a full window, and where the reference is
+        re-measured after drafts: every decoding job's draft length asks for it every step, and a fit costs a fifth
+        of a tiny model's step (10-20 µs of Python), while the reference's drift between two re-measurements and
+        one step's timing move it by noise."""
+        steps, recent = self._verify_steps, self._steps - self.VERIFY_MEMORY
+        expired = 0  # the steps are in order: those too old to count come first
+        while expired < len(steps) and steps[expired][3] <= recent:
+            expired += 1
+        key = (len(steps) - expired, self._verify_count // self.REFIT_EVERY, self._reference)
         if self._costs is None or self._costs[0] != key:
-            points = [(n, drafts, max(seconds - step, 0.0)) for n, drafts, seconds, at in self._verify_steps
+            points = [(n, drafts, max(seconds - step, 0.0)) for n, drafts, seconds, at in steps
                       if at > recent and (step := self.decode_seconds(n)) is not None]
             self._costs = (key, VerifyCost.fit(points, self.routing) if points else None)
         return self._costs[1]
@@ -346,6 +354,7 @@ class StepBudget:
         self._steps += 1
         if drafts and not prompt:
             self._verify_steps.append((n, drafts, seconds, self._steps))
+            self._verify_count += 1
             self._verifies += 1
             return
         if not prompt:
@@ -762,9 +771,10 @@ class Batcher:
         speculation = job.speculation
         if speculation is None or prices is None:
             return 0
+        # (a source not proven right drafts nothing whatever the block costs: its check is skipped)
         length = speculation.choose(prices.n_decoding, prices.step, prices.drafts, recurrent=self.snapshots is not None,
-                                    guess_s=prices.guess, block_s=prices.block if prices.block and
-                                    speculation.from_block(job.history, job.n_prompt) else 0.0)
+                                    guess_s=prices.guess, block_s=prices.block if prices.block and speculation.proven
+                                    and speculation.from_block(job.history, job.n_prompt) else 0.0)
         if self.snapshots is not None and len(tokens) > 1:
             # Invariant: tokens a recurrent engine's rollback took back are evaluated again without a draft, so this
             # step keeps them: a draft rejected with them would take them back again, every step, while the step
@@ -793,6 +803,8 @@ class Batcher:
         if speculation is None:
             return []
         draft = speculation.draft(job.history, job.n_prompt, max(room, 0), job.seq)[:max(room, 0)]
+        if not draft and not speculation.guessing:
+            return draft  # nothing to verify, roll back or judge
         checkpoint = bool(draft) and self.snapshots is not None
         if checkpoint:
             self.engine.checkpoint_state(job.seq)

@@ -89,8 +89,13 @@ class NgramIndex:
         m = self.min_ngram
         start = max(self._indexed, m)
         stop = min(len(tokens) + 1, start + self.CHUNK)
-        for end in range(start, stop):
-            self._after.setdefault(tuple(tokens[end - m:end]), []).append(end)
+        after = self._after
+        if stop == start + 1:  # a decoding step's one token
+            after.setdefault(tuple(tokens[start - m:start]), []).append(start)
+        else:  # a prompt: its n-grams as tuples zip builds (a slice and a tuple a position cost 1.5 times as much)
+            ngrams = zip(*(tokens[start - m + i:stop - m + i] for i in range(m)), strict=True)
+            for end, ngram in enumerate(ngrams, start):
+                after.setdefault(ngram, []).append(end)
         self._indexed = max(self._indexed, stop)
 
     def match(self, corpus: Sequence[int], tail: Sequence[int], before: int | None = None) -> tuple[int, int]:
@@ -437,6 +442,16 @@ class Speculation:
         """The estimated acceptance rate of the next draft token."""
         return (self._accepted + 1.0) / (self._judged + 2.0)
 
+    @property
+    def proven(self) -> bool:
+        """The source has been right once (or is not adaptive, or is the client's prediction): it may draft."""
+        return self._proven
+
+    @property
+    def guessing(self) -> bool:
+        """The last `draft` made a shadow guess, which `judge` checks against the token drawn."""
+        return self._shadow is not None
+
     def choose(self, n_decoding: int, step_s: float | None, costs: VerifyCost | None,
                recurrent: bool = False, guess_s: float | None = None, block_s: float = 0.0) -> int:
         """The draft length that pays in a step of `n_decoding` jobs, at `step_s` seconds for their step without
@@ -535,7 +550,7 @@ class Speculation:
             if asked and drafter.own(history, n_prompt, asked):
                 return None
             drafter = drafter.fallback
-        if not asked or not isinstance(drafter, Mtp) or len(history) < 2 or drafter.repeats(history):
+        if not asked or not isinstance(drafter, Mtp) or len(history) < 2 or self._free_guess(history, n_prompt):
             return None
         return MtpAsk(drafter, seq, history, asked)
 
