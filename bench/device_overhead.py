@@ -19,7 +19,9 @@ Each case runs twice in a process of its own per source tree (`--engine LABEL=DI
 tree, e.g. a `git archive` of an earlier commit with its built engine): once plain (the step's wall time), once
 with the calls into C that run kernels or copies timed (`WORK_CALLS`: launches one by one, in lists and a layer's
 hits, copies, memsets, misses: on the host device a call returns when its work is done). The host-side overhead is
-the plain run's step time less the timed run's time inside those calls, so the wrapper's own cost does not count;
+the plain run's step time less the timed run's time inside those calls, so the wrapper's own cost does not count
+(its clocks' reads inside a call, measured on an empty call, are taken out of the calls' time: a tree that makes more
+calls for the same work is not credited with them as work);
 `CPU` is the same in the stepping thread's CPU time, which a busy machine's waits for a core do not inflate. Each
 round runs every case once, so a change in the machine's load hits all alike; the table shows medians over
 `--runs` rounds, per layer in microseconds. The logits of every step
@@ -48,21 +50,36 @@ MODELS = {
 MODELS_EXPERTS = {arch: shape["n_layer"] * shape["n_expert"] for arch, shape in MODELS.items()}
 # the calls into the device's C side that do a kernel's or a copy's work (on the host device, synchronously)
 WORK_CALLS = ("strata_dev_launch", "strata_dev_launch_list", "strata_dev_launch_experts", "strata_dev_upload",
-              "strata_dev_download", "strata_dev_memset", "strata_host_expert_ffn", "strata_host_experts_ffn")
+              "strata_dev_upload_rows", "strata_dev_upload_expert", "strata_dev_download", "strata_dev_memset",
+              "strata_host_expert_ffn", "strata_host_experts_ffn", "strata_host_layer_misses")
 
 
 class TimedLibrary:
     """The device's library with its work calls timed: their wall seconds summed in `seconds`, the calling
-    thread's CPU seconds in them in `cpu`."""
+    thread's CPU seconds in them in `cpu`, less what the timing itself adds inside a call (reading the clocks,
+    measured on an empty call at the start), so that a tree making more calls for the same work is not credited
+    with the clocks' time as the calls' work."""
+
+    CALIBRATION = 20000
 
     def __init__(self, lib: Any) -> None:
-        self._lib, self.seconds, self.cpu = lib, 0.0, 0.0
+        self._lib, self.seconds, self.cpu, self.calls = lib, 0.0, 0.0, 0
+        empty = self._timed(time.monotonic_ns)  # a C call that does next to nothing
+        for _ in range(self.CALIBRATION):
+            empty()
+        self._inflation = (self.seconds / self.calls, self.cpu / self.calls)
+        self.seconds, self.cpu, self.calls = 0.0, 0.0, 0
+
+    def work(self) -> tuple[float, float]:
+        """Seconds and CPU seconds in the work calls, the timing's own cost left out."""
+        wall, cpu = self._inflation
+        return self.seconds - self.calls * wall, self.cpu - self.calls * cpu
 
     def __getattr__(self, name: str) -> Any:
         function = getattr(self._lib, name)
-        if name not in WORK_CALLS:
-            return function
+        return self._timed(function) if name in WORK_CALLS else function
 
+    def _timed(self, function: Any) -> Any:
         def timed(*args: Any) -> Any:
             started, cpu = time.perf_counter(), time.thread_time()
             try:
@@ -70,6 +87,7 @@ class TimedLibrary:
             finally:
                 self.seconds += time.perf_counter() - started
                 self.cpu += time.thread_time() - cpu
+                self.calls += 1
         return timed
 
 
@@ -99,8 +117,9 @@ def worker(model: str, n_seq: int, steps: int, timed: bool, cached: float, mode:
         wall, cpu = time.perf_counter() - started, time.thread_time() - cpu
         counts = {k: engine.expert_counts()[k] - before[k] for k in ("hits", "misses")}
         layers = engine.n_layer
-    return {"step": wall / steps, "work": library.seconds / steps, "step_cpu": cpu / steps,
-            "work_cpu": library.cpu / steps, "layers": layers, "digest": digest.hexdigest(),
+    work, work_cpu = library.work()
+    return {"step": wall / steps, "work": work / steps, "step_cpu": cpu / steps, "work_cpu": work_cpu / steps,
+            "layers": layers, "digest": digest.hexdigest(),
             "hit_share": counts["hits"] / max(1, counts["hits"] + counts["misses"])}
 
 

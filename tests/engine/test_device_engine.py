@@ -240,8 +240,8 @@ class CountingLibrary:
 
 
 def test_a_layer_queues_its_launches_in_a_few_calls(models):
-    """No launch one by one in a step: per layer one list up to the top-k, the hits at once, the misses at once,
-    the mix; then the output's list."""
+    """No launch one by one in a step: per layer one list up to the top-k, the hits at once, the misses at once
+    and their rows uploaded at once, the mix; then the output's list."""
     with on_device(models["q8_0"], capacity=5, paced=False) as dev:
         run(dev, CALLS[:2])
         counting = dev.device.lib = CountingLibrary(dev.device.lib)
@@ -251,7 +251,7 @@ def test_a_layer_queues_its_launches_in_a_few_calls(models):
     assert calls["strata_dev_launch_list"] == 2 * layers + 1  # each layer's and its mix, the output's
     assert calls["strata_host_group_slots"] == layers
     assert 0 < calls.get("strata_dev_launch_experts", 0) <= layers  # the step had hits
-    assert 0 < calls.get("strata_host_experts_ffn", 0) <= layers  # and misses
+    assert 0 < calls.get("strata_host_layer_misses", 0) == calls.get("strata_dev_upload_rows", 0) <= layers  # misses
 
 
 def test_uploads_are_paced_by_the_link_rate_it_measured(models):

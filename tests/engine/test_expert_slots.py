@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from strata.engine_cffi.device import Device
+from strata.engine_cffi.device import Device, interface
 from strata.engine_cffi.expert_slots import MIN_UPLOADS_PER_STEP, ExpertSlots
 from strata.experts.simulate import AdaptiveLrfuCache, most_frequent, replay
 from strata.experts.trace import LayerStep, RoutingTrace, TraceInfo
@@ -19,6 +19,15 @@ SIZES = [(48, 48, 32), (16, 16, 16), (64, 32, 32)]  # per layer: a model may mix
 def expert_bytes(layer: int, expert: int, which: int) -> np.ndarray:
     """Bytes no other (layer, expert, matrix) has."""
     return np.full(SIZES[layer][which], layer * 64 + expert * 4 + which, np.uint8)
+
+
+# each layer's matrices as a file holds them, every expert's one after another, and where they lie for the device
+HOST = [[np.concatenate([expert_bytes(layer, e, which) for e in range(N_EXPERT)]) for which in range(3)]
+        for layer in range(N_LAYER)]
+_ffi = interface()[0]
+LAYERS = [_ffi.new("strata_host_layer_experts *", dict(
+    gate=_ffi.from_buffer(gate), up=_ffi.from_buffer(up), down=_ffi.from_buffer(down), gate_bytes=SIZES[layer][0],
+    up_bytes=SIZES[layer][1], down_bytes=SIZES[layer][2])) for layer, (gate, up, down) in enumerate(HOST)]
 
 
 def skewed_trace(n_steps: int, seed: int = 0) -> RoutingTrace:
@@ -36,7 +45,7 @@ def skewed_trace(n_steps: int, seed: int = 0) -> RoutingTrace:
 def test_slots_count_as_the_simulator_and_hold_each_experts_bytes():
     trace = skewed_trace(60)
     with Device("host") as dev:
-        slots = ExpertSlots(dev, N_LAYER, N_EXPERT, 7, SIZES, expert_bytes, dev.stream(), uploads_per_step=2.0)
+        slots = ExpertSlots(dev, N_LAYER, N_EXPERT, 7, SIZES, LAYERS, dev.stream(), uploads_per_step=2.0)
         for records in trace.steps():
             slots.begin_step()
             for record in records:
@@ -88,7 +97,7 @@ def test_a_hit_waits_on_the_device_for_its_upload_and_the_host_never_waits():
     with Device("host") as host:
         dev = Recording(host)
         upload_stream = host.stream()
-        slots = ExpertSlots(dev, N_LAYER, N_EXPERT, 7, SIZES, expert_bytes, upload_stream, uploads_per_step=2.0,
+        slots = ExpertSlots(dev, N_LAYER, N_EXPERT, 7, SIZES, LAYERS, upload_stream, uploads_per_step=2.0,
                             prior=most_frequent(trace, 3))
         dev.log += [("uploaded", key) for key in most_frequent(trace, 3)]
         for records in trace.steps():
@@ -133,7 +142,7 @@ def test_paced_budget_follows_the_misses_time_as_the_simulators_pace():
 
     budgets, took = [], []
     with Device("host") as dev:
-        slots = ExpertSlots(dev, N_LAYER, N_EXPERT, 7, SIZES, expert_bytes, dev.stream(), uploads_per_step=2.0,
+        slots = ExpertSlots(dev, N_LAYER, N_EXPERT, 7, SIZES, LAYERS, dev.stream(), uploads_per_step=2.0,
                             link_rate=link_rate)
         for records in trace.steps():
             slots.begin_step()
@@ -158,7 +167,7 @@ def test_a_prior_is_held_from_the_start():
     trace = skewed_trace(40, seed=2)
     prior = most_frequent(trace, 5)
     with Device("host") as dev:
-        slots = ExpertSlots(dev, N_LAYER, N_EXPERT, 7, SIZES, expert_bytes, dev.stream(), prior=prior)
+        slots = ExpertSlots(dev, N_LAYER, N_EXPERT, 7, SIZES, LAYERS, dev.stream(), prior=prior)
         dev.sync(1)
         assert slots.counts.preloaded == 5 and slots.counts.uploads == 0
         for layer, e in prior:

@@ -230,6 +230,26 @@ def test_a_layers_misses_on_a_pool_give_the_bits_of_each_expert_alone():
         _check(lib.strata_host_experts_ffn(pool, E, F, args, len(experts)))
         np.testing.assert_array_equal(got, want)
         _check(lib.strata_host_experts_ffn(pool, E, F, args, 0))
+        # the same misses named by arrays, as a layer's experts lie in a file: one after another per matrix
+        stacked = [np.concatenate([expert[which] for expert in experts]) for which in range(3)]
+        layer = ffi.new("strata_host_layer_experts *", dict(
+            gate_type=int(types[0]), up_type=int(types[1]), down_type=int(types[2]),
+            gate=ffi.from_buffer(stacked[0]), up=ffi.from_buffer(stacked[1]), down=ffi.from_buffer(stacked[2]),
+            gate_bytes=experts[0][0].nbytes, up_bytes=experts[0][1].nbytes, down_bytes=experts[0][2].nbytes))
+        order = [3, 0, 4, 1]  # expert 2 left out: its rows stay as they were
+        named = np.full((ROWS, E), np.nan, np.float32)
+        _check(lib.strata_host_layer_misses(pool, E, F, layer, len(order),
+                                            ffi.from_buffer("int[]", np.array(order, np.int32)),
+                                            ffi.from_buffer("int[]", np.array([rows[e][0] for e in order], np.int32)),
+                                            ffi.from_buffer("int[]", np.array([rows[e][1] for e in order], np.int32)),
+                                            ffi.from_buffer("float[]", x), ffi.from_buffer("float[]", named)))
+        left = slice(rows[2][0], rows[2][0] + rows[2][1])
+        assert np.isnan(named[left]).all()
+        named[left] = want[left]
+        np.testing.assert_array_equal(named, want)
+        with pytest.raises(EngineError, match="misses: a layer and -2 experts"):
+            _check(lib.strata_host_layer_misses(pool, E, F, layer, -2, ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL,
+                                                ffi.NULL))
         args[3].down_type = 99  # no such type: that expert named, and nothing run
         got[:] = np.nan
         with pytest.raises(EngineError, match="misses: expert 3 of 5: weight types 12, 12, 99, 1 rows"):
@@ -239,3 +259,19 @@ def test_a_layers_misses_on_a_pool_give_the_bits_of_each_expert_alone():
             _check(lib.strata_host_experts_ffn(pool, E, F, args, -1))
     finally:
         lib.strata_host_pool_free(pool)
+
+
+def test_runs_of_rows_upload_in_one_call(dev):
+    rows = np.arange(10 * 4, dtype=np.float32).reshape(10, 4)
+    p = dev.to_device(np.zeros((10, 4), np.float32))
+    first, count = np.array([7, 1, 4], np.int32), np.array([2, 2, 0], np.int32)
+    dev.upload_rows(p, rows, first, count)
+    got = dev.to_host(p, (10, 4), np.float32)
+    want = np.zeros((10, 4), np.float32)
+    want[1:3], want[7:9] = rows[1:3], rows[7:9]
+    np.testing.assert_array_equal(got, want)
+    with pytest.raises(DeviceError, match="not inside one allocation"):  # a run past the allocation's end
+        dev.upload_rows(p, np.zeros((12, 4), np.float32), np.array([9], np.int32), np.array([2], np.int32))
+    with pytest.raises(DeviceError, match="upload_rows: run 0 of 1: rows -1 \\+ 1"):
+        dev.upload_rows(p, rows, np.array([-1], np.int32), np.array([1], np.int32))
+

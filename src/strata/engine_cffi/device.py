@@ -101,6 +101,19 @@ class Device:
     def upload(self, dst: Any, array: np.ndarray, stream: int = 0) -> None:
         self._check(self.lib.strata_dev_upload(self._d, stream, dst, self.ffi.from_buffer(array), array.nbytes))
 
+    def upload_rows(self, dst: Any, array: np.ndarray, first: np.ndarray, count: np.ndarray, stream: int = 0) -> None:
+        """Upload runs of `array`'s rows (first[i] .. first[i] + count[i] - 1, int32) to the same rows at `dst`, in
+        one call (`strata_dev_upload_rows`)."""
+        self._check(self.lib.strata_dev_upload_rows(self._d, stream, dst, self.ffi.from_buffer(array),
+                                                     array.strides[0], len(first),
+                                                     self.ffi.from_buffer("int[]", first),
+                                                     self.ffi.from_buffer("int[]", count)))
+
+    def upload_expert(self, dst: Any, layer: Any, expert: int, stream: int = 0) -> None:
+        """Upload expert `expert` of `layer` (a `strata_host_layer_experts *`: where the layer's experts lie in host
+        memory) to `dst`: its gate, up and down one after another, in one call."""
+        self._check(self.lib.strata_dev_upload_expert(self._d, stream, dst, layer, expert))
+
     def download(self, array: np.ndarray, src: Any, stream: int = 0) -> None:
         self._check(self.lib.strata_dev_download(self._d, stream, self.ffi.from_buffer(array), src, array.nbytes))
 

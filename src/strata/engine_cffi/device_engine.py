@@ -19,8 +19,8 @@ through each layer as:
     rest token by token: the CPU engine's rule, strata_deltanet_chunked); o = gated_rms_norm(o, z); x += o Wout
     xb = rmsnorm(x); router logits = xb Wr; top-k per token -> the host (ids, weights) with xb
     each distinct expert: a hit runs gate, up, SwiGLU, down on the device over its tokens' rows (queued first); a
-    miss runs the same on the CPU's threads meanwhile (strata_host_experts_ffn, from the mapped file, the layer's
-    misses in one call) and its rows are uploaded
+    miss runs the same on the CPU's threads meanwhile (strata_host_layer_misses, from the mapped file, the layer's
+    misses in one call) and the misses' rows are uploaded in one more (strata_dev_upload_rows)
     x += the router's weights times the experts' rows (add_rows, on the device); qwen35moe: x += the shared
     expert's SwiGLU of xb times the sigmoid of xb . its gate (on the device)
 
@@ -244,6 +244,18 @@ class DeviceEngine(Engine):
                           self._tensor(f"blk.{il}.ffn_down_exps")) for il in range(self.n_layer + self.mtp)]
         expert_bytes = [(g.n_bytes // self.n_expert, u.n_bytes // self.n_expert, d.n_bytes // self.n_expert)
                         for g, u, d in self._experts[:self.n_layer]]
+        # each layer's experts where the file is mapped (a matrix's base, an expert's bytes): the misses and the
+        # uploads read them
+        self._layer_experts: list[Any] = []
+        self._mapped_alive: list[Any] = []  # the structs point into these views of the file: kept with them
+        for gate, up, down in self._experts:
+            mapped = {name: device.ffi.from_buffer(self._file.data(t))
+                      for name, t in (("gate", gate), ("up", up), ("down", down))}
+            self._mapped_alive.extend(mapped.values())
+            self._layer_experts.append(device.ffi.new("strata_host_layer_experts *", dict(
+                gate_type=gate.type, up_type=up.type, down_type=down.type, **mapped,
+                gate_bytes=gate.n_bytes // self.n_expert, up_bytes=up.n_bytes // self.n_expert,
+                down_bytes=down.n_bytes // self.n_expert)))
         every = self.n_layer * self.n_expert
         free = device.budget - device.used - 8 * every  # less a resident step's table of the slots' pointers
         slot = max(sum(sizes) for sizes in expert_bytes)
@@ -257,8 +269,9 @@ class DeviceEngine(Engine):
             held = [(il, e) for il in range(self.n_layer) for e in range(self.n_expert)]
         self._upload_stream = device.stream()
         link_rate = self._link_rate(slot) if paced and capacity else None
-        self.slots = ExpertSlots(device, self.n_layer, self.n_expert, capacity, expert_bytes, self._expert_data,
-                                 self._upload_stream, uploads_per_step, held, link_rate)
+        self.slots = ExpertSlots(device, self.n_layer, self.n_expert, capacity, expert_bytes,
+                                 self._layer_experts[:self.n_layer], self._upload_stream, uploads_per_step, held,
+                                 link_rate)
         self._pool = device.lib.strata_host_pool_create(self.threads)  # the misses' threads, the caller's included
         if self._pool == device.ffi.NULL:
             raise EngineError(f"could not start {self.threads} threads for the expert cache's misses")
@@ -428,11 +441,6 @@ class DeviceEngine(Engine):
         if self.mtp:  # pair t's row of mtp_pair: [mtp_raw row t, mtp_raw row B + t]
             self.device.upload(self._a["mtp_idx"], np.stack([np.arange(B), B + np.arange(B)], 1).astype(np.int32))
         self.device.sync()
-
-    def _expert_data(self, layer: int, expert: int, which: int) -> np.ndarray:
-        t = self._experts[layer][which]
-        size = t.n_bytes // self.n_expert
-        return self._file.data(t)[expert * size:(expert + 1) * size]
 
     # --- the positions each sequence holds and its recurrent state (the KV cache and the state are the device's)
 
@@ -947,11 +955,6 @@ class DeviceEngine(Engine):
         self._host_ptr = {name: ffi.from_buffer("int[]" if array.dtype == np.int32 else "float[]", array)
                           for name, array in self._host.items()}
         self._n_distinct = ffi.new("int *")
-        # a layer's misses: each expert's matrices where the file is mapped (a tensor's base, an expert's bytes)
-        self._miss_args = ffi.new("strata_host_expert[]", B * k)
-        self._expert_types = [tuple(int(t.type) for t in tensors) for tensors in self._experts]
-        self._expert_mapped = [[(ffi.from_buffer(self._file.data(t)), t.n_bytes // self.n_expert) for t in tensors]
-                               for tensors in self._experts]
 
     def _mix_launches(self, out: LaunchList) -> None:
         """x += sum over the token's choices of weight * its expert's row (and the shared expert's gated rows)."""
@@ -1138,41 +1141,33 @@ class DeviceEngine(Engine):
         _check(dev.lib.strata_host_group_slots(n, k, self.n_expert, ptr["ids"], ptr["xb"], E, ptr["slot_x"],
                                                ptr["slot_of"], ptr["experts"], ptr["first"], ptr["count"],
                                                self._n_distinct))
-        distinct = host["experts"][:self._n_distinct[0]].tolist()
-        hits: tuple[int, ...] = ()
-        misses = tuple(distinct)
+        experts = host["experts"][:self._n_distinct[0]]  # ascending
+        hits: Sequence[int] = ()
+        misses: Sequence[int] | np.ndarray = experts
         if trunk:
-            outcome = self.slots.step(il, distinct)
+            outcome = self.slots.step(il, experts.tolist())
             hits, misses = outcome.hits, outcome.misses
-        place = {e: i for i, e in enumerate(distinct)}
         first, count, slot_x = host["first"], host["count"], host["slot_x"]
         dev.upload(a["slot_x"], slot_x[:n * k])
-        if hits:  # queued: on a card they run while the CPU computes the misses
-            at = [place[e] for e in hits]
+        if len(hits):  # queued: on a card they run while the CPU computes the misses
+            at = np.searchsorted(experts, hits)
             dev.launch_experts(self._hit_args[il], [self.slots.slot(il, e) for e in hits], first[at], count[at])
-        if misses:  # on the CPU's threads, from the mapped file, into miss_y at the slots' rows
+        if len(misses):  # on the CPU's threads, from the mapped file, into miss_y at the slots' rows
+            at = np.searchsorted(experts, misses)
+            miss_first, miss_count = first[at], count[at]
             started = time.perf_counter()
-            self._misses(il, [(e, int(first[place[e]]), int(count[place[e]])) for e in misses])
+            _check(dev.lib.strata_host_layer_misses(self._pool, E, self.n_ff, self._layer_experts[il], len(at),
+                                                    dev.ffi.from_buffer("int[]", experts[at]),
+                                                    dev.ffi.from_buffer("int[]", miss_first),
+                                                    dev.ffi.from_buffer("int[]", miss_count), ptr["slot_x"],
+                                                    ptr["miss_y"]))
             if trunk:
                 self.slots.misses_took(time.perf_counter() - started)
-            for e in misses:
-                s0, rows = int(first[place[e]]), int(count[place[e]])
-                dev.upload(dev.ffi.cast("char *", a["moe_out"]) + 4 * s0 * E, host["miss_y"][s0:s0 + rows])
+            dev.upload_rows(a["moe_out"], host["miss_y"], miss_first, miss_count)
         dev.upload(a["slot_of"], host["slot_of"][:n * k])
         self._mix.run(n=n)
         # no synchronisation: the next layer's attention queues behind this one; the host's rows live until the
         # next read-back (the buffers of `_host` are rewritten only after it)
-
-    def _misses(self, il: int, misses: list[tuple[int, int, int]]) -> None:
-        """Each (expert, first slot, slots) of layer il on the CPU's threads at once (`strata_host_experts_ffn`):
-        slot_x's rows in, miss_y's out, the weights read where the file is mapped."""
-        E, ptr = self.n_embd, self._host_ptr
-        for j, (e, s0, rows) in enumerate(misses):
-            m = self._miss_args[j]
-            m.gate_type, m.up_type, m.down_type = self._expert_types[il]
-            m.gate, m.up, m.down = (base + e * size for base, size in self._expert_mapped[il])
-            m.x, m.n_tok, m.y = ptr["slot_x"] + s0 * E, rows, ptr["miss_y"] + s0 * E
-        _check(self.device.lib.strata_host_experts_ffn(self._pool, E, self.n_ff, self._miss_args, len(misses)))
 
     def close(self) -> None:
         """Close the CPU engine and the device (which frees every allocation on it). Idempotent."""

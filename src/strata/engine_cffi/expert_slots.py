@@ -29,7 +29,7 @@ experts are counted apart (`preloaded`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,8 +64,8 @@ class ExpertSlots:
         n_layer, n_expert: the model's MoE layers and experts per layer.
         capacity: experts held over all layers.
         expert_bytes: per layer, the (gate, up, down) bytes of one of its experts.
-        expert_data: the host bytes of one of an expert's matrices: (layer, expert, which) -> a buffer (which: 0
-            gate, 1 up, 2 down).
+        layers: per layer, where its experts lie in host memory (a `strata_host_layer_experts *` of the device's
+            interface: each matrix's base and an expert's bytes), which an upload reads in one call.
         upload_stream: the device stream the uploads go on.
         compute_stream: the device stream that computes the hits, which waits for their uploads.
         uploads_per_step: the uploads a step may start (None: no bound); with a link rate, the budget until the
@@ -76,13 +76,13 @@ class ExpertSlots:
 
     def __init__(self, device: Device, n_layer: int, n_expert: int, capacity: int,
                  expert_bytes: Sequence[tuple[int, int, int]],
-                 expert_data: Callable[[int, int, int], Any], upload_stream: int,
+                 layers: Sequence[Any], upload_stream: int,
                  uploads_per_step: float | None = UPLOADS_PER_STEP, prior: Sequence[Key] = (),
                  link_rate: float | None = None, compute_stream: int = 0) -> None:
         self.device, self.capacity = device, capacity
         self.expert_bytes = list(expert_bytes)
         self.slot_bytes = max(sum(sizes) for sizes in self.expert_bytes)
-        self._expert_data, self._stream, self._compute = expert_data, upload_stream, compute_stream
+        self._layers, self._stream, self._compute = layers, upload_stream, compute_stream
         self.policy = ExpertPolicy(n_layer, n_expert, capacity, uploads_per_step=uploads_per_step, prior=prior)
         self.link_rate = link_rate
         self.counts = ExpertCounts(preloaded=len(prior))
@@ -156,7 +156,4 @@ class ExpertSlots:
             slot = self._free.pop() if self._free else self.device.alloc(self.slot_bytes)
         self._slot[(layer, expert)] = slot
         self._queued.add((layer, expert))
-        at = self.device.ffi.cast("char *", slot)
-        for which, size in enumerate(self.expert_bytes[layer]):
-            self.device.upload(at, self._expert_data(layer, expert, which), self._stream)
-            at += size
+        self.device.upload_expert(slot, self._layers[layer], expert, self._stream)

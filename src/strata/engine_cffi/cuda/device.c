@@ -176,6 +176,35 @@ int strata_dev_upload(strata_device *d, int stream, void *dst, const void *src, 
     return copy(d, stream, dst, src, bytes, DEV_TO_DEVICE);
 }
 
+int strata_dev_upload_rows(strata_device *d, int stream, void *dst, const void *src, size_t row_bytes, int n,
+                           const int *first, const int *count) {
+    if (n < 0 || (n > 0 && (!first || !count)))
+        return fail(d, STRATA_ERR_INVALID_ARG, "upload_rows: %d runs", n);
+    for (int i = 0; i < n; i++) {
+        if (first[i] < 0 || count[i] < 0)
+            return fail(d, STRATA_ERR_INVALID_ARG, "upload_rows: run %d of %d: rows %d + %d", i, n, first[i], count[i]);
+        size_t at = (size_t)first[i] * row_bytes;
+        int status = strata_dev_upload(d, stream, (char *)dst + at, (const char *)src + at,
+                                       (size_t)count[i] * row_bytes);
+        if (status) return status;
+    }
+    return 0;
+}
+
+int strata_dev_upload_expert(strata_device *d, int stream, void *dst, const strata_host_layer_experts *layer,
+                             int expert) {
+    if (!layer || expert < 0) return fail(d, STRATA_ERR_INVALID_ARG, "upload_expert: expert %d", expert);
+    const char *from[3] = {layer->gate, layer->up, layer->down};
+    size_t bytes[3] = {layer->gate_bytes, layer->up_bytes, layer->down_bytes};
+    char *at = dst;
+    for (int which = 0; which < 3; which++) {
+        int status = strata_dev_upload(d, stream, at, from[which] + (size_t)expert * bytes[which], bytes[which]);
+        if (status) return status;
+        at += bytes[which];
+    }
+    return 0;
+}
+
 int strata_dev_download(strata_device *d, int stream, void *dst, const void *src, size_t bytes) {
     return copy(d, stream, dst, src, bytes, DEV_TO_HOST);
 }

@@ -298,6 +298,12 @@ double strata_dev_event_elapsed_ms(strata_device *d, int start, int end);
 /* Queue kernel `name` (see the argument structs above; "<name>_ref" runs the reference kernel) on `stream`. */
 int strata_dev_launch(strata_device *d, int stream, const char *name, const void *args);
 
+/* Runs of rows uploaded in one call: rows first[i] .. first[i] + count[i] - 1 (i < n) of src (host), rows of
+ * row_bytes, to the same rows of dst (device) on `stream`, each as strata_dev_upload; the first failure stops it. A
+ * layer's misses go into the rows of moe_out its hits do not fill. */
+int strata_dev_upload_rows(strata_device *d, int stream, void *dst, const void *src, size_t row_bytes, int n,
+                           const int *first, const int *count);
+
 /* --- the host's side of a step: a routed expert computed by the CPU (a miss of the expert cache)
  * y (n_tok, n_embd) = (silu(x Wg^T) * (x Wu^T)) Wd^T for x (n_tok, n_embd) f32 rows, each product the CPU
  * engine's (activations converted per token as the host device's "matmul" does) and the SwiGLU the host device's,
@@ -364,5 +370,24 @@ void strata_host_pool_free(strata_pool *pool);
  * its reason in strata_last_error. One caller at a time. */
 int strata_host_experts_ffn(strata_pool *pool, int64_t n_embd, int64_t n_ff, const strata_host_expert *experts,
                             int n);
+
+/* A layer's routed experts in host memory (the mapped file): expert e's gate at gate + e * gate_bytes, its up and
+ * down likewise. */
+typedef struct {
+    int gate_type, up_type, down_type;
+    const char *gate, *up, *down;
+    size_t gate_bytes, up_bytes, down_bytes;
+} strata_host_layer_experts;
+
+/* A layer's misses as strata_host_experts_ffn computes them, named by arrays (no struct a miss to fill): miss i is
+ * expert experts[i] of `layer` over rows first[i] .. first[i] + count[i] - 1 of x into the same rows of y (rows of
+ * n_embd floats). 0, or a strata_status with the reason in strata_last_error. */
+int strata_host_layer_misses(strata_pool *pool, int64_t n_embd, int64_t n_ff, const strata_host_layer_experts *layer,
+                             int n, const int *experts, const int *first, const int *count, const float *x, float *y);
+
+/* Expert `expert` of `layer` uploaded from host memory into the slot at dst (device): its gate, up and down one after
+ * another, three uploads on `stream` (the expert cache's). */
+int strata_dev_upload_expert(strata_device *d, int stream, void *dst, const strata_host_layer_experts *layer,
+                             int expert);
 
 #endif

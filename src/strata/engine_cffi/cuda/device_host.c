@@ -578,3 +578,23 @@ int strata_host_experts_ffn(strata_pool *pool, int64_t n_embd, int64_t n_ff, con
     pthread_mutex_destroy(&job.lock);
     return job.status ? engine_fail(job.status, "%s", job.reason) : STRATA_OK;
 }
+
+int strata_host_layer_misses(strata_pool *pool, int64_t n_embd, int64_t n_ff, const strata_host_layer_experts *layer,
+                             int n, const int *experts, const int *first, const int *count, const float *x, float *y) {
+    if (!layer || n < 0 || (n > 0 && (!experts || !first || !count || !x || !y)))
+        return engine_fail(STRATA_ERR_INVALID_ARG, "misses: a layer and %d experts", n);
+    if (n == 0) return strata_host_experts_ffn(pool, n_embd, n_ff, NULL, 0);
+    strata_host_expert *each = malloc((size_t)n * sizeof *each);
+    if (!each) return engine_fail(STRATA_ERR_NOMEM, "misses: %d experts", n);
+    for (int i = 0; i < n; i++) {
+        size_t e = (size_t)experts[i];
+        each[i] = (strata_host_expert){
+            .gate_type = layer->gate_type, .up_type = layer->up_type, .down_type = layer->down_type,
+            .gate = layer->gate + e * layer->gate_bytes, .up = layer->up + e * layer->up_bytes,
+            .down = layer->down + e * layer->down_bytes,
+            .x = x + (size_t)first[i] * n_embd, .n_tok = count[i], .y = y + (size_t)first[i] * n_embd};
+    }
+    int status = strata_host_experts_ffn(pool, n_embd, n_ff, each, n);
+    free(each);
+    return status;
+}
