@@ -24,8 +24,8 @@
   text tasks (short answers: sums, capitals, spelling, greetings, tool calls).
 - overhead: the demo model on one engine with its MTP block, in process, each decode step of the batcher timed
   outside the engine's calls (the scheduler's Python, speculation's included) and inside them, per mode (off,
-  the default, lookup adaptive): its 16 other text tasks (short greedy answers) and a sampled free chat; the
-  medians of `--repeat` rounds.
+  the default, lookup adaptive): its 16 held-out edits and 16 other text tasks (greedy) and a sampled free chat;
+  the medians of `--repeat` rounds.
 - demo-http: the demo's own requests (16 edits, 16 other short ones) one after another through a server with
   speculation off and one with the default ("auto"), taking turns: the seconds of each trace's requests, whole
   (prompts, answers and the HTTP stack; the fastest of three rounds after one to warm up, the median over
@@ -446,8 +446,8 @@ OVERHEAD_MODES = {"off": SpeculativeConfig(source="off"), "auto": SpeculativeCon
 def overhead_traces(threads: int, repeat: int) -> dict[str, dict[str, tuple[float, float, float]]]:
     """Per decode step of the demo model, the stepping thread's microseconds outside the engine's calls (the
     scheduler's and speculation's Python) and inside them, and the tokens a step gives, of each mode on one engine
-    with the MTP block: the demo's 16 other text tasks (greedy) and a sampled free chat (4 answers of 256 tokens,
-    end of turn banned); medians of `repeat` rounds, the modes taking turns."""
+    with the MTP block: the demo's 16 held-out edits and 16 other text tasks (greedy) and a sampled free chat (4
+    answers of 256 tokens, end of turn banned); medians of `repeat` rounds, the modes taking turns."""
     from strata.models import DEMO_MODEL
     from strata.text.prompt import render_chat
     from strata.text.tokenizer import Tokenizer
@@ -458,7 +458,8 @@ def overhead_traces(threads: int, repeat: int) -> dict[str, dict[str, tuple[floa
     chat = tok.encode(render_chat(tok.chat_template, [{"role": "user", "content": "Tell me about your day, and what "
                                                        "you like to do on a long weekend."}], enable_thinking=False))
     sampled = SamplingParams(temperature=1.0, seed=5, logit_bias=tuple((t, -100.0) for t in stop))
-    traces = {"other text tasks": (demo_prompts(DEMO_MODEL, ("arithmetic", "capital", "spelling", "greeting",
+    traces = {"edit (trained form)": (demo_prompts(DEMO_MODEL, ("edit",), 16), GREEDY),
+              "other text tasks": (demo_prompts(DEMO_MODEL, ("arithmetic", "capital", "spelling", "greeting",
                                                              "weather_call", "add_answer"), 16), GREEDY),
               "free chat, sampled": ([chat] * 4, sampled)}
     results: dict[str, dict[str, list[tuple[float, float, float]]]] = {}

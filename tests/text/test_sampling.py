@@ -102,6 +102,24 @@ def test_a_draw_handed_out_takes_what_sample_would_have_drawn() -> None:
     assert Sampler(SamplingParams(), N_VOCAB, logprobs=1).draw_inputs(logits) is None
 
 
+def test_rows_drawn_at_once_are_what_sample_draws_row_by_row() -> None:
+    # a speculative step's rows: greedy with nothing carried from draw to draw, each row's arg-max in one call; a
+    # draw that depends on the ones before it (a penalty over the history, a mask, a bias, log-probabilities,
+    # sampling's generator) is left to sample
+    rows = np.stack([random_logits(3.0, seed=seed) for seed in range(5)])
+    greedy = Sampler(SamplingParams(temperature=0.0), N_VOCAB)
+    assert greedy.draws_at_once(rows) == [greedy.sample(row, [1, 2]) for row in rows]
+    assert Sampler(SamplingParams(top_k=1, temperature=0.9), N_VOCAB).draws_at_once(rows) == np.argmax(
+        rows, axis=1).tolist()
+    for other in (Sampler(SamplingParams(temperature=0.7, seed=1), N_VOCAB),
+                  Sampler(SamplingParams(temperature=0.0, frequency_penalty=0.5), N_VOCAB),
+                  Sampler(SamplingParams(temperature=0.0, logit_bias=((5, 1.0),)), N_VOCAB),
+                  Sampler(SamplingParams(temperature=0.0), N_VOCAB, logprobs=1)):
+        assert other.draws_at_once(rows) is None
+    with pytest.raises(ValueError, match="rows must have shape"):
+        greedy.draws_at_once(rows[:, :-1])
+
+
 @pytest.mark.parametrize(
     "params",
     [

@@ -682,8 +682,9 @@ class Batcher:
         have, and its mask (a guide) only ever follows accepted tokens."""
         rows = logits[-(len(planned.draft) + 1):]
         try:  # a draft is planned within the job's token budget: it has room for one token at least
+            drawn = job.sampler.draws_at_once(rows)  # greedy and nothing carried from draw to draw: all at once
             for i, row in enumerate(rows):
-                token = job.sampler.sample(row, job.history)
+                token = drawn[i] if drawn is not None else job.sampler.sample(row, job.history)
                 self._take(job, token, now)
                 if job.finish is not None or i == len(planned.draft) or token != planned.draft[i]:
                     break

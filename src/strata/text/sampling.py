@@ -187,6 +187,17 @@ class Sampler:
             self.records.append(log_probabilities(logits, token, self.logprobs))
         return token
 
+    def draws_at_once(self, rows: np.ndarray) -> list[int] | None:
+        """The tokens `sample` draws from `rows` (n, n_vocab), one after another, where no draw depends on the ones
+        before it: greedy, with no penalty, mask, logit bias or log-probabilities, each row's arg-max (a speculative
+        step's rows, drawn in one call); None where `sample` must draw each in turn."""
+        if (not self.params.greedy or self.params.penalised or self.mask is not None or self._bias_ids.size
+                or self.logprobs is not None):
+            return None
+        if rows.ndim != 2 or rows.shape[1] != self.n_vocab:
+            raise ValueError(f"rows must have shape (n, {self.n_vocab}), got {rows.shape}")
+        return np.argmax(rows, axis=1).tolist()
+
     def draw_inputs(self, logits: np.ndarray, previous_ids: Sequence[int] = ()) -> tuple[np.ndarray, float] | None:
         """What `sample` draws from for `logits` (the scores after penalties, and u; 0 for a greedy draw, which
         takes none), for a caller that draws several rows at once (`Engine.sample_rows`); None where `sample` must
@@ -222,8 +233,10 @@ class Sampler:
         if logits.shape != (self.n_vocab,):
             raise ValueError(f"logits must have shape ({self.n_vocab},), got {logits.shape}")
         p = self.params
+        if not p.penalised:
+            return logits
         window = _recent(previous_ids, p.penalty_last_n)
-        if not p.penalised or len(window) == 0:
+        if len(window) == 0:
             return logits
         ids, counts = np.unique(np.asarray(window, dtype=np.int64), return_counts=True)
         out = logits.astype(np.float32, copy=True)
