@@ -266,10 +266,12 @@ class StepBudget:
         self._steps = 0  # steps recorded
         self._verifies = 0  # steps with drafts since the last decode-only one
         self._verify_count = 0  # steps with drafts recorded
-        # draft_costs' answer and what it was fitted on: the verifications it counted, the refit's count and the
-        # reference's version
-        self._costs: tuple[tuple[int, int, int], VerifyCost | None] | None = None
-        self._reference = 0  # bumped where a decode-only step re-measures the reference after drafts, or first
+        self._remeasured = 0  # decode-only steps after fewer than VERIFY_REFRESH steps with drafts
+        # draft_costs' answer and what it was fitted on: whether any verification counts, the reference's
+        # version, and the count of verifications and decode-only steps after drafts it follows
+        self._costs: tuple[tuple[bool, int, int], VerifyCost | None] | None = None
+        self._reference = 0  # bumped where a decode-only step re-measures the reference after VERIFY_REFRESH
+        # steps with drafts, or first measures it
 
     def decode_seconds(self, n: int) -> float | None:
         """A decode-only step of `n` jobs, as measured (None before the first)."""
@@ -287,16 +289,16 @@ class StepBudget:
         """What drafts add to a step of decoding jobs (speculative decoding), measured against the decode-only
         step as it is now: `VerifyCost.fit` through the recent steps' added seconds against their draft tokens,
         with the model's routing shape where it has experts, over those of the last `VERIFY_MEMORY` steps; None
-        without any. Fitted again only when the steps it counts change in number (a verification comes, or one
-        leaves the memory), every `REFIT_EVERY` verifications in a full window, and where the reference is
-        re-measured after drafts: every decoding job's draft length asks for it every step, and a fit costs a fifth
-        of a tiny model's step (10-20 µs of Python), while the reference's drift between two re-measurements and
-        one step's timing move it by noise."""
+        without any. Fitted again where the reference is re-measured after `VERIFY_REFRESH` verifications (or
+        first measured) and where the last verification leaves the memory (None); else at each verification and
+        each decode-only step after drafts while the window of verifications fills, then at every `REFIT_EVERY`
+        of them: every decoding job's draft length asks for it every step, and a fit costs a fifth of a tiny
+        model's step (10-20 µs of Python), while one step's timing, one more measurement of the reference and the
+        verifications leaving the memory one by one move it by noise."""
         steps, recent = self._verify_steps, self._steps - self.VERIFY_MEMORY
-        expired = 0  # the steps are in order: those too old to count come first
-        while expired < len(steps) and steps[expired][3] <= recent:
-            expired += 1
-        key = (len(steps) - expired, self._verify_count // self.REFIT_EVERY, self._reference)
+        changes = self._verify_count + self._remeasured
+        key = (bool(steps) and steps[-1][3] > recent, self._reference,
+               changes if len(steps) < self.WINDOW else changes // self.REFIT_EVERY)
         if self._costs is None or self._costs[0] != key:
             points = [(n, drafts, max(seconds - step, 0.0)) for n, drafts, seconds, at in steps
                       if at > recent and (step := self.decode_seconds(n)) is not None]
@@ -358,8 +360,10 @@ class StepBudget:
             self._verifies += 1
             return
         if not prompt:
-            if self._verifies or n not in self._decode:
-                self._reference += 1
+            if self._verifies >= self.VERIFY_REFRESH or n not in self._decode:
+                self._reference += 1  # the reference re-measured as it asked (or first measured)
+            elif self._verifies:
+                self._remeasured += 1  # a decode-only step after a few drafts: one more measurement of it
             self._decode.setdefault(n, _RecentMedian(self.DECODE_WINDOW)).add(seconds)
             self._mixed = self._verifies = 0
             return
