@@ -56,6 +56,10 @@ def test_slots_count_as_the_simulator_and_hold_each_experts_bytes():
                     for which, ptr in enumerate(slots.matrices(layer, e)):
                         got = dev.to_host(ptr, (SIZES[layer][which],), np.uint8)
                         np.testing.assert_array_equal(got, expert_bytes(layer, e, which))
+                # the table a layer's hits are launched from: each held expert's slot, 0 for the others
+                addresses = [int(dev.ffi.cast("uintptr_t", slots.matrices(layer, e)[0])) for e in sorted(held)]
+                assert slots.slots_of(layer, sorted(held)).tolist() == addresses
+                assert not slots.slots_of(layer, sorted(set(range(N_EXPERT)) - held)).any()
         assert dev.used == 7 * max(map(sum, SIZES))  # evicted experts' slots were reused, never more than capacity
     stats = replay(trace, AdaptiveLrfuCache(N_LAYER, N_EXPERT, 7, uploads_per_step=2.0))
     assert (slots.counts.hits, slots.counts.misses, slots.counts.uploads) == (stats.hits, stats.misses, stats.uploads)

@@ -968,10 +968,8 @@ class DeviceEngine(Engine):
         """A step's whole forward pass up to the output as one list (split only by memsets): per layer its
         launches up to the top-k, its experts (`_resident_experts`) and the mix; a table of every expert's slot on
         the device, which the products read; and the host buffer the step's routing comes back to."""
-        ffi, B, k = self.device.ffi, self.n_batch, self.n_used
-        table = [int(ffi.cast("uintptr_t", self.slots.slot(il, e)))
-                 for il in range(self.n_layer) for e in range(self.n_expert)]
-        self._slot_table = self._put(np.array(table, np.uint64))
+        B, k = self.n_batch, self.n_used
+        self._slot_table = self._put(self.slots.table)  # every expert held: no 0 in it
         self._step = out = LaunchList(self.device)
         for il in range(self.n_layer):
             if self._recurrent[il]:
@@ -1151,7 +1149,8 @@ class DeviceEngine(Engine):
         dev.upload(a["slot_x"], slot_x[:n * k])
         if len(hits):  # queued: on a card they run while the CPU computes the misses
             at = np.searchsorted(experts, hits)
-            dev.launch_experts(self._hit_args[il], [self.slots.slot(il, e) for e in hits], first[at], count[at])
+            dev.launch_experts(self._hit_args[il], dev.ffi.from_buffer("void *[]", self.slots.slots_of(il, hits)),
+                               first[at], count[at])
         if len(misses):  # on the CPU's threads, from the mapped file, into miss_y at the slots' rows
             at = np.searchsorted(experts, misses)
             miss_first, miss_count = first[at], count[at]

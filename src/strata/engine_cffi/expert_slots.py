@@ -33,6 +33,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from strata.engine_cffi.device import Device
 from strata.engine_cffi.expert_policy import ExpertPolicy
 from strata.experts.simulate import Key, StepOutcome
@@ -87,6 +89,10 @@ class ExpertSlots:
         self.link_rate = link_rate
         self.counts = ExpertCounts(preloaded=len(prior))
         self._slot: dict[tuple[int, int], Any] = {}  # (layer, expert) -> its slot (a device pointer)
+        self.n_expert = n_expert
+        # every expert's slot address by layer * n_expert + expert, 0 where it is not held: a layer's hits' slots
+        # in one array (`slots_of`)
+        self.table = np.zeros(n_layer * n_expert, np.uint64)
         self._free: list[Any] = []  # slots of evicted experts, to be reused
         self._miss_seconds: float | None = None  # what the current step's misses took, once it had some
         self._queued: set[Key] = set()  # experts whose uploads were queued since the event was last recorded
@@ -130,6 +136,7 @@ class ExpertSlots:
         self.counts.uploads += len(outcome.uploads)
         for key in outcome.evictions:
             self._free.append(self._slot.pop(key))
+            self.table[key[0] * self.n_expert + key[1]] = 0
             self._arriving.discard(key)
             self._queued.discard(key)
         for e in outcome.uploads:
@@ -141,9 +148,9 @@ class ExpertSlots:
         (the policy is not stepped: nothing can be evicted or uploaded)."""
         self.counts.hits += experts
 
-    def slot(self, layer: int, expert: int) -> Any:
-        """The device pointer of a held expert's slot (its gate, up and down matrices one after another)."""
-        return self._slot[(layer, expert)]
+    def slots_of(self, layer: int, experts: Sequence[int]) -> np.ndarray:
+        """The slot addresses of held experts of a layer (uint64: a `void *[]` for the device's calls)."""
+        return self.table[layer * self.n_expert + np.asarray(experts, np.int64)]
 
     def matrices(self, layer: int, expert: int) -> tuple[Any, Any, Any]:
         """The device pointers of a held expert's gate, up and down matrices."""
@@ -155,5 +162,6 @@ class ExpertSlots:
         if slot is None:
             slot = self._free.pop() if self._free else self.device.alloc(self.slot_bytes)
         self._slot[(layer, expert)] = slot
+        self.table[layer * self.n_expert + expert] = int(self.device.ffi.cast("uintptr_t", slot))
         self._queued.add((layer, expert))
         self.device.upload_expert(slot, self._layers[layer], expert, self._stream)
