@@ -1143,7 +1143,7 @@ class DeviceEngine(Engine):
         hits: Sequence[int] = ()
         misses: Sequence[int] | np.ndarray = experts
         if trunk:
-            outcome = self.slots.step(il, experts.tolist())
+            outcome = self.slots.step(il, experts)
             hits, misses = outcome.hits, outcome.misses
         first, count, slot_x = host["first"], host["count"], host["slot_x"]
         dev.upload(a["slot_x"], slot_x[:n * k])

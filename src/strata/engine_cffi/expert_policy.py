@@ -48,7 +48,7 @@ class ExpertPolicy:
         budget = self.uploads_per_step
         lib.strata_expert_policy_begin_step(self._policy, -1.0 if budget is None else budget)
 
-    def step(self, layer: int, experts: Sequence[int]) -> StepOutcome:
+    def step(self, layer: int, experts: Sequence[int] | np.ndarray) -> StepOutcome:
         """The step needs `experts` in `layer`: hits and misses, and the uploads and evictions it starts.
 
         Raises:
@@ -58,7 +58,7 @@ class ExpertPolicy:
         status = lib.strata_expert_policy_step(self._policy, layer, ffi.from_buffer("int[]", needed), len(needed),
                                                *self._ptr, self._counts_ptr)
         if status:
-            raise ValueError(f"layer {layer} of {self.n_layer}, experts {list(experts)} of {self.n_expert}")
+            raise ValueError(f"layer {layer} of {self.n_layer}, experts {needed.tolist()} of {self.n_expert}")
         hits, misses, uploads, evictions = (row[:n].tolist() for row, n in zip(self._out, self._counts, strict=True))
         return StepOutcome(tuple(hits), tuple(misses), tuple(uploads),
                            tuple(divmod(key, self.n_expert) for key in evictions))

@@ -124,7 +124,7 @@ class ExpertSlots:
         """A layer's misses kept the CPU busy for `seconds` of this step (the uploads it queued overlap them)."""
         self._miss_seconds = (self._miss_seconds or 0.0) + seconds
 
-    def step(self, layer: int, experts: Sequence[int]) -> StepOutcome:
+    def step(self, layer: int, experts: Sequence[int] | np.ndarray) -> StepOutcome:
         """The layer needs `experts` (distinct): count them, and queue the uploads the policy starts."""
         outcome = self.policy.step(layer, experts)
         if self._arriving and any((layer, e) in self._arriving for e in outcome.hits):

@@ -247,7 +247,9 @@ class StepBudget:
     # stop every draft, so no step would measure them again; forgotten, they leave jobs to draft a token and
     # measure anew.
     VERIFY_MEMORY = 64
-    REFIT_EVERY = 3  # verifications in a full window between two fits of their cost (`draft_costs`)
+    # verifications (and decode-only steps after a few) between two fits of their cost in a full window
+    # (`draft_costs`)
+    REFIT_EVERY = 3
 
     def __init__(self, slowdown: float, clock: Callable[[], float] = time.process_time, refresh: int | None = 32,
                  routing: tuple[int, int, int] | None = None):

@@ -164,6 +164,11 @@ class Sampler:
         self._bias_values = np.array([bias for _, bias in params.logit_bias], dtype=np.float32)
         self._work: tuple[np.ndarray, np.ndarray] | None = None
 
+    @property
+    def _alone(self) -> bool:
+        """A draw reads the scores alone: no mask to apply, bias to add or log-probabilities to record."""
+        return self.mask is None and not self._bias_ids.size and self.logprobs is None
+
     @functools.cached_property
     def _rng(self) -> np.random.Generator:
         # Built at the first random draw: a fresh generator reads the OS's entropy (about 60 us), which a greedy
@@ -173,7 +178,7 @@ class Sampler:
     def sample(self, logits: np.ndarray, previous_ids: Sequence[int] = ()) -> int:
         """Return the next token id for `logits` (n_vocab,), given the tokens so far (prompt and output).
         With a logit bias or a mask, `logits` is changed in place."""
-        if self.mask is None and not self._bias_ids.size and self.logprobs is None:
+        if self._alone:
             return self._draw(logits, previous_ids)
         if np.shape(logits) != (self.n_vocab,):
             raise ValueError(f"logits must have shape ({self.n_vocab},), got {np.shape(logits)}")
@@ -191,8 +196,7 @@ class Sampler:
         """The tokens `sample` draws from `rows` (n, n_vocab), one after another, where no draw depends on the ones
         before it: greedy, with no penalty, mask, logit bias or log-probabilities, each row's arg-max (a speculative
         step's rows, drawn in one call); None where `sample` must draw each in turn."""
-        if (not self.params.greedy or self.params.penalised or self.mask is not None or self._bias_ids.size
-                or self.logprobs is not None):
+        if not self.params.greedy or self.params.penalised or not self._alone:
             return None
         if rows.ndim != 2 or rows.shape[1] != self.n_vocab:
             raise ValueError(f"rows must have shape (n, {self.n_vocab}), got {rows.shape}")
@@ -203,7 +207,7 @@ class Sampler:
         takes none), for a caller that draws several rows at once (`Engine.sample_rows`); None where `sample` must
         draw itself (a mask, a logit bias, log-probabilities). Like `sample`, it takes u from this sampler's
         generator."""
-        if self.mask is not None or self._bias_ids.size or self.logprobs is not None:
+        if not self._alone:
             return None
         return self.penalise(logits, previous_ids), 0.0 if self.params.greedy else self._rng.random()
 
