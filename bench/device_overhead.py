@@ -18,7 +18,9 @@ routing read back, the policy stepped) and resident (the whole step queued at on
 Each case runs twice in a process of its own per source tree (`--engine LABEL=DIR`: the `strata` package of that
 tree, e.g. a `git archive` of an earlier commit with its built engine): once plain (the step's wall time), once
 with the calls into C that run kernels or copies timed (`WORK_CALLS`: launches one by one, in lists and a layer's
-hits, copies, memsets, misses: on the host device a call returns when its work is done). The host-side overhead is
+hits, copies, memsets, misses: on the host device a call returns when its work is done; where the tree has the
+device's work clock, `strata_dev_time_work`, that clock instead, which times the same work inside a layer's one call
+for its experts too). The host-side overhead is
 the plain run's step time less the timed run's time inside those calls, so the wrapper's own cost does not count
 (its clocks' reads inside a call, measured on an empty call, are taken out of the calls' time: a tree that makes more
 calls for the same work is not credited with them as work);
@@ -52,6 +54,35 @@ MODELS_EXPERTS = {arch: shape["n_layer"] * shape["n_expert"] for arch, shape in 
 WORK_CALLS = ("strata_dev_launch", "strata_dev_launch_list", "strata_dev_launch_experts", "strata_dev_upload",
               "strata_dev_upload_rows", "strata_dev_upload_expert", "strata_dev_download", "strata_dev_memset",
               "strata_host_expert_ffn", "strata_host_experts_ffn", "strata_host_layer_misses")
+
+
+class WorkClock:
+    """The device's own work clock (`strata_dev_time_work`, in trees that have it): every call that does work, the
+    ones a layer's experts' call makes inside it too, timed in C, less the clock's own cost inside a piece of work
+    (measured on a synchronisation of the host device, which does nothing)."""
+
+    CALIBRATION = 20000
+
+    def __init__(self, device: Any) -> None:
+        self._device, self._work = device, device.ffi.new("double[3]")
+        device.lib.strata_dev_time_work(device.handle, 1)
+        start = self._read()
+        for _ in range(self.CALIBRATION):
+            device.lib.strata_dev_stream_sync(device.handle, 0)
+        end = self._read()
+        self._inflation = ((end[0] - start[0]) / self.CALIBRATION, (end[1] - start[1]) / self.CALIBRATION)
+        self._start = self._read()
+
+    def _read(self) -> tuple[float, float, float]:
+        self._device.lib.strata_dev_work_seconds(self._device.handle, self._work)
+        return self._work[0], self._work[1], self._work[2]
+
+    def work(self) -> tuple[float, float]:
+        """Seconds and CPU seconds in the work since the calibration, the clock's own cost left out."""
+        end = self._read()
+        pieces = end[2] - self._start[2]
+        return (end[0] - self._start[0] - pieces * self._inflation[0],
+                end[1] - self._start[1] - pieces * self._inflation[1])
 
 
 class TimedLibrary:
@@ -107,17 +138,20 @@ def worker(model: str, n_seq: int, steps: int, timed: bool, cached: float, mode:
         for step in range(4):
             logits += engine.eval_batch([BatchItem(s, [50 + step + s]) for s in range(n_seq)])
         digest.update(b"".join(rows.tobytes() for rows in logits))
-        library, before = TimedLibrary(engine.device.lib), engine.expert_counts()
-        if timed:
+        before = engine.expert_counts()
+        library: TimedLibrary | WorkClock = TimedLibrary(engine.device.lib)
+        if timed and hasattr(engine.device.lib, "strata_dev_time_work"):
+            library = WorkClock(engine.device)
+        elif timed:
             engine.device.lib = library
         started, cpu = time.perf_counter(), time.thread_time()
         for step in range(steps):
             logits = engine.eval_batch([BatchItem(s, [60 + (7 * step + s) % 150]) for s in range(n_seq)])
             digest.update(b"".join(rows.tobytes() for rows in logits))
         wall, cpu = time.perf_counter() - started, time.thread_time() - cpu
+        work, work_cpu = library.work()
         counts = {k: engine.expert_counts()[k] - before[k] for k in ("hits", "misses")}
         layers = engine.n_layer
-    work, work_cpu = library.work()
     return {"step": wall / steps, "work": work / steps, "step_cpu": cpu / steps, "work_cpu": work_cpu / steps,
             "layers": layers, "digest": digest.hexdigest(),
             "hit_share": counts["hits"] / max(1, counts["hits"] + counts["misses"])}

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from strata.engine_cffi.device import Device, interface
+from strata.engine_cffi.device import Device, DeviceError, interface
 from strata.engine_cffi.expert_slots import MIN_UPLOADS_PER_STEP, ExpertSlots
 from strata.experts.simulate import AdaptiveLrfuCache, most_frequent, replay
 from strata.experts.trace import LayerStep, RoutingTrace, TraceInfo
@@ -66,31 +66,16 @@ def test_slots_count_as_the_simulator_and_hold_each_experts_bytes():
     assert stats.hits > 0 and stats.evictions > 0
 
 
-class Recording:
-    """A device whose stream and event calls are logged in order, for the order they must keep."""
+JOURNAL = {1: "record", 2: "wait", 3: "sync"}
 
-    def __init__(self, device: Device) -> None:
-        self.device, self.log = device, []
 
-    def __getattr__(self, name: str):
-        return getattr(self.device, name)
-
-    def sync(self, stream: int = 0) -> None:
-        self.log.append(("sync", stream))
-        self.device.sync(stream)
-
-    def record(self, stream: int = 0) -> int:
-        event = self.device.record(stream)
-        self.log.append(("record", stream, event))
-        return event
-
-    def rerecord(self, stream: int, event: int) -> None:
-        self.log.append(("record", stream, event))
-        self.device.rerecord(stream, event)
-
-    def wait(self, stream: int, event: int) -> None:
-        self.log.append(("wait", stream, event))
-        self.device.wait(stream, event)
+def journal(dev: Device) -> list[tuple]:
+    """The device's ordering calls since the last look (its journal): ("record", stream, event), ("wait", stream,
+    event), ("sync", stream)."""
+    out = np.empty((1024, 3), np.int32)
+    n = dev.lib.strata_dev_journal_take(dev.handle, dev.ffi.from_buffer("int[]", out), len(out))
+    assert n >= 0, "the journal lost entries"
+    return [(JOURNAL[what], stream, event)[:2 if what == 3 else 3] for what, stream, event in out[:n].tolist()]
 
 
 def test_a_hit_waits_on_the_device_for_its_upload_and_the_host_never_waits():
@@ -98,24 +83,26 @@ def test_a_hit_waits_on_the_device_for_its_upload_and_the_host_never_waits():
     step, just before the first hit of an expert whose upload it marks; the host never waits for the link, and a
     step that reads no such expert makes the compute stream wait for nothing."""
     trace = skewed_trace(60, seed=3)
-    with Device("host") as host:
-        dev = Recording(host)
-        upload_stream = host.stream()
+    with Device("host") as dev:
+        dev.check(dev.lib.strata_dev_journal(dev.handle, 1024))
+        upload_stream = dev.stream()
         slots = ExpertSlots(dev, N_LAYER, N_EXPERT, 7, SIZES, LAYERS, upload_stream, uploads_per_step=2.0,
                             prior=most_frequent(trace, 3))
-        dev.log += [("uploaded", key) for key in most_frequent(trace, 3)]
+        log = [("uploaded", key) for key in most_frequent(trace, 3)]
         for records in trace.steps():
             slots.begin_step()
+            log += journal(dev)
             for record in records:
                 outcome = slots.step(record.layer, record.used().tolist())
-                dev.log += [("hit", (record.layer, e)) for e in outcome.hits]
-                dev.log += [("uploaded", (record.layer, e)) for e in outcome.uploads]
-                dev.log.append(("layer-step",))
-    assert ("sync", upload_stream) not in dev.log
-    events = {entry[2] for entry in dev.log if entry[0] in ("record", "wait")}
+                log += journal(dev)
+                log += [("hit", (record.layer, e)) for e in outcome.hits]
+                log += [("uploaded", (record.layer, e)) for e in outcome.uploads]
+                log.append(("layer-step",))
+    assert ("sync", upload_stream) not in log
+    events = {entry[2] for entry in log if entry[0] in ("record", "wait")}
     assert len(events) == 1  # one event for every step
     queued, marked, waits, useful = set(), set(), 0, 0
-    for entry in dev.log:
+    for entry in log:
         if entry[0] == "uploaded":
             queued.add(entry[1])
         elif entry[0] == "record":
@@ -127,12 +114,12 @@ def test_a_hit_waits_on_the_device_for_its_upload_and_the_host_never_waits():
             waits, marked = waits + 1, set()
         elif entry[0] == "hit":
             assert entry[1] not in queued and entry[1] not in marked  # never read before its upload is waited for
-    for i, entry in enumerate(dev.log):  # each wait is for a hit of the same layer-step
+    for i, entry in enumerate(log):  # each wait is for a hit of the same layer-step
         if entry[0] == "wait":
-            rest = dev.log[i + 1:]
+            rest = log[i + 1:]
             useful += any(e[0] == "hit" for e in rest[:rest.index(("layer-step",))])
     assert waits == useful > 0
-    assert waits < sum(entry[0] == "record" for entry in dev.log)  # some steps read no arriving expert
+    assert waits < sum(entry[0] == "record" for entry in log)  # some steps read no arriving expert
 
 
 def test_paced_budget_follows_the_misses_time_as_the_simulators_pace():
@@ -183,3 +170,14 @@ def test_a_prior_is_held_from_the_start():
         hits = sum(len(slots.step(r.layer, r.used().tolist()).hits) for r in first)
     held = set(prior)
     assert hits == sum(len({(r.layer, int(e)) for e in r.used()} & held) for r in first) > 0
+
+
+def test_a_step_outside_the_model_is_refused_with_its_layer_named():
+    with Device("host") as dev:
+        slots = ExpertSlots(dev, N_LAYER, N_EXPERT, 7, SIZES, LAYERS, dev.stream())
+        slots.begin_step()
+        with pytest.raises(DeviceError, match=f"layer {N_LAYER} of {N_LAYER}"):
+            slots.step(N_LAYER, [0])
+        with pytest.raises(DeviceError, match=f"1 experts of {N_EXPERT}"):
+            slots.step(0, [N_EXPERT])
+        assert slots.step(0, [1]).misses == (1,)  # still usable

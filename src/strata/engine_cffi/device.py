@@ -75,7 +75,13 @@ class Device:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _check(self, status: int) -> None:
+    @property
+    def handle(self) -> Any:
+        """The `strata_device *` the interface's calls take."""
+        return self._d
+
+    def check(self, status: int) -> None:
+        """Raise the device's reason for the last failure where `status` (a call's) is not 0."""
         if status != 0:
             raise DeviceError(self.ffi.string(self.lib.strata_dev_error(self._d)).decode())
 
@@ -92,37 +98,32 @@ class Device:
     def alloc(self, nbytes: int) -> Any:
         p = self.lib.strata_dev_alloc(self._d, nbytes)
         if p == self.ffi.NULL:
-            self._check(1)
+            self.check(1)
         return p
 
     def free(self, p: Any) -> None:
-        self._check(self.lib.strata_dev_free(self._d, p))
+        self.check(self.lib.strata_dev_free(self._d, p))
 
     def upload(self, dst: Any, array: np.ndarray, stream: int = 0) -> None:
-        self._check(self.lib.strata_dev_upload(self._d, stream, dst, self.ffi.from_buffer(array), array.nbytes))
+        self.check(self.lib.strata_dev_upload(self._d, stream, dst, self.ffi.from_buffer(array), array.nbytes))
 
     def upload_rows(self, dst: Any, array: np.ndarray, first: np.ndarray, count: np.ndarray, stream: int = 0) -> None:
         """Upload runs of `array`'s rows (first[i] .. first[i] + count[i] - 1, int32) to the same rows at `dst`, in
         one call (`strata_dev_upload_rows`)."""
-        self._check(self.lib.strata_dev_upload_rows(self._d, stream, dst, self.ffi.from_buffer(array),
+        self.check(self.lib.strata_dev_upload_rows(self._d, stream, dst, self.ffi.from_buffer(array),
                                                      array.strides[0], len(first),
                                                      self.ffi.from_buffer("int[]", first),
                                                      self.ffi.from_buffer("int[]", count)))
 
-    def upload_expert(self, dst: Any, layer: Any, expert: int, stream: int = 0) -> None:
-        """Upload expert `expert` of `layer` (a `strata_host_layer_experts *`: where the layer's experts lie in host
-        memory) to `dst`: its gate, up and down one after another, in one call."""
-        self._check(self.lib.strata_dev_upload_expert(self._d, stream, dst, layer, expert))
-
     def download(self, array: np.ndarray, src: Any, stream: int = 0) -> None:
-        self._check(self.lib.strata_dev_download(self._d, stream, self.ffi.from_buffer(array), src, array.nbytes))
+        self.check(self.lib.strata_dev_download(self._d, stream, self.ffi.from_buffer(array), src, array.nbytes))
 
     def copy(self, dst: Any, src: Any, nbytes: int, stream: int = 0) -> None:
         """Queue a copy of `nbytes` from one place of the device to another."""
-        self._check(self.lib.strata_dev_copy(self._d, stream, dst, src, nbytes))
+        self.check(self.lib.strata_dev_copy(self._d, stream, dst, src, nbytes))
 
     def memset(self, dst: Any, value: int, nbytes: int, stream: int = 0) -> None:
-        self._check(self.lib.strata_dev_memset(self._d, stream, dst, value, nbytes))
+        self.check(self.lib.strata_dev_memset(self._d, stream, dst, value, nbytes))
 
     def to_device(self, array: np.ndarray) -> Any:
         """A new allocation holding a copy of `array` (stream 0, synchronised)."""
@@ -143,32 +144,32 @@ class Device:
     def stream(self) -> int:
         s = self.lib.strata_dev_stream_create(self._d)
         if s < 0:
-            self._check(1)
+            self.check(1)
         return int(s)
 
     def sync(self, stream: int = 0) -> None:
-        self._check(self.lib.strata_dev_stream_sync(self._d, stream))
+        self.check(self.lib.strata_dev_stream_sync(self._d, stream))
 
     def record(self, stream: int = 0) -> int:
         e = self.lib.strata_dev_event_record(self._d, stream)
         if e < 0:
-            self._check(1)
+            self.check(1)
         return int(e)
 
     def rerecord(self, stream: int, event: int) -> None:
         """Move `event` (recorded before) to what `stream` has queued so far."""
-        self._check(self.lib.strata_dev_event_rerecord(self._d, stream, event))
+        self.check(self.lib.strata_dev_event_rerecord(self._d, stream, event))
 
     def wait(self, stream: int, event: int) -> None:
-        self._check(self.lib.strata_dev_stream_wait_event(self._d, stream, event))
+        self.check(self.lib.strata_dev_stream_wait_event(self._d, stream, event))
 
     def event_sync(self, event: int) -> None:
-        self._check(self.lib.strata_dev_event_sync(self._d, event))
+        self.check(self.lib.strata_dev_event_sync(self._d, event))
 
     def elapsed_ms(self, start: int, end: int) -> float:
         ms = float(self.lib.strata_dev_event_elapsed_ms(self._d, start, end))
         if ms < 0:
-            self._check(1)
+            self.check(1)
         return ms
 
     # --- kernels
@@ -176,16 +177,16 @@ class Device:
     def launch(self, name: str, stream: int = 0, **fields: Any) -> None:
         """Queue kernel `name` ("matmul", ..., or "<name>_ref") with its argument struct's fields (device.h);
         pointers may be any cffi pointer: each is cast to its field's type."""
-        self._check(self.lib.strata_dev_launch(self._d, stream, name.encode(), self.arguments(name, **fields)))
+        self.check(self.lib.strata_dev_launch(self._d, stream, name.encode(), self.arguments(name, **fields)))
 
     def launch_list(self, items: Any, n: int, stream: int = 0) -> None:
         """Queue n launches at once: `items` points to n `strata_dev_launch_item`s (see `launch_list.LaunchList`)."""
-        self._check(self.lib.strata_dev_launch_list(self._d, stream, items, n))
+        self.check(self.lib.strata_dev_launch_list(self._d, stream, items, n))
 
     def launch_experts(self, args: Any, slots: Any, first: np.ndarray, count: np.ndarray, stream: int = 0) -> None:
         """Queue the expert cache's hits of a layer (`strata_dev_launch_experts`): `args` a
         `strata_dev_experts_args *`, `slots` the hits' slots, `first` and `count` (int32) their rows."""
-        self._check(self.lib.strata_dev_launch_experts(self._d, stream, args, len(first), slots,
+        self.check(self.lib.strata_dev_launch_experts(self._d, stream, args, len(first), slots,
                                                        self.ffi.from_buffer("int[]", first),
                                                        self.ffi.from_buffer("int[]", count)))
 

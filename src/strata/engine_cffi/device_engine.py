@@ -69,7 +69,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 from gguf import quants
 
-from strata.engine_cffi import _KV_TYPES, BatchItem, Engine, EngineAborted, EngineError, _check, _item_logits, get_rows
+from strata.engine_cffi import _KV_TYPES, BatchItem, Engine, EngineAborted, EngineError, _item_logits, get_rows
 from strata.engine_cffi._engine import lib
 from strata.engine_cffi.device import Device, DeviceError
 from strata.engine_cffi.device_check import MATMUL_TYPES
@@ -952,9 +952,16 @@ class DeviceEngine(Engine):
                           slot_x=np.empty((B * k, E), np.float32), slot_of=np.empty(B * k, np.int32),
                           experts=np.empty(B * k, np.int32), first=np.empty(B * k, np.int32),
                           count=np.empty(B * k, np.int32), miss_y=np.empty((B * k, E), np.float32))
-        self._host_ptr = {name: ffi.from_buffer("int[]" if array.dtype == np.int32 else "float[]", array)
-                          for name, array in self._host.items()}
-        self._n_distinct = ffi.new("int *")
+        host = {f"host_{name}": ffi.from_buffer("int[]" if array.dtype == np.int32 else "float[]", array)
+                for name, array in self._host.items()}
+        # each layer's experts' host side, one call a layer (`strata_dev_moe_layer`); the MTP block's (layer
+        # n_layer) none cached
+        self._moe_layers = [ffi.new("strata_moe_layer *", dict(
+            layer=il if il < self.n_layer else -1, n_expert=self.n_expert, k=k, stream=0, n_embd=E, n_ff=self.n_ff,
+            ids=self._ids(il), xb=a["xb"], slot_x=a["slot_x"], moe_out=a["moe_out"], slot_of=a["slot_of"],
+            hits=self._hit_args[il], experts=self._layer_experts[il], pool=self._pool, **host))
+            for il in range(self.n_layer + self.mtp)]
+        self._record = np.empty(B * k, np.int32)  # a layer's routing record, when one is kept
 
     def _mix_launches(self, out: LaunchList) -> None:
         """x += sum over the token's choices of weight * its expert's row (and the shared expert's gated rows)."""
@@ -1124,46 +1131,15 @@ class DeviceEngine(Engine):
     # --- a layer's experts
 
     def _moe(self, il: int, n: int, records: list[np.ndarray], chunk: int) -> None:
-        """The layer's top-k read back with xb; its slots grouped by expert; the hits on the device, the misses on
-        the CPU's threads; then the mix into the residual."""
-        a, dev, E, k, host, ptr = self._a, self.device, self.n_embd, self.n_used, self._host, self._host_ptr
-        ids = host["ids"][:n]
-        dev.download(ids, self._ids(il))
-        dev.download(host["xb"][:n], a["xb"])
-        dev.sync()
+        """The layer's experts (`strata_dev_moe_layer`): its top-k read back with xb, its slots grouped by expert,
+        the hits on the device, the misses on the CPU's threads; then the mix into the residual."""
+        dev = self.device
+        recorded = self._routing is not None and il < self.n_layer  # the MTP block's routing is not recorded
+        record = dev.ffi.from_buffer("int[]", self._record) if recorded else dev.ffi.NULL
+        dev.check(dev.lib.strata_dev_moe_layer(dev.handle, self.slots.handle, self._moe_layers[il], n, record))
         self._in_flight = []  # what the host gave the stream so far is read by now
-        trunk = il < self.n_layer  # the MTP block's experts (layer n_layer) are all the CPU's, and not recorded
-        if self._routing is not None and trunk:
-            records.append(np.concatenate([np.array([il, chunk, n], np.int32), ids.reshape(-1)]))
-        # slots grouped by expert, ascending: expert e's tokens' rows, in token order (slot_x)
-        _check(dev.lib.strata_host_group_slots(n, k, self.n_expert, ptr["ids"], ptr["xb"], E, ptr["slot_x"],
-                                               ptr["slot_of"], ptr["experts"], ptr["first"], ptr["count"],
-                                               self._n_distinct))
-        experts = host["experts"][:self._n_distinct[0]]  # ascending
-        hits: Sequence[int] = ()
-        misses: Sequence[int] | np.ndarray = experts
-        if trunk:
-            outcome = self.slots.step(il, experts)
-            hits, misses = outcome.hits, outcome.misses
-        first, count, slot_x = host["first"], host["count"], host["slot_x"]
-        dev.upload(a["slot_x"], slot_x[:n * k])
-        if len(hits):  # queued: on a card they run while the CPU computes the misses
-            at = np.searchsorted(experts, hits)
-            dev.launch_experts(self._hit_args[il], dev.ffi.from_buffer("void *[]", self.slots.slots_of(il, hits)),
-                               first[at], count[at])
-        if len(misses):  # on the CPU's threads, from the mapped file, into miss_y at the slots' rows
-            at = np.searchsorted(experts, misses)
-            miss_first, miss_count = first[at], count[at]
-            started = time.perf_counter()
-            _check(dev.lib.strata_host_layer_misses(self._pool, E, self.n_ff, self._layer_experts[il], len(at),
-                                                    dev.ffi.from_buffer("int[]", experts[at]),
-                                                    dev.ffi.from_buffer("int[]", miss_first),
-                                                    dev.ffi.from_buffer("int[]", miss_count), ptr["slot_x"],
-                                                    ptr["miss_y"]))
-            if trunk:
-                self.slots.misses_took(time.perf_counter() - started)
-            dev.upload_rows(a["moe_out"], host["miss_y"], miss_first, miss_count)
-        dev.upload(a["slot_of"], host["slot_of"][:n * k])
+        if recorded:
+            records.append(np.concatenate([np.array([il, chunk, n], np.int32), self._record[:n * self.n_used]]))
         self._mix.run(n=n)
         # no synchronisation: the next layer's attention queues behind this one; the host's rows live until the
         # next read-back (the buffers of `_host` are rewritten only after it)

@@ -64,6 +64,11 @@ class ExpertPolicy:
                            tuple(divmod(key, self.n_expert) for key in evictions))
 
     @property
+    def address(self) -> int:
+        """The C policy's address (for the expert slots, which step it)."""
+        return int(ffi.cast("uintptr_t", self._policy))
+
+    @property
     def following_prior(self) -> bool:
         return lib.strata_expert_policy_chosen(self._policy) == self._n_shadow
 

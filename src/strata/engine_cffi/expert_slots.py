@@ -59,7 +59,9 @@ class ExpertCounts:
 
 class ExpertSlots:
     """Up to `capacity` experts in device memory, each in a slot holding its gate, up and down matrices one after
-    another (a slot is the largest layer's expert: a model may mix types from layer to layer).
+    another (a slot is the largest layer's expert: a model may mix types from layer to layer). The bookkeeping is
+    `strata_expert_slots` (cuda/expert_cache.c), which the backend's layer call (`strata_dev_moe_layer`) steps
+    itself; this class makes it and steps it for the tests.
 
     Args:
         device: where the slots live (allocated as the cache fills, freed when the device closes).
@@ -67,7 +69,8 @@ class ExpertSlots:
         capacity: experts held over all layers.
         expert_bytes: per layer, the (gate, up, down) bytes of one of its experts.
         layers: per layer, where its experts lie in host memory (a `strata_host_layer_experts *` of the device's
-            interface: each matrix's base and an expert's bytes), which an upload reads in one call.
+            interface: each matrix's base and an expert's bytes), which an upload reads in one call; kept alive by
+            the caller as long as the slots.
         upload_stream: the device stream the uploads go on.
         compute_stream: the device stream that computes the hits, which waits for their uploads.
         uploads_per_step: the uploads a step may start (None: no bound); with a link rate, the budget until the
@@ -81,72 +84,62 @@ class ExpertSlots:
                  layers: Sequence[Any], upload_stream: int,
                  uploads_per_step: float | None = UPLOADS_PER_STEP, prior: Sequence[Key] = (),
                  link_rate: float | None = None, compute_stream: int = 0) -> None:
-        self.device, self.capacity = device, capacity
+        self.device, self.capacity, self.n_expert = device, capacity, n_expert
         self.expert_bytes = list(expert_bytes)
         self.slot_bytes = max(sum(sizes) for sizes in self.expert_bytes)
-        self._layers, self._stream, self._compute = layers, upload_stream, compute_stream
         self.policy = ExpertPolicy(n_layer, n_expert, capacity, uploads_per_step=uploads_per_step, prior=prior)
         self.link_rate = link_rate
-        self.counts = ExpertCounts(preloaded=len(prior))
-        self._slot: dict[tuple[int, int], Any] = {}  # (layer, expert) -> its slot (a device pointer)
-        self.n_expert = n_expert
-        # every expert's slot address by layer * n_expert + expert, 0 where it is not held: a layer's hits' slots
-        # in one array (`slots_of`)
-        self.table = np.zeros(n_layer * n_expert, np.uint64)
-        self._free: list[Any] = []  # slots of evicted experts, to be reused
-        self._miss_seconds: float | None = None  # what the current step's misses took, once it had some
-        self._queued: set[Key] = set()  # experts whose uploads were queued since the event was last recorded
-        self._arriving: set[Key] = set()  # experts whose uploads the event marks, until the compute stream waits
-        self._uploaded: int | None = None  # the event: the uploads queued before this step began
-        if prior:  # the prior's slots in one allocation (a device checks each copy against its allocations)
-            block = device.ffi.cast("char *", device.alloc(len(prior) * self.slot_bytes))
-            for i, (layer, expert) in enumerate(prior):
-                self._upload(layer, expert, block + i * self.slot_bytes)
+        self._preloaded, self._held_hits = len(prior), 0
+        ffi, lib = device.ffi, device.lib
+        keys = [layer * n_expert + e for layer, e in prior]
+        handle = lib.strata_expert_slots_new(
+            device.handle, ffi.cast("struct strata_expert_policy *", self.policy.address), n_layer, n_expert,
+            capacity, self.slot_bytes, ffi.new("strata_host_layer_experts *[]", list(layers)), upload_stream,
+            compute_stream, -1.0 if uploads_per_step is None else uploads_per_step, link_rate or 0.0,
+            MIN_UPLOADS_PER_STEP, ffi.new("int[]", keys), len(keys))
+        if handle == ffi.NULL:
+            device.check(1)
+        self.handle = ffi.gc(handle, lib.strata_expert_slots_free)
+        # every expert's slot address by layer * n_expert + expert, 0 where it is not held: a view of the C table
+        self.table = np.frombuffer(ffi.buffer(lib.strata_expert_slots_table(handle), 8 * n_layer * n_expert),
+                                   np.uint64)
+        self._out = np.empty((4, n_expert), np.int32)  # a step's hits, misses, uploads, evictions
+        self._lengths = np.empty(4, np.int32)
+        self._out_ptr = ffi.new("int *[]", [ffi.from_buffer("int[]", row) for row in self._out])
+        self._lengths_ptr = ffi.from_buffer("int[]", self._lengths)
+
+    @property
+    def counts(self) -> ExpertCounts:
+        counts = self.device.ffi.new("long long[3]")
+        self.device.lib.strata_expert_slots_counts(self.handle, counts)
+        return ExpertCounts(counts[0] + self._held_hits, counts[1], counts[2], self._preloaded)
 
     def begin_step(self) -> None:
         """Start a forward pass: it may read the experts whose uploads the last one queued (the compute stream
         waits for them before the first such read), and start as many uploads as the link moves in the time the
         last one's misses took."""
-        if self._queued:
-            if self._uploaded is None:
-                self._uploaded = self.device.record(self._stream)
-            else:
-                self.device.rerecord(self._stream, self._uploaded)
-            self._arriving |= self._queued
-            self._queued = set()
-        if self.link_rate is not None and self._miss_seconds is not None:
-            paced = self._miss_seconds * self.link_rate / self.slot_bytes
-            self.policy.uploads_per_step = max(MIN_UPLOADS_PER_STEP, paced)
-            self._miss_seconds = 0.0
-        self.policy.begin_step()
+        budget = self.device.ffi.new("double *")
+        self.device.check(self.device.lib.strata_expert_slots_begin_step(self.handle, budget))
+        self.policy.uploads_per_step = None if budget[0] < 0 else budget[0]
 
     def misses_took(self, seconds: float) -> None:
         """A layer's misses kept the CPU busy for `seconds` of this step (the uploads it queued overlap them)."""
-        self._miss_seconds = (self._miss_seconds or 0.0) + seconds
+        self.device.lib.strata_expert_slots_took(self.handle, seconds)
 
     def step(self, layer: int, experts: Sequence[int] | np.ndarray) -> StepOutcome:
         """The layer needs `experts` (distinct): count them, and queue the uploads the policy starts."""
-        outcome = self.policy.step(layer, experts)
-        if self._arriving and any((layer, e) in self._arriving for e in outcome.hits):
-            assert self._uploaded is not None
-            self.device.wait(self._compute, self._uploaded)  # covers every upload the event marks
-            self._arriving = set()
-        self.counts.hits += len(outcome.hits)
-        self.counts.misses += len(outcome.misses)
-        self.counts.uploads += len(outcome.uploads)
-        for key in outcome.evictions:
-            self._free.append(self._slot.pop(key))
-            self.table[key[0] * self.n_expert + key[1]] = 0
-            self._arriving.discard(key)
-            self._queued.discard(key)
-        for e in outcome.uploads:
-            self._upload(layer, e)
-        return outcome
+        needed = np.asarray(experts, np.int32)
+        self.device.check(self.device.lib.strata_expert_slots_step(
+            self.handle, layer, self.device.ffi.from_buffer("int[]", needed), len(needed), self._out_ptr,
+            self._lengths_ptr))
+        hits, misses, uploads, evictions = (row[:n].tolist() for row, n in zip(self._out, self._lengths, strict=True))
+        return StepOutcome(tuple(hits), tuple(misses), tuple(uploads),
+                           tuple(divmod(key, self.n_expert) for key in evictions))
 
     def count_held(self, experts: int) -> None:
         """A step of a cache that holds every expert: `experts` distinct experts over its layer-steps, each a hit
         (the policy is not stepped: nothing can be evicted or uploaded)."""
-        self.counts.hits += experts
+        self._held_hits += experts
 
     def slots_of(self, layer: int, experts: Sequence[int]) -> np.ndarray:
         """The slot addresses of held experts of a layer (uint64: a `void *[]` for the device's calls)."""
@@ -154,14 +147,6 @@ class ExpertSlots:
 
     def matrices(self, layer: int, expert: int) -> tuple[Any, Any, Any]:
         """The device pointers of a held expert's gate, up and down matrices."""
-        base = self.device.ffi.cast("char *", self._slot[(layer, expert)])
+        base = self.device.ffi.cast("char *", int(self.table[layer * self.n_expert + expert]))
         gate, up, _ = self.expert_bytes[layer]
         return base, base + gate, base + gate + up
-
-    def _upload(self, layer: int, expert: int, slot: Any = None) -> None:
-        if slot is None:
-            slot = self._free.pop() if self._free else self.device.alloc(self.slot_bytes)
-        self._slot[(layer, expert)] = slot
-        self.table[layer * self.n_expert + expert] = int(self.device.ffi.cast("uintptr_t", slot))
-        self._queued.add((layer, expert))
-        self.device.upload_expert(slot, self._layers[layer], expert, self._stream)

@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include "../kernels.h"
 #include "device_impl.h"
 
@@ -22,6 +23,10 @@ struct strata_device {
     int n_allocs, cap_allocs;
     int n_streams;                         /* streams 0 .. n_streams - 1 exist */
     int n_events;                          /* events 0 .. n_events - 1 were recorded */
+    int *journal, n_journal, cap_journal;  // (what, stream, event) of each ordering call, while kept
+    int journal_lost;                      /* entries the journal had no room for */
+    int time_work;                         /* whether the work calls are timed, into work */
+    double work[3];                        /* their wall and calling thread's CPU seconds, and how many */
     char err[256];
 };
 
@@ -90,6 +95,7 @@ strata_device *strata_dev_open(const char *kind, const char *cuda_library, size_
 
 void strata_dev_close(strata_device *d) {
     if (!d) return;
+    free(d->journal);
     for (int i = 0; i < d->n_allocs; i++) d->be.free(d->be.self, d->allocs[i].p);
     d->be.close(d->be.self);
     if (d->library) dlclose(d->library);
@@ -98,6 +104,59 @@ void strata_dev_close(strata_device *d) {
 }
 
 const char *strata_dev_error(const strata_device *d) { return d->err; }
+void strata_dev_set_error(strata_device *d, const char *reason) { snprintf(d->err, sizeof d->err, "%s", reason); }
+
+// --- the journal of ordering calls, and the work clock (for tests and benchmarks)
+
+int strata_dev_journal(strata_device *d, int capacity) {
+    free(d->journal);
+    d->journal = NULL, d->n_journal = d->cap_journal = d->journal_lost = 0;
+    if (capacity <= 0) return STRATA_OK;
+    if (!(d->journal = malloc(sizeof(int) * 3 * (size_t)capacity)))
+        return fail(d, STRATA_ERR_NOMEM, "a journal of %d entries", capacity);
+    d->cap_journal = capacity;
+    return STRATA_OK;
+}
+
+int strata_dev_journal_take(strata_device *d, int *out, int capacity) {
+    int n = d->n_journal, lost = d->journal_lost || n > capacity;
+    memcpy(out, d->journal, sizeof(int) * 3 * (size_t)(n < capacity ? n : capacity));
+    d->n_journal = d->journal_lost = 0;
+    return lost ? -1 : n;
+}
+
+static void journal(strata_device *d, int what, int stream, int event) {
+    if (!d->journal) return;
+    if (d->n_journal == d->cap_journal) {
+        d->journal_lost++;
+        return;
+    }
+    int *at = d->journal + 3 * d->n_journal++;
+    at[0] = what, at[1] = stream, at[2] = event;
+}
+
+static double clock_seconds(clockid_t clock) {
+    struct timespec ts;
+    clock_gettime(clock, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+void strata_dev_time_work(strata_device *d, int on) { d->time_work = on; }
+void strata_dev_work_seconds(const strata_device *d, double *work) { memcpy(work, d->work, sizeof d->work); }
+
+strata_dev_clock strata_dev_work_started(const strata_device *d) {
+    if (!d->time_work) return (strata_dev_clock){0.0, 0.0};
+    return (strata_dev_clock){clock_seconds(CLOCK_MONOTONIC), clock_seconds(CLOCK_THREAD_CPUTIME_ID)};
+}
+
+int strata_dev_work_done(strata_device *d, strata_dev_clock started, int status) {
+    if (d->time_work) {
+        d->work[1] += clock_seconds(CLOCK_THREAD_CPUTIME_ID) - started.cpu;
+        d->work[0] += clock_seconds(CLOCK_MONOTONIC) - started.wall;
+        d->work[2]++;
+    }
+    return status;
+}
 const char *strata_dev_name(const strata_device *d) { return d->be.name; }
 double strata_dev_bandwidth(const strata_device *d) { return d->be.bandwidth; }
 
@@ -165,7 +224,8 @@ static int copy(strata_device *d, int stream, void *dst, const void *src, size_t
     if (direction == DEV_ON_DEVICE && (const char *)dst < (const char *)src + bytes &&
         (const char *)src < (const char *)dst + bytes)
         return fail(d, STRATA_ERR_INVALID_ARG, "a copy of %zu bytes from %p to %p overlaps itself", bytes, src, dst);
-    return d->be.copy(d->be.self, stream, dst, src, bytes, direction);
+    strata_dev_clock started = strata_dev_work_started(d);
+    return strata_dev_work_done(d, started, d->be.copy(d->be.self, stream, dst, src, bytes, direction));
 }
 
 int strata_dev_copy(strata_device *d, int stream, void *dst, const void *src, size_t bytes) {
@@ -215,7 +275,8 @@ int strata_dev_memset(strata_device *d, int stream, void *dst, int value, size_t
     if (!owned(d, dst, bytes))
         return fail(d, STRATA_ERR_INVALID_ARG, "%zu bytes at %p are not inside one allocation of this device",
                     bytes, dst);
-    return d->be.memset(d->be.self, stream, dst, value, bytes);
+    strata_dev_clock started = strata_dev_work_started(d);
+    return strata_dev_work_done(d, started, d->be.memset(d->be.self, stream, dst, value, bytes));
 }
 
 // --- streams and events
@@ -229,7 +290,10 @@ int strata_dev_stream_create(strata_device *d) {
 
 int strata_dev_stream_sync(strata_device *d, int stream) {
     int status = check_stream(d, stream);
-    return status ? status : d->be.stream_sync(d->be.self, stream);
+    if (status) return status;
+    journal(d, 3, stream, -1);
+    strata_dev_clock started = strata_dev_work_started(d);
+    return strata_dev_work_done(d, started, d->be.stream_sync(d->be.self, stream));
 }
 
 int strata_dev_event_record(strata_device *d, int stream) {
@@ -237,6 +301,7 @@ int strata_dev_event_record(strata_device *d, int stream) {
     if (d->n_events == STRATA_DEV_MAX_EVENTS)
         return fail(d, STRATA_ERR_INVALID_ARG, "no more than %d events", STRATA_DEV_MAX_EVENTS), -1;
     if (d->be.event_record(d->be.self, d->n_events, stream)) return -1;
+    journal(d, 1, stream, d->n_events);
     return d->n_events++;
 }
 
@@ -249,18 +314,24 @@ static int check_event(strata_device *d, int event) {
 int strata_dev_event_rerecord(strata_device *d, int stream, int event) {
     int status = check_stream(d, stream);
     if (!status) status = check_event(d, event);
-    return status ? status : d->be.event_record(d->be.self, event, stream);
+    if (status) return status;
+    journal(d, 1, stream, event);
+    return d->be.event_record(d->be.self, event, stream);
 }
 
 int strata_dev_stream_wait_event(strata_device *d, int stream, int event) {
     int status = check_stream(d, stream);
     if (!status) status = check_event(d, event);
-    return status ? status : d->be.stream_wait_event(d->be.self, stream, event);
+    if (status) return status;
+    journal(d, 2, stream, event);
+    return d->be.stream_wait_event(d->be.self, stream, event);
 }
 
 int strata_dev_event_sync(strata_device *d, int event) {
     int status = check_event(d, event);
-    return status ? status : d->be.event_sync(d->be.self, event);
+    if (status) return status;
+    strata_dev_clock started = strata_dev_work_started(d);
+    return strata_dev_work_done(d, started, d->be.event_sync(d->be.self, event));
 }
 
 double strata_dev_event_elapsed_ms(strata_device *d, int start, int end) {
@@ -420,7 +491,9 @@ int strata_dev_launch(strata_device *d, int stream, const char *name, const void
     int reference, k = find_kernel(name, &reference);
     if (k < 0) return fail(d, STRATA_ERR_INVALID_ARG, "no kernel named '%s'", name);
     status = check_args(d, (strata_dev_kernel)k, args);
-    return status ? status : d->be.launch(d->be.self, stream, (strata_dev_kernel)k, reference, args);
+    if (status) return status;
+    strata_dev_clock started = strata_dev_work_started(d);
+    return strata_dev_work_done(d, started, d->be.launch(d->be.self, stream, (strata_dev_kernel)k, reference, args));
 }
 
 // --- launch lists and the expert cache's hits (the backend's layer loop: a run of launches queued by one call)
@@ -445,12 +518,13 @@ int strata_dev_launch_list(strata_device *d, int stream, const strata_dev_launch
         status = check_args(d, (strata_dev_kernel)k, items[i].args);
         if (status) return fail_in(d, status, "launch list item", i);
     }
+    strata_dev_clock started = strata_dev_work_started(d);
     for (int i = 0; i < n; i++) {
         int reference, k = find_kernel(items[i].name, &reference);
         status = d->be.launch(d->be.self, stream, (strata_dev_kernel)k, reference, items[i].args);
-        if (status) return fail_in(d, status, "launch list item", i);
+        if (status) return strata_dev_work_done(d, started, fail_in(d, status, "launch list item", i));
     }
-    return STRATA_OK;
+    return strata_dev_work_done(d, started, STRATA_OK);
 }
 
 /* Hit i's four launches: gate and up products into hb, hb2, their SwiGLU into hb, the down product into y. */
@@ -494,13 +568,14 @@ int strata_dev_launch_experts(strata_device *d, int stream, const strata_dev_exp
             (status = check_matmul(d, &e.down)))
             return fail_in(d, status, "launch_experts: hit", i);
     }
+    strata_dev_clock started = strata_dev_work_started(d);
     for (int i = 0; i < n_hits; i++) {
         expert_launches e = expert_args(a, slot[i], first[i], count[i]);
         if ((status = d->be.launch(d->be.self, stream, DEV_KERNEL_MATMUL, 0, &e.gate)) ||
             (status = d->be.launch(d->be.self, stream, DEV_KERNEL_MATMUL, 0, &e.up)) ||
             (status = d->be.launch(d->be.self, stream, DEV_KERNEL_SWIGLU, 0, &e.swiglu)) ||
             (status = d->be.launch(d->be.self, stream, DEV_KERNEL_MATMUL, 0, &e.down)))
-            return fail_in(d, status, "launch_experts: hit", i);
+            return strata_dev_work_done(d, started, fail_in(d, status, "launch_experts: hit", i));
     }
-    return STRATA_OK;
+    return strata_dev_work_done(d, started, STRATA_OK);
 }

@@ -295,6 +295,20 @@ int strata_dev_event_sync(strata_device *d, int event);
 /* Wall time between two recorded events in milliseconds (after both completed), or a negative value. */
 double strata_dev_event_elapsed_ms(strata_device *d, int start, int end);
 
+/* A journal of the calls that order the streams, for the tests of that order: while one is kept, each record (and
+ * re-record), wait and stream synchronisation appends (what, stream, event) (what: 1 record, 2 wait, 3 sync; event
+ * -1 for a sync). strata_dev_journal keeps one of up to `capacity` entries (0: none); strata_dev_journal_take moves
+ * the entries so far into out (3 ints each, room for `capacity`) and returns how many, or -1 where some were lost
+ * (the journal or out was full). */
+int strata_dev_journal(strata_device *d, int capacity);
+int strata_dev_journal_take(strata_device *d, int *out, int capacity);
+/* The work clock, for the benchmarks' split of a step's time between the work and the host's own: while `on`
+ * (strata_dev_time_work), each call that does work (a copy, memset, launch or synchronisation, and the CPU's part
+ * of a layer's experts: its misses) adds its wall seconds, the calling thread's CPU seconds and 1 to work[0 .. 3)
+ * (strata_dev_work_seconds reads them). */
+void strata_dev_time_work(strata_device *d, int on);
+void strata_dev_work_seconds(const strata_device *d, double *work);
+
 /* Queue kernel `name` (see the argument structs above; "<name>_ref" runs the reference kernel) on `stream`. */
 int strata_dev_launch(strata_device *d, int stream, const char *name, const void *args);
 
@@ -389,5 +403,67 @@ int strata_host_layer_misses(strata_pool *pool, int64_t n_embd, int64_t n_ff, co
  * another, three uploads on `stream` (the expert cache's). */
 int strata_dev_upload_expert(strata_device *d, int stream, void *dst, const strata_host_layer_experts *layer,
                              int expert);
+
+/* --- the expert cache's host side (expert_cache.c): the slots holding experts in device memory as the policy
+ * (strata_engine.h's strata_expert_policy) chooses them, and a layer's routed experts split between the device and
+ * the CPU, one call a layer. The rules are expert_slots.py's. Failures return a strata_status with the reason in
+ * strata_dev_error. */
+
+struct strata_expert_policy;
+typedef struct strata_expert_slots strata_expert_slots;
+
+/* Slots for `capacity` experts of n_layer x n_expert, each of slot_bytes (an expert's gate, up and down one after
+ * another), stepped with `policy` (kept by the caller, which frees it after the slots). layers: per layer, where
+ * its experts lie on the host (copied: the structs must outlive the slots). Uploads go on upload_stream; the hits'
+ * stream, compute_stream, waits for them. uploads_per_step: the budget a step (< 0: no bound); with link_rate > 0
+ * (bytes a second), from the first step with misses the budget is what the link moves in the time the last step's
+ * misses took, at least min_uploads. prior: n_prior keys (layer n_expert + expert) uploaded now into one
+ * allocation, which the policy must hold too. NULL on failure. */
+strata_expert_slots *strata_expert_slots_new(strata_device *d, struct strata_expert_policy *policy, int n_layer,
+                                             int n_expert, int capacity, size_t slot_bytes,
+                                             const strata_host_layer_experts *const *layers, int upload_stream,
+                                             int compute_stream, double uploads_per_step, double link_rate,
+                                             double min_uploads, const int *prior, int n_prior);
+/* Frees the host's side (the slots' memory is the device's, freed when it closes). */
+void strata_expert_slots_free(strata_expert_slots *s);
+/* A step begins: the uploads queued so far are marked by the event, and the policy's step begins with the
+ * budget, which goes to *uploads_per_step (may be NULL). */
+int strata_expert_slots_begin_step(strata_expert_slots *s, double *uploads_per_step);
+/* The layer needs experts[0 .. n) (distinct): the policy's hits, misses, uploads and evictions (keys) into out[0 ..
+ * 4) (each room for n_expert; out NULL: the slots' own) and their lengths into counts (4; NULL: the slots' own);
+ * the compute stream made to wait before the first hit of an expert still arriving; evicted slots freed for reuse;
+ * the uploads queued. */
+int strata_expert_slots_step(strata_expert_slots *s, int layer, const int *experts, int n, int *const *out,
+                             int *counts);
+/* The misses of this step kept the CPU busy for `seconds` more (what paces the next step's budget). */
+void strata_expert_slots_took(strata_expert_slots *s, double seconds);
+/* Each expert's slot address by layer n_expert + expert, 0 where it is not held (n_layer n_expert values). */
+const uint64_t *strata_expert_slots_table(const strata_expert_slots *s);
+/* hits, misses, uploads counted so far (3 values). */
+void strata_expert_slots_counts(const strata_expert_slots *s, long long *counts);
+
+/* A layer's routed experts where the cache holds some: built once a layer, pointers that never change. */
+typedef struct {
+    int layer;                                 // its layer in the slots; -1: none cached (every expert a miss)
+    int n_expert, k, stream;
+    int64_t n_embd, n_ff;
+    const int *ids;                            // device: the top-k's ids (n_tok, k)
+    const float *xb;                           // device: the normed rows (n_tok, n_embd)
+    float *slot_x, *moe_out;                   // device: rows by slot (n_tok k, n_embd), in and out
+    int *slot_of;                              // device: each slot's place in the grouped order (n_tok k,)
+    const strata_dev_experts_args *hits;       // the hits' launches (x slot_x, y moe_out)
+    const strata_host_layer_experts *experts;  // where the layer's experts lie on the host
+    strata_pool *pool;                         // the misses' threads
+    int *host_ids, *host_slot_of, *host_experts, *host_first, *host_count;  // host buffers, n_batch k each
+    float *host_xb, *host_slot_x, *host_miss_y;                            // (n_batch, n_embd), (n_batch k, n_embd) x 2
+} strata_moe_layer;
+
+/* Layer L's experts for n_tok tokens, after its top-k was queued: the ids and normed rows read back (the one
+ * synchronisation: record, if not NULL, gets the ids), the slots grouped by expert and uploaded, the policy stepped
+ * (where L->layer >= 0), the hits queued on the device, the misses computed on the pool's threads (their time
+ * counted for the pace) and their rows uploaded into moe_out, each slot's place uploaded: what "add_rows" mixes
+ * into the residual next. */
+int strata_dev_moe_layer(strata_device *d, strata_expert_slots *s, const strata_moe_layer *L, int n_tok,
+                         int *record);
 
 #endif

@@ -57,6 +57,16 @@ typedef struct {
     size_t err_len;
 } strata_dev_backend;
 
+/* Set d's reason for a failure (what strata_dev_error returns): for the host's side built on the interface. */
+void strata_dev_set_error(strata_device *d, const char *reason);
+/* The work clock (strata_dev_time_work): a start's wall and thread CPU times (0 when off), and a piece of work
+ * done since `started` added to it (returns `status`). */
+typedef struct {
+    double wall, cpu;
+} strata_dev_clock;
+strata_dev_clock strata_dev_work_started(const strata_device *d);
+int strata_dev_work_done(strata_device *d, strata_dev_clock started, int status);
+
 /* Fill b with an implementation; 0, or a strata_status with the reason in err. */
 int strata_host_backend_open(strata_dev_backend *b, char *err, size_t err_len);
 /* The CUDA library's one export (looked up with dlsym). */
