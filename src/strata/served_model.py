@@ -261,7 +261,8 @@ class ServedModel:
         cache = engine.expert_counts()
         left = f" ({share / 2**20:,.0f} MiB left to the GPU image encoder)" if share else ""
         log(f"expert cache: {cache['capacity']} experts, {cache['bytes'] / 2**30:.2f} GiB"
-            + (f", {cache['preloaded']} from the prior" if prior is not None else "") + left)
+            + (f", {cache['preloaded']} from the prior" if prior is not None else "")
+            + (f", and the MTP block's {cache['mtp']}" if cache["mtp"] else "") + left)
         return engine
 
     def _expert_prior(self) -> Any:

@@ -20,6 +20,7 @@ from gguf_rewrite import rewrite
 from test_device_engine import (
     KV_TOLERANCE,
     SHAPE,
+    CountingLibrary,
     check_a_resident_step_reads_its_routing_back_once,
     check_hits_and_misses_give_the_same_bits,
     run,
@@ -256,6 +257,27 @@ def test_mtp_drafts_match_the_cpu_engines(models, kv):
     assert_same_drafts(got, want, kv)
     assert (got[3][0][0] == -1).all() and (got[3][0][1] >= 0).all()  # the import's sequence, then its source
     assert all((drafts >= 0).all() for i, (drafts, _) in enumerate(got) if i != 3)
+
+
+def test_the_mtp_blocks_experts_held_beside_a_resident_trunk_draft_the_same_bits(models):
+    """Where every routed expert of the trunk is held and the MTP block's fit too, they are held as well and the
+    block's experts run on the device (no miss call): the drafts and their logits are the bits of the block's
+    experts computed by the CPU beside the same resident trunk, and where they do not fit they stay the CPU's."""
+    with on_device(models["f32"], "f32", mtp=True) as probe:  # no budget: everything held
+        used, n_expert, slot = probe.device.used, probe.n_expert, probe.slots.slot_bytes
+    results, held = {}, {}
+    # no bound; then one the trunk's experts fit in and the block's not
+    for room, budget in (("all", 0), ("trunk", used - n_expert * slot // 2)):
+        with DeviceEngine.open(models["f32"], Device("host", budget=budget), kv="f32", mtp=True, resident=True,
+                               **SHAPE) as dev:
+            counting = dev.device.lib = CountingLibrary(dev.device.lib)
+            results[room] = drafting(dev)
+            held[room] = dev.expert_counts()["mtp"], counting.calls.get("strata_dev_moe_layer", 0)
+    assert held["all"] == (n_expert, 0)
+    assert held["trunk"][0] == 0 and held["trunk"][1] > 0  # the block's experts the CPU's, a call a pass
+    for (drafts, logits), (want_drafts, want_logits) in zip(results["all"], results["trunk"], strict=True):
+        np.testing.assert_array_equal(drafts, want_drafts)
+        np.testing.assert_array_equal(logits, want_logits)
 
 
 @pytest.mark.parametrize("window", [4, 16])

@@ -162,7 +162,8 @@ async def test_source_auto_runs_the_mtp_block_on_the_backend_without_a_line(qwen
     async with open_service(config, log=lines.append) as service:
         assert service.engine.backend == "host" and service.engine.mtp
         assert service.models.default.mtp is service.engine
-    assert not [line for line in lines if "MTP" in line]
+    # no notice about the block: only the expert cache's line names it, whose experts it holds beside the trunk's
+    assert [line for line in lines if "MTP" in line] == ["expert cache: 16 experts, 0.01 GiB, and the MTP block's 4"]
     config = server_config(model=str(qwen35_model), context=256, device="host", speculative={"source": "off"})
     async with open_service(config, log=lambda line: None) as service:
         assert service.engine.has_mtp and not service.engine.mtp and service.models.default.mtp is None

@@ -132,6 +132,7 @@ class DeviceEngine(Engine):
 
     device: Device
     slots: ExpertSlots
+    mtp_experts_held: bool  # the MTP block's routed experts on the device (beside a resident trunk's)
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], device: Device, n_ctx: int = 4096, threads: int | None = None,
@@ -239,7 +240,8 @@ class DeviceEngine(Engine):
         self._alloc_kv()
         self._state = RecurrentState(device, self.n_seq, self.state_bytes // 4)
         self._alloc_activations()
-        # the MTP block's routed experts (layer n_layer) are all computed by the CPU: the cache holds the trunk's
+        # the expert cache's policy holds the trunk's routed experts; the MTP block's (layer n_layer) are the CPU's,
+        # or held beside a resident trunk's where they fit (below)
         self._experts = [(self._tensor(f"blk.{il}.ffn_gate_exps"), self._tensor(f"blk.{il}.ffn_up_exps"),
                           self._tensor(f"blk.{il}.ffn_down_exps")) for il in range(self.n_layer + self.mtp)]
         expert_bytes = [(g.n_bytes // self.n_expert, u.n_bytes // self.n_expert, d.n_bytes // self.n_expert)
@@ -264,6 +266,11 @@ class DeviceEngine(Engine):
         if resident and capacity < every:
             raise EngineError(f"resident: the expert cache holds {capacity} of the model's {every} routed experts")
         self.resident = capacity == every and resident is not False
+        # the MTP block's routed experts (layer n_layer): held beside a resident trunk's where they fit too, else
+        # the CPU's (the policy and the routing traces are the trunk's)
+        mtp_slot = sum(t.n_bytes // self.n_expert for t in self._experts[-1]) if self.mtp else 0
+        room = free - every * slot - 8 * self.n_expert
+        self.mtp_experts_held = self.resident and self.mtp and room >= self.n_expert * mtp_slot
         held = self._prior(prior, capacity)
         if capacity == every:  # every expert held from the start: none is ever a miss
             held = [(il, e) for il in range(self.n_layer) for e in range(self.n_expert)]
@@ -277,7 +284,7 @@ class DeviceEngine(Engine):
             raise EngineError(f"could not start {self.threads} threads for the expert cache's misses")
         self._build_launches()
         if self.resident:
-            self._build_resident_step()
+            self._build_resident_step(self._hold_mtp_experts(mtp_slot) if self.mtp_experts_held else None)
             device.sync(self._upload_stream)  # the experts are on the device before a step reads them
 
     def _prior(self, trace: RoutingTrace | None, capacity: int) -> list[Key]:
@@ -581,10 +588,11 @@ class DeviceEngine(Engine):
 
     def expert_counts(self) -> dict[str, int]:
         """The expert cache's capacity (experts and bytes) and its counts since the engine started (hits,
-        misses, uploads)."""
+        misses, uploads; the trunk's), and the MTP block's experts held beside them (`mtp`)."""
         c, slots = self.slots.counts, self.slots
         return {"capacity": slots.capacity, "bytes": slots.capacity * slots.slot_bytes, "hits": c.hits,
-                "misses": c.misses, "uploads": c.uploads, "preloaded": c.preloaded}
+                "misses": c.misses, "uploads": c.uploads, "preloaded": c.preloaded,
+                "mtp": self.n_expert * self.mtp_experts_held}
 
     # --- a call
 
@@ -846,7 +854,10 @@ class DeviceEngine(Engine):
         dev.upload(self._floats("mtp_raw", self.n_batch * E), hidden)
         self._in_flight = [embd, hidden, *staged.values()]
         self._block_launches.run(n=n)
-        self._moe(self.n_layer, n, [], 0)
+        if self.mtp_experts_held:
+            self._mtp_resident.run(n=n)
+        else:
+            self._moe(self.n_layer, n, [], 0)
 
     def mtp_draft(self, seqs: Sequence[int], pos: Sequence[int], tokens: Sequence[int], n_draft: int,
                   logits: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
@@ -971,12 +982,27 @@ class DeviceEngine(Engine):
         if self.hybrid:
             out.launch("add_rows", n_tok=N, k=1, n=E, y=a["sh_out"], out=a["x"])
 
-    def _build_resident_step(self) -> None:
+    def _hold_mtp_experts(self, slot: int) -> np.ndarray:
+        """The MTP block's routed experts uploaded into one allocation (on the upload stream, which the resident
+        step's build waits for): their slots' addresses."""
+        dev, layer = self.device, self._layer_experts[self.n_layer]
+        block = dev.ffi.cast("char *", dev.alloc(self.n_expert * slot))
+        for e in range(self.n_expert):
+            dev.check(dev.lib.strata_dev_upload_expert(dev.handle, self._upload_stream, block + e * slot, layer, e))
+        return int(dev.ffi.cast("uintptr_t", block)) + slot * np.arange(self.n_expert, dtype=np.uint64)
+
+    def _build_resident_step(self, mtp_slots: np.ndarray | None) -> None:
         """A step's whole forward pass up to the output as one list (split only by memsets): per layer its
         launches up to the top-k, its experts (`_resident_experts`) and the mix; a table of every expert's slot on
-        the device, which the products read; and the host buffer the step's routing comes back to."""
+        the device, which the products read (with `mtp_slots`, the MTP block's experts' after the trunk's, and
+        their list: the block's experts and mix); and the host buffer the step's routing comes back to."""
         B, k = self.n_batch, self.n_used
-        self._slot_table = self._put(self.slots.table)  # every expert held: no 0 in it
+        table = self.slots.table if mtp_slots is None else np.concatenate([self.slots.table, mtp_slots])
+        self._slot_table = self._put(table)  # every expert held: no 0 in it
+        if mtp_slots is not None:
+            self._mtp_resident = LaunchList(self.device)
+            self._resident_experts(self._mtp_resident, self.n_layer)
+            self._mix_launches(self._mtp_resident)
         self._step = out = LaunchList(self.device)
         for il in range(self.n_layer):
             if self._recurrent[il]:
