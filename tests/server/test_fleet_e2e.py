@@ -27,12 +27,17 @@ SYSTEM = " ".join(f"Rule {i}: answer in plain words and keep to the facts you we
 
 
 def free_port_block(n: int) -> int:
-    """A base port with `n` free ports after it (a random base, checked by binding each)."""
+    """A base port with `n` free ports after it (a random base, checked by binding each), below the range the
+    kernel gives outgoing connections their own ports from: a killed replica's ports are free until it restarts,
+    and one in that range may meanwhile become the local port of any connection (the router's health checks and
+    reconnections, the test's requests), so that the restarted replica could not bind it ("Address already in
+    use" for its events port, seen once)."""
     import random
     import socket
 
+    low, _ = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
     for _ in range(50):
-        base = random.randrange(20000, 60000 - n)
+        base = random.randrange(10000, low - n)
         sockets = []
         try:
             for port in range(base, base + n):
