@@ -197,6 +197,29 @@ def test_a_run_without_a_slot_is_left_to_the_other_form(dev, kernel):
 
 
 @pytest.mark.parametrize("kernel", ["delta_rule", "delta_rule_chunked"])
+def test_a_rule_over_no_runs_is_not_launched(dev, kernel):
+    """n_seq 0 (a chunk whose runs all take the other form) is checked and then not launched: the device's work
+    clock counts no piece of work for it, where the same launch over one run counts one."""
+    fixed = dict(n_k_heads=1, n_v_heads=2, head_dim=16, row_stride=32, state_stride=512)
+    arrays = device_check.delta_rule_inputs(4, 1, 2, 16, np.random.default_rng(3)) | sequences((4,))
+    arrays |= {"state": np.zeros((1, 512), np.float32), "out": np.zeros((4, 2, 16), np.float32)}
+    ptrs = {k: dev.to_device(v) for k, v in arrays.items()}
+    work = dev.ffi.new("double[3]")
+    dev.lib.strata_dev_time_work(dev.handle, 1)
+    pieces = []
+    for n_seq in (0, 1):
+        dev.launch(kernel, n_seq=n_seq, **fixed, **ptrs)
+        dev.lib.strata_dev_work_seconds(dev.handle, work)
+        pieces.append(work[2])
+    assert pieces == [0, 1]
+    assert np.any(dev.to_host(ptrs["out"], (4, 2, 16), np.float32) != 0)
+    with pytest.raises(device_check.DeviceError, match=f"{kernel}: .*n_seq -1"):
+        dev.launch(kernel, n_seq=-1, **fixed, **ptrs)
+    for ptr in ptrs.values():
+        dev.free(ptr)
+
+
+@pytest.mark.parametrize("kernel", ["delta_rule", "delta_rule_chunked"])
 def test_delta_rule_refuses_heads_the_fast_kernel_cannot_hold(dev, kernel):
     args = dict(n_seq=1, n_k_heads=1, n_v_heads=1, head_dim=256, row_stride=256, state_stride=256 * 256)
     with pytest.raises(device_check.DeviceError, match=f"{kernel}: head_dim 256"):

@@ -86,6 +86,27 @@ def test_a_long_prompt_run_beside_short_ones_matches_the_cpu_engine(models):
     assert np.max(np.abs(got_states - want_states)) <= KV_TOLERANCE["f32"] * np.max(np.abs(want_states))
 
 
+def test_each_form_of_the_delta_rule_is_launched_only_over_a_chunk_that_has_its_runs(models):
+    """A decode step's runs are all the recurrent form's and a long prompt's all the chunked form's: the other
+    form's launch is over no runs (n_seq 0, which the device does not launch); a chunk with both has both."""
+    def runs(dev: DeviceEngine) -> dict[str, list[int]]:
+        ffi, out = dev.device.ffi, {"delta_rule": [], "delta_rule_chunked": []}
+        for launches in dev._layers_launches:
+            for name, args in launches._items:
+                if ffi.string(name).decode() in out:
+                    out[ffi.string(name).decode()].append(args.n_seq)
+        return out
+
+    with DeviceEngine.open(models["f32"], Device("host"), kv="f32", capacity=6, **(SHAPE | {"n_batch": 32})) as dev:
+        n_rec = sum(dev._recurrent)
+        dev.eval_batch([BatchItem(0, list(range(40, 70)))])  # one run of 30 tokens: the chunked form
+        assert runs(dev) == {"delta_rule": [0] * n_rec, "delta_rule_chunked": [1] * n_rec}
+        dev.eval_batch([BatchItem(0, [70]), BatchItem(1, list(range(5, 35)))])  # a decode token beside a prompt
+        assert runs(dev) == {"delta_rule": [2] * n_rec, "delta_rule_chunked": [2] * n_rec}
+        dev.eval_batch([BatchItem(0, [71]), BatchItem(1, [35])])  # decode
+        assert runs(dev) == {"delta_rule": [2] * n_rec, "delta_rule_chunked": [0] * n_rec}
+
+
 def test_hits_and_misses_give_the_same_bits(models):
     check_hits_and_misses_give_the_same_bits(on_device, models["q4_k"], layers=4)
 

@@ -90,6 +90,9 @@ RESERVE = 1 << 30  # of a card's free memory, left to the driver and other users
 LINK_PROBE_BYTES = 8 << 20  # the upload timed to measure the link: long enough that a launch's latency is small
 # the sizes the launches follow: a chunk's tokens, its runs of a sequence's tokens, the rows that want logits
 N, RUNS, ROWS = Size("n"), Size("runs"), Size("m")
+# the runs each form of the delta rule is launched over: every run where some run takes that form, else none (no
+# launch: a decode step's runs are all the recurrent form's, a long prompt's all the chunked form's)
+RECURRENT_RUNS, CHUNKED_RUNS = Size("recurrent_runs"), Size("chunked_runs")
 
 
 def device_budget(free: int, gpu_memory: int | None, encoder_bytes: int) -> int:
@@ -672,6 +675,7 @@ class DeviceEngine(Engine):
         pos32 = pos.astype(np.int32)
         # the runs of each sequence's tokens (adjacent: a call has one item a sequence), for the recurrent layers
         starts = np.flatnonzero(np.r_[True, seqs[1:] != seqs[:-1]])
+        sizes = dict(n=n, runs=len(starts), recurrent_runs=0, chunked_runs=0)
         staged = {"x": self._embeddings(ids, rows, embd_of), "seq": seqs.astype(np.int32), "pos": pos32,
                   "n_pos": pos32 + 1, "rope": np.ascontiguousarray(rope, np.int32)}
         if self.hybrid:  # the delta rule's form per run, the CPU engine's choice: the other form's slot is -1 (skipped)
@@ -680,13 +684,15 @@ class DeviceEngine(Engine):
             staged |= {"run_seq": run_seq, "run_first": run_first,
                        "recurrent_seq": np.where(chunked, -1, run_seq).astype(np.int32),
                        "chunked_seq": np.where(chunked, run_seq, -1).astype(np.int32)}
+            sizes.update(recurrent_runs=len(starts) * int(not chunked.all()),
+                         chunked_runs=len(starts) * int(chunked.any()))
         for name, array in staged.items():
             dev.upload(a[name], array)
         self._in_flight = list(staged.values())  # host buffers the stream reads, kept until a synchronisation
         if self.resident:  # the whole pass queued at once; its routing read after the step's synchronisation
-            self._step.run(n=n, runs=len(starts))
+            self._step.run(**sizes)
         for il in range(0 if self.resident else self.n_layer):
-            self._layers_launches[il].run(n=n, runs=len(starts))
+            self._layers_launches[il].run(**sizes)
             self._moe(il, n, records, chunk)
         hidden = None
         if self.mtp:  # the hidden states: output_norm(x), as the output head reads them
@@ -1120,9 +1126,9 @@ class DeviceEngine(Engine):
         rule = dict(n_k_heads=hk, n_v_heads=hv, head_dim=d, row_stride=C, q=a["dn_conv"],
                     k=self._floats("dn_conv", hk * d), v=self._floats("dn_conv", 2 * hk * d), g=a["dn_alpha"],
                     beta=a["dn_beta"], state=self._state.at(0, layer + self.conv_floats), out=a["dn_out"],
-                    **(runs | dict(seq=a["recurrent_seq"])))
+                    **(runs | dict(n_seq=RECURRENT_RUNS, seq=a["recurrent_seq"])))
         out.launch("delta_rule", **rule)
-        out.launch("delta_rule_chunked", **(rule | dict(seq=a["chunked_seq"])))
+        out.launch("delta_rule_chunked", **(rule | dict(n_seq=CHUNKED_RUNS, seq=a["chunked_seq"])))
         out.launch("gated_rms_norm", n=d, n_rows=n * hv, eps=self.eps, x=a["dn_out"], z=a["dn_z"], w=L["ssm_norm"],
                    out=a["dn_out"])
         self._matmul(out, L["ssm_out"], a["dn_out"], n, a["xb"])

@@ -423,7 +423,7 @@ static int check_args(strata_device *d, strata_dev_kernel k, const void *args) {
     case DEV_KERNEL_DELTA_RULE_CHUNKED: {
         const strata_dev_delta_rule_args *a = args;
         const char *name = KERNEL_NAMES[k];
-        if (a->head_dim <= 0 || a->head_dim > 128 || a->n_seq <= 0 || a->n_k_heads <= 0 ||
+        if (a->head_dim <= 0 || a->head_dim > 128 || a->n_seq < 0 || a->n_k_heads <= 0 ||
             a->n_v_heads % a->n_k_heads)
             return fail(d, STRATA_ERR_INVALID_ARG,
                         "%s: head_dim %d (up to 128), %d v heads over %d q/k heads, n_seq %d", name, a->head_dim,
@@ -475,6 +475,13 @@ static int check_args(strata_device *d, strata_dev_kernel k, const void *args) {
     }
 }
 
+/* Whether a launch has no work and is not made: a delta rule over no runs (a chunk's runs all taken by the
+ * other form). */
+static int no_work(strata_dev_kernel k, const void *args) {
+    return (k == DEV_KERNEL_DELTA_RULE || k == DEV_KERNEL_DELTA_RULE_CHUNKED) &&
+           ((const strata_dev_delta_rule_args *)args)->n_seq == 0;
+}
+
 /* Kernel `name`'s number ("<name>_ref": the same, with *reference set), or -1. */
 static int find_kernel(const char *name, int *reference) {
     size_t len = strlen(name);
@@ -491,7 +498,7 @@ int strata_dev_launch(strata_device *d, int stream, const char *name, const void
     int reference, k = find_kernel(name, &reference);
     if (k < 0) return fail(d, STRATA_ERR_INVALID_ARG, "no kernel named '%s'", name);
     status = check_args(d, (strata_dev_kernel)k, args);
-    if (status) return status;
+    if (status || no_work((strata_dev_kernel)k, args)) return status;
     strata_dev_clock started = strata_dev_work_started(d);
     return strata_dev_work_done(d, started, d->be.launch(d->be.self, stream, (strata_dev_kernel)k, reference, args));
 }
@@ -521,6 +528,7 @@ int strata_dev_launch_list(strata_device *d, int stream, const strata_dev_launch
     strata_dev_clock started = strata_dev_work_started(d);
     for (int i = 0; i < n; i++) {
         int reference, k = find_kernel(items[i].name, &reference);
+        if (no_work((strata_dev_kernel)k, items[i].args)) continue;
         status = d->be.launch(d->be.self, stream, (strata_dev_kernel)k, reference, items[i].args);
         if (status) return strata_dev_work_done(d, started, fail_in(d, status, "launch list item", i));
     }

@@ -159,7 +159,8 @@ typedef struct {
  *     S = exp(g) S;  S += k (beta (v - S^T k))^T;  out = S^T q.
  * q, k, v: token t's q head j at q + t row_stride + j head_dim (k, v likewise); g, beta: (n_tok, n_v_heads);
  * out: (n_tok, n_v_heads, head_dim). A run whose slot seq[s] is negative is skipped (its rows left as they are),
- * so that a chunk's runs can be split between the two forms without moving rows.
+ * so that a chunk's runs can be split between the two forms without moving rows; n_seq 0 is no work (nothing is
+ * launched: a chunk whose runs all take the other form).
  * "delta_rule_chunked": the same rule and arguments by the chunked form (blocks_deltanet.c's chunk_step): a run's
  * tokens in chunks of 64, within a chunk the updates from one unit lower-triangular solve and the state read and
  * written once. The same sums in another order: the outputs and state agree with the recurrent form's to float
