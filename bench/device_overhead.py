@@ -21,7 +21,10 @@ with the calls into C that run kernels or copies timed (`WORK_CALLS`: launches o
 hits, copies, memsets, misses: on the host device a call returns when its work is done; where the tree has the
 device's work clock, `strata_dev_time_work`, that clock instead, which times the same work inside a layer's one call
 for its experts too). The host-side overhead is
-the plain run's step time less the timed run's time inside those calls, so the wrapper's own cost does not count
+the timed run's step time less its time inside those calls where the device's clock timed them (what the clock's
+reads add, inside a piece of work and around it, measured on empty pieces and taken out; taking both from one run
+leaves out the kernels' spread from run to run), otherwise the plain run's step time less the timed run's time
+inside those calls, so the wrapper's own cost does not count
 (its clocks' reads inside a call, measured on an empty call, are taken out of the calls' time: a tree that makes more
 calls for the same work is not credited with them as work);
 `CPU` is the same in the stepping thread's CPU time, which a busy machine's waits for a core do not inflate. Each
@@ -58,19 +61,26 @@ WORK_CALLS = ("strata_dev_launch", "strata_dev_launch_list", "strata_dev_launch_
 
 class WorkClock:
     """The device's own work clock (`strata_dev_time_work`, in trees that have it): every call that does work, the
-    ones a layer's experts' call makes inside it too, timed in C, less the clock's own cost inside a piece of work
-    (measured on a synchronisation of the host device, which does nothing)."""
+    ones a layer's experts' call makes inside it too, timed in C. Its reads cost something inside a timed piece of
+    work and around it; both are measured on synchronisations of the host device (which do nothing), with the clock
+    off and on, and taken out: `work` is the pieces' own time, `clock` what the reads added to the step."""
 
     CALIBRATION = 20000
 
     def __init__(self, device: Any) -> None:
         self._device, self._work = device, device.ffi.new("double[3]")
-        device.lib.strata_dev_time_work(device.handle, 1)
-        start = self._read()
-        for _ in range(self.CALIBRATION):
-            device.lib.strata_dev_stream_sync(device.handle, 0)
+        lib, handle = device.lib, device.handle
+        spent = {}
+        for on in (0, 1):
+            lib.strata_dev_time_work(handle, on)
+            start, wall, cpu = self._read(), time.perf_counter(), time.thread_time()
+            for _ in range(self.CALIBRATION):
+                lib.strata_dev_stream_sync(handle, 0)
+            spent[on] = time.perf_counter() - wall, time.thread_time() - cpu
         end = self._read()
-        self._inflation = ((end[0] - start[0]) / self.CALIBRATION, (end[1] - start[1]) / self.CALIBRATION)
+        # a piece's clock reads: inside its timed span, and in all
+        self._inside = ((end[0] - start[0]) / self.CALIBRATION, (end[1] - start[1]) / self.CALIBRATION)
+        self._total = tuple(max(0.0, (spent[1][i] - spent[0][i]) / self.CALIBRATION) for i in range(2))
         self._start = self._read()
 
     def _read(self) -> tuple[float, float, float]:
@@ -78,11 +88,16 @@ class WorkClock:
         return self._work[0], self._work[1], self._work[2]
 
     def work(self) -> tuple[float, float]:
-        """Seconds and CPU seconds in the work since the calibration, the clock's own cost left out."""
+        """Seconds and CPU seconds in the work since the calibration, the clock's reads inside it left out."""
         end = self._read()
         pieces = end[2] - self._start[2]
-        return (end[0] - self._start[0] - pieces * self._inflation[0],
-                end[1] - self._start[1] - pieces * self._inflation[1])
+        return (end[0] - self._start[0] - pieces * self._inside[0],
+                end[1] - self._start[1] - pieces * self._inside[1])
+
+    def clock(self) -> tuple[float, float]:
+        """Seconds and CPU seconds the clock's reads added to the steps since the calibration."""
+        pieces = self._read()[2] - self._start[2]
+        return pieces * self._total[0], pieces * self._total[1]
 
 
 class TimedLibrary:
@@ -150,9 +165,11 @@ def worker(model: str, n_seq: int, steps: int, timed: bool, cached: float, mode:
             digest.update(b"".join(rows.tobytes() for rows in logits))
         wall, cpu = time.perf_counter() - started, time.thread_time() - cpu
         work, work_cpu = library.work()
+        clock, clock_cpu = library.clock() if isinstance(library, WorkClock) else (0.0, 0.0)
         counts = {k: engine.expert_counts()[k] - before[k] for k in ("hits", "misses")}
         layers = engine.n_layer
     return {"step": wall / steps, "work": work / steps, "step_cpu": cpu / steps, "work_cpu": work_cpu / steps,
+            "same_run": isinstance(library, WorkClock), "clock": clock / steps, "clock_cpu": clock_cpu / steps,
             "layers": layers, "digest": digest.hexdigest(),
             "hit_share": counts["hits"] / max(1, counts["hits"] + counts["misses"])}
 
@@ -217,9 +234,15 @@ def main() -> None:
             def median(runs: list[dict[str, Any]], key: str) -> float:
                 return statistics.median(r[key] for r in runs) / layers * 1e6  # noqa: B023 (used at once)
             step, work = median(plain, "step"), median(timed_runs, "work")
-            cpu = median(plain, "step_cpu") - median(timed_runs, "work_cpu")
+            if all(r["same_run"] for r in timed_runs):  # the device's clock: the work and the step of one run
+                own = statistics.median((r["step"] - r["work"] - r["clock"]) / layers * 1e6 for r in timed_runs)
+                cpu = statistics.median((r["step_cpu"] - r["work_cpu"] - r["clock_cpu"]) / layers * 1e6
+                                        for r in timed_runs)
+            else:
+                own = step - work
+                cpu = median(plain, "step_cpu") - median(timed_runs, "work_cpu")
             hits = statistics.median(r["hit_share"] for r in plain)
-            print(f"{label:{width}} {arch:10} {n:4d} {step:8.1f} {work:8.1f} {step - work:8.1f} {cpu:8.1f} {hits:6.1%}")
+            print(f"{label:{width}} {arch:10} {n:4d} {step:8.1f} {work:8.1f} {own:8.1f} {cpu:8.1f} {hits:6.1%}")
             digests |= {(arch, n, r["digest"]) for r in plain + timed_runs}
     same = len(digests) == len(cases)
     print(f"logits of every engine and run {'bit-identical' if same else 'DIFFER'} for each model and sequence count")

@@ -1,10 +1,13 @@
 """The device backend's layer loop in few calls, on the host device: a launch list (`strata_dev_launch_list`,
-`launch_list.LaunchList`) and a layer's hits (`strata_dev_launch_experts`) give the bits of the same launches made
+`launch_list.LaunchList`), a pass of lists and layers' experts (`strata_dev_run_pass`, `launch_list.Pass`) and a
+layer's hits (`strata_dev_launch_experts`) give the bits of the same launches made
 one by one, and check every item before queuing any; the slots grouped by expert in C
 (`strata_host_group_slots`) are numpy's stable sort of them.
 """
 
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 import pytest
@@ -13,7 +16,7 @@ from gguf import GGMLQuantizationType as Q
 from strata.engine_cffi import EngineError, _check
 from strata.engine_cffi.device import Device, DeviceError, interface
 from strata.engine_cffi.device_check import random_weights
-from strata.engine_cffi.launch_list import LaunchList, Size
+from strata.engine_cffi.launch_list import LaunchList, Pass, Size
 
 N = Size("n")
 E, F, ROWS = 256, 256, 8  # width, hidden width of an expert (K-quants: multiples of 256), the most tokens
@@ -40,12 +43,12 @@ def initial(seed: int) -> dict[str, np.ndarray]:
             for name, n in dict(x=ROWS * E, norm=E, xb=ROWS * E, h=ROWS * 2 * F, out=ROWS * F).items()}
 
 
-def test_a_launch_list_gives_the_bits_of_its_launches_one_by_one(dev):
+def test_a_launch_list_and_a_pass_give_the_bits_of_their_launches_one_by_one(dev):
     rng = np.random.default_rng(0)
     w = random_weights(Q.Q8_0, 2 * F, E, rng)
     for n_tok in (3, 5, 3):  # a list built once, run at other sizes: its Size fields follow
         outs = []
-        for way in ("one by one", "list"):
+        for way in ("one by one", "list", "pass"):
             b = {name: dev.to_device(values) for name, values in initial(n_tok).items()}
             b["w"] = dev.to_device(w)
             steps = [("rms_norm", dict(n=E, n_tok=N, eps=1e-6, x=b["x"], w=b["norm"], out=b["xb"])),
@@ -54,15 +57,18 @@ def test_a_launch_list_gives_the_bits_of_its_launches_one_by_one(dev):
                      ("memset", dict(ptr=b["out"], nbytes=4 * F * N)),
                      ("add_rows", dict(n_tok=N, k=1, n=F, y=b["h"], out=b["out"])),
                      ("swiglu", dict(n=N * F, g=b["out"], u=b["h"], out=b["out"]))]
-            if way == "list":
+            if way != "one by one":
                 launches = LaunchList(dev)
                 for name, fields in steps:
                     launches.memset(**fields) if name == "memset" else launches.launch(name, **fields)
                 assert len(launches) == 4
-                launches.run(n=7)  # another size first, on the same buffers filled again: the fields follow
+                # the list run alone, or as a pass of one call (`strata_dev_run_pass`: its launches and memset)
+                queue = launches.run if way == "list" else functools.partial(Pass(dev, [launches]).run,
+                                                                             dev.ffi.NULL, n_tok, dev.ffi.NULL)
+                queue(n=7)  # another size first, on the same buffers filled again: the fields follow
                 for name, values in initial(n_tok).items():
                     dev.upload(b[name], values)
-                launches.run(n=n_tok)
+                queue(n=n_tok)
             else:
                 for name, fields in steps:
                     sized = {k: v.factor * n_tok if isinstance(v, Size) else v for k, v in fields.items()}
@@ -71,8 +77,9 @@ def test_a_launch_list_gives_the_bits_of_its_launches_one_by_one(dev):
                                                                 ("out", ROWS * F))])
             for p in b.values():
                 dev.free(p)
-        for one, listed in zip(*outs, strict=True):
+        for one, listed, passed in zip(*outs, strict=True):
             np.testing.assert_array_equal(one, listed)
+            np.testing.assert_array_equal(one, passed)
 
 
 def raw_list(dev: Device, items: list[tuple[str | None, object]]) -> tuple[object, list[object]]:
@@ -275,3 +282,16 @@ def test_runs_of_rows_upload_in_one_call(dev):
     with pytest.raises(DeviceError, match="upload_rows: run 0 of 1: rows -1 \\+ 1"):
         dev.upload_rows(p, rows, np.array([-1], np.int32), np.array([1], np.int32))
 
+
+
+def test_a_pass_names_the_operation_that_failed(dev):
+    """A pass stops at its first failure, whose reason names the operation: here a layer's experts on another stream
+    than the pass's."""
+    b = buffers(dev, np.random.default_rng(2), x=E, out=E)
+    launches = LaunchList(dev)
+    launches.launch("swiglu", n=E, g=b["x"], u=b["x"], out=b["out"])
+    layer = dev.ffi.new("strata_moe_layer *", dict(layer=-1, n_expert=4, k=2, stream=1))
+    with pytest.raises(DeviceError, match="pass operation 1: no layer, or one on another stream"):
+        Pass(dev, [launches, layer]).run(dev.ffi.NULL, 1, dev.ffi.NULL)
+    x = read(dev, b["x"], E).astype(np.float64)
+    np.testing.assert_allclose(read(dev, b["out"], E), x / (1 + np.exp(-x)) * x, rtol=1e-5)  # the one before ran

@@ -76,7 +76,7 @@ from strata.engine_cffi.device_check import MATMUL_TYPES
 from strata.engine_cffi.device_mtp import MTP_HISTORY, HiddenHistory
 from strata.engine_cffi.device_state import RecurrentState
 from strata.engine_cffi.expert_slots import UPLOADS_PER_STEP, ExpertSlots
-from strata.engine_cffi.launch_list import LaunchList, Size
+from strata.engine_cffi.launch_list import LaunchList, Pass, Size
 from strata.experts.simulate import Key, most_frequent
 from strata.experts.trace import RoutingTrace
 from strata.gguf_file import TensorInfo
@@ -691,9 +691,8 @@ class DeviceEngine(Engine):
         self._in_flight = list(staged.values())  # host buffers the stream reads, kept until a synchronisation
         if self.resident:  # the whole pass queued at once; its routing read after the step's synchronisation
             self._step.run(**sizes)
-        for il in range(0 if self.resident else self.n_layer):
-            self._layers_launches[il].run(**sizes)
-            self._moe(il, n, records, chunk)
+        else:
+            self._trunk_pass(sizes, records, chunk)
         hidden = None
         if self.mtp:  # the hidden states: output_norm(x), as the output head reads them
             self._hidden_launches.run(n=n)
@@ -863,7 +862,7 @@ class DeviceEngine(Engine):
         if self.mtp_experts_held:
             self._mtp_resident.run(n=n)
         else:
-            self._moe(self.n_layer, n, [], 0)
+            self._mtp_experts(n)
 
     def mtp_draft(self, seqs: Sequence[int], pos: Sequence[int], tokens: Sequence[int], n_draft: int,
                   logits: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
@@ -978,7 +977,10 @@ class DeviceEngine(Engine):
             ids=self._ids(il), xb=a["xb"], slot_x=a["slot_x"], moe_out=a["moe_out"], slot_of=a["slot_of"],
             hits=self._hit_args[il], experts=self._layer_experts[il], pool=self._pool, **host))
             for il in range(self.n_layer + self.mtp)]
-        self._record = np.empty(B * k, np.int32)  # a layer's routing record, when one is kept
+        # a step's trunk where the cache holds some experts: each layer's launches, its experts and its mix, one call
+        self._pass = Pass(self.device, [part for il in range(self.n_layer)
+                                        for part in (self._layers_launches[il], self._moe_layers[il], self._mix)])
+        self._records = np.empty((self.n_layer, B * k), np.int32)  # each layer's routing, when recorded
 
     def _mix_launches(self, out: LaunchList) -> None:
         """x += sum over the token's choices of weight * its expert's row (and the shared expert's gated rows)."""
@@ -1162,19 +1164,29 @@ class DeviceEngine(Engine):
 
     # --- a layer's experts
 
-    def _moe(self, il: int, n: int, records: list[np.ndarray], chunk: int) -> None:
-        """The layer's experts (`strata_dev_moe_layer`): its top-k read back with xb, its slots grouped by expert,
-        the hits on the device, the misses on the CPU's threads; then the mix into the residual."""
+    def _trunk_pass(self, sizes: dict[str, int], records: list[np.ndarray], chunk: int) -> None:
+        """Every layer of the trunk where the cache holds some experts, in one call (`strata_dev_run_pass`): per
+        layer its launches up to the top-k, its experts (the top-k read back with xb, the slots grouped by expert,
+        the hits on the device, the misses on the CPU's threads), the mix into the residual."""
         dev = self.device
-        recorded = self._routing is not None and il < self.n_layer  # the MTP block's routing is not recorded
-        record = dev.ffi.from_buffer("int[]", self._record) if recorded else dev.ffi.NULL
-        dev.check(dev.lib.strata_dev_moe_layer(dev.handle, self.slots.handle, self._moe_layers[il], n, record))
-        self._in_flight = []  # what the host gave the stream so far is read by now
+        recorded = self._routing is not None
+        n = sizes["n"]
+        self._pass.run(self.slots.handle, n, dev.ffi.from_buffer("int[]", self._records) if recorded else dev.ffi.NULL,
+                       **sizes)
+        self._in_flight = []  # what the host gave the stream is read by now (each layer synchronises once)
         if recorded:
-            records.append(np.concatenate([np.array([il, chunk, n], np.int32), self._record[:n * self.n_used]]))
+            used = self._records.reshape(-1)[:self.n_layer * n * self.n_used].reshape(self.n_layer, -1)
+            head = np.column_stack([np.arange(self.n_layer), np.full((self.n_layer, 2), (chunk, n))])
+            records.extend(np.concatenate([head.astype(np.int32), used], axis=1))
+
+    def _mtp_experts(self, n: int) -> None:
+        """The MTP block's routed experts (`strata_dev_moe_layer`, every one a miss: the cache holds the trunk's),
+        then their mix into the residual."""
+        dev = self.device
+        dev.check(dev.lib.strata_dev_moe_layer(dev.handle, self.slots.handle, self._moe_layers[self.n_layer], n,
+                                               dev.ffi.NULL))
+        self._in_flight = []
         self._mix.run(n=n)
-        # no synchronisation: the next layer's attention queues behind this one; the host's rows live until the
-        # next read-back (the buffers of `_host` are rewritten only after it)
 
     def close(self) -> None:
         """Close the CPU engine and the device (which frees every allocation on it). Idempotent."""

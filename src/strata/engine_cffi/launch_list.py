@@ -62,19 +62,33 @@ class LaunchList:
 
     def run(self, stream: int = 0, **sizes: int) -> None:
         """Queue the list on `stream`, each `Size` field set from `sizes` (every size the list's fields name)."""
+        self.resize(**sizes)
+        for op in self.operations():
+            if op[0] == "launches":
+                if op[2]:
+                    self.device.launch_list(op[1], op[2], stream)
+            else:
+                nbytes = op[2]
+                self.device.memset(op[1], 0, nbytes if isinstance(nbytes, int) else nbytes.factor * sizes[nbytes.name],
+                                   stream)
+
+    def resize(self, **sizes: int) -> None:
+        """Set each `Size` field from `sizes`, where they differ from the last ones."""
         if sizes != self._sizes:
             for struct, field, size in self._sized:
                 setattr(struct, field, size.factor * sizes[size.name])
             self._sizes = sizes
+
+    def operations(self) -> list[tuple[str, Any, Any]]:
+        """The list in order: ("launches", pointer to the items, how many) between ("memset", pointer, bytes)."""
         if not self._runs:
             self._build()
+        ops: list[tuple[str, Any, Any]] = []
         for i, (items, n) in enumerate(self._runs):
-            if n:
-                self.device.launch_list(items, n, stream)
+            ops.append(("launches", items, n))
             if i < len(self._memsets):
-                _, ptr, nbytes = self._memsets[i]
-                self.device.memset(ptr, 0, nbytes if isinstance(nbytes, int) else nbytes.factor * sizes[nbytes.name],
-                                   stream)
+                ops.append(("memset", self._memsets[i][1], self._memsets[i][2]))
+        return ops
 
     def _build(self) -> None:
         """The items' array, and the runs of launches between the memsets: (pointer into the array, count)."""
@@ -84,3 +98,49 @@ class LaunchList:
             self._array[i].name, self._array[i].args = name, args
         bounds = [0, *(before for before, _, _ in self._memsets), len(self._items)]
         self._runs = [(self._array + start, end - start) for start, end in itertools.pairwise(bounds)]
+
+
+class Pass:
+    """Launch lists and layers' experts queued and computed by one call (`strata_dev_run_pass`): a step's pass where
+    the expert cache holds some experts, built once from its parts in order (`LaunchList`s and `strata_moe_layer *`
+    structs). The lists' `Size` fields and memsets follow the sizes given to each `run`."""
+
+    def __init__(self, device: Device, parts: list[Any]) -> None:
+        self.device = device
+        self._lists = list({id(part): part for part in parts if isinstance(part, LaunchList)}.values())
+        ops: list[tuple[str, Any, Any]] = []
+        for part in parts:
+            ops += part.operations() if isinstance(part, LaunchList) else [("experts", part, None)]
+        ops = [op for op in ops if op[0] != "launches" or op[2]]
+        ffi = device.ffi
+        self._ops = ffi.new("strata_dev_op[]", max(1, len(ops)))
+        self._n_ops = len(ops)
+        self._sized: list[tuple[Any, Size]] = []  # memsets whose bytes follow a size
+        lib = device.lib
+        kinds = {"launches": lib.STRATA_DEV_OP_LAUNCHES, "memset": lib.STRATA_DEV_OP_MEMSET,
+                 "experts": lib.STRATA_DEV_OP_EXPERTS}
+        for op, (kind, target, amount) in zip(self._ops, ops, strict=False):
+            op.kind = kinds[kind]
+            if kind == "launches":
+                op.items, op.n = target, amount
+            elif kind == "memset":
+                op.dst = target
+                if isinstance(amount, Size):
+                    self._sized.append((op, amount))
+                else:
+                    op.bytes = amount
+            else:
+                op.layer = target
+        self._sizes: dict[str, int] | None = None
+
+    def run(self, slots: Any, n_tok: int, records: Any, stream: int = 0, **sizes: int) -> None:
+        """Queue and compute the pass for `n_tok` tokens on `stream` with the expert slots `slots` (a
+        `strata_expert_slots *`), each experts operation's routing into `records` (`int *`, or NULL)."""
+        for launches in self._lists:
+            launches.resize(**sizes)
+        if sizes != self._sizes:
+            for op, size in self._sized:
+                op.bytes = size.factor * sizes[size.name]
+            self._sizes = sizes
+        dev = self.device
+        dev.check(dev.lib.strata_dev_run_pass(dev.handle, slots, stream, self._ops, self._n_ops, n_tok, records))

@@ -467,4 +467,23 @@ typedef struct {
 int strata_dev_moe_layer(strata_device *d, strata_expert_slots *s, const strata_moe_layer *L, int n_tok,
                          int *record);
 
+/* A step's pass where the cache holds some experts, queued and computed by one call: operations in order, each a
+ * launch list (strata_dev_launch_list), a memset to zero or a layer's experts (strata_dev_moe_layer), all on
+ * `stream` (a layer's too). records, if not NULL: the i-th experts operation's ids at records + i n_tok k. The first
+ * failure stops the pass; its reason names the operation. */
+#define STRATA_DEV_OP_LAUNCHES 0
+#define STRATA_DEV_OP_MEMSET 1
+#define STRATA_DEV_OP_EXPERTS 2
+typedef struct {
+    int kind;                                  // one of STRATA_DEV_OP_*
+    int n;                                     // launches: how many items
+    const strata_dev_launch_item *items;
+    void *dst;                                 // memset: where, and how many bytes
+    size_t bytes;
+    const strata_moe_layer *layer;             // experts
+} strata_dev_op;
+
+int strata_dev_run_pass(strata_device *d, strata_expert_slots *s, int stream, const strata_dev_op *ops, int n_ops,
+                        int n_tok, int *records);
+
 #endif

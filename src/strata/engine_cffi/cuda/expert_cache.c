@@ -257,3 +257,39 @@ int strata_dev_moe_layer(strata_device *d, strata_expert_slots *s, const strata_
     }
     return strata_dev_upload(d, L->stream, L->slot_of, L->host_slot_of, sizeof(int) * (size_t)n_slots);
 }
+
+// --- a step's pass where the cache holds some experts: every layer's launches, memsets and experts in one call
+
+int strata_dev_run_pass(strata_device *d, strata_expert_slots *s, int stream, const strata_dev_op *ops, int n_ops,
+                        int n_tok, int *records) {
+    if (n_ops < 0 || (n_ops > 0 && !ops)) return fail(d, STRATA_ERR_INVALID_ARG, "a pass of %d operations", n_ops);
+    for (int i = 0, experts = 0; i < n_ops; i++) {
+        const strata_dev_op *op = &ops[i];
+        int status;
+        switch (op->kind) {
+        case STRATA_DEV_OP_LAUNCHES:
+            status = strata_dev_launch_list(d, stream, op->items, op->n);
+            break;
+        case STRATA_DEV_OP_MEMSET:
+            status = strata_dev_memset(d, stream, op->dst, 0, op->bytes);
+            break;
+        case STRATA_DEV_OP_EXPERTS:
+            if (!op->layer || op->layer->stream != stream) {
+                status = fail(d, STRATA_ERR_INVALID_ARG, "no layer, or one on another stream");
+                break;
+            }
+            status = strata_dev_moe_layer(d, s, op->layer, n_tok,
+                                          records ? records + (size_t)experts * n_tok * op->layer->k : NULL);
+            experts++;
+            break;
+        default:
+            status = fail(d, STRATA_ERR_INVALID_ARG, "kind %d", op->kind);
+        }
+        if (status) {
+            char reason[256];
+            snprintf(reason, sizeof reason, "%s", strata_dev_error(d));
+            return fail(d, status, "pass operation %d: %s", i, reason);
+        }
+    }
+    return STRATA_OK;
+}
