@@ -10,7 +10,8 @@
  * The victim of an eviction is the held expert of least priority, ties to the lower layer, then the lower expert.
  * Each cache keeps, per layer, its held expert of least priority: a touch only raises a score, so it changes
  * that minimum only when it touches the minimum itself, and an eviction then scans two layers at most (the step's
- * own, without the experts it computes with, and the minimum's), not every held expert.
+ * own, without the experts it computes with, where its minimum is one of them; and the minimum's), not every held
+ * expert.
  *
  * Floating point follows the reference operation by operation (pow and log2 of libm, as CPython's float power
  * and math.log2 call them; no expression here is an a * b + c that a compiler could fuse). */
@@ -94,13 +95,10 @@ static int victim(strata_expert_policy *p, ranking r, int layer) {
     cache *c = cache_of(p, r);
     int best = -1;
     for (int l = 0; l < p->n_layer; l++) {
-        int e;
-        if (l == layer) {
-            e = least_in_layer(p, r, l, p->protect);
-        } else {
-            if (c->least[l] == -2) c->least[l] = least_in_layer(p, r, l, NULL);
-            e = c->least[l];
-        }
+        if (c->least[l] == -2) c->least[l] = least_in_layer(p, r, l, NULL);
+        int e = c->least[l];
+        /* the step's own layer without the experts it computes with: its least, unless that is one of them */
+        if (l == layer && e >= 0 && p->protect[e]) e = least_in_layer(p, r, l, p->protect);
         if (e >= 0 && (best < 0 || evicts_first(r, l * p->n_expert + e, best))) best = l * p->n_expert + e;
     }
     return best;
