@@ -29,6 +29,7 @@ def drifting_steps(n_layer: int, n_expert: int, steps: int, tokens: int, seed: i
     (6, 32, 40, 0.5, 20, 8.0, 2),  # a fractional budget accrues over steps
     (3, 8, 24, 3.0, 8, 4.0, 5),  # every expert fits
     (2, 64, 50, 100.0, 10, 32.0, 8),  # many uploads a layer-step, prompt-sized steps
+    (3, 128, 200, 12.0, 40, 64.0, 4),  # layers far longer than the lists of their least-priority experts
 ])
 def test_every_step_decides_as_the_reference(n_layer, n_expert, capacity, budget, prior, window, tokens):
     rng = np.random.default_rng(n_layer * n_expert)
