@@ -243,8 +243,7 @@ class DeviceEngine(Engine):
         self._alloc_kv()
         self._state = RecurrentState(device, self.n_seq, self.state_bytes // 4)
         self._alloc_activations()
-        # the expert cache's policy holds the trunk's routed experts; the MTP block's (layer n_layer) are the CPU's,
-        # or held beside a resident trunk's where they fit (below)
+        # every layer's experts where the file is mapped, the MTP block's (layer n_layer) too
         self._experts = [(self._tensor(f"blk.{il}.ffn_gate_exps"), self._tensor(f"blk.{il}.ffn_up_exps"),
                           self._tensor(f"blk.{il}.ffn_down_exps")) for il in range(self.n_layer + self.mtp)]
         expert_bytes = [(g.n_bytes // self.n_expert, u.n_bytes // self.n_expert, d.n_bytes // self.n_expert)
