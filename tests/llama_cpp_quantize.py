@@ -98,6 +98,29 @@ def quantize(source: pathlib.Path, out: pathlib.Path, preset: str,
     return out
 
 
+def llama_in_cpu_layout(**kwargs: Any) -> Any:
+    """`llama_cpp.Llama(**kwargs)` with the weights in ggml's own CPU layout (llama.cpp's `--no-extra-bufts`): on an
+    AMX Xeon, llama-cpp-python 0.3.36 built for the machine puts them in ggml's AMX layout, whose matrix product
+    dies of an illegal instruction (`tileloadd` in `ggml_backend_amx_mul_mat`). `Llama` takes no such argument:
+    the model parameters it asks llama.cpp for are changed while it loads."""
+    import llama_cpp
+    import llama_cpp.llama as high_level
+
+    low_level = high_level.llama_cpp
+    default = low_level.llama_model_default_params
+
+    def cpu_layout() -> Any:
+        params = default()
+        params.use_extra_bufts = False
+        return params
+
+    low_level.llama_model_default_params = cpu_layout
+    try:
+        return llama_cpp.Llama(**kwargs)
+    finally:
+        low_level.llama_model_default_params = default
+
+
 def llama_cpp_logits(path: pathlib.Path, tokens: list[int], kv: str = "f32", n_batch: int = 64,
                      n_threads: int = THREADS) -> np.ndarray:
     """llama.cpp's logits at every position of `tokens`, evaluated `n_batch` tokens per call, with a KV cache of
@@ -107,9 +130,9 @@ def llama_cpp_logits(path: pathlib.Path, tokens: list[int], kv: str = "f32", n_b
     import llama_cpp
 
     kv_type = {"f32": llama_cpp.GGML_TYPE_F32, "f16": llama_cpp.GGML_TYPE_F16}[kv]
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, n_batch=n_batch, n_ubatch=n_batch, n_threads=n_threads,
-                          n_threads_batch=n_threads, type_k=kv_type, type_v=kv_type, logits_all=True,
-                          verbose=False)
+    llm = llama_in_cpu_layout(model_path=str(path), n_ctx=64, n_batch=n_batch, n_ubatch=n_batch, n_threads=n_threads,
+                              n_threads_batch=n_threads, type_k=kv_type, type_v=kv_type, logits_all=True,
+                              verbose=False)
     try:
         for start in range(0, len(tokens), n_batch):
             llm.eval(tokens[start:start + n_batch])

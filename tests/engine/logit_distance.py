@@ -6,6 +6,7 @@ from __future__ import annotations
 import pathlib
 
 import numpy as np
+from llama_cpp_quantize import llama_in_cpu_layout
 
 from strata.engine_cffi import Engine
 
@@ -18,9 +19,9 @@ def ours(path: pathlib.Path, tokens: list[int]) -> np.ndarray:
 def llama_cpp(path: pathlib.Path, tokens: list[int]) -> np.ndarray:
     import llama_cpp
 
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=512, n_batch=512, n_ubatch=512, n_threads=2,
-                          n_threads_batch=2, type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32,
-                          logits_all=True, verbose=False)
+    llm = llama_in_cpu_layout(model_path=str(path), n_ctx=512, n_batch=512, n_ubatch=512, n_threads=2,
+                              n_threads_batch=2, type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32,
+                              logits_all=True, verbose=False)
     try:
         llm.eval(tokens)
         return np.array(llm.scores[: len(tokens)], dtype=np.float32)
