@@ -1,8 +1,8 @@
 """Scores of the shipped demo model on a held-out set, through the C engine and the `strata-vision` process, and
 through the torch model holding the same weights (greedy both ways): per-task scores and engine-vs-torch agreement.
 
-    python bench/demo_eval.py [--n 500] [--n-edit 100] [--threads 1] [--kv f16] [--no-torch] [--model F --mmproj F]
-                              [--json F]
+    python bench/demo_eval.py [--n 500] [--n-edit 100] [--n-edit-long 50] [--threads 1] [--kv f16] [--no-torch]
+                              [--model F --mmproj F] [--json F]
 
 Targets: colour_shape >= 95%, count >= 90%, arithmetic >= 90%, tool_call >= 95%, thinking >= 95%, agreement >= 99%.
 """
@@ -34,6 +34,8 @@ def main() -> None:
     parser.add_argument("--n-edit", type=int, default=100,
                         help="edits scored (each a hundred tokens or more, which the torch model recomputes whole "
                              "for every token)")
+    parser.add_argument("--n-edit-long", type=int, default=50,
+                        help="long edits scored (modules of three to nine functions: up to 1,024 tokens each)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--kv", default="f16", help="the engine's KV cache type (the server's default: f16)")
     parser.add_argument("--max-tokens", type=int, default=None,
@@ -45,7 +47,8 @@ def main() -> None:
     model, mmproj = args.model or shipped("demo.gguf"), args.mmproj or shipped("demo-mmproj.gguf")
 
     with tempfile.TemporaryDirectory() as workdir:
-        items = evaluate.held_out(args.n, pathlib.Path(workdir), sizes={"edit": args.n_edit})
+        items = evaluate.held_out(args.n, pathlib.Path(workdir), sizes={"edit": args.n_edit,
+                                                                               "edit_long": args.n_edit_long})
         start = time.monotonic()
         results = evaluate.evaluate(model, mmproj, items, args.threads, args.kv, args.max_tokens,
                                     with_torch=not args.no_torch)

@@ -528,17 +528,16 @@ def source_file(lines: int) -> str:
     return "\n".join(out[:lines]) + "\n"
 
 
-async def http_trace(mode: str, edit: str, chat: list[dict[str, Any]], max_tokens: int, threads: int,
-                     repeat: int) -> dict[str, Any]:
+async def http_trace(model: pathlib.Path, mode: str, edit: str, chat: list[dict[str, Any]], max_tokens: int,
+                     threads: int, repeat: int) -> dict[str, Any]:
     """Each trace in a server with `mode`'s speculation: once to warm up (its prompt stays cached: the measured
     requests evaluate only its last token), then `repeat` times measured."""
     import httpx
     from served import served
 
-    from strata.models import DEMO_MODEL
     from strata.service import open_service
 
-    config = config_from_dict({"model": str(DEMO_MODEL), "threads": threads, "context": 4096, "slots": 1,
+    config = config_from_dict({"model": str(model), "threads": threads, "context": 4096, "slots": 1,
                                "vision": {"exe": ["true"], "lazy_load": True},  # no encoder starts
                                "speculative": {"source": MODES[mode].source, "adaptive": MODES[mode].adaptive,
                                                "mtp_window": MTP_WINDOW}})
@@ -571,7 +570,8 @@ async def http_trace(mode: str, edit: str, chat: list[dict[str, Any]], max_token
     return out
 
 
-def http_traces(repeat: int, threads: int, max_tokens: int) -> dict[str, dict[str, tuple[float, float]]]:
+def http_traces(model: pathlib.Path, repeat: int, threads: int,
+                max_tokens: int) -> dict[str, dict[str, tuple[float, float]]]:
     import trio
 
     text = source_file(300)
@@ -581,7 +581,7 @@ def http_traces(repeat: int, threads: int, max_tokens: int) -> dict[str, dict[st
     texts: dict[str, dict[str, str]] = {}
     for _ in range(repeat):  # the modes' servers take turns: a change of load falls on all of them
         for mode in MODES:
-            result = trio.run(http_trace, mode, edit, chat, max_tokens, threads, 2)
+            result = trio.run(http_trace, model, mode, edit, chat, max_tokens, threads, 2)
             for name, value in result.items():
                 rates.setdefault(name, {}).setdefault(mode, []).extend(value["runs"])
                 texts.setdefault(name, {})[mode] = value["text"]
@@ -686,7 +686,8 @@ def main() -> None:
                         help="of steps, engine, http, mtp, demo, demo-http, rollback, overhead")
     parser.add_argument("--mtp-window", type=int, default=MTP_WINDOW,
                         help="the MTP block's window (`speculative.mtp_window`; 0: the whole history)")
-    parser.add_argument("--demo-model", type=pathlib.Path, help="demo: another demo model file than the shipped one")
+    parser.add_argument("--demo-model", type=pathlib.Path,
+                        help="demo, http: another demo model file than the shipped one")
     parser.add_argument("--layers", type=int, help="mtp: the qwen35moe's layers in place of the small one's 8 (every "
                         "4th full attention, as Qwen3.5)")
     args = parser.parse_args()
@@ -728,10 +729,11 @@ def main() -> None:
         print("| the block's drafts | ms | CPU ms |\n|---|---|---|")
         for (n_draft, how), (wall, cpu) in mtp_call_costs(path, args.threads, 20 * args.repeat).items():
             print(f"| {n_draft}, {how} | {wall * 1e3:.2f} | {cpu * 1e3:.2f} |", flush=True)
-    if "demo" in parts:
-        from strata.models import DEMO_MODEL
+    from strata.models import DEMO_MODEL
 
-        rates, acceptance = demo_traces(args.demo_model or DEMO_MODEL, args.threads, args.repeat)
+    demo_model = args.demo_model or DEMO_MODEL
+    if "demo" in parts:
+        rates, acceptance = demo_traces(demo_model, args.threads, args.repeat)
         print(table("demo model's own tasks, batcher", rates, tuple(rates["other text tasks"])[1:]), flush=True)
         for trace, modes in acceptance.items():
             print(f"acceptance, {trace}: " + ", ".join(f"{mode} {rate:.3f}" for mode, rate in modes.items()),
@@ -739,7 +741,8 @@ def main() -> None:
     if "overhead" in parts:
         print(overhead_table(overhead_traces(args.threads, args.repeat)), flush=True)
     if "http" in parts:
-        print(table("demo model, HTTP API", http_traces(args.repeat, args.threads, args.tokens)), flush=True)
+        print(table("demo model, HTTP API", http_traces(demo_model, args.repeat, args.threads, args.tokens)),
+              flush=True)
     if "rollback" in parts:
         size, costs = rollback_costs(args.threads, 10 * args.repeat)
         base_wall, base_cpu = costs["no state kept"]

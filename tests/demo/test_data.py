@@ -78,8 +78,9 @@ def _renamed_by_tokens(code: str, old: str, new: str) -> str:
     return tokenize.untokenize(tokens)
 
 
-@pytest.mark.parametrize("example", [data.make_example("edit", random.Random(seed)) for seed in range(60)],
-                         ids=lambda e: e.check["text"].split("(")[0])
+@pytest.mark.parametrize("example", [data.make_example(task, random.Random(seed))
+                                     for task in ("edit", "edit_long") for seed in range(40)],
+                         ids=lambda e: e.check["text"].split("(")[0] + f"-{e.check['text'].count('def ')}")
 def test_edits_rename_every_use_of_the_name_and_nothing_else(example: data.Example) -> None:
     question, answer = example.messages[-2]["content"], example.messages[-1]["content"]
     old, new = re.search(r"(?:Rename|rename|Change the name) `?(\w+)`? to `?(\w+)`?", question).groups()

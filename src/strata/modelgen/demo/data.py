@@ -439,7 +439,7 @@ def _no_tool(rng: random.Random, thinking: bool) -> Example:
     return inner
 
 
-# --- edits: a short piece of code given back with one name changed
+# --- edits: a piece of code given back with one name changed
 
 IDENTIFIERS = ("count", "total", "items", "value", "result", "index", "name", "data", "size", "width", "height",
                "price", "score", "limit", "step", "start", "offset", "label", "text", "line", "word", "key", "node",
@@ -474,8 +474,9 @@ def rename(code: str, old: str, new: str) -> str:
     return re.sub(rf"\b{re.escape(old)}\b", new, code)
 
 
-def _edit(rng: random.Random, thinking: bool) -> Example:
-    code = code_snippet(rng)
+def _edit(rng: random.Random, thinking: bool, functions: int = 1) -> Example:
+    """Rename a name in `functions` functions (a module of them, two blank lines apart)."""
+    code = "\n\n\n".join(code_snippet(rng) for _ in range(functions))
     names = sorted(set(re.findall(r"[a-z_]+", code)) - {"def", "if", "for", "in", "range", "return"})
     old = rng.choice(names)
     new = rng.choice([n for n in (*IDENTIFIERS, *FUNCTIONS) if n not in names])
@@ -498,6 +499,8 @@ _MAKERS: dict[str, Callable[[random.Random, bool], Example]] = {
     "add_call": lambda rng, thinking: _add(rng, thinking, False),
     "add_answer": lambda rng, thinking: _add(rng, thinking, True),
     "time_call": _time, "no_tool": _no_tool, "edit": _edit,
+    # a module of several functions: a long copy, with the name renamed only where it occurs
+    "edit_long": lambda rng, thinking: _edit(rng, thinking, rng.randint(3, 9)),
 }
 _HISTORY_TASKS = ("arithmetic", "capital", "greeting", "spelling")
 

@@ -9,6 +9,7 @@ The held-out items come from the training generator with seeds training never us
   tool_answer   after a tool's result, an answer quoting it
   facts         capitals, spelling and reversing, greetings
   edit          a short piece of code given back with one name changed: exactly the expected code
+  edit_long     the same with a module of three to nine such functions
   thinking      every item: a non-empty `<think>` section first when thinking is on, none when it is off
 """
 
@@ -42,9 +43,15 @@ HELD_OUT_SEED = 1_000_003  # training draws its examples from seeds 0..10
 SCORES = {
     "colour_shape": ("picture",), "count": ("count",), "arithmetic": ("arithmetic",),
     "tool_call": ("weather_call", "add_call", "time_call"), "tool_answer": ("weather_answer", "add_answer"),
-    "facts": ("capital", "spelling", "greeting", "no_tool"), "edit": ("edit",),
+    "facts": ("capital", "spelling", "greeting", "no_tool"), "edit": ("edit",), "edit_long": ("edit_long",),
 }
 MAX_NEW_TOKENS = 192  # an edit's code with its think section
+LONG_NEW_TOKENS = 1024  # a long edit's
+
+
+def new_tokens(item: Item) -> int:
+    """The most tokens generated for the item: enough for its answer and then some."""
+    return LONG_NEW_TOKENS if item.score == "edit_long" else MAX_NEW_TOKENS
 
 
 @dataclasses.dataclass
@@ -167,7 +174,7 @@ def engine_runner(engine: Engine, vision: VisionProcess, tok: Tokenizer) -> Call
         engine.keep(0)
         logits = engine.eval(ids, embeds=[(at, rows)] if rows is not None else None)
         out: list[int] = []
-        while len(out) < MAX_NEW_TOKENS and (not out or out[-1] not in tok.eos_ids):
+        while len(out) < new_tokens(item) and (not out or out[-1] not in tok.eos_ids):
             out.append(int(np.argmax(logits)))
             logits = engine.eval([out[-1]])
         return tok.decode(t for t in out if t not in tok.eos_ids)
@@ -190,7 +197,7 @@ def torch_runner(text: TextModel | HybridTextModel, vision: VisionModel, tok: To
             grids = [(ids.index(pad), picture.pixels.shape[1] // unit, picture.pixels.shape[2] // unit)]
         ids, _ = expand(ids, pad, rows)
         out: list[int] = []
-        while len(out) < MAX_NEW_TOKENS and (not out or out[-1] not in tok.eos_ids):
+        while len(out) < new_tokens(item) and (not out or out[-1] not in tok.eos_ids):
             tokens = torch.tensor([ids + out])
             mask = tokens == pad if rows is not None else None
             if isinstance(text, HybridTextModel):  # positions as the engine gives a picture's rows
@@ -219,7 +226,7 @@ def evaluate(model: pathlib.Path, mmproj: pathlib.Path, items: Iterable[Item], t
     encoder file's budget unless `max_tokens` lowers it."""
     tok = Tokenizer.from_gguf(model)
     vision = VisionProcess(mmproj, max_tokens, threads)
-    engine = Engine.load(os.fspath(model), n_ctx=1024, threads=threads, kv=kv)
+    engine = Engine.load(os.fspath(model), n_ctx=2048, threads=threads, kv=kv)
     try:
         by_engine = engine_runner(engine, vision, tok)
         by_torch = torch_runner(read_text(model), read_vision(mmproj), tok, max_tokens) if with_torch else None
