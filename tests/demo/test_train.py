@@ -9,7 +9,7 @@ import random
 import gguf
 import pytest
 
-from strata.modelgen.demo import export, train
+from strata.modelgen.demo import export, polish, train
 from strata.text.tokenizer import read_tokenizer_metadata
 from strata.vision.mmproj import read_hparams
 
@@ -38,6 +38,26 @@ def test_training_from_a_given_encoder_starts_from_that_file(tmp_path: pathlib.P
     assert first["weights"] == second["weights"] and first["config"]["encoder"] == given.encoder
     with pytest.raises(ValueError, match="starts from the encoder file"):
         train.run(given, tmp_path / "d", threads=1, log=False, encoder=tmp_path / "b" / "demo-mmproj.gguf")
+
+
+def test_a_polish_starts_from_the_trained_text_model_and_keeps_the_encoder(tmp_path: pathlib.Path) -> None:
+    small = train.CONFIGS["qwen35moe", True]
+    trained = train.run(small, tmp_path / "a", threads=1, log=False)
+    config = dataclasses.replace(polish.POLISH, start=trained["weights"]["demo.gguf"], steps=2, batch=4, warmup=1,
+                                 max_len=512)
+    first = polish.run(small, config, tmp_path / "a", tmp_path / "b", threads=1, log=False)
+    second = polish.run(small, config, tmp_path / "a", tmp_path / "c", threads=1, log=False)
+    assert first["weights"] == second["weights"]
+    assert first["weights"] == {name: export.weights_digest(tmp_path / "b" / name) for name in first["weights"]}
+    assert first["weights"]["demo.gguf"] != trained["weights"]["demo.gguf"]
+    assert first["weights"]["demo-mmproj.gguf"] == trained["weights"]["demo-mmproj.gguf"]
+    assert first["config"] == trained["config"] and first["train_seconds"] == trained["train_seconds"]
+    assert first["polish"]["config"] == polish.polish_record(config) and first["polish"]["threads"] == 1
+    longer = polish.run(small, dataclasses.replace(config, steps=3), tmp_path / "a", tmp_path / "d", threads=1,
+                        log=False)
+    assert longer["weights"]["demo.gguf"] != first["weights"]["demo.gguf"]
+    with pytest.raises(ValueError, match="starts from the text model"):
+        polish.run(small, config, tmp_path / "b", tmp_path / "e", threads=1, log=False)
 
 
 class Stopped(Exception):
@@ -74,6 +94,7 @@ def record() -> dict:
 
 def test_the_shipped_files_were_trained_with_the_script_configuration(record: dict) -> None:
     assert record["config"] == train.config_record(train.FULL)
+    assert record["polish"]["config"] == polish.polish_record(polish.POLISH)
     for name, digest in record["weights"].items():
         assert export.weights_digest(SHIPPED / name) == digest
 

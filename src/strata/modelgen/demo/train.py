@@ -301,7 +301,7 @@ def picture_batches(config: TrainConfig) -> Iterator[tuple[list[np.ndarray], lis
         yield [picture_pixels(s, config.vision, _picture_budget(rng, config.vision)) for s in scenes], scenes
 
 
-def _schedule(step: int, steps: int, lr: float, warmup: int) -> float:
+def schedule(step: int, steps: int, lr: float, warmup: int) -> float:
     """Linear warm-up, then a cosine decay to a tenth."""
     if step < warmup:
         return lr * (step + 1) / warmup
@@ -309,7 +309,7 @@ def _schedule(step: int, steps: int, lr: float, warmup: int) -> float:
     return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def _optimizer(params: list[nn.Parameter], lr: float) -> torch.optim.Optimizer:
+def optimizer(params: list[nn.Parameter], lr: float) -> torch.optim.Optimizer:
     # Norm weights and biases are not decayed.
     return torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.01},
                               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
@@ -322,13 +322,13 @@ def teach_vision(config: TrainConfig, vision: VisionModel, probe: Probe, log: bo
     given = bool(config.encoder)
     steps = config.probe_steps if given else config.vision_steps
     params = [*probe.parameters()] if given else [*vision.parameters(), *probe.parameters()]
-    opt = _optimizer(params, config.vision_lr)
+    opt = optimizer(params, config.vision_lr)
     batches = picture_batches(config)
     start, total = time.monotonic(), 0.0
     for step in range(steps):
         pictures, scenes = next(batches)
         for group in opt.param_groups:
-            group["lr"] = _schedule(step, steps, config.vision_lr, steps // 20 + 1)
+            group["lr"] = schedule(step, steps, config.vision_lr, steps // 20 + 1)
         with torch.no_grad() if given else contextlib.nullcontext():
             rows = picture_rows(vision, pictures)
         loss, accuracy = probe(rows, pictures, scenes)
@@ -373,6 +373,25 @@ def save_checkpoint(state: dict, path: pathlib.Path) -> None:
     partial.replace(path)
 
 
+def answer_losses(text: TextModel | HybridTextModel, rows: list[torch.Tensor],
+                  batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The text model's cross-entropy on the batch's answer tokens, its routers' balance loss, and a qwen35moe's
+    MTP block's cross-entropy on the token after next (zero for a qwen3moe)."""
+    select = batch.targets != IGNORE
+    if isinstance(text, HybridTextModel):
+        x = text.embed(batch.tokens, torch.cat(rows) if rows else None, batch.image_mask)
+        hidden, balance = text.trunk(x, batch.rope)
+        logits = hidden[select] @ text.output.T
+        # the block's pair at p predicts the token at p + 2: the trunk's target at p + 1
+        drafts, draft_balance = text.draft_logits(hidden, x, batch.rope, select[:, 1:])
+        draft_loss = F.cross_entropy(drafts, batch.targets[:, 1:][select[:, 1:]])
+        balance = balance + draft_balance  # each router's own loss: the block's reads only its inputs
+    else:
+        logits, balance = text(batch.tokens, torch.cat(rows) if rows else None, batch.image_mask, select=select)
+        draft_loss = logits.new_zeros(())
+    return F.cross_entropy(logits, batch.targets[select]), balance, draft_loss
+
+
 def train(config: TrainConfig, tok: Tokenizer, log: bool = True, checkpoint: Checkpoint | None = None,
           vision: VisionModel | None = None, resume: bool = False) -> tuple[TextModel | HybridTextModel, VisionModel]:
     """Train both models from their seeded initialisation (the encoder: from `vision` where the configuration
@@ -393,7 +412,7 @@ def train(config: TrainConfig, tok: Tokenizer, log: bool = True, checkpoint: Che
     draft = [*text.mtp.parameters()] if isinstance(text, HybridTextModel) else []
     params = [*(p for name, p in text.named_parameters() if not name.startswith("mtp.")), *vision.parameters(),
               *probe.parameters()]
-    opt = _optimizer(params + draft, config.lr)
+    opt = optimizer(params + draft, config.lr)
     batches = batch_stream(config, tok)
     first = 0
     if saved is not None:
@@ -410,25 +429,14 @@ def train(config: TrainConfig, tok: Tokenizer, log: bool = True, checkpoint: Che
     start, seen, total, total_draft = time.monotonic(), 0, 0.0, 0.0
     for step in range(first, config.steps):
         batch = next(batches)
-        lr = _schedule(step, config.steps, config.lr, config.warmup)
+        lr = schedule(step, config.steps, config.lr, config.warmup)
         for group in opt.param_groups:
             group["lr"] = lr
         rows = picture_rows(vision, batch.pictures)
-        select = batch.targets != IGNORE
-        if isinstance(text, HybridTextModel):
-            x = text.embed(batch.tokens, torch.cat(rows) if rows else None, batch.image_mask)
-            hidden, balance = text.trunk(x, batch.rope)
-            logits = hidden[select] @ text.output.T
-            # the block's pair at p predicts the token at p + 2: the trunk's target at p + 1
-            drafts, draft_balance = text.draft_logits(hidden, x, batch.rope, select[:, 1:])
-            draft_loss = F.cross_entropy(drafts, batch.targets[:, 1:][select[:, 1:]])
-            total_draft += draft_loss.item()
-            balance = balance + draft_balance  # each router's own loss: the block's reads only its inputs
-        else:
-            logits, balance = text(batch.tokens, torch.cat(rows) if rows else None, batch.image_mask, select=select)
-        loss = F.cross_entropy(logits, batch.targets[select])
+        loss, balance, draft_loss = answer_losses(text, rows, batch)
+        total_draft += draft_loss.item()
         read = probe(rows, batch.pictures, batch.scenes)[0] if rows else loss.new_zeros(())
-        (loss + BALANCE_WEIGHT * balance + PROBE_WEIGHT * read + (draft_loss if draft else 0.0)).backward()
+        (loss + BALANCE_WEIGHT * balance + PROBE_WEIGHT * read + draft_loss).backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         if draft:
             torch.nn.utils.clip_grad_norm_(draft, 1.0)
