@@ -1,5 +1,6 @@
 """Model files shipped with Strata: the trained demo model (`demo.gguf`) and its vision encoder
-(`demo-mmproj.gguf`). `docs/DEMO_MODEL.md` describes them; `strata make-model --demo` rebuilds them."""
+(`demo-mmproj.gguf`). `docs/DEMO_MODEL.md` describes them; `strata make-model --demo` trains them and
+`python -m strata.modelgen.demo.polish` polishes the text model, as they were made."""
 
 from __future__ import annotations
 
