@@ -52,7 +52,7 @@ def test_a_polish_starts_from_the_trained_text_model_and_keeps_the_encoder(tmp_p
     assert first["weights"]["demo.gguf"] != trained["weights"]["demo.gguf"]
     assert first["weights"]["demo-mmproj.gguf"] == trained["weights"]["demo-mmproj.gguf"]
     assert first["config"] == trained["config"] and first["train_seconds"] == trained["train_seconds"]
-    assert first["polish"]["config"] == polish.polish_record(config) and first["polish"]["threads"] == 1
+    assert first["polish"]["config"] == train.config_record(config) and first["polish"]["threads"] == 1
     longer = polish.run(small, dataclasses.replace(config, steps=3), tmp_path / "a", tmp_path / "d", threads=1,
                         log=False)
     assert longer["weights"]["demo.gguf"] != first["weights"]["demo.gguf"]
@@ -94,7 +94,7 @@ def record() -> dict:
 
 def test_the_shipped_files_were_trained_with_the_script_configuration(record: dict) -> None:
     assert record["config"] == train.config_record(train.FULL)
-    assert record["polish"]["config"] == polish.polish_record(polish.POLISH)
+    assert record["polish"]["config"] == train.config_record(polish.POLISH)
     for name, digest in record["weights"].items():
         assert export.weights_digest(SHIPPED / name) == digest
 

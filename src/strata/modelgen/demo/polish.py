@@ -24,6 +24,7 @@ import torch
 
 from strata.modelgen.demo import bpe, export, train
 from strata.modelgen.demo.hybrid import HybridTextModel
+from strata.modelgen.vocab import Vocab
 
 POLISH_SEED = 8  # its conversations come from seeds 8..10 above the trained configuration's
 
@@ -54,9 +55,10 @@ def stream_config(base: train.TrainConfig, config: PolishConfig) -> train.TrainC
                                batch=config.batch, max_len=config.max_len)
 
 
-def polish(base: train.TrainConfig, config: PolishConfig, start: pathlib.Path, threads: int,
+def polish(base: train.TrainConfig, config: PolishConfig, start: pathlib.Path, vocab: Vocab, threads: int,
            log: bool = True) -> HybridTextModel:
-    """The text model of `start`/demo.gguf (trained with `base`) after `config.steps` batches of the polish.
+    """The text model of `start`/demo.gguf (trained with `base`, whose vocabulary is `vocab`) after `config.steps`
+    batches of the polish.
 
     Raises:
         ValueError: `start`/demo.gguf is not the file the configuration starts from, or not a qwen35moe.
@@ -71,7 +73,7 @@ def polish(base: train.TrainConfig, config: PolishConfig, start: pathlib.Path, t
     vision = export.read_vision(start / "demo-mmproj.gguf").requires_grad_(False)
     torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory() as scratch:
-        tok = bpe.tokenizer_of(train.build_vocab(base), scratch)
+        tok = bpe.tokenizer_of(vocab, scratch)
     stream = stream_config(base, config)
     torch.manual_seed(stream.seed)
     trunk = [p for name, p in text.named_parameters() if not name.startswith("mtp.")]
@@ -100,24 +102,21 @@ def polish(base: train.TrainConfig, config: PolishConfig, start: pathlib.Path, t
     return text
 
 
-def polish_record(config: PolishConfig) -> dict:
-    return json.loads(json.dumps(dataclasses.asdict(config)))
-
-
 def run(base: train.TrainConfig, config: PolishConfig, start: pathlib.Path, out: pathlib.Path, threads: int,
         log: bool = True) -> dict:
     """Polish the files in `start` into `out`: `demo.gguf` polished, `demo-mmproj.gguf` copied, and `demo.json`:
     the start's record (the trained configuration and its run) with the polish's configuration, thread count and
     seconds, and the new files' weights digests."""
     started = time.monotonic()
-    text = polish(base, config, start, threads, log)
+    vocab = train.build_vocab(base)
+    text = polish(base, config, start, vocab, threads, log)
     out.mkdir(parents=True, exist_ok=True)
-    text_path = export.write_text(out / "demo.gguf", text, train.build_vocab(base))
+    text_path = export.write_text(out / "demo.gguf", text, vocab)
     vision_path = out / "demo-mmproj.gguf"
     if (start / vision_path.name).resolve() != vision_path.resolve():
         shutil.copyfile(start / vision_path.name, vision_path)
     record = json.loads((start / "demo.json").read_text())
-    record["polish"] = {"config": polish_record(config), "threads": threads,
+    record["polish"] = {"config": train.config_record(config), "threads": threads,
                         "seconds": round(time.monotonic() - started)}
     record["weights"] = {text_path.name: export.weights_digest(text_path),
                          vision_path.name: export.weights_digest(vision_path)}

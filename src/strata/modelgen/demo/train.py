@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -457,7 +458,8 @@ def train(config: TrainConfig, tok: Tokenizer, log: bool = True, checkpoint: Che
     return text, vision
 
 
-def config_record(config: TrainConfig) -> dict:
+def config_record(config: Any) -> dict:
+    """A configuration dataclass as `demo.json` records it (JSON's types: tuples become lists)."""
     return json.loads(json.dumps(dataclasses.asdict(config)))
 
 
