@@ -4,14 +4,17 @@ right by an independent reading of the question, pictures that show what their l
 import io
 import itertools
 import json
+import pathlib
 import random
 import re
 import tokenize
 
 import pytest
 
-from strata.modelgen.demo import data
+from strata.modelgen.demo import data, evaluate
 from strata.modelgen.writer import chat_template
+from strata.models import DEMO_MODEL
+from strata.text.tokenizer import Tokenizer
 
 TEMPLATE = chat_template()
 
@@ -94,3 +97,17 @@ def test_edits_rename_every_use_of_the_name_and_nothing_else(example: data.Examp
     assert [t.string for t in tokenize.generate_tokens(io.StringIO(changed).readline)] == \
         [t.string for t in tokenize.generate_tokens(io.StringIO(expected).readline)]
     assert changed.count("\n") == code.count("\n") and example.check == {"text": changed}
+
+
+def test_a_long_edit_fits_the_evaluation_budget(tmp_path: pathlib.Path) -> None:
+    """The held-out long edits' whole answers (thinking included) fit the tokens the evaluation generates, and
+    prompt and answer the engine's context, so a wrong score there is the model's, not a cut answer."""
+    tok = Tokenizer.from_gguf(DEMO_MODEL)
+    assert tok.chat_template is not None
+    sizes = dict.fromkeys(evaluate.SCORES, 0) | {"edit_long": 40}
+    items = evaluate.held_out(0, tmp_path, sizes=sizes)
+    assert len(items) == 40 and {item.example.task for item in items} == {"edit"}
+    for item in items:
+        prompt, answer = data.render(item.example, tok.chat_template)
+        assert len(tok.encode(answer)) <= evaluate.new_tokens(item) < evaluate.N_CTX - len(tok.encode(prompt))
+    assert max(item.example.check["text"].count("\ndef ") for item in items) >= 5  # several functions, long

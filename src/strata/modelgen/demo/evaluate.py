@@ -47,6 +47,7 @@ SCORES = {
 }
 MAX_NEW_TOKENS = 192  # an edit's code with its think section
 LONG_NEW_TOKENS = 1024  # a long edit's
+N_CTX = 2048  # the engine's context: a long edit's prompt and LONG_NEW_TOKENS
 
 
 def new_tokens(item: Item) -> int:
@@ -226,7 +227,7 @@ def evaluate(model: pathlib.Path, mmproj: pathlib.Path, items: Iterable[Item], t
     encoder file's budget unless `max_tokens` lowers it."""
     tok = Tokenizer.from_gguf(model)
     vision = VisionProcess(mmproj, max_tokens, threads)
-    engine = Engine.load(os.fspath(model), n_ctx=2048, threads=threads, kv=kv)
+    engine = Engine.load(os.fspath(model), n_ctx=N_CTX, threads=threads, kv=kv)
     try:
         by_engine = engine_runner(engine, vision, tok)
         by_torch = torch_runner(read_text(model), read_vision(mmproj), tok, max_tokens) if with_torch else None
